@@ -1,0 +1,89 @@
+"""`ckptool inspect PATH [--json]`: what a checkpoint is, without converting anything."""
+from __future__ import annotations
+
+import json
+
+import click
+
+from ..formats.registry import open_checkpoint
+from ..state import Checkpoint
+from .common import human_bytes, read_options, reports_errors, source_options, print_warnings
+
+INSPECT_SCHEMA_VERSION = 1
+
+
+def describe(ckpt: Checkpoint) -> dict:
+    """The stable `inspect --json` document (schema in docs/inspect-json.md)."""
+    cfg, src = ckpt.config, ckpt.source
+    return {
+        "schema_version": INSPECT_SCHEMA_VERSION,
+        "path": src.path,
+        "format": src.format,
+        "dialect": src.dialect,
+        "iteration": src.iteration,
+        "release": src.release,
+        "checkpoint_version": src.checkpoint_version,
+        "layout": {"tp": src.layout.tp, "pp": src.layout.pp, "vpp": src.layout.vpp,
+                   "dp": src.layout.dp, "stage_layers": list(src.layout.stage_layers) if src.layout.stage_layers else None},
+        "config": {
+            "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+            "num_attention_heads": cfg.num_attention_heads, "num_query_groups": cfg.num_query_groups,
+            "head_dim": cfg.head_dim, "ffn_hidden_size": cfg.ffn_hidden_size,
+            "vocab_size": cfg.vocab_size, "padded_vocab_size": cfg.padded_vocab_size,
+            "make_vocab_size_divisible_by": cfg.make_vocab_size_divisible_by,
+            "max_position_embeddings": cfg.max_position_embeddings,
+            "normalization": cfg.normalization, "norm_eps": cfg.norm_eps,
+            "activation": cfg.activation, "position_embedding": cfg.position_embedding,
+            "rotary_base": cfg.rotary_base, "rotary_percent": cfg.rotary_percent,
+            "rotary_interleaved": cfg.rotary_interleaved,
+            "tied_embeddings": cfg.tied_embeddings, "add_bias_linear": cfg.add_bias_linear,
+            "add_qkv_bias": cfg.add_qkv_bias, "qk_layernorm": cfg.qk_layernorm,
+            "apply_layernorm_1p": cfg.apply_layernorm_1p,
+        },
+        "vocab_size_source": cfg.vocab_size_source,
+        "total_bytes": ckpt.total_bytes,
+        "tensors": [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
+                    for n, t in ckpt.tensors.items()],
+        "warnings": list(ckpt.warnings),
+    }
+
+
+@click.command("inspect")
+@click.argument("path", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON document (schema: docs/inspect-json.md).")
+@click.option("--tensors/--no-tensors", default=True, help="List every canonical tensor (text output).")
+@source_options
+@reports_errors
+def inspect_cmd(path, as_json, tensors, **kw):
+    """Show a checkpoint's format, dialect, layout, config, vocab and tensors.
+
+    PATH is any checkpoint ckptool reads: a Megatron save directory (or one iter_* directory), a
+    torch_dist / DCP directory, a DeepSpeed checkpoint, or a Hugging Face model directory.
+    Nothing is converted and nothing is written.
+    """
+    ckpt = open_checkpoint(path, read_options(kw))
+    doc = describe(ckpt)
+    if as_json:
+        click.echo(json.dumps(doc, indent=1))
+        return
+    c = doc["config"]
+    lay = ckpt.source.layout
+    click.echo(f"path        {doc['path']}")
+    click.echo(f"format      {doc['format']}  dialect {doc['dialect'] or '-'}"
+               + (f"  checkpoint_version {doc['checkpoint_version']}" if doc["checkpoint_version"] is not None else ""))
+    click.echo(f"iteration   {'release' if doc['release'] else doc['iteration']}")
+    click.echo(f"layout      {lay.describe()}" + (f" DP{lay.dp}" if lay.dp > 1 else ""))
+    click.echo(f"model       {c['num_layers']} layers, hidden {c['hidden_size']}, {c['num_attention_heads']} heads "
+               f"({c['num_query_groups']} query groups, head dim {c['head_dim']}), ffn {c['ffn_hidden_size']}")
+    click.echo(f"            {c['normalization']} eps {c['norm_eps']}, {c['activation']}, "
+               f"{c['position_embedding']} positions (max {c['max_position_embeddings']}), "
+               f"{'tied' if c['tied_embeddings'] else 'untied'} embeddings, "
+               f"{'biases' if c['add_bias_linear'] else 'no biases'}")
+    click.echo(f"vocab       true {c['vocab_size'] if c['vocab_size'] is not None else 'unknown'} "
+               f"(from {doc['vocab_size_source']}), stored rows {c['padded_vocab_size']}")
+    click.echo(f"size        {len(doc['tensors'])} tensors, {human_bytes(doc['total_bytes'])}")
+    if tensors:
+        width = max(len(t["name"]) for t in doc["tensors"])
+        for t in doc["tensors"]:
+            click.echo(f"  {t['name']:<{width}}  {str(tuple(t['shape'])):<16} {t['dtype']}")
+    print_warnings(ckpt)

@@ -1,0 +1,179 @@
+"""The architecture of a GPT model, independent of how any framework stores it.
+
+GPTConfig holds only facts about the maths (sizes, norms, activations, positions); where tensors
+live on disk is the format modules' business. Layout says how a Megatron-style checkpoint is cut
+into tensor/pipeline/virtual-pipeline pieces.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from .errors import CkptError, require
+
+NORMALIZATIONS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "squared_relu")
+POSITION_EMBEDDINGS = ("learned", "rope", "none")
+
+
+@dataclass
+class GPTConfig:
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    padded_vocab_size: int  # rows of the word embedding as held in this state
+    max_position_embeddings: int
+    num_query_groups: Optional[int] = None  # None means plain multi-head attention
+    head_dim: Optional[int] = None  # None means hidden_size // num_attention_heads
+    vocab_size: Optional[int] = None  # the true vocabulary; None when nothing says it
+    vocab_size_source: str = "unknown"
+    make_vocab_size_divisible_by: int = 128
+    position_embedding: str = "learned"
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    rotary_interleaved: bool = False
+    rope_scaling_factor: Optional[float] = None  # llama3-style scaling (megatron use_rope_scaling)
+    normalization: str = "layernorm"
+    norm_eps: float = 1e-5
+    activation: str = "gelu"
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = True
+    tied_embeddings: bool = True
+    apply_layernorm_1p: bool = False  # stored gamma is zero-centred: the norm uses (1 + w)
+    qk_layernorm: bool = False
+    post_layernorm_residual: bool = False  # apply_residual_connection_post_layernorm
+
+    def __post_init__(self):
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.head_dim is None:
+            require(self.hidden_size % self.num_attention_heads == 0,
+                    f"hidden size {self.hidden_size} is not a multiple of {self.num_attention_heads} heads",
+                    "give the head size (kv_channels) explicitly")
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        require(self.normalization in NORMALIZATIONS, f"unknown normalization {self.normalization!r}")
+        require(self.activation in ACTIVATIONS, f"unknown activation {self.activation!r}")
+        require(self.position_embedding in POSITION_EMBEDDINGS,
+                f"unknown position embedding {self.position_embedding!r}")
+        require(self.num_attention_heads % self.num_query_groups == 0,
+                f"{self.num_attention_heads} attention heads cannot be split into "
+                f"{self.num_query_groups} query groups")
+
+    # --- derived sizes -------------------------------------------------------------------
+    @property
+    def gated(self) -> bool:
+        """True when fc1 holds two halves (gate and up), as SwiGLU does."""
+        return self.activation == "swiglu"
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_query_groups * self.head_dim
+
+    @property
+    def norm_has_bias(self) -> bool:
+        return self.normalization == "layernorm"
+
+    @property
+    def true_or_padded_vocab(self) -> int:
+        return self.vocab_size if self.vocab_size is not None else self.padded_vocab_size
+
+    def replace(self, **changes) -> "GPTConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def padded_vocab_size(true_vocab: int, divisible_by: int, tp: int) -> int:
+    """Megatron's rule: round the vocabulary up to a multiple of divisible_by * tp."""
+    multiple = divisible_by * tp
+    return int(math.ceil(true_vocab / multiple) * multiple)
+
+
+def check_tensor_parallel(cfg: GPTConfig, tp: int) -> None:
+    """Refuse a TP size Megatron itself would refuse for this model."""
+    require(tp >= 1, f"--tp must be at least 1, got {tp}")
+    require(cfg.num_attention_heads % tp == 0,
+            f"--tp {tp} does not divide the {cfg.num_attention_heads} attention heads",
+            f"choose a TP size that divides {cfg.num_attention_heads}")
+    ng = cfg.num_query_groups
+    require(ng % tp == 0 or tp % ng == 0,
+            f"--tp {tp} neither divides nor is a multiple of the {ng} query groups",
+            "Megatron accepts TP sizes that divide the query groups or are multiples of them")
+    require(cfg.ffn_hidden_size % tp == 0,
+            f"--tp {tp} does not divide the FFN size {cfg.ffn_hidden_size}")
+
+
+@dataclass
+class Layout:
+    """How a Megatron-style checkpoint is cut: TP x PP ranks, optional virtual pipeline chunks.
+
+    stage_layers gives the number of layers on each pipeline stage (None = even split).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None
+    stage_layers: Optional[Sequence[int]] = None
+    dp: int = 1
+
+    def chunks(self, num_layers: int) -> list:
+        """[(pp_rank, vpp_chunk, first_global_layer, layer_count)] in global layer order."""
+        vpp = self.vpp or 1
+        if self.vpp:
+            require(self.stage_layers is None,
+                    "an explicit pipeline split cannot be combined with --vpp")
+            require(num_layers % (self.pp * vpp) == 0,
+                    f"{num_layers} layers cannot be split evenly into {self.pp} stages x {vpp} "
+                    "virtual chunks", "choose --pp and --vpp whose product divides the layer count")
+            per = num_layers // (self.pp * vpp)
+            counts = {(p, v): per for p in range(self.pp) for v in range(vpp)}
+        else:
+            if self.stage_layers is not None:
+                stage = list(self.stage_layers)
+                require(len(stage) == self.pp,
+                        f"the pipeline split {stage} has {len(stage)} stages but --pp is {self.pp}")
+                require(sum(stage) == num_layers and all(n >= 0 for n in stage),
+                        f"the pipeline split {stage} does not add up to the {num_layers} layers")
+            else:
+                require(num_layers % self.pp == 0,
+                        f"{num_layers} layers cannot be split evenly into {self.pp} pipeline stages",
+                        "give the split explicitly with --pp-layers (e.g. --pp-layers 3,5)")
+                stage = [num_layers // self.pp] * self.pp
+            counts = {(p, 0): stage[p] for p in range(self.pp)}
+        out, first = [], 0
+        for v in range(vpp):
+            for p in range(self.pp):
+                n = counts[(p, v)]
+                out.append((p, v, first, n))
+                first += n
+        return out
+
+    def describe(self) -> str:
+        s = f"TP{self.tp} PP{self.pp}"
+        if self.vpp:
+            s += f" VPP{self.vpp}"
+        if self.stage_layers:
+            s += " layers/stage " + ",".join(map(str, self.stage_layers))
+        return s
+
+
+def parse_stage_layers(text: Optional[str]) -> Optional[list]:
+    if not text:
+        return None
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise CkptError(f"--pp-layers {text!r} is not a comma-separated list of layer counts",
+                        "write it like --pp-layers 3,5")

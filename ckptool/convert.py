@@ -1,0 +1,58 @@
+"""Conversions as functions (the CLI is a thin layer over these): reshard/merge Megatron-family
+checkpoints, fix the vocabulary padding. Output goes through atomic_output_dir."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from .config import Layout
+from .errors import CkptError, require
+from .io.outdir import atomic_output_dir
+from .state import Checkpoint
+from .vocab import resize_vocab
+
+# target format name -> writer(ckpt, out_dir, layout, **kw) -> summary dict
+WRITERS = {}
+
+
+def _megatron_writer(ckpt, out_dir, layout, **kw):
+    from .formats.megatron import write_megatron
+    return write_megatron(ckpt, out_dir, layout, **kw)
+
+
+WRITERS["torch"] = _megatron_writer
+
+
+def write_layout(ckpt: Checkpoint, dst, layout: Layout, fmt: Optional[str] = None, force: bool = False,
+                 progress: Optional[Callable[[int], None]] = None, warn: Callable[[str], None] = print,
+                 **kw) -> dict:
+    """Write ckpt at layout into dst (atomically). fmt: torch | torch_dist (default: the source's)."""
+    fmt = fmt or ("torch_dist" if ckpt.source.format == "torch_dist" else "torch")
+    if fmt not in WRITERS:
+        raise CkptError(f"unknown output format {fmt!r}", f"choose one of {', '.join(sorted(WRITERS))}")
+    src = Path(ckpt.source.path)
+    with atomic_output_dir(dst, sources=[src], force=force) as tmp:
+        summary = WRITERS[fmt](ckpt, tmp, layout, progress=progress, warn=warn, **kw)
+    summary["format"] = fmt
+    return summary
+
+
+def fix_vocab(ckpt: Checkpoint, size: Optional[int] = None, multiple: Optional[int] = None,
+              pad_fill: str = "zero") -> Checkpoint:
+    """The same checkpoint with the word embedding (and untied output) padded or trimmed."""
+    cfg = ckpt.config
+    require((size is None) != (multiple is None), "give exactly one of --size or --multiple")
+    if multiple is not None:
+        base = cfg.vocab_size if cfg.vocab_size is not None else cfg.padded_vocab_size
+        require(multiple >= 1, "--multiple must be positive")
+        size = -(-base // multiple) * multiple
+    require(size >= 1, "--size must be positive")
+    if cfg.vocab_size is None and size < cfg.padded_vocab_size:
+        # The user is telling us the real vocabulary: rows beyond it are padding.
+        ckpt.warn(f"true vocabulary size unknown: taking --size {size} as the true size and cutting "
+                  f"{cfg.padded_vocab_size - size} rows")
+        cfg = cfg.replace(vocab_size=size, vocab_size_source="fix-vocab --size")
+    tensors = resize_vocab(ckpt.tensors, cfg, size, pad_fill)
+    return Checkpoint(cfg.replace(padded_vocab_size=size), tensors, ckpt.source, ckpt.warnings)

@@ -1,0 +1,504 @@
+"""Megatron-LM torch-format checkpoints (mp_rank_XX[_YYY]/model_optim_rng.pt): reader and writer.
+
+Directory facts (shared/reference/megatron.md section 1): a tracker file
+latest_checkpointed_iteration.txt holds an iteration or `release`; iter_{:07d}/ or release/ holds
+one directory per model-parallel rank, mp_rank_{tp:02d} (no pipeline) or mp_rank_{tp:02d}_{pp:03d};
+each holds model_optim_rng.pt (or model_rng.pt in the 2022-23 distributed-optimizer era) with the
+model under `model` (or `model0`, `model1`, ... for virtual pipeline chunks).
+
+This module owns only the directory walk and the key names (megatron_names.py); the tensor maths
+is shared with every Megatron-family format (roles.py, sharding.py).
+"""
+from __future__ import annotations
+
+import argparse
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ..config import GPTConfig, Layout, check_tensor_parallel
+from ..errors import CkptError, require
+from ..io.torchfile import StreamingTorchWriter, load_torch_file, write_grouped
+from ..lazy import Const, Derived, LazyTensor
+from ..options import ReadOptions
+from ..roles import assemble, global_role_tensor, layer_role_tensor, rule_for, shard_role, LAYER_ROLES
+from ..sharding import ReplicaPolicy
+from ..state import Checkpoint, SourceInfo
+from ..vocab import resize_vocab, target_rows
+from . import megatron_args
+from .megatron_names import DIALECTS, Dialect, KeyMatcher, is_ignorable, qkv_from_grouped, qkv_to_grouped
+
+TRACKER = "latest_checkpointed_iteration.txt"
+MODEL_FILES = ("model_optim_rng.pt", "model_rng.pt")
+RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+ITER_DIR = re.compile(r"^iter_(\d{7})$")
+
+
+# --- locating the files ---------------------------------------------------------------------
+
+def _rank_dirs(d: Path) -> List[Path]:
+    return sorted(p for p in d.iterdir() if p.is_dir() and RANK_DIR.match(p.name))
+
+
+def resolve_iteration_dir(path: Path, iteration: Optional[int] = None) -> Tuple[Path, Optional[int], bool]:
+    """(directory holding mp_rank_*, iteration, release?) for a save dir or an iteration dir."""
+    path = Path(path)
+    if not path.exists():
+        raise CkptError(f"{path}: no such file or directory")
+    if not path.is_dir():
+        raise CkptError(f"{path} is a file, but a Megatron checkpoint is a directory",
+                        "pass the save directory (holding latest_checkpointed_iteration.txt) or an iter_* directory")
+    if _rank_dirs(path):
+        m = ITER_DIR.match(path.name)
+        return path, (int(m.group(1)) if m else None), path.name == "release"
+    if iteration is not None:
+        d = path / f"iter_{iteration:07d}"
+        if not d.is_dir():
+            have = sorted(p.name for p in path.iterdir() if ITER_DIR.match(p.name))
+            raise CkptError(f"{path}: no iteration {iteration}", f"available: {', '.join(have) or 'none'}")
+        return d, iteration, False
+    tracker = path / TRACKER
+    if tracker.is_file():
+        text = tracker.read_text(errors="replace").strip()
+        if text == "release":
+            d = path / "release"
+            if not d.is_dir():
+                raise CkptError(f"{tracker} says 'release' but {d} does not exist",
+                                "the checkpoint is incomplete; pass the directory of an existing iteration")
+            return d, None, True
+        if not text.isdigit():
+            raise CkptError(f"{tracker} holds {text[:40]!r}, not an iteration number or 'release'",
+                            "fix the tracker file or pass --iteration N")
+        d = path / f"iter_{int(text):07d}"
+        if not d.is_dir():
+            raise CkptError(f"{tracker} points to iteration {int(text)} but {d.name}/ does not exist",
+                            "pass --iteration N for an iteration that exists")
+        return d, int(text), False
+    iters = sorted(p for p in path.iterdir() if p.is_dir() and ITER_DIR.match(p.name))
+    if iters:
+        return iters[-1], int(ITER_DIR.match(iters[-1].name).group(1)), False
+    if (path / "release").is_dir():
+        return path / "release", None, True
+    raise CkptError(f"{path}: no Megatron checkpoint here (no {TRACKER}, iter_* or mp_rank_* directories)",
+                    "pass the directory you gave Megatron's --save")
+
+
+def looks_like_megatron(path: Path) -> bool:
+    path = Path(path)
+    if not path.is_dir():
+        return False
+    if _rank_dirs(path) or (path / TRACKER).is_file() or (path / "release").is_dir():
+        return True
+    return any(ITER_DIR.match(p.name) for p in path.iterdir())
+
+
+def _model_file(rank_dir: Path) -> Path:
+    for name in MODEL_FILES:
+        if (rank_dir / name).is_file():
+            return rank_dir / name
+    raise CkptError(f"{rank_dir}: no {' or '.join(MODEL_FILES)}", "the rank directory is incomplete")
+
+
+def flatten(tree, prefix: str = "") -> Dict[str, object]:
+    """Nested model dicts -> {'language_model/encoder/layers.0.x.weight': leaf}."""
+    out = {}
+    for k, v in tree.items():
+        key = f"{prefix}/{k}" if prefix else str(k)
+        if isinstance(v, dict):
+            out.update(flatten(v, key))
+        else:
+            out[key] = v
+    return out
+
+
+def unflatten(flat: Dict[str, object]) -> dict:
+    out: dict = {}
+    for key, v in flat.items():
+        parts = key.split("/")
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = v
+    return out
+
+
+def detect_dialect(keys) -> Dialect:
+    keys = [k for k in keys if not is_ignorable(k)]
+    best, best_hits = None, -1
+    for d in DIALECTS.values():
+        m = KeyMatcher(d)
+        hits = sum(1 for k in keys if m.match(k))
+        if hits > best_hits:
+            best, best_hits = d, hits
+    if best_hits <= 0:
+        sample = ", ".join(sorted(keys)[:4])
+        raise CkptError(f"unrecognised Megatron model keys (e.g. {sample})",
+                        "ckptool reads GPT models in the 2019, legacy and megatron-core dialects")
+    return best
+
+
+# --- reading --------------------------------------------------------------------------------
+
+def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
+    opts = opts or ReadOptions()
+    it_dir, iteration, release = resolve_iteration_dir(Path(path), opts.iteration)
+    rank_dirs = _rank_dirs(it_dir)
+    ranks: Dict[Tuple[int, int], Path] = {}
+    for d in rank_dirs:
+        m = RANK_DIR.match(d.name)
+        if m.group(3) is not None:
+            raise CkptError(f"{d.name}: expert-parallel checkpoints are not supported",
+                            "ckptool converts dense GPT models")
+        ranks[(int(m.group(1)), int(m.group(2) or 0))] = d
+    tp = max(t for t, _ in ranks) + 1
+    pp = max(p for _, p in ranks) + 1
+    for t in range(tp):
+        for p in range(pp):
+            if (t, p) not in ranks:
+                name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
+                raise CkptError(f"{it_dir}: missing rank directory {name} (have {len(ranks)} of {tp * pp})",
+                                "copy the complete checkpoint; every tensor/pipeline rank is needed")
+    trees = {rk: load_torch_file(_model_file(d)) for rk, d in ranks.items()}
+    first = trees[(0, 0)]
+    if not isinstance(first, dict) or not any(k == "model" or re.match(r"^model\d+$", str(k)) for k in first):
+        raise CkptError(f"{_model_file(ranks[(0, 0)])}: no 'model' entry", "not a Megatron checkpoint file")
+    args = first.get("args")
+    _check_args_agree(trees, ranks)
+    if args is not None:
+        want_tp = getattr(args, "tensor_model_parallel_size", None) or getattr(args, "model_parallel_size", None)
+        want_pp = getattr(args, "pipeline_model_parallel_size", None) or 1
+        if want_tp and (want_tp, want_pp) != (tp, pp):
+            extra = "an extra rank directory" if tp * pp > want_tp * want_pp else "missing rank directories"
+            raise CkptError(f"{it_dir}: found {tp}x{pp} (TP x PP) rank directories but args say "
+                            f"{want_tp}x{want_pp}: {extra}",
+                            "remove stray mp_rank_* directories or copy the missing ones")
+    version = float(first.get("checkpoint_version", 0) or 0)
+    if version not in (0.0, 1.0, 2.0, 3.0):
+        raise CkptError(f"unknown checkpoint_version {version}", "ckptool reads versions 0, 1.0, 2.0 and 3.0")
+
+    # Per rank: {chunk: {key: value}}
+    models: Dict[Tuple[int, int], Dict[int, Dict[str, object]]] = {}
+    for rk, tree in trees.items():
+        chunks = {}
+        if "model" in tree:
+            chunks[0] = flatten(tree["model"])
+        else:
+            for k in tree:
+                m = re.match(r"^model(\d+)$", str(k))
+                if m:
+                    chunks[int(m.group(1))] = flatten(tree[k])
+        models[rk] = chunks
+    vpp = len(models[(0, 0)])
+    all_keys = {k for chunks in models.values() for c in chunks.values() for k in c}
+    dialect = detect_dialect(all_keys)
+    if dialect.qkv_version0_only:
+        version = 0.0
+    matcher = KeyMatcher(dialect)
+    unknown = sorted(k for k in all_keys if matcher.match(k) is None and not is_ignorable(k)
+                     and not (isinstance(_any_value(models, k), type(None))))
+    if unknown:
+        raise CkptError(f"{len(unknown)} keys are not part of a {dialect.name} GPT model "
+                        f"(e.g. {', '.join(unknown[:3])})",
+                        "ckptool converts GPT models; other architectures are not supported")
+
+    # Layers per (pp, chunk) from the keys, then global offsets in Megatron's order (chunk-major).
+    counts: Dict[Tuple[int, int], int] = {}
+    for (t, p), chunks in models.items():
+        for v, flat in chunks.items():
+            idx = [m[1] for m in (matcher.match(k) for k in flat) if m and m[1] is not None]
+            n = max(idx) + 1 if idx else 0
+            if counts.setdefault((p, v), n) != n:
+                raise CkptError(f"pipeline stage {p} holds {counts[(p, v)]} layers on one TP rank and {n} on another",
+                                "the rank files do not belong to one checkpoint")
+    offsets, first_layer = {}, 0
+    for v in range(vpp):
+        for p in range(pp):
+            offsets[(p, v)] = first_layer
+            first_layer += counts.get((p, v), 0)
+    num_layers = first_layer
+
+    shards: Dict[Tuple[str, Optional[int]], List[Optional[LazyTensor]]] = defaultdict(lambda: [None] * tp)
+    head_copy = None
+    for (t, p), chunks in models.items():
+        for v, flat in chunks.items():
+            for key, value in flat.items():
+                hit = matcher.match(key)
+                if hit is None or not isinstance(value, LazyTensor):
+                    continue
+                role, local = hit
+                if role == "head_copy":
+                    head_copy = value
+                    continue
+                layer = None if local is None else offsets[(p, v)] + local
+                shards[(role, layer)][t] = value
+    for (role, layer), parts in shards.items():
+        if any(x is None for x in parts):
+            raise CkptError(f"{role}{'' if layer is None else f' of layer {layer}'} is missing on some "
+                            "tensor-parallel ranks", "the rank files do not belong to one checkpoint")
+
+    word = shards.get(("word", None))
+    if word is None:
+        raise CkptError(f"{it_dir}: no word embeddings found", "the first pipeline stage is missing or not a GPT model")
+    stored_rows = sum(p.shape[0] for p in word)
+    cfg = _config(args, dialect, shards, num_layers, tp, stored_rows, opts, version)
+    if cfg.tied_embeddings and ("output", None) in shards:
+        # megatron-core keeps a synchronised copy of the tied embedding on the last stage
+        head_copy = shards.pop(("output", None))[0]
+
+    # Old QKV orders -> grouped, per rank (Megatron fixes them the same way at load time).
+    if version < 2:
+        heads_local = cfg.num_attention_heads // tp
+        for (role, layer), parts in list(shards.items()):
+            if role.startswith("qkv."):
+                shards[(role, layer)] = [Derived(lambda x: qkv_to_grouped(x, version, heads_local, cfg.head_dim), [x])
+                                         for x in parts]
+    warnings: List[str] = []
+    policy = ReplicaPolicy(opts.replicas, warnings.append)
+    tensors = assemble(cfg, dict(shards), policy)
+    if not cfg.tied_embeddings and "output.weight" not in tensors and head_copy is not None:
+        tensors["output.weight"] = head_copy
+    layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None,
+                    stage_layers=None if vpp > 1 or len({counts[(p, 0)] for p in range(pp)}) == 1
+                    else [counts[(p, 0)] for p in range(pp)])
+    info = SourceInfo(path=str(path), format="megatron", dialect=dialect.name, layout=layout,
+                      iteration=iteration if iteration is not None else first.get("iteration"),
+                      release=release, checkpoint_version=version if "checkpoint_version" in first else None,
+                      args=args, extra={"replica_policy": policy})
+    ckpt = Checkpoint(cfg, _ordered(tensors, cfg), info, warnings)
+    return ckpt
+
+
+def _any_value(models, key):
+    for chunks in models.values():
+        for flat in chunks.values():
+            if key in flat:
+                return flat[key]
+    return None
+
+
+def _check_args_agree(trees, ranks) -> None:
+    fields = ("num_layers", "hidden_size", "num_attention_heads", "tensor_model_parallel_size",
+              "pipeline_model_parallel_size", "padded_vocab_size", "ffn_hidden_size")
+    ref = trees[(0, 0)].get("args")
+    for rk, tree in trees.items():
+        a = tree.get("args")
+        if (a is None) != (ref is None):
+            raise CkptError(f"{ranks[rk].name} stores args but {ranks[(0, 0)].name} does not (or the reverse)",
+                            "the rank files do not belong to one checkpoint")
+        if a is None:
+            continue
+        for f in fields:
+            if getattr(a, f, None) != getattr(ref, f, None):
+                raise CkptError(f"args disagree across ranks: {f} is {getattr(a, f, None)} in {ranks[rk].name} "
+                                f"but {getattr(ref, f, None)} in {ranks[(0, 0)].name}",
+                                "the rank files come from different runs")
+
+
+_OVERRIDABLE = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                "max_position_embeddings", "activation", "normalization", "norm_eps", "position_embedding",
+                "rotary_base", "make_vocab_size_divisible_by", "head_dim")
+
+
+def _config(args, dialect, shards, num_layers, tp, stored_rows, opts: ReadOptions, version) -> GPTConfig:
+    ov = {k: v for k, v in opts.overrides.items() if v is not None and k in _OVERRIDABLE}
+    if args is not None:
+        cfg = megatron_args.config_from_args(args, stored_rows)
+        if ov:
+            cfg = cfg.replace(**ov)
+    else:
+        cfg = _config_from_shapes(dialect, shards, num_layers, tp, stored_rows, ov)
+    if opts.true_vocab_size is not None:
+        require(opts.true_vocab_size <= stored_rows,
+                f"--true-vocab-size {opts.true_vocab_size} exceeds the {stored_rows} embedding rows stored")
+        cfg = cfg.replace(vocab_size=opts.true_vocab_size, vocab_size_source="--true-vocab-size")
+    require(cfg.num_layers == num_layers,
+            f"args say {cfg.num_layers} layers but the files hold {num_layers}",
+            "the checkpoint is incomplete or its args are wrong")
+    return cfg
+
+
+def _config_from_shapes(dialect, shards, num_layers, tp, stored_rows, ov) -> GPTConfig:
+    """2019-style files carry no args: sizes from shapes, the rest from the user's flags."""
+    word = shards[("word", None)][0]
+    hidden = word.shape[1]
+    heads = ov.get("num_attention_heads")
+    if not heads:
+        raise CkptError("this checkpoint stores no args, and the number of attention heads cannot be "
+                        "read from tensor shapes", "give --num-attention-heads N")
+    fc1 = shards.get(("fc1.weight", 0))
+    activation = ov.get("activation") or "gelu_tanh"  # 2019 and fused-bias-gelu Megatron: tanh GeLU
+    ffn = fc1[0].shape[0] * tp // (2 if activation == "swiglu" else 1) if fc1 else 4 * hidden
+    pos = shards.get(("pos", None))
+    has_norm_bias = ("attn_norm.bias", 0) in shards
+    has_bias = ("proj.bias", 0) in shards
+    kw = dict(num_layers=num_layers, hidden_size=hidden, num_attention_heads=heads, ffn_hidden_size=ffn,
+              padded_vocab_size=stored_rows,
+              max_position_embeddings=pos[0].shape[0] if pos else ov.get("max_position_embeddings", 0),
+              position_embedding="learned" if pos else ov.get("position_embedding", "rope"),
+              normalization="layernorm" if has_norm_bias else "rmsnorm", activation=activation,
+              add_bias_linear=has_bias, add_qkv_bias=("qkv.bias", 0) in shards,
+              tied_embeddings=("output", None) not in shards)
+    kw.update({k: v for k, v in ov.items() if k not in ("activation",)})
+    return GPTConfig(**kw)
+
+
+def _ordered(tensors: Dict[str, LazyTensor], cfg: GPTConfig) -> Dict[str, LazyTensor]:
+    from ..state import expected_names
+    order = {n: i for i, n in enumerate(expected_names(cfg))}
+    return dict(sorted(tensors.items(), key=lambda kv: (order.get(kv[0], 1 << 30), kv[0])))
+
+
+# --- writing --------------------------------------------------------------------------------
+
+def default_dialect(ckpt: Checkpoint) -> str:
+    return ckpt.source.dialect if ckpt.source.dialect in DIALECTS else "mcore"
+
+
+def _check_dialect_fits(d: Dialect, cfg: GPTConfig, layout: Layout) -> None:
+    if d.name == "flat2019":
+        gpt2 = (cfg.position_embedding == "learned" and cfg.normalization == "layernorm"
+                and cfg.tied_embeddings and cfg.num_query_groups == cfg.num_attention_heads
+                and not cfg.gated and cfg.add_bias_linear)
+        require(gpt2, "the 2019 flat dialect only holds GPT-2 style models (learned positions, "
+                "LayerNorm, tied embeddings, no GQA/SwiGLU)", "choose --dialect mcore or legacy-norm")
+        require(layout.pp == 1 and not layout.vpp, "the 2019 flat dialect has no pipeline parallelism",
+                "use --pp 1, or another --dialect")
+    if d.name in ("legacy-2020", "legacy") and (cfg.num_query_groups != cfg.num_attention_heads):
+        raise CkptError(f"the {d.name} dialect predates grouped-query attention",
+                        "choose --dialect legacy-norm or mcore")
+    if cfg.qk_layernorm and not d.name.startswith("mcore"):
+        raise CkptError("qk_layernorm exists only in megatron-core models", "choose --dialect mcore")
+
+
+def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Optional[str] = None,
+                   dtype: Optional[torch.dtype] = None, checkpoint_version: Optional[float] = None,
+                   release: Optional[bool] = None, divisible_by: Optional[int] = None,
+                   pad_fill: str = "zero", iteration: Optional[int] = None,
+                   progress: Optional[Callable[[int], None]] = None, warn=print,
+                   rank_filter: Optional[Callable[[int, int], bool]] = None) -> dict:
+    """Write ckpt as a Megatron torch-format checkpoint with the given layout into out_dir.
+
+    Returns a summary dict (files, bytes, padded vocab, iteration dir). rank_filter(tp, pp) lets a
+    distributed run write only its share of the files.
+    """
+    cfg = ckpt.config
+    name = dialect or default_dialect(ckpt)
+    if name not in DIALECTS:
+        raise CkptError(f"unknown dialect {name!r}", f"choose one of {', '.join(DIALECTS)}")
+    d = DIALECTS[name]
+    check_tensor_parallel(cfg, layout.tp)
+    _check_dialect_fits(d, cfg, layout)
+    chunks = layout.chunks(cfg.num_layers)
+    if layout.stage_layers and layout.pp > 2:
+        mids = set(layout.stage_layers[1:-1])
+        require(len(mids) == 1, f"Megatron can only make the first and last stage different "
+                f"(--decoder-first/last-pipeline-num-layers); {list(layout.stage_layers)} varies in the middle",
+                "give the middle stages equal layer counts")
+    if d.name == "flat2019":
+        version = None
+    elif checkpoint_version is not None:
+        version = float(checkpoint_version)
+    elif ckpt.source.dialect == d.name and ckpt.source.checkpoint_version is not None:
+        version = float(ckpt.source.checkpoint_version)
+    else:
+        version = 3.0
+    qkv_version = 0.0 if version is None else version
+    if qkv_version < 2 and cfg.num_query_groups != cfg.num_attention_heads:
+        raise CkptError(f"checkpoint_version {version} predates grouped-query attention",
+                        "write checkpoint_version 3.0")
+    if release is None:
+        release = d.name == "flat2019" or (ckpt.source.release and ckpt.source.format == "megatron")
+    iteration = iteration if iteration is not None else (ckpt.source.iteration or 0)
+
+    rows = target_rows(cfg, layout.tp, divisible_by, warn)
+    tensors = resize_vocab(ckpt.tensors, cfg, rows, pad_fill)
+    cfg_out = cfg.replace(padded_vocab_size=rows,
+                          make_vocab_size_divisible_by=divisible_by or cfg.make_vocab_size_divisible_by)
+    out_dtype = dtype
+    if out_dtype is None:
+        out_dtype = next(iter(tensors.values())).dtype
+    args = None
+    if d.has_args:
+        args = megatron_args.args_for_target(ckpt.source.args if ckpt.source.format in ("megatron", "torch_dist", "deepspeed") else None,
+                                             cfg_out, layout, rows, out_dtype, d.legacy_models,
+                                             d.transformer_impl, version or 3.0, iteration)
+    it_name = "release" if release else f"iter_{iteration:07d}"
+    it_dir = Path(out_dir) / it_name
+    it_dir.mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / TRACKER).write_text("release" if release else str(iteration))
+
+    group_of: Dict[int, int] = {}
+    writers = []
+    heads_local = cfg.num_attention_heads // layout.tp
+
+    def shard(role: str, full: LazyTensor, t: int, group: int) -> LazyTensor:
+        piece = shard_role(full, role, cfg_out, layout.tp)[t]
+        if role.startswith("qkv.") and qkv_version < 2:
+            piece = Derived(lambda x: qkv_from_grouped(x, qkv_version, heads_local, cfg.head_dim), [piece])
+        if dtype is not None and piece.dtype != dtype:
+            piece = piece.to(dtype)
+        group_of[id(piece)] = group
+        return piece
+
+    last_pp = layout.pp - 1
+    vpp = layout.vpp or 1
+    for p in range(layout.pp):
+        stage_chunks = [c for c in chunks if c[0] == p]
+        for t in range(layout.tp):
+            if rank_filter and not rank_filter(t, p):
+                continue
+            file_obj: dict = {}
+            for (_, v, first, count) in stage_chunks:
+                flat: Dict[str, object] = {}
+                if p == 0 and v == 0:
+                    for role in ("word", "pos"):
+                        full = global_role_tensor(tensors, role)
+                        if full is not None:
+                            flat[d.globals[role]] = shard(role, full, t, -1)
+                for local in range(count):
+                    g = first + local
+                    prefix = d.layer_prefix.format(i=local)
+                    for role in LAYER_ROLES:
+                        full = layer_role_tensor(tensors, cfg_out, g, role)
+                        if full is None:
+                            continue
+                        if role not in d.layer:
+                            raise CkptError(f"the {d.name} dialect has no place for {role} tensors",
+                                            "choose --dialect mcore")
+                        flat[prefix + d.layer[role]] = shard(role, full, t, g)
+                    for extra in d.extra_state:
+                        flat[prefix + extra] = _extra_state_value(d)
+                if p == last_pp and v == vpp - 1:
+                    for role in ("final_norm.weight", "final_norm.bias"):
+                        full = global_role_tensor(tensors, role)
+                        if full is not None:
+                            flat[d.globals[role]] = shard(role, full, t, cfg.num_layers)
+                    if not cfg.tied_embeddings:
+                        flat[d.globals["output"]] = shard("output", tensors["output.weight"], t, cfg.num_layers)
+                    elif layout.pp > 1 and d.head_copy:
+                        flat[d.head_copy] = shard("word", tensors["embed.word"], t, cfg.num_layers)
+                    if (not cfg.tied_embeddings or layout.pp > 1):
+                        for extra in d.global_extra_state:
+                            flat[extra] = _extra_state_value(d)
+                model = unflatten(flat) if d.nested else flat
+                file_obj["model" if vpp == 1 else f"model{v}"] = model
+            top: dict = {}
+            if args is not None:
+                top["args"] = args
+            if version is not None:
+                top["checkpoint_version"] = version
+            top["iteration"] = iteration
+            top.update(file_obj)
+            rank_name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if layout.pp > 1 else "")
+            (it_dir / rank_name).mkdir(exist_ok=True)
+            writers.append(StreamingTorchWriter(it_dir / rank_name / "model_optim_rng.pt", top))
+    total = write_grouped(writers, lambda lazy: group_of.get(id(lazy)), progress)
+    return {"iteration_dir": it_name, "files": len(writers), "bytes": total, "padded_vocab_size": rows,
+            "dialect": d.name, "checkpoint_version": version}
+
+
+def _extra_state_value(d: Dialect):
+    return Const(torch.empty(0, dtype=torch.uint8)) if d.extra_state_value == "empty_bytes" else None

@@ -1,0 +1,162 @@
+"""Megatron's `args` (argparse.Namespace) <-> GPTConfig.
+
+config_from_args reads the architecture from a training run's args (any Megatron era, Megatron-
+DeepSpeed too); args_for_target writes args consistent with a new layout so Megatron's own
+checkpoint checks (sizes, parallel sizes, padded vocab) accept the output.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+from typing import Any, Dict, Optional
+
+import torch
+
+from ..config import GPTConfig, Layout
+from ..errors import CkptError
+
+# Tokenizers whose vocabulary size is fixed by the tokenizer itself.
+TOKENIZER_VOCAB = {"GPT2BPETokenizer": 50257}
+
+
+def _get(args, *names, default=None):
+    for n in names:
+        v = getattr(args, n, None)
+        if v is not None:
+            return v
+    return default
+
+
+def activation_from_args(args) -> str:
+    if _get(args, "swiglu", default=False):
+        return "swiglu"
+    if _get(args, "squared_relu", default=False):
+        return "squared_relu"
+    if _get(args, "openai_gelu", default=False):
+        return "gelu_tanh"
+    # Megatron's fused bias-gelu kernel is the tanh approximation; it only runs with biases.
+    if _get(args, "bias_gelu_fusion", default=False) and _get(args, "add_bias_linear", default=True):
+        return "gelu_tanh"
+    return "gelu"
+
+
+def true_vocab_from_args(args, stored_rows: int, extra: Optional[dict] = None):
+    """(true vocab size or None, which source said so), most reliable source first."""
+    info = (extra or {}).get("universal_checkpoint_info") or {}
+    orig = info.get("original_vocab_size") if isinstance(info, dict) else None
+    if orig:
+        return int(orig), "universal_checkpoint_info.original_vocab_size"
+    tok = _get(args, "tokenizer_type")
+    if tok in TOKENIZER_VOCAB:
+        return TOKENIZER_VOCAB[tok], f"tokenizer_type {tok}"
+    v = _get(args, "vocab_size")
+    if v:
+        return int(v), "args.vocab_size"
+    return None, "unknown"
+
+
+def config_from_args(args, stored_rows: int, extra: Optional[dict] = None) -> GPTConfig:
+    """The GPTConfig a Megatron run describes; stored_rows = word-embedding rows found on disk."""
+    num_layers = _get(args, "num_layers")
+    hidden = _get(args, "hidden_size")
+    heads = _get(args, "num_attention_heads")
+    if not (num_layers and hidden and heads):
+        raise CkptError("the checkpoint's args lack num_layers / hidden_size / num_attention_heads",
+                        "give --num-layers, --hidden-size and --num-attention-heads")
+    gqa = _get(args, "group_query_attention", default=False)
+    groups = _get(args, "num_query_groups") if gqa else None
+    pos = _get(args, "position_embedding_type", default="learned_absolute")
+    if _get(args, "use_rotary_position_embeddings", default=False):
+        pos = "rope"
+    pos = {"learned_absolute": "learned", "rope": "rope", "none": "none"}.get(str(pos), None)
+    if pos is None:
+        raise CkptError(f"unsupported position_embedding_type {args.position_embedding_type!r}",
+                        "ckptool handles learned_absolute, rope and none")
+    norm = str(_get(args, "normalization", default="LayerNorm")).lower()
+    norm = {"layernorm": "layernorm", "rmsnorm": "rmsnorm"}.get(norm)
+    if norm is None:
+        raise CkptError(f"unsupported normalization {args.normalization!r}")
+    vocab, vsource = true_vocab_from_args(args, stored_rows, extra)
+    if vocab is not None and vocab > stored_rows:
+        vocab, vsource = None, "unknown"
+    rope_scaling = _get(args, "rope_scaling_factor") if _get(args, "use_rope_scaling", default=False) else None
+    return GPTConfig(
+        num_layers=int(num_layers), hidden_size=int(hidden), num_attention_heads=int(heads),
+        num_query_groups=int(groups) if groups else None,
+        head_dim=int(_get(args, "kv_channels", default=hidden // heads)),
+        ffn_hidden_size=int(_get(args, "ffn_hidden_size", default=4 * hidden)),
+        padded_vocab_size=int(stored_rows), vocab_size=vocab, vocab_size_source=vsource,
+        make_vocab_size_divisible_by=int(_get(args, "make_vocab_size_divisible_by", default=128)),
+        max_position_embeddings=int(_get(args, "max_position_embeddings", "seq_length", default=0)),
+        position_embedding=pos,
+        rotary_base=float(_get(args, "rotary_base", default=10000)),
+        rotary_percent=float(_get(args, "rotary_percent", default=1.0)),
+        rotary_interleaved=bool(_get(args, "rotary_interleaved", default=False)),
+        rope_scaling_factor=float(rope_scaling) if rope_scaling else None,
+        normalization=norm,
+        norm_eps=float(_get(args, "norm_epsilon", "layernorm_epsilon", default=1e-5)),
+        activation=activation_from_args(args),
+        add_bias_linear=bool(_get(args, "add_bias_linear", default=True)),
+        add_qkv_bias=bool(_get(args, "add_qkv_bias", default=False) or _get(args, "add_bias_linear", default=True)),
+        tied_embeddings=not _get(args, "untie_embeddings_and_output_weights", default=False),
+        apply_layernorm_1p=bool(_get(args, "apply_layernorm_1p", default=False)),
+        qk_layernorm=bool(_get(args, "qk_layernorm", default=False)),
+        post_layernorm_residual=bool(_get(args, "apply_residual_connection_post_layernorm", default=False)),
+    )
+
+
+def args_for_target(source_args, cfg: GPTConfig, layout: Layout, padded_rows: int,
+                    dtype: torch.dtype, legacy_models: bool, transformer_impl: str,
+                    checkpoint_version: float, iteration: Optional[int]) -> argparse.Namespace:
+    """args for a written checkpoint: the source's run settings, this layout's sizes."""
+    args = copy.copy(source_args) if source_args is not None else argparse.Namespace()
+    vpp = layout.vpp
+    per_vstage = cfg.num_layers // (layout.pp * vpp) if vpp else None
+    updates: Dict[str, Any] = dict(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size, num_attention_heads=cfg.num_attention_heads,
+        kv_channels=cfg.head_dim,
+        group_query_attention=cfg.num_query_groups != cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        max_position_embeddings=cfg.max_position_embeddings,
+        padded_vocab_size=padded_rows,
+        make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        num_layers_per_virtual_pipeline_stage=per_vstage,
+        position_embedding_type={"learned": "learned_absolute", "rope": "rope", "none": "none"}[
+            cfg.position_embedding],
+        rotary_base=cfg.rotary_base, rotary_percent=cfg.rotary_percent,
+        rotary_interleaved=cfg.rotary_interleaved,
+        swiglu=cfg.activation == "swiglu", squared_relu=cfg.activation == "squared_relu",
+        normalization="RMSNorm" if cfg.normalization == "rmsnorm" else "LayerNorm",
+        norm_epsilon=cfg.norm_eps, layernorm_epsilon=cfg.norm_eps,
+        untie_embeddings_and_output_weights=not cfg.tied_embeddings,
+        add_bias_linear=cfg.add_bias_linear,
+        add_qkv_bias=cfg.add_qkv_bias,
+        apply_layernorm_1p=cfg.apply_layernorm_1p, qk_layernorm=cfg.qk_layernorm,
+        apply_residual_connection_post_layernorm=cfg.post_layernorm_residual,
+        use_legacy_models=legacy_models, transformer_impl=transformer_impl,
+        ckpt_format="torch", params_dtype=dtype,
+        fp16=dtype == torch.float16, bf16=dtype == torch.bfloat16,
+    )
+    if cfg.vocab_size is not None and getattr(args, "vocab_size", None) is None:
+        updates["vocab_size"] = cfg.vocab_size
+    if cfg.activation == "gelu_tanh":
+        # Keep the source's way of asking for tanh GeLU; default to openai_gelu.
+        if not (getattr(args, "bias_gelu_fusion", False) and cfg.add_bias_linear):
+            updates["openai_gelu"] = True
+    elif cfg.activation == "gelu":
+        updates.update(openai_gelu=False, bias_gelu_fusion=False)
+    if cfg.rope_scaling_factor:
+        updates.update(use_rope_scaling=True, rope_scaling_factor=cfg.rope_scaling_factor)
+    if layout.stage_layers:
+        first, last = layout.stage_layers[0], layout.stage_layers[-1]
+        updates.update(decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last)
+    if checkpoint_version < 3:
+        updates["model_parallel_size"] = layout.tp
+    if iteration is not None:
+        updates["iteration"] = iteration
+    for k, v in updates.items():
+        setattr(args, k, v)
+    return args

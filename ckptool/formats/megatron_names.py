@@ -1,0 +1,175 @@
+"""Megatron's key names, one dialect per era, as data.
+
+Each dialect maps roles (roles.py) to state-dict keys. Nested state dicts (legacy
+`model['language_model'][...]`) are flattened with '/' between dict levels, so a key is a path:
+'language_model/encoder/layers.{i}.input_norm.weight'. {i} is the layer index local to the file
+(pipeline stage / virtual chunk).
+
+  flat2019      DeepSpeedExamples' Megatron-LM (2019): flat keys, QKV in stride-3 v0 layout
+  legacy-2020   nested language_model, transformer / attention / *layernorm (2019-10 .. 2021-01)
+  legacy        nested, encoder / self_attention / *layernorm (2021-01 .. 2023-09)
+  legacy-norm   nested, encoder / self_attention / *_norm (2023-09 .. 2026)
+  mcore         megatron-core GPTModel, local layer spec
+  mcore-te      megatron-core GPTModel, Transformer-Engine spec (norms fused into linear_qkv/fc1)
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class Dialect:
+    name: str
+    globals: Dict[str, str]
+    layer_prefix: str
+    layer: Dict[str, str]
+    head_copy: Optional[str] = None  # where the last stage keeps the tied embedding when PP > 1
+    extra_state: Tuple[str, ...] = ()  # per-layer `_extra_state` keys the framework expects
+    extra_state_value: str = "none"  # "none" or "empty_bytes" (Transformer Engine)
+    global_extra_state: Tuple[str, ...] = ()
+    nested: bool = False
+    has_args: bool = True
+    qkv_version0_only: bool = False  # flat2019: always the v0 per-rank QKV layout
+    legacy_models: bool = True
+    transformer_impl: str = "local"
+
+
+_LEGACY_LAYER_2021 = {
+    "attn_norm.weight": "input_layernorm.weight", "attn_norm.bias": "input_layernorm.bias",
+    "qkv.weight": "self_attention.query_key_value.weight",
+    "qkv.bias": "self_attention.query_key_value.bias",
+    "proj.weight": "self_attention.dense.weight", "proj.bias": "self_attention.dense.bias",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "mlp_norm.bias": "post_attention_layernorm.bias",
+    "fc1.weight": "mlp.dense_h_to_4h.weight", "fc1.bias": "mlp.dense_h_to_4h.bias",
+    "fc2.weight": "mlp.dense_4h_to_h.weight", "fc2.bias": "mlp.dense_4h_to_h.bias",
+}
+
+
+def _rename(table: Dict[str, str], *pairs) -> Dict[str, str]:
+    out = {}
+    for role, key in table.items():
+        for old, new in pairs:
+            key = key.replace(old, new)
+        out[role] = key
+    return out
+
+
+_LEGACY_LAYER_2020 = _rename(_LEGACY_LAYER_2021, ("self_attention.", "attention."))
+_LEGACY_LAYER_NORM = _rename(_LEGACY_LAYER_2021, ("input_layernorm", "input_norm"),
+                             ("post_attention_layernorm", "post_attention_norm"))
+
+_MCORE_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight", "attn_norm.bias": "input_layernorm.bias",
+    "qkv.weight": "self_attention.linear_qkv.weight", "qkv.bias": "self_attention.linear_qkv.bias",
+    "q_norm.weight": "self_attention.q_layernorm.weight",
+    "q_norm.bias": "self_attention.q_layernorm.bias",
+    "k_norm.weight": "self_attention.k_layernorm.weight",
+    "k_norm.bias": "self_attention.k_layernorm.bias",
+    "proj.weight": "self_attention.linear_proj.weight", "proj.bias": "self_attention.linear_proj.bias",
+    "mlp_norm.weight": "pre_mlp_layernorm.weight", "mlp_norm.bias": "pre_mlp_layernorm.bias",
+    "fc1.weight": "mlp.linear_fc1.weight", "fc1.bias": "mlp.linear_fc1.bias",
+    "fc2.weight": "mlp.linear_fc2.weight", "fc2.bias": "mlp.linear_fc2.bias",
+}
+_MCORE_TE_LAYER = dict(_MCORE_LAYER, **{
+    "attn_norm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "attn_norm.bias": "self_attention.linear_qkv.layer_norm_bias",
+    "mlp_norm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "mlp_norm.bias": "mlp.linear_fc1.layer_norm_bias",
+})
+_MCORE_EXTRA = ("self_attention.linear_proj._extra_state", "self_attention.linear_qkv._extra_state",
+                "mlp.linear_fc1._extra_state", "mlp.linear_fc2._extra_state")
+_MCORE_GLOBALS = {
+    "word": "embedding.word_embeddings.weight", "pos": "embedding.position_embeddings.weight",
+    "final_norm.weight": "decoder.final_layernorm.weight",
+    "final_norm.bias": "decoder.final_layernorm.bias", "output": "output_layer.weight",
+}
+
+
+def _legacy_globals(body: str, final: str) -> Dict[str, str]:
+    return {
+        "word": "language_model/embedding/word_embeddings/weight",
+        "pos": "language_model/embedding/position_embeddings/weight",
+        "final_norm.weight": f"language_model/{body}/{final}.weight",
+        "final_norm.bias": f"language_model/{body}/{final}.bias",
+        "output": "language_model/output_layer/weight",
+    }
+
+
+DIALECTS: Dict[str, Dialect] = {d.name: d for d in [
+    Dialect("flat2019",
+            globals={"word": "word_embeddings.weight", "pos": "position_embeddings.weight",
+                     "final_norm.weight": "transformer.final_layernorm.weight",
+                     "final_norm.bias": "transformer.final_layernorm.bias"},
+            layer_prefix="transformer.layers.{i}.", layer=_LEGACY_LAYER_2020,
+            has_args=False, qkv_version0_only=True),
+    Dialect("legacy-2020", globals=_legacy_globals("transformer", "final_layernorm"),
+            layer_prefix="language_model/transformer/layers.{i}.", layer=_LEGACY_LAYER_2020,
+            head_copy="word_embeddings_for_head/weight", nested=True),
+    Dialect("legacy", globals=_legacy_globals("encoder", "final_layernorm"),
+            layer_prefix="language_model/encoder/layers.{i}.", layer=_LEGACY_LAYER_2021,
+            head_copy="word_embeddings_for_head/weight", nested=True),
+    Dialect("legacy-norm", globals=_legacy_globals("encoder", "final_norm"),
+            layer_prefix="language_model/encoder/layers.{i}.", layer=_LEGACY_LAYER_NORM,
+            head_copy="word_embeddings_for_head/weight", nested=True),
+    Dialect("mcore", globals=_MCORE_GLOBALS, layer_prefix="decoder.layers.{i}.", layer=_MCORE_LAYER,
+            head_copy="output_layer.weight", extra_state=_MCORE_EXTRA,
+            global_extra_state=("output_layer._extra_state",), legacy_models=False),
+    Dialect("mcore-te", globals=_MCORE_GLOBALS, layer_prefix="decoder.layers.{i}.",
+            layer=_MCORE_TE_LAYER, head_copy="output_layer.weight",
+            extra_state=_MCORE_EXTRA + ("self_attention.core_attention._extra_state",),
+            extra_state_value="empty_bytes", global_extra_state=("output_layer._extra_state",),
+            legacy_models=False, transformer_impl="transformer_engine"),
+]}
+
+
+class KeyMatcher:
+    """Recognises a dialect's keys: key -> (role, local layer or None)."""
+
+    def __init__(self, dialect: Dialect):
+        self.dialect = dialect
+        self.globals = {key: role for role, key in dialect.globals.items()}
+        if dialect.head_copy:
+            self.globals.setdefault(dialect.head_copy, "head_copy")
+        prefix = re.escape(dialect.layer_prefix).replace(r"\{i\}", r"(\d+)")
+        self.layer_re = re.compile("^" + prefix + "(.+)$")
+        self.layer = {suffix: role for role, suffix in dialect.layer.items()}
+
+    def match(self, key: str):
+        if key in self.globals:
+            return self.globals[key], None
+        m = self.layer_re.match(key)
+        if m and m.group(2) in self.layer:
+            return self.layer[m.group(2)], int(m.group(1))
+        return None
+
+
+def is_ignorable(key: str) -> bool:
+    """Keys that carry no weights: TE/local extra state, legacy alias params, causal-mask buffers."""
+    tail = key.rsplit(".", 1)[-1].rsplit("/", 1)[-1]
+    return tail in ("_extra_state", "embedding_param", "masked_bias", "inv_freq")
+
+
+# --- QKV per-rank layouts by checkpoint_version (MHA only; GQA appeared with version 3) ----
+
+def qkv_to_grouped(t: torch.Tensor, version: float, heads_local: int, head_dim: int) -> torch.Tensor:
+    """One rank's fused QKV in its stored order -> the grouped per-head [q, k, v] order."""
+    rest = t.shape[1:]
+    if version == 0:  # [3, np, hd]
+        return t.reshape(3, heads_local, head_dim, *rest).transpose(0, 1).reshape(t.shape).contiguous()
+    if version == 1:  # [np, hd, 3]
+        return t.reshape(heads_local, head_dim, 3, *rest).transpose(1, 2).reshape(t.shape).contiguous()
+    return t
+
+
+def qkv_from_grouped(t: torch.Tensor, version: float, heads_local: int, head_dim: int) -> torch.Tensor:
+    rest = t.shape[1:]
+    if version == 0:
+        return t.reshape(heads_local, 3, head_dim, *rest).transpose(0, 1).reshape(t.shape).contiguous()
+    if version == 1:
+        return t.reshape(heads_local, 3, head_dim, *rest).transpose(1, 2).reshape(t.shape).contiguous()
+    return t

@@ -1,0 +1,300 @@
+"""Restricted unpickling: loading a checkpoint never runs code from it.
+
+Every pickle ckptool opens (torch files, DeepSpeed states, DCP metadata and byte entries) goes
+through SafeUnpickler. What may load:
+  * tensors, storages, dtypes, torch.Size and the torch rebuild helpers (see _TORCH_NAMES);
+  * plain containers and a short list of harmless stdlib types (argparse.Namespace, OrderedDict,
+    enums Megatron keeps in args such as signal.Signals, pathlib paths, ...);
+  * torch.distributed.checkpoint metadata dataclasses (data only);
+  * any class from a training framework's namespace (megatron.*, deepspeed.*, apex.*, ...), which
+    becomes an inert StandIn that keeps its constructor arguments and state and runs nothing.
+Everything else (builtins.eval, os.system, subprocess.*, ...) raises UnsafePickleError.
+
+StandIns remember how they were built, so StandInPickler writes them back as the original class
+reference: a Megatron loading our output sees its own enums again.
+"""
+from __future__ import annotations
+
+import collections
+import copyreg
+import io
+import pickle
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..errors import CkptError
+
+
+class UnsafePickleError(CkptError):
+    pass
+
+
+# Top-level packages whose classes become inert stand-ins (new enums appear with every release,
+# so no fixed list of names).
+FRAMEWORK_PACKAGES = (
+    "megatron", "deepspeed", "apex", "transformer_engine", "nemo", "mpu", "fp16", "model",
+    "modelopt", "megatron_bridge", "lightning", "pytorch_lightning", "fairscale", "torchtitan",
+    "__main__", "utils", "arguments",
+)
+
+_SAFE_GLOBALS = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("collections", "defaultdict"): collections.defaultdict,
+    ("collections", "deque"): collections.deque,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "slice"): slice,
+    ("builtins", "range"): range,
+    ("builtins", "complex"): complex,
+    ("builtins", "bytearray"): bytearray,
+    ("builtins", "bytes"): bytes,
+    ("builtins", "object"): object,
+    ("builtins", "tuple"): tuple,
+    ("builtins", "list"): list,
+    ("builtins", "dict"): dict,
+    ("builtins", "int"): int,
+    ("builtins", "float"): float,
+    ("builtins", "str"): str,
+    ("builtins", "bool"): bool,
+    ("__builtin__", "set"): set,
+    ("copy_reg", "_reconstructor"): copyreg._reconstructor,
+    ("copyreg", "_reconstructor"): copyreg._reconstructor,
+    ("copyreg", "__newobj__"): copyreg.__newobj__,
+    ("argparse", "Namespace"): __import__("argparse").Namespace,
+    ("types", "SimpleNamespace"): __import__("types").SimpleNamespace,
+    ("signal", "Signals"): __import__("signal").Signals,
+    ("pathlib", "PosixPath"): __import__("pathlib").PosixPath,
+    ("pathlib", "PurePosixPath"): __import__("pathlib").PurePosixPath,
+    ("pathlib", "WindowsPath"): __import__("pathlib").PurePosixPath,
+    ("datetime", "datetime"): __import__("datetime").datetime,
+    ("datetime", "timedelta"): __import__("datetime").timedelta,
+    ("datetime", "date"): __import__("datetime").date,
+    ("_codecs", "encode"): __import__("codecs").encode,
+    ("io", "BytesIO"): io.BytesIO,
+    ("enum", "Enum"): __import__("enum").Enum,
+}
+
+
+def _numpy_globals() -> dict:
+    out = {}
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover
+        return out
+    out[("numpy", "dtype")] = np.dtype
+    out[("numpy", "ndarray")] = np.ndarray
+    for mod in ("numpy.core.multiarray", "numpy._core.multiarray"):
+        out[(mod, "_reconstruct")] = _np_reconstruct
+        out[(mod, "scalar")] = _np_scalar
+    for name in ("Float64DType", "Float32DType", "Int64DType", "Int32DType", "UInt32DType",
+                 "UInt8DType", "BoolDType", "Float16DType"):
+        if hasattr(np, "dtypes") and hasattr(np.dtypes, name):
+            out[("numpy.dtypes", name)] = getattr(np.dtypes, name)
+    return out
+
+
+def _np_reconstruct(subtype, shape, dtype):
+    import numpy as np
+    if subtype is not np.ndarray:
+        raise UnsafePickleError("refusing a numpy array subclass in a pickle")
+    return np.ndarray.__new__(np.ndarray, shape, dtype)
+
+
+def _np_scalar(dtype, data=None):
+    import numpy as np
+    if data is None:
+        return np.zeros((), dtype=dtype)[()]
+    return np.frombuffer(data, dtype=dtype)[0]
+
+
+_SAFE_GLOBALS.update(_numpy_globals())
+
+# torch names a checkpoint may reference.  Everything else in torch (torch.load, torch.storage.
+# _load_from_bytes, torch._ops...) is refused: some of them would run arbitrary pickles.
+_TORCH_REBUILDS = {
+    "_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
+    "_rebuild_parameter_with_state", "_rebuild_device_tensor_from_numpy",
+    "_rebuild_meta_tensor_no_storage", "_rebuild_from_type_v2", "_rebuild_qtensor",
+    "_rebuild_sparse_tensor", "_rebuild_nested_tensor",
+}
+_DCP_MODULES = (
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.filesystem",
+    "torch.distributed.checkpoint.planner",
+    "torch.distributed.checkpoint._extension",
+    "torch.distributed.checkpoint._hf_utils",
+)
+
+
+class StandIn:
+    """Inert replacement for a class from a training framework: keeps its data, runs nothing."""
+
+    _ckptool_module = ""
+    _ckptool_name = ""
+
+    def __new__(cls, *args, **kwargs):
+        obj = object.__new__(cls)
+        obj.__dict__["_ckptool_args"] = args
+        obj.__dict__["_ckptool_state"] = None
+        return obj
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        self.__dict__["_ckptool_state"] = state
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        elif isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+            self.__dict__.update(state[1])
+
+    def __reduce_ex__(self, protocol):
+        cls = type(self)
+        state = self.__dict__.get("_ckptool_state")
+        return (cls, tuple(self.__dict__.get("_ckptool_args", ())), state)
+
+    @property
+    def value(self):
+        """The first constructor argument: an enum member's value."""
+        args = self.__dict__.get("_ckptool_args", ())
+        return args[0] if args else None
+
+    def __repr__(self) -> str:
+        args = ", ".join(repr(a) for a in self.__dict__.get("_ckptool_args", ()))
+        return f"<{self._ckptool_module}.{self._ckptool_name}({args})>"
+
+    def __eq__(self, other):
+        return (isinstance(other, StandIn) and type(other) is type(self)
+                and other.__dict__.get("_ckptool_args") == self.__dict__.get("_ckptool_args"))
+
+    def __hash__(self):
+        return hash((self._ckptool_module, self._ckptool_name,
+                     repr(self.__dict__.get("_ckptool_args"))))
+
+
+_standin_classes: dict = {}
+
+
+def standin_class(module: str, name: str) -> type:
+    key = (module, name)
+    cls = _standin_classes.get(key)
+    if cls is None:
+        cls = type(name, (StandIn,), {"_ckptool_module": module, "_ckptool_name": name,
+                                      "__module__": module, "__qualname__": name})
+        _standin_classes[key] = cls
+    return cls
+
+
+def is_framework_module(module: str) -> bool:
+    return module.split(".", 1)[0] in FRAMEWORK_PACKAGES
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """pickle.Unpickler that only resolves the globals listed above.
+
+    torch_hooks, when given, is a dict of overrides for torch names (the lazy torch-file reader
+    swaps _rebuild_tensor_v2 and the storage classes for its own lazy versions).
+    """
+
+    torch_hooks: Optional[dict] = None
+    source = "pickle"
+
+    def find_class(self, module: str, name: str) -> Any:
+        hooks = self.torch_hooks or {}
+        if (module, name) in hooks:
+            return hooks[(module, name)]
+        found = _SAFE_GLOBALS.get((module, name))
+        if found is not None:
+            return found
+        if module in ("torch._utils", "torch._tensor") and name in _TORCH_REBUILDS:
+            return getattr(__import__(module, fromlist=[name]), name)
+        if module == "torch":
+            obj = getattr(torch, name, None)
+            if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)) or obj in (
+                    torch.Size, torch.device, torch.Tensor):
+                return obj
+            if name.endswith("Storage") and isinstance(obj, type):
+                return obj
+        if module in ("torch.storage",) and name in ("UntypedStorage", "TypedStorage"):
+            return getattr(torch.storage, name)
+        if module == "torch.nn.parameter" and name == "Parameter":
+            return torch.nn.Parameter
+        if module == "torch.serialization" and name == "_get_layout":
+            return torch.serialization._get_layout
+        if module in _DCP_MODULES:
+            obj = getattr(__import__(module, fromlist=[name]), name, None)
+            if isinstance(obj, type):
+                return obj
+        if is_framework_module(module):
+            return standin_class(module, name)
+        raise UnsafePickleError(
+            f"{self.source}: refusing to load {module}.{name} from a pickle (it could run code)",
+            "the file is not a plain checkpoint; if you trust it, re-save it with plain tensors")
+
+
+def safe_loads(data: bytes, source: str = "pickle") -> Any:
+    return safe_load(io.BytesIO(data), source=source)
+
+
+def safe_load(fileobj, source: str = "pickle") -> Any:
+    up = SafeUnpickler(fileobj)
+    up.source = source
+    try:
+        return up.load()
+    except CkptError:
+        raise
+    except Exception as e:  # malformed pickles raise anything from UnpicklingError to ValueError
+        raise CkptError(f"{source}: cannot read this pickle ({type(e).__name__}: {e})",
+                        "the file is corrupt or not a checkpoint") from e
+
+
+class _TorchPickleModule:
+    """A `pickle_module` for torch.load: torch's own reader, our restricted globals."""
+
+    Unpickler = SafeUnpickler
+    UnpicklingError = pickle.UnpicklingError
+    __name__ = "ckptool_safe_pickle"
+
+    @staticmethod
+    def load(f, **kwargs):
+        kwargs.pop("encoding", None)
+        return SafeUnpickler(f, encoding="utf-8").load()
+
+
+torch_pickle_module = _TorchPickleModule()
+
+
+class StandInPickler(pickle._Pickler):
+    """Pure-python pickler that writes StandIn classes back under their original names, and hands
+    tensors to a persistent_id callback (the streaming torch writer)."""
+
+    def __init__(self, file, protocol=2, persistent_id: Optional[Callable] = None,
+                 reducer_override: Optional[Callable] = None):
+        super().__init__(file, protocol=protocol)
+        self._pid = persistent_id
+        self._reducer = reducer_override
+
+    def persistent_id(self, obj):
+        return self._pid(obj) if self._pid else None
+
+    def reducer_override(self, obj):
+        if self._reducer is not None:
+            return self._reducer(obj)
+        return NotImplemented
+
+    def save_global(self, obj, name=None):
+        if isinstance(obj, type) and issubclass(obj, StandIn) and obj is not StandIn:
+            module, qual = obj._ckptool_module, obj._ckptool_name
+            if self.proto >= 4:
+                self.save(module)
+                self.save(qual)
+                self.write(pickle.STACK_GLOBAL)
+            else:
+                self.write(pickle.GLOBAL + module.encode("utf-8") + b"\n" + qual.encode("utf-8") + b"\n")
+            self.memoize(obj)
+            return
+        super().save_global(obj, name)
+
+    dispatch = dict(pickle._Pickler.dispatch)
+    dispatch[type] = save_global

@@ -1,0 +1,392 @@
+"""Torch checkpoint files (torch.save zip archives) read lazily and written by streaming.
+
+Reading: the archive's data.pkl is unpickled with the restricted unpickler, but every tensor comes
+back as a StoredTensor: a (file, record, offset, size, stride) handle. Bytes are read with pread
+only when a writer asks, and only the span that tensor (or a narrowed slice of it) covers, so a
+ZeRO flat partition or one layer of a big file costs what it holds, not the file.
+Files written before torch 1.6 (not zip archives) are read eagerly through torch.load with the
+same restricted unpickler.
+
+Writing: save_streaming() pickles a structure whose leaves may be LazyTensors, then writes each
+storage record with torch's own archive writer, loading one tensor at a time.
+"""
+from __future__ import annotations
+
+import collections
+import io
+import os
+import struct
+import zipfile
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from ..errors import CkptError
+from ..lazy import Const, LazyTensor
+from .safe_pickle import SafeUnpickler, StandInPickler, torch_pickle_module
+
+_STORAGE_DTYPES = {
+    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool, "ComplexFloatStorage": torch.complex64,
+    "ComplexDoubleStorage": torch.complex128, "UntypedStorage": torch.uint8,
+    "Float8_e4m3fnStorage": getattr(torch, "float8_e4m3fn", torch.uint8),
+    "Float8_e5m2Storage": getattr(torch, "float8_e5m2", torch.uint8),
+}
+
+
+class _StorageType:
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+
+class StorageRef:
+    """One storage record inside a torch zip archive."""
+
+    def __init__(self, archive: "TorchArchive", key: str, dtype: torch.dtype, numel: int):
+        self.archive, self.key, self.dtype, self.numel = archive, key, dtype, numel
+
+    def read(self, first: int, count: int) -> torch.Tensor:
+        """Elements [first, first+count) of this storage as a 1-D tensor that owns its memory."""
+        item = torch.empty((), dtype=self.dtype).element_size()
+        data = self.archive.read_record(self.key, first * item, count * item)
+        if count == 0:
+            return torch.empty(0, dtype=self.dtype)
+        return torch.frombuffer(data, dtype=self.dtype)
+
+
+class StoredTensor(LazyTensor):
+    """A tensor inside a torch archive, read on demand."""
+
+    def __init__(self, storage: StorageRef, offset: int, size, stride):
+        self.storage, self.offset = storage, int(offset)
+        self.shape, self.stride = torch.Size(size), tuple(stride)
+        self.dtype = storage.dtype
+
+    def _contiguous(self) -> bool:
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+    def load(self) -> torch.Tensor:
+        if self.numel == 0:
+            return torch.empty(self.shape, dtype=self.dtype)
+        if self._contiguous():
+            return self.storage.read(self.offset, self.numel).view(self.shape)
+        extent = 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride))
+        flat = self.storage.read(self.offset, extent)
+        return flat.as_strided(self.shape, self.stride).clone()
+
+    def narrow(self, dim, start, length):
+        if dim == 0 and self._contiguous() and len(self.shape) >= 1:
+            row = self.numel // self.shape[0] if self.shape[0] else 0
+            size = (length,) + tuple(self.shape[1:])
+            return StoredTensor(self.storage, self.offset + start * row, size, self.stride)
+        return super().narrow(dim, start, length)
+
+
+def _rebuild_lazy(storage, storage_offset, size, stride, *rest):
+    if not isinstance(storage, StorageRef):
+        raise CkptError("unexpected tensor storage in a torch file")
+    return StoredTensor(storage, storage_offset, size, stride)
+
+
+def _rebuild_param(data, *rest):
+    return data
+
+
+def _rebuild_from_type(func, new_type, args, state):
+    return func(*args)
+
+
+def _rebuild_unsupported(*args, **kwargs):
+    raise CkptError("this torch file holds a tensor kind ckptool does not read "
+                    "(quantized, sparse, nested or device-specific)")
+
+
+class TorchArchive:
+    """Random access to the records of one torch.save zip archive."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._fd: Optional[int] = None
+        try:
+            with zipfile.ZipFile(self.path) as zf:
+                infos = zf.infolist()
+        except zipfile.BadZipFile as e:
+            raise CkptError(f"{self.path}: not a readable torch zip archive ({e})",
+                            "the file is truncated or corrupt") from e
+        if not infos:
+            raise CkptError(f"{self.path}: empty archive")
+        self.prefix = infos[0].filename.split("/", 1)[0]
+        self.records = {}
+        with open(self.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            for info in infos:
+                if info.compress_type != zipfile.ZIP_STORED:
+                    raise CkptError(f"{self.path}: compressed zip member {info.filename}",
+                                    "torch never compresses checkpoints; re-save the file with torch.save")
+                f.seek(info.header_offset)
+                header = f.read(30)
+                if len(header) < 30 or header[:4] != b"PK\x03\x04":
+                    raise CkptError(f"{self.path}: corrupt zip header for {info.filename}")
+                name_len, extra_len = struct.unpack("<HH", header[26:30])
+                start = info.header_offset + 30 + name_len + extra_len
+                if start + info.file_size > size:
+                    raise CkptError(f"{self.path}: record {info.filename} runs past the end of the file",
+                                    "the file is truncated")
+                rel = info.filename.split("/", 1)[1] if "/" in info.filename else info.filename
+                self.records[rel] = (start, info.file_size)
+        if "data.pkl" not in self.records:
+            raise CkptError(f"{self.path}: no data.pkl in the archive", "not a torch checkpoint")
+        byteorder = self.records.get("byteorder")
+        if byteorder and self._read(byteorder[0], byteorder[1]) == b"big":
+            raise CkptError(f"{self.path}: big-endian checkpoints are not supported")
+
+    def _read(self, offset: int, length: int) -> bytearray:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        buf = bytearray(length)
+        view, done = memoryview(buf), 0
+        while done < length:
+            chunk = os.preadv(self._fd, [view[done:]], offset + done)
+            if chunk <= 0:
+                raise CkptError(f"{self.path}: unexpected end of file", "the file is truncated")
+            done += chunk
+        return buf
+
+    def read_record(self, key: str, start: int = 0, length: Optional[int] = None) -> bytearray:
+        rec = self.records.get(f"data/{key}")
+        if rec is None:
+            raise CkptError(f"{self.path}: storage record data/{key} is missing", "the file is corrupt")
+        offset, size = rec
+        length = size - start if length is None else length
+        if start + length > size:
+            raise CkptError(f"{self.path}: tensor data past the end of record data/{key}",
+                            "the file is corrupt")
+        return self._read(offset + start, length)
+
+    def close(self):
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def load_tree(self) -> Any:
+        offset, size = self.records["data.pkl"]
+        data = bytes(self._read(offset, size))
+        archive = self
+
+        class _Lazy(SafeUnpickler):
+            source = str(self.path)
+            torch_hooks = {
+                ("torch._utils", "_rebuild_tensor"): _rebuild_lazy,
+                ("torch._utils", "_rebuild_tensor_v2"): _rebuild_lazy,
+                ("torch._utils", "_rebuild_tensor_v3"): _rebuild_lazy,
+                ("torch._utils", "_rebuild_parameter"): _rebuild_param,
+                ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_param,
+                ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
+                **{("torch._utils", n): _rebuild_unsupported for n in (
+                    "_rebuild_qtensor", "_rebuild_sparse_tensor", "_rebuild_nested_tensor",
+                    "_rebuild_device_tensor_from_numpy", "_rebuild_meta_tensor_no_storage")},
+                **{("torch", n): _StorageType(d) for n, d in _STORAGE_DTYPES.items()},
+                ("torch.storage", "UntypedStorage"): _StorageType(torch.uint8),
+            }
+
+            def persistent_load(self, pid):
+                if not (isinstance(pid, tuple) and pid and pid[0] == "storage"):
+                    raise CkptError(f"{archive.path}: unknown persistent id in data.pkl")
+                _, stype, key, _location, numel = pid[:5]
+                dtype = stype.dtype if isinstance(stype, _StorageType) else getattr(stype, "dtype", None)
+                if dtype is None:
+                    raise CkptError(f"{archive.path}: unknown storage type {stype!r}")
+                return StorageRef(archive, str(key), dtype, int(numel))
+
+        try:
+            return _Lazy(io.BytesIO(data)).load()
+        except CkptError:
+            raise
+        except Exception as e:
+            raise CkptError(f"{self.path}: cannot unpickle data.pkl ({type(e).__name__}: {e})",
+                            "the file is corrupt or was not written by torch.save") from e
+
+
+def _eager_to_lazy(obj):
+    if isinstance(obj, torch.Tensor):
+        return Const(obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _eager_to_lazy(v)) for k, v in obj.items()) if not isinstance(
+            obj, collections.defaultdict) else {k: _eager_to_lazy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_eager_to_lazy(v) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_eager_to_lazy(v) for v in obj)
+    return obj
+
+
+def load_torch_file(path) -> Any:
+    """Load a torch file with every tensor as a LazyTensor; nothing in the file can run code."""
+    path = Path(path)
+    if not path.is_file():
+        raise CkptError(f"{path}: no such file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic[:2] == b"PK":
+        return TorchArchive(path).load_tree()
+    if not magic:
+        raise CkptError(f"{path}: empty file", "the file is truncated")
+    # Pre-1.6 (legacy, non-zip) format: torch's own reader, our restricted globals, no mmap.
+    try:
+        obj = torch.load(path, map_location="cpu", pickle_module=torch_pickle_module,
+                         weights_only=False)
+    except CkptError:
+        raise
+    except Exception as e:
+        raise CkptError(f"{path}: cannot read this torch file ({type(e).__name__}: {e})",
+                        "the file is truncated, corrupt or not a torch checkpoint") from e
+    return _eager_to_lazy(obj)
+
+
+def load_torch_bytes(data: bytes, source: str) -> Any:
+    """torch.load of an in-memory blob (DCP byte entries), eagerly, with restricted globals."""
+    try:
+        obj = torch.load(io.BytesIO(data), map_location="cpu", pickle_module=torch_pickle_module,
+                         weights_only=False)
+    except CkptError:
+        raise
+    except Exception as e:
+        raise CkptError(f"{source}: cannot read this torch blob ({type(e).__name__}: {e})") from e
+    return obj
+
+
+# ------------------------------------------------------------------------------------------
+# Streaming writer
+_STORAGE_CLASS = {
+    torch.float32: "FloatStorage", torch.float64: "DoubleStorage", torch.float16: "HalfStorage",
+    torch.bfloat16: "BFloat16Storage", torch.int64: "LongStorage", torch.int32: "IntStorage",
+    torch.int16: "ShortStorage", torch.int8: "CharStorage", torch.uint8: "ByteStorage",
+    torch.bool: "BoolStorage",
+}
+
+
+class _PendingStorage:
+    def __init__(self, key: str, lazy: LazyTensor):
+        self.key, self.lazy = key, lazy
+
+
+class StreamingTorchWriter:
+    """One torch.save-compatible file whose tensors are written as they are produced.
+
+    The pickle (data.pkl) is built up front from shapes and dtypes alone; tensor records are then
+    written one at a time by write(), in any order, and finish() seals the archive. Records are
+    written by torch's own archive writer, so torch.load reads the result like any torch.save file.
+    """
+
+    def __init__(self, path, obj: Any):
+        self.path = Path(path)
+        self.pending: list = []
+
+        def reducer(o):
+            if isinstance(o, (LazyTensor, torch.Tensor)):
+                lazy = o if isinstance(o, LazyTensor) else Const(o.detach())
+                if lazy.dtype not in _STORAGE_CLASS:
+                    raise CkptError(f"cannot save a tensor of dtype {lazy.dtype}")
+                ps = _PendingStorage(str(len(self.pending)), lazy)
+                self.pending.append(ps)
+                stride, acc = [], 1
+                for s in reversed(lazy.shape):
+                    stride.append(acc)
+                    acc *= s
+                return (torch._utils._rebuild_tensor_v2,
+                        (ps, 0, tuple(lazy.shape), tuple(reversed(stride)), False,
+                         collections.OrderedDict()))
+            return NotImplemented
+
+        def persistent_id(o):
+            if isinstance(o, _PendingStorage):
+                return ("storage", getattr(torch, _STORAGE_CLASS[o.lazy.dtype]), o.key, "cpu",
+                        o.lazy.numel)
+            return None
+
+        buf = io.BytesIO()
+        StandInPickler(buf, protocol=2, persistent_id=persistent_id,
+                       reducer_override=reducer).dump(obj)
+        self._pickle = buf.getvalue()
+        self._writer = torch._C.PyTorchFileWriter(str(self.path))
+        self._done: set = set()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(ps.lazy.nbytes for ps in self.pending)
+
+    def write(self, ps: "_PendingStorage", tensor: Optional[torch.Tensor] = None) -> int:
+        t = ps.lazy.load() if tensor is None else tensor
+        if t.dtype != ps.lazy.dtype or tuple(t.shape) != tuple(ps.lazy.shape):
+            raise CkptError(f"internal: tensor {ps.key} of {self.path.name} has shape "
+                            f"{tuple(t.shape)} {t.dtype}, planned {tuple(ps.lazy.shape)} {ps.lazy.dtype}")
+        t = t.detach().cpu().contiguous()
+        nbytes = t.numel() * t.element_size()
+        if t.storage_offset() != 0 or t.untyped_storage().nbytes() != nbytes:
+            t = t.clone()  # a view: write exactly its own bytes
+        self._writer.write_record(f"data/{ps.key}", t.untyped_storage(), nbytes)
+        self._done.add(ps.key)
+        return nbytes
+
+    def finish(self) -> None:
+        missing = [ps.key for ps in self.pending if ps.key not in self._done]
+        if missing:
+            raise CkptError(f"internal: {len(missing)} tensors of {self.path.name} were never written")
+        w = self._writer
+        w.write_record("data.pkl", self._pickle, len(self._pickle))
+        w.write_record(".format_version", "1", 1)
+        w.write_record("byteorder", "little", len("little"))
+        w.write_end_of_file()
+        del self._writer
+
+
+def save_streaming(obj: Any, path, on_tensor=None) -> int:
+    """torch.save(obj, path) where obj's tensor leaves may be LazyTensors, loaded one at a time."""
+    writer = StreamingTorchWriter(path, obj)
+    total = 0
+    for ps in writer.pending:
+        n = writer.write(ps)
+        total += n
+        if on_tensor:
+            on_tensor(n)
+    writer.finish()
+    return total
+
+
+def write_grouped(writers: list, group_of, on_tensor=None) -> int:
+    """Write several StreamingTorchWriters together, one group (e.g. one layer) at a time.
+
+    group_of(lazy) -> sortable key. Within a group all files' tensors are written inside one
+    load_scope, so a merged source tensor feeding several target ranks is read once; peak
+    memory stays at about one group.
+    """
+    from ..lazy import load_scope
+    groups: dict = {}
+    for w in writers:
+        for ps in w.pending:
+            groups.setdefault(group_of(ps.lazy), []).append((w, ps))
+    total = 0
+    for key in sorted(groups, key=lambda k: (k is None, k)):
+        with load_scope():
+            for w, ps in groups[key]:
+                n = w.write(ps)
+                total += n
+                if on_tensor:
+                    on_tensor(n)
+    for w in writers:
+        w.finish()
+    return total

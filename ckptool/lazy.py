@@ -1,0 +1,129 @@
+"""Lazy tensors: handles that know their shape and dtype and produce their bytes on demand.
+
+Readers hand out LazyTensors (a range of a torch file, a safetensors entry, a DCP chunk, a concat
+of tensor-parallel shards); writers call .load() one layer at a time. Derived tensors (splits,
+merges, transposes) compute their shape on the meta device, so no transform needs shape
+bookkeeping of its own. Inside a `load_scope()` memoised nodes keep their value until the scope
+ends: that is how q, k and v share one read of a fused QKV while peak memory stays at one layer.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Sequence
+
+import torch
+
+_scopes: list = []
+
+
+@contextlib.contextmanager
+def load_scope():
+    """Memoise loads of memo=True nodes until the block ends (writers wrap one layer in this)."""
+    _scopes.append({})
+    try:
+        yield
+    finally:
+        _scopes.pop()
+
+
+class LazyTensor:
+    shape: torch.Size
+    dtype: torch.dtype
+
+    def load(self) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    # --- conveniences ------------------------------------------------------------------
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _itemsize(self.dtype)
+
+    def narrow(self, dim: int, start: int, length: int) -> "LazyTensor":
+        return derive(lambda t: t.narrow(dim, start, length), [self])
+
+    def chunk(self, n: int, dim: int = 0) -> list:
+        size = self.shape[dim]
+        if size % n:
+            from .errors import CkptError
+            raise CkptError(f"cannot split a tensor of shape {tuple(self.shape)} into {n} equal "
+                            f"parts along dim {dim}")
+        step = size // n
+        return [self.narrow(dim, i * step, step) for i in range(n)]
+
+    def to(self, dtype: torch.dtype) -> "LazyTensor":
+        if dtype == self.dtype:
+            return self
+        return derive(lambda t: t.to(dtype), [self])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class Const(LazyTensor):
+    """A tensor already in memory."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.shape = tensor.shape
+        self.dtype = tensor.dtype
+
+    def load(self) -> torch.Tensor:
+        return self.tensor
+
+    def narrow(self, dim, start, length):
+        return Const(self.tensor.narrow(dim, start, length))
+
+
+class Derived(LazyTensor):
+    """fn applied to the loaded parents; shape and dtype found by running fn on meta tensors."""
+
+    def __init__(self, fn: Callable, parents: Sequence[LazyTensor], memo: bool = False,
+                 shape=None, dtype=None):
+        self.fn = fn
+        self.parents = list(parents)
+        self.memo = memo
+        if shape is None:  # data-dependent fns (replica checks) pass shape and dtype themselves
+            metas = [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in self.parents]
+            out = fn(*metas)
+            shape, dtype = out.shape, out.dtype
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+
+    def load(self) -> torch.Tensor:
+        if self.memo and _scopes:
+            cache = _scopes[-1]
+            hit = cache.get(id(self))
+            if hit is not None:
+                return hit[1]
+            value = self._compute()
+            cache[id(self)] = (self, value)  # keep self alive so id() stays unique
+            return value
+        return self._compute()
+
+    def _compute(self) -> torch.Tensor:
+        return self.fn(*[p.load() for p in self.parents])
+
+
+def derive(fn: Callable, parents: Sequence[LazyTensor], memo: bool = False) -> Derived:
+    return Derived(fn, parents, memo=memo)
+
+
+def cat(parts: Sequence[LazyTensor], dim: int = 0, memo: bool = False) -> LazyTensor:
+    if len(parts) == 1:
+        return parts[0]
+    return Derived(lambda *ts: torch.cat(ts, dim=dim), parts, memo=memo)
+
+
+def as_lazy(x) -> LazyTensor:
+    return x if isinstance(x, LazyTensor) else Const(x)

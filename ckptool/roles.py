@@ -1,0 +1,184 @@
+"""Megatron's fused tensors ("roles") and how they map onto canonical tensors.
+
+Megatron-LM, megatron-core (torch and torch_dist) and Megatron-DeepSpeed all store a GPT as the
+same fused pieces under different names: one QKV matrix in grouped order, fc1 holding gate and up
+for gated MLPs, and so on. A format module only maps its names onto these roles; this module owns
+the maths shared by all of them:
+
+  ROLE_RULES   role -> tensor-parallel rule (the one sharding table)
+  fuse_*/unfuse_*  grouped QKV <-> q, k, v and [gate; up] <-> gate, up
+  assemble()   per-rank role shards -> canonical lazy tensors (readers)
+  disassemble()  canonical tensors -> per-rank role shards for a target TP (writers)
+
+Canonical names (state.py documents them): embed.word, embed.pos, layers.{i}.attn_norm.*,
+layers.{i}.attn.{q,k,v}.*, layers.{i}.attn.{q_norm,k_norm}.*, layers.{i}.attn.out.*,
+layers.{i}.mlp_norm.*, layers.{i}.mlp.{gate,up,down}.*, final_norm.*, output.weight.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .config import GPTConfig
+from .errors import CkptError
+from .lazy import Derived, LazyTensor, cat
+from .sharding import ReplicaPolicy, Rule, merge_lazy, split_lazy
+
+# role -> rule.  fc1 is GATED for SwiGLU models and COLUMN otherwise (see rule_for).
+ROLE_RULES: Dict[str, Rule] = {
+    "word": Rule.VOCAB,
+    "pos": Rule.REPLICATED,
+    "output": Rule.VOCAB,
+    "final_norm.weight": Rule.REPLICATED,
+    "final_norm.bias": Rule.REPLICATED,
+    "attn_norm.weight": Rule.REPLICATED,
+    "attn_norm.bias": Rule.REPLICATED,
+    "qkv.weight": Rule.QKV,
+    "qkv.bias": Rule.QKV,
+    "q_norm.weight": Rule.REPLICATED,
+    "q_norm.bias": Rule.REPLICATED,
+    "k_norm.weight": Rule.REPLICATED,
+    "k_norm.bias": Rule.REPLICATED,
+    "proj.weight": Rule.ROW,
+    "proj.bias": Rule.REPLICATED,
+    "mlp_norm.weight": Rule.REPLICATED,
+    "mlp_norm.bias": Rule.REPLICATED,
+    "fc1.weight": Rule.COLUMN,
+    "fc1.bias": Rule.COLUMN,
+    "fc2.weight": Rule.ROW,
+    "fc2.bias": Rule.REPLICATED,
+}
+
+# Global (non-layer) roles and their canonical names.
+GLOBAL_ROLES = {
+    "word": "embed.word",
+    "pos": "embed.pos",
+    "final_norm.weight": "final_norm.weight",
+    "final_norm.bias": "final_norm.bias",
+    "output": "output.weight",
+}
+
+# Per-layer roles that map one-to-one onto a canonical tensor.
+LAYER_SIMPLE = {
+    "attn_norm.weight": "attn_norm.weight",
+    "attn_norm.bias": "attn_norm.bias",
+    "q_norm.weight": "attn.q_norm.weight",
+    "q_norm.bias": "attn.q_norm.bias",
+    "k_norm.weight": "attn.k_norm.weight",
+    "k_norm.bias": "attn.k_norm.bias",
+    "proj.weight": "attn.out.weight",
+    "proj.bias": "attn.out.bias",
+    "mlp_norm.weight": "mlp_norm.weight",
+    "mlp_norm.bias": "mlp_norm.bias",
+    "fc2.weight": "mlp.down.weight",
+    "fc2.bias": "mlp.down.bias",
+}
+
+LAYER_ROLES = tuple(r for r in ROLE_RULES if r not in GLOBAL_ROLES)
+
+
+def rule_for(role: str, cfg: GPTConfig) -> Rule:
+    if role.startswith("fc1.") and cfg.gated:
+        return Rule.GATED
+    return ROLE_RULES[role]
+
+
+# --- fused layouts --------------------------------------------------------------------------
+
+def unfuse_qkv(t: torch.Tensor, cfg: GPTConfig) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Grouped rows [ng, nq/ng + 2, hd, ...] -> q [nq*hd, ...], k [ng*hd, ...], v [ng*hd, ...]."""
+    ng, per, hd = cfg.num_query_groups, cfg.heads_per_group, cfg.head_dim
+    rest = t.shape[1:]
+    g = t.reshape(ng, per + 2, hd, *rest)
+    q = g[:, :per].reshape(ng * per * hd, *rest)
+    k = g[:, per].reshape(ng * hd, *rest)
+    v = g[:, per + 1].reshape(ng * hd, *rest)
+    return q, k, v
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
+    ng, per, hd = cfg.num_query_groups, cfg.heads_per_group, cfg.head_dim
+    rest = q.shape[1:]
+    grouped = torch.cat([q.reshape(ng, per, hd, *rest), k.reshape(ng, 1, hd, *rest),
+                         v.reshape(ng, 1, hd, *rest)], dim=1)
+    return grouped.reshape(ng * (per + 2) * hd, *rest)
+
+
+def qkv_rows(cfg: GPTConfig) -> int:
+    return (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.head_dim
+
+
+# --- readers: role shards -> canonical ------------------------------------------------------
+
+def assemble(cfg: GPTConfig, shards: Dict[Tuple[str, Optional[int]], List[LazyTensor]],
+             replicas: Optional[ReplicaPolicy] = None) -> Dict[str, LazyTensor]:
+    """Turn {(role, global_layer or None): [per-TP-rank lazy]} into canonical lazy tensors."""
+    out: Dict[str, LazyTensor] = {}
+    for (role, layer), parts in shards.items():
+        name = GLOBAL_ROLES[role] if layer is None else f"layers.{layer}.{role}"
+        merged = merge_lazy(parts, rule_for(role, cfg), name, replicas)
+        if layer is None:
+            out[GLOBAL_ROLES[role]] = merged
+            continue
+        prefix = f"layers.{layer}."
+        if role in LAYER_SIMPLE:
+            out[prefix + LAYER_SIMPLE[role]] = merged
+        elif role.startswith("qkv."):
+            kind = role.split(".")[1]
+            if merged.shape[0] != qkv_rows(cfg):
+                raise CkptError(f"layer {layer}: fused QKV has {merged.shape[0]} rows, expected "
+                                f"{qkv_rows(cfg)} for {cfg.num_attention_heads} heads, "
+                                f"{cfg.num_query_groups} query groups, head size {cfg.head_dim}",
+                                "check --num-attention-heads / --num-query-groups")
+            for idx, part in enumerate("qkv"):
+                out[f"{prefix}attn.{part}.{kind}"] = Derived(
+                    lambda t, i=idx: unfuse_qkv(t, cfg)[i], [merged])
+        elif role.startswith("fc1."):
+            kind = role.split(".")[1]
+            if cfg.gated:
+                half = merged.shape[0] // 2
+                out[f"{prefix}mlp.gate.{kind}"] = merged.narrow(0, 0, half)
+                out[f"{prefix}mlp.up.{kind}"] = merged.narrow(0, half, half)
+            else:
+                out[f"{prefix}mlp.up.{kind}"] = merged
+        else:  # pragma: no cover - table and code disagree
+            raise CkptError(f"internal: no canonical mapping for role {role}")
+    return out
+
+
+# --- writers: canonical -> role tensors -----------------------------------------------------
+
+def layer_role_tensor(tensors: Dict[str, LazyTensor], cfg: GPTConfig, layer: int,
+                      role: str) -> Optional[LazyTensor]:
+    """The merged (TP=1) fused tensor for one layer role, or None when the model lacks it."""
+    p = f"layers.{layer}."
+    if role in LAYER_SIMPLE:
+        return tensors.get(p + LAYER_SIMPLE[role])
+    kind = role.split(".")[1]
+    if role.startswith("qkv."):
+        parts = [tensors.get(f"{p}attn.{x}.{kind}") for x in "qkv"]
+        if all(x is None for x in parts):
+            return None
+        if any(x is None for x in parts):
+            raise CkptError(f"layer {layer}: q, k and v {kind} must all be present or all absent")
+        return Derived(lambda q, k, v: fuse_qkv(q, k, v, cfg), parts, memo=True)
+    if role.startswith("fc1."):
+        up = tensors.get(f"{p}mlp.up.{kind}")
+        if cfg.gated:
+            gate = tensors.get(f"{p}mlp.gate.{kind}")
+            if gate is None and up is None:
+                return None
+            if gate is None or up is None:
+                raise CkptError(f"layer {layer}: a gated MLP needs both gate and up {kind}")
+            return cat([gate, up], 0, memo=True)
+        return up
+    raise CkptError(f"internal: unknown role {role}")
+
+
+def global_role_tensor(tensors: Dict[str, LazyTensor], role: str) -> Optional[LazyTensor]:
+    return tensors.get(GLOBAL_ROLES[role])
+
+
+def shard_role(tensor: LazyTensor, role: str, cfg: GPTConfig, tp: int) -> List[LazyTensor]:
+    return split_lazy(tensor, rule_for(role, cfg), tp)

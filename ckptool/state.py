@@ -1,0 +1,114 @@
+"""The canonical GPT state every reader produces and every writer consumes.
+
+A Checkpoint is a GPTConfig, full (unsharded) LazyTensors under canonical names, and where it came
+from. Canonical names say what a tensor IS, never where a framework kept it; layer indices are
+global:
+
+  embed.word [V_rows, h]         embed.pos [max_pos, h] (learned positions only)
+  layers.{i}.attn_norm.{weight,bias}
+  layers.{i}.attn.{q,k,v}.{weight,bias}   q [nq*hd, h], k and v [ng*hd, h]
+  layers.{i}.attn.{q_norm,k_norm}.{weight,bias}  (qk_layernorm only)
+  layers.{i}.attn.out.{weight,bias}       [h, nq*hd]
+  layers.{i}.mlp_norm.{weight,bias}
+  layers.{i}.mlp.{gate,up}.{weight,bias}  [ffn, h] (gate only for gated MLPs)
+  layers.{i}.mlp.down.{weight,bias}       [h, ffn]
+  final_norm.{weight,bias}
+  output.weight [V_rows, h]               (untied models only)
+
+V_rows is config.padded_vocab_size (what the source stored); config.vocab_size is the true
+vocabulary when known. Writers re-pad or trim at the edges (vocab.py).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+from .config import GPTConfig, Layout
+from .lazy import LazyTensor
+
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+@dataclass
+class SourceInfo:
+    path: str
+    format: str  # e.g. "megatron-torch", "torch_dist", "deepspeed", "hf"
+    dialect: str = ""
+    layout: Layout = field(default_factory=Layout)
+    iteration: Optional[int] = None
+    release: bool = False
+    checkpoint_version: Optional[float] = None
+    args: Any = None  # argparse.Namespace of the training run, when stored
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Checkpoint:
+    config: GPTConfig
+    tensors: Dict[str, LazyTensor]
+    source: SourceInfo
+    warnings: List[str] = field(default_factory=list)
+
+    def warn(self, message: str) -> None:
+        if message not in self.warnings:
+            self.warnings.append(message)
+
+    # --- grouping for streaming writers ----------------------------------------------------
+    def layer_of(self, name: str) -> Optional[int]:
+        m = _LAYER.match(name)
+        return int(m.group(1)) if m else None
+
+    def layer_tensors(self, i: int) -> Dict[str, LazyTensor]:
+        prefix = f"layers.{i}."
+        return {k: v for k, v in self.tensors.items() if k.startswith(prefix)}
+
+    def groups(self) -> Iterator[Tuple[str, Dict[str, LazyTensor]]]:
+        """("embed", ...), ("layer i", ...) for each layer, ("head", ...): the order writers stream."""
+        head = {k: v for k, v in self.tensors.items() if k.startswith("embed.")}
+        yield "embed", head
+        by_layer: Dict[int, Dict[str, LazyTensor]] = {}
+        for k, v in self.tensors.items():
+            i = self.layer_of(k)
+            if i is not None:
+                by_layer.setdefault(i, {})[k] = v
+        for i in sorted(by_layer):
+            yield f"layer {i}", by_layer[i]
+        yield "head", {k: v for k, v in self.tensors.items()
+                       if k.startswith("final_norm.") or k == "output.weight"}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def with_tensors(self, tensors: Dict[str, LazyTensor], **config_changes) -> "Checkpoint":
+        return Checkpoint(self.config.replace(**config_changes) if config_changes else self.config,
+                          tensors, self.source, self.warnings)
+
+
+def expected_names(cfg: GPTConfig) -> List[str]:
+    """Every canonical tensor name a model with this config has, in streaming order."""
+    names = ["embed.word"]
+    if cfg.position_embedding == "learned":
+        names.append("embed.pos")
+    norm = ["weight", "bias"] if cfg.norm_has_bias else ["weight"]
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        names += [f"{p}attn_norm.{x}" for x in norm]
+        names += [f"{p}attn.{x}.weight" for x in "qkv"]
+        if cfg.add_qkv_bias or cfg.add_bias_linear:
+            names += [f"{p}attn.{x}.bias" for x in "qkv"]
+        if cfg.qk_layernorm:
+            names += [f"{p}attn.q_norm.{x}" for x in norm] + [f"{p}attn.k_norm.{x}" for x in norm]
+        names.append(f"{p}attn.out.weight")
+        if cfg.add_bias_linear:
+            names.append(f"{p}attn.out.bias")
+        names += [f"{p}mlp_norm.{x}" for x in norm]
+        mlp = ["gate", "up", "down"] if cfg.gated else ["up", "down"]
+        names += [f"{p}mlp.{m}.weight" for m in mlp]
+        if cfg.add_bias_linear:
+            names += [f"{p}mlp.{m}.bias" for m in mlp]
+    names += [f"final_norm.{x}" for x in norm]
+    if not cfg.tied_embeddings:
+        names.append("output.weight")
+    return names

@@ -1,0 +1,1 @@
+"""Numerical proof that a conversion kept the model: reference forward, parallel forward, comparison."""

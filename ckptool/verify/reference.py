@@ -1,0 +1,156 @@
+"""A plain-torch GPT forward over the canonical state: the reference semantics, one process.
+
+It loads one layer at a time (inside a load_scope), so memory stays near one layer plus
+activations. Covers GPT-2 style (LayerNorm, GeLU erf or tanh, learned positions, tied embeddings)
+and Llama style (RMSNorm, SwiGLU, RoPE, GQA, untied output), and the Megatron flags that change the
+maths (layernorm 1p, qk layernorm, post-layernorm residual, rotary percent / interleaved / base,
+llama3 rope scaling, squared ReLU).
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from ..config import GPTConfig
+from ..lazy import LazyTensor, load_scope
+from ..state import Checkpoint
+
+
+def norm(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], cfg: GPTConfig) -> torch.Tensor:
+    w = w + 1 if cfg.apply_layernorm_1p else w
+    if cfg.normalization == "layernorm":
+        return F.layer_norm(x, (x.shape[-1],), w, b, cfg.norm_eps)
+    var = x.float().pow(2).mean(-1, keepdim=True)
+    return (x.float() * torch.rsqrt(var + cfg.norm_eps)).to(x.dtype) * w
+
+
+def activation(x: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
+    if cfg.activation == "gelu":
+        return F.gelu(x)
+    if cfg.activation == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if cfg.activation == "squared_relu":
+        return F.relu(x).pow(2)
+    raise ValueError(cfg.activation)
+
+
+def rope_frequencies(cfg: GPTConfig, seq: int, device=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [seq, rot_dim/2] for the rotated part of each head."""
+    rot = int(cfg.head_dim * cfg.rotary_percent)
+    inv = 1.0 / (cfg.rotary_base ** (torch.arange(0, rot, 2, dtype=torch.float64, device=device) / rot))
+    if cfg.rope_scaling_factor:
+        inv = _llama3_scale(inv, cfg.rope_scaling_factor)
+    pos = torch.arange(seq, dtype=torch.float64, device=device)
+    ang = torch.outer(pos, inv)
+    return ang.cos().float(), ang.sin().float()
+
+
+def _llama3_scale(inv: torch.Tensor, factor: float, low: float = 1.0, high: float = 4.0,
+                  original: int = 8192) -> torch.Tensor:
+    # megatron-core defaults for use_rope_scaling (low 1, high 4, original context 8192)
+    low_wl, high_wl = original / low, original / high
+    wl = 2 * math.pi / inv
+    smooth = (original / wl - low) / (high - low)
+    scaled = torch.where(wl > low_wl, inv / factor, inv)
+    mid = (1 - smooth) * inv / factor + smooth * inv
+    is_mid = (wl <= low_wl) & (wl >= high_wl)
+    return torch.where(is_mid, mid, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
+    """x [b, heads, s, hd]; rotate the first rot_dim features of each head."""
+    rot = cos.shape[-1] * 2
+    xr, xp = x[..., :rot], x[..., rot:]
+    if cfg.rotary_interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        o1 = x1 * cos - x2 * sin
+        o2 = x2 * cos + x1 * sin
+        out = torch.stack([o1, o2], dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., : rot // 2], xr[..., rot // 2:]
+        c, s = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+        out = xr * c + torch.cat([-x2, x1], -1) * s
+    return torch.cat([out.to(x.dtype), xp], dim=-1)
+
+
+def attention(x: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig,
+              rope: Optional[Tuple[torch.Tensor, torch.Tensor]], p: str) -> torch.Tensor:
+    b, s, _ = x.shape
+    hd, nq, ng = cfg.head_dim, cfg.num_attention_heads, cfg.num_query_groups
+    q = F.linear(x, w[p + "attn.q.weight"], w.get(p + "attn.q.bias"))
+    k = F.linear(x, w[p + "attn.k.weight"], w.get(p + "attn.k.bias"))
+    v = F.linear(x, w[p + "attn.v.weight"], w.get(p + "attn.v.bias"))
+    q = q.view(b, s, nq, hd).transpose(1, 2)
+    k = k.view(b, s, ng, hd).transpose(1, 2)
+    v = v.view(b, s, ng, hd).transpose(1, 2)
+    if cfg.qk_layernorm:
+        q = norm(q, w[p + "attn.q_norm.weight"], w.get(p + "attn.q_norm.bias"), cfg)
+        k = norm(k, w[p + "attn.k_norm.weight"], w.get(p + "attn.k_norm.bias"), cfg)
+    if rope is not None:
+        q, k = apply_rope(q, *rope, cfg), apply_rope(k, *rope, cfg)
+    if ng != nq:
+        k = k.repeat_interleave(nq // ng, dim=1)
+        v = v.repeat_interleave(nq // ng, dim=1)
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+    mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+    scores = scores.float().masked_fill(mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    ctx = (probs @ v).transpose(1, 2).reshape(b, s, nq * hd)
+    return F.linear(ctx, w[p + "attn.out.weight"], w.get(p + "attn.out.bias"))
+
+
+def mlp(x: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig, p: str) -> torch.Tensor:
+    up = F.linear(x, w[p + "mlp.up.weight"], w.get(p + "mlp.up.bias"))
+    if cfg.gated:
+        gate = F.linear(x, w[p + "mlp.gate.weight"], w.get(p + "mlp.gate.bias"))
+        h = F.silu(gate) * up
+    else:
+        h = activation(up, cfg)
+    return F.linear(h, w[p + "mlp.down.weight"], w.get(p + "mlp.down.bias"))
+
+
+def block(x: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig, rope, i: int) -> torch.Tensor:
+    p = f"layers.{i}."
+    h = norm(x, w[p + "attn_norm.weight"], w.get(p + "attn_norm.bias"), cfg)
+    a = attention(h, w, cfg, rope, p)
+    x = (h if cfg.post_layernorm_residual else x) + a
+    h = norm(x, w[p + "mlp_norm.weight"], w.get(p + "mlp_norm.bias"), cfg)
+    return (h if cfg.post_layernorm_residual else x) + mlp(h, w, cfg, p)
+
+
+def _load(group: Dict[str, LazyTensor], dtype: torch.dtype, device) -> Dict[str, torch.Tensor]:
+    return {k: v.load().to(device=device, dtype=dtype) for k, v in group.items()}
+
+
+def forward(ckpt: Checkpoint, tokens: torch.Tensor, dtype: torch.dtype = torch.float32,
+            device: str = "cpu", return_hidden: bool = False):
+    """Logits [b, s, V_rows] (and the hidden state after each layer when return_hidden)."""
+    cfg = ckpt.config
+    tokens = tokens.to(device)
+    b, s = tokens.shape
+    with load_scope():
+        emb = _load({k: v for k, v in ckpt.tensors.items() if k.startswith("embed.")}, dtype, device)
+    x = F.embedding(tokens, emb["embed.word"])
+    if cfg.position_embedding == "learned":
+        x = x + emb["embed.pos"][:s]
+    word = emb["embed.word"] if cfg.tied_embeddings else None
+    del emb
+    rope = rope_frequencies(cfg, s, device) if cfg.position_embedding == "rope" else None
+    hidden: List[torch.Tensor] = []
+    for i in range(cfg.num_layers):
+        with load_scope():
+            w = _load(ckpt.layer_tensors(i), dtype, device)
+        x = block(x, w, cfg, rope, i)
+        if return_hidden:
+            hidden.append(x.detach().float().cpu())
+        del w
+    with load_scope():
+        head = _load({k: v for k, v in ckpt.tensors.items()
+                      if k.startswith("final_norm.") or k == "output.weight"}, dtype, device)
+    x = norm(x, head["final_norm.weight"], head.get("final_norm.bias"), cfg)
+    out_w = word if cfg.tied_embeddings else head["output.weight"]
+    logits = F.linear(x, out_w).float()
+    return (logits, hidden) if return_hidden else logits

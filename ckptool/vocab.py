@@ -1,0 +1,74 @@
+"""Vocabulary padding policy, applied at the edges.
+
+Readers report the rows they found (config.padded_vocab_size) and the true vocabulary when some
+source says it (config.vocab_size, with config.vocab_size_source naming that source). Writers call
+target_rows() for their layout and resize_rows() to get there: padding rows are only ever added
+(filled as --pad-fill says) or removed; a real row is never dropped.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .config import GPTConfig, padded_vocab_size
+from .errors import CkptError
+from .lazy import Derived, LazyTensor
+
+PAD_FILLS = ("zero", "mean", "last")
+
+
+def target_rows(cfg: GPTConfig, tp: int, divisible_by: Optional[int] = None,
+                warn: Callable[[str], None] = lambda m: None) -> int:
+    """Rows the word embedding must have for a Megatron layout with this TP size."""
+    div = divisible_by or cfg.make_vocab_size_divisible_by or 1
+    if cfg.vocab_size is not None:
+        return padded_vocab_size(cfg.vocab_size, div, tp)
+    rows = cfg.padded_vocab_size
+    if rows % (div * tp) == 0:
+        warn(f"true vocabulary size unknown: keeping the stored {rows} embedding rows "
+             "(give --true-vocab-size to re-pad exactly)")
+        return rows
+    new = padded_vocab_size(rows, div, tp)
+    warn(f"true vocabulary size unknown: padding the stored {rows} rows to {new} for TP {tp} "
+         "(give --true-vocab-size to re-pad exactly)")
+    return new
+
+
+def resize_rows(t: LazyTensor, rows: int, cfg: GPTConfig, fill: str = "zero",
+                name: str = "embedding") -> LazyTensor:
+    """Trim padding rows or append new ones so t has `rows` rows."""
+    have = t.shape[0]
+    if rows == have:
+        return t
+    if rows < have:
+        floor = cfg.vocab_size
+        if floor is not None and rows < floor:
+            raise CkptError(f"{name}: refusing to cut {have} rows to {rows}: the true vocabulary has "
+                            f"{floor} rows (from {cfg.vocab_size_source})",
+                            "choose a size at least as large as the true vocabulary")
+        return t.narrow(0, 0, rows)
+    if fill not in PAD_FILLS:
+        raise CkptError(f"unknown --pad-fill {fill!r}", "use zero, mean or last")
+    real = cfg.vocab_size if cfg.vocab_size is not None else have
+
+    def grow(x: torch.Tensor) -> torch.Tensor:
+        extra = rows - have
+        if fill == "zero":
+            pad = x.new_zeros((extra,) + tuple(x.shape[1:]))
+        elif fill == "mean":
+            pad = x[:real].float().mean(0, keepdim=True).to(x.dtype).expand(extra, *x.shape[1:])
+        else:
+            pad = x[real - 1:real].expand(extra, *x.shape[1:])
+        return torch.cat([x, pad], dim=0)
+
+    return Derived(grow, [t])
+
+
+def resize_vocab(tensors: dict, cfg: GPTConfig, rows: int, fill: str = "zero") -> dict:
+    """New tensor dict whose word embedding (and untied output) have `rows` rows."""
+    out = dict(tensors)
+    for name in ("embed.word", "output.weight"):
+        if name in out:
+            out[name] = resize_rows(out[name], rows, cfg, fill, name)
+    return out
