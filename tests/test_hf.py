@@ -73,11 +73,23 @@ def assert_same_tensors(original: Path, exported: Path, tied: bool):
 
 # --- tiny models built by transformers ------------------------------------------------------
 
+def randomise(model: torch.nn.Module) -> torch.nn.Module:
+    """Weights large enough that a wrong activation, norm or bias mapping moves the logits well
+    past the tolerance (the default 0.02 init hides GeLU erf vs tanh below 1e-6)."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n or "ln_" in n:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.15)
+    return model
+
+
 def make_gpt2(d: Path) -> Path:
     torch.manual_seed(0)
     cfg = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, n_inner=64,
                      activation_function="gelu_new", layer_norm_epsilon=1e-5)
-    GPT2LMHeadModel(cfg).save_pretrained(d)
+    randomise(GPT2LMHeadModel(cfg)).save_pretrained(d)
     return d
 
 
@@ -87,12 +99,7 @@ def make_llama(d: Path) -> Path:
                       num_attention_heads=8, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
                       rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
                       tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # random norm weights, so a wrong norm mapping cannot hide behind ones
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(d)
+    randomise(LlamaForCausalLM(cfg)).save_pretrained(d)
     return d
 
 
@@ -102,11 +109,7 @@ def make_qwen2_bin(d: Path) -> Path:
     cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                       rms_norm_eps=1e-6, tie_word_embeddings=False)
-    model = Qwen2ForCausalLM(cfg)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith(".bias"):
-                p.normal_(0, 0.5)
+    model = randomise(Qwen2ForCausalLM(cfg))
     d.mkdir(parents=True)
     cfg.architectures = ["Qwen2ForCausalLM"]
     cfg.save_pretrained(d)
