@@ -272,3 +272,43 @@ def test_console_entry_point(models, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "ckptool", "from-hf", str(tmp_path), str(tmp_path / "x")],
                          env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and bad.stderr.startswith("error:") and "Traceback" not in bad.stderr
+
+
+def test_deeplearningexamples_bert_to_hf(tmp_path):
+    """A DLE-style ckpt_N.pt (BertForPreTraining state under `model`, DLE's `dense_act` names,
+    vocabulary 30 padded to 32) exports to a transformers BertForPreTraining with the true vocab."""
+    from transformers import BertConfig, BertForPreTraining
+    torch.manual_seed(3)
+    dle_conf = {"vocab_size": 30, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "intermediate_size": 64, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
+                "attention_probs_dropout_prob": 0.1, "max_position_embeddings": 16, "type_vocab_size": 2,
+                "initializer_range": 0.02}
+    model = randomise(BertForPreTraining(BertConfig(**dle_conf, layer_norm_eps=1e-12))).eval()
+    sd = {k: v.clone() for k, v in model.state_dict().items() if k != "cls.predictions.decoder.bias"}
+    dle = {}
+    for k, v in sd.items():
+        for mod in ("intermediate.dense.", "pooler.dense.", "transform.dense."):
+            k = k.replace(mod, mod.replace("dense.", "dense_act."))
+        if k in ("bert.embeddings.word_embeddings.weight", "cls.predictions.bias"):
+            v = torch.cat([v, torch.randn((2,) + tuple(v.shape[1:]))])  # run_pretraining pads to 32
+        dle[k] = v
+    dle["cls.predictions.decoder.weight"] = dle["bert.embeddings.word_embeddings.weight"]
+    assert "bert.encoder.layer.1.intermediate.dense_act.weight" in dle
+    ckpt = tmp_path / "run" / "ckpt_5.pt"
+    ckpt.parent.mkdir()
+    torch.save({"model": dle, "optimizer": {"state": {}}, "files": [0, "x.hdf5"]}, ckpt)
+    (tmp_path / "bert_config.json").write_text(json.dumps(dle_conf))
+    out = tmp_path / "hf"
+    cli("to-hf", ckpt, out, "--hf-config", tmp_path / "bert_config.json")
+    got = BertForPreTraining.from_pretrained(str(out), dtype=torch.float32).eval()
+    assert got.config.vocab_size == 30
+    b = saved_tensors(out)
+    assert sorted(b) == sorted(k for k in sd if k != "cls.predictions.decoder.weight")
+    assert all(torch.equal(b[k], sd[k]) for k in b)
+    ids = torch.tensor([[2, 5, 7, 29, 0, 11, 3, 1]])
+    with torch.no_grad():
+        want, have = model(ids), got(ids)
+    assert (want.prediction_logits - have.prediction_logits).abs().max().item() <= 1e-5
+    assert (want.seq_relationship_logits - have.seq_relationship_logits).abs().max().item() <= 1e-5
+    res = CliRunner().invoke(main, ["to-hf", str(ckpt), str(tmp_path / "nocfg")])
+    assert res.exit_code == 2 and "--hf-config" in res.output

@@ -7,7 +7,7 @@ import click
 
 from ..config import Layout, parse_stage_layers
 from ..convert import write_layout
-from ..formats import hf as hf_reader
+from ..formats import dle_bert, hf as hf_reader
 from ..formats.hf_writer import write_hf
 from ..formats.megatron_names import DIALECTS
 from ..formats.registry import open_checkpoint
@@ -25,18 +25,24 @@ from .common import (DTYPES, Progress, human_bytes, print_warnings, read_options
               help="Largest safetensors file (KB/MB/GB decimal, KiB/MiB/GiB binary, as huggingface_hub).")
 @click.option("--tokenizer", type=click.Path(), default=None,
               help="Copy the tokenizer files of this directory into DST.")
+@click.option("--hf-config", type=click.Path(), default=None,
+              help="The model's own config JSON, for sources that store none (DeepLearningExamples BERT "
+                   "ckpt_N.pt: its bert_config.json).")
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
 @source_options
 @reports_errors
-def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, force, **kw):
+def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, hf_config, force, **kw):
     """Export any checkpoint ckptool reads as a Hugging Face model directory.
 
     \b
     GPT-2 style models become GPT2LMHeadModel, Llama style ones LlamaForCausalLM (Qwen2ForCausalLM
     when only QKV has a bias); DST loads with AutoModelForCausalLM.from_pretrained(DST). The
     vocabulary is trimmed to its true size; weights go to safetensors shards of at most
-    --max-shard-size, written one tensor at a time.
+    --max-shard-size, written one tensor at a time. A DeepLearningExamples BERT ckpt_N.pt with
+    --hf-config bert_config.json becomes BertForPreTraining (vocabulary padding trimmed).
     """
+    if dle_bert.looks_like(src):
+        return _bert_to_hf(src, dst, dtype, max_shard_size, tokenizer, hf_config, force)
     ckpt = open_checkpoint(src, read_options(kw))
     bar = Progress(ckpt.total_bytes, "to-hf")
     try:
@@ -52,6 +58,21 @@ def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, force, **kw):
     click.echo(f"  {len(summary['files'])} safetensors file(s), {human_bytes(summary['bytes'])}, "
                f"vocab {summary['vocab_size']}"
                + (f", tokenizer: {', '.join(summary['tokenizer_files'])}" if summary["tokenizer_files"] else ""))
+
+
+def _bert_to_hf(src, dst, dtype, max_shard_size, tokenizer, hf_config, force):
+    from ..errors import require
+    from ..formats.hf_writer import copy_tokenizer
+    require(hf_config is not None, f"{src} is a DeepLearningExamples BERT checkpoint, which stores no config",
+            "pass --hf-config bert_config.json (the file the run trained with)")
+    with atomic_output_dir(dst, sources=[Path(src)], force=force) as tmp:
+        summary = dle_bert.write_hf_bert(Path(src), hf_config, tmp, dtype=DTYPES[dtype] if dtype else None,
+                                         max_shard_size=max_shard_size)
+        if tokenizer:
+            copy_tokenizer(tokenizer, tmp)
+    click.echo(f"to-hf: {src} (DeepLearningExamples BERT) -> {dst} (BertForPreTraining, {summary['dtype']})")
+    click.echo(f"  {len(summary['files'])} safetensors file(s), {human_bytes(summary['bytes'])}, vocab "
+               f"{summary['vocab_size']} (padding rows {summary['padded_rows'] - summary['vocab_size']} trimmed)")
 
 
 @click.command("from-hf")
