@@ -312,3 +312,34 @@ def test_deeplearningexamples_bert_to_hf(tmp_path):
     assert (want.seq_relationship_logits - have.seq_relationship_logits).abs().max().item() <= 1e-5
     res = CliRunner().invoke(main, ["to-hf", str(ckpt), str(tmp_path / "nocfg")])
     assert res.exit_code == 2 and "--hf-config" in res.output
+
+
+@pytest.mark.parametrize("kind", ["llama3_tied", "mistral"])
+def test_llama_variants(tmp_path, kind):
+    """llama3 RoPE scaling with tied embeddings, and Mistral: the reference forward over the read
+    state matches transformers, and the export gives the same logits again."""
+    from transformers import MistralConfig, MistralForCausalLM
+    torch.manual_seed(4)
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)
+    if kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=4096))
+    else:
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_parameters=rope, tie_word_embeddings=True))
+    randomise(model).save_pretrained(tmp_path / "src")
+    want = hf_logits(model)
+    ckpt = open_checkpoint(tmp_path / "src")
+    if kind == "llama3_tied":
+        assert ckpt.config.rope_scaling_factor == 8.0 and ckpt.config.tied_embeddings
+        # the scaling matters here: without it the logits move
+        plain = ckpt.with_tensors(ckpt.tensors, rope_scaling_factor=None)
+        assert (reference.forward(plain, TOKENS) - want).abs().max().item() > 1e-4
+    else:
+        assert any("sliding_window" in w for w in ckpt.warnings)
+    assert (reference.forward(ckpt, TOKENS) - want).abs().max().item() <= 1e-5
+    cli("from-hf", tmp_path / "src", tmp_path / "meg", "--tp", 2, "--pp", 2)
+    cli("to-hf", tmp_path / "meg", tmp_path / "out")
+    assert (hf_logits(tmp_path / "out") - want).abs().max().item() <= 1e-5
+    assert_same_tensors(tmp_path / "src", tmp_path / "out", tied=kind == "llama3_tied")
