@@ -14,6 +14,7 @@ from ..options import ReadOptions
 from ..state import Checkpoint
 
 READER_MODULES = [
+    "ckptool.formats.hf",
     "ckptool.formats.megatron_reader",
 ]
 
