@@ -107,6 +107,10 @@ def _rebuild_from_type(func, new_type, args, state):
     return func(*args)
 
 
+_ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, UnicodeDecodeError, ValueError,
+               EOFError, struct.error, OverflowError)
+
+
 class TorchArchive:
     """Random access to the records of one torch.save zip archive."""
 
@@ -116,7 +120,7 @@ class TorchArchive:
         try:
             with zipfile.ZipFile(self.path) as zf:
                 infos = zf.infolist()
-        except zipfile.BadZipFile as e:
+        except _ZIP_ERRORS as e:  # a damaged central directory fails in many ways inside zipfile
             raise CkptError(f"{self.path}: not a readable torch zip archive ({e})",
                             "the file is truncated or corrupt") from e
         if not infos:
@@ -129,6 +133,9 @@ class TorchArchive:
                 if info.compress_type != zipfile.ZIP_STORED:
                     raise CkptError(f"{self.path}: compressed zip member {info.filename}",
                                     "torch never compresses checkpoints; re-save the file with torch.save")
+                if not 0 <= info.header_offset <= size - 30:
+                    raise CkptError(f"{self.path}: zip entry {info.filename} points outside the file",
+                                    "the file is truncated or corrupt")
                 f.seek(info.header_offset)
                 header = f.read(30)
                 if len(header) < 30 or header[:4] != b"PK\x03\x04":
