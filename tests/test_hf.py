@@ -204,6 +204,8 @@ def test_sharded_output(models, tmp_path):
     assert set(index["weight_map"]) == set(tensors)
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
     assert (hf_logits(out) - hf_logits(src)).abs().max().item() <= 1e-5
+    # and the sharded directory reads back (through its index) to the same logits
+    assert (reference.forward(open_checkpoint(out), TOKENS) - hf_logits(src)).abs().max().item() <= 1e-5
 
 
 def _real_case(name):
@@ -343,3 +345,19 @@ def test_llama_variants(tmp_path, kind):
     cli("to-hf", tmp_path / "meg", tmp_path / "out")
     assert (hf_logits(tmp_path / "out") - want).abs().max().item() <= 1e-5
     assert_same_tensors(tmp_path / "src", tmp_path / "out", tied=kind == "llama3_tied")
+
+
+def test_tokenizer_files_are_copied(models, tmp_path):
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text('{"version": "1.0"}')
+    (tok / "tokenizer_config.json").write_text('{"model_max_length": 32}')
+    (tok / "unrelated.txt").write_text("not a tokenizer file")
+    cli("to-hf", models["gpt2"][0], tmp_path / "o", "--tokenizer", tok)
+    assert (tmp_path / "o" / "tokenizer.json").read_text() == '{"version": "1.0"}'
+    assert (tmp_path / "o" / "tokenizer_config.json").is_file()
+    assert not (tmp_path / "o" / "unrelated.txt").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    res = CliRunner().invoke(main, ["to-hf", str(models["gpt2"][0]), str(tmp_path / "o2"), "--tokenizer", str(empty)])
+    assert res.exit_code == 2 and "no tokenizer files" in res.output and not (tmp_path / "o2").exists()
