@@ -127,7 +127,9 @@ def merge_lazy(parts: Sequence[LazyTensor], rule: Rule, name: str,
         policy = replicas or ReplicaPolicy("first")
         return Derived(lambda *ts: policy.resolve(name, list(ts)), parts, memo=True,
                        shape=parts[0].shape, dtype=parts[0].dtype)
-    shapes = {tuple(p.shape[1:]) if _DIM.get(rule, 0) == 0 else (p.shape[0],) for p in parts}
+    # Megatron cuts every sharded tensor into equal pieces, so the shards' shapes (and dtypes) must match
+    # exactly; a difference on the split dimension too means a damaged or foreign rank file.
+    shapes = {(tuple(p.shape), p.dtype) for p in parts}
     if len(shapes) != 1:
         raise CkptError(f"{name}: shapes {[tuple(p.shape) for p in parts]} are inconsistent across "
                         "tensor-parallel ranks", "the rank files do not belong to one checkpoint")

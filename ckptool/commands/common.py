@@ -101,7 +101,11 @@ def reports_errors(fn: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         debug = bool((click.get_current_context().find_root().obj or {}).get("debug"))
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            sys.stdout.flush()  # a closed pipe shows up here rather than at interpreter exit
+            return result
+        except BrokenPipeError:
+            _quiet_broken_pipe()
         except CkptError as e:
             if debug:
                 traceback.print_exc()
@@ -124,6 +128,18 @@ def reports_errors(fn: Callable) -> Callable:
             sys.exit(1)
 
     return wrapper
+
+
+def _quiet_broken_pipe() -> None:
+    """`ckptool inspect X | head`: the reader went away; stop without a message, like cat does.
+    stdout is pointed at /dev/null so the interpreter's final flush cannot complain again."""
+    import os
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    sys.exit(141)  # the status a process killed by SIGPIPE reports through the shell (128 + 13)
 
 
 def print_warnings(ckpt) -> None:

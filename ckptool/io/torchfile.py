@@ -24,7 +24,8 @@ import torch
 
 from ..errors import CkptError
 from ..lazy import Const, LazyTensor
-from .safe_pickle import SafeUnpickler, StandInPickler, torch_pickle_module
+from .safe_pickle import (UNSUPPORTED_TORCH_REBUILDS, SafeUnpickler, StandInPickler, check_rebuild_from_type,
+                          rebuild_unsupported, torch_pickle_module)
 
 _STORAGE_DTYPES = {
     "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
@@ -101,12 +102,9 @@ def _rebuild_param(data, *rest):
 
 
 def _rebuild_from_type(func, new_type, args, state):
+    # the stored call is func(*args): only our own lazy tensor rebuilds may be named here
+    check_rebuild_from_type(func, new_type, (_rebuild_lazy, _rebuild_param))
     return func(*args)
-
-
-def _rebuild_unsupported(*args, **kwargs):
-    raise CkptError("this torch file holds a tensor kind ckptool does not read "
-                    "(quantized, sparse, nested or device-specific)")
 
 
 class TorchArchive:
@@ -196,9 +194,9 @@ class TorchArchive:
                 ("torch._utils", "_rebuild_parameter"): _rebuild_param,
                 ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_param,
                 ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
-                **{("torch._utils", n): _rebuild_unsupported for n in (
-                    "_rebuild_qtensor", "_rebuild_sparse_tensor", "_rebuild_nested_tensor",
-                    "_rebuild_device_tensor_from_numpy", "_rebuild_meta_tensor_no_storage")},
+                **{(m, n): rebuild_unsupported for m in ("torch._utils", "torch._tensor")
+                   for n in UNSUPPORTED_TORCH_REBUILDS + (
+                       "_rebuild_device_tensor_from_numpy", "_rebuild_meta_tensor_no_storage")},
                 **{("torch", n): _StorageType(d) for n, d in _STORAGE_DTYPES.items()},
                 ("torch.storage", "UntypedStorage"): _StorageType(torch.uint8),
             }
