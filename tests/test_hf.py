@@ -25,6 +25,7 @@ from ckptool.errors import CkptError
 from ckptool.formats import hf as hf_reader
 from ckptool.formats.hf_writer import write_hf, _rotate_half_order
 from ckptool.formats.registry import open_checkpoint
+from ckptool.io.safetensors_header import read_safetensors_header
 from ckptool.lazy import Const
 from ckptool.verify import reference
 
@@ -192,6 +193,7 @@ def test_sharded_output(models, tmp_path):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     tensors = {}
     for f in files:
+        read_safetensors_header(out / f)  # an independent parser: offsets tile the data exactly
         size = 0
         with safe_open(str(out / f), "pt") as h:
             assert h.metadata() == {"format": "pt"}
@@ -361,3 +363,13 @@ def test_tokenizer_files_are_copied(models, tmp_path):
     empty.mkdir()
     res = CliRunner().invoke(main, ["to-hf", str(models["gpt2"][0]), str(tmp_path / "o2"), "--tokenizer", str(empty)])
     assert res.exit_code == 2 and "no tokenizer files" in res.output and not (tmp_path / "o2").exists()
+
+
+def test_truncated_safetensors_is_a_clear_error(models, tmp_path):
+    import shutil
+    src = tmp_path / "cut"
+    shutil.copytree(models["gpt2"][0], src)
+    f = src / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    res = CliRunner().invoke(main, ["from-hf", str(src), str(tmp_path / "o")])
+    assert res.exit_code == 2 and "truncated or corrupt" in res.output and not (tmp_path / "o").exists()
