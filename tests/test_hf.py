@@ -373,3 +373,40 @@ def test_truncated_safetensors_is_a_clear_error(models, tmp_path):
     f.write_bytes(f.read_bytes()[:-100])
     res = CliRunner().invoke(main, ["from-hf", str(src), str(tmp_path / "o")])
     assert res.exit_code == 2 and "truncated or corrupt" in res.output and not (tmp_path / "o").exists()
+
+
+def _variant(ckpt, kind):
+    """Canonical states no HF source above has: the export must still compute what the reference does."""
+    cfg, t = ckpt.config, dict(ckpt.tensors)
+    g = torch.Generator().manual_seed(5)
+    if kind == "gpt2_squared_relu":
+        return ckpt.with_tensors(t, activation="squared_relu")
+    if kind == "gpt2_no_bias":
+        linear_bias = [k for k in t if k.endswith(".bias") and (".attn." in k or ".mlp." in k)]
+        assert linear_bias
+        t = {k: v for k, v in t.items() if k not in linear_bias}
+        return ckpt.with_tensors(t, add_bias_linear=False, add_qkv_bias=False)
+    if kind == "gpt2_untied":
+        t["output.weight"] = Const(torch.randn(t["embed.word"].shape, generator=g))
+        return ckpt.with_tensors(t, tied_embeddings=False)
+    if kind == "llama_all_biases":
+        for i in range(cfg.num_layers):
+            for lin in ("attn.q", "attn.k", "attn.v", "attn.out", "mlp.gate", "mlp.up", "mlp.down"):
+                rows = t[f"layers.{i}.{lin}.weight"].shape[0]
+                t[f"layers.{i}.{lin}.bias"] = Const(torch.randn(rows, generator=g) * 0.3)
+        return ckpt.with_tensors(t, add_bias_linear=True, add_qkv_bias=True)
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind, arch", [("gpt2_squared_relu", "GPT2LMHeadModel"), ("gpt2_no_bias", "GPT2LMHeadModel"),
+                                        ("gpt2_untied", "GPT2LMHeadModel"), ("llama_all_biases", "LlamaForCausalLM")])
+def test_export_matches_reference_forward(models, tmp_path, kind, arch):
+    ckpt = _variant(hf_reader.read(models[kind.split("_")[0]][0]), kind)
+    want = reference.forward(ckpt, TOKENS)[..., :VOCAB]
+    write_hf(ckpt, tmp_path, warn=lambda m: None)
+    conf = json.loads((tmp_path / "config.json").read_text())
+    assert conf["architectures"] == [arch]
+    assert (hf_logits(tmp_path) - want).abs().max().item() <= 1e-5
+    # and it reads back as the same model
+    back = hf_reader.read(tmp_path)
+    assert (reference.forward(back, TOKENS) - want).abs().max().item() <= 1e-5
