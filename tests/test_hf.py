@@ -25,6 +25,7 @@ from ckptool.errors import CkptError
 from ckptool.formats import hf as hf_reader
 from ckptool.formats.hf_writer import write_hf, _rotate_half_order
 from ckptool.formats.registry import open_checkpoint
+from ckptool.io.safetensors_header import read_safetensors_header
 from ckptool.lazy import Const
 from ckptool.verify import reference
 
@@ -192,6 +193,7 @@ def test_sharded_output(models, tmp_path):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     tensors = {}
     for f in files:
+        read_safetensors_header(out / f)  # an independent parser: offsets tile the data exactly
         size = 0
         with safe_open(str(out / f), "pt") as h:
             assert h.metadata() == {"format": "pt"}
@@ -204,6 +206,8 @@ def test_sharded_output(models, tmp_path):
     assert set(index["weight_map"]) == set(tensors)
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
     assert (hf_logits(out) - hf_logits(src)).abs().max().item() <= 1e-5
+    # and the sharded directory reads back (through its index) to the same logits
+    assert (reference.forward(open_checkpoint(out), TOKENS) - hf_logits(src)).abs().max().item() <= 1e-5
 
 
 def _real_case(name):
@@ -343,3 +347,66 @@ def test_llama_variants(tmp_path, kind):
     cli("to-hf", tmp_path / "meg", tmp_path / "out")
     assert (hf_logits(tmp_path / "out") - want).abs().max().item() <= 1e-5
     assert_same_tensors(tmp_path / "src", tmp_path / "out", tied=kind == "llama3_tied")
+
+
+def test_tokenizer_files_are_copied(models, tmp_path):
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text('{"version": "1.0"}')
+    (tok / "tokenizer_config.json").write_text('{"model_max_length": 32}')
+    (tok / "unrelated.txt").write_text("not a tokenizer file")
+    cli("to-hf", models["gpt2"][0], tmp_path / "o", "--tokenizer", tok)
+    assert (tmp_path / "o" / "tokenizer.json").read_text() == '{"version": "1.0"}'
+    assert (tmp_path / "o" / "tokenizer_config.json").is_file()
+    assert not (tmp_path / "o" / "unrelated.txt").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    res = CliRunner().invoke(main, ["to-hf", str(models["gpt2"][0]), str(tmp_path / "o2"), "--tokenizer", str(empty)])
+    assert res.exit_code == 2 and "no tokenizer files" in res.output and not (tmp_path / "o2").exists()
+
+
+def test_truncated_safetensors_is_a_clear_error(models, tmp_path):
+    import shutil
+    src = tmp_path / "cut"
+    shutil.copytree(models["gpt2"][0], src)
+    f = src / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    res = CliRunner().invoke(main, ["from-hf", str(src), str(tmp_path / "o")])
+    assert res.exit_code == 2 and "truncated or corrupt" in res.output and not (tmp_path / "o").exists()
+
+
+def _variant(ckpt, kind):
+    """Canonical states no HF source above has: the export must still compute what the reference does."""
+    cfg, t = ckpt.config, dict(ckpt.tensors)
+    g = torch.Generator().manual_seed(5)
+    if kind == "gpt2_squared_relu":
+        return ckpt.with_tensors(t, activation="squared_relu")
+    if kind == "gpt2_no_bias":
+        linear_bias = [k for k in t if k.endswith(".bias") and (".attn." in k or ".mlp." in k)]
+        assert linear_bias
+        t = {k: v for k, v in t.items() if k not in linear_bias}
+        return ckpt.with_tensors(t, add_bias_linear=False, add_qkv_bias=False)
+    if kind == "gpt2_untied":
+        t["output.weight"] = Const(torch.randn(t["embed.word"].shape, generator=g))
+        return ckpt.with_tensors(t, tied_embeddings=False)
+    if kind == "llama_all_biases":
+        for i in range(cfg.num_layers):
+            for lin in ("attn.q", "attn.k", "attn.v", "attn.out", "mlp.gate", "mlp.up", "mlp.down"):
+                rows = t[f"layers.{i}.{lin}.weight"].shape[0]
+                t[f"layers.{i}.{lin}.bias"] = Const(torch.randn(rows, generator=g) * 0.3)
+        return ckpt.with_tensors(t, add_bias_linear=True, add_qkv_bias=True)
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind, arch", [("gpt2_squared_relu", "GPT2LMHeadModel"), ("gpt2_no_bias", "GPT2LMHeadModel"),
+                                        ("gpt2_untied", "GPT2LMHeadModel"), ("llama_all_biases", "LlamaForCausalLM")])
+def test_export_matches_reference_forward(models, tmp_path, kind, arch):
+    ckpt = _variant(hf_reader.read(models[kind.split("_")[0]][0]), kind)
+    want = reference.forward(ckpt, TOKENS)[..., :VOCAB]
+    write_hf(ckpt, tmp_path, warn=lambda m: None)
+    conf = json.loads((tmp_path / "config.json").read_text())
+    assert conf["architectures"] == [arch]
+    assert (hf_logits(tmp_path) - want).abs().max().item() <= 1e-5
+    # and it reads back as the same model
+    back = hf_reader.read(tmp_path)
+    assert (reference.forward(back, TOKENS) - want).abs().max().item() <= 1e-5

@@ -15,6 +15,7 @@ import torch
 
 from ..config import GPTConfig, Layout
 from ..errors import CkptError, require
+from ..io.safetensors_header import read_safetensors_header
 from ..io.torchfile import load_torch_file
 from ..lazy import Derived, LazyTensor
 from ..options import ReadOptions
@@ -81,22 +82,9 @@ class SafetensorsTensor(LazyTensor):
 
 
 def _safetensors_entries(path: Path) -> Dict[str, LazyTensor]:
-    from safetensors import safe_open
-    from ..io.safetensors_writer import NAME_DTYPES
-    out = {}
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                sl = f.get_slice(key)
-                dt = sl.get_dtype()
-                if dt not in NAME_DTYPES:
-                    raise CkptError(f"{path.name}: {key} has dtype {dt}, which ckptool does not handle")
-                out[key] = SafetensorsTensor(path, key, sl.get_shape(), NAME_DTYPES[dt])
-    except CkptError:
-        raise
-    except Exception as e:  # safetensors raises its own error types for damaged files
-        raise CkptError(f"{path}: not a readable safetensors file ({e})", "re-download or re-save the model")
-    return out
+    # The header is validated (offsets tile the buffer, sizes match shapes) before anything is read.
+    header = read_safetensors_header(path)
+    return {name: SafetensorsTensor(path, name, e.shape, e.dtype) for name, e in header.tensors.items()}
 
 
 def _bin_entries(path: Path) -> Dict[str, LazyTensor]:
