@@ -329,18 +329,25 @@ class StreamingTorchWriter:
     def nbytes(self) -> int:
         return sum(ps.lazy.nbytes for ps in self.pending)
 
-    def write(self, ps: "_PendingStorage", tensor: Optional[torch.Tensor] = None) -> int:
+    def prepare(self, ps: "_PendingStorage", tensor: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """ps's tensor loaded, checked against the plan and laid out exactly as it will be stored."""
         t = ps.lazy.load() if tensor is None else tensor
         if t.dtype != ps.lazy.dtype or tuple(t.shape) != tuple(ps.lazy.shape):
             raise CkptError(f"internal: tensor {ps.key} of {self.path.name} has shape "
                             f"{tuple(t.shape)} {t.dtype}, planned {tuple(ps.lazy.shape)} {ps.lazy.dtype}")
         t = t.detach().cpu().contiguous()
-        nbytes = t.numel() * t.element_size()
-        if t.storage_offset() != 0 or t.untyped_storage().nbytes() != nbytes:
+        if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
             t = t.clone()  # a view: write exactly its own bytes
+        return t
+
+    def write_prepared(self, ps: "_PendingStorage", t: torch.Tensor) -> int:
+        nbytes = t.numel() * t.element_size()
         self._writer.write_record(f"data/{ps.key}", t.untyped_storage(), nbytes)
         self._done.add(ps.key)
         return nbytes
+
+    def write(self, ps: "_PendingStorage", tensor: Optional[torch.Tensor] = None) -> int:
+        return self.write_prepared(ps, self.prepare(ps, tensor))
 
     def finish(self) -> None:
         missing = [ps.key for ps in self.pending if ps.key not in self._done]
@@ -370,23 +377,43 @@ def save_streaming(obj: Any, path, on_tensor=None) -> int:
 def write_grouped(writers: list, group_of, on_tensor=None) -> int:
     """Write several StreamingTorchWriters together, one group (e.g. one layer) at a time.
 
-    group_of(lazy) -> sortable key. Within a group all files' tensors are written inside one
-    load_scope, so a merged source tensor feeding several target ranks is read once; peak
-    memory stays at about one group.
+    group_of(lazy) -> sortable key. Within a group all files' tensors are loaded inside one
+    load_scope, so a merged source tensor feeding several target ranks is read once. Loading
+    (reads, merges, splits) and writing overlap: one writer thread stores group g while this
+    thread loads group g+1, and g+2 waits until g is on disk, so at most two groups are in memory.
+    torch and os release the GIL in file I/O and tensor ops, so the two really run together.
     """
+    from concurrent.futures import ThreadPoolExecutor
     from ..lazy import load_scope
+    from .memory import bound_heap, trim
+    bound_heap()
     groups: dict = {}
     for w in writers:
         for ps in w.pending:
             groups.setdefault(group_of(ps.lazy), []).append((w, ps))
     total = 0
-    for key in sorted(groups, key=lambda k: (k is None, k)):
-        with load_scope():
-            for w, ps in groups[key]:
-                n = w.write(ps)
-                total += n
-                if on_tensor:
-                    on_tensor(n)
+
+    def store(items):
+        n = 0
+        for w, ps, t in items:
+            k = w.write_prepared(ps, t)
+            n += k
+            if on_tensor:
+                on_tensor(k)
+        return n
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptool-writer") as pool:
+        in_flight = None
+        for key in sorted(groups, key=lambda k: (k is None, k)):
+            with load_scope():
+                items = [(w, ps, w.prepare(ps)) for w, ps in groups[key]]
+            if in_flight is not None:
+                total += in_flight.result()
+                trim()
+            in_flight = pool.submit(store, items)
+            del items
+        if in_flight is not None:
+            total += in_flight.result()
     for w in writers:
         w.finish()
     return total
