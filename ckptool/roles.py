@@ -22,7 +22,7 @@ import torch
 
 from .config import GPTConfig
 from .errors import CkptError
-from .lazy import Derived, LazyTensor, cat
+from .lazy import Derived, LazyTensor, cat, cat_shape
 from .sharding import ReplicaPolicy, Rule, merge_lazy, split_lazy
 
 # role -> rule.  fc1 is GATED for SwiGLU models and COLUMN otherwise (see rule_for).
@@ -192,7 +192,8 @@ def layer_role_tensor(tensors: Dict[str, LazyTensor], cfg: GPTConfig, layer: int
         same = _refused(parts)
         if same is not None and same.shape[0] == qkv_rows(cfg):
             return same
-        return Derived(lambda q, k, v: fuse_qkv(q, k, v, cfg), parts, memo=True)
+        return Derived(lambda q, k, v: fuse_qkv(q, k, v, cfg), parts, memo=True,
+                       shape=cat_shape([p.shape for p in parts]), dtype=parts[0].dtype)
     if role.startswith("fc1."):
         up = tensors.get(f"{p}mlp.up.{kind}")
         if cfg.gated:
