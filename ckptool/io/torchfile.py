@@ -50,11 +50,11 @@ class StorageRef:
 
     def read(self, first: int, count: int) -> torch.Tensor:
         """Elements [first, first+count) of this storage as a 1-D tensor that owns its memory."""
-        item = torch.empty((), dtype=self.dtype).element_size()
-        data = self.archive.read_record(self.key, first * item, count * item)
-        if count == 0:
-            return torch.empty(0, dtype=self.dtype)
-        return torch.frombuffer(data, dtype=self.dtype)
+        out = torch.empty(count, dtype=self.dtype)  # uninitialised: pread fills it, no zeroing pass
+        if count:
+            item = out.element_size()
+            self.archive.read_record_into(self.key, first * item, out.view(torch.uint8).numpy())
+        return out
 
 
 class StoredTensor(LazyTensor):
@@ -149,16 +149,19 @@ class TorchArchive:
             raise CkptError(f"{self.path}: big-endian checkpoints are not supported")
 
     def _read(self, offset: int, length: int) -> bytearray:
+        buf = bytearray(length)
+        self._read_into(offset, memoryview(buf))
+        return buf
+
+    def _read_into(self, offset: int, view: memoryview) -> None:
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDONLY)
-        buf = bytearray(length)
-        view, done = memoryview(buf), 0
+        length, done = len(view), 0
         while done < length:
             chunk = os.preadv(self._fd, [view[done:]], offset + done)
             if chunk <= 0:
                 raise CkptError(f"{self.path}: unexpected end of file", "the file is truncated")
             done += chunk
-        return buf
 
     def read_record(self, key: str, start: int = 0, length: Optional[int] = None) -> bytearray:
         rec = self.records.get(f"data/{key}")
@@ -170,6 +173,18 @@ class TorchArchive:
             raise CkptError(f"{self.path}: tensor data past the end of record data/{key}",
                             "the file is corrupt")
         return self._read(offset + start, length)
+
+    def read_record_into(self, key: str, start: int, out) -> None:
+        """Fill out (a writable byte buffer) from record data/{key} at byte start."""
+        view = memoryview(out).cast("B")
+        rec = self.records.get(f"data/{key}")
+        if rec is None:
+            raise CkptError(f"{self.path}: storage record data/{key} is missing", "the file is corrupt")
+        offset, size = rec
+        if start + len(view) > size:
+            raise CkptError(f"{self.path}: tensor data past the end of record data/{key}",
+                            "the file is corrupt")
+        self._read_into(offset + start, view)
 
     def close(self):
         if self._fd is not None:
