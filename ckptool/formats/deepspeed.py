@@ -13,6 +13,7 @@ always visible in `inspect`.
 """
 from __future__ import annotations
 
+import copy
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -109,6 +110,7 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
         else:
             cfg, tensors, layout, dialect = _read_hf_gpt(tf, named, opts)
     layout.dp = r0.dp
+    args = _args_with_true_vocab(r0.meta.get("args"), cfg)
     stage = f"zero-{r0.zero_stage}" if r0.zero_stage else "no ZeRO"
     if r0.optimizer_kind == "bf16_optimizer":
         stage = "BF16_Optimizer"
@@ -116,7 +118,7 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     info = SourceInfo(path=str(path), format=FORMAT,
                       dialect=f"{dialect}, {stage}, {weights} weights ({str(dtype).replace('torch.', '')})",
                       layout=layout, iteration=r0.meta.get("iteration", r0.meta.get("global_steps")),
-                      checkpoint_version=r0.meta.get("checkpoint_version"), args=r0.meta.get("args"),
+                      checkpoint_version=r0.meta.get("checkpoint_version"), args=args,
                       extra={"replica_policy": policy, "weights": weights, "zero_stage": r0.zero_stage,
                              "optimizer": r0.optimizer_kind, "tag_dir": str(tf.tag_dir),
                              "universal_checkpoint_info": r0.meta.get("universal_checkpoint_info")})
@@ -127,6 +129,19 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
         raise CkptError(f"{tf.tag_dir}: {len(missing)} tensors of the model are missing (e.g. {missing[0]})",
                         "the checkpoint is incomplete")
     return Checkpoint(cfg, tensors, info, warnings)
+
+
+def _args_with_true_vocab(args, cfg):
+    """A copy of args whose vocab_size is the true vocabulary, so written checkpoints keep it.
+
+    Megatron-DeepSpeed's NullTokenizer adds an end-of-document token: args.vocab_size 1000 means
+    1001 real rows (universal_checkpoint_info.original_vocab_size). Writers copy args.vocab_size,
+    and a later reader of the output would trim a real row."""
+    if args is None or cfg.vocab_size is None or getattr(args, "vocab_size", None) in (None, cfg.vocab_size):
+        return args
+    fixed = copy.copy(args)
+    fixed.vocab_size = cfg.vocab_size
+    return fixed
 
 
 def _gpt_config(args, rows: int, meta: dict, opts: ReadOptions, num_layers: int):
