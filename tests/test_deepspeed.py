@@ -471,3 +471,86 @@ def test_synthetic_errors(tmp_path):
     with pytest.raises(CkptError, match="no ZeRO optimizer shards"):
         open_checkpoint(tmp_path, ReadOptions(weights="master"))
     assert open_checkpoint(tmp_path).source.extra["weights"] == "model"
+
+
+def _write_pipeline(tmp_path, t, era, untied, qkv, tp=2, heads=2, layers=2):
+    """Synthetic: Megatron-DeepSpeed pipeline layer files (deepspeed.md 4.1) for PP=1, TP=tp, weights
+    only (no optimizer shards). era 'old': layers from spec index 3, final norm L+4; 'new': from 2, L+2,
+    untied LM head at L+3."""
+    tag = tmp_path / "global_step5"
+    tag.mkdir()
+    (tmp_path / "latest").write_text("global_step5")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("5")
+    first = 3 if era == "old" else 2
+    h = t["word"].shape[1]
+    hd = h // heads
+    hl = heads // tp
+    for r in range(tp):
+        sl0 = lambda x: x.chunk(tp, 0)[r]  # noqa: E731
+        sl1 = lambda x: x.chunk(tp, 1)[r]  # noqa: E731
+        torch.save({"word_embeddings.weight": sl0(t["word"]), "position_embeddings.weight": t["pos"]},
+                   tag / f"layer_01-model_{r:02d}-model_states.pt")
+        for i in range(layers):
+            rows = slice(r * hl * hd, (r + 1) * hl * hd)
+            qs = [t[f"{i}.{x}"][rows] for x in "qkv"]
+            bs = [t[f"{i}.{x}b"][rows] for x in "qkv"]
+            fused = (_per_head_qkv(*qs, hl), _per_head_qkv(*bs, hl)) if qkv == "grouped" else (torch.cat(qs), torch.cat(bs))
+            torch.save({"input_layernorm.weight": t[f"{i}.ln1.w"], "input_layernorm.bias": t[f"{i}.ln1.b"],
+                        "self_attention.query_key_value.weight": fused[0],
+                        "self_attention.query_key_value.bias": fused[1],
+                        "self_attention.dense.weight": sl1(t[f"{i}.o"]), "self_attention.dense.bias": t[f"{i}.ob"],
+                        "post_attention_layernorm.weight": t[f"{i}.ln2.w"],
+                        "post_attention_layernorm.bias": t[f"{i}.ln2.b"],
+                        "mlp.dense_h_to_4h.weight": sl0(t[f"{i}.up"]), "mlp.dense_h_to_4h.bias": sl0(t[f"{i}.upb"]),
+                        "mlp.dense_4h_to_h.weight": sl1(t[f"{i}.down"]), "mlp.dense_4h_to_h.bias": t[f"{i}.downb"]},
+                       tag / f"layer_{first + i:02d}-model_{r:02d}-model_states.pt")
+        norm_idx = layers + (4 if era == "old" else 2)
+        torch.save({"weight": t["final_norm.weight"], "bias": t["final_norm.bias"]},
+                   tag / f"layer_{norm_idx:02d}-model_{r:02d}-model_states.pt")
+        if untied:
+            torch.save({"lm_head.weight": sl0(t["head"])}, tag / f"layer_{norm_idx + 1:02d}-model_{r:02d}-model_states.pt")
+        args = _args(tp=tp)
+        args.untie_embeddings_and_output_weights = untied
+        torch.save({"module": None, "buffer_names": [], "optimizer": None, "param_shapes": None,
+                    "args": args, "iteration": 5, "checkpoint_version": 3.0, "mp_world_size": tp},
+                   tag / f"mp_rank_{r:02d}_model_states.pt")
+
+
+@pytest.mark.parametrize("era,untied,qkv", [("old", False, "grouped"), ("new", True, "grouped"), ("new", False, "split")])
+def test_synthetic_mds_pipeline_layer_files(tmp_path, era, untied, qkv):
+    """Synthetic: both layer-numbering eras, the untied lm_head file, TP=2, both QKV packings."""
+    t = _rand_gpt(h=8, heads=2, vocab=16, seed=7)
+    t["head"] = torch.randn(16, 8)
+    _write_pipeline(tmp_path, t, era, untied, qkv)
+    assert detect_format(tmp_path) == "deepspeed"
+    ckpt = open_checkpoint(tmp_path, ReadOptions(qkv_layout=qkv))
+    assert "model weights" in ckpt.source.dialect and ckpt.source.layout.tp == 2
+    assert ckpt.config.tied_embeddings == (not untied) and ckpt.config.num_layers == 2
+    _check_canonical(ckpt, t)
+    if untied:
+        assert torch.equal(ckpt.tensors["output.weight"].load(), t["head"])
+    else:
+        assert "output.weight" not in ckpt.tensors
+    with pytest.raises(CkptError, match="no ZeRO optimizer shards"):
+        open_checkpoint(tmp_path, ReadOptions(weights="master"))
+
+
+@needs_ds
+@pytest.mark.deepspeed
+def test_zero3_reads_only_one_parameters_bytes(ds_cases, monkeypatch):
+    """Streaming: gathering one ZeRO-3 parameter reads its slices, not the ranks' whole flat groups."""
+    from ckptool.io import torchfile
+    read = []
+    orig = torchfile.StorageRef.read
+
+    def counting(self, first, count):
+        read.append(count * torch.empty((), dtype=self.dtype).element_size())
+        return orig(self, first, count)
+    monkeypatch.setattr(torchfile.StorageRef, "read", counting)
+    _, named = ds.consolidate_hf_state(ds_cases / "gpt2-3-bf16" / "ckpt")
+    read.clear()
+    t = named["transformer.h.0.attn.c_proj.weight"]
+    t.load()
+    assert sum(read) <= 4 * (t.numel + 2)  # fp32, plus at most one padding element per rank
+    total = sum(v.nbytes for v in named.values())
+    assert sum(read) < total / 10
