@@ -20,13 +20,18 @@ GPT2 = dict(n_embd=63, n_head=7, n_layer=2, vocab_size=1001, n_positions=32,
 BERT = dict(hidden_size=63, num_attention_heads=7, num_hidden_layers=2, intermediate_size=101,
             vocab_size=1001, max_position_embeddings=32, hidden_dropout_prob=0.0,
             attention_probs_dropout_prob=0.0)
-FROZEN = {"gpt2": "transformer.wpe.weight", "bert": "bert.embeddings.token_type_embeddings.weight"}
+LLAMA = dict(hidden_size=56, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+             intermediate_size=97, vocab_size=1001, max_position_embeddings=32, tie_word_embeddings=False)
+FROZEN = {"gpt2": "transformer.wpe.weight", "bert": "bert.embeddings.token_type_embeddings.weight",
+          "llama": "model.layers.0.input_layernorm.weight"}
 
 
 def build(model_name):
     torch.manual_seed(0)
     if model_name == "gpt2":
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2))
+    elif model_name == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
     else:
         model = transformers.BertForMaskedLM(transformers.BertConfig(**BERT))
     model.get_parameter(FROZEN[model_name]).requires_grad_(False)

@@ -39,6 +39,7 @@ needs_ds = pytest.mark.skipif(not HAVE_DS, reason="the deepspeed package cannot 
 
 GPT2_CASES = ["gpt2-1-bf16", "gpt2-2-bf16", "gpt2-3-bf16", "gpt2-1-fp16", "gpt2-2-fp16", "gpt2-3-fp16"]
 BERT_CASES = ["bert-3-bf16", "bert-2-fp16"]
+LLAMA_CASES = ["llama-3-bf16"]
 
 
 @pytest.fixture(scope="session")
@@ -48,7 +49,7 @@ def ds_cases(tmp_path_factory):
     out = tmp_path_factory.mktemp("ds_cases")
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29531",
-           str(REPO / "tests" / "ds_train_cases.py"), str(out), *GPT2_CASES, *BERT_CASES]
+           str(REPO / "tests" / "ds_train_cases.py"), str(out), *GPT2_CASES, *BERT_CASES, *LLAMA_CASES]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return out
@@ -63,21 +64,24 @@ def _load_all(tensors):
 
 @needs_ds
 @pytest.mark.deepspeed
-@pytest.mark.parametrize("case", GPT2_CASES + BERT_CASES)
+@pytest.mark.parametrize("case", GPT2_CASES + BERT_CASES + LLAMA_CASES)
 def test_master_weights_equal_engine_fp32_bit_for_bit(ds_cases, case):
     truth = torch.load(ds_cases / case / "truth.pt")
     hf_cfg, named = ds.consolidate_hf_state(ds_cases / case / "ckpt")
     got = _load_all(named)
     assert hf_cfg["model_type"] == case.split("-")[0]
-    frozen = {"gpt2": "transformer.wpe.weight", "bert": "bert.embeddings.token_type_embeddings.weight"}[case[:4]]
+    frozen = {"gpt2": "transformer.wpe.weight", "bert": "bert.embeddings.token_type_embeddings.weight",
+              "llama": "model.layers.0.input_layernorm.weight"}[case.split("-")[0]]
     for name, want in truth.items():
         assert name in got, name
         assert got[name].dtype == want.dtype, name
         assert got[name].shape == want.shape, name
         assert torch.equal(got[name], want), f"{case} {name}"
     assert frozen in got
-    # the tied alias is left for HF to re-tie
-    assert "lm_head.weight" not in got and "cls.predictions.decoder.weight" not in got
+    if case.startswith("llama"):  # untied: the head is a parameter of its own
+        assert "lm_head.weight" in truth and "lm_head.weight" in got
+    else:  # the tied alias is left for HF to re-tie
+        assert "lm_head.weight" not in got and "cls.predictions.decoder.weight" not in got
 
 
 @needs_ds
@@ -119,6 +123,24 @@ def test_gpt2_logits_through_transformers(ds_cases, case, tmp_path):
     with torch.no_grad():
         hf = model(tokens).logits
     assert torch.equal(model.lm_head.weight, model.transformer.wte.weight)
+    assert (hf - ref).abs().max().item() < 2e-5
+
+
+@needs_ds
+@pytest.mark.deepspeed
+def test_llama_gqa_swiglu_logits_through_transformers(ds_cases, tmp_path):
+    import transformers
+    from safetensors.torch import save_file
+    ckpt = open_checkpoint(ds_cases / "llama-3-bf16" / "ckpt")
+    assert ckpt.config.gated and ckpt.config.num_query_groups == 2 and not ckpt.config.tied_embeddings
+    tokens = torch.randint(0, 1001, (2, 12), generator=torch.Generator().manual_seed(0))
+    ref = forward(ckpt, tokens)
+    hf_cfg, named = ds.consolidate_hf_state(ds_cases / "llama-3-bf16" / "ckpt")
+    save_file({k: v.load().float().contiguous() for k, v in named.items()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(hf_cfg))
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf = model(tokens).logits
     assert (hf - ref).abs().max().item() < 2e-5
 
 

@@ -30,7 +30,7 @@ from ..roles import assemble
 from ..sharding import ReplicaPolicy
 from ..state import Checkpoint, SourceInfo, expected_names
 from . import megatron_args
-from .deepspeed_hf_names import gpt2_config, gpt2_to_canonical
+from .deepspeed_hf_names import HF_GPT_FAMILIES
 from .deepspeed_zero import RankStates, find_files, looks_like_deepspeed, read_rank
 from .megatron import detect_dialect, flatten, _config as megatron_config
 from .megatron_names import KeyMatcher, is_ignorable, qkv_to_grouped
@@ -327,15 +327,16 @@ def _read_hf_gpt(tf, named, opts):
         raise CkptError(f"{tf.tag_dir}: the parameter names ({sample}, ...) are not Megatron's and no "
                         "config.json sits beside the checkpoint", "give --hf-config PATH (the model's config.json)")
     mt = hf.get("model_type")
-    if mt != "gpt2":
+    if mt not in HF_GPT_FAMILIES:
         raise CkptError(f"{tf.tag_dir} holds a Hugging Face {mt} model, which is not a GPT ckptool can reshard",
                         "use `ckptool to-hf SRC DST` to consolidate it into a Hugging Face model")
     n = {k[len("module."):] if k.startswith("module.") else k: v for k, v in named[0].items()}
-    rows = n["transformer.wte.weight"].shape[0]
-    cfg = gpt2_config(hf, rows)
+    word, make_config, to_canonical = HF_GPT_FAMILIES[mt]
+    require(word in n, f"{tf.tag_dir}: no {word} among the parameters", "the config.json belongs to another model")
+    cfg = make_config(hf, n[word].shape[0])
     if opts.true_vocab_size is not None:
         cfg = cfg.replace(vocab_size=opts.true_vocab_size, vocab_size_source="--true-vocab-size")
-    return cfg, gpt2_to_canonical(n, cfg), Layout(tp=1, pp=1), "hf gpt2"
+    return cfg, to_canonical(n, cfg), Layout(tp=1, pp=1), f"hf {mt}"
 
 
 def consolidate_hf_state(path, opts: Optional[ReadOptions] = None) -> Tuple[dict, Dict[str, LazyTensor]]:

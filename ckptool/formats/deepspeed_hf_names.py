@@ -1,7 +1,8 @@
-"""Hugging Face GPT-2 parameter names -> canonical names, for HF models trained under DeepSpeed.
+"""Hugging Face GPT-2 / Llama parameter names -> canonical names, for HF models trained under DeepSpeed.
 
-A minimal table of our own (the HF engineer's formats/hf.py was not available on this branch);
-GPT-2's Conv1D stores weights as [in, out], so they are transposed, and c_attn holds [q | k | v].
+A minimal table of our own (the HF engineer's formats/hf.py was not on this branch; once merged,
+this can defer to its tables). GPT-2's Conv1D stores weights as [in, out], so they are transposed,
+and c_attn holds [q | k | v]. Llama names map one to one.
 """
 from __future__ import annotations
 
@@ -73,3 +74,59 @@ def gpt2_to_canonical(named: Dict[str, LazyTensor], cfg: GPTConfig) -> Dict[str,
         else:
             raise CkptError(f"unexpected GPT-2 parameter {name!r}", "ckptool reads GPT2LMHeadModel / GPT2Model")
     return out
+
+
+# --- Llama (LlamaForCausalLM) ------------------------------------------------------------------
+LLAMA_GLOBALS = {"model.embed_tokens.weight": "embed.word", "model.norm.weight": "final_norm.weight",
+                 "lm_head.weight": "output.weight"}
+LLAMA_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "mlp_norm.weight"}
+for _hf, _c in (("self_attn.q_proj", "attn.q"), ("self_attn.k_proj", "attn.k"), ("self_attn.v_proj", "attn.v"),
+                ("self_attn.o_proj", "attn.out"), ("mlp.gate_proj", "mlp.gate"), ("mlp.up_proj", "mlp.up"),
+                ("mlp.down_proj", "mlp.down")):
+    for _p in ("weight", "bias"):
+        LLAMA_LAYER[f"{_hf}.{_p}"] = f"{_c}.{_p}"
+LLAMA_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def llama_config(hf: dict, rows: int) -> GPTConfig:
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise CkptError(f"Llama hidden_act {act!r} is not SwiGLU's silu", "ckptool converts SwiGLU Llama models")
+    rope = dict(hf.get("rope_parameters") or {})
+    if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
+        raise CkptError("Llama rope scaling is not supported for DeepSpeed-trained HF models",
+                        "convert the consolidated model with `ckptool to-hf` and read that")
+    bias = bool(hf.get("attention_bias", False))
+    nh = hf["num_attention_heads"]
+    return GPTConfig(num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=nh,
+                     num_query_groups=hf.get("num_key_value_heads") or nh, head_dim=hf.get("head_dim"),
+                     ffn_hidden_size=hf["intermediate_size"], padded_vocab_size=rows,
+                     vocab_size=hf.get("vocab_size"), vocab_size_source="config.json vocab_size",
+                     max_position_embeddings=hf.get("max_position_embeddings", 2048), position_embedding="rope",
+                     rotary_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+                     normalization="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6), activation="swiglu",
+                     add_bias_linear=bias and bool(hf.get("mlp_bias", False)), add_qkv_bias=bias,
+                     tied_embeddings=bool(hf.get("tie_word_embeddings", False)))
+
+
+def llama_to_canonical(named: Dict[str, LazyTensor], cfg: GPTConfig) -> Dict[str, LazyTensor]:
+    out: Dict[str, LazyTensor] = {}
+    for name, t in named.items():
+        if name in LLAMA_GLOBALS:
+            if not (name == "lm_head.weight" and cfg.tied_embeddings):
+                out[LLAMA_GLOBALS[name]] = t
+            continue
+        m = LLAMA_LAYER_RE.match(name)
+        if not m or m.group(2) not in LLAMA_LAYER:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            raise CkptError(f"unexpected Llama parameter {name!r}", "ckptool reads LlamaForCausalLM")
+        out[f"layers.{m.group(1)}.{LLAMA_LAYER[m.group(2)]}"] = t
+    return out
+
+
+# model_type -> (word-embedding name, config builder, name mapper)
+HF_GPT_FAMILIES = {
+    "gpt2": ("transformer.wte.weight", gpt2_config, gpt2_to_canonical),
+    "llama": ("model.embed_tokens.weight", llama_config, llama_to_canonical),
+}
