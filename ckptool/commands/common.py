@@ -34,6 +34,15 @@ def source_options(fn: Callable) -> Callable:
                      help="Attention heads, for checkpoints that store no args (2019 Megatron files)."),
         click.option("--num-query-groups", type=int, default=None,
                      help="Query groups (GQA), for checkpoints that store no args."),
+        click.option("--weights", type=click.Choice(["master", "model"]), default=None,
+                     help="DeepSpeed: fp32 master weights from the ZeRO optimizer shards (default where present) "
+                          "or the 16-bit module weights the engine saved."),
+        click.option("--qkv-layout", type=click.Choice(["grouped", "split"]), default=None,
+                     help="Megatron-DeepSpeed fused QKV packing per TP rank: per group/head [q,k,v] "
+                          "(before 2024-12, default) or [all q | all k | all v] (since 2024-12)."),
+        click.option("--hf-config", type=click.Path(), default=None,
+                     help="DeepSpeed runs of Hugging Face models: the model's config.json (or its directory); "
+                          "found automatically beside the checkpoint."),
         click.option("--activation", type=click.Choice(["gelu", "gelu_tanh", "swiglu", "squared_relu"]),
                      default=None, help="Override the MLP activation read from the checkpoint."),
     ]
