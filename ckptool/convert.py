@@ -25,6 +25,14 @@ def _megatron_writer(ckpt, out_dir, layout, **kw):
 WRITERS["torch"] = _megatron_writer
 
 
+def _dist_writer(ckpt, out_dir, layout, **kw):
+    from .formats.dist import write_torch_dist
+    return write_torch_dist(ckpt, out_dir, layout, **kw)
+
+
+WRITERS["torch_dist"] = _dist_writer
+
+
 def write_layout(ckpt: Checkpoint, dst, layout: Layout, fmt: Optional[str] = None, force: bool = False,
                  progress: Optional[Callable[[int], None]] = None, warn: Callable[[str], None] = print,
                  **kw) -> dict:
