@@ -28,6 +28,14 @@ WRITERS["torch"] = _megatron_writer
 SHARED_WRITERS = {"torch"}
 
 
+def _dist_writer(ckpt, out_dir, layout, **kw):
+    from .formats.dist import write_torch_dist
+    return write_torch_dist(ckpt, out_dir, layout, **kw)
+
+
+WRITERS["torch_dist"] = _dist_writer
+
+
 def write_layout(ckpt: Checkpoint, dst, layout: Layout, fmt: Optional[str] = None, force: bool = False,
                  progress: Optional[Callable[[int], None]] = None, warn: Callable[[str], None] = print,
                  **kw) -> dict:

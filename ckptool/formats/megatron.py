@@ -90,9 +90,16 @@ def looks_like_megatron(path: Path) -> bool:
     path = Path(path)
     if not path.is_dir():
         return False
-    if _rank_dirs(path) or (path / TRACKER).is_file() or (path / "release").is_dir():
+    if _rank_dirs(path):
         return True
-    return any(ITER_DIR.match(p.name) for p in path.iterdir())
+    if not ((path / TRACKER).is_file() or (path / "release").is_dir()
+            or any(ITER_DIR.match(p.name) for p in path.iterdir())):
+        return False
+    try:  # a torch_dist save has the same tracker and iter_* dirs, but no mp_rank_* inside
+        it_dir, _, _ = resolve_iteration_dir(path)
+    except CkptError:
+        return True  # let the reader report what is wrong
+    return not ((it_dir / "metadata.json").is_file() or (it_dir / ".metadata").is_file())
 
 
 def _model_file(rank_dir: Path) -> Path:

@@ -1,0 +1,375 @@
+"""megatron-core `torch_dist` checkpoints and plain torch.distributed.checkpoint (DCP) directories.
+
+Facts (shared/reference/megatron.md section 8): an iteration directory holds metadata.json
+({"sharded_backend": "torch_dist", ...}), the DCP index `.metadata`, data files `__R_N.distcp`, and
+the non-sharded "common" state (args, checkpoint_version, iteration) in `common.pt` or, since
+Megatron-LM #5160, as the byte entry `common_state/shard_0_1` (torch.save([state])) inside the DCP.
+Tensors are stored with GLOBAL shapes, already TP-merged: QKV in grouped order, SwiGLU fc1 as
+[all gate; all up]. Homogeneous layers are stacked on a leading axis (`decoder.layers.<name>`,
+[L, ...]); other models use `decoder.layers.{i}.<name>`. Norms use Transformer-Engine names even
+for local layers. A plain DCP save of a model's sharded_state_dict (megatron-core's simple training
+loop) has the same keys, possibly under `model.` / `model.module.`, and stores no args.
+
+The reader never imports Megatron and needs no process group (io/dcp_io.py reads the chunks).
+The writer produces one stacked, full-shape chunk per layer: megatron-core reshards on load, so
+the same files load at any TP/PP.
+"""
+from __future__ import annotations
+
+import io
+import json
+import re
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ..config import GPTConfig, Layout, check_tensor_parallel
+from ..errors import CkptError, require
+from ..io.dcp_io import METADATA, DcpDir, DcpWriter
+from ..io.torchfile import load_torch_bytes, load_torch_file, save_streaming
+from ..lazy import LazyTensor, load_scope
+from ..options import ReadOptions
+from ..roles import GLOBAL_ROLES, LAYER_ROLES, assemble, global_role_tensor, layer_role_tensor
+from ..sharding import ReplicaPolicy
+from ..state import Checkpoint, SourceInfo, expected_names
+from ..vocab import resize_vocab, target_rows
+from . import megatron_args
+from .megatron import TRACKER, resolve_iteration_dir
+
+FORMAT = "torch_dist"
+CONFIG_FILE = "metadata.json"
+COMMON_FILE = "common.pt"
+COMMON_KEY = "common_state/shard_0_1"
+
+GLOBAL_KEYS = {
+    "embedding.word_embeddings.weight": "word",
+    "embedding.position_embeddings.weight": "pos",
+    "decoder.final_layernorm.weight": "final_norm.weight",
+    "decoder.final_layernorm.bias": "final_norm.bias",
+    "output_layer.weight": "output",
+}
+# Layer names as dist checkpoints store them (TE norm names) -> role.  WRITE_NAMES is what we write.
+WRITE_NAMES = {
+    "attn_norm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "attn_norm.bias": "self_attention.linear_qkv.layer_norm_bias",
+    "qkv.weight": "self_attention.linear_qkv.weight",
+    "qkv.bias": "self_attention.linear_qkv.bias",
+    "q_norm.weight": "self_attention.q_layernorm.weight",
+    "q_norm.bias": "self_attention.q_layernorm.bias",
+    "k_norm.weight": "self_attention.k_layernorm.weight",
+    "k_norm.bias": "self_attention.k_layernorm.bias",
+    "proj.weight": "self_attention.linear_proj.weight",
+    "proj.bias": "self_attention.linear_proj.bias",
+    "mlp_norm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "mlp_norm.bias": "mlp.linear_fc1.layer_norm_bias",
+    "fc1.weight": "mlp.linear_fc1.weight",
+    "fc1.bias": "mlp.linear_fc1.bias",
+    "fc2.weight": "mlp.linear_fc2.weight",
+    "fc2.bias": "mlp.linear_fc2.bias",
+}
+LAYER_KEYS = {v: k for k, v in WRITE_NAMES.items()}
+# Local-spec names, found in plain DCP saves of model.state_dict() (not sharded_state_dict()).
+LAYER_KEYS.update({
+    "input_layernorm.weight": "attn_norm.weight", "input_layernorm.bias": "attn_norm.bias",
+    "pre_mlp_layernorm.weight": "mlp_norm.weight", "pre_mlp_layernorm.bias": "mlp_norm.bias",
+})
+# ShardedObjects megatron-core expects per layer (local spec: 4, TE spec adds core_attention).
+EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
+               "mlp.linear_fc2", "self_attention.core_attention")
+MODEL_PREFIXES = ("model.module.module.", "model.module.", "model.", "module.", "")
+# Entries that are not model weights: skipped.
+SKIP = re.compile(r"(_extra_state|^rng_state|^optimizer\.|^common_state|rerun_state_machine)")
+PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+STACKED = re.compile(r"^decoder\.layers\.(.+)$")
+
+
+# --- locating -------------------------------------------------------------------------------
+
+def _is_dist_dir(d: Path) -> bool:
+    return d.is_dir() and ((d / METADATA).is_file() or (d / CONFIG_FILE).is_file())
+
+
+def locate(path: Path, iteration: Optional[int] = None) -> Tuple[Path, Optional[int], bool]:
+    """(directory holding .metadata, iteration, release?) for a save dir or an iteration dir."""
+    path = Path(path)
+    if _is_dist_dir(path):
+        m = re.match(r"^iter_(\d{7})$", path.name)
+        return path, (int(m.group(1)) if m else None), path.name == "release"
+    return resolve_iteration_dir(path, iteration)
+
+
+def looks_like(path: Path) -> bool:
+    path = Path(path)
+    if not path.is_dir():
+        return False
+    if _is_dist_dir(path):
+        return True
+    if not ((path / TRACKER).is_file() or any(p.name.startswith("iter_") for p in path.iterdir())):
+        return False
+    try:
+        d, _, _ = resolve_iteration_dir(path)
+    except CkptError:
+        return False
+    return _is_dist_dir(d)
+
+
+def _backend(d: Path) -> Optional[str]:
+    f = d / CONFIG_FILE
+    if not f.is_file():
+        return None  # plain DCP (torch_dcp / fsdp_dtensor / a bare dist_checkpointing save)
+    try:
+        cfg = json.loads(f.read_text())
+    except (ValueError, OSError) as e:
+        raise CkptError(f"{f}: not valid JSON ({e})", "the checkpoint is corrupt")
+    backend = cfg.get("sharded_backend") if isinstance(cfg, dict) else None
+    if backend == "zarr":
+        raise CkptError(f"{d}: a megatron-core checkpoint in the legacy zarr backend, which ckptool does "
+                        "not read", "re-save it as torch_dist with megatron-core <= 0.14 "
+                        "(tools/checkpoint/convert.py or --ckpt-convert-format torch_dist)")
+    if backend not in ("torch_dist", "torch"):
+        raise CkptError(f"{f}: unknown sharded_backend {backend!r}", "ckptool reads torch_dist checkpoints")
+    return backend
+
+
+def read_common_state(d: Path, dcp: DcpDir) -> dict:
+    """The non-sharded state: common.pt (older) or the in-DCP common_state entry (newer)."""
+    if (d / COMMON_FILE).is_file():
+        state = load_torch_file(d / COMMON_FILE)
+    elif COMMON_KEY in dcp.entries:
+        state = load_torch_bytes(dcp.read_bytes(COMMON_KEY), source=f"{d.name}:{COMMON_KEY}")
+        if isinstance(state, (list, tuple)) and len(state) == 1:
+            state = state[0]
+    else:
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+# --- reading --------------------------------------------------------------------------------
+
+def _model_prefix(keys: List[str]) -> str:
+    for p in MODEL_PREFIXES:
+        if any(k.startswith(p) and k[len(p):] == "embedding.word_embeddings.weight" for k in keys):
+            return p
+    sample = ", ".join(sorted(keys)[:4])
+    raise CkptError(f"no word embedding (embedding.word_embeddings.weight) among the DCP tensors "
+                    f"(e.g. {sample})", "ckptool reads megatron-core GPT models saved with "
+                    "dist_checkpointing or torch.distributed.checkpoint")
+
+
+def _collect(dcp: DcpDir) -> Tuple[Dict[Tuple[str, Optional[int]], List[LazyTensor]], bool]:
+    """{(role, global layer or None): [lazy]} and whether layers were stacked."""
+    keys = dcp.tensor_keys()
+    prefix = _model_prefix(keys)
+    shards: Dict[Tuple[str, Optional[int]], List[LazyTensor]] = {}
+    unknown, stacked = [], False
+    for key in keys:
+        if SKIP.search(key) or not key.startswith(prefix):
+            continue
+        k = key[len(prefix):]
+        if k in GLOBAL_KEYS:
+            shards[(GLOBAL_KEYS[k], None)] = [dcp.lazy(key)]
+            continue
+        m = PER_LAYER.match(k)
+        if m and m.group(2) in LAYER_KEYS:
+            shards[(LAYER_KEYS[m.group(2)], int(m.group(1)))] = [dcp.lazy(key)]
+            continue
+        m = STACKED.match(k)
+        if m and m.group(1) in LAYER_KEYS:
+            stacked = True
+            size = tuple(dcp.entries[key].size)
+            for i in range(size[0]):
+                shards[(LAYER_KEYS[m.group(1)], i)] = [dcp.lazy(key, (i,), (1,) + size[1:], squeeze=1)]
+            continue
+        unknown.append(key)
+    if unknown:
+        raise CkptError(f"{len(unknown)} tensors are not part of a megatron-core GPT model "
+                        f"(e.g. {', '.join(sorted(unknown)[:3])})",
+                        "ckptool converts dense GPT models (no MoE, MLA or hybrid layers)")
+    return shards, stacked
+
+
+_OVERRIDABLE = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                "max_position_embeddings", "activation", "normalization", "norm_eps", "position_embedding",
+                "rotary_base", "make_vocab_size_divisible_by", "head_dim")
+
+
+def config_from_shapes(shards, num_layers: int, stored_rows: int, ov: dict, warn) -> GPTConfig:
+    """No args stored (a bare dist_checkpointing.save): sizes from shapes, the rest from flags."""
+    hidden = shards[("word", None)][0].shape[1]
+    heads = ov.get("num_attention_heads")
+    if not heads:
+        raise CkptError("this checkpoint stores no args (a bare dist_checkpointing/DCP save), and the number "
+                        "of attention heads cannot be read from tensor shapes",
+                        "give --num-attention-heads N (and --num-query-groups for GQA), or "
+                        "--args-from A_CHECKPOINT_OF_THE_SAME_RUN")
+    head_dim = ov.get("head_dim") or hidden // heads
+    qkv = shards.get(("qkv.weight", 0))
+    groups = ov.get("num_query_groups")
+    if groups is None and qkv is not None:
+        groups = (qkv[0].shape[0] // head_dim - heads) // 2
+    fc2 = shards.get(("fc2.weight", 0))
+    fc1 = shards.get(("fc1.weight", 0))
+    ffn = fc2[0].shape[1] if fc2 else 4 * hidden
+    gated = bool(fc1) and fc1[0].shape[0] == 2 * ffn
+    activation = ov.get("activation") or ("swiglu" if gated else "gelu")
+    if not ov.get("activation") and not gated:
+        warn("no args stored: assuming exact (erf) GeLU; pass --activation gelu_tanh if the model used "
+             "the tanh approximation")
+    pos = shards.get(("pos", None))
+    if not pos and not ov.get("position_embedding"):
+        warn("no args stored and no position embedding table: assuming rotary positions with base "
+             f"{ov.get('rotary_base', 10000)}")
+    kw = dict(num_layers=num_layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
+              head_dim=head_dim, ffn_hidden_size=ffn, padded_vocab_size=stored_rows,
+              max_position_embeddings=pos[0].shape[0] if pos else ov.get("max_position_embeddings", 0),
+              position_embedding="learned" if pos else "rope",
+              normalization="layernorm" if ("attn_norm.bias", 0) in shards else "rmsnorm",
+              activation=activation, add_bias_linear=("proj.bias", 0) in shards,
+              add_qkv_bias=("qkv.bias", 0) in shards,
+              qk_layernorm=("q_norm.weight", 0) in shards,
+              tied_embeddings=("output", None) not in shards)
+    kw.update({k: v for k, v in ov.items() if k in _OVERRIDABLE})
+    return GPTConfig(**kw)
+
+
+def _args_from(path: str):
+    """args (or a config) of another checkpoint of the same run, for --args-from."""
+    from .registry import open_checkpoint
+    other = open_checkpoint(path, ReadOptions())
+    return other.source.args, other.config
+
+
+def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
+    opts = opts or ReadOptions()
+    d, iteration, release = locate(Path(path), opts.iteration)
+    backend = _backend(d)
+    dcp = DcpDir(d)
+    common = read_common_state(d, dcp)
+    shards, stacked = _collect(dcp)
+    layers = sorted({layer for _, layer in shards if layer is not None})
+    num_layers = layers[-1] + 1 if layers else 0
+    missing = sorted(set(range(num_layers)) - set(layers))
+    if missing:
+        raise CkptError(f"{d}: layers {missing} have no tensors", "the checkpoint is incomplete")
+    stored_rows = shards[("word", None)][0].shape[0]
+    warnings: List[str] = []
+    ov = {k: v for k, v in opts.overrides.items() if v is not None}
+    args = common.get("args")
+    cfg_src = "the checkpoint's args"
+    if args is None and opts.args_from:
+        args, other_cfg = _args_from(opts.args_from)
+        cfg_src = f"--args-from {opts.args_from}"
+        if args is None:
+            cfg = other_cfg.replace(padded_vocab_size=stored_rows, num_layers=num_layers)
+    if args is not None:
+        cfg = megatron_args.config_from_args(args, stored_rows)
+        cfg = cfg.replace(**{k: v for k, v in ov.items() if k in _OVERRIDABLE})
+    elif not opts.args_from:
+        cfg_src = "tensor shapes and flags"
+        cfg = config_from_shapes(shards, num_layers, stored_rows, ov, warnings.append)
+    if ov.get("vocab_size"):
+        cfg = cfg.replace(vocab_size=ov["vocab_size"], vocab_size_source="--vocab-size")
+    if opts.true_vocab_size is not None:
+        cfg = cfg.replace(vocab_size=opts.true_vocab_size, vocab_size_source="--true-vocab-size")
+    require(cfg.vocab_size is None or cfg.vocab_size <= stored_rows,
+            f"the true vocabulary ({cfg.vocab_size}) exceeds the {stored_rows} embedding rows stored")
+    require(cfg.num_layers == num_layers, f"{cfg_src} say {cfg.num_layers} layers but the checkpoint holds "
+            f"{num_layers}", "the checkpoint is incomplete or its args are wrong")
+    if cfg.tied_embeddings:
+        shards.pop(("output", None), None)  # a tied model's synchronised head copy
+    policy = ReplicaPolicy(opts.replicas, warnings.append)
+    tensors = assemble(cfg, shards, policy)
+    order = {n: i for i, n in enumerate(expected_names(cfg))}
+    tensors = dict(sorted(tensors.items(), key=lambda kv: (order.get(kv[0], 1 << 30), kv[0])))
+    tp = getattr(args, "tensor_model_parallel_size", None) or 1
+    pp = getattr(args, "pipeline_model_parallel_size", None) or 1
+    info = SourceInfo(path=str(path), format=FORMAT,
+                      dialect="mcore-dist" if stacked else "mcore-dist-per-layer",
+                      layout=Layout(tp=tp, pp=pp), release=release,
+                      iteration=iteration if iteration is not None else common.get("iteration"),
+                      checkpoint_version=common.get("checkpoint_version"), args=args,
+                      extra={"replica_policy": policy, "plain_dcp": backend is None})
+    return Checkpoint(cfg, tensors, info, warnings)
+
+
+# --- writing --------------------------------------------------------------------------------
+
+def _global_fqn(role: str) -> str:
+    return {v: k for k, v in GLOBAL_KEYS.items()}[role]
+
+
+def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Optional[torch.dtype] = None,
+                     divisible_by: Optional[int] = None, pad_fill: str = "zero", iteration: Optional[int] = None,
+                     progress: Optional[Callable[[int], None]] = None, warn=print, **_ignored) -> dict:
+    """Write ckpt as a megatron-core torch_dist checkpoint (save dir: tracker + iter_XXXXXXX/).
+
+    Tensors are full and stacked; `layout` only sets the args (and the vocab padding for its TP):
+    megatron-core cuts the shards it needs at load time, whatever its TP/PP.
+    """
+    cfg = ckpt.config
+    check_tensor_parallel(cfg, layout.tp)
+    layout.chunks(cfg.num_layers)  # validates the pipeline split the args will describe
+    rows = target_rows(cfg, layout.tp, divisible_by, warn)
+    tensors = resize_vocab(ckpt.tensors, cfg, rows, pad_fill)
+    cfg_out = cfg.replace(padded_vocab_size=rows,
+                          make_vocab_size_divisible_by=divisible_by or cfg.make_vocab_size_divisible_by)
+    out_dtype = dtype or next(iter(tensors.values())).dtype
+    iteration = iteration if iteration is not None else (ckpt.source.iteration or 0)
+    src_args = ckpt.source.args if ckpt.source.format in ("megatron", "torch_dist", "deepspeed") else None
+    args = megatron_args.args_for_target(src_args, cfg_out, layout, rows, out_dtype, False,
+                                         getattr(src_args, "transformer_impl", None) or "transformer_engine",
+                                         3.0, iteration)
+    args.ckpt_format = "torch_dist"
+    common = {"args": args, "checkpoint_version": 3.0, "iteration": iteration}
+
+    it_dir = Path(out_dir) / f"iter_{iteration:07d}"
+    writer = DcpWriter(it_dir)
+
+    def put(fqn: str, t: torch.Tensor, global_shape, offsets) -> None:
+        if dtype is not None:
+            t = t.to(dtype)
+        writer.declare(fqn, global_shape, t.dtype)
+        n = writer.add_chunk(fqn, t, offsets)
+        if progress:
+            progress(n)
+
+    def put_global(role: str) -> None:
+        full = global_role_tensor(tensors, role)
+        if full is not None:
+            t = full.load()
+            put(_global_fqn(role), t, t.shape, (0,) * t.dim())
+
+    L = cfg.num_layers
+    put_global("word")
+    put_global("pos")
+    for i in range(L):
+        with load_scope():
+            for role in LAYER_ROLES:
+                full = layer_role_tensor(tensors, cfg_out, i, role)
+                if full is None:
+                    continue
+                t = full.load().unsqueeze(0)
+                put(f"decoder.layers.{WRITE_NAMES[role]}", t, (L,) + tuple(t.shape[1:]), (i,) + (0,) * (t.dim() - 1))
+        for name in EXTRA_STATE:  # local layers' extra state is None; megatron-core asks for the objects
+            buf = io.BytesIO()
+            torch.save(None, buf)
+            writer.add_bytes(f"decoder.layers.{name}._extra_state/shard_{i}_{L}", buf.getvalue())
+    put_global("final_norm.weight")
+    put_global("final_norm.bias")
+    if not cfg.tied_embeddings:
+        put_global("output")
+
+    # Common state twice: common.pt for older readers, the common_state entry for newer ones.
+    # Written by our streaming pickler so StandIn enums from a source's args keep their names.
+    save_streaming(common, it_dir / "common.pt")
+    blob = it_dir / ".common_state.tmp"
+    save_streaming([common], blob)
+    writer.add_bytes(COMMON_KEY, blob.read_bytes())
+    blob.unlink()
+    writer.finish()
+    (it_dir / CONFIG_FILE).write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                  "common_backend": "torch", "common_backend_version": 1}))
+    (Path(out_dir) / TRACKER).write_text(str(iteration))
+    return {"iteration_dir": it_dir.name, "files": 1, "bytes": writer.bytes_written, "padded_vocab_size": rows,
+            "dialect": "torch_dist", "checkpoint_version": 3.0}

@@ -1,0 +1,183 @@
+"""torch.distributed.checkpoint (DCP) directories, read and written without a process group.
+
+On disk (shared/reference/hf-and-peers.md section 4.2): `.metadata` is a pickle of DCP's Metadata
+(global shape, dtype and chunk list per tensor; where each chunk's bytes live); `__{rank}_{n}.distcp`
+files hold every chunk as a torch.save blob at [offset, offset + length). torch's own reader
+unpickles `.metadata` and byte entries with plain pickle, so ckptool reads both with its restricted
+unpickler and slices the chunk blobs itself: a DcpTensor reads only the chunks that overlap the
+region it stands for (one layer of a stacked [L, ...] tensor), so memory stays near one layer.
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   MetadataIndex, TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+from ..errors import CkptError
+from ..lazy import LazyTensor
+from .safe_pickle import safe_loads
+from .torchfile import load_torch_bytes
+
+METADATA = ".metadata"
+
+
+class DcpDir:
+    """An opened DCP directory: its metadata, and ranged reads of its entries."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        md_path = self.path / METADATA
+        if not md_path.is_file():
+            raise CkptError(f"{self.path}: no {METADATA} file (the torch.distributed.checkpoint index)",
+                            "the checkpoint is incomplete: the save was interrupted or a file was not copied")
+        md = safe_loads(md_path.read_bytes(), source=str(md_path))
+        if not isinstance(md, Metadata):
+            raise CkptError(f"{md_path} does not hold torch.distributed.checkpoint Metadata "
+                            f"(found {type(md).__name__})")
+        self.metadata = md
+        # storage_data keys compare on (fqn, offset); index by fqn -> {offsets: info}
+        self.storage: Dict[str, Dict[Optional[Tuple[int, ...]], _StorageInfo]] = {}
+        for idx, info in (md.storage_data or {}).items():
+            off = tuple(idx.offset) if idx.offset is not None else None
+            self.storage.setdefault(idx.fqn, {})[off] = info
+
+    @property
+    def entries(self) -> dict:
+        return self.metadata.state_dict_metadata
+
+    def tensor_keys(self) -> List[str]:
+        return [k for k, v in self.entries.items() if isinstance(v, TensorStorageMetadata)]
+
+    def _read(self, fqn: str, offsets: Optional[Tuple[int, ...]]) -> bytes:
+        info = self.storage.get(fqn, {}).get(offsets)
+        if info is None:
+            raise CkptError(f"{self.path / METADATA}: no storage entry for {fqn} at offset {offsets}",
+                            "the metadata file is corrupt")
+        if info.transform_descriptors:
+            raise CkptError(f"{fqn}: stored with stream transforms {list(info.transform_descriptors)} "
+                            "(e.g. compression), which ckptool does not read",
+                            "re-save the checkpoint without DCP storage extensions")
+        f = self.path / info.relative_path
+        if not f.is_file():
+            raise CkptError(f"{self.path}: chunk file {info.relative_path} is missing (needed for {fqn})",
+                            "copy the complete checkpoint directory; every __*_*.distcp file is needed")
+        with open(f, "rb") as fh:
+            fh.seek(info.offset)
+            data = fh.read(info.length)
+        if len(data) != info.length:
+            raise CkptError(f"{f} is truncated: {fqn} needs bytes {info.offset}..{info.offset + info.length}",
+                            "the checkpoint was not copied completely")
+        return data
+
+    def read_bytes(self, fqn: str) -> bytes:
+        return self._read(fqn, None)
+
+    def read_chunk(self, fqn: str, chunk: ChunkStorageMetadata) -> torch.Tensor:
+        t = load_torch_bytes(self._read(fqn, tuple(chunk.offsets)), source=f"{self.path.name}:{fqn}")
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(chunk.sizes):
+            raise CkptError(f"{fqn}: chunk at {tuple(chunk.offsets)} holds "
+                            f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}, "
+                            f"metadata says {tuple(chunk.sizes)}", "the checkpoint is corrupt")
+        return t
+
+    def lazy(self, fqn: str, offsets: Sequence[int] = (), sizes: Optional[Sequence[int]] = None,
+             squeeze: int = 0) -> "DcpTensor":
+        return DcpTensor(self, fqn, offsets, sizes, squeeze)
+
+
+class DcpTensor(LazyTensor):
+    """A region [offsets, offsets + sizes) of a DCP tensor; `squeeze` leading axes dropped (the
+    layer axis of a stacked tensor). load() reads only the overlapping chunks."""
+
+    def __init__(self, d: DcpDir, fqn: str, offsets: Sequence[int] = (), sizes=None, squeeze: int = 0):
+        md = d.entries[fqn]
+        full = tuple(md.size)
+        offsets = tuple(offsets) + (0,) * (len(full) - len(offsets))
+        sizes = tuple(sizes) if sizes is not None else tuple(f - o for f, o in zip(full, offsets))
+        self.dir, self.fqn, self.offsets, self.sizes, self.squeeze = d, fqn, offsets, sizes, squeeze
+        self.dtype = md.properties.dtype
+        self.shape = torch.Size(sizes[squeeze:])
+
+    def load(self) -> torch.Tensor:
+        out = torch.empty(self.sizes, dtype=self.dtype)
+        covered = 0
+        for chunk in self.dir.entries[self.fqn].chunks:
+            lo = [max(a, c) for a, c in zip(self.offsets, chunk.offsets)]
+            hi = [min(a + s, c + cs) for a, s, c, cs in zip(self.offsets, self.sizes, chunk.offsets, chunk.sizes)]
+            if any(h <= l for l, h in zip(lo, hi)):
+                continue
+            data = self.dir.read_chunk(self.fqn, chunk)
+            src, dst = data, out
+            for dim, (l, h) in enumerate(zip(lo, hi)):
+                src = src.narrow(dim, l - chunk.offsets[dim], h - l)
+                dst = dst.narrow(dim, l - self.offsets[dim], h - l)
+            dst.copy_(src)
+            covered += src.numel()
+        if covered != out.numel():
+            raise CkptError(f"{self.fqn}: the stored chunks cover {covered} of the {out.numel()} elements "
+                            f"of region {self.offsets}+{self.sizes}", "the checkpoint is incomplete")
+        for _ in range(self.squeeze):
+            out = out.squeeze(0)
+        return out
+
+
+# --- writing --------------------------------------------------------------------------------
+
+class DcpWriter:
+    """Writes one __0_0.distcp data file and the .metadata index, one chunk in memory at a time.
+
+    The .metadata pickle references only torch.distributed.checkpoint classes, so torch's own
+    FileSystemReader (and megatron-core's loader on top of it) opens it.
+    """
+
+    def __init__(self, path: Path, data_file: str = "__0_0.distcp"):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.data_file = data_file
+        self.fh = open(self.path / data_file, "wb")
+        self.entries: Dict[str, object] = {}
+        self.storage: Dict[MetadataIndex, _StorageInfo] = {}
+        self.bytes_written = 0
+
+    def _append(self, payload: bytes) -> Tuple[int, int]:
+        offset = self.fh.tell()
+        self.fh.write(payload)
+        self.bytes_written += len(payload)
+        return offset, len(payload)
+
+    def declare(self, fqn: str, global_shape: Sequence[int], dtype: torch.dtype) -> None:
+        if fqn not in self.entries:
+            self.entries[fqn] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=dtype), size=torch.Size(global_shape), chunks=[])
+
+    def add_chunk(self, fqn: str, tensor: torch.Tensor, offsets: Sequence[int]) -> int:
+        md = self.entries[fqn]
+        if tensor.dtype != md.properties.dtype:
+            raise CkptError(f"internal: {fqn} chunk is {tensor.dtype}, declared {md.properties.dtype}")
+        buf = io.BytesIO()
+        torch.save(tensor.detach().contiguous().clone(), buf)  # clone: never save a view's whole storage
+        off, length = self._append(buf.getvalue())
+        offsets = torch.Size(offsets)
+        md.chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=tensor.shape))
+        self.storage[MetadataIndex(fqn, offsets)] = _StorageInfo(self.data_file, off, length)
+        return length
+
+    def add_bytes(self, fqn: str, payload: bytes) -> None:
+        self.entries[fqn] = BytesStorageMetadata()
+        off, length = self._append(payload)
+        self.storage[MetadataIndex(fqn)] = _StorageInfo(self.data_file, off, length)
+
+    def finish(self) -> None:
+        self.fh.flush()
+        os.fsync(self.fh.fileno())
+        self.fh.close()
+        md = Metadata(state_dict_metadata=self.entries, planner_data={}, storage_data=self.storage)
+        with open(self.path / METADATA, "wb") as f:
+            pickle.dump(md, f)

@@ -1,0 +1,155 @@
+"""Helper run under `torchrun --nproc-per-node 2` (gloo, CPU) with the real megatron-core package.
+
+  save DIR --tp T [--arch gpt2|llama] [--with-args]   build a tiny GPTModel, save it with
+        dist_checkpointing.save (as megatron-core's simple training loop does); --with-args adds the
+        common state a Megatron-LM training run stores (args, checkpoint_version, iteration) and
+        the tracker file + iter_0000007/ directory.
+  load DIR --tp T [--arch ...] --out FILE   load DIR into a fresh GPTModel with dist_checkpointing.load
+        and write rank 0's full state (all-gathered over TP) + logits for fixed tokens to FILE.
+
+Both modes write logits for TOKENS so tests can compare them with ckptool's reference forward.
+"""
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+# megatron-core's async filesystem writer calls torch.cuda.synchronize() even for CPU tensors,
+if not torch.cuda.is_available():
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"  # its failure all-reduce asks for a CUDA device
+
+VOCAB = 100  # padded to 128 by the saving run (divisible_by 64 x TP 2)
+PADDED = 128
+SEQ = 16
+TOKENS = torch.tensor([[1, 5, 9, 33, 2, 70, 99, 4, 8, 15, 16, 23, 42, 7, 0, 3],
+                       [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26]])
+
+ARCHS = {
+    # learned positions, LayerNorm, GeLU, biases, tied embeddings
+    "gpt2": dict(cfg=dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64),
+                 model=dict(position_embedding_type="learned_absolute",
+                            share_embeddings_and_output_weights=True)),
+    # rope, RMSNorm, SwiGLU, GQA, no biases, untied
+    "llama": dict(cfg=dict(num_layers=3, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                           ffn_hidden_size=48, normalization="RMSNorm", gated_linear_unit=True,
+                           activation_func=torch.nn.functional.silu, add_bias_linear=False,
+                           bias_activation_fusion=False),
+                  model=dict(position_embedding_type="rope", share_embeddings_and_output_weights=False)),
+}
+
+
+def build(arch, tp):
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    torch.manual_seed(1234)  # same on every rank: replicated params (norms, biases) must agree
+    a = ARCHS[arch]
+    cfg = TransformerConfig(use_cpu_initialization=True, pipeline_dtype=torch.float32,
+                            hidden_dropout=0.0, attention_dropout=0.0, **a["cfg"])
+    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization=a["cfg"].get("normalization", "LayerNorm")),
+                     vocab_size=PADDED, max_sequence_length=SEQ, **a["model"])
+    with torch.no_grad():  # non-trivial norms and biases so a mix-up shows in the logits
+        for name, p in model.named_parameters():
+            if "layernorm" in name or name.endswith(".bias") or "layer_norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.eval()
+    return model, cfg
+
+
+def logits(model):
+    # attention dropout forks the CUDA RNG tracker; dropout is 0 here, so a no-op fork is exact
+    import contextlib
+    from megatron.core import tensor_parallel
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    pos = torch.arange(SEQ).unsqueeze(0).expand(2, SEQ)
+    with torch.no_grad():
+        # explicit causal mask (True = masked): the default one is built on a CUDA device
+        mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+        out = model(TOKENS, pos, attention_mask=mask)
+    # [b, s, V/tp] -> gather over TP
+    group = parallel_state.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(out) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, out.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def megatron_args(arch, cfg, tp):
+    a = ARCHS[arch]
+    return argparse.Namespace(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads, kv_channels=cfg.kv_channels,
+        group_query_attention=cfg.num_query_groups not in (None, cfg.num_attention_heads),
+        num_query_groups=cfg.num_query_groups, max_position_embeddings=SEQ, seq_length=SEQ,
+        position_embedding_type=a["model"]["position_embedding_type"],
+        normalization=cfg.normalization, norm_epsilon=cfg.layernorm_epsilon,
+        swiglu=cfg.gated_linear_unit, add_bias_linear=cfg.add_bias_linear,
+        add_qkv_bias=cfg.add_qkv_bias,
+        untie_embeddings_and_output_weights=not a["model"]["share_embeddings_and_output_weights"],
+        vocab_size=VOCAB, padded_vocab_size=PADDED, make_vocab_size_divisible_by=64,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, ckpt_format="torch_dist",
+        use_legacy_models=False, transformer_impl="local", tokenizer_type="NullTokenizer",
+        bias_gelu_fusion=False, openai_gelu=False, rotary_base=10000, rotary_percent=1.0)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["save", "load"])
+    ap.add_argument("dir")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--arch", default="gpt2")
+    ap.add_argument("--with-args", action="store_true")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    dist.init_process_group("gloo")
+    model, cfg = build(a.arch, a.tp)
+    rank = dist.get_rank()
+    root = Path(a.dir)
+    if a.mode == "save":
+        sd = model.sharded_state_dict(prefix="")
+        target = root
+        if a.with_args:
+            target = root / "iter_0000007"
+            sd["args"] = megatron_args(a.arch, cfg, a.tp)
+            sd["checkpoint_version"] = 3.0
+            sd["iteration"] = 7
+        if rank == 0:
+            target.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(sd, str(target))
+        if rank == 0 and a.with_args:
+            (root / "latest_checkpointed_iteration.txt").write_text("7")
+        out = logits(model)
+        if rank == 0:
+            torch.save({"tokens": TOKENS, "logits": out}, root / "mcore_logits.pt" if a.with_args
+                       else Path(str(root) + ".logits.pt"))
+    else:
+        d = root
+        tracker = root / "latest_checkpointed_iteration.txt"
+        if tracker.is_file():
+            d = root / f"iter_{int(tracker.read_text()):07d}"
+        sd = model.sharded_state_dict(prefix="")
+        loaded = dist_checkpointing.load(sd, str(d))
+        model.load_state_dict({k: v for k, v in loaded.items() if not isinstance(v, (int, float, argparse.Namespace))},
+                              strict=False)
+        out = logits(model)
+        full = {}
+        for k, v in model.state_dict().items():
+            if isinstance(v, torch.Tensor) and not k.endswith("_extra_state"):
+                full[k] = v.detach().clone()
+        if rank == 0:
+            torch.save({"tokens": TOKENS, "logits": out, "common": {k: v for k, v in loaded.items()
+                                                                     if k in ("iteration", "checkpoint_version")},
+                        "state": full}, a.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
