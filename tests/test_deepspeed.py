@@ -55,6 +55,12 @@ def ds_cases(tmp_path_factory):
     return out
 
 
+def _cli(*argv):
+    from click.testing import CliRunner
+    from ckptool.cli import main
+    return CliRunner().invoke(main, list(argv))
+
+
 def _load_all(tensors):
     with load_scope():
         return {k: v.load().clone() for k, v in tensors.items()}
@@ -167,14 +173,13 @@ def test_bert_consolidates_to_a_loadable_hf_model(ds_cases, tmp_path):
 @pytest.mark.deepspeed
 def test_cli_inspect_and_merge_of_a_zero3_run(ds_cases, tmp_path):
     src = ds_cases / "gpt2-3-bf16" / "ckpt"
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    res = subprocess.run([sys.executable, "-m", "ckptool", "inspect", str(src), "--no-tensors"],
-                         capture_output=True, text=True, env=env)
-    assert res.returncode == 0, res.stderr
-    assert "deepspeed" in res.stdout and "zero-3" in res.stdout and "master weights" in res.stdout
-    res = subprocess.run([sys.executable, "-m", "ckptool", "merge", str(src), str(tmp_path / "m")],
-                         capture_output=True, text=True, env=env)
-    assert res.returncode == 0, res.stderr
+    res = _cli("inspect", str(src), "--no-tensors")
+    assert res.exit_code == 0, res.output
+    assert "deepspeed" in res.output and "zero-3" in res.output and "master weights" in res.output
+    res = _cli("merge", str(src), str(tmp_path / "m"))
+    assert res.exit_code == 0, res.output
+    res = _cli("inspect", str(src), "--weights", "model")
+    assert res.exit_code == 2 and res.output.count("\n") == 1 and "error: " in res.output
     a, b = open_checkpoint(src), open_checkpoint(tmp_path / "m")
     tokens = torch.arange(12).reshape(1, 12)
     assert torch.allclose(forward(a, tokens), forward(b, tokens)[..., :1001], atol=1e-6, rtol=0)
@@ -217,10 +222,8 @@ def test_real_mds_master_weights_differ_and_tied_copy_is_reported():
 @needs_mds
 def test_real_mds_merge_keeps_logits(tmp_path):
     ref = torch.load(MDS / "reference_logits.pt")
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    res = subprocess.run([sys.executable, "-m", "ckptool", "merge", str(MDS / "checkpoint"), str(tmp_path / "m"),
-                          "--weights", "model"], capture_output=True, text=True, env=env)
-    assert res.returncode == 0, res.stderr
+    res = _cli("merge", str(MDS / "checkpoint"), str(tmp_path / "m"), "--weights", "model")
+    assert res.exit_code == 0, res.output
     merged = open_checkpoint(tmp_path / "m")
     assert merged.config.vocab_size == 1001
     logits = forward(merged, ref["tokens"])
