@@ -1,13 +1,14 @@
 """Helper run under `torchrun --nproc-per-node 2` (gloo, CPU) with the real megatron-core package.
 
-  save DIR --tp T [--arch gpt2|llama] [--with-args]   build a tiny GPTModel, save it with
+  "save DIR --tp T [--arch gpt2|llama] [--with-args] --out FILE"   build a tiny GPTModel, save it with
         dist_checkpointing.save (as megatron-core's simple training loop does); --with-args adds the
         common state a Megatron-LM training run stores (args, checkpoint_version, iteration) and
         the tracker file + iter_0000007/ directory.
-  load DIR --tp T [--arch ...] --out FILE   load DIR into a fresh GPTModel with dist_checkpointing.load
-        and write rank 0's full state (all-gathered over TP) + logits for fixed tokens to FILE.
+  "load DIR --tp T [--arch ...] --out FILE"   load DIR into a fresh GPTModel with
+        dist_checkpointing.load (every parameter must be found) and write the common state it saw.
 
-Both modes write logits for TOKENS so tests can compare them with ckptool's reference forward.
+Both modes write the model's logits for TOKENS (gathered over TP) to FILE, for comparison with
+ckptool's reference forward. Several quoted jobs may follow one another on the command line.
 """
 import argparse
 import os
@@ -98,16 +99,7 @@ def megatron_args(arch, cfg, tp):
         bias_gelu_fusion=False, openai_gelu=False, rotary_base=10000, rotary_percent=1.0)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["save", "load"])
-    ap.add_argument("dir")
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--arch", default="gpt2")
-    ap.add_argument("--with-args", action="store_true")
-    ap.add_argument("--out")
-    a = ap.parse_args()
-    dist.init_process_group("gloo")
+def run_job(a):
     model, cfg = build(a.arch, a.tp)
     rank = dist.get_rank()
     root = Path(a.dir)
@@ -127,8 +119,7 @@ def main():
             (root / "latest_checkpointed_iteration.txt").write_text("7")
         out = logits(model)
         if rank == 0:
-            torch.save({"tokens": TOKENS, "logits": out}, root / "mcore_logits.pt" if a.with_args
-                       else Path(str(root) + ".logits.pt"))
+            torch.save({"tokens": TOKENS, "logits": out}, a.out)
     else:
         d = root
         tracker = root / "latest_checkpointed_iteration.txt"
@@ -136,18 +127,33 @@ def main():
             d = root / f"iter_{int(tracker.read_text()):07d}"
         sd = model.sharded_state_dict(prefix="")
         loaded = dist_checkpointing.load(sd, str(d))
-        model.load_state_dict({k: v for k, v in loaded.items() if not isinstance(v, (int, float, argparse.Namespace))},
-                              strict=False)
+        common = {k: loaded.pop(k) for k in ("args", "iteration", "checkpoint_version") if k in loaded}
+        missing, unexpected = model.load_state_dict(loaded, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        assert not missing and not unexpected, (missing, unexpected)
         out = logits(model)
-        full = {}
-        for k, v in model.state_dict().items():
-            if isinstance(v, torch.Tensor) and not k.endswith("_extra_state"):
-                full[k] = v.detach().clone()
         if rank == 0:
-            torch.save({"tokens": TOKENS, "logits": out, "common": {k: v for k, v in loaded.items()
-                                                                     if k in ("iteration", "checkpoint_version")},
-                        "state": full}, a.out)
+            torch.save({"tokens": TOKENS, "logits": out,
+                        "common": {k: v for k, v in common.items() if k != "args"},
+                        "args_tp": getattr(common.get("args"), "tensor_model_parallel_size", None)}, a.out)
     dist.barrier()
+    parallel_state.destroy_model_parallel()
+
+
+def main():
+    """Each argument is one job: 'mode dir --tp T --arch A [--with-args] --out FILE' (one torchrun
+    start for several jobs: importing megatron-core is the slow part)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["save", "load"])
+    ap.add_argument("dir")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--arch", default="gpt2")
+    ap.add_argument("--with-args", action="store_true")
+    ap.add_argument("--out", required=True)
+    jobs = [ap.parse_args(job.split()) for job in sys.argv[1:]]
+    dist.init_process_group("gloo")
+    for job in jobs:
+        run_job(job)
     dist.destroy_process_group()
 
 

@@ -45,6 +45,20 @@ def source_options(fn: Callable) -> Callable:
                           "found automatically beside the checkpoint."),
         click.option("--activation", type=click.Choice(["gelu", "gelu_tanh", "swiglu", "squared_relu"]),
                      default=None, help="Override the MLP activation read from the checkpoint."),
+        # Checkpoints without args (bare dist_checkpointing / DCP saves): sizes shapes cannot tell.
+        click.option("--num-layers", type=int, default=None, help="Layers, for checkpoints that store no args."),
+        click.option("--hidden-size", type=int, default=None, help="Hidden size, for checkpoints that store no args."),
+        click.option("--ffn-hidden-size", type=int, default=None,
+                     help="MLP size, for checkpoints that store no args."),
+        click.option("--max-position-embeddings", type=int, default=None,
+                     help="Sequence length of rotary models, for checkpoints that store no args."),
+        click.option("--vocab-size", type=int, default=None,
+                     help="True vocabulary size, for checkpoints that store no args (rows beyond it are padding)."),
+        click.option("--normalization", type=click.Choice(["layernorm", "rmsnorm"]), default=None,
+                     help="Norm type, for checkpoints that store no args."),
+        click.option("--rotary-base", type=float, default=None, help="RoPE base, for checkpoints that store no args."),
+        click.option("--args-from", type=click.Path(exists=True), default=None,
+                     help="Take the architecture from another checkpoint of the same run (one that stores args)."),
     ]
     for o in reversed(opts):
         fn = o(fn)
@@ -54,7 +68,8 @@ def source_options(fn: Callable) -> Callable:
 def read_options(kw: dict) -> ReadOptions:
     overrides = {k: kw.pop(k, None) for k in ("num_attention_heads", "num_query_groups", "activation",
                                              "num_layers", "hidden_size", "ffn_hidden_size",
-                                             "max_position_embeddings")}
+                                             "max_position_embeddings", "vocab_size", "normalization",
+                                             "rotary_base")}
     return ReadOptions(iteration=kw.pop("iteration", None), true_vocab_size=kw.pop("true_vocab_size", None),
                        replicas=kw.pop("replicas", "first"), weights=kw.pop("weights", None),
                        qkv_layout=kw.pop("qkv_layout", None), hf_config=kw.pop("hf_config", None),

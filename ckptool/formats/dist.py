@@ -77,6 +77,12 @@ LAYER_KEYS.update({
 # ShardedObjects megatron-core expects per layer (local spec: 4, TE spec adds core_attention).
 EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
                "mlp.linear_fc2", "self_attention.core_attention")
+# A ShardedObject is stored as torch.save([its data]); local layers' extra state is None. megatron-core
+# asks for these objects at load, so they are written even though they hold nothing.
+_buf = io.BytesIO()
+torch.save([None], _buf)
+NO_EXTRA_STATE = _buf.getvalue()
+del _buf
 MODEL_PREFIXES = ("model.module.module.", "model.module.", "model.", "module.", "")
 # Entries that are not model weights: skipped.
 SKIP = re.compile(r"(_extra_state|^rng_state|^optimizer\.|^common_state|rerun_state_machine)")
@@ -351,10 +357,8 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
                     continue
                 t = full.load().unsqueeze(0)
                 put(f"decoder.layers.{WRITE_NAMES[role]}", t, (L,) + tuple(t.shape[1:]), (i,) + (0,) * (t.dim() - 1))
-        for name in EXTRA_STATE:  # local layers' extra state is None; megatron-core asks for the objects
-            buf = io.BytesIO()
-            torch.save(None, buf)
-            writer.add_bytes(f"decoder.layers.{name}._extra_state/shard_{i}_{L}", buf.getvalue())
+        for name in EXTRA_STATE:
+            writer.add_bytes(f"decoder.layers.{name}._extra_state/shard_{i}_{L}", NO_EXTRA_STATE)
     put_global("final_norm.weight")
     put_global("final_norm.bias")
     if not cfg.tied_embeddings:

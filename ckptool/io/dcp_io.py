@@ -47,6 +47,11 @@ class DcpDir:
         for idx, info in (md.storage_data or {}).items():
             off = tuple(idx.offset) if idx.offset is not None else None
             self.storage.setdefault(idx.fqn, {})[off] = info
+        # Check every data file up front: a missing one should fail at open, not halfway through a write.
+        for rel in sorted({info.relative_path for d in self.storage.values() for info in d.values()}):
+            if not (self.path / rel).is_file():
+                raise CkptError(f"{self.path}: chunk file {rel} is missing",
+                                "copy the complete checkpoint directory; every __*_*.distcp file is needed")
 
     @property
     def entries(self) -> dict:
@@ -104,6 +109,14 @@ class DcpTensor(LazyTensor):
         self.dir, self.fqn, self.offsets, self.sizes, self.squeeze = d, fqn, offsets, sizes, squeeze
         self.dtype = md.properties.dtype
         self.shape = torch.Size(sizes[squeeze:])
+
+    def narrow(self, dim: int, start: int, length: int) -> "DcpTensor":
+        """A smaller region: reads only its own chunks (the gate half of [gate; up] fc1)."""
+        dim = dim % len(self.shape) + self.squeeze
+        offsets, sizes = list(self.offsets), list(self.sizes)
+        offsets[dim] += start
+        sizes[dim] = length
+        return DcpTensor(self.dir, self.fqn, offsets, sizes, self.squeeze)
 
     def load(self) -> torch.Tensor:
         out = torch.empty(self.sizes, dtype=self.dtype)

@@ -1,0 +1,323 @@
+"""torch_dist / DCP checkpoints: read without Megatron, write what megatron-core loads.
+
+Checkpoints marked "mcore" are written by the real megatron-core package (PyPI `megatron-core`,
+local layer spec, CPU, gloo) under torchrun with 2 processes, through tests/mcore_dist_helper.py;
+those tests skip with a reason when megatron-core is not installed. The bad-input and plain-DCP
+tests that need no framework build their checkpoints with ckptool's writer or torch's own DCP.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptool.config import GPTConfig, Layout
+from ckptool.convert import write_layout
+from ckptool.errors import CkptError
+from ckptool.formats import dist
+from ckptool.formats.registry import detect_format, open_checkpoint
+from ckptool.io import dcp_io
+from ckptool.lazy import Const
+from ckptool.options import ReadOptions
+from ckptool.state import Checkpoint, SourceInfo, expected_names
+from ckptool.verify.reference import forward
+
+REPO = Path(__file__).resolve().parents[1]
+HELPER = REPO / "tests" / "mcore_dist_helper.py"
+HAVE_MCORE = importlib.util.find_spec("megatron") is not None and \
+    importlib.util.find_spec("megatron.core") is not None
+needs_mcore = pytest.mark.skipif(not HAVE_MCORE, reason="megatron-core is not installed "
+                                 "(pip install megatron-core: test-only extra)")
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return env
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "ckptool", *map(str, args)], capture_output=True, text=True,
+                          env=_env(), cwd=REPO)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_helper(jobs, timeout=240):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(_free_port()),
+           str(HELPER), *jobs]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+
+
+def assert_same_tensors(a: Checkpoint, b: Checkpoint):
+    assert list(a.tensors) == list(b.tensors)
+    for k in a.tensors:
+        x, y = a.tensors[k].load(), b.tensors[k].load()
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), k
+
+
+# --- checkpoints written by megatron-core ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mcore(tmp_path_factory):
+    if not HAVE_MCORE:
+        pytest.skip("megatron-core is not installed (pip install megatron-core: test-only extra)")
+    root = tmp_path_factory.mktemp("mcore")
+    torchrun_helper([
+        f"save {root}/gpt2 --tp 1 --arch gpt2 --with-args --out {root}/gpt2.logits.pt",
+        f"save {root}/llama --tp 2 --arch llama --with-args --out {root}/llama.logits.pt",
+        f"save {root}/bare --tp 2 --arch llama --out {root}/bare.logits.pt",  # simple training loop: no args
+    ])
+    return root
+
+
+@pytest.fixture(scope="module")
+def ours(mcore, tmp_path_factory):
+    """mcore torch_dist -> torch (TP2 x PP2) -> torch_dist, written by ckptool."""
+    root = tmp_path_factory.mktemp("ours")
+    for arch, stages in (("gpt2", None), ("llama", [2, 1])):
+        src = open_checkpoint(mcore / arch)
+        write_layout(src, root / f"{arch}_torch", Layout(tp=2, pp=2, stage_layers=stages), fmt="torch", warn=print)
+        mid = open_checkpoint(root / f"{arch}_torch")
+        write_layout(mid, root / f"{arch}_dist", Layout(tp=2 if arch == "llama" else 1), fmt="torch_dist",
+                     warn=print)
+    return root
+
+
+@needs_mcore
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_reads_mcore_torch_dist_like_megatron_computes(mcore, arch):
+    path = mcore / arch
+    assert detect_format(path) == "torch_dist"
+    ckpt = open_checkpoint(path)
+    cfg = ckpt.config
+    assert (cfg.padded_vocab_size, cfg.vocab_size, ckpt.source.iteration) == (128, 100, 7)
+    if arch == "llama":
+        assert (cfg.num_layers, cfg.num_query_groups, cfg.activation, cfg.normalization, cfg.tied_embeddings) == \
+            (3, 2, "swiglu", "rmsnorm", False)
+    else:
+        assert (cfg.num_layers, cfg.position_embedding, cfg.add_bias_linear, cfg.tied_embeddings) == \
+            (2, "learned", True, True)
+    assert set(ckpt.tensors) == set(expected_names(cfg))
+    ref = torch.load(mcore / f"{arch}.logits.pt")
+    logits = forward(ckpt, ref["tokens"])
+    torch.testing.assert_close(logits, ref["logits"], atol=1e-6, rtol=0)
+
+
+@needs_mcore
+def test_layer_reads_only_its_own_chunks(mcore, monkeypatch):
+    ckpt = open_checkpoint(mcore / "llama")
+    seen = []
+    real = dcp_io.DcpDir.read_chunk
+    monkeypatch.setattr(dcp_io.DcpDir, "read_chunk",
+                        lambda self, fqn, chunk: seen.append((fqn, tuple(chunk.offsets))) or real(self, fqn, chunk))
+    ckpt.tensors["layers.1.mlp.gate.weight"].load()
+    # fc1 of layer 1 only: the two TP ranks' [gate_r; up_r] chunks of the stacked [3, 96, 32] tensor
+    assert seen and all(f == "decoder.layers.mlp.linear_fc1.weight" and o[0] == 1 for f, o in seen), seen
+    assert len(seen) == 2
+
+
+@needs_mcore
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_round_trip_through_torch_tp2_pp2_is_bit_exact(mcore, ours, arch):
+    src = open_checkpoint(mcore / arch)
+    mid = open_checkpoint(ours / f"{arch}_torch")
+    back = open_checkpoint(ours / f"{arch}_dist")
+    assert mid.source.format == "megatron" and (mid.source.layout.tp, mid.source.layout.pp) == (2, 2)
+    assert back.source.format == "torch_dist"
+    assert_same_tensors(src, mid)
+    assert_same_tensors(src, back)
+    assert back.config == src.config
+    ref = torch.load(mcore / f"{arch}.logits.pt")
+    assert torch.equal(forward(back, ref["tokens"]), forward(src, ref["tokens"]))
+    files = sorted(p.name for p in (ours / f"{arch}_dist" / "iter_0000007").iterdir())
+    assert files == [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
+
+
+@needs_mcore
+def test_megatron_core_loads_our_torch_dist_at_another_tp(mcore, ours, tmp_path):
+    # written for TP2 (llama) / TP1 (gpt2); megatron-core loads them at TP1 / TP2
+    torchrun_helper([f"load {ours}/llama_dist --tp 1 --arch llama --out {tmp_path}/llama.pt",
+                     f"load {ours}/gpt2_dist --tp 2 --arch gpt2 --out {tmp_path}/gpt2.pt"])
+    for arch, written_tp in (("llama", 2), ("gpt2", 1)):
+        got = torch.load(tmp_path / f"{arch}.pt", weights_only=False)
+        ref = torch.load(mcore / f"{arch}.logits.pt")
+        torch.testing.assert_close(got["logits"], ref["logits"], atol=1e-6, rtol=0)
+        assert got["common"] == {"iteration": 7, "checkpoint_version": 3.0}
+        assert got["args_tp"] == written_tp
+
+
+@needs_mcore
+def test_bare_save_needs_flags_and_then_reads(mcore, tmp_path):
+    bare = mcore / "bare"
+    r = run_cli("inspect", bare)
+    assert r.returncode == 2 and r.stderr.startswith("error:") and "--num-attention-heads" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    ckpt = open_checkpoint(bare, ReadOptions(overrides={"num_attention_heads": 4, "vocab_size": 100,
+                                                        "max_position_embeddings": 16}))
+    cfg = ckpt.config
+    assert (cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_query_groups, cfg.activation,
+            cfg.normalization, cfg.position_embedding, cfg.tied_embeddings, cfg.vocab_size) == \
+        (3, 32, 48, 2, "swiglu", "rmsnorm", "rope", False, 100)
+    ref = torch.load(mcore / "bare.logits.pt")
+    torch.testing.assert_close(forward(ckpt, ref["tokens"]), ref["logits"], atol=1e-6, rtol=0)
+    # --args-from another checkpoint of the same architecture
+    other = open_checkpoint(bare, ReadOptions(args_from=str(mcore / "llama")))
+    assert other.config.num_attention_heads == 4 and other.config.vocab_size == 100
+    r = run_cli("inspect", bare, "--args-from", mcore / "llama")
+    assert r.returncode == 0 and "3 layers" in r.stdout, r.stderr
+
+
+def _raw_tensors(d: Path):
+    dd = dcp_io.DcpDir(d)
+    return {k: dd.lazy(k).load() for k in dd.tensor_keys()}
+
+
+@needs_mcore
+@pytest.mark.parametrize("variant", ["stacked-model.module.", "per-layer-local-names-model."])
+def test_plain_dcp_with_model_prefix(mcore, tmp_path, variant):
+    """A torch.distributed.checkpoint save (no metadata.json, no common state) of the same keys."""
+    import torch.distributed.checkpoint as dcp
+    raw = _raw_tensors(mcore / "llama" / "iter_0000007")
+    if variant.startswith("stacked"):
+        sd = {"model.module." + k: v for k, v in raw.items()}
+    else:
+        local = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+                 "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+        sd = {}
+        for k, v in raw.items():
+            if k.startswith("decoder.layers."):
+                name = k[len("decoder.layers."):]
+                for i in range(v.shape[0]):
+                    sd[f"model.decoder.layers.{i}.{local.get(name, name)}"] = v[i].clone()
+            else:
+                sd["model." + k] = v
+    sd["optimizer.state.step"] = torch.tensor(3)  # non-model entries are skipped
+    out = tmp_path / "dcp"
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(out)), no_dist=True)
+    assert not (out / "metadata.json").exists()
+    assert detect_format(out) == "torch_dist"
+    got = open_checkpoint(out, ReadOptions(overrides={"num_attention_heads": 4, "vocab_size": 100}))
+    want = open_checkpoint(mcore / "llama")
+    assert_same_tensors(want, got)
+
+
+# --- no framework needed --------------------------------------------------------------------
+
+def tiny_checkpoint(**kw) -> Checkpoint:
+    """A canonical GPT with random tensors (shapes from the config)."""
+    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
+                    padded_vocab_size=128, vocab_size=100, max_position_embeddings=16, activation="swiglu",
+                    normalization="rmsnorm", position_embedding="rope", add_bias_linear=False,
+                    add_qkv_bias=False, tied_embeddings=False, make_vocab_size_divisible_by=64, **kw)
+    h, hd = cfg.hidden_size, cfg.head_dim
+    g = torch.Generator().manual_seed(0)
+
+    def shape(name):
+        leaf = name.split(".")[-2] if name.startswith("layers.") else name
+        return {"embed.word": (128, h), "output.weight": (128, h), "q": (cfg.q_size, h), "k": (cfg.kv_size, h),
+                "v": (cfg.kv_size, h), "out": (h, cfg.q_size), "gate": (48, h), "up": (48, h),
+                "down": (h, 48)}.get(leaf, (h,))
+
+    tensors = {n: Const(torch.randn(shape(n), generator=g)) for n in expected_names(cfg)}
+    return Checkpoint(cfg, tensors, SourceInfo(path="memory", format="test", iteration=3))
+
+
+@pytest.fixture
+def written(tmp_path):
+    src = tiny_checkpoint()
+    out = tmp_path / "dist"
+    write_layout(src, out, Layout(tp=2), fmt="torch_dist", warn=print)
+    return src, out
+
+
+def test_writer_round_trip_without_megatron(written, tmp_path):
+    src, out = written
+    back = open_checkpoint(out)
+    assert_same_tensors(src, back)
+    assert back.config == src.config.replace(make_vocab_size_divisible_by=back.config.make_vocab_size_divisible_by)
+    it = out / "iter_0000003"
+    assert json.loads((it / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    # torch's own reader opens our index; the common state is in common.pt and in the DCP
+    from torch.distributed.checkpoint import FileSystemReader
+    md = FileSystemReader(str(it)).read_metadata()
+    assert md.state_dict_metadata["decoder.layers.mlp.linear_fc1.weight"].size == torch.Size([2, 96, 32])
+    assert dist.COMMON_KEY in md.state_dict_metadata
+    dd = dcp_io.DcpDir(it)
+    assert dist.read_common_state(it, dd)["checkpoint_version"] == 3.0
+    (it / "common.pt").unlink()  # newer layout: common state only inside the DCP
+    state = dist.read_common_state(it, dcp_io.DcpDir(it))
+    assert state["iteration"] == 3 and state["args"].num_query_groups == 2
+    assert_same_tensors(src, open_checkpoint(out))
+
+
+def _cli_error(path, *needles):
+    r = run_cli("inspect", path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.startswith("error:") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    for n in needles:
+        assert n in r.stderr, r.stderr
+
+
+def test_missing_metadata_is_a_clear_error(written):
+    _, out = written
+    (out / "iter_0000003" / ".metadata").unlink()
+    _cli_error(out, "no .metadata")
+
+
+def test_missing_chunk_file_is_a_clear_error(written):
+    _, out = written
+    (out / "iter_0000003" / "__0_0.distcp").unlink()
+    _cli_error(out, "__0_0.distcp", "missing")
+
+
+def test_zarr_backend_is_named(tmp_path):
+    d = tmp_path / "iter_0000001"
+    (d / "embedding.word_embeddings.weight").mkdir(parents=True)
+    (d / "embedding.word_embeddings.weight" / ".zarray").write_text("{}")
+    (d / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr", "sharded_backend_version": 1}))
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
+    _cli_error(tmp_path, "zarr")
+
+
+def test_stream_transforms_are_refused(written):
+    _, out = written
+    it = out / "iter_0000003"
+    md = pickle.loads((it / ".metadata").read_bytes())  # our own file, written by this test
+    for info in md.storage_data.values():
+        info.transform_descriptors = ["zstandard"]
+    (it / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CkptError, match="zstandard"):
+        open_checkpoint(out).tensors["embed.word"].load()
+
+
+def test_code_in_metadata_pickle_is_refused(written):
+    _, out = written
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    (out / "iter_0000003" / ".metadata").write_bytes(pickle.dumps(Evil()))
+    _cli_error(out, "refusing")
+
+
+def test_megatron_reader_does_not_claim_torch_dist(written):
+    from ckptool.formats.megatron import looks_like_megatron
+    _, out = written
+    assert not looks_like_megatron(out)
+    assert dist.looks_like(out) and dist.looks_like(out / "iter_0000003")
