@@ -45,7 +45,7 @@ def config_for_size(size_gb: float) -> GPTConfig:
     hidden = 1024 if size_gb < 1 else 2048 if size_gb <= 8 else 4096
     per_layer = 2 * (12 * hidden * hidden + 13 * hidden)
     fixed = 2 * (50304 + MAX_POS) * hidden
-    layers = max(2, round((size_gb * 1e9 - fixed) / per_layer))
+    layers = max(2, 2 * round((size_gb * 1e9 - fixed) / per_layer / 2))  # even: PP2 splits it
     return GPTConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=hidden // 64,
                      ffn_hidden_size=4 * hidden, padded_vocab_size=50304, vocab_size=VOCAB,
                      vocab_size_source="synthetic", max_position_embeddings=MAX_POS,
@@ -76,9 +76,10 @@ def synthetic_checkpoint(cfg: GPTConfig, dtype=torch.bfloat16) -> Checkpoint:
     return Checkpoint(cfg, tensors, SourceInfo(path="<synthetic>", format="synthetic", dialect="mcore"))
 
 
-def write_synthetic(out: Path, size_gb: float, tp: int = 2, pp: int = 2, dialect: str = "mcore") -> GPTConfig:
-    """Write a Megatron torch-format checkpoint of about size_gb into out (a new directory)."""
-    cfg = config_for_size(size_gb)
+def write_synthetic(out: Path, size_gb: float = 0.0, tp: int = 2, pp: int = 2, dialect: str = "mcore",
+                    cfg: GPTConfig = None) -> GPTConfig:
+    """Write a Megatron torch-format checkpoint of about size_gb (or of cfg) into out (a new directory)."""
+    cfg = cfg or config_for_size(size_gb)
     Path(out).mkdir(parents=True, exist_ok=False)
     write_megatron(synthetic_checkpoint(cfg), Path(out), Layout(tp=tp, pp=pp), dialect=dialect,
                    iteration=1000, warn=lambda m: None)
