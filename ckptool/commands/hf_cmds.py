@@ -25,13 +25,10 @@ from .common import (DTYPES, Progress, human_bytes, print_warnings, read_options
               help="Largest safetensors file (KB/MB/GB decimal, KiB/MiB/GiB binary, as huggingface_hub).")
 @click.option("--tokenizer", type=click.Path(), default=None,
               help="Copy the tokenizer files of this directory into DST.")
-@click.option("--hf-config", type=click.Path(), default=None,
-              help="The model's own config JSON, for sources that store none (DeepLearningExamples BERT "
-                   "ckpt_N.pt: its bert_config.json).")
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
 @source_options
 @reports_errors
-def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, hf_config, force, **kw):
+def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, force, **kw):
     """Export any checkpoint ckptool reads as a Hugging Face model directory.
 
     \b
@@ -41,6 +38,7 @@ def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, hf_config, force, **kw
     --max-shard-size, written one tensor at a time. A DeepLearningExamples BERT ckpt_N.pt with
     --hf-config bert_config.json becomes BertForPreTraining (vocabulary padding trimmed).
     """
+    hf_config = kw.get("hf_config")  # --hf-config comes with source_options
     if dle_bert.looks_like(src):
         return _bert_to_hf(src, dst, dtype, max_shard_size, tokenizer, hf_config, force)
     ckpt = open_checkpoint(src, read_options(kw))
