@@ -196,6 +196,16 @@ def _tracker_garbage(src, tmp):
     return ["merge", src, "DST"], ["not an iteration number"]
 
 
+def _tracker_release_missing(src, tmp):
+    (src / "latest_checkpointed_iteration.txt").write_text("release")
+    return ["merge", src, "DST"], ["says 'release'", "does not exist"]
+
+
+def _dst_is_a_file(src, tmp):
+    (tmp / "out").write_text("mine")
+    return ["merge", src, "DST", "--force"], ["exists and is not a directory"]
+
+
 def _missing_iteration_flag(src, tmp):
     return ["merge", src, "DST", "--iteration", 7], ["no iteration 7"]
 
@@ -238,13 +248,13 @@ BAD_INPUTS = {f.__name__[1:]: f for f in (
     _nonexistent, _empty_dir, _file_not_dir, _rank_file_as_src, _not_a_checkpoint_dir, _truncated_pt,
     _empty_pt, _corrupt_zip_directory, _corrupt_pickle, _not_a_torch_file, _missing_rank,
     _missing_model_file, _extra_rank, _shape_mismatch, _args_disagree, _unknown_version,
-    _tracker_missing_iteration, _tracker_garbage, _missing_iteration_flag, _dst_inside_src,
+    _tracker_missing_iteration, _tracker_garbage, _tracker_release_missing, _missing_iteration_flag,
+    _dst_is_a_file, _dst_inside_src,
     _src_inside_dst, _dst_exists, _tp_not_dividing_heads, _tp_zero, _uneven_pp, _bad_pp_split,
     _fix_vocab_too_small)}
 # Run through the installed entry point (python -m ckptool, a real process) for these; the rest
 # in-process with click's runner.
-SUBPROCESS = {"nonexistent", "truncated_pt", "extra_rank", "dst_exists", "tp_not_dividing_heads",
-              "uneven_pp"}
+SUBPROCESS = {"nonexistent", "truncated_pt", "dst_exists"}
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
@@ -254,12 +264,12 @@ def test_bad_input(case, src, tmp_path):
     argv = [dst if a == "DST" else a for a in argv]
     existed = dst.exists()
     before_src = tree_hashes(src)
-    before_dst = tree_hashes(dst) if existed else None
+    before_dst = (tree_hashes(dst) if dst.is_dir() else dst.read_bytes()) if existed else None
     code, out, err = (run_subprocess if case in SUBPROCESS else run_inprocess)(argv)
     assert_clean_failure(code, err, *expect)
     assert tree_hashes(src) == before_src, "the source changed"
     if existed:
-        assert tree_hashes(dst) == before_dst, "an existing DST was modified"
+        assert (tree_hashes(dst) if dst.is_dir() else dst.read_bytes()) == before_dst, "DST was modified"
     else:
         assert_no_output(dst)
     if case == "dst_inside_src":
@@ -267,7 +277,7 @@ def test_bad_input(case, src, tmp_path):
 
 
 def test_debug_flag_shows_the_traceback(tmp_path):
-    code, _, err = run_subprocess(["--debug", "inspect", tmp_path / "nope"])
+    code, _, err = run_inprocess(["--debug", "inspect", tmp_path / "nope"])
     assert code != 0 and "Traceback" in err and err.strip().splitlines()[-1].startswith("error:")
 
 

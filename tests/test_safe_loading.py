@@ -97,24 +97,32 @@ def _plant(tmp_path: Path, payload) -> Path:
     return src
 
 
-@pytest.mark.parametrize("name,cmd", [("os.system", "inspect"), ("builtins.eval", "reshard"),
-                                      ("subprocess.call", "merge"), ("torch.load-of-bytes", "inspect"),
-                                      ("numpy-object-bytes", "reshard")])
-def test_cli_refuses_planted_checkpoint(tmp_path, marker, name, cmd):
+@pytest.mark.parametrize("name,cmd,via", [
+    ("os.system", "inspect", "subprocess"), ("torch.load-of-bytes", "reshard", "subprocess"),
+    ("builtins.eval", "reshard", "inprocess"), ("subprocess.call", "merge", "inprocess"),
+    ("numpy-object-bytes", "fix-vocab", "inprocess")])
+def test_cli_refuses_planted_checkpoint(tmp_path, marker, name, cmd, via):
     src = _plant(tmp_path, _payloads(marker)[name])
     dst = tmp_path / "out"
     argv = {"inspect": ["inspect", str(src)], "merge": ["merge", str(src), str(dst)],
-            "reshard": ["reshard", str(src), str(dst), "--tp", "1"]}[cmd]
-    for cmd in (argv,):
-        r = subprocess.run([sys.executable, "-m", "ckptool", *cmd], capture_output=True, text=True,
+            "reshard": ["reshard", str(src), str(dst), "--tp", "1"],
+            "fix-vocab": ["fix-vocab", str(src), str(dst), "--size", "1024"]}[cmd]
+    if via == "subprocess":
+        r = subprocess.run([sys.executable, "-m", "ckptool", *argv], capture_output=True, text=True,
                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
-        assert r.returncode != 0
-        lines = r.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
-        assert "refusing" in lines[0] or "object array" in lines[0], lines[0]
-        assert "Traceback" not in r.stderr
-        assert not marker.exists()
-        assert not dst.exists()
+        code, stderr = r.returncode, r.stderr
+    else:
+        from click.testing import CliRunner
+        from ckptool.cli import main
+        r = CliRunner().invoke(main, argv)
+        code, stderr = r.exit_code, r.stderr
+    assert code != 0
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), stderr
+    assert "refusing" in lines[0], lines[0]
+    assert "Traceback" not in stderr
+    assert not marker.exists()
+    assert not dst.exists()
 
 
 # --- hand-built pickles for the constructors the allow list keeps ---------------------------

@@ -8,7 +8,10 @@ through SafeUnpickler. What may load:
   * torch.distributed.checkpoint metadata dataclasses (data only);
   * any class from a training framework's namespace (megatron.*, deepspeed.*, apex.*, ...), which
     becomes an inert StandIn that keeps its constructor arguments and state and runs nothing.
-Everything else (builtins.eval, os.system, subprocess.*, ...) raises UnsafePickleError.
+Everything else (builtins.eval, os.system, subprocess.*, torch.load, ...) raises UnsafePickleError.
+The constructors pickle needs (copyreg._reconstructor/__newobj__, defaultdict, torch's
+_rebuild_from_type_v2, numpy arrays) are wrapped so that they accept only plain types: the stdlib
+versions would call whatever class or factory the file names.
 
 StandIns remember how they were built, so StandInPickler writes them back as the original class
 reference: a Megatron loading our output sees its own enums again.
@@ -42,7 +45,6 @@ FRAMEWORK_PACKAGES = (
 
 _SAFE_GLOBALS = {
     ("collections", "OrderedDict"): collections.OrderedDict,
-    ("collections", "defaultdict"): None,  # replaced below by _safe_defaultdict
     ("collections", "deque"): collections.deque,
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
@@ -60,9 +62,6 @@ _SAFE_GLOBALS = {
     ("builtins", "str"): str,
     ("builtins", "bool"): bool,
     ("__builtin__", "set"): set,
-    ("copy_reg", "_reconstructor"): None,  # replaced below by _safe_reconstructor
-    ("copyreg", "_reconstructor"): None,
-    ("copyreg", "__newobj__"): None,  # replaced below by _safe_newobj
     ("argparse", "Namespace"): __import__("argparse").Namespace,
     ("types", "SimpleNamespace"): __import__("types").SimpleNamespace,
     ("signal", "Signals"): __import__("signal").Signals,
@@ -159,7 +158,6 @@ def _safe_defaultdict(factory=None, *args):
 
 _SAFE_GLOBALS.update({
     ("collections", "defaultdict"): _safe_defaultdict,
-    ("copy_reg", "_reconstructor"): _safe_reconstructor,
     ("copyreg", "_reconstructor"): _safe_reconstructor,
     ("copyreg", "__newobj__"): _safe_newobj,
 })
