@@ -273,3 +273,15 @@ def test_files_manifest_check(models, tmp_path):
     victim.write_bytes(bytes(data))
     bad = verify(1, "--files", dst, torchrun=False)
     assert bad.returncode == 1 and "sha256 differs" in bad.stdout, bad.stdout + bad.stderr
+
+
+def test_token_parsing():
+    from ckptool.errors import CkptError
+    from ckptool.verify.inputs import make_tokens, parse_token_ids
+    assert parse_token_ids("1,2,3;4,5,6").tolist() == [[1, 2, 3], [4, 5, 6]]
+    with pytest.raises(CkptError):
+        parse_token_ids("1,2;3")
+    with pytest.raises(CkptError):
+        make_tokens("1,200", None, 1, 2, 0, vocab=100)
+    a, b = make_tokens(None, None, 2, 8, 7, vocab=50), make_tokens(None, None, 2, 8, 7, vocab=50)
+    assert a.shape == (2, 8) and torch.equal(a, b) and int(a.max()) < 50
