@@ -140,7 +140,10 @@ def test_one_process_without_torchrun(models):
 
 
 def test_world_size_must_match_layout(models):
-    r = verify(2, megatron(models, "gpt2", 2, 2))
+    # the check runs before any process group is joined, so torchrun's environment is enough
+    env = dict(os.environ, PYTHONPATH=str(ROOT), WORLD_SIZE="2", RANK="0", LOCAL_RANK="0")
+    r = subprocess.run([sys.executable, "-m", "ckptool", "verify", str(megatron(models, "gpt2", 2, 2))],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert r.returncode != 0
     assert "torchrun started 2 processes" in r.stderr and "needs 4" in r.stderr
 
@@ -217,7 +220,7 @@ def test_planted_layer_from_another_layer(models):
     ckpt = fresh_copy(models, "gpt2", 2, 2, "plant_layer_copy")
 
     def copy_layer0_into_1(m):
-        for k in [k for k in m if k.startswith("decoder.layers.0.")]:
+        for k in [k for k in m if k.startswith("decoder.layers.0.") and isinstance(m[k], torch.Tensor)]:
             m[k.replace("layers.0.", "layers.1.")] = m[k].clone()
     for t in range(2):
         _edit(_rank_file(ckpt, t, 0), copy_layer0_into_1)
@@ -241,17 +244,17 @@ def test_planted_vocab_padding_off_by_one(models):
 
 
 def test_drifted_replicas_run_as_the_framework_ran_them(models):
-    # TP rank 1's copy of layer 3's attention norm drifted. The one-process forward of the merged
+    # TP rank 1's copy of layer 2's attention norm drifted. The one-process forward of the merged
     # state uses rank 0's copy and matches the reference; the parallel forward uses each rank's
-    # own copy, as Megatron did, and shows the drift at layer 3.
+    # own copy, as Megatron did, and shows the drift at layer 2.
     ckpt = fresh_copy(models, "gpt2", 2, 2, "drift")
 
     def drift(m):
-        m["decoder.layers.1.input_layernorm.weight"] += 0.5
+        m["decoder.layers.0.input_layernorm.weight"] += 0.5  # global layer 2 (stage 1, local 0)
     _edit(_rank_file(ckpt, 1, 1), drift)
     single = verify(1, ckpt, "--reference", models["gpt2"][1], torchrun=False)
     assert single.returncode == 0 and "replicas differ" in single.stderr, single.stdout + single.stderr
-    _expect_divergence(verify(4, ckpt, "--reference", models["gpt2"][1]), "layer 3")
+    _expect_divergence(verify(4, ckpt, "--reference", models["gpt2"][1]), "layer 2")
 
 
 # --- output directories against their manifests --------------------------------------------------
@@ -270,3 +273,15 @@ def test_files_manifest_check(models, tmp_path):
     victim.write_bytes(bytes(data))
     bad = verify(1, "--files", dst, torchrun=False)
     assert bad.returncode == 1 and "sha256 differs" in bad.stdout, bad.stdout + bad.stderr
+
+
+def test_token_parsing():
+    from ckptool.errors import CkptError
+    from ckptool.verify.inputs import make_tokens, parse_token_ids
+    assert parse_token_ids("1,2,3;4,5,6").tolist() == [[1, 2, 3], [4, 5, 6]]
+    with pytest.raises(CkptError):
+        parse_token_ids("1,2;3")
+    with pytest.raises(CkptError):
+        make_tokens("1,200", None, 1, 2, 0, vocab=100)
+    a, b = make_tokens(None, None, 2, 8, 7, vocab=50), make_tokens(None, None, 2, 8, 7, vocab=50)
+    assert a.shape == (2, 8) and torch.equal(a, b) and int(a.max()) < 50

@@ -118,11 +118,11 @@ def _report(report: cmp.Report, where=None) -> bool:
 def run_single(target, ref, reference_logits, opts, dtype, tol, token_args) -> bool:
     from ..formats.registry import open_checkpoint
     ckpt = open_checkpoint(target, opts)
-    print_warnings(ckpt)
     cfg = ckpt.config
     tokens, recorded = _tokens_for(reference_logits, token_args, cfg.true_or_padded_vocab)
     logits, hidden, _ = inputs.checkpoint_forward(ckpt, tokens, dtype)
     ref_logits, ref_hidden, ref_vocab = _reference(ref, recorded, ckpt, tokens, dtype, "cpu", opts)
+    print_warnings(ckpt)  # replica checks happen as tensors load, so only now are they all known
     cols = cmp.true_columns(logits.shape[-1], cfg.vocab_size, ref_logits.shape[-1], ref_vocab)
     ok = _report(cmp.compare(logits, ref_logits, cols, tol, hidden, ref_hidden))
     layout = ckpt.source.layout
@@ -164,12 +164,12 @@ def run_parallel(target, ref, reference_logits, opts, dtype, tol, token_args) ->
                                        tuple(tokens.shape))
         ok = True
         if r.rank == 0:
-            print_warnings(ckpt)
             click.echo(f"parallel forward: {layout.describe()}, {world} processes, {dtype}, "
                        f"tokens {tuple(tokens.shape)}")
             click.echo(f"forward_seconds={seconds:.4f}")
             logits, hidden = got
             ref_logits, ref_hidden, ref_vocab = _reference(ref, recorded, ckpt, tokens, dtype, r.device, opts)
+            print_warnings(ckpt)
             cols = cmp.true_columns(logits.shape[-1], cfg.vocab_size, ref_logits.shape[-1], ref_vocab)
             where = _where(layout, cfg, rank_dir_name)
             ok = _report(cmp.compare(logits, ref_logits.cpu(), cols, tol, hidden, ref_hidden), where)

@@ -68,7 +68,10 @@ def compare(target_logits: torch.Tensor, ref_logits: torch.Tensor, columns: int,
             if report.first_divergence is None and rel > relative_tolerance(tolerance):
                 report.first_divergence = name
     if report.first_divergence is None and max_abs > tolerance:
-        report.first_divergence = "output layer (logits)"
+        unseen = [n for n in (target_hidden or {}) if ref_hidden and n not in ref_hidden]
+        # e.g. transformers' last hidden state is taken after the final norm, so not comparable
+        report.first_divergence = (f"{unseen[0]} or the output layer (the reference has no hidden state "
+                                   f"for {unseen[0]})" if unseen else "output layer (logits)")
     return report
 
 
