@@ -8,9 +8,11 @@ import click
 
 from . import __version__
 from .commands.convert_cmds import fix_vocab_cmd, merge_cmd, reshard_cmd
+from .commands.hf_cmds import from_hf_cmd, to_hf_cmd
 from .commands.inspect_cmd import inspect_cmd
+from .commands.verify_cmd import verify_cmd
 
-COMMANDS = [inspect_cmd, merge_cmd, reshard_cmd, fix_vocab_cmd]
+COMMANDS = [inspect_cmd, merge_cmd, reshard_cmd, fix_vocab_cmd, to_hf_cmd, from_hf_cmd, verify_cmd]
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -9,7 +9,8 @@ import torch
 
 from .config import Layout
 from .errors import CkptError, require
-from .io.outdir import atomic_output_dir
+from .distributed import Team, current_team
+from .io.outdir import atomic_output_dir, make_partial_dir, seal_partial_dir
 from .state import Checkpoint
 from .vocab import resize_vocab
 
@@ -23,6 +24,8 @@ def _megatron_writer(ckpt, out_dir, layout, **kw):
 
 
 WRITERS["torch"] = _megatron_writer
+# writers that take rank_filter(tp, pp) and so can share one output among torchrun ranks
+SHARED_WRITERS = {"torch"}
 
 
 def _dist_writer(ckpt, out_dir, layout, **kw):
@@ -41,10 +44,64 @@ def write_layout(ckpt: Checkpoint, dst, layout: Layout, fmt: Optional[str] = Non
     if fmt not in WRITERS:
         raise CkptError(f"unknown output format {fmt!r}", f"choose one of {', '.join(sorted(WRITERS))}")
     src = Path(ckpt.source.path)
-    with atomic_output_dir(dst, sources=[src], force=force) as tmp:
-        summary = WRITERS[fmt](ckpt, tmp, layout, progress=progress, warn=warn, **kw)
+    team = current_team()
+    if team.distributed:
+        summary = _write_as_team(team, ckpt, dst, layout, fmt, force, src, progress, warn, kw)
+    else:
+        with atomic_output_dir(dst, sources=[src], force=force) as tmp:
+            summary = WRITERS[fmt](ckpt, tmp, layout, progress=progress, warn=warn, **kw)
     summary["format"] = fmt
     return summary
+
+
+def _write_as_team(team: Team, ckpt: Checkpoint, dst, layout: Layout, fmt: str, force: bool, src: Path,
+                   progress, warn, kw) -> dict:
+    """torchrun: rank 0 makes the temporary dir, every rank writes its share of the rank files,
+    rank 0 seals the output once all report success. Every rank sees the same outcome."""
+    import shutil
+    tmp, error = None, None
+    if team.leader:
+        try:
+            tmp = make_partial_dir(dst, [src], force)
+        except CkptError as e:
+            error = e
+    tmp, message = team.broadcast((tmp, None if error is None else str(error)))
+    if message is not None:
+        raise error if error is not None else CkptError(message)
+    summary, failure = None, None
+    try:
+        if fmt in SHARED_WRITERS:
+            def mine(t: int, p: int) -> bool:
+                return team.owns(p * layout.tp + t)
+            summary = WRITERS[fmt](ckpt, tmp, layout, progress=progress,
+                                   warn=warn if team.leader else (lambda m: None), rank_filter=mine, **kw)
+        elif team.leader:  # a writer that cannot share: rank 0 writes it all
+            summary = WRITERS[fmt](ckpt, tmp, layout, progress=progress, warn=warn, **kw)
+    except Exception as e:  # every rank must hear of it, or the others wait forever
+        failure = e
+    results = team.gather((summary, None if failure is None else f"rank {team.rank}: {failure}"))
+    problems = [m for _, m in results if m]
+    if problems:
+        if team.leader:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if failure is not None:
+            raise failure
+        raise CkptError(f"distributed conversion failed on another rank ({problems[0]})")
+    parts = [s for s, _ in results if s]
+    total = dict(parts[0])
+    total["files"] = sum(s["files"] for s in parts)
+    total["bytes"] = sum(s["bytes"] for s in parts)
+    sealed = None
+    if team.leader:
+        try:
+            seal_partial_dir(tmp, dst)
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            sealed = str(e)
+    sealed = team.broadcast(sealed)  # nobody returns before the output is in place
+    if sealed:
+        raise CkptError(f"could not finish {dst}: {sealed}")
+    return total
 
 
 def fix_vocab(ckpt: Checkpoint, size: Optional[int] = None, multiple: Optional[int] = None,

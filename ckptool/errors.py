@@ -9,6 +9,8 @@ class CkptError(Exception):
     """A problem with the user's input or request, reported without a traceback."""
 
     def __init__(self, message: str, hint: str = ""):
+        # one line, whatever a wrapped library error contained
+        message, hint = " ".join(str(message).split()), " ".join(str(hint).split())
         super().__init__(message)
         self.message = message
         self.hint = hint

@@ -119,10 +119,19 @@ def derive(fn: Callable, parents: Sequence[LazyTensor], memo: bool = False) -> D
     return Derived(fn, parents, memo=memo)
 
 
+def cat_shape(shapes: Sequence[Sequence[int]], dim: int = 0) -> torch.Size:
+    """The shape torch.cat would give. Derived nodes built on cat pass it themselves: torch.cat on
+    meta tensors imports torch._dynamo, 3-10 s of start-up for every conversion."""
+    first = list(shapes[0])
+    first[dim] = sum(s[dim] for s in shapes)
+    return torch.Size(first)
+
+
 def cat(parts: Sequence[LazyTensor], dim: int = 0, memo: bool = False) -> LazyTensor:
     if len(parts) == 1:
         return parts[0]
-    return Derived(lambda *ts: torch.cat(ts, dim=dim), parts, memo=memo)
+    return Derived(lambda *ts: torch.cat(ts, dim=dim), parts, memo=memo,
+                   shape=cat_shape([p.shape for p in parts], dim), dtype=parts[0].dtype)
 
 
 def as_lazy(x) -> LazyTensor:

@@ -22,7 +22,7 @@ import torch
 
 from .config import GPTConfig
 from .errors import CkptError
-from .lazy import Derived, LazyTensor, cat
+from .lazy import Derived, LazyTensor, cat, cat_shape
 from .sharding import ReplicaPolicy, Rule, merge_lazy, split_lazy
 
 # role -> rule.  fc1 is GATED for SwiGLU models and COLUMN otherwise (see rule_for).
@@ -97,6 +97,15 @@ def unfuse_qkv(t: torch.Tensor, cfg: GPTConfig) -> Tuple[torch.Tensor, torch.Ten
     return q, k, v
 
 
+def qkv_part(t: torch.Tensor, cfg: GPTConfig, index: int) -> torch.Tensor:
+    """unfuse_qkv(t, cfg)[index], copying only that part (q, k and v load separately)."""
+    ng, per, hd = cfg.num_query_groups, cfg.heads_per_group, cfg.head_dim
+    rest = t.shape[1:]
+    g = t.reshape(ng, per + 2, hd, *rest)
+    rows = (slice(None, per), per, per + 1)[index]
+    return g[:, rows].reshape(-1, *rest)
+
+
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
     ng, per, hd = cfg.num_query_groups, cfg.heads_per_group, cfg.head_dim
     rest = q.shape[1:]
@@ -132,19 +141,37 @@ def assemble(cfg: GPTConfig, shards: Dict[Tuple[str, Optional[int]], List[LazyTe
                                 f"{cfg.num_query_groups} query groups, head size {cfg.head_dim}",
                                 "check --num-attention-heads / --num-query-groups")
             for idx, part in enumerate("qkv"):
-                out[f"{prefix}attn.{part}.{kind}"] = Derived(
-                    lambda t, i=idx: unfuse_qkv(t, cfg)[i], [merged])
+                piece = Derived(lambda t, i=idx: qkv_part(t, cfg, i), [merged])
+                out[f"{prefix}attn.{part}.{kind}"] = _mark_part(piece, merged, idx)
         elif role.startswith("fc1."):
             kind = role.split(".")[1]
             if cfg.gated:
                 half = merged.shape[0] // 2
-                out[f"{prefix}mlp.gate.{kind}"] = merged.narrow(0, 0, half)
-                out[f"{prefix}mlp.up.{kind}"] = merged.narrow(0, half, half)
+                out[f"{prefix}mlp.gate.{kind}"] = _mark_part(merged.narrow(0, 0, half), merged, 0)
+                out[f"{prefix}mlp.up.{kind}"] = _mark_part(merged.narrow(0, half, half), merged, 1)
             else:
                 out[f"{prefix}mlp.up.{kind}"] = merged
         else:  # pragma: no cover - table and code disagree
             raise CkptError(f"internal: no canonical mapping for role {role}")
     return out
+
+
+def _mark_part(piece: LazyTensor, fused: LazyTensor, index: int) -> LazyTensor:
+    """Remember that piece is part `index` of a fused tensor, so a writer that fuses the same
+    parts again can take the fused tensor as it is (a merge writes fc1/QKV without re-fusing)."""
+    piece.fused_from = (fused, index)
+    return piece
+
+
+def _refused(parts) -> Optional[LazyTensor]:
+    """The fused tensor parts came from, when they are all of its parts in order; else None."""
+    origins = [getattr(p, "fused_from", None) for p in parts]
+    if any(o is None for o in origins):
+        return None
+    fused = origins[0][0]
+    if all(o[0] is fused and o[1] == i for i, o in enumerate(origins)):
+        return fused
+    return None
 
 
 # --- writers: canonical -> role tensors -----------------------------------------------------
@@ -162,7 +189,11 @@ def layer_role_tensor(tensors: Dict[str, LazyTensor], cfg: GPTConfig, layer: int
             return None
         if any(x is None for x in parts):
             raise CkptError(f"layer {layer}: q, k and v {kind} must all be present or all absent")
-        return Derived(lambda q, k, v: fuse_qkv(q, k, v, cfg), parts, memo=True)
+        same = _refused(parts)
+        if same is not None and same.shape[0] == qkv_rows(cfg):
+            return same
+        return Derived(lambda q, k, v: fuse_qkv(q, k, v, cfg), parts, memo=True,
+                       shape=cat_shape([p.shape for p in parts]), dtype=parts[0].dtype)
     if role.startswith("fc1."):
         up = tensors.get(f"{p}mlp.up.{kind}")
         if cfg.gated:
@@ -171,7 +202,7 @@ def layer_role_tensor(tensors: Dict[str, LazyTensor], cfg: GPTConfig, layer: int
                 return None
             if gate is None or up is None:
                 raise CkptError(f"layer {layer}: a gated MLP needs both gate and up {kind}")
-            return cat([gate, up], 0, memo=True)
+            return _refused([gate, up]) or cat([gate, up], 0, memo=True)
         return up
     raise CkptError(f"internal: unknown role {role}")
 

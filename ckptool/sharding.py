@@ -22,7 +22,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from .errors import CkptError
-from .lazy import Derived, LazyTensor
+from .lazy import Derived, LazyTensor, cat_shape
 
 
 class Rule(enum.Enum):
@@ -127,16 +127,22 @@ def merge_lazy(parts: Sequence[LazyTensor], rule: Rule, name: str,
         policy = replicas or ReplicaPolicy("first")
         return Derived(lambda *ts: policy.resolve(name, list(ts)), parts, memo=True,
                        shape=parts[0].shape, dtype=parts[0].dtype)
-    shapes = {tuple(p.shape[1:]) if _DIM.get(rule, 0) == 0 else (p.shape[0],) for p in parts}
+    # Megatron cuts every sharded tensor into equal pieces, so the shards' shapes (and dtypes) must match
+    # exactly; a difference on the split dimension too means a damaged or foreign rank file.
+    shapes = {(tuple(p.shape), p.dtype) for p in parts}
     if len(shapes) != 1:
         raise CkptError(f"{name}: shapes {[tuple(p.shape) for p in parts]} are inconsistent across "
                         "tensor-parallel ranks", "the rank files do not belong to one checkpoint")
-    return Derived(lambda *ts: merge(ts, rule), parts, memo=True)
+    dim = _DIM.get(rule, 0)  # GATED parts stack their halves along dim 0
+    return Derived(lambda *ts: merge(ts, rule), parts, memo=True,
+                   shape=cat_shape([p.shape for p in parts], dim), dtype=parts[0].dtype)
 
 
 def split_lazy(tensor: LazyTensor, rule: Rule, tp: int) -> List[LazyTensor]:
     if tp == 1 or rule is Rule.REPLICATED:
         return [tensor] * tp
     if rule is Rule.GATED:
-        return [Derived(lambda t, r=r: split(t, rule, tp)[r], [tensor]) for r in range(tp)]
+        shape = (tensor.shape[0] // tp,) + tuple(tensor.shape[1:])
+        return [Derived(lambda t, r=r: split(t, rule, tp)[r], [tensor], shape=shape, dtype=tensor.dtype)
+                for r in range(tp)]
     return tensor.chunk(tp, _DIM[rule])

@@ -34,6 +34,15 @@ def source_options(fn: Callable) -> Callable:
                      help="Attention heads, for checkpoints that store no args (2019 Megatron files)."),
         click.option("--num-query-groups", type=int, default=None,
                      help="Query groups (GQA), for checkpoints that store no args."),
+        click.option("--weights", type=click.Choice(["master", "model"]), default=None,
+                     help="DeepSpeed: fp32 master weights from the ZeRO optimizer shards (default where present) "
+                          "or the 16-bit module weights the engine saved."),
+        click.option("--qkv-layout", type=click.Choice(["grouped", "split"]), default=None,
+                     help="Megatron-DeepSpeed fused QKV packing per TP rank: per group/head [q,k,v] "
+                          "(before 2024-12, default) or [all q | all k | all v] (since 2024-12)."),
+        click.option("--hf-config", type=click.Path(), default=None,
+                     help="DeepSpeed runs of Hugging Face models: the model's config.json (or its directory); "
+                          "found automatically beside the checkpoint."),
         click.option("--activation", type=click.Choice(["gelu", "gelu_tanh", "swiglu", "squared_relu"]),
                      default=None, help="Override the MLP activation read from the checkpoint."),
         # Checkpoints without args (bare dist_checkpointing / DCP saves): sizes shapes cannot tell.
@@ -116,7 +125,11 @@ def reports_errors(fn: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         debug = bool((click.get_current_context().find_root().obj or {}).get("debug"))
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            sys.stdout.flush()  # a closed pipe shows up here rather than at interpreter exit
+            return result
+        except BrokenPipeError:
+            _quiet_broken_pipe()
         except CkptError as e:
             if debug:
                 traceback.print_exc()
@@ -139,6 +152,18 @@ def reports_errors(fn: Callable) -> Callable:
             sys.exit(1)
 
     return wrapper
+
+
+def _quiet_broken_pipe() -> None:
+    """`ckptool inspect X | head`: the reader went away; stop without a message, like cat does.
+    stdout is pointed at /dev/null so the interpreter's final flush cannot complain again."""
+    import os
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    sys.exit(141)  # the status a process killed by SIGPIPE reports through the shell (128 + 13)
 
 
 def print_warnings(ckpt) -> None:

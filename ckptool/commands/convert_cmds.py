@@ -5,6 +5,7 @@ import click
 
 from ..config import Layout, parse_stage_layers
 from ..convert import fix_vocab, write_layout
+from ..distributed import current_team
 from ..formats.megatron_names import DIALECTS
 from ..formats.registry import open_checkpoint
 from .common import (DTYPES, Progress, human_bytes, output_options, print_warnings, read_options,
@@ -29,6 +30,8 @@ def _run(src, dst, layout: Layout, kw: dict, verb: str, transform=None):
                                pad_fill=pad_fill, release=release)
     finally:
         bar.close()
+    if not current_team().leader:  # under torchrun, rank 0 reports for everyone
+        return
     print_warnings(ckpt)
     s = ckpt.source
     click.echo(f"{verb}: {src} ({s.format} {s.dialect}, {s.layout.describe()}) -> {dst} "

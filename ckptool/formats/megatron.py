@@ -272,7 +272,7 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                     else [counts[(p, 0)] for p in range(pp)])
     info = SourceInfo(path=str(path), format="megatron", dialect=dialect.name, layout=layout,
                       iteration=iteration if iteration is not None else first.get("iteration"),
-                      release=release, checkpoint_version=version if "checkpoint_version" in first else None,
+                      release=release, checkpoint_version=None if dialect.qkv_version0_only else version,
                       args=args, extra={"replica_policy": policy})
     ckpt = Checkpoint(cfg, _ordered(tensors, cfg), info, warnings)
     return ckpt
@@ -495,7 +495,7 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
             top: dict = {}
             if args is not None:
                 top["args"] = args
-            if version is not None:
+            if version:  # version 0 checkpoints predate the key
                 top["checkpoint_version"] = version
             top["iteration"] = iteration
             top.update(file_obj)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 from typing import Any, Dict, Optional
 
 import torch
@@ -55,8 +56,33 @@ def true_vocab_from_args(args, stored_rows: int, extra: Optional[dict] = None):
     return None, "unknown"
 
 
+# Fields read as sizes or real numbers: a damaged or hand-edited args must give a clear error,
+# not a TypeError deep in the maths. (None means "not set" and is always fine.)
+POSITIVE_INT_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+                     "ffn_hidden_size", "make_vocab_size_divisible_by")
+NONNEGATIVE_INT_ARGS = ("max_position_embeddings", "seq_length", "vocab_size", "padded_vocab_size")
+REAL_ARGS = ("norm_epsilon", "layernorm_epsilon", "rotary_base", "rotary_percent", "rope_scaling_factor")
+
+
+def check_arg_types(args) -> None:
+    def bad(name, value, want):
+        return CkptError(f"the checkpoint's args hold {name}={value!r}, not {want}",
+                         "the args are damaged; override the architecture with --num-attention-heads etc. "
+                         "or restore the file")
+    for names, low in ((POSITIVE_INT_ARGS, 1), (NONNEGATIVE_INT_ARGS, 0)):
+        for name in names:
+            v = getattr(args, name, None)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+                raise bad(name, v, "a positive integer" if low else "a non-negative integer")
+    for name in REAL_ARGS:
+        v = getattr(args, name, None)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+            raise bad(name, v, "a finite number")
+
+
 def config_from_args(args, stored_rows: int, extra: Optional[dict] = None) -> GPTConfig:
     """The GPTConfig a Megatron run describes; stored_rows = word-embedding rows found on disk."""
+    check_arg_types(args)
     num_layers = _get(args, "num_layers")
     hidden = _get(args, "hidden_size")
     heads = _get(args, "num_attention_heads")

@@ -15,6 +15,8 @@ from ..state import Checkpoint
 
 READER_MODULES = [
     "ckptool.formats.dist",  # before megatron_reader: same tracker file and iter_* dirs
+    "ckptool.formats.deepspeed",  # before megatron: an MDS save dir also has Megatron's tracker file
+    "ckptool.formats.hf",
     "ckptool.formats.megatron_reader",
 ]
 

@@ -107,28 +107,40 @@ def _clean_stale(dst: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def atomic_output_dir(dst, sources: Iterable[Path] = (), force: bool = False,
-                      manifest: bool = True):
-    """Yield a temporary directory; on success it becomes dst (with a manifest written last)."""
+def make_partial_dir(dst, sources: Iterable[Path] = (), force: bool = False) -> Path:
+    """Check dst may be written and create the hidden temporary sibling that becomes it."""
     dst = Path(dst)
     check_destination(dst, sources, force)
     dst.parent.mkdir(parents=True, exist_ok=True)
     _clean_stale(dst)
     tmp = dst.parent / f".{dst.name}{PARTIAL_TAG}{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
+    return tmp
+
+
+def seal_partial_dir(tmp: Path, dst, manifest: bool = True) -> None:
+    """Manifest last, fsync, then rename tmp into place (replacing an old dst)."""
+    dst = Path(dst)
+    if manifest:
+        write_manifest(tmp)
+    _fsync_tree(tmp)
+    if dst.exists():
+        old = dst.parent / f".{dst.name}{PARTIAL_TAG}old-{uuid.uuid4().hex[:8]}"
+        os.replace(dst, old)
+        os.replace(tmp, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, dst)
+
+
+@contextlib.contextmanager
+def atomic_output_dir(dst, sources: Iterable[Path] = (), force: bool = False,
+                      manifest: bool = True):
+    """Yield a temporary directory; on success it becomes dst (with a manifest written last)."""
+    tmp = make_partial_dir(dst, sources, force)
     try:
         yield tmp
-        if manifest:
-            write_manifest(tmp)
-        _fsync_tree(tmp)
-        if dst.exists():
-            old = dst.parent / f".{dst.name}{PARTIAL_TAG}old-{uuid.uuid4().hex[:8]}"
-            os.replace(dst, old)
-            os.replace(tmp, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dst)
+        seal_partial_dir(tmp, dst, manifest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import collections
 import copyreg
+import dataclasses
+import enum
 import io
 import pickle
 from typing import Any, Callable, Optional
@@ -40,7 +42,7 @@ FRAMEWORK_PACKAGES = (
 
 _SAFE_GLOBALS = {
     ("collections", "OrderedDict"): collections.OrderedDict,
-    ("collections", "defaultdict"): collections.defaultdict,
+    ("collections", "defaultdict"): None,  # replaced below by _safe_defaultdict
     ("collections", "deque"): collections.deque,
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
@@ -58,9 +60,9 @@ _SAFE_GLOBALS = {
     ("builtins", "str"): str,
     ("builtins", "bool"): bool,
     ("__builtin__", "set"): set,
-    ("copy_reg", "_reconstructor"): copyreg._reconstructor,
-    ("copyreg", "_reconstructor"): copyreg._reconstructor,
-    ("copyreg", "__newobj__"): copyreg.__newobj__,
+    ("copy_reg", "_reconstructor"): None,  # replaced below by _safe_reconstructor
+    ("copyreg", "_reconstructor"): None,
+    ("copyreg", "__newobj__"): None,  # replaced below by _safe_newobj
     ("argparse", "Namespace"): __import__("argparse").Namespace,
     ("types", "SimpleNamespace"): __import__("types").SimpleNamespace,
     ("signal", "Signals"): __import__("signal").Signals,
@@ -82,7 +84,7 @@ def _numpy_globals() -> dict:
         import numpy as np
     except ImportError:  # pragma: no cover
         return out
-    out[("numpy", "dtype")] = np.dtype
+    out[("numpy", "dtype")] = _np_dtype
     out[("numpy", "ndarray")] = np.ndarray
     for mod in ("numpy.core.multiarray", "numpy._core.multiarray"):
         out[(mod, "_reconstruct")] = _np_reconstruct
@@ -94,15 +96,31 @@ def _numpy_globals() -> dict:
     return out
 
 
+def _plain_numpy_dtype(dtype):
+    """Numeric dtypes only: an object array's elements are Python objects, and nothing in a
+    checkpoint needs them (numpy RNG states are uint32)."""
+    import numpy as np
+    dtype = np.dtype(dtype)
+    if dtype.hasobject:
+        raise UnsafePickleError("refusing a numpy object array in a pickle (it can hold arbitrary objects)",
+                                "the file is not a plain checkpoint")
+    return dtype
+
+
+def _np_dtype(obj, *args, **kwargs):
+    return _plain_numpy_dtype(__import__("numpy").dtype(obj, *args, **kwargs))
+
+
 def _np_reconstruct(subtype, shape, dtype):
     import numpy as np
     if subtype is not np.ndarray:
         raise UnsafePickleError("refusing a numpy array subclass in a pickle")
-    return np.ndarray.__new__(np.ndarray, shape, dtype)
+    return np.ndarray.__new__(np.ndarray, shape, _plain_numpy_dtype(dtype))
 
 
 def _np_scalar(dtype, data=None):
     import numpy as np
+    dtype = _plain_numpy_dtype(dtype)
     if data is None:
         return np.zeros((), dtype=dtype)[()]
     return np.frombuffer(data, dtype=dtype)[0]
@@ -110,14 +128,74 @@ def _np_scalar(dtype, data=None):
 
 _SAFE_GLOBALS.update(_numpy_globals())
 
+# Constructors pickle calls with arguments taken from the file. The stdlib versions accept any
+# class or factory, so a crafted pickle could reach code through them; these accept only the
+# harmless types a checkpoint uses.
+_PLAIN_BASES = (object, dict, list, tuple, set, frozenset, int, float, str, bytes, bytearray)
+_DEFAULT_FACTORIES = (None, list, dict, set, int, float, str, tuple, bool, collections.OrderedDict)
+
+
+def _safe_reconstructor(cls, base, state):
+    if not isinstance(cls, type) or base not in _PLAIN_BASES or not issubclass(cls, base):
+        raise UnsafePickleError(f"refusing copyreg._reconstructor({getattr(cls, '__name__', cls)!r}, "
+                                f"{getattr(base, '__name__', base)!r}) in a pickle (it could run code)",
+                                "the file is not a plain checkpoint")
+    return copyreg._reconstructor(cls, base, state)
+
+
+def _safe_newobj(cls, *args):
+    if not isinstance(cls, type):
+        raise UnsafePickleError(f"refusing copyreg.__newobj__ of {cls!r} in a pickle (not a class)",
+                                "the file is not a plain checkpoint")
+    return cls.__new__(cls, *args)
+
+
+def _safe_defaultdict(factory=None, *args):
+    if factory not in _DEFAULT_FACTORIES:
+        raise UnsafePickleError(f"refusing a defaultdict whose factory is {factory!r} (it would run "
+                                "when a key is missing)", "the file is not a plain checkpoint")
+    return collections.defaultdict(factory, *args)
+
+
+_SAFE_GLOBALS.update({
+    ("collections", "defaultdict"): _safe_defaultdict,
+    ("copy_reg", "_reconstructor"): _safe_reconstructor,
+    ("copyreg", "_reconstructor"): _safe_reconstructor,
+    ("copyreg", "__newobj__"): _safe_newobj,
+})
+
 # torch names a checkpoint may reference.  Everything else in torch (torch.load, torch.storage.
 # _load_from_bytes, torch._ops...) is refused: some of them would run arbitrary pickles.
+# _rebuild_from_type_v2 calls its first argument, so it gets a checked wrapper; helpers that rebuild
+# exotic tensors (quantized, sparse, nested, wrapper subclasses) are refused as unsupported.
 _TORCH_REBUILDS = {
     "_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
     "_rebuild_parameter_with_state", "_rebuild_device_tensor_from_numpy",
-    "_rebuild_meta_tensor_no_storage", "_rebuild_from_type_v2", "_rebuild_qtensor",
-    "_rebuild_sparse_tensor", "_rebuild_nested_tensor",
+    "_rebuild_meta_tensor_no_storage",
 }
+UNSUPPORTED_TORCH_REBUILDS = ("_rebuild_qtensor", "_rebuild_sparse_tensor", "_rebuild_nested_tensor",
+                              "_rebuild_wrapper_subclass", "_rebuild_sparse_csr",
+                              "_rebuild_xla_tensor", "_rebuild_mlc_tensor", "_rebuild_cuda_tensor")
+
+
+def rebuild_unsupported(*args, **kwargs):
+    raise CkptError("this torch file holds a tensor kind ckptool does not read "
+                    "(quantized, sparse, nested or a tensor subclass)",
+                    "re-save the checkpoint with plain dense tensors")
+
+
+def check_rebuild_from_type(func, new_type, rebuilds) -> None:
+    """_rebuild_from_type_v2(func, new_type, args, state) calls func(*args): allow only tensor
+    rebuild helpers, and only plain tensors/parameters as the resulting type."""
+    if func not in rebuilds or new_type not in (torch.Tensor, torch.nn.Parameter):
+        raise UnsafePickleError(f"refusing _rebuild_from_type_v2({getattr(func, '__name__', func)!r}, "
+                                f"{getattr(new_type, '__name__', new_type)!r}) in a pickle (it could run code)",
+                                "the file is not a plain checkpoint")
+
+
+def _safe_rebuild_from_type_v2(func, new_type, args, state):
+    check_rebuild_from_type(func, new_type, {getattr(torch._utils, n) for n in _TORCH_REBUILDS})
+    return torch._tensor._rebuild_from_type_v2(func, new_type, args, state)
 _DCP_MODULES = (
     "torch.distributed.checkpoint.metadata",
     "torch.distributed.checkpoint.filesystem",
@@ -190,6 +268,9 @@ def is_framework_module(module: str) -> bool:
     return module.split(".", 1)[0] in FRAMEWORK_PACKAGES
 
 
+_PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
+
+
 class SafeUnpickler(pickle.Unpickler):
     """pickle.Unpickler that only resolves the globals listed above.
 
@@ -201,14 +282,19 @@ class SafeUnpickler(pickle.Unpickler):
     source = "pickle"
 
     def find_class(self, module: str, name: str) -> Any:
+        module = _PY2_MODULES.get(module, module)  # protocol-2 pickles name Python 2 modules
         hooks = self.torch_hooks or {}
         if (module, name) in hooks:
             return hooks[(module, name)]
         found = _SAFE_GLOBALS.get((module, name))
         if found is not None:
             return found
-        if module in ("torch._utils", "torch._tensor") and name in _TORCH_REBUILDS:
-            return getattr(__import__(module, fromlist=[name]), name)
+        if module == "torch._utils" and name in _TORCH_REBUILDS:
+            return getattr(torch._utils, name)
+        if module == "torch._tensor" and name == "_rebuild_from_type_v2":
+            return _safe_rebuild_from_type_v2
+        if module in ("torch._utils", "torch._tensor") and name in UNSUPPORTED_TORCH_REBUILDS:
+            return rebuild_unsupported
         if module == "torch":
             obj = getattr(torch, name, None)
             if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)) or obj in (
@@ -224,7 +310,8 @@ class SafeUnpickler(pickle.Unpickler):
             return torch.serialization._get_layout
         if module in _DCP_MODULES:
             obj = getattr(__import__(module, fromlist=[name]), name, None)
-            if isinstance(obj, type):
+            # data-only classes: dataclasses and enums (not readers/writers that touch files)
+            if isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
                 return obj
         if is_framework_module(module):
             return standin_class(module, name)

@@ -24,7 +24,8 @@ import torch
 
 from ..errors import CkptError
 from ..lazy import Const, LazyTensor
-from .safe_pickle import SafeUnpickler, StandInPickler, torch_pickle_module
+from .safe_pickle import (UNSUPPORTED_TORCH_REBUILDS, SafeUnpickler, StandInPickler, check_rebuild_from_type,
+                          rebuild_unsupported, torch_pickle_module)
 
 _STORAGE_DTYPES = {
     "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
@@ -50,11 +51,11 @@ class StorageRef:
 
     def read(self, first: int, count: int) -> torch.Tensor:
         """Elements [first, first+count) of this storage as a 1-D tensor that owns its memory."""
-        item = torch.empty((), dtype=self.dtype).element_size()
-        data = self.archive.read_record(self.key, first * item, count * item)
-        if count == 0:
-            return torch.empty(0, dtype=self.dtype)
-        return torch.frombuffer(data, dtype=self.dtype)
+        out = torch.empty(count, dtype=self.dtype)  # uninitialised: pread fills it, no zeroing pass
+        if count:
+            item = out.element_size()
+            self.archive.read_record_into(self.key, first * item, out.view(torch.uint8).numpy())
+        return out
 
 
 class StoredTensor(LazyTensor):
@@ -101,12 +102,13 @@ def _rebuild_param(data, *rest):
 
 
 def _rebuild_from_type(func, new_type, args, state):
+    # the stored call is func(*args): only our own lazy tensor rebuilds may be named here
+    check_rebuild_from_type(func, new_type, (_rebuild_lazy, _rebuild_param))
     return func(*args)
 
 
-def _rebuild_unsupported(*args, **kwargs):
-    raise CkptError("this torch file holds a tensor kind ckptool does not read "
-                    "(quantized, sparse, nested or device-specific)")
+_ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, UnicodeDecodeError, ValueError,
+               EOFError, struct.error, OverflowError)
 
 
 class TorchArchive:
@@ -118,7 +120,7 @@ class TorchArchive:
         try:
             with zipfile.ZipFile(self.path) as zf:
                 infos = zf.infolist()
-        except zipfile.BadZipFile as e:
+        except _ZIP_ERRORS as e:  # a damaged central directory fails in many ways inside zipfile
             raise CkptError(f"{self.path}: not a readable torch zip archive ({e})",
                             "the file is truncated or corrupt") from e
         if not infos:
@@ -131,6 +133,9 @@ class TorchArchive:
                 if info.compress_type != zipfile.ZIP_STORED:
                     raise CkptError(f"{self.path}: compressed zip member {info.filename}",
                                     "torch never compresses checkpoints; re-save the file with torch.save")
+                if not 0 <= info.header_offset <= size - 30:
+                    raise CkptError(f"{self.path}: zip entry {info.filename} points outside the file",
+                                    "the file is truncated or corrupt")
                 f.seek(info.header_offset)
                 header = f.read(30)
                 if len(header) < 30 or header[:4] != b"PK\x03\x04":
@@ -149,16 +154,19 @@ class TorchArchive:
             raise CkptError(f"{self.path}: big-endian checkpoints are not supported")
 
     def _read(self, offset: int, length: int) -> bytearray:
+        buf = bytearray(length)
+        self._read_into(offset, memoryview(buf))
+        return buf
+
+    def _read_into(self, offset: int, view: memoryview) -> None:
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDONLY)
-        buf = bytearray(length)
-        view, done = memoryview(buf), 0
+        length, done = len(view), 0
         while done < length:
             chunk = os.preadv(self._fd, [view[done:]], offset + done)
             if chunk <= 0:
                 raise CkptError(f"{self.path}: unexpected end of file", "the file is truncated")
             done += chunk
-        return buf
 
     def read_record(self, key: str, start: int = 0, length: Optional[int] = None) -> bytearray:
         rec = self.records.get(f"data/{key}")
@@ -170,6 +178,18 @@ class TorchArchive:
             raise CkptError(f"{self.path}: tensor data past the end of record data/{key}",
                             "the file is corrupt")
         return self._read(offset + start, length)
+
+    def read_record_into(self, key: str, start: int, out) -> None:
+        """Fill out (a writable byte buffer) from record data/{key} at byte start."""
+        view = memoryview(out).cast("B")
+        rec = self.records.get(f"data/{key}")
+        if rec is None:
+            raise CkptError(f"{self.path}: storage record data/{key} is missing", "the file is corrupt")
+        offset, size = rec
+        if start + len(view) > size:
+            raise CkptError(f"{self.path}: tensor data past the end of record data/{key}",
+                            "the file is corrupt")
+        self._read_into(offset + start, view)
 
     def close(self):
         if self._fd is not None:
@@ -196,9 +216,9 @@ class TorchArchive:
                 ("torch._utils", "_rebuild_parameter"): _rebuild_param,
                 ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_param,
                 ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
-                **{("torch._utils", n): _rebuild_unsupported for n in (
-                    "_rebuild_qtensor", "_rebuild_sparse_tensor", "_rebuild_nested_tensor",
-                    "_rebuild_device_tensor_from_numpy", "_rebuild_meta_tensor_no_storage")},
+                **{(m, n): rebuild_unsupported for m in ("torch._utils", "torch._tensor")
+                   for n in UNSUPPORTED_TORCH_REBUILDS + (
+                       "_rebuild_device_tensor_from_numpy", "_rebuild_meta_tensor_no_storage")},
                 **{("torch", n): _StorageType(d) for n, d in _STORAGE_DTYPES.items()},
                 ("torch.storage", "UntypedStorage"): _StorageType(torch.uint8),
             }
@@ -329,18 +349,25 @@ class StreamingTorchWriter:
     def nbytes(self) -> int:
         return sum(ps.lazy.nbytes for ps in self.pending)
 
-    def write(self, ps: "_PendingStorage", tensor: Optional[torch.Tensor] = None) -> int:
+    def prepare(self, ps: "_PendingStorage", tensor: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """ps's tensor loaded, checked against the plan and laid out exactly as it will be stored."""
         t = ps.lazy.load() if tensor is None else tensor
         if t.dtype != ps.lazy.dtype or tuple(t.shape) != tuple(ps.lazy.shape):
             raise CkptError(f"internal: tensor {ps.key} of {self.path.name} has shape "
                             f"{tuple(t.shape)} {t.dtype}, planned {tuple(ps.lazy.shape)} {ps.lazy.dtype}")
         t = t.detach().cpu().contiguous()
-        nbytes = t.numel() * t.element_size()
-        if t.storage_offset() != 0 or t.untyped_storage().nbytes() != nbytes:
+        if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
             t = t.clone()  # a view: write exactly its own bytes
+        return t
+
+    def write_prepared(self, ps: "_PendingStorage", t: torch.Tensor) -> int:
+        nbytes = t.numel() * t.element_size()
         self._writer.write_record(f"data/{ps.key}", t.untyped_storage(), nbytes)
         self._done.add(ps.key)
         return nbytes
+
+    def write(self, ps: "_PendingStorage", tensor: Optional[torch.Tensor] = None) -> int:
+        return self.write_prepared(ps, self.prepare(ps, tensor))
 
     def finish(self) -> None:
         missing = [ps.key for ps in self.pending if ps.key not in self._done]
@@ -370,23 +397,43 @@ def save_streaming(obj: Any, path, on_tensor=None) -> int:
 def write_grouped(writers: list, group_of, on_tensor=None) -> int:
     """Write several StreamingTorchWriters together, one group (e.g. one layer) at a time.
 
-    group_of(lazy) -> sortable key. Within a group all files' tensors are written inside one
-    load_scope, so a merged source tensor feeding several target ranks is read once; peak
-    memory stays at about one group.
+    group_of(lazy) -> sortable key. Within a group all files' tensors are loaded inside one
+    load_scope, so a merged source tensor feeding several target ranks is read once. Loading
+    (reads, merges, splits) and writing overlap: one writer thread stores group g while this
+    thread loads group g+1, and g+2 waits until g is on disk, so at most two groups are in memory.
+    torch and os release the GIL in file I/O and tensor ops, so the two really run together.
     """
+    from concurrent.futures import ThreadPoolExecutor
     from ..lazy import load_scope
+    from .memory import bound_heap, trim
+    bound_heap()
     groups: dict = {}
     for w in writers:
         for ps in w.pending:
             groups.setdefault(group_of(ps.lazy), []).append((w, ps))
     total = 0
-    for key in sorted(groups, key=lambda k: (k is None, k)):
-        with load_scope():
-            for w, ps in groups[key]:
-                n = w.write(ps)
-                total += n
-                if on_tensor:
-                    on_tensor(n)
+
+    def store(items):
+        n = 0
+        for w, ps, t in items:
+            k = w.write_prepared(ps, t)
+            n += k
+            if on_tensor:
+                on_tensor(k)
+        return n
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptool-writer") as pool:
+        in_flight = None
+        for key in sorted(groups, key=lambda k: (k is None, k)):
+            with load_scope():
+                items = [(w, ps, w.prepare(ps)) for w, ps in groups[key]]
+            if in_flight is not None:
+                total += in_flight.result()
+                trim()
+            in_flight = pool.submit(store, items)
+            del items
+        if in_flight is not None:
+            total += in_flight.result()
     for w in writers:
         w.finish()
     return total

@@ -1,0 +1,194 @@
+"""`ckptool verify`: run a checkpoint and compare its logits with a reference.
+
+Under torchrun (WORLD_SIZE = TP * PP of the target) every rank loads its own shard and the model
+runs tensor- and pipeline-parallel as the framework ran it (verify/parallel.py). Without torchrun
+the merged target runs in one process. `--files DST` checks an output directory's manifest instead.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import click
+import torch
+
+from ..errors import CkptError, require
+from ..verify import compare as cmp
+from ..verify import inputs
+from .common import print_warnings, read_options, reports_errors, source_options, warn
+
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def under_torchrun() -> bool:
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+@click.command("verify")
+@click.argument("target", required=False)
+@click.option("--reference", "ref", default=None,
+              help="Checkpoint to compare with (any format ckptool reads, or a Hugging Face model dir). "
+                   "Default: the target's own merged state, run in one process.")
+@click.option("--reference-logits", default=None, metavar="FILE[:KEY]",
+              help="A .pt/.safetensors with `tokens` [B,S] and logits [B,S,V] under KEY (default `logits`) "
+                   "recorded from the training framework; verify runs those tokens.")
+@click.option("--files", "files_dir", default=None, metavar="DST",
+              help="Instead: check a ckptool output directory against its manifest.")
+@click.option("--tokens", default=None, help='Token ids "1,2,3;4,5,6", a file of them, or a text file with --tokenizer.')
+@click.option("--tokenizer", default=None, metavar="DIR", help="Tokenizer directory for a text --tokens file.")
+@click.option("--batch", type=int, default=2, show_default=True, help="Rows of random tokens.")
+@click.option("--seq-len", type=int, default=16, show_default=True, help="Length of random token rows.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for the random tokens.")
+@click.option("--dtype", type=click.Choice(sorted(COMPUTE_DTYPES)), default="fp32", show_default=True,
+              help="Compute dtype for both forwards.")
+@click.option("--tolerance", type=float, default=None,
+              help="Largest max-abs logits error that passes (default 1e-4 fp32, 2e-2 fp16, 1e-1 bf16); "
+                   "also the relative bound for per-layer hidden states.")
+@source_options
+@reports_errors
+def verify_cmd(target, ref, reference_logits, files_dir, tokens, tokenizer, batch, seq_len, seed, dtype,
+               tolerance, **kw):
+    """Check that TARGET computes what the reference computes (exit status 1 when it does not).
+
+    \b
+    Examples:
+      torchrun --nproc-per-node 4 -m ckptool verify ckpts/run1                # TP2 PP2 vs merged
+      torchrun --nproc-per-node 4 -m ckptool verify out --reference ckpts/run1
+      torchrun --nproc-per-node 4 -m ckptool verify ckpts/run1 --reference-logits ref.pt:logits_fp32
+      ckptool verify out --reference hf_model_dir                             # one process
+      ckptool verify --files out                                              # manifest check
+    """
+    if files_dir:
+        return verify_files(Path(files_dir))
+    require(target is not None, "give the checkpoint to verify", "ckptool verify TARGET [--reference REF]")
+    require(not (ref and reference_logits), "give --reference or --reference-logits, not both")
+    opts = read_options(kw)
+    compute = COMPUTE_DTYPES[dtype]
+    tol = tolerance if tolerance is not None else cmp.DEFAULT_TOLERANCE[compute]
+    if under_torchrun():
+        ok = run_parallel(target, ref, reference_logits, opts, compute, tol,
+                          (tokens, tokenizer, batch, seq_len, seed))
+    else:
+        ok = run_single(target, ref, reference_logits, opts, compute, tol,
+                        (tokens, tokenizer, batch, seq_len, seed))
+    if not ok:
+        sys.exit(1)
+
+
+def verify_files(dst: Path) -> None:
+    from ..io.outdir import check_manifest
+    require(dst.is_dir(), f"{dst}: not a directory")
+    problems = check_manifest(dst)
+    for p in problems:
+        click.echo(f"  {p}")
+    if problems:
+        click.echo(f"result=FAIL ({len(problems)} problem{'s' if len(problems) > 1 else ''} in {dst})")
+        sys.exit(1)
+    click.echo(f"result=PASS (every file in {dst} matches its manifest)")
+
+
+def _tokens_for(reference_logits, token_args, vocab):
+    if reference_logits:
+        return inputs.load_reference_logits(reference_logits)
+    return inputs.make_tokens(*token_args, vocab=vocab), None
+
+
+def _reference(ref, recorded, target_ckpt, tokens, dtype, device, opts):
+    """(logits, hidden or None, true vocab or None) of whatever the target is compared with."""
+    if recorded is not None:
+        return recorded, None, None
+    if ref is None:
+        return inputs.checkpoint_forward(target_ckpt, tokens, dtype, device)
+    if inputs.is_hf_dir(ref):
+        return inputs.hf_forward(ref, tokens, dtype, device)
+    from ..formats.registry import open_checkpoint
+    ckpt = open_checkpoint(ref, opts)
+    print_warnings(ckpt)
+    return inputs.checkpoint_forward(ckpt, tokens, dtype, device)
+
+
+def _report(report: cmp.Report, where=None) -> bool:
+    for line in report.lines(where):
+        click.echo(line)
+    return report.ok
+
+
+def run_single(target, ref, reference_logits, opts, dtype, tol, token_args) -> bool:
+    from ..formats.registry import open_checkpoint
+    ckpt = open_checkpoint(target, opts)
+    print_warnings(ckpt)
+    cfg = ckpt.config
+    tokens, recorded = _tokens_for(reference_logits, token_args, cfg.true_or_padded_vocab)
+    logits, hidden, _ = inputs.checkpoint_forward(ckpt, tokens, dtype)
+    ref_logits, ref_hidden, ref_vocab = _reference(ref, recorded, ckpt, tokens, dtype, "cpu", opts)
+    cols = cmp.true_columns(logits.shape[-1], cfg.vocab_size, ref_logits.shape[-1], ref_vocab)
+    ok = _report(cmp.compare(logits, ref_logits, cols, tol, hidden, ref_hidden))
+    layout = ckpt.source.layout
+    n = layout.tp * layout.pp
+    if n > 1:
+        click.echo(f"note: this ran the merged target in one process; for the {layout.describe()} "
+                   f"parallel forward run: torchrun --nproc-per-node {n} -m ckptool verify {target} ...")
+    return ok
+
+
+def run_parallel(target, ref, reference_logits, opts, dtype, tol, token_args) -> bool:
+    import torch.distributed as dist
+    from ..formats.megatron import looks_like_megatron
+    from ..formats.megatron_ranks import rank_dir_name, read_layout, read_rank_shards
+    from ..verify import parallel
+
+    require(looks_like_megatron(Path(target)),
+            f"{target}: the parallel verify runs Megatron checkpoints (mp_rank_* files)",
+            "run `ckptool verify` without torchrun for other formats")
+    meta = read_layout(target, opts)
+    cfg, layout, ckpt = meta
+    world = int(os.environ["WORLD_SIZE"])
+    require(world == layout.tp * layout.pp,
+            f"torchrun started {world} processes but {target} is {layout.describe()}: "
+            f"it needs {layout.tp * layout.pp}",
+            f"run torchrun --nproc-per-node {layout.tp * layout.pp} -m ckptool verify ...")
+    tokens, recorded = _tokens_for(reference_logits, token_args, cfg.true_or_padded_vocab)
+    r = parallel.init_ranks(layout.tp, layout.pp)
+    try:
+        shards = read_rank_shards(target, r.tp_rank, r.pp_rank, opts, meta)
+        start = time.perf_counter()
+        with torch.no_grad():
+            logits, hidden = parallel.stage_forward(tokens, shards, r, dtype)
+        if r.device.type == "cuda":
+            torch.cuda.synchronize(r.device)
+        seconds = time.perf_counter() - start
+        stage_layers = [c[3] for c in layout.chunks(cfg.num_layers)]
+        got = parallel.gather_to_rank0(logits, hidden, shards, r, stage_layers, cfg.padded_vocab_size,
+                                       tuple(tokens.shape))
+        ok = True
+        if r.rank == 0:
+            print_warnings(ckpt)
+            click.echo(f"parallel forward: {layout.describe()}, {world} processes, {dtype}, "
+                       f"tokens {tuple(tokens.shape)}")
+            click.echo(f"forward_seconds={seconds:.4f}")
+            logits, hidden = got
+            ref_logits, ref_hidden, ref_vocab = _reference(ref, recorded, ckpt, tokens, dtype, r.device, opts)
+            cols = cmp.true_columns(logits.shape[-1], cfg.vocab_size, ref_logits.shape[-1], ref_vocab)
+            where = _where(layout, cfg, rank_dir_name)
+            ok = _report(cmp.compare(logits, ref_logits.cpu(), cols, tol, hidden, ref_hidden), where)
+        status = torch.tensor([1 if ok else 0], dtype=torch.int32, device=r.device)
+        dist.broadcast(status, src=0)
+        return bool(status.item())
+    finally:
+        dist.destroy_process_group()
+
+
+def _where(layout, cfg, rank_dir_name) -> dict:
+    """'layer i' -> which stage and files hold it, so a divergence points at files."""
+    out = {}
+    for p, _, first, count in layout.chunks(cfg.num_layers):
+        files = ", ".join(rank_dir_name(t, p, layout.pp) for t in range(layout.tp))
+        for i in range(first, first + count):
+            out[f"layer {i}"] = f"pipeline stage {p}: {files}"
+    first_files = ", ".join(rank_dir_name(t, 0, layout.pp) for t in range(layout.tp))
+    out["embedding"] = f"embed.word/embed.pos in {first_files}"
+    last_files = ", ".join(rank_dir_name(t, layout.pp - 1, layout.pp) for t in range(layout.tp))
+    out["output layer (logits)"] = f"final norm/output in {last_files}"
+    return out

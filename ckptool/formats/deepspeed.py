@@ -1,0 +1,361 @@
+"""DeepSpeed checkpoints (global_stepN/ or the save dir holding `latest`) as ckptool sources.
+
+Three kinds of model hide behind DeepSpeed's files, told apart by parameter names:
+  Megatron-DeepSpeed pipeline  layer_* files, pipe names `<idx>.<key>` (mds_pipeline.py)
+  Megatron names under module  2019 DeepSpeedExamples flat keys, MDS --no-pipeline-parallel
+  Hugging Face names           any HF model trained under DeepSpeed (GPT-2 becomes a GPT source;
+                               every model can be consolidated with consolidate_hf_state)
+
+Which weights (--weights): `master` = fp32 masters reassembled from the optimizer partitions, as
+zero_to_fp32 does (default where shards exist); `model` = the 16-bit module weights the engine
+saved (module / layer files; ZeRO-3 keeps none). They differ by 16-bit rounding, so the choice is
+always visible in `inspect`.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from ..config import Layout
+from ..errors import CkptError, require
+from ..io.torchfile import load_torch_file
+from ..lazy import Derived, LazyTensor
+from ..options import ReadOptions
+from ..roles import assemble
+from ..sharding import ReplicaPolicy
+from ..state import Checkpoint, SourceInfo, expected_names
+from . import megatron_args
+from .deepspeed_hf_names import HF_GPT_FAMILIES
+from .deepspeed_zero import RankStates, find_files, looks_like_deepspeed, read_rank
+from .megatron import detect_dialect, flatten, _config as megatron_config
+from .megatron_names import KeyMatcher, is_ignorable, qkv_to_grouped
+from . import mds_pipeline as mds
+
+FORMAT = "deepspeed"
+WEIGHTS = ("master", "model")
+
+
+def looks_like(path) -> bool:
+    return looks_like_deepspeed(Path(path))
+
+
+# --- which weights --------------------------------------------------------------------------
+
+def _choose_weights(requested: Optional[str], ranks: Dict[int, RankStates], has_layers: bool) -> str:
+    has_master = all(r.master for r in ranks.values())
+    has_model = has_layers or all(_module_has_weights(r) for r in ranks.values())
+    if requested is None:
+        return "master" if has_master else "model"
+    require(requested in WEIGHTS, f"unknown --weights {requested!r}", "choose master or model")
+    if requested == "master" and not has_master:
+        raise CkptError("this checkpoint has no ZeRO optimizer shards, so no fp32 master weights",
+                        "use --weights model")
+    if requested == "model" and not has_model:
+        raise CkptError("this checkpoint keeps no 16-bit module weights (ZeRO-3 saves 0-element placeholders)",
+                        "use --weights master")
+    return requested
+
+
+def _module_has_weights(r: RankStates) -> bool:
+    tensors = [v for v in r.module.values() if isinstance(v, LazyTensor)]
+    return bool(tensors) and all(v.numel > 0 for v in tensors)
+
+
+def named_weights(r: RankStates, weights: str) -> Dict[str, LazyTensor]:
+    """Engine parameter name -> lazy tensor for one MP rank: trainable, frozen, buffers, aliases."""
+    if weights == "model":
+        return {k: v for k, v in r.module.items() if isinstance(v, LazyTensor)}
+    out: Dict[str, LazyTensor] = dict(r.master)
+    out.update({k: v for k, v in r.frozen.items() if k not in out})
+    out.update({k: v for k, v in r.buffers.items() if k not in out})
+    # ZeRO-1 never saves frozen params apart (deepspeed.md 1.2): take them from `module`.
+    for k, v in r.module.items():
+        if k not in out and k not in r.shared and isinstance(v, LazyTensor) and v.numel > 0:
+            out[k] = v
+    for alias, owner in r.shared.items():
+        if owner in out and alias not in out:
+            out[alias] = out[owner]
+    return out
+
+
+# --- reading --------------------------------------------------------------------------------
+
+def _open(path, opts: ReadOptions):
+    tf = find_files(Path(path), opts.iteration)
+    ranks = {mp: read_rank(tf, mp) for mp in tf.mp_ranks}
+    weights = _choose_weights(opts.weights, ranks, bool(tf.layers))
+    return tf, ranks, weights
+
+
+def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
+    opts = opts or ReadOptions()
+    tf, ranks, weights = _open(path, opts)
+    warnings: List[str] = []
+    policy = ReplicaPolicy(opts.replicas, warnings.append)
+    r0 = ranks[0]
+    if tf.layers:
+        cfg, tensors, layout, dialect = _read_pipeline(tf, ranks, weights, opts, policy, warnings)
+    else:
+        named = {mp: named_weights(r, weights) for mp, r in ranks.items()}
+        if mds.is_pipe_names(named[0]):
+            raise CkptError(f"{tf.tag_dir}: pipeline parameter names but no layer_* files",
+                            "copy the layer_*-model_states.pt files of this step too")
+        if _looks_megatron(named[0]):
+            cfg, tensors, layout, dialect = _read_megatron_module(named, r0, opts, policy)
+        else:
+            cfg, tensors, layout, dialect = _read_hf_gpt(tf, named, opts)
+    layout.dp = r0.dp
+    args = _args_with_true_vocab(r0.meta.get("args"), cfg)
+    stage = f"zero-{r0.zero_stage}" if r0.zero_stage else "no ZeRO"
+    if r0.optimizer_kind == "bf16_optimizer":
+        stage = "BF16_Optimizer"
+    dtype = next(iter(tensors.values())).dtype if tensors else None
+    info = SourceInfo(path=str(path), format=FORMAT,
+                      dialect=f"{dialect}, {stage}, {weights} weights ({str(dtype).replace('torch.', '')})",
+                      layout=layout, iteration=r0.meta.get("iteration", r0.meta.get("global_steps")),
+                      checkpoint_version=r0.meta.get("checkpoint_version"), args=args,
+                      extra={"replica_policy": policy, "weights": weights, "zero_stage": r0.zero_stage,
+                             "optimizer": r0.optimizer_kind, "tag_dir": str(tf.tag_dir),
+                             "universal_checkpoint_info": r0.meta.get("universal_checkpoint_info")})
+    order = {n: i for i, n in enumerate(expected_names(cfg))}
+    tensors = dict(sorted(tensors.items(), key=lambda kv: (order.get(kv[0], 1 << 30), kv[0])))
+    missing = [n for n in expected_names(cfg) if n not in tensors]
+    if missing:
+        raise CkptError(f"{tf.tag_dir}: {len(missing)} tensors of the model are missing (e.g. {missing[0]})",
+                        "the checkpoint is incomplete")
+    return Checkpoint(cfg, tensors, info, warnings)
+
+
+def _args_with_true_vocab(args, cfg):
+    """A copy of args whose vocab_size is the true vocabulary, so written checkpoints keep it.
+
+    Megatron-DeepSpeed's NullTokenizer adds an end-of-document token: args.vocab_size 1000 means
+    1001 real rows (universal_checkpoint_info.original_vocab_size). Writers copy args.vocab_size,
+    and a later reader of the output would trim a real row."""
+    if args is None or cfg.vocab_size is None or getattr(args, "vocab_size", None) in (None, cfg.vocab_size):
+        return args
+    fixed = copy.copy(args)
+    fixed.vocab_size = cfg.vocab_size
+    return fixed
+
+
+def _gpt_config(args, rows: int, meta: dict, opts: ReadOptions, num_layers: int):
+    if args is None:
+        return None
+    extra = {"universal_checkpoint_info": meta.get("universal_checkpoint_info")}
+    cfg = megatron_args.config_from_args(args, rows, extra)
+    ov = {k: v for k, v in opts.overrides.items() if v is not None}
+    if ov:
+        cfg = cfg.replace(**ov)
+    if opts.true_vocab_size is not None:
+        require(opts.true_vocab_size <= rows,
+                f"--true-vocab-size {opts.true_vocab_size} exceeds the {rows} embedding rows stored")
+        cfg = cfg.replace(vocab_size=opts.true_vocab_size, vocab_size_source="--true-vocab-size")
+    require(cfg.num_layers == num_layers, f"args say {cfg.num_layers} layers but the files hold {num_layers}",
+            "the checkpoint is incomplete or its args are wrong")
+    return cfg
+
+
+def _read_pipeline(tf, ranks, weights, opts, policy, warnings):
+    tp = max(t for _, t in tf.layers) + 1
+    nmp = len(ranks)
+    require(nmp % tp == 0, f"{tf.tag_dir}: {nmp} model-parallel ranks is not a multiple of TP {tp}",
+            "the checkpoint is incomplete")
+    pp = nmp // tp
+    # entries[(idx, key)] = [per TP]; copies = later pipeline stages' copies of tied tensors
+    entries: Dict[Tuple[Optional[int], str], List[Optional[LazyTensor]]] = defaultdict(lambda: [None] * tp)
+    copies: Dict[Tuple[Optional[int], str], List[Optional[LazyTensor]]] = defaultdict(lambda: [None] * tp)
+    embed_idx = None
+    if weights == "model":
+        for (idx, t), p in sorted(tf.layers.items()):
+            tree = load_torch_file(p)
+            if not isinstance(tree, dict):
+                raise CkptError(f"{p.name}: not a layer state dict", "the file is damaged")
+            for key, v in tree.items():
+                if isinstance(v, LazyTensor):
+                    entries[(idx, key)][t] = v
+    else:
+        for mp, r in sorted(ranks.items()):
+            stage, t = divmod(mp, tp)
+            for name, v in named_weights(r, "master").items():
+                hit = mds.split_pipe_name(name)
+                if hit is None:
+                    raise CkptError(f"unexpected parameter {name!r} in a pipeline checkpoint",
+                                    "ckptool converts Megatron-DeepSpeed GPT models")
+                target = entries if entries[hit][t] is None else copies
+                target[hit][t] = v
+    # The tied embedding's layer file index: its master name has none.
+    keys_by_idx: Dict[Optional[int], set] = defaultdict(set)
+    for (idx, key) in entries:
+        keys_by_idx[idx].add(key)
+    kinds = mds.classify(keys_by_idx)
+    numbers = mds.layer_numbers(kinds)
+    shards: Dict[Tuple[str, Optional[int]], List[LazyTensor]] = {}
+    for (idx, key), parts in entries.items():
+        if any(x is None for x in parts):
+            raise CkptError(f"{key} of pipeline layer {idx} is missing on some tensor-parallel ranks",
+                            "copy every layer_*-model_TT file")
+        kind = kinds[idx]
+        role = mds.role_of(kind, key)
+        if (idx, key) in copies:
+            parts = [_tied_check(key, t, a, b, warnings) for t, (a, b) in enumerate(zip(parts, copies[(idx, key)]))]
+        shards[(role, numbers[idx] if kind == "layer" else None)] = parts
+    word = shards.get(("word", None))
+    require(word is not None, f"{tf.tag_dir}: no word embeddings found", "the embedding layer file is missing")
+    rows = sum(p.shape[0] for p in word)
+    meta = ranks[0].meta
+    cfg = _gpt_config(meta.get("args"), rows, meta, opts, len(numbers))
+    require(cfg is not None, f"{tf.tag_dir}: the model states hold no Megatron args", "not a Megatron-DeepSpeed save")
+    layout_name = opts.qkv_layout or "grouped"
+    for k in list(shards):
+        if k[0].startswith("qkv."):
+            shards[k] = mds.regroup_qkv(shards[k], cfg, layout_name)
+    tensors = assemble(cfg, shards, policy)
+    counts = defaultdict(int)
+    for mp, r in ranks.items():
+        if mp % tp == 0:
+            names = [n for g in (r.meta.get("param_shapes") or []) for n in g]
+            counts[mp // tp] = len({mds.split_pipe_name(n)[0] for n in names
+                                   if (mds.split_pipe_name(n) or (None,))[0] in numbers})
+    stage_layers = [counts[s] for s in range(pp)]
+    layout = Layout(tp=tp, pp=pp, stage_layers=None if len(set(stage_layers)) <= 1 or sum(stage_layers) != cfg.num_layers
+                    else stage_layers)
+    first = mds.first_layer_index(kinds)
+    return cfg, tensors, layout, f"mds-pipeline (transformer layers from spec index {first}, qkv {layout_name})"
+
+
+def _tied_check(key, t, owner, copy, warnings):
+    """Keep the first stage's tied tensor; say if the last stage's copy disagrees (deepspeed.md 8)."""
+    if copy is None:
+        return owner
+
+    def check(a, b):
+        if not torch.equal(a, b):
+            diff = (a.float() - b.float()).abs().max().item()
+            msg = (f"tied {key} (TP rank {t}): the last pipeline stage's copy differs from the first "
+                   f"stage's (max abs diff {diff:.3g}); using the first stage's")
+            if msg not in warnings:
+                warnings.append(msg)
+        return a
+    return Derived(check, [owner, copy], memo=True, shape=owner.shape, dtype=owner.dtype)
+
+
+# --- Megatron names stored under `module` ---------------------------------------------------
+
+def _megatron_key(name: str) -> str:
+    """Dotted parameter names of a nested Megatron model -> the '/' paths megatron_names uses."""
+    parts = name.split(".")
+    if parts[0] != "language_model":
+        return name
+    if parts[1] in ("embedding", "output_layer"):
+        return "/".join(parts)
+    return f"language_model/{parts[1]}/" + ".".join(parts[2:])
+
+
+def _looks_megatron(named: Dict[str, LazyTensor]) -> bool:
+    keys = [_megatron_key(k) for k in named]
+    try:
+        d = detect_dialect(keys)
+    except CkptError:
+        return False
+    m = KeyMatcher(d)
+    return sum(1 for k in keys if m.match(k)) * 2 > len(keys)
+
+
+def _read_megatron_module(named, r0, opts, policy):
+    tp = len(named)
+    flat = {mp: {_megatron_key(k): v for k, v in (flatten(n) if any(isinstance(x, dict) for x in n.values()) else n).items()}
+            for mp, n in named.items()}
+    dialect = detect_dialect(flat[0])
+    m = KeyMatcher(dialect)
+    shards: Dict[Tuple[str, Optional[int]], List[Optional[LazyTensor]]] = defaultdict(lambda: [None] * tp)
+    for t, keys in flat.items():
+        for key, v in keys.items():
+            hit = m.match(key)
+            if hit is None:
+                if is_ignorable(key) or not isinstance(v, LazyTensor):
+                    continue
+                raise CkptError(f"key {key!r} is not part of a {dialect.name} GPT model", "ckptool converts GPT models")
+            role, layer = hit
+            if role == "head_copy":
+                continue
+            shards[(role, layer)][t] = v
+    num_layers = 1 + max(layer for (_, layer) in shards if layer is not None)
+    rows = sum(p.shape[0] for p in shards[("word", None)])
+    args = r0.meta.get("args")
+    cfg = _gpt_config(args, rows, r0.meta, opts, num_layers) if args is not None else \
+        megatron_config(None, dialect, shards, num_layers, tp, rows, opts, 0.0)
+    if dialect.qkv_version0_only:  # 2019: each rank's QKV is [3, np, hd]
+        heads_local = cfg.num_attention_heads // tp
+        for k in list(shards):
+            if k[0].startswith("qkv."):
+                shards[k] = [Derived(lambda x: qkv_to_grouped(x, 0, heads_local, cfg.head_dim), [x]) for x in shards[k]]
+    tensors = assemble(cfg, dict(shards), policy)
+    return cfg, tensors, Layout(tp=tp, pp=1), f"megatron module ({dialect.name})"
+
+
+# --- Hugging Face names ---------------------------------------------------------------------
+
+def find_hf_config(tag_dir: Path, given: Optional[str]) -> Optional[dict]:
+    candidates = []
+    if given:
+        g = Path(given)
+        candidates.append(g / "config.json" if g.is_dir() else g)
+        if not candidates[0].is_file():
+            raise CkptError(f"--hf-config {given}: no config.json there", "pass a config.json or a directory holding one")
+    candidates += [tag_dir / "config.json", tag_dir.parent / "config.json"]
+    for c in candidates:
+        if c.is_file():
+            try:
+                return json.loads(c.read_text())
+            except ValueError as e:
+                raise CkptError(f"{c}: not valid JSON ({e})", "pass a Hugging Face config.json")
+    return None
+
+
+def _read_hf_gpt(tf, named, opts):
+    require(len(named) == 1, f"{tf.tag_dir}: Hugging Face names with {len(named)} model-parallel ranks",
+            "ckptool reads HF models trained with data parallelism (ZeRO) only")
+    hf = find_hf_config(tf.tag_dir, opts.hf_config)
+    sample = ", ".join(list(named[0])[:3])
+    if hf is None:
+        raise CkptError(f"{tf.tag_dir}: the parameter names ({sample}, ...) are not Megatron's and no "
+                        "config.json sits beside the checkpoint", "give --hf-config PATH (the model's config.json)")
+    mt = hf.get("model_type")
+    if mt not in HF_GPT_FAMILIES:
+        raise CkptError(f"{tf.tag_dir} holds a Hugging Face {mt} model, which is not a GPT ckptool can reshard",
+                        "use `ckptool to-hf SRC DST` to consolidate it into a Hugging Face model")
+    n = {k[len("module."):] if k.startswith("module.") else k: v for k, v in named[0].items()}
+    word, make_config, to_canonical = HF_GPT_FAMILIES[mt]
+    require(word in n, f"{tf.tag_dir}: no {word} among the parameters", "the config.json belongs to another model")
+    cfg = make_config(hf, n[word].shape[0])
+    if opts.true_vocab_size is not None:
+        cfg = cfg.replace(vocab_size=opts.true_vocab_size, vocab_size_source="--true-vocab-size")
+    return cfg, to_canonical(n, cfg), Layout(tp=1, pp=1), f"hf {mt}"
+
+
+def consolidate_hf_state(path, opts: Optional[ReadOptions] = None) -> Tuple[dict, Dict[str, LazyTensor]]:
+    """(config.json dict, {HF name: lazy tensor}) of any HF model trained under DeepSpeed.
+
+    Names are the model's own; tied aliases (shared_params) are left out when the config ties them,
+    since HF re-ties on load and safetensors refuses shared storage. Master weights (fp32) by default.
+    """
+    opts = opts or ReadOptions()
+    tf, ranks, weights = _open(path, opts)
+    require(not tf.layers and len(ranks) == 1,
+            f"{tf.tag_dir}: a model-parallel checkpoint is not a Hugging Face model",
+            "use `ckptool merge` / `convert` for Megatron-DeepSpeed checkpoints")
+    hf = find_hf_config(tf.tag_dir, opts.hf_config)
+    if hf is None:
+        raise CkptError(f"{tf.tag_dir}: no config.json beside the checkpoint", "give --hf-config PATH")
+    r = ranks[0]
+    named = named_weights(r, weights)
+    if hf.get("tie_word_embeddings", True):
+        for alias in r.shared:
+            named.pop(alias, None)
+    return hf, {k[len("module."):] if k.startswith("module.") else k: v for k, v in named.items()}

@@ -1,0 +1,310 @@
+"""DeepSpeed tag directories: which files are there, and ZeRO partitions back into parameters.
+
+Facts (shared/reference/deepspeed.md 1.1-1.4):
+  mp_rank_XX_model_states.pt              ZeRO 0/1/2 and pipeline runs, one per model-parallel rank
+  zero_pp_rank_D_mp_rank_XX_model_states.pt  ZeRO-3, one per data-parallel rank D
+  [bf16_|fp16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt  the fp32 master partition of DP rank D
+  layer_LL[-model_TT]-model_states.pt     pipeline (PipelineModule) layer weights, TP rank TT
+
+Everything here is lazy: a parameter is the narrow()s of the flat partitions that hold it,
+concatenated on load, so only that parameter's bytes are read (ZeRO-3: one slice per rank).
+Names returned are the engine's parameter names (module.named_parameters()).
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from ..errors import CkptError
+from ..io.torchfile import load_torch_file
+from ..lazy import Derived, LazyTensor, cat
+
+MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+OPTIM_RE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt$")
+LAYER_RE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
+TAG_DIR = re.compile(r"^(global_step\d+|\d+)$")  # DeepSpeed's default tag; the 2019 engine used the iteration
+
+
+@dataclass
+class TagFiles:
+    tag_dir: Path
+    model: Dict[int, Path] = field(default_factory=dict)  # mp -> mp_rank_XX_model_states.pt
+    zero_model: Dict[Tuple[int, int], Path] = field(default_factory=dict)  # (dp, mp) -> ZeRO-3 model states
+    optim: Dict[Tuple[int, int], Path] = field(default_factory=dict)  # (dp, mp) -> optimizer shard
+    layers: Dict[Tuple[int, int], Path] = field(default_factory=dict)  # (layer index, tp) -> layer file
+
+    @property
+    def mp_ranks(self) -> List[int]:
+        return sorted(set(self.model) | {mp for _, mp in self.zero_model})
+
+    def dp_of(self, mp: int, table) -> List[int]:
+        return sorted(d for d, m in table if m == mp)
+
+
+def _scan(d: Path) -> TagFiles:
+    tf = TagFiles(d)
+    for p in d.iterdir():
+        if m := MODEL_RE.match(p.name):
+            if m.group(1) is None:
+                tf.model[int(m.group(2))] = p
+            else:
+                tf.zero_model[(int(m.group(1)), int(m.group(2)))] = p
+        elif m := OPTIM_RE.match(p.name):
+            key = (int(m.group(1)), int(m.group(2)))
+            if key in tf.optim:
+                raise CkptError(f"{d}: two optimizer shards for DP rank {key[0]}, MP rank {key[1]} "
+                                f"({tf.optim[key].name}, {p.name})", "remove the stale shard")
+            tf.optim[key] = p
+        elif m := LAYER_RE.match(p.name):
+            tf.layers[(int(m.group(1)), int(m.group(2) or 0))] = p
+    return tf
+
+
+def _has_states(d: Path) -> bool:
+    return d.is_dir() and any(MODEL_RE.match(p.name) or LAYER_RE.match(p.name) for p in d.iterdir())
+
+
+def resolve_tag_dir(path: Path, iteration: Optional[int] = None) -> Path:
+    """The directory holding the *_model_states.pt files, for a tag dir or its parent."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CkptError(f"{path}: not a directory", "pass a DeepSpeed save dir or its global_stepN directory")
+    if iteration is not None:
+        for name in (f"global_step{iteration}", str(iteration)):
+            if _has_states(path / name):
+                return path / name
+        raise CkptError(f"{path}: no checkpoint for step {iteration}",
+                        f"available: {', '.join(sorted(p.name for p in path.iterdir() if TAG_DIR.match(p.name))) or 'none'}")
+    if _has_states(path):
+        return path
+    for tracker in ("latest", "latest_checkpointed_iteration.txt"):
+        f = path / tracker
+        if f.is_file():
+            tag = f.read_text(errors="replace").strip()
+            for name in (tag, f"global_step{tag}"):
+                if name and _has_states(path / name):
+                    return path / name
+            raise CkptError(f"{f} names {tag[:40]!r}, but {path / tag} holds no model states",
+                            "the checkpoint is incomplete; pass --iteration N for a step that exists")
+    tags = [p for p in path.iterdir() if TAG_DIR.match(p.name) and _has_states(p)]
+    if tags:
+        return max(tags, key=lambda p: int(re.sub(r"\D", "", p.name)))
+    raise CkptError(f"{path}: no DeepSpeed checkpoint here (no `latest` file, no global_step* directory)",
+                    "pass the directory given to engine.save_checkpoint, or a global_stepN directory in it")
+
+
+def looks_like_deepspeed(path: Path) -> bool:
+    path = Path(path)
+    if not path.is_dir():
+        return False
+    try:
+        d = resolve_tag_dir(path)
+    except CkptError:
+        return False
+    # A Megatron-LM iter_* directory never holds *_model_states.pt, so this cannot steal those.
+    tf = _scan(d)
+    return bool(tf.model or tf.zero_model or tf.layers)
+
+
+def find_files(path: Path, iteration: Optional[int] = None) -> TagFiles:
+    tf = _scan(resolve_tag_dir(path, iteration))
+    if not (tf.model or tf.zero_model):
+        raise CkptError(f"{tf.tag_dir}: no mp_rank_*_model_states.pt files",
+                        "the model-state files are missing; copy the complete global_step directory")
+    return tf
+
+
+# --- lazy pieces ------------------------------------------------------------------------------
+
+def reshape(t: LazyTensor, shape) -> LazyTensor:
+    shape = tuple(shape)
+    if tuple(t.shape) == shape:
+        return t
+    return Derived(lambda x: x.reshape(shape), [t], shape=shape, dtype=t.dtype)
+
+
+def virtual_slice(parts: List[LazyTensor], start: int, numel: int, what: str) -> LazyTensor:
+    """Elements [start, start+numel) of the concatenation of 1-D parts, reading only those."""
+    pieces, base = [], 0
+    for p in parts:
+        n = p.shape[0]
+        lo, hi = max(start, base), min(start + numel, base + n)
+        if lo < hi:
+            pieces.append(p.narrow(0, lo - base, hi - lo))
+        base += n
+    got = sum(x.shape[0] for x in pieces)
+    if got != numel:
+        raise CkptError(f"{what}: the optimizer partitions hold {got} of its {numel} elements",
+                        "the optimizer shards are incomplete or do not belong to these model states")
+    return cat(pieces) if pieces else parts[0].narrow(0, 0, 0)
+
+
+# --- reading the states of one model-parallel rank ------------------------------------------
+
+@dataclass
+class RankStates:
+    """What one model-parallel rank's files say, with ZeRO partitions already reassembled."""
+    meta: dict  # the DP-rank-0 model-states dict (args, param_shapes, shared_params, ...)
+    module: Dict[str, LazyTensor]  # the `module` state dict (16-bit weights, buffers); {} for pipelines
+    master: Dict[str, LazyTensor]  # fp32 masters of trainable params ({} when no optimizer shards)
+    frozen: Dict[str, LazyTensor]  # frozen params (16-bit), from fragments or from `module`
+    buffers: Dict[str, LazyTensor]
+    shared: Dict[str, str]  # alias -> owner
+    zero_stage: Optional[int]  # 1, 2, 3; 1 for BF16_Optimizer files (no zero_stage key)
+    optimizer_kind: str  # "zero" | "bf16_optimizer" | "zero3" | "none"
+    dp: int
+
+
+def _param_shapes(meta) -> List["OrderedDict[str, tuple]"]:
+    ps = meta.get("param_shapes")
+    if ps is None:
+        return []
+    if isinstance(ps, dict):  # very old engines stored one dict
+        ps = [ps]
+    return [OrderedDict((k, tuple(v)) for k, v in g.items()) for g in ps]
+
+
+def _stage_of(osd) -> Optional[int]:
+    z = osd.get("zero_stage")
+    if z is None:
+        return None
+    return int(getattr(z, "value", z))
+
+
+def read_rank(tf: TagFiles, mp: int) -> RankStates:
+    zero3_files = {d: p for (d, m), p in tf.zero_model.items() if m == mp}
+    if zero3_files:
+        metas = {d: load_torch_file(p) for d, p in sorted(zero3_files.items())}
+    else:
+        if mp not in tf.model:
+            raise CkptError(f"{tf.tag_dir}: no mp_rank_{mp:02d}_model_states.pt",
+                            "copy the complete global_step directory")
+        metas = {0: load_torch_file(tf.model[mp])}
+    meta = metas[min(metas)]
+    if not isinstance(meta, dict) or "module" not in meta:
+        raise CkptError(f"{tf.tag_dir}: model-states file for MP rank {mp} has no `module` entry",
+                        "not a DeepSpeed engine checkpoint")
+    module = meta.get("module") or {}
+    module = {k: v for k, v in module.items()} if isinstance(module, dict) else {}
+    shared = dict(meta.get("shared_params") or {})
+    buffers = {n: module[n] for n in (meta.get("buffer_names") or []) if isinstance(module.get(n), LazyTensor)}
+
+    optim_paths = {d: p for (d, m), p in tf.optim.items() if m == mp}
+    osds = {d: _optimizer_state(load_torch_file(p), p) for d, p in sorted(optim_paths.items())}
+    master: Dict[str, LazyTensor] = {}
+    stage, kind, dp = None, "none", max(1, len(osds))
+    if osds:
+        if sorted(osds) != list(range(len(osds))):
+            raise CkptError(f"{tf.tag_dir}: optimizer shards of MP rank {mp} cover DP ranks {sorted(osds)}",
+                            "a shard is missing; copy the complete global_step directory")
+        first = osds[0]
+        stage = _stage_of(first)
+        if stage == 3 or "fp32_flat_groups" in first:
+            stage, kind = 3, "zero3"
+            master = _zero3_master(osds, _param_shapes(meta), tf.tag_dir)
+        else:
+            kind = "zero" if stage is not None else "bf16_optimizer"
+            stage = stage or 1  # BF16_Optimizer partitions like ZeRO-1
+            master = _zero12_master(osds, _param_shapes(meta), tf.tag_dir)
+    frozen = _frozen(meta, metas, module, stage)
+    return RankStates(meta, module, master, frozen, buffers, shared, stage, kind, dp)
+
+
+def _optimizer_state(tree, path) -> dict:
+    osd = tree.get("optimizer_state_dict") if isinstance(tree, dict) else None
+    if not isinstance(osd, dict):
+        raise CkptError(f"{path.name}: no optimizer_state_dict", "not a DeepSpeed ZeRO optimizer shard")
+    if osd.get("elastic_checkpoint") or isinstance(osd.get("base_optimizer_state"), list):
+        pass  # elastic files keep the same fp32 partitions; only the moments are stored differently
+    return osd
+
+
+def _zero12_master(osds: Dict[int, dict], shapes, tag_dir) -> Dict[str, LazyTensor]:
+    """ZeRO-1/2 and BF16_Optimizer: per group one flat fp32 vector cut into DP partitions."""
+    out: Dict[str, LazyTensor] = {}
+    ranks = [osds[d] for d in sorted(osds)]
+    groups = [r.get("single_partition_of_fp32_groups") for r in ranks]
+    if any(g is None for g in groups):
+        raise CkptError(f"{tag_dir}: an optimizer shard lacks single_partition_of_fp32_groups",
+                        "not a ZeRO-1/2 or BF16_Optimizer shard")
+    if len(shapes) != len(groups[0]):
+        raise CkptError(f"{tag_dir}: param_shapes lists {len(shapes)} groups but the optimizer holds "
+                        f"{len(groups[0])}", "the model states and optimizer shards come from different saves")
+    mappings = [r.get("param_slice_mappings") for r in ranks]
+    for g, names in enumerate(shapes):
+        parts = [grp[g] for grp in groups]
+        if all(m is not None for m in mappings):
+            # Each rank says where each parameter's fragment starts in its partition; this also
+            # survives per-parameter alignment padding (param_alignment_paddings, DeepSpeed >= 0.19).
+            for name, shape in names.items():
+                pieces = []
+                for r, m in enumerate(mappings):
+                    frag = m[g].get(name)
+                    if frag is not None and int(frag.numel):
+                        pieces.append(parts[r].narrow(0, int(frag.start), int(frag.numel)))
+                numel = math.prod(shape)
+                got = sum(p.shape[0] for p in pieces)
+                if got != numel:
+                    raise CkptError(f"{name}: the optimizer partitions hold {got} of its {numel} elements",
+                                    "the optimizer shards are incomplete or do not belong to these model states")
+                out[name] = reshape(cat(pieces), shape)
+            continue
+        offset = 0  # older files: parameters back to back, padding only at the group's end
+        for name, shape in names.items():
+            numel = math.prod(shape)
+            out[name] = reshape(virtual_slice(parts, offset, numel, name), shape)
+            offset += numel
+        total = sum(p.shape[0] for p in parts)
+        # What is left is the group's alignment padding (< 2 * dp elements; kept by BF16_Optimizer).
+        if offset > total or total - offset >= 2 * len(parts):
+            raise CkptError(f"{tag_dir}: group {g} consumed {offset} of {total} master elements",
+                            "param_shapes does not describe these optimizer partitions")
+    return out
+
+
+def _zero3_master(osds: Dict[int, dict], shapes, tag_dir) -> Dict[str, LazyTensor]:
+    """ZeRO-3: every parameter is cut into ws equal (padded) slices, one per rank."""
+    ws = len(osds)
+    count = osds[0].get("partition_count")
+    if isinstance(count, int) and count != ws:
+        raise CkptError(f"{tag_dir}: the ZeRO-3 shards say {count} partitions but {ws} files are present",
+                        "copy every zero_pp_rank_* shard of this step")
+    flats = [list(osds[d]["fp32_flat_groups"]) for d in sorted(osds)]
+    out: Dict[str, LazyTensor] = {}
+    offset = 0
+    for names in shapes:
+        for name, shape in names.items():
+            numel = math.prod(shape)
+            pn = -(-numel // ws)
+            pieces = [virtual_slice(flats[r], offset, pn, name) for r in range(ws)]
+            full = cat(pieces)
+            out[name] = reshape(full.narrow(0, 0, numel) if full.shape[0] != numel else full, shape)
+            offset += pn
+    have = sum(f.shape[0] for f in flats[0])
+    if offset > have:
+        raise CkptError(f"{tag_dir}: param_shapes needs {offset} elements per rank but the shards hold {have}",
+                        "the model states and optimizer shards come from different saves")
+    return out
+
+
+def _frozen(meta, metas, module, stage) -> Dict[str, LazyTensor]:
+    shapes = meta.get("frozen_param_shapes") or {}
+    out: Dict[str, LazyTensor] = {}
+    for name, shape in shapes.items():
+        shape = tuple(shape)
+        numel = math.prod(shape)
+        frags = [m.get("frozen_param_fragments", {}).get(name) for _, m in sorted(metas.items())]
+        if stage == 3 and all(f is not None for f in frags):
+            full = cat(frags)
+            out[name] = reshape(full.narrow(0, 0, numel), shape)
+        elif frags[0] is not None and frags[0].numel == numel:
+            out[name] = reshape(frags[0], shape)
+    return out
+
+
+def trainable_names(meta) -> List[str]:
+    return [n for g in _param_shapes(meta) for n in g]

@@ -1,0 +1,138 @@
+"""Sharded safetensors output, one tensor in memory at a time.
+
+The shard plan comes from shapes and dtypes alone (plan_shards), so every file's header, with the
+byte offsets of all its tensors, is known before any tensor is loaded. Each file is then created
+at its final size and each tensor written at its offset as soon as it is loaded: peak memory is one
+tensor (plus whatever a load_scope shares within a layer), never a shard.
+
+File format (safetensors spec): 8-byte little-endian header length N, N bytes of JSON
+{name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {...}} padded with spaces to a
+multiple of 8, then the data, contiguous and without holes.
+"""
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..errors import CkptError
+from ..lazy import LazyTensor, load_scope
+
+DTYPE_NAMES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+NAME_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+
+# huggingface_hub's convention: KB/MB/GB are powers of 10, KiB/MiB/GiB powers of 2.
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text) -> int:
+    """'5GB' -> 5_000_000_000, '500MiB' -> 524_288_000, '1234' -> 1234."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).upper() if m else None
+    if not m or unit not in _UNITS:
+        raise CkptError(f"--max-shard-size {text!r} is not a size",
+                        "write it like 5GB, 500MB or 200MiB (KB/MB/GB are decimal as in huggingface_hub)")
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise CkptError(f"--max-shard-size {text!r} must be positive")
+    return size
+
+
+Item = Tuple[str, LazyTensor, str]  # (name, tensor, group: tensors of one group load in one scope)
+
+
+def plan_shards(items: Sequence[Item], max_bytes: int) -> List[List[Item]]:
+    """Greedy split in order: a shard takes tensors until the next would overflow it.
+
+    A tensor larger than max_bytes gets a shard of its own (as huggingface_hub does).
+    """
+    shards: List[List[Item]] = [[]]
+    size = 0
+    for it in items:
+        n = it[1].nbytes
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(it)
+        size += n
+    return [s for s in shards if s]
+
+
+def shard_names(count: int) -> List[str]:
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def _header(items: Sequence[Item], metadata: Dict[str, str]) -> Tuple[bytes, List[int]]:
+    head: Dict[str, object] = {"__metadata__": dict(metadata)}
+    offsets, pos = [], 0
+    for name, t, _ in items:
+        if t.dtype not in DTYPE_NAMES:
+            raise CkptError(f"{name}: dtype {t.dtype} cannot be stored in safetensors")
+        head[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                      "data_offsets": [pos, pos + t.nbytes]}
+        offsets.append(pos)
+        pos += t.nbytes
+    raw = json.dumps(head, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, offsets
+
+
+def write_safetensors_file(path: Path, items: Sequence[Item], metadata: Optional[Dict[str, str]] = None,
+                           progress: Optional[Callable[[int], None]] = None) -> int:
+    """Write one safetensors file, loading its tensors one at a time. Returns the data bytes."""
+    header, offsets = _header(items, metadata or {"format": "pt"})
+    total = sum(t.nbytes for _, t, _ in items)
+    with open(path, "wb") as f:
+        f.write(header)
+        f.truncate(len(header) + total)
+        group, scope = None, None
+        try:
+            for (name, lazy, g), off in zip(items, offsets):
+                if g != group:  # tensors of one layer share fused reads inside one scope
+                    if scope is not None:
+                        scope.__exit__(None, None, None)
+                    scope, group = load_scope(), g
+                    scope.__enter__()
+                t = lazy.load()
+                if tuple(t.shape) != tuple(lazy.shape) or t.dtype != lazy.dtype:
+                    raise CkptError(f"internal: {name} loaded as {tuple(t.shape)} {t.dtype}, "
+                                    f"planned as {tuple(lazy.shape)} {lazy.dtype}")
+                data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+                f.seek(len(header) + off)
+                f.write(memoryview(data))
+                if progress:
+                    progress(lazy.nbytes)
+                del t, data
+        finally:
+            if scope is not None:
+                scope.__exit__(None, None, None)
+    return total
+
+
+def write_sharded(out_dir: Path, items: Sequence[Item], max_bytes: int,
+                  progress: Optional[Callable[[int], None]] = None) -> dict:
+    """Write items as model[-0000i-of-0000N].safetensors (+ index when sharded)."""
+    shards = plan_shards(items, max_bytes)
+    names = shard_names(len(shards))
+    weight_map, total = {}, 0
+    for fname, shard in zip(names, shards):
+        total += write_safetensors_file(Path(out_dir) / fname, shard, {"format": "pt"}, progress)
+        weight_map.update({name: fname for name, _, _ in shard})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        (Path(out_dir) / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return {"files": names, "bytes": total}

@@ -1,0 +1,85 @@
+"""Comparing a target forward with a reference: logits metrics, per-layer hidden states, a report.
+
+Logits are compared on the true-vocabulary columns both sides have (padding rows may differ in
+number and content). Hidden states are compared in order (embedding, layer 0, layer 1, ...); the
+first one whose difference exceeds the tolerance, relative to the reference's scale, is where the
+two models part ways: everything after it differs as a consequence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+# Default tolerance on the max abs logits error per compute dtype (fp32 is reduction-order noise;
+# 16-bit dtypes round every activation, so the same model run two ways differs far more).
+DEFAULT_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1e-1}
+
+
+@dataclass
+class Report:
+    columns: int
+    max_abs_error: float
+    mean_kl: float
+    top1_agreement: float
+    tolerance: float
+    hidden: List[tuple] = field(default_factory=list)  # (name, max abs diff, relative diff)
+    first_divergence: Optional[str] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.max_abs_error <= self.tolerance and self.first_divergence is None
+
+    def lines(self, where: Optional[Dict[str, str]] = None) -> List[str]:
+        out = [f"compared {self.columns} vocabulary columns",
+               f"max_abs_error={self.max_abs_error:.6g}",
+               f"mean_kl={self.mean_kl:.6g}",
+               f"top1_agreement={self.top1_agreement:.6g}",
+               f"tolerance={self.tolerance:.3g}"]
+        for name, diff, rel in self.hidden:
+            out.append(f"  {name:<12} max abs diff {diff:.3g} (relative {rel:.3g})")
+        if self.first_divergence:
+            extra = f" [{where[self.first_divergence]}]" if where and self.first_divergence in where else ""
+            out.append(f"first_divergence={self.first_divergence}{extra}")
+        out.append("result=PASS" if self.ok else "result=FAIL")
+        return out
+
+
+def compare(target_logits: torch.Tensor, ref_logits: torch.Tensor, columns: int, tolerance: float,
+            target_hidden: Optional[Dict[str, torch.Tensor]] = None,
+            ref_hidden: Optional[Dict[str, torch.Tensor]] = None) -> Report:
+    t = target_logits[..., :columns].double()
+    r = ref_logits[..., :columns].double()
+    max_abs = (t - r).abs().max().item()
+    log_p = torch.log_softmax(r, -1)
+    log_q = torch.log_softmax(t, -1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
+    top1 = (t.argmax(-1) == r.argmax(-1)).double().mean().item()
+    report = Report(columns, max_abs, kl, top1, tolerance)
+    if target_hidden and ref_hidden:
+        for name, th in target_hidden.items():
+            rh = ref_hidden.get(name)
+            if rh is None:
+                continue
+            diff = (th.double() - rh.double()).abs().max().item()
+            rel = diff / max(rh.double().abs().max().item(), 1e-6)
+            report.hidden.append((name, diff, rel))
+            if report.first_divergence is None and rel > relative_tolerance(tolerance):
+                report.first_divergence = name
+    if report.first_divergence is None and max_abs > tolerance:
+        report.first_divergence = "output layer (logits)"
+    return report
+
+
+def relative_tolerance(tolerance: float) -> float:
+    # Hidden states are judged relative to their own scale; logits scale is O(1-10) too, so the
+    # logits tolerance serves as a relative bound, never tighter than float32 noise.
+    return max(tolerance, 1e-5)
+
+
+def true_columns(target_cols: int, target_vocab: Optional[int], ref_cols: int,
+                 ref_vocab: Optional[int]) -> int:
+    """The vocabulary columns both sides share: padding may differ, so cut to the true size."""
+    sizes = [target_cols, ref_cols] + [v for v in (target_vocab, ref_vocab) if v]
+    return min(sizes)

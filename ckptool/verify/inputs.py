@@ -1,0 +1,113 @@
+"""What verify compares against, and on which tokens.
+
+A reference is one of
+  a checkpoint ckptool reads      -> the one-process reference forward (reference.py)
+  a Hugging Face model directory  -> transformers' AutoModelForCausalLM (config.json present)
+  recorded logits (--reference-logits FILE[:KEY]) -> the tokens and logits the framework computed
+
+Each yields (logits [b, s, V], {"embedding"|"layer i": hidden} or None, true vocab or None).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import CkptError, require
+from ..lazy import load_scope
+from ..state import Checkpoint
+from . import reference
+
+
+# --- tokens ---------------------------------------------------------------------------------
+
+def parse_token_ids(text: str) -> torch.Tensor:
+    rows = [r for r in text.replace("\n", ";").split(";") if r.strip()]
+    try:
+        ids = [[int(x) for x in r.replace(" ", ",").split(",") if x.strip()] for r in rows]
+    except ValueError:
+        raise CkptError("--tokens holds something that is not a token id",
+                        'write ids like "1,2,3;4,5,6", or pass a text file with --tokenizer DIR')
+    require(ids and len({len(r) for r in ids}) == 1 and ids[0],
+            "--tokens rows must be non-empty and of equal length", 'e.g. --tokens "1,2,3;4,5,6"')
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def make_tokens(tokens: Optional[str], tokenizer: Optional[str], batch: int, seq_len: int, seed: int,
+                vocab: int) -> torch.Tensor:
+    if tokens is None:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(0, vocab, (batch, seq_len), generator=g)
+    path = Path(tokens)
+    if tokenizer:
+        require(path.is_file(), f"--tokens {tokens}: no such file", "with --tokenizer, --tokens is a text file")
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+        lines = [l for l in path.read_text().splitlines() if l.strip()]
+        ids = [tok(l)["input_ids"] for l in lines]
+        n = min(len(x) for x in ids)
+        require(n > 0, f"{tokens}: no text to tokenize")
+        return torch.tensor([x[:n] for x in ids], dtype=torch.long)
+    t = parse_token_ids(path.read_text() if path.is_file() else tokens)
+    require(int(t.max()) < vocab and int(t.min()) >= 0,
+            f"--tokens holds id {int(t.max())}, outside the vocabulary of {vocab}")
+    return t
+
+
+# --- references -----------------------------------------------------------------------------
+
+def checkpoint_forward(ckpt: Checkpoint, tokens: torch.Tensor, dtype, device="cpu"):
+    """The one-process forward with the embedding output and every layer's hidden state."""
+    logits, layers = reference.forward(ckpt, tokens, dtype, device=device, return_hidden=True)
+    with load_scope():
+        word = ckpt.tensors["embed.word"].load().to(device=device, dtype=dtype)
+        x = F.embedding(tokens.to(device), word)
+        if ckpt.config.position_embedding == "learned":
+            x = x + ckpt.tensors["embed.pos"].load().to(device=device, dtype=dtype)[: tokens.shape[1]]
+    hidden = {"embedding": x.float().cpu()}
+    hidden.update({f"layer {i}": h for i, h in enumerate(layers)})
+    return logits.cpu(), hidden, ckpt.config.vocab_size
+
+
+def is_hf_dir(path) -> bool:
+    return Path(path).is_dir() and (Path(path) / "config.json").is_file()
+
+
+def hf_forward(path, tokens: torch.Tensor, dtype, device="cpu"):
+    """transformers' own model; its last hidden state is after the final norm, so it is left out."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+    with torch.no_grad():
+        out = model(tokens.to(device), output_hidden_states=True)
+    states = out.hidden_states
+    hidden = {"embedding": states[0].float().cpu()}
+    hidden.update({f"layer {i}": states[i + 1].float().cpu() for i in range(len(states) - 2)})
+    return out.logits.float().cpu(), hidden, getattr(model.config, "vocab_size", None)
+
+
+def load_reference_logits(spec: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """FILE[:KEY] -> (tokens [b, s], logits [b, s, V]) recorded from the training framework."""
+    path, key = spec, "logits"
+    if ":" in spec and not Path(spec).exists():
+        path, key = spec.rsplit(":", 1)
+    p = Path(path)
+    require(p.is_file(), f"--reference-logits {path}: no such file")
+    if p.suffix == ".safetensors":
+        from safetensors.torch import load_file
+        data = load_file(str(p))
+    else:
+        from ..io.torchfile import load_torch_file
+        data = load_torch_file(p)
+        require(isinstance(data, dict), f"{path}: expected a dict with 'tokens' and '{key}'")
+        data = {k: (v.load() if hasattr(v, "load") else v) for k, v in data.items()}
+    for k in ("tokens", key):
+        require(k in data and isinstance(data[k], torch.Tensor),
+                f"{path} has no tensor {k!r} (it holds {', '.join(map(str, data))})",
+                "name the logits key as FILE:KEY")
+    tokens, logits = data["tokens"].long(), data[key].float()
+    require(tokens.dim() == 2 and logits.dim() == 3 and logits.shape[:2] == tokens.shape,
+            f"{path}: tokens {tuple(tokens.shape)} and {key} {tuple(logits.shape)} do not match",
+            "expected tokens [B, S] and logits [B, S, V]")
+    return tokens, logits

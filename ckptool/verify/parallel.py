@@ -1,0 +1,221 @@
+"""The GPT forward as Megatron runs it: tensor- and pipeline-parallel, one process per rank.
+
+Run under torchrun with WORLD_SIZE = TP * PP. Ranks are numbered TP-fastest (rank = pp * TP + tp),
+Megatron's default order. Every rank computes with the tensors of its own checkpoint file
+(formats/megatron_ranks.py), so replicated tensors that drifted apart in training give the same
+numbers here as they did there.
+
+  embedding      vocab-parallel: each rank looks up the tokens in its row block, zeros the rest,
+                 all-reduce over TP; then positions (learned) are added
+  attention      fused QKV column-parallel (whole query groups per rank; when TP > groups every
+                 rank all-gathers the grouped rows, keeps its group and then its share of the
+                 query heads, as megatron-core does), core attention on the local heads,
+                 output projection row-parallel + all-reduce, then the bias
+  mlp            fc1 column-parallel ([gate_r; up_r] per rank for SwiGLU), fc2 row-parallel +
+                 all-reduce, then the bias
+  head           final norm, vocab-parallel logits, all-gathered over TP on the last stage
+  pipeline       the hidden state goes stage to stage with send/recv between equal TP ranks
+
+Afterwards the per-layer hidden states and the logits are sent to rank 0 for comparison.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..config import GPTConfig
+from ..formats.megatron_ranks import RankShards
+from .reference import activation, apply_rope, norm, rope_frequencies
+
+
+# --- process groups -------------------------------------------------------------------------
+
+@dataclass
+class Ranks:
+    rank: int
+    world: int
+    tp: int
+    pp: int
+    tp_rank: int
+    pp_rank: int
+    tp_group: object
+    device: torch.device
+
+    def global_rank(self, tp_rank: int, pp_rank: int) -> int:
+        return pp_rank * self.tp + tp_rank
+
+
+def init_ranks(tp: int, pp: int) -> Ranks:
+    """Join the torchrun job (NCCL on GPUs, gloo otherwise) and build the TP groups."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = [dist.new_group([p * tp + t for t in range(tp)]) for p in range(pp)]  # every rank makes every group
+    return Ranks(rank, world, tp, pp, rank % tp, rank // tp, groups[rank // tp], device)
+
+
+def all_reduce(x: torch.Tensor, r: Ranks) -> torch.Tensor:
+    if r.tp > 1:
+        dist.all_reduce(x, group=r.tp_group)
+    return x
+
+
+def all_gather_last(x: torch.Tensor, r: Ranks) -> torch.Tensor:
+    if r.tp == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(r.tp)]
+    dist.all_gather(parts, x.contiguous(), group=r.tp_group)
+    return torch.cat(parts, dim=-1)
+
+
+# --- the model, one rank's share ------------------------------------------------------------
+
+def embed(tokens: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig, r: Ranks) -> torch.Tensor:
+    word = w["embed.word"]
+    rows = word.shape[0]
+    local = tokens - r.tp_rank * rows
+    outside = (local < 0) | (local >= rows)
+    x = F.embedding(local.masked_fill(outside, 0), word)
+    x = all_reduce(x.masked_fill(outside.unsqueeze(-1), 0), r)
+    if cfg.position_embedding == "learned":
+        x = x + w["embed.pos"][: tokens.shape[1]]
+    return x
+
+
+def split_qkv(qkv: torch.Tensor, cfg: GPTConfig, r: Ranks):
+    """This rank's [b, s, rows] QKV activations -> q [b, s, heads_r, hd], k and v [b, s, groups_r, hd]."""
+    b, s, _ = qkv.shape
+    hd, nq, ng = cfg.head_dim, cfg.num_attention_heads, cfg.num_query_groups
+    per = nq // ng
+    if ng < r.tp:
+        # a rank holds part of one group: gather all groups, keep ours, later our share of its heads
+        ranks_per_group = r.tp // ng
+        qkv = all_gather_last(qkv, r)
+        size = qkv.shape[-1] // ng
+        group = r.tp_rank // ranks_per_group
+        qkv = qkv[..., group * size:(group + 1) * size]
+        groups_r = 1
+    else:
+        groups_r = ng // r.tp
+    qkv = qkv.reshape(b, s, groups_r, (per + 2) * hd)
+    q, k, v = torch.split(qkv, [per * hd, hd, hd], dim=-1)
+    q = q.reshape(b, s, groups_r * per, hd)
+    if ng < r.tp:
+        heads_r = nq // r.tp
+        j = r.tp_rank % ranks_per_group
+        q = q[:, :, j * heads_r:(j + 1) * heads_r]
+    return q, k, v
+
+
+def attention(x: torch.Tensor, w, p: str, cfg: GPTConfig, r: Ranks, rope) -> torch.Tensor:
+    b, s, _ = x.shape
+    qkv = F.linear(x, w[p + "qkv.weight"], w.get(p + "qkv.bias"))
+    q, k, v = (t.transpose(1, 2) for t in split_qkv(qkv, cfg, r))  # [b, heads, s, hd]
+    if cfg.qk_layernorm:
+        q = norm(q, w[p + "q_norm.weight"], w.get(p + "q_norm.bias"), cfg)
+        k = norm(k, w[p + "k_norm.weight"], w.get(p + "k_norm.bias"), cfg)
+    if rope is not None:
+        q, k = apply_rope(q, *rope, cfg), apply_rope(k, *rope, cfg)
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(cfg.head_dim)
+    mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+    probs = torch.softmax(scores.float().masked_fill(mask, float("-inf")), dim=-1).to(v.dtype)
+    ctx = (probs @ v).transpose(1, 2).reshape(b, s, -1)
+    out = all_reduce(F.linear(ctx, w[p + "proj.weight"]), r)
+    return out + w[p + "proj.bias"] if p + "proj.bias" in w else out
+
+
+def mlp(x: torch.Tensor, w, p: str, cfg: GPTConfig, r: Ranks) -> torch.Tensor:
+    h = F.linear(x, w[p + "fc1.weight"], w.get(p + "fc1.bias"))
+    if cfg.gated:
+        gate, up = h.chunk(2, dim=-1)  # this rank's [gate_r; up_r]
+        h = F.silu(gate) * up
+    else:
+        h = activation(h, cfg)
+    out = all_reduce(F.linear(h, w[p + "fc2.weight"]), r)
+    return out + w[p + "fc2.bias"] if p + "fc2.bias" in w else out
+
+
+def block(x: torch.Tensor, w, i: int, cfg: GPTConfig, r: Ranks, rope) -> torch.Tensor:
+    p = f"layers.{i}."
+    h = norm(x, w[p + "attn_norm.weight"], w.get(p + "attn_norm.bias"), cfg)
+    x = (h if cfg.post_layernorm_residual else x) + attention(h, w, p, cfg, r, rope)
+    h = norm(x, w[p + "mlp_norm.weight"], w.get(p + "mlp_norm.bias"), cfg)
+    return (h if cfg.post_layernorm_residual else x) + mlp(h, w, p, cfg, r)
+
+
+def head(x: torch.Tensor, w, cfg: GPTConfig, r: Ranks) -> torch.Tensor:
+    x = norm(x, w["final_norm.weight"], w.get("final_norm.bias"), cfg)
+    out_w = w["output.weight"] if "output.weight" in w else w["embed.word"]  # tied, one stage
+    return all_gather_last(F.linear(x, out_w), r).float()
+
+
+# --- the pipeline ---------------------------------------------------------------------------
+
+def stage_forward(tokens: torch.Tensor, shards: RankShards, r: Ranks, dtype: torch.dtype):
+    """Run this rank's stage. Returns (logits or None, [(name, hidden)] of this stage)."""
+    cfg = shards.config
+    w = {k: v.load().to(device=r.device, dtype=dtype) for k, v in shards.tensors.items()}
+    tokens = tokens.to(r.device)
+    b, s = tokens.shape
+    rope = None
+    if cfg.position_embedding == "rope":
+        rope = tuple(t.to(r.device) for t in rope_frequencies(cfg, s, r.device))
+    hidden: List[Tuple[str, torch.Tensor]] = []
+    if r.pp_rank == 0:
+        x = embed(tokens, w, cfg, r)
+        hidden.append(("embedding", x))
+    else:
+        x = torch.empty(b, s, cfg.hidden_size, dtype=dtype, device=r.device)
+        dist.recv(x, src=r.global_rank(r.tp_rank, r.pp_rank - 1))
+    for i in range(shards.first_layer, shards.first_layer + shards.num_local_layers):
+        x = block(x, w, i, cfg, r, rope)
+        hidden.append((f"layer {i}", x))
+    if r.pp_rank < r.pp - 1:
+        dist.send(x.contiguous(), dst=r.global_rank(r.tp_rank, r.pp_rank + 1))
+        return None, hidden
+    return head(x, w, cfg, r), hidden
+
+
+def gather_to_rank0(logits: Optional[torch.Tensor], hidden, shards: RankShards, r: Ranks,
+                    stage_layers: List[int], vocab_cols: int, shape: Tuple[int, int]):
+    """On rank 0: (logits [b, s, V], {name: hidden}) from every stage's TP rank 0; None elsewhere."""
+    b, s = shape
+    h = shards.config.hidden_size
+    if r.tp_rank == 0 and r.rank != 0:
+        dist.send(torch.stack([t for _, t in hidden]).float().contiguous(), dst=0)
+        if logits is not None:
+            dist.send(logits.contiguous(), dst=0)
+    if r.rank != 0:
+        return None
+    names: Dict[str, torch.Tensor] = {}
+    first = 0
+    for p in range(r.pp):
+        count = stage_layers[p]
+        labels = (["embedding"] if p == 0 else []) + [f"layer {i}" for i in range(first, first + count)]
+        first += count
+        if p == 0:
+            got = [t.float().cpu() for _, t in hidden]
+        else:
+            buf = torch.empty(len(labels), b, s, h, dtype=torch.float32, device=r.device)
+            dist.recv(buf, src=r.global_rank(0, p))
+            got = list(buf.cpu())
+        names.update(zip(labels, got))
+    if r.pp > 1:
+        logits = torch.empty(b, s, vocab_cols, dtype=torch.float32, device=r.device)
+        dist.recv(logits, src=r.global_rank(0, r.pp - 1))
+    return logits.cpu(), names

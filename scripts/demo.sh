@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The main job on the embedded default: install ckptool (pinned CPU torch first), inspect the
+# small TP2 PP2 fixture, merge it to one rank, reshard it to TP4, inspect the result.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q torch==2.13.0
+python3 -m pip install -q -e .
+SRC=fixtures/gpt2_mcore_tp2pp2/checkpoint
+OUT=$(mktemp -d /tmp/ckptool-demo.XXXXXX)
+echo "== inspect $SRC"
+ckptool inspect "$SRC" --no-tensors
+echo; echo "== merge $SRC -> $OUT/merged (TP1 PP1)"
+ckptool merge "$SRC" "$OUT/merged"
+echo; echo "== reshard $OUT/merged -> $OUT/tp4 (TP4 PP1)"
+ckptool reshard "$OUT/merged" "$OUT/tp4" --tp 4 --pp 1
+echo; echo "== inspect $OUT/tp4"
+ckptool inspect "$OUT/tp4" --no-tensors
+echo; echo "outputs are in $OUT"

@@ -1,0 +1,47 @@
+"""Shared test fixtures: the independent Megatron fixtures (scripts/make_fixtures.py) built once per
+session, and the real framework-written checkpoints from ../shared/real-checkpoints."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+REAL_CANDIDATES = [ROOT.parent / "shared" / "real-checkpoints", ROOT / "fixtures" / "real"]
+
+
+def _load_make_fixtures():
+    spec = importlib.util.spec_from_file_location("make_fixtures", ROOT / "scripts" / "make_fixtures.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["make_fixtures"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="session")
+def make_fixtures():
+    return _load_make_fixtures()
+
+
+@pytest.fixture(scope="session")
+def fixture_dir(tmp_path_factory, make_fixtures):
+    """A callable: name -> directory of that fixture (built on first use, once per session)."""
+    out = tmp_path_factory.mktemp("megatron_fixtures")
+    built = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = Path(make_fixtures.build_fixture(name, out))
+        return built[name]
+
+    return get
+
+
+def real_checkpoint(case: str) -> Path:
+    for base in REAL_CANDIDATES:
+        if (base / case / "checkpoint").is_dir():
+            return base / case
+    pytest.skip(f"real checkpoint {case} not found under ../shared/real-checkpoints or fixtures/real")
