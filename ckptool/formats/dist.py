@@ -331,14 +331,16 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
 
     it_dir = Path(out_dir) / f"iter_{iteration:07d}"
     writer = DcpWriter(it_dir)
+    tensor_bytes = [0]
 
     def put(fqn: str, t: torch.Tensor, global_shape, offsets) -> None:
         if dtype is not None:
             t = t.to(dtype)
         writer.declare(fqn, global_shape, t.dtype)
-        n = writer.add_chunk(fqn, t, offsets)
+        writer.add_chunk(fqn, t, offsets)
+        tensor_bytes[0] += t.numel() * t.element_size()
         if progress:
-            progress(n)
+            progress(t.numel() * t.element_size())
 
     def put_global(role: str) -> None:
         full = global_role_tensor(tensors, role)
@@ -375,5 +377,5 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
     (it_dir / CONFIG_FILE).write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                                                   "common_backend": "torch", "common_backend_version": 1}))
     (Path(out_dir) / TRACKER).write_text(str(iteration))
-    return {"iteration_dir": it_dir.name, "files": 1, "bytes": writer.bytes_written, "padded_vocab_size": rows,
+    return {"iteration_dir": it_dir.name, "files": 1, "bytes": tensor_bytes[0], "padded_vocab_size": rows,
             "dialect": "torch_dist", "checkpoint_version": 3.0}
