@@ -5,6 +5,7 @@ re-merges the shards by hand and compares them with the ground-truth transformer
 """
 import hashlib
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -38,7 +39,21 @@ def test_build_and_self_check(tmp_path, name):
     assert (root / "hf" / "model.safetensors").is_file()
     result = mf.self_check(name, tmp_path)
     assert result["max_abs_logit_err"] < 1e-5
-    assert not any(m == "megatron" or m.startswith("megatron.") for m in sys.modules)
+
+
+def test_generator_needs_no_megatron(tmp_path):
+    """The fixtures are independent of Megatron: building and checking one in a fresh interpreter
+    imports no megatron module (other tests in this process may import megatron-core)."""
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('mf', {str(ROOT / 'scripts' / 'make_fixtures.py')!r})\n"
+        "mf = importlib.util.module_from_spec(spec); spec.loader.exec_module(mf)\n"
+        f"mf.build_fixture('llama_mcore_te_tp2pp2', {str(tmp_path)!r})\n"
+        f"mf.self_check('llama_mcore_te_tp2pp2', {str(tmp_path)!r})\n"
+        "print(sorted(m for m in sys.modules if m == 'megatron' or m.startswith('megatron.')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"
 
 
 def test_deterministic(tmp_path):

@@ -322,7 +322,8 @@ def test_tp_multiple_of_query_groups_is_written(tmp_path):
 def test_full_disk(monkeypatch, src, tmp_path, where):
     def no_space(*a, **k):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    monkeypatch.setattr(StreamingTorchWriter, "write" if where == "tensor" else "finish", no_space)
+    # write_prepared is where a tensor's bytes reach the disk (write = prepare + write_prepared)
+    monkeypatch.setattr(StreamingTorchWriter, "write_prepared" if where == "tensor" else "finish", no_space)
     before = tree_hashes(src)
     dst = tmp_path / "out"
     code, out, err = run_inprocess(["reshard", src, dst, "--tp", 1])

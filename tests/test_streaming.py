@@ -96,6 +96,8 @@ def test_torchrun_team_writes_what_one_process_writes(tmp_path):
     r = _torchrun("reshard", str(FIXTURE), str(team), "--tp", "2", "--pp", "2")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert r.stdout.count("reshard:") == 1  # rank 0 reports for the team
+    from ckptool.io.outdir import check_manifest
+    assert check_manifest(one) == [] and check_manifest(team) == []  # digests taken while writing hold
     want, got = _tensor_digests(one), _tensor_digests(team)
     assert len([k for k in want if k.endswith(".pt")]) == 4
     assert got == want

@@ -49,7 +49,21 @@ def check_destination(dst: Path, sources: Iterable[Path] = (), force: bool = Fal
         raise CkptError(f"{dst} exists and is not a directory")
 
 
+# sha256 of files this process wrote, computed while writing: path -> (size, mtime_ns, digest)
+_KNOWN_DIGESTS: dict = {}
+
+
+def remember_digest(path: Path, digest: str) -> None:
+    st = os.stat(path)
+    _KNOWN_DIGESTS[os.path.abspath(path)] = (st.st_size, st.st_mtime_ns, digest)
+
+
 def _sha256(path: Path) -> str:
+    known = _KNOWN_DIGESTS.get(os.path.abspath(path))
+    if known is not None:
+        st = os.stat(path)
+        if (st.st_size, st.st_mtime_ns) == known[:2]:
+            return known[2]
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):

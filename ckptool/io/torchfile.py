@@ -13,6 +13,7 @@ storage record with torch's own archive writer, loading one tensor at a time.
 from __future__ import annotations
 
 import collections
+import hashlib
 import io
 import os
 import struct
@@ -24,6 +25,7 @@ import torch
 
 from ..errors import CkptError
 from ..lazy import Const, LazyTensor
+from .outdir import remember_digest
 from .safe_pickle import (UNSUPPORTED_TORCH_REBUILDS, SafeUnpickler, StandInPickler, check_rebuild_from_type,
                           rebuild_unsupported, torch_pickle_module)
 
@@ -342,7 +344,8 @@ class StreamingTorchWriter:
         StandInPickler(buf, protocol=2, persistent_id=persistent_id,
                        reducer_override=reducer).dump(obj)
         self._pickle = buf.getvalue()
-        self._writer = torch._C.PyTorchFileWriter(str(self.path))
+        self._file = _HashingFile(self.path)
+        self._writer = _archive_writer(self._file)
         self._done: set = set()
 
     @property
@@ -379,6 +382,35 @@ class StreamingTorchWriter:
         w.write_record("byteorder", "little", len("little"))
         w.write_end_of_file()
         del self._writer
+        self._file.close()
+        remember_digest(self.path, self._file.sha256.hexdigest())
+
+
+class _HashingFile:
+    """The archive's file, hashed as torch's writer streams into it (sequentially), so sealing the
+    output directory needs no second read of every byte for the manifest."""
+
+    def __init__(self, path: Path):
+        self._f = open(path, "wb")
+        self.sha256 = hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha256.update(data)  # releases the GIL for large buffers
+        return self._f.write(data)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _archive_writer(f: _HashingFile):
+    ser = torch.serialization
+    try:  # the options torch.save itself uses (CRC32 on, 64-byte record alignment)
+        return torch._C.PyTorchFileWriter(f, ser.get_crc32_options(), ser._get_storage_alignment())
+    except (AttributeError, TypeError):  # older torch: one-argument constructor
+        return torch._C.PyTorchFileWriter(f)
 
 
 def save_streaming(obj: Any, path, on_tensor=None) -> int:
