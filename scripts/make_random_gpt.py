@@ -1,6 +1,6 @@
 """Write a randomly initialised GPT-2 style model as Megatron mcore checkpoints (for timing verify).
 
-  python scripts/make_random_gpt.py OUT_DIR --size 1b|tiny --layouts 2x2,2x1 [--dtype bf16]
+  python scripts/make_random_gpt.py OUT_DIR --size 1b|llama-1b|tiny|llama-tiny --layouts 2x2,2x1 [--dtype bf16]
 
 Writes OUT_DIR/tp{T}pp{P} for each layout with ckptool's own writer. Random init (std 0.02, output
 projections scaled by 1/sqrt(2 * layers) as GPT-2 does) so the logits are not degenerate.
@@ -19,35 +19,58 @@ from ckptool.formats.megatron import write_megatron
 from ckptool.lazy import Const
 from ckptool.state import Checkpoint, SourceInfo, expected_names
 
-SIZES = {  # hidden, layers, heads, vocab, max positions
-    "1b": (2048, 20, 16, 50257, 2048),
-    "tiny": (64, 4, 4, 1001, 64),
+# name -> GPTConfig keyword arguments. gpt2-1b: GPT-2 style (LayerNorm, tanh GeLU, learned positions,
+# biases, tied embeddings), 1.1B parameters. llama-1b: Llama style (RMSNorm, SwiGLU, RoPE, GQA 16 heads
+# in 4 query groups, no biases, untied output), 1.0B parameters. tiny: the GPT-2 style at smoke-test size.
+SIZES = {
+    "1b": dict(num_layers=20, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=8192,
+               padded_vocab_size=50304, vocab_size=50257, max_position_embeddings=2048, activation="gelu_tanh"),
+    "llama-1b": dict(num_layers=20, hidden_size=2048, num_attention_heads=16, num_query_groups=4,
+                     ffn_hidden_size=5632, padded_vocab_size=32000, vocab_size=32000, max_position_embeddings=4096,
+                     normalization="rmsnorm", activation="swiglu", position_embedding="rope",
+                     add_bias_linear=False, add_qkv_bias=False, tied_embeddings=False),
+    "tiny": dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
+                 padded_vocab_size=1024, vocab_size=1001, max_position_embeddings=64, activation="gelu_tanh"),
+    "llama-tiny": dict(num_layers=4, hidden_size=64, num_attention_heads=8, num_query_groups=2,
+                       ffn_hidden_size=96, padded_vocab_size=1024, vocab_size=1000, max_position_embeddings=64,
+                       normalization="rmsnorm", activation="swiglu", position_embedding="rope",
+                       add_bias_linear=False, add_qkv_bias=False, tied_embeddings=False),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+def canonical_shape(cfg: GPTConfig, name: str) -> tuple:
+    """The full (unsharded) shape of one canonical tensor, from the name's last two parts."""
+    h, f, hd = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
+    rows = {"q": cfg.num_attention_heads * hd, "k": cfg.num_query_groups * hd, "v": cfg.num_query_groups * hd,
+            "out": h, "gate": f, "up": f, "down": h}
+    cols = {"out": cfg.num_attention_heads * hd, "down": f}
+    if name in ("embed.word", "output.weight"):
+        return (cfg.padded_vocab_size, h)
+    if name == "embed.pos":
+        return (cfg.max_position_embeddings, h)
+    part, kind = name.split(".")[-2:]
+    if part.endswith("norm"):
+        return (h,)
+    if kind == "bias":
+        return (rows[part],)
+    return (rows[part], cols.get(part, h))
+
+
 def random_gpt(size: str, dtype: torch.dtype, seed: int = 0) -> Checkpoint:
-    hidden, layers, heads, vocab, max_pos = SIZES[size]
-    cfg = GPTConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, ffn_hidden_size=4 * hidden,
-                    padded_vocab_size=vocab, vocab_size=vocab, max_position_embeddings=max_pos,
-                    activation="gelu_tanh")
+    cfg = GPTConfig(**SIZES[size])
     g = torch.Generator().manual_seed(seed)
-    shapes = {"embed.word": (vocab, hidden), "embed.pos": (max_pos, hidden)}
-    for i in range(layers):
-        p = f"layers.{i}."
-        shapes.update({p + "attn.q.weight": (hidden, hidden), p + "attn.k.weight": (hidden, hidden),
-                       p + "attn.v.weight": (hidden, hidden), p + "attn.out.weight": (hidden, hidden),
-                       p + "mlp.up.weight": (4 * hidden, hidden), p + "mlp.down.weight": (hidden, 4 * hidden)})
+    scaled = ("attn.out.weight", "mlp.down.weight")  # residual-branch outputs, scaled as GPT-2 does
     tensors = {}
     for name in expected_names(cfg):
+        shape = canonical_shape(cfg, name)
         if name.endswith("norm.weight"):
-            t = torch.ones(hidden)
+            t = torch.ones(shape)
         elif name.endswith(".bias"):
-            rows = 4 * hidden if "mlp.up" in name else hidden
-            t = torch.zeros(rows)
+            t = torch.zeros(shape)
         else:
-            std = 0.02 / (math.sqrt(2 * layers) if name.endswith(("attn.out.weight", "mlp.down.weight")) else 1)
-            t = torch.randn(shapes[name], generator=g) * std
+            std = 0.02 / (math.sqrt(2 * cfg.num_layers) if name.endswith(scaled) else 1)
+            t = torch.randn(shape, generator=g) * std
         tensors[name] = Const(t.to(dtype))
     return Checkpoint(cfg, tensors, SourceInfo(path="random", format="random"))
 

@@ -56,6 +56,9 @@ def init_ranks(tp: int, pp: int) -> Ranks:
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
+        # fp32 means fp32: TF32 matmuls would add ~1e-3 relative noise to what verify compares
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
