@@ -27,8 +27,11 @@ from ckptool.options import ReadOptions
 from ckptool.verify.reference import forward
 
 REPO = Path(__file__).resolve().parents[1]
-REAL = REPO.parent / "shared" / "real-checkpoints"
-MDS = REAL / "mds_gpt2_pipe_tp2pp2_bf16_zero1"
+# ../shared/real-checkpoints while developing; fixtures/real (a copy in the repo) on CI
+MDS = next((base / "mds_gpt2_pipe_tp2pp2_bf16_zero1" for base in (REPO.parent / "shared" / "real-checkpoints",
+                                                                   REPO / "fixtures" / "real")
+            if (base / "mds_gpt2_pipe_tp2pp2_bf16_zero1" / "checkpoint").is_dir()),
+           REPO / "fixtures" / "real" / "mds_gpt2_pipe_tp2pp2_bf16_zero1")
 
 try:
     import deepspeed  # noqa: F401
@@ -46,10 +49,16 @@ LLAMA_CASES = ["llama-3-bf16"]
 def ds_cases(tmp_path_factory):
     if not HAVE_DS:
         pytest.skip("the deepspeed package cannot be imported")
-    out = tmp_path_factory.mktemp("ds_cases")
+    # CKPTOOL_DS_CASES=DIR keeps the cases between runs while developing (built there once).
+    keep = os.environ.get("CKPTOOL_DS_CASES")
+    cases = GPT2_CASES + BERT_CASES + LLAMA_CASES
+    if keep and all((Path(keep) / c / "truth.pt").is_file() for c in cases):
+        return Path(keep)
+    out = Path(keep) if keep else tmp_path_factory.mktemp("ds_cases")
+    out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29531",
-           str(REPO / "tests" / "ds_train_cases.py"), str(out), *GPT2_CASES, *BERT_CASES, *LLAMA_CASES]
+           str(REPO / "tests" / "ds_train_cases.py"), str(out), *cases]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return out
@@ -579,3 +588,134 @@ def test_zero3_reads_only_one_parameters_bytes(ds_cases, monkeypatch):
     assert sum(read) <= 4 * (t.numel + 2)  # fp32, plus at most one padding element per rank
     total = sum(v.nbytes for v in named.values())
     assert sum(read) < total / 10
+
+
+# --- every command on DeepSpeed input (in-process CLI) --------------------------------------------
+
+TIED = ("lm_head.weight", "cls.predictions.decoder.weight", "cls.predictions.decoder.bias")  # HF re-ties these
+
+
+def _engine_model(case_dir, cls_name):
+    """The engine's model in fp32: a fresh transformers model with the engine's own master weights."""
+    import transformers
+    cfg = transformers.AutoConfig.from_pretrained(case_dir / "ckpt")
+    model = getattr(transformers, cls_name)(cfg).eval()
+    truth = {k: v.float() for k, v in torch.load(case_dir / "truth.pt").items()}
+    missing, unexpected = model.load_state_dict(truth, strict=False)
+    assert not unexpected and all(k in TIED for k in missing), missing
+    model.tie_weights()
+    return model
+
+
+def _logits(model, tokens):
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+TOKENS = torch.randint(0, 1001, (2, 12), generator=torch.Generator().manual_seed(3))
+
+
+@needs_ds
+@pytest.mark.deepspeed
+def test_cli_to_hf_of_a_zero_gpt2_run_gives_the_engine_logits(ds_cases, tmp_path):
+    import transformers
+    case = ds_cases / "gpt2-2-fp16"
+    res = _cli("to-hf", str(case / "ckpt"), str(tmp_path / "hf"))
+    assert res.exit_code == 0, res.output
+    assert "GPT2LMHeadModel" in res.output and "zero-2" in res.output and "master weights" in res.output
+    got = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    want = _engine_model(case, "GPT2LMHeadModel")
+    assert (_logits(got, TOKENS) - _logits(want, TOKENS)).abs().max().item() < 1e-5
+
+
+@needs_ds
+@pytest.mark.deepspeed
+def test_cli_to_hf_of_a_zero3_bert_run(ds_cases, tmp_path):
+    """A non-GPT HF model: consolidated with its own names, config.json given or found beside it."""
+    import transformers
+    from safetensors.torch import load_file
+    case = ds_cases / "bert-3-bf16"
+    bare = tmp_path / "bare"  # the checkpoint without its config.json
+    shutil.copytree(case / "ckpt", bare, ignore=shutil.ignore_patterns("config.json", "*.py"))
+    res = _cli("to-hf", str(bare), str(tmp_path / "x"))
+    assert res.exit_code == 2 and res.output.count("\n") == 1 and "--hf-config" in res.output, res.output
+    (tmp_path / "conf").mkdir()
+    shutil.copy(case / "ckpt" / "config.json", tmp_path / "conf" / "config.json")
+    res = _cli("to-hf", str(bare), str(tmp_path / "given"), "--hf-config", str(tmp_path / "conf"))
+    assert res.exit_code == 0, res.output
+    assert "bert names" in res.output
+    res = _cli("to-hf", str(case / "ckpt" / "global_step2"), str(tmp_path / "found"))
+    assert res.exit_code == 0, res.output
+    a, b = load_file(tmp_path / "given" / "model.safetensors"), load_file(tmp_path / "found" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert "bert.encoder.layer.1.attention.self.query.weight" in a  # the model's own names
+    want = _engine_model(case, "BertForMaskedLM")
+    for d in ("given", "found"):
+        got = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path / d, dtype=torch.float32).eval()
+        assert type(got).__name__ == "BertForMaskedLM"
+        assert (_logits(got, TOKENS) - _logits(want, TOKENS)).abs().max().item() < 1e-5
+    res = _cli("to-hf", str(case / "ckpt"), str(tmp_path / "half"), "--weights", "master", "--dtype", "bf16")
+    assert res.exit_code == 0, res.output
+    half = load_file(tmp_path / "half" / "model.safetensors")
+    assert all(v.dtype == torch.bfloat16 for v in half.values())
+    assert json.loads((tmp_path / "half" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+@needs_ds
+@pytest.mark.deepspeed
+def test_cli_reshard_and_verify_of_a_zero1_gpt2_run(ds_cases, tmp_path):
+    src = ds_cases / "gpt2-1-bf16" / "ckpt"
+    res = _cli("reshard", str(src), str(tmp_path / "pp2"), "--tp", "1", "--pp", "2")
+    assert res.exit_code == 0, res.output
+    out = open_checkpoint(tmp_path / "pp2")
+    assert out.source.layout.pp == 2 and out.config.vocab_size == 1001
+    ref = forward(open_checkpoint(src), TOKENS)
+    assert torch.equal(forward(out, TOKENS)[..., :1001], ref[..., :1001])
+    res = _cli("verify", str(tmp_path / "pp2"), "--reference", str(src), "--seq-len", "8")
+    assert res.exit_code == 0, res.output
+    assert "result=PASS" in res.output
+    err = next(line for line in res.output.splitlines() if line.startswith("max_abs_error="))
+    assert float(err.split("=")[1]) < 1e-5
+
+
+@needs_mds
+def test_cli_on_the_real_mds_checkpoint(tmp_path):
+    """inspect (tag dir and save dir), reshard TP2 PP2 -> TP1 PP2 and TP2 PP1, to-hf, verify."""
+    import transformers
+    ref = torch.load(MDS / "reference_logits.pt")
+    src = MDS / "checkpoint"
+    for path in (src, src / "global_step3"):
+        res = _cli("inspect", str(path), "--no-tensors", "--weights", "model")
+        assert res.exit_code == 0, res.output
+        assert "deepspeed" in res.output and "mds-pipeline" in res.output and "model weights" in res.output
+        assert "TP2 PP2" in res.output and "true 1001" in res.output and "iteration   3" in res.output
+    res = _cli("inspect", str(src), "--json")
+    assert res.exit_code == 0 and json.loads(res.output)["format"] == "deepspeed", res.output
+    for tp, pp in ((1, 2), (2, 1)):
+        dst = tmp_path / f"tp{tp}pp{pp}"
+        res = _cli("reshard", str(src), str(dst), "--tp", str(tp), "--pp", str(pp), "--weights", "model")
+        assert res.exit_code == 0, res.output
+        got = forward(open_checkpoint(dst), ref["tokens"])[..., :1001]
+        assert _rel(got, ref["logits_fp32"][..., :1001]) < 1e-4
+    res = _cli("verify", str(tmp_path / "tp2pp1"), "--reference", str(src), "--weights", "model")
+    assert res.exit_code == 0 and "result=PASS" in res.output, res.output
+    res = _cli("to-hf", str(src), str(tmp_path / "hf"), "--weights", "model")
+    assert res.exit_code == 0, res.output
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert model.config.vocab_size == 1001
+    assert _rel(_logits(model, ref["tokens"]), ref["logits_fp32"][..., :1001]) < 1e-4
+
+
+@needs_mds
+def test_parallel_verify_under_torchrun_against_the_mds_checkpoint(tmp_path):
+    """Resharded to TP2 PP1, run tensor-parallel under real torchrun (gloo) against the MDS source."""
+    src = MDS / "checkpoint"
+    res = _cli("reshard", str(src), str(tmp_path / "tp2"), "--tp", "2", "--pp", "1", "--weights", "model")
+    assert res.exit_code == 0, res.output
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ckptool",
+           "verify", str(tmp_path / "tp2"), "--reference", str(src), "--weights", "model", "--seq-len", "8"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "TP2 PP1, 2 processes" in r.stdout and "result=PASS" in r.stdout
