@@ -719,3 +719,33 @@ def test_parallel_verify_under_torchrun_against_the_mds_checkpoint(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "TP2 PP1, 2 processes" in r.stdout and "result=PASS" in r.stdout
+
+
+@needs_ds
+@needs_mds
+def test_cli_replicas_on_diverged_master_weights(mds_copy, tmp_path):
+    """Like a run with dropout on, in the fp32 masters: TP rank 1's optimizer partition holds a layer
+    norm 0.25 away from rank 0's. The warning names the tensor and the largest difference."""
+    f = mds_copy / "global_step3" / "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt"  # stage 0, TP rank 1
+    sd = torch.load(f, weights_only=False)  # our own copy of a trusted real file
+    osd = sd["optimizer_state_dict"]
+    frag = osd["param_slice_mappings"][1]["3.input_layernorm.weight"]  # spec index 3 = transformer layer 1
+    with torch.no_grad():
+        osd["single_partition_of_fp32_groups"][1].narrow(0, frag.start, frag.numel).add_(0.25)
+    torch.save(sd, f)
+    name = "layers.1.attn_norm.weight"
+    res = _cli("merge", str(mds_copy), str(tmp_path / "first"))
+    assert res.exit_code == 0, res.output
+    assert f"warning: {name}: tensor-parallel replicas differ (max abs diff 0.25); using rank 0's copy" in res.output
+    res = _cli("merge", str(mds_copy), str(tmp_path / "strict"), "--replicas", "strict")
+    assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
+    assert res.output.startswith(f"error: {name}: tensor-parallel replicas differ (max abs diff 0.25)")
+    assert not (tmp_path / "strict").exists()
+    res = _cli("merge", str(mds_copy), str(tmp_path / "mean"), "--replicas", "mean")
+    assert res.exit_code == 0 and "using the mean of the copies" in res.output, res.output
+    first = open_checkpoint(tmp_path / "first").tensors[name].load()
+    mean = open_checkpoint(tmp_path / "mean").tensors[name].load()
+    assert torch.allclose(mean, first + 0.125, atol=1e-6)
+    # the 16-bit module weights of the same save are untouched, so they show no divergence
+    res = _cli("merge", str(mds_copy), str(tmp_path / "model"), "--weights", "model", "--replicas", "strict")
+    assert res.exit_code == 0 and "replicas differ" not in res.output, res.output
