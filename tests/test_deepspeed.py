@@ -749,3 +749,32 @@ def test_cli_replicas_on_diverged_master_weights(mds_copy, tmp_path):
     # the 16-bit module weights of the same save are untouched, so they show no divergence
     res = _cli("merge", str(mds_copy), str(tmp_path / "model"), "--weights", "model", "--replicas", "strict")
     assert res.exit_code == 0 and "replicas differ" not in res.output, res.output
+
+
+@needs_ds
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("case", ["bert-3-bf16", "gpt2-1-bf16"])
+def test_export_reads_each_master_byte_once_in_parameter_sized_reads(ds_cases, case, tmp_path, monkeypatch):
+    """Streaming, measured: consolidating a ZeRO-3 (parameters cut across ranks) or ZeRO-1 (flat
+    groups) run reads every fp32 master once, never more than one parameter at a time, and never the
+    Adam moments that make up most of each optimizer shard. So memory stays near one parameter."""
+    from ckptool.formats import deepspeed_hf_export
+    from ckptool.io import torchfile
+    reads = []
+    orig = torchfile.StorageRef.read
+
+    def counting(self, first, count):
+        reads.append(count * torch.empty((), dtype=self.dtype).element_size())
+        return orig(self, first, count)
+    monkeypatch.setattr(torchfile.StorageRef, "read", counting)
+    src = ds_cases / case / "ckpt"
+    _, named = ds.consolidate_hf_state(src)
+    sizes = {k: v.nbytes for k, v in named.items()}
+    reads.clear()
+    (tmp_path / "hf").mkdir()
+    deepspeed_hf_export.write_hf_consolidated(src, tmp_path / "hf", ReadOptions())
+    shards = sum(p.stat().st_size for p in (src / "global_step2").glob("*optim_states.pt"))
+    ws = 2
+    assert sum(reads) <= sum(sizes.values()) + 4 * ws * len(sizes)  # at most one padding element per rank
+    assert sum(reads) < shards / 2  # the moments (2x the masters) are never touched
+    assert max(reads) <= max(sizes.values())
