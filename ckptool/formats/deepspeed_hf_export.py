@@ -18,7 +18,7 @@ from ..errors import CkptError
 from ..io.safetensors_writer import Item, parse_size, write_sharded
 from ..options import ReadOptions
 from . import deepspeed as ds
-from .deepspeed_hf_names import HF_GPT_FAMILIES
+from .hf import gpt_model_type
 from .deepspeed_zero import find_files, looks_like_deepspeed, read_rank
 
 DTYPE_STR = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -42,7 +42,7 @@ def non_gpt_hf_model(path, opts: ReadOptions) -> Optional[str]:
         hf = ds.find_hf_config(tf.tag_dir, opts.hf_config)
     except CkptError:
         return None  # the reader will say what is wrong
-    if hf is None or hf.get("model_type") in HF_GPT_FAMILIES:
+    if hf is None or gpt_model_type(hf) is not None:
         return None
     return str(hf.get("model_type"))
 
