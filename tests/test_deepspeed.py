@@ -680,7 +680,7 @@ def test_cli_reshard_and_verify_of_a_zero1_gpt2_run(ds_cases, tmp_path):
 
 @needs_mds
 def test_cli_on_the_real_mds_checkpoint(tmp_path):
-    """inspect (tag dir and save dir), reshard TP2 PP2 -> TP1 PP2 and TP2 PP1, to-hf, verify."""
+    """inspect (tag dir and save dir), reshard TP2 PP2 -> TP1 PP2 and TP2 PP1, verify, fix-vocab, to-hf."""
     import transformers
     ref = torch.load(MDS / "reference_logits.pt")
     src = MDS / "checkpoint"
@@ -699,6 +699,18 @@ def test_cli_on_the_real_mds_checkpoint(tmp_path):
         assert _rel(got, ref["logits_fp32"][..., :1001]) < 1e-4
     res = _cli("verify", str(tmp_path / "tp2pp1"), "--reference", str(src), "--weights", "model")
     assert res.exit_code == 0 and "result=PASS" in res.output, res.output
+    # the DeepSpeed directory as verify's target, against the logits Megatron-DeepSpeed computed:
+    # its 16-bit module weights reproduce them; the fp32 masters are one bf16 rounding away
+    recorded = f"{MDS / 'reference_logits.pt'}:logits_fp32"
+    res = _cli("verify", str(src), "--reference-logits", recorded, "--weights", "model")
+    assert res.exit_code == 0 and "result=PASS" in res.output, res.output
+    res = _cli("verify", str(src), "--reference-logits", recorded)
+    assert res.exit_code == 1 and "result=FAIL" in res.output, res.output
+    res = _cli("fix-vocab", str(src), str(tmp_path / "fv"), "--multiple", "96", "--weights", "model")
+    assert res.exit_code == 0, res.output
+    fixed = open_checkpoint(tmp_path / "fv")
+    assert fixed.config.padded_vocab_size == 1056 and fixed.config.vocab_size == 1001
+    assert _rel(forward(fixed, ref["tokens"])[..., :1001], ref["logits_fp32"][..., :1001]) < 1e-4
     res = _cli("to-hf", str(src), str(tmp_path / "hf"), "--weights", "model")
     assert res.exit_code == 0, res.output
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
