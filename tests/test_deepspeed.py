@@ -27,8 +27,11 @@ from ckptool.options import ReadOptions
 from ckptool.verify.reference import forward
 
 REPO = Path(__file__).resolve().parents[1]
-REAL = REPO.parent / "shared" / "real-checkpoints"
-MDS = REAL / "mds_gpt2_pipe_tp2pp2_bf16_zero1"
+# ../shared/real-checkpoints while developing; fixtures/real (a copy in the repo) on CI
+MDS = next((base / "mds_gpt2_pipe_tp2pp2_bf16_zero1" for base in (REPO.parent / "shared" / "real-checkpoints",
+                                                                   REPO / "fixtures" / "real")
+            if (base / "mds_gpt2_pipe_tp2pp2_bf16_zero1" / "checkpoint").is_dir()),
+           REPO / "fixtures" / "real" / "mds_gpt2_pipe_tp2pp2_bf16_zero1")
 
 try:
     import deepspeed  # noqa: F401
@@ -46,10 +49,16 @@ LLAMA_CASES = ["llama-3-bf16"]
 def ds_cases(tmp_path_factory):
     if not HAVE_DS:
         pytest.skip("the deepspeed package cannot be imported")
-    out = tmp_path_factory.mktemp("ds_cases")
+    # CKPTOOL_DS_CASES=DIR keeps the cases between runs while developing (built there once).
+    keep = os.environ.get("CKPTOOL_DS_CASES")
+    cases = GPT2_CASES + BERT_CASES + LLAMA_CASES
+    if keep and all((Path(keep) / c / "truth.pt").is_file() for c in cases):
+        return Path(keep)
+    out = Path(keep) if keep else tmp_path_factory.mktemp("ds_cases")
+    out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29531",
-           str(REPO / "tests" / "ds_train_cases.py"), str(out), *GPT2_CASES, *BERT_CASES, *LLAMA_CASES]
+           str(REPO / "tests" / "ds_train_cases.py"), str(out), *cases]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return out
@@ -579,3 +588,205 @@ def test_zero3_reads_only_one_parameters_bytes(ds_cases, monkeypatch):
     assert sum(read) <= 4 * (t.numel + 2)  # fp32, plus at most one padding element per rank
     total = sum(v.nbytes for v in named.values())
     assert sum(read) < total / 10
+
+
+# --- every command on DeepSpeed input (in-process CLI) --------------------------------------------
+
+TIED = ("lm_head.weight", "cls.predictions.decoder.weight", "cls.predictions.decoder.bias")  # HF re-ties these
+
+
+def _engine_model(case_dir, cls_name):
+    """The engine's model in fp32: a fresh transformers model with the engine's own master weights."""
+    import transformers
+    cfg = transformers.AutoConfig.from_pretrained(case_dir / "ckpt")
+    model = getattr(transformers, cls_name)(cfg).eval()
+    truth = {k: v.float() for k, v in torch.load(case_dir / "truth.pt").items()}
+    missing, unexpected = model.load_state_dict(truth, strict=False)
+    assert not unexpected and all(k in TIED for k in missing), missing
+    model.tie_weights()
+    return model
+
+
+def _logits(model, tokens):
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+TOKENS = torch.randint(0, 1001, (2, 12), generator=torch.Generator().manual_seed(3))
+
+
+@needs_ds
+@pytest.mark.deepspeed
+def test_cli_to_hf_of_a_zero_gpt2_run_gives_the_engine_logits(ds_cases, tmp_path):
+    import transformers
+    case = ds_cases / "gpt2-2-fp16"
+    res = _cli("to-hf", str(case / "ckpt"), str(tmp_path / "hf"))
+    assert res.exit_code == 0, res.output
+    assert "GPT2LMHeadModel" in res.output and "zero-2" in res.output and "master weights" in res.output
+    got = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    want = _engine_model(case, "GPT2LMHeadModel")
+    assert (_logits(got, TOKENS) - _logits(want, TOKENS)).abs().max().item() < 1e-5
+
+
+@needs_ds
+@pytest.mark.deepspeed
+def test_cli_to_hf_of_a_zero3_bert_run(ds_cases, tmp_path):
+    """A non-GPT HF model: consolidated with its own names, config.json given or found beside it."""
+    import transformers
+    from safetensors.torch import load_file
+    case = ds_cases / "bert-3-bf16"
+    bare = tmp_path / "bare"  # the checkpoint without its config.json
+    shutil.copytree(case / "ckpt", bare, ignore=shutil.ignore_patterns("config.json", "*.py"))
+    res = _cli("to-hf", str(bare), str(tmp_path / "x"))
+    assert res.exit_code == 2 and res.output.count("\n") == 1 and "--hf-config" in res.output, res.output
+    (tmp_path / "conf").mkdir()
+    shutil.copy(case / "ckpt" / "config.json", tmp_path / "conf" / "config.json")
+    res = _cli("to-hf", str(bare), str(tmp_path / "given"), "--hf-config", str(tmp_path / "conf"))
+    assert res.exit_code == 0, res.output
+    assert "bert names" in res.output
+    res = _cli("to-hf", str(case / "ckpt" / "global_step2"), str(tmp_path / "found"))
+    assert res.exit_code == 0, res.output
+    a, b = load_file(tmp_path / "given" / "model.safetensors"), load_file(tmp_path / "found" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert "bert.encoder.layer.1.attention.self.query.weight" in a  # the model's own names
+    want = _engine_model(case, "BertForMaskedLM")
+    for d in ("given", "found"):
+        got = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path / d, dtype=torch.float32).eval()
+        assert type(got).__name__ == "BertForMaskedLM"
+        assert (_logits(got, TOKENS) - _logits(want, TOKENS)).abs().max().item() < 1e-5
+    res = _cli("to-hf", str(case / "ckpt"), str(tmp_path / "half"), "--weights", "master", "--dtype", "bf16")
+    assert res.exit_code == 0, res.output
+    half = load_file(tmp_path / "half" / "model.safetensors")
+    assert all(v.dtype == torch.bfloat16 for v in half.values())
+    assert json.loads((tmp_path / "half" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+@needs_ds
+@pytest.mark.deepspeed
+def test_cli_reshard_and_verify_of_a_zero1_gpt2_run(ds_cases, tmp_path):
+    src = ds_cases / "gpt2-1-bf16" / "ckpt"
+    res = _cli("reshard", str(src), str(tmp_path / "pp2"), "--tp", "1", "--pp", "2")
+    assert res.exit_code == 0, res.output
+    out = open_checkpoint(tmp_path / "pp2")
+    assert out.source.layout.pp == 2 and out.config.vocab_size == 1001
+    ref = forward(open_checkpoint(src), TOKENS)
+    assert torch.equal(forward(out, TOKENS)[..., :1001], ref[..., :1001])
+    res = _cli("verify", str(tmp_path / "pp2"), "--reference", str(src), "--seq-len", "8")
+    assert res.exit_code == 0, res.output
+    assert "result=PASS" in res.output
+    err = next(line for line in res.output.splitlines() if line.startswith("max_abs_error="))
+    assert float(err.split("=")[1]) < 1e-5
+
+
+@needs_mds
+def test_cli_on_the_real_mds_checkpoint(tmp_path):
+    """inspect (tag dir and save dir), reshard TP2 PP2 -> TP1 PP2 and TP2 PP1, verify, fix-vocab, to-hf."""
+    import transformers
+    ref = torch.load(MDS / "reference_logits.pt")
+    src = MDS / "checkpoint"
+    for path in (src, src / "global_step3"):
+        res = _cli("inspect", str(path), "--no-tensors", "--weights", "model")
+        assert res.exit_code == 0, res.output
+        assert "deepspeed" in res.output and "mds-pipeline" in res.output and "model weights" in res.output
+        assert "TP2 PP2" in res.output and "true 1001" in res.output and "iteration   3" in res.output
+    res = _cli("inspect", str(src), "--json")
+    assert res.exit_code == 0 and json.loads(res.output)["format"] == "deepspeed", res.output
+    for tp, pp in ((1, 2), (2, 1)):
+        dst = tmp_path / f"tp{tp}pp{pp}"
+        res = _cli("reshard", str(src), str(dst), "--tp", str(tp), "--pp", str(pp), "--weights", "model")
+        assert res.exit_code == 0, res.output
+        got = forward(open_checkpoint(dst), ref["tokens"])[..., :1001]
+        assert _rel(got, ref["logits_fp32"][..., :1001]) < 1e-4
+    res = _cli("verify", str(tmp_path / "tp2pp1"), "--reference", str(src), "--weights", "model")
+    assert res.exit_code == 0 and "result=PASS" in res.output, res.output
+    # the DeepSpeed directory as verify's target, against the logits Megatron-DeepSpeed computed:
+    # its 16-bit module weights reproduce them; the fp32 masters are one bf16 rounding away
+    recorded = f"{MDS / 'reference_logits.pt'}:logits_fp32"
+    res = _cli("verify", str(src), "--reference-logits", recorded, "--weights", "model")
+    assert res.exit_code == 0 and "result=PASS" in res.output, res.output
+    res = _cli("verify", str(src), "--reference-logits", recorded)
+    assert res.exit_code == 1 and "result=FAIL" in res.output, res.output
+    res = _cli("fix-vocab", str(src), str(tmp_path / "fv"), "--multiple", "96", "--weights", "model")
+    assert res.exit_code == 0, res.output
+    fixed = open_checkpoint(tmp_path / "fv")
+    assert fixed.config.padded_vocab_size == 1056 and fixed.config.vocab_size == 1001
+    assert _rel(forward(fixed, ref["tokens"])[..., :1001], ref["logits_fp32"][..., :1001]) < 1e-4
+    res = _cli("to-hf", str(src), str(tmp_path / "hf"), "--weights", "model")
+    assert res.exit_code == 0, res.output
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert model.config.vocab_size == 1001
+    assert _rel(_logits(model, ref["tokens"]), ref["logits_fp32"][..., :1001]) < 1e-4
+
+
+@needs_mds
+def test_parallel_verify_under_torchrun_against_the_mds_checkpoint(tmp_path):
+    """Resharded to TP2 PP1, run tensor-parallel under real torchrun (gloo) against the MDS source."""
+    src = MDS / "checkpoint"
+    res = _cli("reshard", str(src), str(tmp_path / "tp2"), "--tp", "2", "--pp", "1", "--weights", "model")
+    assert res.exit_code == 0, res.output
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ckptool",
+           "verify", str(tmp_path / "tp2"), "--reference", str(src), "--weights", "model", "--seq-len", "8"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "TP2 PP1, 2 processes" in r.stdout and "result=PASS" in r.stdout
+
+
+@needs_ds
+@needs_mds
+def test_cli_replicas_on_diverged_master_weights(mds_copy, tmp_path):
+    """Like a run with dropout on, in the fp32 masters: TP rank 1's optimizer partition holds a layer
+    norm 0.25 away from rank 0's. The warning names the tensor and the largest difference."""
+    f = mds_copy / "global_step3" / "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt"  # stage 0, TP rank 1
+    sd = torch.load(f, weights_only=False)  # our own copy of a trusted real file
+    osd = sd["optimizer_state_dict"]
+    frag = osd["param_slice_mappings"][1]["3.input_layernorm.weight"]  # spec index 3 = transformer layer 1
+    with torch.no_grad():
+        osd["single_partition_of_fp32_groups"][1].narrow(0, frag.start, frag.numel).add_(0.25)
+    torch.save(sd, f)
+    name = "layers.1.attn_norm.weight"
+    res = _cli("merge", str(mds_copy), str(tmp_path / "first"))
+    assert res.exit_code == 0, res.output
+    assert f"warning: {name}: tensor-parallel replicas differ (max abs diff 0.25); using rank 0's copy" in res.output
+    res = _cli("merge", str(mds_copy), str(tmp_path / "strict"), "--replicas", "strict")
+    assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
+    assert res.output.startswith(f"error: {name}: tensor-parallel replicas differ (max abs diff 0.25)")
+    assert not (tmp_path / "strict").exists()
+    res = _cli("merge", str(mds_copy), str(tmp_path / "mean"), "--replicas", "mean")
+    assert res.exit_code == 0 and "using the mean of the copies" in res.output, res.output
+    first = open_checkpoint(tmp_path / "first").tensors[name].load()
+    mean = open_checkpoint(tmp_path / "mean").tensors[name].load()
+    assert torch.allclose(mean, first + 0.125, atol=1e-6)
+    # the 16-bit module weights of the same save are untouched, so they show no divergence
+    res = _cli("merge", str(mds_copy), str(tmp_path / "model"), "--weights", "model", "--replicas", "strict")
+    assert res.exit_code == 0 and "replicas differ" not in res.output, res.output
+
+
+@needs_ds
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("case", ["bert-3-bf16", "gpt2-1-bf16"])
+def test_export_reads_each_master_byte_once_in_parameter_sized_reads(ds_cases, case, tmp_path, monkeypatch):
+    """Streaming, measured: consolidating a ZeRO-3 (parameters cut across ranks) or ZeRO-1 (flat
+    groups) run reads every fp32 master once, never more than one parameter at a time, and never the
+    Adam moments that make up most of each optimizer shard. So memory stays near one parameter."""
+    from ckptool.formats import deepspeed_hf_export
+    from ckptool.io import torchfile
+    reads = []
+    orig = torchfile.StorageRef.read
+
+    def counting(self, first, count):
+        reads.append(count * torch.empty((), dtype=self.dtype).element_size())
+        return orig(self, first, count)
+    monkeypatch.setattr(torchfile.StorageRef, "read", counting)
+    src = ds_cases / case / "ckpt"
+    _, named = ds.consolidate_hf_state(src)
+    sizes = {k: v.nbytes for k, v in named.items()}
+    reads.clear()
+    (tmp_path / "hf").mkdir()
+    deepspeed_hf_export.write_hf_consolidated(src, tmp_path / "hf", ReadOptions())
+    shards = sum(p.stat().st_size for p in (src / "global_step2").glob("*optim_states.pt"))
+    ws = 2
+    assert sum(reads) <= sum(sizes.values()) + 4 * ws * len(sizes)  # at most one padding element per rank
+    assert sum(reads) < shards / 2  # the moments (2x the masters) are never touched
+    assert max(reads) <= max(sizes.values())

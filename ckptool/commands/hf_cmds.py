@@ -7,7 +7,7 @@ import click
 
 from ..config import Layout, parse_stage_layers
 from ..convert import write_layout
-from ..formats import dle_bert, hf as hf_reader
+from ..formats import deepspeed_hf_export, dle_bert, hf as hf_reader
 from ..formats.hf_writer import write_hf
 from ..formats.megatron_names import DIALECTS
 from ..formats.registry import open_checkpoint
@@ -36,12 +36,18 @@ def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, force, **kw):
     when only QKV has a bias); DST loads with AutoModelForCausalLM.from_pretrained(DST). The
     vocabulary is trimmed to its true size; weights go to safetensors shards of at most
     --max-shard-size, written one tensor at a time. A DeepLearningExamples BERT ckpt_N.pt with
-    --hf-config bert_config.json becomes BertForPreTraining (vocabulary padding trimmed).
+    --hf-config bert_config.json becomes BertForPreTraining (vocabulary padding trimmed). A DeepSpeed
+    run of any other Hugging Face model (BertForMaskedLM, ...) is consolidated with the model's own
+    names and its config.json (--hf-config, or found beside the checkpoint).
     """
     hf_config = kw.get("hf_config")  # --hf-config comes with source_options
     if dle_bert.looks_like(src):
         return _bert_to_hf(src, dst, dtype, max_shard_size, tokenizer, hf_config, force)
-    ckpt = open_checkpoint(src, read_options(kw))
+    opts = read_options(kw)
+    model_type = deepspeed_hf_export.non_gpt_hf_model(src, opts)
+    if model_type is not None:
+        return _deepspeed_hf_to_hf(src, dst, dtype, max_shard_size, tokenizer, opts, model_type, force)
+    ckpt = open_checkpoint(src, opts)
     bar = Progress(ckpt.total_bytes, "to-hf")
     try:
         with atomic_output_dir(dst, sources=[Path(src)], force=force) as tmp:
@@ -71,6 +77,23 @@ def _bert_to_hf(src, dst, dtype, max_shard_size, tokenizer, hf_config, force):
     click.echo(f"to-hf: {src} (DeepLearningExamples BERT) -> {dst} (BertForPreTraining, {summary['dtype']})")
     click.echo(f"  {len(summary['files'])} safetensors file(s), {human_bytes(summary['bytes'])}, vocab "
                f"{summary['vocab_size']} (padding rows {summary['padded_rows'] - summary['vocab_size']} trimmed)")
+
+
+def _deepspeed_hf_to_hf(src, dst, dtype, max_shard_size, tokenizer, opts, model_type, force):
+    from ..formats.hf_writer import copy_tokenizer
+    bar = Progress(None, "to-hf")
+    try:
+        with atomic_output_dir(dst, sources=[Path(src)], force=force) as tmp:
+            summary = deepspeed_hf_export.write_hf_consolidated(
+                src, tmp, opts, dtype=DTYPES[dtype] if dtype else None, max_shard_size=max_shard_size, progress=bar)
+            if tokenizer:
+                copy_tokenizer(tokenizer, tmp)
+    finally:
+        bar.close()
+    click.echo(f"to-hf: {src} (deepspeed, Hugging Face {model_type} names) "
+               f"-> {dst} ({summary['architecture']}, {summary['dtype']})")
+    click.echo(f"  {len(summary['files'])} safetensors file(s), {summary['tensors']} tensors, "
+               f"{human_bytes(summary['bytes'])}")
 
 
 @click.command("from-hf")

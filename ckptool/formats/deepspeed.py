@@ -3,8 +3,9 @@
 Three kinds of model hide behind DeepSpeed's files, told apart by parameter names:
   Megatron-DeepSpeed pipeline  layer_* files, pipe names `<idx>.<key>` (mds_pipeline.py)
   Megatron names under module  2019 DeepSpeedExamples flat keys, MDS --no-pipeline-parallel
-  Hugging Face names           any HF model trained under DeepSpeed (GPT-2 becomes a GPT source;
-                               every model can be consolidated with consolidate_hf_state)
+  Hugging Face names           any HF model trained under DeepSpeed (GPT-2 and the Llama family
+                               become GPT sources through hf.py's tables; every model can be
+                               consolidated with consolidate_hf_state / deepspeed_hf_export.py)
 
 Which weights (--weights): `master` = fp32 masters reassembled from the optimizer partitions, as
 zero_to_fp32 does (default where shards exist); `model` = the 16-bit module weights the engine
@@ -30,7 +31,7 @@ from ..roles import assemble
 from ..sharding import ReplicaPolicy
 from ..state import Checkpoint, SourceInfo, expected_names
 from . import megatron_args
-from .deepspeed_hf_names import HF_GPT_FAMILIES
+from . import hf as hf_format
 from .deepspeed_zero import RankStates, find_files, looks_like_deepspeed, read_rank
 from .megatron import detect_dialect, flatten, _config as megatron_config
 from .megatron_names import KeyMatcher, is_ignorable, qkv_to_grouped
@@ -326,17 +327,13 @@ def _read_hf_gpt(tf, named, opts):
     if hf is None:
         raise CkptError(f"{tf.tag_dir}: the parameter names ({sample}, ...) are not Megatron's and no "
                         "config.json sits beside the checkpoint", "give --hf-config PATH (the model's config.json)")
-    mt = hf.get("model_type")
-    if mt not in HF_GPT_FAMILIES:
-        raise CkptError(f"{tf.tag_dir} holds a Hugging Face {mt} model, which is not a GPT ckptool can reshard",
-                        "use `ckptool to-hf SRC DST` to consolidate it into a Hugging Face model")
+    mt = hf_format.gpt_model_type(hf)
+    if mt is None:
+        raise CkptError(f"{tf.tag_dir} holds a Hugging Face {hf.get('model_type')} model, which is not a GPT "
+                        "ckptool can reshard", "use `ckptool to-hf SRC DST` to consolidate it into a Hugging Face model")
     n = {k[len("module."):] if k.startswith("module.") else k: v for k, v in named[0].items()}
-    word, make_config, to_canonical = HF_GPT_FAMILIES[mt]
-    require(word in n, f"{tf.tag_dir}: no {word} among the parameters", "the config.json belongs to another model")
-    cfg = make_config(hf, n[word].shape[0])
-    if opts.true_vocab_size is not None:
-        cfg = cfg.replace(vocab_size=opts.true_vocab_size, vocab_size_source="--true-vocab-size")
-    return cfg, to_canonical(n, cfg), Layout(tp=1, pp=1), f"hf {mt}"
+    cfg, tensors = hf_format.to_canonical(n, hf, mt, opts, tf.tag_dir)
+    return cfg, tensors, Layout(tp=1, pp=1), f"hf {mt}"
 
 
 def consolidate_hf_state(path, opts: Optional[ReadOptions] = None) -> Tuple[dict, Dict[str, LazyTensor]]:

@@ -37,7 +37,7 @@ def _read_config(path: Path) -> Optional[dict]:
         return None
 
 
-def _model_type(conf: dict) -> Optional[str]:
+def gpt_model_type(conf: dict) -> Optional[str]:
     mt = conf.get("model_type")
     if mt in MODEL_TYPES:
         return mt
@@ -53,7 +53,7 @@ def looks_like(path) -> bool:
     if not path.is_dir() or not (path / "config.json").is_file():
         return False
     conf = _read_config(path)
-    return conf is not None and _model_type(conf) is not None
+    return conf is not None and gpt_model_type(conf) is not None
 
 
 # --- lazy tensors --------------------------------------------------------------------------
@@ -189,16 +189,9 @@ def _part_rows(name: str, cfg: GPTConfig) -> int:
     return cfg.q_size if ".attn.q." in name else cfg.kv_size
 
 
-def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
-    opts = opts or ReadOptions()
-    path = Path(path)
-    conf = _read_config(path)
-    require(conf is not None, f"{path / 'config.json'} is not readable JSON")
-    model_type = _model_type(conf)
-    require(model_type is not None, f"{path}: model_type {conf.get('model_type')!r} is not one ckptool converts",
-            f"supported: {', '.join(MODEL_TYPES)}")
+def to_canonical(entries: Dict[str, LazyTensor], conf: dict, model_type: str, opts: ReadOptions, path):
+    """(GPTConfig, {canonical name: lazy}) from HF-named tensors; also used for DeepSpeed runs of HF models."""
     family = MODEL_TYPES[model_type][0]
-    entries = read_entries(path)
     if family == "gpt2" and not any(k.startswith("transformer.") for k in entries):
         # GPT2Model checkpoints (and the original openai-community/gpt2 files) omit the prefix.
         entries = {("transformer." + k if not k.startswith("lm_head.") else k): v for k, v in entries.items()}
@@ -239,7 +232,19 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     missing = [n for n in want if n not in tensors]
     require(not missing, f"{path}: missing weights for {', '.join(missing[:5])}",
             "the weight files do not match config.json")
-    ckpt = Checkpoint(cfg, {n: tensors[n] for n in want}, SourceInfo(
+    return cfg, {n: tensors[n] for n in want}
+
+
+def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
+    opts = opts or ReadOptions()
+    path = Path(path)
+    conf = _read_config(path)
+    require(conf is not None, f"{path / 'config.json'} is not readable JSON")
+    model_type = gpt_model_type(conf)
+    require(model_type is not None, f"{path}: model_type {conf.get('model_type')!r} is not one ckptool converts",
+            f"supported: {', '.join(MODEL_TYPES)}")
+    cfg, tensors = to_canonical(read_entries(path), conf, model_type, opts, path)
+    ckpt = Checkpoint(cfg, tensors, SourceInfo(
         path=str(path), format=FORMAT, dialect=model_type, layout=Layout(1, 1),
         extra={"hf_config": conf}))
     if model_type == "mistral" and conf.get("sliding_window"):

@@ -72,7 +72,10 @@ def checkpoint_forward(ckpt: Checkpoint, tokens: torch.Tensor, dtype, device="cp
 
 
 def is_hf_dir(path) -> bool:
-    return Path(path).is_dir() and (Path(path) / "config.json").is_file()
+    """config.json alone is not enough: DeepSpeed runs of HF models keep one beside their shards."""
+    from ..formats.hf import WEIGHT_FILES, WEIGHT_INDEXES
+    p = Path(path)
+    return p.is_dir() and (p / "config.json").is_file() and any((p / f).is_file() for f in WEIGHT_FILES + WEIGHT_INDEXES)
 
 
 def hf_forward(path, tokens: torch.Tensor, dtype, device="cpu"):
