@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q torch==2.13.0
-python3 -m pip install -q -e '.[test]'
+python3 -m pip install -q -e '.[test,test-mcore]'
 python3 -m pytest -q "$@"
