@@ -300,6 +300,9 @@ def batch2(models):
                                "--reference", megatron(models, "llama", 1, 1)]
     cases["dist_gpt2_1_2"] = [torch_dist(models, "gpt2", 1, 1), "--tp", 1, "--pp", 2,
                               "--reference", megatron(models, "gpt2", 1, 1)]
+    # 16-bit compute: the hidden state crosses stages in that dtype, logits gathered in fp32
+    cases["bf16_gpt2_1_2"] = [megatron(models, "gpt2", 1, 2), "--reference", models["gpt2"][1], "--dtype", "bf16"]
+    cases["fp16_llama_2_1"] = [megatron(models, "llama", 2, 1), "--reference", models["llama"][1], "--dtype", "fp16"]
     text = models["tmp"] / "prompts.txt"
     text.write_text(TOKEN_TEXT)
     cases["tokenizer"] = [megatron(models, "gpt2", 2, 1), "--reference", models["gpt2"][1],
@@ -388,6 +391,16 @@ def test_torch_dist_rank_reads_only_its_slices(models):
     theirs = read_rank_shards(megatron(models, "llama", 2, 2), 1, 1)
     for name in ("layers.2.qkv.weight", "layers.3.fc1.weight", "layers.3.fc2.weight", "output.weight"):
         assert torch.equal(loaded[name], theirs.tensors[name].load()), name
+
+
+@pytest.mark.parametrize("case,dtype,tol", [("bf16_gpt2_1_2", "torch.bfloat16", 1e-1),
+                                            ("fp16_llama_2_1", "torch.float16", 2e-2)])
+def test_16bit_compute(batch2, case, dtype, tol):
+    text, rc = batch2[case]
+    assert rc == 0, text
+    assert dtype in text and f"tolerance={tol:g}" in text
+    err = metric(text, "max_abs_error")
+    assert 0 < err < tol  # rounded, so not bit-equal to the fp32-trained reference run in 16 bits elsewhere
 
 
 def test_text_tokens_with_a_local_tokenizer(batch2, models):
