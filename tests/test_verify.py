@@ -129,10 +129,10 @@ def torch_dist(models, kind: str, tp: int, pp: int) -> Path:
     return out
 
 
-def verify(nproc, *args, torchrun=True):
+def verify(nproc, *args):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if torchrun else []
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     cmd = [sys.executable, *launcher, "-m", "ckptool", "verify", *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
 
@@ -154,6 +154,17 @@ def verify_batch(nproc: int, cases: dict, tmp: Path) -> dict:
         body, rc = text.rsplit("rc=", 1)
         out[name] = (body, int(rc))
     return out
+
+
+def verify_here(*args, env=None):
+    """`ckptool verify ARGS` in this process (no torchrun: nothing to start up). .returncode,
+    .stdout and .stderr like subprocess.run's; .output is both."""
+    from click.testing import CliRunner
+    from ckptool.cli import main
+    env = {"WORLD_SIZE": None, "RANK": None, **(env or {})}  # never mistake pytest for torchrun
+    r = CliRunner().invoke(main, ["verify", *map(str, args)], env=env)
+    r.returncode = r.exit_code
+    return r
 
 
 def metric(out: str, key: str) -> float:
@@ -419,22 +430,19 @@ def test_torchrun_entry_point_torch_dist(models):
 
 
 def test_one_process_without_torchrun(models):
-    r = verify(1, megatron(models, "llama", 2, 2), "--reference", models["llama"][1], torchrun=False)
+    r = verify_here(megatron(models, "llama", 2, 2), "--reference", models["llama"][1])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "torchrun --nproc-per-node 4" in r.stdout
 
 
 def _fake_torchrun(world: int, *args):
     # the layout checks run before any process group is joined, so torchrun's environment is enough
-    from click.testing import CliRunner
-    from ckptool.cli import main
-    return CliRunner().invoke(main, ["verify", *map(str, args)],
-                              env={"WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0"})
+    return verify_here(*args, env={"WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0"})
 
 
 def test_world_size_must_match_layout(models):
     r = _fake_torchrun(2, megatron(models, "gpt2", 2, 2))
-    assert r.exit_code == 2
+    assert r.returncode == 2
     assert "torchrun started 2 processes" in r.output and "needs 4" in r.output
     r = _fake_torchrun(4, megatron(models, "gpt2", 2, 2), "--tp", 4, "--pp", 1)
     assert r.exit_code == 2 and "runs at the layout of its files" in r.output, r.output
@@ -478,7 +486,7 @@ def test_drifted_replicas_pass_in_one_process(models, batch4):
     # The one-process forward of the merged state uses rank 0's copy and matches the reference; the
     # parallel forward uses each rank's own copy, as Megatron did, and shows the drift at layer 2
     # (test_planted_error_caught_and_located[drifted_replica]).
-    single = verify(1, models["tmp"] / "drift", "--reference", models["gpt2"][1], torchrun=False)
+    single = verify_here(models["tmp"] / "drift", "--reference", models["gpt2"][1])
     assert single.returncode == 0 and "replicas differ" in single.stderr, single.stdout + single.stderr
 
 
@@ -490,13 +498,13 @@ def test_files_manifest_check(models, tmp_path):
     from ckptool.formats.registry import open_checkpoint
     dst = tmp_path / "out"
     write_layout(open_checkpoint(src), dst, Layout(tp=2, pp=1), warn=lambda m: None)
-    ok = verify(1, "--files", dst, torchrun=False)
+    ok = verify_here("--files", dst)
     assert ok.returncode == 0 and "result=PASS" in ok.stdout, ok.stdout + ok.stderr
     victim = next(dst.glob("*/mp_rank_01/model_optim_rng.pt"))
     data = bytearray(victim.read_bytes())
     data[-100] ^= 0xFF
     victim.write_bytes(bytes(data))
-    bad = verify(1, "--files", dst, torchrun=False)
+    bad = verify_here("--files", dst)
     assert bad.returncode == 1 and "sha256 differs" in bad.stdout, bad.stdout + bad.stderr
 
 
