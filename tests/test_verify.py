@@ -253,6 +253,25 @@ def plant_drifted_replica(models) -> Path:
     return ckpt
 
 
+def gpt2_vpp(models) -> Path:
+    """GPT-2 at TP1 PP2 VPP2 written by ckptool: stage 0 holds layers 0 and 2, stage 1 layers 1 and 3."""
+    out = models["tmp"] / "gpt2_tp1pp2vpp2"
+    if not out.exists():
+        write_megatron(models["gpt2"][0], out, Layout(tp=1, pp=2, vpp=2), dialect="mcore", warn=lambda m: None)
+    return out
+
+
+def plant_vpp_chunks_swapped(models) -> Path:
+    # Stage 1's file holds model0 (layer 1) and model1 (layer 3) swapped.
+    ckpt = models["tmp"] / "plant_vpp_chunks"
+    shutil.copytree(gpt2_vpp(models), ckpt)
+    f = _rank_file(ckpt, 0, 1)
+    obj = torch.load(f, weights_only=False)
+    obj["model0"], obj["model1"] = obj["model1"], obj["model0"]
+    torch.save(obj, f)
+    return ckpt
+
+
 # planted error -> (builder, reference kind, where the first divergence must be reported)
 PLANTED = {
     "gate_up_swapped": (plant_gate_up_swapped, "hf_llama", "layer 1"),
@@ -314,6 +333,8 @@ def batch2(models):
     # 16-bit compute: the hidden state crosses stages in that dtype, logits gathered in fp32
     cases["bf16_gpt2_1_2"] = [megatron(models, "gpt2", 1, 2), "--reference", models["gpt2"][1], "--dtype", "bf16"]
     cases["fp16_llama_2_1"] = [megatron(models, "llama", 2, 1), "--reference", models["llama"][1], "--dtype", "fp16"]
+    cases["vpp_gpt2_1_2"] = [gpt2_vpp(models), "--reference", models["gpt2"][1]]
+    cases["vpp_chunks_swapped"] = [plant_vpp_chunks_swapped(models), "--reference", models["gpt2"][1]]
     text = models["tmp"] / "prompts.txt"
     text.write_text(TOKEN_TEXT)
     cases["tokenizer"] = [megatron(models, "gpt2", 2, 1), "--reference", models["gpt2"][1],
@@ -367,6 +388,18 @@ def test_virtual_pipeline_matches_transformers(batch4, name):
     _expect_pass((text, rc), "TP2 PP2 VPP2, 4 processes")
     for i in range(7):
         assert f"layer {i} " in text
+
+
+def test_virtual_pipeline_tp1_matches_transformers(batch2):
+    text, rc = batch2["vpp_gpt2_1_2"]
+    _expect_pass((text, rc), "TP1 PP2 VPP2, 2 processes")
+    assert "layer 2 " in text
+
+
+def test_virtual_pipeline_chunk_order_error_located(batch2):
+    text, rc = batch2["vpp_chunks_swapped"]
+    assert rc == 1, text
+    assert "first_divergence=layer 1 [pipeline stage 1 virtual chunk 0: mp_rank_00_001]" in text, text
 
 
 @pytest.mark.parametrize("case,layout", [("dist_llama_2_1", "TP2 PP1"), ("dist_llama_1_2", "TP1 PP2"),
