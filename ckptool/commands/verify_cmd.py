@@ -46,17 +46,26 @@ def under_torchrun() -> bool:
 @click.option("--tolerance", type=float, default=None,
               help="Largest max-abs logits error that passes (default 1e-4 fp32, 2e-2 fp16, 1e-1 bf16); "
                    "also the relative bound for per-layer hidden states.")
+@click.option("--tp", type=int, default=None,
+              help="torch_dist targets under torchrun: tensor-parallel size to run (any works: the files hold "
+                   "global tensors). Default: the stored args' TP/PP, else TP = WORLD_SIZE, PP 1; with only one "
+                   "of --tp/--pp the other fills WORLD_SIZE. Torch-format targets run at their files' layout.")
+@click.option("--pp", type=int, default=None, help="torch_dist targets under torchrun: pipeline-parallel size (see --tp).")
 @source_options
 @reports_errors
 def verify_cmd(target, ref, reference_logits, files_dir, tokens, tokenizer, batch, seq_len, seed, dtype,
-               tolerance, **kw):
+               tolerance, tp, pp, **kw):
     """Check that TARGET computes what the reference computes (exit status 1 when it does not).
+
+    Under torchrun, TARGET is a Megatron checkpoint (torch format, VPP included, or torch_dist) and
+    WORLD_SIZE must be TP * PP of the layout it runs at; each rank reads only its own shard.
 
     \b
     Examples:
       torchrun --nproc-per-node 4 -m ckptool verify ckpts/run1                # TP2 PP2 vs merged
       torchrun --nproc-per-node 4 -m ckptool verify out --reference ckpts/run1
       torchrun --nproc-per-node 4 -m ckptool verify ckpts/run1 --reference-logits ref.pt:logits_fp32
+      torchrun --nproc-per-node 2 -m ckptool verify dist_ckpt --tp 1 --pp 2  # torch_dist at TP1 PP2
       ckptool verify out --reference hf_model_dir                             # one process
       ckptool verify --files out                                              # manifest check
     """
@@ -69,7 +78,7 @@ def verify_cmd(target, ref, reference_logits, files_dir, tokens, tokenizer, batc
     tol = tolerance if tolerance is not None else cmp.DEFAULT_TOLERANCE[compute]
     if under_torchrun():
         ok = run_parallel(target, ref, reference_logits, opts, compute, tol,
-                          (tokens, tokenizer, batch, seq_len, seed))
+                          (tokens, tokenizer, batch, seq_len, seed), tp, pp)
     else:
         ok = run_single(target, ref, reference_logits, opts, compute, tol,
                         (tokens, tokenizer, batch, seq_len, seed))
@@ -133,62 +142,108 @@ def run_single(target, ref, reference_logits, opts, dtype, tol, token_args) -> b
     return ok
 
 
-def run_parallel(target, ref, reference_logits, opts, dtype, tol, token_args) -> bool:
+def run_parallel(target, ref, reference_logits, opts, dtype, tol, token_args, tp=None, pp=None) -> bool:
     import torch.distributed as dist
-    from ..formats.megatron import looks_like_megatron
-    from ..formats.megatron_ranks import rank_dir_name, read_layout, read_rank_shards
     from ..verify import parallel
 
-    require(looks_like_megatron(Path(target)),
-            f"{target}: the parallel verify runs Megatron checkpoints (mp_rank_* files)",
-            "run `ckptool verify` without torchrun for other formats")
-    meta = read_layout(target, opts)
-    cfg, layout, ckpt = meta
     world = int(os.environ["WORLD_SIZE"])
+    target_kind = parallel_target(target, opts, tp, pp, world)
+    cfg, layout, ckpt = target_kind.config, target_kind.layout, target_kind.ckpt
     require(world == layout.tp * layout.pp,
             f"torchrun started {world} processes but {target} is {layout.describe()}: "
             f"it needs {layout.tp * layout.pp}",
-            f"run torchrun --nproc-per-node {layout.tp * layout.pp} -m ckptool verify ...")
+            f"run torchrun --nproc-per-node {layout.tp * layout.pp} -m ckptool verify ..."
+            + (" (or give --tp/--pp whose product is the process count)" if target_kind.any_layout else ""))
     tokens, recorded = _tokens_for(reference_logits, token_args, cfg.true_or_padded_vocab)
     r = parallel.init_ranks(layout.tp, layout.pp)
     try:
-        shards = read_rank_shards(target, r.tp_rank, r.pp_rank, opts, meta)
+        shards = target_kind.shards(r.tp_rank, r.pp_rank)
         start = time.perf_counter()
         with torch.no_grad():
             logits, hidden = parallel.stage_forward(tokens, shards, r, dtype)
         if r.device.type == "cuda":
             torch.cuda.synchronize(r.device)
         seconds = time.perf_counter() - start
-        stage_layers = [c[3] for c in layout.chunks(cfg.num_layers)]
-        got = parallel.gather_to_rank0(logits, hidden, shards, r, stage_layers, cfg.padded_vocab_size,
-                                       tuple(tokens.shape))
+        got = parallel.gather_to_rank0(logits, hidden, shards, r, tuple(tokens.shape))
         ok = True
         if r.rank == 0:
             click.echo(f"parallel forward: {layout.describe()}, {world} processes, {dtype}, "
-                       f"tokens {tuple(tokens.shape)}")
+                       f"tokens {tuple(tokens.shape)}, {target_kind.format} target")
             click.echo(f"forward_seconds={seconds:.4f}")
             logits, hidden = got
             ref_logits, ref_hidden, ref_vocab = _reference(ref, recorded, ckpt, tokens, dtype, r.device, opts)
             print_warnings(ckpt)
             cols = cmp.true_columns(logits.shape[-1], cfg.vocab_size, ref_logits.shape[-1], ref_vocab)
-            where = _where(layout, cfg, rank_dir_name)
+            where = _where(layout, cfg, target_kind.files)
             ok = _report(cmp.compare(logits, ref_logits.cpu(), cols, tol, hidden, ref_hidden), where)
         status = torch.tensor([1 if ok else 0], dtype=torch.int32, device=r.device)
         dist.broadcast(status, src=0)
         return bool(status.item())
     finally:
-        dist.destroy_process_group()
+        if r.owns_group:
+            dist.destroy_process_group()
 
 
-def _where(layout, cfg, rank_dir_name) -> dict:
+class ParallelTarget:
+    """What the parallel forward runs: the layout and how a rank gets its shard."""
+
+    def __init__(self, fmt, ckpt, layout, shards, files, any_layout):
+        self.format, self.ckpt, self.layout = fmt, ckpt, layout
+        self.config = ckpt.config
+        self.shards = shards  # (tp_rank, pp_rank) -> RankShards
+        self.files = files  # (tp_rank, pp_rank) -> the file that holds it, or None
+        self.any_layout = any_layout  # True when --tp/--pp may choose the layout
+
+
+def parallel_target(target, opts, tp, pp, world) -> ParallelTarget:
+    from ..formats import dist as dist_format
+    from ..formats.megatron import looks_like_megatron
+    from ..formats.megatron_ranks import rank_dir_name, read_layout, read_rank_shards, slice_rank_shards
+
+    if looks_like_megatron(Path(target)):
+        meta = read_layout(target, opts)
+        cfg, layout, ckpt = meta
+        require(tp in (None, layout.tp) and pp in (None, layout.pp),
+                f"{target} is stored at {layout.describe()}; a torch-format checkpoint runs at the layout of "
+                "its files", f"drop --tp/--pp, or reshard it first: ckptool reshard {target} DST --tp N --pp M")
+        return ParallelTarget("megatron torch", ckpt, layout,
+                              lambda t, p: read_rank_shards(target, t, p, opts, meta),
+                              lambda t, p: rank_dir_name(t, p, layout.pp), False)
+    if dist_format.looks_like(Path(target)):
+        ckpt = dist_format.read(target, opts)  # metadata only: tensors are read per rank, sliced
+        layout = dist_layout(ckpt, tp, pp, world)
+        return ParallelTarget("torch_dist", ckpt, layout,
+                              lambda t, p: slice_rank_shards(ckpt, layout, t, p), lambda t, p: None, True)
+    raise CkptError(f"{target}: the parallel verify runs Megatron checkpoints (torch format mp_rank_* files "
+                    "or torch_dist)", "run `ckptool verify` without torchrun for other formats")
+
+
+def dist_layout(ckpt, tp, pp, world):
+    """A torch_dist checkpoint holds global tensors, so any TP x PP can run it. Chosen in order:
+    --tp/--pp (one of them given: the other fills WORLD_SIZE), the TP/PP in the stored args,
+    and for checkpoints without args TP = WORLD_SIZE, PP 1."""
+    from ..config import Layout
+    if tp or pp:
+        given = tp or pp
+        require(world % given == 0, f"--{'tp' if tp else 'pp'} {given} does not divide the {world} processes "
+                "torchrun started", "give --tp and --pp whose product is the process count")
+        return Layout(tp=tp or world // pp, pp=pp or world // tp)
+    if ckpt.source.args is not None:
+        return ckpt.source.layout
+    return Layout(tp=world, pp=1)
+
+
+def _where(layout, cfg, files) -> dict:
     """'layer i' -> which stage and files hold it, so a divergence points at files."""
+    def held(p):
+        names = [files(t, p) for t in range(layout.tp)]
+        return f": {', '.join(names)}" if all(names) else f" (TP ranks 0-{layout.tp - 1})"
+
     out = {}
-    for p, _, first, count in layout.chunks(cfg.num_layers):
-        files = ", ".join(rank_dir_name(t, p, layout.pp) for t in range(layout.tp))
+    for p, v, first, count in layout.chunks(cfg.num_layers):
+        chunk = f" virtual chunk {v}" if layout.vpp else ""
         for i in range(first, first + count):
-            out[f"layer {i}"] = f"pipeline stage {p}: {files}"
-    first_files = ", ".join(rank_dir_name(t, 0, layout.pp) for t in range(layout.tp))
-    out["embedding"] = f"embed.word/embed.pos in {first_files}"
-    last_files = ", ".join(rank_dir_name(t, layout.pp - 1, layout.pp) for t in range(layout.tp))
-    out["output layer (logits)"] = f"final norm/output in {last_files}"
+            out[f"layer {i}"] = f"pipeline stage {p}{chunk}{held(p)}"
+    out["embedding"] = f"embed.word/embed.pos in pipeline stage 0{held(0)}"
+    out["output layer (logits)"] = f"final norm/output in pipeline stage {layout.pp - 1}{held(layout.pp - 1)}"
     return out

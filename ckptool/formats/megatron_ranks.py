@@ -10,6 +10,13 @@ read_rank_shards() returns role tensors under names that say what they are and w
   embed.word  embed.pos  final_norm.{weight,bias}  output.weight
   layers.{i}.{role}   role from roles.ROLE_RULES (qkv.weight, fc1.weight, proj.weight, ...), i global
 
+With a virtual pipeline a file holds several model chunks (model0, model1, ...): stage s chunk c
+holds the layers of model chunk c * PP + s (Megatron's interleaved order), so `chunks` lists one
+(first layer, count) per virtual chunk and the forward visits every stage's chunk 0, then chunk 1.
+
+slice_rank_shards() cuts the same share out of a merged checkpoint (torch_dist stores global
+tensors): every lazy is a narrow of the global one, so a rank reads only its slices.
+
 Tensors are lazy and read from this rank's model file only. The architecture and the layer
 offsets of the stages come from read_megatron(), which reads every file's pickle metadata (small)
 but no tensor bytes of other ranks. Old QKV orders (checkpoint_version < 2) are turned into the
@@ -19,14 +26,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
-from ..config import GPTConfig, Layout
+from ..config import GPTConfig, Layout, check_tensor_parallel, padded_vocab_size
 from ..errors import CkptError
 from ..io.torchfile import load_torch_file
-from ..lazy import Derived, LazyTensor
+from ..lazy import Derived, LazyTensor, cat
 from ..options import ReadOptions
-from ..roles import GLOBAL_ROLES
+from ..roles import GLOBAL_ROLES, LAYER_ROLES, global_role_tensor, layer_role_tensor, rule_for, shard_role
+from ..sharding import Rule
+from ..state import Checkpoint
+from ..vocab import resize_vocab
 from .megatron import _model_file, flatten, read_megatron, resolve_iteration_dir
 from .megatron_names import DIALECTS, KeyMatcher, qkv_to_grouped
 
@@ -37,10 +47,9 @@ class RankShards:
     layout: Layout
     tp_rank: int
     pp_rank: int
-    first_layer: int  # global index of this stage's first layer
-    num_local_layers: int
+    chunks: List[Tuple[int, int]]  # per virtual chunk: (global index of its first layer, layer count)
     tensors: Dict[str, LazyTensor]
-    file: Path
+    file: Optional[Path]  # the rank's own model file (None when cut from a merged checkpoint)
 
 
 def rank_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
@@ -57,34 +66,69 @@ def read_rank_shards(path, tp_rank: int, pp_rank: int, opts: Optional[ReadOption
                      meta=None) -> RankShards:
     opts = opts or ReadOptions()
     cfg, layout, ckpt = meta or read_layout(path, opts)
-    if layout.vpp:
-        raise CkptError("virtual pipeline checkpoints are not supported by the parallel verify yet",
-                        "merge or reshard to --vpp 1 first, or run `ckptool verify` without torchrun")
     if not (0 <= tp_rank < layout.tp and 0 <= pp_rank < layout.pp):
         raise CkptError(f"rank (tp {tp_rank}, pp {pp_rank}) is outside the checkpoint's {layout.describe()}")
     it_dir, _, _ = resolve_iteration_dir(Path(path), opts.iteration)
     file = _model_file(it_dir / rank_dir_name(tp_rank, pp_rank, layout.pp))
     tree = load_torch_file(file)
-    flat = flatten(tree["model"])
     dialect = DIALECTS[ckpt.source.dialect]
     matcher = KeyMatcher(dialect)
-    chunks = layout.chunks(cfg.num_layers)
-    _, _, first, count = next(c for c in chunks if c[0] == pp_rank)
+    chunks = [(first, count) for p, _, first, count in layout.chunks(cfg.num_layers) if p == pp_rank]
+    models = [tree["model"]] if not layout.vpp else [tree[f"model{v}"] for v in range(layout.vpp)]
     version = 0.0 if dialect.qkv_version0_only else float(ckpt.source.checkpoint_version or 0)
     heads_local = cfg.num_attention_heads // layout.tp
 
     out: Dict[str, LazyTensor] = {}
-    for key, value in flat.items():
-        hit = matcher.match(key)
-        if hit is None or not isinstance(value, LazyTensor):
-            continue
-        role, local = hit
-        if local is None:
-            # the last stage's copy of a tied embedding is its output matrix (what it multiplies by)
-            name = "output.weight" if role == "head_copy" else GLOBAL_ROLES[role]
-            out[name] = value
-            continue
-        if role.startswith("qkv.") and version < 2:
-            value = Derived(lambda x: qkv_to_grouped(x, version, heads_local, cfg.head_dim), [value])
-        out[f"layers.{first + local}.{role}"] = value
-    return RankShards(cfg, layout, tp_rank, pp_rank, first, count, out, file)
+    for (first, _), model in zip(chunks, models):
+        for key, value in flatten(model).items():
+            hit = matcher.match(key)
+            if hit is None or not isinstance(value, LazyTensor):
+                continue
+            role, local = hit
+            if local is None:
+                # the last stage's copy of a tied embedding is its output matrix (what it multiplies by)
+                name = "output.weight" if role == "head_copy" else GLOBAL_ROLES[role]
+                out[name] = value
+                continue
+            if role.startswith("qkv.") and version < 2:
+                value = Derived(lambda x: qkv_to_grouped(x, version, heads_local, cfg.head_dim), [value])
+            out[f"layers.{first + local}.{role}"] = value
+    return RankShards(cfg, layout, tp_rank, pp_rank, chunks, out, file)
+
+
+def slice_rank_shards(ckpt: Checkpoint, layout: Layout, tp_rank: int, pp_rank: int) -> RankShards:
+    """Rank (tp_rank, pp_rank)'s role tensors cut from a merged checkpoint (torch_dist: global
+    tensors). Every tensor is a narrow of a stored one, so only this rank's slices are read; the
+    vocabulary is re-padded when the stored rows do not split evenly over this TP size."""
+    cfg = ckpt.config
+    check_tensor_parallel(cfg, layout.tp)
+    rows = cfg.padded_vocab_size
+    if rows % layout.tp:
+        rows = padded_vocab_size(cfg.true_or_padded_vocab, cfg.make_vocab_size_divisible_by or 1, layout.tp)
+    tensors = resize_vocab(ckpt.tensors, cfg, rows)
+    cfg = cfg.replace(padded_vocab_size=rows)
+    chunks = [(first, count) for p, _, first, count in layout.chunks(cfg.num_layers) if p == pp_rank]
+
+    def mine(tensor: LazyTensor, role: str) -> LazyTensor:
+        rule = rule_for(role, cfg)
+        if rule is Rule.GATED:  # [gate; up] -> [gate_r; up_r], each half narrowed on its own
+            gate, up = tensor.chunk(2, 0)
+            return cat([gate.chunk(layout.tp, 0)[tp_rank], up.chunk(layout.tp, 0)[tp_rank]], 0)
+        return shard_role(tensor, role, cfg, layout.tp)[tp_rank]
+
+    out: Dict[str, LazyTensor] = {}
+    last = pp_rank == layout.pp - 1
+    for role, name in GLOBAL_ROLES.items():
+        wanted = {"word": pp_rank == 0, "pos": pp_rank == 0, "output": last}.get(role, last)
+        tensor = global_role_tensor(tensors, role)
+        if role == "output" and tensor is None and last:
+            tensor = global_role_tensor(tensors, "word")  # tied: the last stage's copy of the embedding
+        if wanted and tensor is not None:
+            out[name] = mine(tensor, role)
+    for first, count in chunks:
+        for i in range(first, first + count):
+            for role in LAYER_ROLES:
+                tensor = layer_role_tensor(tensors, cfg, i, role)
+                if tensor is not None:
+                    out[f"layers.{i}.{role}"] = mine(tensor, role)
+    return RankShards(cfg, layout, tp_rank, pp_rank, chunks, out, None)

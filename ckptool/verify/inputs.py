@@ -47,12 +47,15 @@ def make_tokens(tokens: Optional[str], tokenizer: Optional[str], batch: int, seq
         tok = AutoTokenizer.from_pretrained(tokenizer)
         lines = [l for l in path.read_text().splitlines() if l.strip()]
         ids = [tok(l)["input_ids"] for l in lines]
+        require(lines and min(len(x) for x in ids) > 0, f"{tokens}: no text to tokenize")
         n = min(len(x) for x in ids)
-        require(n > 0, f"{tokens}: no text to tokenize")
-        return torch.tensor([x[:n] for x in ids], dtype=torch.long)
-    t = parse_token_ids(path.read_text() if path.is_file() else tokens)
+        t = torch.tensor([x[:n] for x in ids], dtype=torch.long)
+    else:
+        t = parse_token_ids(path.read_text() if path.is_file() else tokens)
+    # the parallel embedding zeroes ids outside every rank's rows, so a bad id must stop us here
     require(int(t.max()) < vocab and int(t.min()) >= 0,
-            f"--tokens holds id {int(t.max())}, outside the vocabulary of {vocab}")
+            f"--tokens holds id {int(t.max())}, outside the vocabulary of {vocab}",
+            "use ids (or a tokenizer) that belong to this model's vocabulary")
     return t
 
 

@@ -14,7 +14,8 @@ numbers here as they did there.
   mlp            fc1 column-parallel ([gate_r; up_r] per rank for SwiGLU), fc2 row-parallel +
                  all-reduce, then the bias
   head           final norm, vocab-parallel logits, all-gathered over TP on the last stage
-  pipeline       the hidden state goes stage to stage with send/recv between equal TP ranks
+  pipeline       the hidden state goes stage to stage with send/recv between equal TP ranks;
+                 with virtual chunks it goes round all stages once per chunk (interleaved order)
 
 Afterwards the per-layer hidden states and the logits are sent to rank 0 for comparison.
 """
@@ -46,6 +47,7 @@ class Ranks:
     pp_rank: int
     tp_group: object
     device: torch.device
+    owns_group: bool = True  # False when a caller joined the job first (and will leave it)
 
     def global_rank(self, tp_rank: int, pp_rank: int) -> int:
         return pp_rank * self.tp + tp_rank
@@ -62,11 +64,12 @@ def init_ranks(tp: int, pp: int) -> Ranks:
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    if not dist.is_initialized():
+    owns = not dist.is_initialized()
+    if owns:
         dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = [dist.new_group([p * tp + t for t in range(tp)]) for p in range(pp)]  # every rank makes every group
-    return Ranks(rank, world, tp, pp, rank % tp, rank // tp, groups[rank // tp], device)
+    return Ranks(rank, world, tp, pp, rank % tp, rank // tp, groups[rank // tp], device, owns)
 
 
 def all_reduce(x: torch.Tensor, r: Ranks) -> torch.Tensor:
@@ -170,7 +173,11 @@ def head(x: torch.Tensor, w, cfg: GPTConfig, r: Ranks) -> torch.Tensor:
 # --- the pipeline ---------------------------------------------------------------------------
 
 def stage_forward(tokens: torch.Tensor, shards: RankShards, r: Ranks, dtype: torch.dtype):
-    """Run this rank's stage. Returns (logits or None, [(name, hidden)] of this stage)."""
+    """Run this rank's stage. Returns (logits or None, [(name, hidden)] of this stage).
+
+    With virtual pipeline chunks the hidden state goes round the ring once per chunk: stage 0
+    chunk 0, stage 1 chunk 0, ..., the last stage's chunk 0 back to stage 0 for chunk 1, and so on.
+    """
     cfg = shards.config
     w = {k: v.load().to(device=r.device, dtype=dtype) for k, v in shards.tensors.items()}
     tokens = tokens.to(r.device)
@@ -179,45 +186,58 @@ def stage_forward(tokens: torch.Tensor, shards: RankShards, r: Ranks, dtype: tor
     if cfg.position_embedding == "rope":
         rope = tuple(t.to(r.device) for t in rope_frequencies(cfg, s, r.device))
     hidden: List[Tuple[str, torch.Tensor]] = []
-    if r.pp_rank == 0:
-        x = embed(tokens, w, cfg, r)
-        hidden.append(("embedding", x))
-    else:
-        x = torch.empty(b, s, cfg.hidden_size, dtype=dtype, device=r.device)
-        dist.recv(x, src=r.global_rank(r.tp_rank, r.pp_rank - 1))
-    for i in range(shards.first_layer, shards.first_layer + shards.num_local_layers):
-        x = block(x, w, i, cfg, r, rope)
-        hidden.append((f"layer {i}", x))
-    if r.pp_rank < r.pp - 1:
-        dist.send(x.contiguous(), dst=r.global_rank(r.tp_rank, r.pp_rank + 1))
-        return None, hidden
-    return head(x, w, cfg, r), hidden
+    last_chunk = len(shards.chunks) - 1
+    prev = r.global_rank(r.tp_rank, (r.pp_rank - 1) % r.pp)
+    nxt = r.global_rank(r.tp_rank, (r.pp_rank + 1) % r.pp)
+    for v, (first, count) in enumerate(shards.chunks):
+        if r.pp_rank == 0 and v == 0:
+            x = embed(tokens, w, cfg, r)
+            hidden.append(("embedding", x))
+        elif r.pp > 1:
+            x = torch.empty(b, s, cfg.hidden_size, dtype=dtype, device=r.device)
+            dist.recv(x, src=prev)
+        for i in range(first, first + count):
+            x = block(x, w, i, cfg, r, rope)
+            hidden.append((f"layer {i}", x))
+        if r.pp_rank == r.pp - 1 and v == last_chunk:
+            return head(x, w, cfg, r), hidden
+        if r.pp > 1:
+            dist.send(x.contiguous(), dst=nxt)
+    return None, hidden
+
+
+def stage_labels(layout, num_layers: int, pp_rank: int) -> List[str]:
+    """The hidden states stage pp_rank produces, in the order it produces them."""
+    return (["embedding"] if pp_rank == 0 else []) + [
+        f"layer {i}" for p, _, first, count in layout.chunks(num_layers) if p == pp_rank
+        for i in range(first, first + count)]
 
 
 def gather_to_rank0(logits: Optional[torch.Tensor], hidden, shards: RankShards, r: Ranks,
-                    stage_layers: List[int], vocab_cols: int, shape: Tuple[int, int]):
-    """On rank 0: (logits [b, s, V], {name: hidden}) from every stage's TP rank 0; None elsewhere."""
+                    shape: Tuple[int, int]):
+    """On rank 0: (logits [b, s, V], {name: hidden} in layer order) from every stage's TP rank 0;
+    None elsewhere."""
     b, s = shape
-    h = shards.config.hidden_size
+    cfg = shards.config
+    h, vocab_cols = cfg.hidden_size, cfg.padded_vocab_size
     if r.tp_rank == 0 and r.rank != 0:
         dist.send(torch.stack([t for _, t in hidden]).float().contiguous(), dst=0)
         if logits is not None:
             dist.send(logits.contiguous(), dst=0)
     if r.rank != 0:
         return None
-    names: Dict[str, torch.Tensor] = {}
-    first = 0
+    got: Dict[str, torch.Tensor] = {}
     for p in range(r.pp):
-        count = stage_layers[p]
-        labels = (["embedding"] if p == 0 else []) + [f"layer {i}" for i in range(first, first + count)]
-        first += count
+        labels = stage_labels(shards.layout, cfg.num_layers, p)
         if p == 0:
-            got = [t.float().cpu() for _, t in hidden]
+            states = [t.float().cpu() for _, t in hidden]
         else:
             buf = torch.empty(len(labels), b, s, h, dtype=torch.float32, device=r.device)
             dist.recv(buf, src=r.global_rank(0, p))
-            got = list(buf.cpu())
-        names.update(zip(labels, got))
+            states = list(buf.cpu())
+        got.update(zip(labels, states))
+    order = ["embedding"] + [f"layer {i}" for i in range(cfg.num_layers)]
+    names = {n: got[n] for n in order if n in got}  # compare.py finds the FIRST divergence in this order
     if r.pp > 1:
         logits = torch.empty(b, s, vocab_cols, dtype=torch.float32, device=r.device)
         dist.recv(logits, src=r.global_rank(0, r.pp - 1))
