@@ -442,9 +442,21 @@ def test_torch_dist_rank_reads_only_its_slices(models):
 def test_16bit_compute(batch2, case, dtype, tol):
     text, rc = batch2[case]
     assert rc == 0, text
-    assert dtype in text and f"tolerance={tol:g}" in text
+    floor = metric(text, "noise_floor")  # the reference's own 16-bit error against its fp32 run
+    assert dtype in text and floor > 0
+    assert metric(text, "tolerance") == pytest.approx(max(tol, 3 * floor), rel=1e-2)
     err = metric(text, "max_abs_error")
     assert 0 < err < tol  # rounded, so not bit-equal to the fp32-trained reference run in 16 bits elsewhere
+
+
+def test_16bit_tolerance_follows_the_noise_floor():
+    from ckptool.commands.verify_cmd import _tolerance
+    ref16, ref32 = torch.zeros(1, 2, 5), torch.full((1, 2, 5), 0.5)
+    assert _tolerance(None, torch.bfloat16, ref16, 5, None, lambda dt: ref32) == (1.5, 0.5)  # 3x the floor
+    assert _tolerance(None, torch.bfloat16, ref32, 5, None, lambda dt: ref32) == (0.1, 0.0)  # the default
+    assert _tolerance(0.2, torch.bfloat16, ref16, 5, None, None) == (0.2, None)  # --tolerance wins
+    assert _tolerance(None, torch.float32, ref16, 5, None, None) == (1e-4, None)
+    assert _tolerance(None, torch.bfloat16, ref16, 5, ref16, None) == (0.1, None)  # recorded logits
 
 
 def test_text_tokens_with_a_local_tokenizer(batch2, models):
