@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Time `ckptool verify` under torchrun on GPUs (NCCL) with ~1B-parameter GPTs written in the run:
 # a GPT-2 style and a Llama style (GQA, SwiGLU, RoPE, RMSNorm) model, each at TP2 PP2 (4 GPUs) and
-# TP2 PP1 (2 GPUs), plus the Llama one converted with to-hf and checked against transformers.
+# TP2 PP1 (2 GPUs), in bf16 and fp32 compute, rewritten as torch_dist, and the Llama one converted
+# with to-hf and checked against transformers.
 #
 #   OUT=/path/to/results bash scripts/gpu_verify.sh                        # needs 4 GPUs
 #   VERIFY_MODELS="tiny llama-tiny" bash scripts/gpu_verify.sh             # CPU smoke test (gloo)
@@ -58,6 +59,10 @@ for model in $MODELS; do
   run_case "$model-tp2pp1" 2 "$WORK/$model/tp2pp1"
   # the two layouts against each other: TP2 PP1 run in parallel, TP2 PP2 merged as the reference
   run_case "$model-tp2pp1-vs-tp2pp2" 2 "$WORK/$model/tp2pp1" --reference "$WORK/$model/tp2pp2"
+  # torch_dist: the TP2 PP2 checkpoint rewritten with --format torch_dist, each rank reading its slices
+  python -m ckptool reshard "$WORK/$model/tp2pp2" "$WORK/$model/dist" --tp 2 --pp 2 --format torch_dist \
+      > "$OUT/$model-to-dist.log" 2>&1 || exit 1
+  run_case "$model-torch_dist-tp2pp2" 4 "$WORK/$model/dist" --tp 2 --pp 2 --reference "$WORK/$model/tp2pp2"
   case "$model" in llama*)  # to-hf, then transformers as the reference of the TP2 PP2 run
     t0=$(now)
     python -m ckptool to-hf "$WORK/$model/tp2pp2" "$WORK/$model/hf" > "$OUT/$model-to-hf.log" 2>&1 || exit 1
