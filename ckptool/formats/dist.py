@@ -271,6 +271,9 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     if args is not None:
         cfg = megatron_args.config_from_args(args, stored_rows)
         cfg = cfg.replace(**{k: v for k, v in ov.items() if k in _OVERRIDABLE})
+        cfg, note = megatron_args.as_megatron_core_computes(cfg)  # torch_dist is always megatron-core
+        if note:
+            warnings.append(note)
     elif not opts.args_from:
         cfg_src = "tensor shapes and flags"
         cfg = config_from_shapes(shards, num_layers, stored_rows, ov, warnings.append)

@@ -251,6 +251,9 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
         raise CkptError(f"{it_dir}: no word embeddings found", "the first pipeline stage is missing or not a GPT model")
     stored_rows = sum(p.shape[0] for p in word)
     cfg = _config(args, dialect, shards, num_layers, tp, stored_rows, opts, version)
+    layer_note = None
+    if dialect.name.startswith("mcore"):
+        cfg, layer_note = megatron_args.as_megatron_core_computes(cfg)
     if cfg.tied_embeddings and ("output", None) in shards:
         # megatron-core keeps a synchronised copy of the tied embedding on the last stage
         head_copy = shards.pop(("output", None))[0]
@@ -262,7 +265,7 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
             if role.startswith("qkv."):
                 shards[(role, layer)] = [Derived(lambda x: qkv_to_grouped(x, version, heads_local, cfg.head_dim), [x])
                                          for x in parts]
-    warnings: List[str] = []
+    warnings: List[str] = [layer_note] if layer_note else []
     policy = ReplicaPolicy(opts.replicas, warnings.append)
     tensors = assemble(cfg, dict(shards), policy)
     if not cfg.tied_embeddings and "output.weight" not in tensors and head_copy is not None:
