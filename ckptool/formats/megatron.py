@@ -39,8 +39,18 @@ ITER_DIR = re.compile(r"^iter_(\d{7})$")
 
 # --- locating the files ---------------------------------------------------------------------
 
+# 2022-03..2023-05 runs with --use-distributed-optimizer wrote mp_rank_XX[_YYY]/model_rng.pt plus one
+# mp_rank_XX[_YYY]_DDD/optim.pt per data-parallel rank: those names look like PP or EP ranks, but a
+# directory holding only optim.pt carries no model weights.
+OPTIMIZER_ONLY_FILE = "optim.pt"
+
+
+def _is_optimizer_only(d: Path) -> bool:
+    return (d / OPTIMIZER_ONLY_FILE).is_file() and not any((d / n).is_file() for n in MODEL_FILES)
+
+
 def _rank_dirs(d: Path) -> List[Path]:
-    return sorted(p for p in d.iterdir() if p.is_dir() and RANK_DIR.match(p.name))
+    return sorted(p for p in d.iterdir() if p.is_dir() and RANK_DIR.match(p.name) and not _is_optimizer_only(p))
 
 
 def resolve_iteration_dir(path: Path, iteration: Optional[int] = None) -> Tuple[Path, Optional[int], bool]:
