@@ -302,3 +302,23 @@ def test_inspect_json_schema_is_the_documented_one(fixture_dir, built):
         assert {"tp", "pp", "vpp", "dp"} <= set(doc["layout"])
         assert all(set(t) == {"name", "shape", "dtype"} for t in doc["tensors"])
         assert doc["total_bytes"] > 0 and doc["format"] == "megatron"
+
+
+def test_post_layernorm_residual_written_only_where_megatron_honours_it(built, tmp_path):
+    """Legacy layers honour --apply-residual-connection-post-layernorm; megatron-core layers ignore
+    it, so a model that uses it is refused for mcore and torch_dist and kept for legacy."""
+    from ckptool.config import Layout
+    from ckptool.convert import write_layout
+    from ckptool.errors import CkptError
+    src = open_checkpoint(built / "post_ln_residual" / "checkpoint")
+    post = src.with_tensors(src.tensors, post_layernorm_residual=True)
+    for fmt, dialect in (("torch", "mcore"), ("torch_dist", None)):
+        with pytest.raises(CkptError, match="apply-residual-connection-post-layernorm"):
+            kw = {"dialect": dialect} if dialect else {}
+            write_layout(post, tmp_path / fmt, Layout(tp=1), fmt=fmt, warn=lambda m: None, **kw)
+        assert not (tmp_path / fmt).exists()
+    write_layout(post, tmp_path / "legacy", Layout(tp=2), fmt="torch", dialect="legacy", warn=lambda m: None)
+    back = open_checkpoint(tmp_path / "legacy")
+    assert back.source.dialect == "legacy" and back.config.post_layernorm_residual
+    tokens = torch.load(built / "post_ln_residual" / "logits.pt")["tokens"]
+    assert torch.allclose(forward(back, tokens)[..., :VOCAB], forward(post, tokens)[..., :VOCAB], atol=1e-5)
