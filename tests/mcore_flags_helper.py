@@ -67,6 +67,12 @@ VARIANTS = {
     "rotary_interleaved": (LLAMA, dict(rotary_interleaved=True), {}, {}, dict(rotary_interleaved=True)),
     "rope_scaling": (LLAMA, {}, dict(rotary_base=1000000, rope_scaling=True, rope_scaling_factor=8.0), {},
                      dict(rotary_base=1000000, use_rope_scaling=True, rope_scaling_factor=8.0)),
+    # several at once, for the tensor-parallel verify (one torchrun each)
+    "combo_llama": (LLAMA, dict(add_qkv_bias=True, rotary_interleaved=True), dict(rotary_percent=0.5, rotary_base=37),
+                    dict(qk_layernorm=True), dict(add_qkv_bias=True, rotary_interleaved=True, rotary_percent=0.5,
+                                                  rotary_base=37, qk_layernorm=True)),
+    "combo_gpt2": (GPT2, dict(activation_func=squared_relu, layernorm_epsilon=0.5), {}, {},
+                   dict(squared_relu=True, norm_epsilon=0.5)),
 }
 
 

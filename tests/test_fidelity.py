@@ -52,6 +52,11 @@ FLAGS = {
 }
 
 
+# several flags in one model, for the tensor-parallel verify: variant -> flags it sets
+COMBOS = {"combo_llama": ("qk_layernorm", "add_qkv_bias", "rotary_interleaved", "rotary_percent", "rotary_base"),
+          "combo_gpt2": ("squared_relu", "layernorm_eps")}
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     if not HAVE_MCORE:
@@ -61,7 +66,8 @@ def built(tmp_path_factory):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, str(REPO / "tests" / "mcore_flags_helper.py"), f"{root}:{port}", *FLAGS],
+    r = subprocess.run([sys.executable, str(REPO / "tests" / "mcore_flags_helper.py"), f"{root}:{port}", *FLAGS,
+                        *COMBOS],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return root
@@ -322,3 +328,27 @@ def test_post_layernorm_residual_written_only_where_megatron_honours_it(built, t
     assert back.source.dialect == "legacy" and back.config.post_layernorm_residual
     tokens = torch.load(built / "post_ln_residual" / "logits.pt")["tokens"]
     assert torch.allclose(forward(back, tokens)[..., :VOCAB], forward(post, tokens)[..., :VOCAB], atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", list(COMBOS))
+def test_flags_through_tensor_parallel_verify(built, variant, tmp_path):
+    """verify under torchrun runs each TP rank on its own shards (verify/parallel.py): the flags must
+    hold there too. The megatron-core model is resharded to TP 2 by ckptool, then verified against
+    the logits megatron-core computed at TP 1."""
+    from ckptool.config import Layout
+    from ckptool.convert import write_layout
+    src = open_checkpoint(built / variant / "checkpoint")
+    for flag in COMBOS[variant]:
+        field, value, _, _ = FLAGS[flag]
+        assert getattr(src.config, field) == value, flag
+    tp2 = tmp_path / "tp2"
+    write_layout(src, tp2, Layout(tp=2), warn=lambda m: None)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                        str(port), "-m", "ckptool", "verify", str(tp2), "--reference-logits",
+                        f"{built / variant / 'logits.pt'}:logits"], capture_output=True, text=True, env=env,
+                       cwd=REPO, timeout=240)
+    assert r.returncode == 0 and "result=PASS" in r.stdout and "2 processes" in r.stdout, r.stdout + r.stderr[-3000:]
