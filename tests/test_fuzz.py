@@ -2,7 +2,9 @@
 either succeed or raise ckptool's own CkptError, never another exception.
 
 Kept short (a few hundred examples each, well under 30 s in all); hypothesis prints the failing
-input when one is found. (There is no DCP metadata reader on main yet, so none is fuzzed here.)
+input when one is found. The torch_dist reader is fuzzed through its two index files: the DCP
+`.metadata` pickle (bytes flipped and cut, and structured changes to a valid Metadata) and
+megatron-core's `metadata.json`; the whole read, tensors included, must end in CkptError.
 """
 from __future__ import annotations
 
@@ -199,3 +201,105 @@ def test_args_to_config(fields):
                 max_position_embeddings=32, padded_vocab_size=128)
     args = argparse.Namespace(**{**base, **fields})
     ckpt_error_or_ok(megatron_args.config_from_args, args, 128)
+
+
+# --- torch_dist: the DCP .metadata index and megatron-core's metadata.json ---------------------------
+
+DIST_FEW = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+
+
+@pytest.fixture(scope="module")
+def dist_dir(tmp_path_factory):
+    """A small torch_dist checkpoint (ckptool's writer, checked against megatron-core in test_dist)."""
+    from ckptool.config import Layout
+    from ckptool.convert import write_layout
+    from ckptool.formats.registry import open_checkpoint
+    out = tmp_path_factory.mktemp("dist") / "ck"
+    write_layout(open_checkpoint(RANK_FILE.parents[2]), out, Layout(tp=1), fmt="torch_dist", warn=lambda m: None)
+    d = next(p.parent for p in out.rglob(".metadata"))
+    assert (d / "metadata.json").is_file()
+    return d
+
+
+def _read_all_dist(d: Path):
+    from ckptool.formats import dist
+    ckpt = dist.read(d)
+    for t in ckpt.tensors.values():
+        x = t.load()
+        assert tuple(x.shape) == tuple(t.shape)
+
+
+def _with_file(src: Path, name: str, data: bytes, fn):
+    """A copy of src with `name` replaced by data (the other files linked, not copied: fast)."""
+    work = Path(tempfile.mkdtemp())
+    try:
+        d = work / src.name
+        d.mkdir()
+        for f in src.iterdir():
+            if f.name != name:
+                (d / f.name).symlink_to(f)
+        (d / name).write_bytes(data)
+        return ckpt_error_or_ok(fn, d)
+    finally:
+        shutil.rmtree(work)
+
+
+def test_dist_fixture_reads(dist_dir):
+    _read_all_dist(dist_dir)
+
+
+@DIST_FEW
+@given(data=st.data())
+def test_dcp_metadata_bytes(dist_dir, data):
+    raw = bytearray((dist_dir / ".metadata").read_bytes())
+    for _ in range(data.draw(st.integers(1, 4))):
+        raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        raw = raw[: data.draw(st.integers(0, len(raw)))]
+    _with_file(dist_dir, ".metadata", bytes(raw), _read_all_dist)
+
+
+_odd_int = st.integers(-2, 3) | st.integers(1 << 20, 1 << 62) | st.none() | st.text(max_size=2)
+
+
+@DIST_FEW
+@given(data=st.data())
+def test_dcp_metadata_structure(dist_dir, data):
+    """Valid pickles of a Metadata whose entries lie: sizes, offsets, lengths, paths, types."""
+    import copy
+    md = pickle.loads((dist_dir / ".metadata").read_bytes())  # our own test file: plain pickle is fine
+    md = copy.deepcopy(md)
+    storage = sorted(md.storage_data.items(), key=lambda kv: (kv[0].fqn, str(kv[0].offset)))
+    tensors = sorted(k for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks"))
+    for _ in range(data.draw(st.integers(1, 3))):
+        what = data.draw(st.sampled_from(["length", "offset", "path", "size", "chunk", "chunk_offsets",
+                                          "drop_storage", "drop_entry", "entry_type"]))
+        idx, info = storage[data.draw(st.integers(0, len(storage) - 1))]
+        fqn = tensors[data.draw(st.integers(0, len(tensors) - 1))]
+        tmd = md.state_dict_metadata[fqn]
+        if what in ("length", "offset"):
+            setattr(info, what, data.draw(_odd_int))
+        elif what == "path":
+            info.relative_path = data.draw(st.sampled_from(["../x", "", "__9_9.distcp", "/etc/passwd"]))
+        elif what == "size":
+            tmd.size = torch.Size(data.draw(st.lists(st.integers(0, 70), max_size=3)))
+        elif what == "chunk" and tmd.chunks:
+            tmd.chunks[0].sizes = torch.Size(data.draw(st.lists(st.integers(0, 70), max_size=3)))
+        elif what == "chunk_offsets" and tmd.chunks:
+            tmd.chunks[0].offsets = torch.Size(data.draw(st.lists(st.integers(0, 70), max_size=3)))
+        elif what == "drop_storage":
+            md.storage_data.pop(idx, None)
+        elif what == "drop_entry":
+            md.state_dict_metadata.pop(fqn, None)
+        elif what == "entry_type":
+            md.state_dict_metadata[fqn] = data.draw(st.sampled_from([None, 3, "x", {"a": 1}]))
+    _with_file(dist_dir, ".metadata", pickle.dumps(md), _read_all_dist)
+
+
+@DIST_FEW
+@given(st.binary(max_size=40) | _json.map(lambda d: json.dumps(d).encode())
+       | st.fixed_dictionaries({"sharded_backend": st.sampled_from(["torch_dist", "torch", "zarr", "", None, 3])},
+                               optional={"sharded_backend_version": _json, "common_backend": _json})
+       .map(lambda d: json.dumps(d).encode()))
+def test_megatron_core_metadata_json(dist_dir, content):
+    _with_file(dist_dir, "metadata.json", content, _read_all_dist)

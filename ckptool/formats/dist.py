@@ -271,6 +271,9 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     if args is not None:
         cfg = megatron_args.config_from_args(args, stored_rows)
         cfg = cfg.replace(**{k: v for k, v in ov.items() if k in _OVERRIDABLE})
+        cfg, note = megatron_args.as_megatron_core_computes(cfg)  # torch_dist is always megatron-core
+        if note:
+            warnings.append(note)
     elif not opts.args_from:
         cfg_src = "tensor shapes and flags"
         cfg = config_from_shapes(shards, num_layers, stored_rows, ov, warnings.append)
@@ -315,6 +318,8 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
     """
     cfg = ckpt.config
     check_tensor_parallel(cfg, layout.tp)
+    require(not cfg.post_layernorm_residual, "the model uses --apply-residual-connection-post-layernorm, which "
+            "megatron-core layers (all torch_dist checkpoints) ignore", "write --format torch --dialect legacy")
     layout.chunks(cfg.num_layers)  # validates the pipeline split the args will describe
     rows = target_rows(cfg, layout.tp, divisible_by, warn)
     tensors = resize_vocab(ckpt.tensors, cfg, rows, pad_fill)

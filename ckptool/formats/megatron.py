@@ -39,8 +39,18 @@ ITER_DIR = re.compile(r"^iter_(\d{7})$")
 
 # --- locating the files ---------------------------------------------------------------------
 
+# 2022-03..2023-05 runs with --use-distributed-optimizer wrote mp_rank_XX[_YYY]/model_rng.pt plus one
+# mp_rank_XX[_YYY]_DDD/optim.pt per data-parallel rank: those names look like PP or EP ranks, but a
+# directory holding only optim.pt carries no model weights.
+OPTIMIZER_ONLY_FILE = "optim.pt"
+
+
+def _is_optimizer_only(d: Path) -> bool:
+    return (d / OPTIMIZER_ONLY_FILE).is_file() and not any((d / n).is_file() for n in MODEL_FILES)
+
+
 def _rank_dirs(d: Path) -> List[Path]:
-    return sorted(p for p in d.iterdir() if p.is_dir() and RANK_DIR.match(p.name))
+    return sorted(p for p in d.iterdir() if p.is_dir() and RANK_DIR.match(p.name) and not _is_optimizer_only(p))
 
 
 def resolve_iteration_dir(path: Path, iteration: Optional[int] = None) -> Tuple[Path, Optional[int], bool]:
@@ -251,6 +261,9 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
         raise CkptError(f"{it_dir}: no word embeddings found", "the first pipeline stage is missing or not a GPT model")
     stored_rows = sum(p.shape[0] for p in word)
     cfg = _config(args, dialect, shards, num_layers, tp, stored_rows, opts, version)
+    layer_note = None
+    if dialect.name.startswith("mcore"):
+        cfg, layer_note = megatron_args.as_megatron_core_computes(cfg)
     if cfg.tied_embeddings and ("output", None) in shards:
         # megatron-core keeps a synchronised copy of the tied embedding on the last stage
         head_copy = shards.pop(("output", None))[0]
@@ -262,7 +275,7 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
             if role.startswith("qkv."):
                 shards[(role, layer)] = [Derived(lambda x: qkv_to_grouped(x, version, heads_local, cfg.head_dim), [x])
                                          for x in parts]
-    warnings: List[str] = []
+    warnings: List[str] = [layer_note] if layer_note else []
     policy = ReplicaPolicy(opts.replicas, warnings.append)
     tensors = assemble(cfg, dict(shards), policy)
     if not cfg.tied_embeddings and "output.weight" not in tensors and head_copy is not None:
@@ -378,6 +391,10 @@ def _check_dialect_fits(d: Dialect, cfg: GPTConfig, layout: Layout) -> None:
                         "choose --dialect legacy-norm or mcore")
     if cfg.qk_layernorm and not d.name.startswith("mcore"):
         raise CkptError("qk_layernorm exists only in megatron-core models", "choose --dialect mcore")
+    if cfg.post_layernorm_residual and d.name.startswith("mcore"):
+        # megatron-core layers ignore the flag: they would run a different model (see megatron_args)
+        raise CkptError("the model uses --apply-residual-connection-post-layernorm, which megatron-core "
+                        "layers ignore", "choose --dialect legacy or legacy-norm")
 
 
 def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Optional[str] = None,

@@ -131,6 +131,20 @@ def config_from_args(args, stored_rows: int, extra: Optional[dict] = None) -> GP
     )
 
 
+def as_megatron_core_computes(cfg: GPTConfig):
+    """(cfg, note): the maths a run of megatron-core layers did with these args.
+
+    megatron-core's TransformerLayer never reads apply_residual_connection_post_layernorm (only the
+    legacy ParallelTransformerLayer does), so such a run computed the plain pre-norm residual even
+    with the flag set; honouring it would reproduce a model that never ran.
+    """
+    if cfg.post_layernorm_residual:
+        return cfg.replace(post_layernorm_residual=False), (
+            "args set apply_residual_connection_post_layernorm, which megatron-core layers ignore: "
+            "read as the pre-norm residual that Megatron computed")
+    return cfg, None
+
+
 def args_for_target(source_args, cfg: GPTConfig, layout: Layout, padded_rows: int,
                     dtype: torch.dtype, legacy_models: bool, transformer_impl: str,
                     checkpoint_version: float, iteration: Optional[int]) -> argparse.Namespace:

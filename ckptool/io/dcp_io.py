@@ -28,6 +28,56 @@ from .torchfile import load_torch_bytes
 METADATA = ".metadata"
 
 
+def _is_index(v, rank: Optional[int] = None) -> bool:
+    """A tuple of non-negative ints (of `rank` entries when given)."""
+    return isinstance(v, (tuple, list, torch.Size)) and all(type(x) is int and x >= 0 for x in v) and \
+        (rank is None or len(v) == rank)
+
+
+def _metadata_problem(md: Metadata) -> Optional[str]:
+    """What is wrong in an unpickled Metadata, or None. Everything later code relies on is checked
+    here, so a damaged index fails at open with one message instead of deep inside a read."""
+    entries, storage = md.state_dict_metadata, md.storage_data
+    if not isinstance(entries, dict) or not isinstance(storage, (dict, type(None))):
+        return "its state_dict_metadata or storage_data is not a mapping"
+    for fqn, e in entries.items():
+        if not isinstance(fqn, str) or not isinstance(e, (TensorStorageMetadata, BytesStorageMetadata)):
+            return f"entry {fqn!r} is a {type(e).__name__}, not tensor or bytes metadata"
+        if isinstance(e, BytesStorageMetadata):
+            continue
+        if not isinstance(e.properties, TensorProperties) or not isinstance(e.properties.dtype, torch.dtype):
+            return f"tensor {fqn} has no dtype"
+        if not _is_index(e.size) or not isinstance(e.chunks, list):
+            return f"tensor {fqn} has size {e.size!r}"
+        for c in e.chunks:
+            if not isinstance(c, ChunkStorageMetadata) or not _is_index(c.offsets, len(e.size)) or \
+                    not _is_index(c.sizes, len(e.size)) or \
+                    any(o + n > full for o, n, full in zip(c.offsets, c.sizes, e.size)):
+                return f"tensor {fqn} of size {tuple(e.size)} has a chunk outside it"
+    for idx, info in (storage or {}).items():
+        if not isinstance(idx, MetadataIndex) or not isinstance(idx.fqn, str) or \
+                not (idx.offset is None or _is_index(idx.offset)):
+            return f"storage key {idx!r} is not an index"
+        path = info.relative_path if isinstance(info, _StorageInfo) else None
+        if not isinstance(path, str) or not path or Path(path).name != path or path in (".", ".."):
+            return f"storage of {idx.fqn} names the file {path!r}, not a file of this directory"
+        if type(info.offset) is not int or type(info.length) is not int or info.offset < 0 or info.length < 0:
+            return f"storage of {idx.fqn} has offset {info.offset!r} and length {info.length!r}"
+        if not isinstance(info.transform_descriptors, (list, tuple, type(None))):
+            return f"storage of {idx.fqn} has transforms {info.transform_descriptors!r}"
+    return None
+
+
+def check_metadata(md: Metadata, where: Path) -> None:
+    try:
+        problem = _metadata_problem(md)
+    except AttributeError as e:  # a pickle can build these classes without some of their fields
+        problem = f"a field is missing ({e})"
+    if problem:
+        raise CkptError(f"{where}: the torch.distributed.checkpoint index is damaged: {problem}",
+                        "the checkpoint is corrupt; copy it again from the source")
+
+
 class DcpDir:
     """An opened DCP directory: its metadata, and ranged reads of its entries."""
 
@@ -41,6 +91,7 @@ class DcpDir:
         if not isinstance(md, Metadata):
             raise CkptError(f"{md_path} does not hold torch.distributed.checkpoint Metadata "
                             f"(found {type(md).__name__})")
+        check_metadata(md, md_path)
         self.metadata = md
         # storage_data keys compare on (fqn, offset); index by fqn -> {offsets: info}
         self.storage: Dict[str, Dict[Optional[Tuple[int, ...]], _StorageInfo]] = {}
