@@ -171,12 +171,13 @@ def deepspeed_rows(args, work: Path) -> tuple:
                            + (r.stderr.strip().splitlines() or ["?"])[-1])]
     subprocess.run(["sync"])
     size = dir_bytes(ckpt)
+    # torch .bin output: its safetensors output refuses GPT-2's tied (shared) embedding
     z2f = ("from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict as c; "
-           "import sys; c(sys.argv[1], sys.argv[2], safe_serialization=True)")
+           "import sys; c(sys.argv[1], sys.argv[2])")
     py = [sys.executable, "-m", "ckptool"]
     plan = {
         "copy": ("`cp -r` + `sync` (the limit)", ["sh", "-c", 'cp -r "$0" "$1" && sync', str(ckpt)]),
-        "zero_to_fp32": ("DeepSpeed convert_zero_checkpoint_to_fp32_state_dict (fp32 safetensors)",
+        "zero_to_fp32": ("DeepSpeed convert_zero_checkpoint_to_fp32_state_dict (fp32 pytorch_model.bin)",
                          [sys.executable, "-c", z2f, str(ckpt), "{dst}"]),
         "ds-to-hf": ("ckptool to-hf (fp32 masters -> safetensors)", py + ["to-hf", str(ckpt), "{dst}"]),
     }
