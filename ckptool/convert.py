@@ -44,25 +44,51 @@ def write_layout(ckpt: Checkpoint, dst, layout: Layout, fmt: Optional[str] = Non
     if fmt not in WRITERS:
         raise CkptError(f"unknown output format {fmt!r}", f"choose one of {', '.join(sorted(WRITERS))}")
     src = Path(ckpt.source.path)
-    team = current_team()
-    if team.distributed:
-        summary = _write_as_team(team, ckpt, dst, layout, fmt, force, src, progress, warn, kw)
-    else:
-        with atomic_output_dir(dst, sources=[src], force=force) as tmp:
-            summary = WRITERS[fmt](ckpt, tmp, layout, progress=progress, warn=warn, **kw)
+
+    def write(tmp: Path, owns) -> dict:
+        if owns is None:
+            return WRITERS[fmt](ckpt, tmp, layout, progress=progress, warn=warn, **kw)
+        if fmt in SHARED_WRITERS:  # warnings once, from the rank that owns item 0
+            return WRITERS[fmt](ckpt, tmp, layout, progress=progress,
+                                warn=warn if owns(0) else (lambda m: None),
+                                rank_filter=lambda t, p: owns(p * layout.tp + t), **kw)
+        if owns(0):  # a writer that cannot share: one rank writes it all
+            return WRITERS[fmt](ckpt, tmp, layout, progress=progress, warn=warn, **kw)
+        return None
+
+    summary = write_output(dst, [src], force, write, merge=_add_files_and_bytes)
     summary["format"] = fmt
     return summary
 
 
-def _write_as_team(team: Team, ckpt: Checkpoint, dst, layout: Layout, fmt: str, force: bool, src: Path,
-                   progress, warn, kw) -> dict:
-    """torchrun: rank 0 makes the temporary dir, every rank writes its share of the rank files,
+def _add_files_and_bytes(parts: list) -> dict:
+    total = dict(parts[0])
+    total["files"] = sum(s["files"] for s in parts)
+    total["bytes"] = sum(s["bytes"] for s in parts)
+    return total
+
+
+def write_output(dst, sources, force: bool, write: Callable, merge: Callable[[list], dict]) -> dict:
+    """Atomically produce dst with write(tmp_dir, owns) -> summary | None.
+
+    Alone, owns is None: write everything. Under torchrun every rank calls write with owns(i) ->
+    bool, its round-robin share of the work items 0, 1, 2... (files); owns(0)'s rank also writes
+    whatever exists once (configs, indexes). merge combines the ranks' non-None summaries."""
+    team = current_team()
+    if not team.distributed:
+        with atomic_output_dir(dst, sources=sources, force=force) as tmp:
+            return write(tmp, None)
+    return _write_as_team(team, dst, sources, force, write, merge)
+
+
+def _write_as_team(team: Team, dst, sources, force: bool, write: Callable, merge: Callable) -> dict:
+    """torchrun: rank 0 makes the temporary dir, every rank writes its share of the files,
     rank 0 seals the output once all report success. Every rank sees the same outcome."""
     import shutil
     tmp, error = None, None
     if team.leader:
         try:
-            tmp = make_partial_dir(dst, [src], force)
+            tmp = make_partial_dir(dst, sources, force)
         except CkptError as e:
             error = e
     tmp, message = team.broadcast((tmp, None if error is None else str(error)))
@@ -70,13 +96,7 @@ def _write_as_team(team: Team, ckpt: Checkpoint, dst, layout: Layout, fmt: str, 
         raise error if error is not None else CkptError(message)
     summary, failure = None, None
     try:
-        if fmt in SHARED_WRITERS:
-            def mine(t: int, p: int) -> bool:
-                return team.owns(p * layout.tp + t)
-            summary = WRITERS[fmt](ckpt, tmp, layout, progress=progress,
-                                   warn=warn if team.leader else (lambda m: None), rank_filter=mine, **kw)
-        elif team.leader:  # a writer that cannot share: rank 0 writes it all
-            summary = WRITERS[fmt](ckpt, tmp, layout, progress=progress, warn=warn, **kw)
+        summary = write(tmp, team.owns)
     except Exception as e:  # every rank must hear of it, or the others wait forever
         failure = e
     results = team.gather((summary, None if failure is None else f"rank {team.rank}: {failure}"))
@@ -87,10 +107,7 @@ def _write_as_team(team: Team, ckpt: Checkpoint, dst, layout: Layout, fmt: str, 
         if failure is not None:
             raise failure
         raise CkptError(f"distributed conversion failed on another rank ({problems[0]})")
-    parts = [s for s, _ in results if s]
-    total = dict(parts[0])
-    total["files"] = sum(s["files"] for s in parts)
-    total["bytes"] = sum(s["bytes"] for s in parts)
+    total = merge([s for s, _ in results if s])
     sealed = None
     if team.leader:
         try:

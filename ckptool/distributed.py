@@ -56,4 +56,17 @@ def current_team() -> Team:
     import torch.distributed as dist
     if not dist.is_initialized():
         dist.init_process_group("gloo")
+        import atexit
+        atexit.register(_leave)
     return Team(rank=dist.get_rank(), world=dist.get_world_size())
+
+
+def _leave() -> None:
+    """Close the process group before the interpreter tears down: left to static destructors, gloo
+    sometimes aborts (SIGABRT) a rank that exits while another still finishes the last broadcast."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()

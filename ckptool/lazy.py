@@ -57,6 +57,11 @@ class LazyTensor:
         step = size // n
         return [self.narrow(dim, i * step, step) for i in range(n)]
 
+    def load_into(self, out: torch.Tensor) -> None:
+        """Write this tensor's values into out (same shape, maybe a slice of a larger tensor).
+        Stored tensors override it to read straight into out's memory."""
+        out.copy_(self.load())
+
     def to(self, dtype: torch.dtype) -> "LazyTensor":
         if dtype == self.dtype:
             return self
@@ -127,11 +132,43 @@ def cat_shape(shapes: Sequence[Sequence[int]], dim: int = 0) -> torch.Size:
     return torch.Size(first)
 
 
+class Concat(Derived):
+    """torch.cat of the parts, built in place: the result is allocated once (on recycled memory)
+    and each part loads into its own slice, so tensor-parallel shards stored in a file go straight
+    from the file into the merged tensor with no intermediate copy."""
+
+    def __init__(self, parts: Sequence[LazyTensor], dim: int = 0, memo: bool = False):
+        super().__init__(None, parts, memo=memo, shape=cat_shape([p.shape for p in parts], dim),
+                         dtype=parts[0].dtype)
+        self.dim = dim
+
+    def _compute(self) -> torch.Tensor:
+        from .io.buffers import empty
+        out = empty(self.shape, self.dtype)
+        start = 0
+        for part in self.parents:
+            length = part.shape[self.dim]
+            part.load_into(out.narrow(self.dim, start, length))
+            start += length
+        return out
+
+    def narrow(self, dim: int, start: int, length: int) -> LazyTensor:
+        # A slice inside one part (resharding TP2 to TP4) is that part's slice: a ranged read
+        # instead of merging every part first.
+        if dim == self.dim:
+            first = 0
+            for part in self.parents:
+                size = part.shape[dim]
+                if first <= start and start + length <= first + size:
+                    return part.narrow(dim, start - first, length)
+                first += size
+        return super().narrow(dim, start, length)
+
+
 def cat(parts: Sequence[LazyTensor], dim: int = 0, memo: bool = False) -> LazyTensor:
     if len(parts) == 1:
         return parts[0]
-    return Derived(lambda *ts: torch.cat(ts, dim=dim), parts, memo=memo,
-                   shape=cat_shape([p.shape for p in parts], dim), dtype=parts[0].dtype)
+    return Concat(parts, dim, memo=memo)
 
 
 def as_lazy(x) -> LazyTensor:

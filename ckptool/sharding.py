@@ -22,7 +22,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from .errors import CkptError
-from .lazy import Derived, LazyTensor, cat_shape
+from .lazy import Concat, Derived, LazyTensor
 
 
 class Rule(enum.Enum):
@@ -133,9 +133,14 @@ def merge_lazy(parts: Sequence[LazyTensor], rule: Rule, name: str,
     if len(shapes) != 1:
         raise CkptError(f"{name}: shapes {[tuple(p.shape) for p in parts]} are inconsistent across "
                         "tensor-parallel ranks", "the rank files do not belong to one checkpoint")
-    dim = _DIM.get(rule, 0)  # GATED parts stack their halves along dim 0
-    return Derived(lambda *ts: merge(ts, rule), parts, memo=True,
-                   shape=cat_shape([p.shape for p in parts], dim), dtype=parts[0].dtype)
+    if rule is Rule.GATED:  # every rank's gate half, then every rank's up half
+        rows = parts[0].shape[0]
+        if rows % 2:
+            raise CkptError(f"{name}: gated fc1 tensor of shape {tuple(parts[0].shape)} has an odd number of rows")
+        half = rows // 2
+        parts = [p.narrow(0, 0, half) for p in parts] + [p.narrow(0, half, half) for p in parts]
+    # built in place: stored shards are read straight into the merged tensor (lazy.Concat)
+    return Concat(parts, _DIM.get(rule, 0), memo=True)
 
 
 def split_lazy(tensor: LazyTensor, rule: Rule, tp: int) -> List[LazyTensor]:

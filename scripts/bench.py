@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
 """Conversion throughput and memory, side by side with the copy limit and the peers.
 
-    python scripts/bench.py [--size-gb 2] [--out DIR] [--keep] [--steps copy,merge,...]
+    python scripts/bench.py [--size-gb 2] [--out DIR] [--keep] [--steps copy,merge,...] [--repeat 3]
 
 Writes a synthetic GPT-2-style Megatron checkpoint (TP2 PP2, bf16, ~SIZE GB, layer by layer so
-it may exceed memory), then runs each step as a child process and prints a markdown table:
-wall time, MB/s of checkpoint bytes, throughput as a fraction of `cp -r` + `sync` of the same
-files (the limit: a conversion reads and writes every byte once), and the child's peak resident
-memory (GNU time's max RSS: for torchrun, the largest single process of the tree).
+it may exceed memory), then runs each step as a child process, each time right after a `cp -r` +
+`sync` of the same files (the limit: a conversion reads and writes every byte once), for --repeat
+rounds, and prints a markdown table of medians: wall time, MB/s of checkpoint bytes, the step's
+throughput as a fraction of the copy run just before it, and the child's peak resident memory (GNU
+time's max RSS: for torchrun, the largest single process of the tree). Peers: DeepSpeed's
+zero_to_fp32 against ckptool on a real ZeRO-2 checkpoint (scripts/ds_zero_case.py), and the
+transformers Megatron GPT-2 script where the installed transformers still ships it.
 Every step's output is fsynced (ckptool seals its output with fsync; the copy runs `sync`).
 """
 from __future__ import annotations
@@ -25,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-STEPS = ("copy", "merge", "reshard", "to-hf", "torchrun", "transformers", "deepspeed")
+STEPS = ("copy", "merge", "reshard", "to-hf", "torchrun", "torchrun-to-hf", "transformers", "deepspeed")
 
 
 def _env():
@@ -75,21 +78,111 @@ def transformers_script_status() -> str:
         import transformers
     except ImportError:
         return "transformers not installed"
-    script = Path(transformers.__file__).parent / "models" / "megatron_gpt2" / \
-        "checkpoint_reshaping_and_interoperability.py"
-    if not script.exists():
-        return (f"not shipped: transformers {transformers.__version__} has no "
-                "models/megatron_gpt2/checkpoint_reshaping_and_interoperability.py")
-    return str(script)
+    folder = Path(transformers.__file__).parent / "models" / "megatron_gpt2"
+    scripts = [folder / "convert_megatron_gpt2_checkpoint.py",
+               folder / "checkpoint_reshaping_and_interoperability.py"]
+    found = [str(x) for x in scripts if x.exists()]
+    if not found:
+        return (f"not shipped: transformers {transformers.__version__} has no models/megatron_gpt2 "
+                "(neither convert_megatron_gpt2_checkpoint.py nor checkpoint_reshaping_and_interoperability.py)")
+    return found[0]
 
 
-def deepspeed_status() -> str:
-    try:
-        import deepspeed  # noqa: F401
-    except Exception as e:  # deepspeed raises more than ImportError when half installed
-        return f"deepspeed not importable ({type(e).__name__})"
-    return ("deepspeed is installed, but zero_to_fp32 needs a ZeRO checkpoint with fp32 optimizer "
-            "state (~8x the bf16 weights); this bench does not build one yet")
+def median(xs):
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def run_side_by_side(plan: dict, steps: list, size: int, work: Path, repeat: int, keep: bool) -> list:
+    """Each step runs right after its own copy of the same bytes, `repeat` rounds; rows of medians.
+
+    Pairing every run with a copy taken just before it makes the ratio robust to load from other
+    jobs on a shared machine (both see about the same load)."""
+    copy_cmd = plan["copy"][1]
+    walls: dict = {s: [] for s in steps}
+    ratios: dict = {s: [] for s in steps}
+    rss: dict = {s: 0 for s in steps}
+    failed: dict = {}
+    for rnd in range(repeat):
+        for step in steps:
+            label, cmd = plan[step]
+            if cmd is None or step in failed:
+                continue
+            pair = [("copy", copy_cmd)] if step != "copy" else []
+            pair.append((step, cmd))
+            measured = {}
+            for name, c in pair:
+                dst = work / f"out-{name}"
+                shutil.rmtree(dst, ignore_errors=True)
+                c = [x.replace("{dst}", str(dst)) for x in c]
+                if name == "copy":  # sh -c 'cp -r "$0" "$1" && sync' SRC DST
+                    c = c + [str(dst)]
+                r = timed(c, work / f"{name}.log")
+                if r["rc"] != 0:
+                    tail = r["log"].read_text()[-300:].strip().splitlines()
+                    failed[step] = f"FAILED (exit {r['rc']}): {tail[-1] if tail else ''}"
+                    break
+                measured[name] = r
+                if not keep or rnd < repeat - 1:
+                    shutil.rmtree(dst, ignore_errors=True)
+            if step in failed:
+                print(f"  {step}: {failed[step]}", flush=True)
+                continue
+            r = measured[step]
+            walls[step].append(r["wall"])
+            rss[step] = max(rss[step], r["rss"])
+            ratios[step].append(measured["copy"]["wall"] / r["wall"] if "copy" in measured else 1.0)
+            print(f"  round {rnd + 1} {step}: {r['wall']:.1f} s, {ratios[step][-1]:.2f}x copy, "
+                  f"{r['rss'] / 2**20:.0f} MiB", flush=True)
+    rows = []
+    for step in steps:
+        label, cmd = plan[step]
+        if cmd is None:
+            rows.append((label, plan.get("_reasons", {}).get(step, "n/a")))
+        elif step in failed:
+            rows.append((label, failed[step]))
+        else:
+            wall = median(walls[step])
+            rows.append((label, f"{wall:.1f} s | {size / wall / 1e6:.0f} | {median(ratios[step]):.2f}x | "
+                                f"{rss[step] / 2**20:.0f} MiB"))
+    return rows
+
+
+def print_table(rows):
+    print("| step | wall (median) | MB/s | vs copy (median of pairs) | peak RSS |")
+    print("|---|---|---|---|---|")
+    for label, cells in rows:
+        if cells.count("|") == 3:
+            print(f"| {label} | {cells} |")
+        else:
+            print(f"| {label} | {cells} | | | |")
+
+
+def deepspeed_rows(args, work: Path) -> tuple:
+    """zero_to_fp32 against ckptool on one real ZeRO-2 checkpoint (its own copy limit)."""
+    ckpt = args.ds_ckpt or work / "ds"
+    if not (Path(ckpt) / "latest").exists():
+        env = dict(_env(), DS_ACCELERATOR="cpu")
+        r = subprocess.run(["torchrun", "--nproc-per-node", "2", str(ROOT / "scripts" / "ds_zero_case.py"),
+                            str(ckpt)], env=env, capture_output=True, text=True)
+        if r.returncode != 0:
+            return None, [("DeepSpeed zero_to_fp32", "n/a: could not write the ZeRO checkpoint: "
+                           + (r.stderr.strip().splitlines() or ["?"])[-1])]
+    subprocess.run(["sync"])
+    size = dir_bytes(ckpt)
+    # torch .bin output: its safetensors output refuses GPT-2's tied (shared) embedding
+    z2f = ("from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict as c; "
+           "import sys; c(sys.argv[1], sys.argv[2])")
+    py = [sys.executable, "-m", "ckptool"]
+    plan = {
+        "copy": ("`cp -r` + `sync` (the limit)", ["sh", "-c", 'cp -r "$0" "$1" && sync', str(ckpt)]),
+        "zero_to_fp32": ("DeepSpeed convert_zero_checkpoint_to_fp32_state_dict (fp32 pytorch_model.bin)",
+                         [sys.executable, "-c", z2f, str(ckpt), "{dst}"]),
+        "ds-to-hf": ("ckptool to-hf (fp32 masters -> safetensors)", py + ["to-hf", str(ckpt), "{dst}"]),
+    }
+    rows = run_side_by_side(plan, list(plan), size, work, args.repeat, False)
+    return size, rows
 
 
 def main(argv=None) -> int:
@@ -98,7 +191,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="work directory (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint and outputs")
     ap.add_argument("--steps", default=",".join(STEPS), help=f"comma list out of {','.join(STEPS)}")
-    ap.add_argument("--nproc", type=int, default=2, help="processes for the torchrun step")
+    ap.add_argument("--nproc", type=int, default=2, help="processes for the torchrun steps")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds of (copy, step) pairs; medians reported")
+    ap.add_argument("--reuse-src", action="store_true", help="keep an existing OUT/src instead of regenerating")
+    ap.add_argument("--ds-ckpt", type=Path, default=None,
+                    help="ZeRO checkpoint for the deepspeed step (default: write one with scripts/ds_zero_case.py)")
     args = ap.parse_args(argv)
     steps = [s for s in args.steps.split(",") if s]
     bad = [s for s in steps if s not in STEPS]
@@ -109,75 +206,58 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     src = work / "src"
     from synthetic import write_synthetic
-    if src.exists():
+    if src.exists() and not args.reuse_src:
         shutil.rmtree(src)
     t0 = time.perf_counter()
-    cfg = write_synthetic(src, args.size_gb)
+    if not src.exists():
+        cfg = write_synthetic(src, args.size_gb)
+    else:
+        from ckptool.formats.registry import open_checkpoint
+        cfg = open_checkpoint(src).config
     gen = time.perf_counter() - t0
     size = dir_bytes(src)
     biggest_layer = 2 * max(cfg.padded_vocab_size * cfg.hidden_size, 12 * cfg.hidden_size ** 2)
     subprocess.run(["sync"])
     print(f"synthetic checkpoint: {size / 1e9:.2f} GB, {cfg.num_layers} layers, hidden "
-          f"{cfg.hidden_size}, TP2 PP2 bf16, written in {gen:.0f} s; largest layer "
+          f"{cfg.hidden_size}, TP2 PP2 bf16, ready in {gen:.0f} s; largest layer "
           f"{biggest_layer / 2**20:.0f} MiB", flush=True)
 
-    have = ckptool_commands()
     py = [sys.executable, "-m", "ckptool"]
+    tr = ["torchrun", "--nproc-per-node", str(args.nproc), "-m", "ckptool"]
+    shard = ["--max-shard-size", "500MB"]  # several safetensors files, so torchrun ranks can share them
     plan = {
         "copy": ("`cp -r` + `sync` (the limit)", ["sh", "-c", 'cp -r "$0" "$1" && sync', str(src)]),
-        "merge": ("ckptool merge (TP1 PP1)", py + ["merge", str(src)]),
+        "merge": ("ckptool merge (TP1 PP1)", py + ["merge", str(src), "{dst}"]),
         "reshard": ("ckptool reshard --tp 4 --pp 1", py + ["reshard", str(src), "{dst}", "--tp", "4"]),
-        "to-hf": ("ckptool to-hf", py + ["to-hf", str(src)] if "to-hf" in have else None),
+        "to-hf": ("ckptool to-hf --max-shard-size 500MB", py + ["to-hf", str(src), "{dst}"] + shard),
         "torchrun": (f"torchrun --nproc-per-node {args.nproc} ckptool reshard --tp 4",
-                     ["torchrun", "--nproc-per-node", str(args.nproc), "-m", "ckptool", "reshard",
-                      str(src), "{dst}", "--tp", "4"]),
-        "transformers": ("transformers megatron reshaping script", None),
-        "deepspeed": ("DeepSpeed zero_to_fp32", None),
+                     tr + ["reshard", str(src), "{dst}", "--tp", "4"]),
+        "torchrun-to-hf": (f"torchrun --nproc-per-node {args.nproc} ckptool to-hf --max-shard-size 500MB",
+                           tr + ["to-hf", str(src), "{dst}"] + shard),
+        "transformers": ("transformers Megatron GPT-2 conversion script", None),
+        "_reasons": {"transformers": "n/a: " + transformers_script_status()},
     }
-    reasons = {"to-hf": "n/a (not available): this ckptool has no `to-hf` command",
-               "transformers": "n/a: " + transformers_script_status(),
-               "deepspeed": "n/a: " + deepspeed_status()}
-    rows, copy_rate = [], None
-    for step in steps:
-        label, cmd = plan[step]
-        if cmd is None:
-            rows.append((label, reasons[step]))
-            continue
-        dst = work / f"out-{step}"
-        if dst.exists():
-            shutil.rmtree(dst)
-        cmd = [c.replace("{dst}", str(dst)) for c in cmd]
-        if "{dst}" not in " ".join(plan[step][1]):
-            cmd = cmd + [str(dst)]
-        r = timed(cmd, work / f"{step}.log")
-        if r["rc"] != 0:
-            tail = r["log"].read_text()[-300:].strip().splitlines()
-            rows.append((label, f"FAILED (exit {r['rc']}): {tail[-1] if tail else ''}"))
-        else:
-            rate = size / r["wall"] / 1e6
-            if step == "copy":
-                copy_rate = rate
-            ratio = f"{rate / copy_rate:.2f}x" if copy_rate else "-"
-            rows.append((label, f"{r['wall']:.1f} s | {rate:.0f} | {ratio} | {r['rss'] / 2**20:.0f} MiB"))
-        print(f"  {step}: {rows[-1][1]}", flush=True)
-        if not args.keep:
-            shutil.rmtree(dst, ignore_errors=True)
-    if not args.keep:
+    main_steps = [s for s in steps if s != "deepspeed"]
+    rows = run_side_by_side(plan, main_steps, size, work, args.repeat, args.keep)
+    ds = deepspeed_rows(args, work) if "deepspeed" in steps else None
+    if not args.keep and not args.reuse_src:
         shutil.rmtree(src, ignore_errors=True)
 
     load = os.getloadavg()
     print()
     print(f"Checkpoint: {size / 1e9:.2f} GB ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-          f"TP2 PP2, bf16); largest layer {biggest_layer / 2**20:.0f} MiB; "
+          f"TP2 PP2, bf16); largest layer {biggest_layer / 2**20:.0f} MiB; {args.repeat} rounds; "
           f"{os.cpu_count()} CPUs, load average {load[0]:.1f} at the end")
     print()
-    print("| step | wall | MB/s | vs copy | peak RSS |")
-    print("|---|---|---|---|---|")
-    for label, cells in rows:
-        if cells.count("|") == 3:
-            print(f"| {label} | {cells} |")
-        else:
-            print(f"| {label} | {cells} | | | |")
+    print_table(rows)
+    if ds is not None:
+        ds_size, ds_rows = ds
+        print()
+        if ds_size:
+            print(f"DeepSpeed: real ZeRO-2 bf16 checkpoint of GPT-2 small (124M parameters, 2 data-parallel "
+                  f"ranks, fp32 masters + Adam moments), {ds_size / 1e9:.2f} GB")
+            print()
+        print_table(ds_rows)
     return 0
 
 

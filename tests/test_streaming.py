@@ -110,3 +110,23 @@ def test_torchrun_team_writes_what_one_process_writes(tmp_path):
     assert r.returncode != 0
     assert "already exists" in r.stdout + r.stderr
     assert _tensor_digests(team) == want
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+def test_torchrun_team_to_hf_shares_the_shards(tmp_path):
+    """to-hf under torchrun: the ranks divide the safetensors shards; the result is the same files."""
+    one, team = tmp_path / "one", tmp_path / "team"
+    common = ["--max-shard-size", "40KB", "--true-vocab-size", "1000"]
+    r = subprocess.run([sys.executable, "-m", "ckptool", "to-hf", str(FIXTURE), str(one), *common],
+                       capture_output=True, text=True, env=_env(), timeout=300)
+    assert r.returncode == 0, r.stderr
+    r = _torchrun("to-hf", str(FIXTURE), str(team), *common)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stdout.count("to-hf:") == 1  # rank 0 reports for the team
+    from ckptool.io.outdir import check_manifest
+    assert check_manifest(one) == [] and check_manifest(team) == []  # digests taken while writing hold
+    want = _tensor_digests(one)
+    assert len([k for k in want if k.endswith(".safetensors")]) >= 2  # really shared out
+    assert _tensor_digests(team) == want
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(team)  # index, config and every shard present

@@ -6,7 +6,8 @@ from pathlib import Path
 import click
 
 from ..config import Layout, parse_stage_layers
-from ..convert import write_layout
+from ..convert import write_layout, write_output
+from ..distributed import current_team
 from ..formats import deepspeed_hf_export, dle_bert, hf as hf_reader
 from ..formats.hf_writer import write_hf
 from ..formats.megatron_names import DIALECTS
@@ -50,11 +51,15 @@ def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, force, **kw):
     ckpt = open_checkpoint(src, opts)
     bar = Progress(ckpt.total_bytes, "to-hf")
     try:
-        with atomic_output_dir(dst, sources=[Path(src)], force=force) as tmp:
-            summary = write_hf(ckpt, tmp, dtype=DTYPES[dtype] if dtype else None,
-                               max_shard_size=max_shard_size, tokenizer=tokenizer, progress=bar, warn=warn)
+        def write(tmp, owns):  # under torchrun, owns(i) picks this rank's safetensors shards
+            return write_hf(ckpt, tmp, dtype=DTYPES[dtype] if dtype else None, max_shard_size=max_shard_size,
+                            tokenizer=tokenizer, progress=bar, warn=warn, owns=owns)
+
+        summary = write_output(dst, [Path(src)], force, write, merge=_merge_hf_summaries)
     finally:
         bar.close()
+    if not current_team().leader:  # under torchrun, rank 0 reports for everyone
+        return
     print_warnings(ckpt)
     s = ckpt.source
     click.echo(f"to-hf: {src} ({s.format} {s.dialect}, {s.layout.describe()}) -> {dst} "
@@ -62,6 +67,12 @@ def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, force, **kw):
     click.echo(f"  {len(summary['files'])} safetensors file(s), {human_bytes(summary['bytes'])}, "
                f"vocab {summary['vocab_size']}"
                + (f", tokenizer: {', '.join(summary['tokenizer_files'])}" if summary["tokenizer_files"] else ""))
+
+
+def _merge_hf_summaries(parts: list) -> dict:
+    """The ranks' write_hf summaries as one: shard 0's owner has the metadata, all have bytes."""
+    first = next(p for p in parts if p.get("architecture"))
+    return dict(first, bytes=sum(p["bytes"] for p in parts))
 
 
 def _bert_to_hf(src, dst, dtype, max_shard_size, tokenizer, hf_config, force):

@@ -165,8 +165,13 @@ def hf_config(cfg: GPTConfig, model_type: str, arch: str, vocab: int, dtype: tor
 
 def write_hf(ckpt: Checkpoint, out_dir: Path, dtype: Optional[torch.dtype] = None, max_shard_size="5GB",
              tokenizer: Optional[str] = None, progress: Optional[Callable[[int], None]] = None,
-             warn: Callable[[str], None] = print) -> dict:
+             warn: Callable[[str], None] = print, owns: Optional[Callable[[int], bool]] = None) -> dict:
+    """owns(i) (torchrun): write only the safetensors shards i it owns; configs, index and
+    tokenizer go with shard 0's owner."""
     cfg = ckpt.config
+    first = owns is None or owns(0)
+    if not first:
+        warn = lambda m: None  # noqa: E731 - the rank that owns shard 0 speaks for everyone
     model_type, arch = choose_architecture(cfg)
     max_bytes = parse_size(max_shard_size)
     vocab = cfg.vocab_size
@@ -189,13 +194,15 @@ def write_hf(ckpt: Checkpoint, out_dir: Path, dtype: Optional[torch.dtype] = Non
         items.append((hf_name, t, group))
     out_dtype = dtype or items[0][1].dtype
     out_dir = Path(out_dir)
-    summary = write_sharded(out_dir, items, max_bytes, progress)
-    ids = _token_ids(ckpt)
-    conf = hf_config(cfg, model_type, arch, vocab, out_dtype, ids)
-    (out_dir / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
-    gen = {"_from_model_config": True, **ids}
-    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    copied = copy_tokenizer(tokenizer, out_dir) if tokenizer else []
+    summary = write_sharded(out_dir, items, max_bytes, progress, owns=owns)
+    copied = []
+    if first:
+        ids = _token_ids(ckpt)
+        conf = hf_config(cfg, model_type, arch, vocab, out_dtype, ids)
+        (out_dir / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
+        gen = {"_from_model_config": True, **ids}
+        (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        copied = copy_tokenizer(tokenizer, out_dir) if tokenizer else []
     summary.update(architecture=arch, vocab_size=vocab, dtype=DTYPE_STR.get(out_dtype, str(out_dtype)),
                    tokenizer_files=copied)
     return summary

@@ -11,6 +11,7 @@ multiple of 8, then the data, contiguous and without holes.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import struct
@@ -92,13 +93,29 @@ def _header(items: Sequence[Item], metadata: Dict[str, str]) -> Tuple[bytes, Lis
 
 def write_safetensors_file(path: Path, items: Sequence[Item], metadata: Optional[Dict[str, str]] = None,
                            progress: Optional[Callable[[int], None]] = None) -> int:
-    """Write one safetensors file, loading its tensors one at a time. Returns the data bytes."""
+    """Write one safetensors file, loading its tensors one at a time. Returns the data bytes.
+
+    Loading tensor i+1 (reads, merges) overlaps writing tensor i on one writer thread (file
+    writes and sha256 release the GIL); at most two tensors are in memory. Data goes out in file
+    order, so the file is hashed as written and sealing the output need not read it back."""
+    from concurrent.futures import ThreadPoolExecutor
+    from .memory import bound_heap
+    from .outdir import remember_digest
+    bound_heap()
     header, offsets = _header(items, metadata or {"format": "pt"})
     total = sum(t.nbytes for _, t, _ in items)
-    with open(path, "wb") as f:
+    digest = hashlib.sha256(header)
+
+    def store(f, t: torch.Tensor, nbytes: int) -> None:
+        data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        digest.update(data)
+        f.write(data)
+        if progress:
+            progress(nbytes)
+
+    with open(path, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="ckptool-st-writer") as pool:
         f.write(header)
-        f.truncate(len(header) + total)
-        group, scope = None, None
+        group, scope, in_flight = None, None, None
         try:
             for (name, lazy, g), off in zip(items, offsets):
                 if g != group:  # tensors of one layer share fused reads inside one scope
@@ -110,29 +127,37 @@ def write_safetensors_file(path: Path, items: Sequence[Item], metadata: Optional
                 if tuple(t.shape) != tuple(lazy.shape) or t.dtype != lazy.dtype:
                     raise CkptError(f"internal: {name} loaded as {tuple(t.shape)} {t.dtype}, "
                                     f"planned as {tuple(lazy.shape)} {lazy.dtype}")
-                data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-                f.seek(len(header) + off)
-                f.write(memoryview(data))
-                if progress:
-                    progress(lazy.nbytes)
-                del t, data
+                t = t.detach().contiguous()
+                if in_flight is not None:
+                    in_flight.result()
+                in_flight = pool.submit(store, f, t, lazy.nbytes)
+                del t
+            if in_flight is not None:
+                in_flight.result()
         finally:
             if scope is not None:
                 scope.__exit__(None, None, None)
+    remember_digest(Path(path), digest.hexdigest())
     return total
 
 
 def write_sharded(out_dir: Path, items: Sequence[Item], max_bytes: int,
-                  progress: Optional[Callable[[int], None]] = None) -> dict:
-    """Write items as model[-0000i-of-0000N].safetensors (+ index when sharded)."""
+                  progress: Optional[Callable[[int], None]] = None,
+                  owns: Optional[Callable[[int], bool]] = None) -> dict:
+    """Write items as model[-0000i-of-0000N].safetensors (+ index when sharded).
+
+    owns(i) (torchrun): write only the shards i it owns; the index goes with shard 0's owner.
+    "bytes" counts the tensor bytes this process wrote."""
     shards = plan_shards(items, max_bytes)
     names = shard_names(len(shards))
     weight_map, total = {}, 0
-    for fname, shard in zip(names, shards):
-        total += write_safetensors_file(Path(out_dir) / fname, shard, {"format": "pt"}, progress)
+    for i, (fname, shard) in enumerate(zip(names, shards)):
+        if owns is None or owns(i):
+            total += write_safetensors_file(Path(out_dir) / fname, shard, {"format": "pt"}, progress)
         weight_map.update({name: fname for name, _, _ in shard})
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": total},
+    if len(shards) > 1 and (owns is None or owns(0)):
+        total_size = sum(t.nbytes for shard in shards for _, t, _ in shard)
+        index = {"metadata": {"total_size": total_size},
                  "weight_map": dict(sorted(weight_map.items()))}
         (Path(out_dir) / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return {"files": names, "bytes": total}

@@ -25,6 +25,7 @@ import torch
 
 from ..errors import CkptError
 from ..lazy import Const, LazyTensor
+from .buffers import empty
 from .outdir import remember_digest
 from .safe_pickle import (UNSUPPORTED_TORCH_REBUILDS, SafeUnpickler, StandInPickler, check_rebuild_from_type,
                           rebuild_unsupported, torch_pickle_module)
@@ -53,11 +54,15 @@ class StorageRef:
 
     def read(self, first: int, count: int) -> torch.Tensor:
         """Elements [first, first+count) of this storage as a 1-D tensor that owns its memory."""
-        out = torch.empty(count, dtype=self.dtype)  # uninitialised: pread fills it, no zeroing pass
-        if count:
-            item = out.element_size()
-            self.archive.read_record_into(self.key, first * item, out.view(torch.uint8).numpy())
+        out = empty((count,), self.dtype)  # uninitialised (pread fills it), recycled when large
+        self.read_into(first, out)
         return out
+
+    def read_into(self, first: int, out: torch.Tensor) -> None:
+        """Fill the contiguous tensor out with elements first, first+1, ... of this storage."""
+        if out.numel():
+            item = out.element_size()
+            self.archive.read_record_into(self.key, first * item, out.reshape(-1).view(torch.uint8).numpy())
 
 
 class StoredTensor(LazyTensor):
@@ -84,6 +89,12 @@ class StoredTensor(LazyTensor):
         extent = 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride))
         flat = self.storage.read(self.offset, extent)
         return flat.as_strided(self.shape, self.stride).clone()
+
+    def load_into(self, out: torch.Tensor) -> None:
+        if self._contiguous() and out.is_contiguous() and out.dtype == self.dtype and self.numel:
+            self.storage.read_into(self.offset, out)  # straight from the file into out's memory
+        else:
+            super().load_into(out)
 
     def narrow(self, dim, start, length):
         if dim == 0 and self._contiguous() and len(self.shape) >= 1:
@@ -359,12 +370,13 @@ class StreamingTorchWriter:
             raise CkptError(f"internal: tensor {ps.key} of {self.path.name} has shape "
                             f"{tuple(t.shape)} {t.dtype}, planned {tuple(ps.lazy.shape)} {ps.lazy.dtype}")
         t = t.detach().cpu().contiguous()
-        if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-            t = t.clone()  # a view: write exactly its own bytes
+        if t.storage_offset() != 0:
+            t = t.clone()  # a view into the middle of a buffer: the writer takes whole storages
         return t
 
     def write_prepared(self, ps: "_PendingStorage", t: torch.Tensor) -> int:
         nbytes = t.numel() * t.element_size()
+        # the first nbytes of the storage: a recycled buffer (io/buffers.py) may be larger
         self._writer.write_record(f"data/{ps.key}", t.untyped_storage(), nbytes)
         self._done.add(ps.key)
         return nbytes
@@ -386,6 +398,18 @@ class StreamingTorchWriter:
         remember_digest(self.path, self._file.sha256.hexdigest())
 
 
+_PARALLEL_HASH_BYTES = 1 << 20
+_HASHERS = None
+
+
+def _hash_pool():
+    global _HASHERS
+    if _HASHERS is None:
+        from concurrent.futures import ThreadPoolExecutor
+        _HASHERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ckptool-sha256")
+    return _HASHERS
+
+
 class _HashingFile:
     """The archive's file, hashed as torch's writer streams into it (sequentially), so sealing the
     output directory needs no second read of every byte for the manifest."""
@@ -395,8 +419,16 @@ class _HashingFile:
         self.sha256 = hashlib.sha256()
 
     def write(self, data) -> int:
-        self.sha256.update(data)  # releases the GIL for large buffers
-        return self._f.write(data)
+        if len(data) < _PARALLEL_HASH_BYTES:
+            self.sha256.update(data)
+            return self._f.write(data)
+        # a tensor record: hash on a helper thread while the bytes go to the file (both release
+        # the GIL); data is only valid during this call, so wait for both
+        hashing = _hash_pool().submit(self.sha256.update, data)
+        try:
+            return self._f.write(data)
+        finally:
+            hashing.result()
 
     def flush(self) -> None:
         self._f.flush()
@@ -445,7 +477,7 @@ def write_grouped(writers: list, group_of, on_tensor=None) -> int:
             groups.setdefault(group_of(ps.lazy), []).append((w, ps))
     total = 0
 
-    def store(items):
+    def store(items):  # one file's share of a group, in order
         n = 0
         for w, ps, t in items:
             k = w.write_prepared(ps, t)
@@ -454,18 +486,23 @@ def write_grouped(writers: list, group_of, on_tensor=None) -> int:
                 on_tensor(k)
         return n
 
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptool-writer") as pool:
-        in_flight = None
+    # Files are independent: each group's files are written in parallel (torch's archive writer,
+    # CRC32, sha256 and write() all release the GIL), one task per file so each file's records
+    # stay in order; group g+1 is loaded meanwhile.
+    workers = max(1, min(len(writers), 4))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptool-writer") as pool:
+        in_flight: list = []
         for key in sorted(groups, key=lambda k: (k is None, k)):
             with load_scope():
-                items = [(w, ps, w.prepare(ps)) for w, ps in groups[key]]
-            if in_flight is not None:
-                total += in_flight.result()
+                by_file: dict = {}
+                for w, ps in groups[key]:
+                    by_file.setdefault(id(w), []).append((w, ps, w.prepare(ps)))
+            total += sum(f.result() for f in in_flight)
+            if in_flight:
                 trim()
-            in_flight = pool.submit(store, items)
-            del items
-        if in_flight is not None:
-            total += in_flight.result()
+            in_flight = [pool.submit(store, items) for items in by_file.values()]
+            del by_file
+        total += sum(f.result() for f in in_flight)
     for w in writers:
         w.finish()
     return total
