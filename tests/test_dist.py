@@ -126,6 +126,21 @@ def test_reads_mcore_torch_dist_like_megatron_computes(mcore, arch):
 
 
 @needs_mcore
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_to_hf_of_mcore_torch_dist_gives_megatron_core_logits(mcore, arch, tmp_path):
+    """`ckptool to-hf` on a megatron-core torch_dist save: transformers computes megatron-core's logits."""
+    from transformers import AutoModelForCausalLM
+    r = run_cli("to-hf", mcore / arch, tmp_path / "hf")
+    assert r.returncode == 0, r.stderr
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert model.config.vocab_size == 100  # padding rows (128) trimmed to the true vocabulary
+    ref = torch.load(mcore / f"{arch}.logits.pt")
+    with torch.no_grad():
+        logits = model(ref["tokens"]).logits
+    torch.testing.assert_close(logits, ref["logits"][..., :100], atol=1e-5, rtol=0)
+
+
+@needs_mcore
 def test_layer_reads_only_its_own_chunks(mcore, monkeypatch):
     ckpt = open_checkpoint(mcore / "llama")
     seen = []
