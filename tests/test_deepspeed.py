@@ -772,13 +772,19 @@ def test_export_reads_each_master_byte_once_in_parameter_sized_reads(ds_cases, c
     Adam moments that make up most of each optimizer shard. So memory stays near one parameter."""
     from ckptool.formats import deepspeed_hf_export
     from ckptool.io import torchfile
-    reads = []
-    orig = torchfile.StorageRef.read
+    reads = []  # bytes of every tensor-data read (the two ways a storage record is read)
+    read_record, read_record_into = torchfile.TorchArchive.read_record, torchfile.TorchArchive.read_record_into
 
-    def counting(self, first, count):
-        reads.append(count * torch.empty((), dtype=self.dtype).element_size())
-        return orig(self, first, count)
-    monkeypatch.setattr(torchfile.StorageRef, "read", counting)
+    def counting(self, key, start=0, length=None):
+        data = read_record(self, key, start, length)
+        reads.append(len(data))
+        return data
+
+    def counting_into(self, key, start, out):
+        reads.append(memoryview(out).nbytes)
+        return read_record_into(self, key, start, out)
+    monkeypatch.setattr(torchfile.TorchArchive, "read_record", counting)
+    monkeypatch.setattr(torchfile.TorchArchive, "read_record_into", counting_into)
     src = ds_cases / case / "ckpt"
     _, named = ds.consolidate_hf_state(src)
     sizes = {k: v.nbytes for k, v in named.items()}
