@@ -350,6 +350,7 @@ def test_full_disk_keeps_an_existing_dst(monkeypatch, src, tmp_path):
     ["inspect", "SRC"], ["inspect", "SRC", "--json"], ["merge", "SRC", "DST"],
     ["reshard", "SRC", "DST", "--tp", 1, "--pp", 4], ["reshard", "SRC", "DST", "--tp", 4, "--dtype", "bf16"],
     ["fix-vocab", "SRC", "DST", "--size", 1002], ["fix-vocab", "SRC", "DST", "--multiple", 64],
+    ["to-hf", "SRC", "DST", "--dtype", "bf16", "--max-shard-size", "200KB"], ["verify", "SRC"],
 ], ids=lambda a: "-".join(map(str, a)))
 def test_source_is_untouched(argv, src, tmp_path):
     before = tree_hashes(src)
@@ -361,6 +362,18 @@ def test_source_is_untouched(argv, src, tmp_path):
     assert {p: p.stat().st_mtime_ns for p in src.rglob("*")} == mtimes
     if "DST" in argv:
         assert check_manifest(dst) == []
+
+
+def test_hf_source_is_untouched(src, tmp_path):
+    """from-hf and reshard with a Hugging Face directory as the source."""
+    hf = tmp_path / "hf"
+    assert run_inprocess(["to-hf", src, hf])[0] == 0
+    before = tree_hashes(hf)
+    for argv in (["from-hf", hf, tmp_path / "m", "--tp", 2], ["reshard", hf, tmp_path / "r", "--tp", 1, "--pp", 2],
+                 ["inspect", hf]):
+        code, out, err = run_inprocess(argv)
+        assert code == 0, err
+    assert tree_hashes(hf) == before
 
 
 # --- broken pipe ---------------------------------------------------------------------------------
