@@ -365,6 +365,22 @@ def test_tokenizer_files_are_copied(models, tmp_path):
     assert res.exit_code == 2 and "no tokenizer files" in res.output and not (tmp_path / "o2").exists()
 
 
+def test_megatron_dir_with_an_hf_config_beside_it_reads_as_megatron(tmp_path):
+    """People keep the HF config.json next to their Megatron checkpoint; no weights there, so it is
+    not an HF model directory."""
+    import shutil
+    from ckptool.formats.registry import detect_format
+    src = tmp_path / "ckpt"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "fixtures" / "gpt2_mcore_tp2pp2" / "checkpoint", src)
+    GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=1001).save_pretrained(src)
+    assert detect_format(src) == "megatron"
+    assert open_checkpoint(src).config.num_layers == 4
+    (tmp_path / "hf").mkdir()
+    GPT2Config().save_pretrained(tmp_path / "hf")  # an HF dir without weights keeps its precise error
+    with pytest.raises(CkptError, match="config.json but no model.safetensors"):
+        open_checkpoint(tmp_path / "hf")
+
+
 def test_truncated_safetensors_is_a_clear_error(models, tmp_path):
     import shutil
     src = tmp_path / "cut"
