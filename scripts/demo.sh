@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job on the embedded default: install ckptool (pinned CPU torch first), inspect the
-# small TP2 PP2 fixture, merge it to one rank, reshard it to TP4, inspect the result.
+# small TP2 PP2 fixture, merge it to one rank, reshard it to TP4, inspect the result, and prove the
+# TP4 result computes what the source computes (the parallel forward under torchrun, 4 processes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q torch==2.13.0
@@ -15,4 +16,7 @@ echo; echo "== reshard $OUT/merged -> $OUT/tp4 (TP4 PP1)"
 ckptool reshard "$OUT/merged" "$OUT/tp4" --tp 4 --pp 1
 echo; echo "== inspect $OUT/tp4"
 ckptool inspect "$OUT/tp4" --no-tensors
+echo; echo "== verify $OUT/tp4 (TP4 forward under torchrun, gloo) against $SRC"
+OMP_NUM_THREADS=1 python3 -m torch.distributed.run --standalone --nproc-per-node 4 \
+    -m ckptool verify "$OUT/tp4" --reference "$SRC" 2>&1 | grep -v "^\*\|OMP_NUM_THREADS"
 echo; echo "outputs are in $OUT"
