@@ -1,14 +1,19 @@
 """Helper run under `torchrun --nproc-per-node 2` (gloo, CPU) with the real megatron-core package.
 
-  "save DIR --tp T [--arch gpt2|llama] [--with-args] --out FILE"   build a tiny GPTModel, save it with
+  "save DIR --tp T [--pp P] [--arch gpt2|llama] [--with-args] --out FILE"   build a tiny GPTModel, save it with
         dist_checkpointing.save (as megatron-core's simple training loop does); --with-args adds the
         common state a Megatron-LM training run stores (args, checkpoint_version, iteration) and
         the tracker file + iter_0000007/ directory.
-  "load DIR --tp T [--arch ...] --out FILE"   load DIR into a fresh GPTModel with
+  "load DIR --tp T [--pp P] [--arch ...] --out FILE"   load DIR into a fresh GPTModel with
         dist_checkpointing.load (every parameter must be found) and write the common state it saw.
 
 Both modes write the model's logits for TOKENS (gathered over TP) to FILE, for comparison with
-ckptool's reference forward. Several quoted jobs may follow one another on the command line.
+ckptool's reference forward. With --pp each rank builds only its stage's GPTModel (pre_process on the
+first stage, post_process on the last, layer numbers offset as megatron-core computes them; a layer
+count that does not divide puts the extra layers on the first stage) and the logits come from running
+the stages in order, each handing its hidden states to the next with a point-to-point send. The
+load mode also writes every parameter it loaded under its global name (layer index offset by the
+stage), so a test can compare them with ckptool's tensors. Several quoted jobs may follow one another on the command line.
 """
 import argparse
 import os
@@ -27,6 +32,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 if not torch.cuda.is_available():
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"  # its failure all-reduce asks for a CUDA device
+    # with PP and tied embeddings the last stage's output-layer copy is moved with .cuda() before the
+    # all-reduce that copies the first stage's word embeddings into it; on CPU it stays where it is
+    torch.Tensor.cuda = lambda self, *a, **k: self
 
 VOCAB = 100  # padded to 128 by the saving run (divisible_by 64 x TP 2)
 PADDED = 128
@@ -48,14 +56,19 @@ ARCHS = {
 }
 
 
-def build(arch, tp):
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+def build(arch, tp, pp=1):
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     torch.manual_seed(1234)  # same on every rank: replicated params (norms, biases) must agree
     a = ARCHS[arch]
+    n = a["cfg"]["num_layers"]
+    uneven = dict(num_layers_in_first_pipeline_stage=n - (n // pp) * (pp - 1)) if pp > 1 and n % pp else {}
     cfg = TransformerConfig(use_cpu_initialization=True, pipeline_dtype=torch.float32,
-                            hidden_dropout=0.0, attention_dropout=0.0, **a["cfg"])
+                            pipeline_model_parallel_size=pp, hidden_dropout=0.0, attention_dropout=0.0,
+                            **uneven, **a["cfg"])
     model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization=a["cfg"].get("normalization", "LayerNorm")),
-                     vocab_size=PADDED, max_sequence_length=SEQ, **a["model"])
+                     vocab_size=PADDED, max_sequence_length=SEQ,
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage(), **a["model"])
     with torch.no_grad():  # non-trivial norms and biases so a mix-up shows in the logits
         for name, p in model.named_parameters():
             if "layernorm" in name or name.endswith(".bias") or "layer_norm" in name:
@@ -73,7 +86,14 @@ def logits(model):
     with torch.no_grad():
         # explicit causal mask (True = masked): the default one is built on a CUDA device
         mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+        if not parallel_state.is_pipeline_first_stage():
+            hidden = torch.empty(SEQ, TOKENS.shape[0], model.config.hidden_size)  # [s, b, h]
+            dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(hidden)
         out = model(TOKENS, pos, attention_mask=mask)
+        if not parallel_state.is_pipeline_last_stage():
+            dist.send(out.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
+            return None
     # [b, s, V/tp] -> gather over TP
     group = parallel_state.get_tensor_model_parallel_group()
     parts = [torch.empty_like(out) for _ in range(dist.get_world_size(group))]
@@ -81,7 +101,26 @@ def logits(model):
     return torch.cat(parts, dim=-1)
 
 
-def megatron_args(arch, cfg, tp):
+def global_params(model):
+    """{name: tensor} of this rank's parameters, decoder layers renamed by their global index (what
+    the layer's 1-based layer_number says), gathered from every rank; at TP 1 these are full tensors."""
+    mine = {}
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        if parts[:2] == ["decoder", "layers"]:
+            parts[2] = str(model.decoder.layers[int(parts[2])].layer_number - 1)
+        mine[".".join(parts)] = p.detach().clone()
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {k: v for d in every for k, v in d.items()}
+
+
+def is_writer():
+    """The rank that holds the gathered logits: last pipeline stage, first TP rank."""
+    return parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+
+
+def megatron_args(arch, cfg, tp, pp=1):
     a = ARCHS[arch]
     return argparse.Namespace(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
@@ -94,13 +133,13 @@ def megatron_args(arch, cfg, tp):
         add_qkv_bias=cfg.add_qkv_bias,
         untie_embeddings_and_output_weights=not a["model"]["share_embeddings_and_output_weights"],
         vocab_size=VOCAB, padded_vocab_size=PADDED, make_vocab_size_divisible_by=64,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, ckpt_format="torch_dist",
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, ckpt_format="torch_dist",
         use_legacy_models=False, transformer_impl="local", tokenizer_type="NullTokenizer",
         bias_gelu_fusion=False, openai_gelu=False, rotary_base=10000, rotary_percent=1.0)
 
 
 def run_job(a):
-    model, cfg = build(a.arch, a.tp)
+    model, cfg = build(a.arch, a.tp, a.pp)
     rank = dist.get_rank()
     root = Path(a.dir)
     if a.mode == "save":
@@ -108,7 +147,7 @@ def run_job(a):
         target = root
         if a.with_args:
             target = root / "iter_0000007"
-            sd["args"] = megatron_args(a.arch, cfg, a.tp)
+            sd["args"] = megatron_args(a.arch, cfg, a.tp, a.pp)
             sd["checkpoint_version"] = 3.0
             sd["iteration"] = 7
         if rank == 0:
@@ -118,7 +157,7 @@ def run_job(a):
         if rank == 0 and a.with_args:
             (root / "latest_checkpointed_iteration.txt").write_text("7")
         out = logits(model)
-        if rank == 0:
+        if is_writer():
             torch.save({"tokens": TOKENS, "logits": out}, a.out)
     else:
         d = root
@@ -132,8 +171,9 @@ def run_job(a):
         missing = [k for k in missing if not k.endswith("_extra_state")]
         assert not missing and not unexpected, (missing, unexpected)
         out = logits(model)
-        if rank == 0:
-            torch.save({"tokens": TOKENS, "logits": out,
+        params = global_params(model) if a.tp == 1 else None
+        if is_writer():
+            torch.save({"tokens": TOKENS, "logits": out, "params": params,
                         "common": {k: v for k, v in common.items() if k != "args"},
                         "args_tp": getattr(common.get("args"), "tensor_model_parallel_size", None)}, a.out)
     dist.barrier()
@@ -141,12 +181,13 @@ def run_job(a):
 
 
 def main():
-    """Each argument is one job: 'mode dir --tp T --arch A [--with-args] --out FILE' (one torchrun
+    """Each argument is one job: 'mode dir --tp T [--pp P] --arch A [--with-args] --out FILE' (one torchrun
     start for several jobs: importing megatron-core is the slow part)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["save", "load"])
     ap.add_argument("dir")
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--arch", default="gpt2")
     ap.add_argument("--with-args", action="store_true")
     ap.add_argument("--out", required=True)

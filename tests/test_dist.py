@@ -88,6 +88,9 @@ def mcore(tmp_path_factory):
         f"save {root}/gpt2 --tp 1 --arch gpt2 --with-args --out {root}/gpt2.logits.pt",
         f"save {root}/llama --tp 2 --arch llama --with-args --out {root}/llama.logits.pt",
         f"save {root}/bare --tp 2 --arch llama --out {root}/bare.logits.pt",  # simple training loop: no args
+        # pipeline stages: 1+1 layers (tied embeddings: the last stage holds a copy), 2+1 layers
+        f"save {root}/gpt2_pp2 --tp 1 --pp 2 --arch gpt2 --with-args --out {root}/gpt2_pp2.logits.pt",
+        f"save {root}/llama_pp2 --tp 1 --pp 2 --arch llama --with-args --out {root}/llama_pp2.logits.pt",
     ])
     return root
 
@@ -170,17 +173,88 @@ def test_round_trip_through_torch_tp2_pp2_is_bit_exact(mcore, ours, arch):
     assert files == [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
 
 
+@pytest.fixture(scope="module")
+def mcore_loads(ours, tmp_path_factory):
+    """megatron-core's dist_checkpointing.load of ckptool's torch_dist output (written for TP2 llama /
+    TP1 gpt2) at another TP, and at TP1 PP2: one torchrun start for all."""
+    out = tmp_path_factory.mktemp("mcore_loads")
+    torchrun_helper([f"load {ours}/llama_dist --tp 1 --arch llama --out {out}/llama.pt",
+                     f"load {ours}/gpt2_dist --tp 2 --arch gpt2 --out {out}/gpt2.pt",
+                     f"load {ours}/llama_dist --tp 1 --pp 2 --arch llama --out {out}/llama_pp2.pt",
+                     f"load {ours}/gpt2_dist --tp 1 --pp 2 --arch gpt2 --out {out}/gpt2_pp2.pt"])
+    return out
+
+
 @needs_mcore
-def test_megatron_core_loads_our_torch_dist_at_another_tp(mcore, ours, tmp_path):
+def test_megatron_core_loads_our_torch_dist_at_another_tp(mcore, mcore_loads):
     # written for TP2 (llama) / TP1 (gpt2); megatron-core loads them at TP1 / TP2
-    torchrun_helper([f"load {ours}/llama_dist --tp 1 --arch llama --out {tmp_path}/llama.pt",
-                     f"load {ours}/gpt2_dist --tp 2 --arch gpt2 --out {tmp_path}/gpt2.pt"])
     for arch, written_tp in (("llama", 2), ("gpt2", 1)):
-        got = torch.load(tmp_path / f"{arch}.pt", weights_only=False)
+        got = torch.load(mcore_loads / f"{arch}.pt", weights_only=False)
         ref = torch.load(mcore / f"{arch}.logits.pt")
         torch.testing.assert_close(got["logits"], ref["logits"], atol=1e-6, rtol=0)
         assert got["common"] == {"iteration": 7, "checkpoint_version": 3.0}
         assert got["args_tp"] == written_tp
+
+
+# megatron-core saves with Transformer-Engine norm names even for local layers; its local modules
+# name the same tensors this way
+TE_TO_LOCAL = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+               "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+               "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+               "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
+
+
+def _stored_tensor_for(raw, name):
+    """The tensor in a torch_dist save (stacked layers, TE norm names) that a loaded parameter's
+    global name (decoder.layers.{i}.<local name>) should equal, and the stored key it came from."""
+    if name.startswith("decoder.layers."):
+        i, local = name[len("decoder.layers."):].split(".", 1)
+        te = {v: k for k, v in TE_TO_LOCAL.items()}.get(local, local)
+        return raw["decoder.layers." + te][int(i)], "decoder.layers." + te
+    if name == "output_layer.weight" and name not in raw:  # tied: the last stage's copy of the embedding
+        name = "embedding.word_embeddings.weight"
+    return raw[name], name
+
+
+@needs_mcore
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_megatron_core_loads_our_torch_dist_at_pp2(mcore, ours, mcore_loads, arch):
+    """megatron-core at TP1 PP2 (each rank one stage, global layer offsets; llama split 2+1) loads
+    ckptool's torch_dist: every parameter equals what ckptool wrote, and the pipelined forward gives
+    the logits megatron-core computed unpipelined when it saved the source."""
+    got = torch.load(mcore_loads / f"{arch}_pp2.pt", weights_only=False)
+    raw = _raw_tensors(ours / f"{arch}_dist" / "iter_0000007")
+    used = set()
+    for name, value in got["params"].items():
+        want, key = _stored_tensor_for(raw, name)
+        assert value.shape == want.shape and torch.equal(value, want), name
+        used.add(key)
+    assert used == set(raw), set(raw) ^ used  # every stored tensor reached some stage's parameter
+    n = 3 if arch == "llama" else 2
+    assert {k.split(".")[2] for k in got["params"] if k.startswith("decoder.layers.")} == {str(i) for i in range(n)}
+    ref = torch.load(mcore / f"{arch}.logits.pt")
+    torch.testing.assert_close(got["logits"], ref["logits"], atol=1e-6, rtol=0)
+    assert got["common"] == {"iteration": 7, "checkpoint_version": 3.0}
+
+
+@needs_mcore
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_reads_mcore_pp2_save_like_megatron_computes(mcore, arch, tmp_path):
+    """A torch_dist checkpoint megatron-core saved at TP1 PP2 (each stage wrote its own layers at their
+    global offsets): ckptool reads the whole model, and its reference forward gives the logits
+    megatron-core computed through the two stages."""
+    ckpt = open_checkpoint(mcore / f"{arch}_pp2")
+    cfg = ckpt.config
+    assert (cfg.num_layers, cfg.padded_vocab_size, cfg.vocab_size, ckpt.source.iteration) == \
+        (3 if arch == "llama" else 2, 128, 100, 7)
+    assert (ckpt.source.layout.tp, ckpt.source.layout.pp) == (1, 2)
+    assert set(ckpt.tensors) == set(expected_names(cfg))
+    ref = torch.load(mcore / f"{arch}_pp2.logits.pt")
+    torch.testing.assert_close(forward(ckpt, ref["tokens"]), ref["logits"], atol=1e-6, rtol=0)
+    # and on to the torch format at TP2 PP2 and back: the same tensors
+    write_layout(ckpt, tmp_path / "torch", Layout(tp=2, pp=2, stage_layers=[2, 1] if arch == "llama" else None),
+                 fmt="torch", warn=print)
+    assert_same_tensors(ckpt, open_checkpoint(tmp_path / "torch"))
 
 
 @needs_mcore
@@ -218,8 +292,7 @@ def test_plain_dcp_with_model_prefix(mcore, tmp_path, variant):
     if variant.startswith("stacked"):
         sd = {"model.module." + k: v for k, v in raw.items()}
     else:
-        local = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-                 "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+        local = TE_TO_LOCAL
         sd = {}
         for k, v in raw.items():
             if k.startswith("decoder.layers."):
