@@ -22,6 +22,7 @@ import torch
 
 from ..errors import CkptError
 from ..lazy import LazyTensor, load_scope
+from . import writeback
 
 DTYPE_NAMES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -110,11 +111,16 @@ def write_safetensors_file(path: Path, items: Sequence[Item], metadata: Optional
         data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
         digest.update(data)
         f.write(data)
+        if wb:
+            wb.written(len(data))
         if progress:
             progress(nbytes)
 
     with open(path, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="ckptool-st-writer") as pool:
         f.write(header)
+        wb = writeback.for_file(f)  # dirty pages go to disk as we go (writeback.py)
+        if wb:
+            wb.written(len(header))
         group, scope, in_flight = None, None, None
         try:
             for (name, lazy, g), off in zip(items, offsets):

@@ -25,6 +25,7 @@ import torch
 
 from ..errors import CkptError
 from ..lazy import Const, LazyTensor
+from . import writeback
 from .buffers import empty
 from .outdir import remember_digest
 from .safe_pickle import (UNSUPPORTED_TORCH_REBUILDS, SafeUnpickler, StandInPickler, check_rebuild_from_type,
@@ -417,18 +418,23 @@ class _HashingFile:
     def __init__(self, path: Path):
         self._f = open(path, "wb")
         self.sha256 = hashlib.sha256()
+        self._writeback = writeback.for_file(self._f)  # dirty pages go to disk as we go (writeback.py)
 
     def write(self, data) -> int:
         if len(data) < _PARALLEL_HASH_BYTES:
             self.sha256.update(data)
-            return self._f.write(data)
-        # a tensor record: hash on a helper thread while the bytes go to the file (both release
-        # the GIL); data is only valid during this call, so wait for both
-        hashing = _hash_pool().submit(self.sha256.update, data)
-        try:
-            return self._f.write(data)
-        finally:
-            hashing.result()
+            n = self._f.write(data)
+        else:
+            # a tensor record: hash on a helper thread while the bytes go to the file (both release
+            # the GIL); data is only valid during this call, so wait for both
+            hashing = _hash_pool().submit(self.sha256.update, data)
+            try:
+                n = self._f.write(data)
+            finally:
+                hashing.result()
+        if self._writeback:
+            self._writeback.written(n)
+        return n
 
     def flush(self) -> None:
         self._f.flush()
