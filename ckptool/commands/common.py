@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import sys
 import traceback
-from pathlib import Path
 from typing import Callable, Optional
 
 import click
@@ -169,3 +168,25 @@ def _quiet_broken_pipe() -> None:
 def print_warnings(ckpt) -> None:
     for w in ckpt.warnings:
         warn(w)
+
+
+def write_reported(ckpt, verb: str, write: Callable) -> Optional[dict]:
+    """write(progress) under a byte progress bar named verb. Returns its summary on the rank that
+    reports (with the source's warnings printed: replica checks run as tensors load, so only now are
+    they all known), None on the other ranks of a torchrun team."""
+    from ..distributed import current_team
+    bar = Progress(ckpt.total_bytes, verb)
+    try:
+        summary = write(bar)
+    finally:
+        bar.close()
+    if not current_team().leader:  # under torchrun, rank 0 reports for everyone
+        return None
+    print_warnings(ckpt)
+    return summary
+
+
+def conversion_line(verb: str, src, ckpt, dst, target: str) -> str:
+    """First line of a conversion's report: what was read, where it went, as what."""
+    s = ckpt.source
+    return f"{verb}: {src} ({s.format} {s.dialect}, {s.layout.describe()}) -> {dst} ({target})"

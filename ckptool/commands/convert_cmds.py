@@ -5,11 +5,10 @@ import click
 
 from ..config import Layout, parse_stage_layers
 from ..convert import fix_vocab, write_layout
-from ..distributed import current_team
 from ..formats.megatron_names import DIALECTS
 from ..formats.registry import open_checkpoint
-from .common import (DTYPES, Progress, human_bytes, output_options, print_warnings, read_options,
-                     reports_errors, source_options, warn)
+from .common import (DTYPES, conversion_line, human_bytes, output_options, read_options, reports_errors,
+                     source_options, warn, write_reported)
 
 
 def _run(src, dst, layout: Layout, kw: dict, verb: str, transform=None):
@@ -23,24 +22,18 @@ def _run(src, dst, layout: Layout, kw: dict, verb: str, transform=None):
     ckpt = open_checkpoint(src, read_options(kw))
     if transform is not None:
         ckpt = transform(ckpt)
-    bar = Progress(ckpt.total_bytes, verb)
-    try:
-        summary = write_layout(ckpt, dst, layout, fmt=fmt, force=force, progress=bar, warn=warn,
-                               dialect=dialect, dtype=dtype, divisible_by=divisible_by,
-                               pad_fill=pad_fill, release=release)
-    finally:
-        bar.close()
-    if not current_team().leader:  # under torchrun, rank 0 reports for everyone
+    summary = write_reported(ckpt, verb, lambda bar: write_layout(
+        ckpt, dst, layout, fmt=fmt, force=force, progress=bar, warn=warn, dialect=dialect, dtype=dtype,
+        divisible_by=divisible_by, pad_fill=pad_fill, release=release))
+    if summary is None:
         return
-    print_warnings(ckpt)
-    s = ckpt.source
-    click.echo(f"{verb}: {src} ({s.format} {s.dialect}, {s.layout.describe()}) -> {dst} "
-               f"({summary['format']} {summary.get('dialect', '')}, {layout.describe()})")
+    click.echo(conversion_line(verb, src, ckpt, dst,
+                               f"{summary['format']} {summary.get('dialect', '')}, {layout.describe()}"))
     vocab = ckpt.config.vocab_size
     click.echo(f"  {summary['files']} files, {human_bytes(summary['bytes'])} of tensors, vocab "
                f"{vocab if vocab is not None else 'unknown'} padded to {summary['padded_vocab_size']}, "
                f"{summary['iteration_dir']}")
-    if s.format == "megatron":
+    if ckpt.source.format == "megatron":
         warn("optimizer and RNG state were not copied (weights only): resume training from this "
              "checkpoint with --no-load-optim --no-load-rng, or --finetune")
 

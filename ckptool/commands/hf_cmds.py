@@ -7,14 +7,13 @@ import click
 
 from ..config import Layout, parse_stage_layers
 from ..convert import write_layout, write_output
-from ..distributed import current_team
 from ..formats import deepspeed_hf_export, dle_bert, hf as hf_reader
 from ..formats.hf_writer import write_hf
 from ..formats.megatron_names import DIALECTS
 from ..formats.registry import open_checkpoint
 from ..io.outdir import atomic_output_dir
-from .common import (DTYPES, Progress, human_bytes, print_warnings, read_options, reports_errors,
-                     source_options, warn)
+from .common import (DTYPES, Progress, conversion_line, human_bytes, read_options, reports_errors,
+                     source_options, warn, write_reported)
 
 
 @click.command("to-hf")
@@ -49,21 +48,16 @@ def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, force, **kw):
     if model_type is not None:
         return _deepspeed_hf_to_hf(src, dst, dtype, max_shard_size, tokenizer, opts, model_type, force)
     ckpt = open_checkpoint(src, opts)
-    bar = Progress(ckpt.total_bytes, "to-hf")
-    try:
-        def write(tmp, owns):  # under torchrun, owns(i) picks this rank's safetensors shards
+    def write(bar):
+        def write_into(tmp, owns):  # under torchrun, owns(i) picks this rank's safetensors shards
             return write_hf(ckpt, tmp, dtype=DTYPES[dtype] if dtype else None, max_shard_size=max_shard_size,
                             tokenizer=tokenizer, progress=bar, warn=warn, owns=owns)
+        return write_output(dst, [Path(src)], force, write_into, merge=_merge_hf_summaries)
 
-        summary = write_output(dst, [Path(src)], force, write, merge=_merge_hf_summaries)
-    finally:
-        bar.close()
-    if not current_team().leader:  # under torchrun, rank 0 reports for everyone
+    summary = write_reported(ckpt, "to-hf", write)
+    if summary is None:
         return
-    print_warnings(ckpt)
-    s = ckpt.source
-    click.echo(f"to-hf: {src} ({s.format} {s.dialect}, {s.layout.describe()}) -> {dst} "
-               f"({summary['architecture']}, {summary['dtype']})")
+    click.echo(conversion_line("to-hf", src, ckpt, dst, f"{summary['architecture']}, {summary['dtype']}"))
     click.echo(f"  {len(summary['files'])} safetensors file(s), {human_bytes(summary['bytes'])}, "
                f"vocab {summary['vocab_size']}"
                + (f", tokenizer: {', '.join(summary['tokenizer_files'])}" if summary["tokenizer_files"] else ""))
@@ -138,14 +132,11 @@ def from_hf_cmd(src, dst, tp, pp, vpp, pp_layers, dialect, dtype, divisible_by, 
                         "expected a directory with config.json and model.safetensors or pytorch_model.bin")
     ckpt = hf_reader.read(Path(src), ReadOptions(true_vocab_size=true_vocab_size))
     layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp and vpp > 1 else None, stage_layers=parse_stage_layers(pp_layers))
-    bar = Progress(ckpt.total_bytes, "from-hf")
-    try:
-        summary = write_layout(ckpt, dst, layout, fmt="torch", force=force, progress=bar, warn=warn,
-                               dialect=dialect, dtype=DTYPES[dtype] if dtype else None,
-                               divisible_by=divisible_by, pad_fill=pad_fill)
-    finally:
-        bar.close()
-    print_warnings(ckpt)
+    summary = write_reported(ckpt, "from-hf", lambda bar: write_layout(
+        ckpt, dst, layout, fmt="torch", force=force, progress=bar, warn=warn, dialect=dialect,
+        dtype=DTYPES[dtype] if dtype else None, divisible_by=divisible_by, pad_fill=pad_fill))
+    if summary is None:
+        return
     click.echo(f"from-hf: {src} ({ckpt.source.dialect}) -> {dst} (torch {summary.get('dialect', '')}, "
                f"{layout.describe()})")
     click.echo(f"  {summary['files']} files, {human_bytes(summary['bytes'])} of tensors, vocab "

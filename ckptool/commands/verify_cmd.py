@@ -17,7 +17,7 @@ import torch
 from ..errors import CkptError, require
 from ..verify import compare as cmp
 from ..verify import inputs
-from .common import print_warnings, read_options, reports_errors, source_options, warn
+from .common import print_warnings, read_options, reports_errors, source_options
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

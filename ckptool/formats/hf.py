@@ -48,12 +48,16 @@ def gpt_model_type(conf: dict) -> Optional[str]:
     return None
 
 
+def has_weights(path) -> bool:
+    """A weights file (or its index) transformers would load from this directory."""
+    return any((Path(path) / f).is_file() for f in WEIGHT_FILES + WEIGHT_INDEXES)
+
+
 def looks_like(path) -> bool:
     path = Path(path)
     if not path.is_dir() or not (path / "config.json").is_file():
         return False
-    has_weights = any((path / f).is_file() for f in WEIGHT_FILES + WEIGHT_INDEXES)
-    if not has_weights and (path / "latest_checkpointed_iteration.txt").is_file():
+    if not has_weights(path) and (path / "latest_checkpointed_iteration.txt").is_file():
         return False  # a Megatron save dir with an HF config.json kept beside it: Megatron's to read
     conf = _read_config(path)
     return conf is not None and gpt_model_type(conf) is not None

@@ -76,9 +76,9 @@ def checkpoint_forward(ckpt: Checkpoint, tokens: torch.Tensor, dtype, device="cp
 
 def is_hf_dir(path) -> bool:
     """config.json alone is not enough: DeepSpeed runs of HF models keep one beside their shards."""
-    from ..formats.hf import WEIGHT_FILES, WEIGHT_INDEXES
+    from ..formats.hf import has_weights
     p = Path(path)
-    return p.is_dir() and (p / "config.json").is_file() and any((p / f).is_file() for f in WEIGHT_FILES + WEIGHT_INDEXES)
+    return p.is_dir() and (p / "config.json").is_file() and has_weights(p)
 
 
 def hf_forward(path, tokens: torch.Tensor, dtype, device="cpu"):
