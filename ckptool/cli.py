@@ -28,6 +28,8 @@ def main(ctx, debug):
       ckptool merge ckpts/run1 merged                 # mp2 -> mp1
       ckptool reshard ckpts/run1 out --tp 2 --pp 2
       ckptool fix-vocab merged fixed --size 50257
+      ckptool to-hf ckpts/run1 hf_model               # transformers loads hf_model
+      torchrun --nproc-per-node 4 -m ckptool verify out --reference ckpts/run1
 
     Sources are read lazily and never modified; outputs appear complete or not at all.
     """
