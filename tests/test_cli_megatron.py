@@ -53,6 +53,7 @@ def test_seed_case_2019_mp2_merge_and_fix_vocab(fixture_dir, tmp_path):
     assert (logits - exp["logits"]).abs().max() < 1e-5
     # real rows are the source's rows, bit for bit
     src_ck = read_megatron(src, ReadOptions(overrides={"num_attention_heads": 2}))
+    assert src_ck.config.padded_vocab_size == 50432 and src_ck.source.layout.tp == 2  # padded for 2 ranks
     assert torch.equal(src_ck.tensors["embed.word"].load()[:50304], merged.tensors["embed.word"].load())
     # fix-vocab: cut the padding off entirely
     console("fix-vocab", tmp_path / "mp1", tmp_path / "true", "--size", 50257, "--num-attention-heads", 2)
