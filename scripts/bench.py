@@ -10,7 +10,10 @@ rounds, and prints a markdown table of medians: wall time, MB/s of checkpoint by
 throughput as a fraction of the copy run just before it, and the child's peak resident memory (GNU
 time's max RSS: for torchrun, the largest single process of the tree). Peers: DeepSpeed's
 zero_to_fp32 against ckptool on a real ZeRO-2 checkpoint (scripts/ds_zero_case.py), and the
-transformers Megatron GPT-2 script where the installed transformers still ships it.
+transformers Megatron GPT-2 script where the installed transformers still ships it. The
+"ceiling" steps are not conversions but the floor under one (scripts/copy_ceiling.py): the same
+tensor bytes copied in the kernel into one file, without torch, with and without the manifest's
+sha256; no converter can beat them, so their ratio bounds every other row's.
 Every step's output is fsynced (ckptool seals its output with fsync; the copy runs `sync`).
 """
 from __future__ import annotations
@@ -28,7 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-STEPS = ("copy", "merge", "reshard", "to-hf", "torchrun", "torchrun-to-hf", "transformers", "deepspeed")
+STEPS = ("copy", "ceiling", "ceiling-hash", "merge", "reshard", "to-hf", "torchrun", "torchrun-to-hf",
+         "transformers", "deepspeed")
 
 
 def _env():
@@ -227,6 +231,11 @@ def main(argv=None) -> int:
     shard = ["--max-shard-size", "500MB"]  # several safetensors files, so torchrun ranks can share them
     plan = {
         "copy": ("`cp -r` + `sync` (the limit)", ["sh", "-c", 'cp -r "$0" "$1" && sync', str(src)]),
+        # not conversions: the floor under one (scripts/copy_ceiling.py), no torch, no reordering
+        "ceiling": ("in-kernel copy of the tensor records into one file (no torch; the floor)",
+                    [sys.executable, str(ROOT / "scripts" / "copy_ceiling.py"), str(src), "{dst}"]),
+        "ceiling-hash": ("the same + sha256 of the output (the floor with a manifest)",
+                         [sys.executable, str(ROOT / "scripts" / "copy_ceiling.py"), str(src), "{dst}", "--hash"]),
         "merge": ("ckptool merge (TP1 PP1)", py + ["merge", str(src), "{dst}"]),
         "reshard": ("ckptool reshard --tp 4 --pp 1", py + ["reshard", str(src), "{dst}", "--tp", "4"]),
         "to-hf": ("ckptool to-hf --max-shard-size 500MB", py + ["to-hf", str(src), "{dst}"] + shard),
