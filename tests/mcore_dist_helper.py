@@ -6,6 +6,10 @@
         the tracker file + iter_0000007/ directory.
   "load DIR --tp T [--pp P] [--arch ...] --out FILE"   load DIR into a fresh GPTModel with
         dist_checkpointing.load (every parameter must be found) and write the common state it saw.
+  "load-torch DIR --tp T [--pp P] [--arch ...] --out FILE"   load a torch-format checkpoint the way
+        Megatron-LM's load_checkpoint does for --ckpt-format torch: tracker file, iter_XXXXXXX/,
+        this rank's mp_rank_XX[_YYY]/model_optim_rng.pt through torch.load, the checkpoint's args
+        compared with the run's (as check_checkpoint_args does), then model.load_state_dict(strict=True).
 
 Both modes write the model's logits for TOKENS (gathered over TP) to FILE, for comparison with
 ckptool's reference forward. With --pp each rank builds only its stage's GPTModel (pre_process on the
@@ -138,6 +142,31 @@ def megatron_args(arch, cfg, tp, pp=1):
         bias_gelu_fusion=False, openai_gelu=False, rotary_base=10000, rotary_percent=1.0)
 
 
+# What Megatron-LM's check_checkpoint_args compares between a torch-format checkpoint's args and
+# the loading run's own (with a vocab file given; the parallel sizes from checkpoint_version 3.0 on).
+CHECKED_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings",
+                "make_vocab_size_divisible_by", "padded_vocab_size", "tokenizer_type",
+                "tensor_model_parallel_size", "pipeline_model_parallel_size")
+
+
+def load_torch_format(model, root: Path, run_args):
+    """This rank's file of a torch-format checkpoint into model, as Megatron-LM loads it; returns the
+    common state and the checkpoint's args. Raises if an arg differs or a key is missing or extra."""
+    tracker = (root / "latest_checkpointed_iteration.txt").read_text().strip()
+    d = root / ("release" if tracker == "release" else f"iter_{int(tracker):07d}")
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
+    state = torch.load(d / name / "model_optim_rng.pt", map_location="cpu", weights_only=False)
+    args = state["args"]
+    for key in CHECKED_ARGS:
+        assert getattr(args, key) == getattr(run_args, key), (key, getattr(args, key), getattr(run_args, key))
+    assert getattr(args, "add_position_embedding", True) == getattr(run_args, "add_position_embedding", True)
+    model.load_state_dict(state["model"], strict=True)
+    return {"iteration": state["iteration"], "checkpoint_version": state["checkpoint_version"]}, args
+
+
 def run_job(a):
     model, cfg = build(a.arch, a.tp, a.pp)
     rank = dist.get_rank()
@@ -159,6 +188,12 @@ def run_job(a):
         out = logits(model)
         if is_writer():
             torch.save({"tokens": TOKENS, "logits": out}, a.out)
+    elif a.mode == "load-torch":
+        common, args = load_torch_format(model, root, megatron_args(a.arch, cfg, a.tp, a.pp))
+        out = logits(model)
+        if is_writer():
+            torch.save({"tokens": TOKENS, "logits": out, "common": common,
+                        "args_layout": (args.tensor_model_parallel_size, args.pipeline_model_parallel_size)}, a.out)
     else:
         d = root
         tracker = root / "latest_checkpointed_iteration.txt"
@@ -184,7 +219,7 @@ def main():
     """Each argument is one job: 'mode dir --tp T [--pp P] --arch A [--with-args] --out FILE' (one torchrun
     start for several jobs: importing megatron-core is the slow part)."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["save", "load"])
+    ap.add_argument("mode", choices=["save", "load", "load-torch"])
     ap.add_argument("dir")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)

@@ -237,6 +237,42 @@ def test_megatron_core_loads_our_torch_dist_at_pp2(mcore, ours, mcore_loads, arc
     assert got["common"] == {"iteration": 7, "checkpoint_version": 3.0}
 
 
+# --- torch format written by ckptool, loaded the way Megatron-LM loads --ckpt-format torch ---------
+
+TORCH_FORMAT_LOADS = (("llama", 2, 1), ("gpt2", 2, 1), ("llama", 1, 2), ("gpt2", 1, 2))
+
+
+@pytest.fixture(scope="module")
+def mcore_torch_loads(mcore, tmp_path_factory):
+    """`ckptool reshard --format torch` of megatron-core's own torch_dist saves (llama saved at TP2,
+    gpt2 at TP1), at TP2 and at TP1 PP2 (llama split 2+1, as megatron-core splits 3 layers), each
+    loaded by megatron-core under torchrun through the helper's load-torch mode: Megatron-LM's
+    load_checkpoint steps for the torch format (tracker, this rank's file, check_checkpoint_args,
+    load_state_dict strict)."""
+    root = tmp_path_factory.mktemp("mcore_torch")
+    jobs = []
+    for arch, tp, pp in TORCH_FORMAT_LOADS:
+        out = root / f"{arch}_tp{tp}pp{pp}"
+        split = ["--pp-layers", "2,1"] if (arch, pp) == ("llama", 2) else []
+        r = run_cli("reshard", mcore / arch, out, "--tp", tp, "--pp", pp, "--format", "torch", *split)
+        assert r.returncode == 0, r.stderr
+        jobs.append(f"load-torch {out} --tp {tp} --pp {pp} --arch {arch} --out {root}/{out.name}.pt")
+    torchrun_helper(jobs)
+    return root
+
+
+@needs_mcore
+@pytest.mark.parametrize("arch, tp, pp", TORCH_FORMAT_LOADS)
+def test_megatron_core_loads_our_torch_format(mcore, mcore_torch_loads, arch, tp, pp):
+    """Every key of each rank's file fits megatron-core's GPTModel at that layout (strict load), the
+    args pass Megatron-LM's checks, and the model computes the logits megatron-core saved with."""
+    got = torch.load(mcore_torch_loads / f"{arch}_tp{tp}pp{pp}.pt", weights_only=False)
+    assert got["args_layout"] == (tp, pp)
+    assert got["common"] == {"iteration": 7, "checkpoint_version": 3.0}
+    ref = torch.load(mcore / f"{arch}.logits.pt")
+    torch.testing.assert_close(got["logits"], ref["logits"], atol=1e-6, rtol=0)
+
+
 @needs_mcore
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_reads_mcore_pp2_save_like_megatron_computes(mcore, arch, tmp_path):
