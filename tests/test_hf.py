@@ -426,3 +426,26 @@ def test_export_matches_reference_forward(models, tmp_path, kind, arch):
     # and it reads back as the same model
     back = hf_reader.read(tmp_path)
     assert (reference.forward(back, TOKENS) - want).abs().max().item() <= 1e-5
+
+
+def test_gpt2_export_config_and_files(fixture_dir, tmp_path):
+    """to-hf of a Megatron GPT-2 checkpoint (TP2 PP2): the config fields issue #3 names, taken from
+    the source's args, the transformers-loadable generation config, and no attention-mask buffers."""
+    from transformers import GenerationConfig
+    d = fixture_dir("gpt2_mcore_tp2pp2")
+    case = json.loads((d / "case.json").read_text())
+    out = tmp_path / "hf"
+    cli("to-hf", d / "checkpoint", out)
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["architectures"] == ["GPT2LMHeadModel"]
+    assert conf["n_positions"] == case["max_position_embeddings"]
+    assert conf["n_inner"] == case["ffn_hidden_size"] and conf["n_embd"] == case["hidden_size"]
+    assert conf["layer_norm_epsilon"] == 1e-5 and conf["activation_function"] == "gelu"
+    assert conf["vocab_size"] == case["vocab_size"] and conf["tie_word_embeddings"] is True
+    names = set(saved_tensors(out))
+    assert not [n for n in names if n.endswith((".attn.bias", ".attn.masked_bias"))]
+    assert "transformer.h.0.attn.c_attn.bias" in names  # the QKV bias itself is there
+    assert "lm_head.weight" not in names  # tied: transformers ties it to wte
+    GenerationConfig.from_pretrained(str(out))  # loads
+    exp = torch.load(d / "expected.pt")
+    assert (hf_logits(out, exp["tokens"]) - exp["logits"]).abs().max().item() <= 1e-5
