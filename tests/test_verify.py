@@ -330,6 +330,8 @@ def batch2(models):
                                "--reference", megatron(models, "llama", 1, 1)]
     cases["dist_gpt2_1_2"] = [torch_dist(models, "gpt2", 1, 1), "--tp", 1, "--pp", 2,
                               "--reference", megatron(models, "gpt2", 1, 1)]
+    cases["dist_gpt2_1_2_vpp2"] = [torch_dist(models, "gpt2", 1, 1), "--pp", 2, "--vpp", 2,
+                                   "--reference", megatron(models, "gpt2", 1, 1)]
     # 16-bit compute: the hidden state crosses stages in that dtype, logits gathered in fp32
     cases["bf16_gpt2_1_2"] = [megatron(models, "gpt2", 1, 2), "--reference", models["gpt2"][1], "--dtype", "bf16"]
     cases["fp16_llama_2_1"] = [megatron(models, "llama", 2, 1), "--reference", models["llama"][1], "--dtype", "fp16"]
@@ -409,6 +411,27 @@ def test_torch_dist_target_matches_torch_original(batch2, case, layout):
     _expect_pass((text, rc), f"{layout}, 2 processes")
     assert "torch_dist target" in text
     assert "layer 3 " in text
+
+
+def test_torch_dist_target_with_virtual_pipeline(batch2):
+    """The same torch_dist files run interleaved: stage s chunk c holds model chunk c*2+s, and every
+    layer's hidden state is compared, so a chunk run out of order fails at its first layer."""
+    text, rc = batch2["dist_gpt2_1_2_vpp2"]
+    _expect_pass((text, rc), "TP1 PP2 VPP2, 2 processes")
+    assert "torch_dist target" in text
+    assert "layer 3 " in text
+
+
+def test_torch_dist_vpp_needs_a_pipeline_and_even_chunks(models):
+    from ckptool.commands.verify_cmd import dist_layout
+    from ckptool.errors import CkptError
+    from ckptool.formats import dist as dist_format
+    ckpt = dist_format.read(torch_dist(models, "gpt2", 1, 1))  # 4 layers
+    assert dist_layout(ckpt, None, 2, 2, vpp=2).vpp == 2
+    with pytest.raises(CkptError, match="needs a pipeline of more than one stage"):
+        dist_layout(ckpt, 2, None, 2, vpp=2)
+    with pytest.raises(CkptError, match="cannot be split evenly"):
+        dist_layout(ckpt, None, 2, 2, vpp=4)
 
 
 def test_torch_dist_rank_reads_only_its_slices(models):

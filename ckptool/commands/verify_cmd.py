@@ -52,10 +52,14 @@ def under_torchrun() -> bool:
                    "global tensors). Default: the stored args' TP/PP, else TP = WORLD_SIZE, PP 1; with only one "
                    "of --tp/--pp the other fills WORLD_SIZE. Torch-format targets run at their files' layout.")
 @click.option("--pp", type=int, default=None, help="torch_dist targets under torchrun: pipeline-parallel size (see --tp).")
+@click.option("--vpp", type=int, default=None,
+              help="torch_dist targets under torchrun: virtual pipeline chunks per stage (interleaved "
+                   "schedule; needs --pp > 1 and layers divisible by PP x VPP). Torch-format targets run "
+                   "the chunks their files hold.")
 @source_options
 @reports_errors
 def verify_cmd(target, ref, reference_logits, files_dir, tokens, tokenizer, batch, seq_len, seed, dtype,
-               tolerance, tp, pp, **kw):
+               tolerance, tp, pp, vpp, **kw):
     """Check that TARGET computes what the reference computes (exit status 1 when it does not).
 
     Under torchrun, TARGET is a Megatron checkpoint (torch format, VPP included, or torch_dist) and
@@ -67,6 +71,7 @@ def verify_cmd(target, ref, reference_logits, files_dir, tokens, tokenizer, batc
       torchrun --nproc-per-node 4 -m ckptool verify out --reference ckpts/run1
       torchrun --nproc-per-node 4 -m ckptool verify ckpts/run1 --reference-logits ref.pt:logits_fp32
       torchrun --nproc-per-node 2 -m ckptool verify dist_ckpt --tp 1 --pp 2  # torch_dist at TP1 PP2
+      torchrun --nproc-per-node 2 -m ckptool verify dist_ckpt --pp 2 --vpp 2  # ... interleaved
       ckptool verify out --reference hf_model_dir                             # one process
       ckptool verify --files out                                              # manifest check
     """
@@ -79,7 +84,7 @@ def verify_cmd(target, ref, reference_logits, files_dir, tokens, tokenizer, batc
     tol = tolerance  # None: the default for the dtype, widened to the 16-bit noise floor (_tolerance)
     if under_torchrun():
         ok = run_parallel(target, ref, reference_logits, opts, compute, tol,
-                          (tokens, tokenizer, batch, seq_len, seed), tp, pp)
+                          (tokens, tokenizer, batch, seq_len, seed), tp, pp, vpp)
     else:
         ok = run_single(target, ref, reference_logits, opts, compute, tol,
                         (tokens, tokenizer, batch, seq_len, seed))
@@ -159,12 +164,13 @@ def run_single(target, ref, reference_logits, opts, dtype, tol, token_args) -> b
     return ok
 
 
-def run_parallel(target, ref, reference_logits, opts, dtype, tol, token_args, tp=None, pp=None) -> bool:
+def run_parallel(target, ref, reference_logits, opts, dtype, tol, token_args, tp=None, pp=None,
+                 vpp=None) -> bool:
     import torch.distributed as dist
     from ..verify import parallel
 
     world = int(os.environ["WORLD_SIZE"])
-    target_kind = parallel_target(target, opts, tp, pp, world)
+    target_kind = parallel_target(target, opts, tp, pp, world, vpp)
     cfg, layout, ckpt = target_kind.config, target_kind.layout, target_kind.ckpt
     require(world == layout.tp * layout.pp,
             f"torchrun started {world} processes but {target} is {layout.describe()}: "
@@ -215,7 +221,7 @@ class ParallelTarget:
         self.any_layout = any_layout  # True when --tp/--pp may choose the layout
 
 
-def parallel_target(target, opts, tp, pp, world) -> ParallelTarget:
+def parallel_target(target, opts, tp, pp, world, vpp=None) -> ParallelTarget:
     from ..formats import dist as dist_format
     from ..formats.megatron import looks_like_megatron
     from ..formats.megatron_ranks import rank_dir_name, read_layout, read_rank_shards, slice_rank_shards
@@ -223,34 +229,43 @@ def parallel_target(target, opts, tp, pp, world) -> ParallelTarget:
     if looks_like_megatron(Path(target)):
         meta = read_layout(target, opts)
         cfg, layout, ckpt = meta
-        require(tp in (None, layout.tp) and pp in (None, layout.pp),
+        require(tp in (None, layout.tp) and pp in (None, layout.pp) and vpp in (None, layout.vpp),
                 f"{target} is stored at {layout.describe()}; a torch-format checkpoint runs at the layout of "
-                "its files", f"drop --tp/--pp, or reshard it first: ckptool reshard {target} DST --tp N --pp M")
+                "its files", f"drop --tp/--pp/--vpp, or reshard it first: ckptool reshard {target} DST --tp N --pp M")
         return ParallelTarget("megatron torch", ckpt, layout,
                               lambda t, p: read_rank_shards(target, t, p, opts, meta),
                               lambda t, p: rank_dir_name(t, p, layout.pp), False)
     if dist_format.looks_like(Path(target)):
         ckpt = dist_format.read(target, opts)  # metadata only: tensors are read per rank, sliced
-        layout = dist_layout(ckpt, tp, pp, world)
+        layout = dist_layout(ckpt, tp, pp, world, vpp)
         return ParallelTarget("torch_dist", ckpt, layout,
                               lambda t, p: slice_rank_shards(ckpt, layout, t, p), lambda t, p: None, True)
     raise CkptError(f"{target}: the parallel verify runs Megatron checkpoints (torch format mp_rank_* files "
                     "or torch_dist)", "run `ckptool verify` without torchrun for other formats")
 
 
-def dist_layout(ckpt, tp, pp, world):
-    """A torch_dist checkpoint holds global tensors, so any TP x PP can run it. Chosen in order:
-    --tp/--pp (one of them given: the other fills WORLD_SIZE), the TP/PP in the stored args,
-    and for checkpoints without args TP = WORLD_SIZE, PP 1."""
+def dist_layout(ckpt, tp, pp, world, vpp=None):
+    """A torch_dist checkpoint holds global tensors, so any TP x PP (x VPP) can run it. Chosen in
+    order: --tp/--pp (one of them given: the other fills WORLD_SIZE), the TP/PP in the stored args,
+    and for checkpoints without args TP = WORLD_SIZE, PP 1; --vpp splits each stage into chunks."""
+    import dataclasses
     from ..config import Layout
     if tp or pp:
         given = tp or pp
         require(world % given == 0, f"--{'tp' if tp else 'pp'} {given} does not divide the {world} processes "
                 "torchrun started", "give --tp and --pp whose product is the process count")
-        return Layout(tp=tp or world // pp, pp=pp or world // tp)
-    if ckpt.source.args is not None:
-        return ckpt.source.layout
-    return Layout(tp=world, pp=1)
+        layout = Layout(tp=tp or world // pp, pp=pp or world // tp)
+    elif ckpt.source.args is not None:
+        layout = ckpt.source.layout
+    else:
+        layout = Layout(tp=world, pp=1)
+    if vpp is None:
+        return layout
+    require(vpp >= 1 and layout.pp > 1, f"--vpp {vpp} needs a pipeline of more than one stage "
+            f"(this run is {layout.describe()})", "give --pp 2 or more with --vpp")
+    layout = dataclasses.replace(layout, vpp=vpp if vpp > 1 else None, stage_layers=None)
+    layout.chunks(ckpt.config.num_layers)  # layers that do not split evenly: the one-line error now
+    return layout
 
 
 def _where(layout, cfg, files) -> dict:
