@@ -214,7 +214,11 @@ def main(argv=None) -> int:
         shutil.rmtree(src)
     t0 = time.perf_counter()
     if not src.exists():
-        cfg = write_synthetic(src, args.size_gb)
+        # generated beside and renamed when complete, so an interrupted run leaves no src to reuse
+        partial = work / "src.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        cfg = write_synthetic(partial, args.size_gb)
+        partial.rename(src)
     else:
         from ckptool.formats.registry import open_checkpoint
         cfg = open_checkpoint(src).config
