@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import CkptError
-from ..io import readcache
 from ..options import ReadOptions
 from ..state import Checkpoint
 
@@ -45,7 +44,6 @@ def open_checkpoint(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     """Read any supported checkpoint into the canonical state (lazily)."""
     opts = opts or ReadOptions()
     fmt = detect_format(path)
-    readcache.configure_for(path)  # a source larger than memory: drop pages once read
     for mod in _modules():
         if mod.FORMAT == fmt:
             return mod.read(Path(path), opts)

@@ -21,7 +21,6 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ..errors import CkptError
-from . import readcache
 from ..lazy import LazyTensor
 from .safe_pickle import safe_loads
 from .torchfile import load_torch_bytes
@@ -128,7 +127,6 @@ class DcpDir:
         with open(f, "rb") as fh:
             fh.seek(info.offset)
             data = fh.read(info.length)
-            readcache.done_with(fh.fileno(), info.offset, len(data))
         if len(data) != info.length:
             raise CkptError(f"{f} is truncated: {fqn} needs bytes {info.offset}..{info.offset + info.length}",
                             "the checkpoint was not copied completely")

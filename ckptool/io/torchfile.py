@@ -25,7 +25,7 @@ import torch
 
 from ..errors import CkptError
 from ..lazy import Const, LazyTensor
-from . import readcache, writeback
+from . import writeback
 from .buffers import empty
 from .outdir import remember_digest
 from .safe_pickle import (UNSUPPORTED_TORCH_REBUILDS, SafeUnpickler, StandInPickler, check_rebuild_from_type,
@@ -181,7 +181,6 @@ class TorchArchive:
             if chunk <= 0:
                 raise CkptError(f"{self.path}: unexpected end of file", "the file is truncated")
             done += chunk
-        readcache.done_with(self._fd, offset, length)
 
     def read_record(self, key: str, start: int = 0, length: Optional[int] = None) -> bytearray:
         rec = self.records.get(f"data/{key}")
