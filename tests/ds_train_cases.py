@@ -94,8 +94,10 @@ def allow_cpu_fp16():
 def skip_shm_build():
     """DeepSpeed JIT-compiles a shared-memory all-reduce for CPU runs (minutes on a 2-core CI box);
     it is only a speed-up over gloo and plays no part in what a checkpoint contains."""
-    import deepspeed.comm.torch as ds_torch_comm
-    ds_torch_comm.build_shm_op = lambda: None
+    # `import deepspeed.comm.torch as m` would bind the torch package (deepspeed.comm has an
+    # attribute named torch), so the module is taken from sys.modules
+    import deepspeed.comm.torch  # noqa: F401
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 
 
 def main():
@@ -105,6 +107,10 @@ def main():
     out_dir, cases = sys.argv[1], sys.argv[2:]
     for case in cases:
         run_case(out_dir, case)
+    # shut the process group down before the interpreter exits: left to exit-time destructors,
+    # gloo's threads have aborted a rank now and then ("terminate called without an active exception")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
