@@ -62,8 +62,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_helper(jobs, timeout=240):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+def torchrun_helper(jobs, timeout=240, nproc=2):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-port", str(_free_port()),
            str(HELPER), *jobs]
     r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
@@ -270,6 +270,34 @@ def test_megatron_core_loads_our_torch_format(mcore, mcore_torch_loads, arch, tp
     assert got["args_layout"] == (tp, pp)
     assert got["common"] == {"iteration": 7, "checkpoint_version": 3.0}
     ref = torch.load(mcore / f"{arch}.logits.pt")
+    torch.testing.assert_close(got["logits"], ref["logits"], atol=1e-6, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def mcore_tp2pp2_loads(ours, tmp_path_factory):
+    """4 processes: megatron-core at TP2 PP2 loads ckptool's TP2 PP2 torch-format files (llama
+    split 2+1) and its torch_dist output, one torchrun start for both formats and both models."""
+    out = tmp_path_factory.mktemp("mcore_tp2pp2")
+    jobs = []
+    for arch in ("gpt2", "llama"):
+        jobs.append(f"load-torch {ours}/{arch}_torch --tp 2 --pp 2 --arch {arch} --out {out}/{arch}_torch.pt")
+        jobs.append(f"load {ours}/{arch}_dist --tp 2 --pp 2 --arch {arch} --out {out}/{arch}_dist.pt")
+    torchrun_helper(jobs, timeout=400, nproc=4)
+    return out
+
+
+@needs_mcore
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_megatron_core_loads_our_tp2_pp2_files(mcore, mcore_tp2pp2_loads, arch):
+    """TP and PP together, the common training layout: each of the 4 ranks loads its own
+    torch-format file strictly (args checked as Megatron-LM does), or its slices of the torch_dist
+    output, and the pipelined tensor-parallel forward gives megatron-core's saved logits."""
+    ref = torch.load(mcore / f"{arch}.logits.pt")
+    got = torch.load(mcore_tp2pp2_loads / f"{arch}_torch.pt", weights_only=False)
+    assert got["args_layout"] == (2, 2)
+    torch.testing.assert_close(got["logits"], ref["logits"], atol=1e-6, rtol=0)
+    got = torch.load(mcore_tp2pp2_loads / f"{arch}_dist.pt", weights_only=False)
+    assert got["common"] == {"iteration": 7, "checkpoint_version": 3.0}
     torch.testing.assert_close(got["logits"], ref["logits"], atol=1e-6, rtol=0)
 
 
