@@ -195,3 +195,32 @@ def test_what_checkpoints_need_still_loads():
     assert out["ns"].params_dtype is torch.bfloat16
     assert torch.equal(out["t"].load(), obj["t"]) and torch.equal(out["p"].load(), obj["p"].detach())
     assert float(safe_loads(pickle.dumps(np.float32(2.0), protocol=2))) == 2.0
+
+
+def _memo_bomb(data: bytes) -> bytes:
+    """data with its first BINPUT (memo slot n) turned into LONG_BINPUT 2**31: 5 bytes that make
+    the C unpickler allocate and zero a 32 GiB memo table."""
+    i = data.index(b"q", 2)  # BINPUT, after the PROTO opcode
+    return data[:i] + b"r" + (2 ** 31).to_bytes(4, "little") + data[i + 2:]
+
+
+def test_memo_index_bomb_is_refused_before_allocating(tmp_path):
+    import resource
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    plain = pickle.dumps(__import__("argparse").Namespace(num_layers=2, seq=[1, 2]), protocol=2)
+    with pytest.raises(UnsafePickleError, match="memo entry 2147483648"):
+        safe_loads(_memo_bomb(plain), "args.pkl")
+    # the same inside a torch archive's data.pkl: the reader refuses it with one line
+    import zipfile
+    good, bad = tmp_path / "good.pt", tmp_path / "model_optim_rng.pt"
+    torch.save({"args": __import__("argparse").Namespace(num_layers=2), "model": {"w": torch.ones(2)}}, good)
+    with zipfile.ZipFile(good) as src, zipfile.ZipFile(bad, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            dst.writestr(info, _memo_bomb(data) if info.filename.endswith("/data.pkl") else data)
+    with pytest.raises(CkptError, match="memo entry") as err:
+        load_torch_file(bad)
+    assert "\n" not in str(err.value)
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown_kib < 512 * 1024, f"peak memory grew by {grown_kib} KiB"
+    assert safe_loads(plain).num_layers == 2  # an ordinary pickle still loads

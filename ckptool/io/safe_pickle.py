@@ -24,6 +24,7 @@ import dataclasses
 import enum
 import io
 import pickle
+import pickletools
 from typing import Any, Callable, Optional
 
 import torch
@@ -268,6 +269,40 @@ def is_framework_module(module: str) -> bool:
 
 _PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
 
+# The C unpickler grows its memo table to whatever index a PUT opcode names (a zeroed slot of 8
+# bytes per index), so a 5-byte LONG_BINPUT 2**31 in a crafted or damaged file makes it allocate and
+# clear 32 GiB before any check runs. Picklers number memo entries 0, 1, 2, ... as they store them,
+# so an index far beyond the entries stored so far is refused before unpickling starts.
+_PUT_OPCODES = {"PUT", "BINPUT", "LONG_BINPUT"}
+_MEMO_SLACK = 1024
+
+
+def check_memo_indices(stream, source: str = "pickle") -> None:
+    """Scan the next pickle in stream (then rewind) and refuse memo indices out of sequence.
+    Anything else malformed is left for the unpickler itself to report."""
+    try:
+        start = stream.tell()
+    except (AttributeError, OSError, ValueError):
+        return  # not seekable: nothing to rewind to (ckptool always passes files or BytesIO)
+    stored = 0
+    try:
+        for op, arg, _ in pickletools.genops(stream):
+            if op.name == "MEMOIZE":
+                stored += 1
+            elif op.name in _PUT_OPCODES:
+                if not isinstance(arg, int) or arg > stored + _MEMO_SLACK:
+                    raise UnsafePickleError(
+                        f"{source}: pickle stores memo entry {arg} after only {stored} entries (a crafted "
+                        "or damaged file; unpickling it would allocate gigabytes)",
+                        "the file is corrupt or not a checkpoint")
+                stored = max(stored, arg + 1)
+    except UnsafePickleError:
+        raise
+    except Exception:  # malformed in another way: the unpickler says how
+        pass
+    finally:
+        stream.seek(start)
+
 
 class SafeUnpickler(pickle.Unpickler):
     """pickle.Unpickler that only resolves the globals listed above.
@@ -278,6 +313,14 @@ class SafeUnpickler(pickle.Unpickler):
 
     torch_hooks: Optional[dict] = None
     source = "pickle"
+
+    def __init__(self, file, *args, **kwargs):
+        super().__init__(file, *args, **kwargs)
+        self._stream = file
+
+    def load(self) -> Any:
+        check_memo_indices(self._stream, self.source)
+        return super().load()
 
     def find_class(self, module: str, name: str) -> Any:
         module = _PY2_MODULES.get(module, module)  # protocol-2 pickles name Python 2 modules
