@@ -19,10 +19,8 @@ from ..io.safetensors_writer import Item, parse_size, write_sharded
 from ..options import ReadOptions
 from . import deepspeed as ds
 from .hf import gpt_model_type
+from .hf_writer import config_dtype
 from .deepspeed_zero import find_files, looks_like_deepspeed, read_rank
-
-DTYPE_STR = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-
 
 def non_gpt_hf_model(path, opts: ReadOptions) -> Optional[str]:
     """The model_type when `path` is a DeepSpeed run of an HF model ckptool cannot read as a GPT.
@@ -61,7 +59,7 @@ def write_hf_consolidated(path, out_dir: Path, opts: ReadOptions, dtype: Optiona
     summary = write_sharded(out_dir, items, parse_size(max_shard_size), progress)
     out_dtype = dtype or items[0][1].dtype
     conf = dict(hf)
-    conf["dtype"] = conf["torch_dtype"] = DTYPE_STR.get(out_dtype, str(out_dtype).replace("torch.", ""))
+    conf["dtype"] = conf["torch_dtype"] = config_dtype(out_dtype)
     (out_dir / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
     arch = (hf.get("architectures") or [hf.get("model_type")])[0]
     summary.update(architecture=arch, vocab_size=hf.get("vocab_size"), dtype=conf["dtype"], tensors=len(items))

@@ -26,6 +26,7 @@ from ..errors import CkptError, require
 from ..io.safetensors_writer import Item, parse_size, write_sharded
 from ..io.torchfile import load_torch_file
 from ..lazy import LazyTensor
+from .hf_writer import config_dtype
 
 WORD = "bert.embeddings.word_embeddings.weight"
 # DLE name fragment -> transformers name fragment
@@ -77,7 +78,7 @@ def bert_hf_config(dle_conf: dict, vocab: int, dtype: torch.dtype) -> dict:
             "layer_norm_eps": 1e-12,  # DLE's BertLayerNorm is built with eps=1e-12 everywhere
             "pad_token_id": dle_conf.get("pad_token_id", 0), "position_embedding_type": "absolute",
             "tie_word_embeddings": True}
-    conf["dtype"] = conf["torch_dtype"] = str(dtype).replace("torch.", "")
+    conf["dtype"] = conf["torch_dtype"] = config_dtype(dtype)
     return conf
 
 
@@ -110,5 +111,5 @@ def write_hf_bert(src: Path, hf_config: str, out_dir: Path, dtype: Optional[torc
     out_dtype = dtype or items[0][1].dtype
     (out_dir / "config.json").write_text(json.dumps(bert_hf_config(dle_conf, vocab, out_dtype), indent=2) + "\n")
     summary.update(architecture="BertForPreTraining", vocab_size=vocab, padded_rows=rows,
-                   dtype=str(out_dtype).replace("torch.", ""))
+                   dtype=config_dtype(out_dtype))
     return summary

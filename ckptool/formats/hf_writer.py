@@ -25,7 +25,9 @@ from .hf_names import expand
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json", "vocab.txt")
-DTYPE_STR = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+def config_dtype(dtype: torch.dtype) -> str:
+    """The name config.json gives a torch dtype (torch.bfloat16 -> "bfloat16")."""
+    return str(dtype).replace("torch.", "")
 
 
 def _refuse(flag: str, why: str) -> CkptError:
@@ -121,7 +123,7 @@ def _token_ids(ckpt: Checkpoint) -> dict:
 
 
 def hf_config(cfg: GPTConfig, model_type: str, arch: str, vocab: int, dtype: torch.dtype, ids: dict) -> dict:
-    dstr = DTYPE_STR.get(dtype, str(dtype).replace("torch.", ""))
+    dstr = config_dtype(dtype)
     if model_type == "gpt2":
         conf = {
             "architectures": [arch], "model_type": "gpt2", "vocab_size": vocab,
@@ -203,7 +205,7 @@ def write_hf(ckpt: Checkpoint, out_dir: Path, dtype: Optional[torch.dtype] = Non
         gen = {"_from_model_config": True, **ids}
         (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         copied = copy_tokenizer(tokenizer, out_dir) if tokenizer else []
-    summary.update(architecture=arch, vocab_size=vocab, dtype=DTYPE_STR.get(out_dtype, str(out_dtype)),
+    summary.update(architecture=arch, vocab_size=vocab, dtype=config_dtype(out_dtype),
                    tokenizer_files=copied)
     return summary
 
