@@ -318,8 +318,8 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
     """
     cfg = ckpt.config
     check_tensor_parallel(cfg, layout.tp)
-    require(not cfg.post_layernorm_residual, "the model uses --apply-residual-connection-post-layernorm, which "
-            "megatron-core layers (all torch_dist checkpoints) ignore", "write --format torch --dialect legacy")
+    megatron_args.refuse_what_megatron_core_ignores(cfg, "torch_dist is always megatron-core: write --format "
+                                                    "torch --dialect legacy")
     layout.chunks(cfg.num_layers)  # validates the pipeline split the args will describe
     rows = target_rows(cfg, layout.tp, divisible_by, warn)
     tensors = resize_vocab(ckpt.tensors, cfg, rows, pad_fill)

@@ -391,10 +391,8 @@ def _check_dialect_fits(d: Dialect, cfg: GPTConfig, layout: Layout) -> None:
                         "choose --dialect legacy-norm or mcore")
     if cfg.qk_layernorm and not d.name.startswith("mcore"):
         raise CkptError("qk_layernorm exists only in megatron-core models", "choose --dialect mcore")
-    if cfg.post_layernorm_residual and d.name.startswith("mcore"):
-        # megatron-core layers ignore the flag: they would run a different model (see megatron_args)
-        raise CkptError("the model uses --apply-residual-connection-post-layernorm, which megatron-core "
-                        "layers ignore", "choose --dialect legacy or legacy-norm")
+    if d.name.startswith("mcore"):
+        megatron_args.refuse_what_megatron_core_ignores(cfg, "choose --dialect legacy or legacy-norm")
 
 
 def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Optional[str] = None,

@@ -145,6 +145,14 @@ def as_megatron_core_computes(cfg: GPTConfig):
     return cfg, None
 
 
+def refuse_what_megatron_core_ignores(cfg: GPTConfig, hint: str) -> None:
+    """Writing for megatron-core layers (the mcore dialects, every torch_dist checkpoint): a flag
+    they ignore would make the written checkpoint run as another model (see above)."""
+    if cfg.post_layernorm_residual:
+        raise CkptError("the model uses --apply-residual-connection-post-layernorm, which megatron-core "
+                        "layers ignore", hint)
+
+
 def args_for_target(source_args, cfg: GPTConfig, layout: Layout, padded_rows: int,
                     dtype: torch.dtype, legacy_models: bool, transformer_impl: str,
                     checkpoint_version: float, iteration: Optional[int]) -> argparse.Namespace:
