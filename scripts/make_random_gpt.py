@@ -22,19 +22,19 @@ from ckptool.state import Checkpoint, SourceInfo, expected_names
 # name -> GPTConfig keyword arguments. gpt2-1b: GPT-2 style (LayerNorm, tanh GeLU, learned positions,
 # biases, tied embeddings), 1.1B parameters. llama-1b: Llama style (RMSNorm, SwiGLU, RoPE, GQA 16 heads
 # in 4 query groups, no biases, untied output), 1.0B parameters. tiny: the GPT-2 style at smoke-test size.
+LLAMA_STYLE = dict(normalization="rmsnorm", activation="swiglu", position_embedding="rope",
+                   add_bias_linear=False, add_qkv_bias=False, tied_embeddings=False)
 SIZES = {
     "1b": dict(num_layers=20, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=8192,
                padded_vocab_size=50304, vocab_size=50257, max_position_embeddings=2048, activation="gelu_tanh"),
     "llama-1b": dict(num_layers=20, hidden_size=2048, num_attention_heads=16, num_query_groups=4,
                      ffn_hidden_size=5632, padded_vocab_size=32000, vocab_size=32000, max_position_embeddings=4096,
-                     normalization="rmsnorm", activation="swiglu", position_embedding="rope",
-                     add_bias_linear=False, add_qkv_bias=False, tied_embeddings=False),
+                     **LLAMA_STYLE),
     "tiny": dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
                  padded_vocab_size=1024, vocab_size=1001, max_position_embeddings=64, activation="gelu_tanh"),
     "llama-tiny": dict(num_layers=4, hidden_size=64, num_attention_heads=8, num_query_groups=2,
                        ffn_hidden_size=96, padded_vocab_size=1024, vocab_size=1000, max_position_embeddings=64,
-                       normalization="rmsnorm", activation="swiglu", position_embedding="rope",
-                       add_bias_linear=False, add_qkv_bias=False, tied_embeddings=False),
+                       **LLAMA_STYLE),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
