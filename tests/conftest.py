@@ -45,3 +45,11 @@ def real_checkpoint(case: str) -> Path:
         if (base / case / "checkpoint").is_dir():
             return base / case
     pytest.skip(f"real checkpoint {case} not found under ../shared/real-checkpoints or fixtures/real")
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now, for a torchrun rendezvous (fixed ports collide between runs)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

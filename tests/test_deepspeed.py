@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import free_port
 from ckptool.errors import CkptError
 from ckptool.formats import deepspeed as ds
 from ckptool.formats.registry import detect_format, open_checkpoint
@@ -45,13 +46,6 @@ BERT_CASES = ["bert-3-bf16", "bert-2-fp16"]
 LLAMA_CASES = ["llama-3-bf16"]
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def ds_cases(tmp_path_factory):
     if not HAVE_DS:
@@ -64,7 +58,7 @@ def ds_cases(tmp_path_factory):
     out = Path(keep) if keep else tmp_path_factory.mktemp("ds_cases")
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            str(REPO / "tests" / "ds_train_cases.py"), str(out), *cases]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import free_port
 from ckptool.config import GPTConfig, Layout
 from ckptool.convert import write_layout
 from ckptool.errors import CkptError
@@ -55,16 +56,9 @@ def run_cli(*args):
     return subprocess.CompletedProcess(args, r.exit_code, r.stdout, r.stderr)
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun_helper(jobs, timeout=240, nproc=2):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(_free_port()),
+           "--master-port", str(free_port()),
            str(HELPER), *jobs]
     r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]

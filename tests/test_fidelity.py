@@ -12,13 +12,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from conftest import free_port
 from click.testing import CliRunner
 
 from ckptool.cli import main
@@ -62,9 +63,7 @@ def built(tmp_path_factory):
     if not HAVE_MCORE:
         pytest.skip("megatron-core is not installed (pip install megatron-core: test-only extra)")
     root = tmp_path_factory.mktemp("mcore_flags")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, str(REPO / "tests" / "mcore_flags_helper.py"), f"{root}:{port}", *FLAGS,
                         *COMBOS],
@@ -344,9 +343,7 @@ def test_flags_through_tensor_parallel_verify(built, variant, tmp_path):
     tp2 = tmp_path / "tp2"
     write_layout(src, tp2, Layout(tp=2), warn=lambda m: None)
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                         str(port), "-m", "ckptool", "verify", str(tp2), "--reference-logits",
                         f"{built / variant / 'logits.pt'}:logits"], capture_output=True, text=True, env=env,
