@@ -17,6 +17,13 @@ global:
 
 V_rows is config.padded_vocab_size (what the source stored); config.vocab_size is the true
 vocabulary when known. Writers re-pad or trim at the edges (vocab.py).
+
+Slots. A training state holds several values per canonical tensor: the model's own weight
+(Checkpoint.tensors) and the optimizer's fp32 master and Adam moments (Checkpoint.optimizer.slots).
+Every slot uses the same canonical names and full shapes, so the one split/merge table (QKV groups,
+gated halves, vocabulary padding) applies to each slot unchanged; only how a NEW padding row is filled
+differs per slot (PAD_FILL_BY_SLOT). Scalar training state (step, param groups, loss scaler, LR
+scheduler) lives beside the slots in OptimizerState.
 """
 from __future__ import annotations
 
@@ -43,12 +50,68 @@ class SourceInfo:
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
+WEIGHT = "weight"
+OPTIMIZER_SLOTS = ("master", "exp_avg", "exp_avg_sq")
+SLOTS = (WEIGHT,) + OPTIMIZER_SLOTS
+
+# How rows added by vocabulary re-padding are filled, per optimizer slot: the moments of a row that was
+# never trained are zero; its fp32 master equals the (padded) model weight row.
+PAD_FILL_BY_SLOT = {"master": "from-weight", "exp_avg": "zero", "exp_avg_sq": "zero"}
+
+
+@dataclass
+class ParamGroup:
+    """One optimizer param group: its hyperparameters as stored (lr, weight_decay, betas, eps, wd_mult,
+    lr_mult, ... : whatever keys the framework matches groups by) and the canonical names it holds."""
+    names: List[str]
+    hyper: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class OptimizerState:
+    """The training state beside the weights (Adam as Megatron and DeepSpeed run it).
+
+    slots: slot name ("master", "exp_avg", "exp_avg_sq") -> canonical name -> full lazy tensor, keyed
+    exactly like Checkpoint.tensors. Scalars are kept as the source stored them; `kind` says which
+    optimizer layout they came from (e.g. "megatron", "megatron-distributed", "deepspeed-zero2").
+    RNG state is never carried (Megatron resumes with --no-load-rng).
+    """
+    kind: str
+    slots: Dict[str, Dict[str, LazyTensor]]
+    step: Optional[int] = None
+    param_groups: List[ParamGroup] = field(default_factory=list)
+    grad_scaler: Optional[dict] = None
+    scheduler: Optional[dict] = None
+    consumed_samples: Optional[int] = None
+
+    def slot_names(self) -> List[str]:
+        return [s for s in OPTIMIZER_SLOTS if s in self.slots]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for slot in self.slots.values() for t in slot.values())
+
+    def with_slots(self, slots: Dict[str, Dict[str, LazyTensor]]) -> "OptimizerState":
+        return OptimizerState(self.kind, slots, self.step, self.param_groups, self.grad_scaler,
+                              self.scheduler, self.consumed_samples)
+
+
 @dataclass
 class Checkpoint:
     config: GPTConfig
     tensors: Dict[str, LazyTensor]
     source: SourceInfo
     warnings: List[str] = field(default_factory=list)
+    optimizer: Optional[OptimizerState] = None  # None: weights only
+
+    def slot(self, name: str) -> Dict[str, LazyTensor]:
+        """The tensors of one slot: WEIGHT is self.tensors, the others the optimizer's."""
+        if name == WEIGHT:
+            return self.tensors
+        return self.optimizer.slots.get(name, {}) if self.optimizer else {}
+
+    def slots(self) -> List[str]:
+        return [WEIGHT] + (self.optimizer.slot_names() if self.optimizer else [])
 
     def warn(self, message: str) -> None:
         if message not in self.warnings:
@@ -83,7 +146,7 @@ class Checkpoint:
 
     def with_tensors(self, tensors: Dict[str, LazyTensor], **config_changes) -> "Checkpoint":
         return Checkpoint(self.config.replace(**config_changes) if config_changes else self.config,
-                          tensors, self.source, self.warnings)
+                          tensors, self.source, self.warnings, self.optimizer)
 
 
 def expected_names(cfg: GPTConfig) -> List[str]:
