@@ -1,0 +1,187 @@
+"""Train and resume a tiny megatron-core GPT with megatron-core's own optimizer, on CPU under torchrun (gloo).
+
+The resume-equivalence proof for carried optimizer state (tests/test_resume.py): a run trains at one
+tensor-parallel size, saves Megatron-LM's torch format (what megatron/training/checkpointing.py writes for
+--ckpt-format torch: args, checkpoint_version, iteration, model, optimizer, opt_param_scheduler; no RNG
+state here, as ckptool never carries it) and goes on training; ckptool reshards the saved checkpoint; a
+second run loads it at another TP size the way Megatron-LM's load_checkpoint does (model strict,
+optimizer.load_state_dict, scheduler.load_state_dict) and trains the same further batches.
+
+  "train DIR --tp T --steps N --more M --out FILE [--dtype bf16|fp32]"
+        train N steps, save DIR (iteration N), train M more; FILE gets the losses of all N + M steps and
+        DIR_continued/ holds the final state (saved the same way) for comparing weights.
+  "resume DIR --tp T --more M --out FILE [--weights-only]"
+        load DIR at TP T (with its optimizer unless --weights-only: then Adam starts from zero moments, as
+        --no-load-optim does), train M steps on the batches that followed; FILE gets the losses and
+        DIR_resumed_tpT/ the final state.
+
+megatron-core's optimizer is written for CUDA tensors: the shims below let it run on a CPU-only torch
+(device='cuda' -> cpu at tensor creation; Tensor.type() answers with the CUDA type name megatron-core's
+checks compare against; gradient clipping off, as its clip asserts CUDA tensors). They change where
+tensors live, not the maths.
+"""
+import argparse
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def _cpu_shims():
+    def fix(kw):
+        if "cuda" in str(kw.get("device", "")):
+            kw["device"] = "cpu"
+        return kw
+
+    for name in ("tensor", "empty", "zeros", "ones", "full", "zeros_like", "empty_like", "ones_like", "arange"):
+        orig = getattr(torch, name)
+        setattr(torch, name, lambda *a, _f=orig, **kw: _f(*a, **fix(kw)))
+    orig_to = torch.Tensor.to
+
+    def to(self, *a, **kw):
+        a = tuple("cpu" if isinstance(x, (str, torch.device)) and "cuda" in str(x) else x for x in a)
+        return orig_to(self, *a, **fix(kw))
+
+    torch.Tensor.to = to
+    orig_type = torch.Tensor.type
+    torch.Tensor.type = lambda self, *a, **kw: (orig_type(self, *a, **kw) if a or kw
+                                                else orig_type(self).replace("torch.", "torch.cuda.", 1))
+
+
+if not torch.cuda.is_available():
+    _cpu_shims()
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mcore_dist_helper as H  # noqa: E402  (its own CUDA shims for the model; build() and megatron_args())
+
+from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
+
+LR, MIN_LR, WD = 1e-2, 1e-3, 0.01
+BATCH = 2
+
+
+def batch(step: int):
+    """The data of one training step: the same on every rank and in every run."""
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, H.VOCAB, (BATCH, H.SEQ + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def build(arch, tp, dtype):
+    model, cfg = H.build(arch, tp)
+    model.train()
+    if dtype == "bf16":
+        model = model.to(torch.bfloat16)
+        cfg.bf16, cfg.params_dtype = True, torch.bfloat16
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(), model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=LR, min_lr=MIN_LR, weight_decay=WD,
+                                                 adam_beta1=0.9, adam_beta2=0.95, clip_grad=0.0,
+                                                 bf16=dtype == "bf16"), [ddp])
+    sched = OptimizerParamScheduler(opt, init_lr=LR, max_lr=LR, min_lr=MIN_LR, lr_warmup_steps=0,
+                                    lr_decay_steps=100, lr_decay_style="cosine", start_wd=WD, end_wd=WD,
+                                    wd_incr_steps=100, wd_incr_style="constant")
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    return model, ddp, opt, sched, cfg
+
+
+def train_step(ddp, opt, sched, step: int) -> float:
+    tokens, labels = batch(step)
+    pos = torch.arange(H.SEQ).unsqueeze(0).expand(BATCH, H.SEQ)
+    mask = torch.triu(torch.ones(1, 1, H.SEQ, H.SEQ, dtype=torch.bool), diagonal=1)
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    loss = ddp(tokens, pos, attention_mask=mask, labels=labels).float().mean()
+    loss.backward()
+    ddp.finish_grad_sync()
+    ok, _, _ = opt.step()
+    assert ok, "optimizer step skipped"
+    sched.step(increment=1)
+    return loss.item()
+
+
+def save(root: Path, model, opt, sched, cfg, arch, tp, iteration):
+    """This rank's model_optim_rng.pt as Megatron-LM writes it for --ckpt-format torch."""
+    args = H.megatron_args(arch, cfg, tp)
+    args.ckpt_format = "torch"
+    args.bf16 = cfg.bf16
+    args.params_dtype = cfg.params_dtype
+    args.iteration = iteration
+    args.consumed_train_samples = iteration * BATCH
+    d = root / f"iter_{iteration:07d}" / f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}"
+    d.mkdir(parents=True, exist_ok=True)
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+             "model": model.state_dict_for_save_checkpoint(), "optimizer": opt.state_dict(),
+             "opt_param_scheduler": sched.state_dict()}
+    torch.save(state, d / "model_optim_rng.pt")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    dist.barrier()
+
+
+def load(root: Path, model, opt, sched, weights_only: bool) -> int:
+    """As Megatron-LM's load_checkpoint for --ckpt-format torch with --no-load-rng (and --no-load-optim
+    when weights_only)."""
+    it = int((root / "latest_checkpointed_iteration.txt").read_text())
+    d = root / f"iter_{it:07d}" / f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}"
+    state = torch.load(d / "model_optim_rng.pt", map_location="cpu", weights_only=False)
+    assert state["args"].tensor_model_parallel_size == parallel_state.get_tensor_model_parallel_world_size()
+    model.load_state_dict(state["model"], strict=True)
+    if not weights_only:
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["opt_param_scheduler"])
+    else:  # --no-load-optim: the scheduler still starts from the checkpoint's iteration
+        sched.step(increment=state["iteration"])
+    return state["iteration"]
+
+
+def run_job(a):
+    model, ddp, opt, sched, cfg = build(a.arch, a.tp, a.dtype)
+    root = Path(a.dir)
+    losses = []
+    if a.mode == "train":
+        for step in range(a.steps):
+            losses.append(train_step(ddp, opt, sched, step))
+        save(root, model, opt, sched, cfg, a.arch, a.tp, a.steps)
+        for step in range(a.steps, a.steps + a.more):
+            losses.append(train_step(ddp, opt, sched, step))
+        save(Path(f"{root}_continued"), model, opt, sched, cfg, a.arch, a.tp, a.steps + a.more)
+    else:
+        start = load(root, model, opt, sched, a.weights_only)
+        for step in range(start, start + a.more):
+            losses.append(train_step(ddp, opt, sched, step))
+        tag = "weights_only" if a.weights_only else "resumed"
+        save(Path(f"{root}_{tag}_tp{a.tp}"), model, opt, sched, cfg, a.arch, a.tp, start + a.more)
+    if dist.get_rank() == 0:
+        torch.save({"losses": losses}, a.out)
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["train", "resume"])
+    ap.add_argument("dir")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--arch", default="gpt2")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--more", type=int, default=2)
+    ap.add_argument("--weights-only", action="store_true")
+    ap.add_argument("--out", required=True)
+    jobs = [ap.parse_args(job.split()) for job in sys.argv[1:]]
+    dist.init_process_group("gloo")
+    for job in jobs:  # DP is 1 in these runs: every job's TP size is the world size
+        assert job.tp == dist.get_world_size(), "run each job under torchrun with --nproc-per-node TP"
+        run_job(job)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
