@@ -207,6 +207,19 @@ def layer_role_tensor(tensors: Dict[str, LazyTensor], cfg: GPTConfig, layer: int
     raise CkptError(f"internal: unknown role {role}")
 
 
+def canonical_names(role: str, layer: Optional[int], cfg: GPTConfig) -> List[str]:
+    """The canonical tensors a role's tensor holds (one, or the fused parts of QKV and gated fc1)."""
+    if layer is None:
+        return [GLOBAL_ROLES.get(role, "embed.word")]  # head_copy: the tied embedding again
+    p = f"layers.{layer}."
+    if role in LAYER_SIMPLE:
+        return [p + LAYER_SIMPLE[role]]
+    kind = role.split(".")[1]
+    if role.startswith("qkv."):
+        return [f"{p}attn.{x}.{kind}" for x in "qkv"]
+    return [f"{p}mlp.{x}.{kind}" for x in (("gate", "up") if cfg.gated else ("up",))]
+
+
 def global_role_tensor(tensors: Dict[str, LazyTensor], role: str) -> Optional[LazyTensor]:
     return tensors.get(GLOBAL_ROLES[role])
 

@@ -72,3 +72,22 @@ def resize_vocab(tensors: dict, cfg: GPTConfig, rows: int, fill: str = "zero") -
         if name in out:
             out[name] = resize_rows(out[name], rows, cfg, fill, name)
     return out
+
+
+def resize_slot_vocab(slot: dict, weights: dict, cfg: GPTConfig, rows: int, fill: str) -> dict:
+    """resize_vocab for an optimizer slot. fill "from-weight" (fp32 masters) copies new rows from the
+    already re-padded weights, so a new row's master equals its weight; "zero" gives zero moments."""
+    if fill != "from-weight":
+        return resize_vocab(slot, cfg, rows, fill)
+    out = dict(slot)
+    for name in ("embed.word", "output.weight"):
+        if name not in out or out[name].shape[0] >= rows:
+            out[name] = resize_rows(out[name], rows, cfg, "zero", name) if name in out else None
+            if out[name] is None:
+                del out[name]
+            continue
+        have = out[name].shape[0]
+        out[name] = Derived(lambda m, w, have=have: torch.cat([m, w[have:].to(m.dtype)], dim=0),
+                            [out[name], weights[name]], shape=(rows,) + tuple(out[name].shape[1:]),
+                            dtype=out[name].dtype)
+    return out
