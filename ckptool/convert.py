@@ -11,8 +11,8 @@ from .config import Layout
 from .errors import CkptError, require
 from .distributed import Team, current_team
 from .io.outdir import atomic_output_dir, make_partial_dir, seal_partial_dir
-from .state import Checkpoint
-from .vocab import resize_vocab
+from .state import PAD_FILL_BY_SLOT, Checkpoint
+from .vocab import resize_slot_vocab, resize_vocab
 
 # target format name -> writer(ckpt, out_dir, layout, **kw) -> summary dict
 WRITERS = {}
@@ -34,15 +34,25 @@ def _dist_writer(ckpt, out_dir, layout, **kw):
 
 
 WRITERS["torch_dist"] = _dist_writer
+# writers that carry the optimizer state (keyword optimizer=True/False); the others write weights only
+OPTIMIZER_WRITERS = {"torch"}
 
 
 def write_layout(ckpt: Checkpoint, dst, layout: Layout, fmt: Optional[str] = None, force: bool = False,
                  progress: Optional[Callable[[int], None]] = None, warn: Callable[[str], None] = print,
-                 **kw) -> dict:
-    """Write ckpt at layout into dst (atomically). fmt: torch | torch_dist (default: the source's)."""
+                 optimizer: bool = True, **kw) -> dict:
+    """Write ckpt at layout into dst (atomically). fmt: torch | torch_dist (default: the source's).
+
+    optimizer: carry the source's optimizer state where the target format holds one (the default);
+    False writes the weights only. Dropping state the user did not ask to drop is warned about."""
     fmt = fmt or ("torch_dist" if ckpt.source.format == "torch_dist" else "torch")
     if fmt not in WRITERS:
         raise CkptError(f"unknown output format {fmt!r}", f"choose one of {', '.join(sorted(WRITERS))}")
+    if fmt in OPTIMIZER_WRITERS:
+        kw["optimizer"] = optimizer
+    elif optimizer and ckpt.optimizer is not None:
+        warn(f"optimizer state dropped: the {fmt} writer holds the weights only "
+             "(--no-optimizer says so explicitly; --format torch carries it)")
     src = Path(ckpt.source.path)
 
     def write(tmp: Path, owns) -> dict:
@@ -137,4 +147,8 @@ def fix_vocab(ckpt: Checkpoint, size: Optional[int] = None, multiple: Optional[i
                   f"{cfg.padded_vocab_size - size} rows")
         cfg = cfg.replace(vocab_size=size, vocab_size_source="fix-vocab --size")
     tensors = resize_vocab(ckpt.tensors, cfg, size, pad_fill)
-    return Checkpoint(cfg.replace(padded_vocab_size=size), tensors, ckpt.source, ckpt.warnings)
+    optimizer = ckpt.optimizer
+    if optimizer is not None:  # every slot resized like the weights (new rows: zero moments, master = weight)
+        optimizer = optimizer.with_slots({slot: resize_slot_vocab(ts, tensors, cfg, size, PAD_FILL_BY_SLOT[slot])
+                                          for slot, ts in optimizer.slots.items()})
+    return Checkpoint(cfg.replace(padded_vocab_size=size), tensors, ckpt.source, ckpt.warnings, optimizer)

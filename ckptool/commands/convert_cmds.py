@@ -19,12 +19,13 @@ def _run(src, dst, layout: Layout, kw: dict, verb: str, transform=None):
     divisible_by = kw.pop("divisible_by")
     pad_fill = kw.pop("pad_fill")
     release = kw.pop("release", None)
+    optimizer = kw.pop("optimizer", True)
     ckpt = open_checkpoint(src, read_options(kw))
     if transform is not None:
         ckpt = transform(ckpt)
     summary = write_reported(ckpt, verb, lambda bar: write_layout(
         ckpt, dst, layout, fmt=fmt, force=force, progress=bar, warn=warn, dialect=dialect, dtype=dtype,
-        divisible_by=divisible_by, pad_fill=pad_fill, release=release))
+        divisible_by=divisible_by, pad_fill=pad_fill, release=release, optimizer=optimizer))
     if summary is None:
         return
     click.echo(conversion_line(verb, src, ckpt, dst,
@@ -33,9 +34,14 @@ def _run(src, dst, layout: Layout, kw: dict, verb: str, transform=None):
     click.echo(f"  {summary['files']} files, {human_bytes(summary['bytes'])} of tensors, vocab "
                f"{vocab if vocab is not None else 'unknown'} padded to {summary['padded_vocab_size']}, "
                f"{summary['iteration_dir']}")
-    if ckpt.source.format == "megatron":
-        warn("optimizer and RNG state were not copied (weights only): resume training from this "
-             "checkpoint with --no-load-optim --no-load-rng, or --finetune")
+    carried = summary.get("optimizer")
+    if carried:
+        click.echo(f"  optimizer state carried ({carried['kind']}, step {carried['step']}, "
+                   f"{carried['groups']} param groups); RNG state is not: resume with --no-load-rng")
+    elif ckpt.source.format == "megatron":
+        why = "--no-optimizer" if ckpt.optimizer is not None and not optimizer else "weights only"
+        click.echo(f"  {why}: resume training from this checkpoint with --no-load-optim --no-load-rng, "
+                   "or --finetune")
 
 
 def megatron_output_options(fn):
@@ -43,6 +49,10 @@ def megatron_output_options(fn):
                       help="Key-name dialect to write (default: the source's; mcore for non-Megatron sources).")(fn)
     fn = click.option("--format", "out_format", type=click.Choice(["torch", "torch_dist"]), default=None,
                       help="Megatron checkpoint format to write (default: the source's).")(fn)
+    fn = click.option("--optimizer/--no-optimizer", default=True, show_default=True,
+                      help="Carry the optimizer state (fp32 masters, Adam moments, step, param groups, LR "
+                           "scheduler) when the source has it and the target format holds it, so training "
+                           "resumes on the new layout; --no-optimizer writes the weights only.")(fn)
     fn = click.option("--release/--no-release", default=None,
                       help="Write under release/ with the tracker holding 'release' "
                            "(default: for the 2019 dialect, and when the source was a release).")(fn)

@@ -44,8 +44,24 @@ def describe(ckpt: Checkpoint) -> dict:
         "total_bytes": ckpt.total_bytes,
         "tensors": [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
                     for n, t in ckpt.tensors.items()],
+        "optimizer": describe_optimizer(ckpt),
         "warnings": list(ckpt.warnings),
     }
+
+
+def describe_optimizer(ckpt: Checkpoint):
+    """The training state beside the weights, or None for a weights-only checkpoint."""
+    opt = ckpt.optimizer
+    if opt is None:
+        return None
+    dtypes = {slot: sorted({str(t.dtype).replace("torch.", "") for t in ts.values()}) for slot, ts in opt.slots.items()}
+    return {"kind": opt.kind, "step": opt.step, "slots": opt.slot_names(), "dtypes": dtypes,
+            "bytes": opt.total_bytes, "consumed_samples": opt.consumed_samples,
+            "scheduler": opt.scheduler is not None, "grad_scaler": opt.grad_scaler is not None,
+            "param_groups": [{"tensors": len(g.names),
+                              **{k: g.hyper[k] for k in ("lr", "weight_decay", "wd_mult", "lr_mult")
+                                 if k in g.hyper and isinstance(g.hyper[k], (int, float))}}
+                             for g in opt.param_groups]}
 
 
 @click.command("inspect")
@@ -82,6 +98,14 @@ def inspect_cmd(path, as_json, tensors, **kw):
     click.echo(f"vocab       true {c['vocab_size'] if c['vocab_size'] is not None else 'unknown'} "
                f"(from {doc['vocab_size_source']}), stored rows {c['padded_vocab_size']}")
     click.echo(f"size        {len(doc['tensors'])} tensors, {human_bytes(doc['total_bytes'])}")
+    o = doc["optimizer"]
+    if o is None:
+        click.echo("optimizer   none (weights only)")
+    else:
+        groups = ", ".join(f"{g['tensors']} tensors wd {g.get('weight_decay', '?')}" for g in o["param_groups"])
+        click.echo(f"optimizer   {o['kind']}, step {o['step']}, {' + '.join(o['slots'])} "
+                   f"({'/'.join(sorted({d for ds in o['dtypes'].values() for d in ds}))}), "
+                   f"{human_bytes(o['bytes'])}; groups: {groups or 'none'}")
     if tensors:
         width = max(len(t["name"]) for t in doc["tensors"])
         for t in doc["tensors"]:
