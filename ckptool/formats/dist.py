@@ -32,9 +32,9 @@ from ..lazy import LazyTensor, load_scope
 from ..options import ReadOptions
 from ..roles import GLOBAL_ROLES, LAYER_ROLES, assemble, global_role_tensor, layer_role_tensor
 from ..sharding import ReplicaPolicy
-from ..state import Checkpoint, SourceInfo, expected_names
+from ..state import Checkpoint, OptimizerState, SourceInfo, expected_names
 from ..vocab import resize_vocab, target_rows
-from . import megatron_args
+from . import dist_optim, megatron_args
 from .megatron import TRACKER, resolve_iteration_dir
 
 FORMAT = "torch_dist"
@@ -163,16 +163,19 @@ def _model_prefix(keys: List[str]) -> str:
                     "dist_checkpointing or torch.distributed.checkpoint")
 
 
-def _collect(dcp: DcpDir) -> Tuple[Dict[Tuple[str, Optional[int]], List[LazyTensor]], bool]:
-    """{(role, global layer or None): [lazy]} and whether layers were stacked."""
+def _collect(dcp: DcpDir, slot_prefix: Optional[str] = None) -> Tuple[Dict[Tuple[str, Optional[int]], List[LazyTensor]], bool]:
+    """{(role, global layer or None): [lazy]} and whether layers were stacked. slot_prefix: read the
+    optimizer tensors stored under that prefix + the model key (dist_optim.py) instead of the weights."""
     keys = dcp.tensor_keys()
-    prefix = _model_prefix(keys)
+    prefix = _model_prefix(keys) if slot_prefix is None else slot_prefix
     shards: Dict[Tuple[str, Optional[int]], List[LazyTensor]] = {}
     unknown, stacked = [], False
     for key in keys:
-        if SKIP.search(key) or not key.startswith(prefix):
+        if not key.startswith(prefix):
             continue
         k = key[len(prefix):]
+        if SKIP.search(key if slot_prefix is None else k):
+            continue
         if k in GLOBAL_KEYS:
             shards[(GLOBAL_KEYS[k], None)] = [dcp.lazy(key)]
             continue
@@ -299,7 +302,47 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                       iteration=iteration if iteration is not None else common.get("iteration"),
                       checkpoint_version=common.get("checkpoint_version"), args=args,
                       extra={"replica_policy": policy, "plain_dcp": backend is None})
-    return Checkpoint(cfg, tensors, info, warnings)
+    optimizer = _read_optimizer(dcp, common, cfg, tensors, policy, args, str(d), warnings)
+    return Checkpoint(cfg, tensors, info, warnings, optimizer)
+
+
+def _read_optimizer(dcp: DcpDir, common: dict, cfg: GPTConfig, tensors, policy, args, where: str,
+                    warnings: List[str]) -> Optional[OptimizerState]:
+    """The optimizer state of a model-space form as slots (dist_optim.py); other forms are dropped
+    with a warning naming them (the weights are still converted)."""
+    form = dist_optim.sharding_type(common)
+    if form is None:
+        if any(k.startswith("optimizer.") for k in dcp.entries):
+            warnings.append("optimizer state dropped: the checkpoint holds optimizer tensors but no optimizer "
+                            "entry in its common state (a bare save); the output holds the weights only")
+        return None
+    if form in dist_optim.NOT_MODEL_SPACE:
+        warnings.append(f"optimizer state dropped: the distributed optimizer's {form} form "
+                        f"({dist_optim.NOT_MODEL_SPACE[form]}) is not carried yet; the output holds the weights "
+                        "only (re-save with --dist-ckpt-optim-fully-reshardable to carry it)")
+        return None
+    if form not in dist_optim.STORED_SLOTS:
+        raise CkptError(f"{where}: unknown optimizer form {form!r}", dist_optim.HINT)
+    order = {n: i for i, n in enumerate(tensors)}
+    weight_shards, _ = _collect(dcp)
+
+    def slot_tensors(stored: str):
+        shards, _ = _collect(dcp, f"{dist_optim.PREFIX}{stored}.")
+        if cfg.tied_embeddings:
+            shards.pop(("output", None), None)
+        for key, parts in shards.items():
+            want = weight_shards.get(key)
+            if want is not None and tuple(parts[0].shape) != tuple(want[0].shape):
+                flattened = " (stored N-D flattened by megatron-core < 0.14, which ckptool does not read)" \
+                    if form == "fully_sharded_model_space" else ""
+                raise CkptError(f"{where}: {stored} optimizer state of {key[0]} (layer {key[1]}) has shape "
+                                f"{tuple(parts[0].shape)}, the weight {tuple(want[0].shape)}{flattened}",
+                                dist_optim.HINT)
+        slot = assemble(cfg, shards, policy) if shards else {}
+        return dict(sorted(slot.items(), key=lambda kv: order.get(kv[0], 1 << 30)))
+
+    consumed = getattr(args, "consumed_train_samples", None)
+    return dist_optim.read(common, form, slot_tensors, tensors, consumed, where)
 
 
 # --- writing --------------------------------------------------------------------------------
