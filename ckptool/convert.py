@@ -35,7 +35,7 @@ def _dist_writer(ckpt, out_dir, layout, **kw):
 
 WRITERS["torch_dist"] = _dist_writer
 # writers that carry the optimizer state (keyword optimizer=True/False); the others write weights only
-OPTIMIZER_WRITERS = {"torch"}
+OPTIMIZER_WRITERS = {"torch", "torch_dist"}
 
 
 def write_layout(ckpt: Checkpoint, dst, layout: Layout, fmt: Optional[str] = None, force: bool = False,

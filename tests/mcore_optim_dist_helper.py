@@ -39,6 +39,27 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # noqa: E402
+
+
+def _keep_torch_step(orig):
+    """CPU shim (no TE/Apex): DistributedOptimizer.load_state_dict gives every torch Adam state the step
+    from the checkpoint's param groups, then its fully_reshardable loader copies each state key from the
+    checkpoint tensors, where 'step' never is (KeyError). Keep the step it has just set."""
+    def set_states(self, model_param, tensors):
+        if "step" not in tensors:
+            group, order = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
+            if "step" in state:
+                tensors = dict(tensors, step=state["step"])
+        return orig(self, model_param, tensors)
+    return set_states
+
+
+if not torch.cuda.is_available():
+    DistributedOptimizer._set_main_param_and_optimizer_states = _keep_torch_step(
+        DistributedOptimizer._set_main_param_and_optimizer_states)
+
 DISTRIBUTED_FORMS = ("fully_reshardable", "fully_sharded_model_space", "dp_reshardable")
 SLOT_OF = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 
@@ -113,11 +134,22 @@ def load(root: Path, model, opt, sched, a) -> int:
         model.load_state_dict(loaded["model"], strict=False)
         sched.step(increment=common["iteration"])  # --no-load-optim: the scheduler still starts there
         return common["iteration"]
+    inner = getattr(opt, "chained_optimizers", [opt])[0]
+    if a.form in DISTRIBUTED_FORMS and not inner.optimizer.state:
+        # CPU shim: without TE/Apex, DistributedOptimizer.state_dict() reads the step from the torch
+        # state, which a fresh optimizer does not have yet (with TE it takes it from the groups); its own
+        # dummy-state init fills it, and the load then overwrites every value.
+        inner._init_optimizer_states_with_dummy_values()
     sd = state_dict(model, opt, sched, metadata, loading=True)
     loaded = dist_checkpointing.load(sd, d, strict="assume_ok_unexpected")
     missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
     assert not [k for k in missing if not k.endswith("_extra_state")] and not unexpected, (missing, unexpected)
     opt.load_state_dict(loaded["optimizer"])
+    if a.form in DISTRIBUTED_FORMS and not torch.cuda.is_available():
+        # CPU shim: without TE/Apex, load_state_dict gives every parameter's torch Adam state the SAME
+        # step tensor, which torch's Adam then increments once per parameter; unshare it.
+        for st in inner.optimizer.state.values():
+            st["step"] = st["step"].clone()
     sched.load_state_dict(loaded["opt_param_scheduler"])
     return loaded["iteration"]
 

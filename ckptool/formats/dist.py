@@ -32,8 +32,9 @@ from ..lazy import LazyTensor, load_scope
 from ..options import ReadOptions
 from ..roles import GLOBAL_ROLES, LAYER_ROLES, assemble, global_role_tensor, layer_role_tensor
 from ..sharding import ReplicaPolicy
-from ..state import Checkpoint, OptimizerState, SourceInfo, expected_names
-from ..vocab import resize_vocab, target_rows
+from ..state import (OPTIMIZER_SLOTS, PAD_FILL_BY_SLOT, WEIGHT, Checkpoint, OptimizerState, SourceInfo,
+                     expected_names)
+from ..vocab import resize_slot_vocab, resize_vocab, target_rows
 from . import dist_optim, megatron_args
 from .megatron import TRACKER, resolve_iteration_dir
 
@@ -353,11 +354,14 @@ def _global_fqn(role: str) -> str:
 
 def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Optional[torch.dtype] = None,
                      divisible_by: Optional[int] = None, pad_fill: str = "zero", iteration: Optional[int] = None,
-                     progress: Optional[Callable[[int], None]] = None, warn=print, **_ignored) -> dict:
+                     progress: Optional[Callable[[int], None]] = None, warn=print, optimizer: bool = True,
+                     **_ignored) -> dict:
     """Write ckpt as a megatron-core torch_dist checkpoint (save dir: tracker + iter_XXXXXXX/).
 
     Tensors are full and stacked; `layout` only sets the args (and the vocab padding for its TP):
-    megatron-core cuts the shards it needs at load time, whatever its TP/PP.
+    megatron-core cuts the shards it needs at load time, whatever its TP/PP. With optimizer (the
+    default) and a source holding optimizer state, every slot is written beside the weights in the
+    fully_reshardable form (dist_optim.py), layer by layer, so it loads at any layout too.
     """
     cfg = ckpt.config
     check_tensor_parallel(cfg, layout.tp)
@@ -376,13 +380,17 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
                                          3.0, iteration)
     args.ckpt_format = "torch_dist"
     common = {"args": args, "checkpoint_version": 3.0, "iteration": iteration}
+    slots = _target_slots(ckpt, tensors, cfg, rows) if optimizer else {}
+    if slots:
+        common.update(dist_optim.common_entries(ckpt.optimizer, mixed=out_dtype in (torch.float16, torch.bfloat16)))
+        args.dist_ckpt_optim_fully_reshardable = True
 
     it_dir = Path(out_dir) / f"iter_{iteration:07d}"
     writer = DcpWriter(it_dir)
     tensor_bytes = [0]
 
-    def put(fqn: str, t: torch.Tensor, global_shape, offsets) -> None:
-        if dtype is not None:
+    def put(fqn: str, t: torch.Tensor, global_shape, offsets, cast: bool = True) -> None:
+        if dtype is not None and cast:
             t = t.to(dtype)
         writer.declare(fqn, global_shape, t.dtype)
         writer.add_chunk(fqn, t, offsets)
@@ -390,11 +398,27 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
         if progress:
             progress(t.numel() * t.element_size())
 
-    def put_global(role: str) -> None:
-        full = global_role_tensor(tensors, role)
-        if full is not None:
+    def put_slots(model_key: str, full_of: Callable, stacked: Optional[int] = None) -> None:
+        """The weight (WEIGHT slot) and every optimizer slot of one parameter (one layer of it when stacked)."""
+        for slot in (WEIGHT,) + tuple(slots):
+            full = full_of(tensors if slot == WEIGHT else slots[slot])
+            if full is None:
+                continue
             t = full.load()
-            put(_global_fqn(role), t, t.shape, (0,) * t.dim())
+            shape, offsets = t.shape, (0,) * t.dim()
+            if stacked is not None:
+                t = t.unsqueeze(0)
+                shape, offsets = (cfg.num_layers,) + tuple(t.shape[1:]), (stacked,) + (0,) * (t.dim() - 1)
+            if slot == WEIGHT:
+                put(model_key, t, shape, offsets)
+                continue
+            first, *aliases = dist_optim.stored_keys(slot, model_key)
+            put(first, t, shape, offsets, cast=False)
+            for alias in aliases:
+                writer.alias(alias, first)
+
+    def put_global(role: str) -> None:
+        put_slots(_global_fqn(role), lambda ts: global_role_tensor(ts, role))
 
     L = cfg.num_layers
     put_global("word")
@@ -402,11 +426,8 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
     for i in range(L):
         with load_scope():
             for role in LAYER_ROLES:
-                full = layer_role_tensor(tensors, cfg_out, i, role)
-                if full is None:
-                    continue
-                t = full.load().unsqueeze(0)
-                put(f"decoder.layers.{WRITE_NAMES[role]}", t, (L,) + tuple(t.shape[1:]), (i,) + (0,) * (t.dim() - 1))
+                put_slots(f"decoder.layers.{WRITE_NAMES[role]}",
+                          lambda ts, role=role: layer_role_tensor(ts, cfg_out, i, role), stacked=i)
         for name in EXTRA_STATE:
             writer.add_bytes(f"decoder.layers.{name}._extra_state/shard_{i}_{L}", NO_EXTRA_STATE)
     put_global("final_norm.weight")
@@ -425,5 +446,28 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
     (it_dir / CONFIG_FILE).write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                                                   "common_backend": "torch", "common_backend_version": 1}))
     (Path(out_dir) / TRACKER).write_text(str(iteration))
-    return {"iteration_dir": it_dir.name, "files": 1, "bytes": tensor_bytes[0], "padded_vocab_size": rows,
-            "dialect": "torch_dist", "checkpoint_version": 3.0}
+    summary = {"iteration_dir": it_dir.name, "files": 1, "bytes": tensor_bytes[0], "padded_vocab_size": rows,
+               "dialect": "torch_dist", "checkpoint_version": 3.0}
+    if slots:
+        opt = ckpt.optimizer
+        summary["optimizer"] = {"kind": dist_optim.WRITE_FORM, "step": opt.step, "slots": sorted(slots),
+                                "groups": len(opt.param_groups)}
+    return summary
+
+
+def _target_slots(ckpt: Checkpoint, weights, cfg: GPTConfig, rows: int) -> Dict[str, Dict[str, LazyTensor]]:
+    """Every optimizer slot re-padded like the weights (new rows: zero moments, master = weight); a
+    source trained in fp32 has no separate masters: its weights are."""
+    opt = ckpt.optimizer
+    if opt is None:
+        return {}
+    require(opt.step is not None, f"{ckpt.source.path}: the optimizer state has no step count", dist_optim.HINT)
+    out = {}
+    for slot in OPTIMIZER_SLOTS:
+        source = opt.slots.get(slot)
+        if source is None and slot == "master":
+            source = {n: w.to(torch.float32) for n, w in ckpt.tensors.items()}
+        if source is None:
+            raise CkptError(f"{ckpt.source.path}: the optimizer state has no {slot}", dist_optim.HINT)
+        out[slot] = resize_slot_vocab(source, weights, cfg, rows, PAD_FILL_BY_SLOT[slot])
+    return out
