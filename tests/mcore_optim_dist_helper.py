@@ -18,6 +18,8 @@ scheduler. This helper does exactly that with the training loop of tests/mcore_t
         per slot, written as Megatron-LM torch-format weights (LIVE/<slot>/...: each slot's tensors under
         the model's own parameter names, TP shards per mp_rank file), so ckptool's proven weight reader
         maps them to canonical names for comparison.
+  "load DIR --tp T --pp P --form F --live LIVE --out FILE"
+        load DIR at TP T, PP P as in resume and write the optimizer's values as --live does (no training).
   "resume DIR --tp T --form F --more M --out FILE [--weights-only]"
         load DIR at TP T as Megatron-LM's load_checkpoint does (optimizer too unless --weights-only;
         form F says which optimizer the loading run uses) and train M steps on the batches that follow.
@@ -64,10 +66,10 @@ DISTRIBUTED_FORMS = ("fully_reshardable", "fully_sharded_model_space", "dp_resha
 SLOT_OF = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 
 
-def build(arch, tp, dtype, distributed):
-    """mcore_train_helper.build, with the distributed optimizer when asked."""
+def build(arch, tp, dtype, distributed, pp=1):
+    """mcore_train_helper.build, with the distributed optimizer when asked (and PP for load checks)."""
     import contextlib
-    model, cfg = H.build(arch, tp)
+    model, cfg = H.build(arch, tp, pp)
     model.train()
     if dtype == "bf16":
         model = model.to(torch.bfloat16)
@@ -195,22 +197,23 @@ def save_live(live_root: Path, live, cfg, a, iteration):
     first_dp = parallel_state.get_data_parallel_rank() == 0
     for slot, tensors in live.items():
         root = live_root / slot
-        d = root / f"iter_{iteration:07d}" / f"mp_rank_{tp_rank:02d}"
-        args = H.megatron_args(a.arch, cfg, a.tp)
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        d = root / f"iter_{iteration:07d}" / (f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if a.pp > 1 else ""))
+        args = H.megatron_args(a.arch, cfg, a.tp, a.pp)
         args.ckpt_format = "torch"
         args.params_dtype = torch.float32
         if first_dp:
             d.mkdir(parents=True, exist_ok=True)
             torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": tensors},
                        d / "model_optim_rng.pt")
-            if tp_rank == 0:
+            if tp_rank == 0 and pp_rank == 0:
                 (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     dist.barrier()
 
 
 def run_job(a):
     distributed = a.form in DISTRIBUTED_FORMS
-    model, ddp, opt, sched, cfg = build(a.arch, a.tp, a.dtype, distributed)
+    model, ddp, opt, sched, cfg = build(a.arch, a.tp, a.dtype, distributed, a.pp)
     root = Path(a.dir)
     losses = []
     if a.mode == "save":
@@ -220,6 +223,10 @@ def run_job(a):
         if a.live:
             save_live(Path(a.live), live_slots(model, opt, distributed), cfg, a, a.steps)
         start, count = a.steps, a.more
+    elif a.mode == "load":  # load only (any TP/PP), then write what the optimizer holds
+        it = load(root, model, opt, sched, a)
+        save_live(Path(a.live), live_slots(model, opt, distributed), cfg, a, it)
+        start, count = it, 0
     else:
         start, count = load(root, model, opt, sched, a), a.more
     for step in range(start, start + count):
@@ -233,9 +240,10 @@ def run_job(a):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["save", "resume"])
+    ap.add_argument("mode", choices=["save", "resume", "load"])
     ap.add_argument("dir")
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--arch", default="gpt2")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--form", default="plain", choices=("plain",) + DISTRIBUTED_FORMS)

@@ -123,11 +123,7 @@ def test_no_optimizer_writes_weights_only(tmp_path):
     assert "optimizer" not in load_torch_file(tmp_path / "out" / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt")
 
 
-def test_torch_dist_target_warns_that_the_optimizer_is_dropped(tmp_path):
-    src = open_checkpoint(real_checkpoint(CASES[0]) / "checkpoint")
-    said = []
-    write_layout(src, tmp_path / "out", Layout(1, 1), fmt="torch_dist", warn=said.append)
-    assert any("optimizer state dropped" in m and "torch_dist" in m for m in said)
+# torch_dist targets carry the optimizer too: tests/test_dist_optim.py.
 
 
 def _copy_case(tmp_path, case=CASES[0]) -> Path:
