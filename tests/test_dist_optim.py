@@ -77,7 +77,8 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist_optim")
     torchrun(f"save {root}/plain --tp 2 --form plain --live {root}/plain_live --out {root}/plain.pt",
              f"save {root}/fr --tp 1 --form fully_reshardable --live {root}/fr_live --out {root}/fr.pt",
-             f"save {root}/dpr --tp 1 --form dp_reshardable --steps 1 --more 0 --out {root}/dpr.pt")
+             f"save {root}/dpr --tp 1 --form dp_reshardable --steps 1 --more 0 --out {root}/dpr.pt",
+             f"save {root}/f32 --tp 2 --form plain --dtype fp32 --live {root}/f32_live --out {root}/f32.pt")
     return root
 
 
@@ -87,12 +88,15 @@ def resumed(trained):
     r = trained
     write_layout(open_checkpoint(r / "plain"), r / "plain_to_tp1", Layout(1), fmt="torch_dist", warn=print)
     write_layout(open_checkpoint(r / "fr"), r / "fr_to_tp2", Layout(2), fmt="torch_dist", warn=print)
+    write_layout(open_checkpoint(r / "f32"), r / "f32_to_tp1", Layout(1), fmt="torch_dist", warn=print)
     torchrun(f"resume {r}/plain_to_tp1 --tp 1 --form plain --out {r}/r_plain_tp1.pt",
              f"resume {r}/plain_to_tp1 --tp 1 --form fully_reshardable --out {r}/r_plain_tp1_distopt.pt",
              f"resume {r}/plain_to_tp1 --tp 1 --form plain --weights-only --out {r}/r_weights_only.pt",
              f"resume {r}/fr_to_tp2 --tp 2 --form fully_reshardable --out {r}/r_fr_tp2.pt",
              f"resume {r}/fr_to_tp2 --tp 2 --form plain --out {r}/r_fr_tp2_plain.pt",
              f"resume {r}/fr --tp 1 --form fully_reshardable --out {r}/r_control.pt",
+             f"resume {r}/f32_to_tp1 --tp 1 --form plain --dtype fp32 --out {r}/r_f32.pt",
+             f"resume {r}/f32_to_tp1 --tp 1 --form fully_reshardable --dtype fp32 --out {r}/r_f32_distopt.pt",
              f"load {r}/plain_to_tp1 --tp 1 --pp 2 --form plain --live {r}/l_pp2_plain --out {r}/l1.pt",
              f"load {r}/fr_to_tp2 --tp 1 --pp 2 --form fully_reshardable --live {r}/l_pp2_fr --out {r}/l2.pt")
     return r
@@ -152,6 +156,19 @@ def test_training_resumes_on_the_new_layout(resumed):
     assert max(gaps.values()) < LOSS_TOL, gaps
     assert weights_only > 10 * max(gaps.values()) and weights_only > 1e-2, (weights_only, gaps)
     assert torch.equal(losses(r / "r_control.pt"), went_on["fr"])  # megatron-core's own save, same layout
+    # fp32 training (no separate masters): TP2 -> TP1 resumes exactly here, with either optimizer kind
+    for name in ("r_f32", "r_f32_distopt"):
+        assert (losses(r / f"{name}.pt") - losses(r / "f32.pt")[3:]).abs().max().item() < LOSS_TOL, name
+
+
+@needs_mcore
+def test_fp32_training_state_has_moments_and_no_separate_masters(trained):
+    ckpt = open_checkpoint(trained / "f32")
+    assert ckpt.optimizer.slot_names() == ["exp_avg", "exp_avg_sq"] and ckpt.optimizer.step == 3
+    for slot in ckpt.optimizer.slot_names():
+        other = open_checkpoint(trained / "f32_live" / slot).tensors
+        for name, t in ckpt.optimizer.slots[slot].items():
+            assert torch.equal(t.load(), other[name].load()), (slot, name)
 
 
 @pytest.mark.parametrize("case", TORCH_CASES)
@@ -184,6 +201,14 @@ def test_master_aliases_share_bytes_and_megatron_core_keys_are_written(tmp_path)
     master = sum(info.length for k, chunks in dcp.storage.items() if k.startswith("optimizer.state.param.")
                  for info in chunks.values())
     assert size == listed - master  # every master byte is on disk once
+
+
+def test_fp32_target_takes_its_weights_from_the_masters(tmp_path):
+    src = open_checkpoint(real_checkpoint(TORCH_CASES[0]) / "checkpoint")
+    write_layout(src, tmp_path / "dist", Layout(1), fmt="torch_dist", dtype=torch.float32, warn=lambda m: None)
+    out = open_checkpoint(tmp_path / "dist")
+    for name, master in src.optimizer.slots["master"].items():
+        assert torch.equal(out.tensors[name].load(), master.load()), name
 
 
 def _with_optimizer(ckpt, slots):

@@ -381,9 +381,12 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
     args.ckpt_format = "torch_dist"
     common = {"args": args, "checkpoint_version": 3.0, "iteration": iteration}
     slots = _target_slots(ckpt, tensors, cfg, rows) if optimizer else {}
+    mixed = out_dtype in (torch.float16, torch.bfloat16)
     if slots:
-        common.update(dist_optim.common_entries(ckpt.optimizer, mixed=out_dtype in (torch.float16, torch.bfloat16)))
+        common.update(dist_optim.common_entries(ckpt.optimizer, mixed=mixed))
         args.dist_ckpt_optim_fully_reshardable = True
+        if not mixed and "master" in ckpt.optimizer.slots:
+            tensors = slots["master"]  # fp32 training: the fp32 masters are the weights
 
     it_dir = Path(out_dir) / f"iter_{iteration:07d}"
     writer = DcpWriter(it_dir)
