@@ -31,7 +31,7 @@ from ckptool.formats import dist_optim
 from ckptool.formats.registry import open_checkpoint
 from ckptool.io.dcp_io import DcpDir
 from ckptool.lazy import Const
-from ckptool.state import Checkpoint
+from ckptool.state import Checkpoint, OptimizerState
 
 REPO = Path(__file__).resolve().parents[1]
 HELPER = REPO / "tests" / "mcore_optim_dist_helper.py"
@@ -234,3 +234,12 @@ def test_unexpected_param_groups_are_refused():
         dist_optim.tie_groups(hypers, weights, "here")
     groups = dist_optim.tie_groups(hypers[:2], weights, "here")
     assert [g.names for g in groups] == [["a.weight"], ["a.bias"]]
+
+
+def test_groups_without_megatron_core_identifier_keys_get_a_default_runs_values():
+    from ckptool.state import ParamGroup
+    opt = OptimizerState("x", {}, step=5, param_groups=[ParamGroup(["w"], {"lr": 0.1, "weight_decay": 0.1}),
+                                                        ParamGroup(["b"], {"lr": 0.1, "weight_decay": 0.0})])
+    groups = dist_optim.common_entries(opt, mixed=True)["optimizer"]["optimizer"]["param_groups"]
+    assert [(g["wd_mult"], g["lr_mult"], g["is_expert_parallel"], g["is_decoupled_lr"], g["step"]) for g in groups] == \
+        [(1.0, 1.0, False, False, 5.0), (0.0, 1.0, False, False, 5.0)]

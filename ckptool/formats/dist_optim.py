@@ -51,6 +51,10 @@ NOT_MODEL_SPACE = {
     "fully_sharded_bucket_space": "flat per-bucket shards (deprecated in megatron-core)",
     "fsdp_dtensor": "Megatron-FSDP DTensor state",
 }
+# The keys megatron-core's distributed optimizer matches a checkpoint's groups to its own by (a
+# KeyError without them); sources that predate them (older Megatron-LM, DeepSpeed) get the values a
+# default run has: wd_mult 0 exactly for the group without weight decay.
+GROUP_IDENTIFIER_DEFAULTS = {"lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}
 WRITE_FORM = "fully_reshardable"
 CONTENT_METADATA = {"distrib_optim_sharding_type": WRITE_FORM, "distrib_optim_fully_reshardable_mem_efficient": False,
                     "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
@@ -165,11 +169,18 @@ def stored_keys(slot: str, model_key: str) -> List[str]:
     return [f"{PREFIX}{n}.{model_key}" for n in names]
 
 
+def _with_identifiers(hyper: dict) -> dict:
+    out = dict(GROUP_IDENTIFIER_DEFAULTS, **hyper)
+    if "wd_mult" not in out:
+        out["wd_mult"] = 0.0 if out.get("weight_decay") == 0 else 1.0
+    return out
+
+
 def common_entries(opt: OptimizerState, mixed: bool) -> dict:
     """The common-state entries megatron-core's optimizers read back: the distributed optimizer's
     (param groups with their step, the sharding type) and the non-distributed one's (common_step;
     at fp32 its torch state sits at the top of the entry)."""
-    groups = [dict(g.hyper, step=float(opt.step)) for g in opt.param_groups]
+    groups = [dict(_with_identifiers(g.hyper), step=float(opt.step)) for g in opt.param_groups]
     torch_state = {"param_groups": groups, "state": {"common_step": Const(torch.tensor(float(opt.step)))}}
     entry = {"optimizer": torch_state, "param_state_sharding_type": WRITE_FORM}
     if not mixed:
