@@ -243,3 +243,27 @@ def test_groups_without_megatron_core_identifier_keys_get_a_default_runs_values(
     groups = dist_optim.common_entries(opt, mixed=True)["optimizer"]["optimizer"]["param_groups"]
     assert [(g["wd_mult"], g["lr_mult"], g["is_expert_parallel"], g["is_decoupled_lr"], g["step"]) for g in groups] == \
         [(1.0, 1.0, False, False, 5.0), (0.0, 1.0, False, False, 5.0)]
+
+
+def test_a_chained_optimizer_is_dropped_by_name(tmp_path):
+    """Two optimizers (megatron-core's ChainedOptimizer: one entry per optimizer, tensor keys prefixed
+    chained_N. in the non-reshardable forms): dropped with a warning, the weights still read."""
+    import pickle
+    from ckptool.io.torchfile import load_torch_file, save_streaming
+    src = open_checkpoint(real_checkpoint(TORCH_CASES[0]) / "checkpoint")
+    write_layout(src, tmp_path / "dist", Layout(1), fmt="torch_dist", warn=lambda m: None)
+    d = tmp_path / "dist" / "iter_0000003"
+    common = load_torch_file(d / "common.pt")
+    common["optimizer"] = {0: common["optimizer"], 1: common["optimizer"]}
+    save_streaming(common, tmp_path / "common.pt")  # not over the file its lazy tensors read from
+    os.replace(tmp_path / "common.pt", d / "common.pt")
+    md = pickle.loads((d / ".metadata").read_bytes())
+    md.state_dict_metadata = {("chained_0." + k if k.startswith("optimizer.") else k): v
+                              for k, v in md.state_dict_metadata.items()}
+    md.storage_data = {type(i)(("chained_0." + i.fqn) if i.fqn.startswith("optimizer.") else i.fqn, i.offset, i.index): v
+                       for i, v in md.storage_data.items()}
+    (d / ".metadata").write_bytes(pickle.dumps(md))
+    ckpt = open_checkpoint(tmp_path / "dist")
+    assert ckpt.optimizer is None
+    assert any("chained optimizer (2 optimizers" in w for w in ckpt.warnings), ckpt.warnings
+    assert torch.equal(ckpt.tensors["embed.word"].load()[:1001], src.tensors["embed.word"].load()[:1001])

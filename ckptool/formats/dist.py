@@ -86,7 +86,7 @@ NO_EXTRA_STATE = _buf.getvalue()
 del _buf
 MODEL_PREFIXES = ("model.module.module.", "model.module.", "model.", "module.", "")
 # Entries that are not model weights: skipped.
-SKIP = re.compile(r"(_extra_state|^rng_state|^optimizer\.|^common_state|rerun_state_machine)")
+SKIP = re.compile(r"(_extra_state|^rng_state|^(chained_\d+\.)?optimizer\.|^common_state|rerun_state_machine)")
 PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 STACKED = re.compile(r"^decoder\.layers\.(.+)$")
 
@@ -312,8 +312,13 @@ def _read_optimizer(dcp: DcpDir, common: dict, cfg: GPTConfig, tensors, policy, 
     """The optimizer state of a model-space form as slots (dist_optim.py); other forms are dropped
     with a warning naming them (the weights are still converted)."""
     form = dist_optim.sharding_type(common)
+    chained = dist_optim.chained_count(common)
+    if chained:
+        warnings.append(f"optimizer state dropped: a chained optimizer ({chained} optimizers, e.g. separate expert or "
+                        "decoupled-lr groups) is not carried yet; the output holds the weights only")
+        return None
     if form is None:
-        if any(k.startswith("optimizer.") for k in dcp.entries):
+        if any(SKIP.search(k) and "optimizer." in k for k in dcp.entries):
             warnings.append("optimizer state dropped: the checkpoint holds optimizer tensors but no optimizer "
                             "entry in its common state (a bare save); the output holds the weights only")
         return None

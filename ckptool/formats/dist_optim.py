@@ -68,6 +68,13 @@ def sharding_type(common: dict) -> Optional[str]:
     return opt.get("param_state_sharding_type") or NON_DISTRIBUTED
 
 
+def chained_count(common: dict) -> int:
+    """How many optimizers a ChainedOptimizer saved (0: one optimizer): it stores one entry per
+    optimizer under its index."""
+    opt = common.get("optimizer")
+    return sum(1 for k in opt if isinstance(k, int)) if isinstance(opt, dict) else 0
+
+
 def _torch_state(opt: dict) -> dict:
     """The torch optimizer part of the common `optimizer` entry: nested under 'optimizer' for mixed
     precision and the distributed optimizer, the entry itself for fp32 non-distributed training."""
