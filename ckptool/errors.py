@@ -59,6 +59,8 @@ EXIT_STATUSES = (
 EXIT = {s.name: s.code for s in EXIT_STATUSES}
 
 
-def exit_status_table() -> str:
-    """The statuses as aligned text lines, for --help and README."""
-    return "\n".join(f"  {s.code:<4} {s.meaning}" for s in EXIT_STATUSES)
+def exit_status_table(width: int = 96) -> str:
+    """The statuses as aligned text lines (for --help)."""
+    import textwrap
+    return "\n".join(textwrap.fill(s.meaning, width, initial_indent=f"  {s.code:<4} ", subsequent_indent=" " * 7)
+                     for s in EXIT_STATUSES)
