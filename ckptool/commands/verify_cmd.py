@@ -14,10 +14,10 @@ from pathlib import Path
 import click
 import torch
 
-from ..errors import CkptError, require
+from ..errors import EXIT, CkptError, require
 from ..verify import compare as cmp
 from ..verify import inputs
-from .common import print_warnings, read_options, reports_errors, source_options
+from .common import print_warnings, reports_errors, source_options
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -75,24 +75,16 @@ def verify_cmd(target, ref, reference_logits, files_dir, tokens, tokenizer, batc
       ckptool verify out --reference hf_model_dir                             # one process
       ckptool verify --files out                                              # manifest check
     """
-    if files_dir:
-        return verify_files(Path(files_dir))
-    require(target is not None, "give the checkpoint to verify", "ckptool verify TARGET [--reference REF]")
-    require(not (ref and reference_logits), "give --reference or --reference-logits, not both")
-    opts = read_options(kw)
-    compute = COMPUTE_DTYPES[dtype]
-    tol = tolerance  # None: the default for the dtype, widened to the 16-bit noise floor (_tolerance)
-    if under_torchrun():
-        ok = run_parallel(target, ref, reference_logits, opts, compute, tol,
-                          (tokens, tokenizer, batch, seq_len, seed), tp, pp, vpp)
-    else:
-        ok = run_single(target, ref, reference_logits, opts, compute, tol,
-                        (tokens, tokenizer, batch, seq_len, seed))
-    if not ok:
-        sys.exit(1)
+    from ..api import verify
+    result = verify(target, reference=ref, reference_logits=reference_logits, files=files_dir or None,
+                    tokens=tokens, tokenizer=tokenizer, batch=batch, seq_len=seq_len, seed=seed, dtype=dtype,
+                    tolerance=tolerance, tp=tp, pp=pp, vpp=vpp, **kw)
+    if not result.ok:
+        sys.exit(EXIT["mismatch"])
 
 
-def verify_files(dst: Path) -> None:
+def verify_files(dst: Path) -> bool:
+    """Check an output directory against its manifest, printing each problem; True when it holds."""
     from ..io.outdir import check_manifest
     require(dst.is_dir(), f"{dst}: not a directory")
     problems = check_manifest(dst)
@@ -100,8 +92,9 @@ def verify_files(dst: Path) -> None:
         click.echo(f"  {p}")
     if problems:
         click.echo(f"result=FAIL ({len(problems)} problem{'s' if len(problems) > 1 else ''} in {dst})")
-        sys.exit(1)
+        return False
     click.echo(f"result=PASS (every file in {dst} matches its manifest)")
+    return True
 
 
 def _tokens_for(reference_logits, token_args, vocab):
