@@ -3,23 +3,33 @@
 Real: the Megatron-DeepSpeed TP2 PP2 bf16 ZeRO-1 checkpoint (shared/real-checkpoints, copied to
 fixtures/real) against the logits Megatron-DeepSpeed computed, with its 16-bit layer files and with
 its fp32 masters; copies of it whose TP rank 1 replica of a layer norm drifted (as with dropout on).
+Real: tests/ds_mcore_tp_case.py trains a megatron-core GPT at TP 2, DP 2 with the real deepspeed
+package (ZeRO-1, bf16, hidden dropout seeded per TP rank, so the TP replicas drift apart) and records
+the logits the framework's own model computes with each rank's copies; the parallel verify must
+reproduce them, and the merged one-process view (rank 0's copies) must not.
 Synthetic (named as such, deepspeed.md 1.3 via tests/test_deepspeed.py's writers): a ZeRO-1 run of
 a Megatron model with TP 4 and DP 2 under Megatron names, one rank's replicas drifted.
-All checks of the 4-process launch share it (tests/verify_batch.py runs each as the real command).
+The checks of one process count share a launch (tests/verify_batch.py runs each as the real command).
 """
 from __future__ import annotations
 
+import importlib.util
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import real_checkpoint
-from test_deepspeed import _args, _legacy_module_tp, _rand_gpt, _write_zero12
+from conftest import free_port, real_checkpoint
+from test_deepspeed import HAVE_DS, _args, _legacy_module_tp, _rand_gpt, _write_zero12
 from test_verify import metric, verify_batch, verify_here
 
+REPO = Path(__file__).resolve().parents[1]
 MDS_CASE = "mds_gpt2_pipe_tp2pp2_bf16_zero1"
+HAVE_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 DRIFT = 0.0625  # added to TP rank 1's copy of transformer layer 1's input layer norm
 
 
@@ -151,6 +161,39 @@ def test_zero_run_with_tp_drifted_replica(batch):
     assert rc == 1, text
     assert ("first_divergence=layer 1 [pipeline stage 0: mp_rank_00 ZeRO partitions, mp_rank_01 ZeRO "
             "partitions, mp_rank_02 ZeRO partitions, mp_rank_03 ZeRO partitions]") in text, text
+
+
+# --- a real DeepSpeed ZeRO run of a megatron-core model at TP 2 whose replicas drifted ---------------
+
+@pytest.fixture(scope="module")
+def mcore_tp_run(tmp_path_factory):
+    if not (HAVE_DS and HAVE_MCORE):
+        pytest.skip("needs the deepspeed and megatron-core packages")
+    out = tmp_path_factory.mktemp("ds_mcore_tp")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
+           str(REPO / "tests" / "ds_mcore_tp_case.py"), str(out)]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    recorded = str(out / "reference.pt")
+    cases = {w: [out / "ckpt", "--weights", w, "--reference-logits", f"{recorded}:logits_{w}"] for w in ("model", "master")}
+    return out, verify_batch(2, cases, out / "verify")
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("weights,dtype", [("model", "bfloat16"), ("master", "float32")])
+def test_real_zero_tp_run_with_drifted_replicas(mcore_tp_run, weights, dtype):
+    out, results = mcore_tp_run
+    text, rc = results[weights]
+    assert rc == 0, text
+    assert "TP2 PP1, 2 processes" in text and f"megatron module (mcore), zero-1, {weights} weights ({dtype})" in text
+    assert metric(text, "max_abs_error") < 1e-5 and "result=PASS" in text
+    # the merged view computes with rank 0's copies everywhere: not what the framework ran
+    single = verify_here(out / "ckpt", "--weights", weights, "--reference-logits",
+                         f"{out / 'reference.pt'}:logits_{weights}")
+    assert single.exit_code == 1 and "result=FAIL" in single.output, single.output
+    assert metric(single.stdout, "max_abs_error") > 1e-3
+    assert "layers.1.attn_norm.weight: tensor-parallel replicas differ" in single.output
 
 
 # --- no launch needed ------------------------------------------------------------------------------
