@@ -176,7 +176,8 @@ def mcore_tp_run(tmp_path_factory):
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     recorded = str(out / "reference.pt")
-    cases = {w: [out / "ckpt", "--weights", w, "--reference-logits", f"{recorded}:logits_{w}"] for w in ("model", "master")}
+    cases = {w: [out / "ckpt", "--weights", w, "--reference-logits", f"{recorded}:logits_{w}"]
+             for w in ("model", "master")}
     return out, verify_batch(2, cases, out / "verify")
 
 
@@ -230,7 +231,8 @@ def test_a_rank_reads_only_its_own_files(mds, monkeypatch, weights, rank, files)
     short = lambda path: path.name.replace("-model_states.pt", "").replace("_states.pt", "")  # noqa: E731
     real_tree, real, real_into = (torchfile.TorchArchive.load_tree, torchfile.TorchArchive.read_record,
                                   torchfile.TorchArchive.read_record_into)
-    monkeypatch.setattr(torchfile.TorchArchive, "load_tree", lambda self: opened.add(short(self.path)) or real_tree(self))
+    monkeypatch.setattr(torchfile.TorchArchive, "load_tree",
+                        lambda self: opened.add(short(self.path)) or real_tree(self))
     monkeypatch.setattr(torchfile.TorchArchive, "read_record",
                         lambda self, *a, **k: reads.add(short(self.path)) or real(self, *a, **k))
     monkeypatch.setattr(torchfile.TorchArchive, "read_record_into",

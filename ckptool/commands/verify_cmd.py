@@ -62,7 +62,8 @@ def verify_cmd(target, ref, reference_logits, files_dir, tokens, tokenizer, batc
                tolerance, tp, pp, vpp, **kw):
     """Check that TARGET computes what the reference computes (exit status 1 when it does not).
 
-    Under torchrun, TARGET is a Megatron checkpoint (torch format, VPP included, or torch_dist) and
+    Under torchrun, TARGET is a Megatron checkpoint (torch format, VPP included, or torch_dist) or a
+    DeepSpeed save (Megatron-DeepSpeed pipeline files, ZeRO runs of Megatron models with TP), and
     WORLD_SIZE must be TP * PP of the layout it runs at; each rank reads only its own shard.
 
     \b
