@@ -247,3 +247,53 @@ def test_a_rank_reads_only_its_own_files(mds, monkeypatch, weights, rank, files)
     assert ("output.weight" in loaded) == last and ("embed.word" in loaded) == (not last)
     assert shards.chunks == [(2 * rank[1], 2)]
     assert sorted({int(k.split(".")[1]) for k in loaded if k.startswith("layers.")}) == [2 * rank[1], 2 * rank[1] + 1]
+
+
+def _rank_views_equal_merged_slices(path, opts):
+    """Where the replicas agree, each rank's own tensors are exactly its slices of the merged view."""
+    from ckptool.formats import deepspeed as ds
+    from ckptool.formats.deepspeed_ranks import DeepSpeedRanks
+    from ckptool.formats.megatron_ranks import slice_rank_shards
+    ckpt = ds.read(path, opts)
+    layout = ckpt.source.layout
+    ranks = DeepSpeedRanks(path, opts, ckpt)
+    for p in range(layout.pp):
+        for t in range(layout.tp):
+            own = ranks.shards(t, p).tensors
+            cut = slice_rank_shards(ckpt, layout, t, p).tensors
+            # a tied one-stage model multiplies by embed.word itself; the slices add an output copy
+            tied_one_stage = layout.pp == 1 and ckpt.config.tied_embeddings
+            assert set(own) == set(cut) - ({"output.weight"} if tied_one_stage else set()), (t, p)
+            for name, v in own.items():
+                assert torch.equal(v.load(), cut[name].load()), (t, p, name)
+    return ckpt
+
+
+@pytest.mark.parametrize("weights", ["model", "master"])
+def test_rank_views_of_the_real_mds_checkpoint(mds, weights):
+    from ckptool.options import ReadOptions
+    _rank_views_equal_merged_slices(mds / "checkpoint", ReadOptions(weights=weights))
+
+
+@pytest.mark.parametrize("era,untied,qkv", [("old", False, "grouped"), ("new", True, "split")])
+def test_rank_views_of_synthetic_pipeline_files(tmp_path, era, untied, qkv):
+    """Synthetic MDS layer files at TP2 (tests/test_deepspeed.py's writer): both numbering eras, the
+    untied lm_head file, and the [q | k | v] packing regrouped per rank (4 heads: 2 per rank, so the
+    two packings differ)."""
+    from ckptool.options import ReadOptions
+    from test_deepspeed import _write_pipeline
+    t = _rand_gpt(h=8, heads=4, vocab=16, seed=7)
+    t["head"] = torch.randn(16, 8)
+    _write_pipeline(tmp_path, t, era, untied, qkv, heads=4)
+    for f in (tmp_path / "global_step5").glob("mp_rank_*_model_states.pt"):  # the writer's args say 2 heads
+        meta = torch.load(f, weights_only=False)
+        meta["args"].num_attention_heads = 4
+        torch.save(meta, f)
+    ckpt = _rank_views_equal_merged_slices(tmp_path, ReadOptions(qkv_layout=qkv))
+    assert ckpt.config.tied_embeddings == (not untied)
+
+
+@pytest.mark.parametrize("weights", ["model", "master"])
+def test_rank_views_of_a_synthetic_zero_tp_run(tmp_path, weights):
+    from ckptool.options import ReadOptions
+    _rank_views_equal_merged_slices(synthetic_zero_tp4(tmp_path / "z"), ReadOptions(weights=weights))

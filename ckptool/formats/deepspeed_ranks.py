@@ -32,7 +32,7 @@ from ..options import ReadOptions
 from ..roles import GLOBAL_ROLES
 from ..state import Checkpoint
 from . import mds_pipeline as mds
-from .deepspeed import _megatron_key, _looks_megatron, named_weights
+from .deepspeed import _megatron_key, named_weights
 from .deepspeed_zero import find_files, read_rank
 from .megatron import detect_dialect, flatten
 from .megatron_names import KeyMatcher, qkv_to_grouped
@@ -50,7 +50,7 @@ class DeepSpeedRanks:
         self.kinds = ckpt.source.extra.get("pipe_kinds")  # None unless layer_* pipeline files
         if self.kinds is not None:
             self.index_of = {n: idx for idx, n in mds.layer_numbers(self.kinds).items()}
-        self.hf_names = not self.kinds and not _looks_megatron(named_weights(read_rank(self.tf, 0), self.weights))
+        self.hf_names = ckpt.source.dialect.startswith("hf ")  # deepspeed.read's dialect for HF names
 
     def mp_rank(self, tp_rank: int, pp_rank: int) -> int:
         return pp_rank * self.layout.tp + tp_rank
