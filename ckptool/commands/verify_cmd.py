@@ -62,7 +62,8 @@ def verify_cmd(target, ref, reference_logits, files_dir, tokens, tokenizer, batc
                tolerance, tp, pp, vpp, **kw):
     """Check that TARGET computes what the reference computes (exit status 1 when it does not).
 
-    Under torchrun, TARGET is a Megatron checkpoint (torch format, VPP included, or torch_dist) and
+    Under torchrun, TARGET is a Megatron checkpoint (torch format, VPP included, or torch_dist) or a
+    DeepSpeed save (Megatron-DeepSpeed pipeline files, ZeRO runs of Megatron models with TP), and
     WORLD_SIZE must be TP * PP of the layout it runs at; each rank reads only its own shard.
 
     \b
@@ -215,10 +216,14 @@ class ParallelTarget:
 
 
 def parallel_target(target, opts, tp, pp, world, vpp=None) -> ParallelTarget:
+    from ..formats import deepspeed as ds_format
     from ..formats import dist as dist_format
     from ..formats.megatron import looks_like_megatron
     from ..formats.megatron_ranks import rank_dir_name, read_layout, read_rank_shards, slice_rank_shards
 
+    # DeepSpeed first: a Megatron-DeepSpeed save dir also holds Megatron's tracker file (registry.py)
+    if ds_format.looks_like(Path(target)):
+        return deepspeed_target(target, opts, tp, pp, vpp)
     if looks_like_megatron(Path(target)):
         meta = read_layout(target, opts)
         cfg, layout, ckpt = meta
@@ -234,7 +239,21 @@ def parallel_target(target, opts, tp, pp, world, vpp=None) -> ParallelTarget:
         return ParallelTarget("torch_dist", ckpt, layout,
                               lambda t, p: slice_rank_shards(ckpt, layout, t, p), lambda t, p: None, True)
     raise CkptError(f"{target}: the parallel verify runs Megatron checkpoints (torch format mp_rank_* files "
-                    "or torch_dist)", "run `ckptool verify` without torchrun for other formats")
+                    "or torch_dist) and DeepSpeed saves", "run `ckptool verify` without torchrun for other formats")
+
+
+def deepspeed_target(target, opts, tp, pp, vpp) -> ParallelTarget:
+    """A DeepSpeed save runs at the layout of its files, each rank on its own files
+    (formats/deepspeed_ranks.py); the merged read supplies the architecture and the reference."""
+    from ..formats import deepspeed as ds_format
+    from ..formats.deepspeed_ranks import DeepSpeedRanks
+    ckpt = ds_format.read(target, opts)  # metadata and lazy tensors: no tensor bytes read here
+    layout = ckpt.source.layout
+    require(tp in (None, layout.tp) and pp in (None, layout.pp) and vpp is None,
+            f"{target} is stored at {layout.describe()}; a DeepSpeed checkpoint runs at the layout of its files",
+            f"drop --tp/--pp/--vpp, or reshard it first: ckptool reshard {target} DST --tp N --pp M")
+    ranks = DeepSpeedRanks(target, opts, ckpt)
+    return ParallelTarget(f"deepspeed ({ckpt.source.dialect})", ckpt, layout, ranks.shards, ranks.files, False)
 
 
 def dist_layout(ckpt, tp, pp, world, vpp=None):

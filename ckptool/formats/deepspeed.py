@@ -99,8 +99,9 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     warnings: List[str] = []
     policy = ReplicaPolicy(opts.replicas, warnings.append)
     r0 = ranks[0]
+    pipe_kinds = None  # pipeline saves: spec index -> embed | layer | final_norm | head
     if tf.layers:
-        cfg, tensors, layout, dialect = _read_pipeline(tf, ranks, weights, opts, policy, warnings)
+        cfg, tensors, layout, dialect, pipe_kinds = _read_pipeline(tf, ranks, weights, opts, policy, warnings)
     else:
         named = {mp: named_weights(r, weights) for mp, r in ranks.items()}
         if mds.is_pipe_names(named[0]):
@@ -121,7 +122,7 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                       layout=layout, iteration=r0.meta.get("iteration", r0.meta.get("global_steps")),
                       checkpoint_version=r0.meta.get("checkpoint_version"), args=args,
                       extra={"replica_policy": policy, "weights": weights, "zero_stage": r0.zero_stage,
-                             "optimizer": r0.optimizer_kind, "tag_dir": str(tf.tag_dir),
+                             "optimizer": r0.optimizer_kind, "tag_dir": str(tf.tag_dir), "pipe_kinds": pipe_kinds,
                              "universal_checkpoint_info": r0.meta.get("universal_checkpoint_info")})
     order = {n: i for i, n in enumerate(expected_names(cfg))}
     tensors = dict(sorted(tensors.items(), key=lambda kv: (order.get(kv[0], 1 << 30), kv[0])))
@@ -227,7 +228,7 @@ def _read_pipeline(tf, ranks, weights, opts, policy, warnings):
     layout = Layout(tp=tp, pp=pp, stage_layers=None if len(set(stage_layers)) <= 1 or sum(stage_layers) != cfg.num_layers
                     else stage_layers)
     first = mds.first_layer_index(kinds)
-    return cfg, tensors, layout, f"mds-pipeline (transformer layers from spec index {first}, qkv {layout_name})"
+    return cfg, tensors, layout, f"mds-pipeline (transformer layers from spec index {first}, qkv {layout_name})", kinds
 
 
 def _tied_check(key, t, owner, copy, warnings):
