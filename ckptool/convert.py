@@ -43,6 +43,7 @@ def write_layout(ckpt: Checkpoint, dst, layout: Layout, fmt: Optional[str] = Non
     fmt = fmt or ("torch_dist" if ckpt.source.format == "torch_dist" else "torch")
     if fmt not in WRITERS:
         raise CkptError(f"unknown output format {fmt!r}", f"choose one of {', '.join(sorted(WRITERS))}")
+    refuse_moe(ckpt, fmt)
     src = Path(ckpt.source.path)
 
     def write(tmp: Path, owns) -> dict:
@@ -59,6 +60,16 @@ def write_layout(ckpt: Checkpoint, dst, layout: Layout, fmt: Optional[str] = Non
     summary = write_output(dst, [src], force, write, merge=_add_files_and_bytes)
     summary["format"] = fmt
     return summary
+
+
+def refuse_moe(ckpt: Checkpoint, fmt: str) -> None:
+    """The Megatron writers know dense MLPs only: an MoE model must never reach them, or its experts
+    would be left out of a complete-looking output."""
+    moe = ckpt.config.moe
+    if moe is not None:
+        raise CkptError(f"MoE layers ({moe.num_experts} experts, top-{moe.top_k}, in {len(moe.layers)} of "
+                        f"{ckpt.config.num_layers} layers): Megatron {fmt} output with expert parallelism is "
+                        "not supported yet", "use to-hf for MoE models")
 
 
 def _add_files_and_bytes(parts: list) -> dict:

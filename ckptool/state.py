@@ -12,6 +12,11 @@ global:
   layers.{i}.mlp_norm.{weight,bias}
   layers.{i}.mlp.{gate,up}.{weight,bias}  [ffn, h] (gate only for gated MLPs)
   layers.{i}.mlp.down.{weight,bias}       [h, ffn]
+  MoE layers (config.moe.layers) instead of mlp.{gate,up,down}; e is the global expert index:
+  layers.{i}.mlp.router.weight [E, h]     (.bias, .expert_bias [E] where the model has them)
+  layers.{i}.mlp.experts.{e}.{gate,up}.weight [moe_ffn, h], .down.weight [h, moe_ffn]
+  layers.{i}.mlp.shared.{gate,up}.weight [shared_ffn, h], .down.weight [h, shared_ffn]
+  layers.{i}.mlp.shared_gate.weight [1, h]   (Qwen2-MoE)
   final_norm.{weight,bias}
   output.weight [V_rows, h]               (untied models only)
 
@@ -167,11 +172,29 @@ def expected_names(cfg: GPTConfig) -> List[str]:
         if cfg.add_bias_linear:
             names.append(f"{p}attn.out.bias")
         names += [f"{p}mlp_norm.{x}" for x in norm]
-        mlp = ["gate", "up", "down"] if cfg.gated else ["up", "down"]
-        names += [f"{p}mlp.{m}.weight" for m in mlp]
-        if cfg.add_bias_linear:
-            names += [f"{p}mlp.{m}.bias" for m in mlp]
+        names += moe_names(cfg, i) if cfg.is_moe_layer(i) else mlp_names(cfg, f"{p}mlp.", cfg.add_bias_linear)
     names += [f"final_norm.{x}" for x in norm]
     if not cfg.tied_embeddings:
         names.append("output.weight")
+    return names
+
+
+def mlp_names(cfg: GPTConfig, prefix: str, bias: bool) -> List[str]:
+    """gate (gated models only), up, down weights under prefix, and their biases when bias."""
+    parts = ["gate", "up", "down"] if cfg.gated else ["up", "down"]
+    return [f"{prefix}{m}.weight" for m in parts] + ([f"{prefix}{m}.bias" for m in parts] if bias else [])
+
+
+def moe_names(cfg: GPTConfig, i: int) -> List[str]:
+    """An MoE layer's MLP: router, every expert (global index), the shared expert and its gate.
+    Experts and the shared expert have no biases in any family ckptool reads."""
+    moe, p = cfg.moe, f"layers.{i}.mlp."
+    names = [f"{p}router.weight"]
+    names += [f"{p}router.bias"] if moe.router_bias else []
+    names += [f"{p}router.expert_bias"] if moe.expert_bias else []
+    for e in range(moe.num_experts):
+        names += mlp_names(cfg, f"{p}experts.{e}.", False)
+    if moe.shared_ffn_hidden_size:
+        names += mlp_names(cfg, f"{p}shared.", False)
+    names += [f"{p}shared_gate.weight"] if moe.shared_gate else []
     return names
