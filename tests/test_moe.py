@@ -64,3 +64,181 @@ def test_moe_config_checks():
         _moe_cfg(layers=(3,))
     with pytest.raises(CkptError, match="score function"):
         _moe_cfg(score_function="relu")
+
+
+# --- Hugging Face MoE families, built by transformers ----------------------------------------
+
+import json  # noqa: E402
+
+import torch  # noqa: E402
+from click.testing import CliRunner  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from ckptool.cli import main  # noqa: E402
+from ckptool.formats import hf as hf_reader  # noqa: E402
+from ckptool.formats.registry import open_checkpoint  # noqa: E402
+from ckptool.verify import reference  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+
+TOKENS = torch.tensor([[1, 5, 9, 42, 77, 3, 0, 99, 12, 8, 64, 31],
+                       [7, 7, 2, 88, 15, 60, 4, 33, 21, 90, 11, 6]])
+VOCAB = 100
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def cli(*args, ok=True):
+    res = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    assert (res.exit_code == 0) == ok, res.output
+    return res.output
+
+
+def hf_logits(path_or_model, tokens=TOKENS):
+    model = path_or_model
+    if not isinstance(model, torch.nn.Module):
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+    with torch.no_grad():
+        return model.eval()(tokens).logits.float()
+
+
+def saved_tensors(d):
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def randomise(model):
+    """Off the init (Qwen's routers start at zero: every expert would tie): norms near 1, the rest
+    large enough that a wrong expert, weight or gate moves the logits far past the tolerance."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.15)
+    return model
+
+
+def _build(kind):
+    t = transformers
+    if kind == "mixtral":
+        return t.MixtralForCausalLM(t.MixtralConfig(**COMMON, intermediate_size=48, num_hidden_layers=2,
+                                                    num_local_experts=4, num_experts_per_tok=2))
+    if kind == "qwen2_moe":  # layer 0 dense by mlp_only_layers; 1-3 MoE with a gated shared expert
+        return t.Qwen2MoeForCausalLM(t.Qwen2MoeConfig(
+            **COMMON, intermediate_size=64, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+            num_hidden_layers=4, num_experts=6, num_experts_per_tok=2, decoder_sparse_step=1,
+            mlp_only_layers=[0], norm_topk_prob=False))
+    if kind == "qwen3_moe":  # decoder_sparse_step 2: layers 1 and 3 are MoE, 0 and 2 dense
+        return t.Qwen3MoeForCausalLM(t.Qwen3MoeConfig(
+            **COMMON, head_dim=8, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=4,
+            num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2, norm_topk_prob=True))
+    return t.Qwen3ForCausalLM(t.Qwen3Config(**COMMON, head_dim=8, intermediate_size=64, num_hidden_layers=2))
+
+
+KINDS = {  # kind -> (architecture, MoE layers, experts)
+    "mixtral": ("MixtralForCausalLM", (0, 1), 4),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", (1, 2, 3), 6),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", (1, 3), 4),
+    "qwen3": ("Qwen3ForCausalLM", None, 0),
+}
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    built = {}
+
+    def get(kind):
+        if kind not in built:
+            torch.manual_seed(len(built) + 10)
+            model = randomise(_build(kind)).eval()
+            model.save_pretrained(root / kind)
+            built[kind] = (root / kind, model)
+        return built[kind]
+    return get
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_hf_family_round_trip(family, tmp_path, kind):
+    """from-hf reads every expert under canonical names; the reference forward routes as
+    transformers does; to-hf writes every tensor bit-exact under the Hub names and transformers
+    computes identical logits from it."""
+    src, model = family(kind)
+    arch, moe_layers, experts = KINDS[kind]
+    want = hf_logits(model)
+    ckpt = open_checkpoint(src)
+    cfg = ckpt.config
+    if moe_layers is None:
+        assert cfg.moe is None and cfg.qk_layernorm
+    else:
+        assert cfg.moe.layers == moe_layers and cfg.moe.num_experts == experts
+        i = moe_layers[-1]
+        assert ckpt.tensors[f"layers.{i}.mlp.experts.{experts - 1}.down.weight"].shape == (32, cfg.moe.ffn_hidden_size)
+        assert f"layers.{i}.mlp.gate.weight" not in ckpt.tensors
+    assert (reference.forward(ckpt, TOKENS)[..., :VOCAB] - want).abs().max().item() <= 1e-5
+    out = tmp_path / "hf"
+    cli("to-hf", src, out)
+    a, b = saved_tensors(src), saved_tensors(out)
+    assert sorted(a) == sorted(b)
+    assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["architectures"] == [arch]
+    assert torch.equal(hf_logits(out), want)
+    back = open_checkpoint(out).config
+    assert back.moe == cfg.moe and back.qk_layernorm == cfg.qk_layernorm
+
+
+def test_qwen3_dense_through_megatron_layouts(family, tmp_path):
+    """Dense Qwen3's q/k norms are Megatron's --qk-layernorm: from-hf TP2 PP2, reshard, to-hf bit-exact."""
+    src, model = family("qwen3")
+    cli("from-hf", src, tmp_path / "meg", "--tp", 2, "--pp", 2)
+    meg = open_checkpoint(tmp_path / "meg")
+    assert meg.config.qk_layernorm and meg.source.layout.tp == 2
+    cli("reshard", tmp_path / "meg", tmp_path / "re", "--tp", 1)
+    cli("to-hf", tmp_path / "re", tmp_path / "out")
+    a, b = saved_tensors(src), saved_tensors(tmp_path / "out")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(hf_logits(tmp_path / "out"), hf_logits(model))
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_fused_expert_tensors_are_read(family, tmp_path, kind):
+    """transformers 5 holds experts fused ([E, 2I, h] gate_up, [E, h, I] down; Mixtral's router under
+    mlp.gate): a raw state_dict saved that way reads to the same model, exported per expert."""
+    src, model = family(kind)
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert any(k.endswith("mlp.experts.gate_up_proj") and v.dim() == 3 for k, v in sd.items())
+    save_file(sd, str(fused / "model.safetensors"), metadata={"format": "pt"})
+    (fused / "config.json").write_text((src / "config.json").read_text())
+    cli("to-hf", fused, tmp_path / "out")
+    a, b = saved_tensors(src), saved_tensors(tmp_path / "out")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_verify_hf_moe_against_transformers(family, kind):
+    """`ckptool verify` of an MoE model against transformers' own logits passes in fp32."""
+    src, _ = family(kind)
+    out = cli("verify", src, "--reference", src, "--dtype", "fp32")
+    assert "result=PASS" in out
+
+
+def test_routing_options_change_the_logits(family):
+    """The routing facts are used: top-k renormalisation, the shared expert's gate, the scaling."""
+    src, model = family("qwen2_moe")
+    ckpt = open_checkpoint(src)
+    want = hf_logits(model)
+    base = (reference.forward(ckpt, TOKENS)[..., :VOCAB] - want).abs().max().item()
+    assert base <= 1e-5
+    moe = ckpt.config.moe
+    import dataclasses
+    for change in (dict(topk_norm=True), dict(shared_gate=False), dict(scaling_factor=2.0), dict(top_k=3)):
+        other = ckpt.with_tensors(ckpt.tensors, moe=dataclasses.replace(moe, **change))
+        if not change.get("shared_gate", True):
+            other = other.with_tensors({k: v for k, v in ckpt.tensors.items() if "shared_gate" not in k})
+        assert (reference.forward(other, TOKENS)[..., :VOCAB] - want).abs().max().item() > 1e-3, change

@@ -4,7 +4,8 @@ It loads one layer at a time (inside a load_scope), so memory stays near one lay
 activations. Covers GPT-2 style (LayerNorm, GeLU erf or tanh, learned positions, tied embeddings)
 and Llama style (RMSNorm, SwiGLU, RoPE, GQA, untied output), and the Megatron flags that change the
 maths (layernorm 1p, qk layernorm, post-layernorm residual, rotary percent / interleaved / base,
-llama3 rope scaling, squared ReLU).
+llama3 rope scaling, squared ReLU), and Mixture-of-Experts layers routed exactly as config.MoE
+says (dropless: every token reaches its top-k experts, no capacity limit).
 """
 from __future__ import annotations
 
@@ -103,13 +104,47 @@ def attention(x: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig,
 
 
 def mlp(x: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig, p: str) -> torch.Tensor:
-    up = F.linear(x, w[p + "mlp.up.weight"], w.get(p + "mlp.up.bias"))
+    """The dense MLP whose tensors are p + {gate,up,down}.*: a layer's (p = layers.i.mlp.), an
+    expert's (layers.i.mlp.experts.e.) or the shared expert's (layers.i.mlp.shared.)."""
+    up = F.linear(x, w[p + "up.weight"], w.get(p + "up.bias"))
     if cfg.gated:
-        gate = F.linear(x, w[p + "mlp.gate.weight"], w.get(p + "mlp.gate.bias"))
+        gate = F.linear(x, w[p + "gate.weight"], w.get(p + "gate.bias"))
         h = F.silu(gate) * up
     else:
         h = activation(up, cfg)
-    return F.linear(h, w[p + "mlp.down.weight"], w.get(p + "mlp.down.bias"))
+    return F.linear(h, w[p + "down.weight"], w.get(p + "down.bias"))
+
+
+def route(x: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig, p: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(expert index [tokens, k], weight [tokens, k]) for flat tokens x: scores in fp32, chosen by
+    score (+ expert bias, which steers the choice only), renormalised and scaled as cfg.moe says."""
+    moe = cfg.moe
+    logits = F.linear(x, w[p + "router.weight"], w.get(p + "router.bias")).float()
+    scores = torch.softmax(logits, dim=-1) if moe.score_function == "softmax" else torch.sigmoid(logits)
+    bias = w.get(p + "router.expert_bias")
+    chosen = torch.topk(scores if bias is None else scores + bias.float(), moe.top_k, dim=-1).indices
+    weights = scores.gather(-1, chosen)
+    if moe.topk_norm:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return chosen, weights * moe.scaling_factor
+
+
+def moe_mlp(x: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig, p: str) -> torch.Tensor:
+    """Each token through its top-k experts, weighted, summed in expert order; plus the shared expert."""
+    flat = x.reshape(-1, x.shape[-1])
+    chosen, weights = route(flat, w, cfg, p)
+    out = torch.zeros_like(flat)
+    for e in range(cfg.moe.num_experts):
+        token, slot = torch.where(chosen == e)
+        if token.numel():
+            y = mlp(flat[token], w, cfg, f"{p}experts.{e}.") * weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+    if cfg.moe.shared_ffn_hidden_size:
+        shared = mlp(flat, w, cfg, p + "shared.")
+        if cfg.moe.shared_gate:
+            shared = torch.sigmoid(F.linear(flat, w[p + "shared_gate.weight"])) * shared
+        out = out + shared
+    return out.reshape(x.shape)
 
 
 def block(x: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig, rope, i: int) -> torch.Tensor:
@@ -118,7 +153,8 @@ def block(x: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig, rope, i: 
     a = attention(h, w, cfg, rope, p)
     x = (h if cfg.post_layernorm_residual else x) + a
     h = norm(x, w[p + "mlp_norm.weight"], w.get(p + "mlp_norm.bias"), cfg)
-    return (h if cfg.post_layernorm_residual else x) + mlp(h, w, cfg, p)
+    ffn = moe_mlp if cfg.is_moe_layer(i) else mlp
+    return (h if cfg.post_layernorm_residual else x) + ffn(h, w, cfg, p + "mlp.")
 
 
 def _load(group: Dict[str, LazyTensor], dtype: torch.dtype, device) -> Dict[str, torch.Tensor]:
