@@ -242,3 +242,89 @@ def test_routing_options_change_the_logits(family):
         if not change.get("shared_gate", True):
             other = other.with_tensors({k: v for k, v in ckpt.tensors.items() if "shared_gate" not in k})
         assert (reference.forward(other, TOKENS)[..., :VOCAB] - want).abs().max().item() > 1e-3, change
+
+
+def test_inspect_shows_the_experts(family):
+    src, _ = family("qwen2_moe")
+    out = cli("inspect", src, "--no-tensors")
+    assert "6 per MoE layer, top-2 softmax, expert ffn 24, shared expert ffn 40 (gated); MoE layers [1, 2, 3]" in out
+    doc = json.loads(cli("inspect", src, "--json"))
+    assert doc["config"]["moe"]["layers"] == [1, 2, 3] and doc["config"]["moe"]["num_experts"] == 6
+
+
+# --- refused by name, never dropped -----------------------------------------------------------
+
+def _one_line_refusal(*args, says):
+    res = CliRunner().invoke(main, [str(a) for a in args])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert len(res.output.strip().splitlines()) == 1 and all(s in res.output for s in says), res.output
+    return res.output
+
+
+@pytest.mark.parametrize("command", [("from-hf", "--tp", "2"), ("merge",), ("reshard", "--tp", "1", "--format", "torch_dist")])
+def test_megatron_targets_refuse_moe(family, tmp_path, command):
+    src, _ = family("mixtral")
+    out = tmp_path / "meg"
+    _one_line_refusal(command[0], src, out, *command[1:],
+                      says=["MoE layers (4 experts, top-2", "not supported yet", "use to-hf"])
+    assert not out.exists()
+
+
+def _copy_with(src, dst, extra=None, conf=None):
+    """src's model files with extra tensors added to the safetensors file and config.json changed."""
+    dst.mkdir()
+    sd = load_file(str(src / "model.safetensors"))
+    sd.update(extra or {})
+    save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    c = json.loads((src / "config.json").read_text())
+    c.update(conf or {})
+    (dst / "config.json").write_text(json.dumps(c))
+    return dst
+
+
+@pytest.mark.parametrize("extra, says", [
+    ("model.layers.0.block_sparse_moe.experts.1.w4.weight", ["experts.1.w4.weight", "expert module"]),
+    ("model.layers.1.block_sparse_moe.experts.4.w1.weight", ["experts.4.w1.weight", "num_experts=4"]),
+    ("model.layers.2.eh_proj.weight", ["model.layers.2.eh_proj.weight", "multi-token-prediction (MTP)"]),
+])
+def test_unknown_expert_tensors_are_refused(family, tmp_path, extra, says):
+    src, _ = family("mixtral")
+    bad = _copy_with(src, tmp_path / "bad", {extra: torch.zeros(48, 32)})
+    _one_line_refusal("to-hf", bad, tmp_path / "out", says=says)
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_expert_is_refused(family, tmp_path):
+    src, _ = family("mixtral")
+    bad = _copy_with(src, tmp_path / "bad", conf={"num_local_experts": 5})
+    _one_line_refusal("to-hf", bad, tmp_path / "out", says=["missing weights for", "experts.4."])
+
+
+@pytest.mark.parametrize("conf, says", [
+    ({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "n_routed_experts": 4},
+     ["DeepSeek-V3 (Multi-Latent Attention", "not supported yet"]),
+    ({"model_type": "olmoe", "architectures": ["OlmoeForCausalLM"]}, ["Mixture-of-Experts model_type 'olmoe'"]),
+])
+def test_unsupported_moe_families_are_refused_by_name(family, tmp_path, conf, says):
+    src, _ = family("mixtral")
+    bad = _copy_with(src, tmp_path / "bad", conf=conf)
+    _one_line_refusal("to-hf", bad, tmp_path / "out", says=says)
+    _one_line_refusal("inspect", bad, says=says)
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(score_function="sigmoid"), "--moe-router-score-function sigmoid"),
+    (dict(scaling_factor=2.5), "--moe-router-topk-scaling-factor 2.5"),
+    (dict(layers=(1,)), "dense layers among MoE ones (1 of 2)"),
+    (dict(topk_norm=False), "shared expert=none, top-k renormalised=False"),
+])
+def test_routing_no_hf_class_computes_is_refused(family, tmp_path, change, says):
+    import dataclasses
+    from ckptool.formats.hf_writer import write_hf
+    ckpt = open_checkpoint(family("mixtral")[0])
+    moe = dataclasses.replace(ckpt.config.moe, **change)
+    tensors = {k: v for k, v in ckpt.tensors.items()
+               if not (k.startswith("layers.0.mlp.") and 0 not in moe.layers)}
+    with pytest.raises(CkptError, match="cannot export to Hugging Face") as e:
+        write_hf(ckpt.with_tensors(tensors, moe=moe), tmp_path)
+    assert says in str(e.value)
