@@ -328,3 +328,17 @@ def test_routing_no_hf_class_computes_is_refused(family, tmp_path, change, says)
     with pytest.raises(CkptError, match="cannot export to Hugging Face") as e:
         write_hf(ckpt.with_tensors(tensors, moe=moe), tmp_path)
     assert says in str(e.value)
+
+
+def test_optimizer_slots_and_streaming_groups_take_experts_as_they_are(family):
+    """Experts are ordinary canonical names: a layer's group streams its router and every expert,
+    and optimizer slots keyed by the same names need nothing MoE-specific."""
+    from ckptool.lazy import Const
+    from ckptool.state import OptimizerState
+    ckpt = open_checkpoint(family("qwen3_moe")[0])
+    groups = dict(ckpt.groups())
+    assert sorted(n for n in ckpt.tensors if n.startswith("layers.3.")) == sorted(groups["layer 3"])
+    assert sum(".experts." in n for n in groups["layer 3"]) == 4 * 3
+    moments = {n: Const(torch.zeros(t.shape)) for n, t in ckpt.tensors.items()}
+    ckpt.optimizer = OptimizerState("test", {"exp_avg": moments})
+    assert set(ckpt.slot("exp_avg")) == set(expected_names(ckpt.config)) == set(ckpt.tensors)

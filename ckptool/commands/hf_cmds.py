@@ -33,7 +33,8 @@ def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, force, **kw):
 
     \b
     GPT-2 style models become GPT2LMHeadModel, Llama style ones LlamaForCausalLM (Qwen2ForCausalLM
-    when only QKV has a bias); DST loads with AutoModelForCausalLM.from_pretrained(DST). The
+    when only QKV has a bias, Qwen3ForCausalLM with q/k norms), MoE models MixtralForCausalLM,
+    Qwen2MoeForCausalLM or Qwen3MoeForCausalLM; DST loads with AutoModelForCausalLM.from_pretrained(DST). The
     vocabulary is trimmed to its true size; weights go to safetensors shards of at most
     --max-shard-size, written one tensor at a time. A DeepLearningExamples BERT ckpt_N.pt with
     --hf-config bert_config.json becomes BertForPreTraining (vocabulary padding trimmed). A DeepSpeed
@@ -120,15 +121,15 @@ def _deepspeed_hf_to_hf(src, dst, dtype, max_shard_size, tokenizer, opts, model_
 @click.option("--true-vocab-size", type=int, default=None, help="Override config.json's vocab_size.")
 @reports_errors
 def from_hf_cmd(src, dst, tp, pp, vpp, pp_layers, dialect, dtype, divisible_by, pad_fill, force, true_vocab_size):
-    """Convert a Hugging Face GPT-2 / Llama / Mistral / Qwen2 directory into a Megatron checkpoint.
+    """Convert a Hugging Face GPT-2 / Llama / Mistral / Qwen2 / Qwen3 directory into a Megatron checkpoint.
 
-    The vocabulary is padded for --tp as Megatron would pad it; args are written so Megatron can
+    MoE models (Mixtral, Qwen-MoE) are refused: no expert-parallel Megatron output yet (use to-hf). The vocabulary is padded for --tp as Megatron would pad it; args are written so Megatron can
     load the result (weights only: use --finetune or --no-load-optim --no-load-rng).
     """
     from ..errors import CkptError
     from ..options import ReadOptions
     if not hf_reader.looks_like(Path(src)):
-        raise CkptError(f"{src}: not a Hugging Face GPT-2/Llama/Mistral/Qwen2 directory",
+        raise CkptError(f"{src}: not a Hugging Face GPT-2/Llama/Mistral/Qwen2/Qwen3 directory",
                         "expected a directory with config.json and model.safetensors or pytorch_model.bin")
     ckpt = hf_reader.read(Path(src), ReadOptions(true_vocab_size=true_vocab_size))
     layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp and vpp > 1 else None, stage_layers=parse_stage_layers(pp_layers))
