@@ -41,12 +41,36 @@ class MoE:
     expert_bias: bool = False  # DeepSeek's e_score_correction_bias / Megatron's expert_bias
     shared_ffn_hidden_size: int = 0  # the shared expert's intermediate size; 0: none
     shared_gate: bool = False  # Qwen2-MoE: shared output times sigmoid(x @ shared_gate.weight)
+    # Group-limited routing (DeepSeek): experts fall into num_groups equal groups; a group's score is
+    # the sum of its two best choice scores; experts are chosen only from the group_topk best groups.
+    num_groups: int = 1
+    group_topk: int = 1
 
     def __post_init__(self):
         require(self.score_function in SCORE_FUNCTIONS, f"unknown router score function {self.score_function!r}")
         require(1 <= self.top_k <= self.num_experts,
                 f"top-k {self.top_k} is not between 1 and the {self.num_experts} experts")
         require(not self.shared_gate or self.shared_ffn_hidden_size > 0, "a shared-expert gate needs a shared expert")
+        require(self.num_experts % self.num_groups == 0 and 1 <= self.group_topk <= self.num_groups,
+                f"{self.num_experts} experts cannot be routed in {self.num_groups} groups, best {self.group_topk}")
+
+
+@dataclass(frozen=True)
+class MLA:
+    """Multi-Latent Attention (DeepSeek-V2/V3): q from a low-rank latent (or projected directly when
+    q_lora_rank is None); k and v from a shared kv latent, plus one rotary key part shared by all
+    heads. Each head's query/key is [nope | rope] (qk_nope_head_dim + qk_rope_head_dim), its value
+    v_head_dim; only the rope part is rotated. The latents are RMS-normalised with latent_norm_eps."""
+    q_lora_rank: Optional[int]
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    latent_norm_eps: float = 1e-6
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 # Which layers are MoE, by each framework's own index rule (layer indices are 0-based and global).
@@ -99,6 +123,7 @@ class GPTConfig:
     qk_layernorm: bool = False
     post_layernorm_residual: bool = False  # apply_residual_connection_post_layernorm
     moe: Optional[MoE] = None  # None: a dense model
+    mla: Optional[MLA] = None  # None: grouped-query attention (attn.q/k/v)
 
     def __post_init__(self):
         if self.num_query_groups is None:

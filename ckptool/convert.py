@@ -66,6 +66,9 @@ def refuse_moe(ckpt: Checkpoint, fmt: str) -> None:
     """The Megatron writers know dense MLPs only: an MoE model must never reach them, or its experts
     would be left out of a complete-looking output."""
     moe = ckpt.config.moe
+    if ckpt.config.mla is not None:
+        raise CkptError(f"Multi-Latent Attention: Megatron {fmt} output of MLA models is not supported yet",
+                        "use to-hf for DeepSeek-style models")
     if moe is not None:
         raise CkptError(f"MoE layers ({moe.num_experts} experts, top-{moe.top_k}, in {len(moe.layers)} of "
                         f"{ckpt.config.num_layers} layers): Megatron {fmt} output with expert parallelism is "

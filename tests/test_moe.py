@@ -118,6 +118,9 @@ def randomise(model):
                 p.uniform_(0.5, 1.5)
             else:
                 p.normal_(0, 0.15)
+        for n, b in model.named_buffers():
+            if "e_score_correction_bias" in n:  # DeepSeek's expert bias, zero at init
+                b.normal_(0, 0.1)
     return model
 
 
@@ -135,6 +138,13 @@ def _build(kind):
         return t.Qwen3MoeForCausalLM(t.Qwen3MoeConfig(
             **COMMON, head_dim=8, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=4,
             num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2, norm_topk_prob=True))
+    if kind.startswith("deepseek_v3"):  # MLA (q latent, or q direct); layer 0 dense; 4 groups, best 2
+        return t.DeepseekV3ForCausalLM(t.DeepseekV3Config(
+            **dict(COMMON, num_key_value_heads=4), intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3, n_shared_experts=2,
+            n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=12,
+            q_lora_rank=None if kind.endswith("direct_q") else 20, qk_rope_head_dim=8, v_head_dim=10,
+            qk_nope_head_dim=6, n_group=4, topk_group=2, num_experts_per_tok=3, first_k_dense_replace=1,
+            norm_topk_prob=True))
     return t.Qwen3ForCausalLM(t.Qwen3Config(**COMMON, head_dim=8, intermediate_size=64, num_hidden_layers=2))
 
 
@@ -143,6 +153,8 @@ KINDS = {  # kind -> (architecture, MoE layers, experts)
     "qwen2_moe": ("Qwen2MoeForCausalLM", (1, 2, 3), 6),
     "qwen3_moe": ("Qwen3MoeForCausalLM", (1, 3), 4),
     "qwen3": ("Qwen3ForCausalLM", None, 0),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", (1, 2), 8),
+    "deepseek_v3_direct_q": ("DeepseekV3ForCausalLM", (1, 2), 8),
 }
 
 
@@ -173,12 +185,16 @@ def test_hf_family_round_trip(family, tmp_path, kind):
     cfg = ckpt.config
     if moe_layers is None:
         assert cfg.moe is None and cfg.qk_layernorm
+    elif kind.startswith("deepseek"):
+        assert cfg.mla.kv_lora_rank == 12 and cfg.mla.q_lora_rank == (None if "direct" in kind else 20)
+        assert (cfg.moe.score_function, cfg.moe.num_groups, cfg.moe.group_topk, cfg.moe.top_k) == ("sigmoid", 4, 2, 3)
+        assert cfg.moe.scaling_factor == 2.5 and cfg.moe.shared_ffn_hidden_size == 32 and cfg.moe.expert_bias
     else:
         assert cfg.moe.layers == moe_layers and cfg.moe.num_experts == experts
         i = moe_layers[-1]
         assert ckpt.tensors[f"layers.{i}.mlp.experts.{experts - 1}.down.weight"].shape == (32, cfg.moe.ffn_hidden_size)
         assert f"layers.{i}.mlp.gate.weight" not in ckpt.tensors
-    assert (reference.forward(ckpt, TOKENS)[..., :VOCAB] - want).abs().max().item() <= 1e-5
+    assert (reference.forward(ckpt, TOKENS)[..., :VOCAB] - want).abs().max().item() <= 1e-5 * want.abs().max()
     out = tmp_path / "hf"
     cli("to-hf", src, out)
     a, b = saved_tensors(src), saved_tensors(out)
@@ -188,7 +204,7 @@ def test_hf_family_round_trip(family, tmp_path, kind):
     assert conf["architectures"] == [arch]
     assert torch.equal(hf_logits(out), want)
     back = open_checkpoint(out).config
-    assert back.moe == cfg.moe and back.qk_layernorm == cfg.qk_layernorm
+    assert back.moe == cfg.moe and back.mla == cfg.mla and back.qk_layernorm == cfg.qk_layernorm
 
 
 def test_qwen3_dense_through_megatron_layouts(family, tmp_path):
@@ -204,7 +220,7 @@ def test_qwen3_dense_through_megatron_layouts(family, tmp_path):
     assert torch.equal(hf_logits(tmp_path / "out"), hf_logits(model))
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "deepseek_v3"])
 def test_fused_expert_tensors_are_read(family, tmp_path, kind):
     """transformers 5 holds experts fused ([E, 2I, h] gate_up, [E, h, I] down; Mixtral's router under
     mlp.gate): a raw state_dict saved that way reads to the same model, exported per expert."""
@@ -220,12 +236,26 @@ def test_fused_expert_tensors_are_read(family, tmp_path, kind):
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
 def test_verify_hf_moe_against_transformers(family, kind):
     """`ckptool verify` of an MoE model against transformers' own logits passes in fp32."""
     src, _ = family(kind)
     out = cli("verify", src, "--reference", src, "--dtype", "fp32")
     assert "result=PASS" in out
+
+
+def test_group_limited_routing_and_expert_bias_matter(family):
+    """DeepSeek's routing facts are used: without the group limit or the expert bias the choice moves."""
+    import dataclasses
+    src, model = family("deepseek_v3")
+    ckpt = open_checkpoint(src)
+    want = hf_logits(model)
+    assert (reference.forward(ckpt, TOKENS)[..., :VOCAB] - want).abs().max().item() <= 1e-5 * want.abs().max()
+    no_groups = ckpt.with_tensors(ckpt.tensors, moe=dataclasses.replace(ckpt.config.moe, num_groups=1, group_topk=1))
+    no_bias = ckpt.with_tensors({k: v for k, v in ckpt.tensors.items() if "expert_bias" not in k},
+                                moe=dataclasses.replace(ckpt.config.moe, expert_bias=False))
+    for other in (no_groups, no_bias):
+        assert (reference.forward(other, TOKENS)[..., :VOCAB] - want).abs().max().item() > 1e-3
 
 
 def test_routing_options_change_the_logits(family):
@@ -262,11 +292,12 @@ def _one_line_refusal(*args, says):
 
 
 @pytest.mark.parametrize("command", [("from-hf", "--tp", "2"), ("merge",), ("reshard", "--tp", "1", "--format", "torch_dist")])
-def test_megatron_targets_refuse_moe(family, tmp_path, command):
-    src, _ = family("mixtral")
+@pytest.mark.parametrize("kind, says", [("mixtral", "MoE layers (4 experts, top-2"),
+                                        ("deepseek_v3", "Multi-Latent Attention: Megatron")])
+def test_megatron_targets_refuse_moe_and_mla(family, tmp_path, command, kind, says):
+    src, _ = family(kind)
     out = tmp_path / "meg"
-    _one_line_refusal(command[0], src, out, *command[1:],
-                      says=["MoE layers (4 experts, top-2", "not supported yet", "use to-hf"])
+    _one_line_refusal(command[0], src, out, *command[1:], says=[says, "not supported yet", "use to-hf"])
     assert not out.exists()
 
 
@@ -301,8 +332,8 @@ def test_missing_expert_is_refused(family, tmp_path):
 
 
 @pytest.mark.parametrize("conf, says", [
-    ({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "n_routed_experts": 4},
-     ["DeepSeek-V3 (Multi-Latent Attention", "not supported yet"]),
+    ({"model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"], "n_routed_experts": 4},
+     ["DeepSeek-V2 (Multi-Latent Attention", "not supported yet"]),
     ({"model_type": "olmoe", "architectures": ["OlmoeForCausalLM"]}, ["Mixture-of-Experts model_type 'olmoe'"]),
 ])
 def test_unsupported_moe_families_are_refused_by_name(family, tmp_path, conf, says):

@@ -15,7 +15,7 @@ from typing import Dict, Optional
 
 import torch
 
-from ..config import GPTConfig, Layout, MoE, moe_layers_qwen
+from ..config import MLA, GPTConfig, Layout, MoE, moe_layers_first_k_dense, moe_layers_qwen
 from ..errors import CkptError, require
 from ..io.safetensors_header import read_safetensors_header
 from ..io.torchfile import load_torch_file
@@ -193,8 +193,11 @@ def config_from_hf(conf: dict, rows: int, model_type: str) -> GPTConfig:
         qkv_bias = linear_bias = attn_bias
     theta, factor = _rope(conf)
     nh = conf["num_attention_heads"]
+    mla = mla_from_hf(conf, model_type)
     return GPTConfig(num_layers=conf["num_hidden_layers"], hidden_size=conf["hidden_size"], num_attention_heads=nh,
-                     num_query_groups=conf.get("num_key_value_heads") or nh, head_dim=conf.get("head_dim"),
+                     num_query_groups=conf.get("num_key_value_heads") or nh,
+                     head_dim=mla.qk_head_dim if mla else conf.get("head_dim"), mla=mla,
+                     rotary_interleaved=bool(mla and conf.get("rope_interleave", True)),
                      ffn_hidden_size=conf["intermediate_size"],
                      max_position_embeddings=conf.get("max_position_embeddings", 2048),
                      position_embedding="rope", rotary_base=theta, rope_scaling_factor=factor,
@@ -208,33 +211,63 @@ QKV_BIAS_ONLY = ("qwen2", "qwen2_moe")  # biases on q, k and v only (Qwen2-MoE: 
 QK_NORM = ("qwen3", "qwen3_moe")  # RMSNorm over each head of q and k before RoPE
 MOE_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
-# model_type -> where config.json keeps the routing facts. Softmax routing in all three; Mixtral
-# always renormalises the top-k weights, Qwen when norm_topk_prob; Qwen layer i is MoE when
-# (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers; Mixtral's are all MoE.
+# model_type -> where config.json keeps the routing facts. Mixtral always renormalises the top-k
+# weights; the others when norm_topk_prob. Which layers are MoE: MOE_LAYER_RULES.
 MOE_CONFIG = {
-    "mixtral": dict(ffn="intermediate_size", topk_norm=True, qwen_layers=False, shared=None),
-    "qwen2_moe": dict(ffn="moe_intermediate_size", topk_norm="norm_topk_prob", qwen_layers=True,
-                      shared="shared_expert_intermediate_size"),
-    "qwen3_moe": dict(ffn="moe_intermediate_size", topk_norm="norm_topk_prob", qwen_layers=True, shared=None),
+    "mixtral": dict(ffn="intermediate_size", topk_norm=True, layers="all"),
+    "qwen2_moe": dict(ffn="moe_intermediate_size", topk_norm="norm_topk_prob", layers="qwen",
+                      shared=lambda c: c.get("shared_expert_intermediate_size") or 0, shared_gate=True),
+    "qwen3_moe": dict(ffn="moe_intermediate_size", topk_norm="norm_topk_prob", layers="qwen"),
+    "deepseek_v3": dict(ffn="moe_intermediate_size", topk_norm="norm_topk_prob", layers="first_k_dense",
+                        score="sigmoid", scaling="routed_scaling_factor", expert_bias=True,
+                        groups=("n_group", "topk_group"),
+                        shared=lambda c: c["moe_intermediate_size"] * (c.get("n_shared_experts") or 0)),
 }
+MOE_LAYER_RULES = {
+    "all": lambda c, n: tuple(range(n)),
+    "qwen": lambda c, n: moe_layers_qwen(n, c.get("decoder_sparse_step", 1), c.get("mlp_only_layers") or []),
+    "first_k_dense": lambda c, n: moe_layers_first_k_dense(n, c.get("first_k_dense_replace", 0),
+                                                           c.get("moe_layer_freq", 1)),
+}
+# config.json values a family may carry that select maths transformers' class does not compute
+MOE_REFUSED_VALUES = {"deepseek_v3": {"topk_method": ("noaux_tc",), "scoring_func": ("sigmoid",)}}
 
 
 def moe_from_hf(conf: dict, model_type: str) -> Optional[MoE]:
     spec = MOE_CONFIG.get(model_type)
     if spec is None:
         return None
+    for key, allowed in MOE_REFUSED_VALUES.get(model_type, {}).items():
+        require(conf.get(key, allowed[0]) in allowed, f"{model_type} {key}={conf.get(key)!r} is not supported",
+                f"ckptool converts {key} {' / '.join(allowed)} (what transformers computes)")
     experts = next((conf[k] for k in MOE_EXPERT_KEYS if conf.get(k)), None)
     require(experts is not None, f"{model_type} config.json gives no number of experts "
-            f"({' / '.join(MOE_EXPERT_KEYS[:2])})")
-    n = conf["num_hidden_layers"]
-    layers = (moe_layers_qwen(n, conf.get("decoder_sparse_step", 1), conf.get("mlp_only_layers") or [])
-              if spec["qwen_layers"] else tuple(range(n)))
+            f"({' / '.join(MOE_EXPERT_KEYS)})")
     norm = spec["topk_norm"]
-    shared = conf.get(spec["shared"], 0) if spec["shared"] else 0
+    shared = spec["shared"](conf) if "shared" in spec else 0
+    groups = [conf.get(k) or 1 for k in spec["groups"]] if "groups" in spec else [1, 1]
     return MoE(num_experts=experts, top_k=conf.get("num_experts_per_tok", 2), ffn_hidden_size=conf[spec["ffn"]],
-               layers=layers, score_function="softmax",
+               layers=MOE_LAYER_RULES[spec["layers"]](conf, conf["num_hidden_layers"]),
+               score_function=spec.get("score", "softmax"),
                topk_norm=bool(conf.get(norm, False)) if isinstance(norm, str) else norm,
-               shared_ffn_hidden_size=shared or 0, shared_gate=bool(shared))
+               scaling_factor=float(conf.get(spec["scaling"], 1.0)) if "scaling" in spec else 1.0,
+               expert_bias=spec.get("expert_bias", False), shared_ffn_hidden_size=shared,
+               shared_gate=bool(shared) and spec.get("shared_gate", False),
+               num_groups=groups[0], group_topk=groups[1])
+
+
+MLA_MODEL_TYPES = ("deepseek_v3",)
+
+
+def mla_from_hf(conf: dict, model_type: str) -> Optional[MLA]:
+    """DeepSeek's MLA sizes; transformers normalises the latents with its RMSNorm's default eps 1e-6."""
+    if model_type not in MLA_MODEL_TYPES:
+        return None
+    require(conf.get("num_key_value_heads", conf["num_attention_heads"]) == conf["num_attention_heads"],
+            f"{model_type} with num_key_value_heads != num_attention_heads is not supported (MLA has one kv per head)")
+    return MLA(q_lora_rank=conf.get("q_lora_rank") or None, kv_lora_rank=conf["kv_lora_rank"],
+               qk_nope_head_dim=conf["qk_nope_head_dim"], qk_rope_head_dim=conf["qk_rope_head_dim"],
+               v_head_dim=conf["v_head_dim"], latent_norm_eps=1e-6)
 
 
 # --- the reader ----------------------------------------------------------------------------

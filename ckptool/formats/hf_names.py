@@ -62,6 +62,14 @@ for _n in ("q_norm", "k_norm"):  # Qwen3: RMSNorm over each head of q and k, bef
     LLAMA_LAYER[f"self_attn.{_n}.weight"] = ("copy", f"attn.{_n}.weight")
 LLAMA_LAYER_PREFIX = "model.layers.{i}."
 
+# --- DeepSeek-V3 (DeepseekV3ForCausalLM): Multi-Latent Attention, dense MLP in the first layers -----
+DEEPSEEK_LAYER: Dict[str, Entry] = {k: v for k, v in LLAMA_LAYER.items() if not k.startswith("self_attn.")
+                                    and not k.endswith(".bias")}
+for _hf, _c in (("q_proj", "q"), ("q_a_proj", "q_down"), ("q_a_layernorm", "q_down_norm"), ("q_b_proj", "q_up"),
+                ("kv_a_proj_with_mqa", "kv_down"), ("kv_a_layernorm", "kv_down_norm"), ("kv_b_proj", "kv_up"),
+                ("o_proj", "out")):
+    DEEPSEEK_LAYER[f"self_attn.{_hf}.weight"] = ("copy", f"attn.{_c}.weight")
+
 # --- MoE layers: router, experts ({e}), shared expert and its gate --------------------------
 MIXTRAL_MOE: Dict[str, Entry] = {"block_sparse_moe.gate.weight": ("copy", "mlp.router.weight")}
 for _hf, _c in (("w1", "gate"), ("w3", "up"), ("w2", "down")):
@@ -71,6 +79,11 @@ QWEN_MOE: Dict[str, Entry] = {"mlp.gate.weight": ("copy", "mlp.router.weight"),
 for _m in ("gate", "up", "down"):
     QWEN_MOE[f"mlp.experts.{{e}}.{_m}_proj.weight"] = ("copy", f"mlp.experts.{{e}}.{_m}.weight")
     QWEN_MOE[f"mlp.shared_expert.{_m}_proj.weight"] = ("copy", f"mlp.shared.{_m}.weight")
+DEEPSEEK_MOE: Dict[str, Entry] = {"mlp.gate.weight": ("copy", "mlp.router.weight"),
+                                  "mlp.gate.e_score_correction_bias": ("copy", "mlp.router.expert_bias")}
+for _m in ("gate", "up", "down"):
+    DEEPSEEK_MOE[f"mlp.experts.{{e}}.{_m}_proj.weight"] = ("copy", f"mlp.experts.{{e}}.{_m}.weight")
+    DEEPSEEK_MOE[f"mlp.shared_experts.{_m}_proj.weight"] = ("copy", f"mlp.shared.{_m}.weight")
 
 # transformers >= 5 holds a layer's experts fused (what a raw state_dict holds); per layer suffix:
 #   ("halves", (a, b))  [E, 2I, h]: rows [:I] of expert e are Hub name a, rows [I:] are b
@@ -85,6 +98,7 @@ FUSED_EXPERTS = {
                                                          "mlp.experts.{e}.up_proj.weight")),
                  "mlp.experts.down_proj": ("each", "mlp.experts.{e}.down_proj.weight")},
 }
+FUSED_EXPERTS["deepseek"] = FUSED_EXPERTS["qwen_moe"]
 
 # family -> (global table, per-layer table, MoE-layer table, layer prefix)
 FAMILIES = {
@@ -92,6 +106,7 @@ FAMILIES = {
     "llama": (LLAMA_GLOBAL, LLAMA_LAYER, {}, LLAMA_LAYER_PREFIX),
     "mixtral": (LLAMA_GLOBAL, LLAMA_LAYER, MIXTRAL_MOE, LLAMA_LAYER_PREFIX),
     "qwen_moe": (LLAMA_GLOBAL, LLAMA_LAYER, QWEN_MOE, LLAMA_LAYER_PREFIX),
+    "deepseek": (LLAMA_GLOBAL, DEEPSEEK_LAYER, DEEPSEEK_MOE, LLAMA_LAYER_PREFIX),
 }
 
 # HF model_type -> (family, architecture class written/accepted)
@@ -104,12 +119,12 @@ MODEL_TYPES = {
     "mixtral": ("mixtral", "MixtralForCausalLM"),
     "qwen2_moe": ("qwen_moe", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("qwen_moe", "Qwen3MoeForCausalLM"),
+    "deepseek_v3": ("deepseek", "DeepseekV3ForCausalLM"),
 }
 
 # Models ckptool recognises but does not convert yet, refused by name rather than misread.
 REFUSED_MODEL_TYPES = {
     "deepseek_v2": "DeepSeek-V2 (Multi-Latent Attention, group-limited routing)",
-    "deepseek_v3": "DeepSeek-V3 (Multi-Latent Attention, sigmoid group-limited routing, MTP layers)",
 }
 
 # GPTConfig.activation <-> GPT2Config.activation_function (hf-and-peers.md 1.4: gelu is erf;

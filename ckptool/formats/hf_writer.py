@@ -48,11 +48,32 @@ MOE_ARCHITECTURES = {
 }
 
 
+def _mla_architecture(cfg: GPTConfig) -> Tuple[str, str]:
+    """DeepseekV3ForCausalLM: MLA, sigmoid group-limited routing with expert bias, ungated shared
+    experts (a whole number of expert-sized ones), the first layers dense."""
+    moe, arch = cfg.moe, "DeepseekV3ForCausalLM"
+    if moe is None:
+        raise _refuse("Multi-Latent Attention without MoE layers", f"and every {arch} has them")
+    for flag, present in (("--moe-router-score-function softmax", moe.score_function != "sigmoid"),
+                          ("no expert bias (--moe-router-enable-expert-bias)", not moe.expert_bias),
+                          ("a router bias", moe.router_bias), ("a shared-expert gate", moe.shared_gate),
+                          (f"a shared expert of {moe.shared_ffn_hidden_size} (not a multiple of the expert size "
+                           f"{moe.ffn_hidden_size})", moe.shared_ffn_hidden_size % moe.ffn_hidden_size != 0),
+                          (f"MoE layers {list(moe.layers)} (not all layers after the first dense ones)",
+                           moe.layers != tuple(range(cfg.num_layers - len(moe.layers), cfg.num_layers))),
+                          ("--qk-layernorm", cfg.qk_layernorm),
+                          ("linear biases", cfg.add_bias_linear or cfg.add_qkv_bias)):
+        if present:
+            raise _refuse(flag, f"which {arch} does not compute")
+    return "deepseek_v3", arch
+
+
 def _moe_architecture(cfg: GPTConfig) -> Tuple[str, str]:
     moe = cfg.moe
     for flag, present in (("--moe-router-score-function sigmoid", moe.score_function != "softmax"),
                           (f"--moe-router-topk-scaling-factor {moe.scaling_factor}", moe.scaling_factor != 1.0),
                           ("a router bias", moe.router_bias), ("--moe-router-enable-expert-bias", moe.expert_bias),
+                          (f"group-limited routing ({moe.num_groups} groups)", moe.num_groups > 1),
                           ("--add-bias-linear", cfg.add_bias_linear)):
         if present:
             raise _refuse(flag, "which no Mixtral / Qwen-MoE class computes")
@@ -100,6 +121,8 @@ def choose_architecture(cfg: GPTConfig) -> Tuple[str, str]:
             "LlamaForCausalLM needs --swiglu")
     require(cfg.normalization == "rmsnorm", "cannot export to Hugging Face: RoPE with LayerNorm is not Llama's "
             "RMSNorm", "LlamaForCausalLM needs --normalization RMSNorm")
+    if cfg.mla is not None:
+        return _mla_architecture(cfg)
     if cfg.moe is not None:
         return _moe_architecture(cfg)
     if cfg.qk_layernorm:
@@ -127,7 +150,7 @@ def _export_tensors(cfg: GPTConfig, tensors: Dict[str, LazyTensor], model_type: 
         for k in list(out):
             if k.endswith("norm.weight"):
                 out[k] = Derived(lambda w: w + 1, [out[k]])
-    if cfg.rotary_interleaved and cfg.position_embedding == "rope":
+    if cfg.rotary_interleaved and cfg.position_embedding == "rope" and cfg.mla is None:  # DeepSeek: rope_interleave
         for k in list(out):  # q/k norm weights scale the same features: they follow the rows
             if any(f".attn.{x}." in k for x in ("q", "k", "q_norm", "k_norm")):
                 out[k] = Derived(lambda w: _rotate_half_order(w, cfg.head_dim), [out[k]])
@@ -236,7 +259,22 @@ FAMILY_FIELDS = {
     "qwen2_moe": lambda cfg: dict(_moe_fields(cfg), qkv_bias=True,
                                   shared_expert_intermediate_size=cfg.moe.shared_ffn_hidden_size),
     "qwen3_moe": lambda cfg: dict(_moe_fields(cfg), attention_bias=False),
+    "deepseek_v3": lambda cfg: _deepseek_fields(cfg),
 }
+
+
+def _deepseek_fields(cfg: GPTConfig) -> dict:
+    m, moe = cfg.mla, cfg.moe
+    return {"head_dim": m.qk_rope_head_dim, "q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank,
+            "qk_nope_head_dim": m.qk_nope_head_dim, "qk_rope_head_dim": m.qk_rope_head_dim,
+            "qk_head_dim": m.qk_head_dim, "v_head_dim": m.v_head_dim, "rope_interleave": cfg.rotary_interleaved,
+            "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+            "moe_intermediate_size": moe.ffn_hidden_size,
+            "n_shared_experts": moe.shared_ffn_hidden_size // moe.ffn_hidden_size,
+            "routed_scaling_factor": moe.scaling_factor, "norm_topk_prob": moe.topk_norm,
+            "n_group": moe.num_groups, "topk_group": moe.group_topk, "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid", "first_k_dense_replace": cfg.num_layers - len(moe.layers),
+            "num_nextn_predict_layers": 0, "attention_bias": False}
 
 
 # --- the writer ----------------------------------------------------------------------------
