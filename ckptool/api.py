@@ -255,13 +255,13 @@ def from_hf(src, dst, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None,
             make_vocab_size_divisible_by: Optional[int] = None, pad_fill: str = "zero", force: bool = False,
             true_vocab_size: Optional[int] = None, progress: Optional[Progress] = None,
             warn: Optional[Warn] = None) -> ConversionResult:
-    """Convert a Hugging Face GPT-2 / Llama / Mistral / Qwen2 directory into a Megatron torch-format
+    """Convert a Hugging Face GPT-2 / Llama / Mistral / Qwen2 / Qwen3 directory into a Megatron torch-format
     checkpoint at tp / pp (/ vpp, pp_layers), as `ckptool from-hf`. The vocabulary is padded for tp
     as Megatron pads it (make_vocab_size_divisible_by, default 128); true_vocab_size overrides
     config.json's vocab_size. Other options as for merge()."""
     from .formats import hf as hf_reader
     if not hf_reader.looks_like(Path(src)):
-        raise CkptError(f"{src}: not a Hugging Face GPT-2/Llama/Mistral/Qwen2 directory",
+        raise CkptError(f"{src}: not a Hugging Face GPT-2/Llama/Mistral/Qwen2/Qwen3 (or Mixtral/Qwen-MoE) directory",
                         "expected a directory with config.json and model.safetensors or pytorch_model.bin")
     ckpt = hf_reader.read(Path(src), ReadOptions(true_vocab_size=true_vocab_size))
     layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp and vpp > 1 else None, stage_layers=_stage_layers(pp_layers))

@@ -48,6 +48,7 @@ def write_layout(ckpt: Checkpoint, dst, layout: Layout, fmt: Optional[str] = Non
     fmt = fmt or ("torch_dist" if ckpt.source.format == "torch_dist" else "torch")
     if fmt not in WRITERS:
         raise CkptError(f"unknown output format {fmt!r}", f"choose one of {', '.join(sorted(WRITERS))}")
+    refuse_moe(ckpt, fmt)
     if fmt in OPTIMIZER_WRITERS:
         kw["optimizer"] = optimizer
     elif optimizer and ckpt.optimizer is not None:
@@ -69,6 +70,19 @@ def write_layout(ckpt: Checkpoint, dst, layout: Layout, fmt: Optional[str] = Non
     summary = write_output(dst, [src], force, write, merge=_add_files_and_bytes)
     summary["format"] = fmt
     return summary
+
+
+def refuse_moe(ckpt: Checkpoint, fmt: str) -> None:
+    """The Megatron writers know dense MLPs only: an MoE model must never reach them, or its experts
+    would be left out of a complete-looking output."""
+    moe = ckpt.config.moe
+    if ckpt.config.mla is not None:
+        raise CkptError(f"Multi-Latent Attention: Megatron {fmt} output of MLA models is not supported yet",
+                        "use to-hf for DeepSeek-style models")
+    if moe is not None:
+        raise CkptError(f"MoE layers ({moe.num_experts} experts, top-{moe.top_k}, in {len(moe.layers)} of "
+                        f"{ckpt.config.num_layers} layers): Megatron {fmt} output with expert parallelism is "
+                        "not supported yet", "use to-hf for MoE models")
 
 
 def _add_files_and_bytes(parts: list) -> dict:

@@ -26,7 +26,8 @@ def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, force, **kw):
 
     \b
     GPT-2 style models become GPT2LMHeadModel, Llama style ones LlamaForCausalLM (Qwen2ForCausalLM
-    when only QKV has a bias); DST loads with AutoModelForCausalLM.from_pretrained(DST). The
+    when only QKV has a bias, Qwen3ForCausalLM with q/k norms), MoE models MixtralForCausalLM,
+    Qwen2MoeForCausalLM or Qwen3MoeForCausalLM; DST loads with AutoModelForCausalLM.from_pretrained(DST). The
     vocabulary is trimmed to its true size; weights go to safetensors shards of at most
     --max-shard-size, written one tensor at a time. A DeepLearningExamples BERT ckpt_N.pt with
     --hf-config bert_config.json becomes BertForPreTraining (vocabulary padding trimmed). A DeepSpeed
@@ -74,9 +75,9 @@ def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, force, **kw):
 @click.option("--true-vocab-size", type=int, default=None, help="Override config.json's vocab_size.")
 @reports_errors
 def from_hf_cmd(src, dst, **kw):
-    """Convert a Hugging Face GPT-2 / Llama / Mistral / Qwen2 directory into a Megatron checkpoint.
+    """Convert a Hugging Face GPT-2 / Llama / Mistral / Qwen2 / Qwen3 directory into a Megatron checkpoint.
 
-    The vocabulary is padded for --tp as Megatron would pad it; args are written so Megatron can
+    MoE models (Mixtral, Qwen-MoE) are refused: no expert-parallel Megatron output yet (use to-hf). The vocabulary is padded for --tp as Megatron would pad it; args are written so Megatron can
     load the result (weights only: use --finetune or --no-load-optim --no-load-rng).
     """
     live, bar = LiveWarnings(), Progress("from-hf")

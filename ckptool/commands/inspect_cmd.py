@@ -1,7 +1,9 @@
 """`ckptool inspect PATH [--json]`: what a checkpoint is, without converting anything."""
 from __future__ import annotations
 
+import dataclasses
 import json
+from typing import Optional
 
 import click
 
@@ -10,6 +12,14 @@ from ..state import Checkpoint
 from .common import human_bytes, read_options, reports_errors, source_options, print_warnings
 
 INSPECT_SCHEMA_VERSION = 1
+
+
+def _moe(moe) -> Optional[dict]:
+    if moe is None:
+        return None
+    doc = dataclasses.asdict(moe)
+    doc["layers"] = list(moe.layers)
+    return doc
 
 
 def describe(ckpt: Checkpoint) -> dict:
@@ -39,6 +49,7 @@ def describe(ckpt: Checkpoint) -> dict:
             "tied_embeddings": cfg.tied_embeddings, "add_bias_linear": cfg.add_bias_linear,
             "add_qkv_bias": cfg.add_qkv_bias, "qk_layernorm": cfg.qk_layernorm,
             "apply_layernorm_1p": cfg.apply_layernorm_1p,
+            "moe": _moe(cfg.moe),
         },
         "vocab_size_source": cfg.vocab_size_source,
         "total_bytes": ckpt.total_bytes,
@@ -95,6 +106,12 @@ def inspect_cmd(path, as_json, tensors, **kw):
                f"{c['position_embedding']} positions (max {c['max_position_embeddings']}), "
                f"{'tied' if c['tied_embeddings'] else 'untied'} embeddings, "
                f"{'biases' if c['add_bias_linear'] else 'no biases'}")
+    if c["moe"]:
+        m = c["moe"]
+        shared = f", shared expert ffn {m['shared_ffn_hidden_size']}" + (" (gated)" if m["shared_gate"] else "")
+        click.echo(f"experts     {m['num_experts']} per MoE layer, top-{m['top_k']} {m['score_function']}"
+                   f"{' renormalised' if m['topk_norm'] else ''}, expert ffn {m['ffn_hidden_size']}"
+                   f"{shared if m['shared_ffn_hidden_size'] else ''}; MoE layers {m['layers']}")
     click.echo(f"vocab       true {c['vocab_size'] if c['vocab_size'] is not None else 'unknown'} "
                f"(from {doc['vocab_size_source']}), stored rows {c['padded_vocab_size']}")
     click.echo(f"size        {len(doc['tensors'])} tensors, {human_bytes(doc['total_bytes'])}")
