@@ -41,8 +41,9 @@ def _run(src, dst, layout: Layout, kw: dict, verb: str, transform=None):
 def megatron_output_options(fn):
     fn = click.option("--dialect", type=click.Choice(sorted(DIALECTS)), default=None,
                       help="Key-name dialect to write (default: the source's; mcore for non-Megatron sources).")(fn)
-    fn = click.option("--format", "out_format", type=click.Choice(["torch", "torch_dist"]), default=None,
-                      help="Megatron checkpoint format to write (default: the source's).")(fn)
+    fn = click.option("--format", "out_format", type=click.Choice(["torch", "torch_dist", "ds-universal"]),
+                      default=None, help="Format to write (default: the source's): Megatron torch or torch_dist, "
+                      "or ds-universal (a DeepSpeed universal checkpoint with the optimizer state; merge only).")(fn)
     fn = click.option("--release/--no-release", default=None,
                       help="Write under release/ with the tracker holding 'release' "
                            "(default: for the 2019 dialect, and when the source was a release).")(fn)
