@@ -56,7 +56,8 @@ class Param:
     universal loader reads (cat_dim, param_n_sub_params, vocab_tensor)."""
 
     def __init__(self, name: str, slots: Dict[str, LazyTensor], canonical: List[str], extra: Optional[dict] = None):
-        self.name, self.slots, self.canonical, self.extra = name, slots, canonical, extra or {"cat_dim": 0}
+        self.name, self.slots, self.canonical = name, slots, canonical
+        self.extra = {"cat_dim": 0} if extra is None else extra
 
 
 # --- engine names per source scheme -----------------------------------------------------------
@@ -92,7 +93,8 @@ def _mds_params(ckpt: Checkpoint, naming: dict, slots: Dict[str, Dict[str, LazyT
                 raise CkptError(f"--format ds-universal: no {slot} for {name}", "the source is incomplete")
             made[slot] = t
         rule = rule_for(role, cfg)
-        extra = {"cat_dim": 1 if rule is Rule.ROW else 0}
+        # DeepSpeed records no cat_dim for TP-replicated tensors (the loader takes them whole)
+        extra = {} if rule is Rule.REPLICATED else {"cat_dim": 1 if rule is Rule.ROW else 0}
         if rule is Rule.GATED:
             extra["param_n_sub_params"] = 2
         if rule is Rule.VOCAB:
