@@ -30,7 +30,7 @@ from .state import Checkpoint
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
           "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 PAD_FILLS = ("zero", "mean", "last")
-OUTPUT_FORMATS = ("torch", "torch_dist")
+OUTPUT_FORMATS = ("torch", "torch_dist", "ds-universal")
 
 Progress = Callable[[int, Optional[int]], None]  # progress(bytes just written, total bytes or None)
 Warn = Callable[[str], None]

@@ -34,8 +34,16 @@ def _dist_writer(ckpt, out_dir, layout, **kw):
 
 
 WRITERS["torch_dist"] = _dist_writer
+
+
+def _ds_universal_writer(ckpt, out_dir, layout, **kw):
+    from .formats.ds_universal import write_ds_universal
+    return write_ds_universal(ckpt, out_dir, layout, **kw)
+
+
+WRITERS["ds-universal"] = _ds_universal_writer
 # writers that carry the optimizer state (keyword optimizer=True/False); the others write weights only
-OPTIMIZER_WRITERS = {"torch"}
+OPTIMIZER_WRITERS = {"torch", "ds-universal"}
 
 
 def write_layout(ckpt: Checkpoint, dst, layout: Layout, fmt: Optional[str] = None, force: bool = False,

@@ -42,7 +42,8 @@ def megatron_output_options(fn):
     fn = click.option("--dialect", type=click.Choice(sorted(DIALECTS)), default=None,
                       help="Key-name dialect to write (default: the source's; mcore for non-Megatron sources).")(fn)
     fn = click.option("--format", type=click.Choice(api.OUTPUT_FORMATS), default=None,
-                      help="Megatron checkpoint format to write (default: the source's).")(fn)
+                      help="Format to write (default: the source's): Megatron torch or torch_dist, or "
+                           "ds-universal (a DeepSpeed universal checkpoint with the optimizer state; merge only).")(fn)
     fn = click.option("--optimizer/--no-optimizer", default=True, show_default=True,
                       help="Carry the optimizer state (fp32 masters, Adam moments, step, param groups, LR "
                            "scheduler) when the source has it and the target format holds it, so training "

@@ -29,10 +29,12 @@ from ..lazy import Derived, LazyTensor
 from ..options import ReadOptions
 from ..roles import assemble
 from ..sharding import ReplicaPolicy
-from ..state import Checkpoint, SourceInfo, expected_names
+from ..ondemand import Builder, OnDemandDict, OnDemandList
+from ..state import Checkpoint, OptimizerState, ParamGroup, SourceInfo, expected_names
 from . import megatron_args
 from . import hf as hf_format
-from .deepspeed_zero import RankStates, find_files, looks_like_deepspeed, read_rank
+from .deepspeed_zero import (MOMENTS, NO_OPTIMIZER_HINT, RankStates, base_optimizer, find_files,
+                             looks_like_deepspeed, rank_moments, read_rank, _param_shapes)
 from .megatron import detect_dialect, flatten, _config as megatron_config
 from .megatron_names import KeyMatcher, is_ignorable, qkv_to_grouped
 from . import mds_pipeline as mds
@@ -48,6 +50,10 @@ def looks_like(path) -> bool:
 # --- which weights --------------------------------------------------------------------------
 
 def _choose_weights(requested: Optional[str], ranks: Dict[int, RankStates], has_layers: bool) -> str:
+    missing = next((r.missing_shard for r in ranks.values() if r.missing_shard), None)
+    if missing and requested != "model":
+        raise CkptError(missing, "copy the complete global_step directory, or pass --weights model "
+                        "(the 16-bit module weights) with --no-optimizer")
     has_master = all(r.master for r in ranks.values())
     has_model = has_layers or all(_module_has_weights(r) for r in ranks.values())
     if requested is None:
@@ -99,18 +105,9 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     warnings: List[str] = []
     policy = ReplicaPolicy(opts.replicas, warnings.append)
     r0 = ranks[0]
-    pipe_kinds = None  # pipeline saves: spec index -> embed | layer | final_norm | head
-    if tf.layers:
-        cfg, tensors, layout, dialect, pipe_kinds = _read_pipeline(tf, ranks, weights, opts, policy, warnings)
-    else:
-        named = {mp: named_weights(r, weights) for mp, r in ranks.items()}
-        if mds.is_pipe_names(named[0]):
-            raise CkptError(f"{tf.tag_dir}: pipeline parameter names but no layer_* files",
-                            "copy the layer_*-model_states.pt files of this step too")
-        if _looks_megatron(named[0]):
-            cfg, tensors, layout, dialect = _read_megatron_module(named, r0, opts, policy)
-        else:
-            cfg, tensors, layout, dialect = _read_hf_gpt(tf, named, opts)
+    # A pipeline's 16-bit weights live in its layer files; everything else is named per MP rank.
+    named = None if tf.layers and weights == "model" else {mp: named_weights(r, weights) for mp, r in ranks.items()}
+    cfg, tensors, layout, dialect, naming = _canonical(tf, ranks, named, opts, policy, warnings)
     layout.dp = r0.dp
     args = _args_with_true_vocab(r0.meta.get("args"), cfg)
     stage = f"zero-{r0.zero_stage}" if r0.zero_stage else "no ZeRO"
@@ -122,15 +119,166 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                       layout=layout, iteration=r0.meta.get("iteration", r0.meta.get("global_steps")),
                       checkpoint_version=r0.meta.get("checkpoint_version"), args=args,
                       extra={"replica_policy": policy, "weights": weights, "zero_stage": r0.zero_stage,
-                             "optimizer": r0.optimizer_kind, "tag_dir": str(tf.tag_dir), "pipe_kinds": pipe_kinds,
-                             "universal_checkpoint_info": r0.meta.get("universal_checkpoint_info")})
-    order = {n: i for i, n in enumerate(expected_names(cfg))}
-    tensors = dict(sorted(tensors.items(), key=lambda kv: (order.get(kv[0], 1 << 30), kv[0])))
+                             "optimizer": r0.optimizer_kind, "tag_dir": str(tf.tag_dir),
+                             # pipeline saves: spec index -> embed | layer | final_norm | head (deepspeed_ranks.py)
+                             "pipe_kinds": (naming or {}).get("kinds") if tf.layers else None,
+                             "universal_checkpoint_info": r0.meta.get("universal_checkpoint_info"),
+                             "engine_state": {k: r0.meta.get(k) for k in ENGINE_STATE_KEYS},
+                             "param_names": naming})
+    tensors = _in_model_order(tensors, cfg)
     missing = [n for n in expected_names(cfg) if n not in tensors]
     if missing:
         raise CkptError(f"{tf.tag_dir}: {len(missing)} tensors of the model are missing (e.g. {missing[0]})",
                         "the checkpoint is incomplete")
-    return Checkpoint(cfg, tensors, info, warnings)
+    ckpt = Checkpoint(cfg, tensors, info, warnings)
+    if all(r.osds for r in ranks.values()) or any(r.missing_shard for r in ranks.values()):
+        ckpt.optimizer = _optimizer_state(tf, ranks, opts, cfg, warnings)
+    return ckpt
+
+
+# model-states keys a DeepSpeed engine reads back besides the weights (kept for ds-universal output)
+ENGINE_STATE_KEYS = ("global_steps", "global_samples", "skipped_steps", "dp_world_size", "mp_world_size",
+                     "lr_scheduler", "ds_version", "ds_config", "iteration", "checkpoint_version", "tokens")
+
+
+def _in_model_order(tensors: Dict[str, LazyTensor], cfg) -> Dict[str, LazyTensor]:
+    order = {n: i for i, n in enumerate(expected_names(cfg))}
+    return dict(sorted(tensors.items(), key=lambda kv: (order.get(kv[0], 1 << 30), kv[0])))
+
+
+def _canonical(tf, ranks, named, opts, policy, warnings):
+    """(cfg, canonical tensors, layout, dialect, naming) from one name -> tensor dict per MP rank
+    (named; None: a pipeline's layer files). Weights and every optimizer slot go through here, so
+    a slot's canonical names and shapes are the weights' by construction."""
+    if tf.layers:
+        return _read_pipeline(tf, ranks, named, opts, policy, warnings)
+    if mds.is_pipe_names(named[0]):
+        raise CkptError(f"{tf.tag_dir}: pipeline parameter names but no layer_* files",
+                        "copy the layer_*-model_states.pt files of this step too")
+    if _looks_megatron(named[0]):
+        return _read_megatron_module(named, ranks[0], opts, policy)
+    return _read_hf_gpt(tf, named, opts)
+
+
+# --- optimizer state (ZeRO-1/2/3 and BF16_Optimizer: fp32 masters and Adam moments) ----------
+
+class _Zeros(LazyTensor):
+    """The moments of a parameter the optimizer does not hold (frozen) or a buffer: zeros."""
+
+    def __init__(self, shape):
+        self.shape, self.dtype = torch.Size(shape), torch.float32
+
+    def load(self) -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.dtype)
+
+
+def _slot_named(r: RankStates, slot: str, moments: Dict[str, Dict[str, LazyTensor]]) -> Dict[str, LazyTensor]:
+    """Engine name -> this slot's tensor for one MP rank, with the names named_weights gives the weights:
+    the optimizer's own tensors for trainable parameters; for frozen ones and buffers the fp32 weight
+    (master) or zeros (moments), so the canonical mapping sees the same set of names."""
+    base = named_weights(r, "master")
+    if slot == "master":
+        return {k: v if v.dtype == torch.float32 else v.to(torch.float32) for k, v in base.items()}
+    held = moments[slot]
+    out = {}
+    for k, v in base.items():
+        owner = r.shared.get(k, k)
+        out[k] = held[owner] if owner in held else _Zeros(v.shape)
+    return out
+
+
+class _Tag(LazyTensor):
+    """A stand-in for one engine parameter while tracing which canonical tensors it feeds. Unlike a
+    stored tensor it keeps plain narrow()s, so every derived tensor still points back to it."""
+
+    def __init__(self, like: LazyTensor):
+        self.shape, self.dtype = like.shape, like.dtype
+
+    def load(self):  # pragma: no cover - tracing never loads
+        raise RuntimeError("internal: a tracing tag was loaded")
+
+
+def _reaches(t: LazyTensor, owners: Dict[int, int]) -> set:
+    """The values of owners (keyed by id of a lazy node) met walking t's graph towards its inputs."""
+    found, stack, seen = set(), [t], set()
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if id(n) in owners:
+            found.add(owners[id(n)])
+            continue
+        stack.extend(getattr(n, "parents", ()))
+    return found
+
+
+def _param_groups(tf, ranks: Dict[int, RankStates], opts, warnings) -> List[ParamGroup]:
+    """One ParamGroup per optimizer group (ZeRO-3: per sub-group), its hyperparameters as stored and
+    the canonical names fed by that group's parameters (traced through the same canonical mapping)."""
+    owners: Dict[int, int] = {}
+    named = {}
+    for mp, r in ranks.items():
+        group_of = {n: g for g, names in enumerate(_param_shapes(r.meta)) for n in names}
+        named[mp] = {}
+        for k, v in named_weights(r, "master").items():
+            tag = _Tag(v)
+            owner = r.shared.get(k, k)
+            if owner in group_of:
+                owners[id(tag)] = group_of[owner]
+            named[mp][k] = tag
+    _, traced, *_ = _canonical(tf, ranks, named, opts, ReplicaPolicy("first", lambda m: None), [])
+    by_group: Dict[int, List[str]] = defaultdict(list)
+    for name, t in traced.items():
+        for g in sorted(_reaches(t, owners)):
+            by_group[g].append(name)
+    stored = base_optimizer(ranks[0]).get("param_groups") or []
+    count = max([len(_param_shapes(ranks[0].meta)), len(stored)])
+    return [ParamGroup(by_group.get(g, []), {k: v for k, v in (stored[g] if g < len(stored) else {}).items()
+                                            if k != "params"}) for g in range(count)]
+
+
+def _step(r0: RankStates) -> Optional[int]:
+    state = base_optimizer(r0).get("state")
+    first = state.get(0) if isinstance(state, dict) else None
+    step = first.get("step") if isinstance(first, dict) else None
+    if isinstance(step, LazyTensor):
+        step = step.load().item()
+    return int(step) if isinstance(step, (int, float)) else None
+
+
+def _optimizer_state(tf, ranks: Dict[int, RankStates], opts: ReadOptions, cfg, warnings) -> OptimizerState:
+    """The optimizer state, its slots and groups built on first use (weights-only work never pays)."""
+    r0 = ranks[0]
+
+    def build():
+        missing = next((r.missing_shard for r in ranks.values() if r.missing_shard), None)
+        if missing:
+            raise CkptError(missing, NO_OPTIMIZER_HINT)
+        policy = ReplicaPolicy(opts.replicas, warnings.append)
+        moments = {mp: rank_moments(r) for mp, r in ranks.items()}
+        slots = {}
+        for slot in ("master",) + MOMENTS:
+            named = {mp: _slot_named(r, slot, moments[mp]) for mp, r in ranks.items()}
+            _, tensors, *_ = _canonical(tf, ranks, named, opts, policy, warnings)
+            want = expected_names(cfg)
+            slots[slot] = {n: tensors[n] for n in want if n in tensors}
+            lost = [n for n in want if n not in tensors]
+            if lost:
+                raise CkptError(f"{tf.tag_dir}: the optimizer holds no {slot} for {lost[0]}", NO_OPTIMIZER_HINT)
+        groups = _param_groups(tf, ranks, opts, warnings)
+        order = {n: i for i, n in enumerate(slots["master"])}
+        for g in groups:
+            g.names.sort(key=lambda n: order.get(n, 1 << 30))
+        return slots, groups
+
+    builder = Builder(build)
+    kind = {"bf16_optimizer": "deepspeed-bf16"}.get(r0.optimizer_kind, f"deepspeed-zero{r0.zero_stage}")
+    osd0 = r0.osds.get(0) or {}
+    scaler = {k: osd0[k] for k in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad") if k in osd0}
+    return OptimizerState(kind=kind, slots=OnDemandDict(builder, 0), step=_step(r0) if r0.osds else None,
+                          param_groups=OnDemandList(builder, 1), grad_scaler=scaler or None,
+                          scheduler=r0.meta.get("lr_scheduler"), consumed_samples=r0.meta.get("global_samples"))
 
 
 def _args_with_true_vocab(args, cfg):
@@ -163,7 +311,7 @@ def _gpt_config(args, rows: int, meta: dict, opts: ReadOptions, num_layers: int)
     return cfg
 
 
-def _read_pipeline(tf, ranks, weights, opts, policy, warnings):
+def _read_pipeline(tf, ranks, named, opts, policy, warnings):
     tp = max(t for _, t in tf.layers) + 1
     nmp = len(ranks)
     require(nmp % tp == 0, f"{tf.tag_dir}: {nmp} model-parallel ranks is not a multiple of TP {tp}",
@@ -172,8 +320,7 @@ def _read_pipeline(tf, ranks, weights, opts, policy, warnings):
     # entries[(idx, key)] = [per TP]; copies = later pipeline stages' copies of tied tensors
     entries: Dict[Tuple[Optional[int], str], List[Optional[LazyTensor]]] = defaultdict(lambda: [None] * tp)
     copies: Dict[Tuple[Optional[int], str], List[Optional[LazyTensor]]] = defaultdict(lambda: [None] * tp)
-    embed_idx = None
-    if weights == "model":
+    if named is None:
         for (idx, t), p in sorted(tf.layers.items()):
             tree = load_torch_file(p)
             if not isinstance(tree, dict):
@@ -184,7 +331,7 @@ def _read_pipeline(tf, ranks, weights, opts, policy, warnings):
     else:
         for mp, r in sorted(ranks.items()):
             stage, t = divmod(mp, tp)
-            for name, v in named_weights(r, "master").items():
+            for name, v in named[mp].items():
                 hit = mds.split_pipe_name(name)
                 if hit is None:
                     raise CkptError(f"unexpected parameter {name!r} in a pipeline checkpoint",
@@ -228,7 +375,31 @@ def _read_pipeline(tf, ranks, weights, opts, policy, warnings):
     layout = Layout(tp=tp, pp=pp, stage_layers=None if len(set(stage_layers)) <= 1 or sum(stage_layers) != cfg.num_layers
                     else stage_layers)
     first = mds.first_layer_index(kinds)
-    return cfg, tensors, layout, f"mds-pipeline (transformer layers from spec index {first}, qkv {layout_name})", kinds
+    return (cfg, tensors, layout, f"mds-pipeline (transformer layers from spec index {first}, qkv {layout_name})",
+            dict(_pipe_naming(ranks, layout_name), kinds=kinds))
+
+
+def _pipe_naming(ranks: Dict[int, RankStates], qkv_layout: str) -> dict:
+    """How this run names its parameters: (role, layer number or None) -> pipe name, from the names
+    the optimizer used (param_shapes), so a tied embedding keeps `tied_modules.embed.*`."""
+    names = set()
+    for r in ranks.values():
+        names.update(n for g in _param_shapes(r.meta) for n in g)
+        names.update((r.meta.get("frozen_param_shapes") or {}).keys())
+    split = {n: mds.split_pipe_name(n) for n in names}
+    keys_by_idx: Dict[Optional[int], set] = defaultdict(set)
+    for hit in split.values():
+        if hit is not None:
+            keys_by_idx[hit[0]].add(hit[1])
+    kinds = mds.classify(keys_by_idx)
+    numbers = mds.layer_numbers(kinds)
+    roles = {}
+    for name, hit in split.items():
+        if hit is not None:
+            idx, key = hit
+            kind = kinds[idx]
+            roles[(mds.role_of(kind, key), numbers[idx] if kind == "layer" else None)] = name
+    return {"scheme": "mds-pipe", "roles": roles, "qkv_layout": qkv_layout}
 
 
 def _tied_check(key, t, owner, copy, warnings):
@@ -298,7 +469,7 @@ def _read_megatron_module(named, r0, opts, policy):
             if k[0].startswith("qkv."):
                 shards[k] = [Derived(lambda x: qkv_to_grouped(x, 0, heads_local, cfg.head_dim), [x]) for x in shards[k]]
     tensors = assemble(cfg, dict(shards), policy)
-    return cfg, tensors, Layout(tp=tp, pp=1), f"megatron module ({dialect.name})"
+    return cfg, tensors, Layout(tp=tp, pp=1), f"megatron module ({dialect.name})", {"scheme": "megatron-module"}
 
 
 # --- Hugging Face names ---------------------------------------------------------------------
@@ -334,7 +505,7 @@ def _read_hf_gpt(tf, named, opts):
                         "ckptool can reshard", "use `ckptool to-hf SRC DST` to consolidate it into a Hugging Face model")
     n = {k[len("module."):] if k.startswith("module.") else k: v for k, v in named[0].items()}
     cfg, tensors = hf_format.to_canonical(n, hf, mt, opts, tf.tag_dir)
-    return cfg, tensors, Layout(tp=1, pp=1), f"hf {mt}"
+    return cfg, tensors, Layout(tp=1, pp=1), f"hf {mt}", {"scheme": "hf", "model_type": mt, "hf_config": hf}
 
 
 def consolidate_hf_state(path, opts: Optional[ReadOptions] = None) -> Tuple[dict, Dict[str, LazyTensor]]:

@@ -1,0 +1,204 @@
+"""DeepSpeed optimizer state in (ZeRO-1/2/3 and BF16_Optimizer moments) and `--format ds-universal` out.
+
+Real: tests/ds_universal_cases.py trains tiny GPT-2 models (odd sizes, a frozen parameter) with the
+real deepspeed package under torchrun (DP 2, gloo, CPU) at ZeRO-1/2/3 in bf16 and fp32, and keeps
+the live engine's fp32 masters and Adam moments. ckptool reads them bit for bit, `ckptool merge
+--format ds-universal` writes a universal checkpoint, and fresh engines at DP 1 and DP 3 load it
+with `checkpoint.load_universal`: safe_get_full_fp32_param / safe_get_full_optimizer_state equal
+the saved engine's values bit for bit, and one more training step runs. The real Megatron-DeepSpeed
+TP2 PP2 run in shared/real-checkpoints is converted by ckptool and by DeepSpeed's own
+ds_to_universal.py, and every tensor file must agree.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import free_port
+from ckptool.errors import CkptError
+from ckptool.formats.ds_universal import universal_params
+from ckptool.formats.registry import open_checkpoint
+from ckptool.lazy import load_scope
+from ckptool.options import ReadOptions
+
+REPO = Path(__file__).resolve().parents[1]
+MDS = next((base / "mds_gpt2_pipe_tp2pp2_bf16_zero1" for base in (REPO.parent / "shared" / "real-checkpoints",
+                                                                   REPO / "fixtures" / "real")
+            if (base / "mds_gpt2_pipe_tp2pp2_bf16_zero1" / "checkpoint").is_dir()),
+           REPO / "fixtures" / "real" / "mds_gpt2_pipe_tp2pp2_bf16_zero1")
+CASES = ["gpt2-1-bf16", "gpt2-2-bf16", "gpt2-3-bf16", "gpt2-1-fp32", "gpt2-2-fp32", "gpt2-3-fp32"]
+LOAD_DP = (1, 3)
+SLOT_FILES = {"master": "fp32", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+
+try:
+    import deepspeed  # noqa: F401
+    HAVE_DS = True
+except Exception:  # pragma: no cover - depends on the environment
+    HAVE_DS = False
+
+
+def _cli(*argv):
+    from click.testing import CliRunner
+    from ckptool.cli import main
+    return CliRunner().invoke(main, list(argv))
+
+
+def _torchrun(n, *argv):
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-port",
+           str(free_port()), str(REPO / "tests" / "ds_universal_cases.py"), *argv]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory):
+    """Every case saved at DP 2, converted by the CLI, then loaded at DP 1 and DP 3 (one launch each)."""
+    if not HAVE_DS:
+        pytest.skip("the deepspeed package cannot be imported")
+    out = tmp_path_factory.mktemp("ds_universal")
+    _torchrun(2, "save", str(out), *CASES)
+    for case in CASES:
+        res = _cli("merge", str(out / case / "ckpt"), str(out / case / "universal"), "--format", "ds-universal")
+        assert res.exit_code == 0, res.output
+    for n in LOAD_DP:
+        _torchrun(n, "load", str(out), *CASES)
+    return out
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_reader_slots_equal_the_live_engine_bit_for_bit(runs, case):
+    ckpt = open_checkpoint(str(runs / case / "ckpt"))
+    opt = ckpt.optimizer
+    stage = case.split("-")[1]
+    assert opt.kind == f"deepspeed-zero{stage}"
+    truth = torch.load(runs / case / "truth.pt", weights_only=False)
+    assert opt.step == truth["step"] == 2
+    for slot in SLOT_FILES:  # same canonical names and shapes as the weights
+        assert list(opt.slots[slot]) == list(ckpt.tensors)
+        assert all(opt.slots[slot][n].shape == ckpt.tensors[n].shape for n in ckpt.tensors)
+        assert all(t.dtype == torch.float32 for t in opt.slots[slot].values())
+    params, _ = universal_params(ckpt)
+    compared = 0
+    with load_scope():
+        for p in params:
+            for slot, key in SLOT_FILES.items():
+                if p.name in truth["params"]:
+                    assert torch.equal(p.slots[slot].load(), truth["params"][p.name][key]), (p.name, slot)
+                    compared += 1
+    assert compared == 3 * len(truth["params"]) == 81
+    # the frozen wpe is in no group; its moments are zero and its master is the weight in fp32
+    (group,) = opt.param_groups
+    assert "embed.pos" not in group.names and len(group.names) == len(ckpt.tensors) - 1
+    assert group.hyper["lr"] == 1e-2 and group.hyper["weight_decay"] == 0.01
+    assert not opt.slots["exp_avg"]["embed.pos"].load().any()
+
+
+@pytest.mark.parametrize("dp", LOAD_DP)
+@pytest.mark.parametrize("case", CASES)
+def test_universal_output_loads_into_the_engine_at_another_dp(runs, case, dp):
+    got = json.loads((runs / case / f"load_dp{dp}.json").read_text())
+    assert got["equal_before_load"] < got["compared"] == 81  # the fresh engine differed before loading
+    assert got["mismatch"] == []
+    assert got["step"] == got["truth_step"] == 2.0
+    assert got["moved"] and got["finite"] and got["global_steps"] == 3  # and it trains on
+
+
+def test_universal_folder_layout(runs):
+    out = runs / "gpt2-1-bf16" / "universal"
+    tag = (out / "latest_universal").read_text()
+    assert tag == "global_step2_universal"
+    zero = out / tag / "zero"
+    assert sorted(p.name for p in (zero / "transformer.h.0.attn.c_attn.weight").iterdir()) == \
+        ["exp_avg.pt", "exp_avg_sq.pt", "fp32.pt", "step.pt"]
+    assert sorted(p.name for p in (zero / "transformer.wpe.weight").iterdir()) == ["fp32.pt"]  # frozen
+    assert not (zero / "lm_head.weight").exists()  # tied to wte
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+        ms = torch.load(out / tag / name, weights_only=False)
+        assert ms["global_steps"] == 2 and ms["dp_world_size"] == 2
+    assert not (out / "latest").exists()
+
+
+def test_real_mds_optimizer_state():
+    ckpt = open_checkpoint(str(MDS / "checkpoint"))
+    opt = ckpt.optimizer
+    assert opt.kind == "deepspeed-zero1" and opt.step == 3
+    assert [g.hyper["weight_decay"] for g in opt.param_groups] == [0.01, 0.0]
+    assert [g.hyper["name"] for g in opt.param_groups] == ["wd_no_scale_lr", "no_wd_no_scale_lr"]
+    names = [n for g in opt.param_groups for n in g.names]
+    assert sorted(names) == sorted(ckpt.tensors)  # every tensor in exactly one group
+    assert all("norm" not in n and not n.endswith("bias") for n in opt.param_groups[0].names)
+    with load_scope():
+        for n, w in ckpt.tensors.items():  # --weights master (the default) IS the master slot
+            assert torch.equal(opt.slots["master"][n].load(), w.load()), n
+            assert opt.slots["exp_avg_sq"][n].load().min() >= 0
+    assert opt.total_bytes == 3 * ckpt.total_bytes
+
+
+def test_weights_only_reading_builds_no_optimizer_slots():
+    ckpt = open_checkpoint(str(MDS / "checkpoint"))
+    assert ckpt.optimizer is not None and not ckpt.optimizer.slots._filled  # built on first use only
+
+
+def test_real_mds_universal_equals_deepspeeds_own_converter(tmp_path):
+    """ds_to_universal.py (installed deepspeed) and ckptool on the real TP2 PP2 run: same files, same bits."""
+    if not HAVE_DS:
+        pytest.skip("the deepspeed package cannot be imported")
+    ref = tmp_path / "ref" / "global_step3_universal"
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                          str(MDS / "checkpoint" / "global_step3"), "--output_folder", str(ref),
+                          "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    res = _cli("merge", str(MDS / "checkpoint"), str(tmp_path / "ours"), "--format", "ds-universal")
+    assert res.exit_code == 0, res.output
+    ours = tmp_path / "ours" / "global_step3_universal" / "zero"
+    ref = ref / "zero"
+    params = sorted(p.name for p in ref.iterdir() if p.is_dir())
+    assert params == sorted(p.name for p in ours.iterdir() if p.is_dir()) and len(params) == 52
+    for name in params:
+        for f in sorted(p.name for p in (ref / name).iterdir()):
+            a = torch.load(ref / name / f, weights_only=False)
+            b = torch.load(ours / name / f, weights_only=False)
+            if f == "step.pt":
+                assert float(a) == float(b) == 3.0
+                continue
+            assert {k: v for k, v in a.items() if k != "param"} == {k: v for k, v in b.items() if k != "param"}, name
+            assert torch.equal(a["param"].detach(), b["param"]), (name, f)
+    a = torch.load(ref / "optimizer_state.pt", weights_only=False)
+    b = torch.load(ours / "optimizer_state.pt", weights_only=False)
+    assert a["param_groups"] == b["param_groups"] and a["clip_grad"] == b["clip_grad"]
+    # the vocabulary is cut to the true 1001 rows, as DeepSpeed's converter does
+    assert torch.load(ours / "tied_modules.embed.word_embeddings.weight" / "fp32.pt")["param"].shape[0] == 1001
+
+
+def test_missing_shard_is_refused_naming_the_file(runs, tmp_path):
+    import shutil
+    src = tmp_path / "ckpt"
+    shutil.copytree(runs / "gpt2-2-bf16" / "ckpt", src)
+    gone = src / "global_step2" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    gone.unlink()
+    res = _cli("merge", str(src), str(tmp_path / "out"), "--format", "ds-universal")
+    assert res.exit_code != 0 and str(gone) in res.output and "--weights model" in res.output
+    # 16-bit weights still read; asking for the optimizer names the file and the way out
+    ckpt = open_checkpoint(str(src), ReadOptions(weights="model"))
+    with pytest.raises(CkptError, match="bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt is missing.*--no-optimizer"):
+        ckpt.optimizer.slots["exp_avg"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_ds_universal_refusals(tmp_path):
+    res = _cli("reshard", str(MDS / "checkpoint"), str(tmp_path / "tp2"), "--tp", "2", "--format", "ds-universal")
+    assert res.exit_code != 0 and "ckptool merge SRC DST --format ds-universal" in res.output
+    res = _cli("merge", str(MDS / "checkpoint"), str(tmp_path / "megatron"))
+    assert res.exit_code == 0, res.output
+    res = _cli("merge", str(tmp_path / "megatron"), str(tmp_path / "u"), "--format", "ds-universal")
+    assert res.exit_code != 0 and "holds no optimizer state" in res.output
+    assert not (tmp_path / "u").exists() and not (tmp_path / "tp2").exists()
