@@ -643,8 +643,10 @@ class _TrainingState:
             slots = {slot: shard(role, full_of(slot), t, group, cast=False) for slot in self.slots
                      if slot != "master" or self.mixed}
             entries.append((g, slots))
+        # a loss scaler's state is only Megatron's to read when it came from Megatron
+        scaler = self.opt.grad_scaler if self.opt.kind.startswith("megatron") else None
         out = {"optimizer": megatron_optim.rank_state(entries, self.opt.param_groups, self.opt.step, self.mixed,
-                                                      self.opt.grad_scaler)}
+                                                      scaler)}
         if self.opt.scheduler is not None:
             out["opt_param_scheduler"] = self.opt.scheduler
         return out
