@@ -34,6 +34,8 @@ def main(ctx, debug):
     Sources are read lazily and never modified; outputs appear complete or not at all.
     """
     ctx.obj = {"debug": debug}
+    from .io import profile
+    profile.command_started()
 
 
 for _cmd in COMMANDS:

@@ -135,9 +135,12 @@ def make_partial_dir(dst, sources: Iterable[Path] = (), force: bool = False) -> 
 def seal_partial_dir(tmp: Path, dst, manifest: bool = True) -> None:
     """Manifest last, fsync, then rename tmp into place (replacing an old dst)."""
     dst = Path(dst)
+    from . import profile
     if manifest:
-        write_manifest(tmp)
-    _fsync_tree(tmp)
+        with profile.stage("manifest"):
+            write_manifest(tmp)
+    with profile.stage("fsync"):
+        _fsync_tree(tmp)
     if dst.exists():
         old = dst.parent / f".{dst.name}{PARTIAL_TAG}old-{uuid.uuid4().hex[:8]}"
         os.replace(dst, old)

@@ -22,7 +22,7 @@ import torch
 
 from ..errors import CkptError
 from ..lazy import LazyTensor, load_scope
-from . import writeback
+from . import profile, writeback
 
 DTYPE_NAMES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -109,8 +109,10 @@ def write_safetensors_file(path: Path, items: Sequence[Item], metadata: Optional
 
     def store(f, t: torch.Tensor, nbytes: int) -> None:
         data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-        digest.update(data)
-        f.write(data)
+        with profile.stage("hash", len(data)):
+            digest.update(data)
+        with profile.stage("write", len(data)):
+            f.write(data)
         if wb:
             wb.written(len(data))
         if progress:
@@ -135,7 +137,8 @@ def write_safetensors_file(path: Path, items: Sequence[Item], metadata: Optional
                                     f"planned as {tuple(lazy.shape)} {lazy.dtype}")
                 t = t.detach().contiguous()
                 if in_flight is not None:
-                    in_flight.result()
+                    with profile.stage("wait"):
+                        in_flight.result()
                 in_flight = pool.submit(store, f, t, lazy.nbytes)
                 del t
             if in_flight is not None:

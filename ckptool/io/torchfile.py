@@ -25,7 +25,7 @@ import torch
 
 from ..errors import CkptError
 from ..lazy import Const, LazyTensor
-from . import writeback
+from . import profile, writeback
 from .buffers import empty
 from .outdir import remember_digest
 from .safe_pickle import (UNSUPPORTED_TORCH_REBUILDS, SafeUnpickler, StandInPickler, check_rebuild_from_type,
@@ -176,11 +176,12 @@ class TorchArchive:
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDONLY)
         length, done = len(view), 0
-        while done < length:
-            chunk = os.preadv(self._fd, [view[done:]], offset + done)
-            if chunk <= 0:
-                raise CkptError(f"{self.path}: unexpected end of file", "the file is truncated")
-            done += chunk
+        with profile.stage("read", length):
+            while done < length:
+                chunk = os.preadv(self._fd, [view[done:]], offset + done)
+                if chunk <= 0:
+                    raise CkptError(f"{self.path}: unexpected end of file", "the file is truncated")
+                done += chunk
 
     def read_record(self, key: str, start: int = 0, length: Optional[int] = None) -> bytearray:
         rec = self.records.get(f"data/{key}")
@@ -353,8 +354,9 @@ class StreamingTorchWriter:
             return None
 
         buf = io.BytesIO()
-        StandInPickler(buf, protocol=2, persistent_id=persistent_id,
-                       reducer_override=reducer).dump(obj)
+        with profile.stage("plan"):
+            StandInPickler(buf, protocol=2, persistent_id=persistent_id,
+                           reducer_override=reducer).dump(obj)
         self._pickle = buf.getvalue()
         self._file = _HashingFile(self.path)
         self._writer = _archive_writer(self._file)
@@ -378,7 +380,8 @@ class StreamingTorchWriter:
     def write_prepared(self, ps: "_PendingStorage", t: torch.Tensor) -> int:
         nbytes = t.numel() * t.element_size()
         # the first nbytes of the storage: a recycled buffer (io/buffers.py) may be larger
-        self._writer.write_record(f"data/{ps.key}", t.untyped_storage(), nbytes)
+        with profile.stage("zip"):
+            self._writer.write_record(f"data/{ps.key}", t.untyped_storage(), nbytes)
         self._done.add(ps.key)
         return nbytes
 
@@ -427,14 +430,20 @@ class _HashingFile:
         else:
             # a tensor record: hash on a helper thread while the bytes go to the file (both release
             # the GIL); data is only valid during this call, so wait for both
-            hashing = _hash_pool().submit(self.sha256.update, data)
+            hashing = _hash_pool().submit(self._hash, data)
             try:
-                n = self._f.write(data)
+                with profile.stage("write", len(data)):
+                    n = self._f.write(data)
             finally:
-                hashing.result()
+                with profile.stage("wait"):
+                    hashing.result()
         if self._writeback:
             self._writeback.written(n)
         return n
+
+    def _hash(self, data) -> None:
+        with profile.stage("hash", len(data)):
+            self.sha256.update(data)
 
     def flush(self) -> None:
         self._f.flush()
@@ -503,7 +512,8 @@ def write_grouped(writers: list, group_of, on_tensor=None) -> int:
                 by_file: dict = {}
                 for w, ps in groups[key]:
                     by_file.setdefault(id(w), []).append((w, ps, w.prepare(ps)))
-            total += sum(f.result() for f in in_flight)
+            with profile.stage("wait"):
+                total += sum(f.result() for f in in_flight)
             if in_flight:
                 trim()
             in_flight = [pool.submit(store, items) for items in by_file.values()]
