@@ -34,7 +34,7 @@ STAGES = {
     "hash": "manifest hash of the output (chunked over the cores)",
     "write": "write() of output bytes into the page cache",
     "writeback": "waiting for early write-back of the output (sync_file_range)",
-    "wait": "loading thread waiting for the writer to finish the group before",
+    "wait": "a thread waiting for another (loader for writer, writer for its checksum pieces)",
     "fsync": "fsync of the output directory's files",
     "manifest": "manifest: hashing files not hashed while written, writing the json",
 }

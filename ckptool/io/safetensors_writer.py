@@ -120,7 +120,8 @@ def write_safetensors_file(path: Path, items: Sequence[Item], metadata: Optional
                 if wb:
                     wb.written(len(piece))
         finally:
-            digest.settle()  # t's memory may be reused once this returns
+            with profile.stage("wait"):
+                digest.settle()  # t's memory may be reused once this returns
         if progress:
             progress(nbytes)
 

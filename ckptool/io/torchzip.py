@@ -114,7 +114,8 @@ class _Output:
             for start in range(0, len(view), writeback.WINDOW):
                 self._write(view[start:start + writeback.WINDOW])
         finally:
-            self.digest.settle()  # view's memory may be reused once this returns
+            with profile.stage("wait"):
+                self.digest.settle()  # view's memory may be reused once this returns
 
     def _write(self, view: memoryview) -> None:
         with profile.stage("write", len(view)):
@@ -167,7 +168,8 @@ class ArchiveOut:
                 raise CkptError(f"internal: unexpected archive piece after the data of {name}")
         if n:
             self._out.big(gap_at, data)
-        crc = chunked.crc32_finish(started)
+        with profile.stage("wait"):
+            crc = chunked.crc32_finish(started)
         if descriptor is None:
             raise CkptError(f"internal: no data descriptor for {name}")
         offset, piece = descriptor
