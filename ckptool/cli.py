@@ -37,6 +37,8 @@ def main(ctx, debug):
     Sources are read lazily and never modified; outputs appear complete or not at all.
     """
     ctx.obj = {"debug": debug}
+    from .io import profile
+    profile.command_started()
 
 
 main.help = inspect.cleandoc(main.help) + "\n\n\b\nExit status:\n" + exit_status_table()

@@ -10,7 +10,7 @@ import torch
 from .config import Layout
 from .errors import CkptError, require
 from .distributed import Team, current_team
-from .io.outdir import atomic_output_dir, make_partial_dir, seal_partial_dir
+from .io.outdir import adopt_digests, atomic_output_dir, known_digests, make_partial_dir, seal_partial_dir
 from .state import PAD_FILL_BY_SLOT, Checkpoint
 from .vocab import resize_slot_vocab, resize_vocab
 
@@ -131,17 +131,21 @@ def _write_as_team(team: Team, dst, sources, force: bool, write: Callable, merge
         summary = write(tmp, team.owns)
     except Exception as e:  # every rank must hear of it, or the others wait forever
         failure = e
-    results = team.gather((summary, None if failure is None else f"rank {team.rank}: {failure}"))
-    problems = [m for _, m in results if m]
+    # each rank's manifest digests, taken while it wrote: rank 0 seals without reading the files back
+    results = team.gather((summary, None if failure is None else f"rank {team.rank}: {failure}",
+                           known_digests(tmp) if failure is None else {}))
+    problems = [m for _, m, _ in results if m]
     if problems:
         if team.leader:
             shutil.rmtree(tmp, ignore_errors=True)
         if failure is not None:
             raise failure
         raise CkptError(f"distributed conversion failed on another rank ({problems[0]})")
-    total = merge([s for s, _ in results if s])
+    total = merge([s for s, _, _ in results if s])
     sealed = None
     if team.leader:
+        for _, _, digests in results:
+            adopt_digests(digests)
         try:
             seal_partial_dir(tmp, dst)
         except Exception as e:

@@ -18,8 +18,9 @@ import torch
 
 from ..config import GPTConfig
 from ..errors import CkptError, require
+from ..io.transpose import transposed, transposed_cat
 from ..io.safetensors_writer import Item, parse_size, write_sharded
-from ..lazy import Const, Derived, LazyTensor
+from ..lazy import Const, Derived, LazyTensor, cat_shape
 from ..state import Checkpoint, expected_names
 from ..vocab import resize_vocab
 from . import hf_names
@@ -174,11 +175,14 @@ def _materialise(entry, tensors: Dict[str, LazyTensor]) -> Optional[LazyTensor]:
     parts = [tensors[n] for n in names]
     if op == "copy":
         return parts[0]
+    # shapes stated, not found by running the function on meta tensors (cat on meta imports
+    # torch._dynamo, seconds of start-up); transposes run in parallel blocks (io/transpose.py)
+    rows = cat_shape([p.shape for p in parts], 0)
     if op == "T":
-        return Derived(lambda x: x.t().contiguous(), parts)
+        return Derived(transposed, parts, shape=(rows[1], rows[0]), dtype=parts[0].dtype)
     if op == "cat":
-        return Derived(lambda *xs: torch.cat(xs, 0), parts)
-    return Derived(lambda *xs: torch.cat(xs, 0).t().contiguous(), parts)
+        return Derived(lambda *xs: torch.cat(xs, 0), parts, shape=rows, dtype=parts[0].dtype)
+    return Derived(lambda *xs: transposed_cat(xs), parts, shape=(rows[1], rows[0]), dtype=parts[0].dtype)
 
 
 # --- config.json ---------------------------------------------------------------------------

@@ -11,7 +11,6 @@ multiple of 8, then the data, contiguous and without holes.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import struct
@@ -22,7 +21,8 @@ import torch
 
 from ..errors import CkptError
 from ..lazy import LazyTensor, load_scope
-from . import writeback
+from . import profile, writeback
+from .chunked import PieceDigest
 
 DTYPE_NAMES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -97,22 +97,31 @@ def write_safetensors_file(path: Path, items: Sequence[Item], metadata: Optional
     """Write one safetensors file, loading its tensors one at a time. Returns the data bytes.
 
     Loading tensor i+1 (reads, merges) overlaps writing tensor i on one writer thread (file
-    writes and sha256 release the GIL); at most two tensors are in memory. Data goes out in file
-    order, so the file is hashed as written and sealing the output need not read it back."""
+    writes and hashing release the GIL); at most two tensors are in memory. Data goes out in file
+    order, so the file is hashed as written (its 64 MiB pieces on the checksum pool, beside the
+    write) and sealing the output need not read it back."""
     from concurrent.futures import ThreadPoolExecutor
     from .memory import bound_heap
     from .outdir import remember_digest
     bound_heap()
     header, offsets = _header(items, metadata or {"format": "pt"})
     total = sum(t.nbytes for _, t, _ in items)
-    digest = hashlib.sha256(header)
+    digest = PieceDigest()
+    digest.feed(header)
 
     def store(f, t: torch.Tensor, nbytes: int) -> None:
         data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-        digest.update(data)
-        f.write(data)
-        if wb:
-            wb.written(len(data))
+        digest.feed(data)  # hashed on the pool while the bytes go to the file
+        try:
+            for start in range(0, len(data), writeback.WINDOW):
+                piece = data[start:start + writeback.WINDOW]
+                with profile.stage("write", len(piece)):
+                    f.write(piece)
+                if wb:
+                    wb.written(len(piece))
+        finally:
+            with profile.stage("wait"):
+                digest.settle()  # t's memory may be reused once this returns
         if progress:
             progress(nbytes)
 
@@ -135,7 +144,8 @@ def write_safetensors_file(path: Path, items: Sequence[Item], metadata: Optional
                                     f"planned as {tuple(lazy.shape)} {lazy.dtype}")
                 t = t.detach().contiguous()
                 if in_flight is not None:
-                    in_flight.result()
+                    with profile.stage("wait"):
+                        in_flight.result()
                 in_flight = pool.submit(store, f, t, lazy.nbytes)
                 del t
             if in_flight is not None:

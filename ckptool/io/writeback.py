@@ -22,6 +22,8 @@ import os
 import sys
 from typing import Optional
 
+from . import profile
+
 WINDOW = 64 << 20  # bytes per write-back window: large enough for big disk requests
 
 # <fcntl.h>: SYNC_FILE_RANGE_WAIT_BEFORE = 1, SYNC_FILE_RANGE_WRITE = 2, SYNC_FILE_RANGE_WAIT_AFTER = 4
@@ -66,7 +68,10 @@ class Writeback:
         if not self._call(self.started, self.pos - self.started, _WRITE):
             return
         if self.started > self.settled:
-            if self._call(self.settled, self.started - self.settled, _WAIT_BEFORE | _WRITE | _WAIT_AFTER):
+            with profile.stage("writeback"):
+                settled = self._call(self.settled, self.started - self.settled,
+                                     _WAIT_BEFORE | _WRITE | _WAIT_AFTER)
+            if settled:
                 _drop(self.fd, self.settled, self.started - self.settled)
             self.settled = self.started
         self.started = self.pos
