@@ -122,8 +122,9 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                       layout=layout, iteration=r0.meta.get("iteration", r0.meta.get("global_steps")),
                       checkpoint_version=r0.meta.get("checkpoint_version"), args=args,
                       extra={"replica_policy": policy, "weights": weights, "zero_stage": r0.zero_stage,
-                             "optimizer": r0.optimizer_kind, "tag_dir": str(tf.tag_dir), "pipe_kinds": pipe_kinds,
+                             "optimizer": r0.optimizer_kind, "tag_dir": str(tf.tag_dir),
                              "universal_checkpoint_info": r0.meta.get("universal_checkpoint_info")})
+    info.extra["pipe_kinds"] = pipe_kinds  # what each rank's own files hold (deepspeed_ranks.py)
     order = {n: i for i, n in enumerate(expected_names(cfg))}
     tensors = dict(sorted(tensors.items(), key=lambda kv: (order.get(kv[0], 1 << 30), kv[0])))
     missing = [n for n in expected_names(cfg) if n not in tensors]
