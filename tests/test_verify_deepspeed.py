@@ -300,3 +300,27 @@ def test_rank_views_of_synthetic_pipeline_files(tmp_path, era, untied, qkv):
 def test_rank_views_of_a_synthetic_zero_tp_run(tmp_path, weights):
     from ckptool.options import ReadOptions
     _rank_views_equal_merged_slices(synthetic_zero_tp4(tmp_path / "z"), ReadOptions(weights=weights))
+
+
+def test_hf_names_run_as_one_rank(tmp_path):
+    """Synthetic ZeRO-1 files (deepspeed.md 1.3) of a Hugging Face GPT-2: TP1 PP1, so the parallel
+    verify is one rank computing with the merged tensors; a world of one process joins a real gloo
+    group in this process, and transformers' own forward is the reference."""
+    import transformers
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=16, n_head=2, n_layer=2, vocab_size=40,
+                                                                 n_positions=16)).eval()
+    model.save_pretrained(tmp_path / "hf")
+    tag = tmp_path / "ds" / "global_step1"
+    tag.mkdir(parents=True)
+    (tmp_path / "ds" / "latest").write_text("global_step1")
+    (tmp_path / "ds" / "config.json").write_text(model.config.to_json_string())
+    params = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight" and not k.endswith(".attn.bias")}
+    _write_zero12(tag, params, 0, 1, "bf16_", 1, False,
+                  {"shared_params": {"lm_head.weight": "transformer.wte.weight"}})
+    env = {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    r = verify_here(tmp_path / "ds", "--reference", tmp_path / "hf", "--seq-len", 8, env=env)
+    assert r.exit_code == 0, r.output
+    assert "TP1 PP1, 1 processes" in r.output and "deepspeed (hf gpt2" in r.output
+    assert metric(r.stdout, "max_abs_error") < 1e-5
