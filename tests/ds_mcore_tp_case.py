@@ -1,6 +1,6 @@
-"""Write a REAL DeepSpeed ZeRO-1 checkpoint of a megatron-core GPT at TP 2, DP 2 (torchrun, 4 ranks, gloo, CPU).
+"""Write REAL DeepSpeed ZeRO checkpoints of a megatron-core GPT at TP 2, DP 2 (torchrun, 4 ranks, gloo, CPU).
 
-Usage: DS_ACCELERATOR=cpu torchrun --nproc-per-node 4 tests/ds_mcore_tp_case.py OUT_DIR
+Usage: DS_ACCELERATOR=cpu torchrun --nproc-per-node 4 tests/ds_mcore_tp_case.py OUT_DIR [STAGE ...]
 
 What Megatron-DeepSpeed does without its pipeline engine: megatron-core's parallel state is the
 DeepSpeed engine's mpu (model parallel = tensor parallel, ZeRO partitions over the data-parallel
@@ -9,10 +9,11 @@ iteration and checkpoint_version beside the module. Hidden dropout is on with a 
 each TP rank, so the replicated tensors (layer norms, row-parallel biases) of the two TP ranks
 receive different gradients and drift apart, as in a run with dropout on.
 
-OUT_DIR/ckpt is the save dir (`latest` + Megatron's latest_checkpointed_iteration.txt); OUT_DIR/
-reference.pt holds `tokens` and what the framework's own model computes for them in fp32 (eval, no
-dropout, logits gathered over TP): `logits_model` with the saved 16-bit weights, `logits_master`
-with the fp32 masters (safe_get_full_fp32_param), each rank with its own copies.
+OUT_DIR/zeroSTAGE/ckpt is the save dir (`latest` + Megatron's latest_checkpointed_iteration.txt);
+OUT_DIR/zeroSTAGE/reference.pt holds `tokens` and what the framework's own model computes for them in
+fp32 (eval, no dropout, logits gathered over TP): `logits_master` with the fp32 masters
+(safe_get_full_fp32_param), and but for ZeRO-3 `logits_model` with the saved 16-bit weights; each
+rank computes with its own copies.
 """
 import contextlib
 import sys
@@ -102,14 +103,11 @@ def fp32_logits(values):
     return H.logits(ref.eval())
 
 
-def main():
-    skip_shm_build()
-    deepspeed.init_distributed(dist_backend="gloo")
-    out = Path(sys.argv[1])
+def run(out: Path, stage: int):
     model, cfg = build()
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-              "zero_optimization": {"stage": 1}, "bf16": {"enabled": True}, "steps_per_print": 1000}
+              "zero_optimization": {"stage": stage}, "bf16": {"enabled": True}, "steps_per_print": 1000}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config,
                                       mpu=Mpu)
     train(engine)
@@ -118,14 +116,22 @@ def main():
     engine.save_checkpoint(str(out / "ckpt"), tag=f"global_step{STEPS}",
                            client_state={"args": args, "iteration": STEPS, "checkpoint_version": 3.0})
     masters = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()}  # collective
-    logits_model = fp32_logits(dict(engine.module.named_parameters()))
-    logits_master = fp32_logits(masters)
+    reference = {"tokens": H.TOKENS, "logits_master": fp32_logits(masters)}
+    if stage < 3:  # ZeRO-3 saves no 16-bit module weights
+        reference["logits_model"] = fp32_logits(dict(engine.module.named_parameters()))
     if dist.get_rank() == 0:
         (out / "ckpt" / "latest_checkpointed_iteration.txt").write_text(str(STEPS))  # as Megatron-DeepSpeed does
-        torch.save({"tokens": H.TOKENS, "logits_model": logits_model, "logits_master": logits_master},
-                   out / "reference.pt")
+        torch.save(reference, out / "reference.pt")
     dist.barrier()
     parallel_state.destroy_model_parallel()
+
+
+def main():
+    """OUT_DIR [STAGE ...]: one run per ZeRO stage (default 1) into OUT_DIR/zeroSTAGE/."""
+    skip_shm_build()
+    deepspeed.init_distributed(dist_backend="gloo")
+    for stage in sys.argv[2:] or ["1"]:
+        run(Path(sys.argv[1]) / f"zero{stage}", int(stage))
     dist.destroy_process_group()
 
 

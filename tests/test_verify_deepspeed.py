@@ -4,7 +4,7 @@ Real: the Megatron-DeepSpeed TP2 PP2 bf16 ZeRO-1 checkpoint (shared/real-checkpo
 fixtures/real) against the logits Megatron-DeepSpeed computed, with its 16-bit layer files and with
 its fp32 masters; copies of it whose TP rank 1 replica of a layer norm drifted (as with dropout on).
 Real: tests/ds_mcore_tp_case.py trains a megatron-core GPT at TP 2, DP 2 with the real deepspeed
-package (ZeRO-1, bf16, hidden dropout seeded per TP rank, so the TP replicas drift apart) and records
+package (ZeRO-1 and ZeRO-3, bf16, hidden dropout seeded per TP rank, so the TP replicas drift apart) and records
 the logits the framework's own model computes with each rank's copies; the parallel verify must
 reproduce them, and the merged one-process view (rank 0's copies) must not.
 Synthetic (named as such, deepspeed.md 1.3 via tests/test_deepspeed.py's writers): a ZeRO-1 run of
@@ -172,26 +172,29 @@ def mcore_tp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ds_mcore_tp")
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
-           str(REPO / "tests" / "ds_mcore_tp_case.py"), str(out)]
+           str(REPO / "tests" / "ds_mcore_tp_case.py"), str(out), "1", "3"]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    recorded = str(out / "reference.pt")
-    cases = {w: [out / "ckpt", "--weights", w, "--reference-logits", f"{recorded}:logits_{w}"]
-             for w in ("model", "master")}
+    cases = {f"zero{stage}_{w}": [out / f"zero{stage}" / "ckpt", "--weights", w, "--reference-logits",
+                                  f"{out / f'zero{stage}' / 'reference.pt'}:logits_{w}"]
+             for stage, w in (("1", "model"), ("1", "master"), ("3", "master"))}
     return out, verify_batch(2, cases, out / "verify")
 
 
 @pytest.mark.deepspeed
-@pytest.mark.parametrize("weights,dtype", [("model", "bfloat16"), ("master", "float32")])
-def test_real_zero_tp_run_with_drifted_replicas(mcore_tp_run, weights, dtype):
+@pytest.mark.parametrize("stage,weights,dtype", [(1, "model", "bfloat16"), (1, "master", "float32"),
+                                                 (3, "master", "float32")])
+def test_real_zero_tp_run_with_drifted_replicas(mcore_tp_run, stage, weights, dtype):
     out, results = mcore_tp_run
-    text, rc = results[weights]
+    text, rc = results[f"zero{stage}_{weights}"]
     assert rc == 0, text
-    assert "TP2 PP1, 2 processes" in text and f"megatron module (mcore), zero-1, {weights} weights ({dtype})" in text
+    assert "TP2 PP1, 2 processes" in text
+    assert f"megatron module (mcore), zero-{stage}, {weights} weights ({dtype})" in text
     assert metric(text, "max_abs_error") < 1e-5 and "result=PASS" in text
     # the merged view computes with rank 0's copies everywhere: not what the framework ran
-    single = verify_here(out / "ckpt", "--weights", weights, "--reference-logits",
-                         f"{out / 'reference.pt'}:logits_{weights}")
+    run = out / f"zero{stage}"
+    single = verify_here(run / "ckpt", "--weights", weights, "--reference-logits",
+                         f"{run / 'reference.pt'}:logits_{weights}")
     assert single.exit_code == 1 and "result=FAIL" in single.output, single.output
     assert metric(single.stdout, "max_abs_error") > 1e-3
     assert "layers.1.attn_norm.weight: tensor-parallel replicas differ" in single.output
@@ -297,3 +300,27 @@ def test_rank_views_of_synthetic_pipeline_files(tmp_path, era, untied, qkv):
 def test_rank_views_of_a_synthetic_zero_tp_run(tmp_path, weights):
     from ckptool.options import ReadOptions
     _rank_views_equal_merged_slices(synthetic_zero_tp4(tmp_path / "z"), ReadOptions(weights=weights))
+
+
+def test_hf_names_run_as_one_rank(tmp_path):
+    """Synthetic ZeRO-1 files (deepspeed.md 1.3) of a Hugging Face GPT-2: TP1 PP1, so the parallel
+    verify is one rank computing with the merged tensors; a world of one process joins a real gloo
+    group in this process, and transformers' own forward is the reference."""
+    import transformers
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=16, n_head=2, n_layer=2, vocab_size=40,
+                                                                 n_positions=16)).eval()
+    model.save_pretrained(tmp_path / "hf")
+    tag = tmp_path / "ds" / "global_step1"
+    tag.mkdir(parents=True)
+    (tmp_path / "ds" / "latest").write_text("global_step1")
+    (tmp_path / "ds" / "config.json").write_text(model.config.to_json_string())
+    params = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight" and not k.endswith(".attn.bias")}
+    _write_zero12(tag, params, 0, 1, "bf16_", 1, False,
+                  {"shared_params": {"lm_head.weight": "transformer.wte.weight"}})
+    env = {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    r = verify_here(tmp_path / "ds", "--reference", tmp_path / "hf", "--seq-len", 8, env=env)
+    assert r.exit_code == 0, r.output
+    assert "TP1 PP1, 1 processes" in r.output and "deepspeed (hf gpt2" in r.output
+    assert metric(r.stdout, "max_abs_error") < 1e-5

@@ -49,7 +49,8 @@ class DeepSpeedRanks:
         self.tf = find_files(Path(path), opts.iteration)
         self.kinds = ckpt.source.extra.get("pipe_kinds")  # None unless layer_* pipeline files
         if self.kinds is not None:
-            self.index_of = {n: idx for idx, n in mds.layer_numbers(self.kinds).items()}
+            self.numbers = mds.layer_numbers(self.kinds)  # spec index -> global transformer layer
+            self.index_of = {n: idx for idx, n in self.numbers.items()}
         self.hf_names = ckpt.source.dialect.startswith("hf ")  # deepspeed.read's dialect for HF names
 
     def mp_rank(self, tp_rank: int, pp_rank: int) -> int:
@@ -114,7 +115,7 @@ class DeepSpeedRanks:
         role = mds.role_of(kind, key)
         first, last = p == 0, p == self.layout.pp - 1
         if kind == "layer":
-            return f"layers.{mds.layer_numbers(self.kinds)[idx]}.{role}"
+            return f"layers.{self.numbers[idx]}.{role}"
         if kind == "embed":
             if first:
                 return GLOBAL_ROLES[role]
