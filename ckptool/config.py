@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Tuple
 
 from .errors import CkptError, require
@@ -175,10 +175,6 @@ class GPTConfig:
 
     def replace(self, **changes) -> "GPTConfig":
         return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 def padded_vocab_size(true_vocab: int, divisible_by: int, tp: int) -> int:
     """Megatron's rule: round the vocabulary up to a multiple of divisible_by * tp."""

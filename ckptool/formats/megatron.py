@@ -11,7 +11,6 @@ is shared with every Megatron-family format (roles.py, sharding.py).
 """
 from __future__ import annotations
 
-import argparse
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -24,8 +23,7 @@ from ..errors import CkptError, require
 from ..io.torchfile import StreamingTorchWriter, load_torch_file, write_grouped
 from ..lazy import Const, Derived, LazyTensor
 from ..options import ReadOptions
-from ..roles import (assemble, canonical_names, global_role_tensor, layer_role_tensor, rule_for, shard_role,
-                     LAYER_ROLES)
+from ..roles import assemble, canonical_names, global_role_tensor, layer_role_tensor, shard_role, LAYER_ROLES
 from ..sharding import ReplicaPolicy
 from ..state import OPTIMIZER_SLOTS, PAD_FILL_BY_SLOT, WEIGHT, Checkpoint, OptimizerState, ParamGroup, SourceInfo
 from ..vocab import resize_slot_vocab, resize_vocab, target_rows

@@ -29,7 +29,6 @@ DTYPE_NAMES = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
     torch.uint8: "U8", torch.bool: "BOOL",
 }
-NAME_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 
 # huggingface_hub's convention: KB/MB/GB are powers of 10, KiB/MiB/GiB powers of 2.
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
