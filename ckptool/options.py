@@ -19,6 +19,16 @@ class ReadOptions:
     # Architecture facts for checkpoints that store no args (2019 files, bare DCP saves):
     overrides: Dict[str, Any] = field(default_factory=dict)
 
+    def config_overrides(self) -> Dict[str, Any]:
+        """The overrides a reader applies to the GPTConfig it built (GPTConfig field names)."""
+        return {k: v for k, v in self.overrides.items() if v is not None and k in CONFIG_OVERRIDES}
+
+
+# GPTConfig fields a user's override replaces in what the checkpoint's args or shapes say.
+CONFIG_OVERRIDES = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                    "max_position_embeddings", "activation", "normalization", "norm_eps", "position_embedding",
+                    "rotary_base", "make_vocab_size_divisible_by", "head_dim")
+
 
 # The reading options by their CLI names (--num-attention-heads -> num_attention_heads). The first group
 # are ReadOptions fields; the second are architecture facts that go to ReadOptions.overrides.

@@ -159,6 +159,12 @@ class Checkpoint:
                           tensors, self.source, self.warnings, self.optimizer)
 
 
+def in_model_order(tensors: Dict[str, LazyTensor], cfg: GPTConfig) -> Dict[str, LazyTensor]:
+    """tensors in expected_names order (the order writers stream); names it does not list go last."""
+    order = {n: i for i, n in enumerate(expected_names(cfg))}
+    return dict(sorted(tensors.items(), key=lambda kv: (order.get(kv[0], 1 << 30), kv[0])))
+
+
 def expected_names(cfg: GPTConfig) -> List[str]:
     """Every canonical tensor name a model with this config has, in streaming order."""
     names = ["embed.word"]

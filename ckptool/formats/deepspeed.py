@@ -30,7 +30,7 @@ from ..options import ReadOptions
 from ..roles import assemble
 from ..sharding import ReplicaPolicy
 from ..ondemand import Builder, OnDemandDict, OnDemandList
-from ..state import Checkpoint, OptimizerState, ParamGroup, SourceInfo, expected_names
+from ..state import Checkpoint, OptimizerState, ParamGroup, SourceInfo, expected_names, in_model_order
 from . import megatron_args
 from . import hf as hf_format
 from .deepspeed_zero import (MOMENTS, NO_OPTIMIZER_HINT, RankStates, base_optimizer, find_files,
@@ -125,7 +125,7 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                              "universal_checkpoint_info": r0.meta.get("universal_checkpoint_info"),
                              "engine_state": {k: r0.meta.get(k) for k in ENGINE_STATE_KEYS},
                              "param_names": naming})
-    tensors = _in_model_order(tensors, cfg)
+    tensors = in_model_order(tensors, cfg)
     missing = [n for n in expected_names(cfg) if n not in tensors]
     if missing:
         raise CkptError(f"{tf.tag_dir}: {len(missing)} tensors of the model are missing (e.g. {missing[0]})",
@@ -139,11 +139,6 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
 # model-states keys a DeepSpeed engine reads back besides the weights (kept for ds-universal output)
 ENGINE_STATE_KEYS = ("global_steps", "global_samples", "skipped_steps", "dp_world_size", "mp_world_size",
                      "lr_scheduler", "ds_version", "ds_config", "iteration", "checkpoint_version", "tokens")
-
-
-def _in_model_order(tensors: Dict[str, LazyTensor], cfg) -> Dict[str, LazyTensor]:
-    order = {n: i for i, n in enumerate(expected_names(cfg))}
-    return dict(sorted(tensors.items(), key=lambda kv: (order.get(kv[0], 1 << 30), kv[0])))
 
 
 def _canonical(tf, ranks, named, opts, policy, warnings):

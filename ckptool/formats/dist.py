@@ -29,10 +29,10 @@ from ..errors import CkptError, require
 from ..io.dcp_io import METADATA, DcpDir, DcpWriter
 from ..io.torchfile import load_torch_bytes, load_torch_file, save_streaming
 from ..lazy import LazyTensor, load_scope
-from ..options import ReadOptions
+from ..options import CONFIG_OVERRIDES, ReadOptions
 from ..roles import GLOBAL_ROLES, LAYER_ROLES, assemble, global_role_tensor, layer_role_tensor
 from ..sharding import ReplicaPolicy
-from ..state import Checkpoint, SourceInfo, expected_names
+from ..state import Checkpoint, SourceInfo, expected_names, in_model_order
 from ..vocab import resize_vocab, target_rows
 from . import megatron_args
 from .megatron import TRACKER, resolve_iteration_dir
@@ -195,11 +195,6 @@ def _collect(dcp: DcpDir) -> Tuple[Dict[Tuple[str, Optional[int]], List[LazyTens
     return shards, stacked
 
 
-_OVERRIDABLE = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                "max_position_embeddings", "activation", "normalization", "norm_eps", "position_embedding",
-                "rotary_base", "make_vocab_size_divisible_by", "head_dim")
-
-
 def config_from_shapes(shards, num_layers: int, stored_rows: int, ov: dict, warn) -> GPTConfig:
     """No args stored (a bare dist_checkpointing.save): sizes from shapes, the rest from flags."""
     hidden = shards[("word", None)][0].shape[1]
@@ -235,7 +230,7 @@ def config_from_shapes(shards, num_layers: int, stored_rows: int, ov: dict, warn
               add_qkv_bias=("qkv.bias", 0) in shards,
               qk_layernorm=("q_norm.weight", 0) in shards,
               tied_embeddings=("output", None) not in shards)
-    kw.update({k: v for k, v in ov.items() if k in _OVERRIDABLE})
+    kw.update({k: v for k, v in ov.items() if k in CONFIG_OVERRIDES})
     return GPTConfig(**kw)
 
 
@@ -270,7 +265,7 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
             cfg = other_cfg.replace(padded_vocab_size=stored_rows, num_layers=num_layers)
     if args is not None:
         cfg = megatron_args.config_from_args(args, stored_rows)
-        cfg = cfg.replace(**{k: v for k, v in ov.items() if k in _OVERRIDABLE})
+        cfg = cfg.replace(**opts.config_overrides())
         cfg, note = megatron_args.as_megatron_core_computes(cfg)  # torch_dist is always megatron-core
         if note:
             warnings.append(note)
@@ -289,8 +284,7 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
         shards.pop(("output", None), None)  # a tied model's synchronised head copy
     policy = ReplicaPolicy(opts.replicas, warnings.append)
     tensors = assemble(cfg, shards, policy)
-    order = {n: i for i, n in enumerate(expected_names(cfg))}
-    tensors = dict(sorted(tensors.items(), key=lambda kv: (order.get(kv[0], 1 << 30), kv[0])))
+    tensors = in_model_order(tensors, cfg)
     tp = getattr(args, "tensor_model_parallel_size", None) or 1
     pp = getattr(args, "pipeline_model_parallel_size", None) or 1
     info = SourceInfo(path=str(path), format=FORMAT,
