@@ -86,6 +86,9 @@ def test_errors_are_ckpt_errors_and_nothing_is_written(tmp_path):
         ckptool.reshard(SRC, tmp_path / "bad", tp=1, pp=2, pp_layers="3,x")
     with pytest.raises(ckptool.CkptError, match="unknown dtype"):
         ckptool.reshard(SRC, tmp_path / "bad", tp=1, dtype="fp8")
+    for path in (SRC, CASE / "hf"):  # the one --true-vocab-size rule, Megatron and Hugging Face readers
+        with pytest.raises(ckptool.CkptError, match="--true-vocab-size 2000 exceeds the 10.. embedding rows"):
+            ckptool.open(path, true_vocab_size=2000)
     with pytest.raises(ckptool.CkptError, match="unknown replicas"):
         ckptool.open(SRC, replicas="average")
     with pytest.raises(ckptool.CkptError, match="not both"):
