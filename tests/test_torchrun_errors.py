@@ -89,3 +89,17 @@ def test_an_error_only_one_rank_found_is_still_said(tmp_path):
     out = r.stdout + r.stderr
     assert [line for line in out.splitlines() if line.startswith("error:")] == ["error: seen by rank 1"], out
     assert _rank_statuses(out).get(1) == 2, out[-3000:]
+
+
+def test_the_launcher_ends_with_ckptools_line_and_status(tmp_path):
+    """python -m ckptool.torchrun: the same launch, ending with ckptool's error line and its status."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("WORLD_SIZE", None)
+    r = subprocess.run([sys.executable, "-m", "ckptool.torchrun", "--nproc-per-node", "2", "--master-port",
+                        str(free_port()), "merge", str(tmp_path / "missing"), str(tmp_path / "out")],
+                       capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert r.returncode == 2, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert lines[-1] == f"error: {tmp_path / 'missing'}: no such file or directory", r.stderr[-3000:]
+    assert sum(line.startswith("error:") for line in lines) == 1
+    assert "ChildFailedError" not in r.stderr and "Traceback" not in r.stderr
