@@ -87,8 +87,11 @@ def open(path: Union[str, Path], **read_options) -> Checkpoint:  # noqa: A001 (c
     Returns a Checkpoint: .config (GPTConfig: sizes, vocab_size = the true vocabulary when known,
     padded_vocab_size = stored rows, vocab_size_source), .source (format, dialect, layout, iteration),
     .tensors (canonical name -> LazyTensor of the full shape), .optimizer (OptimizerState, or None
-    for weights only) and .warnings. read_options are the CLI's reading options (see _parse_read_options).
-    Raises CkptError for a path that is not a readable checkpoint."""
+    for weights only) and .warnings. read_options are the CLI's reading options by their snake_case
+    names: iteration, true_vocab_size, replicas, weights, qkv_layout, hf_config, args_from, and for
+    checkpoints that store no args num_attention_heads, num_query_groups, activation, num_layers,
+    hidden_size, ffn_hidden_size, max_position_embeddings, vocab_size, normalization, rotary_base.
+    Raises CkptError for a path that is not a readable checkpoint, TypeError for an unknown option."""
     from .formats.registry import open_checkpoint
     return open_checkpoint(path, _parse_read_options(**read_options))
 
@@ -107,9 +110,11 @@ def merge(src, dst, *, format: Optional[str] = None, dialect: Optional[str] = No
     writes the weights only; summary["optimizer"] says what was carried); force: replace dst.
     progress(bytes, total) and warn(message) are called as the write goes on.
     read_options as for open(). Returns the ConversionResult; raises CkptError."""
-    return reshard(src, dst, tp=1, pp=1, format=format, dialect=dialect, release=release, dtype=dtype,
-                   make_vocab_size_divisible_by=make_vocab_size_divisible_by, pad_fill=pad_fill,
-                   optimizer=optimizer, force=force, progress=progress, warn=warn, _command="merge", **read_options)
+    ckpt = open(src, **read_options)
+    return _write_megatron_family("merge", src, dst, ckpt, Layout(1, 1), force, progress, warn,
+                                  format=format, dialect=dialect, release=release, dtype=dtype,
+                                  make_vocab_size_divisible_by=make_vocab_size_divisible_by, pad_fill=pad_fill,
+                                  optimizer=optimizer)
 
 
 def reshard(src, dst, *, tp: int, pp: int = 1, vpp: Optional[int] = None,
@@ -117,7 +122,6 @@ def reshard(src, dst, *, tp: int, pp: int = 1, vpp: Optional[int] = None,
             dialect: Optional[str] = None, release: Optional[bool] = None, dtype=None,
             make_vocab_size_divisible_by: Optional[int] = None, pad_fill: str = "zero", optimizer: bool = True,
             force: bool = False, progress: Optional[Progress] = None, warn: Optional[Warn] = None,
-            _command: str = "reshard",
             **read_options) -> ConversionResult:
     """Rewrite any checkpoint ckptool reads at Megatron's layout for tp / pp (/ vpp), as
     `ckptool reshard SRC DST --tp N`. pp_layers: layers per pipeline stage ("3,5" or [3, 5]) for an
@@ -125,7 +129,7 @@ def reshard(src, dst, *, tp: int, pp: int = 1, vpp: Optional[int] = None,
     layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp is not None and vpp >= 2 else None,
                     stage_layers=_stage_layers(pp_layers))
     ckpt = open(src, **read_options)
-    return _write_megatron_family(_command, src, dst, ckpt, layout, force, progress, warn,
+    return _write_megatron_family("reshard", src, dst, ckpt, layout, force, progress, warn,
                                   format=format, dialect=dialect, release=release, dtype=dtype,
                                   make_vocab_size_divisible_by=make_vocab_size_divisible_by, pad_fill=pad_fill,
                                   optimizer=optimizer)

@@ -8,7 +8,7 @@ from typing import Callable, Optional
 import torch
 
 from .config import Layout
-from .errors import CkptError, require
+from .errors import CkptError, TeamError, exit_status_of, require
 from .distributed import Team, current_team
 from .io.outdir import adopt_digests, atomic_output_dir, known_digests, make_partial_dir, seal_partial_dir
 from .state import PAD_FILL_BY_SLOT, Checkpoint
@@ -132,15 +132,18 @@ def _write_as_team(team: Team, dst, sources, force: bool, write: Callable, merge
     except Exception as e:  # every rank must hear of it, or the others wait forever
         failure = e
     # each rank's manifest digests, taken while it wrote: rank 0 seals without reading the files back
-    results = team.gather((summary, None if failure is None else f"rank {team.rank}: {failure}",
-                           known_digests(tmp) if failure is None else {}))
-    problems = [m for _, m, _ in results if m]
-    if problems:
+    report = None if failure is None else (f"rank {team.rank}: {failure}", exit_status_of(failure))
+    results = team.gather((summary, report, known_digests(tmp) if failure is None else {}))
+    failed = [(rank, r) for rank, (_, r, _) in enumerate(results) if r is not None]
+    if failed:
         if team.leader:
             shutil.rmtree(tmp, ignore_errors=True)
-        if failure is not None:
+        reporter, (message, status) = failed[0]  # the lowest failing rank says it, for every rank
+        if failure is not None and reporter == team.rank:
+            failure.reporter = reporter  # read by the CLI's error report (commands/common.py)
             raise failure
-        raise CkptError(f"distributed conversion failed on another rank ({problems[0]})")
+        raise TeamError(f"distributed conversion failed on another rank ({message})" if failure is None
+                        else str(failure), reporter=reporter, status=status)
     total = merge([s for s, _, _ in results if s])
     sealed = None
     if team.leader:

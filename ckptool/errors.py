@@ -24,12 +24,14 @@ class CkptError(Exception):
 
 
 class TeamError(CkptError):
-    """An error of a torchrun team that one rank reports for all (reporter: that rank). The other
-    ranks raise it too, so every rank exits with the same status, but they stay silent."""
+    """An error of a torchrun team that one rank reports for all: `reporter` is the rank that found it
+    and prints it, `status` the exit status it exits with. The other ranks raise this to exit with the
+    same status, silently."""
 
-    def __init__(self, message: str, hint: str = "", reporter: int = 0):
+    def __init__(self, message: str, hint: str = "", reporter: int = 0, status: int = 2):
         super().__init__(message, hint)
         self.reporter = reporter
+        self.status = status
 
 
 def require(condition: bool, message: str, hint: str = "") -> None:
@@ -57,6 +59,17 @@ EXIT_STATUSES = (
     ExitStatus(141, "broken_pipe", "the reader of stdout went away (e.g. `| head`)"),
 )
 EXIT = {s.name: s.code for s in EXIT_STATUSES}
+
+
+def exit_status_of(error: BaseException) -> int:
+    """The exit status an exception ends a command with (see EXIT_STATUSES)."""
+    if isinstance(error, TeamError):
+        return error.status
+    if isinstance(error, (CkptError, OSError)):
+        return EXIT["bad_input"]
+    if isinstance(error, KeyboardInterrupt):
+        return EXIT["interrupted"]
+    return EXIT["internal"]
 
 
 def exit_status_table(width: int = 96) -> str:

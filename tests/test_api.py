@@ -86,6 +86,9 @@ def test_errors_are_ckpt_errors_and_nothing_is_written(tmp_path):
         ckptool.reshard(SRC, tmp_path / "bad", tp=1, pp=2, pp_layers="3,x")
     with pytest.raises(ckptool.CkptError, match="unknown dtype"):
         ckptool.reshard(SRC, tmp_path / "bad", tp=1, dtype="fp8")
+    for path in (SRC, CASE / "hf"):  # the one --true-vocab-size rule, Megatron and Hugging Face readers
+        with pytest.raises(ckptool.CkptError, match="--true-vocab-size 2000 exceeds the 10.. embedding rows"):
+            ckptool.open(path, true_vocab_size=2000)
     with pytest.raises(ckptool.CkptError, match="unknown replicas"):
         ckptool.open(SRC, replicas="average")
     with pytest.raises(ckptool.CkptError, match="not both"):
@@ -135,3 +138,16 @@ def test_fix_vocab_keeps_the_true_vocabulary_and_reads_the_source_once(tmp_path,
     from ckptool.cli import main
     r = CliRunner().invoke(main, ["fix-vocab", str(SRC), str(tmp_path / "cli"), "--multiple", "64"])
     assert r.exit_code == 0 and "vocab 1001 padded to 1024" in r.output, r.output
+
+
+def test_exit_statuses_are_documented_where_users_look():
+    from click.testing import CliRunner
+    from ckptool.cli import main
+    help_text = CliRunner().invoke(main, ["--help"]).output
+    readme = (ROOT / "README.md").read_text()
+    assert ckptool.EXIT["bad_input"] == 2 and ckptool.EXIT["mismatch"] == 1 and ckptool.EXIT["ok"] == 0
+    for status in ckptool.EXIT_STATUSES:
+        assert f"  {status.code:<4} " in help_text
+        assert f"| {status.code} | {status.meaning} |" in readme
+    r = CliRunner().invoke(main, ["merge", "/nonexistent-ckptool-source", "/tmp/unused-ckptool-out"])
+    assert r.exit_code == ckptool.EXIT["bad_input"] and r.output.startswith("error:")

@@ -11,7 +11,7 @@ import click
 from tqdm import tqdm
 
 from ..api import DTYPES, PAD_FILLS
-from ..errors import EXIT, CkptError
+from ..errors import EXIT, CkptError, exit_status_of
 from ..options import CHOICES, ReadOptions, pop_read_options
 
 
@@ -111,7 +111,9 @@ def human_bytes(n: float) -> str:
 
 
 def reports_errors(fn: Callable) -> Callable:
-    """Turn CkptError into one line on stderr and EXIT["bad_input"]; other failures into EXIT["internal"]."""
+    """Turn CkptError into one line on stderr and EXIT["bad_input"]; other failures into EXIT["internal"]
+    (statuses: errors.EXIT_STATUSES). Under torchrun the line is printed once, by the rank that found
+    the error (rank 0 when every rank did), and every rank exits with the same status."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -122,28 +124,33 @@ def reports_errors(fn: Callable) -> Callable:
             return result
         except BrokenPipeError:
             _quiet_broken_pipe()
-        except CkptError as e:
-            if debug:
+        except (KeyboardInterrupt, Exception) as e:
+            if debug and not isinstance(e, KeyboardInterrupt):
                 traceback.print_exc()
-            click.echo(f"error: {e}", err=True)
-            sys.exit(EXIT["bad_input"])
-        except OSError as e:
-            if debug:
-                traceback.print_exc()
-            from ..io.outdir import translate_os_error
-            click.echo(f"error: {translate_os_error(e, getattr(e, 'filename', '') or 'the output')}", err=True)
-            sys.exit(EXIT["bad_input"])
-        except KeyboardInterrupt:
-            click.echo("interrupted: nothing was written to the output", err=True)
-            sys.exit(EXIT["interrupted"])
-        except Exception as e:  # a bug: say so, keep the traceback for --debug
-            if debug:
-                traceback.print_exc()
-            click.echo(f"internal error: {type(e).__name__}: {e} (rerun with `ckptool --debug ...` "
-                       "and report it)", err=True)
-            sys.exit(EXIT["internal"])
+            _fail(error_line(e), exit_status_of(e), getattr(e, "reporter", 0))
 
     return wrapper
+
+
+def error_line(e: BaseException) -> str:
+    """The one line a failed command prints."""
+    if isinstance(e, CkptError):
+        return f"error: {e}"
+    if isinstance(e, OSError):
+        from ..io.outdir import translate_os_error
+        return f"error: {translate_os_error(e, getattr(e, 'filename', '') or 'the output')}"
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted: nothing was written to the output"
+    return f"internal error: {type(e).__name__}: {e} (rerun with `ckptool --debug ...` and report it)"
+
+
+def _fail(line: str, status: int, reporter: int) -> None:
+    from ..distributed import fail_as_team, torchrun_rank
+    say = lambda text: click.echo(text, err=True)  # noqa: E731
+    if torchrun_rank() is None:
+        say(line)
+        sys.exit(status)
+    fail_as_team(line, status, reporter, say)
 
 
 def _quiet_broken_pipe() -> None:

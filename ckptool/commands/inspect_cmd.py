@@ -7,9 +7,9 @@ from typing import Optional
 
 import click
 
-from ..formats.registry import open_checkpoint
+from .. import api
 from ..state import Checkpoint
-from .common import human_bytes, read_options, reports_errors, source_options, print_warnings
+from .common import human_bytes, reports_errors, source_options, print_warnings
 
 INSPECT_SCHEMA_VERSION = 1
 
@@ -88,7 +88,7 @@ def inspect_cmd(path, as_json, tensors, **kw):
     torch_dist / DCP directory, a DeepSpeed checkpoint, or a Hugging Face model directory.
     Nothing is converted and nothing is written.
     """
-    ckpt = open_checkpoint(path, read_options(kw))
+    ckpt = api.open(path, **kw)
     doc = describe(ckpt)
     if as_json:
         click.echo(json.dumps(doc, indent=1))

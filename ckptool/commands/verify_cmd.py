@@ -81,6 +81,9 @@ def verify_cmd(target, ref, reference_logits, files_dir, tokens, tokenizer, batc
                     tokens=tokens, tokenizer=tokenizer, batch=batch, seq_len=seq_len, seed=seed, dtype=dtype,
                     tolerance=tolerance, tp=tp, pp=pp, vpp=vpp, **kw)
     if not result.ok:
+        from ..distributed import fail_as_team, torchrun_rank
+        if torchrun_rank() is not None:  # rank 0 printed the report: it exits first, every rank with status 1
+            fail_as_team("result=FAIL (see the report above)", EXIT["mismatch"], 0, lambda line: None)
         sys.exit(EXIT["mismatch"])
 
 

@@ -33,7 +33,7 @@ from ..options import CONFIG_OVERRIDES, ReadOptions
 from ..roles import GLOBAL_ROLES, LAYER_ROLES, assemble, global_role_tensor, layer_role_tensor
 from ..sharding import ReplicaPolicy
 from ..state import Checkpoint, SourceInfo, expected_names, in_model_order
-from ..vocab import resize_vocab, target_rows
+from ..vocab import resize_vocab, target_rows, with_true_vocab_size
 from . import megatron_args
 from .megatron import TRACKER, resolve_iteration_dir
 
@@ -274,8 +274,7 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
         cfg = config_from_shapes(shards, num_layers, stored_rows, ov, warnings.append)
     if ov.get("vocab_size"):
         cfg = cfg.replace(vocab_size=ov["vocab_size"], vocab_size_source="--vocab-size")
-    if opts.true_vocab_size is not None:
-        cfg = cfg.replace(vocab_size=opts.true_vocab_size, vocab_size_source="--true-vocab-size")
+    cfg = with_true_vocab_size(cfg, opts.true_vocab_size, stored_rows)
     require(cfg.vocab_size is None or cfg.vocab_size <= stored_rows,
             f"the true vocabulary ({cfg.vocab_size}) exceeds the {stored_rows} embedding rows stored")
     require(cfg.num_layers == num_layers, f"{cfg_src} say {cfg.num_layers} layers but the checkpoint holds "

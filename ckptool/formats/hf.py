@@ -22,6 +22,7 @@ from ..io.torchfile import load_torch_file
 from ..lazy import Derived, LazyTensor
 from ..options import ReadOptions
 from ..state import Checkpoint, SourceInfo, expected_names
+from ..vocab import with_true_vocab_size
 from . import hf_names
 from .hf_names import FUSED_EXPERTS, MODEL_TYPES, REFUSED_MODEL_TYPES, expand
 
@@ -284,9 +285,8 @@ def to_canonical(entries: Dict[str, LazyTensor], conf: dict, model_type: str, op
         entries = {("transformer." + k if not k.startswith("lm_head.") else k): v for k, v in entries.items()}
     word_key = "transformer.wte.weight" if family == "gpt2" else "model.embed_tokens.weight"
     require(word_key in entries, f"{path}: no {word_key} in the weight files")
-    cfg = config_from_hf(conf, entries[word_key].shape[0], model_type)
-    if opts.true_vocab_size is not None:
-        cfg = cfg.replace(vocab_size=opts.true_vocab_size, vocab_size_source="--true-vocab-size")
+    cfg = with_true_vocab_size(config_from_hf(conf, entries[word_key].shape[0], model_type),
+                               opts.true_vocab_size, entries[word_key].shape[0])
     if opts.overrides.get("activation"):
         cfg = cfg.replace(activation=opts.overrides["activation"])
 
