@@ -373,3 +373,71 @@ def test_optimizer_slots_and_streaming_groups_take_experts_as_they_are(family):
     moments = {n: Const(torch.zeros(t.shape)) for n, t in ckpt.tensors.items()}
     ckpt.optimizer = OptimizerState("test", {"exp_avg": moments})
     assert set(ckpt.slot("exp_avg")) == set(expected_names(ckpt.config)) == set(ckpt.tensors)
+
+
+def _fp8_blocks(w: torch.Tensor, block):
+    """Quantize w the DeepSeek way: per block, scale = amax / 448, stored as its inverse use."""
+    rows, cols = w.shape
+    nr, nc = -(-rows // block[0]), -(-cols // block[1])
+    scale = torch.zeros(nr, nc)
+    q = torch.zeros(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(nr):
+        for j in range(nc):
+            part = w[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]]
+            scale[i, j] = part.abs().max().clamp(min=1e-12) / 448.0
+            q[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]] = (part / scale[i, j]).to(q.dtype)
+    dequant = torch.empty(rows, cols)
+    for i in range(nr):
+        for j in range(nc):
+            sl = (slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1]))
+            dequant[sl] = q[sl].float() * scale[i, j]
+    return q, scale, dequant.to(torch.bfloat16)
+
+
+def test_deepseek_fp8_weights_are_dequantized(family, tmp_path):
+    """DeepSeek's block-FP8 files (float8_e4m3fn + weight_scale_inv; 8x10 blocks here so the tiny
+    matrices have several, ragged at the edges) read as bf16 equal to an independent block-wise
+    dequantization; to-hf writes plain bf16 that transformers runs like the original model holding
+    the dequantized weights."""
+    src, model = family("deepseek_v3")
+    block = (8, 10)
+    sd = load_file(str(src / "model.safetensors"))
+    files, expect = {}, {}
+    for k, v in sd.items():
+        if v.dim() == 2 and (".self_attn." in k or ".experts." in k or "_proj" in k) and "norm" not in k:
+            q, scale, expect[k] = _fp8_blocks(v, block)
+            files[k], files[k + "_scale_inv"] = q, scale
+        else:
+            files[k] = v
+    assert len(expect) > 50
+    fp8 = _copy_with(src, tmp_path / "fp8", conf={"quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}})
+    save_file(files, str(fp8 / "model.safetensors"), metadata={"format": "pt"})
+    ckpt = open_checkpoint(fp8)
+    got = {k: t for k, t in hf_reader.read_entries(fp8).items()}
+    assert got["model.layers.1.mlp.experts.7.down_proj.weight"].dtype == torch.float8_e4m3fn
+    out = tmp_path / "hf"
+    cli("to-hf", fp8, out)
+    written = saved_tensors(out)
+    assert "model.layers.1.mlp.experts.7.down_proj.weight_scale_inv" not in written
+    for k, want in expect.items():
+        assert written[k].dtype == torch.bfloat16 and torch.equal(written[k], want), k
+    conf = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in conf
+    plain = _copy_with(src, tmp_path / "plain")  # the original model holding the dequantized weights
+    save_file({k: expect[k].float() if k in expect else v for k, v in sd.items()}, str(plain / "model.safetensors"),
+              metadata={"format": "pt"})
+    want_logits = hf_logits(plain)
+    assert (hf_logits(out) - want_logits).abs().max().item() <= 1e-5
+    assert (reference.forward(ckpt, TOKENS)[..., :VOCAB] - want_logits).abs().max().item() <= 1e-5 * want_logits.abs().max()
+
+
+def test_fp8_without_scales_is_refused(family, tmp_path):
+    src, _ = family("mixtral")
+    sd = load_file(str(src / "model.safetensors"))
+    bad = _copy_with(src, tmp_path / "bad")
+    name = "model.layers.0.block_sparse_moe.experts.1.w1.weight"
+    sd[name] = sd[name].to(torch.float8_e4m3fn)
+    sd[name.replace("w1", "w3") + "_scale_inv"] = torch.ones(1, 1)
+    save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    _one_line_refusal("to-hf", bad, tmp_path / "out", says=["scales no float8_e4m3fn matrix"])

@@ -290,6 +290,7 @@ def to_canonical(entries: Dict[str, LazyTensor], conf: dict, model_type: str, op
     if opts.overrides.get("activation"):
         cfg = cfg.replace(activation=opts.overrides["activation"])
 
+    entries = dequantize_fp8(entries, conf, path)
     if family in FUSED_EXPERTS:
         entries = unfuse_experts(entries, family, cfg)
     tensors: Dict[str, LazyTensor] = {}
@@ -335,6 +336,45 @@ _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 def _layer_index(hf_name: str) -> Optional[int]:
     m = _LAYER_INDEX.search(hf_name)
     return int(m.group(1)) if m else None
+
+
+FP8_SCALE_SUFFIX = "_scale_inv"
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+def _dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block, dtype) -> torch.Tensor:
+    rows, cols = w.shape
+    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return (w.float() * scale).to(dtype)
+
+
+def dequantize_fp8(entries: Dict[str, LazyTensor], conf: dict, path) -> Dict[str, LazyTensor]:
+    """DeepSeek's FP8 weights (float8_e4m3fn, one float32 weight_scale_inv per block of
+    weight_block_size, 128x128 by default) -> bf16, as DeepSeek's own fp8-to-bf16 cast computes
+    them. The scales are consumed; a scale without its weight, or another FP8 layout, is refused."""
+    scales = [k for k in entries if k.endswith(FP8_SCALE_SUFFIX)]
+    if not scales:
+        return entries
+    quant = conf.get("quantization_config") or {}
+    require(quant.get("quant_method", "fp8") == "fp8" and quant.get("fmt", "e4m3") == "e4m3",
+            f"{path}: quantization {quant.get('quant_method')}/{quant.get('fmt')} is not supported",
+            "ckptool dequantizes DeepSeek's block FP8 (e4m3, weight_scale_inv) only")
+    block = tuple(quant.get("weight_block_size") or (128, 128))
+    out = dict(entries)
+    for key in scales:
+        name = key[:-len(FP8_SCALE_SUFFIX)]
+        w, s = out.get(name), out.pop(key)
+        require(w is not None and w.dtype in FP8_DTYPES and len(w.shape) == 2,
+                f"{path}: {key} scales no float8_e4m3fn matrix {name}", "the FP8 checkpoint is incomplete or not block FP8")
+        want = tuple(-(-n // b) for n, b in zip(w.shape, block))
+        require(tuple(s.shape) == want, f"{path}: {key} has shape {tuple(s.shape)}, expected {want} for "
+                f"{tuple(w.shape)} in {block[0]}x{block[1]} blocks")
+        out[name] = Derived(lambda x, y: _dequantize(x, y, block, torch.bfloat16), [w, s],
+                            shape=w.shape, dtype=torch.bfloat16)
+    fp8 = [k for k, t in out.items() if t.dtype in FP8_DTYPES]
+    require(not fp8, f"{path}: FP8 tensors without a weight_scale_inv: {', '.join(fp8[:3])}",
+            "ckptool dequantizes block FP8 weights that carry their scales")
+    return out
 
 
 def unfuse_experts(entries: Dict[str, LazyTensor], family: str, cfg: GPTConfig) -> Dict[str, LazyTensor]:
