@@ -1,8 +1,8 @@
-"""Hugging Face model directories (GPT-2, the Llama family, Mixtral and Qwen MoE): reader.
+"""Hugging Face model directories (GPT-2, the Llama family, Mixtral, Qwen MoE, DeepSeek-V3): reader.
 
 A directory with config.json whose model_type is gpt2, llama, mistral, qwen2, qwen3, mixtral,
-qwen2_moe, qwen3_moe or deepseek_v3, and weights in safetensors or torch .bin files, sharded (an *.index.json) or
-not. Experts are read per expert (the Hub names) or fused 3-D (transformers >= 5's state_dict);
+qwen2_moe, qwen3_moe or deepseek_v3, and weights in safetensors or torch .bin files, sharded (an
+*.index.json) or not. Experts are read per expert (the Hub names) or fused 3-D (transformers >= 5's state_dict);
 DeepSeek's block-FP8 weights are dequantized to bf16. Tensors stay lazy: safetensors
 entries are read with safe_open when loaded; .bin files go through the safe lazy torch loader, never
 plain torch.load. Names are mapped with the tables in hf_names.py; the writer is hf_writer.py.
@@ -227,11 +227,11 @@ MOE_CONFIG = {
 MOE_LAYER_RULES = {
     "all": lambda c, n: tuple(range(n)),
     "qwen": lambda c, n: moe_layers_qwen(n, c.get("decoder_sparse_step", 1), c.get("mlp_only_layers") or []),
-    "first_k_dense": lambda c, n: moe_layers_first_k_dense(n, c.get("first_k_dense_replace", 0),
-                                                           c.get("moe_layer_freq", 1)),
+    "first_k_dense": lambda c, n: moe_layers_first_k_dense(n, c.get("first_k_dense_replace", 0)),
 }
-# config.json values a family may carry that select maths transformers' class does not compute
-MOE_REFUSED_VALUES = {"deepseek_v3": {"topk_method": ("noaux_tc",), "scoring_func": ("sigmoid",)}}
+# config.json values a family may carry beyond what transformers' class computes: only these pass
+MOE_REFUSED_VALUES = {"deepseek_v3": {"topk_method": ("noaux_tc",), "scoring_func": ("sigmoid",),
+                                      "moe_layer_freq": (1,)}}
 
 
 def moe_from_hf(conf: dict, model_type: str) -> Optional[MoE]:
