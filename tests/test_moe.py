@@ -441,3 +441,11 @@ def test_fp8_without_scales_is_refused(family, tmp_path):
     sd[name.replace("w1", "w3") + "_scale_inv"] = torch.ones(1, 1)
     save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
     _one_line_refusal("to-hf", bad, tmp_path / "out", says=["scales no float8_e4m3fn matrix"])
+
+
+@pytest.mark.parametrize("conf, says", [({"moe_layer_freq": 2}, "moe_layer_freq=2 is not supported"),
+                                        ({"topk_method": "greedy"}, "topk_method='greedy' is not supported")])
+def test_deepseek_options_transformers_ignores_are_refused(family, tmp_path, conf, says):
+    src, _ = family("deepseek_v3")
+    bad = _copy_with(src, tmp_path / "bad", conf=conf)
+    _one_line_refusal("to-hf", bad, tmp_path / "out", says=[says])

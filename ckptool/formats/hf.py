@@ -240,7 +240,7 @@ def moe_from_hf(conf: dict, model_type: str) -> Optional[MoE]:
         return None
     for key, allowed in MOE_REFUSED_VALUES.get(model_type, {}).items():
         require(conf.get(key, allowed[0]) in allowed, f"{model_type} {key}={conf.get(key)!r} is not supported",
-                f"ckptool converts {key} {' / '.join(allowed)} (what transformers computes)")
+                f"ckptool converts {key} {' / '.join(map(str, allowed))} (what transformers computes)")
     experts = next((conf[k] for k in MOE_EXPERT_KEYS if conf.get(k)), None)
     require(experts is not None, f"{model_type} config.json gives no number of experts "
             f"({' / '.join(MOE_EXPERT_KEYS)})")
