@@ -139,8 +139,11 @@ def _build(kind):
             **COMMON, head_dim=8, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=4,
             num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2, norm_topk_prob=True))
     if kind.startswith("deepseek_v3"):  # MLA (q latent, or q direct); layer 0 dense; 4 groups, best 2
+        yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+                "mscale": 0.7, "mscale_all_dim": 1.0}  # cos/sin and the softmax scale both change
         return t.DeepseekV3ForCausalLM(t.DeepseekV3Config(
-            **dict(COMMON, num_key_value_heads=4), intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3, n_shared_experts=2,
+            **dict(COMMON, num_key_value_heads=4, rope_parameters=yarn if kind.endswith("yarn") else None),
+            intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3, n_shared_experts=2,
             n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=12,
             q_lora_rank=None if kind.endswith("direct_q") else 20, qk_rope_head_dim=8, v_head_dim=10,
             qk_nope_head_dim=6, n_group=4, topk_group=2, num_experts_per_tok=3, first_k_dense_replace=1,
@@ -155,6 +158,7 @@ KINDS = {  # kind -> (architecture, MoE layers, experts)
     "qwen3": ("Qwen3ForCausalLM", None, 0),
     "deepseek_v3": ("DeepseekV3ForCausalLM", (1, 2), 8),
     "deepseek_v3_direct_q": ("DeepseekV3ForCausalLM", (1, 2), 8),
+    "deepseek_v3_yarn": ("DeepseekV3ForCausalLM", (1, 2), 8),
 }
 
 
@@ -205,6 +209,10 @@ def test_hf_family_round_trip(family, tmp_path, kind):
     assert torch.equal(hf_logits(out), want)
     back = open_checkpoint(out).config
     assert back.moe == cfg.moe and back.mla == cfg.mla and back.qk_layernorm == cfg.qk_layernorm
+    assert back.rope_yarn == cfg.rope_yarn and (cfg.rope_yarn is not None) == kind.endswith("yarn")
+    if cfg.rope_yarn is not None:  # and it matters
+        plain = ckpt.with_tensors(ckpt.tensors, rope_yarn=None)
+        assert (reference.forward(plain, TOKENS)[..., :VOCAB] - want).abs().max().item() > 1e-2
 
 
 def test_qwen3_dense_through_megatron_layouts(family, tmp_path):

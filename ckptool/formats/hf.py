@@ -16,7 +16,7 @@ from typing import Dict, Optional
 
 import torch
 
-from ..config import MLA, GPTConfig, Layout, MoE, moe_layers_first_k_dense, moe_layers_qwen
+from ..config import MLA, GPTConfig, Layout, MoE, Yarn, moe_layers_first_k_dense, moe_layers_qwen
 from ..errors import CkptError, require
 from ..io.safetensors_header import read_safetensors_header
 from ..io.torchfile import load_torch_file
@@ -144,21 +144,28 @@ def read_entries(path: Path) -> Dict[str, LazyTensor]:
 
 # --- config --------------------------------------------------------------------------------
 
-def _rope(conf: dict):
-    """(theta, llama3 factor or None) from rope_parameters (transformers 5) or rope_theta/rope_scaling (4)."""
+def _rope(conf: dict, model_type: str):
+    """(theta, llama3 factor or None, Yarn or None) from rope_parameters (transformers 5) or
+    rope_theta/rope_scaling (4). YaRN is read for MLA models only (DeepSeek-V3; no Megatron output)."""
     params = dict(conf.get("rope_parameters") or {})
     scaling = conf.get("rope_scaling") or {}
     theta = params.get("rope_theta", conf.get("rope_theta", 10000.0))
     rtype = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     src = params if params.get("rope_type") not in (None, "default") else scaling
     if rtype == "default":
-        return float(theta), None
+        return float(theta), None, None
+    if rtype == "yarn" and model_type in MLA_MODEL_TYPES:
+        opt = {k: src[k] for k in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
+                                   "truncate") if src.get(k) is not None}
+        return float(theta), None, Yarn(factor=float(src["factor"]),
+                                        original_max_position_embeddings=int(src["original_max_position_embeddings"]),
+                                        **opt)
     if rtype == "llama3":
         want = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
         for k, v in want.items():
             require(float(src.get(k, v)) == v, f"llama3 rope scaling with {k}={src.get(k)} is not supported",
                     f"ckptool's Megatron output uses {k}={v}")
-        return float(theta), float(src["factor"])
+        return float(theta), float(src["factor"]), None
     raise CkptError(f"rope scaling type {rtype!r} has no Megatron equivalent ckptool writes",
                     "only default and llama3 RoPE are converted")
 
@@ -192,13 +199,13 @@ def config_from_hf(conf: dict, rows: int, model_type: str) -> GPTConfig:
                 f"attention_bias={attn_bias} with mlp_bias={mlp_bias}: Megatron biases all linear layers or none "
                 "(add_bias_linear), so this bias pattern has no Megatron equivalent")
         qkv_bias = linear_bias = attn_bias
-    theta, factor = _rope(conf)
+    theta, factor, yarn = _rope(conf, model_type)
     nh = conf["num_attention_heads"]
     mla = mla_from_hf(conf, model_type)
     return GPTConfig(num_layers=conf["num_hidden_layers"], hidden_size=conf["hidden_size"], num_attention_heads=nh,
                      num_query_groups=conf.get("num_key_value_heads") or nh,
                      head_dim=mla.qk_head_dim if mla else conf.get("head_dim"), mla=mla,
-                     rotary_interleaved=bool(mla and conf.get("rope_interleave", True)),
+                     rotary_interleaved=bool(mla and conf.get("rope_interleave", True)), rope_yarn=yarn,
                      ffn_hidden_size=conf["intermediate_size"],
                      max_position_embeddings=conf.get("max_position_embeddings", 2048),
                      position_embedding="rope", rotary_base=theta, rope_scaling_factor=factor,

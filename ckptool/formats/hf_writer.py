@@ -9,6 +9,7 @@ are refused with the flag's name rather than exported into a model that would co
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -123,6 +124,8 @@ def choose_architecture(cfg: GPTConfig) -> Tuple[str, str]:
             "RMSNorm", "LlamaForCausalLM needs --normalization RMSNorm")
     if cfg.mla is not None:
         return _mla_architecture(cfg)
+    if cfg.rope_yarn is not None:
+        raise _refuse("YaRN RoPE scaling without Multi-Latent Attention", "which ckptool exports for DeepSeek-V3 only")
     if cfg.moe is not None:
         return _moe_architecture(cfg)
     if cfg.qk_layernorm:
@@ -274,7 +277,17 @@ def _deepseek_fields(cfg: GPTConfig) -> dict:
             "routed_scaling_factor": moe.scaling_factor, "norm_topk_prob": moe.topk_norm,
             "n_group": moe.num_groups, "topk_group": moe.group_topk, "topk_method": "noaux_tc",
             "scoring_func": "sigmoid", "first_k_dense_replace": cfg.num_layers - len(moe.layers),
-            "num_nextn_predict_layers": 0, "attention_bias": False}
+            "num_nextn_predict_layers": 0, "attention_bias": False, **_yarn_fields(cfg)}
+
+
+def _yarn_fields(cfg: GPTConfig) -> dict:
+    """YaRN under rope_parameters (transformers 5) and rope_scaling (4), beside the theta."""
+    y = cfg.rope_yarn
+    if y is None:
+        return {}
+    scaling = {k: v for k, v in dataclasses.asdict(y).items() if v is not None}
+    scaling["rope_type"] = "yarn"
+    return {"rope_scaling": scaling, "rope_parameters": dict(scaling, rope_theta=cfg.rotary_base)}
 
 
 # --- the writer ----------------------------------------------------------------------------
