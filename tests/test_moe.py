@@ -288,6 +288,10 @@ def test_inspect_shows_the_experts(family):
     assert "6 per MoE layer, top-2 softmax, expert ffn 24, shared expert ffn 40 (gated); MoE layers [1, 2, 3]" in out
     doc = json.loads(cli("inspect", src, "--json"))
     assert doc["config"]["moe"]["layers"] == [1, 2, 3] and doc["config"]["moe"]["num_experts"] == 6
+    assert doc["config"]["mla"] is None
+    out = cli("inspect", family("deepseek_v3_yarn")[0], "--no-tensors")
+    assert "top-3 sigmoid renormalised from the best 2 of 4 groups x 2.5 with expert bias" in out
+    assert "Multi-Latent: q latent 20, kv latent 12, head qk 6+8 (nope+rope), v 10; YaRN factor 4.0" in out
 
 
 # --- refused by name, never dropped -----------------------------------------------------------

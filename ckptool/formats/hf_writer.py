@@ -3,8 +3,9 @@
 GPT-2 style models (learned positions, LayerNorm, plain MLP) become GPT2LMHeadModel; Llama style
 models (RoPE, RMSNorm, SwiGLU) become LlamaForCausalLM, Qwen2ForCausalLM when only the QKV
 projections carry a bias, Qwen3ForCausalLM with q/k norms; MoE models become MixtralForCausalLM,
-Qwen2MoeForCausalLM or Qwen3MoeForCausalLM by their routing (MOE_ARCHITECTURES), experts under
-the per-expert Hub names transformers 4 and 5 both load. Megatron options no such class computes
+Qwen2MoeForCausalLM or Qwen3MoeForCausalLM by their routing (MOE_ARCHITECTURES), Multi-Latent
+Attention models DeepseekV3ForCausalLM; experts under the per-expert Hub names transformers 4 and 5
+both load. Megatron options no such class computes
 are refused with the flag's name rather than exported into a model that would compute something else.
 """
 from __future__ import annotations
