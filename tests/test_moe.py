@@ -461,3 +461,11 @@ def test_deepseek_options_transformers_ignores_are_refused(family, tmp_path, con
     src, _ = family("deepseek_v3")
     bad = _copy_with(src, tmp_path / "bad", conf=conf)
     _one_line_refusal("to-hf", bad, tmp_path / "out", says=[says])
+
+
+def test_tensors_the_config_does_not_describe_are_refused(family, tmp_path):
+    """A dense MLP beside the experts of an MoE layer maps onto canonical names but is not in the
+    model config.json describes: refused, never dropped."""
+    src, _ = family("mixtral")
+    bad = _copy_with(src, tmp_path / "bad", {"model.layers.1.mlp.gate_proj.weight": torch.zeros(48, 32)})
+    _one_line_refusal("to-hf", bad, tmp_path / "out", says=["layers.1.mlp.gate.weight", "never drops tensors"])

@@ -332,6 +332,9 @@ def to_canonical(entries: Dict[str, LazyTensor], conf: dict, model_type: str, op
             "this model has parts a Megatron GPT cannot hold" if cfg.moe is None else
             f"an expert index past num_experts={cfg.moe.num_experts}, or an expert module ckptool does not know")
     want = expected_names(cfg)
+    unexpected = [n for n in tensors if n not in set(want)]
+    require(not unexpected, f"{path}: the files hold {', '.join(unexpected[:3])}, which the model config.json "
+            "describes does not have", "ckptool never drops tensors; check config.json against the weights")
     missing = [n for n in want if n not in tensors]
     require(not missing, f"{path}: missing weights for {', '.join(missing[:5])}",
             "the weight files do not match config.json")
