@@ -56,6 +56,22 @@ class MoE:
 
 
 @dataclass(frozen=True)
+class Yarn:
+    """YaRN RoPE scaling (DeepSeek-V3): frequencies blended between interpolated (/ factor) and
+    original by a linear ramp over the dimensions between the beta_fast and beta_slow rotation
+    counts; cos/sin times attention_factor; with mscale_all_dim, MLA's softmax scale times
+    (0.1 * mscale_all_dim * ln(factor) + 1)^2."""
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: Optional[float] = None
+    mscale_all_dim: Optional[float] = None
+    attention_factor: Optional[float] = None  # None: derived from factor, mscale, mscale_all_dim
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
 class MLA:
     """Multi-Latent Attention (DeepSeek-V2/V3): q from a low-rank latent (or projected directly when
     q_lora_rank is None); k and v from a shared kv latent, plus one rotary key part shared by all
@@ -124,6 +140,7 @@ class GPTConfig:
     post_layernorm_residual: bool = False  # apply_residual_connection_post_layernorm
     moe: Optional[MoE] = None  # None: a dense model
     mla: Optional[MLA] = None  # None: grouped-query attention (attn.q/k/v)
+    rope_yarn: Optional[Yarn] = None  # YaRN scaling; ckptool reads it for MLA models only
 
     def __post_init__(self):
         if self.num_query_groups is None:

@@ -139,8 +139,11 @@ def _build(kind):
             **COMMON, head_dim=8, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=4,
             num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2, norm_topk_prob=True))
     if kind.startswith("deepseek_v3"):  # MLA (q latent, or q direct); layer 0 dense; 4 groups, best 2
+        yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+                "mscale": 0.7, "mscale_all_dim": 1.0}  # cos/sin and the softmax scale both change
         return t.DeepseekV3ForCausalLM(t.DeepseekV3Config(
-            **dict(COMMON, num_key_value_heads=4), intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3, n_shared_experts=2,
+            **dict(COMMON, num_key_value_heads=4, rope_parameters=yarn if kind.endswith("yarn") else None),
+            intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3, n_shared_experts=2,
             n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=12,
             q_lora_rank=None if kind.endswith("direct_q") else 20, qk_rope_head_dim=8, v_head_dim=10,
             qk_nope_head_dim=6, n_group=4, topk_group=2, num_experts_per_tok=3, first_k_dense_replace=1,
@@ -155,6 +158,7 @@ KINDS = {  # kind -> (architecture, MoE layers, experts)
     "qwen3": ("Qwen3ForCausalLM", None, 0),
     "deepseek_v3": ("DeepseekV3ForCausalLM", (1, 2), 8),
     "deepseek_v3_direct_q": ("DeepseekV3ForCausalLM", (1, 2), 8),
+    "deepseek_v3_yarn": ("DeepseekV3ForCausalLM", (1, 2), 8),
 }
 
 
@@ -205,6 +209,10 @@ def test_hf_family_round_trip(family, tmp_path, kind):
     assert torch.equal(hf_logits(out), want)
     back = open_checkpoint(out).config
     assert back.moe == cfg.moe and back.mla == cfg.mla and back.qk_layernorm == cfg.qk_layernorm
+    assert back.rope_yarn == cfg.rope_yarn and (cfg.rope_yarn is not None) == kind.endswith("yarn")
+    if cfg.rope_yarn is not None:  # and it matters
+        plain = ckpt.with_tensors(ckpt.tensors, rope_yarn=None)
+        assert (reference.forward(plain, TOKENS)[..., :VOCAB] - want).abs().max().item() > 1e-2
 
 
 def test_qwen3_dense_through_megatron_layouts(family, tmp_path):
@@ -280,6 +288,10 @@ def test_inspect_shows_the_experts(family):
     assert "6 per MoE layer, top-2 softmax, expert ffn 24, shared expert ffn 40 (gated); MoE layers [1, 2, 3]" in out
     doc = json.loads(cli("inspect", src, "--json"))
     assert doc["config"]["moe"]["layers"] == [1, 2, 3] and doc["config"]["moe"]["num_experts"] == 6
+    assert doc["config"]["mla"] is None
+    out = cli("inspect", family("deepseek_v3_yarn")[0], "--no-tensors")
+    assert "top-3 sigmoid renormalised from the best 2 of 4 groups x 2.5 with expert bias" in out
+    assert "Multi-Latent: q latent 20, kv latent 12, head qk 6+8 (nope+rope), v 10; YaRN factor 4.0" in out
 
 
 # --- refused by name, never dropped -----------------------------------------------------------
@@ -373,3 +385,87 @@ def test_optimizer_slots_and_streaming_groups_take_experts_as_they_are(family):
     moments = {n: Const(torch.zeros(t.shape)) for n, t in ckpt.tensors.items()}
     ckpt.optimizer = OptimizerState("test", {"exp_avg": moments})
     assert set(ckpt.slot("exp_avg")) == set(expected_names(ckpt.config)) == set(ckpt.tensors)
+
+
+def _fp8_blocks(w: torch.Tensor, block):
+    """Quantize w the DeepSeek way: per block, scale = amax / 448, stored as its inverse use."""
+    rows, cols = w.shape
+    nr, nc = -(-rows // block[0]), -(-cols // block[1])
+    scale = torch.zeros(nr, nc)
+    q = torch.zeros(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(nr):
+        for j in range(nc):
+            part = w[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]]
+            scale[i, j] = part.abs().max().clamp(min=1e-12) / 448.0
+            q[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]] = (part / scale[i, j]).to(q.dtype)
+    dequant = torch.empty(rows, cols)
+    for i in range(nr):
+        for j in range(nc):
+            sl = (slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1]))
+            dequant[sl] = q[sl].float() * scale[i, j]
+    return q, scale, dequant.to(torch.bfloat16)
+
+
+def test_deepseek_fp8_weights_are_dequantized(family, tmp_path):
+    """DeepSeek's block-FP8 files (float8_e4m3fn + weight_scale_inv; 8x10 blocks here so the tiny
+    matrices have several, ragged at the edges) read as bf16 equal to an independent block-wise
+    dequantization; to-hf writes plain bf16 that transformers runs like the original model holding
+    the dequantized weights."""
+    src, model = family("deepseek_v3")
+    block = (8, 10)
+    sd = load_file(str(src / "model.safetensors"))
+    files, expect = {}, {}
+    for k, v in sd.items():
+        if v.dim() == 2 and (".self_attn." in k or ".experts." in k or "_proj" in k) and "norm" not in k:
+            q, scale, expect[k] = _fp8_blocks(v, block)
+            files[k], files[k + "_scale_inv"] = q, scale
+        else:
+            files[k] = v
+    assert len(expect) > 50
+    fp8 = _copy_with(src, tmp_path / "fp8", conf={"quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}})
+    save_file(files, str(fp8 / "model.safetensors"), metadata={"format": "pt"})
+    ckpt = open_checkpoint(fp8)
+    got = {k: t for k, t in hf_reader.read_entries(fp8).items()}
+    assert got["model.layers.1.mlp.experts.7.down_proj.weight"].dtype == torch.float8_e4m3fn
+    out = tmp_path / "hf"
+    cli("to-hf", fp8, out)
+    written = saved_tensors(out)
+    assert "model.layers.1.mlp.experts.7.down_proj.weight_scale_inv" not in written
+    for k, want in expect.items():
+        assert written[k].dtype == torch.bfloat16 and torch.equal(written[k], want), k
+    conf = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in conf
+    plain = _copy_with(src, tmp_path / "plain")  # the original model holding the dequantized weights
+    save_file({k: expect[k].float() if k in expect else v for k, v in sd.items()}, str(plain / "model.safetensors"),
+              metadata={"format": "pt"})
+    want_logits = hf_logits(plain)
+    assert (hf_logits(out) - want_logits).abs().max().item() <= 1e-5
+    assert (reference.forward(ckpt, TOKENS)[..., :VOCAB] - want_logits).abs().max().item() <= 1e-5 * want_logits.abs().max()
+
+
+def test_fp8_without_scales_is_refused(family, tmp_path):
+    src, _ = family("mixtral")
+    sd = load_file(str(src / "model.safetensors"))
+    bad = _copy_with(src, tmp_path / "bad")
+    name = "model.layers.0.block_sparse_moe.experts.1.w1.weight"
+    sd[name] = sd[name].to(torch.float8_e4m3fn)
+    sd[name.replace("w1", "w3") + "_scale_inv"] = torch.ones(1, 1)
+    save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    _one_line_refusal("to-hf", bad, tmp_path / "out", says=["scales no float8_e4m3fn matrix"])
+
+
+@pytest.mark.parametrize("conf, says", [({"moe_layer_freq": 2}, "moe_layer_freq=2 is not supported"),
+                                        ({"topk_method": "greedy"}, "topk_method='greedy' is not supported")])
+def test_deepseek_options_transformers_ignores_are_refused(family, tmp_path, conf, says):
+    src, _ = family("deepseek_v3")
+    bad = _copy_with(src, tmp_path / "bad", conf=conf)
+    _one_line_refusal("to-hf", bad, tmp_path / "out", says=[says])
+
+
+def test_tensors_the_config_does_not_describe_are_refused(family, tmp_path):
+    """A dense MLP beside the experts of an MoE layer maps onto canonical names but is not in the
+    model config.json describes: refused, never dropped."""
+    src, _ = family("mixtral")
+    bad = _copy_with(src, tmp_path / "bad", {"model.layers.1.mlp.gate_proj.weight": torch.zeros(48, 32)})
+    _one_line_refusal("to-hf", bad, tmp_path / "out", says=["layers.1.mlp.gate.weight", "never drops tensors"])

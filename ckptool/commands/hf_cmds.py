@@ -27,7 +27,7 @@ def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, force, **kw):
     \b
     GPT-2 style models become GPT2LMHeadModel, Llama style ones LlamaForCausalLM (Qwen2ForCausalLM
     when only QKV has a bias, Qwen3ForCausalLM with q/k norms), MoE models MixtralForCausalLM,
-    Qwen2MoeForCausalLM or Qwen3MoeForCausalLM; DST loads with AutoModelForCausalLM.from_pretrained(DST). The
+    Qwen2MoeForCausalLM, Qwen3MoeForCausalLM or DeepseekV3ForCausalLM; DST loads with AutoModelForCausalLM.from_pretrained(DST). The
     vocabulary is trimmed to its true size; weights go to safetensors shards of at most
     --max-shard-size, written one tensor at a time. A DeepLearningExamples BERT ckpt_N.pt with
     --hf-config bert_config.json becomes BertForPreTraining (vocabulary padding trimmed). A DeepSpeed
@@ -77,7 +77,8 @@ def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, force, **kw):
 def from_hf_cmd(src, dst, **kw):
     """Convert a Hugging Face GPT-2 / Llama / Mistral / Qwen2 / Qwen3 directory into a Megatron checkpoint.
 
-    MoE models (Mixtral, Qwen-MoE) are refused: no expert-parallel Megatron output yet (use to-hf). The vocabulary is padded for --tp as Megatron would pad it; args are written so Megatron can
+    MoE and MLA models (Mixtral, Qwen-MoE, DeepSeek-V3) are refused: no expert-parallel Megatron
+    output yet (use to-hf). The vocabulary is padded for --tp as Megatron would pad it; args are written so Megatron can
     load the result (weights only: use --finetune or --no-load-optim --no-load-rng).
     """
     live, bar = LiveWarnings(), Progress("from-hf")

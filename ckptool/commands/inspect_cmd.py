@@ -50,6 +50,8 @@ def describe(ckpt: Checkpoint) -> dict:
             "add_qkv_bias": cfg.add_qkv_bias, "qk_layernorm": cfg.qk_layernorm,
             "apply_layernorm_1p": cfg.apply_layernorm_1p,
             "moe": _moe(cfg.moe),
+            "mla": dataclasses.asdict(cfg.mla) if cfg.mla is not None else None,
+            "rope_yarn": dataclasses.asdict(cfg.rope_yarn) if cfg.rope_yarn is not None else None,
         },
         "vocab_size_source": cfg.vocab_size_source,
         "total_bytes": ckpt.total_bytes,
@@ -109,9 +111,17 @@ def inspect_cmd(path, as_json, tensors, **kw):
     if c["moe"]:
         m = c["moe"]
         shared = f", shared expert ffn {m['shared_ffn_hidden_size']}" + (" (gated)" if m["shared_gate"] else "")
+        extra = "".join(text for text, on in (
+            (f" from the best {m['group_topk']} of {m['num_groups']} groups", m["num_groups"] > 1),
+            (f" x {m['scaling_factor']}", m["scaling_factor"] != 1.0), (" with expert bias", m["expert_bias"])) if on)
         click.echo(f"experts     {m['num_experts']} per MoE layer, top-{m['top_k']} {m['score_function']}"
-                   f"{' renormalised' if m['topk_norm'] else ''}, expert ffn {m['ffn_hidden_size']}"
+                   f"{' renormalised' if m['topk_norm'] else ''}{extra}, expert ffn {m['ffn_hidden_size']}"
                    f"{shared if m['shared_ffn_hidden_size'] else ''}; MoE layers {m['layers']}")
+    if c["mla"]:
+        m = c["mla"]
+        click.echo(f"attention   Multi-Latent: q latent {m['q_lora_rank'] or '- (direct q)'}, kv latent "
+                   f"{m['kv_lora_rank']}, head qk {m['qk_nope_head_dim']}+{m['qk_rope_head_dim']} (nope+rope), "
+                   f"v {m['v_head_dim']}" + (f"; YaRN factor {c['rope_yarn']['factor']}" if c["rope_yarn"] else ""))
     click.echo(f"vocab       true {c['vocab_size'] if c['vocab_size'] is not None else 'unknown'} "
                f"(from {doc['vocab_size_source']}), stored rows {c['padded_vocab_size']}")
     click.echo(f"size        {len(doc['tensors'])} tensors, {human_bytes(doc['total_bytes'])}")

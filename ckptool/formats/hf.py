@@ -1,8 +1,9 @@
-"""Hugging Face model directories (GPT-2, the Llama family, Mixtral and Qwen MoE): reader.
+"""Hugging Face model directories (GPT-2, the Llama family, Mixtral, Qwen MoE, DeepSeek-V3): reader.
 
 A directory with config.json whose model_type is gpt2, llama, mistral, qwen2, qwen3, mixtral,
-qwen2_moe or qwen3_moe, and weights in safetensors or torch .bin files, sharded (an *.index.json) or
-not. Experts are read per expert (the Hub names) or fused 3-D (transformers >= 5's state_dict). Tensors stay lazy: safetensors
+qwen2_moe, qwen3_moe or deepseek_v3, and weights in safetensors or torch .bin files, sharded (an
+*.index.json) or not. Experts are read per expert (the Hub names) or fused 3-D (transformers >= 5's state_dict);
+DeepSeek's block-FP8 weights are dequantized to bf16. Tensors stay lazy: safetensors
 entries are read with safe_open when loaded; .bin files go through the safe lazy torch loader, never
 plain torch.load. Names are mapped with the tables in hf_names.py; the writer is hf_writer.py.
 """
@@ -15,7 +16,7 @@ from typing import Dict, Optional
 
 import torch
 
-from ..config import MLA, GPTConfig, Layout, MoE, moe_layers_first_k_dense, moe_layers_qwen
+from ..config import MLA, GPTConfig, Layout, MoE, Yarn, moe_layers_first_k_dense, moe_layers_qwen
 from ..errors import CkptError, require
 from ..io.safetensors_header import read_safetensors_header
 from ..io.torchfile import load_torch_file
@@ -144,21 +145,28 @@ def read_entries(path: Path) -> Dict[str, LazyTensor]:
 
 # --- config --------------------------------------------------------------------------------
 
-def _rope(conf: dict):
-    """(theta, llama3 factor or None) from rope_parameters (transformers 5) or rope_theta/rope_scaling (4)."""
+def _rope(conf: dict, model_type: str):
+    """(theta, llama3 factor or None, Yarn or None) from rope_parameters (transformers 5) or
+    rope_theta/rope_scaling (4). YaRN is read for MLA models only (DeepSeek-V3; no Megatron output)."""
     params = dict(conf.get("rope_parameters") or {})
     scaling = conf.get("rope_scaling") or {}
     theta = params.get("rope_theta", conf.get("rope_theta", 10000.0))
     rtype = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     src = params if params.get("rope_type") not in (None, "default") else scaling
     if rtype == "default":
-        return float(theta), None
+        return float(theta), None, None
+    if rtype == "yarn" and model_type in MLA_MODEL_TYPES:
+        opt = {k: src[k] for k in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
+                                   "truncate") if src.get(k) is not None}
+        return float(theta), None, Yarn(factor=float(src["factor"]),
+                                        original_max_position_embeddings=int(src["original_max_position_embeddings"]),
+                                        **opt)
     if rtype == "llama3":
         want = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
         for k, v in want.items():
             require(float(src.get(k, v)) == v, f"llama3 rope scaling with {k}={src.get(k)} is not supported",
                     f"ckptool's Megatron output uses {k}={v}")
-        return float(theta), float(src["factor"])
+        return float(theta), float(src["factor"]), None
     raise CkptError(f"rope scaling type {rtype!r} has no Megatron equivalent ckptool writes",
                     "only default and llama3 RoPE are converted")
 
@@ -192,13 +200,13 @@ def config_from_hf(conf: dict, rows: int, model_type: str) -> GPTConfig:
                 f"attention_bias={attn_bias} with mlp_bias={mlp_bias}: Megatron biases all linear layers or none "
                 "(add_bias_linear), so this bias pattern has no Megatron equivalent")
         qkv_bias = linear_bias = attn_bias
-    theta, factor = _rope(conf)
+    theta, factor, yarn = _rope(conf, model_type)
     nh = conf["num_attention_heads"]
     mla = mla_from_hf(conf, model_type)
     return GPTConfig(num_layers=conf["num_hidden_layers"], hidden_size=conf["hidden_size"], num_attention_heads=nh,
                      num_query_groups=conf.get("num_key_value_heads") or nh,
                      head_dim=mla.qk_head_dim if mla else conf.get("head_dim"), mla=mla,
-                     rotary_interleaved=bool(mla and conf.get("rope_interleave", True)),
+                     rotary_interleaved=bool(mla and conf.get("rope_interleave", True)), rope_yarn=yarn,
                      ffn_hidden_size=conf["intermediate_size"],
                      max_position_embeddings=conf.get("max_position_embeddings", 2048),
                      position_embedding="rope", rotary_base=theta, rope_scaling_factor=factor,
@@ -227,11 +235,11 @@ MOE_CONFIG = {
 MOE_LAYER_RULES = {
     "all": lambda c, n: tuple(range(n)),
     "qwen": lambda c, n: moe_layers_qwen(n, c.get("decoder_sparse_step", 1), c.get("mlp_only_layers") or []),
-    "first_k_dense": lambda c, n: moe_layers_first_k_dense(n, c.get("first_k_dense_replace", 0),
-                                                           c.get("moe_layer_freq", 1)),
+    "first_k_dense": lambda c, n: moe_layers_first_k_dense(n, c.get("first_k_dense_replace", 0)),
 }
-# config.json values a family may carry that select maths transformers' class does not compute
-MOE_REFUSED_VALUES = {"deepseek_v3": {"topk_method": ("noaux_tc",), "scoring_func": ("sigmoid",)}}
+# config.json values a family may carry beyond what transformers' class computes: only these pass
+MOE_REFUSED_VALUES = {"deepseek_v3": {"topk_method": ("noaux_tc",), "scoring_func": ("sigmoid",),
+                                      "moe_layer_freq": (1,)}}
 
 
 def moe_from_hf(conf: dict, model_type: str) -> Optional[MoE]:
@@ -240,7 +248,7 @@ def moe_from_hf(conf: dict, model_type: str) -> Optional[MoE]:
         return None
     for key, allowed in MOE_REFUSED_VALUES.get(model_type, {}).items():
         require(conf.get(key, allowed[0]) in allowed, f"{model_type} {key}={conf.get(key)!r} is not supported",
-                f"ckptool converts {key} {' / '.join(allowed)} (what transformers computes)")
+                f"ckptool converts {key} {' / '.join(map(str, allowed))} (what transformers computes)")
     experts = next((conf[k] for k in MOE_EXPERT_KEYS if conf.get(k)), None)
     require(experts is not None, f"{model_type} config.json gives no number of experts "
             f"({' / '.join(MOE_EXPERT_KEYS)})")
@@ -290,6 +298,7 @@ def to_canonical(entries: Dict[str, LazyTensor], conf: dict, model_type: str, op
     if opts.overrides.get("activation"):
         cfg = cfg.replace(activation=opts.overrides["activation"])
 
+    entries = dequantize_fp8(entries, conf, path)
     if family in FUSED_EXPERTS:
         entries = unfuse_experts(entries, family, cfg)
     tensors: Dict[str, LazyTensor] = {}
@@ -323,6 +332,9 @@ def to_canonical(entries: Dict[str, LazyTensor], conf: dict, model_type: str, op
             "this model has parts a Megatron GPT cannot hold" if cfg.moe is None else
             f"an expert index past num_experts={cfg.moe.num_experts}, or an expert module ckptool does not know")
     want = expected_names(cfg)
+    unexpected = [n for n in tensors if n not in set(want)]
+    require(not unexpected, f"{path}: the files hold {', '.join(unexpected[:3])}, which the model config.json "
+            "describes does not have", "ckptool never drops tensors; check config.json against the weights")
     missing = [n for n in want if n not in tensors]
     require(not missing, f"{path}: missing weights for {', '.join(missing[:5])}",
             "the weight files do not match config.json")
@@ -335,6 +347,45 @@ _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 def _layer_index(hf_name: str) -> Optional[int]:
     m = _LAYER_INDEX.search(hf_name)
     return int(m.group(1)) if m else None
+
+
+FP8_SCALE_SUFFIX = "_scale_inv"
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+def _dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block, dtype) -> torch.Tensor:
+    rows, cols = w.shape
+    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return (w.float() * scale).to(dtype)
+
+
+def dequantize_fp8(entries: Dict[str, LazyTensor], conf: dict, path) -> Dict[str, LazyTensor]:
+    """DeepSeek's FP8 weights (float8_e4m3fn, one float32 weight_scale_inv per block of
+    weight_block_size, 128x128 by default) -> bf16, as DeepSeek's own fp8-to-bf16 cast computes
+    them. The scales are consumed; a scale without its weight, or another FP8 layout, is refused."""
+    scales = [k for k in entries if k.endswith(FP8_SCALE_SUFFIX)]
+    if not scales:
+        return entries
+    quant = conf.get("quantization_config") or {}
+    require(quant.get("quant_method", "fp8") == "fp8" and quant.get("fmt", "e4m3") == "e4m3",
+            f"{path}: quantization {quant.get('quant_method')}/{quant.get('fmt')} is not supported",
+            "ckptool dequantizes DeepSeek's block FP8 (e4m3, weight_scale_inv) only")
+    block = tuple(quant.get("weight_block_size") or (128, 128))
+    out = dict(entries)
+    for key in scales:
+        name = key[:-len(FP8_SCALE_SUFFIX)]
+        w, s = out.get(name), out.pop(key)
+        require(w is not None and w.dtype in FP8_DTYPES and len(w.shape) == 2,
+                f"{path}: {key} scales no float8_e4m3fn matrix {name}", "the FP8 checkpoint is incomplete or not block FP8")
+        want = tuple(-(-n // b) for n, b in zip(w.shape, block))
+        require(tuple(s.shape) == want, f"{path}: {key} has shape {tuple(s.shape)}, expected {want} for "
+                f"{tuple(w.shape)} in {block[0]}x{block[1]} blocks")
+        out[name] = Derived(lambda x, y: _dequantize(x, y, block, torch.bfloat16), [w, s],
+                            shape=w.shape, dtype=torch.bfloat16)
+    fp8 = [k for k, t in out.items() if t.dtype in FP8_DTYPES]
+    require(not fp8, f"{path}: FP8 tensors without a weight_scale_inv: {', '.join(fp8[:3])}",
+            "ckptool dequantizes block FP8 weights that carry their scales")
+    return out
 
 
 def unfuse_experts(entries: Dict[str, LazyTensor], family: str, cfg: GPTConfig) -> Dict[str, LazyTensor]:

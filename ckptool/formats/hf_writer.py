@@ -3,12 +3,14 @@
 GPT-2 style models (learned positions, LayerNorm, plain MLP) become GPT2LMHeadModel; Llama style
 models (RoPE, RMSNorm, SwiGLU) become LlamaForCausalLM, Qwen2ForCausalLM when only the QKV
 projections carry a bias, Qwen3ForCausalLM with q/k norms; MoE models become MixtralForCausalLM,
-Qwen2MoeForCausalLM or Qwen3MoeForCausalLM by their routing (MOE_ARCHITECTURES), experts under
-the per-expert Hub names transformers 4 and 5 both load. Megatron options no such class computes
+Qwen2MoeForCausalLM or Qwen3MoeForCausalLM by their routing (MOE_ARCHITECTURES), Multi-Latent
+Attention models DeepseekV3ForCausalLM; experts under the per-expert Hub names transformers 4 and 5
+both load. Megatron options no such class computes
 are refused with the flag's name rather than exported into a model that would compute something else.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -124,6 +126,8 @@ def choose_architecture(cfg: GPTConfig) -> Tuple[str, str]:
             "RMSNorm", "LlamaForCausalLM needs --normalization RMSNorm")
     if cfg.mla is not None:
         return _mla_architecture(cfg)
+    if cfg.rope_yarn is not None:
+        raise _refuse("YaRN RoPE scaling without Multi-Latent Attention", "which ckptool exports for DeepSeek-V3 only")
     if cfg.moe is not None:
         return _moe_architecture(cfg)
     if cfg.qk_layernorm:
@@ -278,7 +282,17 @@ def _deepseek_fields(cfg: GPTConfig) -> dict:
             "routed_scaling_factor": moe.scaling_factor, "norm_topk_prob": moe.topk_norm,
             "n_group": moe.num_groups, "topk_group": moe.group_topk, "topk_method": "noaux_tc",
             "scoring_func": "sigmoid", "first_k_dense_replace": cfg.num_layers - len(moe.layers),
-            "num_nextn_predict_layers": 0, "attention_bias": False}
+            "num_nextn_predict_layers": 0, "attention_bias": False, **_yarn_fields(cfg)}
+
+
+def _yarn_fields(cfg: GPTConfig) -> dict:
+    """YaRN under rope_parameters (transformers 5) and rope_scaling (4), beside the theta."""
+    y = cfg.rope_yarn
+    if y is None:
+        return {}
+    scaling = {k: v for k, v in dataclasses.asdict(y).items() if v is not None}
+    scaling["rope_type"] = "yarn"
+    return {"rope_scaling": scaling, "rope_parameters": dict(scaling, rope_theta=cfg.rotary_base)}
 
 
 # --- the writer ----------------------------------------------------------------------------

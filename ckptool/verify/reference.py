@@ -44,9 +44,38 @@ def rope_frequencies(cfg: GPTConfig, seq: int, device=None) -> Tuple[torch.Tenso
     inv = 1.0 / (cfg.rotary_base ** (torch.arange(0, rot, 2, dtype=torch.float64, device=device) / rot))
     if cfg.rope_scaling_factor:
         inv = _llama3_scale(inv, cfg.rope_scaling_factor)
+    if cfg.rope_yarn is not None:
+        inv = _yarn_scale(inv, cfg.rope_yarn, rot, cfg.rotary_base)
     pos = torch.arange(seq, dtype=torch.float64, device=device)
     ang = torch.outer(pos, inv)
-    return ang.cos().float(), ang.sin().float()
+    gain = yarn_attention_factor(cfg.rope_yarn) if cfg.rope_yarn is not None else 1.0
+    return (ang.cos() * gain).float(), (ang.sin() * gain).float()
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_attention_factor(y) -> float:
+    if y.attention_factor is not None:
+        return y.attention_factor
+    if y.mscale and y.mscale_all_dim:
+        return _yarn_mscale(y.factor, y.mscale) / _yarn_mscale(y.factor, y.mscale_all_dim)
+    return _yarn_mscale(y.factor)
+
+
+def _yarn_scale(inv: torch.Tensor, y, dim: int, base: float) -> torch.Tensor:
+    """Blend interpolated (inv / factor) and original frequencies over the YaRN correction range."""
+    def correction_dim(rotations):
+        return dim * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+    low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
+    if y.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64, device=inv.device) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # share of the original (extrapolated) frequency
+    return inv / y.factor * (1 - keep) + inv * keep
 
 
 def _llama3_scale(inv: torch.Tensor, factor: float, low: float = 1.0, high: float = 4.0,
@@ -127,7 +156,10 @@ def mla_attention(x: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig,
     q_rope = apply_rope(q_rope, *rope, cfg)
     k_rope = apply_rope(k_rope.view(b, 1, s, r), *rope, cfg).expand(b, nq, s, r)
     q, k = torch.cat([q_nope, q_rope], -1), torch.cat([k_nope, k_rope], -1)
-    scores = (q @ k.transpose(-1, -2)) / math.sqrt(nope + r)
+    scale = 1 / math.sqrt(nope + r)
+    if cfg.rope_yarn is not None and cfg.rope_yarn.mscale_all_dim:
+        scale *= _yarn_mscale(cfg.rope_yarn.factor, cfg.rope_yarn.mscale_all_dim) ** 2
+    scores = (q @ k.transpose(-1, -2)) * scale
     mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
     probs = torch.softmax(scores.float().masked_fill(mask, float("-inf")), dim=-1).to(v.dtype)
     ctx = (probs @ v).transpose(1, 2).reshape(b, s, nq * vd)
