@@ -73,7 +73,9 @@ def resize_rows(t: LazyTensor, rows: int, cfg: GPTConfig, fill: str = "zero",
             pad = x[real - 1:real].expand(extra, *x.shape[1:])
         return torch.cat([x, pad], dim=0)
 
-    return Derived(grow, [t], shape=(rows,) + tuple(t.shape[1:]), dtype=t.dtype)
+    # memo: the tensor-parallel ranks of a target each take a slice of the same padded tensor;
+    # computed once per layer scope instead of once per rank (reading the source once)
+    return Derived(grow, [t], memo=True, shape=(rows,) + tuple(t.shape[1:]), dtype=t.dtype)
 
 
 def resize_vocab(tensors: dict, cfg: GPTConfig, rows: int, fill: str = "zero") -> dict:

@@ -29,6 +29,7 @@ STAGES = {
     "read": "pread of source bytes into memory",
     "merge": "allocating merged tensors, interleaving tensor-parallel parts",
     "transform": "transposes, QKV reorders, dtype casts, concatenations",
+    "prepare": "contiguous copies and compacting clones of tensors before they are written",
     "zip": "zip headers and records through torch's writer (its own CRC32 included when used)",
     "crc32": "CRC32 of zip records (ckptool's own, chunked over the cores)",
     "hash": "manifest hash of the output (chunked over the cores)",
@@ -37,12 +38,14 @@ STAGES = {
     "wait": "a thread waiting for another (loader for writer, writer for its checksum pieces)",
     "fsync": "fsync of the output directory's files",
     "manifest": "manifest: hashing files not hashed while written, writing the json",
+    "main-other": "main thread outside every stage above (Python work, progress, process group, exit)",
 }
 
 _lock = threading.Lock()
 _totals: dict = {}
 _local = threading.local()
 _T0 = time.perf_counter()
+_main = [0.0]
 
 
 @contextlib.contextmanager
@@ -64,6 +67,8 @@ def stage(name: str, nbytes: int = 0):
         stack.pop()
         if stack:
             stack[-1][0] += took
+        elif threading.current_thread() is threading.main_thread():
+            _main[0] += took  # the main thread's time inside any stage
         add(name, took - frame[0], nbytes)
 
 
@@ -103,9 +108,11 @@ def report() -> dict:
     with _lock:
         stages = {k: [round(v[0], 3), v[1]] for k, v in _totals.items()}
     startup = _STARTUP or 0.0
+    wall = _process_age() or time.perf_counter() - _T0
     if startup:
         stages["startup"] = [round(startup, 3), 0]
-    return {"wall": round(_process_age() or time.perf_counter() - _T0, 3), "cpu_user": round(t.user, 2),
+        stages["main-other"] = [round(max(0.0, wall - startup - _main[0]), 3), 0]
+    return {"wall": round(wall, 3), "cpu_user": round(t.user, 2),
             "cpu_sys": round(t.system, 2), "cores": os.cpu_count(), "stages": stages}
 
 

@@ -141,7 +141,8 @@ def write_safetensors_file(path: Path, items: Sequence[Item], metadata: Optional
                 if tuple(t.shape) != tuple(lazy.shape) or t.dtype != lazy.dtype:
                     raise CkptError(f"internal: {name} loaded as {tuple(t.shape)} {t.dtype}, "
                                     f"planned as {tuple(lazy.shape)} {lazy.dtype}")
-                t = t.detach().contiguous()
+                with profile.stage("prepare"):
+                    t = t.detach().contiguous()
                 if in_flight is not None:
                     with profile.stage("wait"):
                         in_flight.result()

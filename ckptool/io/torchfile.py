@@ -376,9 +376,19 @@ class StreamingTorchWriter:
         if t.dtype != ps.lazy.dtype or tuple(t.shape) != tuple(ps.lazy.shape):
             raise CkptError(f"internal: tensor {ps.key} of {self.path.name} has shape "
                             f"{tuple(t.shape)} {t.dtype}, planned {tuple(ps.lazy.shape)} {ps.lazy.dtype}")
+        with profile.stage("prepare"):
+            return self._laid_out(t)
+
+    def _laid_out(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach().cpu().contiguous()
-        if t.storage_offset() != 0 and self._archive is None:
+        nbytes = t.numel() * t.element_size()
+        if self._archive is None and t.storage_offset() != 0:
             t = t.clone()  # a view into the middle of a buffer: torch's writer takes whole storages
+        elif nbytes >= _PARALLEL_HASH_BYTES and t.untyped_storage().nbytes() > 2 * nbytes:
+            # a small slice must not keep a large buffer alive while it waits to be written (a
+            # tensor-parallel rank's share of a full tensor; peak RSS); a larger share is written
+            # in place (the buffer may be a recycled one of up to twice the size, io/buffers.py)
+            t = t.clone()
         return t
 
     def write_prepared(self, ps: "_PendingStorage", t: torch.Tensor) -> int:
