@@ -8,7 +8,8 @@
         builds a fresh engine (same model, stage and dtype) with checkpoint.load_universal, loads
         OUT/CASE/universal, compares the same values with truth.pt and runs one more training step;
         rank 0 writes OUT/CASE/load_dpN.json: {"mismatch": [...], "compared": n, "step": ..., "moved": bool}.
-A CASE is MODEL-STAGE-DTYPE with DTYPE bf16 or fp32 (e.g. gpt2-3-bf16). All cases share one launch.
+A CASE is MODEL-STAGE-DTYPE with DTYPE bf16, fp32 or bf16opt (bf16 with fp32 gradient accumulation,
+which at stage 1 runs DeepSpeed's BF16_Optimizer), e.g. gpt2-3-bf16. All cases share one launch.
 """
 import json
 import os
@@ -30,8 +31,10 @@ def ds_config(stage, dtype, universal=False):
            "zero_optimization": {"stage": stage}, "steps_per_print": 1000}
     if stage == 3:
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 100
-    if dtype == "bf16":
+    if dtype in ("bf16", "bf16opt"):
         cfg["bf16"] = {"enabled": True}
+    if dtype == "bf16opt":  # bf16 + ZeRO-1 + fp32 gradient accumulation: DeepSpeed's BF16_Optimizer
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     if universal:
         cfg["checkpoint"] = {"load_universal": True}
     return cfg

@@ -32,7 +32,12 @@ MDS = next((base / "mds_gpt2_pipe_tp2pp2_bf16_zero1" for base in (REPO.parent / 
                                                                    REPO / "fixtures" / "real")
             if (base / "mds_gpt2_pipe_tp2pp2_bf16_zero1" / "checkpoint").is_dir()),
            REPO / "fixtures" / "real" / "mds_gpt2_pipe_tp2pp2_bf16_zero1")
-CASES = ["gpt2-1-bf16", "gpt2-2-bf16", "gpt2-3-bf16", "gpt2-1-fp32", "gpt2-2-fp32", "gpt2-3-fp32"]
+# bf16opt: bf16 with fp32 gradient accumulation at stage 1, which DeepSpeed runs as BF16_Optimizer;
+# llama: GQA, SwiGLU and an untied head (HF names through the Llama table)
+CASES = ["gpt2-1-bf16", "gpt2-2-bf16", "gpt2-3-bf16", "gpt2-1-fp32", "gpt2-2-fp32", "gpt2-3-fp32",
+         "gpt2-1-bf16opt", "llama-2-bf16"]
+KINDS = {"1": "deepspeed-zero1", "2": "deepspeed-zero2", "3": "deepspeed-zero3"}
+FROZEN = {"gpt2": "embed.pos", "llama": "layers.0.attn_norm.weight"}  # ds_train_cases.FROZEN, canonical
 LOAD_DP = (1, 3)
 SLOT_FILES = {"master": "fp32", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 
@@ -76,8 +81,8 @@ def runs(tmp_path_factory):
 def test_reader_slots_equal_the_live_engine_bit_for_bit(runs, case):
     ckpt = open_checkpoint(str(runs / case / "ckpt"))
     opt = ckpt.optimizer
-    stage = case.split("-")[1]
-    assert opt.kind == f"deepspeed-zero{stage}"
+    model, stage, dtype = case.split("-")
+    assert opt.kind == ("deepspeed-bf16" if dtype == "bf16opt" else KINDS[stage])
     truth = torch.load(runs / case / "truth.pt", weights_only=False)
     assert opt.step == truth["step"] == 2
     for slot in SLOT_FILES:  # same canonical names and shapes as the weights
@@ -92,19 +97,21 @@ def test_reader_slots_equal_the_live_engine_bit_for_bit(runs, case):
                 if p.name in truth["params"]:
                     assert torch.equal(p.slots[slot].load(), truth["params"][p.name][key]), (p.name, slot)
                     compared += 1
-    assert compared == 3 * len(truth["params"]) == 81
-    # the frozen wpe is in no group; its moments are zero and its master is the weight in fp32
+    assert compared == 3 * len(truth["params"]) > 0
+    # the frozen parameter is in no group; its moments are zero and its master is the weight in fp32
     (group,) = opt.param_groups
-    assert "embed.pos" not in group.names and len(group.names) == len(ckpt.tensors) - 1
+    frozen = FROZEN[model]
+    assert frozen not in group.names and len(group.names) == len(ckpt.tensors) - 1
     assert group.hyper["lr"] == 1e-2 and group.hyper["weight_decay"] == 0.01
-    assert not opt.slots["exp_avg"]["embed.pos"].load().any()
+    assert not opt.slots["exp_avg"][frozen].load().any()
+    assert torch.equal(opt.slots["master"][frozen].load(), ckpt.tensors[frozen].load().float())
 
 
 @pytest.mark.parametrize("dp", LOAD_DP)
 @pytest.mark.parametrize("case", CASES)
 def test_universal_output_loads_into_the_engine_at_another_dp(runs, case, dp):
     got = json.loads((runs / case / f"load_dp{dp}.json").read_text())
-    assert got["equal_before_load"] < got["compared"] == 81  # the fresh engine differed before loading
+    assert got["equal_before_load"] < got["compared"] // 3  # the fresh engine differed before loading
     assert got["mismatch"] == []
     assert got["step"] == got["truth_step"] == 2.0
     assert got["moved"] and got["finite"] and got["global_steps"] == 3  # and it trains on
@@ -202,3 +209,21 @@ def test_ds_universal_refusals(tmp_path):
     res = _cli("merge", str(tmp_path / "megatron"), str(tmp_path / "u"), "--format", "ds-universal")
     assert res.exit_code != 0 and "holds no optimizer state" in res.output
     assert not (tmp_path / "u").exists() and not (tmp_path / "tp2").exists()
+
+
+def test_moment_of_the_wrong_size_is_refused_naming_the_file(runs, tmp_path):
+    import shutil
+    src = tmp_path / "ckpt"
+    shutil.copytree(runs / "gpt2-2-fp32" / "ckpt", src)
+    shard = src / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    tree = torch.load(shard, weights_only=False)
+    state = tree["optimizer_state_dict"]["base_optimizer_state"]["state"][0]
+    state["exp_avg_sq"] = state["exp_avg_sq"][:-7].clone()
+    torch.save(tree, shard)
+    ckpt = open_checkpoint(str(src))  # the weights do not need the moments
+    assert ckpt.tensors["embed.word"].load().shape[0] == 1001
+    with pytest.raises(CkptError, match="zero_pp_rank_1_mp_rank_00_optim_states.pt: group 0 exp_avg_sq holds "
+                                        ".*--no-optimizer"):
+        ckpt.optimizer.slots["master"]
+    res = _cli("merge", str(src), str(tmp_path / "out"), "--format", "ds-universal")
+    assert res.exit_code != 0 and "exp_avg_sq holds" in res.output and not (tmp_path / "out").exists()

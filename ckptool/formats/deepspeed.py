@@ -160,6 +160,25 @@ def _canonical(tf, ranks, named, opts, policy, warnings):
 
 # --- optimizer state (ZeRO-1/2/3 and BF16_Optimizer: fp32 masters and Adam moments) ----------
 
+class _SlotWarnings(list):
+    """Where the canonical mapping of one optimizer slot reports (TP replicas, tied copies): into the
+    checkpoint's warnings, saying which slot, each message once."""
+
+    def __init__(self, sink: List[str], slot: str):
+        super().__init__()
+        self.sink, self.slot = sink, slot
+
+    def _say(self, message: str) -> str:
+        return f"optimizer {self.slot}: {message}"
+
+    def __contains__(self, message) -> bool:
+        return self._say(message) in self.sink
+
+    def append(self, message: str) -> None:
+        if self._say(message) not in self.sink:
+            self.sink.append(self._say(message))
+
+
 class _Zeros(LazyTensor):
     """The moments of a parameter the optimizer does not hold (frozen) or a buffer: zeros."""
 
@@ -253,12 +272,13 @@ def _optimizer_state(tf, ranks: Dict[int, RankStates], opts: ReadOptions, cfg, w
         missing = next((r.missing_shard for r in ranks.values() if r.missing_shard), None)
         if missing:
             raise CkptError(missing, NO_OPTIMIZER_HINT)
-        policy = ReplicaPolicy(opts.replicas, warnings.append)
         moments = {mp: rank_moments(r) for mp, r in ranks.items()}
         slots = {}
         for slot in ("master",) + MOMENTS:
             named = {mp: _slot_named(r, slot, moments[mp]) for mp, r in ranks.items()}
-            _, tensors, *_ = _canonical(tf, ranks, named, opts, policy, warnings)
+            sink = _SlotWarnings(warnings, slot)
+            policy = ReplicaPolicy(opts.replicas, sink.append)
+            _, tensors, *_ = _canonical(tf, ranks, named, opts, policy, sink)
             want = expected_names(cfg)
             slots[slot] = {n: tensors[n] for n in want if n in tensors}
             lost = [n for n in want if n not in tensors]
