@@ -227,3 +227,49 @@ def test_moment_of_the_wrong_size_is_refused_naming_the_file(runs, tmp_path):
         ckpt.optimizer.slots["master"]
     res = _cli("merge", str(src), str(tmp_path / "out"), "--format", "ds-universal")
     assert res.exit_code != 0 and "exp_avg_sq holds" in res.output and not (tmp_path / "out").exists()
+
+
+def test_synthetic_megatron_module_names_tp2_dp3_bf16_optimizer(tmp_path):
+    """Synthetic (test_deepspeed's deepspeed.md 1.3/1.4 writer): Megatron-DeepSpeed --no-pipeline-parallel
+    names, TP 2, DP 3, BF16_Optimizer partitions with padding kept, moments x/4 and x*x of the masters.
+    The moment slots must be exactly those functions of the master slot (any misplaced element shows),
+    and the universal files the TP-merged tensors with DeepSpeed's merge facts."""
+    from test_deepspeed import _args, _legacy_module_tp, _rand_gpt, _write_zero12
+    t = _rand_gpt(h=8, heads=2, vocab=16)
+    src = tmp_path / "src"
+    tag = src / "global_step7"
+    tag.mkdir(parents=True)
+    (src / "latest").write_text("global_step7")
+    ranks = [_legacy_module_tp(t, mp, 2, heads=2) for mp in range(2)]
+    for mp in range(2):
+        _write_zero12(tag, ranks[mp], mp, 3, "bf16_", None, True,
+                      {"args": _args(tp=2), "iteration": 7, "checkpoint_version": 3.0, "global_steps": 7})
+    ckpt = open_checkpoint(str(src))
+    opt = ckpt.optimizer
+    assert opt.kind == "deepspeed-bf16" and opt.step == 7
+    assert opt.param_groups[0].hyper == {"lr": 1e-3, "weight_decay": 0.1}
+    assert sorted(opt.param_groups[0].names) == sorted(ckpt.tensors)
+    with load_scope():
+        for n in ckpt.tensors:
+            m = opt.slots["master"][n].load()
+            assert torch.equal(opt.slots["exp_avg"][n].load(), m * 0.25), n
+            assert torch.equal(opt.slots["exp_avg_sq"][n].load(), m * m), n
+    res = _cli("merge", str(src), str(tmp_path / "u"), "--format", "ds-universal")
+    assert res.exit_code == 0, res.output
+    zero = tmp_path / "u" / "global_step7_universal" / "zero"
+    p = "language_model.encoder.layers.1."
+    expect = {  # engine name -> (TP-merged master, merge facts the loader reads)
+        p + "self_attention.query_key_value.weight": (torch.cat([r[p + "self_attention.query_key_value.weight"]
+                                                                 for r in ranks]), {"cat_dim": 0}),
+        p + "self_attention.dense.weight": (t["1.o"], {"cat_dim": 1}),
+        p + "mlp.dense_4h_to_h.weight": (t["1.down"], {"cat_dim": 1}),
+        p + "mlp.dense_h_to_4h.bias": (t["1.upb"], {"cat_dim": 0}),
+        p + "input_layernorm.weight": (t["1.ln1.w"], {}),
+        "language_model.embedding.word_embeddings.weight": (t["word"], {"cat_dim": 0, "vocab_tensor": True}),
+    }
+    for name, (want, facts) in expect.items():
+        for f, fn in (("fp32", lambda x: x), ("exp_avg", lambda x: x * 0.25), ("exp_avg_sq", lambda x: x * x)):
+            got = torch.load(zero / name / f"{f}.pt", weights_only=False)
+            assert {k: v for k, v in got.items() if k != "param"} == facts, name
+            assert torch.equal(got["param"], fn(want.float())), (name, f)
+    assert len([d for d in zero.iterdir() if d.is_dir()]) == len(ranks[0])

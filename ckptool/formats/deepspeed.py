@@ -129,7 +129,7 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
         raise CkptError(f"{tf.tag_dir}: {len(missing)} tensors of the model are missing (e.g. {missing[0]})",
                         "the checkpoint is incomplete")
     ckpt = Checkpoint(cfg, tensors, info, warnings)
-    if all(r.osds for r in ranks.values()) or any(r.missing_shard for r in ranks.values()):
+    if all(r.osds and _stepped(r) for r in ranks.values()) or any(r.missing_shard for r in ranks.values()):
         ckpt.optimizer = _optimizer_state(tf, ranks, opts, cfg, warnings)
     return ckpt
 
@@ -253,6 +253,15 @@ def _param_groups(tf, ranks: Dict[int, RankStates], opts, warnings) -> List[Para
     count = max([len(_param_shapes(ranks[0].meta)), len(stored)])
     return [ParamGroup(by_group.get(g, []), {k: v for k, v in (stored[g] if g < len(stored) else {}).items()
                                             if k != "params"}) for g in range(count)]
+
+
+def _stepped(r: RankStates) -> bool:
+    """Whether the torch optimizer inside holds any state (an engine saved before its first step
+    keeps fp32 partitions but no moments: nothing to carry beyond the weights)."""
+    osd = r.osds.get(0) or {}
+    if isinstance(osd.get("base_optimizer_state"), list):  # elastic: refused with its reason when used
+        return True
+    return bool(base_optimizer(r).get("state"))
 
 
 def _step(r0: RankStates) -> Optional[int]:
@@ -487,7 +496,20 @@ def _read_megatron_module(named, r0, opts, policy):
             if k[0].startswith("qkv."):
                 shards[k] = [Derived(lambda x: qkv_to_grouped(x, 0, heads_local, cfg.head_dim), [x]) for x in shards[k]]
     tensors = assemble(cfg, dict(shards), policy)
-    return cfg, tensors, Layout(tp=tp, pp=1), f"megatron module ({dialect.name})", {"scheme": "megatron-module"}
+    return cfg, tensors, Layout(tp=tp, pp=1), f"megatron module ({dialect.name})", _module_naming(r0, m, dialect)
+
+
+def _module_naming(r0: RankStates, matcher: KeyMatcher, dialect) -> dict:
+    """(role, layer or None) -> the engine's dotted parameter name, for Megatron models kept under
+    `module` (Megatron-DeepSpeed --no-pipeline-parallel), from the names the optimizer used."""
+    names = [n for g in _param_shapes(r0.meta) for n in g] + list((r0.meta.get("frozen_param_shapes") or {}))
+    roles = {}
+    for name in names:
+        hit = matcher.match(_megatron_key(name))
+        if hit is not None and hit[0] != "head_copy":
+            roles[hit] = name
+    return {"scheme": "megatron-module", "roles": roles,
+            "qkv_layout": "v0" if dialect.qkv_version0_only else "grouped"}
 
 
 # --- Hugging Face names ---------------------------------------------------------------------
