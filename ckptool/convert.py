@@ -47,7 +47,8 @@ WRITERS["ds-universal"] = _ds_universal_writer
 def write_layout(ckpt: Checkpoint, dst, layout: Layout, fmt: Optional[str] = None, force: bool = False,
                  progress: Optional[Callable[[int], None]] = None, warn: Callable[[str], None] = print,
                  **kw) -> dict:
-    """Write ckpt at layout into dst (atomically). fmt: torch | torch_dist (default: the source's)."""
+    """Write ckpt at layout into dst (atomically). fmt: torch | torch_dist | ds-universal (default: the
+    source's Megatron format)."""
     fmt = fmt or ("torch_dist" if ckpt.source.format == "torch_dist" else "torch")
     if fmt not in WRITERS:
         raise CkptError(f"unknown output format {fmt!r}", f"choose one of {', '.join(sorted(WRITERS))}")

@@ -8,6 +8,7 @@
         builds a fresh engine (same model, stage and dtype) with checkpoint.load_universal, loads
         OUT/CASE/universal, compares the same values with truth.pt and runs one more training step;
         rank 0 writes OUT/CASE/load_dpN.json: {"mismatch": [...], "compared": n, "step": ..., "moved": bool}.
+        CASE:STAGE loads into an engine of ZeRO stage STAGE instead (OUT/CASE/load_dpN_zSTAGE.json).
 A CASE is MODEL-STAGE-DTYPE with DTYPE bf16, fp32 or bf16opt (bf16 with fp32 gradient accumulation,
 which at stage 1 runs DeepSpeed's BF16_Optimizer), e.g. gpt2-3-bf16. All cases share one launch.
 """
@@ -40,8 +41,9 @@ def ds_config(stage, dtype, universal=False):
     return cfg
 
 
-def engine_for(case, universal=False):
-    model_name, stage, dtype = case.split("-")
+def engine_for(case, universal=False, stage=None):
+    model_name, saved_stage, dtype = case.split("-")
+    stage = saved_stage if stage is None else stage
     model = build(model_name)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                       config=ds_config(int(stage), dtype, universal))
@@ -85,8 +87,9 @@ def save_case(out_dir, case):
     torch.distributed.barrier()
 
 
-def load_case(out_dir, case):
-    engine = engine_for(case, universal=True)
+def load_case(out_dir, spec):
+    case, _, stage = spec.partition(":")  # CASE:STAGE loads into an engine of another ZeRO stage
+    engine = engine_for(case, universal=True, stage=stage or None)
     truth = torch.load(os.path.join(out_dir, case, "truth.pt"), weights_only=False)
     # control: a fresh engine (no moments yet) must not already hold the saved masters
     fresh = snapshot(engine, moments=False)
@@ -107,7 +110,7 @@ def load_case(out_dir, case):
     finite = all(torch.isfinite(after[n]["fp32"]).all() for n in after)
     if torch.distributed.get_rank() == 0:
         ws = torch.distributed.get_world_size()
-        with open(os.path.join(out_dir, case, f"load_dp{ws}.json"), "w") as f:
+        with open(os.path.join(out_dir, case, f"load_dp{ws}{'_z' + stage if stage else ''}.json"), "w") as f:
             json.dump({"mismatch": mismatch, "compared": sum(len(s) for s in truth["params"].values()),
                        "equal_before_load": int(equal_before), "step": step, "truth_step": truth["step"], "moved": moved, "finite": bool(finite),
                        "global_steps": engine.global_steps}, f)

@@ -39,6 +39,8 @@ CASES = ["gpt2-1-bf16", "gpt2-2-bf16", "gpt2-3-bf16", "gpt2-1-fp32", "gpt2-2-fp3
 KINDS = {"1": "deepspeed-zero1", "2": "deepspeed-zero2", "3": "deepspeed-zero3"}
 FROZEN = {"gpt2": "embed.pos", "llama": "layers.0.attn_norm.weight"}  # ds_train_cases.FROZEN, canonical
 LOAD_DP = (1, 3)
+# one folder serves every stage (both model-states names are written): ZeRO-3 -> ZeRO-1 and back, at DP 3
+CROSS_STAGE = ("gpt2-3-fp32:1", "gpt2-1-bf16:3")
 SLOT_FILES = {"master": "fp32", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 
 try:
@@ -73,7 +75,7 @@ def runs(tmp_path_factory):
         res = _cli("merge", str(out / case / "ckpt"), str(out / case / "universal"), "--format", "ds-universal")
         assert res.exit_code == 0, res.output
     for n in LOAD_DP:
-        _torchrun(n, "load", str(out), *CASES)
+        _torchrun(n, "load", str(out), *CASES, *(CROSS_STAGE if n == 3 else ()))
     return out
 
 
@@ -115,6 +117,14 @@ def test_universal_output_loads_into_the_engine_at_another_dp(runs, case, dp):
     assert got["mismatch"] == []
     assert got["step"] == got["truth_step"] == 2.0
     assert got["moved"] and got["finite"] and got["global_steps"] == 3  # and it trains on
+
+
+@pytest.mark.parametrize("spec", CROSS_STAGE)
+def test_universal_output_loads_into_another_zero_stage(runs, spec):
+    case, stage = spec.split(":")
+    got = json.loads((runs / case / f"load_dp3_z{stage}.json").read_text())
+    assert got["mismatch"] == [] and got["compared"] == 81 and got["equal_before_load"] == 0
+    assert got["step"] == 2.0 and got["moved"] and got["finite"]
 
 
 def test_universal_folder_layout(runs):
