@@ -9,7 +9,7 @@
         OUT/CASE/universal, compares the same values with truth.pt and runs one more training step;
         rank 0 writes OUT/CASE/load_dpN.json: {"mismatch": [...], "compared": n, "step": ..., "moved": bool}.
         CASE:STAGE loads into an engine of ZeRO stage STAGE instead (OUT/CASE/load_dpN_zSTAGE.json).
-A CASE is MODEL-STAGE-DTYPE with DTYPE bf16, fp32 or bf16opt (bf16 with fp32 gradient accumulation,
+A CASE is MODEL-STAGE-DTYPE with DTYPE bf16, fp16, fp32 or bf16opt (bf16 with fp32 gradient accumulation,
 which at stage 1 runs DeepSpeed's BF16_Optimizer), e.g. gpt2-3-bf16. All cases share one launch.
 """
 import json
@@ -21,7 +21,7 @@ import deepspeed
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ds_train_cases import build, skip_shm_build  # noqa: E402
+from ds_train_cases import allow_cpu_fp16, build, skip_shm_build  # noqa: E402
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -36,6 +36,8 @@ def ds_config(stage, dtype, universal=False):
         cfg["bf16"] = {"enabled": True}
     if dtype == "bf16opt":  # bf16 + ZeRO-1 + fp32 gradient accumulation: DeepSpeed's BF16_Optimizer
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    if dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
     if universal:
         cfg["checkpoint"] = {"load_universal": True}
     return cfg
@@ -118,6 +120,7 @@ def load_case(out_dir, spec):
 
 
 def main():
+    allow_cpu_fp16()
     skip_shm_build()
     deepspeed.init_distributed(dist_backend="gloo")
     mode, out_dir, cases = sys.argv[1], sys.argv[2], sys.argv[3:]

@@ -34,8 +34,9 @@ MDS = next((base / "mds_gpt2_pipe_tp2pp2_bf16_zero1" for base in (REPO.parent / 
            REPO / "fixtures" / "real" / "mds_gpt2_pipe_tp2pp2_bf16_zero1")
 # bf16opt: bf16 with fp32 gradient accumulation at stage 1, which DeepSpeed runs as BF16_Optimizer;
 # llama: GQA, SwiGLU and an untied head (HF names through the Llama table)
+# fp16: DeepSpeed's DynamicLossScaler travels in zero/optimizer_state.pt (a stand-in written back)
 CASES = ["gpt2-1-bf16", "gpt2-2-bf16", "gpt2-3-bf16", "gpt2-1-fp32", "gpt2-2-fp32", "gpt2-3-fp32",
-         "gpt2-1-bf16opt", "llama-2-bf16"]
+         "gpt2-1-bf16opt", "llama-2-bf16", "gpt2-2-fp16"]
 KINDS = {"1": "deepspeed-zero1", "2": "deepspeed-zero2", "3": "deepspeed-zero3"}
 FROZEN = {"gpt2": "embed.pos", "llama": "layers.0.attn_norm.weight"}  # ds_train_cases.FROZEN, canonical
 LOAD_DP = (1, 3)
@@ -283,3 +284,25 @@ def test_synthetic_megatron_module_names_tp2_dp3_bf16_optimizer(tmp_path):
             assert {k: v for k, v in got.items() if k != "param"} == facts, name
             assert torch.equal(got["param"], fn(want.float())), (name, f)
     assert len([d for d in zero.iterdir() if d.is_dir()]) == len(ranks[0])
+
+
+def test_framework_objects_pickled_without_init_are_written_back_loadable(tmp_path):
+    """DeepSpeed's DynamicLossScaler is pickled as NEWOBJ (no __init__ call); its stand-in must be
+    written back the same way, or torch.load calls DynamicLossScaler() without its arguments."""
+    if not HAVE_DS:
+        pytest.skip("the deepspeed package cannot be imported")
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    from ckptool.io.torchfile import StreamingTorchWriter, load_torch_file
+    scaler = DynamicLossScaler(init_scale=512.0, scale_window=100, min_scale=1.0, delayed_shift=2,
+                               consecutive_hysteresis=False)
+    torch.save({"loss_scaler": scaler, "t": torch.arange(3.0)}, tmp_path / "a.pt")
+    tree = load_torch_file(tmp_path / "a.pt")
+    assert type(tree["loss_scaler"]).__name__ == "DynamicLossScaler"  # an inert stand-in
+    w = StreamingTorchWriter(tmp_path / "b.pt", tree)
+    for ps in w.pending:
+        w.write(ps)
+    w.finish()
+    back = torch.load(tmp_path / "b.pt", weights_only=False)
+    assert isinstance(back["loss_scaler"], DynamicLossScaler)
+    assert back["loss_scaler"].cur_scale == 512.0 and back["loss_scaler"].scale_window == 100
+    assert torch.equal(back["t"], torch.arange(3.0))

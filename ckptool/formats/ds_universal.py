@@ -158,7 +158,7 @@ def _groups_of(ckpt: Checkpoint) -> Dict[str, int]:
 
 
 def write_ds_universal(ckpt: Checkpoint, out_dir: Path, layout: Layout, progress=None, warn=print,
-                       dtype: Optional[torch.dtype] = None, **_ignored) -> dict:
+                       dtype: Optional[torch.dtype] = None, dialect: Optional[str] = None, **_ignored) -> dict:
     opt = ckpt.optimizer
     require(opt is not None and all(s in opt.slots for s in OPTIMIZER_SLOTS),
             "--format ds-universal writes the training state, and this source holds no optimizer state",
@@ -168,6 +168,8 @@ def write_ds_universal(ckpt: Checkpoint, out_dir: Path, layout: Layout, progress
             "use `ckptool merge SRC DST --format ds-universal`")
     require(dtype is None or dtype == torch.float32, "--format ds-universal stores fp32 masters and moments",
             "leave --dtype out")
+    require(dialect is None, "--dialect names Megatron key dialects; a universal checkpoint keeps the source's "
+            "parameter names", "leave --dialect out")
     params, naming = universal_params(ckpt)
     out_dir = Path(out_dir)
     es = {**ENGINE_DEFAULTS, **{k: v for k, v in (ckpt.source.extra.get("engine_state") or {}).items()
