@@ -49,7 +49,8 @@ OPTIMIZER_WRITERS = {"torch", "ds-universal"}
 def write_layout(ckpt: Checkpoint, dst, layout: Layout, fmt: Optional[str] = None, force: bool = False,
                  progress: Optional[Callable[[int], None]] = None, warn: Callable[[str], None] = print,
                  optimizer: bool = True, **kw) -> dict:
-    """Write ckpt at layout into dst (atomically). fmt: torch | torch_dist (default: the source's).
+    """Write ckpt at layout into dst (atomically). fmt: torch | torch_dist | ds-universal (default: the
+    source's Megatron format).
 
     optimizer: carry the source's optimizer state where the target format holds one (the default);
     False writes the weights only. Dropping state the user did not ask to drop is warned about."""

@@ -8,7 +8,9 @@
         builds a fresh engine (same model, stage and dtype) with checkpoint.load_universal, loads
         OUT/CASE/universal, compares the same values with truth.pt and runs one more training step;
         rank 0 writes OUT/CASE/load_dpN.json: {"mismatch": [...], "compared": n, "step": ..., "moved": bool}.
-A CASE is MODEL-STAGE-DTYPE with DTYPE bf16 or fp32 (e.g. gpt2-3-bf16). All cases share one launch.
+        CASE:STAGE loads into an engine of ZeRO stage STAGE instead (OUT/CASE/load_dpN_zSTAGE.json).
+A CASE is MODEL-STAGE-DTYPE with DTYPE bf16, fp16, fp32 or bf16opt (bf16 with fp32 gradient accumulation,
+which at stage 1 runs DeepSpeed's BF16_Optimizer), e.g. gpt2-3-bf16. All cases share one launch.
 """
 import json
 import os
@@ -19,7 +21,7 @@ import deepspeed
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ds_train_cases import build, skip_shm_build  # noqa: E402
+from ds_train_cases import allow_cpu_fp16, build, skip_shm_build  # noqa: E402
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -30,15 +32,20 @@ def ds_config(stage, dtype, universal=False):
            "zero_optimization": {"stage": stage}, "steps_per_print": 1000}
     if stage == 3:
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 100
-    if dtype == "bf16":
+    if dtype in ("bf16", "bf16opt"):
         cfg["bf16"] = {"enabled": True}
+    if dtype == "bf16opt":  # bf16 + ZeRO-1 + fp32 gradient accumulation: DeepSpeed's BF16_Optimizer
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    if dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
     if universal:
         cfg["checkpoint"] = {"load_universal": True}
     return cfg
 
 
-def engine_for(case, universal=False):
-    model_name, stage, dtype = case.split("-")
+def engine_for(case, universal=False, stage=None):
+    model_name, saved_stage, dtype = case.split("-")
+    stage = saved_stage if stage is None else stage
     model = build(model_name)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                       config=ds_config(int(stage), dtype, universal))
@@ -82,8 +89,9 @@ def save_case(out_dir, case):
     torch.distributed.barrier()
 
 
-def load_case(out_dir, case):
-    engine = engine_for(case, universal=True)
+def load_case(out_dir, spec):
+    case, _, stage = spec.partition(":")  # CASE:STAGE loads into an engine of another ZeRO stage
+    engine = engine_for(case, universal=True, stage=stage or None)
     truth = torch.load(os.path.join(out_dir, case, "truth.pt"), weights_only=False)
     # control: a fresh engine (no moments yet) must not already hold the saved masters
     fresh = snapshot(engine, moments=False)
@@ -104,7 +112,7 @@ def load_case(out_dir, case):
     finite = all(torch.isfinite(after[n]["fp32"]).all() for n in after)
     if torch.distributed.get_rank() == 0:
         ws = torch.distributed.get_world_size()
-        with open(os.path.join(out_dir, case, f"load_dp{ws}.json"), "w") as f:
+        with open(os.path.join(out_dir, case, f"load_dp{ws}{'_z' + stage if stage else ''}.json"), "w") as f:
             json.dump({"mismatch": mismatch, "compared": sum(len(s) for s in truth["params"].values()),
                        "equal_before_load": int(equal_before), "step": step, "truth_step": truth["step"], "moved": moved, "finite": bool(finite),
                        "global_steps": engine.global_steps}, f)
@@ -112,6 +120,7 @@ def load_case(out_dir, case):
 
 
 def main():
+    allow_cpu_fp16()
     skip_shm_build()
     deepspeed.init_distributed(dist_backend="gloo")
     mode, out_dir, cases = sys.argv[1], sys.argv[2], sys.argv[3:]

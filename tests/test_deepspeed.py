@@ -356,6 +356,8 @@ def _write_zero12(tag, params, mp, dp, prefix, zero_stage, keep_padding, extra_m
     flat = torch.cat([flat, torch.zeros(pad)])
     n = flat.numel() // dp
     parts = list(flat.split(n))
+    # Adam moments as exact elementwise functions of the masters (x/4, x*x), partitions kept whole
+    moments = [{"step": torch.tensor(7.0), "exp_avg": x * 0.25, "exp_avg_sq": x * x} for x in parts]
     paddings = [0] * dp
     if not keep_padding:  # ZeRO-1/2 strip the trailing padding from the saved partition
         left = pad
@@ -368,7 +370,8 @@ def _write_zero12(tag, params, mp, dp, prefix, zero_stage, keep_padding, extra_m
         paddings[-1] = pad
     for r in range(dp):
         osd = {"single_partition_of_fp32_groups": [parts[r].clone()], "group_paddings": [paddings[r]],
-               "partition_count": [dp], "base_optimizer_state": {"state": {}, "param_groups": []}}
+               "partition_count": [dp], "base_optimizer_state": {
+                   "state": {0: moments[r]}, "param_groups": [{"lr": 1e-3, "weight_decay": 0.1, "params": [0]}]}}
         if zero_stage is not None:
             osd["zero_stage"] = zero_stage
         torch.save({"optimizer_state_dict": osd}, tag / f"{prefix}zero_pp_rank_{r}_mp_rank_{mp:02d}_optim_states.pt")

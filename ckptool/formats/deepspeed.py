@@ -29,12 +29,11 @@ from ..lazy import Derived, LazyTensor
 from ..options import ReadOptions
 from ..roles import assemble
 from ..sharding import ReplicaPolicy
-from ..ondemand import Builder, OnDemandDict, OnDemandList
-from ..state import Checkpoint, OptimizerState, ParamGroup, SourceInfo, expected_names, in_model_order
+from ..state import Checkpoint, SourceInfo, expected_names, in_model_order
 from . import megatron_args
 from . import hf as hf_format
-from .deepspeed_zero import (MOMENTS, NO_OPTIMIZER_HINT, RankStates, base_optimizer, find_files,
-                             looks_like_deepspeed, rank_moments, read_rank, _param_shapes)
+from .deepspeed_optim import optimizer_state, stepped
+from .deepspeed_zero import RankStates, find_files, looks_like_deepspeed, read_rank, _param_shapes
 from .megatron import detect_dialect, flatten, _config as megatron_config
 from .megatron_names import KeyMatcher, is_ignorable, qkv_to_grouped
 from . import mds_pipeline as mds
@@ -131,8 +130,9 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
         raise CkptError(f"{tf.tag_dir}: {len(missing)} tensors of the model are missing (e.g. {missing[0]})",
                         "the checkpoint is incomplete")
     ckpt = Checkpoint(cfg, tensors, info, warnings)
-    if all(r.osds for r in ranks.values()) or any(r.missing_shard for r in ranks.values()):
-        ckpt.optimizer = _optimizer_state(tf, ranks, opts, cfg, warnings)
+    if all(r.osds and stepped(r) for r in ranks.values()) or any(r.missing_shard for r in ranks.values()):
+        ckpt.optimizer = optimizer_state(tf, ranks, opts, cfg, warnings, canonical=_canonical,
+                                         named_weights=named_weights)
     return ckpt
 
 
@@ -153,127 +153,6 @@ def _canonical(tf, ranks, named, opts, policy, warnings):
     if _looks_megatron(named[0]):
         return _read_megatron_module(named, ranks[0], opts, policy)
     return _read_hf_gpt(tf, named, opts)
-
-
-# --- optimizer state (ZeRO-1/2/3 and BF16_Optimizer: fp32 masters and Adam moments) ----------
-
-class _Zeros(LazyTensor):
-    """The moments of a parameter the optimizer does not hold (frozen) or a buffer: zeros."""
-
-    def __init__(self, shape):
-        self.shape, self.dtype = torch.Size(shape), torch.float32
-
-    def load(self) -> torch.Tensor:
-        return torch.zeros(self.shape, dtype=self.dtype)
-
-
-def _slot_named(r: RankStates, slot: str, moments: Dict[str, Dict[str, LazyTensor]]) -> Dict[str, LazyTensor]:
-    """Engine name -> this slot's tensor for one MP rank, with the names named_weights gives the weights:
-    the optimizer's own tensors for trainable parameters; for frozen ones and buffers the fp32 weight
-    (master) or zeros (moments), so the canonical mapping sees the same set of names."""
-    base = named_weights(r, "master")
-    if slot == "master":
-        return {k: v if v.dtype == torch.float32 else v.to(torch.float32) for k, v in base.items()}
-    held = moments[slot]
-    out = {}
-    for k, v in base.items():
-        owner = r.shared.get(k, k)
-        out[k] = held[owner] if owner in held else _Zeros(v.shape)
-    return out
-
-
-class _Tag(LazyTensor):
-    """A stand-in for one engine parameter while tracing which canonical tensors it feeds. Unlike a
-    stored tensor it keeps plain narrow()s, so every derived tensor still points back to it."""
-
-    def __init__(self, like: LazyTensor):
-        self.shape, self.dtype = like.shape, like.dtype
-
-    def load(self):  # pragma: no cover - tracing never loads
-        raise RuntimeError("internal: a tracing tag was loaded")
-
-
-def _reaches(t: LazyTensor, owners: Dict[int, int]) -> set:
-    """The values of owners (keyed by id of a lazy node) met walking t's graph towards its inputs."""
-    found, stack, seen = set(), [t], set()
-    while stack:
-        n = stack.pop()
-        if id(n) in seen:
-            continue
-        seen.add(id(n))
-        if id(n) in owners:
-            found.add(owners[id(n)])
-            continue
-        stack.extend(getattr(n, "parents", ()))
-    return found
-
-
-def _param_groups(tf, ranks: Dict[int, RankStates], opts, warnings) -> List[ParamGroup]:
-    """One ParamGroup per optimizer group (ZeRO-3: per sub-group), its hyperparameters as stored and
-    the canonical names fed by that group's parameters (traced through the same canonical mapping)."""
-    owners: Dict[int, int] = {}
-    named = {}
-    for mp, r in ranks.items():
-        group_of = {n: g for g, names in enumerate(_param_shapes(r.meta)) for n in names}
-        named[mp] = {}
-        for k, v in named_weights(r, "master").items():
-            tag = _Tag(v)
-            owner = r.shared.get(k, k)
-            if owner in group_of:
-                owners[id(tag)] = group_of[owner]
-            named[mp][k] = tag
-    _, traced, *_ = _canonical(tf, ranks, named, opts, ReplicaPolicy("first", lambda m: None), [])
-    by_group: Dict[int, List[str]] = defaultdict(list)
-    for name, t in traced.items():
-        for g in sorted(_reaches(t, owners)):
-            by_group[g].append(name)
-    stored = base_optimizer(ranks[0]).get("param_groups") or []
-    count = max([len(_param_shapes(ranks[0].meta)), len(stored)])
-    return [ParamGroup(by_group.get(g, []), {k: v for k, v in (stored[g] if g < len(stored) else {}).items()
-                                            if k != "params"}) for g in range(count)]
-
-
-def _step(r0: RankStates) -> Optional[int]:
-    state = base_optimizer(r0).get("state")
-    first = state.get(0) if isinstance(state, dict) else None
-    step = first.get("step") if isinstance(first, dict) else None
-    if isinstance(step, LazyTensor):
-        step = step.load().item()
-    return int(step) if isinstance(step, (int, float)) else None
-
-
-def _optimizer_state(tf, ranks: Dict[int, RankStates], opts: ReadOptions, cfg, warnings) -> OptimizerState:
-    """The optimizer state, its slots and groups built on first use (weights-only work never pays)."""
-    r0 = ranks[0]
-
-    def build():
-        missing = next((r.missing_shard for r in ranks.values() if r.missing_shard), None)
-        if missing:
-            raise CkptError(missing, NO_OPTIMIZER_HINT)
-        policy = ReplicaPolicy(opts.replicas, warnings.append)
-        moments = {mp: rank_moments(r) for mp, r in ranks.items()}
-        slots = {}
-        for slot in ("master",) + MOMENTS:
-            named = {mp: _slot_named(r, slot, moments[mp]) for mp, r in ranks.items()}
-            _, tensors, *_ = _canonical(tf, ranks, named, opts, policy, warnings)
-            want = expected_names(cfg)
-            slots[slot] = {n: tensors[n] for n in want if n in tensors}
-            lost = [n for n in want if n not in tensors]
-            if lost:
-                raise CkptError(f"{tf.tag_dir}: the optimizer holds no {slot} for {lost[0]}", NO_OPTIMIZER_HINT)
-        groups = _param_groups(tf, ranks, opts, warnings)
-        order = {n: i for i, n in enumerate(slots["master"])}
-        for g in groups:
-            g.names.sort(key=lambda n: order.get(n, 1 << 30))
-        return slots, groups
-
-    builder = Builder(build)
-    kind = {"bf16_optimizer": "deepspeed-bf16"}.get(r0.optimizer_kind, f"deepspeed-zero{r0.zero_stage}")
-    osd0 = r0.osds.get(0) or {}
-    scaler = {k: osd0[k] for k in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad") if k in osd0}
-    return OptimizerState(kind=kind, slots=OnDemandDict(builder, 0), step=_step(r0) if r0.osds else None,
-                          param_groups=OnDemandList(builder, 1), grad_scaler=scaler or None,
-                          scheduler=r0.meta.get("lr_scheduler"), consumed_samples=r0.meta.get("global_samples"))
 
 
 def _args_with_true_vocab(args, cfg):
@@ -464,7 +343,20 @@ def _read_megatron_module(named, r0, opts, policy):
             if k[0].startswith("qkv."):
                 shards[k] = [Derived(lambda x: qkv_to_grouped(x, 0, heads_local, cfg.head_dim), [x]) for x in shards[k]]
     tensors = assemble(cfg, dict(shards), policy)
-    return cfg, tensors, Layout(tp=tp, pp=1), f"megatron module ({dialect.name})", {"scheme": "megatron-module"}
+    return cfg, tensors, Layout(tp=tp, pp=1), f"megatron module ({dialect.name})", _module_naming(r0, m, dialect)
+
+
+def _module_naming(r0: RankStates, matcher: KeyMatcher, dialect) -> dict:
+    """(role, layer or None) -> the engine's dotted parameter name, for Megatron models kept under
+    `module` (Megatron-DeepSpeed --no-pipeline-parallel), from the names the optimizer used."""
+    names = [n for g in _param_shapes(r0.meta) for n in g] + list((r0.meta.get("frozen_param_shapes") or {}))
+    roles = {}
+    for name in names:
+        hit = matcher.match(_megatron_key(name))
+        if hit is not None and hit[0] != "head_copy":
+            roles[hit] = name
+    return {"scheme": "megatron-module", "roles": roles,
+            "qkv_layout": "v0" if dialect.qkv_version0_only else "grouped"}
 
 
 # --- Hugging Face names ---------------------------------------------------------------------

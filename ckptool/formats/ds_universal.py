@@ -15,7 +15,8 @@ The folder DeepSpeed's ds_to_universal.py makes and the engine loads with
 
 <param> is the engine's own parameter name: the Hugging Face module names for HF models trained under
 DeepSpeed, the pipe names (`tied_modules.embed.word_embeddings.weight`, `<idx>.mlp.dense_4h_to_h.weight`)
-for Megatron-DeepSpeed pipeline runs. Tensors are full: TP-merged the way the universal format merges
+for Megatron-DeepSpeed pipeline runs, and the dotted Megatron names (`language_model.encoder.layers.0...`)
+for Megatron-DeepSpeed --no-pipeline-parallel runs. Tensors are full: TP-merged the way the universal format merges
 them (row-parallel on dim 1 with cat_dim 1, SwiGLU's dense_h_to_4h as two sub-params, the word
 embeddings cut to the true vocabulary and marked vocab_tensor), so the loader's own chunking re-splits
 them for any TP. Frozen parameters get fp32.pt only, as DeepSpeed writes them. The module weights are
@@ -80,8 +81,8 @@ def _mds_params(ckpt: Checkpoint, naming: dict, slots: Dict[str, Dict[str, LazyT
     """Megatron-DeepSpeed pipe names; fused roles rebuilt whole (TP 1) from the canonical slots."""
     cfg = ckpt.config
     if naming.get("qkv_layout", "grouped") != "grouped":
-        raise CkptError("--format ds-universal: this run packs each rank's QKV as [Q|K|V] blocks (--qkv-layout "
-                        "split), which the universal loader's plain chunking cannot re-split",
+        raise CkptError(f"--format ds-universal: this run packs each rank's QKV as {naming['qkv_layout']} "
+                        "(not per query group), which the universal loader's plain chunking cannot re-split",
                         "write a Megatron checkpoint instead (ckptool merge SRC DST)")
     rows = cfg.vocab_size or cfg.padded_vocab_size
     out = []
@@ -118,7 +119,8 @@ def _role_canonical(cfg, role: str, layer: Optional[int]) -> List[str]:
     return [f"{p}mlp.{x}.{kind}" for x in (("gate", "up") if cfg.gated else ("up",))]
 
 
-SCHEMES: Dict[str, Callable] = {"hf": _hf_params, "mds-pipe": _mds_params}
+# naming scheme (the DeepSpeed reader's source.extra["param_names"]) -> engine parameters
+SCHEMES: Dict[str, Callable] = {"hf": _hf_params, "mds-pipe": _mds_params, "megatron-module": _mds_params}
 
 
 def universal_params(ckpt: Checkpoint) -> Tuple[List[Param], dict]:
@@ -128,7 +130,7 @@ def universal_params(ckpt: Checkpoint) -> Tuple[List[Param], dict]:
         why = ("its parameters have no DeepSpeed names" if ckpt.source.format != "deepspeed"
                else f"ckptool cannot name this DeepSpeed run's parameters ({naming.get('scheme')})")
         raise CkptError(f"--format ds-universal: {why}",
-                        "the source must be a DeepSpeed run of a Hugging Face GPT or a Megatron-DeepSpeed pipeline")
+                        "the source must be a DeepSpeed run of a Hugging Face GPT or of Megatron-DeepSpeed")
     opt = ckpt.optimizer
     slots = {s: opt.slots.get(s, {}) for s in OPTIMIZER_SLOTS}
     return make(ckpt, naming, slots), naming
@@ -156,7 +158,7 @@ def _groups_of(ckpt: Checkpoint) -> Dict[str, int]:
 
 
 def write_ds_universal(ckpt: Checkpoint, out_dir: Path, layout: Layout, progress=None, warn=print,
-                       dtype: Optional[torch.dtype] = None, **_ignored) -> dict:
+                       dtype: Optional[torch.dtype] = None, dialect: Optional[str] = None, **_ignored) -> dict:
     opt = ckpt.optimizer
     require(opt is not None and all(s in opt.slots for s in OPTIMIZER_SLOTS),
             "--format ds-universal writes the training state, and this source holds no optimizer state",
@@ -166,6 +168,8 @@ def write_ds_universal(ckpt: Checkpoint, out_dir: Path, layout: Layout, progress
             "use `ckptool merge SRC DST --format ds-universal`")
     require(dtype is None or dtype == torch.float32, "--format ds-universal stores fp32 masters and moments",
             "leave --dtype out")
+    require(dialect is None, "--dialect names Megatron key dialects; a universal checkpoint keeps the source's "
+            "parameter names", "leave --dialect out")
     params, naming = universal_params(ckpt)
     out_dir = Path(out_dir)
     es = {**ENGINE_DEFAULTS, **{k: v for k, v in (ckpt.source.extra.get("engine_state") or {}).items()
@@ -206,7 +210,7 @@ def write_ds_universal(ckpt: Checkpoint, out_dir: Path, layout: Layout, progress
         "global_samples": es.get("global_samples", opt.consumed_samples or 0),
         "dp_world_size": es["dp_world_size"], "mp_world_size": es["mp_world_size"],
         "ds_config": es.get("ds_config"), "ds_version": es["ds_version"]}
-    if naming["scheme"] == "mds-pipe":
+    if naming["scheme"] in ("mds-pipe", "megatron-module"):
         model_states.update({k: es[k] for k in CLIENT_KEYS if es.get(k) is not None})
         model_states["args"] = ckpt.source.args
         model_states["universal_checkpoint_info"] = ckpt.source.extra.get("universal_checkpoint_info")
