@@ -12,10 +12,21 @@ from typing import Callable, Optional
 import torch
 
 from .config import GPTConfig, padded_vocab_size
-from .errors import CkptError
+from .errors import CkptError, require
 from .lazy import Derived, LazyTensor
 
 PAD_FILLS = ("zero", "mean", "last")
+
+
+def with_true_vocab_size(cfg: GPTConfig, true_vocab_size: Optional[int], stored_rows: int) -> GPTConfig:
+    """cfg with the user's --true-vocab-size (every reader's one override; None leaves cfg as read).
+    More than the stored embedding rows cannot be true: refused."""
+    if true_vocab_size is None:
+        return cfg
+    require(true_vocab_size >= 1, f"--true-vocab-size {true_vocab_size} must be positive")
+    require(true_vocab_size <= stored_rows,
+            f"--true-vocab-size {true_vocab_size} exceeds the {stored_rows} embedding rows stored")
+    return cfg.replace(vocab_size=true_vocab_size, vocab_size_source="--true-vocab-size")
 
 
 def target_rows(cfg: GPTConfig, tp: int, divisible_by: Optional[int] = None,
@@ -62,7 +73,9 @@ def resize_rows(t: LazyTensor, rows: int, cfg: GPTConfig, fill: str = "zero",
             pad = x[real - 1:real].expand(extra, *x.shape[1:])
         return torch.cat([x, pad], dim=0)
 
-    return Derived(grow, [t], shape=(rows,) + tuple(t.shape[1:]), dtype=t.dtype)
+    # memo: the tensor-parallel ranks of a target each take a slice of the same padded tensor;
+    # computed once per layer scope instead of once per rank (reading the source once)
+    return Derived(grow, [t], memo=True, shape=(rows,) + tuple(t.shape[1:]), dtype=t.dtype)
 
 
 def resize_vocab(tensors: dict, cfg: GPTConfig, rows: int, fill: str = "zero") -> dict:

@@ -194,3 +194,33 @@ def test_distributed_optimizer_source_is_dropped_with_a_warning(tmp_path):
     ckpt = open_checkpoint(src)
     assert ckpt.optimizer is None
     assert any("distrib_optim.pt" in w and "weights only" in w for w in ckpt.warnings)
+
+
+@pytest.mark.parametrize("weights", ["master", "model"])
+def test_megatron_deepspeed_zero_run_into_megatron_lm_with_its_optimizer(tmp_path, weights):
+    """Across frameworks: the real Megatron-DeepSpeed bf16 ZeRO-1 TP2 PP2 run -> Megatron-LM torch format
+    at TP1 with masters and moments from the ZeRO partitions; bf16 weights (--weights model) come with
+    fp32 masters that round to them, so the output is mixed precision as Megatron trains it."""
+    case = real_checkpoint("mds_gpt2_pipe_tp2pp2_bf16_zero1") / "checkpoint"
+    src = open_checkpoint(case, _opts(weights))
+    write_layout(src, tmp_path / "out", Layout(1, 1), warn=lambda m: None)
+    out = open_checkpoint(tmp_path / "out")
+    assert out.optimizer.step == src.optimizer.step == 3
+    # fp32 weights (the masters) make an fp32 run: the weights are its masters, no separate copy
+    assert out.optimizer.kind == ("megatron" if weights == "model" else "megatron-fp32")
+    assert_same_training_state_values(src, out)
+    rank = load_torch_file(tmp_path / "out" / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt")
+    assert ("fp32_from_fp16_params" in rank["optimizer"]) == (weights == "model")
+    assert "grad_scaler" not in rank["optimizer"]  # DeepSpeed's loss scaler is not Megatron's
+
+
+def _opts(weights):
+    from ckptool.options import ReadOptions
+    return ReadOptions(weights=weights)
+
+
+def assert_same_training_state_values(src, out):
+    for slot in ("master", "exp_avg", "exp_avg_sq"):
+        written = out.optimizer.slots.get(slot, out.tensors)  # fp32 runs: the weights are the masters
+        for name, t in src.optimizer.slots[slot].items():
+            assert same_rows(t.load(), written[name].load()), (slot, name)

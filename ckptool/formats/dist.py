@@ -29,12 +29,12 @@ from ..errors import CkptError, require
 from ..io.dcp_io import METADATA, DcpDir, DcpWriter
 from ..io.torchfile import load_torch_bytes, load_torch_file, save_streaming
 from ..lazy import LazyTensor, load_scope
-from ..options import ReadOptions
+from ..options import CONFIG_OVERRIDES, ReadOptions
 from ..roles import GLOBAL_ROLES, LAYER_ROLES, assemble, global_role_tensor, layer_role_tensor
 from ..sharding import ReplicaPolicy
 from ..state import (OPTIMIZER_SLOTS, PAD_FILL_BY_SLOT, WEIGHT, Checkpoint, OptimizerState, SourceInfo,
-                     expected_names)
-from ..vocab import resize_slot_vocab, resize_vocab, target_rows
+                     expected_names, in_model_order)
+from ..vocab import resize_slot_vocab, resize_vocab, target_rows, with_true_vocab_size
 from . import dist_optim, megatron_args
 from .megatron import TRACKER, resolve_iteration_dir
 
@@ -199,11 +199,6 @@ def _collect(dcp: DcpDir, slot_prefix: Optional[str] = None) -> Tuple[Dict[Tuple
     return shards, stacked
 
 
-_OVERRIDABLE = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                "max_position_embeddings", "activation", "normalization", "norm_eps", "position_embedding",
-                "rotary_base", "make_vocab_size_divisible_by", "head_dim")
-
-
 def config_from_shapes(shards, num_layers: int, stored_rows: int, ov: dict, warn) -> GPTConfig:
     """No args stored (a bare dist_checkpointing.save): sizes from shapes, the rest from flags."""
     hidden = shards[("word", None)][0].shape[1]
@@ -239,7 +234,7 @@ def config_from_shapes(shards, num_layers: int, stored_rows: int, ov: dict, warn
               add_qkv_bias=("qkv.bias", 0) in shards,
               qk_layernorm=("q_norm.weight", 0) in shards,
               tied_embeddings=("output", None) not in shards)
-    kw.update({k: v for k, v in ov.items() if k in _OVERRIDABLE})
+    kw.update({k: v for k, v in ov.items() if k in CONFIG_OVERRIDES})
     return GPTConfig(**kw)
 
 
@@ -274,7 +269,7 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
             cfg = other_cfg.replace(padded_vocab_size=stored_rows, num_layers=num_layers)
     if args is not None:
         cfg = megatron_args.config_from_args(args, stored_rows)
-        cfg = cfg.replace(**{k: v for k, v in ov.items() if k in _OVERRIDABLE})
+        cfg = cfg.replace(**opts.config_overrides())
         cfg, note = megatron_args.as_megatron_core_computes(cfg)  # torch_dist is always megatron-core
         if note:
             warnings.append(note)
@@ -283,8 +278,7 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
         cfg = config_from_shapes(shards, num_layers, stored_rows, ov, warnings.append)
     if ov.get("vocab_size"):
         cfg = cfg.replace(vocab_size=ov["vocab_size"], vocab_size_source="--vocab-size")
-    if opts.true_vocab_size is not None:
-        cfg = cfg.replace(vocab_size=opts.true_vocab_size, vocab_size_source="--true-vocab-size")
+    cfg = with_true_vocab_size(cfg, opts.true_vocab_size, stored_rows)
     require(cfg.vocab_size is None or cfg.vocab_size <= stored_rows,
             f"the true vocabulary ({cfg.vocab_size}) exceeds the {stored_rows} embedding rows stored")
     require(cfg.num_layers == num_layers, f"{cfg_src} say {cfg.num_layers} layers but the checkpoint holds "
@@ -293,8 +287,7 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
         shards.pop(("output", None), None)  # a tied model's synchronised head copy
     policy = ReplicaPolicy(opts.replicas, warnings.append)
     tensors = assemble(cfg, shards, policy)
-    order = {n: i for i, n in enumerate(expected_names(cfg))}
-    tensors = dict(sorted(tensors.items(), key=lambda kv: (order.get(kv[0], 1 << 30), kv[0])))
+    tensors = in_model_order(tensors, cfg)
     tp = getattr(args, "tensor_model_parallel_size", None) or 1
     pp = getattr(args, "pipeline_model_parallel_size", None) or 1
     info = SourceInfo(path=str(path), format=FORMAT,
@@ -329,7 +322,6 @@ def _read_optimizer(dcp: DcpDir, common: dict, cfg: GPTConfig, tensors, policy, 
         return None
     if form not in dist_optim.STORED_SLOTS:
         raise CkptError(f"{where}: unknown optimizer form {form!r}", dist_optim.HINT)
-    order = {n: i for i, n in enumerate(tensors)}
     weight_shards, _ = _collect(dcp)
 
     def slot_tensors(stored: str):
@@ -344,8 +336,7 @@ def _read_optimizer(dcp: DcpDir, common: dict, cfg: GPTConfig, tensors, policy, 
                 raise CkptError(f"{where}: {stored} optimizer state of {key[0]} (layer {key[1]}) has shape "
                                 f"{tuple(parts[0].shape)}, the weight {tuple(want[0].shape)}{flattened}",
                                 dist_optim.HINT)
-        slot = assemble(cfg, shards, policy) if shards else {}
-        return dict(sorted(slot.items(), key=lambda kv: order.get(kv[0], 1 << 30)))
+        return in_model_order(assemble(cfg, shards, policy), cfg) if shards else {}
 
     consumed = getattr(args, "consumed_train_samples", None)
     return dist_optim.read(common, form, slot_tensors, tensors, consumed, where)

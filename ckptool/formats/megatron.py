@@ -11,7 +11,6 @@ is shared with every Megatron-family format (roles.py, sharding.py).
 """
 from __future__ import annotations
 
-import argparse
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -24,10 +23,10 @@ from ..errors import CkptError, require
 from ..io.torchfile import StreamingTorchWriter, load_torch_file, write_grouped
 from ..lazy import Const, Derived, LazyTensor
 from ..options import ReadOptions
-from ..roles import (assemble, canonical_names, global_role_tensor, layer_role_tensor, rule_for, shard_role,
-                     LAYER_ROLES)
+from ..roles import assemble, canonical_names, global_role_tensor, layer_role_tensor, shard_role, LAYER_ROLES
 from ..sharding import ReplicaPolicy
-from ..state import OPTIMIZER_SLOTS, PAD_FILL_BY_SLOT, WEIGHT, Checkpoint, OptimizerState, ParamGroup, SourceInfo
+from ..state import (OPTIMIZER_SLOTS, PAD_FILL_BY_SLOT, WEIGHT, Checkpoint, OptimizerState, ParamGroup, SourceInfo,
+                     in_model_order)
 from ..vocab import resize_slot_vocab, resize_vocab, target_rows
 from . import megatron_args, megatron_optim
 from .megatron_optim import RankParam
@@ -289,8 +288,8 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                       release=release, checkpoint_version=None if dialect.qkv_version0_only else version,
                       args=args, extra={"replica_policy": policy})
     if optimizer is not None:
-        optimizer = optimizer.with_slots({slot: _ordered(ts, cfg) for slot, ts in optimizer.slots.items()})
-    return Checkpoint(cfg, _ordered(tensors, cfg), info, warnings, optimizer)
+        optimizer = optimizer.with_slots({slot: in_model_order(ts, cfg) for slot, ts in optimizer.slots.items()})
+    return Checkpoint(cfg, in_model_order(tensors, cfg), info, warnings, optimizer)
 
 
 def _role_shards(values: Dict[Tuple[int, int], List[LazyTensor]], params: Dict[Tuple[int, int], List[RankParam]],
@@ -375,13 +374,8 @@ def _check_args_agree(trees, ranks) -> None:
                                 "the rank files come from different runs")
 
 
-_OVERRIDABLE = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                "max_position_embeddings", "activation", "normalization", "norm_eps", "position_embedding",
-                "rotary_base", "make_vocab_size_divisible_by", "head_dim")
-
-
 def _config(args, dialect, shards, num_layers, tp, stored_rows, opts: ReadOptions, version) -> GPTConfig:
-    ov = {k: v for k, v in opts.overrides.items() if v is not None and k in _OVERRIDABLE}
+    ov = opts.config_overrides()
     if args is not None:
         cfg = megatron_args.config_from_args(args, stored_rows)
         if ov:
@@ -421,12 +415,6 @@ def _config_from_shapes(dialect, shards, num_layers, tp, stored_rows, ov) -> GPT
               tied_embeddings=("output", None) not in shards)
     kw.update({k: v for k, v in ov.items() if k not in ("activation",)})
     return GPTConfig(**kw)
-
-
-def _ordered(tensors: Dict[str, LazyTensor], cfg: GPTConfig) -> Dict[str, LazyTensor]:
-    from ..state import expected_names
-    order = {n: i for i, n in enumerate(expected_names(cfg))}
-    return dict(sorted(tensors.items(), key=lambda kv: (order.get(kv[0], 1 << 30), kv[0])))
 
 
 # --- writing --------------------------------------------------------------------------------
@@ -643,8 +631,10 @@ class _TrainingState:
             slots = {slot: shard(role, full_of(slot), t, group, cast=False) for slot in self.slots
                      if slot != "master" or self.mixed}
             entries.append((g, slots))
+        # a loss scaler's state is only Megatron's to read when it came from Megatron
+        scaler = self.opt.grad_scaler if self.opt.kind.startswith("megatron") else None
         out = {"optimizer": megatron_optim.rank_state(entries, self.opt.param_groups, self.opt.step, self.mixed,
-                                                      self.opt.grad_scaler)}
+                                                      scaler)}
         if self.opt.scheduler is not None:
             out["opt_param_scheduler"] = self.opt.scheduler
         return out

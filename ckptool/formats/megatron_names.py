@@ -15,7 +15,7 @@ Each dialect maps roles (roles.py) to state-dict keys. Nested state dicts (legac
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import torch

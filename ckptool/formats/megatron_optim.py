@@ -217,7 +217,8 @@ def rank_state(entries: List[Tuple[int, Dict[str, LazyTensor]]], groups: List[Pa
             ids.append(idx)
             idx += 1
         param_groups.append(dict(groups[g].hyper, params=ids))
-        masters.append([slots["master"] for slots in by_group[g]])
+        if mixed:
+            masters.append([slots["master"] for slots in by_group[g]])
     torch_state = {"state": state, "param_groups": param_groups}
     if not mixed:
         return torch_state
