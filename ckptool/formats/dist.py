@@ -35,7 +35,7 @@ from ..sharding import ReplicaPolicy
 from ..state import (OPTIMIZER_SLOTS, PAD_FILL_BY_SLOT, WEIGHT, Checkpoint, OptimizerState, SourceInfo,
                      expected_names, in_model_order)
 from ..vocab import resize_slot_vocab, resize_vocab, target_rows, with_true_vocab_size
-from . import dist_optim, megatron_args
+from . import dist_optim, dist_optim_buckets, megatron_args
 from .megatron import TRACKER, resolve_iteration_dir
 
 FORMAT = "torch_dist"
@@ -315,11 +315,22 @@ def _read_optimizer(dcp: DcpDir, common: dict, cfg: GPTConfig, tensors, policy, 
             warnings.append("optimizer state dropped: the checkpoint holds optimizer tensors but no optimizer "
                             "entry in its common state (a bare save); the output holds the weights only")
         return None
-    if form in dist_optim.NOT_MODEL_SPACE:
-        warnings.append(f"optimizer state dropped: the distributed optimizer's {form} form "
-                        f"({dist_optim.NOT_MODEL_SPACE[form]}) is not carried yet; the output holds the weights "
-                        "only (re-save with --dist-ckpt-optim-fully-reshardable to carry it)")
+    why = dist_optim.NOT_MODEL_SPACE.get(form)
+    if form == dist_optim.FLAT_BUCKETS:
+        why = dist_optim_buckets.unsupported(args)
+        why = why and f"flat per-bucket buffers whose layout ckptool recomputes only without {why}"
+    if why:
+        warnings.append(f"optimizer state dropped: the distributed optimizer's {form} form ({why}) is not "
+                        "carried yet; the output holds the weights only (re-save with "
+                        "--dist-ckpt-optim-fully-reshardable to carry it)")
         return None
+    consumed = getattr(args, "consumed_train_samples", None)
+    if form == dist_optim.FLAT_BUCKETS:
+        flat = dist_optim_buckets.read_shards(dcp, tensors, cfg, args, where)
+        by_stored = {dist_optim_buckets.STORED[slot]: shards for slot, shards in flat.items()}
+        scalars = dist_optim_buckets.read_scalars(dcp, common, where)
+        return dist_optim.read(scalars, form, lambda stored: in_model_order(assemble(cfg, by_stored[stored], policy), cfg),
+                               tensors, consumed, where)
     if form not in dist_optim.STORED_SLOTS:
         raise CkptError(f"{where}: unknown optimizer form {form!r}", dist_optim.HINT)
     weight_shards, _ = _collect(dcp)
@@ -338,7 +349,6 @@ def _read_optimizer(dcp: DcpDir, common: dict, cfg: GPTConfig, tensors, policy, 
                                 dist_optim.HINT)
         return in_model_order(assemble(cfg, shards, policy), cfg) if shards else {}
 
-    consumed = getattr(args, "consumed_train_samples", None)
     return dist_optim.read(common, form, slot_tensors, tensors, consumed, where)
 
 

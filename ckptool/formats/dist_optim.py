@@ -43,10 +43,11 @@ STORED_SLOTS = {
     "fully_reshardable": {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},
     "fully_sharded_model_space": {"master": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},
 }
-# Forms that are not model space: why ckptool cannot carry them yet.
+# The flat-bucket form (dist_optim_buckets.py recomputes where each parameter sits); same slot names.
+FLAT_BUCKETS = "dp_reshardable"
+STORED_SLOTS[FLAT_BUCKETS] = STORED_SLOTS["fully_reshardable"]
+# Other forms that are not model space: why ckptool cannot carry them.
 NOT_MODEL_SPACE = {
-    "dp_reshardable": "flat per-bucket distributed-optimizer buffers, which need the bucket layout "
-                      "recomputed from the model (not done yet for torch_dist)",
     "dp_zero_gather_scatter": "one gathered object per model-parallel rank (deprecated in megatron-core)",
     "fully_sharded_bucket_space": "flat per-bucket shards (deprecated in megatron-core)",
     "fsdp_dtensor": "Megatron-FSDP DTensor state",
