@@ -77,7 +77,7 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist_optim")
     torchrun(f"save {root}/plain --tp 2 --form plain --live {root}/plain_live --out {root}/plain.pt",
              f"save {root}/fr --tp 1 --form fully_reshardable --live {root}/fr_live --out {root}/fr.pt",
-             f"save {root}/dpr --tp 1 --form dp_reshardable --steps 1 --more 0 --out {root}/dpr.pt",
+             f"save {root}/dpr --tp 2 --arch llama --form dp_reshardable --live {root}/dpr_live --out {root}/dpr.pt",
              f"save {root}/f32 --tp 2 --form plain --dtype fp32 --live {root}/f32_live --out {root}/f32.pt")
     return root
 
@@ -89,6 +89,7 @@ def resumed(trained):
     write_layout(open_checkpoint(r / "plain"), r / "plain_to_tp1", Layout(1), fmt="torch_dist", warn=print)
     write_layout(open_checkpoint(r / "fr"), r / "fr_to_tp2", Layout(2), fmt="torch_dist", warn=print)
     write_layout(open_checkpoint(r / "f32"), r / "f32_to_tp1", Layout(1), fmt="torch_dist", warn=print)
+    write_layout(open_checkpoint(r / "dpr"), r / "dpr_to_tp1", Layout(1), fmt="torch_dist", warn=print)
     torchrun(f"resume {r}/plain_to_tp1 --tp 1 --form plain --out {r}/r_plain_tp1.pt",
              f"resume {r}/plain_to_tp1 --tp 1 --form fully_reshardable --out {r}/r_plain_tp1_distopt.pt",
              f"resume {r}/plain_to_tp1 --tp 1 --form plain --weights-only --out {r}/r_weights_only.pt",
@@ -96,6 +97,7 @@ def resumed(trained):
              f"resume {r}/fr_to_tp2 --tp 2 --form plain --out {r}/r_fr_tp2_plain.pt",
              f"resume {r}/fr --tp 1 --form fully_reshardable --out {r}/r_control.pt",
              f"resume {r}/f32_to_tp1 --tp 1 --form plain --dtype fp32 --out {r}/r_f32.pt",
+             f"resume {r}/dpr_to_tp1 --tp 1 --arch llama --form fully_reshardable --out {r}/r_dpr.pt",
              f"resume {r}/f32_to_tp1 --tp 1 --form fully_reshardable --dtype fp32 --out {r}/r_f32_distopt.pt",
              f"load {r}/plain_to_tp1 --tp 1 --pp 2 --form plain --live {r}/l_pp2_plain --out {r}/l1.pt",
              f"load {r}/fr_to_tp2 --tp 1 --pp 2 --form fully_reshardable --live {r}/l_pp2_fr --out {r}/l2.pt")
@@ -119,16 +121,49 @@ def test_reader_equals_the_live_optimizer(trained, form):
 
 
 @needs_mcore
-def test_dp_reshardable_is_dropped_by_name_and_the_weights_still_convert(trained, tmp_path):
+def test_dp_reshardable_flat_buckets_are_tied_by_the_buffer_layout(trained):
+    """Megatron-LM's default form: flat per-bucket buffers per TP rank (llama: GQA, SwiGLU, untied, TP2)."""
     ckpt = open_checkpoint(trained / "dpr")
+    assert ckpt.optimizer.kind == "megatron-core-dist (dp_reshardable)" and ckpt.optimizer.step == 3
+    assert_slots_equal(ckpt, live(trained / "dpr_live"))
+
+
+@needs_mcore
+@pytest.mark.parametrize("edit,problem", [
+    (dict(pipeline_model_parallel_size=2), "pipeline parallelism"),
+    (dict(overlap_grad_reduce=True), "--overlap-grad-reduce"),
+])
+def test_dp_reshardable_layouts_not_recomputed_are_dropped_by_name(trained, tmp_path, edit, problem):
+    src = _copy_with_args(trained / "dpr", tmp_path, **edit)
+    ckpt = open_checkpoint(src)
     assert ckpt.optimizer is None
-    assert any("dp_reshardable" in w and "weights only" in w for w in ckpt.warnings)
-    said = []
-    write_layout(ckpt, tmp_path / "out", Layout(2), fmt="torch_dist", warn=said.append)
-    out = open_checkpoint(tmp_path / "out")
-    assert out.optimizer is None
-    for name, t in ckpt.tensors.items():
-        assert torch.equal(t.load(), out.tensors[name].load()), name
+    assert any("dp_reshardable" in w and problem in w and "weights only" in w for w in ckpt.warnings), ckpt.warnings
+
+
+@needs_mcore
+def test_dp_reshardable_with_the_wrong_layout_is_refused(trained, tmp_path):
+    """args claiming Transformer Engine (another registration order): the sizes still add up, but the
+    masters no longer round to their weights: refused, never a silently mis-tied moment."""
+    src = _copy_with_args(trained / "dpr", tmp_path, transformer_impl="transformer_engine")
+    with pytest.raises(CkptError, match=r"fp32 master of \S+ does not round to its stored weight.*--no-optimizer"):
+        ckpt = open_checkpoint(src)
+        for slot in ckpt.optimizer.slots.values():
+            for t in slot.values():
+                t.load()
+
+
+def _copy_with_args(save: Path, tmp_path: Path, **changes) -> Path:
+    import shutil
+    from ckptool.io.torchfile import load_torch_file, save_streaming
+    dst = tmp_path / "src"
+    shutil.copytree(save, dst)
+    d = next(dst.glob("iter_*"))
+    common = load_torch_file(d / "common.pt")
+    for k, v in changes.items():
+        setattr(common["args"], k, v)
+    save_streaming(common, tmp_path / "common.pt")
+    os.replace(tmp_path / "common.pt", d / "common.pt")
+    return dst
 
 
 @needs_mcore
@@ -147,10 +182,10 @@ def test_megatron_core_loads_our_output_at_another_tp_and_pp(resumed):
 @needs_mcore
 def test_training_resumes_on_the_new_layout(resumed):
     r = resumed
-    went_on = {"plain": losses(r / "plain.pt")[3:], "fr": losses(r / "fr.pt")[3:]}
+    went_on = {"plain": losses(r / "plain.pt")[3:], "fr": losses(r / "fr.pt")[3:], "dpr": losses(r / "dpr.pt")[3:]}
     gaps = {name: (losses(r / f"{name}.pt") - went_on[src]).abs().max().item()
             for name, src in (("r_plain_tp1", "plain"), ("r_plain_tp1_distopt", "plain"),
-                              ("r_fr_tp2", "fr"), ("r_fr_tp2_plain", "fr"))}
+                              ("r_fr_tp2", "fr"), ("r_fr_tp2_plain", "fr"), ("r_dpr", "dpr"))}
     weights_only = (losses(r / "r_weights_only.pt") - went_on["plain"]).abs().max().item()
     print("loss gaps:", gaps, "weights only:", weights_only)
     assert max(gaps.values()) < LOSS_TOL, gaps

@@ -8,7 +8,7 @@ global shape (stacked layers included), so the weights' key table reads them unc
   non-distributed optimizer (no sharding type)          fp32_param          exp_avg, exp_avg_sq
   distributed, fully_reshardable                        param               exp_avg, exp_avg_sq
   distributed, fully_sharded_model_space (< 0.14)       fp32_param          (N-D flattened chunks)
-  distributed, dp_reshardable (the default)             flat per-bucket buffers: not model space
+  distributed, dp_reshardable (the default)             flat per-bucket buffers (dist_optim_buckets.py)
 
 each as `optimizer.state.<stored slot>.<model key>`. The scalars live in the common state: the param
 groups (hyperparameters without their parameter lists), the step (`state.common_step` for the
