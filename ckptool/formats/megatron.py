@@ -27,7 +27,7 @@ from ..roles import assemble, canonical_names, global_role_tensor, layer_role_te
 from ..sharding import ReplicaPolicy
 from ..state import (OPTIMIZER_SLOTS, PAD_FILL_BY_SLOT, WEIGHT, Checkpoint, OptimizerState, ParamGroup, SourceInfo,
                      in_model_order)
-from ..vocab import resize_slot_vocab, resize_vocab, target_rows
+from ..vocab import resize_slot_vocab, resize_vocab, target_rows, with_true_vocab_size
 from . import megatron_args, megatron_optim
 from .megatron_optim import RankParam
 from .megatron_names import DIALECTS, Dialect, KeyMatcher, is_ignorable, qkv_from_grouped, qkv_to_grouped
@@ -382,10 +382,7 @@ def _config(args, dialect, shards, num_layers, tp, stored_rows, opts: ReadOption
             cfg = cfg.replace(**ov)
     else:
         cfg = _config_from_shapes(dialect, shards, num_layers, tp, stored_rows, ov)
-    if opts.true_vocab_size is not None:
-        require(opts.true_vocab_size <= stored_rows,
-                f"--true-vocab-size {opts.true_vocab_size} exceeds the {stored_rows} embedding rows stored")
-        cfg = cfg.replace(vocab_size=opts.true_vocab_size, vocab_size_source="--true-vocab-size")
+    cfg = with_true_vocab_size(cfg, opts.true_vocab_size, stored_rows)
     require(cfg.num_layers == num_layers,
             f"args say {cfg.num_layers} layers but the files hold {num_layers}",
             "the checkpoint is incomplete or its args are wrong")
