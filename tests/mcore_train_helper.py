@@ -166,6 +166,7 @@ def save(root: Path, model, opt, sched, cfg, arch, tp, iteration, distributed=Fa
     args.world_size = dist.get_world_size()
     args.use_distributed_optimizer = distributed
     args.overlap_grad_reduce = False  # megatron-core then builds one bucket per grad buffer
+    args.accumulate_allreduce_grads_in_fp32 = False  # DistributedDataParallelConfig's default, as above
     args.ckpt_format = "torch"
     args.bf16 = cfg.bf16
     args.params_dtype = cfg.params_dtype

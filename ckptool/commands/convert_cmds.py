@@ -20,12 +20,18 @@ def _run(src, dst, layout: Layout, kw: dict, verb: str, transform=None):
     pad_fill = kw.pop("pad_fill")
     release = kw.pop("release", None)
     optimizer = kw.pop("optimizer", True)
-    ckpt = open_checkpoint(src, read_options(kw))
+    dp = kw.pop("dp", None)
+    distributed = {"distributed_optimizer": True, "dp": dp or 1} if kw.pop("distributed_optimizer", False) else {}
+    if dp is not None and not distributed:
+        raise click.UsageError("--dp sizes the distributed optimizer's files: give it with --distributed-optimizer")
+    opts = read_options(kw)
+    opts.optimizer = optimizer  # --no-optimizer: the source's optimizer state is not even read
+    ckpt = open_checkpoint(src, opts)
     if transform is not None:
         ckpt = transform(ckpt)
     summary = write_reported(ckpt, verb, lambda bar: write_layout(
         ckpt, dst, layout, fmt=fmt, force=force, progress=bar, warn=warn, dialect=dialect, dtype=dtype,
-        divisible_by=divisible_by, pad_fill=pad_fill, release=release, optimizer=optimizer))
+        divisible_by=divisible_by, pad_fill=pad_fill, release=release, optimizer=optimizer, **distributed))
     if summary is None:
         return
     click.echo(conversion_line(verb, src, ckpt, dst,
@@ -36,8 +42,10 @@ def _run(src, dst, layout: Layout, kw: dict, verb: str, transform=None):
                f"{summary['iteration_dir']}")
     carried = summary.get("optimizer")
     if carried:
+        where = (f"distrib_optim.pt files for DP {carried['distributed']['dp']}" if carried.get("distributed")
+                 else "non-distributed layout")
         click.echo(f"  optimizer state carried ({carried['kind']}, step {carried['step']}, "
-                   f"{carried['groups']} param groups); RNG state is not: resume with --no-load-rng")
+                   f"{carried['groups']} param groups, {where}); RNG state is not: resume with --no-load-rng")
     elif ckpt.source.format == "megatron":
         why = "--no-optimizer" if ckpt.optimizer is not None and not optimizer else "weights only"
         click.echo(f"  {why}: resume training from this checkpoint with --no-load-optim --no-load-rng, "
@@ -53,6 +61,13 @@ def megatron_output_options(fn):
                       help="Carry the optimizer state (fp32 masters, Adam moments, step, param groups, LR "
                            "scheduler) when the source has it and the target format holds it, so training "
                            "resumes on the new layout; --no-optimizer writes the weights only.")(fn)
+    fn = click.option("--dp", type=click.IntRange(min=1), default=None,
+                      help="With --distributed-optimizer: the data-parallel size the resuming run will use "
+                           "(default 1).")(fn)
+    fn = click.option("--distributed-optimizer", is_flag=True, default=False,
+                      help="Write the optimizer state as Megatron's distributed optimizer does "
+                           "(--use-distributed-optimizer): a distrib_optim.pt beside each rank file, laid out "
+                           "for --dp N; without it the non-distributed layout is written, whatever the source.")(fn)
     fn = click.option("--release/--no-release", default=None,
                       help="Write under release/ with the tracker holding 'release' "
                            "(default: for the 2019 dialect, and when the source was a release).")(fn)
