@@ -64,8 +64,11 @@ def _cpu_shims():
 
 def _gloo_reduce_scatter():
     """gloo has no reduce_scatter_tensor: the same reduction as an all_reduce of the whole bucket, each
-    rank then keeping its own shard (what reduce-scatter returns; only the communication differs)."""
+    rank then keeping its own shard (what reduce-scatter returns; only the communication differs). The
+    buckets' collectives run one by one rather than coalesced: gloo would defer the all_reduce to the
+    end of the coalescing block, after the shard was taken."""
     import megatron.core.distributed.param_and_grad_buffer as pgb
+    pgb._coalescing_manager = lambda *a, **k: contextlib.nullcontext()
 
     def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
         whole = input.clone()

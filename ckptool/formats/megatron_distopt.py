@@ -111,9 +111,9 @@ def buffer_layout(numels: Sequence[int], shared: Sequence[bool], era: Era, dp: i
         pos, members = 0, 0
 
     for i in reversed(range(n)):  # backprop order
-        if shared[i] and members:
-            close(pos)  # the bucket so far ends where its last parameter ended
         pos = math.ceil(pos / era.param_align) * era.param_align
+        if shared[i] and members:
+            close(pos)  # the bucket so far ends at the (aligned) start this parameter would have had
         start[i], bucket_of[i] = pos, len(unpadded)
         pos += numels[i]
         members += 1
