@@ -110,15 +110,46 @@ def test_reader_equals_the_live_optimizer(runs):
     assert opt.kind == "megatron-distributed" and opt.step == STEPS and not ckpt.warnings
     assert [len(g.names) for g in opt.param_groups] == [14, 22]  # weights | biases and norms
     live = torch.load(runs / "a.pt", weights_only=False)["live"]
-    matcher = KeyMatcher(DIALECTS["mcore"])
     assert list(live) == [0] and len(live[0]) == 28
-    for key, values in live[0].items():
+    assert_equals_live(ckpt, live[0])
+
+
+def assert_equals_live(ckpt, live):
+    matcher = KeyMatcher(DIALECTS["mcore"])
+    for key, values in live.items():
         role, layer = matcher.match(key)
         for file_key, slot in D.SLOT_OF_KEY.items():
-            tensors = opt.slots[slot]
+            tensors = ckpt.optimizer.slots[slot]
             fused = global_role_tensor(tensors, role) if layer is None else \
                 layer_role_tensor(tensors, ckpt.config, layer, role)
             assert torch.equal(fused.load().reshape(-1), values[file_key]), (key, slot)
+
+
+def test_older_forms_by_era(runs, tmp_path):
+    """The forms before today's, built from the live values by their documented rules (parameters in
+    reverse registration order, packed without alignment): the 2024-04..06 coalesced form and the
+    2024-02..03 per-bucket list (each bucket padded to a multiple of DP) are read; older is refused."""
+    live = torch.load(runs / "a.pt", weights_only=False)["live"][0]
+    rank = torch.load(runs / "a/iter_0000003/mp_rank_00/model_optim_rng.pt", weights_only=False)
+    order = [k for k, v in rank["model"].items() if isinstance(v, torch.Tensor) and k in live]
+    assert len(order) == len(live)  # registration order = the rank file's key order
+    packed = {key: torch.cat([live[k][key] for k in reversed(order)]) for key in D.KEYS}
+    n = packed["param"].numel()
+    forms = {
+        "coalesced": {"buckets_coalesced": True,
+                      0: {torch.bfloat16: dict(packed, numel_unpadded=n)}},
+        "bucket-list": {"per_bucket_numel": [{torch.bfloat16: [n + n % 2]}],
+                        "per_bucket_numel_unpadded": [{torch.bfloat16: [n]}],
+                        0: {torch.bfloat16: {k: [torch.cat([v, torch.zeros(n % 2)])] for k, v in packed.items()}}},
+        "2023": {0: {torch.float32: {k: [v] for k, v in packed.items()}}},
+    }
+    for name, state in forms.items():
+        d = _copy(runs / "a", tmp_path / name)
+        torch.save(state, d / "iter_0000003/mp_rank_00/distrib_optim.pt")
+        if name == "2023":
+            _refused(d, tmp_path / "out", "before 2024-02")
+        else:
+            assert_equals_live(open_checkpoint(d), live)
 
 
 def test_non_distributed_tp2_resumes_like_the_run_that_went_on(runs):

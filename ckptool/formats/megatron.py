@@ -311,6 +311,11 @@ def _role_shards(values: Dict[Tuple[int, int], List[LazyTensor]], params: Dict[T
 def _read_optimizer(trees, ranks, params, tp, args, cfg, canonical, warnings) -> Optional[OptimizerState]:
     """The optimizer state of every rank, tied to the parameters and merged like the weights;
     None (with a warning naming what is dropped) when there is none or its form is not read yet."""
+    it_dir = next(iter(ranks.values())).parent
+    if any(d.is_dir() and RANK_DIR.match(d.name) and _is_optimizer_only(d) for d in it_dir.iterdir()):
+        warnings.append("optimizer state dropped: the 2022-23 distributed-optimizer form (one optim.pt per "
+                        "data-parallel rank) is not carried; the output holds the weights only")
+        return None
     if not any("optimizer" in tree for tree in trees.values()):
         return None
     for rk, tree in trees.items():
