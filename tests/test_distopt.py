@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from ckptool.config import Layout
+from ckptool.convert import write_layout
 from ckptool.formats import megatron_distopt as D
 from ckptool.formats.megatron_names import DIALECTS, KeyMatcher
 from ckptool.formats.registry import open_checkpoint
@@ -220,3 +222,25 @@ def test_corrupt_or_missing_distrib_optim_is_refused(runs, tmp_path):
     _refused(bad, tmp_path / "o3", "distrib_optim.pt", "missing")
     ckptool("reshard", bad, tmp_path / "weights", "--tp", "2", "--no-optimizer")  # the hint works
     assert open_checkpoint(tmp_path / "weights").optimizer is None
+
+
+@pytest.mark.parametrize("layout,dp", [(Layout(1, 1), 3), (Layout(1, 2), 4), (Layout(2, 2, vpp=2), 2)],
+                         ids=["tp1pp1-dp3", "tp1pp2-dp4", "tp2pp2vpp2-dp2"])
+def test_real_megatron_lm_state_through_distrib_optim(tmp_path, layout, dp):
+    """A real Megatron-LM checkpoint (non-distributed optimizer, TP2 PP2, tied embeddings) written with
+    the distributed optimizer at other layouts (PP > 1: shared-embedding buckets; VPP: one buffer per
+    chunk) and read back: every master and moment is the source's; back to the non-distributed
+    source layout, the rank files' optimizer entries are the source's, index by index."""
+    from conftest import real_checkpoint
+    from test_optimizer import CASES, _assert_rank_files_equal, assert_same_training_state
+    src_dir = real_checkpoint(CASES[0]) / "checkpoint"
+    src = open_checkpoint(src_dir)
+    summary = write_layout(src, tmp_path / "dist", layout, warn=lambda m: None, distributed_optimizer=True, dp=dp)
+    assert summary["optimizer"]["distributed"] == {"dp": dp}
+    rank_dirs = sorted((tmp_path / "dist" / "iter_0000003").iterdir())
+    assert len(rank_dirs) == layout.tp * layout.pp and all((d / D.FILE).is_file() for d in rank_dirs)
+    out = open_checkpoint(tmp_path / "dist")
+    assert out.optimizer.kind == "megatron-distributed" and out.source.args.data_parallel_size == dp
+    assert_same_training_state(src, out)
+    write_layout(out, tmp_path / "back", src.source.layout, warn=lambda m: None)
+    _assert_rank_files_equal(src_dir / "iter_0000003", tmp_path / "back" / "iter_0000003")

@@ -131,7 +131,8 @@ def bucket_sizes(args, chunk: int, pp_rank: int, dp: int) -> List[Optional[int]]
             or getattr(args, "overlap_param_gather_with_optimizer_step", False):
         return [None]
     given = getattr(args, "ddp_bucket_size", None)
-    return [given] if given else [max(DEFAULT_BUCKET, 1_000_000 * dp), DEFAULT_BUCKET]
+    # None last: a file written for a run without bucketing (ckptool's writer) under args that had it
+    return ([given] if given else [max(DEFAULT_BUCKET, 1_000_000 * dp), DEFAULT_BUCKET]) + [None]
 
 
 def is_shared_embedding(param: RankParam, tied: bool, pp: int) -> bool:
@@ -159,8 +160,11 @@ def read_rank(tree: dict, rank_dir: Path, params: List[RankParam], args, tied: b
         raise CkptError(f"{where}: 'optimizer' is not a distributed optimizer's state dict "
                         "({'optimizer': {'param_groups'}})", HINT)
     groups = opt["optimizer"]["param_groups"]
-    state = load_torch_file(path)
     where_file = str(path)
+    try:
+        state = load_torch_file(path)
+    except CkptError as e:
+        raise CkptError(f"{where_file} cannot be read: {e.message}", HINT) from None
     form = _form(state, where_file)
     dp = int(getattr(args, "data_parallel_size", 0) or 1)
     chunks = sorted({p.chunk for p in params})
