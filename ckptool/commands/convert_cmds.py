@@ -23,7 +23,8 @@ def _run(src, dst, layout: Layout, kw: dict, verb: str, transform=None):
     dp = kw.pop("dp", None)
     distributed = {"distributed_optimizer": True, "dp": dp or 1} if kw.pop("distributed_optimizer", False) else {}
     if dp is not None and not distributed:
-        raise click.UsageError("--dp sizes the distributed optimizer's files: give it with --distributed-optimizer")
+        from ..errors import CkptError
+        raise CkptError("--dp sizes the distributed optimizer's files", "give it with --distributed-optimizer")
     opts = read_options(kw)
     opts.optimizer = optimizer  # --no-optimizer: the source's optimizer state is not even read
     ckpt = open_checkpoint(src, opts)
@@ -146,7 +147,9 @@ def fix_vocab_cmd(src, dst, size, multiple, **kw):
     from ..formats.registry import open_checkpoint as _open
     lay = None
     kw_copy = dict(kw)
-    probe = _open(src, read_options(kw_copy))
+    probe_opts = read_options(kw_copy)
+    probe_opts.optimizer = False  # the probe only needs the layout and vocabulary
+    probe = _open(src, probe_opts)
     lay = probe.source.layout
     rows = fix_vocab(probe, size=size, multiple=multiple).config.padded_vocab_size
     if rows % lay.tp:
