@@ -14,8 +14,11 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,11 +26,12 @@ import torch
 
 from ckptool.config import Layout
 from ckptool.convert import write_layout
+from ckptool.errors import CkptError
 from ckptool.formats import megatron_distopt as D
 from ckptool.formats.megatron_names import DIALECTS, KeyMatcher
 from ckptool.formats.registry import open_checkpoint
 from ckptool.roles import global_role_tensor, layer_role_tensor
-from test_resume import LOSS_TOL, ckptool, losses, torchrun, weight_gap
+from test_resume import LOSS_TOL, REPO, ckptool, losses, torchrun, weight_gap
 
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and \
     importlib.util.find_spec("megatron.core") is not None
@@ -149,7 +153,7 @@ def test_older_forms_by_era(runs, tmp_path):
         d = _copy(runs / "a", tmp_path / name)
         torch.save(state, d / "iter_0000003/mp_rank_00/distrib_optim.pt")
         if name == "2023":
-            _refused(d, tmp_path / "out", "before 2024-02")
+            _refused(d, "before 2024-02")
         else:
             assert_equals_live(open_checkpoint(d), live)
 
@@ -191,18 +195,15 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def _refused(src: Path, dst: Path, *words: str) -> str:
-    import subprocess
-    import sys
-    import os
-    r = subprocess.run([sys.executable, "-m", "ckptool", "reshard", str(src), str(dst), "--tp", "2"],
-                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1])))
-    assert r.returncode != 0 and not dst.exists()
-    lines = [x for x in r.stderr.strip().splitlines() if x.startswith("error")]
-    assert len(lines) == 1 and "--no-optimizer" in lines[0], r.stderr
+def _refused(src: Path, *words: str) -> str:
+    """Opening src fails with one CkptError line naming words and suggesting --no-optimizer."""
+    with pytest.raises(CkptError) as e:
+        open_checkpoint(src)
+    line = str(e.value)
+    assert "\n" not in line and "--no-optimizer" in line, line
     for w in words:
-        assert w in lines[0], lines[0]
-    return lines[0]
+        assert w in line, line
+    return line
 
 
 def test_corrupt_or_missing_distrib_optim_is_refused(runs, tmp_path):
@@ -214,12 +215,16 @@ def test_corrupt_or_missing_distrib_optim_is_refused(runs, tmp_path):
         entry[key] = entry[key][:-64].clone()
     entry["numel_unpadded"] -= 64
     torch.save(state, f)
-    _refused(bad, tmp_path / "o1", "numel_unpadded", "distrib_optim.pt")
+    _refused(bad, "numel_unpadded", "distrib_optim.pt", "matches no megatron-core buffer layout")
     entry["numel_unpadded"] += 64  # now the number disagrees with the tensors themselves
     torch.save(state, f)
-    _refused(bad, tmp_path / "o2", "numel_unpadded")
+    _refused(bad, "numel_unpadded")
     f.unlink()
-    _refused(bad, tmp_path / "o3", "distrib_optim.pt", "missing")
+    _refused(bad, "distrib_optim.pt", "missing")
+    r = subprocess.run([sys.executable, "-m", "ckptool", "reshard", str(bad), str(tmp_path / "o"), "--tp", "2"],
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert r.returncode == 2 and not (tmp_path / "o").exists()
+    assert r.stderr.count("error:") == 1 and "--no-optimizer" in r.stderr, r.stderr
     ckptool("reshard", bad, tmp_path / "weights", "--tp", "2", "--no-optimizer")  # the hint works
     assert open_checkpoint(tmp_path / "weights").optimizer is None
 
