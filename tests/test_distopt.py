@@ -9,7 +9,8 @@
 - Written back with --distributed-optimizer, the real megatron-core loads it with load_state_dict +
   load_parameter_state: at the source's layout (TP1 DP2) the resumed run equals the run that went on
   bit for bit; at TP2 DP1 within the noise.
-- A corrupted numel_unpadded or a missing distrib_optim.pt is refused in one line naming --no-optimizer.
+- A corrupted numel_unpadded, values shifted within the file (a master that no longer rounds to its
+  weight) or a missing distrib_optim.pt is refused in one line naming --no-optimizer.
 """
 from __future__ import annotations
 
@@ -219,6 +220,14 @@ def test_corrupt_or_missing_distrib_optim_is_refused(runs, tmp_path):
     entry["numel_unpadded"] += 64  # now the number disagrees with the tensors themselves
     torch.save(state, f)
     _refused(bad, "numel_unpadded")
+    state = torch.load(runs / "a/iter_0000003/mp_rank_00/distrib_optim.pt", weights_only=False)
+    entry = next(iter(state[0].values()))
+    entry["param"] = entry["param"].roll(64)  # right sizes, values one slot off: a mis-tie to catch
+    torch.save(state, f)
+    ckpt = open_checkpoint(bad)
+    with pytest.raises(CkptError, match=r"distrib_optim.pt: the fp32 master of .* does not round.*--no-optimizer"):
+        for master in ckpt.optimizer.slots["master"].values():
+            master.load()
     f.unlink()
     _refused(bad, "distrib_optim.pt", "missing")
     r = subprocess.run([sys.executable, "-m", "ckptool", "reshard", str(bad), str(tmp_path / "o"), "--tp", "2"],
