@@ -99,7 +99,8 @@ def open(path: Union[str, Path], **read_options) -> Checkpoint:  # noqa: A001 (c
 # --- Megatron outputs: merge, reshard, fix_vocab ---------------------------------------------------
 def merge(src, dst, *, format: Optional[str] = None, dialect: Optional[str] = None,  # noqa: A002
           release: Optional[bool] = None, dtype=None, make_vocab_size_divisible_by: Optional[int] = None,
-          pad_fill: str = "zero", optimizer: bool = True, force: bool = False, progress: Optional[Progress] = None,
+          pad_fill: str = "zero", optimizer: bool = True, distributed_optimizer: bool = False,
+          dp: Optional[int] = None, force: bool = False, progress: Optional[Progress] = None,
           warn: Optional[Warn] = None, **read_options) -> ConversionResult:
     """Merge a model-parallel checkpoint into one rank (TP1 PP1), as `ckptool merge SRC DST`.
 
@@ -107,38 +108,41 @@ def merge(src, dst, *, format: Optional[str] = None, dialect: Optional[str] = No
     (default: the source's); release: write under release/; dtype: "fp32"/"bf16"/"fp16" or a
     torch.dtype (default: as stored); make_vocab_size_divisible_by and pad_fill: vocabulary padding;
     optimizer: carry the source's optimizer state where the target format holds it (default; False
-    writes the weights only; summary["optimizer"] says what was carried); force: replace dst.
+    writes the weights only, without reading the source's optimizer state; summary["optimizer"] says what
+    was carried); distributed_optimizer: write it as Megatron's distributed optimizer does
+    (distrib_optim.pt beside each rank file) for a resuming run with dp data-parallel ranks (default
+    1); force: replace dst.
     progress(bytes, total) and warn(message) are called as the write goes on.
     read_options as for open(). Returns the ConversionResult; raises CkptError."""
-    ckpt = open(src, **read_options)
+    ckpt = _open_source(src, optimizer, read_options)
     return _write_megatron_family("merge", src, dst, ckpt, Layout(1, 1), force, progress, warn,
                                   format=format, dialect=dialect, release=release, dtype=dtype,
                                   make_vocab_size_divisible_by=make_vocab_size_divisible_by, pad_fill=pad_fill,
-                                  optimizer=optimizer)
+                                  **_training_state_options(optimizer, distributed_optimizer, dp))
 
 
 def reshard(src, dst, *, tp: int, pp: int = 1, vpp: Optional[int] = None,
             pp_layers: Union[str, Sequence[int], None] = None, format: Optional[str] = None,  # noqa: A002
             dialect: Optional[str] = None, release: Optional[bool] = None, dtype=None,
             make_vocab_size_divisible_by: Optional[int] = None, pad_fill: str = "zero", optimizer: bool = True,
-            force: bool = False, progress: Optional[Progress] = None, warn: Optional[Warn] = None,
+            distributed_optimizer: bool = False, dp: Optional[int] = None, force: bool = False, progress: Optional[Progress] = None, warn: Optional[Warn] = None,
             **read_options) -> ConversionResult:
     """Rewrite any checkpoint ckptool reads at Megatron's layout for tp / pp (/ vpp), as
     `ckptool reshard SRC DST --tp N`. pp_layers: layers per pipeline stage ("3,5" or [3, 5]) for an
     uneven split; vpp below 2 means no virtual pipeline. Other options as for merge()."""
     layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp is not None and vpp >= 2 else None,
                     stage_layers=_stage_layers(pp_layers))
-    ckpt = open(src, **read_options)
+    ckpt = _open_source(src, optimizer, read_options)
     return _write_megatron_family("reshard", src, dst, ckpt, layout, force, progress, warn,
                                   format=format, dialect=dialect, release=release, dtype=dtype,
                                   make_vocab_size_divisible_by=make_vocab_size_divisible_by, pad_fill=pad_fill,
-                                  optimizer=optimizer)
+                                  **_training_state_options(optimizer, distributed_optimizer, dp))
 
 
 def fix_vocab(src, dst, *, size: Optional[int] = None, multiple: Optional[int] = None,
               format: Optional[str] = None, dialect: Optional[str] = None,  # noqa: A002
               release: Optional[bool] = None, dtype=None, pad_fill: str = "zero", optimizer: bool = True,
-              force: bool = False, progress: Optional[Progress] = None, warn: Optional[Warn] = None,
+              distributed_optimizer: bool = False, dp: Optional[int] = None, force: bool = False, progress: Optional[Progress] = None, warn: Optional[Warn] = None,
               **read_options) -> ConversionResult:
     """Pad or trim the word embedding (and an untied output layer) to exactly `size` rows, or to the
     true vocabulary rounded up to a `multiple`, keeping the source's layout, as `ckptool fix-vocab`.
@@ -146,7 +150,7 @@ def fix_vocab(src, dst, *, size: Optional[int] = None, multiple: Optional[int] =
     Real rows are never cut (CkptError). The true vocabulary size read from the source is kept (the
     output's args.make_vocab_size_divisible_by is chosen so Megatron's own padding rule gives the
     written rows). Other options as for merge()."""
-    ckpt = open(src, **read_options)
+    ckpt = _open_source(src, optimizer, read_options)
     from .convert import fix_vocab as resize
     fixed = resize(ckpt, size=size, multiple=multiple, pad_fill=pad_fill)
     rows, lay = fixed.config.padded_vocab_size, ckpt.source.layout
@@ -158,7 +162,25 @@ def fix_vocab(src, dst, *, size: Optional[int] = None, multiple: Optional[int] =
     return _write_megatron_family("fix-vocab", src, dst, fixed, layout, force, progress, warn,
                                   format=format, dialect=dialect, release=release, dtype=dtype,
                                   make_vocab_size_divisible_by=rows // lay.tp, pad_fill=pad_fill,
-                                  optimizer=optimizer)
+                                  **_training_state_options(optimizer, distributed_optimizer, dp))
+
+
+def _open_source(src, optimizer: bool, read_options: dict) -> Checkpoint:
+    """open() for a conversion: with optimizer=False the source's optimizer state is left unread."""
+    from .formats.registry import open_checkpoint
+    opts = _parse_read_options(**read_options)
+    opts.optimizer = optimizer
+    return open_checkpoint(src, opts)
+
+
+def _training_state_options(optimizer: bool, distributed_optimizer: bool, dp: Optional[int]) -> dict:
+    """The writers' keywords for the optimizer state: carried or not, and in which Megatron layout."""
+    require(dp is None or distributed_optimizer, "--dp sizes the distributed optimizer's files",
+            "give it with --distributed-optimizer")
+    out = {"optimizer": optimizer}
+    if distributed_optimizer:
+        out.update(distributed_optimizer=True, dp=dp or 1)
+    return out
 
 
 def _write_megatron_family(command, src, dst, ckpt: Checkpoint, layout: Layout, force, progress, warn,

@@ -16,6 +16,7 @@ class ReadOptions:
     qkv_layout: Optional[str] = None  # Megatron-DeepSpeed QKV packing when the files cannot tell
     hf_config: Optional[str] = None
     args_from: Optional[str] = None  # take missing args from another checkpoint
+    optimizer: bool = True  # False (--no-optimizer): leave the optimizer state unread, even a broken one
     # Architecture facts for checkpoints that store no args (2019 files, bare DCP saves):
     overrides: Dict[str, Any] = field(default_factory=dict)
 

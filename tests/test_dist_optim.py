@@ -302,3 +302,21 @@ def test_a_chained_optimizer_is_dropped_by_name(tmp_path):
     assert ckpt.optimizer is None
     assert any("chained optimizer (2 optimizers" in w for w in ckpt.warnings), ckpt.warnings
     assert torch.equal(ckpt.tensors["embed.word"].load()[:1001], src.tensors["embed.word"].load()[:1001])
+
+
+def test_no_optimizer_leaves_a_broken_optimizer_unread(tmp_path):
+    """--no-optimizer (ReadOptions.optimizer False): a torch_dist optimizer state that would be refused
+    is not read at all, and the weights convert."""
+    from ckptool.options import ReadOptions
+    src = open_checkpoint(real_checkpoint(TORCH_CASES[0]) / "checkpoint")
+    write_layout(src, tmp_path / "dist", Layout(1), fmt="torch_dist", warn=lambda m: None)
+    d = tmp_path / "dist" / "iter_0000003"
+    from ckptool.io.torchfile import load_torch_file, save_streaming
+    common = load_torch_file(d / "common.pt")
+    common["optimizer"]["optimizer"]["param_groups"] *= 2  # 4 groups: refused
+    save_streaming(common, tmp_path / "common.pt")
+    os.replace(tmp_path / "common.pt", d / "common.pt")
+    with pytest.raises(CkptError, match="4 optimizer param groups.*--no-optimizer"):
+        open_checkpoint(tmp_path / "dist")
+    ckpt = open_checkpoint(tmp_path / "dist", ReadOptions(optimizer=False))
+    assert ckpt.optimizer is None and not ckpt.warnings

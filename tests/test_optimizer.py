@@ -187,13 +187,28 @@ def test_wrong_group_sizes_are_refused(tmp_path, monkeypatch):
         open_checkpoint(src)
 
 
-def test_distributed_optimizer_source_is_dropped_with_a_warning(tmp_path):
+def test_unreadable_distrib_optim_is_refused_and_no_optimizer_reads_the_weights(tmp_path):
+    """distrib_optim.pt beside the rank files means the distributed optimizer (tests/test_distopt.py
+    reads real ones); one that does not load is refused, and --no-optimizer leaves it unread."""
+    from ckptool.options import ReadOptions
     src = _copy_case(tmp_path)
     for rank in (src / "iter_0000003").iterdir():
         (rank / "distrib_optim.pt").write_bytes(b"")
+    with pytest.raises(CkptError, match=r"distrib_optim.pt cannot be read.*--no-optimizer"):
+        open_checkpoint(src)
+    ckpt = open_checkpoint(src, ReadOptions(optimizer=False))
+    assert ckpt.optimizer is None and not ckpt.warnings
+
+
+def test_per_dp_rank_optim_pt_form_is_dropped_with_a_warning(tmp_path):
+    """The 2022-23 distributed optimizer (one mp_rank_XX_YYY_DDD/optim.pt per DP rank) is named."""
+    src = _copy_case(tmp_path)
+    extra = src / "iter_0000003" / "mp_rank_00_000_001"
+    extra.mkdir()
+    (extra / "optim.pt").write_bytes(b"")
     ckpt = open_checkpoint(src)
     assert ckpt.optimizer is None
-    assert any("distrib_optim.pt" in w and "weights only" in w for w in ckpt.warnings)
+    assert any("optim.pt per data-parallel rank" in w and "weights only" in w for w in ckpt.warnings)
 
 
 @pytest.mark.parametrize("weights", ["master", "model"])

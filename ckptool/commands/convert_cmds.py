@@ -30,8 +30,10 @@ def _training_state_lines(summary: dict, ckpt, optimizer: bool) -> list:
     """What the output holds beside the weights, and how Megatron resumes from it."""
     carried = summary.get("optimizer")
     if carried:
+        where = (f"distrib_optim.pt files for DP {carried['distributed']['dp']}" if carried.get("distributed")
+                 else "non-distributed layout")
         return [f"  optimizer state carried ({carried['kind']}, step {carried['step']}, {carried['groups']} "
-                "param groups); RNG state is not: resume with --no-load-rng"]
+                f"param groups, {where}); RNG state is not: resume with --no-load-rng"]
     if ckpt.source.format != "megatron":
         return []
     why = "--no-optimizer" if ckpt.optimizer is not None and not optimizer else "weights only"
@@ -48,6 +50,20 @@ def megatron_output_options(fn):
                       help="Carry the optimizer state (fp32 masters, Adam moments, step, param groups, LR "
                            "scheduler) when the source has it and the target format holds it, so training "
                            "resumes on the new layout; --no-optimizer writes the weights only.")(fn)
+    fn = click.option("--dp", type=click.IntRange(min=1), default=None,
+                      help="With --distributed-optimizer: the data-parallel size the resuming run will use "
+                           "(default 1).")(fn)
+    fn = click.option("--distributed-optimizer", is_flag=True, default=False,
+                      help="Write the optimizer state as Megatron's distributed optimizer does "
+                           "(--use-distributed-optimizer): a distrib_optim.pt beside each rank file, laid out "
+                           "for --dp N; without it the non-distributed layout is written, whatever the source.")(fn)
+    fn = click.option("--dp", type=click.IntRange(min=1), default=None,
+                      help="With --distributed-optimizer: the data-parallel size the resuming run will use "
+                           "(default 1).")(fn)
+    fn = click.option("--distributed-optimizer", is_flag=True, default=False,
+                      help="Write the optimizer state as Megatron's distributed optimizer does "
+                           "(--use-distributed-optimizer): a distrib_optim.pt beside each rank file, laid out "
+                           "for --dp N; without it the non-distributed layout is written, whatever the source.")(fn)
     fn = click.option("--release/--no-release", default=None,
                       help="Write under release/ with the tracker holding 'release' "
                            "(default: for the 2019 dialect, and when the source was a release).")(fn)

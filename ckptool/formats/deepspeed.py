@@ -30,6 +30,7 @@ from ..options import ReadOptions
 from ..roles import assemble
 from ..sharding import ReplicaPolicy
 from ..state import Checkpoint, SourceInfo, expected_names, in_model_order
+from ..vocab import with_true_vocab_size
 from . import megatron_args
 from . import hf as hf_format
 from .deepspeed_optim import optimizer_state, stepped
@@ -176,10 +177,7 @@ def _gpt_config(args, rows: int, meta: dict, opts: ReadOptions, num_layers: int)
     ov = {k: v for k, v in opts.overrides.items() if v is not None}
     if ov:
         cfg = cfg.replace(**ov)
-    if opts.true_vocab_size is not None:
-        require(opts.true_vocab_size <= rows,
-                f"--true-vocab-size {opts.true_vocab_size} exceeds the {rows} embedding rows stored")
-        cfg = cfg.replace(vocab_size=opts.true_vocab_size, vocab_size_source="--true-vocab-size")
+    cfg = with_true_vocab_size(cfg, opts.true_vocab_size, rows)
     require(cfg.num_layers == num_layers, f"args say {cfg.num_layers} layers but the files hold {num_layers}",
             "the checkpoint is incomplete or its args are wrong")
     return cfg

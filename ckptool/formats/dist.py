@@ -296,7 +296,7 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                       iteration=iteration if iteration is not None else common.get("iteration"),
                       checkpoint_version=common.get("checkpoint_version"), args=args,
                       extra={"replica_policy": policy, "plain_dcp": backend is None})
-    optimizer = _read_optimizer(dcp, common, cfg, tensors, policy, args, str(d), warnings)
+    optimizer = _read_optimizer(dcp, common, cfg, tensors, policy, args, str(d), warnings) if opts.optimizer else None
     return Checkpoint(cfg, tensors, info, warnings, optimizer)
 
 

@@ -9,9 +9,10 @@ flat tensors laid out like the grad buffer:
   optimizer.distributed.dp_group_idx_N.per_bucket_numel(_unpadded)   objects: [[{dtypes: [numel per bucket]}]]
 
 Nothing names a parameter: where each one sits is the buffer layout, recomputed from the model as
-megatron-core builds it (dp_reshardable exists only since megatron-core 0.14, so one era): parameters
-in REVERSE registration order (the dialect's param_order within a layer), each starting at a multiple
-of 64 elements. Only the single-bucket case is recomputed (no --overlap-grad-reduce bucketing, PP 1);
+megatron-core builds it (megatron_distopt.buffer_layout; dp_reshardable exists only since megatron-core
+0.14, so the current era): parameters in REVERSE registration order (the dialect's param_order within a
+layer), each starting at a multiple of 64 elements. Only the single-bucket case is recomputed (no
+--overlap-grad-reduce bucketing, PP 1);
 others are refused by name. The layout is never trusted: it must reproduce the stored
 per_bucket_numel_unpadded, and every master is checked against its weight as it loads.
 """
@@ -29,11 +30,11 @@ from ..io.torchfile import load_torch_bytes
 from ..lazy import LazyTensor, derive
 from ..roles import GLOBAL_ROLES, LAYER_ROLES, global_role_tensor, layer_role_tensor, shard_role
 from .megatron_names import DIALECTS
+from .megatron_distopt import CURRENT, buffer_layout
 from .megatron_optim import HINT
 
 PREFIX = "optimizer.distributed.dp_group_idx_{mp}."
 STORED = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
-PARAM_ALIGN = 64  # megatron-core (2024-07 on) starts every parameter at a multiple of 64 elements
 DIALECT_OF_IMPL = {"local": "mcore", "transformer_engine": "mcore-te"}
 HEAD = ("word", "pos")
 TAIL = ("final_norm.weight", "final_norm.bias", "output")
@@ -72,17 +73,6 @@ def rank_params(weights: Dict[str, LazyTensor], cfg: GPTConfig, tp: int, t: int,
     return out
 
 
-def layout(shapes: List[torch.Size]) -> Tuple[List[int], int]:
-    """Start of each parameter (registration order) in the one bucket, and the bucket's unpadded size."""
-    starts = [0] * len(shapes)
-    pos = 0
-    for i in reversed(range(len(shapes))):  # backprop order
-        pos = math.ceil(pos / PARAM_ALIGN) * PARAM_ALIGN
-        starts[i] = pos
-        pos += math.prod(shapes[i])
-    return starts, pos
-
-
 def read_shards(dcp: DcpDir, weights, cfg: GPTConfig, args, where: str
                 ) -> Dict[str, Dict[Tuple[str, Optional[int]], List[LazyTensor]]]:
     """slot -> {(role, layer): [per TP rank lazy local tensor]}, for roles.assemble()."""
@@ -92,23 +82,24 @@ def read_shards(dcp: DcpDir, weights, cfg: GPTConfig, args, where: str
     for t in range(tp):
         prefix = PREFIX.format(mp=t)
         params = rank_params(weights, cfg, tp, t, impl)
-        starts, unpadded = layout([shape for _, _, shape in params])
+        # dp only pads bucket ends, which the stored tensors' offsets never depend on
+        lay = buffer_layout([math.prod(shape) for _, _, shape in params], [False] * len(params), CURRENT, 1, None)
         stored = _stored_unpadded(dcp, prefix, where)
-        if stored != [unpadded]:
+        if stored != lay.bucket_unpadded:
             raise CkptError(f"{where}: dp_group_idx_{t} holds buckets of {stored} elements, megatron-core's layout "
-                            f"for this model gives [{unpadded}]: the model, its args or the layout era differ",
+                            f"for this model gives {lay.bucket_unpadded}: the model, its args or the layout era "
+                            "differ", HINT)
+        buffers = [k for k in dcp.entries if k.startswith(prefix + "gbuf_idx_0.") and k.endswith(".bucket_idx_0.param")]
+        if len(buffers) != 1:
+            raise CkptError(f"{where}: dp_group_idx_{t} has {len(buffers)} single-dtype buffers; one was expected",
                             HINT)
-        buckets = [k for k in dcp.entries if k.startswith(prefix + "gbuf_idx_0.") and k.endswith(".bucket_idx_0.param")]
-        if len(buckets) != 1:
-            raise CkptError(f"{where}: dp_group_idx_{t} has {len(buckets)} single-dtype buffers; one was expected",
-                            HINT)
-        base = buckets[0][:-len("param")]
+        base = buffers[0][:-len("bucket_idx_0.param")]
         for slot, name in STORED.items():
-            key = base + name
-            if key not in dcp.entries:
-                raise CkptError(f"{where}: no {key}", HINT)
-            for (role, layer, shape), start in zip(params, starts):
-                flat = dcp.lazy(key, (start,), (math.prod(shape),))
+            for i, (role, layer, shape) in enumerate(params):
+                key = f"{base}bucket_idx_{lay.bucket_of[i]}.{name}"
+                if key not in dcp.entries:
+                    raise CkptError(f"{where}: no {key}", HINT)
+                flat = dcp.lazy(key, (lay.start[i],), (math.prod(shape),))
                 out[slot].setdefault((role, layer), []).append(derive(lambda x, s=shape: x.view(s), [flat]))
     return out
 

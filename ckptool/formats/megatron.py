@@ -27,8 +27,8 @@ from ..roles import assemble, canonical_names, global_role_tensor, layer_role_te
 from ..sharding import ReplicaPolicy
 from ..state import (OPTIMIZER_SLOTS, PAD_FILL_BY_SLOT, WEIGHT, Checkpoint, OptimizerState, ParamGroup, SourceInfo,
                      in_model_order)
-from ..vocab import resize_slot_vocab, resize_vocab, target_rows
-from . import megatron_args, megatron_optim
+from ..vocab import resize_slot_vocab, resize_vocab, target_rows, with_true_vocab_size
+from . import megatron_args, megatron_distopt, megatron_optim
 from .megatron_optim import RankParam
 from .megatron_names import DIALECTS, Dialect, KeyMatcher, is_ignorable, qkv_from_grouped, qkv_to_grouped
 
@@ -241,7 +241,7 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     # Each rank's parameters in file order, which is the order Megatron built its optimizer from.
     params: Dict[Tuple[int, int], List[RankParam]] = {}
     for (t, p), chunks in models.items():
-        params[(t, p)] = [RankParam(key, hit[0], None if hit[1] is None else offsets[(p, v)] + hit[1], value)
+        params[(t, p)] = [RankParam(key, hit[0], None if hit[1] is None else offsets[(p, v)] + hit[1], value, v)
                           for v in sorted(chunks) for key, value in chunks[v].items()
                           for hit in [matcher.match(key)] if hit is not None and isinstance(value, LazyTensor)]
     shards, head_copy = _role_shards({rk: [x.weight for x in ps] for rk, ps in params.items()}, params, tp)
@@ -279,7 +279,7 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     tensors = canonical(shards)
     if not cfg.tied_embeddings and "output.weight" not in tensors and head_copy is not None:
         tensors["output.weight"] = head_copy
-    optimizer = _read_optimizer(trees, ranks, params, tp, args, cfg, canonical, warnings)
+    optimizer = _read_optimizer(trees, ranks, params, tp, args, cfg, canonical, warnings) if opts.optimizer else None
     layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None,
                     stage_layers=None if vpp > 1 or len({counts[(p, 0)] for p in range(pp)}) == 1
                     else [counts[(p, 0)] for p in range(pp)])
@@ -310,6 +310,11 @@ def _role_shards(values: Dict[Tuple[int, int], List[LazyTensor]], params: Dict[T
 def _read_optimizer(trees, ranks, params, tp, args, cfg, canonical, warnings) -> Optional[OptimizerState]:
     """The optimizer state of every rank, tied to the parameters and merged like the weights;
     None (with a warning naming what is dropped) when there is none or its form is not read yet."""
+    it_dir = next(iter(ranks.values())).parent
+    if any(d.is_dir() and RANK_DIR.match(d.name) and _is_optimizer_only(d) for d in it_dir.iterdir()):
+        warnings.append("optimizer state dropped: the 2022-23 distributed-optimizer form (one optim.pt per "
+                        "data-parallel rank) is not carried; the output holds the weights only")
+        return None
     if not any("optimizer" in tree for tree in trees.values()):
         return None
     for rk, tree in trees.items():
@@ -317,7 +322,8 @@ def _read_optimizer(trees, ranks, params, tp, args, cfg, canonical, warnings) ->
         if why:
             warnings.append(f"optimizer state dropped: {why}; the output holds the weights only")
             return None
-    per_rank = {rk: megatron_optim.read_rank(tree, params[rk], str(_model_file(ranks[rk])))
+    pp = max(p for _, p in ranks) + 1
+    per_rank = {rk: _read_rank_optimizer(tree, ranks[rk], params[rk], args, cfg, pp, rk[1])
                 for rk, tree in trees.items()}
     if all(r is None for r in per_rank.values()):
         return None
@@ -340,12 +346,24 @@ def _read_optimizer(trees, ranks, params, tp, args, cfg, canonical, warnings) ->
     steps = {r.step for r in per_rank.values()}
     require(len(steps) == 1, f"{where}: ranks were stepped {sorted(map(str, steps))} times", megatron_optim.HINT)
     first = trees[(0, 0)]
+    distributed = megatron_distopt.uses_distributed_optimizer(ranks[(0, 0)], args)
     return OptimizerState(
-        kind="megatron" if "master" in slots else "megatron-fp32", slots=slots, step=steps.pop(),
+        kind="megatron-distributed" if distributed else "megatron" if "master" in slots else "megatron-fp32",
+        slots=slots, step=steps.pop(),
         param_groups=[ParamGroup(n, h) for n, h in zip(names, hypers)],
         grad_scaler=per_rank[(0, 0)].grad_scaler,
         scheduler=first.get("opt_param_scheduler", first.get("lr_scheduler")),
         consumed_samples=getattr(args, "consumed_train_samples", None))
+
+
+def _read_rank_optimizer(tree, rank_dir: Path, params: List[RankParam], args, cfg: GPTConfig, pp: int,
+                         pp_rank: int):
+    """One rank's optimizer state: distrib_optim.pt beside the rank file (the distributed optimizer)
+    or the rank file's own 'optimizer' entry."""
+    where = str(_model_file(rank_dir))
+    if megatron_distopt.uses_distributed_optimizer(rank_dir, args):
+        return megatron_distopt.read_rank(tree, rank_dir, params, args, cfg.tied_embeddings, pp, pp_rank, where)
+    return megatron_optim.read_rank(tree, params, where)
 
 
 def _any_value(models, key):
@@ -382,10 +400,7 @@ def _config(args, dialect, shards, num_layers, tp, stored_rows, opts: ReadOption
             cfg = cfg.replace(**ov)
     else:
         cfg = _config_from_shapes(dialect, shards, num_layers, tp, stored_rows, ov)
-    if opts.true_vocab_size is not None:
-        require(opts.true_vocab_size <= stored_rows,
-                f"--true-vocab-size {opts.true_vocab_size} exceeds the {stored_rows} embedding rows stored")
-        cfg = cfg.replace(vocab_size=opts.true_vocab_size, vocab_size_source="--true-vocab-size")
+    cfg = with_true_vocab_size(cfg, opts.true_vocab_size, stored_rows)
     require(cfg.num_layers == num_layers,
             f"args say {cfg.num_layers} layers but the files hold {num_layers}",
             "the checkpoint is incomplete or its args are wrong")
@@ -446,11 +461,14 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
                    release: Optional[bool] = None, divisible_by: Optional[int] = None,
                    pad_fill: str = "zero", iteration: Optional[int] = None,
                    progress: Optional[Callable[[int], None]] = None, warn=print,
-                   rank_filter: Optional[Callable[[int, int], bool]] = None, optimizer: bool = True) -> dict:
+                   rank_filter: Optional[Callable[[int, int], bool]] = None, optimizer: bool = True,
+                   distributed_optimizer: bool = False, dp: int = 1) -> dict:
     """Write ckpt as a Megatron torch-format checkpoint with the given layout into out_dir.
 
     With optimizer (the default) and a source holding optimizer state, each rank file also holds
-    that rank's optimizer state in the non-distributed layout and the LR scheduler (megatron_optim.py).
+    that rank's optimizer state in the non-distributed layout and the LR scheduler (megatron_optim.py);
+    with distributed_optimizer, a distrib_optim.pt beside each rank file holds it instead, laid out for
+    a run at data-parallel size dp (megatron_distopt.py).
 
     Returns a summary dict (files, bytes, padded vocab, iteration dir). rank_filter(tp, pp) lets a
     distributed run write only its share of the files.
@@ -499,6 +517,7 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
         args = megatron_args.args_for_target(ckpt.source.args if ckpt.source.format in ("megatron", "torch_dist", "deepspeed") else None,
                                              cfg_out, layout, rows, out_dtype, d.legacy_models,
                                              d.transformer_impl, version or 3.0, iteration)
+    distributed = _DistributedTarget.for_target(train, distributed_optimizer, dp, args, out_dtype, cfg, layout)
     it_name = "release" if release else f"iter_{iteration:07d}"
     it_dir = Path(out_dir) / it_name
     it_dir.mkdir(parents=True, exist_ok=True)
@@ -527,10 +546,12 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
                 continue
             file_obj: dict = {}
             params: list = []  # (role, layer, slot -> full tensor, streaming group, key) in parameter order
+            param_chunks: list = []  # the model chunk of each
 
             def put(flat, key, role, layer, full_of, group):
                 flat[key] = shard(role, full_of("weight"), t, group)
                 params.append((role, layer, full_of, group, key))
+                param_chunks.append(v)
 
             for (_, v, first, count) in stage_chunks:
                 flat: Dict[str, object] = {}
@@ -571,16 +592,24 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
                 top["checkpoint_version"] = version
             top["iteration"] = iteration
             top.update(file_obj)
-            if train is not None:
+            param_state = None
+            if distributed is not None:
+                entries, param_state = distributed.rank_entries(train, params, param_chunks, t, shard, cfg)
+                top.update(entries)
+            elif train is not None:
                 top.update(train.rank_entries(params, t, shard, cfg))
             rank_name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if layout.pp > 1 else "")
             (it_dir / rank_name).mkdir(exist_ok=True)
             writers.append(StreamingTorchWriter(it_dir / rank_name / "model_optim_rng.pt", top))
+            if param_state is not None:
+                writers.append(StreamingTorchWriter(it_dir / rank_name / megatron_distopt.FILE, param_state))
     total = write_grouped(writers, lambda lazy: group_of.get(id(lazy)), progress)
     summary = {"iteration_dir": it_name, "files": len(writers), "bytes": total, "padded_vocab_size": rows,
                "dialect": d.name, "checkpoint_version": version}
     if train is not None:
         summary["optimizer"] = train.describe()
+        if distributed is not None:
+            summary["optimizer"]["distributed"] = {"dp": dp}
     return summary
 
 
@@ -642,6 +671,46 @@ class _TrainingState:
     def describe(self) -> dict:
         return {"kind": self.opt.kind, "step": self.opt.step, "slots": sorted(self.slots),
                 "groups": len(self.opt.param_groups)}
+
+
+class _DistributedTarget:
+    """The distributed optimizer's files for a target: per rank, the 'optimizer' entry without tensors
+    and a distrib_optim.pt laid out as megatron-core lays its grad buffers out for data-parallel size dp."""
+
+    def __init__(self, dp: int, tied: bool, pp: int, dtype_key):
+        self.dp, self.tied, self.pp, self.dtype_key = dp, tied, pp, dtype_key
+
+    @classmethod
+    def for_target(cls, train: Optional[_TrainingState], wanted: bool, dp: int, args, out_dtype: torch.dtype,
+                   cfg: GPTConfig, layout: Layout) -> Optional["_DistributedTarget"]:
+        require(dp >= 1, f"--dp {dp}: the data-parallel size is at least 1")
+        if args is not None:  # what the target run is: Megatron reads DP from its own flags
+            args.use_distributed_optimizer = bool(wanted and train is not None)
+            if wanted:
+                args.data_parallel_size = dp
+        if not wanted or train is None:
+            return None
+        # megatron-core keys each buffer by (param dtype, grad dtype); Megatron-LM reduces bf16 grads in
+        # fp32 (--accumulate-allreduce-grads-in-fp32, on by default with --bf16)
+        fp32_grads = getattr(args, "accumulate_allreduce_grads_in_fp32", out_dtype == torch.bfloat16)
+        return cls(dp, cfg.tied_embeddings, layout.pp, (out_dtype, torch.float32 if fp32_grads else out_dtype))
+
+    def rank_entries(self, train: _TrainingState, params, chunks, t: int, shard, cfg: GPTConfig):
+        entries = []
+        for (role, layer, full_of, group, key), chunk in zip(params, chunks):
+            names = canonical_names(role, layer, cfg)
+            g = megatron_optim.group_index(train.opt.param_groups, names, key, full_of(WEIGHT).shape)
+            slots = {slot: shard(role, full_of(slot), t, group, cast=False) for slot in OPTIMIZER_SLOTS}
+            entries.append((chunk, g, slots, self.tied and self.pp > 1 and role == "word"))
+        used = sorted({g for _, g, _, _ in entries})
+        groups = [dict(train.opt.param_groups[g].hyper) for g in used]  # Megatron builds only the groups a rank has
+        entries = [(c, used.index(g), s, shared) for c, g, s, shared in entries]
+        optimizer, state = megatron_distopt.rank_files(entries, self.dp, train.opt.step, groups,
+                                                       train.opt.grad_scaler, self.dtype_key)
+        out = {"optimizer": optimizer}
+        if train.opt.scheduler is not None:
+            out["opt_param_scheduler"] = train.opt.scheduler
+        return out, state
 
 
 def _extra_state_value(d: Dialect):

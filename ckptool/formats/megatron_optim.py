@@ -51,6 +51,7 @@ class RankParam:
     role: str
     layer: Optional[int]  # global layer index; None for embeddings, final norm, output
     weight: LazyTensor
+    chunk: int = 0  # virtual-pipeline model chunk (each has its own grad buffers)
 
 
 def no_weight_decay(key: str, weight: LazyTensor) -> bool:
@@ -70,8 +71,6 @@ class RankOptimizer:
 
 def unsupported_form(tree: dict, rank_dir: Path, args) -> Optional[str]:
     """Why this rank's optimizer state cannot be carried (a valid form ckptool does not read yet)."""
-    if (rank_dir / "distrib_optim.pt").is_file() or getattr(args, "use_distributed_optimizer", False):
-        return "Megatron distributed-optimizer state (distrib_optim.pt) is not carried yet"
     opt = tree.get("optimizer")
     if isinstance(opt, list):
         return "a chained optimizer (several optimizer state dicts per rank) is not carried yet"
