@@ -17,7 +17,12 @@ optimizer.load_state_dict, scheduler.load_state_dict) and trains the same furthe
         --no-load-optim does), train M steps on the batches that followed; FILE gets the losses and
         DIR_resumed_tpT/ the final state.
 
-Data parallelism (--dp D, world size = TP x D): every step's batch of BATCH samples is split evenly
+Pipeline stages (--pp P): one micro-batch goes through the stages by point-to-point send/recv and its
+gradients back, then megatron-core's finalize_model_grads syncs the DP grads and the tied embedding's
+grads between the first and last stage (as Megatron-LM's schedule does); rank directories are then
+mp_rank_TT_PPP.
+
+Data parallelism (--dp D, world size = TP x PP x D): every step's batch of BATCH samples is split evenly
 over the D ranks and megatron-core's DDP averages the gradients, so the maths is the DP 1 run's up to
 reduction order; the loss printed is the average over the DP ranks. --distributed-optimizer runs
 megatron-core's DistributedOptimizer (DistributedDataParallelConfig and OptimizerConfig
