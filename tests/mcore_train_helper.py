@@ -17,7 +17,12 @@ optimizer.load_state_dict, scheduler.load_state_dict) and trains the same furthe
         --no-load-optim does), train M steps on the batches that followed; FILE gets the losses and
         DIR_resumed_tpT/ the final state.
 
-Data parallelism (--dp D, world size = TP x D): every step's batch of BATCH samples is split evenly
+Pipeline stages (--pp P): one micro-batch goes through the stages by point-to-point send/recv and its
+gradients back, then megatron-core's finalize_model_grads syncs the DP grads and the tied embedding's
+grads between the first and last stage (as Megatron-LM's schedule does); rank directories are then
+mp_rank_TT_PPP.
+
+Data parallelism (--dp D, world size = TP x PP x D): every step's batch of BATCH samples is split evenly
 over the D ranks and megatron-core's DDP averages the gradients, so the maths is the DP 1 run's up to
 reduction order; the loss printed is the average over the DP ranks. --distributed-optimizer runs
 megatron-core's DistributedOptimizer (DistributedDataParallelConfig and OptimizerConfig
@@ -108,6 +113,7 @@ import mcore_dist_helper as H  # noqa: E402  (its own CUDA shims for the model; 
 
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
+from megatron.core.distributed import finalize_model_grads  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 
@@ -125,8 +131,8 @@ def batch(step: int):
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def build(arch, tp, dtype, distributed=False):
-    model, cfg = H.build(arch, tp)
+def build(arch, tp, dtype, distributed=False, pp=1):
+    model, cfg = H.build(arch, tp, pp)
     model.train()
     if dtype == "bf16":
         model = model.to(torch.bfloat16)
@@ -145,26 +151,59 @@ def build(arch, tp, dtype, distributed=False):
 
 
 def train_step(ddp, opt, sched, step: int) -> float:
+    """One step on this rank's share of the batch. With pipeline stages (one micro-batch): each stage
+    receives its input hidden states from the one before, the last computes the loss, gradients travel
+    back the same way; megatron-core's finalize_model_grads then syncs DP grads and the tied
+    embedding's grads between the first and last stage, as Megatron-LM's schedule does."""
     tokens, labels = batch(step)
     pos = torch.arange(H.SEQ).unsqueeze(0).expand(tokens.shape[0], H.SEQ)
     mask = torch.triu(torch.ones(1, 1, H.SEQ, H.SEQ, dtype=torch.bool), diagonal=1)
+    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    model = ddp.module
     ddp.zero_grad_buffer()
     opt.zero_grad()
-    loss = ddp(tokens, pos, attention_mask=mask, labels=labels).float().mean()
-    loss.backward()
-    ddp.finish_grad_sync()
+    hidden = None
+    if not first:
+        hidden = torch.empty(H.SEQ, tokens.shape[0], model.config.hidden_size, dtype=model.config.params_dtype)
+        dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
+        hidden.requires_grad_()
+        model.set_input_tensor(hidden)
+    out = ddp(tokens, pos, attention_mask=mask, labels=labels if last else None)
+    if last:
+        loss = out.float().mean()
+        loss.backward()
+    else:
+        dist.send(out.detach().contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
+        grad = torch.empty_like(out)
+        dist.recv(grad, src=parallel_state.get_pipeline_model_parallel_next_rank())
+        out.backward(grad)
+        loss = torch.zeros(())
+    if not first:
+        dist.send(hidden.grad.contiguous(), dst=parallel_state.get_pipeline_model_parallel_prev_rank())
+    if first and last:
+        ddp.finish_grad_sync()
+    else:
+        finalize_model_grads([ddp])
     ok, _, _ = opt.step()
     assert ok, "optimizer step skipped"
     sched.step(increment=1)
-    loss = loss.detach().clone()
+    loss = loss.detach().float().clone()
     dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+    dist.all_reduce(loss, group=parallel_state.get_pipeline_model_parallel_group())  # only the last stage's is non-zero
     return loss.item() / parallel_state.get_data_parallel_world_size()
+
+
+def _rank_dir() -> str:
+    name = f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}"
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        name += f"_{parallel_state.get_pipeline_model_parallel_rank():03d}"
+    return name
 
 
 def save(root: Path, model, opt, sched, cfg, arch, tp, iteration, distributed=False):
     """This rank's model_optim_rng.pt as Megatron-LM writes it for --ckpt-format torch (from DP rank 0),
     and with the distributed optimizer its distrib_optim.pt (a collective over the DP ranks)."""
-    args = H.megatron_args(arch, cfg, tp)
+    args = H.megatron_args(arch, cfg, tp, parallel_state.get_pipeline_model_parallel_world_size())
     args.data_parallel_size = parallel_state.get_data_parallel_world_size()
     args.world_size = dist.get_world_size()
     args.use_distributed_optimizer = distributed
@@ -175,7 +214,7 @@ def save(root: Path, model, opt, sched, cfg, arch, tp, iteration, distributed=Fa
     args.params_dtype = cfg.params_dtype
     args.iteration = iteration
     args.consumed_train_samples = iteration * BATCH
-    d = root / f"iter_{iteration:07d}" / f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}"
+    d = root / f"iter_{iteration:07d}" / _rank_dir()
     d.mkdir(parents=True, exist_ok=True)
     state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
              "model": model.state_dict_for_save_checkpoint(), "optimizer": opt.state_dict(),
@@ -194,7 +233,7 @@ def load(root: Path, model, opt, sched, weights_only: bool, distributed=False) -
     """As Megatron-LM's load_checkpoint for --ckpt-format torch with --no-load-rng (and --no-load-optim
     when weights_only)."""
     it = int((root / "latest_checkpointed_iteration.txt").read_text())
-    d = root / f"iter_{it:07d}" / f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}"
+    d = root / f"iter_{it:07d}" / _rank_dir()
     state = torch.load(d / "model_optim_rng.pt", map_location="cpu", weights_only=False)
     assert state["args"].tensor_model_parallel_size == parallel_state.get_tensor_model_parallel_world_size()
     model.load_state_dict(state["model"], strict=True)
@@ -209,12 +248,18 @@ def load(root: Path, model, opt, sched, weights_only: bool, distributed=False) -
 
 
 def live_state(model, opt) -> dict:
-    """{TP rank: {parameter name: {"param", "exp_avg", "exp_avg_sq"}}}: the live distributed optimizer's
-    fp32 master and moments of every parameter, assembled from each DP rank's shard at the ranges
-    megatron-core's own range maps give (independent of how ckptool recomputes the buffer layout)."""
+    """{(TP rank, PP rank): {parameter name: {"param", "exp_avg", "exp_avg_sq"}}}: the live distributed
+    optimizer's fp32 master and moments of every parameter (decoder layers named by their global index),
+    assembled from each DP rank's shard at the ranges megatron-core's own range maps give (independent
+    of how ckptool recomputes the buffer layout)."""
     (opt,) = getattr(opt, "chained_optimizers", [opt])  # a dense model: one DistributedOptimizer
     mine = {}
-    names = {p: n for n, p in model.named_parameters()}
+    names = {}
+    for n, p in model.named_parameters():
+        parts = n.split(".")
+        if parts[:2] == ["decoder", "layers"]:
+            parts[2] = str(model.decoder.layers[int(parts[2])].layer_number - 1)
+        names[p] = ".".join(parts)
     for gbuf_range_maps in opt.gbuf_ranges:
         for maps in gbuf_range_maps.values():
             for bucket_map in maps:
@@ -225,11 +270,12 @@ def live_state(model, opt) -> dict:
                                           {k: tensors[k].detach().float().clone() for k in
                                            ("param", "exp_avg", "exp_avg_sq")})
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (parallel_state.get_tensor_model_parallel_rank(), mine))
+    dist.all_gather_object(every, ((parallel_state.get_tensor_model_parallel_rank(),
+                                    parallel_state.get_pipeline_model_parallel_rank()), mine))
     out: dict = {}
-    for tp_rank, pieces in every:
+    for rank, pieces in every:
         for name, (numel, shape, start, end, tensors) in pieces.items():
-            full = out.setdefault(tp_rank, {}).setdefault(
+            full = out.setdefault(rank, {}).setdefault(
                 name, {k: torch.full((numel,), float("nan")) for k in tensors})
             for k, v in tensors.items():
                 full[k][start:end] = v
@@ -243,7 +289,7 @@ def run_job(a):
     if a.distributed_optimizer and not torch.cuda.is_available():
         _gloo_reduce_scatter()
         _torch_adam_step_kept()
-    model, ddp, opt, sched, cfg = build(a.arch, a.tp, a.dtype, a.distributed_optimizer)
+    model, ddp, opt, sched, cfg = build(a.arch, a.tp, a.dtype, a.distributed_optimizer, a.pp)
     root = Path(a.dir)
     losses, result = [], {}
     if a.mode == "train":
@@ -280,12 +326,14 @@ def main():
     ap.add_argument("--more", type=int, default=2)
     ap.add_argument("--weights-only", action="store_true")
     ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--distributed-optimizer", action="store_true")
     ap.add_argument("--out", required=True)
     jobs = [ap.parse_args(job.split()) for job in sys.argv[1:]]
     dist.init_process_group("gloo")
     for job in jobs:
-        assert job.tp * job.dp == dist.get_world_size(), "run each job under torchrun with --nproc-per-node TP x DP"
+        assert job.tp * job.pp * job.dp == dist.get_world_size(), \
+            "run each job under torchrun with --nproc-per-node TP x PP x DP"
         run_job(job)
     dist.destroy_process_group()
 

@@ -3,7 +3,9 @@
 - The grad-buffer layout ckptool recomputes equals the one megatron-core 0.16's own _ParamAndGradBuffer
   builds (random parameter sizes, DP sizes, bucket sizes, shared-embedding buckets).
 - A TP1 DP2 run with megatron-core's DistributedOptimizer (CPU, gloo; tests/mcore_train_helper.py)
-  saves Megatron-LM's torch format; ckptool's masters and moments equal what the live optimizer held.
+  saves Megatron-LM's torch format; ckptool's masters and moments equal what the live optimizer held;
+  the same for a TP1 PP2 DP2 run (tied embeddings: the head copy on the last stage), whose
+  distrib_optim.pt files ckptool also writes back identically.
 - Resharded to the non-distributed layout at TP2, training resumes like the run that went on (DP and TP
   change the reduction order: within the noise test_resume.py measures), unlike a weights-only resume.
 - Written back with --distributed-optimizer, the real megatron-core loads it with load_state_dict +
@@ -117,8 +119,8 @@ def test_reader_equals_the_live_optimizer(runs):
     assert opt.kind == "megatron-distributed" and opt.step == STEPS and not ckpt.warnings
     assert [len(g.names) for g in opt.param_groups] == [14, 22]  # weights | biases and norms
     live = torch.load(runs / "a.pt", weights_only=False)["live"]
-    assert list(live) == [0] and len(live[0]) == 28
-    assert_equals_live(ckpt, live[0])
+    assert list(live) == [(0, 0)] and len(live[(0, 0)]) == 28
+    assert_equals_live(ckpt, live[(0, 0)])
 
 
 def assert_equals_live(ckpt, live):
@@ -132,11 +134,34 @@ def assert_equals_live(ckpt, live):
             assert torch.equal(fused.load().reshape(-1), values[file_key]), (key, slot)
 
 
+def test_pipeline_stages_read_and_written_like_megatron_core(tmp_path):
+    """TP1 PP2 DP2 with tied embeddings: each stage's grad buffer (the last stage's holds the head copy
+    of the word embedding, which megatron-core buckets alone) read equal to the live optimizer, and
+    ckptool's distrib_optim.pt at the same layout equals megatron-core's tensor for tensor."""
+    d = tmp_path
+    torchrun(4, f"train {d}/p --tp 1 --pp 2 --dp 2 {DIST} --steps 2 --more 0 --out {d}/p.pt")
+    live = torch.load(d / "p.pt", weights_only=False)["live"]
+    assert sorted(live) == [(0, 0), (0, 1)]
+    head, word = live[(0, 1)].pop("output_layer.weight"), live[(0, 0)]["embedding.word_embeddings.weight"]
+    assert all(torch.equal(head[k], word[k]) for k in D.KEYS)  # the copies stay in sync
+    ckpt = open_checkpoint(d / "p")
+    assert ckpt.optimizer.kind == "megatron-distributed" and ckpt.optimizer.step == 2
+    assert_equals_live(ckpt, {**live[(0, 0)], **live[(0, 1)]})
+    ckptool("reshard", d / "p", d / "q", "--tp", "1", "--pp", "2", DIST, "--dp", "2")
+    for stage in ("mp_rank_00_000", "mp_rank_00_001"):
+        src = torch.load(d / "p/iter_0000002" / stage / D.FILE, weights_only=False)
+        ours = torch.load(d / "q/iter_0000002" / stage / D.FILE, weights_only=False)
+        assert src.keys() == ours.keys() and src[0].keys() == ours[0].keys()
+        for key, value in next(iter(src[0].values())).items():
+            mine = next(iter(ours[0].values()))[key]
+            assert torch.equal(mine, value) if isinstance(value, torch.Tensor) else mine == value, (stage, key)
+
+
 def test_older_forms_by_era(runs, tmp_path):
     """The forms before today's, built from the live values by their documented rules (parameters in
     reverse registration order, packed without alignment): the 2024-04..06 coalesced form and the
     2024-02..03 per-bucket list (each bucket padded to a multiple of DP) are read; older is refused."""
-    live = torch.load(runs / "a.pt", weights_only=False)["live"][0]
+    live = torch.load(runs / "a.pt", weights_only=False)["live"][(0, 0)]
     rank = torch.load(runs / "a/iter_0000003/mp_rank_00/model_optim_rng.pt", weights_only=False)
     order = [k for k, v in rank["model"].items() if isinstance(v, torch.Tensor) and k in live]
     assert len(order) == len(live)  # registration order = the rank file's key order
