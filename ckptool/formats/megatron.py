@@ -318,7 +318,7 @@ def _read_optimizer(trees, ranks, params, tp, args, cfg, canonical, warnings) ->
     if not any("optimizer" in tree for tree in trees.values()):
         return None
     for rk, tree in trees.items():
-        why = megatron_optim.unsupported_form(tree, ranks[rk], args)
+        why = megatron_optim.unsupported_form(tree)
         if why:
             warnings.append(f"optimizer state dropped: {why}; the output holds the weights only")
             return None

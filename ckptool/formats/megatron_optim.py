@@ -24,7 +24,6 @@ TP ranks with the same table as the weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -69,7 +68,7 @@ class RankOptimizer:
     grad_scaler: Optional[dict]
 
 
-def unsupported_form(tree: dict, rank_dir: Path, args) -> Optional[str]:
+def unsupported_form(tree: dict) -> Optional[str]:
     """Why this rank's optimizer state cannot be carried (a valid form ckptool does not read yet)."""
     opt = tree.get("optimizer")
     if isinstance(opt, list):
@@ -162,9 +161,6 @@ def _checked_shape(t, param: RankParam, what: str, where: str) -> LazyTensor:
 def _master_matching_weight(master: LazyTensor, param: RankParam, where: str) -> LazyTensor:
     """master, checked as it loads: cast to the weight's dtype it must equal the weight bit for bit
     (Megatron copies masters into the model after every step), or the tie is wrong."""
-    if param.weight.dtype == master.dtype:
-        return master
-
     def checked(m: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if not torch.equal(m.to(w.dtype), w):
             raise CkptError(f"{where}: the fp32 master of {param.key} does not round to its stored "
