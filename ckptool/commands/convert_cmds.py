@@ -57,13 +57,6 @@ def megatron_output_options(fn):
                       help="Write the optimizer state as Megatron's distributed optimizer does "
                            "(--use-distributed-optimizer): a distrib_optim.pt beside each rank file, laid out "
                            "for --dp N; without it the non-distributed layout is written, whatever the source.")(fn)
-    fn = click.option("--dp", type=click.IntRange(min=1), default=None,
-                      help="With --distributed-optimizer: the data-parallel size the resuming run will use "
-                           "(default 1).")(fn)
-    fn = click.option("--distributed-optimizer", is_flag=True, default=False,
-                      help="Write the optimizer state as Megatron's distributed optimizer does "
-                           "(--use-distributed-optimizer): a distrib_optim.pt beside each rank file, laid out "
-                           "for --dp N; without it the non-distributed layout is written, whatever the source.")(fn)
     fn = click.option("--release/--no-release", default=None,
                       help="Write under release/ with the tracker holding 'release' "
                            "(default: for the 2019 dialect, and when the source was a release).")(fn)
