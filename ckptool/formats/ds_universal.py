@@ -187,7 +187,8 @@ def write_ds_universal(ckpt: Checkpoint, out_dir: Path, layout: Layout, progress
             for slot, t in p.slots.items():
                 if slot != "master" and not trained:
                     continue  # DeepSpeed keeps no moments for frozen parameters
-                n = _save(zero / p.name / f"{STATE_FILES[slot]}.pt", {"param": t, **p.extra})
+                # a frozen parameter's fp32.pt is the bare {"param": ...} DeepSpeed writes for it
+                n = _save(zero / p.name / f"{STATE_FILES[slot]}.pt", {"param": t, **(p.extra if trained else {})})
                 files += 1
                 nbytes += n
                 if progress:
