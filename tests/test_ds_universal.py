@@ -342,3 +342,44 @@ def test_universal_writer_reads_each_optimizer_byte_once_in_parameter_sized_read
     assert sum(reads) <= sum(sizes) - frozen_moments - frozen_bf16 + 3 * 4 * 2 * len(ckpt.tensors)
     assert sum(reads) >= sum(sizes) - frozen_moments - frozen_bf16
     assert max(reads) <= max(t.nbytes for t in opt.slots["master"].values())
+
+
+def _pipe_run_with_optimizer(root, qkv):
+    """Synthetic Megatron-DeepSpeed pipeline run (TP 2, new era, untied head, true vocab 13 of 16 rows)
+    with ZeRO-1 shards at DP 2 under pipe names; moments x/4 and x*x of the masters."""
+    from test_deepspeed import _args, _rand_gpt, _write_pipeline, _write_zero12
+    t = _rand_gpt(h=8, heads=2, vocab=16, seed=7)
+    t["head"] = torch.randn(16, 8, generator=torch.Generator().manual_seed(3))
+    root.mkdir()
+    _write_pipeline(root, t, "new", True, qkv)
+    tag = root / "global_step5"
+    for r in range(2):
+        layers = {idx: torch.load(tag / f"layer_{idx:02d}-model_{r:02d}-model_states.pt") for idx in (1, 2, 3, 4, 5)}
+        params = {f"{idx}.{k}": v for idx, sd in layers.items() for k, v in sd.items()}
+        args = _args(tp=2)
+        args.untie_embeddings_and_output_weights, args.vocab_size = True, 13
+        _write_zero12(tag, params, r, 2, "bf16_", 1, False,
+                      {"args": args, "iteration": 5, "checkpoint_version": 3.0, "mp_world_size": 2,
+                       "global_steps": 5, "module": None})
+    return t
+
+
+def test_synthetic_pipeline_untied_head_vocab_cut_and_split_qkv_refused(tmp_path):
+    t = _pipe_run_with_optimizer(tmp_path / "src", "grouped")
+    ckpt = open_checkpoint(str(tmp_path / "src"))
+    assert ckpt.optimizer.kind == "deepspeed-zero1" and ckpt.config.vocab_size == 13
+    res = _cli("merge", str(tmp_path / "src"), str(tmp_path / "u"), "--format", "ds-universal")
+    assert res.exit_code == 0, res.output
+    zero = tmp_path / "u" / "global_step5_universal" / "zero"
+    head = torch.load(zero / "5.lm_head.weight" / "exp_avg.pt", weights_only=False)
+    assert {k: v for k, v in head.items() if k != "param"} == {"cat_dim": 0, "vocab_tensor": True}
+    assert torch.equal(head["param"], t["head"][:13] * 0.25)  # cut to the true vocabulary
+    word = torch.load(zero / "1.word_embeddings.weight" / "fp32.pt", weights_only=False)
+    assert torch.equal(word["param"], t["word"][:13]) and word["vocab_tensor"]
+    down = torch.load(zero / "2.mlp.dense_4h_to_h.weight" / "exp_avg_sq.pt", weights_only=False)
+    assert down["cat_dim"] == 1 and torch.equal(down["param"], t["0.down"] * t["0.down"])
+    # [Q|K|V]-packed ranks: the universal loader's chunking would mix heads, so ckptool refuses
+    _pipe_run_with_optimizer(tmp_path / "split", "split")
+    res = _cli("merge", str(tmp_path / "split"), str(tmp_path / "u2"), "--format", "ds-universal",
+               "--qkv-layout", "split")
+    assert res.exit_code != 0 and "not per query group" in res.output and not (tmp_path / "u2").exists()
