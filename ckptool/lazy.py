@@ -13,6 +13,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from .io import profile
+
 _scopes: list = []
 
 
@@ -117,7 +119,8 @@ class Derived(LazyTensor):
         return self._compute()
 
     def _compute(self) -> torch.Tensor:
-        return self.fn(*[p.load() for p in self.parents])
+        with profile.stage("transform"):
+            return self.fn(*[p.load() for p in self.parents])
 
 
 def derive(fn: Callable, parents: Sequence[LazyTensor], memo: bool = False) -> Derived:
@@ -144,12 +147,13 @@ class Concat(Derived):
 
     def _compute(self) -> torch.Tensor:
         from .io.buffers import empty
-        out = empty(self.shape, self.dtype)
-        start = 0
-        for part in self.parents:
-            length = part.shape[self.dim]
-            part.load_into(out.narrow(self.dim, start, length))
-            start += length
+        with profile.stage("merge"):
+            out = empty(self.shape, self.dtype)
+            start = 0
+            for part in self.parents:
+                length = part.shape[self.dim]
+                part.load_into(out.narrow(self.dim, start, length))
+                start += length
         return out
 
     def narrow(self, dim: int, start: int, length: int) -> LazyTensor:
@@ -169,7 +173,3 @@ def cat(parts: Sequence[LazyTensor], dim: int = 0, memo: bool = False) -> LazyTe
     if len(parts) == 1:
         return parts[0]
     return Concat(parts, dim, memo=memo)
-
-
-def as_lazy(x) -> LazyTensor:
-    return x if isinstance(x, LazyTensor) else Const(x)

@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Conversion throughput and memory, side by side with the copy limit and the peers.
 
-    python scripts/bench.py [--size-gb 2] [--out DIR] [--keep] [--steps copy,merge,...] [--repeat 3]
+    python scripts/bench.py [--size-gb 2] [--style gpt2|llama] [--out DIR] [--keep] [--steps copy,merge,...]
+                            [--repeat 3] [--profile]
 
-Writes a synthetic GPT-2-style Megatron checkpoint (TP2 PP2, bf16, ~SIZE GB, layer by layer so
+Writes a synthetic GPT-2-style (or, with --style llama, Llama-style: RoPE, RMSNorm, SwiGLU, no
+biases, untied output, so to-hf needs no Conv1D transposes) Megatron checkpoint (TP2 PP2, bf16, ~SIZE GB, layer by layer so
 it may exceed memory), then runs each step as a child process, each time right after a `cp -r` +
 `sync` of the same files (the limit: a conversion reads and writes every byte once), for --repeat
 rounds, and prints a markdown table of medians: wall time, MB/s of checkpoint bytes, the step's
@@ -15,10 +17,14 @@ transformers Megatron GPT-2 script where the installed transformers still ships 
 tensor bytes copied in the kernel into one file, without torch, with and without the manifest's
 sha256; no converter can beat them, so their ratio bounds every other row's.
 Every step's output is fsynced (ckptool seals its output with fsync; the copy runs `sync`).
+--profile runs the ckptool steps with CKPTOOL_PROFILE=1 and prints, for each, where the last
+round's time went stage by stage (ckptool/io/profile.py: thread-seconds per stage, summed over the
+processes of a torchrun step).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -98,7 +104,45 @@ def median(xs):
     return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
-def run_side_by_side(plan: dict, steps: list, size: int, work: Path, repeat: int, keep: bool) -> list:
+def read_profiles(log: Path) -> list:
+    """The ckptool-profile lines a step's processes printed (ckptool/io/profile.py)."""
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("ckptool-profile "):
+            out.append(json.loads(line[len("ckptool-profile "):]))
+    return out
+
+
+def print_profiles(profiles: dict, plan: dict) -> None:
+    """One table: a column per step, a row per stage (thread-seconds), then wall and CPU."""
+    from ckptool.io.profile import STAGES
+    steps = [s for s in profiles if profiles[s]]
+    if not steps:
+        return
+    def total(step, key):
+        return sum(p[key] for p in profiles[step])
+    print()
+    print("Where the time goes (last round; thread-seconds per stage, summed over threads and processes;")
+    print("stages overlap in parallel threads, so a column can add up to more than the wall time):")
+    print()
+    print("| stage | " + " | ".join(plan[s][0] for s in steps) + " |")
+    print("|---|" + "---|" * len(steps))
+    names = list(STAGES) + sorted({k for s in steps for p in profiles[s] for k in p["stages"]} - set(STAGES))
+    for name in names:
+        cells = []
+        for s in steps:
+            v = sum(p["stages"].get(name, [0, 0])[0] for p in profiles[s])
+            cells.append(f"{v:.1f}" if v else "")
+        if any(cells):
+            print(f"| {name}: {STAGES.get(name, '')} | " + " | ".join(cells) + " |")
+    print("| wall of the slowest process | " + " | ".join(f"{max(p['wall'] for p in profiles[s]):.1f}"
+                                                      for s in steps) + " |")
+    print("| CPU user + system (all processes) | " + " | ".join(
+        f"{total(s, 'cpu_user'):.1f} + {total(s, 'cpu_sys'):.1f}" for s in steps) + " |")
+
+
+def run_side_by_side(plan: dict, steps: list, size: int, work: Path, repeat: int, keep: bool,
+                     profiles: dict = None) -> list:
     """Each step runs right after its own copy of the same bytes, `repeat` rounds; rows of medians.
 
     Pairing every run with a copy taken just before it makes the ratio robust to load from other
@@ -134,6 +178,8 @@ def run_side_by_side(plan: dict, steps: list, size: int, work: Path, repeat: int
                 print(f"  {step}: {failed[step]}", flush=True)
                 continue
             r = measured[step]
+            if profiles is not None:
+                profiles[step] = read_profiles(r["log"])
             walls[step].append(r["wall"])
             rss[step] = max(rss[step], r["rss"])
             ratios[step].append(measured["copy"]["wall"] / r["wall"] if "copy" in measured else 1.0)
@@ -197,6 +243,12 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", default=",".join(STEPS), help=f"comma list out of {','.join(STEPS)}")
     ap.add_argument("--nproc", type=int, default=2, help="processes for the torchrun steps")
     ap.add_argument("--repeat", type=int, default=3, help="rounds of (copy, step) pairs; medians reported")
+    ap.add_argument("--style", choices=("gpt2", "llama"), default="gpt2",
+                    help="synthetic source: GPT-2 style (to-hf transposes Conv1D) or Llama style (no transposes)")
+    ap.add_argument("--optimizer", action="store_true",
+                    help="the source also holds Megatron's training state (fp32 masters + Adam moments, 6x the "
+                         "bf16 weights' bytes; --size-gb counts the weights), carried by merge and reshard")
+    ap.add_argument("--profile", action="store_true", help="print where each ckptool step's time goes, stage by stage")
     ap.add_argument("--reuse-src", action="store_true", help="keep an existing OUT/src instead of regenerating")
     ap.add_argument("--ds-ckpt", type=Path, default=None,
                     help="ZeRO checkpoint for the deepspeed step (default: write one with scripts/ds_zero_case.py)")
@@ -209,7 +261,7 @@ def main(argv=None) -> int:
     work = args.out or Path(tempfile.mkdtemp(prefix="ckptool-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     src = work / "src"
-    from synthetic import write_synthetic
+    from synthetic import largest_layer_bytes, write_synthetic
     if src.exists() and not args.reuse_src:
         shutil.rmtree(src)
     t0 = time.perf_counter()
@@ -217,16 +269,18 @@ def main(argv=None) -> int:
         # generated beside and renamed when complete, so an interrupted run leaves no src to reuse
         partial = work / "src.partial"
         shutil.rmtree(partial, ignore_errors=True)
-        cfg = write_synthetic(partial, args.size_gb)
+        cfg = write_synthetic(partial, args.size_gb, style=args.style, optimizer=args.optimizer)
         partial.rename(src)
     else:
         from ckptool.formats.registry import open_checkpoint
         cfg = open_checkpoint(src).config
     gen = time.perf_counter() - t0
     size = dir_bytes(src)
-    biggest_layer = 2 * max(cfg.padded_vocab_size * cfg.hidden_size, 12 * cfg.hidden_size ** 2)
+    # a layer streams with its optimizer slots: 2 bytes (bf16 weight) + 3 x 4 (fp32 master and moments)
+    biggest_layer = largest_layer_bytes(cfg, itemsize=14 if args.optimizer else 2)
+    style = ("Llama-style" if cfg.gated else "GPT-2-style") + (" with optimizer state" if args.optimizer else "")
     subprocess.run(["sync"])
-    print(f"synthetic checkpoint: {size / 1e9:.2f} GB, {cfg.num_layers} layers, hidden "
+    print(f"synthetic {style} checkpoint: {size / 1e9:.2f} GB, {cfg.num_layers} layers, hidden "
           f"{cfg.hidden_size}, TP2 PP2 bf16, ready in {gen:.0f} s; largest layer "
           f"{biggest_layer / 2**20:.0f} MiB", flush=True)
 
@@ -251,18 +305,24 @@ def main(argv=None) -> int:
         "_reasons": {"transformers": "n/a: " + transformers_script_status()},
     }
     main_steps = [s for s in steps if s != "deepspeed"]
-    rows = run_side_by_side(plan, main_steps, size, work, args.repeat, args.keep)
+    if args.profile:
+        os.environ["CKPTOOL_PROFILE"] = "1"
+    profiles = {} if args.profile else None
+    rows = run_side_by_side(plan, main_steps, size, work, args.repeat, args.keep, profiles)
     ds = deepspeed_rows(args, work) if "deepspeed" in steps else None
     if not args.keep and not args.reuse_src:
         shutil.rmtree(src, ignore_errors=True)
 
     load = os.getloadavg()
     print()
-    print(f"Checkpoint: {size / 1e9:.2f} GB ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-          f"TP2 PP2, bf16); largest layer {biggest_layer / 2**20:.0f} MiB; {args.repeat} rounds; "
+    print(f"Checkpoint: {style}, {size / 1e9:.2f} GB ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+          f"TP2 PP2, bf16); largest layer {biggest_layer / 2**20:.0f} MiB (peak RSS bound 1 GiB + 2 x that = "
+          f"{(2**30 + 2 * biggest_layer) / 2**20:.0f} MiB); {args.repeat} rounds; "
           f"{os.cpu_count()} CPUs, load average {load[0]:.1f} at the end")
     print()
     print_table(rows)
+    if profiles:
+        print_profiles(profiles, plan)
     if ds is not None:
         ds_size, ds_rows = ds
         print()

@@ -15,7 +15,8 @@ import torch
 from ckptool.config import GPTConfig, Layout
 from ckptool.formats.megatron import write_megatron
 from ckptool.lazy import Derived
-from ckptool.state import Checkpoint, SourceInfo, expected_names
+from ckptool.state import Checkpoint, OptimizerState, ParamGroup, SourceInfo, expected_names
+from make_random_gpt import LLAMA_STYLE, canonical_shape
 
 VOCAB = 50257  # GPT-2's tokenizer; padded to 50304 for TP <= 2 with divisor 128
 MAX_POS = 2048
@@ -40,9 +41,26 @@ def _random(name: str, shape, dtype) -> Derived:
     return Derived(make, [], memo=True, shape=shape, dtype=dtype)  # TP shards share one draw
 
 
-def config_for_size(size_gb: float) -> GPTConfig:
-    """A GPT-2-style config whose bf16 weights total about size_gb (1e9 bytes)."""
+STYLES = ("gpt2", "llama")
+
+
+def config_for_size(size_gb: float, style: str = "gpt2") -> GPTConfig:
+    """A config whose bf16 weights total about size_gb (1e9 bytes).
+
+    gpt2: learned positions, LayerNorm with bias, GELU, biases, tied embedding (to-hf must
+    transpose every linear weight into Conv1D's [in, out]). llama: RoPE, RMSNorm, SwiGLU, no
+    biases, grouped-query attention (4 query heads per KV head), untied output (to-hf copies every
+    weight as it is stored: no transposes)."""
     hidden = 1024 if size_gb < 1 else 2048 if size_gb <= 8 else 4096
+    if style == "llama":
+        heads, groups, ffn = hidden // 128, hidden // 512, int(hidden * 8 / 3) // 256 * 256
+        per_layer = 2 * (hidden * hidden * (2 + 2 * groups / heads) + 3 * hidden * ffn + 2 * hidden)
+        fixed = 2 * 2 * 32000 * hidden
+        layers = max(2, 2 * round((size_gb * 1e9 - fixed) / per_layer / 2))  # even: PP2 splits it
+        return GPTConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                         num_query_groups=groups, ffn_hidden_size=ffn, padded_vocab_size=32000,
+                         vocab_size=32000, vocab_size_source="synthetic", max_position_embeddings=4096,
+                         **LLAMA_STYLE)
     per_layer = 2 * (12 * hidden * hidden + 13 * hidden)
     fixed = 2 * (50304 + MAX_POS) * hidden
     layers = max(2, 2 * round((size_gb * 1e9 - fixed) / per_layer / 2))  # even: PP2 splits it
@@ -52,41 +70,54 @@ def config_for_size(size_gb: float) -> GPTConfig:
                      activation="gelu")
 
 
-def synthetic_checkpoint(cfg: GPTConfig, dtype=torch.bfloat16) -> Checkpoint:
-    shapes = {
-        "embed.word": (cfg.padded_vocab_size, cfg.hidden_size),
-        "embed.pos": (cfg.max_position_embeddings, cfg.hidden_size),
-        "final_norm.weight": (cfg.hidden_size,), "final_norm.bias": (cfg.hidden_size,),
-    }
-    h, f = cfg.hidden_size, cfg.ffn_hidden_size
-    per_layer = {
-        "attn_norm.weight": (h,), "attn_norm.bias": (h,), "mlp_norm.weight": (h,), "mlp_norm.bias": (h,),
-        "attn.q.weight": (h, h), "attn.k.weight": (h, h), "attn.v.weight": (h, h),
-        "attn.q.bias": (h,), "attn.k.bias": (h,), "attn.v.bias": (h,),
-        "attn.out.weight": (h, h), "attn.out.bias": (h,),
-        "mlp.up.weight": (f, h), "mlp.up.bias": (f,), "mlp.down.weight": (h, f), "mlp.down.bias": (h,),
-    }
-    for i in range(cfg.num_layers):
-        for k, s in per_layer.items():
-            shapes[f"layers.{i}.{k}"] = s
-    names = expected_names(cfg)
-    missing = set(names) - set(shapes)
-    assert not missing, f"synthetic model lacks {sorted(missing)[:4]}"
-    tensors = {n: _random(n, shapes[n], dtype) for n in names}
-    return Checkpoint(cfg, tensors, SourceInfo(path="<synthetic>", format="synthetic", dialect="mcore"))
+def synthetic_checkpoint(cfg: GPTConfig, dtype=torch.bfloat16, optimizer: bool = False) -> Checkpoint:
+    """optimizer: also a training state as Megatron's bf16 mixed precision keeps it: fp32 masters that
+    round to the weights, Adam moments (random, exp_avg_sq positive), step, two param groups, scheduler."""
+    tensors = {n: _random(n, canonical_shape(cfg, n), dtype) for n in expected_names(cfg)}
+    ckpt = Checkpoint(cfg, tensors, SourceInfo(path="<synthetic>", format="synthetic", dialect="mcore"))
+    if optimizer:
+        ckpt.optimizer = _training_state(tensors)
+    return ckpt
+
+
+def _training_state(tensors) -> OptimizerState:
+    def moment(name, shape, positive):
+        r = _random(name, shape, torch.float32)
+        return Derived(lambda x: x.abs() * 1e-3 if positive else x * 1e-2, [r])
+
+    slots = {"master": {n: Derived(lambda w: w.float(), [t]) for n, t in tensors.items()},
+             "exp_avg": {n: moment(n + "/exp_avg", t.shape, False) for n, t in tensors.items()},
+             "exp_avg_sq": {n: moment(n + "/exp_avg_sq", t.shape, True) for n, t in tensors.items()}}
+    no_decay = [n for n, t in tensors.items() if len(t.shape) == 1 or n.endswith("bias")]
+    decay = [n for n in tensors if n not in no_decay]
+    hyper = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "max_lr": 3e-4, "min_lr": 3e-5, "lr_mult": 1.0}
+    groups = [ParamGroup(decay, dict(hyper, weight_decay=0.1, wd_mult=1.0)),
+              ParamGroup(no_decay, dict(hyper, weight_decay=0.0, wd_mult=0.0))]
+    scheduler = {"max_lr": 3e-4, "lr_warmup_steps": 100, "num_steps": 1000, "lr_decay_style": "cosine",
+                 "lr_decay_steps": 10000, "min_lr": 3e-5, "start_wd": 0.1, "end_wd": 0.1,
+                 "wd_incr_style": "constant", "wd_incr_steps": 10000}
+    return OptimizerState("megatron", slots, step=1000, param_groups=groups, scheduler=scheduler)
+
+
+def largest_layer_bytes(cfg: GPTConfig, itemsize: int = 2) -> int:
+    """Bytes of the largest unit a conversion holds at once: one transformer layer or the embedding."""
+    layer = sum(itemsize * (1 if len(s) == 1 else s[0] * s[1])
+                for s in (canonical_shape(cfg, n) for n in expected_names(cfg) if n.startswith("layers.0.")))
+    return max(layer, itemsize * cfg.padded_vocab_size * cfg.hidden_size)
 
 
 def write_synthetic(out: Path, size_gb: float = 0.0, tp: int = 2, pp: int = 2, dialect: str = "mcore",
-                    cfg: GPTConfig = None) -> GPTConfig:
-    """Write a Megatron torch-format checkpoint of about size_gb (or of cfg) into out (a new directory)."""
-    cfg = cfg or config_for_size(size_gb)
+                    cfg: GPTConfig = None, style: str = "gpt2", optimizer: bool = False) -> GPTConfig:
+    """Write a Megatron torch-format checkpoint of about size_gb of weights (or of cfg) into out (a new
+    directory); optimizer adds the training state (fp32 master + 2 moments: 6x the bf16 weights' bytes)."""
+    cfg = cfg or config_for_size(size_gb, style)
     Path(out).mkdir(parents=True, exist_ok=False)
-    write_megatron(synthetic_checkpoint(cfg), Path(out), Layout(tp=tp, pp=pp), dialect=dialect,
+    write_megatron(synthetic_checkpoint(cfg, optimizer=optimizer), Path(out), Layout(tp=tp, pp=pp), dialect=dialect,
                    iteration=1000, warn=lambda m: None)
     return cfg
 
 
-if __name__ == "__main__":  # python scripts/synthetic.py OUT SIZE_GB
+if __name__ == "__main__":  # python scripts/synthetic.py OUT SIZE_GB [gpt2|llama]
     import sys
-    c = write_synthetic(Path(sys.argv[1]), float(sys.argv[2]))
+    c = write_synthetic(Path(sys.argv[1]), float(sys.argv[2]), style=(sys.argv[3:] or ["gpt2"])[0])
     print(f"{c.num_layers} layers, hidden {c.hidden_size}")

@@ -102,7 +102,9 @@ def test_torchrun_team_writes_what_one_process_writes(tmp_path):
     assert len([k for k in want if k.endswith(".pt")]) == 4
     assert got == want
     manifest = json.loads((team / "ckptool-manifest.json").read_text())
-    assert {e["path"]: e["sha256"] for e in manifest["files"]} == want
+    from ckptool.io.chunked import HASH_NAME, file_digest
+    assert manifest["hash"] == HASH_NAME
+    assert {e["path"]: e["digest"] for e in manifest["files"]} == {k: file_digest(one / k) for k in want}
     assert not list(tmp_path.glob(".team*"))  # no partial directory left behind
 
     # a refused destination is refused on every rank, and nothing is written

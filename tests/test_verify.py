@@ -573,7 +573,7 @@ def test_files_manifest_check(models, tmp_path):
     data[-100] ^= 0xFF
     victim.write_bytes(bytes(data))
     bad = verify_here("--files", dst)
-    assert bad.returncode == 1 and "sha256 differs" in bad.stdout, bad.stdout + bad.stderr
+    assert bad.returncode == 1 and "digest differs from the manifest" in bad.stdout, bad.stdout + bad.stderr
 
 
 def test_token_parsing():

@@ -1,7 +1,6 @@
 """Early write-back of output files (ckptool/io/writeback.py): bytes and manifest digests unchanged."""
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 
@@ -9,6 +8,7 @@ import pytest
 import torch
 
 from ckptool.io import outdir, writeback
+from ckptool.io.chunked import file_digest
 from ckptool.io.torchfile import save_streaming
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux-only")
@@ -27,8 +27,7 @@ def _check(path, state):
     for a, b in zip(loaded["big"] + loaded["small"] + [loaded["half"]],
                     state["big"] + state["small"] + [state["half"]]):
         assert torch.equal(a, b)
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    assert outdir._sha256(path) == digest  # the digest remembered while writing is the file's
+    assert outdir._digest(path) == file_digest(path)  # the digest remembered while writing is the file's
 
 
 @linux_only

@@ -33,7 +33,8 @@ from ..lazy import Derived, LazyTensor
 from ..options import ReadOptions
 from ..roles import assemble
 from ..sharding import ReplicaPolicy
-from ..state import Checkpoint, SourceInfo, expected_names
+from ..state import Checkpoint, SourceInfo, expected_names, in_model_order
+from ..vocab import with_true_vocab_size
 from . import megatron_args
 from . import hf as hf_format
 from .deepspeed_optim import optimizer_state, stepped
@@ -123,10 +124,12 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                       checkpoint_version=r0.meta.get("checkpoint_version"), args=args,
                       extra={"replica_policy": policy, "weights": weights, "zero_stage": r0.zero_stage,
                              "optimizer": r0.optimizer_kind, "tag_dir": str(tf.tag_dir),
+                             # pipeline saves: spec index -> embed | layer | final_norm | head (deepspeed_ranks.py)
+                             "pipe_kinds": (naming or {}).get("kinds") if tf.layers else None,
                              "universal_checkpoint_info": r0.meta.get("universal_checkpoint_info"),
                              "engine_state": {k: r0.meta.get(k) for k in ENGINE_STATE_KEYS},
                              "param_names": naming})
-    tensors = _in_model_order(tensors, cfg)
+    tensors = in_model_order(tensors, cfg)
     missing = [n for n in expected_names(cfg) if n not in tensors]
     if missing:
         raise CkptError(f"{tf.tag_dir}: {len(missing)} tensors of the model are missing (e.g. {missing[0]})",
@@ -141,11 +144,6 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
 # model-states keys a DeepSpeed engine reads back besides the weights (kept for ds-universal output)
 ENGINE_STATE_KEYS = ("global_steps", "global_samples", "skipped_steps", "dp_world_size", "mp_world_size",
                      "lr_scheduler", "ds_version", "ds_config", "iteration", "checkpoint_version", "tokens")
-
-
-def _in_model_order(tensors: Dict[str, LazyTensor], cfg) -> Dict[str, LazyTensor]:
-    order = {n: i for i, n in enumerate(expected_names(cfg))}
-    return dict(sorted(tensors.items(), key=lambda kv: (order.get(kv[0], 1 << 30), kv[0])))
 
 
 def _canonical(tf, ranks, named, opts, policy, warnings):
@@ -183,10 +181,7 @@ def _gpt_config(args, rows: int, meta: dict, opts: ReadOptions, num_layers: int)
     ov = {k: v for k, v in opts.overrides.items() if v is not None}
     if ov:
         cfg = cfg.replace(**ov)
-    if opts.true_vocab_size is not None:
-        require(opts.true_vocab_size <= rows,
-                f"--true-vocab-size {opts.true_vocab_size} exceeds the {rows} embedding rows stored")
-        cfg = cfg.replace(vocab_size=opts.true_vocab_size, vocab_size_source="--true-vocab-size")
+    cfg = with_true_vocab_size(cfg, opts.true_vocab_size, rows)
     require(cfg.num_layers == num_layers, f"args say {cfg.num_layers} layers but the files hold {num_layers}",
             "the checkpoint is incomplete or its args are wrong")
     return cfg
@@ -257,7 +252,7 @@ def _read_pipeline(tf, ranks, named, opts, policy, warnings):
                     else stage_layers)
     first = mds.first_layer_index(kinds)
     return (cfg, tensors, layout, f"mds-pipeline (transformer layers from spec index {first}, qkv {layout_name})",
-            _pipe_naming(ranks, layout_name))
+            dict(_pipe_naming(ranks, layout_name), kinds=kinds))
 
 
 def _pipe_naming(ranks: Dict[int, RankStates], qkv_layout: str) -> dict:

@@ -41,9 +41,6 @@ class TagFiles:
     def mp_ranks(self) -> List[int]:
         return sorted(set(self.model) | {mp for _, mp in self.zero_model})
 
-    def dp_of(self, mp: int, table) -> List[int]:
-        return sorted(d for d, m in table if m == mp)
-
 
 def _scan(d: Path) -> TagFiles:
     tf = TagFiles(d)
@@ -392,7 +389,3 @@ def _frozen(meta, metas, module, stage) -> Dict[str, LazyTensor]:
         elif frags[0] is not None and frags[0].numel == numel:
             out[name] = reshape(frags[0], shape)
     return out
-
-
-def trainable_names(meta) -> List[str]:
-    return [n for g in _param_shapes(meta) for n in g]

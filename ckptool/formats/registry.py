@@ -44,7 +44,9 @@ def open_checkpoint(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     """Read any supported checkpoint into the canonical state (lazily)."""
     opts = opts or ReadOptions()
     fmt = detect_format(path)
+    from ..io import profile
     for mod in _modules():
         if mod.FORMAT == fmt:
-            return mod.read(Path(path), opts)
+            with profile.stage("plan"):
+                return mod.read(Path(path), opts)
     raise CkptError(f"internal: no reader for {fmt}")  # pragma: no cover

@@ -14,11 +14,11 @@ import os
 import shutil
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Optional
 
 from ..errors import CkptError
+from .chunked import HASH_NAME, file_digest
 
 MANIFEST = "ckptool-manifest.json"
 PARTIAL_TAG = ".ckptool-partial-"
@@ -49,7 +49,9 @@ def check_destination(dst: Path, sources: Iterable[Path] = (), force: bool = Fal
         raise CkptError(f"{dst} exists and is not a directory")
 
 
-# sha256 of files this process wrote, computed while writing: path -> (size, mtime_ns, digest)
+# Manifest digests (chunked.HASH_NAME) of files this process wrote, computed while writing:
+# path -> (size, mtime_ns, digest). Under torchrun every rank sends its own to rank 0
+# (known_digests / adopt_digests), so sealing never reads an output file back.
 _KNOWN_DIGESTS: dict = {}
 
 
@@ -58,12 +60,29 @@ def remember_digest(path: Path, digest: str) -> None:
     _KNOWN_DIGESTS[os.path.abspath(path)] = (st.st_size, st.st_mtime_ns, digest)
 
 
-def _sha256(path: Path) -> str:
+def known_digests(root: Path) -> dict:
+    """The digests this process took while writing files under root (to send to rank 0)."""
+    prefix = os.path.abspath(root) + os.sep
+    return {p: v for p, v in _KNOWN_DIGESTS.items() if p.startswith(prefix)}
+
+
+def adopt_digests(digests: dict) -> None:
+    """Digests another process of the team took while writing (still checked against size and mtime)."""
+    _KNOWN_DIGESTS.update(digests)
+
+
+def _digest(path: Path) -> str:
+    """The file's manifest digest: the one taken while writing it, else read and hashed in parallel."""
     known = _KNOWN_DIGESTS.get(os.path.abspath(path))
     if known is not None:
         st = os.stat(path)
         if (st.st_size, st.st_mtime_ns) == known[:2]:
             return known[2]
+    return file_digest(path)
+
+
+def _plain_sha256(path: Path) -> str:
+    """Manifests written before HASH_NAME hold one plain sha256 per file."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -73,12 +92,12 @@ def _sha256(path: Path) -> str:
 
 def write_manifest(root: Path, tool: str = "ckptool") -> dict:
     files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
-    with ThreadPoolExecutor(max_workers=min(8, max(1, os.cpu_count() or 1))) as pool:
-        digests = list(pool.map(_sha256, files))
+    digests = [_digest(p) for p in files]  # each file's pieces hash in parallel when not known
     manifest = {
         "tool": tool,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "files": [{"path": p.relative_to(root).as_posix(), "size": p.stat().st_size, "sha256": d}
+        "hash": HASH_NAME,  # digest: sha256 over the sha256s of the file's 64 MiB pieces (chunked.py)
+        "files": [{"path": p.relative_to(root).as_posix(), "size": p.stat().st_size, "digest": d}
                   for p, d in zip(files, digests)],
     }
     tmp = root / (MANIFEST + ".tmp")
@@ -98,6 +117,9 @@ def check_manifest(root: Path) -> list:
         entries = manifest["files"]
     except (ValueError, KeyError, TypeError) as e:
         return [f"{mpath}: unreadable manifest ({e})"]
+    algorithm = manifest.get("hash", "sha256")  # manifests before HASH_NAME: plain sha256 per file
+    if algorithm not in ("sha256", HASH_NAME):
+        return [f"{mpath}: unknown hash {algorithm!r} (written by a newer ckptool?)"]
     problems = []
     listed = set()
     for entry in entries:
@@ -107,8 +129,10 @@ def check_manifest(root: Path) -> list:
             problems.append(f"missing file {entry['path']}")
         elif p.stat().st_size != entry["size"]:
             problems.append(f"{entry['path']}: size {p.stat().st_size}, manifest says {entry['size']}")
-        elif _sha256(p) != entry["sha256"]:
+        elif "sha256" in entry and _plain_sha256(p) != entry["sha256"]:
             problems.append(f"{entry['path']}: sha256 differs from the manifest")
+        elif "sha256" not in entry and file_digest(p) != entry.get("digest"):
+            problems.append(f"{entry['path']}: {algorithm} digest differs from the manifest")
     for p in root.rglob("*"):
         rel = p.relative_to(root).as_posix()
         if p.is_file() and p.name != MANIFEST and rel not in listed:
@@ -135,9 +159,12 @@ def make_partial_dir(dst, sources: Iterable[Path] = (), force: bool = False) -> 
 def seal_partial_dir(tmp: Path, dst, manifest: bool = True) -> None:
     """Manifest last, fsync, then rename tmp into place (replacing an old dst)."""
     dst = Path(dst)
+    from . import profile
     if manifest:
-        write_manifest(tmp)
-    _fsync_tree(tmp)
+        with profile.stage("manifest"):
+            write_manifest(tmp)
+    with profile.stage("fsync"):
+        _fsync_tree(tmp)
     if dst.exists():
         old = dst.parent / f".{dst.name}{PARTIAL_TAG}old-{uuid.uuid4().hex[:8]}"
         os.replace(dst, old)

@@ -11,7 +11,6 @@ multiple of 8, then the data, contiguous and without holes.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import struct
@@ -22,14 +21,14 @@ import torch
 
 from ..errors import CkptError
 from ..lazy import LazyTensor, load_scope
-from . import writeback
+from . import profile, writeback
+from .chunked import PieceDigest
 
 DTYPE_NAMES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
     torch.uint8: "U8", torch.bool: "BOOL",
 }
-NAME_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 
 # huggingface_hub's convention: KB/MB/GB are powers of 10, KiB/MiB/GiB powers of 2.
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -97,22 +96,31 @@ def write_safetensors_file(path: Path, items: Sequence[Item], metadata: Optional
     """Write one safetensors file, loading its tensors one at a time. Returns the data bytes.
 
     Loading tensor i+1 (reads, merges) overlaps writing tensor i on one writer thread (file
-    writes and sha256 release the GIL); at most two tensors are in memory. Data goes out in file
-    order, so the file is hashed as written and sealing the output need not read it back."""
+    writes and hashing release the GIL); at most two tensors are in memory. Data goes out in file
+    order, so the file is hashed as written (its 64 MiB pieces on the checksum pool, beside the
+    write) and sealing the output need not read it back."""
     from concurrent.futures import ThreadPoolExecutor
     from .memory import bound_heap
     from .outdir import remember_digest
     bound_heap()
     header, offsets = _header(items, metadata or {"format": "pt"})
     total = sum(t.nbytes for _, t, _ in items)
-    digest = hashlib.sha256(header)
+    digest = PieceDigest()
+    digest.feed(header)
 
     def store(f, t: torch.Tensor, nbytes: int) -> None:
         data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-        digest.update(data)
-        f.write(data)
-        if wb:
-            wb.written(len(data))
+        digest.feed(data)  # hashed on the pool while the bytes go to the file
+        try:
+            for start in range(0, len(data), writeback.WINDOW):
+                piece = data[start:start + writeback.WINDOW]
+                with profile.stage("write", len(piece)):
+                    f.write(piece)
+                if wb:
+                    wb.written(len(piece))
+        finally:
+            with profile.stage("wait"):
+                digest.settle()  # t's memory may be reused once this returns
         if progress:
             progress(nbytes)
 
@@ -133,9 +141,11 @@ def write_safetensors_file(path: Path, items: Sequence[Item], metadata: Optional
                 if tuple(t.shape) != tuple(lazy.shape) or t.dtype != lazy.dtype:
                     raise CkptError(f"internal: {name} loaded as {tuple(t.shape)} {t.dtype}, "
                                     f"planned as {tuple(lazy.shape)} {lazy.dtype}")
-                t = t.detach().contiguous()
+                with profile.stage("prepare"):
+                    t = t.detach().contiguous()
                 if in_flight is not None:
-                    in_flight.result()
+                    with profile.stage("wait"):
+                        in_flight.result()
                 in_flight = pool.submit(store, f, t, lazy.nbytes)
                 del t
             if in_flight is not None:

@@ -13,7 +13,6 @@ storage record with torch's own archive writer, loading one tensor at a time.
 from __future__ import annotations
 
 import collections
-import hashlib
 import io
 import os
 import struct
@@ -25,7 +24,7 @@ import torch
 
 from ..errors import CkptError
 from ..lazy import Const, LazyTensor
-from . import writeback
+from . import chunked, profile, torchzip, writeback
 from .buffers import empty
 from .outdir import remember_digest
 from .safe_pickle import (UNSUPPORTED_TORCH_REBUILDS, SafeUnpickler, StandInPickler, check_rebuild_from_type,
@@ -176,11 +175,12 @@ class TorchArchive:
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDONLY)
         length, done = len(view), 0
-        while done < length:
-            chunk = os.preadv(self._fd, [view[done:]], offset + done)
-            if chunk <= 0:
-                raise CkptError(f"{self.path}: unexpected end of file", "the file is truncated")
-            done += chunk
+        with profile.stage("read", length):
+            while done < length:
+                chunk = os.preadv(self._fd, [view[done:]], offset + done)
+                if chunk <= 0:
+                    raise CkptError(f"{self.path}: unexpected end of file", "the file is truncated")
+                done += chunk
 
     def read_record(self, key: str, start: int = 0, length: Optional[int] = None) -> bytearray:
         rec = self.records.get(f"data/{key}")
@@ -322,8 +322,9 @@ class StreamingTorchWriter:
     """One torch.save-compatible file whose tensors are written as they are produced.
 
     The pickle (data.pkl) is built up front from shapes and dtypes alone; tensor records are then
-    written one at a time by write(), in any order, and finish() seals the archive. Records are
-    written by torch's own archive writer, so torch.load reads the result like any torch.save file.
+    written one at a time by write(), in any order, and finish() seals the archive. The layout is
+    torch's own archive writer's, so torch.load reads the result like any torch.save file; the
+    bytes go out through torchzip.ArchiveOut (checksums over the cores) where this torch allows.
     """
 
     def __init__(self, path, obj: Any):
@@ -353,11 +354,16 @@ class StreamingTorchWriter:
             return None
 
         buf = io.BytesIO()
-        StandInPickler(buf, protocol=2, persistent_id=persistent_id,
-                       reducer_override=reducer).dump(obj)
+        with profile.stage("plan"):
+            StandInPickler(buf, protocol=2, persistent_id=persistent_id,
+                           reducer_override=reducer).dump(obj)
         self._pickle = buf.getvalue()
-        self._file = _HashingFile(self.path)
-        self._writer = _archive_writer(self._file)
+        if torchzip.supported():
+            self._archive = torchzip.ArchiveOut(self.path)
+        else:  # torch's writer does it all, on the calling thread
+            self._archive = None
+            self._file = _HashingFile(self.path)
+            self._writer = _archive_writer(self._file)
         self._done: set = set()
 
     @property
@@ -370,15 +376,33 @@ class StreamingTorchWriter:
         if t.dtype != ps.lazy.dtype or tuple(t.shape) != tuple(ps.lazy.shape):
             raise CkptError(f"internal: tensor {ps.key} of {self.path.name} has shape "
                             f"{tuple(t.shape)} {t.dtype}, planned {tuple(ps.lazy.shape)} {ps.lazy.dtype}")
+        with profile.stage("prepare"):
+            return self._laid_out(t)
+
+    def _laid_out(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach().cpu().contiguous()
-        if t.storage_offset() != 0:
-            t = t.clone()  # a view into the middle of a buffer: the writer takes whole storages
+        nbytes = t.numel() * t.element_size()
+        if self._archive is None and t.storage_offset() != 0:
+            t = t.clone()  # a view into the middle of a buffer: torch's writer takes whole storages
+        elif nbytes >= _PARALLEL_HASH_BYTES and t.untyped_storage().nbytes() > 2 * nbytes:
+            # a small slice must not keep a large buffer alive while it waits to be written (a
+            # tensor-parallel rank's share of a full tensor; peak RSS); a larger share is written
+            # in place (the buffer may be a recycled one of up to twice the size, io/buffers.py)
+            t = t.clone()
         return t
 
     def write_prepared(self, ps: "_PendingStorage", t: torch.Tensor) -> int:
         nbytes = t.numel() * t.element_size()
+        if self._archive is not None:
+            if nbytes < _PARALLEL_HASH_BYTES:  # small: torch's writer copes, CRC and all
+                self._archive.write_small(f"data/{ps.key}", t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            else:  # straight from the tensor's memory (a view into a larger buffer is fine)
+                self._archive.write_record(f"data/{ps.key}", memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            self._done.add(ps.key)
+            return nbytes
         # the first nbytes of the storage: a recycled buffer (io/buffers.py) may be larger
-        self._writer.write_record(f"data/{ps.key}", t.untyped_storage(), nbytes)
+        with profile.stage("zip"):
+            self._writer.write_record(f"data/{ps.key}", t.untyped_storage(), nbytes)
         self._done.add(ps.key)
         return nbytes
 
@@ -389,6 +413,12 @@ class StreamingTorchWriter:
         missing = [ps.key for ps in self.pending if ps.key not in self._done]
         if missing:
             raise CkptError(f"internal: {len(missing)} tensors of {self.path.name} were never written")
+        if self._archive is not None:
+            for name, data in (("data.pkl", self._pickle), (".format_version", b"1"), ("byteorder", b"little")):
+                self._archive.write_small(name, data)
+            remember_digest(self.path, self._archive.finish())
+            self._archive = None
+            return
         w = self._writer
         w.write_record("data.pkl", self._pickle, len(self._pickle))
         w.write_record(".format_version", "1", 1)
@@ -396,19 +426,10 @@ class StreamingTorchWriter:
         w.write_end_of_file()
         del self._writer
         self._file.close()
-        remember_digest(self.path, self._file.sha256.hexdigest())
+        remember_digest(self.path, self._file.digest.hexdigest())
 
 
-_PARALLEL_HASH_BYTES = 1 << 20
-_HASHERS = None
-
-
-def _hash_pool():
-    global _HASHERS
-    if _HASHERS is None:
-        from concurrent.futures import ThreadPoolExecutor
-        _HASHERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ckptool-sha256")
-    return _HASHERS
+_PARALLEL_HASH_BYTES = 1 << 20  # records below this go through torch's writer whole
 
 
 class _HashingFile:
@@ -417,21 +438,18 @@ class _HashingFile:
 
     def __init__(self, path: Path):
         self._f = open(path, "wb")
-        self.sha256 = hashlib.sha256()
+        self.digest = chunked.PieceDigest()
         self._writeback = writeback.for_file(self._f)  # dirty pages go to disk as we go (writeback.py)
 
     def write(self, data) -> int:
-        if len(data) < _PARALLEL_HASH_BYTES:
-            self.sha256.update(data)
-            n = self._f.write(data)
-        else:
-            # a tensor record: hash on a helper thread while the bytes go to the file (both release
-            # the GIL); data is only valid during this call, so wait for both
-            hashing = _hash_pool().submit(self.sha256.update, data)
-            try:
+        # hashed on the checksum pool while the bytes go to the file; data is only valid during
+        # this call, so wait for the hashing before returning
+        self.digest.feed(data)
+        try:
+            with profile.stage("write", len(data)):
                 n = self._f.write(data)
-            finally:
-                hashing.result()
+        finally:
+            self.digest.settle()
         if self._writeback:
             self._writeback.written(n)
         return n
@@ -503,7 +521,8 @@ def write_grouped(writers: list, group_of, on_tensor=None) -> int:
                 by_file: dict = {}
                 for w, ps in groups[key]:
                     by_file.setdefault(id(w), []).append((w, ps, w.prepare(ps)))
-            total += sum(f.result() for f in in_flight)
+            with profile.stage("wait"):
+                total += sum(f.result() for f in in_flight)
             if in_flight:
                 trim()
             in_flight = [pool.submit(store, items) for items in by_file.values()]

@@ -22,7 +22,10 @@ import os
 import sys
 from typing import Optional
 
+from . import profile
+
 WINDOW = 64 << 20  # bytes per write-back window: large enough for big disk requests
+LAG = int(os.environ.get("CKPTOOL_WRITEBACK_LAG", "4") or 4)  # windows in flight before waiting
 
 # <fcntl.h>: SYNC_FILE_RANGE_WAIT_BEFORE = 1, SYNC_FILE_RANGE_WRITE = 2, SYNC_FILE_RANGE_WAIT_AFTER = 4
 _WAIT_BEFORE, _WRITE, _WAIT_AFTER = 1, 2, 4
@@ -54,6 +57,7 @@ class Writeback:
         self.pos = 0       # bytes written so far
         self.started = 0   # [0, started) has had write-back started
         self.settled = 0   # [0, settled) is on disk and dropped from the page cache
+        self.windows: list = []  # ends of the windows started and not yet settled, oldest first
         self.enabled = _sync_file_range is not None
 
     def written(self, nbytes: int) -> None:
@@ -61,15 +65,20 @@ class Writeback:
         if not self.enabled or self.pos - self.started < WINDOW:
             return
         self.f.flush()  # bytes still in Python's buffer are not the kernel's to write
-        # start this window's write-back, then wait for the previous window (by now mostly done)
-        # and drop it: the next window's write() then never meets a full dirty limit
+        # start this window's write-back; once more than LAG windows are on their way, wait for
+        # the oldest (by now mostly done) and drop it: write() never meets a full dirty limit,
+        # and the disk always has LAG windows queued (one was too few to keep a fast disk busy)
         if not self._call(self.started, self.pos - self.started, _WRITE):
             return
-        if self.started > self.settled:
-            if self._call(self.settled, self.started - self.settled, _WAIT_BEFORE | _WRITE | _WAIT_AFTER):
-                _drop(self.fd, self.settled, self.started - self.settled)
-            self.settled = self.started
+        self.windows.append(self.pos)
         self.started = self.pos
+        while len(self.windows) > LAG:
+            end = self.windows.pop(0)
+            with profile.stage("writeback"):
+                settled = self._call(self.settled, end - self.settled, _WAIT_BEFORE | _WRITE | _WAIT_AFTER)
+            if settled:
+                _drop(self.fd, self.settled, end - self.settled)
+            self.settled = end
 
     def _call(self, offset: int, nbytes: int, flags: int) -> bool:
         if _sync_file_range(self.fd, offset, nbytes, flags) != 0:

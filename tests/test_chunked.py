@@ -1,0 +1,104 @@
+"""Checksums over the cores (ckptool/io/chunked.py) and torch archives written with them
+(ckptool/io/torchzip.py): the same bytes as torch's own writer, the same CRC32 as zlib."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import zlib
+
+import pytest
+import torch
+
+from ckptool.io import chunked, outdir, torchfile, torchzip
+from ckptool.lazy import Const
+
+
+@pytest.fixture
+def small_pieces(monkeypatch):
+    """Pieces of a few KiB, so small test data crosses many piece boundaries."""
+    monkeypatch.setattr(chunked, "PIECE", 1 << 14)
+    monkeypatch.setattr(chunked, "CRC_PIECE", 1 << 12)
+    monkeypatch.setattr(chunked, "_SMALL", 1 << 10)
+
+
+def _by_definition(data: bytes) -> str:
+    p = chunked.PIECE
+    return hashlib.sha256(b"".join(hashlib.sha256(data[i:i + p]).digest()
+                                   for i in range(0, len(data), p))).hexdigest()
+
+
+def test_crc32_pieces_combine_to_zlibs(small_pieces):
+    rng = random.Random(0)
+    for _ in range(30):
+        data = os.urandom(rng.randrange(0, 5 << 14))
+        cut = rng.randrange(0, len(data) + 1)
+        assert chunked.crc32_combine(zlib.crc32(data[:cut]), zlib.crc32(data[cut:]),
+                                     len(data) - cut) == zlib.crc32(data)
+        assert chunked.crc32_parallel(memoryview(data)) == zlib.crc32(data)
+        assert chunked.crc32_finish(chunked.crc32_start(memoryview(data))) == zlib.crc32(data)
+
+
+def test_piece_digest_is_independent_of_how_the_bytes_arrive(small_pieces, tmp_path):
+    rng = random.Random(1)
+    for _ in range(30):
+        data = os.urandom(rng.randrange(0, 6 << 14))
+        d, pos = chunked.PieceDigest(), 0
+        while pos < len(data):
+            step = rng.choice([1, 5, 300, 3000, 20000, 70000])
+            d.feed(data[pos:pos + step])
+            pos += step
+        assert d.hexdigest() == _by_definition(data)
+    (tmp_path / "f").write_bytes(data)
+    assert chunked.file_digest(tmp_path / "f") == _by_definition(data)
+    assert chunked.digest_bytes(b"") == hashlib.sha256(b"").hexdigest()
+
+
+def _write(path, obj, parallel: bool, monkeypatch):
+    monkeypatch.setattr(torchzip, "supported", lambda: parallel)
+    w = torchfile.StreamingTorchWriter(path, obj)
+    for ps in w.pending:
+        w.write(ps)
+    w.finish()
+
+
+@pytest.mark.skipif(not torchzip.supported(), reason="this torch has no write_record_metadata")
+def test_archive_bytes_equal_torchs_own_writer(small_pieces, tmp_path, monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(3000, 200, generator=g)
+    obj = {"big": Const(torch.randn(700, 1024, generator=g).to(torch.bfloat16)),  # > 1 MiB: parallel path
+           "view": Const(base[1000:2500]),  # a view into the middle of a buffer: written in place
+           "small": Const(torch.arange(10)), "empty": Const(torch.empty(0)), "iteration": 7}
+    _write(tmp_path / "ours.pt", obj, True, monkeypatch)
+    _write(tmp_path / "torch.pt", obj, False, monkeypatch)
+    ours, theirs = (tmp_path / "ours.pt").read_bytes(), (tmp_path / "torch.pt").read_bytes()
+    assert ours == theirs  # CRCs, data descriptors, central directory and serialization id alike
+    loaded = torch.load(tmp_path / "ours.pt", weights_only=True)
+    assert torch.equal(loaded["view"], base[1000:2500]) and loaded["iteration"] == 7
+    for name in ("ours.pt", "torch.pt"):  # digests taken while writing are the files'
+        assert outdir._digest(tmp_path / name) == chunked.file_digest(tmp_path / name)
+
+
+def test_manifests_old_and_new_verify(tmp_path):
+    root = tmp_path / "out"
+    root.mkdir()
+    (root / "a.bin").write_bytes(os.urandom(5000))
+    manifest = outdir.write_manifest(root)
+    assert manifest["hash"] == chunked.HASH_NAME and outdir.check_manifest(root) == []
+    # a manifest as ckptool wrote it before (plain sha256 per file, no "hash") still verifies
+    old = {"tool": "ckptool", "files": [{"path": "a.bin", "size": 5000,
+                                         "sha256": hashlib.sha256((root / "a.bin").read_bytes()).hexdigest()}]}
+    (root / outdir.MANIFEST).write_text(json.dumps(old))
+    assert outdir.check_manifest(root) == []
+    (root / "a.bin").write_bytes(b"x" + (root / "a.bin").read_bytes()[1:])
+    assert any("sha256 differs" in p for p in outdir.check_manifest(root))
+    outdir.write_manifest(root)
+    data = bytearray((root / "a.bin").read_bytes())
+    data[-1] ^= 1
+    (root / "a.bin").write_bytes(bytes(data))
+    assert any("digest differs" in p for p in outdir.check_manifest(root))
+    new = json.loads((root / outdir.MANIFEST).read_text())
+    new["hash"] = "blake9"
+    (root / outdir.MANIFEST).write_text(json.dumps(new))
+    assert any("unknown hash 'blake9'" in p for p in outdir.check_manifest(root))
