@@ -222,8 +222,11 @@ def test_ds_universal_refusals(tmp_path):
     res = _cli("merge", str(MDS / "checkpoint"), str(tmp_path / "megatron"))
     assert res.exit_code == 0, res.output
     res = _cli("merge", str(tmp_path / "megatron"), str(tmp_path / "u"), "--format", "ds-universal")
-    assert res.exit_code != 0 and "holds no optimizer state" in res.output
+    assert res.exit_code != 0 and "no DeepSpeed names" in res.output  # carried, but Megatron's names
+    res = _cli("merge", str(tmp_path / "megatron"), str(tmp_path / "u"), "--format", "ds-universal", "--no-optimizer")
+    assert res.exit_code != 0 and "cannot be written --no-optimizer" in res.output
     assert not (tmp_path / "u").exists() and not (tmp_path / "tp2").exists()
+    assert open_checkpoint(str(MDS / "checkpoint"), ReadOptions(optimizer=False)).optimizer is None
 
 
 def test_moment_of_the_wrong_size_is_refused_naming_the_file(runs, tmp_path):

@@ -135,7 +135,8 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
         raise CkptError(f"{tf.tag_dir}: {len(missing)} tensors of the model are missing (e.g. {missing[0]})",
                         "the checkpoint is incomplete")
     ckpt = Checkpoint(cfg, tensors, info, warnings)
-    if all(r.osds and stepped(r) for r in ranks.values()) or any(r.missing_shard for r in ranks.values()):
+    wanted = getattr(opts, "optimizer", True)  # --no-optimizer: leave it unread
+    if wanted and (all(r.osds and stepped(r) for r in ranks.values()) or any(r.missing_shard for r in ranks.values())):
         ckpt.optimizer = optimizer_state(tf, ranks, opts, cfg, warnings, canonical=_canonical,
                                          named_weights=named_weights)
     return ckpt
