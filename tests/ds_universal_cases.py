@@ -9,7 +9,8 @@
         OUT/CASE/universal, compares the same values with truth.pt and runs one more training step;
         rank 0 writes OUT/CASE/load_dpN.json: {"mismatch": [...], "compared": n, "step": ..., "moved": bool}.
         CASE:STAGE loads into an engine of ZeRO stage STAGE instead (OUT/CASE/load_dpN_zSTAGE.json).
-A CASE is MODEL-STAGE-DTYPE with DTYPE bf16, fp16, fp32 or bf16opt (bf16 with fp32 gradient accumulation,
+A CASE is MODEL-STAGE-DTYPE with STAGE 1, 2, 3 or 3s (ZeRO-3 with small optimizer sub-groups) and
+DTYPE bf16, fp16, fp32 or bf16opt (bf16 with fp32 gradient accumulation,
 which at stage 1 runs DeepSpeed's BF16_Optimizer), e.g. gpt2-3-bf16. All cases share one launch.
 """
 import json
@@ -26,12 +27,14 @@ from ds_train_cases import allow_cpu_fp16, build, skip_shm_build  # noqa: E402
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def ds_config(stage, dtype, universal=False):
+def ds_config(stage, dtype, universal=False, subgroups=False):
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
            "zero_optimization": {"stage": stage}, "steps_per_print": 1000}
     if stage == 3:
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 100
+    if subgroups:  # ZeRO-3 optimizer sub-groups of ~20k elements: several flat groups per rank
+        cfg["zero_optimization"]["sub_group_size"] = 20000
     if dtype in ("bf16", "bf16opt"):
         cfg["bf16"] = {"enabled": True}
     if dtype == "bf16opt":  # bf16 + ZeRO-1 + fp32 gradient accumulation: DeepSpeed's BF16_Optimizer
@@ -48,7 +51,7 @@ def engine_for(case, universal=False, stage=None):
     stage = saved_stage if stage is None else stage
     model = build(model_name)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                      config=ds_config(int(stage), dtype, universal))
+                                      config=ds_config(int(stage[0]), dtype, universal, stage == "3s"))
     return engine
 
 

@@ -35,13 +35,15 @@ MDS = next((base / "mds_gpt2_pipe_tp2pp2_bf16_zero1" for base in (REPO.parent / 
 # bf16opt: bf16 with fp32 gradient accumulation at stage 1, which DeepSpeed runs as BF16_Optimizer;
 # llama: GQA, SwiGLU and an untied head (HF names through the Llama table)
 # fp16: DeepSpeed's DynamicLossScaler travels in zero/optimizer_state.pt (a stand-in written back)
+# 3s: ZeRO-3 with small optimizer sub-groups (several flat groups per rank; DeepSpeed's own converter
+# mishandled these before 0.18)
 CASES = ["gpt2-1-bf16", "gpt2-2-bf16", "gpt2-3-bf16", "gpt2-1-fp32", "gpt2-2-fp32", "gpt2-3-fp32",
-         "gpt2-1-bf16opt", "llama-2-bf16", "gpt2-2-fp16"]
-KINDS = {"1": "deepspeed-zero1", "2": "deepspeed-zero2", "3": "deepspeed-zero3"}
+         "gpt2-1-bf16opt", "llama-2-bf16", "gpt2-2-fp16", "gpt2-3s-bf16"]
+KINDS = {"1": "deepspeed-zero1", "2": "deepspeed-zero2", "3": "deepspeed-zero3", "3s": "deepspeed-zero3"}
 FROZEN = {"gpt2": "embed.pos", "llama": "layers.0.attn_norm.weight"}  # ds_train_cases.FROZEN, canonical
 LOAD_DP = (1, 3)
 # one folder serves every stage (both model-states names are written): ZeRO-3 -> ZeRO-1 and back, at DP 3
-CROSS_STAGE = ("gpt2-3-fp32:1", "gpt2-1-bf16:3")
+CROSS_STAGE = ("gpt2-3-fp32:1", "gpt2-1-bf16:3", "gpt2-3s-bf16:1")
 SLOT_FILES = {"master": "fp32", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 
 try:
@@ -102,10 +104,12 @@ def test_reader_slots_equal_the_live_engine_bit_for_bit(runs, case):
                     compared += 1
     assert compared == 3 * len(truth["params"]) > 0
     # the frozen parameter is in no group; its moments are zero and its master is the weight in fp32
-    (group,) = opt.param_groups
+    groups = opt.param_groups
+    assert len(groups) == 1  # ZeRO-3's sub-groups (4 in 3s) belong to the one torch param group
+    names = [n for g in groups for n in g.names]
     frozen = FROZEN[model]
-    assert frozen not in group.names and len(group.names) == len(ckpt.tensors) - 1
-    assert group.hyper["lr"] == 1e-2 and group.hyper["weight_decay"] == 0.01
+    assert frozen not in names and len(names) == len(set(names)) == len(ckpt.tensors) - 1
+    assert all(g.hyper["lr"] == 1e-2 and g.hyper["weight_decay"] == 0.01 for g in groups)
     assert not opt.slots["exp_avg"][frozen].load().any()
     assert torch.equal(opt.slots["master"][frozen].load(), ckpt.tensors[frozen].load().float())
 
@@ -218,8 +222,11 @@ def test_ds_universal_refusals(tmp_path):
     res = _cli("merge", str(MDS / "checkpoint"), str(tmp_path / "megatron"))
     assert res.exit_code == 0, res.output
     res = _cli("merge", str(tmp_path / "megatron"), str(tmp_path / "u"), "--format", "ds-universal")
-    assert res.exit_code != 0 and "holds no optimizer state" in res.output
+    assert res.exit_code != 0 and "no DeepSpeed names" in res.output  # carried, but Megatron's names
+    res = _cli("merge", str(tmp_path / "megatron"), str(tmp_path / "u"), "--format", "ds-universal", "--no-optimizer")
+    assert res.exit_code != 0 and "cannot be written --no-optimizer" in res.output
     assert not (tmp_path / "u").exists() and not (tmp_path / "tp2").exists()
+    assert open_checkpoint(str(MDS / "checkpoint"), ReadOptions(optimizer=False)).optimizer is None
 
 
 def test_moment_of_the_wrong_size_is_refused_naming_the_file(runs, tmp_path):
@@ -306,3 +313,76 @@ def test_framework_objects_pickled_without_init_are_written_back_loadable(tmp_pa
     assert isinstance(back["loss_scaler"], DynamicLossScaler)
     assert back["loss_scaler"].cur_scale == 512.0 and back["loss_scaler"].scale_window == 100
     assert torch.equal(back["t"], torch.arange(3.0))
+
+
+@pytest.mark.parametrize("case", ["gpt2-1-bf16", "gpt2-3-bf16"])
+def test_universal_writer_reads_each_optimizer_byte_once_in_parameter_sized_reads(runs, case, tmp_path,
+                                                                                 monkeypatch):
+    """Streaming, measured: writing ds-universal reads every master and moment element once (plus
+    ZeRO-3's per-rank padding), one parameter at a time, so memory stays near one parameter."""
+    from ckptool.formats.ds_universal import write_ds_universal
+    from ckptool.config import Layout
+    from ckptool.io import torchfile
+    reads = []
+    read_record, read_record_into = torchfile.TorchArchive.read_record, torchfile.TorchArchive.read_record_into
+
+    def counting(self, key, start=0, length=None):
+        data = read_record(self, key, start, length)
+        reads.append(len(data))
+        return data
+
+    def counting_into(self, key, start, out):
+        reads.append(memoryview(out).nbytes)
+        return read_record_into(self, key, start, out)
+    ckpt = open_checkpoint(str(runs / case / "ckpt"))
+    opt = ckpt.optimizer
+    sizes = [t.nbytes for slot in opt.slots.values() for t in slot.values()]
+    monkeypatch.setattr(torchfile.TorchArchive, "read_record", counting)
+    monkeypatch.setattr(torchfile.TorchArchive, "read_record_into", counting_into)
+    write_ds_universal(ckpt, tmp_path / "u", Layout(1, 1))
+    frozen_moments = 2 * opt.slots["exp_avg"]["embed.pos"].nbytes  # zeros, never read
+    frozen_bf16 = opt.slots["master"]["embed.pos"].nbytes // 2  # its master is the 16-bit weight
+    assert sum(reads) <= sum(sizes) - frozen_moments - frozen_bf16 + 3 * 4 * 2 * len(ckpt.tensors)
+    assert sum(reads) >= sum(sizes) - frozen_moments - frozen_bf16
+    assert max(reads) <= max(t.nbytes for t in opt.slots["master"].values())
+
+
+def _pipe_run_with_optimizer(root, qkv):
+    """Synthetic Megatron-DeepSpeed pipeline run (TP 2, new era, untied head, true vocab 13 of 16 rows)
+    with ZeRO-1 shards at DP 2 under pipe names; moments x/4 and x*x of the masters."""
+    from test_deepspeed import _args, _rand_gpt, _write_pipeline, _write_zero12
+    t = _rand_gpt(h=8, heads=2, vocab=16, seed=7)
+    t["head"] = torch.randn(16, 8, generator=torch.Generator().manual_seed(3))
+    root.mkdir()
+    _write_pipeline(root, t, "new", True, qkv)
+    tag = root / "global_step5"
+    for r in range(2):
+        layers = {idx: torch.load(tag / f"layer_{idx:02d}-model_{r:02d}-model_states.pt") for idx in (1, 2, 3, 4, 5)}
+        params = {f"{idx}.{k}": v for idx, sd in layers.items() for k, v in sd.items()}
+        args = _args(tp=2)
+        args.untie_embeddings_and_output_weights, args.vocab_size = True, 13
+        _write_zero12(tag, params, r, 2, "bf16_", 1, False,
+                      {"args": args, "iteration": 5, "checkpoint_version": 3.0, "mp_world_size": 2,
+                       "global_steps": 5, "module": None})
+    return t
+
+
+def test_synthetic_pipeline_untied_head_vocab_cut_and_split_qkv_refused(tmp_path):
+    t = _pipe_run_with_optimizer(tmp_path / "src", "grouped")
+    ckpt = open_checkpoint(str(tmp_path / "src"))
+    assert ckpt.optimizer.kind == "deepspeed-zero1" and ckpt.config.vocab_size == 13
+    res = _cli("merge", str(tmp_path / "src"), str(tmp_path / "u"), "--format", "ds-universal")
+    assert res.exit_code == 0, res.output
+    zero = tmp_path / "u" / "global_step5_universal" / "zero"
+    head = torch.load(zero / "5.lm_head.weight" / "exp_avg.pt", weights_only=False)
+    assert {k: v for k, v in head.items() if k != "param"} == {"cat_dim": 0, "vocab_tensor": True}
+    assert torch.equal(head["param"], t["head"][:13] * 0.25)  # cut to the true vocabulary
+    word = torch.load(zero / "1.word_embeddings.weight" / "fp32.pt", weights_only=False)
+    assert torch.equal(word["param"], t["word"][:13]) and word["vocab_tensor"]
+    down = torch.load(zero / "2.mlp.dense_4h_to_h.weight" / "exp_avg_sq.pt", weights_only=False)
+    assert down["cat_dim"] == 1 and torch.equal(down["param"], t["0.down"] * t["0.down"])
+    # [Q|K|V]-packed ranks: the universal loader's chunking would mix heads, so ckptool refuses
+    _pipe_run_with_optimizer(tmp_path / "split", "split")
+    res = _cli("merge", str(tmp_path / "split"), str(tmp_path / "u2"), "--format", "ds-universal",
+               "--qkv-layout", "split")
+    assert res.exit_code != 0 and "not per query group" in res.output and not (tmp_path / "u2").exists()

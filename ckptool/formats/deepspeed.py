@@ -11,6 +11,10 @@ Which weights (--weights): `master` = fp32 masters reassembled from the optimize
 zero_to_fp32 does (default where shards exist); `model` = the 16-bit module weights the engine
 saved (module / layer files; ZeRO-3 keeps none). They differ by 16-bit rounding, so the choice is
 always visible in `inspect`.
+
+The optimizer state (fp32 masters, Adam moments, step, param groups) becomes Checkpoint.optimizer
+(deepspeed_optim.py), built on first use through the same name mapping as the weights; the engine
+names and counters the ds-universal writer needs are kept in source.extra.
 """
 from __future__ import annotations
 
@@ -131,7 +135,8 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
         raise CkptError(f"{tf.tag_dir}: {len(missing)} tensors of the model are missing (e.g. {missing[0]})",
                         "the checkpoint is incomplete")
     ckpt = Checkpoint(cfg, tensors, info, warnings)
-    if all(r.osds and stepped(r) for r in ranks.values()) or any(r.missing_shard for r in ranks.values()):
+    wanted = getattr(opts, "optimizer", True)  # --no-optimizer: leave it unread
+    if wanted and (all(r.osds and stepped(r) for r in ranks.values()) or any(r.missing_shard for r in ranks.values())):
         ckpt.optimizer = optimizer_state(tf, ranks, opts, cfg, warnings, canonical=_canonical,
                                          named_weights=named_weights)
     return ckpt

@@ -93,28 +93,35 @@ def _reaches(t: LazyTensor, owners: Dict[int, int]) -> set:
 
 
 def _param_groups(tf, ranks: Dict[int, RankStates], opts, canonical: Callable, named_weights: Callable) -> List[ParamGroup]:
-    """One ParamGroup per optimizer group (ZeRO-3: per sub-group), its hyperparameters as stored and
-    the canonical names fed by that group's parameters (traced through the same canonical mapping)."""
-    owners: Dict[int, int] = {}
+    """One ParamGroup per torch optimizer param group, its hyperparameters as stored and the canonical
+    names fed by the flat partitions it steps (traced through the same canonical mapping). ZeRO-1/2
+    and BF16 give each group one flat (params [g]); ZeRO-3 lists its sub-group flats (params [0, 1, ..])."""
+    owners: Dict[int, int] = {}  # id(tag) -> index of the flat (param_shapes group) holding it
     named = {}
     for mp, r in ranks.items():
-        group_of = {n: g for g, names in enumerate(_param_shapes(r.meta)) for n in names}
+        flat_of = {n: f for f, names in enumerate(_param_shapes(r.meta)) for n in names}
         named[mp] = {}
         for k, v in named_weights(r, "master").items():
             tag = _Tag(v)
             owner = r.shared.get(k, k)
-            if owner in group_of:
-                owners[id(tag)] = group_of[owner]
+            if owner in flat_of:
+                owners[id(tag)] = flat_of[owner]
             named[mp][k] = tag
     _, traced, *_ = canonical(tf, ranks, named, opts, ReplicaPolicy("first", lambda m: None), [])
-    by_group: Dict[int, List[str]] = defaultdict(list)
+    by_flat: Dict[int, List[str]] = defaultdict(list)
     for name, t in traced.items():
-        for g in sorted(_reaches(t, owners)):
-            by_group[g].append(name)
-    stored = base_optimizer(ranks[0]).get("param_groups") or []
-    count = max([len(_param_shapes(ranks[0].meta)), len(stored)])
-    return [ParamGroup(by_group.get(g, []), {k: v for k, v in (stored[g] if g < len(stored) else {}).items()
-                                            if k != "params"}) for g in range(count)]
+        for f in sorted(_reaches(t, owners)):
+            by_flat[f].append(name)
+    flats = len(_param_shapes(ranks[0].meta))
+    stored = [g for g in base_optimizer(ranks[0]).get("param_groups") or [] if isinstance(g, dict)]
+    if not stored:
+        stored = [{"params": [f]} for f in range(flats)]
+    listed = [f for g in stored for f in g.get("params", [])]
+    if sorted(listed) != list(range(flats)):
+        raise CkptError(f"{tf.tag_dir}: the optimizer's param groups step flats {sorted(listed)} but the model "
+                        f"states describe {flats}", NO_OPTIMIZER_HINT)
+    return [ParamGroup([n for f in g.get("params", []) for n in by_flat.get(f, [])],
+                       {k: v for k, v in g.items() if k != "params"}) for g in stored]
 
 
 def stepped(r: RankStates) -> bool:

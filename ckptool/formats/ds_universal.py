@@ -131,9 +131,20 @@ def universal_params(ckpt: Checkpoint) -> Tuple[List[Param], dict]:
                else f"ckptool cannot name this DeepSpeed run's parameters ({naming.get('scheme')})")
         raise CkptError(f"--format ds-universal: {why}",
                         "the source must be a DeepSpeed run of a Hugging Face GPT or of Megatron-DeepSpeed")
+    return make(ckpt, naming, _slots(ckpt)), naming
+
+
+def _slots(ckpt: Checkpoint) -> Dict[str, Dict[str, LazyTensor]]:
+    """The three slots the universal format stores; an fp32-trained source keeps no separate master
+    (its weights are the masters)."""
     opt = ckpt.optimizer
     slots = {s: opt.slots.get(s, {}) for s in OPTIMIZER_SLOTS}
-    return make(ckpt, naming, slots), naming
+    if not slots["master"] and all(t.dtype == torch.float32 for t in ckpt.tensors.values()):
+        slots["master"] = dict(ckpt.tensors)
+    missing = [s for s in OPTIMIZER_SLOTS if not slots[s]]
+    require(not missing, f"--format ds-universal needs fp32 masters and both Adam moments; this source's "
+            f"optimizer state ({opt.kind}) has no {', '.join(missing)}", "write a Megatron checkpoint instead")
+    return slots
 
 
 # --- writing ----------------------------------------------------------------------------------
@@ -158,11 +169,13 @@ def _groups_of(ckpt: Checkpoint) -> Dict[str, int]:
 
 
 def write_ds_universal(ckpt: Checkpoint, out_dir: Path, layout: Layout, progress=None, warn=print,
-                       dtype: Optional[torch.dtype] = None, dialect: Optional[str] = None, **_ignored) -> dict:
+                       dtype: Optional[torch.dtype] = None, dialect: Optional[str] = None, optimizer: bool = True,
+                       **_ignored) -> dict:
     opt = ckpt.optimizer
-    require(opt is not None and all(s in opt.slots for s in OPTIMIZER_SLOTS),
-            "--format ds-universal writes the training state, and this source holds no optimizer state",
-            "convert a DeepSpeed checkpoint that has its *_optim_states.pt shards")
+    require(optimizer, "--format ds-universal is the training state itself; it cannot be written --no-optimizer",
+            "drop --no-optimizer, or write --format torch for the weights only")
+    require(opt is not None, "--format ds-universal writes the training state, and this source holds no "
+            "optimizer state", "convert a DeepSpeed checkpoint that has its *_optim_states.pt shards")
     require(layout.tp == 1 and layout.pp == 1 and not layout.vpp,
             "--format ds-universal has no layout of its own (the engine re-splits it at load)",
             "use `ckptool merge SRC DST --format ds-universal`")
@@ -187,7 +200,8 @@ def write_ds_universal(ckpt: Checkpoint, out_dir: Path, layout: Layout, progress
             for slot, t in p.slots.items():
                 if slot != "master" and not trained:
                     continue  # DeepSpeed keeps no moments for frozen parameters
-                n = _save(zero / p.name / f"{STATE_FILES[slot]}.pt", {"param": t, **p.extra})
+                # a frozen parameter's fp32.pt is the bare {"param": ...} DeepSpeed writes for it
+                n = _save(zero / p.name / f"{STATE_FILES[slot]}.pt", {"param": t, **(p.extra if trained else {})})
                 files += 1
                 nbytes += n
                 if progress:

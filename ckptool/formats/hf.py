@@ -313,7 +313,9 @@ def to_canonical(entries: Dict[str, LazyTensor], conf: dict, model_type: str, op
         elif op == "T":
             tensors[arg] = Derived(lambda x: x.t(), [t])
         else:
-            whole = Derived(lambda x: x.t(), [t], memo=True) if op == "cat_T" else t
+            # memoised, so the parts share one read of the fused tensor inside a writer's load_scope
+            # (a plain narrow of a tensor spread over ZeRO partitions would read it once per part)
+            whole = Derived((lambda x: x.t()) if op == "cat_T" else (lambda x: x), [t], memo=True)
             start = 0
             for name in arg:
                 n = _part_rows(name, cfg)
