@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import CkptError
-from ..lazy import LazyTensor, load_scope
+from ..lazy import Concat, Derived, LazyTensor, load_scope
 from . import profile, writeback
 from .chunked import PieceDigest
 
@@ -116,6 +116,13 @@ class ByteBudget:
             self._cond.notify_all()
 
 
+def _charge(lazy: LazyTensor) -> int:
+    """Memory a tensor takes while it is loaded and written: a computed one (a transpose, a
+    reorder) also holds its inputs while it is built, so it counts twice."""
+    computed = isinstance(lazy, Derived) and not isinstance(lazy, Concat)
+    return lazy.nbytes * (2 if computed else 1)
+
+
 def write_safetensors_file(path: Path, items: Sequence[Item], metadata: Optional[Dict[str, str]] = None,
                            progress: Optional[Callable[[int], None]] = None,
                            budget: Optional[ByteBudget] = None) -> int:
@@ -134,7 +141,7 @@ def write_safetensors_file(path: Path, items: Sequence[Item], metadata: Optional
     digest = PieceDigest()
     digest.feed(header)
 
-    def store(f, t: torch.Tensor, nbytes: int) -> None:
+    def store(f, t: torch.Tensor, nbytes: int, charge: int) -> None:
         data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
         digest.feed(data)  # hashed on the pool while the bytes go to the file
         try:
@@ -149,7 +156,7 @@ def write_safetensors_file(path: Path, items: Sequence[Item], metadata: Optional
                 digest.settle()  # t's memory may be reused once this returns
             del data, t
             if budget:
-                budget.give(nbytes)
+                budget.give(charge)
         if progress:
             progress(nbytes)
 
@@ -166,9 +173,10 @@ def write_safetensors_file(path: Path, items: Sequence[Item], metadata: Optional
                         scope.__exit__(None, None, None)
                     scope, group = load_scope(), g
                     scope.__enter__()
+                charge = _charge(lazy)
                 if budget:
                     with profile.stage("wait"):
-                        budget.take(lazy.nbytes)
+                        budget.take(charge)
                 t = lazy.load()
                 if tuple(t.shape) != tuple(lazy.shape) or t.dtype != lazy.dtype:
                     raise CkptError(f"internal: {name} loaded as {tuple(t.shape)} {t.dtype}, "
@@ -178,7 +186,7 @@ def write_safetensors_file(path: Path, items: Sequence[Item], metadata: Optional
                 if in_flight is not None:
                     with profile.stage("wait"):
                         in_flight.result()
-                in_flight = pool.submit(store, f, t, lazy.nbytes)
+                in_flight = pool.submit(store, f, t, lazy.nbytes, charge)
                 del t
             if in_flight is not None:
                 in_flight.result()
@@ -206,7 +214,7 @@ def write_sharded(out_dir: Path, items: Sequence[Item], max_bytes: int,
         weight_map.update({name: fname for name, _, _ in shard})
     # Shards are independent files: up to SHARD_THREADS are written at once (loading, transposes,
     # hashing and write() of one shard overlap another's), sharing a budget of two of the largest
-    # tensor, the memory one shard alone needs.
+    # tensor, the memory one shard alone needs (computed tensors count twice, see _charge).
     largest = max((t.nbytes for _, shard in mine for _, t, _ in shard), default=0)
     budget = ByteBudget(2 * largest)
     lock = threading.Lock()
