@@ -12,6 +12,7 @@ multiple of 8, then the data, contiguous and without holes.
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 import threading
@@ -32,7 +33,8 @@ DTYPE_NAMES = {
 }
 NAME_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 
-SHARD_THREADS = 4  # safetensors files written at once
+# safetensors files written at once (CKPTOOL_SHARD_THREADS to change; 1 writes them one by one)
+SHARD_THREADS = max(1, int(os.environ.get("CKPTOOL_SHARD_THREADS", "2") or 2))
 
 # huggingface_hub's convention: KB/MB/GB are powers of 10, KiB/MiB/GiB powers of 2.
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -118,9 +120,10 @@ class ByteBudget:
 
 def _charge(lazy: LazyTensor) -> int:
     """Memory a tensor takes while it is loaded and written: a computed one (a transpose, a
-    reorder) also holds its inputs while it is built, so it counts twice."""
+    reorder) also holds its inputs and the layer's shared (memoised) source while it is built, so
+    it counts three times."""
     computed = isinstance(lazy, Derived) and not isinstance(lazy, Concat)
-    return lazy.nbytes * (2 if computed else 1)
+    return lazy.nbytes * (3 if computed else 1)
 
 
 def write_safetensors_file(path: Path, items: Sequence[Item], metadata: Optional[Dict[str, str]] = None,
@@ -214,7 +217,7 @@ def write_sharded(out_dir: Path, items: Sequence[Item], max_bytes: int,
         weight_map.update({name: fname for name, _, _ in shard})
     # Shards are independent files: up to SHARD_THREADS are written at once (loading, transposes,
     # hashing and write() of one shard overlap another's), sharing a budget of two of the largest
-    # tensor, the memory one shard alone needs (computed tensors count twice, see _charge).
+    # tensor, the memory one shard alone needs (computed tensors count three times, see _charge).
     largest = max((t.nbytes for _, shard in mine for _, t, _ in shard), default=0)
     budget = ByteBudget(2 * largest)
     lock = threading.Lock()
