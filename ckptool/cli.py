@@ -4,9 +4,12 @@ Each command lives in ckptool/commands/; this file only assembles the group.
 """
 from __future__ import annotations
 
+import inspect
+
 import click
 
 from . import __version__
+from .errors import exit_status_table
 from .commands.convert_cmds import fix_vocab_cmd, merge_cmd, reshard_cmd
 from .commands.hf_cmds import from_hf_cmd, to_hf_cmd
 from .commands.inspect_cmd import inspect_cmd
@@ -36,6 +39,9 @@ def main(ctx, debug):
     ctx.obj = {"debug": debug}
     from .io import profile
     profile.command_started()
+
+
+main.help = inspect.cleandoc(main.help) + "\n\n\b\nExit status:\n" + exit_status_table()
 
 
 for _cmd in COMMANDS:

@@ -8,14 +8,107 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence, Tuple
 
 from .errors import CkptError, require
 
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "squared_relu")
 POSITION_EMBEDDINGS = ("learned", "rope", "none")
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class MoE:
+    """The routing maths of a Mixture-of-Experts model (dropless: every token reaches its top_k).
+
+    Per token: scores = score_function(router logits); the top_k experts are chosen by scores (plus
+    the expert bias when there is one: it steers the choice, never the weights); their weights are
+    the chosen scores, divided by their sum when topk_norm, times scaling_factor. The layer's output
+    is the weighted sum of the chosen experts' MLPs (gated like the model's), plus the shared expert (scaled by
+    sigmoid(x . shared_gate) when shared_gate). Layers not in `layers` are dense MLPs of the
+    model's ffn_hidden_size.
+    """
+    num_experts: int
+    top_k: int
+    ffn_hidden_size: int  # each routed expert's intermediate size
+    layers: Tuple[int, ...]  # global indices of the MoE layers
+    score_function: str = "softmax"
+    topk_norm: bool = False
+    scaling_factor: float = 1.0
+    router_bias: bool = False  # the router linear has a bias
+    expert_bias: bool = False  # DeepSeek's e_score_correction_bias / Megatron's expert_bias
+    shared_ffn_hidden_size: int = 0  # the shared expert's intermediate size; 0: none
+    shared_gate: bool = False  # Qwen2-MoE: shared output times sigmoid(x @ shared_gate.weight)
+    # Group-limited routing (DeepSeek): experts fall into num_groups equal groups; a group's score is
+    # the sum of its two best choice scores; experts are chosen only from the group_topk best groups.
+    num_groups: int = 1
+    group_topk: int = 1
+
+    def __post_init__(self):
+        require(self.score_function in SCORE_FUNCTIONS, f"unknown router score function {self.score_function!r}")
+        require(1 <= self.top_k <= self.num_experts,
+                f"top-k {self.top_k} is not between 1 and the {self.num_experts} experts")
+        require(not self.shared_gate or self.shared_ffn_hidden_size > 0, "a shared-expert gate needs a shared expert")
+        require(self.num_experts % self.num_groups == 0 and 1 <= self.group_topk <= self.num_groups,
+                f"{self.num_experts} experts cannot be routed in {self.num_groups} groups, best {self.group_topk}")
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN RoPE scaling (DeepSeek-V3): frequencies blended between interpolated (/ factor) and
+    original by a linear ramp over the dimensions between the beta_fast and beta_slow rotation
+    counts; cos/sin times attention_factor; with mscale_all_dim, MLA's softmax scale times
+    (0.1 * mscale_all_dim * ln(factor) + 1)^2."""
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: Optional[float] = None
+    mscale_all_dim: Optional[float] = None
+    attention_factor: Optional[float] = None  # None: derived from factor, mscale, mscale_all_dim
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class MLA:
+    """Multi-Latent Attention (DeepSeek-V2/V3): q from a low-rank latent (or projected directly when
+    q_lora_rank is None); k and v from a shared kv latent, plus one rotary key part shared by all
+    heads. Each head's query/key is [nope | rope] (qk_nope_head_dim + qk_rope_head_dim), its value
+    v_head_dim; only the rope part is rotated. The latents are RMS-normalised with latent_norm_eps."""
+    q_lora_rank: Optional[int]
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    latent_norm_eps: float = 1e-6
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+# Which layers are MoE, by each framework's own index rule (layer indices are 0-based and global).
+def moe_layers_qwen(num_layers: int, decoder_sparse_step: int, mlp_only_layers: Iterable[int]) -> Tuple[int, ...]:
+    """Qwen2/3-MoE: layer i is MoE when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers."""
+    require(decoder_sparse_step >= 1, f"decoder_sparse_step {decoder_sparse_step} must be at least 1")
+    dense = set(mlp_only_layers or ())
+    return tuple(i for i in range(num_layers) if (i + 1) % decoder_sparse_step == 0 and i not in dense)
+
+
+def moe_layers_first_k_dense(num_layers: int, first_k_dense: int, freq: int = 1) -> Tuple[int, ...]:
+    """DeepSeek: the first first_k_dense_replace layers are dense; later layer i is MoE when i % freq == 0."""
+    return tuple(i for i in range(num_layers) if i >= first_k_dense and i % freq == 0)
+
+
+def moe_layers_megatron(num_layers: int, moe_layer_freq) -> Tuple[int, ...]:
+    """Megatron's --moe-layer-freq: an int N (layer i is MoE when i % N == 0) or a 0/1 list, one per layer."""
+    if isinstance(moe_layer_freq, int):
+        return tuple(i for i in range(num_layers) if i % moe_layer_freq == 0)
+    flags = list(moe_layer_freq)
+    require(len(flags) == num_layers, f"--moe-layer-freq lists {len(flags)} layers, the model has {num_layers}")
+    return tuple(i for i, f in enumerate(flags) if f)
 
 
 @dataclass
@@ -45,6 +138,9 @@ class GPTConfig:
     apply_layernorm_1p: bool = False  # stored gamma is zero-centred: the norm uses (1 + w)
     qk_layernorm: bool = False
     post_layernorm_residual: bool = False  # apply_residual_connection_post_layernorm
+    moe: Optional[MoE] = None  # None: a dense model
+    mla: Optional[MLA] = None  # None: grouped-query attention (attn.q/k/v)
+    rope_yarn: Optional[Yarn] = None  # YaRN scaling; ckptool reads it for MLA models only
 
     def __post_init__(self):
         if self.num_query_groups is None:
@@ -61,12 +157,18 @@ class GPTConfig:
         require(self.num_attention_heads % self.num_query_groups == 0,
                 f"{self.num_attention_heads} attention heads cannot be split into "
                 f"{self.num_query_groups} query groups")
+        if self.moe is not None:
+            require(all(0 <= i < self.num_layers for i in self.moe.layers),
+                    f"MoE layers {list(self.moe.layers)} fall outside the {self.num_layers} layers")
 
     # --- derived sizes -------------------------------------------------------------------
     @property
     def gated(self) -> bool:
         """True when fc1 holds two halves (gate and up), as SwiGLU does."""
         return self.activation == "swiglu"
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.moe is not None and i in self.moe.layers
 
     @property
     def heads_per_group(self) -> int:
@@ -90,10 +192,6 @@ class GPTConfig:
 
     def replace(self, **changes) -> "GPTConfig":
         return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 def padded_vocab_size(true_vocab: int, divisible_by: int, tp: int) -> int:
     """Megatron's rule: round the vocabulary up to a multiple of divisible_by * tp."""

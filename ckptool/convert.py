@@ -8,11 +8,11 @@ from typing import Callable, Optional
 import torch
 
 from .config import Layout
-from .errors import CkptError, require
+from .errors import CkptError, TeamError, exit_status_of, require
 from .distributed import Team, current_team
 from .io.outdir import adopt_digests, atomic_output_dir, known_digests, make_partial_dir, seal_partial_dir
-from .state import Checkpoint
-from .vocab import resize_vocab
+from .state import PAD_FILL_BY_SLOT, Checkpoint
+from .vocab import resize_slot_vocab, resize_vocab
 
 # target format name -> writer(ckpt, out_dir, layout, **kw) -> summary dict
 WRITERS = {}
@@ -36,13 +36,36 @@ def _dist_writer(ckpt, out_dir, layout, **kw):
 WRITERS["torch_dist"] = _dist_writer
 
 
+def _ds_universal_writer(ckpt, out_dir, layout, **kw):
+    from .formats.ds_universal import write_ds_universal
+    return write_ds_universal(ckpt, out_dir, layout, **kw)
+
+
+WRITERS["ds-universal"] = _ds_universal_writer
+# writers that carry the optimizer state (keyword optimizer=True/False); the others write weights only
+OPTIMIZER_WRITERS = {"torch", "torch_dist", "ds-universal"}
+
+
 def write_layout(ckpt: Checkpoint, dst, layout: Layout, fmt: Optional[str] = None, force: bool = False,
                  progress: Optional[Callable[[int], None]] = None, warn: Callable[[str], None] = print,
-                 **kw) -> dict:
-    """Write ckpt at layout into dst (atomically). fmt: torch | torch_dist (default: the source's)."""
+                 optimizer: bool = True, **kw) -> dict:
+    """Write ckpt at layout into dst (atomically). fmt: torch | torch_dist | ds-universal (default: the
+    source's Megatron format).
+
+    optimizer: carry the source's optimizer state where the target format holds one (the default);
+    False writes the weights only. Dropping state the user did not ask to drop is warned about."""
     fmt = fmt or ("torch_dist" if ckpt.source.format == "torch_dist" else "torch")
     if fmt not in WRITERS:
         raise CkptError(f"unknown output format {fmt!r}", f"choose one of {', '.join(sorted(WRITERS))}")
+    refuse_moe(ckpt, fmt)
+    if kw.get("distributed_optimizer") and fmt != "torch":
+        raise CkptError(f"--distributed-optimizer writes Megatron's torch format (distrib_optim.pt), not {fmt}",
+                        "add --format torch")
+    if fmt in OPTIMIZER_WRITERS:
+        kw["optimizer"] = optimizer
+    elif optimizer and ckpt.optimizer is not None:
+        warn(f"optimizer state dropped: the {fmt} writer holds the weights only "
+             "(--no-optimizer says so explicitly; --format torch carries it)")
     src = Path(ckpt.source.path)
 
     def write(tmp: Path, owns) -> dict:
@@ -59,6 +82,19 @@ def write_layout(ckpt: Checkpoint, dst, layout: Layout, fmt: Optional[str] = Non
     summary = write_output(dst, [src], force, write, merge=_add_files_and_bytes)
     summary["format"] = fmt
     return summary
+
+
+def refuse_moe(ckpt: Checkpoint, fmt: str) -> None:
+    """The Megatron writers know dense MLPs only: an MoE model must never reach them, or its experts
+    would be left out of a complete-looking output."""
+    moe = ckpt.config.moe
+    if ckpt.config.mla is not None:
+        raise CkptError(f"Multi-Latent Attention: Megatron {fmt} output of MLA models is not supported yet",
+                        "use to-hf for DeepSeek-style models")
+    if moe is not None:
+        raise CkptError(f"MoE layers ({moe.num_experts} experts, top-{moe.top_k}, in {len(moe.layers)} of "
+                        f"{ckpt.config.num_layers} layers): Megatron {fmt} output with expert parallelism is "
+                        "not supported yet", "use to-hf for MoE models")
 
 
 def _add_files_and_bytes(parts: list) -> dict:
@@ -100,15 +136,18 @@ def _write_as_team(team: Team, dst, sources, force: bool, write: Callable, merge
     except Exception as e:  # every rank must hear of it, or the others wait forever
         failure = e
     # each rank's manifest digests, taken while it wrote: rank 0 seals without reading the files back
-    results = team.gather((summary, None if failure is None else f"rank {team.rank}: {failure}",
-                           known_digests(tmp) if failure is None else {}))
-    problems = [m for _, m, _ in results if m]
-    if problems:
+    report = None if failure is None else (f"rank {team.rank}: {failure}", exit_status_of(failure))
+    results = team.gather((summary, report, known_digests(tmp) if failure is None else {}))
+    failed = [(rank, r) for rank, (_, r, _) in enumerate(results) if r is not None]
+    if failed:
         if team.leader:
             shutil.rmtree(tmp, ignore_errors=True)
-        if failure is not None:
+        reporter, (message, status) = failed[0]  # the lowest failing rank says it, for every rank
+        if failure is not None and reporter == team.rank:
+            failure.reporter = reporter  # read by the CLI's error report (commands/common.py)
             raise failure
-        raise CkptError(f"distributed conversion failed on another rank ({problems[0]})")
+        raise TeamError(f"distributed conversion failed on another rank ({message})" if failure is None
+                        else str(failure), reporter=reporter, status=status)
     total = merge([s for s, _, _ in results if s])
     sealed = None
     if team.leader:
@@ -141,4 +180,8 @@ def fix_vocab(ckpt: Checkpoint, size: Optional[int] = None, multiple: Optional[i
                   f"{cfg.padded_vocab_size - size} rows")
         cfg = cfg.replace(vocab_size=size, vocab_size_source="fix-vocab --size")
     tensors = resize_vocab(ckpt.tensors, cfg, size, pad_fill)
-    return Checkpoint(cfg.replace(padded_vocab_size=size), tensors, ckpt.source, ckpt.warnings)
+    optimizer = ckpt.optimizer
+    if optimizer is not None:  # every slot resized like the weights (new rows: zero moments, master = weight)
+        optimizer = optimizer.with_slots({slot: resize_slot_vocab(ts, tensors, cfg, size, PAD_FILL_BY_SLOT[slot])
+                                          for slot, ts in optimizer.slots.items()})
+    return Checkpoint(cfg.replace(padded_vocab_size=size), tensors, ckpt.source, ckpt.warnings, optimizer)

@@ -1,8 +1,12 @@
-"""User-facing errors: one line that says what is wrong and what to do instead.
+"""User-facing errors: one line that says what is wrong and what to do instead, and the exit statuses.
 
 Everything a user can cause (bad paths, unreadable files, inconsistent shards, impossible layouts)
-raises CkptError; the CLI prints it as one line and exits non-zero. Anything else is a bug.
+raises CkptError; the CLI prints it as one line and exits with EXIT["bad_input"]. Anything else is a
+bug (EXIT["internal"]).
 """
+from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 class CkptError(Exception):
@@ -19,7 +23,57 @@ class CkptError(Exception):
         return f"{self.message} ({self.hint})" if self.hint else self.message
 
 
+class TeamError(CkptError):
+    """An error of a torchrun team that one rank reports for all: `reporter` is the rank that found it
+    and prints it, `status` the exit status it exits with. The other ranks raise this to exit with the
+    same status, silently."""
+
+    def __init__(self, message: str, hint: str = "", reporter: int = 0, status: int = 2):
+        super().__init__(message, hint)
+        self.reporter = reporter
+        self.status = status
+
+
 def require(condition: bool, message: str, hint: str = "") -> None:
     """Raise CkptError(message, hint) unless condition holds."""
     if not condition:
         raise CkptError(message, hint)
+
+
+@dataclass(frozen=True)
+class ExitStatus:
+    code: int
+    name: str
+    meaning: str
+
+
+# Every status ckptool exits with (the CLI uses these; README and `ckptool --help` list them).
+EXIT_STATUSES = (
+    ExitStatus(0, "ok", "success (verify: result=PASS)"),
+    ExitStatus(1, "mismatch", "verify: the target does not compute what the reference computes, or an "
+                              "output file does not match its manifest (result=FAIL)"),
+    ExitStatus(2, "bad_input", "bad input or request: the one `error:` line says what and what to do "
+                               "(also files that cannot be read or written)"),
+    ExitStatus(3, "internal", "internal error: a bug in ckptool (rerun with `ckptool --debug` and report it)"),
+    ExitStatus(130, "interrupted", "interrupted (Ctrl-C): nothing was written to the output"),
+    ExitStatus(141, "broken_pipe", "the reader of stdout went away (e.g. `| head`)"),
+)
+EXIT = {s.name: s.code for s in EXIT_STATUSES}
+
+
+def exit_status_of(error: BaseException) -> int:
+    """The exit status an exception ends a command with (see EXIT_STATUSES)."""
+    if isinstance(error, TeamError):
+        return error.status
+    if isinstance(error, (CkptError, OSError)):
+        return EXIT["bad_input"]
+    if isinstance(error, KeyboardInterrupt):
+        return EXIT["interrupted"]
+    return EXIT["internal"]
+
+
+def exit_status_table(width: int = 96) -> str:
+    """The statuses as aligned text lines (for --help)."""
+    import textwrap
+    return "\n".join(textwrap.fill(s.meaning, width, initial_indent=f"  {s.code:<4} ", subsequent_indent=" " * 7)
+                     for s in EXIT_STATUSES)

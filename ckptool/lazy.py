@@ -182,7 +182,3 @@ def cat(parts: Sequence[LazyTensor], dim: int = 0, memo: bool = False) -> LazyTe
     if len(parts) == 1:
         return parts[0]
     return Concat(parts, dim, memo=memo)
-
-
-def as_lazy(x) -> LazyTensor:
-    return x if isinstance(x, LazyTensor) else Const(x)

@@ -163,7 +163,7 @@ def _mark_part(piece: LazyTensor, fused: LazyTensor, index: int) -> LazyTensor:
     return piece
 
 
-def _refused(parts) -> Optional[LazyTensor]:
+def _fused_origin(parts) -> Optional[LazyTensor]:
     """The fused tensor parts came from, when they are all of its parts in order; else None."""
     origins = [getattr(p, "fused_from", None) for p in parts]
     if any(o is None for o in origins):
@@ -189,7 +189,7 @@ def layer_role_tensor(tensors: Dict[str, LazyTensor], cfg: GPTConfig, layer: int
             return None
         if any(x is None for x in parts):
             raise CkptError(f"layer {layer}: q, k and v {kind} must all be present or all absent")
-        same = _refused(parts)
+        same = _fused_origin(parts)
         if same is not None and same.shape[0] == qkv_rows(cfg):
             return same
         return Derived(lambda q, k, v: fuse_qkv(q, k, v, cfg), parts, memo=True,
@@ -202,9 +202,22 @@ def layer_role_tensor(tensors: Dict[str, LazyTensor], cfg: GPTConfig, layer: int
                 return None
             if gate is None or up is None:
                 raise CkptError(f"layer {layer}: a gated MLP needs both gate and up {kind}")
-            return _refused([gate, up]) or cat([gate, up], 0, memo=True)
+            return _fused_origin([gate, up]) or cat([gate, up], 0, memo=True)
         return up
     raise CkptError(f"internal: unknown role {role}")
+
+
+def canonical_names(role: str, layer: Optional[int], cfg: GPTConfig) -> List[str]:
+    """The canonical tensors a role's tensor holds (one, or the fused parts of QKV and gated fc1)."""
+    if layer is None:
+        return [GLOBAL_ROLES.get(role, "embed.word")]  # head_copy: the tied embedding again
+    p = f"layers.{layer}."
+    if role in LAYER_SIMPLE:
+        return [p + LAYER_SIMPLE[role]]
+    kind = role.split(".")[1]
+    if role.startswith("qkv."):
+        return [f"{p}attn.{x}.{kind}" for x in "qkv"]
+    return [f"{p}mlp.{x}.{kind}" for x in (("gate", "up") if cfg.gated else ("up",))]
 
 
 def global_role_tensor(tensors: Dict[str, LazyTensor], role: str) -> Optional[LazyTensor]:

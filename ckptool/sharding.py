@@ -80,8 +80,8 @@ class ReplicaPolicy:
     """What to do when copies that should be identical differ across TP ranks.
 
     first: take rank 0's copy and warn; mean: average the copies and warn; strict: fail.
-    Differences are recorded in `divergences` (name -> largest absolute difference) so commands
-    can report them; `warn` is called once per tensor.
+    `warn` is called once per tensor with the largest absolute difference; the figures are also kept
+    in `divergences` (name -> largest difference) for API callers who want them as data.
     """
 
     CHOICES = ("first", "mean", "strict")

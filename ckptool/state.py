@@ -9,9 +9,19 @@ global:
   layers.{i}.attn.{q,k,v}.{weight,bias}   q [nq*hd, h], k and v [ng*hd, h]
   layers.{i}.attn.{q_norm,k_norm}.{weight,bias}  (qk_layernorm only)
   layers.{i}.attn.out.{weight,bias}       [h, nq*hd]
+  MLA models (config.mla) instead of attn.q/k/v (r = qk_rope_head_dim, qk = nope + r):
+  layers.{i}.attn.q_down.weight [q_lora, h], .q_down_norm.weight [q_lora], .q_up.weight [nq*qk, q_lora]
+    (or attn.q.weight [nq*qk, h] when q_lora_rank is None)
+  layers.{i}.attn.kv_down.weight [kv_lora + r, h], .kv_down_norm.weight [kv_lora],
+  layers.{i}.attn.kv_up.weight [nq*(nope + v_head_dim), kv_lora], attn.out.weight [h, nq*v_head_dim]
   layers.{i}.mlp_norm.{weight,bias}
   layers.{i}.mlp.{gate,up}.{weight,bias}  [ffn, h] (gate only for gated MLPs)
   layers.{i}.mlp.down.{weight,bias}       [h, ffn]
+  MoE layers (config.moe.layers) instead of mlp.{gate,up,down}; e is the global expert index:
+  layers.{i}.mlp.router.weight [E, h]     (.bias, .expert_bias [E] where the model has them)
+  layers.{i}.mlp.experts.{e}.{gate,up}.weight [moe_ffn, h], .down.weight [h, moe_ffn]
+  layers.{i}.mlp.shared.{gate,up}.weight [shared_ffn, h], .down.weight [h, shared_ffn]
+  layers.{i}.mlp.shared_gate.weight [1, h]   (Qwen2-MoE)
   final_norm.{weight,bias}
   output.weight [V_rows, h]               (untied models only)
 
@@ -29,7 +39,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .config import GPTConfig, Layout
 from .lazy import LazyTensor
@@ -149,6 +159,12 @@ class Checkpoint:
                           tensors, self.source, self.warnings, self.optimizer)
 
 
+def in_model_order(tensors: Dict[str, LazyTensor], cfg: GPTConfig) -> Dict[str, LazyTensor]:
+    """tensors in expected_names order (the order writers stream); names it does not list go last."""
+    order = {n: i for i, n in enumerate(expected_names(cfg))}
+    return dict(sorted(tensors.items(), key=lambda kv: (order.get(kv[0], 1 << 30), kv[0])))
+
+
 def expected_names(cfg: GPTConfig) -> List[str]:
     """Every canonical tensor name a model with this config has, in streaming order."""
     names = ["embed.word"]
@@ -158,20 +174,51 @@ def expected_names(cfg: GPTConfig) -> List[str]:
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         names += [f"{p}attn_norm.{x}" for x in norm]
-        names += [f"{p}attn.{x}.weight" for x in "qkv"]
-        if cfg.add_qkv_bias or cfg.add_bias_linear:
-            names += [f"{p}attn.{x}.bias" for x in "qkv"]
-        if cfg.qk_layernorm:
-            names += [f"{p}attn.q_norm.{x}" for x in norm] + [f"{p}attn.k_norm.{x}" for x in norm]
-        names.append(f"{p}attn.out.weight")
-        if cfg.add_bias_linear:
-            names.append(f"{p}attn.out.bias")
+        names += mla_names(cfg, i) if cfg.mla is not None else attention_names(cfg, i, norm)
         names += [f"{p}mlp_norm.{x}" for x in norm]
-        mlp = ["gate", "up", "down"] if cfg.gated else ["up", "down"]
-        names += [f"{p}mlp.{m}.weight" for m in mlp]
-        if cfg.add_bias_linear:
-            names += [f"{p}mlp.{m}.bias" for m in mlp]
+        names += moe_names(cfg, i) if cfg.is_moe_layer(i) else mlp_names(cfg, f"{p}mlp.", cfg.add_bias_linear)
     names += [f"final_norm.{x}" for x in norm]
     if not cfg.tied_embeddings:
         names.append("output.weight")
+    return names
+
+
+def mlp_names(cfg: GPTConfig, prefix: str, bias: bool) -> List[str]:
+    """gate (gated models only), up, down weights under prefix, and their biases when bias."""
+    parts = ["gate", "up", "down"] if cfg.gated else ["up", "down"]
+    return [f"{prefix}{m}.weight" for m in parts] + ([f"{prefix}{m}.bias" for m in parts] if bias else [])
+
+
+def attention_names(cfg: GPTConfig, i: int, norm: List[str]) -> List[str]:
+    p = f"layers.{i}.attn."
+    names = [f"{p}{x}.weight" for x in "qkv"]
+    if cfg.add_qkv_bias or cfg.add_bias_linear:
+        names += [f"{p}{x}.bias" for x in "qkv"]
+    if cfg.qk_layernorm:
+        names += [f"{p}q_norm.{x}" for x in norm] + [f"{p}k_norm.{x}" for x in norm]
+    names.append(f"{p}out.weight")
+    if cfg.add_bias_linear:
+        names.append(f"{p}out.bias")
+    return names
+
+
+def mla_names(cfg: GPTConfig, i: int) -> List[str]:
+    """An MLA layer's attention (no biases in any family ckptool reads)."""
+    p = f"layers.{i}.attn."
+    q = ["q_down", "q_down_norm", "q_up"] if cfg.mla.q_lora_rank else ["q"]
+    return [f"{p}{x}.weight" for x in q + ["kv_down", "kv_down_norm", "kv_up", "out"]]
+
+
+def moe_names(cfg: GPTConfig, i: int) -> List[str]:
+    """An MoE layer's MLP: router, every expert (global index), the shared expert and its gate.
+    Experts and the shared expert have no biases in any family ckptool reads."""
+    moe, p = cfg.moe, f"layers.{i}.mlp."
+    names = [f"{p}router.weight"]
+    names += [f"{p}router.bias"] if moe.router_bias else []
+    names += [f"{p}router.expert_bias"] if moe.expert_bias else []
+    for e in range(moe.num_experts):
+        names += mlp_names(cfg, f"{p}experts.{e}.", False)
+    if moe.shared_ffn_hidden_size:
+        names += mlp_names(cfg, f"{p}shared.", False)
+    names += [f"{p}shared_gate.weight"] if moe.shared_gate else []
     return names

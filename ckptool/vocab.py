@@ -12,10 +12,21 @@ from typing import Callable, Optional
 import torch
 
 from .config import GPTConfig, padded_vocab_size
-from .errors import CkptError
+from .errors import CkptError, require
 from .lazy import Derived, LazyTensor
 
 PAD_FILLS = ("zero", "mean", "last")
+
+
+def with_true_vocab_size(cfg: GPTConfig, true_vocab_size: Optional[int], stored_rows: int) -> GPTConfig:
+    """cfg with the user's --true-vocab-size (every reader's one override; None leaves cfg as read).
+    More than the stored embedding rows cannot be true: refused."""
+    if true_vocab_size is None:
+        return cfg
+    require(true_vocab_size >= 1, f"--true-vocab-size {true_vocab_size} must be positive")
+    require(true_vocab_size <= stored_rows,
+            f"--true-vocab-size {true_vocab_size} exceeds the {stored_rows} embedding rows stored")
+    return cfg.replace(vocab_size=true_vocab_size, vocab_size_source="--true-vocab-size")
 
 
 def target_rows(cfg: GPTConfig, tp: int, divisible_by: Optional[int] = None,
@@ -73,4 +84,23 @@ def resize_vocab(tensors: dict, cfg: GPTConfig, rows: int, fill: str = "zero") -
     for name in ("embed.word", "output.weight"):
         if name in out:
             out[name] = resize_rows(out[name], rows, cfg, fill, name)
+    return out
+
+
+def resize_slot_vocab(slot: dict, weights: dict, cfg: GPTConfig, rows: int, fill: str) -> dict:
+    """resize_vocab for an optimizer slot. fill "from-weight" (fp32 masters) copies new rows from the
+    already re-padded weights, so a new row's master equals its weight; "zero" gives zero moments."""
+    if fill != "from-weight":
+        return resize_vocab(slot, cfg, rows, fill)
+    out = dict(slot)
+    for name in ("embed.word", "output.weight"):
+        if name not in out or out[name].shape[0] >= rows:
+            out[name] = resize_rows(out[name], rows, cfg, "zero", name) if name in out else None
+            if out[name] is None:
+                del out[name]
+            continue
+        have = out[name].shape[0]
+        out[name] = Derived(lambda m, w, have=have: torch.cat([m, w[have:].to(m.dtype)], dim=0),
+                            [out[name], weights[name]], shape=(rows,) + tuple(out[name].shape[1:]),
+                            dtype=out[name].dtype)
     return out

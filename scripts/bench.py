@@ -250,6 +250,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="rounds of (copy, step) pairs; medians reported")
     ap.add_argument("--style", choices=("gpt2", "llama"), default="gpt2",
                     help="synthetic source: GPT-2 style (to-hf transposes Conv1D) or Llama style (no transposes)")
+    ap.add_argument("--optimizer", action="store_true",
+                    help="the source also holds Megatron's training state (fp32 masters + Adam moments, 6x the "
+                         "bf16 weights' bytes; --size-gb counts the weights), carried by merge and reshard")
     ap.add_argument("--profile", action="store_true", help="print where each ckptool step's time goes, stage by stage")
     ap.add_argument("--reuse-src", action="store_true", help="keep an existing OUT/src instead of regenerating")
     ap.add_argument("--ds-ckpt", type=Path, default=None,
@@ -271,15 +274,16 @@ def main(argv=None) -> int:
         # generated beside and renamed when complete, so an interrupted run leaves no src to reuse
         partial = work / "src.partial"
         shutil.rmtree(partial, ignore_errors=True)
-        cfg = write_synthetic(partial, args.size_gb, style=args.style)
+        cfg = write_synthetic(partial, args.size_gb, style=args.style, optimizer=args.optimizer)
         partial.rename(src)
     else:
         from ckptool.formats.registry import open_checkpoint
         cfg = open_checkpoint(src).config
     gen = time.perf_counter() - t0
     size = dir_bytes(src)
-    biggest_layer = largest_layer_bytes(cfg)
-    style = "Llama-style" if cfg.gated else "GPT-2-style"
+    # a layer streams with its optimizer slots: 2 bytes (bf16 weight) + 3 x 4 (fp32 master and moments)
+    biggest_layer = largest_layer_bytes(cfg, itemsize=14 if args.optimizer else 2)
+    style = ("Llama-style" if cfg.gated else "GPT-2-style") + (" with optimizer state" if args.optimizer else "")
     subprocess.run(["sync"])
     print(f"synthetic {style} checkpoint: {size / 1e9:.2f} GB, {cfg.num_layers} layers, hidden "
           f"{cfg.hidden_size}, TP2 PP2 bf16, ready in {gen:.0f} s; largest layer "
@@ -317,7 +321,8 @@ def main(argv=None) -> int:
     load = os.getloadavg()
     print()
     print(f"Checkpoint: {style}, {size / 1e9:.2f} GB ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-          f"TP2 PP2, bf16); largest layer {biggest_layer / 2**20:.0f} MiB; {args.repeat} rounds; "
+          f"TP2 PP2, bf16); largest layer {biggest_layer / 2**20:.0f} MiB (peak RSS bound 1 GiB + 2 x that = "
+          f"{(2**30 + 2 * biggest_layer) / 2**20:.0f} MiB); {args.repeat} rounds; "
           f"{os.cpu_count()} CPUs, load average {load[0]:.1f} at the end")
     print()
     print_table(rows)

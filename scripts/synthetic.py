@@ -15,7 +15,7 @@ import torch
 from ckptool.config import GPTConfig, Layout
 from ckptool.formats.megatron import write_megatron
 from ckptool.lazy import Derived
-from ckptool.state import Checkpoint, SourceInfo, expected_names
+from ckptool.state import Checkpoint, OptimizerState, ParamGroup, SourceInfo, expected_names
 from make_random_gpt import LLAMA_STYLE, canonical_shape
 
 VOCAB = 50257  # GPT-2's tokenizer; padded to 50304 for TP <= 2 with divisor 128
@@ -70,9 +70,33 @@ def config_for_size(size_gb: float, style: str = "gpt2") -> GPTConfig:
                      activation="gelu")
 
 
-def synthetic_checkpoint(cfg: GPTConfig, dtype=torch.bfloat16) -> Checkpoint:
+def synthetic_checkpoint(cfg: GPTConfig, dtype=torch.bfloat16, optimizer: bool = False) -> Checkpoint:
+    """optimizer: also a training state as Megatron's bf16 mixed precision keeps it: fp32 masters that
+    round to the weights, Adam moments (random, exp_avg_sq positive), step, two param groups, scheduler."""
     tensors = {n: _random(n, canonical_shape(cfg, n), dtype) for n in expected_names(cfg)}
-    return Checkpoint(cfg, tensors, SourceInfo(path="<synthetic>", format="synthetic", dialect="mcore"))
+    ckpt = Checkpoint(cfg, tensors, SourceInfo(path="<synthetic>", format="synthetic", dialect="mcore"))
+    if optimizer:
+        ckpt.optimizer = _training_state(tensors)
+    return ckpt
+
+
+def _training_state(tensors) -> OptimizerState:
+    def moment(name, shape, positive):
+        r = _random(name, shape, torch.float32)
+        return Derived(lambda x: x.abs() * 1e-3 if positive else x * 1e-2, [r])
+
+    slots = {"master": {n: Derived(lambda w: w.float(), [t]) for n, t in tensors.items()},
+             "exp_avg": {n: moment(n + "/exp_avg", t.shape, False) for n, t in tensors.items()},
+             "exp_avg_sq": {n: moment(n + "/exp_avg_sq", t.shape, True) for n, t in tensors.items()}}
+    no_decay = [n for n, t in tensors.items() if len(t.shape) == 1 or n.endswith("bias")]
+    decay = [n for n in tensors if n not in no_decay]
+    hyper = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "max_lr": 3e-4, "min_lr": 3e-5, "lr_mult": 1.0}
+    groups = [ParamGroup(decay, dict(hyper, weight_decay=0.1, wd_mult=1.0)),
+              ParamGroup(no_decay, dict(hyper, weight_decay=0.0, wd_mult=0.0))]
+    scheduler = {"max_lr": 3e-4, "lr_warmup_steps": 100, "num_steps": 1000, "lr_decay_style": "cosine",
+                 "lr_decay_steps": 10000, "min_lr": 3e-5, "start_wd": 0.1, "end_wd": 0.1,
+                 "wd_incr_style": "constant", "wd_incr_steps": 10000}
+    return OptimizerState("megatron", slots, step=1000, param_groups=groups, scheduler=scheduler)
 
 
 def largest_layer_bytes(cfg: GPTConfig, itemsize: int = 2) -> int:
@@ -83,11 +107,12 @@ def largest_layer_bytes(cfg: GPTConfig, itemsize: int = 2) -> int:
 
 
 def write_synthetic(out: Path, size_gb: float = 0.0, tp: int = 2, pp: int = 2, dialect: str = "mcore",
-                    cfg: GPTConfig = None, style: str = "gpt2") -> GPTConfig:
-    """Write a Megatron torch-format checkpoint of about size_gb (or of cfg) into out (a new directory)."""
+                    cfg: GPTConfig = None, style: str = "gpt2", optimizer: bool = False) -> GPTConfig:
+    """Write a Megatron torch-format checkpoint of about size_gb of weights (or of cfg) into out (a new
+    directory); optimizer adds the training state (fp32 master + 2 moments: 6x the bf16 weights' bytes)."""
     cfg = cfg or config_for_size(size_gb, style)
     Path(out).mkdir(parents=True, exist_ok=False)
-    write_megatron(synthetic_checkpoint(cfg), Path(out), Layout(tp=tp, pp=pp), dialect=dialect,
+    write_megatron(synthetic_checkpoint(cfg, optimizer=optimizer), Path(out), Layout(tp=tp, pp=pp), dialect=dialect,
                    iteration=1000, warn=lambda m: None)
     return cfg
 

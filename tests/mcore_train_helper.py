@@ -7,13 +7,29 @@ state here, as ckptool never carries it) and goes on training; ckptool reshards 
 second run loads it at another TP size the way Megatron-LM's load_checkpoint does (model strict,
 optimizer.load_state_dict, scheduler.load_state_dict) and trains the same further batches.
 
-  "train DIR --tp T --steps N --more M --out FILE [--dtype bf16|fp32]"
+  "train DIR --tp T --steps N --more M --out FILE [--dtype bf16|fp32] [--dp D] [--distributed-optimizer]"
         train N steps, save DIR (iteration N), train M more; FILE gets the losses of all N + M steps and
-        DIR_continued/ holds the final state (saved the same way) for comparing weights.
-  "resume DIR --tp T --more M --out FILE [--weights-only]"
+        DIR_continued/ holds the final state (saved the same way) for comparing weights. With
+        --distributed-optimizer FILE also gets `live`: per TP rank, per parameter name, the full fp32
+        master and Adam moments the live optimizer held at the save (gathered from its DP shards).
+  "resume DIR --tp T --more M --out FILE [--weights-only] [--dp D] [--distributed-optimizer]"
         load DIR at TP T (with its optimizer unless --weights-only: then Adam starts from zero moments, as
         --no-load-optim does), train M steps on the batches that followed; FILE gets the losses and
         DIR_resumed_tpT/ the final state.
+
+Pipeline stages (--pp P): one micro-batch goes through the stages by point-to-point send/recv and its
+gradients back, then megatron-core's finalize_model_grads syncs the DP grads and the tied embedding's
+grads between the first and last stage (as Megatron-LM's schedule does); rank directories are then
+mp_rank_TT_PPP.
+
+Data parallelism (--dp D, world size = TP x PP x D): every step's batch of BATCH samples is split evenly
+over the D ranks and megatron-core's DDP averages the gradients, so the maths is the DP 1 run's up to
+reduction order; the loss printed is the average over the DP ranks. --distributed-optimizer runs
+megatron-core's DistributedOptimizer (DistributedDataParallelConfig and OptimizerConfig
+use_distributed_optimizer) and saves as Megatron-LM does for --ckpt-format torch: DP rank 0 of each
+TP rank writes model_optim_rng.pt with optimizer.state_dict() (param groups, no tensors), and
+optimizer.save_parameter_state() writes distrib_optim.pt beside it (gathered over DP); resume loads
+them back with load_state_dict + load_parameter_state, as Megatron-LM's load_checkpoint does.
 
 megatron-core's optimizer is written for CUDA tensors: the shims below let it run on a CPU-only torch
 (device='cuda' -> cpu at tensor creation; Tensor.type() answers with the CUDA type name megatron-core's
@@ -51,6 +67,44 @@ def _cpu_shims():
                                                 else orig_type(self).replace("torch.", "torch.cuda.", 1))
 
 
+def _gloo_reduce_scatter():
+    """gloo has no reduce_scatter_tensor: the same reduction as an all_reduce of the whole bucket, each
+    rank then keeping its own shard (what reduce-scatter returns; only the communication differs). The
+    buckets' collectives run one by one rather than coalesced: gloo would defer the all_reduce to the
+    end of the coalescing block, after the shard was taken."""
+    import megatron.core.distributed.param_and_grad_buffer as pgb
+    pgb._coalescing_manager = lambda *a, **k: contextlib.nullcontext()
+
+    def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        whole = input.clone()
+        dist.all_reduce(whole, op=op, group=group)
+        rank = dist.get_rank(group)
+        output.copy_(whole[rank * output.numel():(rank + 1) * output.numel()])
+        return None
+
+    pgb.dist_reduce_scatter_func = reduce_scatter
+
+
+def _torch_adam_step_kept():
+    """megatron-core 0.16 with torch's own Adam (no Apex/TE, as on this CPU) loads distrib_optim.pt by
+    copying every key of the torch Adam state, torch's per-parameter 'step' included, which the file does
+    not hold (load_state_dict has already set it from the param groups): keep that step. load_state_dict
+    also gives every parameter the SAME step tensor, which torch's Adam then increments once per
+    parameter in place: each parameter gets its own copy, as a fresh torch Adam has."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    orig = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        group, order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
+        if "step" in state and "step" not in tensors:
+            state["step"] = state["step"].clone()
+            tensors = dict(tensors, step=state["step"])
+        return orig(self, model_param, tensors)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
 if not torch.cuda.is_available():
     _cpu_shims()
 
@@ -59,6 +113,7 @@ import mcore_dist_helper as H  # noqa: E402  (its own CUDA shims for the model; 
 
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
+from megatron.core.distributed import finalize_model_grads  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 
@@ -67,22 +122,27 @@ BATCH = 2
 
 
 def batch(step: int):
-    """The data of one training step: the same on every rank and in every run."""
+    """This rank's share of one training step's data: the step's BATCH samples are the same in every
+    run; DP rank r of D takes samples r, r + D, ..."""
     g = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(0, H.VOCAB, (BATCH, H.SEQ + 1), generator=g)
+    dp, r = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    tokens = tokens[r::dp]
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def build(arch, tp, dtype):
-    model, cfg = H.build(arch, tp)
+def build(arch, tp, dtype, distributed=False, pp=1):
+    model, cfg = H.build(arch, tp, pp)
     model.train()
     if dtype == "bf16":
         model = model.to(torch.bfloat16)
         cfg.bf16, cfg.params_dtype = True, torch.bfloat16
-    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(), model)
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=distributed),
+                                  model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=LR, min_lr=MIN_LR, weight_decay=WD,
                                                  adam_beta1=0.9, adam_beta2=0.95, clip_grad=0.0,
-                                                 bf16=dtype == "bf16"), [ddp])
+                                                 bf16=dtype == "bf16", use_distributed_optimizer=distributed),
+                                 [ddp])
     sched = OptimizerParamScheduler(opt, init_lr=LR, max_lr=LR, min_lr=MIN_LR, lr_warmup_steps=0,
                                     lr_decay_steps=100, lr_decay_style="cosine", start_wd=WD, end_wd=WD,
                                     wd_incr_steps=100, wd_incr_style="constant")
@@ -91,75 +151,166 @@ def build(arch, tp, dtype):
 
 
 def train_step(ddp, opt, sched, step: int) -> float:
+    """One step on this rank's share of the batch. With pipeline stages (one micro-batch): each stage
+    receives its input hidden states from the one before, the last computes the loss, gradients travel
+    back the same way; megatron-core's finalize_model_grads then syncs DP grads and the tied
+    embedding's grads between the first and last stage, as Megatron-LM's schedule does."""
     tokens, labels = batch(step)
-    pos = torch.arange(H.SEQ).unsqueeze(0).expand(BATCH, H.SEQ)
+    pos = torch.arange(H.SEQ).unsqueeze(0).expand(tokens.shape[0], H.SEQ)
     mask = torch.triu(torch.ones(1, 1, H.SEQ, H.SEQ, dtype=torch.bool), diagonal=1)
+    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    model = ddp.module
     ddp.zero_grad_buffer()
     opt.zero_grad()
-    loss = ddp(tokens, pos, attention_mask=mask, labels=labels).float().mean()
-    loss.backward()
-    ddp.finish_grad_sync()
+    hidden = None
+    if not first:
+        hidden = torch.empty(H.SEQ, tokens.shape[0], model.config.hidden_size, dtype=model.config.params_dtype)
+        dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
+        hidden.requires_grad_()
+        model.set_input_tensor(hidden)
+    out = ddp(tokens, pos, attention_mask=mask, labels=labels if last else None)
+    if last:
+        loss = out.float().mean()
+        loss.backward()
+    else:
+        dist.send(out.detach().contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
+        grad = torch.empty_like(out)
+        dist.recv(grad, src=parallel_state.get_pipeline_model_parallel_next_rank())
+        out.backward(grad)
+        loss = torch.zeros(())
+    if not first:
+        dist.send(hidden.grad.contiguous(), dst=parallel_state.get_pipeline_model_parallel_prev_rank())
+    if first and last:
+        ddp.finish_grad_sync()
+    else:
+        finalize_model_grads([ddp])
     ok, _, _ = opt.step()
     assert ok, "optimizer step skipped"
     sched.step(increment=1)
-    return loss.item()
+    loss = loss.detach().float().clone()
+    dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+    dist.all_reduce(loss, group=parallel_state.get_pipeline_model_parallel_group())  # only the last stage's is non-zero
+    return loss.item() / parallel_state.get_data_parallel_world_size()
 
 
-def save(root: Path, model, opt, sched, cfg, arch, tp, iteration):
-    """This rank's model_optim_rng.pt as Megatron-LM writes it for --ckpt-format torch."""
-    args = H.megatron_args(arch, cfg, tp)
+def _rank_dir() -> str:
+    name = f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}"
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        name += f"_{parallel_state.get_pipeline_model_parallel_rank():03d}"
+    return name
+
+
+def save(root: Path, model, opt, sched, cfg, arch, tp, iteration, distributed=False):
+    """This rank's model_optim_rng.pt as Megatron-LM writes it for --ckpt-format torch (from DP rank 0),
+    and with the distributed optimizer its distrib_optim.pt (a collective over the DP ranks)."""
+    args = H.megatron_args(arch, cfg, tp, parallel_state.get_pipeline_model_parallel_world_size())
+    args.data_parallel_size = parallel_state.get_data_parallel_world_size()
+    args.world_size = dist.get_world_size()
+    args.use_distributed_optimizer = distributed
+    args.overlap_grad_reduce = False  # megatron-core then builds one bucket per grad buffer
+    args.accumulate_allreduce_grads_in_fp32 = False  # DistributedDataParallelConfig's default, as above
     args.ckpt_format = "torch"
     args.bf16 = cfg.bf16
     args.params_dtype = cfg.params_dtype
     args.iteration = iteration
     args.consumed_train_samples = iteration * BATCH
-    d = root / f"iter_{iteration:07d}" / f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}"
+    d = root / f"iter_{iteration:07d}" / _rank_dir()
     d.mkdir(parents=True, exist_ok=True)
     state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
              "model": model.state_dict_for_save_checkpoint(), "optimizer": opt.state_dict(),
              "opt_param_scheduler": sched.state_dict()}
-    torch.save(state, d / "model_optim_rng.pt")
+    if parallel_state.get_data_parallel_rank() == 0:
+        torch.save(state, d / "model_optim_rng.pt")
+    if distributed:
+        opt.save_parameter_state(str(d / "distrib_optim.pt"))
     dist.barrier()
     if dist.get_rank() == 0:
         (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     dist.barrier()
 
 
-def load(root: Path, model, opt, sched, weights_only: bool) -> int:
+def load(root: Path, model, opt, sched, weights_only: bool, distributed=False) -> int:
     """As Megatron-LM's load_checkpoint for --ckpt-format torch with --no-load-rng (and --no-load-optim
     when weights_only)."""
     it = int((root / "latest_checkpointed_iteration.txt").read_text())
-    d = root / f"iter_{it:07d}" / f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}"
+    d = root / f"iter_{it:07d}" / _rank_dir()
     state = torch.load(d / "model_optim_rng.pt", map_location="cpu", weights_only=False)
     assert state["args"].tensor_model_parallel_size == parallel_state.get_tensor_model_parallel_world_size()
     model.load_state_dict(state["model"], strict=True)
     if not weights_only:
         opt.load_state_dict(state["optimizer"])
+        if distributed:
+            opt.load_parameter_state(str(d / "distrib_optim.pt"))
         sched.load_state_dict(state["opt_param_scheduler"])
     else:  # --no-load-optim: the scheduler still starts from the checkpoint's iteration
         sched.step(increment=state["iteration"])
     return state["iteration"]
 
 
+def live_state(model, opt) -> dict:
+    """{(TP rank, PP rank): {parameter name: {"param", "exp_avg", "exp_avg_sq"}}}: the live distributed
+    optimizer's fp32 master and moments of every parameter (decoder layers named by their global index),
+    assembled from each DP rank's shard at the ranges megatron-core's own range maps give (independent
+    of how ckptool recomputes the buffer layout)."""
+    (opt,) = getattr(opt, "chained_optimizers", [opt])  # a dense model: one DistributedOptimizer
+    mine = {}
+    names = {}
+    for n, p in model.named_parameters():
+        parts = n.split(".")
+        if parts[:2] == ["decoder", "layers"]:
+            parts[2] = str(model.decoder.layers[int(parts[2])].layer_number - 1)
+        names[p] = ".".join(parts)
+    for gbuf_range_maps in opt.gbuf_ranges:
+        for maps in gbuf_range_maps.values():
+            for bucket_map in maps:
+                for param, ranges in bucket_map["param_map"].items():
+                    tensors = opt._get_main_param_and_optimizer_states(param)
+                    r = ranges["param"]
+                    mine[names[param]] = (param.numel(), tuple(param.shape), r.start, r.end,
+                                          {k: tensors[k].detach().float().clone() for k in
+                                           ("param", "exp_avg", "exp_avg_sq")})
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, ((parallel_state.get_tensor_model_parallel_rank(),
+                                    parallel_state.get_pipeline_model_parallel_rank()), mine))
+    out: dict = {}
+    for rank, pieces in every:
+        for name, (numel, shape, start, end, tensors) in pieces.items():
+            full = out.setdefault(rank, {}).setdefault(
+                name, {k: torch.full((numel,), float("nan")) for k in tensors})
+            for k, v in tensors.items():
+                full[k][start:end] = v
+    for params in out.values():
+        for name, full in params.items():
+            assert not any(t.isnan().any() for t in full.values()), f"{name}: DP shards do not cover it"
+    return out
+
+
 def run_job(a):
-    model, ddp, opt, sched, cfg = build(a.arch, a.tp, a.dtype)
+    if a.distributed_optimizer and not torch.cuda.is_available():
+        _gloo_reduce_scatter()
+        _torch_adam_step_kept()
+    model, ddp, opt, sched, cfg = build(a.arch, a.tp, a.dtype, a.distributed_optimizer, a.pp)
     root = Path(a.dir)
-    losses = []
+    losses, result = [], {}
     if a.mode == "train":
         for step in range(a.steps):
             losses.append(train_step(ddp, opt, sched, step))
-        save(root, model, opt, sched, cfg, a.arch, a.tp, a.steps)
+        save(root, model, opt, sched, cfg, a.arch, a.tp, a.steps, a.distributed_optimizer)
+        if a.distributed_optimizer:
+            result["live"] = live_state(model, opt)
         for step in range(a.steps, a.steps + a.more):
             losses.append(train_step(ddp, opt, sched, step))
-        save(Path(f"{root}_continued"), model, opt, sched, cfg, a.arch, a.tp, a.steps + a.more)
+        save(Path(f"{root}_continued"), model, opt, sched, cfg, a.arch, a.tp, a.steps + a.more,
+             a.distributed_optimizer)
     else:
-        start = load(root, model, opt, sched, a.weights_only)
+        start = load(root, model, opt, sched, a.weights_only, a.distributed_optimizer)
         for step in range(start, start + a.more):
             losses.append(train_step(ddp, opt, sched, step))
         tag = "weights_only" if a.weights_only else "resumed"
-        save(Path(f"{root}_{tag}_tp{a.tp}"), model, opt, sched, cfg, a.arch, a.tp, start + a.more)
+        save(Path(f"{root}_{tag}_tp{a.tp}"), model, opt, sched, cfg, a.arch, a.tp, start + a.more,
+             a.distributed_optimizer)
     if dist.get_rank() == 0:
-        torch.save({"losses": losses}, a.out)
+        torch.save({"losses": losses, **result}, a.out)
     dist.barrier()
     parallel_state.destroy_model_parallel()
 
@@ -174,11 +325,15 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--more", type=int, default=2)
     ap.add_argument("--weights-only", action="store_true")
+    ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--distributed-optimizer", action="store_true")
     ap.add_argument("--out", required=True)
     jobs = [ap.parse_args(job.split()) for job in sys.argv[1:]]
     dist.init_process_group("gloo")
-    for job in jobs:  # DP is 1 in these runs: every job's TP size is the world size
-        assert job.tp == dist.get_world_size(), "run each job under torchrun with --nproc-per-node TP"
+    for job in jobs:
+        assert job.tp * job.pp * job.dp == dist.get_world_size(), \
+            "run each job under torchrun with --nproc-per-node TP x PP x DP"
         run_job(job)
     dist.destroy_process_group()
 

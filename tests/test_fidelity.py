@@ -41,7 +41,7 @@ FLAGS = {
     "squared_relu": ("activation", "squared_relu", "gelu", None),
     "layernorm_eps": ("norm_eps", 0.5, 1e-5, None),
     "layernorm_1p": ("apply_layernorm_1p", True, False, None),
-    "qk_layernorm": ("qk_layernorm", True, False, "--qk-layernorm"),
+    "qk_layernorm": ("qk_layernorm", True, False, None),  # RMSNorm per head: exports as Qwen3ForCausalLM
     "add_qkv_bias": ("add_qkv_bias", True, False, None),
     "rotary_base": ("rotary_base", 37.0, 10000.0, None),
     "rotary_percent": ("rotary_percent", 0.5, 1.0, "--rotary-percent"),
@@ -293,7 +293,7 @@ SCHEMA_CONFIG = {"num_layers", "hidden_size", "num_attention_heads", "num_query_
                  "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by", "max_position_embeddings",
                  "normalization", "norm_eps", "activation", "position_embedding", "rotary_base", "rotary_percent",
                  "rotary_interleaved", "tied_embeddings", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
-                 "apply_layernorm_1p"}
+                 "apply_layernorm_1p", "moe"}
 
 
 def test_inspect_json_schema_is_the_documented_one(fixture_dir, built):

@@ -256,7 +256,8 @@ def test_interleaved_rotary_and_layernorm_1p_are_converted(models, tmp_path):
 
 @pytest.mark.parametrize("change, flag", [
     (dict(rotary_percent=0.5), "--rotary-percent"),
-    (dict(qk_layernorm=True), "--qk-layernorm"),
+    (dict(qk_layernorm=True, normalization="layernorm"), "--qk-layernorm with LayerNorm"),
+    (dict(qk_layernorm=True), "lacks layers.0.attn.q_norm.weight"),  # Qwen3's norms, but no tensors for them
     (dict(post_layernorm_residual=True), "--apply-residual-connection-post-layernorm"),
 ])
 def test_unrepresentable_flags_are_refused(models, tmp_path, change, flag):

@@ -8,14 +8,11 @@ import traceback
 from typing import Callable, Optional
 
 import click
-import torch
 from tqdm import tqdm
 
-from ..errors import CkptError
-from ..options import ReadOptions
-
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
-          "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from ..api import DTYPES, PAD_FILLS
+from ..errors import EXIT, CkptError, exit_status_of
+from ..options import CHOICES, ReadOptions, pop_read_options
 
 
 def source_options(fn: Callable) -> Callable:
@@ -25,7 +22,7 @@ def source_options(fn: Callable) -> Callable:
                      help="Read iter_XXXXXXX of this iteration instead of the tracker's (Megatron)."),
         click.option("--true-vocab-size", type=int, default=None,
                      help="The real vocabulary size; rows beyond it are padding. Overrides what the checkpoint says."),
-        click.option("--replicas", type=click.Choice(["first", "mean", "strict"]), default="first",
+        click.option("--replicas", type=click.Choice(CHOICES["replicas"]), default="first",
                      show_default=True,
                      help="Tensors that should be identical on every TP rank but differ: take rank 0's copy, "
                           "average them, or fail."),
@@ -33,16 +30,16 @@ def source_options(fn: Callable) -> Callable:
                      help="Attention heads, for checkpoints that store no args (2019 Megatron files)."),
         click.option("--num-query-groups", type=int, default=None,
                      help="Query groups (GQA), for checkpoints that store no args."),
-        click.option("--weights", type=click.Choice(["master", "model"]), default=None,
+        click.option("--weights", type=click.Choice(CHOICES["weights"]), default=None,
                      help="DeepSpeed: fp32 master weights from the ZeRO optimizer shards (default where present) "
                           "or the 16-bit module weights the engine saved."),
-        click.option("--qkv-layout", type=click.Choice(["grouped", "split"]), default=None,
+        click.option("--qkv-layout", type=click.Choice(CHOICES["qkv_layout"]), default=None,
                      help="Megatron-DeepSpeed fused QKV packing per TP rank: per group/head [q,k,v] "
                           "(before 2024-12, default) or [all q | all k | all v] (since 2024-12)."),
         click.option("--hf-config", type=click.Path(), default=None,
                      help="DeepSpeed runs of Hugging Face models: the model's config.json (or its directory); "
                           "found automatically beside the checkpoint."),
-        click.option("--activation", type=click.Choice(["gelu", "gelu_tanh", "swiglu", "squared_relu"]),
+        click.option("--activation", type=click.Choice(CHOICES["activation"]),
                      default=None, help="Override the MLP activation read from the checkpoint."),
         # Checkpoints without args (bare dist_checkpointing / DCP saves): sizes shapes cannot tell.
         click.option("--num-layers", type=int, default=None, help="Layers, for checkpoints that store no args."),
@@ -53,7 +50,7 @@ def source_options(fn: Callable) -> Callable:
                      help="Sequence length of rotary models, for checkpoints that store no args."),
         click.option("--vocab-size", type=int, default=None,
                      help="True vocabulary size, for checkpoints that store no args (rows beyond it are padding)."),
-        click.option("--normalization", type=click.Choice(["layernorm", "rmsnorm"]), default=None,
+        click.option("--normalization", type=click.Choice(CHOICES["normalization"]), default=None,
                      help="Norm type, for checkpoints that store no args."),
         click.option("--rotary-base", type=float, default=None, help="RoPE base, for checkpoints that store no args."),
         click.option("--args-from", type=click.Path(exists=True), default=None,
@@ -65,15 +62,8 @@ def source_options(fn: Callable) -> Callable:
 
 
 def read_options(kw: dict) -> ReadOptions:
-    overrides = {k: kw.pop(k, None) for k in ("num_attention_heads", "num_query_groups", "activation",
-                                             "num_layers", "hidden_size", "ffn_hidden_size",
-                                             "max_position_embeddings", "vocab_size", "normalization",
-                                             "rotary_base")}
-    return ReadOptions(iteration=kw.pop("iteration", None), true_vocab_size=kw.pop("true_vocab_size", None),
-                       replicas=kw.pop("replicas", "first"), weights=kw.pop("weights", None),
-                       qkv_layout=kw.pop("qkv_layout", None), hf_config=kw.pop("hf_config", None),
-                       args_from=kw.pop("args_from", None),
-                       overrides={k: v for k, v in overrides.items() if v is not None})
+    """The reading options of source_options, taken out of a command's keyword arguments."""
+    return pop_read_options(kw)
 
 
 def output_options(fn: Callable) -> Callable:
@@ -81,9 +71,9 @@ def output_options(fn: Callable) -> Callable:
         click.option("--force", is_flag=True, help="Replace DST if it exists."),
         click.option("--dtype", type=click.Choice(sorted(DTYPES)), default=None,
                      help="Cast tensors to this dtype (default: keep the stored dtype)."),
-        click.option("--make-vocab-size-divisible-by", "divisible_by", type=int, default=None,
+        click.option("--make-vocab-size-divisible-by", type=int, default=None,
                      help="Pad the vocabulary to a multiple of this times TP (default: the source's, else 128)."),
-        click.option("--pad-fill", type=click.Choice(["zero", "mean", "last"]), default="zero", show_default=True,
+        click.option("--pad-fill", type=click.Choice(PAD_FILLS), default="zero", show_default=True,
                      help="How new vocabulary padding rows are filled."),
     ]
     for o in reversed(opts):
@@ -94,11 +84,14 @@ def output_options(fn: Callable) -> Callable:
 class Progress:
     """A byte-counting tqdm bar on stderr (silent when stderr is not a terminal unless forced)."""
 
-    def __init__(self, total: int, desc: str):
+    def __init__(self, desc: str, total: Optional[int] = None):
         self.bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
                         file=sys.stderr, leave=False, disable=None)
 
-    def __call__(self, n: int) -> None:
+    def __call__(self, n: int, total: Optional[int] = None) -> None:
+        """n more bytes written (the API's progress(bytes, total) hook)."""
+        if total and self.bar.total != total:
+            self.bar.total = total
         self.bar.update(n)
 
     def close(self) -> None:
@@ -118,7 +111,9 @@ def human_bytes(n: float) -> str:
 
 
 def reports_errors(fn: Callable) -> Callable:
-    """Turn CkptError into one line on stderr and exit status 2; other failures into exit 1."""
+    """Turn CkptError into one line on stderr and EXIT["bad_input"]; other failures into EXIT["internal"]
+    (statuses: errors.EXIT_STATUSES). Under torchrun the line is printed once, by the rank that found
+    the error (rank 0 when every rank did), and every rank exits with the same status."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -129,28 +124,33 @@ def reports_errors(fn: Callable) -> Callable:
             return result
         except BrokenPipeError:
             _quiet_broken_pipe()
-        except CkptError as e:
-            if debug:
+        except (KeyboardInterrupt, Exception) as e:
+            if debug and not isinstance(e, KeyboardInterrupt):
                 traceback.print_exc()
-            click.echo(f"error: {e}", err=True)
-            sys.exit(2)
-        except OSError as e:
-            if debug:
-                traceback.print_exc()
-            from ..io.outdir import translate_os_error
-            click.echo(f"error: {translate_os_error(e, getattr(e, 'filename', '') or 'the output')}", err=True)
-            sys.exit(2)
-        except KeyboardInterrupt:
-            click.echo("interrupted: nothing was written to the output", err=True)
-            sys.exit(130)
-        except Exception as e:  # a bug: say so, keep the traceback for --debug
-            if debug:
-                traceback.print_exc()
-            click.echo(f"internal error: {type(e).__name__}: {e} (rerun with `ckptool --debug ...` "
-                       "and report it)", err=True)
-            sys.exit(1)
+            _fail(error_line(e), exit_status_of(e), getattr(e, "reporter", 0))
 
     return wrapper
+
+
+def error_line(e: BaseException) -> str:
+    """The one line a failed command prints."""
+    if isinstance(e, CkptError):
+        return f"error: {e}"
+    if isinstance(e, OSError):
+        from ..io.outdir import translate_os_error
+        return f"error: {translate_os_error(e, getattr(e, 'filename', '') or 'the output')}"
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted: nothing was written to the output"
+    return f"internal error: {type(e).__name__}: {e} (rerun with `ckptool --debug ...` and report it)"
+
+
+def _fail(line: str, status: int, reporter: int) -> None:
+    from ..distributed import fail_as_team, torchrun_rank
+    say = lambda text: click.echo(text, err=True)  # noqa: E731
+    if torchrun_rank() is None:
+        say(line)
+        sys.exit(status)
+    fail_as_team(line, status, reporter, say)
 
 
 def _quiet_broken_pipe() -> None:
@@ -162,7 +162,7 @@ def _quiet_broken_pipe() -> None:
         os.dup2(devnull, sys.stdout.fileno())
     except (OSError, ValueError):
         pass
-    sys.exit(141)  # the status a process killed by SIGPIPE reports through the shell (128 + 13)
+    sys.exit(EXIT["broken_pipe"])  # the status a process killed by SIGPIPE reports through the shell (128 + 13)
 
 
 def print_warnings(ckpt) -> None:
@@ -170,23 +170,31 @@ def print_warnings(ckpt) -> None:
         warn(w)
 
 
-def write_reported(ckpt, verb: str, write: Callable) -> Optional[dict]:
-    """write(progress) under a byte progress bar named verb. Returns its summary on the rank that
-    reports (with the source's warnings printed: replica checks run as tensors load, so only now are
-    they all known), None on the other ranks of a torchrun team."""
-    from ..distributed import current_team
-    bar = Progress(ckpt.total_bytes, verb)
-    try:
-        summary = write(bar)
-    finally:
-        bar.close()
-    if not current_team().leader:  # under torchrun, rank 0 reports for everyone
-        return None
-    print_warnings(ckpt)
-    return summary
+class LiveWarnings:
+    """The API's warn hook for a command: prints each warning as it arises, remembers which."""
+
+    def __init__(self):
+        self.printed = set()
+
+    def __call__(self, message: str) -> None:
+        self.printed.add(message)
+        warn(message)
 
 
-def conversion_line(verb: str, src, ckpt, dst, target: str) -> str:
+def report_conversion(result, lines: list, live: LiveWarnings) -> None:
+    """A conversion's report, on the rank that reports for the team: lines on stdout, then the warnings
+    not printed as they arose (the source's replica checks run as tensors load, so only now are they
+    all known)."""
+    if not result.leader:
+        return
+    for line in lines:
+        click.echo(line)
+    for w in result.warnings:
+        if w not in live.printed:
+            warn(w)
+
+
+def conversion_line(result, target: str) -> str:
     """First line of a conversion's report: what was read, where it went, as what."""
-    s = ckpt.source
-    return f"{verb}: {src} ({s.format} {s.dialect}, {s.layout.describe()}) -> {dst} ({target})"
+    s = result.checkpoint.source
+    return f"{result.command}: {result.src} ({s.format} {s.dialect}, {s.layout.describe()}) -> {result.dst} ({target})"

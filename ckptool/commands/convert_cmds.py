@@ -1,48 +1,69 @@
-"""`ckptool merge`, `ckptool reshard`, `ckptool fix-vocab`: Megatron layouts in, Megatron layouts out."""
+"""`ckptool merge`, `ckptool reshard`, `ckptool fix-vocab`: Megatron layouts in, Megatron layouts out.
+Each parses its options, calls the function of the same name in ckptool/api.py and prints the report."""
 from __future__ import annotations
 
 import click
 
-from ..config import Layout, parse_stage_layers
-from ..convert import fix_vocab, write_layout
+from .. import api
 from ..formats.megatron_names import DIALECTS
-from ..formats.registry import open_checkpoint
-from .common import (DTYPES, conversion_line, human_bytes, output_options, read_options, reports_errors,
-                     source_options, warn, write_reported)
+from .common import (LiveWarnings, Progress, conversion_line, human_bytes, output_options, report_conversion,
+                     reports_errors, source_options)
 
 
-def _run(src, dst, layout: Layout, kw: dict, verb: str, transform=None):
-    fmt = kw.pop("out_format", None)
-    dialect = kw.pop("dialect", None)
-    dtype = DTYPES[kw.pop("dtype")] if kw.get("dtype") else kw.pop("dtype", None)
-    force = kw.pop("force")
-    divisible_by = kw.pop("divisible_by")
-    pad_fill = kw.pop("pad_fill")
-    release = kw.pop("release", None)
-    ckpt = open_checkpoint(src, read_options(kw))
-    if transform is not None:
-        ckpt = transform(ckpt)
-    summary = write_reported(ckpt, verb, lambda bar: write_layout(
-        ckpt, dst, layout, fmt=fmt, force=force, progress=bar, warn=warn, dialect=dialect, dtype=dtype,
-        divisible_by=divisible_by, pad_fill=pad_fill, release=release))
-    if summary is None:
-        return
-    click.echo(conversion_line(verb, src, ckpt, dst,
-                               f"{summary['format']} {summary.get('dialect', '')}, {layout.describe()}"))
-    vocab = ckpt.config.vocab_size
-    click.echo(f"  {summary['files']} files, {human_bytes(summary['bytes'])} of tensors, vocab "
-               f"{vocab if vocab is not None else 'unknown'} padded to {summary['padded_vocab_size']}, "
-               f"{summary['iteration_dir']}")
-    if ckpt.source.format == "megatron":
-        warn("optimizer and RNG state were not copied (weights only): resume training from this "
-             "checkpoint with --no-load-optim --no-load-rng, or --finetune")
+def _run(convert, verb: str, src, dst, **kw) -> None:
+    """Call api.<convert> with a progress bar and live warnings, print its report."""
+    live, bar = LiveWarnings(), Progress(verb)
+    try:
+        result = convert(src, dst, progress=bar, warn=live, **kw)
+    finally:
+        bar.close()
+    s, vocab = result.summary, result.checkpoint.config.vocab_size
+    report_conversion(result, [
+        conversion_line(result, f"{s['format']} {s.get('dialect', '')}, {result.layout.describe()}"),
+        f"  {s['files']} files, {human_bytes(s['bytes'])} of tensors, vocab "
+        f"{vocab if vocab is not None else 'unknown'} padded to {s['padded_vocab_size']}, {s['iteration_dir']}",
+        *_training_state_lines(s, result.checkpoint, kw.get("optimizer", True))],
+        live)
+
+
+def _training_state_lines(summary: dict, ckpt, optimizer: bool) -> list:
+    """What the output holds beside the weights, and how Megatron resumes from it."""
+    carried = summary.get("optimizer")
+    if carried:
+        where = (f"distrib_optim.pt files for DP {carried['distributed']['dp']}" if carried.get("distributed")
+                 else "non-distributed layout")
+        return [f"  optimizer state carried ({carried['kind']}, step {carried['step']}, {carried['groups']} "
+                f"param groups, {where}); RNG state is not: resume with --no-load-rng"]
+    if ckpt.source.format != "megatron":
+        return []
+    why = "--no-optimizer" if ckpt.optimizer is not None and not optimizer else "weights only"
+    return [f"  {why}: resume training from this checkpoint with --no-load-optim --no-load-rng, or --finetune"]
 
 
 def megatron_output_options(fn):
     fn = click.option("--dialect", type=click.Choice(sorted(DIALECTS)), default=None,
                       help="Key-name dialect to write (default: the source's; mcore for non-Megatron sources).")(fn)
-    fn = click.option("--format", "out_format", type=click.Choice(["torch", "torch_dist"]), default=None,
-                      help="Megatron checkpoint format to write (default: the source's).")(fn)
+    fn = click.option("--format", type=click.Choice(api.OUTPUT_FORMATS), default=None,
+                      help="Format to write (default: the source's): Megatron torch or torch_dist, or "
+                           "ds-universal (a DeepSpeed universal checkpoint with the optimizer state; merge only).")(fn)
+    fn = click.option("--optimizer/--no-optimizer", default=True, show_default=True,
+                      help="Carry the optimizer state (fp32 masters, Adam moments, step, param groups, LR "
+                           "scheduler) when the source has it and the target format holds it, so training "
+                           "resumes on the new layout; --no-optimizer writes the weights only.")(fn)
+    fn = click.option("--dp", type=click.IntRange(min=1), default=None,
+                      help="With --distributed-optimizer: the data-parallel size the resuming run will use "
+                           "(default 1).")(fn)
+    fn = click.option("--distributed-optimizer", is_flag=True, default=False,
+                      help="Write the optimizer state as Megatron's distributed optimizer does "
+                           "(--use-distributed-optimizer): a distrib_optim.pt beside each rank file, laid out "
+                           "for --dp N; without it the non-distributed layout is written, whatever the source.")(fn)
+    fn = click.option("--dp", type=click.IntRange(min=1), default=None,
+                      help="With --distributed-optimizer: the data-parallel size the resuming run will use "
+                           "(default 1).")(fn)
+    fn = click.option("--distributed-optimizer", is_flag=True, default=False,
+                      help="Write the optimizer state as Megatron's distributed optimizer does "
+                           "(--use-distributed-optimizer): a distrib_optim.pt beside each rank file, laid out "
+                           "for --dp N; without it the non-distributed layout is written, whatever the source.")(fn)
     fn = click.option("--release/--no-release", default=None,
                       help="Write under release/ with the tracker holding 'release' "
                            "(default: for the 2019 dialect, and when the source was a release).")(fn)
@@ -63,7 +84,7 @@ def merge_cmd(src, dst, **kw):
     source's dialect with the vocabulary padding redone for one rank. Same as
     `ckptool reshard SRC DST --tp 1 --pp 1`.
     """
-    _run(src, dst, Layout(1, 1), kw, "merge")
+    _run(api.merge, "merge", src, dst, **kw)
 
 
 @click.command("reshard")
@@ -85,10 +106,7 @@ def reshard_cmd(src, dst, tp, pp, vpp, pp_layers, **kw):
     args and checkpoint_version that Megatron itself accepts. Layers are split evenly across
     stages; an uneven split needs --pp-layers.
     """
-    if vpp is not None and vpp < 2:
-        vpp = None
-    layout = Layout(tp=tp, pp=pp, vpp=vpp, stage_layers=parse_stage_layers(pp_layers))
-    _run(src, dst, layout, kw, "reshard")
+    _run(api.reshard, "reshard", src, dst, tp=tp, pp=pp, vpp=vpp, pp_layers=pp_layers, **kw)
 
 
 @click.command("fix-vocab")
@@ -109,31 +127,5 @@ def fix_vocab_cmd(src, dst, size, multiple, **kw):
     (TP/PP) stays the source's; the size must divide evenly across its TP ranks. Real rows are never
     cut: asking for fewer rows than the true vocabulary is refused.
     """
-    pad_fill = kw["pad_fill"]
-    holder = {}
-
-    def transform(ckpt):
-        out = fix_vocab(ckpt, size=size, multiple=multiple, pad_fill=pad_fill)
-        holder["rows"] = out.config.padded_vocab_size
-        return out
-
-    # Keep the source layout; tell the writer the exact row count (divisor 1, true size = rows).
-    from ..formats.registry import open_checkpoint as _open
-    lay = None
-    kw_copy = dict(kw)
-    probe = _open(src, read_options(kw_copy))
-    lay = probe.source.layout
-    rows = fix_vocab(probe, size=size, multiple=multiple).config.padded_vocab_size
-    if rows % lay.tp:
-        from ..errors import CkptError
-        raise CkptError(f"{rows} rows cannot be split evenly across the checkpoint's {lay.tp} TP ranks",
-                        f"choose a size that is a multiple of {lay.tp}")
-
-    def exact(ckpt):
-        out = transform(ckpt)
-        return out.with_tensors(out.tensors, vocab_size=out.config.padded_vocab_size,
-                                vocab_size_source="fix-vocab")
-
-    kw["divisible_by"] = 1
-    layout = Layout(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, stage_layers=lay.stage_layers)
-    _run(src, dst, layout, kw, "fix-vocab", transform=exact)
+    kw.pop("make_vocab_size_divisible_by")  # the size decides the padding
+    _run(api.fix_vocab, "fix-vocab", src, dst, size=size, multiple=multiple, **kw)

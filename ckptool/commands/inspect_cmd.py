@@ -1,15 +1,25 @@
 """`ckptool inspect PATH [--json]`: what a checkpoint is, without converting anything."""
 from __future__ import annotations
 
+import dataclasses
 import json
+from typing import Optional
 
 import click
 
-from ..formats.registry import open_checkpoint
+from .. import api
 from ..state import Checkpoint
-from .common import human_bytes, read_options, reports_errors, source_options, print_warnings
+from .common import human_bytes, reports_errors, source_options, print_warnings
 
 INSPECT_SCHEMA_VERSION = 1
+
+
+def _moe(moe) -> Optional[dict]:
+    if moe is None:
+        return None
+    doc = dataclasses.asdict(moe)
+    doc["layers"] = list(moe.layers)
+    return doc
 
 
 def describe(ckpt: Checkpoint) -> dict:
@@ -39,13 +49,32 @@ def describe(ckpt: Checkpoint) -> dict:
             "tied_embeddings": cfg.tied_embeddings, "add_bias_linear": cfg.add_bias_linear,
             "add_qkv_bias": cfg.add_qkv_bias, "qk_layernorm": cfg.qk_layernorm,
             "apply_layernorm_1p": cfg.apply_layernorm_1p,
+            "moe": _moe(cfg.moe),
+            "mla": dataclasses.asdict(cfg.mla) if cfg.mla is not None else None,
+            "rope_yarn": dataclasses.asdict(cfg.rope_yarn) if cfg.rope_yarn is not None else None,
         },
         "vocab_size_source": cfg.vocab_size_source,
         "total_bytes": ckpt.total_bytes,
         "tensors": [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
                     for n, t in ckpt.tensors.items()],
+        "optimizer": describe_optimizer(ckpt),
         "warnings": list(ckpt.warnings),
     }
+
+
+def describe_optimizer(ckpt: Checkpoint):
+    """The training state beside the weights, or None for a weights-only checkpoint."""
+    opt = ckpt.optimizer
+    if opt is None:
+        return None
+    dtypes = {slot: sorted({str(t.dtype).replace("torch.", "") for t in ts.values()}) for slot, ts in opt.slots.items()}
+    return {"kind": opt.kind, "step": opt.step, "slots": opt.slot_names(), "dtypes": dtypes,
+            "bytes": opt.total_bytes, "consumed_samples": opt.consumed_samples,
+            "scheduler": opt.scheduler is not None, "grad_scaler": opt.grad_scaler is not None,
+            "param_groups": [{"tensors": len(g.names),
+                              **{k: g.hyper[k] for k in ("lr", "weight_decay", "wd_mult", "lr_mult")
+                                 if k in g.hyper and isinstance(g.hyper[k], (int, float))}}
+                             for g in opt.param_groups]}
 
 
 @click.command("inspect")
@@ -61,7 +90,7 @@ def inspect_cmd(path, as_json, tensors, **kw):
     torch_dist / DCP directory, a DeepSpeed checkpoint, or a Hugging Face model directory.
     Nothing is converted and nothing is written.
     """
-    ckpt = open_checkpoint(path, read_options(kw))
+    ckpt = api.open(path, **kw)
     doc = describe(ckpt)
     if as_json:
         click.echo(json.dumps(doc, indent=1))
@@ -79,9 +108,31 @@ def inspect_cmd(path, as_json, tensors, **kw):
                f"{c['position_embedding']} positions (max {c['max_position_embeddings']}), "
                f"{'tied' if c['tied_embeddings'] else 'untied'} embeddings, "
                f"{'biases' if c['add_bias_linear'] else 'no biases'}")
+    if c["moe"]:
+        m = c["moe"]
+        shared = f", shared expert ffn {m['shared_ffn_hidden_size']}" + (" (gated)" if m["shared_gate"] else "")
+        extra = "".join(text for text, on in (
+            (f" from the best {m['group_topk']} of {m['num_groups']} groups", m["num_groups"] > 1),
+            (f" x {m['scaling_factor']}", m["scaling_factor"] != 1.0), (" with expert bias", m["expert_bias"])) if on)
+        click.echo(f"experts     {m['num_experts']} per MoE layer, top-{m['top_k']} {m['score_function']}"
+                   f"{' renormalised' if m['topk_norm'] else ''}{extra}, expert ffn {m['ffn_hidden_size']}"
+                   f"{shared if m['shared_ffn_hidden_size'] else ''}; MoE layers {m['layers']}")
+    if c["mla"]:
+        m = c["mla"]
+        click.echo(f"attention   Multi-Latent: q latent {m['q_lora_rank'] or '- (direct q)'}, kv latent "
+                   f"{m['kv_lora_rank']}, head qk {m['qk_nope_head_dim']}+{m['qk_rope_head_dim']} (nope+rope), "
+                   f"v {m['v_head_dim']}" + (f"; YaRN factor {c['rope_yarn']['factor']}" if c["rope_yarn"] else ""))
     click.echo(f"vocab       true {c['vocab_size'] if c['vocab_size'] is not None else 'unknown'} "
                f"(from {doc['vocab_size_source']}), stored rows {c['padded_vocab_size']}")
     click.echo(f"size        {len(doc['tensors'])} tensors, {human_bytes(doc['total_bytes'])}")
+    o = doc["optimizer"]
+    if o is None:
+        click.echo("optimizer   none (weights only)")
+    else:
+        groups = ", ".join(f"{g['tensors']} tensors wd {g.get('weight_decay', '?')}" for g in o["param_groups"])
+        click.echo(f"optimizer   {o['kind']}, step {o['step']}, {' + '.join(o['slots'])} "
+                   f"({'/'.join(sorted({d for ds in o['dtypes'].values() for d in ds}))}), "
+                   f"{human_bytes(o['bytes'])}; groups: {groups or 'none'}")
     if tensors:
         width = max(len(t["name"]) for t in doc["tensors"])
         for t in doc["tensors"]:

@@ -14,10 +14,10 @@ from pathlib import Path
 import click
 import torch
 
-from ..errors import CkptError, require
+from ..errors import EXIT, CkptError, require
 from ..verify import compare as cmp
 from ..verify import inputs
-from .common import print_warnings, read_options, reports_errors, source_options
+from .common import print_warnings, reports_errors, source_options
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -62,7 +62,8 @@ def verify_cmd(target, ref, reference_logits, files_dir, tokens, tokenizer, batc
                tolerance, tp, pp, vpp, **kw):
     """Check that TARGET computes what the reference computes (exit status 1 when it does not).
 
-    Under torchrun, TARGET is a Megatron checkpoint (torch format, VPP included, or torch_dist) and
+    Under torchrun, TARGET is a Megatron checkpoint (torch format, VPP included, or torch_dist) or a
+    DeepSpeed save (Megatron-DeepSpeed pipeline files, ZeRO runs of Megatron models with TP), and
     WORLD_SIZE must be TP * PP of the layout it runs at; each rank reads only its own shard.
 
     \b
@@ -75,24 +76,19 @@ def verify_cmd(target, ref, reference_logits, files_dir, tokens, tokenizer, batc
       ckptool verify out --reference hf_model_dir                             # one process
       ckptool verify --files out                                              # manifest check
     """
-    if files_dir:
-        return verify_files(Path(files_dir))
-    require(target is not None, "give the checkpoint to verify", "ckptool verify TARGET [--reference REF]")
-    require(not (ref and reference_logits), "give --reference or --reference-logits, not both")
-    opts = read_options(kw)
-    compute = COMPUTE_DTYPES[dtype]
-    tol = tolerance  # None: the default for the dtype, widened to the 16-bit noise floor (_tolerance)
-    if under_torchrun():
-        ok = run_parallel(target, ref, reference_logits, opts, compute, tol,
-                          (tokens, tokenizer, batch, seq_len, seed), tp, pp, vpp)
-    else:
-        ok = run_single(target, ref, reference_logits, opts, compute, tol,
-                        (tokens, tokenizer, batch, seq_len, seed))
-    if not ok:
-        sys.exit(1)
+    from ..api import verify
+    result = verify(target, reference=ref, reference_logits=reference_logits, files=files_dir or None,
+                    tokens=tokens, tokenizer=tokenizer, batch=batch, seq_len=seq_len, seed=seed, dtype=dtype,
+                    tolerance=tolerance, tp=tp, pp=pp, vpp=vpp, **kw)
+    if not result.ok:
+        from ..distributed import fail_as_team, torchrun_rank
+        if torchrun_rank() is not None:  # rank 0 printed the report: it exits first, every rank with status 1
+            fail_as_team("result=FAIL (see the report above)", EXIT["mismatch"], 0, lambda line: None)
+        sys.exit(EXIT["mismatch"])
 
 
-def verify_files(dst: Path) -> None:
+def verify_files(dst: Path) -> bool:
+    """Check an output directory against its manifest, printing each problem; True when it holds."""
     from ..io.outdir import check_manifest
     require(dst.is_dir(), f"{dst}: not a directory")
     problems = check_manifest(dst)
@@ -100,8 +96,9 @@ def verify_files(dst: Path) -> None:
         click.echo(f"  {p}")
     if problems:
         click.echo(f"result=FAIL ({len(problems)} problem{'s' if len(problems) > 1 else ''} in {dst})")
-        sys.exit(1)
+        return False
     click.echo(f"result=PASS (every file in {dst} matches its manifest)")
+    return True
 
 
 def _tokens_for(reference_logits, token_args, vocab):
@@ -222,10 +219,14 @@ class ParallelTarget:
 
 
 def parallel_target(target, opts, tp, pp, world, vpp=None) -> ParallelTarget:
+    from ..formats import deepspeed as ds_format
     from ..formats import dist as dist_format
     from ..formats.megatron import looks_like_megatron
     from ..formats.megatron_ranks import rank_dir_name, read_layout, read_rank_shards, slice_rank_shards
 
+    # DeepSpeed first: a Megatron-DeepSpeed save dir also holds Megatron's tracker file (registry.py)
+    if ds_format.looks_like(Path(target)):
+        return deepspeed_target(target, opts, tp, pp, vpp)
     if looks_like_megatron(Path(target)):
         meta = read_layout(target, opts)
         cfg, layout, ckpt = meta
@@ -241,7 +242,21 @@ def parallel_target(target, opts, tp, pp, world, vpp=None) -> ParallelTarget:
         return ParallelTarget("torch_dist", ckpt, layout,
                               lambda t, p: slice_rank_shards(ckpt, layout, t, p), lambda t, p: None, True)
     raise CkptError(f"{target}: the parallel verify runs Megatron checkpoints (torch format mp_rank_* files "
-                    "or torch_dist)", "run `ckptool verify` without torchrun for other formats")
+                    "or torch_dist) and DeepSpeed saves", "run `ckptool verify` without torchrun for other formats")
+
+
+def deepspeed_target(target, opts, tp, pp, vpp) -> ParallelTarget:
+    """A DeepSpeed save runs at the layout of its files, each rank on its own files
+    (formats/deepspeed_ranks.py); the merged read supplies the architecture and the reference."""
+    from ..formats import deepspeed as ds_format
+    from ..formats.deepspeed_ranks import DeepSpeedRanks
+    ckpt = ds_format.read(target, opts)  # metadata and lazy tensors: no tensor bytes read here
+    layout = ckpt.source.layout
+    require(tp in (None, layout.tp) and pp in (None, layout.pp) and vpp is None,
+            f"{target} is stored at {layout.describe()}; a DeepSpeed checkpoint runs at the layout of its files",
+            f"drop --tp/--pp/--vpp, or reshard it first: ckptool reshard {target} DST --tp N --pp M")
+    ranks = DeepSpeedRanks(target, opts, ckpt)
+    return ParallelTarget(f"deepspeed ({ckpt.source.dialect})", ckpt, layout, ranks.shards, ranks.files, False)
 
 
 def dist_layout(ckpt, tp, pp, world, vpp=None):

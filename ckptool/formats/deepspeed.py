@@ -29,10 +29,12 @@ from ..lazy import Derived, LazyTensor
 from ..options import ReadOptions
 from ..roles import assemble
 from ..sharding import ReplicaPolicy
-from ..state import Checkpoint, SourceInfo, expected_names
+from ..state import Checkpoint, SourceInfo, expected_names, in_model_order
+from ..vocab import with_true_vocab_size
 from . import megatron_args
 from . import hf as hf_format
-from .deepspeed_zero import RankStates, find_files, looks_like_deepspeed, read_rank
+from .deepspeed_optim import optimizer_state, stepped
+from .deepspeed_zero import RankStates, find_files, looks_like_deepspeed, read_rank, _param_shapes
 from .megatron import detect_dialect, flatten, _config as megatron_config
 from .megatron_names import KeyMatcher, is_ignorable, qkv_to_grouped
 from . import mds_pipeline as mds
@@ -48,6 +50,10 @@ def looks_like(path) -> bool:
 # --- which weights --------------------------------------------------------------------------
 
 def _choose_weights(requested: Optional[str], ranks: Dict[int, RankStates], has_layers: bool) -> str:
+    missing = next((r.missing_shard for r in ranks.values() if r.missing_shard), None)
+    if missing and requested != "model":
+        raise CkptError(missing, "copy the complete global_step directory, or pass --weights model "
+                        "(the 16-bit module weights) with --no-optimizer")
     has_master = all(r.master for r in ranks.values())
     has_model = has_layers or all(_module_has_weights(r) for r in ranks.values())
     if requested is None:
@@ -99,17 +105,9 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     warnings: List[str] = []
     policy = ReplicaPolicy(opts.replicas, warnings.append)
     r0 = ranks[0]
-    if tf.layers:
-        cfg, tensors, layout, dialect = _read_pipeline(tf, ranks, weights, opts, policy, warnings)
-    else:
-        named = {mp: named_weights(r, weights) for mp, r in ranks.items()}
-        if mds.is_pipe_names(named[0]):
-            raise CkptError(f"{tf.tag_dir}: pipeline parameter names but no layer_* files",
-                            "copy the layer_*-model_states.pt files of this step too")
-        if _looks_megatron(named[0]):
-            cfg, tensors, layout, dialect = _read_megatron_module(named, r0, opts, policy)
-        else:
-            cfg, tensors, layout, dialect = _read_hf_gpt(tf, named, opts)
+    # A pipeline's 16-bit weights live in its layer files; everything else is named per MP rank.
+    named = None if tf.layers and weights == "model" else {mp: named_weights(r, weights) for mp, r in ranks.items()}
+    cfg, tensors, layout, dialect, naming = _canonical(tf, ranks, named, opts, policy, warnings)
     layout.dp = r0.dp
     args = _args_with_true_vocab(r0.meta.get("args"), cfg)
     stage = f"zero-{r0.zero_stage}" if r0.zero_stage else "no ZeRO"
@@ -122,14 +120,40 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                       checkpoint_version=r0.meta.get("checkpoint_version"), args=args,
                       extra={"replica_policy": policy, "weights": weights, "zero_stage": r0.zero_stage,
                              "optimizer": r0.optimizer_kind, "tag_dir": str(tf.tag_dir),
-                             "universal_checkpoint_info": r0.meta.get("universal_checkpoint_info")})
-    order = {n: i for i, n in enumerate(expected_names(cfg))}
-    tensors = dict(sorted(tensors.items(), key=lambda kv: (order.get(kv[0], 1 << 30), kv[0])))
+                             # pipeline saves: spec index -> embed | layer | final_norm | head (deepspeed_ranks.py)
+                             "pipe_kinds": (naming or {}).get("kinds") if tf.layers else None,
+                             "universal_checkpoint_info": r0.meta.get("universal_checkpoint_info"),
+                             "engine_state": {k: r0.meta.get(k) for k in ENGINE_STATE_KEYS},
+                             "param_names": naming})
+    tensors = in_model_order(tensors, cfg)
     missing = [n for n in expected_names(cfg) if n not in tensors]
     if missing:
         raise CkptError(f"{tf.tag_dir}: {len(missing)} tensors of the model are missing (e.g. {missing[0]})",
                         "the checkpoint is incomplete")
-    return Checkpoint(cfg, tensors, info, warnings)
+    ckpt = Checkpoint(cfg, tensors, info, warnings)
+    if all(r.osds and stepped(r) for r in ranks.values()) or any(r.missing_shard for r in ranks.values()):
+        ckpt.optimizer = optimizer_state(tf, ranks, opts, cfg, warnings, canonical=_canonical,
+                                         named_weights=named_weights)
+    return ckpt
+
+
+# model-states keys a DeepSpeed engine reads back besides the weights (kept for ds-universal output)
+ENGINE_STATE_KEYS = ("global_steps", "global_samples", "skipped_steps", "dp_world_size", "mp_world_size",
+                     "lr_scheduler", "ds_version", "ds_config", "iteration", "checkpoint_version", "tokens")
+
+
+def _canonical(tf, ranks, named, opts, policy, warnings):
+    """(cfg, canonical tensors, layout, dialect, naming) from one name -> tensor dict per MP rank
+    (named; None: a pipeline's layer files). Weights and every optimizer slot go through here, so
+    a slot's canonical names and shapes are the weights' by construction."""
+    if tf.layers:
+        return _read_pipeline(tf, ranks, named, opts, policy, warnings)
+    if mds.is_pipe_names(named[0]):
+        raise CkptError(f"{tf.tag_dir}: pipeline parameter names but no layer_* files",
+                        "copy the layer_*-model_states.pt files of this step too")
+    if _looks_megatron(named[0]):
+        return _read_megatron_module(named, ranks[0], opts, policy)
+    return _read_hf_gpt(tf, named, opts)
 
 
 def _args_with_true_vocab(args, cfg):
@@ -153,16 +177,13 @@ def _gpt_config(args, rows: int, meta: dict, opts: ReadOptions, num_layers: int)
     ov = {k: v for k, v in opts.overrides.items() if v is not None}
     if ov:
         cfg = cfg.replace(**ov)
-    if opts.true_vocab_size is not None:
-        require(opts.true_vocab_size <= rows,
-                f"--true-vocab-size {opts.true_vocab_size} exceeds the {rows} embedding rows stored")
-        cfg = cfg.replace(vocab_size=opts.true_vocab_size, vocab_size_source="--true-vocab-size")
+    cfg = with_true_vocab_size(cfg, opts.true_vocab_size, rows)
     require(cfg.num_layers == num_layers, f"args say {cfg.num_layers} layers but the files hold {num_layers}",
             "the checkpoint is incomplete or its args are wrong")
     return cfg
 
 
-def _read_pipeline(tf, ranks, weights, opts, policy, warnings):
+def _read_pipeline(tf, ranks, named, opts, policy, warnings):
     tp = max(t for _, t in tf.layers) + 1
     nmp = len(ranks)
     require(nmp % tp == 0, f"{tf.tag_dir}: {nmp} model-parallel ranks is not a multiple of TP {tp}",
@@ -171,8 +192,7 @@ def _read_pipeline(tf, ranks, weights, opts, policy, warnings):
     # entries[(idx, key)] = [per TP]; copies = later pipeline stages' copies of tied tensors
     entries: Dict[Tuple[Optional[int], str], List[Optional[LazyTensor]]] = defaultdict(lambda: [None] * tp)
     copies: Dict[Tuple[Optional[int], str], List[Optional[LazyTensor]]] = defaultdict(lambda: [None] * tp)
-    embed_idx = None
-    if weights == "model":
+    if named is None:
         for (idx, t), p in sorted(tf.layers.items()):
             tree = load_torch_file(p)
             if not isinstance(tree, dict):
@@ -183,7 +203,7 @@ def _read_pipeline(tf, ranks, weights, opts, policy, warnings):
     else:
         for mp, r in sorted(ranks.items()):
             stage, t = divmod(mp, tp)
-            for name, v in named_weights(r, "master").items():
+            for name, v in named[mp].items():
                 hit = mds.split_pipe_name(name)
                 if hit is None:
                     raise CkptError(f"unexpected parameter {name!r} in a pipeline checkpoint",
@@ -227,7 +247,31 @@ def _read_pipeline(tf, ranks, weights, opts, policy, warnings):
     layout = Layout(tp=tp, pp=pp, stage_layers=None if len(set(stage_layers)) <= 1 or sum(stage_layers) != cfg.num_layers
                     else stage_layers)
     first = mds.first_layer_index(kinds)
-    return cfg, tensors, layout, f"mds-pipeline (transformer layers from spec index {first}, qkv {layout_name})"
+    return (cfg, tensors, layout, f"mds-pipeline (transformer layers from spec index {first}, qkv {layout_name})",
+            dict(_pipe_naming(ranks, layout_name), kinds=kinds))
+
+
+def _pipe_naming(ranks: Dict[int, RankStates], qkv_layout: str) -> dict:
+    """How this run names its parameters: (role, layer number or None) -> pipe name, from the names
+    the optimizer used (param_shapes), so a tied embedding keeps `tied_modules.embed.*`."""
+    names = set()
+    for r in ranks.values():
+        names.update(n for g in _param_shapes(r.meta) for n in g)
+        names.update((r.meta.get("frozen_param_shapes") or {}).keys())
+    split = {n: mds.split_pipe_name(n) for n in names}
+    keys_by_idx: Dict[Optional[int], set] = defaultdict(set)
+    for hit in split.values():
+        if hit is not None:
+            keys_by_idx[hit[0]].add(hit[1])
+    kinds = mds.classify(keys_by_idx)
+    numbers = mds.layer_numbers(kinds)
+    roles = {}
+    for name, hit in split.items():
+        if hit is not None:
+            idx, key = hit
+            kind = kinds[idx]
+            roles[(mds.role_of(kind, key), numbers[idx] if kind == "layer" else None)] = name
+    return {"scheme": "mds-pipe", "roles": roles, "qkv_layout": qkv_layout}
 
 
 def _tied_check(key, t, owner, copy, warnings):
@@ -297,7 +341,20 @@ def _read_megatron_module(named, r0, opts, policy):
             if k[0].startswith("qkv."):
                 shards[k] = [Derived(lambda x: qkv_to_grouped(x, 0, heads_local, cfg.head_dim), [x]) for x in shards[k]]
     tensors = assemble(cfg, dict(shards), policy)
-    return cfg, tensors, Layout(tp=tp, pp=1), f"megatron module ({dialect.name})"
+    return cfg, tensors, Layout(tp=tp, pp=1), f"megatron module ({dialect.name})", _module_naming(r0, m, dialect)
+
+
+def _module_naming(r0: RankStates, matcher: KeyMatcher, dialect) -> dict:
+    """(role, layer or None) -> the engine's dotted parameter name, for Megatron models kept under
+    `module` (Megatron-DeepSpeed --no-pipeline-parallel), from the names the optimizer used."""
+    names = [n for g in _param_shapes(r0.meta) for n in g] + list((r0.meta.get("frozen_param_shapes") or {}))
+    roles = {}
+    for name in names:
+        hit = matcher.match(_megatron_key(name))
+        if hit is not None and hit[0] != "head_copy":
+            roles[hit] = name
+    return {"scheme": "megatron-module", "roles": roles,
+            "qkv_layout": "v0" if dialect.qkv_version0_only else "grouped"}
 
 
 # --- Hugging Face names ---------------------------------------------------------------------
@@ -333,7 +390,7 @@ def _read_hf_gpt(tf, named, opts):
                         "ckptool can reshard", "use `ckptool to-hf SRC DST` to consolidate it into a Hugging Face model")
     n = {k[len("module."):] if k.startswith("module.") else k: v for k, v in named[0].items()}
     cfg, tensors = hf_format.to_canonical(n, hf, mt, opts, tf.tag_dir)
-    return cfg, tensors, Layout(tp=1, pp=1), f"hf {mt}"
+    return cfg, tensors, Layout(tp=1, pp=1), f"hf {mt}", {"scheme": "hf", "model_type": mt, "hf_config": hf}
 
 
 def consolidate_hf_state(path, opts: Optional[ReadOptions] = None) -> Tuple[dict, Dict[str, LazyTensor]]:

@@ -41,9 +41,6 @@ class TagFiles:
     def mp_ranks(self) -> List[int]:
         return sorted(set(self.model) | {mp for _, mp in self.zero_model})
 
-    def dp_of(self, mp: int, table) -> List[int]:
-        return sorted(d for d, m in table if m == mp)
-
 
 def _scan(d: Path) -> TagFiles:
     tf = TagFiles(d)
@@ -157,6 +154,10 @@ class RankStates:
     zero_stage: Optional[int]  # 1, 2, 3; 1 for BF16_Optimizer files (no zero_stage key)
     optimizer_kind: str  # "zero" | "bf16_optimizer" | "zero3" | "none"
     dp: int
+    osds: Dict[int, dict] = field(default_factory=dict)  # DP rank -> optimizer_state_dict (lazy tensors)
+    optim_paths: Dict[int, Path] = field(default_factory=dict)  # DP rank -> its optimizer shard file
+    tag_dir: Optional[Path] = None
+    missing_shard: Optional[str] = None  # "<file> is missing ..." when some DP rank's shard is absent
 
 
 def _param_shapes(meta) -> List["OrderedDict[str, tuple]"]:
@@ -166,6 +167,14 @@ def _param_shapes(meta) -> List["OrderedDict[str, tuple]"]:
     if isinstance(ps, dict):  # very old engines stored one dict
         ps = [ps]
     return [OrderedDict((k, tuple(v)) for k, v in g.items()) for g in ps]
+
+
+def _partition_count(osd) -> int:
+    """How many DP ranks the shard says it was cut for (a list per group for ZeRO-1/2, an int for ZeRO-3)."""
+    count = osd.get("partition_count")
+    if isinstance(count, (list, tuple)) and count:
+        return max(int(c) for c in count if isinstance(c, int)) if any(isinstance(c, int) for c in count) else 0
+    return count if isinstance(count, int) else 0
 
 
 def _stage_of(osd) -> Optional[int]:
@@ -198,9 +207,14 @@ def read_rank(tf: TagFiles, mp: int) -> RankStates:
     master: Dict[str, LazyTensor] = {}
     stage, kind, dp = None, "none", max(1, len(osds))
     if osds:
-        if sorted(osds) != list(range(len(osds))):
-            raise CkptError(f"{tf.tag_dir}: optimizer shards of MP rank {mp} cover DP ranks {sorted(osds)}",
-                            "a shard is missing; copy the complete global_step directory")
+        absent = set(range(max(max(osds) + 1, _partition_count(osds[min(osds)])))) - set(osds)
+        if absent:
+            # Kept apart rather than refused here: --weights model needs no optimizer shard.
+            gap = min(absent)
+            missing = re.sub(r"zero_pp_rank_\d+_", f"zero_pp_rank_{gap}_", optim_paths[min(osds)].name)
+            return RankStates(meta, module, {}, _frozen(meta, metas, module, None), buffers, shared, None, "none",
+                              1, {}, {}, tf.tag_dir, missing_shard=f"{tf.tag_dir / missing} is missing (the "
+                              f"optimizer shards of MP rank {mp} cover DP ranks {sorted(osds)})")
         first = osds[0]
         stage = _stage_of(first)
         if stage == 3 or "fp32_flat_groups" in first:
@@ -211,7 +225,7 @@ def read_rank(tf: TagFiles, mp: int) -> RankStates:
             stage = stage or 1  # BF16_Optimizer partitions like ZeRO-1
             master = _zero12_master(osds, _param_shapes(meta), tf.tag_dir)
     frozen = _frozen(meta, metas, module, stage)
-    return RankStates(meta, module, master, frozen, buffers, shared, stage, kind, dp)
+    return RankStates(meta, module, master, frozen, buffers, shared, stage, kind, dp, osds, optim_paths, tf.tag_dir)
 
 
 def _optimizer_state(tree, path) -> dict:
@@ -225,7 +239,6 @@ def _optimizer_state(tree, path) -> dict:
 
 def _zero12_master(osds: Dict[int, dict], shapes, tag_dir) -> Dict[str, LazyTensor]:
     """ZeRO-1/2 and BF16_Optimizer: per group one flat fp32 vector cut into DP partitions."""
-    out: Dict[str, LazyTensor] = {}
     ranks = [osds[d] for d in sorted(osds)]
     groups = [r.get("single_partition_of_fp32_groups") for r in ranks]
     if any(g is None for g in groups):
@@ -234,7 +247,16 @@ def _zero12_master(osds: Dict[int, dict], shapes, tag_dir) -> Dict[str, LazyTens
     if len(shapes) != len(groups[0]):
         raise CkptError(f"{tag_dir}: param_shapes lists {len(shapes)} groups but the optimizer holds "
                         f"{len(groups[0])}", "the model states and optimizer shards come from different saves")
-    mappings = [r.get("param_slice_mappings") for r in ranks]
+    return _zero12_params(groups, [r.get("param_slice_mappings") for r in ranks], shapes, tag_dir, check_tail=True)
+
+
+def _zero12_params(groups: List[list], mappings: List[Optional[list]], shapes, tag_dir,
+                   check_tail: bool) -> Dict[str, LazyTensor]:
+    """Parameters out of per-rank, per-group flat partitions (groups[rank][group]).
+
+    The fp32 masters and the Adam moments share one placement: a moment partition is its master
+    partition plus (at most) the group's trailing alignment padding, so the same offsets serve both."""
+    out: Dict[str, LazyTensor] = {}
     for g, names in enumerate(shapes):
         parts = [grp[g] for grp in groups]
         if all(m is not None for m in mappings):
@@ -260,7 +282,7 @@ def _zero12_master(osds: Dict[int, dict], shapes, tag_dir) -> Dict[str, LazyTens
             offset += numel
         total = sum(p.shape[0] for p in parts)
         # What is left is the group's alignment padding (< 2 * dp elements; kept by BF16_Optimizer).
-        if offset > total or total - offset >= 2 * len(parts):
+        if check_tail and (offset > total or total - offset >= 2 * len(parts)):
             raise CkptError(f"{tag_dir}: group {g} consumed {offset} of {total} master elements",
                             "param_shapes does not describe these optimizer partitions")
     return out
@@ -273,7 +295,12 @@ def _zero3_master(osds: Dict[int, dict], shapes, tag_dir) -> Dict[str, LazyTenso
     if isinstance(count, int) and count != ws:
         raise CkptError(f"{tag_dir}: the ZeRO-3 shards say {count} partitions but {ws} files are present",
                         "copy every zero_pp_rank_* shard of this step")
-    flats = [list(osds[d]["fp32_flat_groups"]) for d in sorted(osds)]
+    return _zero3_params([list(osds[d]["fp32_flat_groups"]) for d in sorted(osds)], shapes, tag_dir)
+
+
+def _zero3_params(flats: List[list], shapes, tag_dir) -> Dict[str, LazyTensor]:
+    """Parameters out of per-rank lists of sub-group flats (masters and moments alike)."""
+    ws = len(flats)
     out: Dict[str, LazyTensor] = {}
     offset = 0
     for names in shapes:
@@ -291,6 +318,64 @@ def _zero3_master(osds: Dict[int, dict], shapes, tag_dir) -> Dict[str, LazyTenso
     return out
 
 
+# --- Adam moments (read only when optimizer state is asked for) -----------------------------
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+NO_OPTIMIZER_HINT = "pass --no-optimizer to convert the weights only"
+
+
+def _moment_flats(r: "RankStates", d: int, key: str) -> list:
+    """Per group (ZeRO-3: per sub-group) flat `key` tensors of DP rank d, checked against the masters."""
+    osd, path = r.osds[d], r.optim_paths[d]
+    if r.optimizer_kind == "zero3":
+        base, masters, paddings = osd.get("optimizer_state_dict"), list(osd["fp32_flat_groups"]), None
+    else:
+        base = osd.get("base_optimizer_state")
+        masters, paddings = list(osd["single_partition_of_fp32_groups"]), osd.get("group_paddings")
+    if isinstance(base, list) or osd.get("elastic_checkpoint"):
+        raise CkptError(f"{path.name}: an elastic ZeRO checkpoint keeps its Adam moments per group without "
+                        "placement information ckptool can check", NO_OPTIMIZER_HINT)
+    state = base.get("state") if isinstance(base, dict) else None
+    if not isinstance(state, dict):
+        raise CkptError(f"{path.name}: no torch optimizer state beside the fp32 partitions", NO_OPTIMIZER_HINT)
+    out = []
+    for g, master in enumerate(masters):
+        t = (state.get(g) or {}).get(key)
+        if not isinstance(t, LazyTensor):
+            raise CkptError(f"{path.name}: group {g} has no {key} (an optimizer that never stepped, or not Adam)",
+                            NO_OPTIMIZER_HINT)
+        pad = int(paddings[g]) if paddings and g < len(paddings) else 0
+        if t.numel not in (master.numel, master.numel + pad):
+            raise CkptError(f"{path.name}: group {g} {key} holds {t.numel} elements but its fp32 partition "
+                            f"{master.numel} (+{pad} padding)", NO_OPTIMIZER_HINT)
+        out.append(t.narrow(0, 0, master.numel) if t.numel != master.numel else t)
+    return out
+
+
+def rank_moments(r: "RankStates") -> Dict[str, Dict[str, LazyTensor]]:
+    """{"exp_avg": {param name: lazy}, "exp_avg_sq": {...}} of one MP rank, placed exactly like its
+    fp32 masters (the same partitions, offsets and slice mappings)."""
+    if not r.osds:
+        return {}
+    shapes = _param_shapes(r.meta)
+    out = {}
+    for key in MOMENTS:
+        flats = [_moment_flats(r, d, key) for d in sorted(r.osds)]
+        if r.optimizer_kind == "zero3":
+            out[key] = _zero3_params(flats, shapes, r.tag_dir)
+        else:
+            mappings = [r.osds[d].get("param_slice_mappings") for d in sorted(r.osds)]
+            out[key] = _zero12_params(flats, mappings, shapes, r.tag_dir, check_tail=False)
+    return out
+
+
+def base_optimizer(r: "RankStates") -> dict:
+    """The wrapped torch optimizer's state_dict of DP rank 0 (param_groups, per-group step)."""
+    osd = r.osds.get(0) or {}
+    base = osd.get("optimizer_state_dict") if r.optimizer_kind == "zero3" else osd.get("base_optimizer_state")
+    return base if isinstance(base, dict) else {}
+
+
 def _frozen(meta, metas, module, stage) -> Dict[str, LazyTensor]:
     shapes = meta.get("frozen_param_shapes") or {}
     out: Dict[str, LazyTensor] = {}
@@ -304,7 +389,3 @@ def _frozen(meta, metas, module, stage) -> Dict[str, LazyTensor]:
         elif frags[0] is not None and frags[0].numel == numel:
             out[name] = reshape(frags[0], shape)
     return out
-
-
-def trainable_names(meta) -> List[str]:
-    return [n for g in _param_shapes(meta) for n in g]

@@ -29,12 +29,13 @@ from ..errors import CkptError, require
 from ..io.dcp_io import METADATA, DcpDir, DcpWriter
 from ..io.torchfile import load_torch_bytes, load_torch_file, save_streaming
 from ..lazy import LazyTensor, load_scope
-from ..options import ReadOptions
+from ..options import CONFIG_OVERRIDES, ReadOptions
 from ..roles import GLOBAL_ROLES, LAYER_ROLES, assemble, global_role_tensor, layer_role_tensor
 from ..sharding import ReplicaPolicy
-from ..state import Checkpoint, SourceInfo, expected_names
-from ..vocab import resize_vocab, target_rows
-from . import megatron_args
+from ..state import (OPTIMIZER_SLOTS, PAD_FILL_BY_SLOT, WEIGHT, Checkpoint, OptimizerState, SourceInfo,
+                     expected_names, in_model_order)
+from ..vocab import resize_slot_vocab, resize_vocab, target_rows, with_true_vocab_size
+from . import dist_optim, dist_optim_buckets, megatron_args
 from .megatron import TRACKER, resolve_iteration_dir
 
 FORMAT = "torch_dist"
@@ -85,7 +86,7 @@ NO_EXTRA_STATE = _buf.getvalue()
 del _buf
 MODEL_PREFIXES = ("model.module.module.", "model.module.", "model.", "module.", "")
 # Entries that are not model weights: skipped.
-SKIP = re.compile(r"(_extra_state|^rng_state|^optimizer\.|^common_state|rerun_state_machine)")
+SKIP = re.compile(r"(_extra_state|^rng_state|^(chained_\d+\.)?optimizer\.|^common_state|rerun_state_machine)")
 PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 STACKED = re.compile(r"^decoder\.layers\.(.+)$")
 
@@ -163,16 +164,19 @@ def _model_prefix(keys: List[str]) -> str:
                     "dist_checkpointing or torch.distributed.checkpoint")
 
 
-def _collect(dcp: DcpDir) -> Tuple[Dict[Tuple[str, Optional[int]], List[LazyTensor]], bool]:
-    """{(role, global layer or None): [lazy]} and whether layers were stacked."""
+def _collect(dcp: DcpDir, slot_prefix: Optional[str] = None) -> Tuple[Dict[Tuple[str, Optional[int]], List[LazyTensor]], bool]:
+    """{(role, global layer or None): [lazy]} and whether layers were stacked. slot_prefix: read the
+    optimizer tensors stored under that prefix + the model key (dist_optim.py) instead of the weights."""
     keys = dcp.tensor_keys()
-    prefix = _model_prefix(keys)
+    prefix = _model_prefix(keys) if slot_prefix is None else slot_prefix
     shards: Dict[Tuple[str, Optional[int]], List[LazyTensor]] = {}
     unknown, stacked = [], False
     for key in keys:
-        if SKIP.search(key) or not key.startswith(prefix):
+        if not key.startswith(prefix):
             continue
         k = key[len(prefix):]
+        if SKIP.search(key if slot_prefix is None else k):
+            continue
         if k in GLOBAL_KEYS:
             shards[(GLOBAL_KEYS[k], None)] = [dcp.lazy(key)]
             continue
@@ -193,11 +197,6 @@ def _collect(dcp: DcpDir) -> Tuple[Dict[Tuple[str, Optional[int]], List[LazyTens
                         f"(e.g. {', '.join(sorted(unknown)[:3])})",
                         "ckptool converts dense GPT models (no MoE, MLA or hybrid layers)")
     return shards, stacked
-
-
-_OVERRIDABLE = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                "max_position_embeddings", "activation", "normalization", "norm_eps", "position_embedding",
-                "rotary_base", "make_vocab_size_divisible_by", "head_dim")
 
 
 def config_from_shapes(shards, num_layers: int, stored_rows: int, ov: dict, warn) -> GPTConfig:
@@ -235,7 +234,7 @@ def config_from_shapes(shards, num_layers: int, stored_rows: int, ov: dict, warn
               add_qkv_bias=("qkv.bias", 0) in shards,
               qk_layernorm=("q_norm.weight", 0) in shards,
               tied_embeddings=("output", None) not in shards)
-    kw.update({k: v for k, v in ov.items() if k in _OVERRIDABLE})
+    kw.update({k: v for k, v in ov.items() if k in CONFIG_OVERRIDES})
     return GPTConfig(**kw)
 
 
@@ -270,7 +269,7 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
             cfg = other_cfg.replace(padded_vocab_size=stored_rows, num_layers=num_layers)
     if args is not None:
         cfg = megatron_args.config_from_args(args, stored_rows)
-        cfg = cfg.replace(**{k: v for k, v in ov.items() if k in _OVERRIDABLE})
+        cfg = cfg.replace(**opts.config_overrides())
         cfg, note = megatron_args.as_megatron_core_computes(cfg)  # torch_dist is always megatron-core
         if note:
             warnings.append(note)
@@ -279,8 +278,7 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
         cfg = config_from_shapes(shards, num_layers, stored_rows, ov, warnings.append)
     if ov.get("vocab_size"):
         cfg = cfg.replace(vocab_size=ov["vocab_size"], vocab_size_source="--vocab-size")
-    if opts.true_vocab_size is not None:
-        cfg = cfg.replace(vocab_size=opts.true_vocab_size, vocab_size_source="--true-vocab-size")
+    cfg = with_true_vocab_size(cfg, opts.true_vocab_size, stored_rows)
     require(cfg.vocab_size is None or cfg.vocab_size <= stored_rows,
             f"the true vocabulary ({cfg.vocab_size}) exceeds the {stored_rows} embedding rows stored")
     require(cfg.num_layers == num_layers, f"{cfg_src} say {cfg.num_layers} layers but the checkpoint holds "
@@ -289,8 +287,7 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
         shards.pop(("output", None), None)  # a tied model's synchronised head copy
     policy = ReplicaPolicy(opts.replicas, warnings.append)
     tensors = assemble(cfg, shards, policy)
-    order = {n: i for i, n in enumerate(expected_names(cfg))}
-    tensors = dict(sorted(tensors.items(), key=lambda kv: (order.get(kv[0], 1 << 30), kv[0])))
+    tensors = in_model_order(tensors, cfg)
     tp = getattr(args, "tensor_model_parallel_size", None) or 1
     pp = getattr(args, "pipeline_model_parallel_size", None) or 1
     info = SourceInfo(path=str(path), format=FORMAT,
@@ -299,7 +296,60 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                       iteration=iteration if iteration is not None else common.get("iteration"),
                       checkpoint_version=common.get("checkpoint_version"), args=args,
                       extra={"replica_policy": policy, "plain_dcp": backend is None})
-    return Checkpoint(cfg, tensors, info, warnings)
+    optimizer = _read_optimizer(dcp, common, cfg, tensors, policy, args, str(d), warnings) if opts.optimizer else None
+    return Checkpoint(cfg, tensors, info, warnings, optimizer)
+
+
+def _read_optimizer(dcp: DcpDir, common: dict, cfg: GPTConfig, tensors, policy, args, where: str,
+                    warnings: List[str]) -> Optional[OptimizerState]:
+    """The optimizer state of a model-space form as slots (dist_optim.py); other forms are dropped
+    with a warning naming them (the weights are still converted)."""
+    form = dist_optim.sharding_type(common)
+    chained = dist_optim.chained_count(common)
+    if chained:
+        warnings.append(f"optimizer state dropped: a chained optimizer ({chained} optimizers, e.g. separate expert or "
+                        "decoupled-lr groups) is not carried yet; the output holds the weights only")
+        return None
+    if form is None:
+        if any(SKIP.search(k) and "optimizer." in k for k in dcp.entries):
+            warnings.append("optimizer state dropped: the checkpoint holds optimizer tensors but no optimizer "
+                            "entry in its common state (a bare save); the output holds the weights only")
+        return None
+    why = dist_optim.NOT_MODEL_SPACE.get(form)
+    if form == dist_optim.FLAT_BUCKETS:
+        why = dist_optim_buckets.unsupported(args)
+        why = why and f"flat per-bucket buffers whose layout ckptool recomputes only without {why}"
+    if why:
+        warnings.append(f"optimizer state dropped: the distributed optimizer's {form} form ({why}) is not "
+                        "carried yet; the output holds the weights only (re-save with "
+                        "--dist-ckpt-optim-fully-reshardable to carry it)")
+        return None
+    consumed = getattr(args, "consumed_train_samples", None)
+    if form == dist_optim.FLAT_BUCKETS:
+        flat = dist_optim_buckets.read_shards(dcp, tensors, cfg, args, where)
+        by_stored = {dist_optim_buckets.STORED[slot]: shards for slot, shards in flat.items()}
+        scalars = dist_optim_buckets.read_scalars(dcp, common, where)
+        return dist_optim.read(scalars, form, lambda stored: in_model_order(assemble(cfg, by_stored[stored], policy), cfg),
+                               tensors, consumed, where)
+    if form not in dist_optim.STORED_SLOTS:
+        raise CkptError(f"{where}: unknown optimizer form {form!r}", dist_optim.HINT)
+    weight_shards, _ = _collect(dcp)
+
+    def slot_tensors(stored: str):
+        shards, _ = _collect(dcp, f"{dist_optim.PREFIX}{stored}.")
+        if cfg.tied_embeddings:
+            shards.pop(("output", None), None)
+        for key, parts in shards.items():
+            want = weight_shards.get(key)
+            if want is not None and tuple(parts[0].shape) != tuple(want[0].shape):
+                flattened = " (stored N-D flattened by megatron-core < 0.14, which ckptool does not read)" \
+                    if form == "fully_sharded_model_space" else ""
+                raise CkptError(f"{where}: {stored} optimizer state of {key[0]} (layer {key[1]}) has shape "
+                                f"{tuple(parts[0].shape)}, the weight {tuple(want[0].shape)}{flattened}",
+                                dist_optim.HINT)
+        return in_model_order(assemble(cfg, shards, policy), cfg) if shards else {}
+
+    return dist_optim.read(common, form, slot_tensors, tensors, consumed, where)
 
 
 # --- writing --------------------------------------------------------------------------------
@@ -310,11 +360,14 @@ def _global_fqn(role: str) -> str:
 
 def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Optional[torch.dtype] = None,
                      divisible_by: Optional[int] = None, pad_fill: str = "zero", iteration: Optional[int] = None,
-                     progress: Optional[Callable[[int], None]] = None, warn=print, **_ignored) -> dict:
+                     progress: Optional[Callable[[int], None]] = None, warn=print, optimizer: bool = True,
+                     **_ignored) -> dict:
     """Write ckpt as a megatron-core torch_dist checkpoint (save dir: tracker + iter_XXXXXXX/).
 
     Tensors are full and stacked; `layout` only sets the args (and the vocab padding for its TP):
-    megatron-core cuts the shards it needs at load time, whatever its TP/PP.
+    megatron-core cuts the shards it needs at load time, whatever its TP/PP. With optimizer (the
+    default) and a source holding optimizer state, every slot is written beside the weights in the
+    fully_reshardable form (dist_optim.py), layer by layer, so it loads at any layout too.
     """
     cfg = ckpt.config
     check_tensor_parallel(cfg, layout.tp)
@@ -333,13 +386,20 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
                                          3.0, iteration)
     args.ckpt_format = "torch_dist"
     common = {"args": args, "checkpoint_version": 3.0, "iteration": iteration}
+    slots = _target_slots(ckpt, tensors, cfg, rows) if optimizer else {}
+    mixed = out_dtype in (torch.float16, torch.bfloat16)
+    if slots:
+        common.update(dist_optim.common_entries(ckpt.optimizer, mixed=mixed))
+        args.dist_ckpt_optim_fully_reshardable = True
+        if not mixed and "master" in ckpt.optimizer.slots:
+            tensors = slots["master"]  # fp32 training: the fp32 masters are the weights
 
     it_dir = Path(out_dir) / f"iter_{iteration:07d}"
     writer = DcpWriter(it_dir)
     tensor_bytes = [0]
 
-    def put(fqn: str, t: torch.Tensor, global_shape, offsets) -> None:
-        if dtype is not None:
+    def put(fqn: str, t: torch.Tensor, global_shape, offsets, cast: bool = True) -> None:
+        if dtype is not None and cast:
             t = t.to(dtype)
         writer.declare(fqn, global_shape, t.dtype)
         writer.add_chunk(fqn, t, offsets)
@@ -347,11 +407,27 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
         if progress:
             progress(t.numel() * t.element_size())
 
-    def put_global(role: str) -> None:
-        full = global_role_tensor(tensors, role)
-        if full is not None:
+    def put_slots(model_key: str, full_of: Callable, stacked: Optional[int] = None) -> None:
+        """The weight (WEIGHT slot) and every optimizer slot of one parameter (one layer of it when stacked)."""
+        for slot in (WEIGHT,) + tuple(slots):
+            full = full_of(tensors if slot == WEIGHT else slots[slot])
+            if full is None:
+                continue
             t = full.load()
-            put(_global_fqn(role), t, t.shape, (0,) * t.dim())
+            shape, offsets = t.shape, (0,) * t.dim()
+            if stacked is not None:
+                t = t.unsqueeze(0)
+                shape, offsets = (cfg.num_layers,) + tuple(t.shape[1:]), (stacked,) + (0,) * (t.dim() - 1)
+            if slot == WEIGHT:
+                put(model_key, t, shape, offsets)
+                continue
+            first, *aliases = dist_optim.stored_keys(slot, model_key)
+            put(first, t, shape, offsets, cast=False)
+            for alias in aliases:
+                writer.alias(alias, first)
+
+    def put_global(role: str) -> None:
+        put_slots(_global_fqn(role), lambda ts: global_role_tensor(ts, role))
 
     L = cfg.num_layers
     put_global("word")
@@ -359,11 +435,8 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
     for i in range(L):
         with load_scope():
             for role in LAYER_ROLES:
-                full = layer_role_tensor(tensors, cfg_out, i, role)
-                if full is None:
-                    continue
-                t = full.load().unsqueeze(0)
-                put(f"decoder.layers.{WRITE_NAMES[role]}", t, (L,) + tuple(t.shape[1:]), (i,) + (0,) * (t.dim() - 1))
+                put_slots(f"decoder.layers.{WRITE_NAMES[role]}",
+                          lambda ts, role=role: layer_role_tensor(ts, cfg_out, i, role), stacked=i)
         for name in EXTRA_STATE:
             writer.add_bytes(f"decoder.layers.{name}._extra_state/shard_{i}_{L}", NO_EXTRA_STATE)
     put_global("final_norm.weight")
@@ -382,5 +455,28 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
     (it_dir / CONFIG_FILE).write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                                                   "common_backend": "torch", "common_backend_version": 1}))
     (Path(out_dir) / TRACKER).write_text(str(iteration))
-    return {"iteration_dir": it_dir.name, "files": 1, "bytes": tensor_bytes[0], "padded_vocab_size": rows,
-            "dialect": "torch_dist", "checkpoint_version": 3.0}
+    summary = {"iteration_dir": it_dir.name, "files": 1, "bytes": tensor_bytes[0], "padded_vocab_size": rows,
+               "dialect": "torch_dist", "checkpoint_version": 3.0}
+    if slots:
+        opt = ckpt.optimizer
+        summary["optimizer"] = {"kind": dist_optim.WRITE_FORM, "step": opt.step, "slots": sorted(slots),
+                                "groups": len(opt.param_groups)}
+    return summary
+
+
+def _target_slots(ckpt: Checkpoint, weights, cfg: GPTConfig, rows: int) -> Dict[str, Dict[str, LazyTensor]]:
+    """Every optimizer slot re-padded like the weights (new rows: zero moments, master = weight); a
+    source trained in fp32 has no separate masters: its weights are."""
+    opt = ckpt.optimizer
+    if opt is None:
+        return {}
+    require(opt.step is not None, f"{ckpt.source.path}: the optimizer state has no step count", dist_optim.HINT)
+    out = {}
+    for slot in OPTIMIZER_SLOTS:
+        source = opt.slots.get(slot)
+        if source is None and slot == "master":
+            source = {n: w.to(torch.float32) for n, w in ckpt.tensors.items()}
+        if source is None:
+            raise CkptError(f"{ckpt.source.path}: the optimizer state has no {slot}", dist_optim.HINT)
+        out[slot] = resize_slot_vocab(source, weights, cfg, rows, PAD_FILL_BY_SLOT[slot])
+    return out

@@ -1,12 +1,16 @@
 """Canonical state -> a Hugging Face directory that AutoModelForCausalLM loads without remote code.
 
 GPT-2 style models (learned positions, LayerNorm, plain MLP) become GPT2LMHeadModel; Llama style
-models (RoPE, RMSNorm, SwiGLU) become LlamaForCausalLM, or Qwen2ForCausalLM when only the QKV
-projections carry a bias. Megatron options no such class computes are refused with the flag's
-name rather than exported into a model that would compute something else.
+models (RoPE, RMSNorm, SwiGLU) become LlamaForCausalLM, Qwen2ForCausalLM when only the QKV
+projections carry a bias, Qwen3ForCausalLM with q/k norms; MoE models become MixtralForCausalLM,
+Qwen2MoeForCausalLM or Qwen3MoeForCausalLM by their routing (MOE_ARCHITECTURES), Multi-Latent
+Attention models DeepseekV3ForCausalLM; experts under the per-expert Hub names transformers 4 and 5
+both load. Megatron options no such class computes
+are refused with the flag's name rather than exported into a model that would compute something else.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -19,7 +23,7 @@ from ..errors import CkptError, require
 from ..io.transpose import transposed, transposed_cat
 from ..io.safetensors_writer import Item, parse_size, write_sharded
 from ..lazy import Const, Derived, LazyTensor, cat_shape
-from ..state import Checkpoint
+from ..state import Checkpoint, expected_names
 from ..vocab import resize_vocab
 from . import hf_names
 from .hf_names import expand
@@ -36,14 +40,72 @@ def _refuse(flag: str, why: str) -> CkptError:
                      "no transformers architecture computes this exactly; keep it in Megatron format")
 
 
+# MoE classes by (q/k norms, shared expert, top-k renormalised) -> (model_type, class, needs):
+# needs lists what else the class fixes: QKV bias or not, whether every layer must be MoE.
+MOE_ARCHITECTURES = {
+    (False, None, True): ("mixtral", "MixtralForCausalLM", dict(qkv_bias=False, all_layers=True)),
+    (True, None, True): ("qwen3_moe", "Qwen3MoeForCausalLM", dict(qkv_bias=False)),
+    (True, None, False): ("qwen3_moe", "Qwen3MoeForCausalLM", dict(qkv_bias=False)),
+    (False, "gated", True): ("qwen2_moe", "Qwen2MoeForCausalLM", dict(qkv_bias=True)),
+    (False, "gated", False): ("qwen2_moe", "Qwen2MoeForCausalLM", dict(qkv_bias=True)),
+}
+
+
+def _mla_architecture(cfg: GPTConfig) -> Tuple[str, str]:
+    """DeepseekV3ForCausalLM: MLA, sigmoid group-limited routing with expert bias, ungated shared
+    experts (a whole number of expert-sized ones), the first layers dense."""
+    moe, arch = cfg.moe, "DeepseekV3ForCausalLM"
+    if moe is None:
+        raise _refuse("Multi-Latent Attention without MoE layers", f"and every {arch} has them")
+    for flag, present in (("--moe-router-score-function softmax", moe.score_function != "sigmoid"),
+                          ("no expert bias (--moe-router-enable-expert-bias)", not moe.expert_bias),
+                          ("a router bias", moe.router_bias), ("a shared-expert gate", moe.shared_gate),
+                          (f"a shared expert of {moe.shared_ffn_hidden_size} (not a multiple of the expert size "
+                           f"{moe.ffn_hidden_size})", moe.shared_ffn_hidden_size % moe.ffn_hidden_size != 0),
+                          (f"MoE layers {list(moe.layers)} (not all layers after the first dense ones)",
+                           moe.layers != tuple(range(cfg.num_layers - len(moe.layers), cfg.num_layers))),
+                          ("--qk-layernorm", cfg.qk_layernorm),
+                          ("linear biases", cfg.add_bias_linear or cfg.add_qkv_bias)):
+        if present:
+            raise _refuse(flag, f"which {arch} does not compute")
+    return "deepseek_v3", arch
+
+
+def _moe_architecture(cfg: GPTConfig) -> Tuple[str, str]:
+    moe = cfg.moe
+    for flag, present in (("--moe-router-score-function sigmoid", moe.score_function != "softmax"),
+                          (f"--moe-router-topk-scaling-factor {moe.scaling_factor}", moe.scaling_factor != 1.0),
+                          ("a router bias", moe.router_bias), ("--moe-router-enable-expert-bias", moe.expert_bias),
+                          (f"group-limited routing ({moe.num_groups} groups)", moe.num_groups > 1),
+                          ("--add-bias-linear", cfg.add_bias_linear)):
+        if present:
+            raise _refuse(flag, "which no Mixtral / Qwen-MoE class computes")
+    shared = "gated" if moe.shared_gate else ("ungated" if moe.shared_ffn_hidden_size else None)
+    key = (cfg.qk_layernorm, shared, moe.topk_norm)
+    if key not in MOE_ARCHITECTURES:
+        raise _refuse(f"MoE routing with q/k norms={key[0]}, shared expert={shared or 'none'}, top-k "
+                      f"renormalised={key[2]}", "a combination Mixtral, Qwen2-MoE and Qwen3-MoE do not compute")
+    model_type, arch, needs = MOE_ARCHITECTURES[key]
+    if needs["qkv_bias"] != cfg.add_qkv_bias:
+        raise _refuse(f"{'no ' if needs['qkv_bias'] else ''}QKV bias (--add-qkv-bias)",
+                      f"and {arch} {'always has' if needs['qkv_bias'] else 'never has'} one")
+    if needs.get("all_layers") and len(moe.layers) != cfg.num_layers:
+        raise _refuse(f"dense layers among MoE ones ({cfg.num_layers - len(moe.layers)} of {cfg.num_layers})",
+                      f"and every {arch} layer is MoE")
+    return model_type, arch
+
+
 def choose_architecture(cfg: GPTConfig) -> Tuple[str, str]:
     """(model_type, architecture class) for cfg, or CkptError naming the flag that prevents it."""
-    if cfg.qk_layernorm:
-        raise _refuse("--qk-layernorm", "which neither GPT2LMHeadModel nor LlamaForCausalLM applies")
+    if cfg.qk_layernorm and cfg.normalization != "rmsnorm":
+        raise _refuse("--qk-layernorm with LayerNorm", "and only Qwen3's RMSNorm q/k norms exist in transformers")
     if cfg.post_layernorm_residual:
         raise _refuse("--apply-residual-connection-post-layernorm",
                       "a residual taken after the norm, which HF GPT-2/Llama do not do")
     if cfg.position_embedding == "learned":
+        if cfg.moe is not None or cfg.qk_layernorm:
+            raise _refuse("MoE layers" if cfg.moe is not None else "--qk-layernorm",
+                          "with learned positions, which GPT2LMHeadModel does not have")
         require(cfg.normalization == "layernorm" and not cfg.gated,
                 f"cannot export to Hugging Face: learned positions with {cfg.normalization} and {cfg.activation} "
                 "match neither GPT-2 (LayerNorm, GeLU) nor Llama (RoPE, RMSNorm, SwiGLU)")
@@ -62,6 +124,17 @@ def choose_architecture(cfg: GPTConfig) -> Tuple[str, str]:
             "LlamaForCausalLM needs --swiglu")
     require(cfg.normalization == "rmsnorm", "cannot export to Hugging Face: RoPE with LayerNorm is not Llama's "
             "RMSNorm", "LlamaForCausalLM needs --normalization RMSNorm")
+    if cfg.mla is not None:
+        return _mla_architecture(cfg)
+    if cfg.rope_yarn is not None:
+        raise _refuse("YaRN RoPE scaling without Multi-Latent Attention", "which ckptool exports for DeepSeek-V3 only")
+    if cfg.moe is not None:
+        return _moe_architecture(cfg)
+    if cfg.qk_layernorm:
+        if cfg.add_qkv_bias or cfg.add_bias_linear:
+            raise _refuse("--qk-layernorm with linear biases", "and Qwen3ForCausalLM biases q, k, v and out "
+                          "together (attention_bias) and never its MLP")
+        return "qwen3", "Qwen3ForCausalLM"
     if cfg.add_qkv_bias and not cfg.add_bias_linear:
         return "qwen2", "Qwen2ForCausalLM"
     return "llama", "LlamaForCausalLM"
@@ -82,9 +155,9 @@ def _export_tensors(cfg: GPTConfig, tensors: Dict[str, LazyTensor], model_type: 
         for k in list(out):
             if k.endswith("norm.weight"):
                 out[k] = Derived(lambda w: w + 1, [out[k]])
-    if cfg.rotary_interleaved and cfg.position_embedding == "rope":
-        for k in list(out):
-            if ".attn.q." in k or ".attn.k." in k:
+    if cfg.rotary_interleaved and cfg.position_embedding == "rope" and cfg.mla is None:  # DeepSeek: rope_interleave
+        for k in list(out):  # q/k norm weights scale the same features: they follow the rows
+            if any(f".attn.{x}." in k for x in ("q", "k", "q_norm", "k_norm")):
                 out[k] = Derived(lambda w: _rotate_half_order(w, cfg.head_dim), [out[k]])
     if model_type == "gpt2":  # GPT-2 always has biases; a bias-free Megatron model has zero ones
         for i in range(cfg.num_layers):
@@ -158,13 +231,68 @@ def hf_config(cfg: GPTConfig, model_type: str, arch: str, vocab: int, dtype: tor
                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
             rope.update(scaling)
             conf["rope_scaling"] = scaling
-        if model_type == "llama":
-            conf.update(attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear)
-        else:
-            conf.update(use_sliding_window=False, sliding_window=None)
+        conf.update(FAMILY_FIELDS[model_type](cfg))
     conf.update(ids)
     conf["dtype"] = conf["torch_dtype"] = dstr
     return conf
+
+
+def _qwen_moe_layers(cfg: GPTConfig) -> dict:
+    """decoder_sparse_step and mlp_only_layers that give exactly cfg.moe.layers (fewest exceptions)."""
+    n, moe = cfg.num_layers, set(cfg.moe.layers)
+    best = None
+    for step in range(1, n + 1):
+        hit = {i for i in range(n) if (i + 1) % step == 0}
+        if moe <= hit and (best is None or len(hit - moe) < len(best[1])):
+            best = (step, sorted(hit - moe))
+    return {"decoder_sparse_step": best[0], "mlp_only_layers": best[1]}
+
+
+def _moe_fields(cfg: GPTConfig) -> dict:
+    moe = cfg.moe
+    return {"num_experts": moe.num_experts, "num_experts_per_tok": moe.top_k, "norm_topk_prob": moe.topk_norm,
+            "moe_intermediate_size": moe.ffn_hidden_size, "output_router_logits": False,
+            "use_sliding_window": False, "sliding_window": None,
+            **_qwen_moe_layers(cfg)}
+
+
+# model_type -> the config.json fields of that class beyond the Llama ones
+FAMILY_FIELDS = {
+    "llama": lambda cfg: dict(attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear),
+    "qwen2": lambda cfg: dict(use_sliding_window=False, sliding_window=None),
+    "qwen3": lambda cfg: dict(attention_bias=False, use_sliding_window=False, sliding_window=None),
+    "mixtral": lambda cfg: dict(num_local_experts=cfg.moe.num_experts, num_experts_per_tok=cfg.moe.top_k,
+                                intermediate_size=cfg.moe.ffn_hidden_size, router_jitter_noise=0.0,
+                                output_router_logits=False, sliding_window=None),
+    "qwen2_moe": lambda cfg: dict(_moe_fields(cfg), qkv_bias=True,
+                                  shared_expert_intermediate_size=cfg.moe.shared_ffn_hidden_size),
+    "qwen3_moe": lambda cfg: dict(_moe_fields(cfg), attention_bias=False),
+    "deepseek_v3": lambda cfg: _deepseek_fields(cfg),
+}
+
+
+def _deepseek_fields(cfg: GPTConfig) -> dict:
+    m, moe = cfg.mla, cfg.moe
+    return {"head_dim": m.qk_rope_head_dim, "q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank,
+            "qk_nope_head_dim": m.qk_nope_head_dim, "qk_rope_head_dim": m.qk_rope_head_dim,
+            "qk_head_dim": m.qk_head_dim, "v_head_dim": m.v_head_dim, "rope_interleave": cfg.rotary_interleaved,
+            "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+            "moe_intermediate_size": moe.ffn_hidden_size,
+            "n_shared_experts": moe.shared_ffn_hidden_size // moe.ffn_hidden_size,
+            "routed_scaling_factor": moe.scaling_factor, "norm_topk_prob": moe.topk_norm,
+            "n_group": moe.num_groups, "topk_group": moe.group_topk, "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid", "first_k_dense_replace": cfg.num_layers - len(moe.layers),
+            "num_nextn_predict_layers": 0, "attention_bias": False, **_yarn_fields(cfg)}
+
+
+def _yarn_fields(cfg: GPTConfig) -> dict:
+    """YaRN under rope_parameters (transformers 5) and rope_scaling (4), beside the theta."""
+    y = cfg.rope_yarn
+    if y is None:
+        return {}
+    scaling = {k: v for k, v in dataclasses.asdict(y).items() if v is not None}
+    scaling["rope_type"] = "yarn"
+    return {"rope_scaling": scaling, "rope_parameters": dict(scaling, rope_theta=cfg.rotary_base)}
 
 
 # --- the writer ----------------------------------------------------------------------------
@@ -188,16 +316,24 @@ def write_hf(ckpt: Checkpoint, out_dir: Path, dtype: Optional[torch.dtype] = Non
     tensors = resize_vocab(ckpt.tensors, cfg, vocab)
     tensors = _export_tensors(cfg, tensors, model_type)
     family = hf_names.MODEL_TYPES[model_type][0]
+    missing = [n for n in expected_names(cfg) if n not in tensors]
+    require(not missing, f"cannot export to Hugging Face: the model lacks {', '.join(missing[:3])}",
+            "the checkpoint does not hold every tensor its config describes")
     items: List[Item] = []
-    for hf_name, entry, group in expand(family, cfg.num_layers):
+    used = set()
+    for hf_name, entry, group in expand(family, cfg.num_layers, cfg.moe.num_experts if cfg.moe else 0):
         if hf_name == "lm_head.weight" and cfg.tied_embeddings:
             continue
         t = _materialise(entry, tensors)
         if t is None:
             continue
+        used.update(hf_names.canonical_names(entry))
         if dtype is not None:
             t = t.to(dtype)
         items.append((hf_name, t, group))
+    unplaced = [n for n in tensors if n not in used and not (n == "output.weight" and cfg.tied_embeddings)]
+    require(not unplaced, f"cannot export to Hugging Face: {', '.join(unplaced[:3])} have no place in {arch}",
+            "ckptool never leaves tensors out of an export")
     out_dtype = dtype or items[0][1].dtype
     out_dir = Path(out_dir)
     summary = write_sharded(out_dir, items, max_bytes, progress, owns=owns)

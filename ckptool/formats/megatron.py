@@ -11,7 +11,6 @@ is shared with every Megatron-family format (roles.py, sharding.py).
 """
 from __future__ import annotations
 
-import argparse
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -24,11 +23,13 @@ from ..errors import CkptError, require
 from ..io.torchfile import StreamingTorchWriter, load_torch_file, write_grouped
 from ..lazy import Const, Derived, LazyTensor
 from ..options import ReadOptions
-from ..roles import assemble, global_role_tensor, layer_role_tensor, rule_for, shard_role, LAYER_ROLES
+from ..roles import assemble, canonical_names, global_role_tensor, layer_role_tensor, shard_role, LAYER_ROLES
 from ..sharding import ReplicaPolicy
-from ..state import Checkpoint, SourceInfo
-from ..vocab import resize_vocab, target_rows
-from . import megatron_args
+from ..state import (OPTIMIZER_SLOTS, PAD_FILL_BY_SLOT, WEIGHT, Checkpoint, OptimizerState, ParamGroup, SourceInfo,
+                     in_model_order)
+from ..vocab import resize_slot_vocab, resize_vocab, target_rows, with_true_vocab_size
+from . import megatron_args, megatron_distopt, megatron_optim
+from .megatron_optim import RankParam
 from .megatron_names import DIALECTS, Dialect, KeyMatcher, is_ignorable, qkv_from_grouped, qkv_to_grouped
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -237,20 +238,13 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
             first_layer += counts.get((p, v), 0)
     num_layers = first_layer
 
-    shards: Dict[Tuple[str, Optional[int]], List[Optional[LazyTensor]]] = defaultdict(lambda: [None] * tp)
-    head_copy = None
+    # Each rank's parameters in file order, which is the order Megatron built its optimizer from.
+    params: Dict[Tuple[int, int], List[RankParam]] = {}
     for (t, p), chunks in models.items():
-        for v, flat in chunks.items():
-            for key, value in flat.items():
-                hit = matcher.match(key)
-                if hit is None or not isinstance(value, LazyTensor):
-                    continue
-                role, local = hit
-                if role == "head_copy":
-                    head_copy = value
-                    continue
-                layer = None if local is None else offsets[(p, v)] + local
-                shards[(role, layer)][t] = value
+        params[(t, p)] = [RankParam(key, hit[0], None if hit[1] is None else offsets[(p, v)] + hit[1], value, v)
+                          for v in sorted(chunks) for key, value in chunks[v].items()
+                          for hit in [matcher.match(key)] if hit is not None and isinstance(value, LazyTensor)]
+    shards, head_copy = _role_shards({rk: [x.weight for x in ps] for rk, ps in params.items()}, params, tp)
     for (role, layer), parts in shards.items():
         if any(x is None for x in parts):
             raise CkptError(f"{role}{'' if layer is None else f' of layer {layer}'} is missing on some "
@@ -266,20 +260,26 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
         cfg, layer_note = megatron_args.as_megatron_core_computes(cfg)
     if cfg.tied_embeddings and ("output", None) in shards:
         # megatron-core keeps a synchronised copy of the tied embedding on the last stage
-        head_copy = shards.pop(("output", None))[0]
+        head_copy = shards[("output", None)][0]
 
-    # Old QKV orders -> grouped, per rank (Megatron fixes them the same way at load time).
-    if version < 2:
-        heads_local = cfg.num_attention_heads // tp
-        for (role, layer), parts in list(shards.items()):
-            if role.startswith("qkv."):
-                shards[(role, layer)] = [Derived(lambda x: qkv_to_grouped(x, version, heads_local, cfg.head_dim), [x])
-                                         for x in parts]
     warnings: List[str] = [layer_note] if layer_note else []
     policy = ReplicaPolicy(opts.replicas, warnings.append)
-    tensors = assemble(cfg, dict(shards), policy)
+
+    def canonical(role_shards) -> Dict[str, LazyTensor]:
+        if cfg.tied_embeddings:
+            role_shards.pop(("output", None), None)
+        if version < 2:  # old QKV orders -> grouped, per rank (Megatron fixes them the same way at load)
+            heads_local = cfg.num_attention_heads // tp
+            for (role, layer), parts in list(role_shards.items()):
+                if role.startswith("qkv."):
+                    role_shards[(role, layer)] = [
+                        Derived(lambda x: qkv_to_grouped(x, version, heads_local, cfg.head_dim), [x]) for x in parts]
+        return assemble(cfg, dict(role_shards), policy)
+
+    tensors = canonical(shards)
     if not cfg.tied_embeddings and "output.weight" not in tensors and head_copy is not None:
         tensors["output.weight"] = head_copy
+    optimizer = _read_optimizer(trees, ranks, params, tp, args, cfg, canonical, warnings) if opts.optimizer else None
     layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None,
                     stage_layers=None if vpp > 1 or len({counts[(p, 0)] for p in range(pp)}) == 1
                     else [counts[(p, 0)] for p in range(pp)])
@@ -287,8 +287,83 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                       iteration=iteration if iteration is not None else first.get("iteration"),
                       release=release, checkpoint_version=None if dialect.qkv_version0_only else version,
                       args=args, extra={"replica_policy": policy})
-    ckpt = Checkpoint(cfg, _ordered(tensors, cfg), info, warnings)
-    return ckpt
+    if optimizer is not None:
+        optimizer = optimizer.with_slots({slot: in_model_order(ts, cfg) for slot, ts in optimizer.slots.items()})
+    return Checkpoint(cfg, in_model_order(tensors, cfg), info, warnings, optimizer)
+
+
+def _role_shards(values: Dict[Tuple[int, int], List[LazyTensor]], params: Dict[Tuple[int, int], List[RankParam]],
+                 tp: int):
+    """{(role, layer): [value per TP rank]} from per-rank lists aligned with params; and the last
+    stage's copy of the tied embedding (role head_copy), kept apart."""
+    shards: Dict[Tuple[str, Optional[int]], List[Optional[LazyTensor]]] = defaultdict(lambda: [None] * tp)
+    head_copy = None
+    for (t, p), ps in params.items():
+        for param, value in zip(ps, values[(t, p)]):
+            if param.role == "head_copy":
+                head_copy = value
+            else:
+                shards[(param.role, param.layer)][t] = value
+    return shards, head_copy
+
+
+def _read_optimizer(trees, ranks, params, tp, args, cfg, canonical, warnings) -> Optional[OptimizerState]:
+    """The optimizer state of every rank, tied to the parameters and merged like the weights;
+    None (with a warning naming what is dropped) when there is none or its form is not read yet."""
+    it_dir = next(iter(ranks.values())).parent
+    if any(d.is_dir() and RANK_DIR.match(d.name) and _is_optimizer_only(d) for d in it_dir.iterdir()):
+        warnings.append("optimizer state dropped: the 2022-23 distributed-optimizer form (one optim.pt per "
+                        "data-parallel rank) is not carried; the output holds the weights only")
+        return None
+    if not any("optimizer" in tree for tree in trees.values()):
+        return None
+    for rk, tree in trees.items():
+        why = megatron_optim.unsupported_form(tree)
+        if why:
+            warnings.append(f"optimizer state dropped: {why}; the output holds the weights only")
+            return None
+    pp = max(p for _, p in ranks) + 1
+    per_rank = {rk: _read_rank_optimizer(tree, ranks[rk], params[rk], args, cfg, pp, rk[1])
+                for rk, tree in trees.items()}
+    if all(r is None for r in per_rank.values()):
+        return None
+    for rk, r in per_rank.items():
+        if r is None:
+            raise CkptError(f"{_model_file(ranks[rk])}: no optimizer state, but other ranks have one",
+                            "the rank files do not belong to one checkpoint; " + megatron_optim.HINT)
+    slot_names = [s for s in OPTIMIZER_SLOTS if all(s in sl for r in per_rank.values() for sl in r.slots)]
+    slots = {}
+    for slot in slot_names:
+        shards, _ = _role_shards({rk: [sl[slot] for sl in r.slots] for rk, r in per_rank.items()}, params, tp)
+        slots[slot] = canonical(shards)
+    where = str(next(iter(ranks.values())).parent)
+    hypers = megatron_optim.merge_hypers([r.hypers for r in per_rank.values()], where)
+    names: List[List[str]] = [[] for _ in hypers]
+    for rk, r in per_rank.items():
+        for param, g in zip(params[rk], r.group_of):
+            if param.role != "head_copy" and not (param.role == "output" and cfg.tied_embeddings):
+                names[g] += [n for n in canonical_names(param.role, param.layer, cfg) if n not in names[g]]
+    steps = {r.step for r in per_rank.values()}
+    require(len(steps) == 1, f"{where}: ranks were stepped {sorted(map(str, steps))} times", megatron_optim.HINT)
+    first = trees[(0, 0)]
+    distributed = megatron_distopt.uses_distributed_optimizer(ranks[(0, 0)], args)
+    return OptimizerState(
+        kind="megatron-distributed" if distributed else "megatron" if "master" in slots else "megatron-fp32",
+        slots=slots, step=steps.pop(),
+        param_groups=[ParamGroup(n, h) for n, h in zip(names, hypers)],
+        grad_scaler=per_rank[(0, 0)].grad_scaler,
+        scheduler=first.get("opt_param_scheduler", first.get("lr_scheduler")),
+        consumed_samples=getattr(args, "consumed_train_samples", None))
+
+
+def _read_rank_optimizer(tree, rank_dir: Path, params: List[RankParam], args, cfg: GPTConfig, pp: int,
+                         pp_rank: int):
+    """One rank's optimizer state: distrib_optim.pt beside the rank file (the distributed optimizer)
+    or the rank file's own 'optimizer' entry."""
+    where = str(_model_file(rank_dir))
+    if megatron_distopt.uses_distributed_optimizer(rank_dir, args):
+        return megatron_distopt.read_rank(tree, rank_dir, params, args, cfg.tied_embeddings, pp, pp_rank, where)
+    return megatron_optim.read_rank(tree, params, where)
 
 
 def _any_value(models, key):
@@ -317,23 +392,15 @@ def _check_args_agree(trees, ranks) -> None:
                                 "the rank files come from different runs")
 
 
-_OVERRIDABLE = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                "max_position_embeddings", "activation", "normalization", "norm_eps", "position_embedding",
-                "rotary_base", "make_vocab_size_divisible_by", "head_dim")
-
-
 def _config(args, dialect, shards, num_layers, tp, stored_rows, opts: ReadOptions, version) -> GPTConfig:
-    ov = {k: v for k, v in opts.overrides.items() if v is not None and k in _OVERRIDABLE}
+    ov = opts.config_overrides()
     if args is not None:
         cfg = megatron_args.config_from_args(args, stored_rows)
         if ov:
             cfg = cfg.replace(**ov)
     else:
         cfg = _config_from_shapes(dialect, shards, num_layers, tp, stored_rows, ov)
-    if opts.true_vocab_size is not None:
-        require(opts.true_vocab_size <= stored_rows,
-                f"--true-vocab-size {opts.true_vocab_size} exceeds the {stored_rows} embedding rows stored")
-        cfg = cfg.replace(vocab_size=opts.true_vocab_size, vocab_size_source="--true-vocab-size")
+    cfg = with_true_vocab_size(cfg, opts.true_vocab_size, stored_rows)
     require(cfg.num_layers == num_layers,
             f"args say {cfg.num_layers} layers but the files hold {num_layers}",
             "the checkpoint is incomplete or its args are wrong")
@@ -365,12 +432,6 @@ def _config_from_shapes(dialect, shards, num_layers, tp, stored_rows, ov) -> GPT
     return GPTConfig(**kw)
 
 
-def _ordered(tensors: Dict[str, LazyTensor], cfg: GPTConfig) -> Dict[str, LazyTensor]:
-    from ..state import expected_names
-    order = {n: i for i, n in enumerate(expected_names(cfg))}
-    return dict(sorted(tensors.items(), key=lambda kv: (order.get(kv[0], 1 << 30), kv[0])))
-
-
 # --- writing --------------------------------------------------------------------------------
 
 def default_dialect(ckpt: Checkpoint) -> str:
@@ -400,8 +461,14 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
                    release: Optional[bool] = None, divisible_by: Optional[int] = None,
                    pad_fill: str = "zero", iteration: Optional[int] = None,
                    progress: Optional[Callable[[int], None]] = None, warn=print,
-                   rank_filter: Optional[Callable[[int, int], bool]] = None) -> dict:
+                   rank_filter: Optional[Callable[[int, int], bool]] = None, optimizer: bool = True,
+                   distributed_optimizer: bool = False, dp: int = 1) -> dict:
     """Write ckpt as a Megatron torch-format checkpoint with the given layout into out_dir.
+
+    With optimizer (the default) and a source holding optimizer state, each rank file also holds
+    that rank's optimizer state in the non-distributed layout and the LR scheduler (megatron_optim.py);
+    with distributed_optimizer, a distrib_optim.pt beside each rank file holds it instead, laid out for
+    a run at data-parallel size dp (megatron_distopt.py).
 
     Returns a summary dict (files, bytes, padded vocab, iteration dir). rank_filter(tp, pp) lets a
     distributed run write only its share of the files.
@@ -442,11 +509,15 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
     out_dtype = dtype
     if out_dtype is None:
         out_dtype = next(iter(tensors.values())).dtype
+    train = _TrainingState.for_target(ckpt, tensors, cfg, rows, out_dtype) if optimizer else None
+    if train is not None and train.weights_from_masters:
+        tensors = train.slots["master"]  # fp32 training: the fp32 masters are the weights
     args = None
     if d.has_args:
         args = megatron_args.args_for_target(ckpt.source.args if ckpt.source.format in ("megatron", "torch_dist", "deepspeed") else None,
                                              cfg_out, layout, rows, out_dtype, d.legacy_models,
                                              d.transformer_impl, version or 3.0, iteration)
+    distributed = _DistributedTarget.for_target(train, distributed_optimizer, dp, args, out_dtype, cfg, layout)
     it_name = "release" if release else f"iter_{iteration:07d}"
     it_dir = Path(out_dir) / it_name
     it_dir.mkdir(parents=True, exist_ok=True)
@@ -455,12 +526,13 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
     group_of: Dict[int, int] = {}
     writers = []
     heads_local = cfg.num_attention_heads // layout.tp
+    layer_roles = d.param_order + tuple(r for r in LAYER_ROLES if r not in d.param_order)
 
-    def shard(role: str, full: LazyTensor, t: int, group: int) -> LazyTensor:
+    def shard(role: str, full: LazyTensor, t: int, group: int, cast: bool = True) -> LazyTensor:
         piece = shard_role(full, role, cfg_out, layout.tp)[t]
         if role.startswith("qkv.") and qkv_version < 2:
             piece = Derived(lambda x: qkv_from_grouped(x, qkv_version, heads_local, cfg.head_dim), [piece])
-        if dtype is not None and piece.dtype != dtype:
+        if cast and dtype is not None and piece.dtype != dtype:
             piece = piece.to(dtype)
         group_of[id(piece)] = group
         return piece
@@ -473,35 +545,41 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
             if rank_filter and not rank_filter(t, p):
                 continue
             file_obj: dict = {}
+            params: list = []  # (role, layer, slot -> full tensor, streaming group, key) in parameter order
+            param_chunks: list = []  # the model chunk of each
+
+            def put(flat, key, role, layer, full_of, group):
+                flat[key] = shard(role, full_of("weight"), t, group)
+                params.append((role, layer, full_of, group, key))
+                param_chunks.append(v)
+
             for (_, v, first, count) in stage_chunks:
                 flat: Dict[str, object] = {}
                 if p == 0 and v == 0:
                     for role in ("word", "pos"):
-                        full = global_role_tensor(tensors, role)
-                        if full is not None:
-                            flat[d.globals[role]] = shard(role, full, t, -1)
+                        if global_role_tensor(tensors, role) is not None:
+                            put(flat, d.globals[role], role, None, _global_of(tensors, train, role), -1)
                 for local in range(count):
                     g = first + local
                     prefix = d.layer_prefix.format(i=local)
-                    for role in LAYER_ROLES:
-                        full = layer_role_tensor(tensors, cfg_out, g, role)
-                        if full is None:
+                    for role in layer_roles:
+                        if layer_role_tensor(tensors, cfg_out, g, role) is None:
                             continue
                         if role not in d.layer:
                             raise CkptError(f"the {d.name} dialect has no place for {role} tensors",
                                             "choose --dialect mcore")
-                        flat[prefix + d.layer[role]] = shard(role, full, t, g)
+                        put(flat, prefix + d.layer[role], role, g, _layer_of(tensors, train, cfg_out, g, role), g)
                     for extra in d.extra_state:
                         flat[prefix + extra] = _extra_state_value(d)
                 if p == last_pp and v == vpp - 1:
                     for role in ("final_norm.weight", "final_norm.bias"):
-                        full = global_role_tensor(tensors, role)
-                        if full is not None:
-                            flat[d.globals[role]] = shard(role, full, t, cfg.num_layers)
+                        if global_role_tensor(tensors, role) is not None:
+                            put(flat, d.globals[role], role, None, _global_of(tensors, train, role), cfg.num_layers)
                     if not cfg.tied_embeddings:
-                        flat[d.globals["output"]] = shard("output", tensors["output.weight"], t, cfg.num_layers)
-                    elif layout.pp > 1 and d.head_copy:
-                        flat[d.head_copy] = shard("word", tensors["embed.word"], t, cfg.num_layers)
+                        put(flat, d.globals["output"], "output", None, _global_of(tensors, train, "output"),
+                            cfg.num_layers)
+                    elif layout.pp > 1 and d.head_copy:  # a parameter of its own, kept in sync by Megatron
+                        put(flat, d.head_copy, "word", None, _global_of(tensors, train, "word"), cfg.num_layers)
                     if (not cfg.tied_embeddings or layout.pp > 1):
                         for extra in d.global_extra_state:
                             flat[extra] = _extra_state_value(d)
@@ -514,12 +592,125 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
                 top["checkpoint_version"] = version
             top["iteration"] = iteration
             top.update(file_obj)
+            param_state = None
+            if distributed is not None:
+                entries, param_state = distributed.rank_entries(train, params, param_chunks, t, shard, cfg)
+                top.update(entries)
+            elif train is not None:
+                top.update(train.rank_entries(params, t, shard, cfg))
             rank_name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if layout.pp > 1 else "")
             (it_dir / rank_name).mkdir(exist_ok=True)
             writers.append(StreamingTorchWriter(it_dir / rank_name / "model_optim_rng.pt", top))
+            if param_state is not None:
+                writers.append(StreamingTorchWriter(it_dir / rank_name / megatron_distopt.FILE, param_state))
     total = write_grouped(writers, lambda lazy: group_of.get(id(lazy)), progress)
-    return {"iteration_dir": it_name, "files": len(writers), "bytes": total, "padded_vocab_size": rows,
-            "dialect": d.name, "checkpoint_version": version}
+    summary = {"iteration_dir": it_name, "files": len(writers), "bytes": total, "padded_vocab_size": rows,
+               "dialect": d.name, "checkpoint_version": version}
+    if train is not None:
+        summary["optimizer"] = train.describe()
+        if distributed is not None:
+            summary["optimizer"]["distributed"] = {"dp": dp}
+    return summary
+
+
+def _global_of(tensors, train, role):
+    """slot name -> the full tensor of a global role in that slot."""
+    def full(slot):
+        return global_role_tensor(tensors if slot == WEIGHT else train.slots[slot], role)
+    return full
+
+
+def _layer_of(tensors, train, cfg, layer, role):
+    def full(slot):
+        return layer_role_tensor(tensors if slot == WEIGHT else train.slots[slot], cfg, layer, role)
+    return full
+
+
+class _TrainingState:
+    """The optimizer state a Megatron target carries: every slot re-padded like the weights."""
+
+    def __init__(self, opt: OptimizerState, slots: Dict[str, Dict[str, LazyTensor]], mixed: bool):
+        self.opt, self.slots, self.mixed = opt, slots, mixed
+        self.weights_from_masters = not mixed and "master" in opt.slots
+
+    @classmethod
+    def for_target(cls, ckpt: Checkpoint, weights: Dict[str, LazyTensor], cfg: GPTConfig, rows: int,
+                   out_dtype: torch.dtype) -> Optional["_TrainingState"]:
+        opt = ckpt.optimizer
+        if opt is None:
+            return None
+        require(opt.step is not None, f"{ckpt.source.path}: the optimizer state has no step count",
+                megatron_optim.HINT)
+        slots = {}
+        for slot in ("master", "exp_avg", "exp_avg_sq"):
+            source = opt.slots.get(slot)
+            if source is None and slot == "master":  # fp32 training: the weights were the masters
+                source = {n: w.to(torch.float32) for n, w in ckpt.tensors.items()}
+            if source is None:
+                raise CkptError(f"{ckpt.source.path}: the optimizer state has no {slot}", megatron_optim.HINT)
+            slots[slot] = resize_slot_vocab(source, weights, cfg, rows, PAD_FILL_BY_SLOT[slot])
+        return cls(opt, slots, mixed=out_dtype in (torch.float16, torch.bfloat16))
+
+    def rank_entries(self, params, t: int, shard, cfg: GPTConfig) -> dict:
+        """The optimizer and scheduler entries of one rank file; params in the model's order."""
+        entries = []
+        for role, layer, full_of, group, key in params:
+            names = canonical_names(role, layer, cfg)
+            g = megatron_optim.group_index(self.opt.param_groups, names, key, full_of(WEIGHT).shape)
+            slots = {slot: shard(role, full_of(slot), t, group, cast=False) for slot in self.slots
+                     if slot != "master" or self.mixed}
+            entries.append((g, slots))
+        # a loss scaler's state is only Megatron's to read when it came from Megatron
+        scaler = self.opt.grad_scaler if self.opt.kind.startswith("megatron") else None
+        out = {"optimizer": megatron_optim.rank_state(entries, self.opt.param_groups, self.opt.step, self.mixed,
+                                                      scaler)}
+        if self.opt.scheduler is not None:
+            out["opt_param_scheduler"] = self.opt.scheduler
+        return out
+
+    def describe(self) -> dict:
+        return {"kind": self.opt.kind, "step": self.opt.step, "slots": sorted(self.slots),
+                "groups": len(self.opt.param_groups)}
+
+
+class _DistributedTarget:
+    """The distributed optimizer's files for a target: per rank, the 'optimizer' entry without tensors
+    and a distrib_optim.pt laid out as megatron-core lays its grad buffers out for data-parallel size dp."""
+
+    def __init__(self, dp: int, tied: bool, pp: int, dtype_key):
+        self.dp, self.tied, self.pp, self.dtype_key = dp, tied, pp, dtype_key
+
+    @classmethod
+    def for_target(cls, train: Optional[_TrainingState], wanted: bool, dp: int, args, out_dtype: torch.dtype,
+                   cfg: GPTConfig, layout: Layout) -> Optional["_DistributedTarget"]:
+        require(dp >= 1, f"--dp {dp}: the data-parallel size is at least 1")
+        if args is not None:  # what the target run is: Megatron reads DP from its own flags
+            args.use_distributed_optimizer = bool(wanted and train is not None)
+            if wanted:
+                args.data_parallel_size = dp
+        if not wanted or train is None:
+            return None
+        # megatron-core keys each buffer by (param dtype, grad dtype); Megatron-LM reduces bf16 grads in
+        # fp32 (--accumulate-allreduce-grads-in-fp32, on by default with --bf16)
+        fp32_grads = getattr(args, "accumulate_allreduce_grads_in_fp32", out_dtype == torch.bfloat16)
+        return cls(dp, cfg.tied_embeddings, layout.pp, (out_dtype, torch.float32 if fp32_grads else out_dtype))
+
+    def rank_entries(self, train: _TrainingState, params, chunks, t: int, shard, cfg: GPTConfig):
+        entries = []
+        for (role, layer, full_of, group, key), chunk in zip(params, chunks):
+            names = canonical_names(role, layer, cfg)
+            g = megatron_optim.group_index(train.opt.param_groups, names, key, full_of(WEIGHT).shape)
+            slots = {slot: shard(role, full_of(slot), t, group, cast=False) for slot in OPTIMIZER_SLOTS}
+            entries.append((chunk, g, slots, self.tied and self.pp > 1 and role == "word"))
+        used = sorted({g for _, g, _, _ in entries})
+        groups = [dict(train.opt.param_groups[g].hyper) for g in used]  # Megatron builds only the groups a rank has
+        entries = [(c, used.index(g), s, shared) for c, g, s, shared in entries]
+        optimizer, state = megatron_distopt.rank_files(entries, self.dp, train.opt.step, groups,
+                                                       train.opt.grad_scaler, self.dtype_key)
+        out = {"optimizer": optimizer}
+        if train.opt.scheduler is not None:
+            out["opt_param_scheduler"] = train.opt.scheduler
+        return out, state
 
 
 def _extra_state_value(d: Dialect):

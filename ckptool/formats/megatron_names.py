@@ -15,7 +15,7 @@ Each dialect maps roles (roles.py) to state-dict keys. Nested state dicts (legac
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -36,6 +36,9 @@ class Dialect:
     qkv_version0_only: bool = False  # flat2019: always the v0 per-rank QKV layout
     legacy_models: bool = True
     transformer_impl: str = "local"
+    # Per-layer roles in the order the framework registers the parameters (= named_parameters() and
+    # state-dict order), which is the order its optimizer groups list them in (megatron_optim.py).
+    param_order: Tuple[str, ...] = ()
 
 
 _LEGACY_LAYER_2021 = {
@@ -90,6 +93,20 @@ _MCORE_GLOBALS = {
 }
 
 
+# named_parameters() order of a layer. Legacy: norm, query_key_value, dense, norm, MLP. megatron-core
+# registers linear_proj before linear_qkv (Attention.__init__ runs before SelfAttention adds linear_qkv),
+# and Transformer Engine's LayerNormLinear registers its norm before its weight.
+_LEGACY_PARAM_ORDER = ("attn_norm.weight", "attn_norm.bias", "qkv.weight", "qkv.bias", "proj.weight",
+                       "proj.bias", "mlp_norm.weight", "mlp_norm.bias", "fc1.weight", "fc1.bias",
+                       "fc2.weight", "fc2.bias")
+_QK_NORMS = ("q_norm.weight", "q_norm.bias", "k_norm.weight", "k_norm.bias")
+_MLP = ("mlp_norm.weight", "mlp_norm.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
+_MCORE_PARAM_ORDER = (("attn_norm.weight", "attn_norm.bias", "proj.weight", "proj.bias", "qkv.weight", "qkv.bias")
+                      + _QK_NORMS + _MLP)
+_MCORE_TE_PARAM_ORDER = (("proj.weight", "proj.bias", "attn_norm.weight", "attn_norm.bias", "qkv.weight", "qkv.bias")
+                         + _QK_NORMS + _MLP)
+
+
 def _legacy_globals(body: str, final: str) -> Dict[str, str]:
     return {
         "word": "language_model/embedding/word_embeddings/weight",
@@ -106,24 +123,25 @@ DIALECTS: Dict[str, Dialect] = {d.name: d for d in [
                      "final_norm.weight": "transformer.final_layernorm.weight",
                      "final_norm.bias": "transformer.final_layernorm.bias"},
             layer_prefix="transformer.layers.{i}.", layer=_LEGACY_LAYER_2020,
-            has_args=False, qkv_version0_only=True),
+            has_args=False, qkv_version0_only=True, param_order=_LEGACY_PARAM_ORDER),
     Dialect("legacy-2020", globals=_legacy_globals("transformer", "final_layernorm"),
             layer_prefix="language_model/transformer/layers.{i}.", layer=_LEGACY_LAYER_2020,
-            head_copy="word_embeddings_for_head/weight", nested=True),
+            head_copy="word_embeddings_for_head/weight", nested=True, param_order=_LEGACY_PARAM_ORDER),
     Dialect("legacy", globals=_legacy_globals("encoder", "final_layernorm"),
             layer_prefix="language_model/encoder/layers.{i}.", layer=_LEGACY_LAYER_2021,
-            head_copy="word_embeddings_for_head/weight", nested=True),
+            head_copy="word_embeddings_for_head/weight", nested=True, param_order=_LEGACY_PARAM_ORDER),
     Dialect("legacy-norm", globals=_legacy_globals("encoder", "final_norm"),
             layer_prefix="language_model/encoder/layers.{i}.", layer=_LEGACY_LAYER_NORM,
-            head_copy="word_embeddings_for_head/weight", nested=True),
+            head_copy="word_embeddings_for_head/weight", nested=True, param_order=_LEGACY_PARAM_ORDER),
     Dialect("mcore", globals=_MCORE_GLOBALS, layer_prefix="decoder.layers.{i}.", layer=_MCORE_LAYER,
             head_copy="output_layer.weight", extra_state=_MCORE_EXTRA,
-            global_extra_state=("output_layer._extra_state",), legacy_models=False),
+            global_extra_state=("output_layer._extra_state",), legacy_models=False,
+            param_order=_MCORE_PARAM_ORDER),
     Dialect("mcore-te", globals=_MCORE_GLOBALS, layer_prefix="decoder.layers.{i}.",
             layer=_MCORE_TE_LAYER, head_copy="output_layer.weight",
             extra_state=_MCORE_EXTRA + ("self_attention.core_attention._extra_state",),
             extra_state_value="empty_bytes", global_extra_state=("output_layer._extra_state",),
-            legacy_models=False, transformer_impl="transformer_engine"),
+            legacy_models=False, transformer_impl="transformer_engine", param_order=_MCORE_TE_PARAM_ORDER),
 ]}
 
 

@@ -224,6 +224,7 @@ class DcpWriter:
         self.entries: Dict[str, object] = {}
         self.storage: Dict[_dcp.MetadataIndex, _dcp._StorageInfo] = {}
         self.bytes_written = 0
+        self.aliases: List[Tuple[str, str]] = []
 
     def _append(self, payload: bytes) -> Tuple[int, int]:
         offset = self.fh.tell()
@@ -253,7 +254,17 @@ class DcpWriter:
         off, length = self._append(payload)
         self.storage[_dcp.MetadataIndex(fqn)] = _dcp._StorageInfo(self.data_file, off, length)
 
+    def alias(self, fqn: str, of: str) -> None:
+        """fqn names the same bytes as `of` (one copy on disk); resolved at finish(), once every chunk
+        of `of` is written."""
+        self.aliases.append((fqn, of))
+
     def finish(self) -> None:
+        for fqn, of in dict(self.aliases).items():
+            src = self.entries[of]
+            self.entries[fqn] = TensorStorageMetadata(properties=src.properties, size=src.size, chunks=list(src.chunks))
+            for c in src.chunks:
+                self.storage[MetadataIndex(fqn, c.offsets)] = self.storage[MetadataIndex(of, c.offsets)]
         self.fh.flush()
         os.fsync(self.fh.fileno())
         self.fh.close()

@@ -43,13 +43,3 @@ def trim() -> None:
     libc = _glibc()
     if libc:
         libc.malloc_trim(0)
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory (VmHWM)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

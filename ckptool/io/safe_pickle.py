@@ -217,7 +217,10 @@ class StandIn:
         return obj
 
     def __init__(self, *args, **kwargs):
-        pass
+        # reached only when the pickle called the class (REDUCE: enums, factories); objects pickled
+        # by protocol 2+ come back through cls.__new__ alone (NEWOBJ) and must be written that way,
+        # or unpickling calls e.g. DeepSpeed's DynamicLossScaler() without its required arguments
+        self.__dict__["_ckptool_called"] = True
 
     def __setstate__(self, state):
         self.__dict__["_ckptool_state"] = state
@@ -229,7 +232,10 @@ class StandIn:
     def __reduce_ex__(self, protocol):
         cls = type(self)
         state = self.__dict__.get("_ckptool_state")
-        return (cls, tuple(self.__dict__.get("_ckptool_args", ())), state)
+        args = tuple(self.__dict__.get("_ckptool_args", ()))
+        if not self.__dict__.get("_ckptool_called") and protocol >= 2:
+            return (copyreg.__newobj__, (cls,) + args, state)
+        return (cls, args, state)
 
     @property
     def value(self):

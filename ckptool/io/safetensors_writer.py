@@ -31,7 +31,6 @@ DTYPE_NAMES = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
     torch.uint8: "U8", torch.bool: "BOOL",
 }
-NAME_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 
 # safetensors files written at once (CKPTOOL_SHARD_THREADS to change; 1 writes them one by one)
 SHARD_THREADS = max(1, int(os.environ.get("CKPTOOL_SHARD_THREADS", "2") or 2))

@@ -10,7 +10,7 @@ Each yields (logits [b, s, V], {"embedding"|"layer i": hidden} or None, true voc
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F

@@ -4,7 +4,8 @@ It loads one layer at a time (inside a load_scope), so memory stays near one lay
 activations. Covers GPT-2 style (LayerNorm, GeLU erf or tanh, learned positions, tied embeddings)
 and Llama style (RMSNorm, SwiGLU, RoPE, GQA, untied output), and the Megatron flags that change the
 maths (layernorm 1p, qk layernorm, post-layernorm residual, rotary percent / interleaved / base,
-llama3 rope scaling, squared ReLU).
+llama3 rope scaling, squared ReLU), and Mixture-of-Experts layers routed exactly as config.MoE
+says (dropless: every token reaches its top-k experts, no capacity limit).
 """
 from __future__ import annotations
 
@@ -38,14 +39,43 @@ def activation(x: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
 
 
 def rope_frequencies(cfg: GPTConfig, seq: int, device=None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [seq, rot_dim/2] for the rotated part of each head."""
-    rot = int(cfg.head_dim * cfg.rotary_percent)
+    """cos, sin of shape [seq, rot_dim/2] for the rotated part of each head (MLA: its rope part)."""
+    rot = cfg.mla.qk_rope_head_dim if cfg.mla is not None else int(cfg.head_dim * cfg.rotary_percent)
     inv = 1.0 / (cfg.rotary_base ** (torch.arange(0, rot, 2, dtype=torch.float64, device=device) / rot))
     if cfg.rope_scaling_factor:
         inv = _llama3_scale(inv, cfg.rope_scaling_factor)
+    if cfg.rope_yarn is not None:
+        inv = _yarn_scale(inv, cfg.rope_yarn, rot, cfg.rotary_base)
     pos = torch.arange(seq, dtype=torch.float64, device=device)
     ang = torch.outer(pos, inv)
-    return ang.cos().float(), ang.sin().float()
+    gain = yarn_attention_factor(cfg.rope_yarn) if cfg.rope_yarn is not None else 1.0
+    return (ang.cos() * gain).float(), (ang.sin() * gain).float()
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_attention_factor(y) -> float:
+    if y.attention_factor is not None:
+        return y.attention_factor
+    if y.mscale and y.mscale_all_dim:
+        return _yarn_mscale(y.factor, y.mscale) / _yarn_mscale(y.factor, y.mscale_all_dim)
+    return _yarn_mscale(y.factor)
+
+
+def _yarn_scale(inv: torch.Tensor, y, dim: int, base: float) -> torch.Tensor:
+    """Blend interpolated (inv / factor) and original frequencies over the YaRN correction range."""
+    def correction_dim(rotations):
+        return dim * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+    low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
+    if y.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64, device=inv.device) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # share of the original (extrapolated) frequency
+    return inv / y.factor * (1 - keep) + inv * keep
 
 
 def _llama3_scale(inv: torch.Tensor, factor: float, low: float = 1.0, high: float = 4.0,
@@ -102,23 +132,98 @@ def attention(x: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig,
     return F.linear(ctx, w[p + "attn.out.weight"], w.get(p + "attn.out.bias"))
 
 
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    var = x.float().pow(2).mean(-1, keepdim=True)
+    return (x.float() * torch.rsqrt(var + eps)).to(x.dtype) * w
+
+
+def mla_attention(x: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig,
+                  rope: Tuple[torch.Tensor, torch.Tensor], p: str) -> torch.Tensor:
+    """Multi-Latent Attention: per head q = [q_nope | q_rope], k = [k_nope | k_rope shared by all
+    heads], v from the kv latent; only the rope parts rotate; scores scaled by 1/sqrt(nope + rope)."""
+    m, (b, s, _) = cfg.mla, x.shape
+    nq, nope, r, vd = cfg.num_attention_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+    if m.q_lora_rank:
+        latent = _rms(F.linear(x, w[p + "attn.q_down.weight"]), w[p + "attn.q_down_norm.weight"], m.latent_norm_eps)
+        q = F.linear(latent, w[p + "attn.q_up.weight"])
+    else:
+        q = F.linear(x, w[p + "attn.q.weight"])
+    q_nope, q_rope = q.view(b, s, nq, nope + r).transpose(1, 2).split([nope, r], dim=-1)
+    kv_latent, k_rope = F.linear(x, w[p + "attn.kv_down.weight"]).split([m.kv_lora_rank, r], dim=-1)
+    kv_latent = _rms(kv_latent, w[p + "attn.kv_down_norm.weight"], m.latent_norm_eps)
+    kv = F.linear(kv_latent, w[p + "attn.kv_up.weight"]).view(b, s, nq, nope + vd).transpose(1, 2)
+    k_nope, v = kv.split([nope, vd], dim=-1)
+    q_rope = apply_rope(q_rope, *rope, cfg)
+    k_rope = apply_rope(k_rope.view(b, 1, s, r), *rope, cfg).expand(b, nq, s, r)
+    q, k = torch.cat([q_nope, q_rope], -1), torch.cat([k_nope, k_rope], -1)
+    scale = 1 / math.sqrt(nope + r)
+    if cfg.rope_yarn is not None and cfg.rope_yarn.mscale_all_dim:
+        scale *= _yarn_mscale(cfg.rope_yarn.factor, cfg.rope_yarn.mscale_all_dim) ** 2
+    scores = (q @ k.transpose(-1, -2)) * scale
+    mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+    probs = torch.softmax(scores.float().masked_fill(mask, float("-inf")), dim=-1).to(v.dtype)
+    ctx = (probs @ v).transpose(1, 2).reshape(b, s, nq * vd)
+    return F.linear(ctx, w[p + "attn.out.weight"])
+
+
 def mlp(x: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig, p: str) -> torch.Tensor:
-    up = F.linear(x, w[p + "mlp.up.weight"], w.get(p + "mlp.up.bias"))
+    """The dense MLP whose tensors are p + {gate,up,down}.*: a layer's (p = layers.i.mlp.), an
+    expert's (layers.i.mlp.experts.e.) or the shared expert's (layers.i.mlp.shared.)."""
+    up = F.linear(x, w[p + "up.weight"], w.get(p + "up.bias"))
     if cfg.gated:
-        gate = F.linear(x, w[p + "mlp.gate.weight"], w.get(p + "mlp.gate.bias"))
+        gate = F.linear(x, w[p + "gate.weight"], w.get(p + "gate.bias"))
         h = F.silu(gate) * up
     else:
         h = activation(up, cfg)
-    return F.linear(h, w[p + "mlp.down.weight"], w.get(p + "mlp.down.bias"))
+    return F.linear(h, w[p + "down.weight"], w.get(p + "down.bias"))
+
+
+def route(x: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig, p: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(expert index [tokens, k], weight [tokens, k]) for flat tokens x: scores in fp32, chosen by
+    score (+ expert bias, which steers the choice only), renormalised and scaled as cfg.moe says."""
+    moe = cfg.moe
+    logits = F.linear(x, w[p + "router.weight"], w.get(p + "router.bias")).float()
+    scores = torch.softmax(logits, dim=-1) if moe.score_function == "softmax" else torch.sigmoid(logits)
+    bias = w.get(p + "router.expert_bias")
+    choice = scores if bias is None else scores + bias.float()
+    if moe.num_groups > 1:  # only experts of the group_topk groups whose two best scores sum highest
+        grouped = choice.view(-1, moe.num_groups, moe.num_experts // moe.num_groups)
+        best = torch.topk(grouped.topk(2, dim=-1).values.sum(-1), moe.group_topk, dim=-1).indices
+        keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
+        choice = grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
+    chosen = torch.topk(choice, moe.top_k, dim=-1).indices
+    weights = scores.gather(-1, chosen)
+    if moe.topk_norm:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return chosen, weights * moe.scaling_factor
+
+
+def moe_mlp(x: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig, p: str) -> torch.Tensor:
+    """Each token through its top-k experts, weighted, summed in expert order; plus the shared expert."""
+    flat = x.reshape(-1, x.shape[-1])
+    chosen, weights = route(flat, w, cfg, p)
+    out = torch.zeros_like(flat)
+    for e in range(cfg.moe.num_experts):
+        token, slot = torch.where(chosen == e)
+        if token.numel():
+            y = mlp(flat[token], w, cfg, f"{p}experts.{e}.") * weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+    if cfg.moe.shared_ffn_hidden_size:
+        shared = mlp(flat, w, cfg, p + "shared.")
+        if cfg.moe.shared_gate:
+            shared = torch.sigmoid(F.linear(flat, w[p + "shared_gate.weight"])) * shared
+        out = out + shared
+    return out.reshape(x.shape)
 
 
 def block(x: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig, rope, i: int) -> torch.Tensor:
     p = f"layers.{i}."
     h = norm(x, w[p + "attn_norm.weight"], w.get(p + "attn_norm.bias"), cfg)
-    a = attention(h, w, cfg, rope, p)
+    a = (mla_attention if cfg.mla is not None else attention)(h, w, cfg, rope, p)
     x = (h if cfg.post_layernorm_residual else x) + a
     h = norm(x, w[p + "mlp_norm.weight"], w.get(p + "mlp_norm.bias"), cfg)
-    return (h if cfg.post_layernorm_residual else x) + mlp(h, w, cfg, p)
+    ffn = moe_mlp if cfg.is_moe_layer(i) else mlp
+    return (h if cfg.post_layernorm_residual else x) + ffn(h, w, cfg, p + "mlp.")
 
 
 def _load(group: Dict[str, LazyTensor], dtype: torch.dtype, device) -> Dict[str, torch.Tensor]:

@@ -1,0 +1,414 @@
+"""ckptool as a library: open a checkpoint, run each command as a function.
+
+    import ckptool
+    ckpt = ckptool.open("ckpts/run1")                  # canonical state, tensors read lazily
+    ckptool.reshard("ckpts/run1", "out", tp=2, pp=2)   # -> ConversionResult
+    assert ckptool.verify("out", reference="ckpts/run1").ok
+
+Every function takes the CLI's options as keyword arguments under the CLI's long names in snake_case
+(`--true-vocab-size` -> true_vocab_size, `--make-vocab-size-divisible-by` ->
+make_vocab_size_divisible_by), raises CkptError (ckptool.errors) for anything the caller can fix, and
+returns what happened instead of printing it. The CLI (ckptool/commands/) is a layer over these that
+parses, calls and prints. Under torchrun every rank calls the same function; each rank returns the
+result (`.leader` is True on the rank that reports for the team).
+"""
+from __future__ import annotations
+
+import io
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+import torch
+
+from .config import Layout, parse_stage_layers
+from .errors import CkptError, require
+from .options import ReadOptions, pop_read_options
+from .state import Checkpoint
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+          "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+PAD_FILLS = ("zero", "mean", "last")
+OUTPUT_FORMATS = ("torch", "torch_dist", "ds-universal")
+
+Progress = Callable[[int, Optional[int]], None]  # progress(bytes just written, total bytes or None)
+Warn = Callable[[str], None]
+
+
+@dataclass
+class ConversionResult:
+    """What a conversion wrote: `summary` is the writer's own report (files, bytes, padded_vocab_size,
+    format, dialect, iteration_dir for Megatron outputs; architecture, files, vocab_size, ... for
+    Hugging Face ones); `result["files"]` reads it directly. `checkpoint` is the canonical state that
+    was written (None for the BERT and DeepSpeed-HF exports, which bypass it); `warnings` everything
+    ckptool warned about, in order."""
+    command: str
+    src: str
+    dst: str
+    summary: Dict[str, Any]
+    checkpoint: Optional[Checkpoint] = None
+    layout: Optional[Layout] = None
+    kind: str = "gpt"  # to_hf: "gpt", "bert" (DeepLearningExamples) or "deepspeed-hf" (model's own names)
+    warnings: List[str] = field(default_factory=list)
+    leader: bool = True  # False on the torchrun ranks that do not report for the team
+
+    def __getitem__(self, key: str) -> Any:
+        return self.summary[key]
+
+
+@dataclass
+class VerifyResult:
+    """verify's verdict: ok (result=PASS), and the report lines it printed (or would have, with
+    quiet=True). Under torchrun every rank gets the same ok; the lines are rank 0's."""
+    ok: bool
+    lines: List[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+# --- reading --------------------------------------------------------------------------------------
+def _parse_read_options(**options) -> ReadOptions:
+    """ReadOptions from the CLI's reading options as keyword arguments (iteration, true_vocab_size,
+    replicas, weights, qkv_layout, hf_config, args_from, num_attention_heads, num_query_groups,
+    activation, num_layers, hidden_size, ffn_hidden_size, max_position_embeddings, vocab_size,
+    normalization, rotary_base); None means not given. Unknown names raise TypeError, as a wrong
+    keyword does."""
+    opts = pop_read_options(options)
+    _no_leftovers("read options", options)
+    return opts
+
+
+def open(path: Union[str, Path], **read_options) -> Checkpoint:  # noqa: A001 (ckptool.open reads well)
+    """Read any checkpoint ckptool knows (Megatron torch / torch_dist, DeepSpeed, Hugging Face) into
+    the canonical state, lazily: nothing but metadata is read until a tensor's .load().
+
+    Returns a Checkpoint: .config (GPTConfig: sizes, vocab_size = the true vocabulary when known,
+    padded_vocab_size = stored rows, vocab_size_source), .source (format, dialect, layout, iteration),
+    .tensors (canonical name -> LazyTensor of the full shape), .optimizer (OptimizerState, or None
+    for weights only) and .warnings. read_options are the CLI's reading options by their snake_case
+    names: iteration, true_vocab_size, replicas, weights, qkv_layout, hf_config, args_from, and for
+    checkpoints that store no args num_attention_heads, num_query_groups, activation, num_layers,
+    hidden_size, ffn_hidden_size, max_position_embeddings, vocab_size, normalization, rotary_base.
+    Raises CkptError for a path that is not a readable checkpoint, TypeError for an unknown option."""
+    from .formats.registry import open_checkpoint
+    return open_checkpoint(path, _parse_read_options(**read_options))
+
+
+# --- Megatron outputs: merge, reshard, fix_vocab ---------------------------------------------------
+def merge(src, dst, *, format: Optional[str] = None, dialect: Optional[str] = None,  # noqa: A002
+          release: Optional[bool] = None, dtype=None, make_vocab_size_divisible_by: Optional[int] = None,
+          pad_fill: str = "zero", optimizer: bool = True, distributed_optimizer: bool = False,
+          dp: Optional[int] = None, force: bool = False, progress: Optional[Progress] = None,
+          warn: Optional[Warn] = None, **read_options) -> ConversionResult:
+    """Merge a model-parallel checkpoint into one rank (TP1 PP1), as `ckptool merge SRC DST`.
+
+    format: "torch" or "torch_dist" (default: the source's); dialect: Megatron key names to write
+    (default: the source's); release: write under release/; dtype: "fp32"/"bf16"/"fp16" or a
+    torch.dtype (default: as stored); make_vocab_size_divisible_by and pad_fill: vocabulary padding;
+    optimizer: carry the source's optimizer state where the target format holds it (default; False
+    writes the weights only, without reading the source's optimizer state; summary["optimizer"] says what
+    was carried); distributed_optimizer: write it as Megatron's distributed optimizer does
+    (distrib_optim.pt beside each rank file) for a resuming run with dp data-parallel ranks (default
+    1); force: replace dst.
+    progress(bytes, total) and warn(message) are called as the write goes on.
+    read_options as for open(). Returns the ConversionResult; raises CkptError."""
+    ckpt = _open_source(src, optimizer, read_options)
+    return _write_megatron_family("merge", src, dst, ckpt, Layout(1, 1), force, progress, warn,
+                                  format=format, dialect=dialect, release=release, dtype=dtype,
+                                  make_vocab_size_divisible_by=make_vocab_size_divisible_by, pad_fill=pad_fill,
+                                  **_training_state_options(optimizer, distributed_optimizer, dp))
+
+
+def reshard(src, dst, *, tp: int, pp: int = 1, vpp: Optional[int] = None,
+            pp_layers: Union[str, Sequence[int], None] = None, format: Optional[str] = None,  # noqa: A002
+            dialect: Optional[str] = None, release: Optional[bool] = None, dtype=None,
+            make_vocab_size_divisible_by: Optional[int] = None, pad_fill: str = "zero", optimizer: bool = True,
+            distributed_optimizer: bool = False, dp: Optional[int] = None, force: bool = False, progress: Optional[Progress] = None, warn: Optional[Warn] = None,
+            **read_options) -> ConversionResult:
+    """Rewrite any checkpoint ckptool reads at Megatron's layout for tp / pp (/ vpp), as
+    `ckptool reshard SRC DST --tp N`. pp_layers: layers per pipeline stage ("3,5" or [3, 5]) for an
+    uneven split; vpp below 2 means no virtual pipeline. Other options as for merge()."""
+    layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp is not None and vpp >= 2 else None,
+                    stage_layers=_stage_layers(pp_layers))
+    ckpt = _open_source(src, optimizer, read_options)
+    return _write_megatron_family("reshard", src, dst, ckpt, layout, force, progress, warn,
+                                  format=format, dialect=dialect, release=release, dtype=dtype,
+                                  make_vocab_size_divisible_by=make_vocab_size_divisible_by, pad_fill=pad_fill,
+                                  **_training_state_options(optimizer, distributed_optimizer, dp))
+
+
+def fix_vocab(src, dst, *, size: Optional[int] = None, multiple: Optional[int] = None,
+              format: Optional[str] = None, dialect: Optional[str] = None,  # noqa: A002
+              release: Optional[bool] = None, dtype=None, pad_fill: str = "zero", optimizer: bool = True,
+              distributed_optimizer: bool = False, dp: Optional[int] = None, force: bool = False, progress: Optional[Progress] = None, warn: Optional[Warn] = None,
+              **read_options) -> ConversionResult:
+    """Pad or trim the word embedding (and an untied output layer) to exactly `size` rows, or to the
+    true vocabulary rounded up to a `multiple`, keeping the source's layout, as `ckptool fix-vocab`.
+
+    Real rows are never cut (CkptError). The true vocabulary size read from the source is kept (the
+    output's args.make_vocab_size_divisible_by is chosen so Megatron's own padding rule gives the
+    written rows). Other options as for merge()."""
+    ckpt = _open_source(src, optimizer, read_options)
+    from .convert import fix_vocab as resize
+    fixed = resize(ckpt, size=size, multiple=multiple, pad_fill=pad_fill)
+    rows, lay = fixed.config.padded_vocab_size, ckpt.source.layout
+    if rows % lay.tp:
+        raise CkptError(f"{rows} rows cannot be split evenly across the checkpoint's {lay.tp} TP ranks",
+                        f"choose a size that is a multiple of {lay.tp}")
+    layout = Layout(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, stage_layers=lay.stage_layers)
+    # Megatron pads the true vocabulary to a multiple of divisible_by x TP: rows / TP gives `rows`.
+    return _write_megatron_family("fix-vocab", src, dst, fixed, layout, force, progress, warn,
+                                  format=format, dialect=dialect, release=release, dtype=dtype,
+                                  make_vocab_size_divisible_by=rows // lay.tp, pad_fill=pad_fill,
+                                  **_training_state_options(optimizer, distributed_optimizer, dp))
+
+
+def _open_source(src, optimizer: bool, read_options: dict) -> Checkpoint:
+    """open() for a conversion: with optimizer=False the source's optimizer state is left unread."""
+    from .formats.registry import open_checkpoint
+    opts = _parse_read_options(**read_options)
+    opts.optimizer = optimizer
+    return open_checkpoint(src, opts)
+
+
+def _training_state_options(optimizer: bool, distributed_optimizer: bool, dp: Optional[int]) -> dict:
+    """The writers' keywords for the optimizer state: carried or not, and in which Megatron layout."""
+    require(dp is None or distributed_optimizer, "--dp sizes the distributed optimizer's files",
+            "give it with --distributed-optimizer")
+    out = {"optimizer": optimizer}
+    if distributed_optimizer:
+        out.update(distributed_optimizer=True, dp=dp or 1)
+    return out
+
+
+def _write_megatron_family(command, src, dst, ckpt: Checkpoint, layout: Layout, force, progress, warn,
+                           **write_options) -> ConversionResult:
+    """Write ckpt at layout (convert.write_layout) and report. write_options are the output options
+    by their API names; new ones pass straight through to the writers."""
+    from .convert import write_layout
+    from .distributed import current_team
+    fmt = write_options.pop("format", None)
+    require(fmt is None or fmt in OUTPUT_FORMATS, f"unknown output format {fmt!r}",
+            f"choose one of {', '.join(OUTPUT_FORMATS)}")
+    require(write_options.get("pad_fill") in PAD_FILLS, f"unknown pad_fill {write_options.get('pad_fill')!r}",
+            f"choose one of {', '.join(PAD_FILLS)}")
+    write_options["divisible_by"] = write_options.pop("make_vocab_size_divisible_by", None)
+    write_options["dtype"] = _dtype(write_options.get("dtype"))
+    warnings: List[str] = []
+    summary = write_layout(ckpt, dst, layout, fmt=fmt, force=force, progress=_bytes_progress(progress, ckpt),
+                           warn=_collecting(warnings, warn), **write_options)
+    warnings += [w for w in ckpt.warnings if w not in warnings]
+    return ConversionResult(command, str(src), str(dst), summary, ckpt, layout, warnings=warnings,
+                            leader=current_team().leader)
+
+
+# --- Hugging Face ---------------------------------------------------------------------------------
+def to_hf(src, dst, *, dtype=None, max_shard_size: str = "5GB", tokenizer: Optional[str] = None,
+          force: bool = False, progress: Optional[Progress] = None, warn: Optional[Warn] = None,
+          **read_options) -> ConversionResult:
+    """Export any checkpoint ckptool reads as a Hugging Face model directory, as `ckptool to-hf`.
+
+    GPT-2 style models become GPT2LMHeadModel, Llama style ones LlamaForCausalLM (Qwen2ForCausalLM when
+    only QKV has a bias); a DeepLearningExamples BERT ckpt_N.pt (with hf_config=bert_config.json)
+    BertForPreTraining (kind "bert"); a DeepSpeed run of another Hugging Face model keeps the model's
+    own names (kind "deepspeed-hf"). max_shard_size: largest safetensors file ("5GB", "500MiB");
+    tokenizer: a directory whose tokenizer files are copied into dst. read_options as for open()."""
+    from .convert import write_output
+    from .distributed import current_team
+    from .formats import deepspeed_hf_export, dle_bert
+    from .formats.hf_writer import write_hf
+    from .formats.registry import open_checkpoint
+    torch_dtype = _dtype(dtype)
+    if dle_bert.looks_like(src):
+        return _bert_to_hf(src, dst, torch_dtype, max_shard_size, tokenizer, read_options.get("hf_config"), force)
+    opts = _parse_read_options(**read_options)
+    model_type = deepspeed_hf_export.non_gpt_hf_model(src, opts)
+    if model_type is not None:
+        return _deepspeed_hf_to_hf(src, dst, torch_dtype, max_shard_size, tokenizer, opts, model_type, force,
+                                   progress)
+    ckpt = open_checkpoint(src, opts)
+    warnings: List[str] = []
+    bar = _bytes_progress(progress, ckpt)
+
+    def write_into(tmp, owns):  # under torchrun, owns(i) picks this rank's safetensors shards
+        return write_hf(ckpt, tmp, dtype=torch_dtype, max_shard_size=max_shard_size, tokenizer=tokenizer,
+                        progress=bar, warn=_collecting(warnings, warn), owns=owns)
+
+    summary = write_output(dst, [Path(src)], force, write_into, merge=_merge_hf_summaries)
+    warnings += [w for w in ckpt.warnings if w not in warnings]
+    return ConversionResult("to-hf", str(src), str(dst), summary, ckpt, warnings=warnings,
+                            leader=current_team().leader)
+
+
+def _merge_hf_summaries(parts: list) -> dict:
+    """The ranks' write_hf summaries as one: shard 0's owner has the metadata, all have bytes."""
+    first = next(p for p in parts if p.get("architecture"))
+    return dict(first, bytes=sum(p["bytes"] for p in parts))
+
+
+def _bert_to_hf(src, dst, dtype, max_shard_size, tokenizer, hf_config, force) -> ConversionResult:
+    from .formats import dle_bert
+    from .formats.hf_writer import copy_tokenizer
+    from .io.outdir import atomic_output_dir
+    require(hf_config is not None, f"{src} is a DeepLearningExamples BERT checkpoint, which stores no config",
+            "pass --hf-config bert_config.json (the file the run trained with)")
+    with atomic_output_dir(dst, sources=[Path(src)], force=force) as tmp:
+        summary = dle_bert.write_hf_bert(Path(src), hf_config, tmp, dtype=dtype, max_shard_size=max_shard_size)
+        if tokenizer:
+            copy_tokenizer(tokenizer, tmp)
+    return ConversionResult("to-hf", str(src), str(dst), summary, kind="bert")
+
+
+def _deepspeed_hf_to_hf(src, dst, dtype, max_shard_size, tokenizer, opts, model_type, force,
+                        progress) -> ConversionResult:
+    from .formats import deepspeed_hf_export
+    from .formats.hf_writer import copy_tokenizer
+    from .io.outdir import atomic_output_dir
+    bar = (lambda n: progress(n, None)) if progress is not None else None  # total unknown before reading
+    with atomic_output_dir(dst, sources=[Path(src)], force=force) as tmp:
+        summary = deepspeed_hf_export.write_hf_consolidated(src, tmp, opts, dtype=dtype,
+                                                            max_shard_size=max_shard_size, progress=bar)
+        if tokenizer:
+            copy_tokenizer(tokenizer, tmp)
+    summary = dict(summary, model_type=model_type)
+    return ConversionResult("to-hf", str(src), str(dst), summary, kind="deepspeed-hf")
+
+
+def from_hf(src, dst, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None,
+            pp_layers: Union[str, Sequence[int], None] = None, dialect: str = "mcore", dtype=None,
+            make_vocab_size_divisible_by: Optional[int] = None, pad_fill: str = "zero", force: bool = False,
+            true_vocab_size: Optional[int] = None, progress: Optional[Progress] = None,
+            warn: Optional[Warn] = None) -> ConversionResult:
+    """Convert a Hugging Face GPT-2 / Llama / Mistral / Qwen2 / Qwen3 directory into a Megatron torch-format
+    checkpoint at tp / pp (/ vpp, pp_layers), as `ckptool from-hf`. The vocabulary is padded for tp
+    as Megatron pads it (make_vocab_size_divisible_by, default 128); true_vocab_size overrides
+    config.json's vocab_size. Other options as for merge()."""
+    from .formats import hf as hf_reader
+    if not hf_reader.looks_like(Path(src)):
+        raise CkptError(f"{src}: not a Hugging Face GPT-2/Llama/Mistral/Qwen2/Qwen3 (or Mixtral/Qwen-MoE) directory",
+                        "expected a directory with config.json and model.safetensors or pytorch_model.bin")
+    ckpt = hf_reader.read(Path(src), ReadOptions(true_vocab_size=true_vocab_size))
+    layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp and vpp > 1 else None, stage_layers=_stage_layers(pp_layers))
+    return _write_megatron_family("from-hf", src, dst, ckpt, layout, force, progress, warn, format="torch",
+                                  dialect=dialect, dtype=dtype, pad_fill=pad_fill,
+                                  make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+
+
+# --- verify ---------------------------------------------------------------------------------------
+COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
+
+
+def verify(target=None, *, reference=None, reference_logits: Optional[str] = None, files=None,
+           tokens: Optional[str] = None, tokenizer: Optional[str] = None, batch: int = 2, seq_len: int = 16,
+           seed: int = 0, dtype: str = "fp32", tolerance: Optional[float] = None, tp: Optional[int] = None,
+           pp: Optional[int] = None, vpp: Optional[int] = None, quiet: bool = False,
+           **read_options) -> VerifyResult:
+    """Check that `target` computes what the reference computes, as `ckptool verify`.
+
+    reference: another checkpoint or Hugging Face directory (default: the target's own merged state);
+    reference_logits: "FILE[:KEY]" of recorded tokens and logits; files: instead, check an output
+    directory against its manifest. tokens/tokenizer/batch/seq_len/seed choose the input, dtype
+    ("fp32", "bf16", "fp16") the compute dtype, tolerance the largest max-abs logits error that
+    passes. Under torchrun the forward runs tensor/pipeline-parallel (tp/pp/vpp for torch_dist).
+    Returns VerifyResult (ok, report lines); the lines are also printed unless quiet. A mismatch is
+    ok=False, not an exception; bad input raises CkptError."""
+    from .commands import verify_cmd as v
+    with _ReportLines(echo=not quiet) as report:
+        if files is not None:
+            ok = v.verify_files(Path(files))
+        else:
+            require(target is not None, "give the checkpoint to verify", "ckptool verify TARGET [--reference REF]")
+            require(not (reference and reference_logits), "give --reference or --reference-logits, not both")
+            require(dtype in COMPUTE_DTYPES, f"unknown compute dtype {dtype!r}",
+                    f"choose one of {', '.join(COMPUTE_DTYPES)}")
+            opts = _parse_read_options(**read_options)
+            compute = v.COMPUTE_DTYPES[dtype]
+            token_args = (tokens, tokenizer, batch, seq_len, seed)
+            if v.under_torchrun():
+                ok = v.run_parallel(target, reference, reference_logits, opts, compute, tolerance, token_args,
+                                    tp, pp, vpp)
+            else:
+                ok = v.run_single(target, reference, reference_logits, opts, compute, tolerance, token_args)
+    return VerifyResult(bool(ok), report.lines())
+
+
+class _ReportLines(io.TextIOBase):
+    """Collect what the command functions print on stdout (click.echo writes to sys.stdout), passing it
+    through unless echo is False."""
+
+    def __init__(self, echo: bool):
+        super().__init__()
+        self.echo, self.parts = echo, []
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self.out, "encoding", None) or "utf-8"
+
+    @property
+    def errors(self) -> str:
+        return getattr(self.out, "errors", None) or "strict"
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if not isinstance(text, str):  # click probes with b"" to tell text streams from binary ones
+            raise TypeError("a text stream")
+        self.parts.append(text)
+        if self.echo:
+            self.out.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def lines(self) -> List[str]:
+        return "".join(self.parts).splitlines()
+
+    def __enter__(self):
+        self.out, sys.stdout = sys.stdout, self
+        return self
+
+    def __exit__(self, *exc):
+        sys.stdout = self.out
+        return False
+
+
+# --- small helpers --------------------------------------------------------------------------------
+def _dtype(value) -> Optional[torch.dtype]:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    require(value in DTYPES, f"unknown dtype {value!r}", f"choose one of {', '.join(sorted(DTYPES))}")
+    return DTYPES[value]
+
+
+def _stage_layers(value) -> Optional[list]:
+    if value is None or isinstance(value, str):
+        return parse_stage_layers(value)
+    return [int(x) for x in value]
+
+
+def _bytes_progress(progress: Optional[Progress], ckpt: Checkpoint) -> Optional[Callable[[int], None]]:
+    if progress is None:
+        return None
+    total = ckpt.total_bytes
+    return lambda n: progress(n, total)
+
+
+def _collecting(into: List[str], warn: Optional[Warn]) -> Warn:
+    def record(message: str) -> None:
+        into.append(message)
+        if warn is not None:
+            warn(message)
+    return record
+
+
+def _no_leftovers(what: str, kw: dict) -> None:
+    if kw:
+        raise TypeError(f"unknown {what}: {', '.join(sorted(kw))}")
+
+
+__all__ = ["open", "merge", "reshard", "fix_vocab", "to_hf", "from_hf", "verify", "ConversionResult",
+           "VerifyResult"]

@@ -1,0 +1,333 @@
+"""Megatron's distributed optimizer in the torch format (distrib_optim.pt beside each rank's file).
+
+With --use-distributed-optimizer and --ckpt-format torch, Megatron-LM writes per (TP, PP) rank:
+  model_optim_rng.pt  'optimizer': {'optimizer': {'param_groups': [...]}, 'grad_scaler'?}: the groups'
+                      hyperparameters (and, with torch's own Adam, 'step'), no tensors, no 'params';
+  distrib_optim.pt    the fp32 masters and Adam moments of every parameter, gathered over the DP ranks
+                      into flat tensors laid out like megatron-core's grad buffers.
+
+Nothing in distrib_optim.pt names a parameter: where each one sits is megatron-core's buffer layout
+(megatron/core/distributed/param_and_grad_buffer.py), recomputed here from the model and the run's
+args. The rules (each model chunk has one buffer per (param dtype, grad dtype); a dense model in one
+dtype has one):
+  - parameters enter the buffer in REVERSE registration order (named_parameters(), which is also the
+    rank file's key order), roughly the order backprop produces their gradients;
+  - since 2024-07 each parameter starts at a multiple of 64 elements (before: packed);
+  - the buffer is cut into buckets of about bucket_size elements: only with --overlap-grad-reduce
+    (bucket_size --ddp-bucket-size, default max(40M, 1M x DP)), only on the first pipeline stage and
+    model chunk 0; with tied embeddings and PP > 1 the shared embedding (first stage) and its head
+    copy (last stage) each get a bucket of their own;
+  - each bucket's end is padded so DP ranks can shard it evenly (to a multiple of lcm(DP, 128) since
+    2024-05, of DP before).
+The file's forms by era (`ERAS`, `read_rank`):
+  coalesced   (2024-04 ..)  {'buckets_coalesced': True, gbuf: {dtype key: {'param', 'exp_avg',
+              'exp_avg_sq': fp32 [numel_unpadded], 'numel_unpadded'}}}: every bucket's unpadded part,
+              one after the other (so the bucket end padding never shows, only the param alignment
+              inside a bucket does);
+  bucket-list (2024-02 .. 2024-03) {'per_bucket_numel', 'per_bucket_numel_unpadded', gbuf: {dtype:
+              {'param': [fp32 [bucket numel] per bucket], ...}}}: each bucket padded.
+Older forms (the 2023 per-bucket layout before megatron-core's ParamAndGradBuffer, the 2022-23
+per-DP-rank optim.pt files) are refused by name.
+
+The layout is never trusted: its numel_unpadded (per bucket for the bucket-list form) must equal the
+stored one, and every master is checked against its weight as it loads (megatron_optim).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..errors import CkptError
+from ..io.torchfile import StoredTensor, load_torch_file
+from ..lazy import Derived, LazyTensor
+from .megatron_optim import HINT, NO_WEIGHT_DECAY_KEYS, RankOptimizer, RankParam, no_weight_decay
+
+FILE = "distrib_optim.pt"
+KEYS = ("param", "exp_avg", "exp_avg_sq")  # the file's names for the master and the two moments
+SLOT_OF_KEY = {"param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+DEFAULT_BUCKET = 40_000_000  # megatron-core's default bucket size floor (max(40M, 1M x DP))
+
+
+@dataclass(frozen=True)
+class Era:
+    """How one span of megatron-core versions lays a grad buffer out and saves it."""
+    name: str
+    param_align: int  # each parameter starts at a multiple of this many elements (1: packed)
+    bucket_multiple: Callable[[int], int]  # bucket ends padded to a multiple of this (from the DP size)
+    form: str  # "coalesced" | "bucket-list"
+
+
+ERAS = (  # newest first: a source is read by the first era whose layout matches its stored sizes
+    Era("megatron-core 2024-07 and later", 64, lambda dp: math.lcm(dp, 128), "coalesced"),
+    Era("megatron-core 2024-05..06", 1, lambda dp: math.lcm(dp, 128), "coalesced"),
+    Era("megatron-core 2024-04", 1, lambda dp: dp, "coalesced"),
+    Era("megatron-core 2024-02..03", 1, lambda dp: dp, "bucket-list"),
+)
+CURRENT = ERAS[0]
+
+
+@dataclass
+class BufferLayout:
+    """Where each parameter of one grad buffer sits. Parameter i (registration order) occupies
+    [start[i], start[i] + numel) of bucket bucket_of[i] (offsets from the bucket's start)."""
+    start: List[int]
+    bucket_of: List[int]
+    bucket_unpadded: List[int]
+    bucket_padded: List[int]
+
+    @property
+    def numel_unpadded(self) -> int:
+        return sum(self.bucket_unpadded)
+
+    def coalesced_offset(self, i: int) -> int:
+        """Parameter i's offset in the coalesced world tensors (every bucket's unpadded part in turn)."""
+        return sum(self.bucket_unpadded[:self.bucket_of[i]]) + self.start[i]
+
+    def padded_offset(self, i: int) -> int:
+        """Parameter i's offset in the whole padded buffer."""
+        return sum(self.bucket_padded[:self.bucket_of[i]]) + self.start[i]
+
+
+def buffer_layout(numels: Sequence[int], shared: Sequence[bool], era: Era, dp: int,
+                  bucket_size: Optional[int]) -> BufferLayout:
+    """megatron-core's layout of one grad buffer holding parameters of these sizes (registration order);
+    shared[i]: the parameter is a tied embedding copy across pipeline stages (a bucket of its own)."""
+    n = len(numels)
+    start, bucket_of = [0] * n, [0] * n
+    unpadded: List[int] = []
+    padded: List[int] = []
+    pos = 0  # next free element, relative to the current bucket's start
+    members = 0
+
+    def close(end: int) -> None:
+        nonlocal pos, members
+        unpadded.append(end)
+        padded.append(math.ceil(end / era.bucket_multiple(dp)) * era.bucket_multiple(dp))
+        pos, members = 0, 0
+
+    for i in reversed(range(n)):  # backprop order
+        pos = math.ceil(pos / era.param_align) * era.param_align
+        if shared[i] and members:
+            close(pos)  # the bucket so far ends at the (aligned) start this parameter would have had
+        start[i], bucket_of[i] = pos, len(unpadded)
+        pos += numels[i]
+        members += 1
+        if shared[i] or (bucket_size is not None and pos >= bucket_size):
+            close(pos)
+    if members:
+        close(pos)
+    return BufferLayout(start, bucket_of, unpadded, padded)
+
+
+def bucket_sizes(args, chunk: int, pp_rank: int, dp: int) -> List[Optional[int]]:
+    """The bucket sizes the run may have used for this chunk, most likely first (megatron-core cuts
+    buckets only with --overlap-grad-reduce, on pipeline stage 0, in model chunk 0)."""
+    if chunk > 0 or pp_rank > 0 or not getattr(args, "overlap_grad_reduce", False) \
+            or getattr(args, "overlap_param_gather_with_optimizer_step", False):
+        return [None]
+    given = getattr(args, "ddp_bucket_size", None)
+    # None last: a file written for a run without bucketing (ckptool's writer) under args that had it
+    return ([given] if given else [max(DEFAULT_BUCKET, 1_000_000 * dp), DEFAULT_BUCKET]) + [None]
+
+
+def is_shared_embedding(param: RankParam, tied: bool, pp: int) -> bool:
+    """megatron-core marks the tied word embedding (first stage) and its head copy (last stage)
+    shared_embedding when PP > 1; the distributed optimizer buckets each alone."""
+    return tied and pp > 1 and param.role in ("word", "head_copy")
+
+
+# --- reading --------------------------------------------------------------------------------
+
+def uses_distributed_optimizer(rank_dir: Path, args) -> bool:
+    return (rank_dir / FILE).is_file() or bool(getattr(args, "use_distributed_optimizer", False))
+
+
+def read_rank(tree: dict, rank_dir: Path, params: List[RankParam], args, tied: bool, pp: int, pp_rank: int,
+              where: str) -> Optional[RankOptimizer]:
+    """One (TP, PP) rank's distributed-optimizer state tied to its parameters (params in file order,
+    each with its model chunk); None when the optimizer never stepped."""
+    path = rank_dir / FILE
+    opt = tree.get("optimizer")
+    if not path.is_file():
+        raise CkptError(f"{where}: the run used the distributed optimizer but {path} is missing", HINT)
+    if not isinstance(opt, dict) or not isinstance(opt.get("optimizer"), dict) \
+            or not isinstance(opt["optimizer"].get("param_groups"), list):
+        raise CkptError(f"{where}: 'optimizer' is not a distributed optimizer's state dict "
+                        "({'optimizer': {'param_groups'}})", HINT)
+    groups = opt["optimizer"]["param_groups"]
+    where_file = str(path)
+    try:
+        state = load_torch_file(path)
+    except CkptError as e:
+        raise CkptError(f"{where_file} cannot be read: {e.message}", HINT) from None
+    form = _form(state, where_file)
+    dp = int(getattr(args, "data_parallel_size", 0) or 1)
+    chunks = sorted({p.chunk for p in params})
+    buffers = sorted(k for k in state if isinstance(k, int))
+    if buffers != list(range(len(chunks))):
+        raise CkptError(f"{where_file}: {len(buffers)} grad buffers for {len(chunks)} model chunks "
+                        "(several dtypes or expert parameters are not carried yet)", HINT)
+    slots: List[Dict[str, LazyTensor]] = [dict() for _ in params]
+    for gbuf, chunk in zip(buffers, chunks):
+        members = [i for i, p in enumerate(params) if p.chunk == chunk]
+        entry = _one_dtype(state[gbuf], f"{where_file} buffer {gbuf}")
+        layout, _ = _matching_layout([params[i] for i in members], entry, form, args, chunk, pp_rank, dp,
+                                       tied, pp, f"{where_file} buffer {gbuf}")
+        for j, i in enumerate(members):
+            shape = tuple(params[i].weight.shape)
+            for key in KEYS:
+                if form == "coalesced":
+                    value = flat_view(entry[key], layout.coalesced_offset(j), shape)
+                else:
+                    value = flat_view(entry[key][layout.bucket_of[j]], layout.start[j], shape)
+                slots[i][SLOT_OF_KEY[key]] = value
+            slots[i]["master"] = master_matching_weight(slots[i]["master"], params[i], where_file)
+    hypers = [{k: v for k, v in g.items() if k not in ("params", "step")} for g in groups]
+    steps = {g["step"] for g in groups if g.get("step") is not None}
+    if len(steps) > 1:
+        raise CkptError(f"{where}: param groups were stepped {sorted(steps)} times", HINT)
+    step = int(steps.pop()) if steps else None
+    if step == 0:
+        return None
+    return RankOptimizer(slots, group_by_rule(params, hypers, where), hypers, step, opt.get("grad_scaler"))
+
+
+def _form(state, where: str) -> str:
+    if isinstance(state, list):
+        raise CkptError(f"{where}: several chained optimizers' states are not carried yet", HINT)
+    if not isinstance(state, dict):
+        raise CkptError(f"{where}: not a distributed-optimizer state (a {type(state).__name__})", HINT)
+    if state.get("buckets_coalesced") is True:
+        return "coalesced"
+    if "per_bucket_numel_unpadded" in state:
+        return "bucket-list"
+    raise CkptError(f"{where}: a distributed-optimizer form from before 2024-02 (no buckets_coalesced or "
+                    "per_bucket_numel_unpadded; megatron-core's pre-ParamAndGradBuffer layout) is not read; "
+                    "load it in Megatron with --ckpt-convert-update-legacy-dist-opt-format and save again", HINT)
+
+
+def _one_dtype(buffer_state, where: str) -> dict:
+    if not isinstance(buffer_state, dict) or len(buffer_state) != 1:
+        raise CkptError(f"{where}: expected one dtype entry, found "
+                        f"{len(buffer_state) if isinstance(buffer_state, dict) else buffer_state!r}", HINT)
+    entry = next(iter(buffer_state.values()))
+    if not isinstance(entry, dict) or any(k not in entry for k in KEYS):
+        raise CkptError(f"{where}: no {'/'.join(KEYS)} tensors", HINT)
+    return entry
+
+
+def _matching_layout(params: List[RankParam], entry: dict, form: str, args, chunk: int, pp_rank: int, dp: int,
+                     tied: bool, pp: int, where: str) -> Tuple[BufferLayout, Era]:
+    """The first era (and bucket size) whose layout reproduces the stored sizes."""
+    numels = [p.weight.numel for p in params]
+    shared = [is_shared_embedding(p, tied, pp) for p in params]
+    if form == "coalesced":
+        stored = entry.get("numel_unpadded")
+        for key in KEYS:
+            t = entry[key]
+            if not isinstance(t, LazyTensor) or tuple(t.shape) != (stored,) or t.dtype != torch.float32:
+                raise CkptError(f"{where}: {key} is {getattr(t, 'shape', t)!r}, not fp32 "
+                                f"[numel_unpadded={stored}]", HINT)
+        want = stored
+    else:  # one padded world tensor per bucket
+        sizes = {key: [t.numel if isinstance(t, LazyTensor) else None for t in entry[key]] for key in KEYS}
+        if len({tuple(v) for v in sizes.values()}) != 1:
+            raise CkptError(f"{where}: the buckets of {', '.join(KEYS)} differ in size ({sizes})", HINT)
+        want = sizes["param"]
+    tried = []
+    for era in (e for e in ERAS if e.form == form):
+        for size in bucket_sizes(args, chunk, pp_rank, dp):
+            layout = buffer_layout(numels, shared, era, dp, size)
+            got = layout.numel_unpadded if form == "coalesced" else layout.bucket_padded
+            if got == want:
+                return layout, era
+            tried.append(f"{era.name}: {got}")
+    raise CkptError(f"{where}: stored numel_unpadded {want} matches no megatron-core buffer layout of "
+                    f"this model ({'; '.join(tried)}): the file does not belong to these weights or comes "
+                    "from a version ckptool does not know", HINT)
+
+
+def master_matching_weight(master: LazyTensor, param: RankParam, where: str) -> LazyTensor:
+    """master, checked as it loads: cast to the weight's dtype it equals the weight bit for bit (Megatron
+    copies the masters into the model after every step; in fp32 training they are the same values), or
+    the layout put another parameter's values here."""
+    def checked(m: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if not torch.equal(m.to(w.dtype), w):
+            raise CkptError(f"{where}: the fp32 master of {param.key} does not round to its stored weight: "
+                            "the buffer layout does not fit this file or it is from another step", HINT)
+        return m
+
+    return Derived(checked, [master, param.weight], shape=master.shape, dtype=master.dtype)
+
+
+def flat_view(flat: LazyTensor, offset: int, shape: Tuple[int, ...]) -> LazyTensor:
+    """shape's worth of elements of a flat stored tensor from offset, read on demand (only its bytes)."""
+    numel = math.prod(shape)
+    if isinstance(flat, StoredTensor) and flat._contiguous():
+        strides = [1] * len(shape)
+        for d in range(len(shape) - 2, -1, -1):
+            strides[d] = strides[d + 1] * shape[d + 1]
+        return StoredTensor(flat.storage, flat.offset + offset, shape, strides)
+    return Derived(lambda t: t[offset:offset + numel].reshape(shape), [flat])
+
+
+def group_by_rule(params: List[RankParam], hypers: List[dict], where: str) -> List[int]:
+    """Each parameter's group: the distributed optimizer's saved groups hold no parameter lists, so
+    parameters are placed by Megatron's rule (biases and 1-D parameters in the group without weight
+    decay) and the groups must tell the two kinds apart unambiguously."""
+    zero = [any(h.get(k) == 0 for k in NO_WEIGHT_DECAY_KEYS) for h in hypers]
+    out = []
+    for p in params:
+        want = no_weight_decay(p.key, p.weight)
+        fits = [g for g, z in enumerate(zero) if z == want] if len(hypers) > 1 else [0]
+        if len(fits) != 1:
+            raise CkptError(f"{where}: {len(hypers)} optimizer groups ({len(fits)} fit {p.key}): only the "
+                            "weight-decay / no-weight-decay pair is carried (not --decoupled-lr or lr_mult groups)",
+                            HINT)
+        out.append(fits[0])
+    return out
+
+
+# --- writing --------------------------------------------------------------------------------
+
+def rank_files(entries: List[Tuple[int, int, Dict[str, LazyTensor], bool]], dp: int, step: int,
+               groups: List[dict], grad_scaler: Optional[dict], dtype_key) -> Tuple[dict, dict]:
+    """The 'optimizer' entry of one target rank file and its distrib_optim.pt, in the current form
+    (coalesced, the layout of today's megatron-core: what load_parameter_state reads at DP size dp).
+
+    entries: per parameter in registration order: (model chunk, group, slots, shared embedding?), slots
+    holding fp32 master, exp_avg and exp_avg_sq of this rank's shard (full shape of the rank's piece).
+    """
+    state: dict = {"buckets_coalesced": True}
+    chunks = sorted({c for c, _, _, _ in entries})
+    for gbuf, chunk in enumerate(chunks):
+        mine = [e for e in entries if e[0] == chunk]
+        layout = buffer_layout([e[2]["master"].numel for e in mine], [e[3] for e in mine], CURRENT, dp, None)
+        total = layout.numel_unpadded
+        pieces = [(layout.coalesced_offset(j), e[2]) for j, e in enumerate(mine)]
+        world = {key: Derived(_scatter(pieces, SLOT_OF_KEY[key], total), [s[SLOT_OF_KEY[key]] for _, s in pieces],
+                              shape=(total,), dtype=torch.float32)
+                 for key in KEYS}
+        state[gbuf] = {dtype_key: dict(world, numel_unpadded=total)}
+    param_groups = [dict(g, step=step) for g in groups]  # no 'params': the distributed optimizer's form
+    optimizer: dict = {"optimizer": {"param_groups": param_groups}}
+    if grad_scaler is not None:
+        optimizer["grad_scaler"] = grad_scaler
+    return optimizer, state
+
+
+def _scatter(pieces, slot: str, total: int):
+    """The flat world tensor: each piece at its offset, zeros in the alignment gaps (as megatron-core
+    leaves them)."""
+    offsets = [off for off, _ in pieces]
+
+    def build(*values):
+        flat = torch.zeros(total, dtype=torch.float32)
+        for off, v in zip(offsets, values):
+            flat[off:off + v.numel()] = v.reshape(-1).to(torch.float32)
+        return flat
+    return build

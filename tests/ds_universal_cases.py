@@ -1,0 +1,134 @@
+"""Real DeepSpeed runs for the ds-universal writer (tests/test_ds_universal.py), on CPU under torchrun.
+
+  save: DS_ACCELERATOR=cpu torchrun --nproc-per-node 2 tests/ds_universal_cases.py save OUT CASE...
+        trains each case 2 steps at DP 2 and saves OUT/CASE/ckpt; OUT/CASE/truth.pt holds, from the
+        live engine, every trainable parameter's fp32 master and Adam moments
+        (safe_get_full_fp32_param / safe_get_full_optimizer_state) and the optimizer step.
+  load: DS_ACCELERATOR=cpu torchrun --nproc-per-node N tests/ds_universal_cases.py load OUT CASE...
+        builds a fresh engine (same model, stage and dtype) with checkpoint.load_universal, loads
+        OUT/CASE/universal, compares the same values with truth.pt and runs one more training step;
+        rank 0 writes OUT/CASE/load_dpN.json: {"mismatch": [...], "compared": n, "step": ..., "moved": bool}.
+        CASE:STAGE loads into an engine of ZeRO stage STAGE instead (OUT/CASE/load_dpN_zSTAGE.json).
+A CASE is MODEL-STAGE-DTYPE with DTYPE bf16, fp16, fp32 or bf16opt (bf16 with fp32 gradient accumulation,
+which at stage 1 runs DeepSpeed's BF16_Optimizer), e.g. gpt2-3-bf16. All cases share one launch.
+"""
+import json
+import os
+import sys
+
+import torch
+import deepspeed
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ds_train_cases import allow_cpu_fp16, build, skip_shm_build  # noqa: E402
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def ds_config(stage, dtype, universal=False):
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
+           "zero_optimization": {"stage": stage}, "steps_per_print": 1000}
+    if stage == 3:
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 100
+    if dtype in ("bf16", "bf16opt"):
+        cfg["bf16"] = {"enabled": True}
+    if dtype == "bf16opt":  # bf16 + ZeRO-1 + fp32 gradient accumulation: DeepSpeed's BF16_Optimizer
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    if dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    if universal:
+        cfg["checkpoint"] = {"load_universal": True}
+    return cfg
+
+
+def engine_for(case, universal=False, stage=None):
+    model_name, saved_stage, dtype = case.split("-")
+    stage = saved_stage if stage is None else stage
+    model = build(model_name)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                      config=ds_config(int(stage), dtype, universal))
+    return engine
+
+
+def train(engine, steps, seed):
+    g = torch.Generator().manual_seed(seed + torch.distributed.get_rank())
+    for _ in range(steps):
+        ids = torch.randint(0, 1001, (2, 12), generator=g)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+
+
+def snapshot(engine, moments=True):
+    """name -> {fp32, exp_avg, exp_avg_sq} for trainable params (collectives under ZeRO-3)."""
+    out = {}
+    for name, p in engine.module.named_parameters():
+        if p.requires_grad:
+            out[name] = {"fp32": safe_get_full_fp32_param(p).detach().clone().cpu()}
+            for key in MOMENTS if moments else ():
+                out[name][key] = safe_get_full_optimizer_state(p, key).detach().clone().cpu()
+    return out
+
+
+def optimizer_step(engine):
+    opt = engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer") else engine.optimizer
+    steps = [s["step"] for s in opt.state.values() if "step" in s]
+    return float(steps[0]) if steps else None
+
+
+def save_case(out_dir, case):
+    engine = engine_for(case)
+    train(engine, 2, seed=1)
+    engine.save_checkpoint(os.path.join(out_dir, case, "ckpt"))
+    truth = snapshot(engine)
+    if torch.distributed.get_rank() == 0:
+        torch.save({"params": truth, "step": optimizer_step(engine)}, os.path.join(out_dir, case, "truth.pt"))
+        engine.module.config.save_pretrained(os.path.join(out_dir, case, "ckpt"))
+    torch.distributed.barrier()
+
+
+def load_case(out_dir, spec):
+    case, _, stage = spec.partition(":")  # CASE:STAGE loads into an engine of another ZeRO stage
+    engine = engine_for(case, universal=True, stage=stage or None)
+    truth = torch.load(os.path.join(out_dir, case, "truth.pt"), weights_only=False)
+    # control: a fresh engine (no moments yet) must not already hold the saved masters
+    fresh = snapshot(engine, moments=False)
+    equal_before = sum(torch.equal(fresh[n]["fp32"], s["fp32"]) for n, s in truth["params"].items())
+    engine.load_checkpoint(os.path.join(out_dir, case, "universal"))
+    got = snapshot(engine)
+    mismatch = []
+    for name, states in truth["params"].items():
+        for key, want in states.items():
+            have = got.get(name, {}).get(key)
+            if have is None or have.shape != want.shape or have.dtype != want.dtype or not torch.equal(have, want):
+                mismatch.append(f"{name}/{key}")
+    step = optimizer_step(engine)
+    before = {n: s["fp32"] for n, s in got.items()}
+    train(engine, 1, seed=7)
+    after = snapshot(engine)
+    moved = all(not torch.equal(before[n], after[n]["fp32"]) for n in before)
+    finite = all(torch.isfinite(after[n]["fp32"]).all() for n in after)
+    if torch.distributed.get_rank() == 0:
+        ws = torch.distributed.get_world_size()
+        with open(os.path.join(out_dir, case, f"load_dp{ws}{'_z' + stage if stage else ''}.json"), "w") as f:
+            json.dump({"mismatch": mismatch, "compared": sum(len(s) for s in truth["params"].values()),
+                       "equal_before_load": int(equal_before), "step": step, "truth_step": truth["step"], "moved": moved, "finite": bool(finite),
+                       "global_steps": engine.global_steps}, f)
+    torch.distributed.barrier()
+
+
+def main():
+    allow_cpu_fp16()
+    skip_shm_build()
+    deepspeed.init_distributed(dist_backend="gloo")
+    mode, out_dir, cases = sys.argv[1], sys.argv[2], sys.argv[3:]
+    for case in cases:
+        (save_case if mode == "save" else load_case)(out_dir, case)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

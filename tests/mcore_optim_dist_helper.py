@@ -1,0 +1,263 @@
+"""torch_dist checkpoints WITH optimizer state, written and loaded by the real megatron-core (CPU, gloo, torchrun).
+
+Megatron-LM's checkpointing.py for --ckpt-format torch_dist saves one dist_checkpointing state dict:
+  model               model.sharded_state_dict()
+  optimizer           optimizer.sharded_state_dict(model_sd, metadata=content_metadata)
+  opt_param_scheduler, args, checkpoint_version, iteration, content_metadata
+content_metadata says which form the distributed optimizer uses: 'dp_reshardable' (the default),
+'fully_reshardable' (--dist-ckpt-optim-fully-reshardable) or, before megatron-core 0.14,
+'fully_sharded_model_space'. The non-distributed optimizer ignores it (always model space). On load,
+Megatron-LM reads content_metadata back from the checkpoint and builds the same state dict at the
+loading run's own layout (dist_checkpointing reshards), then load_state_dict on model, optimizer and
+scheduler. This helper does exactly that with the training loop of tests/mcore_train_helper.py.
+
+  "save DIR --tp T --form F --steps N --more M --out FILE [--live LIVE] [--dtype bf16|fp32]"
+        train N steps at TP T (DP = world / T), save DIR (iteration N) in form F, train M more.
+        F: plain (non-distributed optimizer) | fully_reshardable | fully_sharded_model_space |
+        dp_reshardable (distributed optimizer). --live LIVE: the live optimizer's values at the save,
+        per slot, written as Megatron-LM torch-format weights (LIVE/<slot>/...: each slot's tensors under
+        the model's own parameter names, TP shards per mp_rank file), so ckptool's proven weight reader
+        maps them to canonical names for comparison.
+  "load DIR --tp T --pp P --form F --live LIVE --out FILE"
+        load DIR at TP T, PP P as in resume and write the optimizer's values as --live does (no training).
+  "resume DIR --tp T --form F --more M --out FILE [--weights-only]"
+        load DIR at TP T as Megatron-LM's load_checkpoint does (optimizer too unless --weights-only;
+        form F says which optimizer the loading run uses) and train M steps on the batches that follow.
+FILE gets {"losses": [...], "params": {name: full fp32 tensor}} (params gathered at the end, TP 1 only).
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mcore_train_helper as T  # noqa: E402  (CPU shims, batches, train_step)
+
+H = T.H
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
+
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # noqa: E402
+
+
+def _keep_torch_step(orig):
+    """CPU shim (no TE/Apex): DistributedOptimizer.load_state_dict gives every torch Adam state the step
+    from the checkpoint's param groups, then its fully_reshardable loader copies each state key from the
+    checkpoint tensors, where 'step' never is (KeyError). Keep the step it has just set."""
+    def set_states(self, model_param, tensors):
+        if "step" not in tensors:
+            group, order = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
+            if "step" in state:
+                tensors = dict(tensors, step=state["step"])
+        return orig(self, model_param, tensors)
+    return set_states
+
+
+if not torch.cuda.is_available():
+    DistributedOptimizer._set_main_param_and_optimizer_states = _keep_torch_step(
+        DistributedOptimizer._set_main_param_and_optimizer_states)
+
+DISTRIBUTED_FORMS = ("fully_reshardable", "fully_sharded_model_space", "dp_reshardable")
+SLOT_OF = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+
+
+def build(arch, tp, dtype, distributed, pp=1):
+    """mcore_train_helper.build, with the distributed optimizer when asked (and PP for load checks)."""
+    import contextlib
+    model, cfg = H.build(arch, tp, pp)
+    model.train()
+    if dtype == "bf16":
+        model = model.to(torch.bfloat16)
+        cfg.bf16, cfg.params_dtype = True, torch.bfloat16
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=distributed), model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=T.LR, min_lr=T.MIN_LR, weight_decay=T.WD,
+                                                 adam_beta1=0.9, adam_beta2=0.95, clip_grad=0.0,
+                                                 bf16=dtype == "bf16", use_distributed_optimizer=distributed),
+                                 [ddp])
+    sched = OptimizerParamScheduler(opt, init_lr=T.LR, max_lr=T.LR, min_lr=T.MIN_LR, lr_warmup_steps=0,
+                                    lr_decay_steps=100, lr_decay_style="cosine", start_wd=T.WD, end_wd=T.WD,
+                                    wd_incr_steps=100, wd_incr_style="constant")
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    return model, ddp, opt, sched, cfg
+
+
+def content_metadata(form):
+    """What Megatron-LM's _build_sharded_state_dict_metadata passes (and stores) for this form."""
+    md = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if form in DISTRIBUTED_FORMS:
+        md["distrib_optim_sharding_type"] = form
+        if form == "fully_reshardable":
+            md["distrib_optim_fully_reshardable_mem_efficient"] = False
+    return md
+
+
+def state_dict(model, opt, sched, metadata, loading):
+    model_sd = model.sharded_state_dict(prefix="", metadata=metadata)
+    sd = {"model": model_sd}
+    sd["optimizer"] = opt.sharded_state_dict(model_sd, is_loading=loading, metadata=metadata)
+    sd["opt_param_scheduler"] = sched.state_dict()
+    return sd
+
+
+def save(root: Path, model, opt, sched, cfg, a, iteration):
+    metadata = content_metadata(a.form)
+    sd = state_dict(model, opt, sched, metadata, loading=False)
+    args = H.megatron_args(a.arch, cfg, a.tp)
+    args.bf16 = cfg.bf16
+    args.params_dtype = cfg.params_dtype
+    args.iteration = iteration
+    args.consumed_train_samples = iteration * T.BATCH
+    args.use_distributed_optimizer = a.form in DISTRIBUTED_FORMS
+    args.dist_ckpt_optim_fully_reshardable = a.form == "fully_reshardable"
+    sd.update(args=args, checkpoint_version=3.0, iteration=iteration, content_metadata=metadata)
+    d = root / f"iter_{iteration:07d}"
+    if dist.get_rank() == 0:
+        d.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(sd, str(d))
+    if dist.get_rank() == 0:
+        (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    dist.barrier()
+
+
+def load(root: Path, model, opt, sched, a) -> int:
+    it = int((root / "latest_checkpointed_iteration.txt").read_text())
+    d = str(root / f"iter_{it:07d}")
+    metadata = dist_checkpointing.load_content_metadata(d) or content_metadata(a.form)
+    if a.weights_only:
+        model_sd = model.sharded_state_dict(prefix="", metadata=metadata)
+        loaded = dist_checkpointing.load({"model": model_sd}, d, strict="assume_ok_unexpected")
+        common = dist_checkpointing.load_common_state_dict(d)
+        model.load_state_dict(loaded["model"], strict=False)
+        sched.step(increment=common["iteration"])  # --no-load-optim: the scheduler still starts there
+        return common["iteration"]
+    inner = getattr(opt, "chained_optimizers", [opt])[0]
+    if a.form in DISTRIBUTED_FORMS and not inner.optimizer.state:
+        # CPU shim: without TE/Apex, DistributedOptimizer.state_dict() reads the step from the torch
+        # state, which a fresh optimizer does not have yet (with TE it takes it from the groups); its own
+        # dummy-state init fills it, and the load then overwrites every value.
+        inner._init_optimizer_states_with_dummy_values()
+    sd = state_dict(model, opt, sched, metadata, loading=True)
+    loaded = dist_checkpointing.load(sd, d, strict="assume_ok_unexpected")
+    missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
+    assert not [k for k in missing if not k.endswith("_extra_state")] and not unexpected, (missing, unexpected)
+    opt.load_state_dict(loaded["optimizer"])
+    if a.form in DISTRIBUTED_FORMS and not torch.cuda.is_available():
+        # CPU shim: without TE/Apex, load_state_dict gives every parameter's torch Adam state the SAME
+        # step tensor, which torch's Adam then increments once per parameter; unshare it.
+        for st in inner.optimizer.state.values():
+            st["step"] = st["step"].clone()
+    sched.load_state_dict(loaded["opt_param_scheduler"])
+    return loaded["iteration"]
+
+
+def live_slots(model, opt, distributed):
+    """{slot: {param name: this TP rank's full (DP-gathered) tensor}} of the optimizer as it runs."""
+    out = {s: {} for s in SLOT_OF}
+    mine = {}
+    opt = getattr(opt, "chained_optimizers", [opt])[0]  # get_megatron_optimizer wraps one optimizer
+    for name, p in model.named_parameters():
+        if distributed:
+            if p not in opt.model_param_gbuf_map:  # wholly in another DP rank's shard
+                continue
+            rng = opt._get_model_param_range_map(p)["param"]
+            tensors = opt._get_main_param_and_optimizer_states(p)
+            mine[name] = (rng.start, rng.end, p.shape, {s: tensors[k].detach().clone() for s, k in SLOT_OF.items()})
+        else:
+            main = getattr(p, "main_param", p)
+            st = opt.optimizer.state[main]
+            for s in SLOT_OF:
+                out[s][name] = (main if s == "master" else st[s]).detach().clone()
+    if not distributed:
+        return out
+    every = [None] * parallel_state.get_data_parallel_world_size()
+    dist.all_gather_object(every, mine, group=parallel_state.get_data_parallel_group())
+    for name, p in model.named_parameters():
+        for s in SLOT_OF:
+            flat = torch.zeros(p.numel(), dtype=torch.float32)
+            seen = 0
+            for part in every:
+                if name in part:
+                    start, end, _, ts = part[name]
+                    flat[start:end] = ts[s]
+                    seen += end - start
+            assert seen == p.numel(), (name, seen, p.numel())
+            out[s][name] = flat.view(p.shape)
+    return out
+
+
+def save_live(live_root: Path, live, cfg, a, iteration):
+    """Each slot as a Megatron-LM torch-format checkpoint (weights only) of this TP rank."""
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    first_dp = parallel_state.get_data_parallel_rank() == 0
+    for slot, tensors in live.items():
+        root = live_root / slot
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        d = root / f"iter_{iteration:07d}" / (f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if a.pp > 1 else ""))
+        args = H.megatron_args(a.arch, cfg, a.tp, a.pp)
+        args.ckpt_format = "torch"
+        args.params_dtype = torch.float32
+        if first_dp:
+            d.mkdir(parents=True, exist_ok=True)
+            torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": tensors},
+                       d / "model_optim_rng.pt")
+            if tp_rank == 0 and pp_rank == 0:
+                (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    dist.barrier()
+
+
+def run_job(a):
+    distributed = a.form in DISTRIBUTED_FORMS
+    model, ddp, opt, sched, cfg = build(a.arch, a.tp, a.dtype, distributed, a.pp)
+    root = Path(a.dir)
+    losses = []
+    if a.mode == "save":
+        for step in range(a.steps):
+            losses.append(T.train_step(ddp, opt, sched, step))
+        save(root, model, opt, sched, cfg, a, a.steps)
+        if a.live:
+            save_live(Path(a.live), live_slots(model, opt, distributed), cfg, a, a.steps)
+        start, count = a.steps, a.more
+    elif a.mode == "load":  # load only (any TP/PP), then write what the optimizer holds
+        it = load(root, model, opt, sched, a)
+        save_live(Path(a.live), live_slots(model, opt, distributed), cfg, a, it)
+        start, count = it, 0
+    else:
+        start, count = load(root, model, opt, sched, a), a.more
+    for step in range(start, start + count):
+        losses.append(T.train_step(ddp, opt, sched, step))
+    params = H.global_params(model) if a.tp == 1 else None
+    if dist.get_rank() == 0:
+        torch.save({"losses": losses, "params": {k: v.float() for k, v in (params or {}).items()}}, a.out)
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["save", "resume", "load"])
+    ap.add_argument("dir")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--arch", default="gpt2")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--form", default="plain", choices=("plain",) + DISTRIBUTED_FORMS)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--more", type=int, default=2)
+    ap.add_argument("--live")
+    ap.add_argument("--weights-only", action="store_true")
+    ap.add_argument("--out", required=True)
+    jobs = [ap.parse_args(job.split()) for job in sys.argv[1:]]
+    dist.init_process_group("gloo")
+    for job in jobs:
+        run_job(job)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

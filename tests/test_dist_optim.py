@@ -1,0 +1,322 @@
+"""torch_dist checkpoints with optimizer state: read as slots, written in the fully_reshardable form.
+
+Sources come from the real megatron-core (0.16, CPU, gloo, two torchrun processes) training a tiny GPT
+with its own DDP, bf16 Adam with fp32 masters and LR scheduler, saving as Megatron-LM does for
+--ckpt-format torch_dist (tests/mcore_optim_dist_helper.py): the non-distributed optimizer at TP2, the
+distributed optimizer at TP1 x DP2 in its fully_reshardable and dp_reshardable forms. At the save the
+helper also writes the live optimizer's values (DP-gathered), which the reader must reproduce bit for bit.
+
+ckptool then writes torch_dist with the optimizer at another TP; megatron-core loads it with
+optimizer.sharded_state_dict + dist_checkpointing.load (both optimizer kinds, TP 1 and 2, and PP 2)
+and trains on. Measured on CPU (torch 2.13): the resumed losses differ from the run that went on by
+<= 2e-4 (TP reduction order in bf16), a weights-only resume by ~6e-2; megatron-core resuming its own
+save at the same layout (the control) is exact.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import free_port, real_checkpoint
+from ckptool.config import Layout
+from ckptool.convert import write_layout
+from ckptool.errors import CkptError
+from ckptool.formats import dist_optim
+from ckptool.formats.registry import open_checkpoint
+from ckptool.io.dcp_io import DcpDir
+from ckptool.lazy import Const
+from ckptool.state import Checkpoint, OptimizerState
+
+REPO = Path(__file__).resolve().parents[1]
+HELPER = REPO / "tests" / "mcore_optim_dist_helper.py"
+HAVE_MCORE = importlib.util.find_spec("megatron") is not None and \
+    importlib.util.find_spec("megatron.core") is not None
+needs_mcore = pytest.mark.skipif(not HAVE_MCORE, reason="megatron-core is not installed "
+                                 "(pip install megatron-core: test-only extra)")
+LOSS_TOL = 2e-3
+SLOTS = ["master", "exp_avg", "exp_avg_sq"]
+TORCH_CASES = ["mlm_mcore_gpt2_torch_tp2pp2", "mlm_legacy_gpt2_torch_tp2pp2"]
+
+
+def torchrun(*jobs: str, timeout: int = 600) -> None:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(free_port()), str(HELPER), *jobs]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+
+
+def losses(path: Path) -> torch.Tensor:
+    return torch.tensor(torch.load(path)["losses"], dtype=torch.float64)
+
+
+def assert_slots_equal(ckpt, slot_of, names=None):
+    """ckpt's optimizer slots equal slot_of(slot) (canonical name -> lazy), bit for bit."""
+    for slot in SLOTS:
+        other = slot_of(slot)
+        for name in names or ckpt.tensors:
+            a, b = ckpt.optimizer.slots[slot][name].load(), other[name].load()
+            assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b), (slot, name)
+
+
+def live(root: Path):
+    """The live optimizer values the helper wrote (torch-format weights per slot), by canonical name."""
+    return lambda slot: open_checkpoint(root / slot).tensors
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    if not HAVE_MCORE:
+        pytest.skip("megatron-core is not installed (pip install megatron-core: test-only extra)")
+    root = tmp_path_factory.mktemp("dist_optim")
+    torchrun(f"save {root}/plain --tp 2 --form plain --live {root}/plain_live --out {root}/plain.pt",
+             f"save {root}/fr --tp 1 --form fully_reshardable --live {root}/fr_live --out {root}/fr.pt",
+             f"save {root}/dpr --tp 2 --arch llama --form dp_reshardable --live {root}/dpr_live --out {root}/dpr.pt",
+             f"save {root}/f32 --tp 2 --form plain --dtype fp32 --live {root}/f32_live --out {root}/f32.pt")
+    return root
+
+
+@pytest.fixture(scope="module")
+def resumed(trained):
+    """ckptool's torch_dist outputs at another TP, loaded and trained on by megatron-core."""
+    r = trained
+    write_layout(open_checkpoint(r / "plain"), r / "plain_to_tp1", Layout(1), fmt="torch_dist", warn=print)
+    write_layout(open_checkpoint(r / "fr"), r / "fr_to_tp2", Layout(2), fmt="torch_dist", warn=print)
+    write_layout(open_checkpoint(r / "f32"), r / "f32_to_tp1", Layout(1), fmt="torch_dist", warn=print)
+    write_layout(open_checkpoint(r / "dpr"), r / "dpr_to_tp1", Layout(1), fmt="torch_dist", warn=print)
+    torchrun(f"resume {r}/plain_to_tp1 --tp 1 --form plain --out {r}/r_plain_tp1.pt",
+             f"resume {r}/plain_to_tp1 --tp 1 --form fully_reshardable --out {r}/r_plain_tp1_distopt.pt",
+             f"resume {r}/plain_to_tp1 --tp 1 --form plain --weights-only --out {r}/r_weights_only.pt",
+             f"resume {r}/fr_to_tp2 --tp 2 --form fully_reshardable --out {r}/r_fr_tp2.pt",
+             f"resume {r}/fr_to_tp2 --tp 2 --form plain --out {r}/r_fr_tp2_plain.pt",
+             f"resume {r}/fr --tp 1 --form fully_reshardable --out {r}/r_control.pt",
+             f"resume {r}/f32_to_tp1 --tp 1 --form plain --dtype fp32 --out {r}/r_f32.pt",
+             f"resume {r}/dpr_to_tp1 --tp 1 --arch llama --form fully_reshardable --out {r}/r_dpr.pt",
+             f"resume {r}/f32_to_tp1 --tp 1 --form fully_reshardable --dtype fp32 --out {r}/r_f32_distopt.pt",
+             f"load {r}/plain_to_tp1 --tp 1 --pp 2 --form plain --live {r}/l_pp2_plain --out {r}/l1.pt",
+             f"load {r}/fr_to_tp2 --tp 1 --pp 2 --form fully_reshardable --live {r}/l_pp2_fr --out {r}/l2.pt")
+    return r
+
+
+@needs_mcore
+@pytest.mark.parametrize("form", ["plain", "fr"])
+def test_reader_equals_the_live_optimizer(trained, form):
+    ckpt = open_checkpoint(trained / form)
+    opt = ckpt.optimizer
+    assert opt.kind == ("megatron-core-dist (non-distributed)" if form == "plain"
+                        else "megatron-core-dist (fully_reshardable)")
+    assert opt.step == 3 and opt.consumed_samples == 6 and opt.scheduler["num_steps"] == 3
+    # Megatron's groups: weights with weight decay; biases and norms without
+    assert [len(g.names) for g in opt.param_groups] == [14, 22]
+    assert [g.hyper["wd_mult"] for g in opt.param_groups] == [1.0, 0.0]
+    assert_slots_equal(ckpt, live(trained / f"{form}_live"))
+    for name, master in opt.slots["master"].items():
+        assert torch.equal(master.load().to(torch.bfloat16), ckpt.tensors[name].load()), name
+
+
+@needs_mcore
+def test_dp_reshardable_flat_buckets_are_tied_by_the_buffer_layout(trained):
+    """Megatron-LM's default form: flat per-bucket buffers per TP rank (llama: GQA, SwiGLU, untied, TP2)."""
+    ckpt = open_checkpoint(trained / "dpr")
+    assert ckpt.optimizer.kind == "megatron-core-dist (dp_reshardable)" and ckpt.optimizer.step == 3
+    assert_slots_equal(ckpt, live(trained / "dpr_live"))
+
+
+@needs_mcore
+@pytest.mark.parametrize("edit,problem", [
+    (dict(pipeline_model_parallel_size=2), "pipeline parallelism"),
+    (dict(overlap_grad_reduce=True), "--overlap-grad-reduce"),
+])
+def test_dp_reshardable_layouts_not_recomputed_are_dropped_by_name(trained, tmp_path, edit, problem):
+    src = _copy_with_args(trained / "dpr", tmp_path, **edit)
+    ckpt = open_checkpoint(src)
+    assert ckpt.optimizer is None
+    assert any("dp_reshardable" in w and problem in w and "weights only" in w for w in ckpt.warnings), ckpt.warnings
+
+
+@needs_mcore
+def test_dp_reshardable_with_the_wrong_layout_is_refused(trained, tmp_path):
+    """args claiming Transformer Engine (another registration order): the sizes still add up, but the
+    masters no longer round to their weights: refused, never a silently mis-tied moment."""
+    src = _copy_with_args(trained / "dpr", tmp_path, transformer_impl="transformer_engine")
+    with pytest.raises(CkptError, match=r"fp32 master of \S+ does not round to its stored weight.*--no-optimizer"):
+        ckpt = open_checkpoint(src)
+        for slot in ckpt.optimizer.slots.values():
+            for t in slot.values():
+                t.load()
+
+
+def _copy_with_args(save: Path, tmp_path: Path, **changes) -> Path:
+    import shutil
+    from ckptool.io.torchfile import load_torch_file, save_streaming
+    dst = tmp_path / "src"
+    shutil.copytree(save, dst)
+    d = next(dst.glob("iter_*"))
+    common = load_torch_file(d / "common.pt")
+    for k, v in changes.items():
+        setattr(common["args"], k, v)
+    save_streaming(common, tmp_path / "common.pt")
+    os.replace(tmp_path / "common.pt", d / "common.pt")
+    return dst
+
+
+@needs_mcore
+def test_megatron_core_loads_our_output_at_another_tp_and_pp(resumed):
+    """What megatron-core's optimizer holds after loading ckptool's output (TP1 PP2, both optimizer
+    kinds) equals the source's optimizer state, bit for bit; so does ckptool reading its own output."""
+    for src, out, loaded in (("plain", "plain_to_tp1", "l_pp2_plain"), ("fr", "fr_to_tp2", "l_pp2_fr")):
+        ckpt = open_checkpoint(resumed / src)
+        assert_slots_equal(ckpt, live(resumed / loaded))
+        ours = open_checkpoint(resumed / out)
+        assert_slots_equal(ckpt, lambda slot: ours.optimizer.slots[slot])
+        assert ours.optimizer.step == 3 and ours.optimizer.scheduler == ckpt.optimizer.scheduler
+        assert [g.hyper for g in ours.optimizer.param_groups] == [g.hyper for g in ckpt.optimizer.param_groups]
+
+
+@needs_mcore
+def test_training_resumes_on_the_new_layout(resumed):
+    r = resumed
+    went_on = {"plain": losses(r / "plain.pt")[3:], "fr": losses(r / "fr.pt")[3:], "dpr": losses(r / "dpr.pt")[3:]}
+    gaps = {name: (losses(r / f"{name}.pt") - went_on[src]).abs().max().item()
+            for name, src in (("r_plain_tp1", "plain"), ("r_plain_tp1_distopt", "plain"),
+                              ("r_fr_tp2", "fr"), ("r_fr_tp2_plain", "fr"), ("r_dpr", "dpr"))}
+    weights_only = (losses(r / "r_weights_only.pt") - went_on["plain"]).abs().max().item()
+    print("loss gaps:", gaps, "weights only:", weights_only)
+    assert max(gaps.values()) < LOSS_TOL, gaps
+    assert weights_only > 10 * max(gaps.values()) and weights_only > 1e-2, (weights_only, gaps)
+    assert torch.equal(losses(r / "r_control.pt"), went_on["fr"])  # megatron-core's own save, same layout
+    # fp32 training (no separate masters): TP2 -> TP1 resumes exactly here, with either optimizer kind
+    for name in ("r_f32", "r_f32_distopt"):
+        assert (losses(r / f"{name}.pt") - losses(r / "f32.pt")[3:]).abs().max().item() < LOSS_TOL, name
+
+
+@needs_mcore
+def test_fp32_training_state_has_moments_and_no_separate_masters(trained):
+    ckpt = open_checkpoint(trained / "f32")
+    assert ckpt.optimizer.slot_names() == ["exp_avg", "exp_avg_sq"] and ckpt.optimizer.step == 3
+    for slot in ckpt.optimizer.slot_names():
+        other = open_checkpoint(trained / "f32_live" / slot).tensors
+        for name, t in ckpt.optimizer.slots[slot].items():
+            assert torch.equal(t.load(), other[name].load()), (slot, name)
+
+
+@pytest.mark.parametrize("case", TORCH_CASES)
+def test_torch_to_torch_dist_and_back_is_bit_exact(tmp_path, case):
+    """Megatron-LM torch format with optimizer -> torch_dist (TP1) -> torch at the source layout: the rank
+    files' optimizer entries come back index by index (tests/test_optimizer.py's comparison)."""
+    from test_optimizer import _assert_rank_files_equal, assert_same_training_state
+    src_dir = real_checkpoint(case) / "checkpoint"
+    src = open_checkpoint(src_dir)
+    summary = write_layout(src, tmp_path / "dist", Layout(1), fmt="torch_dist", warn=lambda m: None)
+    assert summary["optimizer"]["kind"] == "fully_reshardable" and summary["optimizer"]["step"] == 3
+    mid = open_checkpoint(tmp_path / "dist")
+    assert_same_training_state(src, mid)
+    assert [set(g.names) for g in mid.optimizer.param_groups] == [set(g.names) for g in src.optimizer.param_groups]
+    write_layout(mid, tmp_path / "back", src.source.layout, fmt="torch", dialect=src.source.dialect,
+                 warn=lambda m: None)
+    _assert_rank_files_equal(src_dir / "iter_0000003", tmp_path / "back" / "iter_0000003")
+
+
+def test_master_aliases_share_bytes_and_megatron_core_keys_are_written(tmp_path):
+    src = open_checkpoint(real_checkpoint(TORCH_CASES[0]) / "checkpoint")
+    write_layout(src, tmp_path / "dist", Layout(2), fmt="torch_dist", warn=lambda m: None)
+    dcp = DcpDir(tmp_path / "dist" / "iter_0000003")
+    key = "decoder.layers.self_attention.linear_qkv.weight"
+    for stored in ("param", "fp32_param", "exp_avg", "exp_avg_sq"):
+        assert f"optimizer.state.{stored}.{key}" in dcp.entries
+    assert dcp.storage[f"optimizer.state.param.{key}"] == dcp.storage[f"optimizer.state.fp32_param.{key}"]
+    size = (tmp_path / "dist" / "iter_0000003" / "__0_0.distcp").stat().st_size
+    listed = sum(info.length for chunks in dcp.storage.values() for info in chunks.values())
+    master = sum(info.length for k, chunks in dcp.storage.items() if k.startswith("optimizer.state.param.")
+                 for info in chunks.values())
+    assert size == listed - master  # every master byte is on disk once
+
+
+def test_fp32_target_takes_its_weights_from_the_masters(tmp_path):
+    src = open_checkpoint(real_checkpoint(TORCH_CASES[0]) / "checkpoint")
+    write_layout(src, tmp_path / "dist", Layout(1), fmt="torch_dist", dtype=torch.float32, warn=lambda m: None)
+    out = open_checkpoint(tmp_path / "dist")
+    for name, master in src.optimizer.slots["master"].items():
+        assert torch.equal(out.tensors[name].load(), master.load()), name
+
+
+def _with_optimizer(ckpt, slots):
+    return Checkpoint(ckpt.config, ckpt.tensors, ckpt.source, [], ckpt.optimizer.with_slots(slots))
+
+
+def test_a_master_that_does_not_match_its_weight_is_refused(tmp_path):
+    src = open_checkpoint(real_checkpoint(TORCH_CASES[0]) / "checkpoint")
+    slots = {s: dict(ts) for s, ts in src.optimizer.slots.items()}
+    bad = slots["master"]["layers.1.mlp.up.weight"].load().clone()
+    bad[0, 0] += 1.0
+    slots["master"]["layers.1.mlp.up.weight"] = Const(bad)
+    write_layout(_with_optimizer(src, slots), tmp_path / "dist", Layout(1), fmt="torch_dist", warn=lambda m: None)
+    ckpt = open_checkpoint(tmp_path / "dist")
+    with pytest.raises(CkptError, match=r"fp32 master of layers\.1\.mlp\.up\.weight does not round.*--no-optimizer"):
+        ckpt.optimizer.slots["master"]["layers.1.mlp.up.weight"].load()
+
+
+def test_unexpected_param_groups_are_refused():
+    weights = {"a.weight": Const(torch.zeros(2, 2)), "a.bias": Const(torch.zeros(2))}
+    hypers = [{"wd_mult": 1.0, "lr_mult": 1.0}, {"wd_mult": 0.0, "lr_mult": 1.0}, {"wd_mult": 1.0, "lr_mult": 2.0}]
+    with pytest.raises(CkptError, match="3 optimizer param groups"):
+        dist_optim.tie_groups(hypers, weights, "here")
+    groups = dist_optim.tie_groups(hypers[:2], weights, "here")
+    assert [g.names for g in groups] == [["a.weight"], ["a.bias"]]
+
+
+def test_groups_without_megatron_core_identifier_keys_get_a_default_runs_values():
+    from ckptool.state import ParamGroup
+    opt = OptimizerState("x", {}, step=5, param_groups=[ParamGroup(["w"], {"lr": 0.1, "weight_decay": 0.1}),
+                                                        ParamGroup(["b"], {"lr": 0.1, "weight_decay": 0.0})])
+    groups = dist_optim.common_entries(opt, mixed=True)["optimizer"]["optimizer"]["param_groups"]
+    assert [(g["wd_mult"], g["lr_mult"], g["is_expert_parallel"], g["is_decoupled_lr"], g["step"]) for g in groups] == \
+        [(1.0, 1.0, False, False, 5.0), (0.0, 1.0, False, False, 5.0)]
+
+
+def test_a_chained_optimizer_is_dropped_by_name(tmp_path):
+    """Two optimizers (megatron-core's ChainedOptimizer: one entry per optimizer, tensor keys prefixed
+    chained_N. in the non-reshardable forms): dropped with a warning, the weights still read."""
+    import pickle
+    from ckptool.io.torchfile import load_torch_file, save_streaming
+    src = open_checkpoint(real_checkpoint(TORCH_CASES[0]) / "checkpoint")
+    write_layout(src, tmp_path / "dist", Layout(1), fmt="torch_dist", warn=lambda m: None)
+    d = tmp_path / "dist" / "iter_0000003"
+    common = load_torch_file(d / "common.pt")
+    common["optimizer"] = {0: common["optimizer"], 1: common["optimizer"]}
+    save_streaming(common, tmp_path / "common.pt")  # not over the file its lazy tensors read from
+    os.replace(tmp_path / "common.pt", d / "common.pt")
+    md = pickle.loads((d / ".metadata").read_bytes())
+    md.state_dict_metadata = {("chained_0." + k if k.startswith("optimizer.") else k): v
+                              for k, v in md.state_dict_metadata.items()}
+    md.storage_data = {type(i)(("chained_0." + i.fqn) if i.fqn.startswith("optimizer.") else i.fqn, i.offset, i.index): v
+                       for i, v in md.storage_data.items()}
+    (d / ".metadata").write_bytes(pickle.dumps(md))
+    ckpt = open_checkpoint(tmp_path / "dist")
+    assert ckpt.optimizer is None
+    assert any("chained optimizer (2 optimizers" in w for w in ckpt.warnings), ckpt.warnings
+    assert torch.equal(ckpt.tensors["embed.word"].load()[:1001], src.tensors["embed.word"].load()[:1001])
+
+
+def test_no_optimizer_leaves_a_broken_optimizer_unread(tmp_path):
+    """--no-optimizer (ReadOptions.optimizer False): a torch_dist optimizer state that would be refused
+    is not read at all, and the weights convert."""
+    from ckptool.options import ReadOptions
+    src = open_checkpoint(real_checkpoint(TORCH_CASES[0]) / "checkpoint")
+    write_layout(src, tmp_path / "dist", Layout(1), fmt="torch_dist", warn=lambda m: None)
+    d = tmp_path / "dist" / "iter_0000003"
+    from ckptool.io.torchfile import load_torch_file, save_streaming
+    common = load_torch_file(d / "common.pt")
+    common["optimizer"]["optimizer"]["param_groups"] *= 2  # 4 groups: refused
+    save_streaming(common, tmp_path / "common.pt")
+    os.replace(tmp_path / "common.pt", d / "common.pt")
+    with pytest.raises(CkptError, match="4 optimizer param groups.*--no-optimizer"):
+        open_checkpoint(tmp_path / "dist")
+    ckpt = open_checkpoint(tmp_path / "dist", ReadOptions(optimizer=False))
+    assert ckpt.optimizer is None and not ckpt.warnings

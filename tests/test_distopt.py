@@ -1,0 +1,285 @@
+"""Megatron's distributed optimizer (distrib_optim.pt) read and written, proven with the real megatron-core.
+
+- The grad-buffer layout ckptool recomputes equals the one megatron-core 0.16's own _ParamAndGradBuffer
+  builds (random parameter sizes, DP sizes, bucket sizes, shared-embedding buckets).
+- A TP1 DP2 run with megatron-core's DistributedOptimizer (CPU, gloo; tests/mcore_train_helper.py)
+  saves Megatron-LM's torch format; ckptool's masters and moments equal what the live optimizer held;
+  the same for a TP1 PP2 DP2 run (tied embeddings: the head copy on the last stage), whose
+  distrib_optim.pt files ckptool also writes back identically.
+- Resharded to the non-distributed layout at TP2, training resumes like the run that went on (DP and TP
+  change the reduction order: within the noise test_resume.py measures), unlike a weights-only resume.
+- Written back with --distributed-optimizer, the real megatron-core loads it with load_state_dict +
+  load_parameter_state: at the source's layout (TP1 DP2) the resumed run equals the run that went on
+  bit for bit; at TP2 DP1 within the noise.
+- A corrupted numel_unpadded, values shifted within the file (a master that no longer rounds to its
+  weight) or a missing distrib_optim.pt is refused in one line naming --no-optimizer.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptool.config import Layout
+from ckptool.convert import write_layout
+from ckptool.errors import CkptError
+from ckptool.formats import megatron_distopt as D
+from ckptool.formats.megatron_names import DIALECTS, KeyMatcher
+from ckptool.formats.registry import open_checkpoint
+from ckptool.roles import global_role_tensor, layer_role_tensor
+from test_resume import LOSS_TOL, REPO, ckptool, losses, torchrun, weight_gap
+
+HAVE_MCORE = importlib.util.find_spec("megatron") is not None and \
+    importlib.util.find_spec("megatron.core") is not None
+pytestmark = pytest.mark.skipif(not HAVE_MCORE, reason="megatron-core is not installed "
+                                "(pip install megatron-core: test-only extra)")
+STEPS, MORE = 3, 2
+DIST = "--distributed-optimizer"
+
+
+def test_buffer_layout_matches_megatron_core():
+    """buffer_layout (current era) against megatron-core's own _ParamAndGradBuffer, element for element."""
+    import megatron.core.distributed.param_and_grad_buffer as pgb
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    class Group:  # the buffer only asks a process group for its size (and rank 0 for logging)
+        def __init__(self, n):
+            self.n = n
+
+        def size(self):
+            return self.n
+
+        def rank(self):
+            return 0
+
+    patches = {"log": (pgb, "log_on_each_pipeline_stage", lambda *a, **k: None),
+               "device": (torch.cuda, "current_device", lambda: "cpu")}  # CPU torch: buffers on the CPU
+    saved = {k: getattr(m, n) for k, (m, n, _) in patches.items()}
+    for m, n, f in patches.values():
+        setattr(m, n, f)
+    try:
+        rng = random.Random(0)
+        for case in range(120):
+            numels = [rng.choice([1, 7, 32, 64, 100, 1000, 4096]) for _ in range(rng.randint(1, 12))]
+            shared = [False] * len(numels)
+            shared[0] = rng.random() < 0.5  # the word embedding on the first stage
+            shared[-1] = shared[-1] or rng.random() < 0.3  # the head copy on the last stage
+            dp, bucket = rng.choice([1, 2, 3, 8]), rng.choice([None, 100, 2000])
+            params = [torch.nn.Parameter(torch.zeros(n)) for n in numels]
+            for p, s in zip(params, shared):
+                if s:
+                    p.shared_embedding = True
+            pg = ProcessGroupCollection()
+            pg.tp, pg.dp_cp = Group(1), Group(dp)
+            buf = pgb._ParamAndGradBuffer(DistributedDataParallelConfig(use_distributed_optimizer=True),
+                                          torch.float32, torch.float32, params, Group(dp), bucket,
+                                          {p: str(i) for i, p in enumerate(params)}, 1.0 / dp,
+                                          list(range(len(params))), False, pg)
+            ours = D.buffer_layout(numels, shared, D.CURRENT, dp, bucket)
+            starts = [b.offset for b in buf.buckets]
+            for i, p in enumerate(params):
+                start, _, b = buf.param_index_map[p]
+                assert (b, start - starts[b]) == (ours.bucket_of[i], ours.start[i]), (case, i)
+            assert [b.numel_unpadded for b in buf.buckets] == ours.bucket_unpadded, case
+            assert [b.grad_data.numel() for b in buf.buckets] == ours.bucket_padded, case
+    finally:
+        for k, (m, n, _) in patches.items():
+            setattr(m, n, saved[k])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("distopt")
+    torchrun(2, f"train {d}/a --tp 1 --dp 2 {DIST} --steps {STEPS} --more {MORE} --out {d}/a.pt")
+    assert "non-distributed layout" in ckptool("reshard", d / "a", d / "b2", "--tp", "2").stdout
+    ckptool("reshard", d / "a", d / "w2", "--tp", "2", "--no-optimizer")
+    out = ckptool("reshard", d / "a", d / "c1", "--tp", "1", DIST, "--dp", "2").stdout
+    assert "distrib_optim.pt files for DP 2" in out
+    ckptool("reshard", d / "a", d / "e2", "--tp", "2", DIST, "--dp", "1")
+    torchrun(2, f"resume {d}/b2 --tp 2 --more {MORE} --out {d}/b2.pt",
+             f"resume {d}/w2 --tp 2 --more {MORE} --out {d}/w2.pt --weights-only",
+             f"resume {d}/c1 --tp 1 --dp 2 {DIST} --more {MORE} --out {d}/c1.pt",
+             f"resume {d}/e2 --tp 2 --dp 1 {DIST} --more {MORE} --out {d}/e2.pt")
+    return d
+
+
+def test_reader_equals_the_live_optimizer(runs):
+    """Every parameter's fp32 master and Adam moments, as ckptool reads them from distrib_optim.pt,
+    equal what megatron-core's live DistributedOptimizer held (gathered by its own range maps)."""
+    ckpt = open_checkpoint(runs / "a")
+    opt = ckpt.optimizer
+    assert opt.kind == "megatron-distributed" and opt.step == STEPS and not ckpt.warnings
+    assert [len(g.names) for g in opt.param_groups] == [14, 22]  # weights | biases and norms
+    live = torch.load(runs / "a.pt", weights_only=False)["live"]
+    assert list(live) == [(0, 0)] and len(live[(0, 0)]) == 28
+    assert_equals_live(ckpt, live[(0, 0)])
+
+
+def assert_equals_live(ckpt, live):
+    matcher = KeyMatcher(DIALECTS["mcore"])
+    for key, values in live.items():
+        role, layer = matcher.match(key)
+        for file_key, slot in D.SLOT_OF_KEY.items():
+            tensors = ckpt.optimizer.slots[slot]
+            fused = global_role_tensor(tensors, role) if layer is None else \
+                layer_role_tensor(tensors, ckpt.config, layer, role)
+            assert torch.equal(fused.load().reshape(-1), values[file_key]), (key, slot)
+
+
+def test_pipeline_stages_read_and_written_like_megatron_core(tmp_path):
+    """TP1 PP2 DP2 with tied embeddings: each stage's grad buffer (the last stage's holds the head copy
+    of the word embedding, which megatron-core buckets alone) read equal to the live optimizer, and
+    ckptool's distrib_optim.pt at the same layout equals megatron-core's tensor for tensor."""
+    d = tmp_path
+    torchrun(4, f"train {d}/p --tp 1 --pp 2 --dp 2 {DIST} --steps 2 --more 0 --out {d}/p.pt")
+    live = torch.load(d / "p.pt", weights_only=False)["live"]
+    assert sorted(live) == [(0, 0), (0, 1)]
+    head, word = live[(0, 1)].pop("output_layer.weight"), live[(0, 0)]["embedding.word_embeddings.weight"]
+    assert all(torch.equal(head[k], word[k]) for k in D.KEYS)  # the copies stay in sync
+    ckpt = open_checkpoint(d / "p")
+    assert ckpt.optimizer.kind == "megatron-distributed" and ckpt.optimizer.step == 2
+    assert_equals_live(ckpt, {**live[(0, 0)], **live[(0, 1)]})
+    ckptool("reshard", d / "p", d / "q", "--tp", "1", "--pp", "2", DIST, "--dp", "2")
+    for stage in ("mp_rank_00_000", "mp_rank_00_001"):
+        src = torch.load(d / "p/iter_0000002" / stage / D.FILE, weights_only=False)
+        ours = torch.load(d / "q/iter_0000002" / stage / D.FILE, weights_only=False)
+        assert src.keys() == ours.keys() and src[0].keys() == ours[0].keys()
+        for key, value in next(iter(src[0].values())).items():
+            mine = next(iter(ours[0].values()))[key]
+            assert torch.equal(mine, value) if isinstance(value, torch.Tensor) else mine == value, (stage, key)
+
+
+def test_older_forms_by_era(runs, tmp_path):
+    """The forms before today's, built from the live values by their documented rules (parameters in
+    reverse registration order, packed without alignment): the 2024-04..06 coalesced form and the
+    2024-02..03 per-bucket list (each bucket padded to a multiple of DP) are read; older is refused."""
+    live = torch.load(runs / "a.pt", weights_only=False)["live"][(0, 0)]
+    rank = torch.load(runs / "a/iter_0000003/mp_rank_00/model_optim_rng.pt", weights_only=False)
+    order = [k for k, v in rank["model"].items() if isinstance(v, torch.Tensor) and k in live]
+    assert len(order) == len(live)  # registration order = the rank file's key order
+    packed = {key: torch.cat([live[k][key] for k in reversed(order)]) for key in D.KEYS}
+    n = packed["param"].numel()
+    forms = {
+        "coalesced": {"buckets_coalesced": True,
+                      0: {torch.bfloat16: dict(packed, numel_unpadded=n)}},
+        "bucket-list": {"per_bucket_numel": [{torch.bfloat16: [n + n % 2]}],
+                        "per_bucket_numel_unpadded": [{torch.bfloat16: [n]}],
+                        0: {torch.bfloat16: {k: [torch.cat([v, torch.zeros(n % 2)])] for k, v in packed.items()}}},
+        "2023": {0: {torch.float32: {k: [v] for k, v in packed.items()}}},
+    }
+    for name, state in forms.items():
+        d = _copy(runs / "a", tmp_path / name)
+        torch.save(state, d / "iter_0000003/mp_rank_00/distrib_optim.pt")
+        if name == "2023":
+            _refused(d, "before 2024-02")
+        else:
+            assert_equals_live(open_checkpoint(d), live)
+
+
+def test_non_distributed_tp2_resumes_like_the_run_that_went_on(runs):
+    went_on = losses(runs / "a.pt")[STEPS:]
+    gap = (losses(runs / "b2.pt") - went_on).abs().max().item()
+    gap_weights_only = (losses(runs / "w2.pt") - went_on).abs().max().item()
+    print(f"TP1 DP2 distributed -> TP2 non-distributed: loss gap {gap:.2e}, weights-only {gap_weights_only:.2e}")
+    assert gap < LOSS_TOL and gap_weights_only > 10 * max(gap, 1e-5)
+    w_gap = weight_gap(runs / "a_continued", runs / "b2_resumed_tp2")
+    w_gap_weights_only = weight_gap(runs / "a_continued", runs / "w2_weights_only_tp2")
+    print(f"weight gap {w_gap:.2e}, weights-only {w_gap_weights_only:.2e}")
+    assert w_gap < 0.25 * w_gap_weights_only
+
+
+def test_written_distrib_optim_loads_into_megatron_core(runs):
+    """ckptool's distrib_optim.pt at the source's layout is the source's, tensor for tensor, and the
+    real megatron-core resumes from it exactly (which also proves the helper's save/load path exact:
+    the same-layout control); at TP2 DP1 within the reduction-order noise."""
+    src = torch.load(runs / "a/iter_0000003/mp_rank_00/distrib_optim.pt", weights_only=False)
+    ours = torch.load(runs / "c1/iter_0000003/mp_rank_00/distrib_optim.pt", weights_only=False)
+    assert src.keys() == ours.keys() and src[0].keys() == ours[0].keys()
+    for key, value in next(iter(src[0].values())).items():
+        mine = next(iter(ours[0].values()))[key]
+        assert torch.equal(mine, value) if isinstance(value, torch.Tensor) else mine == value, key
+    went_on = losses(runs / "a.pt")[STEPS:]
+    assert torch.equal(losses(runs / "c1.pt"), went_on)
+    assert weight_gap(runs / "a_continued", runs / "c1_resumed_tp1") == 0.0
+    gap = (losses(runs / "e2.pt") - went_on).abs().max().item()
+    print(f"TP1 DP2 -> TP2 DP1, distributed optimizer written by ckptool: loss gap {gap:.2e}")
+    assert gap < LOSS_TOL
+    back = open_checkpoint(runs / "e2")
+    assert back.optimizer.kind == "megatron-distributed" and back.optimizer.step == STEPS
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _refused(src: Path, *words: str) -> str:
+    """Opening src fails with one CkptError line naming words and suggesting --no-optimizer."""
+    with pytest.raises(CkptError) as e:
+        open_checkpoint(src)
+    line = str(e.value)
+    assert "\n" not in line and "--no-optimizer" in line, line
+    for w in words:
+        assert w in line, line
+    return line
+
+
+def test_corrupt_or_missing_distrib_optim_is_refused(runs, tmp_path):
+    bad = _copy(runs / "a", tmp_path / "bad")
+    f = bad / "iter_0000003/mp_rank_00/distrib_optim.pt"
+    state = torch.load(f, weights_only=False)
+    entry = next(iter(state[0].values()))
+    for key in D.KEYS:  # consistent with itself, but not with this model's buffer
+        entry[key] = entry[key][:-64].clone()
+    entry["numel_unpadded"] -= 64
+    torch.save(state, f)
+    _refused(bad, "numel_unpadded", "distrib_optim.pt", "matches no megatron-core buffer layout")
+    entry["numel_unpadded"] += 64  # now the number disagrees with the tensors themselves
+    torch.save(state, f)
+    _refused(bad, "numel_unpadded")
+    state = torch.load(runs / "a/iter_0000003/mp_rank_00/distrib_optim.pt", weights_only=False)
+    entry = next(iter(state[0].values()))
+    entry["param"] = entry["param"].roll(64)  # right sizes, values one slot off: a mis-tie to catch
+    torch.save(state, f)
+    ckpt = open_checkpoint(bad)
+    with pytest.raises(CkptError, match=r"distrib_optim.pt: the fp32 master of .* does not round.*--no-optimizer"):
+        for master in ckpt.optimizer.slots["master"].values():
+            master.load()
+    f.unlink()
+    _refused(bad, "distrib_optim.pt", "missing")
+    r = subprocess.run([sys.executable, "-m", "ckptool", "reshard", str(bad), str(tmp_path / "o"), "--tp", "2"],
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert r.returncode == 2 and not (tmp_path / "o").exists()
+    assert r.stderr.count("error:") == 1 and "--no-optimizer" in r.stderr, r.stderr
+    ckptool("reshard", bad, tmp_path / "weights", "--tp", "2", "--no-optimizer")  # the hint works
+    assert open_checkpoint(tmp_path / "weights").optimizer is None
+
+
+@pytest.mark.parametrize("layout,dp", [(Layout(1, 1), 3), (Layout(1, 2), 4), (Layout(2, 2, vpp=2), 2)],
+                         ids=["tp1pp1-dp3", "tp1pp2-dp4", "tp2pp2vpp2-dp2"])
+def test_real_megatron_lm_state_through_distrib_optim(tmp_path, layout, dp):
+    """A real Megatron-LM checkpoint (non-distributed optimizer, TP2 PP2, tied embeddings) written with
+    the distributed optimizer at other layouts (PP > 1: shared-embedding buckets; VPP: one buffer per
+    chunk) and read back: every master and moment is the source's; back to the non-distributed
+    source layout, the rank files' optimizer entries are the source's, index by index."""
+    from conftest import real_checkpoint
+    from test_optimizer import CASES, _assert_rank_files_equal, assert_same_training_state
+    src_dir = real_checkpoint(CASES[0]) / "checkpoint"
+    src = open_checkpoint(src_dir)
+    summary = write_layout(src, tmp_path / "dist", layout, warn=lambda m: None, distributed_optimizer=True, dp=dp)
+    assert summary["optimizer"]["distributed"] == {"dp": dp}
+    rank_dirs = sorted((tmp_path / "dist" / "iter_0000003").iterdir())
+    assert len(rank_dirs) == layout.tp * layout.pp and all((d / D.FILE).is_file() for d in rank_dirs)
+    out = open_checkpoint(tmp_path / "dist")
+    assert out.optimizer.kind == "megatron-distributed" and out.source.args.data_parallel_size == dp
+    assert_same_training_state(src, out)
+    write_layout(out, tmp_path / "back", src.source.layout, warn=lambda m: None)
+    _assert_rank_files_equal(src_dir / "iter_0000003", tmp_path / "back" / "iter_0000003")

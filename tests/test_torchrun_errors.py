@@ -1,0 +1,105 @@
+"""Errors under real torchrun (2 ranks, gloo, CPU): an error every rank finds is printed once, every
+rank exits with the same status, and torchrun's own report names ckptool's error. torchrun itself
+always exits 1 when a rank fails and always prints its ChildFailedError report (README: "Errors
+under torchrun")."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE = ROOT / "fixtures" / "gpt2_mcore_tp2pp2" / "checkpoint"
+pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+
+
+def _torchrun(*args, timeout=300):
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("WORLD_SIZE", None)
+    cmd = ["torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+
+
+def _rank_statuses(report: str) -> dict:
+    """rank -> exitcode from torchrun's ChildFailedError report."""
+    return {int(r): int(c) for r, c in re.findall(r"rank\s+: (\d+) \(local_rank: \d+\)\s+exitcode\s+: (-?\d+)", report)}
+
+
+def test_bad_input_is_reported_once_with_every_rank_exiting_2(tmp_path):
+    r = _torchrun("-m", "ckptool", "merge", str(tmp_path / "missing"), str(tmp_path / "out"))
+    out = r.stdout + r.stderr
+    ours = [line for line in out.splitlines() if line.startswith("error:")]
+    assert ours == [f"error: {tmp_path / 'missing'}: no such file or directory"], out[-3000:]
+    assert r.returncode == 1  # torchrun's own status whenever a rank fails
+    statuses = _rank_statuses(out)
+    assert statuses and set(statuses.values()) == {2}, out[-3000:]  # ckptool's "bad input"
+    # torchrun's report carries ckptool's line (our error file) instead of its traceback hint
+    assert f"traceback : ckptool error: {tmp_path / 'missing'}" in out, out[-3000:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_refused_output_under_a_conversion_team(tmp_path):
+    """Both ranks refuse an existing destination inside the team protocol: said once, status 2."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep").write_text("x")
+    r = _torchrun("-m", "ckptool", "merge", str(FIXTURE), str(tmp_path / "out"))
+    out = r.stdout + r.stderr
+    ours = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(ours) == 1 and "already exists" in ours[0], out[-3000:]
+    assert set(_rank_statuses(out).values()) == {2}, out[-3000:]
+    assert (tmp_path / "out" / "keep").read_text() == "x"
+
+
+SCRIPT = """
+import os, sys, time
+from ckptool import distributed
+distributed.REPORTER_GRACE_S = {grace}
+rank = int(os.environ["RANK"])
+if rank in {failing}:
+    distributed.fail_as_team("error: seen by rank " + str(rank), 2, reporter={reporter},
+                             say=lambda line: print(line, file=sys.stderr, flush=True))
+time.sleep(60)  # a rank that did not meet the error (waiting in a collective, say)
+"""
+
+
+def test_the_reporter_says_it_and_the_others_stay_silent(tmp_path):
+    """The team agreed that rank 1 reports (the lowest rank whose share failed): rank 0 is silent and
+    still exits with rank 1's status."""
+    script = tmp_path / "fail.py"
+    script.write_text(SCRIPT.format(grace=30, failing=(0, 1), reporter=1))
+    r = _torchrun(str(script), timeout=120)
+    out = r.stdout + r.stderr
+    assert [line for line in out.splitlines() if line.startswith("error:")] == ["error: seen by rank 1"], out
+    assert set(_rank_statuses(out).values()) == {2}, out[-3000:]
+
+
+def test_an_error_only_one_rank_found_is_still_said(tmp_path):
+    """Rank 1 alone meets an error that rank 0 would report: rank 0 never exits, so after the grace
+    period rank 1 says it itself (once)."""
+    script = tmp_path / "fail.py"
+    script.write_text(SCRIPT.format(grace=2, failing=(1,), reporter=0))
+    r = _torchrun(str(script), timeout=120)
+    out = r.stdout + r.stderr
+    assert [line for line in out.splitlines() if line.startswith("error:")] == ["error: seen by rank 1"], out
+    assert _rank_statuses(out).get(1) == 2, out[-3000:]
+
+
+def test_the_launcher_ends_with_ckptools_line_and_status(tmp_path):
+    """python -m ckptool.torchrun: the same launch, ending with ckptool's error line and its status."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("WORLD_SIZE", None)
+    r = subprocess.run([sys.executable, "-m", "ckptool.torchrun", "--nproc-per-node", "2", "--master-port",
+                        str(free_port()), "merge", str(tmp_path / "missing"), str(tmp_path / "out")],
+                       capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert r.returncode == 2, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert lines[-1] == f"error: {tmp_path / 'missing'}: no such file or directory", r.stderr[-3000:]
+    assert sum(line.startswith("error:") for line in lines) == 1
+    assert "ChildFailedError" not in r.stderr and "Traceback" not in r.stderr
