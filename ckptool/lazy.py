@@ -9,23 +9,31 @@ ends: that is how q, k and v share one read of a fused QKV while peak memory sta
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Callable, Sequence
 
 import torch
 
 from .io import profile
 
-_scopes: list = []
+_local = threading.local()  # each thread its own stack of scopes (writers may load in parallel)
+
+
+def _scopes() -> list:
+    stack = getattr(_local, "scopes", None)
+    if stack is None:
+        stack = _local.scopes = []
+    return stack
 
 
 @contextlib.contextmanager
 def load_scope():
     """Memoise loads of memo=True nodes until the block ends (writers wrap one layer in this)."""
-    _scopes.append({})
+    _scopes().append({})
     try:
         yield
     finally:
-        _scopes.pop()
+        _scopes().pop()
 
 
 class LazyTensor:
@@ -108,8 +116,9 @@ class Derived(LazyTensor):
         self.dtype = dtype
 
     def load(self) -> torch.Tensor:
-        if self.memo and _scopes:
-            cache = _scopes[-1]
+        scopes = _scopes() if self.memo else None
+        if scopes:
+            cache = scopes[-1]
             hit = cache.get(id(self))
             if hit is not None:
                 return hit[1]

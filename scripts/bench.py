@@ -106,10 +106,15 @@ def median(xs):
 
 def read_profiles(log: Path) -> list:
     """The ckptool-profile lines a step's processes printed (ckptool/io/profile.py)."""
-    out = []
-    for line in log.read_text(errors="replace").splitlines():
-        if line.startswith("ckptool-profile "):
-            out.append(json.loads(line[len("ckptool-profile "):]))
+    out, text, tag = [], log.read_text(errors="replace"), "ckptool-profile "
+    decoder = json.JSONDecoder()
+    at = text.find(tag)
+    while at >= 0:  # anywhere in a line: another process may have written before the newline
+        try:
+            out.append(decoder.raw_decode(text, at + len(tag))[0])
+        except ValueError:
+            pass
+        at = text.find(tag, at + len(tag))
     return out
 
 

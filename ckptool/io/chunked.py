@@ -34,7 +34,8 @@ _pool_lock = threading.Lock()
 
 
 def workers() -> int:
-    """Threads for checksum work: the cores this process may run on (hashlib and zlib drop the GIL)."""
+    """Threads for checksum work: the cores this process may run on (hashlib and zlib drop the GIL),
+    at most CKPTOOL_THREADS when that is set."""
     try:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

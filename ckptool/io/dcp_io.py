@@ -16,14 +16,29 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, TensorProperties, TensorStorageMetadata)
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ..errors import CkptError
 from ..lazy import LazyTensor
 from .safe_pickle import safe_loads
 from .torchfile import load_torch_bytes
+
+
+class _LazyDcp:
+    """torch.distributed.checkpoint's metadata classes, imported on first use: importing that
+    package costs 2-3 s (it pulls in DTensor), and every conversion imports this module through
+    the format registry while only DCP sources and targets need it."""
+
+    def __getattr__(self, name):
+        from torch.distributed.checkpoint import filesystem, metadata
+        for mod in (metadata, filesystem):
+            if hasattr(mod, name):
+                value = getattr(mod, name)
+                setattr(self, name, value)
+                return value
+        raise AttributeError(name)
+
+
+_dcp = _LazyDcp()
 
 METADATA = ".metadata"
 
@@ -34,31 +49,31 @@ def _is_index(v, rank: Optional[int] = None) -> bool:
         (rank is None or len(v) == rank)
 
 
-def _metadata_problem(md: Metadata) -> Optional[str]:
+def _metadata_problem(md: _dcp.Metadata) -> Optional[str]:
     """What is wrong in an unpickled Metadata, or None. Everything later code relies on is checked
     here, so a damaged index fails at open with one message instead of deep inside a read."""
     entries, storage = md.state_dict_metadata, md.storage_data
     if not isinstance(entries, dict) or not isinstance(storage, (dict, type(None))):
         return "its state_dict_metadata or storage_data is not a mapping"
     for fqn, e in entries.items():
-        if not isinstance(fqn, str) or not isinstance(e, (TensorStorageMetadata, BytesStorageMetadata)):
+        if not isinstance(fqn, str) or not isinstance(e, (_dcp.TensorStorageMetadata, _dcp.BytesStorageMetadata)):
             return f"entry {fqn!r} is a {type(e).__name__}, not tensor or bytes metadata"
-        if isinstance(e, BytesStorageMetadata):
+        if isinstance(e, _dcp.BytesStorageMetadata):
             continue
-        if not isinstance(e.properties, TensorProperties) or not isinstance(e.properties.dtype, torch.dtype):
+        if not isinstance(e.properties, _dcp.TensorProperties) or not isinstance(e.properties.dtype, torch.dtype):
             return f"tensor {fqn} has no dtype"
         if not _is_index(e.size) or not isinstance(e.chunks, list):
             return f"tensor {fqn} has size {e.size!r}"
         for c in e.chunks:
-            if not isinstance(c, ChunkStorageMetadata) or not _is_index(c.offsets, len(e.size)) or \
+            if not isinstance(c, _dcp.ChunkStorageMetadata) or not _is_index(c.offsets, len(e.size)) or \
                     not _is_index(c.sizes, len(e.size)) or \
                     any(o + n > full for o, n, full in zip(c.offsets, c.sizes, e.size)):
                 return f"tensor {fqn} of size {tuple(e.size)} has a chunk outside it"
     for idx, info in (storage or {}).items():
-        if not isinstance(idx, MetadataIndex) or not isinstance(idx.fqn, str) or \
+        if not isinstance(idx, _dcp.MetadataIndex) or not isinstance(idx.fqn, str) or \
                 not (idx.offset is None or _is_index(idx.offset)):
             return f"storage key {idx!r} is not an index"
-        path = info.relative_path if isinstance(info, _StorageInfo) else None
+        path = info.relative_path if isinstance(info, _dcp._StorageInfo) else None
         if not isinstance(path, str) or not path or Path(path).name != path or path in (".", ".."):
             return f"storage of {idx.fqn} names the file {path!r}, not a file of this directory"
         if type(info.offset) is not int or type(info.length) is not int or info.offset < 0 or info.length < 0:
@@ -68,7 +83,7 @@ def _metadata_problem(md: Metadata) -> Optional[str]:
     return None
 
 
-def check_metadata(md: Metadata, where: Path) -> None:
+def check_metadata(md: _dcp.Metadata, where: Path) -> None:
     try:
         problem = _metadata_problem(md)
     except AttributeError as e:  # a pickle can build these classes without some of their fields
@@ -88,13 +103,13 @@ class DcpDir:
             raise CkptError(f"{self.path}: no {METADATA} file (the torch.distributed.checkpoint index)",
                             "the checkpoint is incomplete: the save was interrupted or a file was not copied")
         md = safe_loads(md_path.read_bytes(), source=str(md_path))
-        if not isinstance(md, Metadata):
+        if not isinstance(md, _dcp.Metadata):
             raise CkptError(f"{md_path} does not hold torch.distributed.checkpoint Metadata "
                             f"(found {type(md).__name__})")
         check_metadata(md, md_path)
         self.metadata = md
         # storage_data keys compare on (fqn, offset); index by fqn -> {offsets: info}
-        self.storage: Dict[str, Dict[Optional[Tuple[int, ...]], _StorageInfo]] = {}
+        self.storage: Dict[str, Dict[Optional[Tuple[int, ...]], _dcp._StorageInfo]] = {}
         for idx, info in (md.storage_data or {}).items():
             off = tuple(idx.offset) if idx.offset is not None else None
             self.storage.setdefault(idx.fqn, {})[off] = info
@@ -109,7 +124,7 @@ class DcpDir:
         return self.metadata.state_dict_metadata
 
     def tensor_keys(self) -> List[str]:
-        return [k for k, v in self.entries.items() if isinstance(v, TensorStorageMetadata)]
+        return [k for k, v in self.entries.items() if isinstance(v, _dcp.TensorStorageMetadata)]
 
     def _read(self, fqn: str, offsets: Optional[Tuple[int, ...]]) -> bytes:
         info = self.storage.get(fqn, {}).get(offsets)
@@ -135,7 +150,7 @@ class DcpDir:
     def read_bytes(self, fqn: str) -> bytes:
         return self._read(fqn, None)
 
-    def read_chunk(self, fqn: str, chunk: ChunkStorageMetadata) -> torch.Tensor:
+    def read_chunk(self, fqn: str, chunk: _dcp.ChunkStorageMetadata) -> torch.Tensor:
         t = load_torch_bytes(self._read(fqn, tuple(chunk.offsets)), source=f"{self.path.name}:{fqn}")
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(chunk.sizes):
             raise CkptError(f"{fqn}: chunk at {tuple(chunk.offsets)} holds "
@@ -207,7 +222,7 @@ class DcpWriter:
         self.data_file = data_file
         self.fh = open(self.path / data_file, "wb")
         self.entries: Dict[str, object] = {}
-        self.storage: Dict[MetadataIndex, _StorageInfo] = {}
+        self.storage: Dict[_dcp.MetadataIndex, _dcp._StorageInfo] = {}
         self.bytes_written = 0
         self.aliases: List[Tuple[str, str]] = []
 
@@ -219,8 +234,8 @@ class DcpWriter:
 
     def declare(self, fqn: str, global_shape: Sequence[int], dtype: torch.dtype) -> None:
         if fqn not in self.entries:
-            self.entries[fqn] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=dtype), size=torch.Size(global_shape), chunks=[])
+            self.entries[fqn] = _dcp.TensorStorageMetadata(
+                properties=_dcp.TensorProperties(dtype=dtype), size=torch.Size(global_shape), chunks=[])
 
     def add_chunk(self, fqn: str, tensor: torch.Tensor, offsets: Sequence[int]) -> int:
         md = self.entries[fqn]
@@ -230,14 +245,14 @@ class DcpWriter:
         torch.save(tensor.detach().contiguous().clone(), buf)  # clone: never save a view's whole storage
         off, length = self._append(buf.getvalue())
         offsets = torch.Size(offsets)
-        md.chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=tensor.shape))
-        self.storage[MetadataIndex(fqn, offsets)] = _StorageInfo(self.data_file, off, length)
+        md.chunks.append(_dcp.ChunkStorageMetadata(offsets=offsets, sizes=tensor.shape))
+        self.storage[_dcp.MetadataIndex(fqn, offsets)] = _dcp._StorageInfo(self.data_file, off, length)
         return length
 
     def add_bytes(self, fqn: str, payload: bytes) -> None:
-        self.entries[fqn] = BytesStorageMetadata()
+        self.entries[fqn] = _dcp.BytesStorageMetadata()
         off, length = self._append(payload)
-        self.storage[MetadataIndex(fqn)] = _StorageInfo(self.data_file, off, length)
+        self.storage[_dcp.MetadataIndex(fqn)] = _dcp._StorageInfo(self.data_file, off, length)
 
     def alias(self, fqn: str, of: str) -> None:
         """fqn names the same bytes as `of` (one copy on disk); resolved at finish(), once every chunk
@@ -253,6 +268,6 @@ class DcpWriter:
         self.fh.flush()
         os.fsync(self.fh.fileno())
         self.fh.close()
-        md = Metadata(state_dict_metadata=self.entries, planner_data={}, storage_data=self.storage)
+        md = _dcp.Metadata(state_dict_metadata=self.entries, planner_data={}, storage_data=self.storage)
         with open(self.path / METADATA, "wb") as f:
             pickle.dump(md, f)

@@ -117,7 +117,12 @@ def report() -> dict:
 
 
 def _print_at_exit() -> None:
-    print("ckptool-profile " + json.dumps(report()), file=sys.stderr, flush=True)
+    # one write() of one line: the ranks of a torchrun share stderr, and lines must not interleave
+    try:
+        sys.stderr.flush()
+        os.write(2, ("ckptool-profile " + json.dumps(report()) + "\n").encode())
+    except OSError:
+        pass
 
 
 if ENABLED:

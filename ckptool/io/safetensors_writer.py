@@ -12,15 +12,17 @@ multiple of 8, then the data, contiguous and without holes.
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
+import threading
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..errors import CkptError
-from ..lazy import LazyTensor, load_scope
+from ..lazy import Concat, Derived, LazyTensor, load_scope
 from . import profile, writeback
 from .chunked import PieceDigest
 
@@ -29,6 +31,9 @@ DTYPE_NAMES = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
     torch.uint8: "U8", torch.bool: "BOOL",
 }
+
+# safetensors files written at once (CKPTOOL_SHARD_THREADS to change; 1 writes them one by one)
+SHARD_THREADS = max(1, int(os.environ.get("CKPTOOL_SHARD_THREADS", "2") or 2))
 
 # huggingface_hub's convention: KB/MB/GB are powers of 10, KiB/MiB/GiB powers of 2.
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -91,8 +96,38 @@ def _header(items: Sequence[Item], metadata: Dict[str, str]) -> Tuple[bytes, Lis
     return struct.pack("<Q", len(raw)) + raw, offsets
 
 
+class ByteBudget:
+    """Bytes of loaded tensors that writer threads may hold together, so shards written in parallel
+    keep the peak memory of one shard written alone (two tensors: one loading, one writing)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held = limit, 0
+        self._cond = threading.Condition()
+
+    def take(self, n: int) -> None:
+        n = min(n, self.limit)
+        with self._cond:
+            while self.held and self.held + n > self.limit:
+                self._cond.wait()
+            self.held += n
+
+    def give(self, n: int) -> None:
+        with self._cond:
+            self.held -= min(n, self.limit)
+            self._cond.notify_all()
+
+
+def _charge(lazy: LazyTensor) -> int:
+    """Memory a tensor takes while it is loaded and written: a computed one (a transpose, a
+    reorder) also holds its inputs and the layer's shared (memoised) source while it is built, so
+    it counts three times."""
+    computed = isinstance(lazy, Derived) and not isinstance(lazy, Concat)
+    return lazy.nbytes * (3 if computed else 1)
+
+
 def write_safetensors_file(path: Path, items: Sequence[Item], metadata: Optional[Dict[str, str]] = None,
-                           progress: Optional[Callable[[int], None]] = None) -> int:
+                           progress: Optional[Callable[[int], None]] = None,
+                           budget: Optional[ByteBudget] = None) -> int:
     """Write one safetensors file, loading its tensors one at a time. Returns the data bytes.
 
     Loading tensor i+1 (reads, merges) overlaps writing tensor i on one writer thread (file
@@ -108,7 +143,7 @@ def write_safetensors_file(path: Path, items: Sequence[Item], metadata: Optional
     digest = PieceDigest()
     digest.feed(header)
 
-    def store(f, t: torch.Tensor, nbytes: int) -> None:
+    def store(f, t: torch.Tensor, nbytes: int, charge: int) -> None:
         data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
         digest.feed(data)  # hashed on the pool while the bytes go to the file
         try:
@@ -121,6 +156,9 @@ def write_safetensors_file(path: Path, items: Sequence[Item], metadata: Optional
         finally:
             with profile.stage("wait"):
                 digest.settle()  # t's memory may be reused once this returns
+            del data, t
+            if budget:
+                budget.give(charge)
         if progress:
             progress(nbytes)
 
@@ -137,6 +175,10 @@ def write_safetensors_file(path: Path, items: Sequence[Item], metadata: Optional
                         scope.__exit__(None, None, None)
                     scope, group = load_scope(), g
                     scope.__enter__()
+                charge = _charge(lazy)
+                if budget:
+                    with profile.stage("wait"):
+                        budget.take(charge)
                 t = lazy.load()
                 if tuple(t.shape) != tuple(lazy.shape) or t.dtype != lazy.dtype:
                     raise CkptError(f"internal: {name} loaded as {tuple(t.shape)} {t.dtype}, "
@@ -146,7 +188,7 @@ def write_safetensors_file(path: Path, items: Sequence[Item], metadata: Optional
                 if in_flight is not None:
                     with profile.stage("wait"):
                         in_flight.result()
-                in_flight = pool.submit(store, f, t, lazy.nbytes)
+                in_flight = pool.submit(store, f, t, lazy.nbytes, charge)
                 del t
             if in_flight is not None:
                 in_flight.result()
@@ -166,11 +208,31 @@ def write_sharded(out_dir: Path, items: Sequence[Item], max_bytes: int,
     "bytes" counts the tensor bytes this process wrote."""
     shards = plan_shards(items, max_bytes)
     names = shard_names(len(shards))
-    weight_map, total = {}, 0
+    weight_map = {}
+    mine = []
     for i, (fname, shard) in enumerate(zip(names, shards)):
         if owns is None or owns(i):
-            total += write_safetensors_file(Path(out_dir) / fname, shard, {"format": "pt"}, progress)
+            mine.append((fname, shard))
         weight_map.update({name: fname for name, _, _ in shard})
+    # Shards are independent files: up to SHARD_THREADS are written at once (loading, transposes,
+    # hashing and write() of one shard overlap another's), sharing a budget of two of the largest
+    # tensor, the memory one shard alone needs (computed tensors count three times, see _charge).
+    largest = max((t.nbytes for _, shard in mine for _, t, _ in shard), default=0)
+    budget = ByteBudget(2 * largest)
+    lock = threading.Lock()
+
+    def report(n: int) -> None:
+        if progress:
+            with lock:
+                progress(n)
+
+    def one(job) -> int:
+        fname, shard = job
+        return write_safetensors_file(Path(out_dir) / fname, shard, {"format": "pt"}, report, budget)
+
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max(1, min(SHARD_THREADS, len(mine))), thread_name_prefix="ckptool-shard") as ex:
+        total = sum(ex.map(one, mine))
     if len(shards) > 1 and (owns is None or owns(0)):
         total_size = sum(t.nbytes for shard in shards for _, t, _ in shard)
         index = {"metadata": {"total_size": total_size},

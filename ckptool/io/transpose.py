@@ -2,12 +2,14 @@
 
 `x.t().contiguous()` runs on one core at well under memory speed (a strided read of every
 element): profiled on the 16-core device machine, to-hf spent 13.4 of its 44 s in it. Here the
-input is cut into blocks of rows that the checksum pool's threads transpose in
+input is cut into blocks of rows that a pool of threads transposes in
 parallel (torch releases the GIL in copy_): each thread transposes a contiguous block of input
 rows with torch's own cache-blocked transpose, then copies it into its columns of the output.
 """
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import torch
@@ -16,6 +18,18 @@ from . import chunked, profile
 from .buffers import empty
 
 _SERIAL_BELOW = 1 << 20  # elements: smaller transposes are not worth a round trip through the pool
+_pool = None
+_lock = threading.Lock()
+
+
+def _threads() -> ThreadPoolExecutor:
+    """A pool of its own: on the checksum pool, a layer's transpose blocks would queue ahead of the
+    writer's hash pieces, and the writer would wait for the next tensor's transposes."""
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=max(2, chunked.workers()), thread_name_prefix="ckptool-T")
+        return _pool
 
 
 def transposed_cat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -32,7 +46,7 @@ def transposed_cat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
             part = part.contiguous()
             for a in range(0, part.shape[0], height):
                 b = min(part.shape[0], a + height)
-                jobs.append(chunked.pool().submit(_copy, out[:, first + a:first + b], part[a:b]))
+                jobs.append(_threads().submit(_copy, out[:, first + a:first + b], part[a:b]))
             first += part.shape[0]
         for job in jobs:
             job.result()
