@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on the embedded default: install ckptool (pinned CPU torch first), inspect the
 # small TP2 PP2 fixture, merge it to one rank, reshard it to TP4, inspect the result, and prove the
-# TP4 result computes what the source computes (the parallel forward under torchrun, 4 processes).
+# TP4 result computes what the source computes (the parallel forward under torchrun, 4 processes);
+# then reshard a checkpoint Megatron-LM wrote, carrying its optimizer state (masters, Adam moments).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q torch==2.13.0
@@ -19,4 +20,8 @@ ckptool inspect "$OUT/tp4" --no-tensors
 echo; echo "== verify $OUT/tp4 (TP4 forward under torchrun, gloo) against $SRC"
 OMP_NUM_THREADS=1 python3 -m torch.distributed.run --standalone --nproc-per-node 4 \
     -m ckptool verify "$OUT/tp4" --reference "$SRC" 2>&1 | grep -v "^\*\|OMP_NUM_THREADS"
+REAL=fixtures/real/mlm_mcore_gpt2_torch_tp2pp2/checkpoint
+echo; echo "== reshard $REAL (written by Megatron-LM, with its optimizer state) -> $OUT/mlm_tp1 (TP1 PP1)"
+ckptool reshard "$REAL" "$OUT/mlm_tp1" --tp 1
+ckptool inspect "$OUT/mlm_tp1" --no-tensors | grep -E "^(layout|optimizer)"
 echo; echo "outputs are in $OUT"
