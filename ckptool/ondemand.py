@@ -23,6 +23,22 @@ class Builder:
         return self._value
 
 
+def _filled_first(base: type, names) -> dict:
+    """base's methods `names`, each filling the container before it runs."""
+    def wrap(name):
+        method = getattr(base, name)
+
+        def filled(self, *args, **kwargs):
+            self._fill()
+            return method(self, *args, **kwargs)
+        filled.__name__ = name
+        return filled
+    return {name: wrap(name) for name in names}
+
+
+_READS = ("__getitem__", "__iter__", "__len__", "__contains__", "__repr__", "__eq__")
+
+
 class OnDemandDict(dict):
     """A dict whose contents are part `index` of builder's result, loaded on first access."""
 
@@ -33,57 +49,17 @@ class OnDemandDict(dict):
     def _fill(self):
         if not self._filled:
             self._filled = True
-            super().update(self._builder.get()[self._index])
-
-    def __getitem__(self, k):
-        self._fill()
-        return super().__getitem__(k)
-
-    def __iter__(self):
-        self._fill()
-        return super().__iter__()
-
-    def __len__(self):
-        self._fill()
-        return super().__len__()
-
-    def __contains__(self, k):
-        self._fill()
-        return super().__contains__(k)
-
-    def __bool__(self):
-        self._fill()
-        return super().__len__() > 0
-
-    def __repr__(self):
-        self._fill()
-        return super().__repr__()
-
-    def __eq__(self, other):
-        self._fill()
-        return super().__eq__(other)
+            dict.update(self, self._builder.get()[self._index])
 
     __hash__ = None
 
-    def get(self, k, default=None):
+    def __bool__(self):
         self._fill()
-        return super().get(k, default)
-
-    def keys(self):
-        self._fill()
-        return super().keys()
-
-    def values(self):
-        self._fill()
-        return super().values()
-
-    def items(self):
-        self._fill()
-        return super().items()
+        return dict.__len__(self) > 0
 
     def copy(self):
         self._fill()
-        return dict(super().items())
+        return dict(dict.items(self))
 
 
 class OnDemandList(list):
@@ -96,30 +72,15 @@ class OnDemandList(list):
     def _fill(self):
         if not self._filled:
             self._filled = True
-            super().extend(self._builder.get()[self._index])
+            list.extend(self, self._builder.get()[self._index])
 
-    def __getitem__(self, i):
-        self._fill()
-        return super().__getitem__(i)
-
-    def __iter__(self):
-        self._fill()
-        return super().__iter__()
-
-    def __len__(self):
-        self._fill()
-        return super().__len__()
+    __hash__ = None
 
     def __bool__(self):
         self._fill()
-        return super().__len__() > 0
+        return list.__len__(self) > 0
 
-    def __repr__(self):
-        self._fill()
-        return super().__repr__()
 
-    def __eq__(self, other):
-        self._fill()
-        return super().__eq__(other)
-
-    __hash__ = None
+for _cls, _names in ((OnDemandDict, _READS + ("get", "keys", "values", "items")), (OnDemandList, _READS)):
+    for _name, _method in _filled_first(_cls.__mro__[1], _names).items():
+        setattr(_cls, _name, _method)

@@ -35,7 +35,7 @@ from ..config import Layout
 from ..errors import CkptError, require
 from ..io.torchfile import StreamingTorchWriter
 from ..lazy import LazyTensor, load_scope
-from ..roles import GLOBAL_ROLES, LAYER_SIMPLE, global_role_tensor, layer_role_tensor, rule_for
+from ..roles import canonical_names, global_role_tensor, layer_role_tensor, rule_for
 from ..sharding import Rule
 from ..state import OPTIMIZER_SLOTS, Checkpoint
 from . import hf_names
@@ -102,21 +102,8 @@ def _mds_params(ckpt: Checkpoint, naming: dict, slots: Dict[str, Dict[str, LazyT
             # the universal format keeps the true vocabulary; the loader pads for its own TP
             made = {s: t.narrow(0, 0, rows) if t.shape[0] != rows else t for s, t in made.items()}
             extra["vocab_tensor"] = True
-        out.append(Param(name, made, _role_canonical(cfg, role, layer), extra))
+        out.append(Param(name, made, canonical_names(role, layer, cfg), extra))
     return out
-
-
-def _role_canonical(cfg, role: str, layer: Optional[int]) -> List[str]:
-    """The canonical names one Megatron role is made of (what decides its optimizer group)."""
-    if layer is None:
-        return [GLOBAL_ROLES[role]]
-    p = f"layers.{layer}."
-    if role in LAYER_SIMPLE:
-        return [p + LAYER_SIMPLE[role]]
-    kind = role.split(".")[1]
-    if role.startswith("qkv."):
-        return [f"{p}attn.{x}.{kind}" for x in "qkv"]
-    return [f"{p}mlp.{x}.{kind}" for x in (("gate", "up") if cfg.gated else ("up",))]
 
 
 # naming scheme (the DeepSpeed reader's source.extra["param_names"]) -> engine parameters

@@ -44,7 +44,8 @@ import torch
 from ..errors import CkptError
 from ..io.torchfile import StoredTensor, load_torch_file
 from ..lazy import Derived, LazyTensor
-from .megatron_optim import HINT, NO_WEIGHT_DECAY_KEYS, RankOptimizer, RankParam, no_weight_decay
+from .megatron_optim import (HINT, NO_WEIGHT_DECAY_KEYS, RankOptimizer, RankParam, master_matching_weight,
+                             no_weight_decay)
 
 FILE = "distrib_optim.pt"
 KEYS = ("param", "exp_avg", "exp_avg_sq")  # the file's names for the master and the two moments
@@ -185,7 +186,9 @@ def read_rank(tree: dict, rank_dir: Path, params: List[RankParam], args, tied: b
                 else:
                     value = flat_view(entry[key][layout.bucket_of[j]], layout.start[j], shape)
                 slots[i][SLOT_OF_KEY[key]] = value
-            slots[i]["master"] = master_matching_weight(slots[i]["master"], params[i], where_file)
+            slots[i]["master"] = master_matching_weight(
+                slots[i]["master"], params[i], where_file,
+                cause="the buffer layout does not fit this file or it is from another step")
     hypers = [{k: v for k, v in g.items() if k not in ("params", "step")} for g in groups]
     steps = {g["step"] for g in groups if g.get("step") is not None}
     if len(steps) > 1:
@@ -249,19 +252,6 @@ def _matching_layout(params: List[RankParam], entry: dict, form: str, args, chun
     raise CkptError(f"{where}: stored numel_unpadded {want} matches no megatron-core buffer layout of "
                     f"this model ({'; '.join(tried)}): the file does not belong to these weights or comes "
                     "from a version ckptool does not know", HINT)
-
-
-def master_matching_weight(master: LazyTensor, param: RankParam, where: str) -> LazyTensor:
-    """master, checked as it loads: cast to the weight's dtype it equals the weight bit for bit (Megatron
-    copies the masters into the model after every step; in fp32 training they are the same values), or
-    the layout put another parameter's values here."""
-    def checked(m: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if not torch.equal(m.to(w.dtype), w):
-            raise CkptError(f"{where}: the fp32 master of {param.key} does not round to its stored weight: "
-                            "the buffer layout does not fit this file or it is from another step", HINT)
-        return m
-
-    return Derived(checked, [master, param.weight], shape=master.shape, dtype=master.dtype)
 
 
 def flat_view(flat: LazyTensor, offset: int, shape: Tuple[int, ...]) -> LazyTensor:

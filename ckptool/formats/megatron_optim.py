@@ -113,7 +113,7 @@ def read_rank(tree: dict, params: List[RankParam], where: str) -> Optional[RankO
                 steps.add(int(s.load().item()) if isinstance(s, LazyTensor) else int(s))
             if masters is not None:
                 master = _checked_shape(masters[g][j], param, "fp32 master", where)
-                slots[pi]["master"] = _master_matching_weight(master, param, where)
+                slots[pi]["master"] = master_matching_weight(master, param, where)
     if len(steps) > 1:
         raise CkptError(f"{where}: parameters were stepped {sorted(steps)} times", HINT)
     hypers = [{k: v for k, v in g.items() if k != "params"} for g in groups]
@@ -158,13 +158,15 @@ def _checked_shape(t, param: RankParam, what: str, where: str) -> LazyTensor:
     return t
 
 
-def _master_matching_weight(master: LazyTensor, param: RankParam, where: str) -> LazyTensor:
+def master_matching_weight(master: LazyTensor, param: RankParam, where: str,
+                           cause: str = "the optimizer state is mis-tied or from another step") -> LazyTensor:
     """master, checked as it loads: cast to the weight's dtype it must equal the weight bit for bit
-    (Megatron copies masters into the model after every step), or the tie is wrong."""
+    (Megatron copies masters into the model after every step; in fp32 training they are the same
+    values), or the tie is wrong (cause says how, in the message)."""
     def checked(m: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if not torch.equal(m.to(w.dtype), w):
             raise CkptError(f"{where}: the fp32 master of {param.key} does not round to its stored "
-                            "weight: the optimizer state is mis-tied or from another step", HINT)
+                            f"weight: {cause}", HINT)
         return m
 
     return Derived(checked, [master, param.weight], shape=master.shape, dtype=master.dtype)
