@@ -1,6 +1,8 @@
 """ckptool's command line: thin click commands that parse, call, report.
 
-Each command lives in ckptool/commands/; this file only assembles the group.
+Each command lives in ckptool/commands/; this file only assembles the group. Command modules are
+imported when their command runs (LazyGroup), so `ckptool --help` and `ckptool inspect` of a
+format that needs no torch never import torch (a few seconds on a busy machine).
 """
 from __future__ import annotations
 
@@ -10,15 +12,41 @@ import click
 
 from . import __version__
 from .errors import exit_status_table
-from .commands.convert_cmds import fix_vocab_cmd, merge_cmd, reshard_cmd
-from .commands.hf_cmds import from_hf_cmd, to_hf_cmd
-from .commands.inspect_cmd import inspect_cmd
-from .commands.verify_cmd import verify_cmd
+import importlib
 
-COMMANDS = [inspect_cmd, merge_cmd, reshard_cmd, fix_vocab_cmd, to_hf_cmd, from_hf_cmd, verify_cmd]
+# command name -> (module under ckptool.commands, click command in it, the one line `--help` lists).
+# The line is kept here so listing the commands imports none of them; tests/test_quick_inspect.py
+# checks it against each command's own docstring.
+COMMANDS = {
+    "inspect": ("inspect_cmd", "inspect_cmd", "Show a checkpoint's format, dialect, layout, config, vocab..."),
+    "merge": ("convert_cmds", "merge_cmd", "Merge a model-parallel checkpoint into one rank (TP1 PP1):..."),
+    "reshard": ("convert_cmds", "reshard_cmd", "Rewrite a checkpoint for any tensor/pipeline(/virtual..."),
+    "fix-vocab": ("convert_cmds", "fix_vocab_cmd", "Pad or trim the word embedding (and an untied output layer)..."),
+    "to-hf": ("hf_cmds", "to_hf_cmd", "Export any checkpoint ckptool reads as a Hugging Face model..."),
+    "from-hf": ("hf_cmds", "from_hf_cmd", "Convert a Hugging Face GPT-2 / Llama / Mistral / Qwen2 /..."),
+    "verify": ("verify_cmd", "verify_cmd", "Check that TARGET computes what the reference computes (exit..."),
+}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class LazyGroup(click.Group):
+    """A click group whose subcommands are imported on first use (click's documented lazy pattern)."""
+
+    def list_commands(self, ctx):
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx, name):
+        if name not in COMMANDS:
+            return None
+        module, attr, _ = COMMANDS[name]
+        return getattr(importlib.import_module(f".commands.{module}", __package__), attr)
+
+    def format_commands(self, ctx, formatter):
+        rows = [(name, COMMANDS[name][2]) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--debug", is_flag=True, help="Show full tracebacks on errors.")
 @click.version_option(__version__, prog_name="ckptool")
 @click.pass_context
@@ -42,10 +70,6 @@ def main(ctx, debug):
 
 
 main.help = inspect.cleandoc(main.help) + "\n\n\b\nExit status:\n" + exit_status_table()
-
-
-for _cmd in COMMANDS:
-    main.add_command(_cmd)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -10,7 +10,6 @@ from typing import Callable, Optional
 import click
 from tqdm import tqdm
 
-from ..api import DTYPES, PAD_FILLS
 from ..errors import EXIT, CkptError, exit_status_of
 from ..options import CHOICES, ReadOptions, pop_read_options
 
@@ -67,6 +66,7 @@ def read_options(kw: dict) -> ReadOptions:
 
 
 def output_options(fn: Callable) -> Callable:
+    from ..api import DTYPES, PAD_FILLS  # here, not at the top: inspect uses this module without torch
     opts = [
         click.option("--force", is_flag=True, help="Replace DST if it exists."),
         click.option("--dtype", type=click.Choice(sorted(DTYPES)), default=None,

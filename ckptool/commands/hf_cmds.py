@@ -5,7 +5,8 @@ import click
 
 from .. import api
 from ..formats.megatron_names import DIALECTS
-from .common import (DTYPES, LiveWarnings, Progress, conversion_line, human_bytes, report_conversion,
+from ..api import DTYPES
+from .common import (LiveWarnings, Progress, conversion_line, human_bytes, report_conversion,
                      reports_errors, source_options)
 
 

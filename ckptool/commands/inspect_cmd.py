@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import click
 
-from .. import api
-from ..state import Checkpoint
+if TYPE_CHECKING:  # the full path imports torch; the quick one (quick_inspect.py) must not
+    from ..state import Checkpoint
 from .common import human_bytes, reports_errors, source_options, print_warnings
 
 INSPECT_SCHEMA_VERSION = 1
@@ -90,6 +90,7 @@ def inspect_cmd(path, as_json, tensors, **kw):
     torch_dist / DCP directory, a DeepSpeed checkpoint, or a Hugging Face model directory.
     Nothing is converted and nothing is written.
     """
+    from .. import api
     ckpt = api.open(path, **kw)
     doc = describe(ckpt)
     if as_json:
