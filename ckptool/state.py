@@ -39,10 +39,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 from .config import GPTConfig, Layout
-from .lazy import LazyTensor
+
+if TYPE_CHECKING:  # annotations only: the state itself needs no torch (quick_inspect.py builds one without)
+    from .lazy import LazyTensor
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 

@@ -9,6 +9,7 @@ import click
 
 if TYPE_CHECKING:  # the full path imports torch; the quick one (quick_inspect.py) must not
     from ..state import Checkpoint
+from ..quick_inspect import quick_open
 from .common import human_bytes, reports_errors, source_options, print_warnings
 
 INSPECT_SCHEMA_VERSION = 1
@@ -90,8 +91,10 @@ def inspect_cmd(path, as_json, tensors, **kw):
     torch_dist / DCP directory, a DeepSpeed checkpoint, or a Hugging Face model directory.
     Nothing is converted and nothing is written.
     """
-    from .. import api
-    ckpt = api.open(path, **kw)
+    ckpt = quick_open(path, kw)  # metadata-only formats without importing torch (quick_inspect.py)
+    if ckpt is None:
+        from .. import api
+        ckpt = api.open(path, **kw)
     doc = describe(ckpt)
     if as_json:
         click.echo(json.dumps(doc, indent=1))

@@ -5,6 +5,8 @@ data_offsets: [begin, end]}, optional "__metadata__": {str: str}}), then the dat
 are relative to the buffer's start. Every problem (a length past the end, an offset outside the
 buffer, an unknown dtype, a size that does not match the shape, holes or overlaps) is a CkptError
 naming the file, so a truncated or hand-edited file never reaches torch or the safetensors library.
+Dtypes are kept by torch's name and resolved on use, so reading a header imports no torch
+(quick_inspect.py relies on that).
 """
 from __future__ import annotations
 
@@ -15,18 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
-import torch
-
 from ..errors import CkptError
 
-# safetensors dtype name -> (torch dtype, bytes per element)
-DTYPES: Dict[str, Tuple[torch.dtype, int]] = {
-    "BOOL": (torch.bool, 1), "U8": (torch.uint8, 1), "I8": (torch.int8, 1),
-    "I16": (torch.int16, 2), "U16": (torch.uint16, 2), "F16": (torch.float16, 2),
-    "BF16": (torch.bfloat16, 2), "I32": (torch.int32, 4), "U32": (torch.uint32, 4),
-    "F32": (torch.float32, 4), "I64": (torch.int64, 8), "U64": (torch.uint64, 8),
-    "F64": (torch.float64, 8),
-    "F8_E4M3": (torch.float8_e4m3fn, 1), "F8_E5M2": (torch.float8_e5m2, 1),
+# safetensors dtype name -> (torch dtype's name, bytes per element)
+DTYPES: Dict[str, Tuple[str, int]] = {
+    "BOOL": ("bool", 1), "U8": ("uint8", 1), "I8": ("int8", 1),
+    "I16": ("int16", 2), "U16": ("uint16", 2), "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2), "I32": ("int32", 4), "U32": ("uint32", 4),
+    "F32": ("float32", 4), "I64": ("int64", 8), "U64": ("uint64", 8),
+    "F64": ("float64", 8),
+    "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
 }
 # The reference implementation refuses headers above 100 MB; so do we (a bigger length is a
 # corrupt or hostile file, and reading it would allocate that much).
@@ -36,10 +36,16 @@ MAX_HEADER_BYTES = 100_000_000
 @dataclass(frozen=True)
 class TensorEntry:
     name: str
-    dtype: torch.dtype
+    dtype_name: str  # torch's name for the dtype: "bfloat16"
     shape: Tuple[int, ...]
     start: int  # absolute file offset of the first byte
     end: int  # absolute file offset one past the last byte
+
+    @property
+    def dtype(self):
+        """The torch.dtype (imports torch)."""
+        import torch
+        return getattr(torch, self.dtype_name)
 
     @property
     def nbytes(self) -> int:
@@ -97,14 +103,14 @@ def parse_safetensors_header(prefix: bytes, file_size: int, source: str = "safet
         begin, end = offsets
         if end > buffer_len:
             raise _fail(source, f"tensor {name!r} ends at byte {end} of a {buffer_len}-byte data buffer")
-        dtype, item = DTYPES[dtype_name]
+        torch_name, item = DTYPES[dtype_name]
         numel = 1
         for d in shape:
             numel *= d
         if numel * item != end - begin:
             raise _fail(source, f"tensor {name!r}: shape {shape} {dtype_name} needs {numel * item} bytes, "
                                 f"data_offsets give {end - begin}")
-        tensors[name] = TensorEntry(name, dtype, tuple(shape), data_start + begin, data_start + end)
+        tensors[name] = TensorEntry(name, torch_name, tuple(shape), data_start + begin, data_start + end)
         spans.append((begin, end, name))
     # The tensors must tile the buffer exactly: a gap or overlap means a damaged file.
     position = 0

@@ -1,0 +1,85 @@
+"""`ckptool inspect` without torch (ckptool/quick_inspect.py) and the lazily imported CLI: the quick
+path prints exactly what the full reader's path prints, and never imports torch."""
+import json
+import subprocess
+import sys
+
+import click
+import pytest
+import torch
+from click.testing import CliRunner
+
+from conftest import ROOT
+from ckptool import quick_inspect
+from ckptool.cli import main
+from ckptool.commands import inspect_cmd
+
+# Runs `ckptool ARGS...` in a fresh interpreter and fails unless torch stayed unimported.
+NO_TORCH = ("import sys\nfrom ckptool.cli import main\n"
+            "try:\n    main(sys.argv[1:], prog_name='ckptool')\n"
+            "finally:\n    sys.stdout.flush()\n"
+            "    assert 'torch' not in sys.modules, 'torch was imported'\n")
+
+
+def torch_free(*args) -> str:
+    r = subprocess.run([sys.executable, "-c", NO_TORCH, *map(str, args)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def full_path(monkeypatch, *args) -> str:
+    """The same command through the full reader (api.open), in this process."""
+    monkeypatch.setattr(inspect_cmd, "quick_open", lambda path, kw: None)
+    r = CliRunner().invoke(main, list(map(str, args)))
+    monkeypatch.undo()
+    assert r.exit_code == 0, r.output
+    return r.output
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """The committed HF fixtures (GPT-2 tied, Llama GQA) and tiny transformers MoE/MLA models."""
+    from test_moe import _build, randomise
+    root = tmp_path_factory.mktemp("quick")
+    dirs = {"gpt2": ROOT / "fixtures/gpt2_mcore_tp2pp2/hf", "llama": ROOT / "fixtures/llama_legacy_norm_tp2pp1/hf"}
+    for kind in ("qwen2_moe", "deepseek_v3"):
+        torch.manual_seed(3)
+        randomise(_build(kind)).save_pretrained(root / kind)
+        dirs[kind] = root / kind
+    return dirs
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2_moe", "deepseek_v3"])
+def test_quick_inspect_equals_the_full_path_without_torch(hf_dirs, monkeypatch, kind):
+    d = hf_dirs[kind]
+    quick_json = torch_free("inspect", d, "--json")
+    assert json.loads(quick_json) == json.loads(full_path(monkeypatch, "inspect", d, "--json"))
+    assert quick_json == full_path(monkeypatch, "inspect", d, "--json")
+    assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d)
+    assert quick_inspect.quick_open(d, {}) is not None
+
+
+def test_full_path_when_the_quick_one_cannot_say(hf_dirs, tmp_path, monkeypatch):
+    """Options, other formats and damaged files take the full reader, which behaves as before."""
+    gpt2 = hf_dirs["gpt2"]
+    assert quick_inspect.quick_open(gpt2, {"true_vocab_size": 1000}) is None
+    assert quick_inspect.quick_open(ROOT / "fixtures/gpt2_mcore_tp2pp2/checkpoint", {}) is None
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((gpt2 / "config.json").read_text())
+    (broken / "model.safetensors").write_bytes((gpt2 / "model.safetensors").read_bytes()[:1000])
+    assert quick_inspect.quick_open(broken, {}) is None
+    r = CliRunner().invoke(main, ["inspect", str(broken)])
+    assert r.exit_code != 0 and "truncated or corrupt" in r.output
+    r = CliRunner().invoke(main, ["inspect", str(gpt2), "--true-vocab-size", "1000", "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["vocab_size_source"] == "--true-vocab-size"
+
+
+def test_help_imports_no_command_module_and_lists_their_own_lines():
+    out = torch_free("--help")
+    assert "inspect    Show a checkpoint's format" in out
+    ctx = click.Context(main, info_name="ckptool")
+    table, real = ctx.make_formatter(), ctx.make_formatter()
+    main.format_commands(ctx, table)  # the one-line helps kept in cli.COMMANDS
+    click.Group.format_commands(main, ctx, real)  # each command's own, from its docstring
+    assert table.getvalue() == real.getvalue()
