@@ -61,7 +61,7 @@ def quick_open(path, read_options: dict) -> Optional[Checkpoint]:
         return None
     try:
         return _hf_checkpoint(path)
-    except (CkptError, KeyError, ValueError, TypeError):
+    except (CkptError, OSError, LookupError, ValueError, TypeError):
         return None  # the full reader reports what is wrong, as it always has
 
 

@@ -20,7 +20,7 @@ from typing import List, Optional
 def split_argv(argv: List[str]) -> tuple:
     """(torchrun options, ckptool command line): the command starts at the first ckptool command name."""
     from .cli import COMMANDS
-    names = {c.name for c in COMMANDS}
+    names = set(COMMANDS)  # the command names, without importing the commands
     for i, arg in enumerate(argv):
         if arg in names:
             return argv[:i], argv[i:]

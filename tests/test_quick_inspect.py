@@ -69,6 +69,13 @@ def test_full_path_when_the_quick_one_cannot_say(hf_dirs, tmp_path, monkeypatch)
     (broken / "config.json").write_text((gpt2 / "config.json").read_text())
     (broken / "model.safetensors").write_bytes((gpt2 / "model.safetensors").read_bytes()[:1000])
     assert quick_inspect.quick_open(broken, {}) is None
+    claimed = tmp_path / "claimed"  # a DeepSpeed `latest` file: the registry asks DeepSpeed first
+    claimed.mkdir()
+    for f in gpt2.iterdir():
+        (claimed / f.name).write_bytes(f.read_bytes())
+    assert quick_inspect.quick_open(claimed, {}) is not None
+    (claimed / "latest").write_text("global_step5")
+    assert quick_inspect.quick_open(claimed, {}) is None
     r = CliRunner().invoke(main, ["inspect", str(broken)])
     assert r.exit_code != 0 and "truncated or corrupt" in r.output
     r = CliRunner().invoke(main, ["inspect", str(gpt2), "--true-vocab-size", "1000", "--json"])
@@ -83,3 +90,9 @@ def test_help_imports_no_command_module_and_lists_their_own_lines():
     main.format_commands(ctx, table)  # the one-line helps kept in cli.COMMANDS
     click.Group.format_commands(main, ctx, real)  # each command's own, from its docstring
     assert table.getvalue() == real.getvalue()
+
+
+def test_torchrun_launcher_finds_the_command_in_the_table():
+    from ckptool.torchrun import split_argv
+    assert split_argv(["--nproc-per-node", "2", "verify", "out", "--reference", "src"]) == (
+        ["--nproc-per-node", "2"], ["verify", "out", "--reference", "src"])
