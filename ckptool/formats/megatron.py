@@ -164,34 +164,32 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     opts = opts or ReadOptions()
     it_dir, iteration, release = resolve_iteration_dir(Path(path), opts.iteration)
     rank_dirs = _rank_dirs(it_dir)
-    ranks: Dict[Tuple[int, int], Path] = {}
-    for d in rank_dirs:
-        m = RANK_DIR.match(d.name)
-        if m.group(3) is not None:
-            raise CkptError(f"{d.name}: expert-parallel checkpoints are not supported",
-                            "ckptool converts dense GPT models")
-        ranks[(int(m.group(1)), int(m.group(2) or 0))] = d
-    tp = max(t for t, _ in ranks) + 1
-    pp = max(p for _, p in ranks) + 1
+    loaded = {d: load_torch_file(_model_file(d)) for d in rank_dirs}
+    ranks = _rank_coordinates(rank_dirs, loaded[rank_dirs[0]])
+    trees = {rk: loaded[d] for rk, d in ranks.items()}
+    tp = max(t for t, _, _ in ranks) + 1
+    pp = max(p for _, p, _ in ranks) + 1
+    ep = max(e for _, _, e in ranks) + 1
     for t in range(tp):
         for p in range(pp):
-            if (t, p) not in ranks:
-                name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
-                raise CkptError(f"{it_dir}: missing rank directory {name} (have {len(ranks)} of {tp * pp})",
-                                "copy the complete checkpoint; every tensor/pipeline rank is needed")
-    trees = {rk: load_torch_file(_model_file(d)) for rk, d in ranks.items()}
-    first = trees[(0, 0)]
+            for e in range(ep):
+                if (t, p, e) not in ranks:
+                    raise CkptError(f"{it_dir}: missing rank directory {_rank_name(t, p, e, pp, ep)} "
+                                    f"(have {len(ranks)} of {tp * pp * ep})",
+                                    "copy the complete checkpoint; every tensor/pipeline/expert rank is needed")
+    first = trees[(0, 0, 0)]
     if not isinstance(first, dict) or not any(k == "model" or re.match(r"^model\d+$", str(k)) for k in first):
-        raise CkptError(f"{_model_file(ranks[(0, 0)])}: no 'model' entry", "not a Megatron checkpoint file")
+        raise CkptError(f"{_model_file(ranks[(0, 0, 0)])}: no 'model' entry", "not a Megatron checkpoint file")
     args = first.get("args")
     _check_args_agree(trees, ranks)
     if args is not None:
         want_tp = getattr(args, "tensor_model_parallel_size", None) or getattr(args, "model_parallel_size", None)
         want_pp = getattr(args, "pipeline_model_parallel_size", None) or 1
-        if want_tp and (want_tp, want_pp) != (tp, pp):
-            extra = "an extra rank directory" if tp * pp > want_tp * want_pp else "missing rank directories"
-            raise CkptError(f"{it_dir}: found {tp}x{pp} (TP x PP) rank directories but args say "
-                            f"{want_tp}x{want_pp}: {extra}",
+        want_ep = getattr(args, "expert_model_parallel_size", None) or 1
+        if want_tp and (want_tp, want_pp, want_ep) != (tp, pp, ep):
+            extra = "an extra rank directory" if tp * pp * ep > want_tp * want_pp * want_ep else "missing rank directories"
+            raise CkptError(f"{it_dir}: found {tp}x{pp}x{ep} (TP x PP x EP) rank directories but args say "
+                            f"{want_tp}x{want_pp}x{want_ep}: {extra}",
                             "remove stray mp_rank_* directories or copy the missing ones")
     version = float(first.get("checkpoint_version", 0) or 0)
     if version not in (0.0, 1.0, 2.0, 3.0):
@@ -209,7 +207,7 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                 if m:
                     chunks[int(m.group(1))] = flatten(tree[k])
         models[rk] = chunks
-    vpp = len(models[(0, 0)])
+    vpp = len(models[(0, 0, 0)])
     all_keys = {k for chunks in models.values() for c in chunks.values() for k in c}
     dialect = detect_dialect(all_keys)
     if dialect.qkv_version0_only:
@@ -224,7 +222,7 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
 
     # Layers per (pp, chunk) from the keys, then global offsets in Megatron's order (chunk-major).
     counts: Dict[Tuple[int, int], int] = {}
-    for (t, p), chunks in models.items():
+    for (t, p, _), chunks in models.items():
         for v, flat in chunks.items():
             idx = [m[1] for m in (matcher.match(k) for k in flat) if m and m[1] is not None]
             n = max(idx) + 1 if idx else 0
@@ -238,12 +236,15 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
             first_layer += counts.get((p, v), 0)
     num_layers = first_layer
 
-    # Each rank's parameters in file order, which is the order Megatron built its optimizer from.
-    params: Dict[Tuple[int, int], List[RankParam]] = {}
-    for (t, p), chunks in models.items():
-        params[(t, p)] = [RankParam(key, hit[0], None if hit[1] is None else offsets[(p, v)] + hit[1], value, v)
-                          for v in sorted(chunks) for key, value in chunks[v].items()
-                          for hit in [matcher.match(key)] if hit is not None and isinstance(value, LazyTensor)]
+    # Each rank's parameters in file order, which is the order Megatron built its optimizer from; an
+    # expert's local index j on EP rank e is global expert e * (experts per rank) + j.
+    per_ep = _local_expert_count(models[(0, 0, 0)], matcher)
+    params: Dict[Tuple[int, int, int], List[RankParam]] = {}
+    for (t, p, e), chunks in models.items():
+        params[(t, p, e)] = [RankParam(key, _global_expert(hit[0], e, per_ep),
+                                       None if hit[1] is None else offsets[(p, v)] + hit[1], value, v)
+                             for v in sorted(chunks) for key, value in chunks[v].items()
+                             for hit in [matcher.match(key)] if hit is not None and isinstance(value, LazyTensor)]
     shards, head_copy = _role_shards({rk: [x.weight for x in ps] for rk, ps in params.items()}, params, tp)
     for (role, layer), parts in shards.items():
         if any(x is None for x in parts):
@@ -255,6 +256,7 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
         raise CkptError(f"{it_dir}: no word embeddings found", "the first pipeline stage is missing or not a GPT model")
     stored_rows = sum(p.shape[0] for p in word)
     cfg = _config(args, dialect, shards, num_layers, tp, stored_rows, opts, version)
+    _check_experts(cfg, shards, per_ep, ep, it_dir)
     layer_note = None
     if dialect.name.startswith("mcore"):
         cfg, layer_note = megatron_args.as_megatron_core_computes(cfg)
@@ -280,7 +282,7 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     if not cfg.tied_embeddings and "output.weight" not in tensors and head_copy is not None:
         tensors["output.weight"] = head_copy
     optimizer = _read_optimizer(trees, ranks, params, tp, args, cfg, canonical, warnings) if opts.optimizer else None
-    layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None,
+    layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, ep=ep,
                     stage_layers=None if vpp > 1 or len({counts[(p, 0)] for p in range(pp)}) == 1
                     else [counts[(p, 0)] for p in range(pp)])
     info = SourceInfo(path=str(path), format="megatron", dialect=dialect.name, layout=layout,
@@ -298,13 +300,75 @@ def _role_shards(values: Dict[Tuple[int, int], List[LazyTensor]], params: Dict[T
     stage's copy of the tied embedding (role head_copy), kept apart."""
     shards: Dict[Tuple[str, Optional[int]], List[Optional[LazyTensor]]] = defaultdict(lambda: [None] * tp)
     head_copy = None
-    for (t, p), ps in params.items():
-        for param, value in zip(ps, values[(t, p)]):
+    for rk in sorted(params):  # expert-parallel ranks in order: the dense part is taken from EP rank 0
+        t = rk[0]
+        for param, value in zip(params[rk], values[rk]):
             if param.role == "head_copy":
-                head_copy = value
-            else:
+                head_copy = head_copy if head_copy is not None else value
+            elif shards[(param.role, param.layer)][t] is None:
                 shards[(param.role, param.layer)][t] = value
     return shards, head_copy
+
+
+def _rank_name(t: int, p: int, e: int, pp: int, ep: int) -> str:
+    """Megatron-LM's rank directory: mp_rank_TT, then _PPP with pipeline parallelism, then _EEE with
+    expert parallelism (megatron/training/checkpointing.py get_checkpoint_name)."""
+    return f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
+
+
+def _rank_coordinates(rank_dirs: List[Path], first_tree) -> Dict[Tuple[int, int, int], Path]:
+    """{(tp, pp, ep): dir}. mp_rank_TT_NNN is a pipeline rank unless the run's args say it was expert-
+    parallel without pipeline parallelism (the names alone cannot tell)."""
+    args = first_tree.get("args") if isinstance(first_tree, dict) else None
+    ep_only = (getattr(args, "expert_model_parallel_size", None) or 1) > 1 and \
+        (getattr(args, "pipeline_model_parallel_size", None) or 1) == 1
+    out = {}
+    for d in rank_dirs:
+        nums = [int(g) for g in RANK_DIR.match(d.name).groups() if g is not None]
+        if len(nums) == 3:
+            rk = tuple(nums)
+        elif len(nums) == 2:
+            rk = (nums[0], 0, nums[1]) if ep_only else (nums[0], nums[1], 0)
+        else:
+            rk = (nums[0], 0, 0)
+        out[rk] = d
+    return out
+
+
+def _local_expert_count(chunks: Dict[int, Dict[str, object]], matcher: KeyMatcher) -> int:
+    """Experts per MoE layer in one rank's file (0 for a dense model)."""
+    locals_ = {(v, hit[1], int(hit[0].split(".")[1])) for v, flat in chunks.items() for k in flat
+               for hit in [matcher.match(k)] if hit is not None and hit[0].startswith("experts.")}
+    per_layer: Dict[Tuple[int, int], int] = defaultdict(int)
+    for v, layer, _ in locals_:
+        per_layer[(v, layer)] += 1
+    return max(per_layer.values(), default=0)
+
+
+def _global_expert(role: str, ep_rank: int, per_ep: int) -> str:
+    if not role.startswith("experts."):
+        return role
+    _, j, base = role.split(".", 2)
+    return f"experts.{ep_rank * per_ep + int(j)}.{base}"
+
+
+def _check_experts(cfg: GPTConfig, shards, per_ep: int, ep: int, it_dir: Path) -> None:
+    """The files hold exactly the experts the args describe, each MoE layer all of them, nothing else."""
+    moe = cfg.moe
+    held = {(layer, int(role.split(".")[1])) for role, layer in shards if role.startswith("experts.")}
+    if moe is None:
+        require(not held, f"{it_dir}: the files hold MoE experts but the args describe a dense model",
+                "the args are missing --num-experts; the checkpoint cannot be read as it is")
+        return
+    require(per_ep * ep == moe.num_experts,
+            f"{it_dir}: {ep} expert-parallel ranks x {per_ep} experts each, but the args say {moe.num_experts} experts",
+            "the rank files do not belong to one checkpoint")
+    want = {(i, e) for i in moe.layers for e in range(moe.num_experts)}
+    missing, extra = sorted(want - held), sorted(held - want)
+    require(not missing and not extra,
+            f"{it_dir}: expert weights of (layer, expert) {(missing or extra)[:3]} are "
+            f"{'missing' if missing else 'in layers the args say are dense'}",
+            "check --moe-layer-freq in the args, or copy the complete checkpoint")
 
 
 def _read_optimizer(trees, ranks, params, tp, args, cfg, canonical, warnings) -> Optional[OptimizerState]:
@@ -322,7 +386,11 @@ def _read_optimizer(trees, ranks, params, tp, args, cfg, canonical, warnings) ->
         if why:
             warnings.append(f"optimizer state dropped: {why}; the output holds the weights only")
             return None
-    pp = max(p for _, p in ranks) + 1
+    pp = max(p for _, p, _ in ranks) + 1
+    if max(e for _, _, e in ranks) > 0 and megatron_distopt.uses_distributed_optimizer(ranks[(0, 0, 0)], args):
+        warnings.append("optimizer state dropped: the distributed optimizer's expert-parallel buffers are not "
+                        "read yet; the output holds the weights only")
+        return None
     per_rank = {rk: _read_rank_optimizer(tree, ranks[rk], params[rk], args, cfg, pp, rk[1])
                 for rk, tree in trees.items()}
     if all(r is None for r in per_rank.values()):
@@ -345,13 +413,13 @@ def _read_optimizer(trees, ranks, params, tp, args, cfg, canonical, warnings) ->
                 names[g] += [n for n in canonical_names(param.role, param.layer, cfg) if n not in names[g]]
     steps = {r.step for r in per_rank.values()}
     require(len(steps) == 1, f"{where}: ranks were stepped {sorted(map(str, steps))} times", megatron_optim.HINT)
-    first = trees[(0, 0)]
-    distributed = megatron_distopt.uses_distributed_optimizer(ranks[(0, 0)], args)
+    first = trees[(0, 0, 0)]
+    distributed = megatron_distopt.uses_distributed_optimizer(ranks[(0, 0, 0)], args)
     return OptimizerState(
         kind="megatron-distributed" if distributed else "megatron" if "master" in slots else "megatron-fp32",
         slots=slots, step=steps.pop(),
         param_groups=[ParamGroup(n, h) for n, h in zip(names, hypers)],
-        grad_scaler=per_rank[(0, 0)].grad_scaler,
+        grad_scaler=per_rank[(0, 0, 0)].grad_scaler,
         scheduler=first.get("opt_param_scheduler", first.get("lr_scheduler")),
         consumed_samples=getattr(args, "consumed_train_samples", None))
 
@@ -375,20 +443,21 @@ def _any_value(models, key):
 
 
 def _check_args_agree(trees, ranks) -> None:
-    fields = ("num_layers", "hidden_size", "num_attention_heads", "tensor_model_parallel_size",
+    fields = ("num_layers", "hidden_size", "num_attention_heads", "tensor_model_parallel_size", "num_experts",
+              "expert_model_parallel_size",
               "pipeline_model_parallel_size", "padded_vocab_size", "ffn_hidden_size")
-    ref = trees[(0, 0)].get("args")
+    ref = trees[(0, 0, 0)].get("args")
     for rk, tree in trees.items():
         a = tree.get("args")
         if (a is None) != (ref is None):
-            raise CkptError(f"{ranks[rk].name} stores args but {ranks[(0, 0)].name} does not (or the reverse)",
+            raise CkptError(f"{ranks[rk].name} stores args but {ranks[(0, 0, 0)].name} does not (or the reverse)",
                             "the rank files do not belong to one checkpoint")
         if a is None:
             continue
         for f in fields:
             if getattr(a, f, None) != getattr(ref, f, None):
                 raise CkptError(f"args disagree across ranks: {f} is {getattr(a, f, None)} in {ranks[rk].name} "
-                                f"but {getattr(ref, f, None)} in {ranks[(0, 0)].name}",
+                                f"but {getattr(ref, f, None)} in {ranks[(0, 0, 0)].name}",
                                 "the rank files come from different runs")
 
 
