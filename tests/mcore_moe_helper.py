@@ -150,11 +150,9 @@ def run_job(a):
             assert getattr(args, key) == getattr(run_args(cfg, a.tp, a.ep, a.pp), key), key
         model.load_state_dict(state["model"], strict=True)
     out = logits(model)
-    if parallel_state.is_pipeline_last_stage() and dist.get_rank() == dist.get_world_size() - 1 or \
-            (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
-             and parallel_state.get_data_parallel_rank() == 0):
-        if parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0:
-            torch.save({"tokens": TOKENS, "logits": out}, a.out)
+    if (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_data_parallel_rank() == 0):
+        torch.save({"tokens": TOKENS, "logits": out}, a.out)
     dist.barrier()
     parallel_state.destroy_model_parallel()
 

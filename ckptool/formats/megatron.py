@@ -23,7 +23,8 @@ from ..errors import CkptError, require
 from ..io.torchfile import StreamingTorchWriter, load_torch_file, write_grouped
 from ..lazy import Const, Derived, LazyTensor
 from ..options import ReadOptions
-from ..roles import assemble, canonical_names, global_role_tensor, layer_role_tensor, shard_role, LAYER_ROLES
+from ..roles import (assemble, canonical_names, global_role_tensor, layer_role_tensor, moe_layer_roles, scope_of,
+                     shard_role, LAYER_ROLES)
 from ..sharding import ReplicaPolicy
 from ..state import (OPTIMIZER_SLOTS, PAD_FILL_BY_SLOT, WEIGHT, Checkpoint, OptimizerState, ParamGroup, SourceInfo,
                      in_model_order)
@@ -523,6 +524,18 @@ def _check_dialect_fits(d: Dialect, cfg: GPTConfig, layout: Layout) -> None:
         raise CkptError("qk_layernorm exists only in megatron-core models", "choose --dialect mcore")
     if d.name.startswith("mcore"):
         megatron_args.refuse_what_megatron_core_ignores(cfg, "choose --dialect legacy or legacy-norm")
+    if cfg.moe is None:
+        require(layout.ep == 1, f"--ep {layout.ep}: the model has no MoE layers to spread over expert-parallel ranks",
+                "drop --ep")
+        return
+    require(bool(d.experts), f"the {d.name} dialect has no place for MoE experts",
+            "choose --dialect mcore (megatron-core's local spec, SequentialMLP experts)")
+    require(not cfg.add_bias_linear, "MoE experts with linear biases (--add-bias-linear) are not written yet",
+            "convert to Hugging Face with to-hf, or keep the source layout")
+    layout.local_experts(cfg.moe.num_experts, 0)  # EP divides the experts
+    for size, what in ((cfg.moe.ffn_hidden_size, "expert FFN size"), (cfg.moe.shared_ffn_hidden_size, "shared-expert FFN size")):
+        require(size % layout.tp == 0, f"--tp {layout.tp} does not divide the {what} {size}",
+                "choose a TP size that divides it (expert TP is written equal to TP)")
 
 
 def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Optional[str] = None,
@@ -530,7 +543,7 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
                    release: Optional[bool] = None, divisible_by: Optional[int] = None,
                    pad_fill: str = "zero", iteration: Optional[int] = None,
                    progress: Optional[Callable[[int], None]] = None, warn=print,
-                   rank_filter: Optional[Callable[[int, int], bool]] = None, optimizer: bool = True,
+                   rank_filter: Optional[Callable[[int, int, int], bool]] = None, optimizer: bool = True,
                    distributed_optimizer: bool = False, dp: int = 1) -> dict:
     """Write ckpt as a Megatron torch-format checkpoint with the given layout into out_dir.
 
@@ -539,7 +552,11 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
     with distributed_optimizer, a distrib_optim.pt beside each rank file holds it instead, laid out for
     a run at data-parallel size dp (megatron_distopt.py).
 
-    Returns a summary dict (files, bytes, padded vocab, iteration dir). rank_filter(tp, pp) lets a
+    MoE models are written at layout.ep expert-parallel ranks (expert TP = TP): one file per (TP, PP, EP)
+    rank, in mp_rank_TT[_PPP][_EEE], holding the dense part and that EP rank's experts under their local
+    index, as Megatron-LM saves them.
+
+    Returns a summary dict (files, bytes, padded vocab, iteration dir). rank_filter(tp, pp, ep) lets a
     distributed run write only its share of the files.
     """
     cfg = ckpt.config
@@ -608,70 +625,83 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
 
     last_pp = layout.pp - 1
     vpp = layout.vpp or 1
-    for p in range(layout.pp):
+    for p, t, e in [(p, t, e) for p in range(layout.pp) for e in range(layout.ep) for t in range(layout.tp)]:
         stage_chunks = [c for c in chunks if c[0] == p]
-        for t in range(layout.tp):
-            if rank_filter and not rank_filter(t, p):
-                continue
-            file_obj: dict = {}
-            params: list = []  # (role, layer, slot -> full tensor, streaming group, key) in parameter order
-            param_chunks: list = []  # the model chunk of each
+        if rank_filter and not rank_filter(t, p, e):
+            continue
+        file_obj: dict = {}
+        params: list = []  # (role, layer, slot -> full tensor, streaming group, key) in parameter order
+        param_chunks: list = []  # the model chunk of each
 
-            def put(flat, key, role, layer, full_of, group):
-                flat[key] = shard(role, full_of("weight"), t, group)
-                params.append((role, layer, full_of, group, key))
-                param_chunks.append(v)
+        def put(flat, key, role, layer, full_of, group):
+            flat[key] = shard(role, full_of("weight"), t, group)
+            params.append((role, layer, full_of, group, key))
+            param_chunks.append(v)
 
-            for (_, v, first, count) in stage_chunks:
-                flat: Dict[str, object] = {}
-                if p == 0 and v == 0:
-                    for role in ("word", "pos"):
-                        if global_role_tensor(tensors, role) is not None:
-                            put(flat, d.globals[role], role, None, _global_of(tensors, train, role), -1)
-                for local in range(count):
-                    g = first + local
-                    prefix = d.layer_prefix.format(i=local)
-                    for role in layer_roles:
-                        if layer_role_tensor(tensors, cfg_out, g, role) is None:
-                            continue
-                        if role not in d.layer:
-                            raise CkptError(f"the {d.name} dialect has no place for {role} tensors",
-                                            "choose --dialect mcore")
-                        put(flat, prefix + d.layer[role], role, g, _layer_of(tensors, train, cfg_out, g, role), g)
-                    for extra in d.extra_state:
+        for (_, v, first, count) in stage_chunks:
+            flat: Dict[str, object] = {}
+            if p == 0 and v == 0:
+                for role in ("word", "pos"):
+                    if global_role_tensor(tensors, role) is not None:
+                        put(flat, d.globals[role], role, None, _global_of(tensors, train, role), -1)
+            for local in range(count):
+                g = first + local
+                prefix = d.layer_prefix.format(i=local)
+                for role in layer_roles:
+                    if layer_role_tensor(tensors, cfg_out, g, role) is None:
+                        continue
+                    if role not in d.layer:
+                        raise CkptError(f"the {d.name} dialect has no place for {role} tensors",
+                                        "choose --dialect mcore")
+                    put(flat, prefix + d.layer[role], role, g, _layer_of(tensors, train, cfg_out, g, role), g)
+                moe_layer = cfg_out.is_moe_layer(g)
+                if moe_layer:
+                    experts = layout.local_experts(cfg_out.moe.num_experts, e)
+                    for role in moe_layer_roles(cfg_out, experts):
+                        if layer_role_tensor(tensors, cfg_out, g, role) is not None:
+                            put(flat, prefix + _moe_key(d, role, experts.start), role, g,
+                                _layer_of(tensors, train, cfg_out, g, role), g)
+                    for j in range(len(experts)):
+                        for extra in d.expert_extra_state:
+                            flat[prefix + extra.format(j=j)] = _extra_state_value(d)
+                    if cfg_out.moe.shared_ffn_hidden_size:
+                        for extra in d.shared_extra_state:
+                            flat[prefix + extra] = _extra_state_value(d)
+                for extra in d.extra_state:  # an MoE layer has no dense MLP, nor its extra state
+                    if not (moe_layer and extra.startswith("mlp.")):
                         flat[prefix + extra] = _extra_state_value(d)
-                if p == last_pp and v == vpp - 1:
-                    for role in ("final_norm.weight", "final_norm.bias"):
-                        if global_role_tensor(tensors, role) is not None:
-                            put(flat, d.globals[role], role, None, _global_of(tensors, train, role), cfg.num_layers)
-                    if not cfg.tied_embeddings:
-                        put(flat, d.globals["output"], "output", None, _global_of(tensors, train, "output"),
-                            cfg.num_layers)
-                    elif layout.pp > 1 and d.head_copy:  # a parameter of its own, kept in sync by Megatron
-                        put(flat, d.head_copy, "word", None, _global_of(tensors, train, "word"), cfg.num_layers)
-                    if (not cfg.tied_embeddings or layout.pp > 1):
-                        for extra in d.global_extra_state:
-                            flat[extra] = _extra_state_value(d)
-                model = unflatten(flat) if d.nested else flat
-                file_obj["model" if vpp == 1 else f"model{v}"] = model
-            top: dict = {}
-            if args is not None:
-                top["args"] = args
-            if version:  # version 0 checkpoints predate the key
-                top["checkpoint_version"] = version
-            top["iteration"] = iteration
-            top.update(file_obj)
-            param_state = None
-            if distributed is not None:
-                entries, param_state = distributed.rank_entries(train, params, param_chunks, t, shard, cfg)
-                top.update(entries)
-            elif train is not None:
-                top.update(train.rank_entries(params, t, shard, cfg))
-            rank_name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if layout.pp > 1 else "")
-            (it_dir / rank_name).mkdir(exist_ok=True)
-            writers.append(StreamingTorchWriter(it_dir / rank_name / "model_optim_rng.pt", top))
-            if param_state is not None:
-                writers.append(StreamingTorchWriter(it_dir / rank_name / megatron_distopt.FILE, param_state))
+            if p == last_pp and v == vpp - 1:
+                for role in ("final_norm.weight", "final_norm.bias"):
+                    if global_role_tensor(tensors, role) is not None:
+                        put(flat, d.globals[role], role, None, _global_of(tensors, train, role), cfg.num_layers)
+                if not cfg.tied_embeddings:
+                    put(flat, d.globals["output"], "output", None, _global_of(tensors, train, "output"),
+                        cfg.num_layers)
+                elif layout.pp > 1 and d.head_copy:  # a parameter of its own, kept in sync by Megatron
+                    put(flat, d.head_copy, "word", None, _global_of(tensors, train, "word"), cfg.num_layers)
+                if (not cfg.tied_embeddings or layout.pp > 1):
+                    for extra in d.global_extra_state:
+                        flat[extra] = _extra_state_value(d)
+            model = unflatten(flat) if d.nested else flat
+            file_obj["model" if vpp == 1 else f"model{v}"] = model
+        top: dict = {}
+        if args is not None:
+            top["args"] = args
+        if version:  # version 0 checkpoints predate the key
+            top["checkpoint_version"] = version
+        top["iteration"] = iteration
+        top.update(file_obj)
+        param_state = None
+        if distributed is not None:
+            entries, param_state = distributed.rank_entries(train, params, param_chunks, t, shard, cfg)
+            top.update(entries)
+        elif train is not None:
+            top.update(train.rank_entries(params, t, shard, cfg))
+        rank_name = _rank_name(t, p, e, layout.pp, layout.ep)
+        (it_dir / rank_name).mkdir(exist_ok=True)
+        writers.append(StreamingTorchWriter(it_dir / rank_name / "model_optim_rng.pt", top))
+        if param_state is not None:
+            writers.append(StreamingTorchWriter(it_dir / rank_name / megatron_distopt.FILE, param_state))
     total = write_grouped(writers, lambda lazy: group_of.get(id(lazy)), progress)
     summary = {"iteration_dir": it_name, "files": len(writers), "bytes": total, "padded_vocab_size": rows,
                "dialect": d.name, "checkpoint_version": version}
@@ -680,6 +710,16 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
         if distributed is not None:
             summary["optimizer"]["distributed"] = {"dp": dp}
     return summary
+
+
+def _moe_key(d: Dialect, role: str, first_expert: int) -> str:
+    """The layer-relative key of an MoE role: the router's and shared expert's from the dialect, an
+    expert's with its index local to the EP rank whose experts start at first_expert."""
+    if role in d.moe_layer:
+        return d.moe_layer[role]
+    mlp, base = scope_of(role)
+    e = int(mlp.split(".")[2])
+    return d.experts[0][base].format(j=e - first_expert)
 
 
 def _global_of(tensors, train, role):
