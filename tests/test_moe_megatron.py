@@ -1,0 +1,150 @@
+"""MoE in Megatron's torch format with expert parallelism, against the real megatron-core.
+
+tests/mcore_moe_helper.py builds a tiny megatron-core GPTModel whose every layer is MoE (4 SequentialMLP
+experts, top-2 softmax router, SwiGLU) at TP2 EP2 on 4 CPU processes (gloo) and saves it as Megatron-LM's
+torch format (mp_rank_TT_EEE); megatron-core's own forward at that layout gives the reference logits.
+ckptool reads it, reshards it (EP1 merge, EP4, PP2 EP2, the same TP2 EP2) and megatron-core loads
+each output strictly at its layout and computes the same logits; to-hf gives a MixtralForCausalLM
+whose logits transformers computes equal to megatron-core's.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import free_port
+
+from ckptool import api
+from ckptool.errors import CkptError
+from ckptool.formats.megatron import read_megatron
+
+REPO = Path(__file__).resolve().parents[1]
+HELPER = REPO / "tests" / "mcore_moe_helper.py"
+HAVE_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+pytestmark = pytest.mark.skipif(not HAVE_MCORE, reason="megatron-core is not installed (test-only extra)")
+
+# (tp, pp, ep) layouts written by ckptool and loaded by megatron-core (4 processes: DP fills the rest)
+LAYOUTS = [(1, 1, 1), (1, 1, 4), (1, 2, 2), (2, 1, 2)]
+
+
+def torchrun(jobs, nproc=4, timeout=400):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(free_port()), str(HELPER), *jobs]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """The megatron-core TP2 EP2 save, ckptool's outputs at LAYOUTS, and megatron-core's logits of each."""
+    d = tmp_path_factory.mktemp("mcore_moe")
+    torchrun([f"save {d / 'src'} --tp 2 --ep 2 --out {d / 'src.pt'}"])
+    jobs = []
+    for tp, pp, ep in LAYOUTS:
+        out = d / f"out_{tp}{pp}{ep}"
+        if (tp, pp, ep) == (1, 1, 1):
+            api.merge(d / "src", out, warn=lambda m: None)
+        else:
+            api.reshard(d / "src", out, tp=tp, pp=pp, ep=ep, warn=lambda m: None)
+        jobs.append(f"load-torch {out} --tp {tp} --pp {pp} --ep {ep} --out {d / f'out_{tp}{pp}{ep}.pt'}")
+    torchrun(jobs)
+    return d
+
+
+def test_reads_the_expert_parallel_save(moe):
+    ck = read_megatron(moe / "src")
+    assert ck.source.layout.describe() == "TP2 PP1 EP2"
+    m = ck.config.moe
+    assert (m.num_experts, m.top_k, m.ffn_hidden_size, m.layers, m.score_function, m.topk_norm) == \
+        (4, 2, 24, (0, 1), "softmax", True)  # Megatron's default router: top-k logits, softmax among them
+    # expert 3 of layer 1 is local expert 1 of EP rank 1: its gate is both TP ranks' gate halves, in order
+    files = [torch.load(moe / "src" / "iter_0000007" / f"mp_rank_{t:02d}_001" / "model_optim_rng.pt",
+                        weights_only=False)["model"] for t in range(2)]
+    fc1 = [f["decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight"] for f in files]
+    assert torch.equal(ck.tensors["layers.1.mlp.experts.3.gate.weight"].load(), torch.cat([x[:12] for x in fc1]))
+    assert torch.equal(ck.tensors["layers.1.mlp.experts.3.up.weight"].load(), torch.cat([x[12:] for x in fc1]))
+    fc2 = [f["decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight"] for f in files]
+    assert torch.equal(ck.tensors["layers.1.mlp.experts.3.down.weight"].load(), torch.cat(fc2, 1))
+    assert torch.equal(ck.tensors["layers.0.mlp.router.weight"].load(), files[0]["decoder.layers.0.mlp.router.weight"])
+    # every expert distinct (the helper moved each off the shared init)
+    gates = [ck.tensors[f"layers.0.mlp.experts.{e}.gate.weight"].load() for e in range(4)]
+    assert all(not torch.equal(gates[a], gates[b]) for a in range(4) for b in range(a + 1, 4))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "TP{}PP{}EP{}".format(*l))
+def test_megatron_core_loads_every_layout_strictly_with_the_same_logits(moe, layout):
+    tp, pp, ep = layout
+    out = moe / f"out_{tp}{pp}{ep}"
+    names = sorted(p.name for p in (out / "iter_0000007").iterdir())
+    assert len(names) == tp * pp * ep and all(n.count("_") == 2 + (pp > 1) + (ep > 1) for n in names)
+    ref = torch.load(moe / "src.pt")["logits"]
+    got = torch.load(moe / f"out_{tp}{pp}{ep}.pt")["logits"]
+    assert relative(got, ref) <= 1e-5
+    src, back = read_megatron(moe / "src"), read_megatron(out)
+    assert back.source.layout.ep == ep and back.config.moe == src.config.moe
+    assert list(back.tensors) == list(src.tensors)
+    for name in src.tensors:  # every tensor bit-exact through the reshard
+        assert torch.equal(back.tensors[name].load(), src.tensors[name].load()), name
+
+
+def test_to_hf_mixtral_computes_megatron_cores_logits(moe, tmp_path):
+    import transformers
+    result = api.to_hf(moe / "src", tmp_path / "hf", warn=lambda m: None)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert type(model).__name__ == "MixtralForCausalLM", result.summary
+    ref = torch.load(moe / "src.pt")
+    with torch.no_grad():
+        got = model(ref["tokens"]).logits
+    assert relative(got, ref["logits"][..., :got.shape[-1]]) <= 1e-5
+
+
+def _with_args(src: Path, dst: Path, **changes) -> Path:
+    shutil.copytree(src, dst)
+    for f in dst.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
+        state = torch.load(f, weights_only=False)
+        for k, v in changes.items():
+            setattr(state["args"], k, v)
+        torch.save(state, f)
+    return dst
+
+
+def test_router_forms_no_hf_class_computes_are_refused(moe, tmp_path):
+    # --moe-router-pre-softmax: softmax over all experts, top-k NOT renormalised (no Mixtral / Qwen-MoE
+    # class without a shared expert computes it)
+    src = _with_args(moe / "src", tmp_path / "pre", moe_router_pre_softmax=True)
+    assert read_megatron(src).config.moe.topk_norm is False
+    with pytest.raises(CkptError, match="renormalised=False"):
+        api.to_hf(src, tmp_path / "hf", warn=lambda m: None)
+    with pytest.raises(CkptError, match="capacity"):
+        read_megatron(_with_args(moe / "src", tmp_path / "cap", moe_expert_capacity_factor=1.0))
+
+
+def test_bad_layouts_and_formats_are_refused(moe, tmp_path):
+    with pytest.raises(CkptError, match="--ep 3 does not divide the 4 experts"):
+        api.reshard(moe / "src", tmp_path / "a", tp=1, ep=3, warn=lambda m: None)
+    with pytest.raises(CkptError, match="torch_dist output of MoE models is not supported"):
+        api.reshard(moe / "src", tmp_path / "b", tp=1, format="torch_dist", warn=lambda m: None)
+    with pytest.raises(CkptError, match="mcore-te dialect has no place for MoE experts"):
+        api.reshard(moe / "src", tmp_path / "c", tp=1, dialect="mcore-te", warn=lambda m: None)
+    assert not any((tmp_path / n).exists() for n in "abc")
+    # a missing expert-parallel rank is named
+    broken = tmp_path / "broken"
+    shutil.copytree(moe / "src", broken)
+    shutil.rmtree(broken / "iter_0000007" / "mp_rank_01_001")
+    with pytest.raises(CkptError, match="missing rank directory mp_rank_01_001"):
+        read_megatron(broken)
+    # expert files whose args say dense
+    with pytest.raises(CkptError, match="hold MoE experts but the args describe a dense model"):
+        read_megatron(_with_args(moe / "out_111", tmp_path / "dense", num_experts=None))
