@@ -141,6 +141,11 @@ def moe_from_args(args, num_layers: int, ffn: int) -> Optional[MoE]:
     top-k > 1. Group-limited routing scores a group by the sum of its top (top-k / groups chosen) scores;
     ckptool's MoE has DeepSeek's two, so other ratios are refused."""
     experts = _get(args, "num_experts")
+    if isinstance(experts, (list, tuple)):  # Megatron-DeepSpeed: experts per layer group, [1] when dense
+        if all(n == 1 for n in experts):
+            return None
+        raise CkptError(f"Megatron-DeepSpeed MoE (--num-experts {' '.join(map(str, experts))})",
+                        "DeepSpeed-MoE checkpoints are not supported; ckptool reads megatron-core MoE")
     if not experts:
         return None
     top_k = int(_get(args, "moe_router_topk", default=2))
