@@ -148,3 +148,8 @@ def test_bad_layouts_and_formats_are_refused(moe, tmp_path):
     # expert files whose args say dense
     with pytest.raises(CkptError, match="hold MoE experts but the args describe a dense model"):
         read_megatron(_with_args(moe / "out_111", tmp_path / "dense", num_experts=None))
+    # expert tensor parallelism different from TP is not read yet, and says so
+    with pytest.raises(CkptError, match="expert tensor parallelism 1 differs from tensor parallelism 2"):
+        read_megatron(_with_args(moe / "src", tmp_path / "etp", expert_tensor_parallel_size=1))
+    with pytest.raises(CkptError, match="has 48 rows over the TP ranks, expected 24 for the expert FFN size 12"):
+        read_megatron(_with_args(moe / "src", tmp_path / "ffn", moe_ffn_hidden_size=12))

@@ -257,7 +257,7 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
         raise CkptError(f"{it_dir}: no word embeddings found", "the first pipeline stage is missing or not a GPT model")
     stored_rows = sum(p.shape[0] for p in word)
     cfg = _config(args, dialect, shards, num_layers, tp, stored_rows, opts, version)
-    _check_experts(cfg, shards, per_ep, ep, it_dir)
+    _check_experts(cfg, shards, per_ep, tp, ep, it_dir, args)
     layer_note = None
     if dialect.name.startswith("mcore"):
         cfg, layer_note = megatron_args.as_megatron_core_computes(cfg)
@@ -353,7 +353,7 @@ def _global_expert(role: str, ep_rank: int, per_ep: int) -> str:
     return f"experts.{ep_rank * per_ep + int(j)}.{base}"
 
 
-def _check_experts(cfg: GPTConfig, shards, per_ep: int, ep: int, it_dir: Path) -> None:
+def _check_experts(cfg: GPTConfig, shards, per_ep: int, tp: int, ep: int, it_dir: Path, cfg_args) -> None:
     """The files hold exactly the experts the args describe, each MoE layer all of them, nothing else."""
     moe = cfg.moe
     held = {(layer, int(role.split(".")[1])) for role, layer in shards if role.startswith("experts.")}
@@ -364,6 +364,16 @@ def _check_experts(cfg: GPTConfig, shards, per_ep: int, ep: int, it_dir: Path) -
     require(per_ep * ep == moe.num_experts,
             f"{it_dir}: {ep} expert-parallel ranks x {per_ep} experts each, but the args say {moe.num_experts} experts",
             "the rank files do not belong to one checkpoint")
+    etp = getattr(cfg_args, "expert_tensor_parallel_size", None) if cfg_args is not None else None
+    require(etp in (None, tp), f"{it_dir}: expert tensor parallelism {etp} differs from tensor parallelism {tp}",
+            "checkpoints with --expert-tensor-parallel-size different from --tensor-model-parallel-size are not read yet")
+    for (role, layer), parts in shards.items():  # each expert's fc1 rows over the TP ranks: the expert's FFN
+        if role.startswith("experts.") and role.endswith("fc1.weight"):
+            rows = sum(p.shape[0] for p in parts if p is not None)
+            want_rows = moe.ffn_hidden_size * (2 if cfg.gated else 1)
+            require(rows == want_rows, f"{it_dir}: layer {layer} {role} has {rows} rows over the TP ranks, "
+                    f"expected {want_rows} for the expert FFN size {moe.ffn_hidden_size}",
+                    "the args' --moe-ffn-hidden-size or expert tensor parallelism do not match the files")
     want = {(i, e) for i in moe.layers for e in range(moe.num_experts)}
     missing, extra = sorted(want - held), sorted(held - want)
     require(not missing and not extra,
