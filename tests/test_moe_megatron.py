@@ -168,3 +168,15 @@ def test_grouped_gemm_experts_are_refused_by_name(moe, tmp_path):
         torch.save(state, f)
         with pytest.raises(CkptError, match=r"keys are not part of a mcore GPT model \(e\.g\. decoder\.layers\.0\.mlp\.experts\."):
             read_megatron(dst)
+
+
+def test_verify_routes_the_expert_parallel_output_and_torchrun_refuses_moe(moe, tmp_path):
+    from click.testing import CliRunner
+    from ckptool.cli import main
+    from ckptool.commands.verify_cmd import parallel_target
+    from ckptool.options import ReadOptions
+    api.to_hf(moe / "src", tmp_path / "hf", warn=lambda m: None)
+    res = CliRunner().invoke(main, ["verify", str(moe / "out_114"), "--reference", str(tmp_path / "hf")])
+    assert res.exit_code == 0 and "result=PASS" in res.output, res.output
+    with pytest.raises(CkptError, match="parallel verify .* does not run MoE layers yet"):
+        parallel_target(str(moe / "out_114"), ReadOptions(), None, None, 4)
