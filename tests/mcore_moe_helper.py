@@ -7,6 +7,10 @@ GPTModel with MoE layers (local spec: SequentialMLP experts `mlp.experts.local_e
         as Megatron-LM's save_checkpoint names them (the EP rank suffix only when EP > 1), one file
         per (TP, PP, EP) rank holding that rank's state dict: the dense part (the same on every EP rank)
         and its local experts under their LOCAL index j (global expert = ep_rank * E/EP + j).
+  "train DIR --tp T --ep E --out FILE"   as save, after one Adam step of megatron-core's own optimizer
+        (fp32, get_megatron_optimizer; the CPU shims of mcore_train_helper.py), with the optimizer's
+        state_dict() in the file as Megatron-LM saves it; FILE also gets `exp_avg`: per global parameter
+        name (experts by global index), the live optimizer's first moment at the save.
   "load-torch DIR --tp T --ep E [--pp P] --out FILE"   this rank's file into a fresh model with
         load_state_dict(strict=True), after comparing the parallel sizes in the file's args.
 
@@ -128,15 +132,64 @@ def writes_file() -> bool:
     return parallel_state.get_expert_data_parallel_rank() == 0
 
 
+def global_name(name: str, ep: int) -> str:
+    """A parameter's name with its local expert index made global (what ckptool's names count)."""
+    if ".local_experts." not in name:
+        return name
+    head, rest = name.split(".local_experts.")
+    j, tail = rest.split(".", 1)
+    return f"{head}.local_experts.{parallel_state.get_expert_model_parallel_rank() * (EXPERTS // ep) + int(j)}.{tail}"
+
+
+def train_one_step(model, cfg):
+    """One Adam step with megatron-core's optimizer; returns it and {global name: live exp_avg}."""
+    import contextlib
+    sys.path.insert(0, str(Path(__file__).parent))
+    import mcore_train_helper  # noqa: F401  (its CPU shims for megatron-core's optimizer)
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    model.train()
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=False), model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, clip_grad=0.0), [ddp])
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=g)
+    pos = torch.arange(SEQ).unsqueeze(0).expand(2, SEQ)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    ddp(tokens[:, :-1], pos, attention_mask=mask, labels=tokens[:, 1:]).float().mean().backward()
+    ddp.finish_grad_sync()
+    assert opt.step()[0], "optimizer step skipped"
+    model.eval()
+    live = {}
+    for sub in opt.chained_optimizers:
+        for p, st in sub.optimizer.state.items():
+            live[id(p)] = st["exp_avg"].detach().clone()
+    moments = {global_name(n, parallel_state.get_expert_model_parallel_world_size()): live[id(p)]
+               for n, p in model.named_parameters() if id(p) in live}
+    return opt, moments
+
+
 def run_job(a):
     model, cfg = build(a.tp, a.ep, a.pp)
     root = Path(a.dir)
     d = rank_dir(root, a.pp, a.ep)
-    if a.mode == "save":
+    if a.mode in ("save", "train"):
+        opt, moments = train_one_step(model, cfg) if a.mode == "train" else (None, None)
         if writes_file():
             d.mkdir(parents=True, exist_ok=True)
-            torch.save({"args": run_args(cfg, a.tp, a.ep, a.pp), "checkpoint_version": 3.0, "iteration": 7,
-                        "model": model.state_dict_for_save_checkpoint()}, d / "model_optim_rng.pt")
+            state = {"args": run_args(cfg, a.tp, a.ep, a.pp), "checkpoint_version": 3.0, "iteration": 7,
+                     "model": model.state_dict_for_save_checkpoint()}
+            if opt is not None:
+                state["optimizer"] = opt.state_dict()
+            torch.save(state, d / "model_optim_rng.pt")
+        if moments is not None:
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, (parallel_state.get_tensor_model_parallel_rank(), moments))
+            if dist.get_rank() == 0:
+                torch.save({"exp_avg": every}, a.out + ".moments")
         dist.barrier()
         if dist.get_rank() == 0:
             (root / "latest_checkpointed_iteration.txt").write_text("7")
@@ -159,7 +212,7 @@ def run_job(a):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["save", "load-torch"])
+    ap.add_argument("mode", choices=["save", "train", "load-torch"])
     ap.add_argument("dir")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
