@@ -66,7 +66,7 @@ MLP_SCOPES = ((re.compile(r"^experts\.(\d+)\.(.+)$"), "mlp.experts.{}."),
 # roles an MoE layer holds in place of the dense MLP, in megatron-core's parameter order (experts between)
 MOE_ROUTER_ROLES = ("router.weight", "router.bias", "router.expert_bias")
 MOE_EXPERT_ROLES = ("fc1.weight", "fc2.weight")
-MOE_SHARED_ROLES = ("shared.fc1.weight", "shared.fc2.weight", "shared_gate.weight")
+MOE_SHARED_ROLES = ("shared_gate.weight", "shared.fc1.weight", "shared.fc2.weight")  # gate_weight registered first
 
 # Global (non-layer) roles and their canonical names.
 GLOBAL_ROLES = {

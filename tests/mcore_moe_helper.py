@@ -2,7 +2,7 @@
 GPTModel with MoE layers (local spec: SequentialMLP experts `mlp.experts.local_experts.{j}`, router
 `mlp.router.weight`, allgather token dispatcher), saved and loaded in Megatron-LM's torch format.
 
-  "save DIR --tp T --ep E [--pp P] --out FILE"   build the model at TP x EP (x PP), write
+  "save DIR --tp T --ep E [--pp P] [--arch mixtral|qwen2moe] --out FILE"   build the model at TP x EP (x PP), write
         DIR/latest_checkpointed_iteration.txt and DIR/iter_0000007/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt
         as Megatron-LM's save_checkpoint names them (the EP rank suffix only when EP > 1), one file
         per (TP, PP, EP) rank holding that rank's state dict: the dense part (the same on every EP rank)
@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 if not torch.cuda.is_available():
@@ -53,21 +53,31 @@ CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups
            moe_grouped_gemm=False, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
 
 
+# Qwen2-MoE-like: layer 0 dense (--moe-layer-freq [0, 1]), a shared expert with its sigmoid gate, QKV bias,
+# softmax over all experts before the top-k and no renormalisation (--moe-router-pre-softmax)
+ARCHS = {"mixtral": {}, "qwen2moe": dict(moe_layer_freq=[0, 1], moe_shared_expert_intermediate_size=16,
+                                         moe_shared_expert_gate=True, moe_router_pre_softmax=True, add_qkv_bias=True)}
+ARCH = {"name": "mixtral"}
+
+
 def build(tp, ep, pp=1):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              expert_model_parallel_size=ep)
     torch.manual_seed(1234)  # the same on every rank: replicated params (norms, router) must agree
     cfg = TransformerConfig(use_cpu_initialization=True, pipeline_dtype=torch.float32, pipeline_model_parallel_size=pp,
                             tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                            hidden_dropout=0.0, attention_dropout=0.0, **CFG)
-    spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False, normalization="RMSNorm")
+                            hidden_dropout=0.0, attention_dropout=0.0, **dict(CFG, **ARCHS[ARCH["name"]]))
+    if ARCH["name"] == "mixtral":
+        spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False, normalization="RMSNorm")
+    else:  # dense and MoE layers: one spec per layer
+        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
     model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=PADDED, max_sequence_length=SEQ,
                      pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage(),
                      position_embedding_type="rope", share_embeddings_and_output_weights=False)
     with torch.no_grad():  # norms off 1, and each expert's weights distinct per global expert
         for name, p in model.named_parameters():
-            if "layernorm" in name:
+            if "layernorm" in name or name.endswith(".bias"):
                 p.add_(torch.randn_like(p) * 0.1)
             if ".router." in name:
                 p.mul_(20.0)  # decisive routing: ties between experts would make the test meaningless
@@ -102,7 +112,7 @@ def logits(model):
 
 
 def run_args(cfg, tp, ep, pp):
-    return argparse.Namespace(
+    args = argparse.Namespace(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
         num_attention_heads=cfg.num_attention_heads, kv_channels=cfg.kv_channels, group_query_attention=True,
         num_query_groups=cfg.num_query_groups, max_position_embeddings=SEQ, seq_length=SEQ,
@@ -115,7 +125,11 @@ def run_args(cfg, tp, ep, pp):
         rotary_percent=1.0, num_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=MOE_FFN,
         moe_layer_freq=1, moe_router_pre_softmax=False, moe_router_score_function="softmax",
         moe_router_topk_scaling_factor=None, moe_shared_expert_intermediate_size=None,
-        moe_grouped_gemm=False, moe_router_enable_expert_bias=False, moe_token_dispatcher_type="allgather")
+        moe_grouped_gemm=False, moe_router_enable_expert_bias=False, moe_token_dispatcher_type="allgather",
+        add_router_bias=False)
+    for k, v in ARCHS[ARCH["name"]].items():
+        setattr(args, k, v)
+    return args
 
 
 def rank_dir(root: Path, pp: int, ep: int) -> Path:
@@ -173,6 +187,7 @@ def train_one_step(model, cfg):
 
 
 def run_job(a):
+    ARCH["name"] = a.arch
     model, cfg = build(a.tp, a.ep, a.pp)
     root = Path(a.dir)
     d = rank_dir(root, a.pp, a.ep)
@@ -217,6 +232,7 @@ def main():
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--arch", choices=sorted(ARCHS), default="mixtral")
     ap.add_argument("--out", required=True)
     jobs = [ap.parse_args(job.split()) for job in sys.argv[1:]]
     dist.init_process_group("gloo")

@@ -46,21 +46,32 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+ARCHS = ("mixtral", "qwen2moe")  # the helper's two models (see mcore_moe_helper.ARCHS)
+
+
 @pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    """The megatron-core TP2 EP2 save, ckptool's outputs at LAYOUTS, and megatron-core's logits of each."""
-    d = tmp_path_factory.mktemp("mcore_moe")
-    torchrun([f"save {d / 'src'} --tp 2 --ep 2 --out {d / 'src.pt'}"])
+def moe_root(tmp_path_factory):
+    """Per arch: the megatron-core TP2 EP2 save, ckptool's outputs at LAYOUTS, megatron-core's logits of
+    each (two torchrun launches in all)."""
+    root = tmp_path_factory.mktemp("mcore_moe")
+    torchrun([f"save {root / a / 'src'} --tp 2 --ep 2 --arch {a} --out {root / a / 'src.pt'}" for a in ARCHS])
     jobs = []
-    for tp, pp, ep in LAYOUTS:
-        out = d / f"out_{tp}{pp}{ep}"
-        if (tp, pp, ep) == (1, 1, 1):
-            api.merge(d / "src", out, warn=lambda m: None)
-        else:
-            api.reshard(d / "src", out, tp=tp, pp=pp, ep=ep, warn=lambda m: None)
-        jobs.append(f"load-torch {out} --tp {tp} --pp {pp} --ep {ep} --out {d / f'out_{tp}{pp}{ep}.pt'}")
+    for a in ARCHS:
+        d = root / a
+        for tp, pp, ep in LAYOUTS:
+            out = d / f"out_{tp}{pp}{ep}"
+            if (tp, pp, ep) == (1, 1, 1):
+                api.merge(d / "src", out, warn=lambda m: None)
+            else:
+                api.reshard(d / "src", out, tp=tp, pp=pp, ep=ep, warn=lambda m: None)
+            jobs.append(f"load-torch {out} --tp {tp} --pp {pp} --ep {ep} --arch {a} --out {d / f'out_{tp}{pp}{ep}.pt'}")
     torchrun(jobs)
-    return d
+    return root
+
+
+@pytest.fixture(scope="module")
+def moe(moe_root):
+    return moe_root / "mixtral"
 
 
 def test_reads_the_expert_parallel_save(moe):
@@ -83,28 +94,38 @@ def test_reads_the_expert_parallel_save(moe):
     assert all(not torch.equal(gates[a], gates[b]) for a in range(4) for b in range(a + 1, 4))
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "TP{}PP{}EP{}".format(*l))
-def test_megatron_core_loads_every_layout_strictly_with_the_same_logits(moe, layout):
+def test_megatron_core_loads_every_layout_strictly_with_the_same_logits(moe_root, arch, layout):
     tp, pp, ep = layout
-    out = moe / f"out_{tp}{pp}{ep}"
+    d = moe_root / arch
+    out = d / f"out_{tp}{pp}{ep}"
     names = sorted(p.name for p in (out / "iter_0000007").iterdir())
     assert len(names) == tp * pp * ep and all(n.count("_") == 2 + (pp > 1) + (ep > 1) for n in names)
-    ref = torch.load(moe / "src.pt")["logits"]
-    got = torch.load(moe / f"out_{tp}{pp}{ep}.pt")["logits"]
+    ref = torch.load(d / "src.pt")["logits"]
+    got = torch.load(d / f"out_{tp}{pp}{ep}.pt")["logits"]
     assert relative(got, ref) <= 1e-5
-    src, back = read_megatron(moe / "src"), read_megatron(out)
+    src, back = read_megatron(d / "src"), read_megatron(out)
     assert back.source.layout.ep == ep and back.config.moe == src.config.moe
     assert list(back.tensors) == list(src.tensors)
     for name in src.tensors:  # every tensor bit-exact through the reshard
         assert torch.equal(back.tensors[name].load(), src.tensors[name].load()), name
 
 
-def test_to_hf_mixtral_computes_megatron_cores_logits(moe, tmp_path):
+@pytest.mark.parametrize("arch, hf_class", [("mixtral", "MixtralForCausalLM"), ("qwen2moe", "Qwen2MoeForCausalLM")])
+def test_to_hf_computes_megatron_cores_logits(moe_root, tmp_path, arch, hf_class):
+    """Mixtral: Megatron's default router (top-k logits softmaxed = softmax, top-k, renormalised).
+    Qwen2-MoE: --moe-router-pre-softmax (no renormalisation), a gated shared expert, a dense first layer."""
     import transformers
-    result = api.to_hf(moe / "src", tmp_path / "hf", warn=lambda m: None)
+    d = moe_root / arch
+    cfg = read_megatron(d / "src").config
+    if arch == "qwen2moe":
+        assert cfg.moe.layers == (1,) and cfg.moe.shared_gate and cfg.moe.shared_ffn_hidden_size == 16
+        assert not cfg.moe.topk_norm and cfg.add_qkv_bias
+    result = api.to_hf(d / "src", tmp_path / "hf", warn=lambda m: None)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
-    assert type(model).__name__ == "MixtralForCausalLM", result.summary
-    ref = torch.load(moe / "src.pt")
+    assert type(model).__name__ == hf_class, result.summary
+    ref = torch.load(d / "src.pt")
     with torch.no_grad():
         got = model(ref["tokens"]).logits
     assert relative(got, ref["logits"][..., :got.shape[-1]]) <= 1e-5

@@ -239,7 +239,7 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
 
     # Each rank's parameters in file order, which is the order Megatron built its optimizer from; an
     # expert's local index j on EP rank e is global expert e * (experts per rank) + j.
-    per_ep = _local_expert_count(models[(0, 0, 0)], matcher)
+    per_ep = max(_local_expert_count(chunks, matcher) for chunks in models.values())  # a stage may be all dense
     params: Dict[Tuple[int, int, int], List[RankParam]] = {}
     for (t, p, e), chunks in models.items():
         params[(t, p, e)] = [RankParam(key, _global_expert(hit[0], e, per_ep),
