@@ -316,11 +316,11 @@ def test_megatron_targets_refuse_moe_and_mla(family, tmp_path, command, kind, sa
     assert not out.exists()
 
 
-@pytest.mark.parametrize("kind, ep1, ep2", [("mixtral", 2, 4), ("qwen2_moe", 2, 3), ("qwen3_moe", 2, 4)])
-def test_hf_moe_through_expert_parallel_megatron_layouts(family, tmp_path, kind, ep1, ep2):
-    """from-hf to TP2 PP2 EP(ep1), reshard to TP1 PP1 EP(ep2), to-hf: every tensor bit-exact, same logits."""
+@pytest.mark.parametrize("kind, ep1, ep2, vpp", [("mixtral", 2, 4, 1), ("qwen2_moe", 2, 3, 1), ("qwen3_moe", 2, 4, 2)])
+def test_hf_moe_through_expert_parallel_megatron_layouts(family, tmp_path, kind, ep1, ep2, vpp):
+    """from-hf to TP2 PP2 (VPP2) EP(ep1), reshard to TP1 PP1 EP(ep2), to-hf: every tensor bit-exact, same logits."""
     src, model = family(kind)
-    cli("from-hf", src, tmp_path / "a", "--tp", 2, "--pp", 2, "--ep", ep1)
+    cli("from-hf", src, tmp_path / "a", "--tp", 2, "--pp", 2, "--ep", ep1, *(["--vpp", vpp] if vpp > 1 else []))
     ranks = sorted(p.name for p in (tmp_path / "a" / "iter_0000000").iterdir())
     assert len(ranks) == 4 * ep1 and ranks[-1] == f"mp_rank_01_001_{ep1 - 1:03d}"
     cli("reshard", tmp_path / "a", tmp_path / "b", "--tp", 1, "--ep", ep2)

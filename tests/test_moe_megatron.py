@@ -229,3 +229,7 @@ def test_expert_optimizer_state_at_ep1_needs_no_extra_code(tmp_path):
     assert any("optimizer state dropped: at EP > 1" in m for m in said) and read_megatron(tmp_path / "ep2out").optimizer is None
     two = read_megatron(tmp_path / "ep2")
     assert two.optimizer is None and any("chained optimizer" in w for w in two.warnings)
+    with pytest.raises(CkptError, match="distributed optimizer's buffers of MoE models are not written yet"):
+        api.reshard(tmp_path / "ep1", tmp_path / "d", tp=1, distributed_optimizer=True, dp=2, warn=lambda m: None)
+    assert not (tmp_path / "d").exists()
+

@@ -809,6 +809,9 @@ class _DistributedTarget:
     def for_target(cls, train: Optional[_TrainingState], wanted: bool, dp: int, args, out_dtype: torch.dtype,
                    cfg: GPTConfig, layout: Layout) -> Optional["_DistributedTarget"]:
         require(dp >= 1, f"--dp {dp}: the data-parallel size is at least 1")
+        require(not (wanted and train is not None and cfg.moe is not None),
+                "--distributed-optimizer: the distributed optimizer's buffers of MoE models are not written yet",
+                "drop --distributed-optimizer (the optimizer state is written in the non-distributed form), or --no-optimizer")
         if args is not None:  # what the target run is: Megatron reads DP from its own flags
             args.use_distributed_optimizer = bool(wanted and train is not None)
             if wanted:
