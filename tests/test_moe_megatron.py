@@ -172,6 +172,10 @@ def test_bad_layouts_and_formats_are_refused(moe, tmp_path):
     # expert tensor parallelism different from TP is not read yet, and says so
     with pytest.raises(CkptError, match="expert tensor parallelism 1 differs from tensor parallelism 2"):
         read_megatron(_with_args(moe / "src", tmp_path / "etp", expert_tensor_parallel_size=1))
+    # ... also when its save is sparse as megatron-core writes it (TP2 ETP1 EP2: only (tp0, ep0), (tp1, ep1))
+    shutil.rmtree(tmp_path / "etp" / "iter_0000007" / "mp_rank_00_001")
+    with pytest.raises(CkptError, match="expert tensor parallelism 1 differs"):
+        read_megatron(tmp_path / "etp")
     with pytest.raises(CkptError, match="has 48 rows over the TP ranks, expected 24 for the expert FFN size 12"):
         read_megatron(_with_args(moe / "src", tmp_path / "ffn", moe_ffn_hidden_size=12))
 

@@ -171,6 +171,7 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     tp = max(t for t, _, _ in ranks) + 1
     pp = max(p for _, p, _ in ranks) + 1
     ep = max(e for _, _, e in ranks) + 1
+    _refuse_expert_tp(loaded[rank_dirs[0]], it_dir)
     for t in range(tp):
         for p in range(pp):
             for e in range(ep):
@@ -257,7 +258,7 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
         raise CkptError(f"{it_dir}: no word embeddings found", "the first pipeline stage is missing or not a GPT model")
     stored_rows = sum(p.shape[0] for p in word)
     cfg = _config(args, dialect, shards, num_layers, tp, stored_rows, opts, version)
-    _check_experts(cfg, shards, per_ep, tp, ep, it_dir, args)
+    _check_experts(cfg, shards, per_ep, ep, it_dir)
     layer_note = None
     if dialect.name.startswith("mcore"):
         cfg, layer_note = megatron_args.as_megatron_core_computes(cfg)
@@ -336,6 +337,16 @@ def _rank_coordinates(rank_dirs: List[Path], first_tree) -> Dict[Tuple[int, int,
     return out
 
 
+def _refuse_expert_tp(first_tree, it_dir: Path) -> None:
+    """Expert TP other than TP is not read yet. (Its torch-format saves are sparse: at TP2 ETP1 EP2 only the
+    ranks of expert-data-parallel rank 0, (tp 0, ep 0) and (tp 1, ep 1), write files.)"""
+    args = first_tree.get("args") if isinstance(first_tree, dict) else None
+    tp = getattr(args, "tensor_model_parallel_size", None)
+    etp = getattr(args, "expert_tensor_parallel_size", None)
+    require(etp in (None, tp), f"{it_dir}: expert tensor parallelism {etp} differs from tensor parallelism {tp}",
+            "checkpoints with --expert-tensor-parallel-size different from --tensor-model-parallel-size are not read yet")
+
+
 def _local_expert_count(chunks: Dict[int, Dict[str, object]], matcher: KeyMatcher) -> int:
     """Experts per MoE layer in one rank's file (0 for a dense model)."""
     locals_ = {(v, hit[1], int(hit[0].split(".")[1])) for v, flat in chunks.items() for k in flat
@@ -353,7 +364,7 @@ def _global_expert(role: str, ep_rank: int, per_ep: int) -> str:
     return f"experts.{ep_rank * per_ep + int(j)}.{base}"
 
 
-def _check_experts(cfg: GPTConfig, shards, per_ep: int, tp: int, ep: int, it_dir: Path, cfg_args) -> None:
+def _check_experts(cfg: GPTConfig, shards, per_ep: int, ep: int, it_dir: Path) -> None:
     """The files hold exactly the experts the args describe, each MoE layer all of them, nothing else."""
     moe = cfg.moe
     held = {(layer, int(role.split(".")[1])) for role, layer in shards if role.startswith("experts.")}
@@ -364,9 +375,6 @@ def _check_experts(cfg: GPTConfig, shards, per_ep: int, tp: int, ep: int, it_dir
     require(per_ep * ep == moe.num_experts,
             f"{it_dir}: {ep} expert-parallel ranks x {per_ep} experts each, but the args say {moe.num_experts} experts",
             "the rank files do not belong to one checkpoint")
-    etp = getattr(cfg_args, "expert_tensor_parallel_size", None) if cfg_args is not None else None
-    require(etp in (None, tp), f"{it_dir}: expert tensor parallelism {etp} differs from tensor parallelism {tp}",
-            "checkpoints with --expert-tensor-parallel-size different from --tensor-model-parallel-size are not read yet")
     for (role, layer), parts in shards.items():  # each expert's fc1 rows over the TP ranks: the expert's FFN
         if role.startswith("experts.") and role.endswith("fc1.weight"):
             rows = sum(p.shape[0] for p in parts if p is not None)
