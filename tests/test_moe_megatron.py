@@ -180,11 +180,10 @@ def test_bad_layouts_and_formats_are_refused(moe, tmp_path):
         read_megatron(_with_args(moe / "src", tmp_path / "ffn", moe_ffn_hidden_size=12))
 
 
-def test_grouped_gemm_experts_are_refused_by_name(moe, tmp_path):
-    """TEGroupedMLP (`experts.linear_fc1.weight{j}`) and the legacy GroupedMLP (`experts.weight1`) need
-    Transformer Engine / grouped_gemm, absent here: not read yet, and never silently left out."""
-    for form, rename in (("te", lambda k: k.replace("experts.local_experts.", "experts.linear_fc1.weight")),
-                         ("legacy", lambda k: k.replace("experts.local_experts.0.linear_fc1.weight", "experts.weight1"))):
+def test_legacy_grouped_gemm_experts_are_refused_by_name(moe, tmp_path):
+    """The legacy GroupedMLP (`experts.weight1` [h, experts x fc1], `weight2`) needs grouped_gemm, absent
+    here: not read yet, and never silently left out."""
+    for form, rename in (("legacy", lambda k: k.replace("experts.local_experts.0.linear_fc1.weight", "experts.weight1")),):
         dst = tmp_path / form
         shutil.copytree(moe / "out_111", dst)
         f = next(dst.glob("iter_*/mp_rank_*/model_optim_rng.pt"))
@@ -237,3 +236,38 @@ def test_expert_optimizer_state_at_ep1_needs_no_extra_code(tmp_path):
         api.reshard(tmp_path / "ep1", tmp_path / "d", tp=1, distributed_optimizer=True, dp=2, warn=lambda m: None)
     assert not (tmp_path / "d").exists()
 
+
+
+def test_te_grouped_experts_are_read_by_their_documented_layout(moe, tmp_path):
+    """TEGroupedMLP needs Transformer Engine (absent here), so this file is built from the documented
+    layout, not by megatron-core: the TP2 EP2 save renamed to the TE spec (norm of QKV fused into
+    linear_qkv, MoE layers' own pre_mlp_layernorm, local expert j's fc under `experts.linear_fc1.weight{j}`).
+    It reads as the same model, every tensor equal."""
+    dst = tmp_path / "te"
+    shutil.copytree(moe / "src", dst)
+    for f in dst.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
+        state = torch.load(f, weights_only=False)
+        model = {}
+        for k, v in state["model"].items():
+            if ".local_experts." in k and k.endswith("_extra_state"):
+                continue
+            k = k.replace("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight")
+            head, sep, rest = k.partition("mlp.experts.local_experts.")
+            if sep:
+                j, fc = rest.split(".", 1)
+                k = f"{head}mlp.experts.{fc}{j}"
+            model[k] = v
+        for i in range(2):
+            model[f"decoder.layers.{i}.mlp.experts.linear_fc1._extra_state"] = None
+        state["model"] = model
+        state["args"].transformer_impl, state["args"].moe_grouped_gemm = "transformer_engine", True
+        torch.save(state, f)
+    assert "decoder.layers.1.mlp.experts.linear_fc1.weight1" in model
+    te, src = read_megatron(dst), read_megatron(moe / "src")
+    assert te.source.dialect == "mcore-te" and te.config.moe == src.config.moe
+    assert list(te.tensors) == list(src.tensors)
+    assert all(torch.equal(te.tensors[n].load(), src.tensors[n].load()) for n in src.tensors)
+    with pytest.raises(CkptError, match="mcore-te dialect has no place for MoE experts"):
+        api.reshard(dst, tmp_path / "out", tp=1, warn=lambda m: None)  # written only as mcore
+    api.reshard(dst, tmp_path / "mcore", tp=1, ep=2, dialect="mcore", warn=lambda m: None)
+    assert read_megatron(tmp_path / "mcore").source.dialect == "mcore"

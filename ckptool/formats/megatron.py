@@ -546,7 +546,7 @@ def _check_dialect_fits(d: Dialect, cfg: GPTConfig, layout: Layout) -> None:
         require(layout.ep == 1, f"--ep {layout.ep}: the model has no MoE layers to spread over expert-parallel ranks",
                 "drop --ep")
         return
-    require(bool(d.experts), f"the {d.name} dialect has no place for MoE experts",
+    require(bool(d.experts) and d.moe_writable, f"the {d.name} dialect has no place for MoE experts",
             "choose --dialect mcore (megatron-core's local spec, SequentialMLP experts)")
     require(not cfg.add_bias_linear, "MoE experts with linear biases (--add-bias-linear) are not written yet",
             "convert to Hugging Face with to-hf, or keep the source layout")

@@ -47,6 +47,7 @@ class Dialect:
     moe_layer: Dict[str, str] = dataclasses.field(default_factory=dict)
     experts: Tuple[Dict[str, str], ...] = ()
     expert_extra_state: Tuple[str, ...] = ()
+    moe_writable: bool = True  # False: MoE layers are read in this dialect but not written
     shared_extra_state: Tuple[str, ...] = ()
 
 
@@ -107,6 +108,10 @@ _SEQUENTIAL_EXPERTS = {"fc1.weight": "mlp.experts.local_experts.{j}.linear_fc1.w
                        "fc2.weight": "mlp.experts.local_experts.{j}.linear_fc2.weight"}
 _SEQUENTIAL_EXPERT_EXTRA = ("mlp.experts.local_experts.{j}.linear_fc1._extra_state",
                             "mlp.experts.local_experts.{j}.linear_fc2._extra_state")
+# TEGroupedMLP (--moe-grouped-gemm with Transformer Engine): one TE GroupedLinear per fc, local expert j's
+# weight under `weight{j}`, each laid out as a linear layer's [out / TP, in] (fc1: [gate_r; up_r] when gated).
+_TE_GROUPED_EXPERTS = {"fc1.weight": "mlp.experts.linear_fc1.weight{j}",
+                       "fc2.weight": "mlp.experts.linear_fc2.weight{j}"}
 _SHARED_EXTRA = ("mlp.shared_experts.linear_fc1._extra_state", "mlp.shared_experts.linear_fc2._extra_state")
 _MCORE_GLOBALS = {
     "word": "embedding.word_embeddings.weight", "pos": "embedding.position_embeddings.weight",
@@ -164,7 +169,12 @@ DIALECTS: Dict[str, Dialect] = {d.name: d for d in [
             layer=_MCORE_TE_LAYER, head_copy="output_layer.weight",
             extra_state=_MCORE_EXTRA + ("self_attention.core_attention._extra_state",),
             extra_state_value="empty_bytes", global_extra_state=("output_layer._extra_state",),
-            legacy_models=False, transformer_impl="transformer_engine", param_order=_MCORE_TE_PARAM_ORDER),
+            legacy_models=False, transformer_impl="transformer_engine", param_order=_MCORE_TE_PARAM_ORDER,
+            # MoE layers keep a separate pre_mlp_layernorm (no fc1 to fuse it into); experts are read in
+            # both module forms, never written (no Transformer Engine here to check the output against)
+            moe_layer=dict(_MCORE_MOE_LAYER, **{"mlp_norm.weight": "pre_mlp_layernorm.weight",
+                                                "mlp_norm.bias": "pre_mlp_layernorm.bias"}),
+            experts=(_TE_GROUPED_EXPERTS, _SEQUENTIAL_EXPERTS), moe_writable=False),
 ]}
 
 
