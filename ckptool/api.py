@@ -283,7 +283,7 @@ def from_hf(src, dst, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep
             true_vocab_size: Optional[int] = None, progress: Optional[Progress] = None,
             warn: Optional[Warn] = None) -> ConversionResult:
     """Convert a Hugging Face GPT-2 / Llama / Mistral / Qwen2 / Qwen3 directory into a Megatron torch-format
-    checkpoint at tp / pp (/ vpp, pp_layers), as `ckptool from-hf`. The vocabulary is padded for tp
+    checkpoint at tp / pp (/ vpp, pp_layers; ep for MoE models), as `ckptool from-hf`. The vocabulary is padded for tp
     as Megatron pads it (make_vocab_size_divisible_by, default 128); true_vocab_size overrides
     config.json's vocab_size. Other options as for merge()."""
     from .formats import hf as hf_reader
