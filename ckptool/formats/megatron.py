@@ -341,6 +341,8 @@ def _refuse_expert_tp(first_tree, it_dir: Path) -> None:
     """Expert TP other than TP is not read yet. (Its torch-format saves are sparse: at TP2 ETP1 EP2 only the
     ranks of expert-data-parallel rank 0, (tp 0, ep 0) and (tp 1, ep 1), write files.)"""
     args = first_tree.get("args") if isinstance(first_tree, dict) else None
+    if not getattr(args, "num_experts", None):
+        return  # dense: Megatron-LM's args carry an expert TP size whatever the model
     tp = getattr(args, "tensor_model_parallel_size", None)
     etp = getattr(args, "expert_tensor_parallel_size", None)
     require(etp in (None, tp), f"{it_dir}: expert tensor parallelism {etp} differs from tensor parallelism {tp}",

@@ -179,7 +179,7 @@ def moe_from_args(args, num_layers: int, ffn: int) -> Optional[MoE]:
 def moe_args(moe: Optional[MoE], num_layers: int, layout: Layout) -> Dict[str, Any]:
     """The MoE flags of a run that computes moe (the inverse of moe_from_args), at layout's EP."""
     if moe is None:
-        return dict(num_experts=None, expert_model_parallel_size=1)
+        return {}
     if moe.score_function == "softmax":
         pre_softmax = not moe.topk_norm
     else:
@@ -262,6 +262,11 @@ def args_for_target(source_args, cfg: GPTConfig, layout: Layout, padded_rows: in
         fp16=dtype == torch.float16, bf16=dtype == torch.bfloat16,
     )
     updates.update(moe_args(cfg.moe, cfg.num_layers, layout))
+    # a dense run's args may still carry the expert sizes (Megatron-LM defaults them): keep them consistent
+    if cfg.moe is None and getattr(args, "expert_tensor_parallel_size", None) is not None:
+        updates["expert_tensor_parallel_size"] = layout.tp
+    if cfg.moe is None and getattr(args, "expert_model_parallel_size", None) is not None:
+        updates["expert_model_parallel_size"] = 1
     if cfg.vocab_size is not None and getattr(args, "vocab_size", None) is None:
         updates["vocab_size"] = cfg.vocab_size
     if cfg.activation == "gelu_tanh":
