@@ -271,6 +271,7 @@ class Layout:
 
     def local_experts(self, num_experts: int, ep_rank: int) -> range:
         """The global indices of the experts EP rank ep_rank holds (Megatron's contiguous blocks)."""
+        require(self.ep >= 1, f"--ep {self.ep}: the expert-parallel size is at least 1")
         require(num_experts % self.ep == 0, f"--ep {self.ep} does not divide the {num_experts} experts",
                 f"choose an EP size that divides {num_experts}")
         n = num_experts // self.ep

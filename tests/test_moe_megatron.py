@@ -153,6 +153,8 @@ def test_router_forms_no_hf_class_computes_are_refused(moe, tmp_path):
 
 
 def test_bad_layouts_and_formats_are_refused(moe, tmp_path):
+    with pytest.raises(CkptError, match="--ep 0: the expert-parallel size is at least 1"):
+        api.reshard(moe / "src", tmp_path / "a", tp=1, ep=0, warn=lambda m: None)
     with pytest.raises(CkptError, match="--ep 3 does not divide the 4 experts"):
         api.reshard(moe / "src", tmp_path / "a", tp=1, ep=3, warn=lambda m: None)
     with pytest.raises(CkptError, match="torch_dist output of MoE models is not supported"):
