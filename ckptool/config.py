@@ -225,6 +225,7 @@ class Layout:
     vpp: Optional[int] = None
     stage_layers: Optional[Sequence[int]] = None
     dp: int = 1
+    ep: int = 1  # expert parallelism: EP rank r holds experts r * E/EP .. (r + 1) * E/EP - 1 of each MoE layer
 
     def chunks(self, num_layers: int) -> list:
         """[(pp_rank, vpp_chunk, first_global_layer, layer_count)] in global layer order."""
@@ -262,9 +263,19 @@ class Layout:
         s = f"TP{self.tp} PP{self.pp}"
         if self.vpp:
             s += f" VPP{self.vpp}"
+        if self.ep > 1:
+            s += f" EP{self.ep}"
         if self.stage_layers:
             s += " layers/stage " + ",".join(map(str, self.stage_layers))
         return s
+
+    def local_experts(self, num_experts: int, ep_rank: int) -> range:
+        """The global indices of the experts EP rank ep_rank holds (Megatron's contiguous blocks)."""
+        require(self.ep >= 1, f"--ep {self.ep}: the expert-parallel size is at least 1")
+        require(num_experts % self.ep == 0, f"--ep {self.ep} does not divide the {num_experts} experts",
+                f"choose an EP size that divides {num_experts}")
+        n = num_experts // self.ep
+        return range(ep_rank * n, (ep_rank + 1) * n)
 
 
 def parse_stage_layers(text: Optional[str]) -> Optional[list]:

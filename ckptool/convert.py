@@ -24,7 +24,7 @@ def _megatron_writer(ckpt, out_dir, layout, **kw):
 
 
 WRITERS["torch"] = _megatron_writer
-# writers that take rank_filter(tp, pp) and so can share one output among torchrun ranks
+# writers that take rank_filter(tp, pp, ep) and so can share one output among torchrun ranks
 SHARED_WRITERS = {"torch"}
 
 
@@ -74,7 +74,7 @@ def write_layout(ckpt: Checkpoint, dst, layout: Layout, fmt: Optional[str] = Non
         if fmt in SHARED_WRITERS:  # warnings once, from the rank that owns item 0
             return WRITERS[fmt](ckpt, tmp, layout, progress=progress,
                                 warn=warn if owns(0) else (lambda m: None),
-                                rank_filter=lambda t, p: owns(p * layout.tp + t), **kw)
+                                rank_filter=lambda t, p, e: owns((p * layout.ep + e) * layout.tp + t), **kw)
         if owns(0):  # a writer that cannot share: one rank writes it all
             return WRITERS[fmt](ckpt, tmp, layout, progress=progress, warn=warn, **kw)
         return None
@@ -84,17 +84,21 @@ def write_layout(ckpt: Checkpoint, dst, layout: Layout, fmt: Optional[str] = Non
     return summary
 
 
+# target formats whose writer places MoE experts (router, experts by expert-parallel rank); the others know
+# dense MLPs only, and an MoE model must never reach them, or its experts would be left out of a
+# complete-looking output.
+MOE_WRITERS = {"torch"}
+
+
 def refuse_moe(ckpt: Checkpoint, fmt: str) -> None:
-    """The Megatron writers know dense MLPs only: an MoE model must never reach them, or its experts
-    would be left out of a complete-looking output."""
     moe = ckpt.config.moe
     if ckpt.config.mla is not None:
         raise CkptError(f"Multi-Latent Attention: Megatron {fmt} output of MLA models is not supported yet",
                         "use to-hf for DeepSeek-style models")
-    if moe is not None:
+    if moe is not None and fmt not in MOE_WRITERS:
         raise CkptError(f"MoE layers ({moe.num_experts} experts, top-{moe.top_k}, in {len(moe.layers)} of "
-                        f"{ckpt.config.num_layers} layers): Megatron {fmt} output with expert parallelism is "
-                        "not supported yet", "use to-hf for MoE models")
+                        f"{ckpt.config.num_layers} layers): Megatron {fmt} output of MoE models is not supported yet",
+                        "write --format torch (expert parallelism with --ep), or use to-hf")
 
 
 def _add_files_and_bytes(parts: list) -> dict:

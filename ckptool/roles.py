@@ -13,9 +13,14 @@ the maths shared by all of them:
 Canonical names (state.py documents them): embed.word, embed.pos, layers.{i}.attn_norm.*,
 layers.{i}.attn.{q,k,v}.*, layers.{i}.attn.{q_norm,k_norm}.*, layers.{i}.attn.out.*,
 layers.{i}.mlp_norm.*, layers.{i}.mlp.{gate,up,down}.*, final_norm.*, output.weight.
+
+MoE layers add an expert axis as a role prefix (MLP_SCOPES): role `experts.{e}.fc1.weight` is fc1 of
+global expert e (canonical layers.{i}.mlp.experts.{e}.{gate,up}.weight), `shared.fc2.weight` the shared
+expert's fc2; a scoped role is sharded by its base role's rule (experts' TP is Megatron's expert TP).
 """
 from __future__ import annotations
 
+import re
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -48,7 +53,20 @@ ROLE_RULES: Dict[str, Rule] = {
     "fc1.bias": Rule.COLUMN,
     "fc2.weight": Rule.ROW,
     "fc2.bias": Rule.REPLICATED,
+    "router.weight": Rule.REPLICATED,
+    "router.bias": Rule.REPLICATED,
+    "router.expert_bias": Rule.REPLICATED,
+    "shared_gate.weight": Rule.REPLICATED,
 }
+
+# MLP scopes of MoE layers: role prefix (regex, its group the global expert) -> canonical prefix. The
+# unscoped roles are the dense MLP's, under "mlp.". Scoped roles use the MLP roles fc1/fc2 underneath.
+MLP_SCOPES = ((re.compile(r"^experts\.(\d+)\.(.+)$"), "mlp.experts.{}."),
+              (re.compile(r"^shared\.()(.+)$"), "mlp.shared."))
+# roles an MoE layer holds in place of the dense MLP, in megatron-core's parameter order (experts between)
+MOE_ROUTER_ROLES = ("router.weight", "router.bias", "router.expert_bias")
+MOE_EXPERT_ROLES = ("fc1.weight", "fc2.weight")
+MOE_SHARED_ROLES = ("shared_gate.weight", "shared.fc1.weight", "shared.fc2.weight")  # gate_weight registered first
 
 # Global (non-layer) roles and their canonical names.
 GLOBAL_ROLES = {
@@ -73,12 +91,38 @@ LAYER_SIMPLE = {
     "mlp_norm.bias": "mlp_norm.bias",
     "fc2.weight": "mlp.down.weight",
     "fc2.bias": "mlp.down.bias",
+    "router.weight": "mlp.router.weight",
+    "router.bias": "mlp.router.bias",
+    "router.expert_bias": "mlp.router.expert_bias",
+    "shared_gate.weight": "mlp.shared_gate.weight",
 }
 
-LAYER_ROLES = tuple(r for r in ROLE_RULES if r not in GLOBAL_ROLES)
+LAYER_ROLES = tuple(r for r in ROLE_RULES if r not in GLOBAL_ROLES and not r.startswith(("router.", "shared_gate")))
+
+
+def scope_of(role: str) -> Tuple[str, str]:
+    """(canonical MLP prefix, base role): ("mlp.experts.3.", "fc1.weight") for experts.3.fc1.weight;
+    ("mlp.", role) for every unscoped role."""
+    for pattern, prefix in MLP_SCOPES:
+        m = pattern.match(role)
+        if m:
+            return prefix.format(m.group(1)), m.group(2)
+    return "mlp.", role
+
+
+def expert_role(e: int, base: str) -> str:
+    return f"experts.{e}.{base}"
+
+
+def moe_layer_roles(cfg: GPTConfig, experts) -> List[str]:
+    """An MoE layer's roles after the attention and mlp_norm, for the given global experts, in order."""
+    roles = [r for r in MOE_ROUTER_ROLES]
+    roles += [expert_role(e, base) for e in experts for base in MOE_EXPERT_ROLES]
+    return roles + list(MOE_SHARED_ROLES)
 
 
 def rule_for(role: str, cfg: GPTConfig) -> Rule:
+    _, role = scope_of(role)
     if role.startswith("fc1.") and cfg.gated:
         return Rule.GATED
     return ROLE_RULES[role]
@@ -131,8 +175,9 @@ def assemble(cfg: GPTConfig, shards: Dict[Tuple[str, Optional[int]], List[LazyTe
             out[GLOBAL_ROLES[role]] = merged
             continue
         prefix = f"layers.{layer}."
+        mlp, role = scope_of(role)
         if role in LAYER_SIMPLE:
-            out[prefix + LAYER_SIMPLE[role]] = merged
+            out[prefix + LAYER_SIMPLE[role].replace("mlp.", mlp, 1)] = merged
         elif role.startswith("qkv."):
             kind = role.split(".")[1]
             if merged.shape[0] != qkv_rows(cfg):
@@ -147,10 +192,10 @@ def assemble(cfg: GPTConfig, shards: Dict[Tuple[str, Optional[int]], List[LazyTe
             kind = role.split(".")[1]
             if cfg.gated:
                 half = merged.shape[0] // 2
-                out[f"{prefix}mlp.gate.{kind}"] = _mark_part(merged.narrow(0, 0, half), merged, 0)
-                out[f"{prefix}mlp.up.{kind}"] = _mark_part(merged.narrow(0, half, half), merged, 1)
+                out[f"{prefix}{mlp}gate.{kind}"] = _mark_part(merged.narrow(0, 0, half), merged, 0)
+                out[f"{prefix}{mlp}up.{kind}"] = _mark_part(merged.narrow(0, half, half), merged, 1)
             else:
-                out[f"{prefix}mlp.up.{kind}"] = merged
+                out[f"{prefix}{mlp}up.{kind}"] = merged
         else:  # pragma: no cover - table and code disagree
             raise CkptError(f"internal: no canonical mapping for role {role}")
     return out
@@ -180,8 +225,9 @@ def layer_role_tensor(tensors: Dict[str, LazyTensor], cfg: GPTConfig, layer: int
                       role: str) -> Optional[LazyTensor]:
     """The merged (TP=1) fused tensor for one layer role, or None when the model lacks it."""
     p = f"layers.{layer}."
+    mlp, role = scope_of(role)
     if role in LAYER_SIMPLE:
-        return tensors.get(p + LAYER_SIMPLE[role])
+        return tensors.get(p + LAYER_SIMPLE[role].replace("mlp.", mlp, 1))
     kind = role.split(".")[1]
     if role.startswith("qkv."):
         parts = [tensors.get(f"{p}attn.{x}.{kind}") for x in "qkv"]
@@ -195,9 +241,9 @@ def layer_role_tensor(tensors: Dict[str, LazyTensor], cfg: GPTConfig, layer: int
         return Derived(lambda q, k, v: fuse_qkv(q, k, v, cfg), parts, memo=True,
                        shape=cat_shape([p.shape for p in parts]), dtype=parts[0].dtype)
     if role.startswith("fc1."):
-        up = tensors.get(f"{p}mlp.up.{kind}")
+        up = tensors.get(f"{p}{mlp}up.{kind}")
         if cfg.gated:
-            gate = tensors.get(f"{p}mlp.gate.{kind}")
+            gate = tensors.get(f"{p}{mlp}gate.{kind}")
             if gate is None and up is None:
                 return None
             if gate is None or up is None:
@@ -212,12 +258,13 @@ def canonical_names(role: str, layer: Optional[int], cfg: GPTConfig) -> List[str
     if layer is None:
         return [GLOBAL_ROLES.get(role, "embed.word")]  # head_copy: the tied embedding again
     p = f"layers.{layer}."
+    mlp, role = scope_of(role)
     if role in LAYER_SIMPLE:
-        return [p + LAYER_SIMPLE[role]]
+        return [p + LAYER_SIMPLE[role].replace("mlp.", mlp, 1)]
     kind = role.split(".")[1]
     if role.startswith("qkv."):
         return [f"{p}attn.{x}.{kind}" for x in "qkv"]
-    return [f"{p}mlp.{x}.{kind}" for x in (("gate", "up") if cfg.gated else ("up",))]
+    return [f"{p}{mlp}{x}.{kind}" for x in (("gate", "up") if cfg.gated else ("up",))]
 
 
 def global_role_tensor(tensors: Dict[str, LazyTensor], role: str) -> Optional[LazyTensor]:

@@ -77,7 +77,7 @@ def test_inspect_text_and_json(fixture_dir):
     p = console("inspect", d / "checkpoint")
     assert "dialect mcore" in p.stdout and "TP2 PP2" in p.stdout and "rmsnorm" in p.stdout
     doc = json.loads(console("inspect", "--json", d / "checkpoint").stdout)
-    assert doc["format"] == "megatron" and doc["layout"] == {"tp": 2, "pp": 2, "vpp": None, "dp": 1,
+    assert doc["format"] == "megatron" and doc["layout"] == {"tp": 2, "pp": 2, "vpp": None, "dp": 1, "ep": 1,
                                                              "stage_layers": None}
     c = doc["config"]
     assert (c["num_query_groups"], c["vocab_size"], c["padded_vocab_size"]) == (2, 1000, 1024)

@@ -63,6 +63,8 @@ def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, force, **kw):
 @click.option("--tp", type=int, default=1, show_default=True, help="Target tensor-parallel size.")
 @click.option("--pp", type=int, default=1, show_default=True, help="Target pipeline-parallel size.")
 @click.option("--vpp", type=int, default=None, help="Virtual pipeline chunks per stage.")
+@click.option("--ep", type=int, default=1, show_default=True,
+              help="Target expert-parallel size (MoE models, torch format): EP rank r holds experts r*E/EP .. (r+1)*E/EP-1.")
 @click.option("--pp-layers", default=None, help="Layers per pipeline stage, comma separated, for an uneven split.")
 @click.option("--dialect", type=click.Choice(sorted(DIALECTS)), default="mcore", show_default=True,
               help="Megatron key-name dialect to write.")
@@ -78,8 +80,8 @@ def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, force, **kw):
 def from_hf_cmd(src, dst, **kw):
     """Convert a Hugging Face GPT-2 / Llama / Mistral / Qwen2 / Qwen3 directory into a Megatron checkpoint.
 
-    MoE and MLA models (Mixtral, Qwen-MoE, DeepSeek-V3) are refused: no expert-parallel Megatron
-    output yet (use to-hf). The vocabulary is padded for --tp as Megatron would pad it; args are written so Megatron can
+    MoE models (Mixtral, Qwen-MoE) are written with megatron-core's SequentialMLP experts at --ep
+    expert-parallel ranks; MLA models (DeepSeek-V3) are refused (use to-hf). The vocabulary is padded for --tp as Megatron would pad it; args are written so Megatron can
     load the result (weights only: use --finetune or --no-load-optim --no-load-rng).
     """
     live, bar = LiveWarnings(), Progress("from-hf")

@@ -35,7 +35,7 @@ def describe(ckpt: Checkpoint) -> dict:
         "release": src.release,
         "checkpoint_version": src.checkpoint_version,
         "layout": {"tp": src.layout.tp, "pp": src.layout.pp, "vpp": src.layout.vpp,
-                   "dp": src.layout.dp, "stage_layers": list(src.layout.stage_layers) if src.layout.stage_layers else None},
+                   "dp": src.layout.dp, "ep": src.layout.ep, "stage_layers": list(src.layout.stage_layers) if src.layout.stage_layers else None},
         "config": {
             "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
             "num_attention_heads": cfg.num_attention_heads, "num_query_groups": cfg.num_query_groups,

@@ -230,6 +230,7 @@ def parallel_target(target, opts, tp, pp, world, vpp=None) -> ParallelTarget:
     if looks_like_megatron(Path(target)):
         meta = read_layout(target, opts)
         cfg, layout, ckpt = meta
+        _dense_only(ckpt, target)
         require(tp in (None, layout.tp) and pp in (None, layout.pp) and vpp in (None, layout.vpp),
                 f"{target} is stored at {layout.describe()}; a torch-format checkpoint runs at the layout of "
                 "its files", f"drop --tp/--pp/--vpp, or reshard it first: ckptool reshard {target} DST --tp N --pp M")
@@ -238,11 +239,20 @@ def parallel_target(target, opts, tp, pp, world, vpp=None) -> ParallelTarget:
                               lambda t, p: rank_dir_name(t, p, layout.pp), False)
     if dist_format.looks_like(Path(target)):
         ckpt = dist_format.read(target, opts)  # metadata only: tensors are read per rank, sliced
+        _dense_only(ckpt, target)
         layout = dist_layout(ckpt, tp, pp, world, vpp)
         return ParallelTarget("torch_dist", ckpt, layout,
                               lambda t, p: slice_rank_shards(ckpt, layout, t, p), lambda t, p: None, True)
     raise CkptError(f"{target}: the parallel verify runs Megatron checkpoints (torch format mp_rank_* files "
                     "or torch_dist) and DeepSpeed saves", "run `ckptool verify` without torchrun for other formats")
+
+
+def _dense_only(ckpt, target) -> None:
+    """The parallel forward knows dense MLPs and grouped-query attention only: an MoE or MLA model's
+    experts / latents would be missing from its per-rank views."""
+    what = "MoE layers" if ckpt.config.moe is not None else "Multi-Latent Attention" if ckpt.config.mla else None
+    require(what is None, f"{target}: the parallel verify (under torchrun) does not run {what} yet",
+            "run `ckptool verify` without torchrun: the reference forward routes experts exactly")
 
 
 def deepspeed_target(target, opts, tp, pp, vpp) -> ParallelTarget:

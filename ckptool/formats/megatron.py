@@ -23,7 +23,8 @@ from ..errors import CkptError, require
 from ..io.torchfile import StreamingTorchWriter, load_torch_file, write_grouped
 from ..lazy import Const, Derived, LazyTensor
 from ..options import ReadOptions
-from ..roles import assemble, canonical_names, global_role_tensor, layer_role_tensor, shard_role, LAYER_ROLES
+from ..roles import (assemble, canonical_names, global_role_tensor, layer_role_tensor, moe_layer_roles, scope_of,
+                     shard_role, LAYER_ROLES)
 from ..sharding import ReplicaPolicy
 from ..state import (OPTIMIZER_SLOTS, PAD_FILL_BY_SLOT, WEIGHT, Checkpoint, OptimizerState, ParamGroup, SourceInfo,
                      in_model_order)
@@ -164,34 +165,33 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     opts = opts or ReadOptions()
     it_dir, iteration, release = resolve_iteration_dir(Path(path), opts.iteration)
     rank_dirs = _rank_dirs(it_dir)
-    ranks: Dict[Tuple[int, int], Path] = {}
-    for d in rank_dirs:
-        m = RANK_DIR.match(d.name)
-        if m.group(3) is not None:
-            raise CkptError(f"{d.name}: expert-parallel checkpoints are not supported",
-                            "ckptool converts dense GPT models")
-        ranks[(int(m.group(1)), int(m.group(2) or 0))] = d
-    tp = max(t for t, _ in ranks) + 1
-    pp = max(p for _, p in ranks) + 1
+    loaded = {d: load_torch_file(_model_file(d)) for d in rank_dirs}
+    ranks = _rank_coordinates(rank_dirs, loaded[rank_dirs[0]])
+    trees = {rk: loaded[d] for rk, d in ranks.items()}
+    tp = max(t for t, _, _ in ranks) + 1
+    pp = max(p for _, p, _ in ranks) + 1
+    ep = max(e for _, _, e in ranks) + 1
+    _refuse_expert_tp(loaded[rank_dirs[0]], it_dir)
     for t in range(tp):
         for p in range(pp):
-            if (t, p) not in ranks:
-                name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
-                raise CkptError(f"{it_dir}: missing rank directory {name} (have {len(ranks)} of {tp * pp})",
-                                "copy the complete checkpoint; every tensor/pipeline rank is needed")
-    trees = {rk: load_torch_file(_model_file(d)) for rk, d in ranks.items()}
-    first = trees[(0, 0)]
+            for e in range(ep):
+                if (t, p, e) not in ranks:
+                    raise CkptError(f"{it_dir}: missing rank directory {_rank_name(t, p, e, pp, ep)} "
+                                    f"(have {len(ranks)} of {tp * pp * ep})",
+                                    "copy the complete checkpoint; every tensor/pipeline/expert rank is needed")
+    first = trees[(0, 0, 0)]
     if not isinstance(first, dict) or not any(k == "model" or re.match(r"^model\d+$", str(k)) for k in first):
-        raise CkptError(f"{_model_file(ranks[(0, 0)])}: no 'model' entry", "not a Megatron checkpoint file")
+        raise CkptError(f"{_model_file(ranks[(0, 0, 0)])}: no 'model' entry", "not a Megatron checkpoint file")
     args = first.get("args")
     _check_args_agree(trees, ranks)
     if args is not None:
         want_tp = getattr(args, "tensor_model_parallel_size", None) or getattr(args, "model_parallel_size", None)
         want_pp = getattr(args, "pipeline_model_parallel_size", None) or 1
-        if want_tp and (want_tp, want_pp) != (tp, pp):
-            extra = "an extra rank directory" if tp * pp > want_tp * want_pp else "missing rank directories"
-            raise CkptError(f"{it_dir}: found {tp}x{pp} (TP x PP) rank directories but args say "
-                            f"{want_tp}x{want_pp}: {extra}",
+        want_ep = getattr(args, "expert_model_parallel_size", None) or 1
+        if want_tp and (want_tp, want_pp, want_ep) != (tp, pp, ep):
+            extra = "an extra rank directory" if tp * pp * ep > want_tp * want_pp * want_ep else "missing rank directories"
+            raise CkptError(f"{it_dir}: found {tp}x{pp}x{ep} (TP x PP x EP) rank directories but args say "
+                            f"{want_tp}x{want_pp}x{want_ep}: {extra}",
                             "remove stray mp_rank_* directories or copy the missing ones")
     version = float(first.get("checkpoint_version", 0) or 0)
     if version not in (0.0, 1.0, 2.0, 3.0):
@@ -209,7 +209,7 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                 if m:
                     chunks[int(m.group(1))] = flatten(tree[k])
         models[rk] = chunks
-    vpp = len(models[(0, 0)])
+    vpp = len(models[(0, 0, 0)])
     all_keys = {k for chunks in models.values() for c in chunks.values() for k in c}
     dialect = detect_dialect(all_keys)
     if dialect.qkv_version0_only:
@@ -224,7 +224,7 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
 
     # Layers per (pp, chunk) from the keys, then global offsets in Megatron's order (chunk-major).
     counts: Dict[Tuple[int, int], int] = {}
-    for (t, p), chunks in models.items():
+    for (t, p, _), chunks in models.items():
         for v, flat in chunks.items():
             idx = [m[1] for m in (matcher.match(k) for k in flat) if m and m[1] is not None]
             n = max(idx) + 1 if idx else 0
@@ -238,12 +238,15 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
             first_layer += counts.get((p, v), 0)
     num_layers = first_layer
 
-    # Each rank's parameters in file order, which is the order Megatron built its optimizer from.
-    params: Dict[Tuple[int, int], List[RankParam]] = {}
-    for (t, p), chunks in models.items():
-        params[(t, p)] = [RankParam(key, hit[0], None if hit[1] is None else offsets[(p, v)] + hit[1], value, v)
-                          for v in sorted(chunks) for key, value in chunks[v].items()
-                          for hit in [matcher.match(key)] if hit is not None and isinstance(value, LazyTensor)]
+    # Each rank's parameters in file order, which is the order Megatron built its optimizer from; an
+    # expert's local index j on EP rank e is global expert e * (experts per rank) + j.
+    per_ep = max(_local_expert_count(chunks, matcher) for chunks in models.values())  # a stage may be all dense
+    params: Dict[Tuple[int, int, int], List[RankParam]] = {}
+    for (t, p, e), chunks in models.items():
+        params[(t, p, e)] = [RankParam(key, _global_expert(hit[0], e, per_ep),
+                                       None if hit[1] is None else offsets[(p, v)] + hit[1], value, v)
+                             for v in sorted(chunks) for key, value in chunks[v].items()
+                             for hit in [matcher.match(key)] if hit is not None and isinstance(value, LazyTensor)]
     shards, head_copy = _role_shards({rk: [x.weight for x in ps] for rk, ps in params.items()}, params, tp)
     for (role, layer), parts in shards.items():
         if any(x is None for x in parts):
@@ -255,6 +258,7 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
         raise CkptError(f"{it_dir}: no word embeddings found", "the first pipeline stage is missing or not a GPT model")
     stored_rows = sum(p.shape[0] for p in word)
     cfg = _config(args, dialect, shards, num_layers, tp, stored_rows, opts, version)
+    _check_experts(cfg, shards, per_ep, ep, it_dir)
     layer_note = None
     if dialect.name.startswith("mcore"):
         cfg, layer_note = megatron_args.as_megatron_core_computes(cfg)
@@ -280,7 +284,7 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     if not cfg.tied_embeddings and "output.weight" not in tensors and head_copy is not None:
         tensors["output.weight"] = head_copy
     optimizer = _read_optimizer(trees, ranks, params, tp, args, cfg, canonical, warnings) if opts.optimizer else None
-    layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None,
+    layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, ep=ep,
                     stage_layers=None if vpp > 1 or len({counts[(p, 0)] for p in range(pp)}) == 1
                     else [counts[(p, 0)] for p in range(pp)])
     info = SourceInfo(path=str(path), format="megatron", dialect=dialect.name, layout=layout,
@@ -298,13 +302,94 @@ def _role_shards(values: Dict[Tuple[int, int], List[LazyTensor]], params: Dict[T
     stage's copy of the tied embedding (role head_copy), kept apart."""
     shards: Dict[Tuple[str, Optional[int]], List[Optional[LazyTensor]]] = defaultdict(lambda: [None] * tp)
     head_copy = None
-    for (t, p), ps in params.items():
-        for param, value in zip(ps, values[(t, p)]):
+    for rk in sorted(params):  # expert-parallel ranks in order: the dense part is taken from EP rank 0
+        t = rk[0]
+        for param, value in zip(params[rk], values[rk]):
             if param.role == "head_copy":
-                head_copy = value
-            else:
+                head_copy = head_copy if head_copy is not None else value
+            elif shards[(param.role, param.layer)][t] is None:
                 shards[(param.role, param.layer)][t] = value
     return shards, head_copy
+
+
+def _rank_name(t: int, p: int, e: int, pp: int, ep: int) -> str:
+    """Megatron-LM's rank directory: mp_rank_TT, then _PPP with pipeline parallelism, then _EEE with
+    expert parallelism (megatron/training/checkpointing.py get_checkpoint_name)."""
+    return f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
+
+
+def _rank_coordinates(rank_dirs: List[Path], first_tree) -> Dict[Tuple[int, int, int], Path]:
+    """{(tp, pp, ep): dir}. mp_rank_TT_NNN is a pipeline rank unless the run's args say it was expert-
+    parallel without pipeline parallelism (the names alone cannot tell)."""
+    args = first_tree.get("args") if isinstance(first_tree, dict) else None
+    ep_only = (getattr(args, "expert_model_parallel_size", None) or 1) > 1 and \
+        (getattr(args, "pipeline_model_parallel_size", None) or 1) == 1
+    out = {}
+    for d in rank_dirs:
+        nums = [int(g) for g in RANK_DIR.match(d.name).groups() if g is not None]
+        if len(nums) == 3:
+            rk = tuple(nums)
+        elif len(nums) == 2:
+            rk = (nums[0], 0, nums[1]) if ep_only else (nums[0], nums[1], 0)
+        else:
+            rk = (nums[0], 0, 0)
+        out[rk] = d
+    return out
+
+
+def _refuse_expert_tp(first_tree, it_dir: Path) -> None:
+    """Expert TP other than TP is not read yet. (Its torch-format saves are sparse: at TP2 ETP1 EP2 only the
+    ranks of expert-data-parallel rank 0, (tp 0, ep 0) and (tp 1, ep 1), write files.)"""
+    args = first_tree.get("args") if isinstance(first_tree, dict) else None
+    if not getattr(args, "num_experts", None):
+        return  # dense: Megatron-LM's args carry an expert TP size whatever the model
+    tp = getattr(args, "tensor_model_parallel_size", None)
+    etp = getattr(args, "expert_tensor_parallel_size", None)
+    require(etp in (None, tp), f"{it_dir}: expert tensor parallelism {etp} differs from tensor parallelism {tp}",
+            "checkpoints with --expert-tensor-parallel-size different from --tensor-model-parallel-size are not read yet")
+
+
+def _local_expert_count(chunks: Dict[int, Dict[str, object]], matcher: KeyMatcher) -> int:
+    """Experts per MoE layer in one rank's file (0 for a dense model)."""
+    locals_ = {(v, hit[1], int(hit[0].split(".")[1])) for v, flat in chunks.items() for k in flat
+               for hit in [matcher.match(k)] if hit is not None and hit[0].startswith("experts.")}
+    per_layer: Dict[Tuple[int, int], int] = defaultdict(int)
+    for v, layer, _ in locals_:
+        per_layer[(v, layer)] += 1
+    return max(per_layer.values(), default=0)
+
+
+def _global_expert(role: str, ep_rank: int, per_ep: int) -> str:
+    if not role.startswith("experts."):
+        return role
+    _, j, base = role.split(".", 2)
+    return f"experts.{ep_rank * per_ep + int(j)}.{base}"
+
+
+def _check_experts(cfg: GPTConfig, shards, per_ep: int, ep: int, it_dir: Path) -> None:
+    """The files hold exactly the experts the args describe, each MoE layer all of them, nothing else."""
+    moe = cfg.moe
+    held = {(layer, int(role.split(".")[1])) for role, layer in shards if role.startswith("experts.")}
+    if moe is None:
+        require(not held, f"{it_dir}: the files hold MoE experts but the args describe a dense model",
+                "the args are missing --num-experts; the checkpoint cannot be read as it is")
+        return
+    require(per_ep * ep == moe.num_experts,
+            f"{it_dir}: {ep} expert-parallel ranks x {per_ep} experts each, but the args say {moe.num_experts} experts",
+            "the rank files do not belong to one checkpoint")
+    for (role, layer), parts in shards.items():  # each expert's fc1 rows over the TP ranks: the expert's FFN
+        if role.startswith("experts.") and role.endswith("fc1.weight"):
+            rows = sum(p.shape[0] for p in parts if p is not None)
+            want_rows = moe.ffn_hidden_size * (2 if cfg.gated else 1)
+            require(rows == want_rows, f"{it_dir}: layer {layer} {role} has {rows} rows over the TP ranks, "
+                    f"expected {want_rows} for the expert FFN size {moe.ffn_hidden_size}",
+                    "the args' --moe-ffn-hidden-size or expert tensor parallelism do not match the files")
+    want = {(i, e) for i in moe.layers for e in range(moe.num_experts)}
+    missing, extra = sorted(want - held), sorted(held - want)
+    require(not missing and not extra,
+            f"{it_dir}: expert weights of (layer, expert) {(missing or extra)[:3]} are "
+            f"{'missing' if missing else 'in layers the args say are dense'}",
+            "check --moe-layer-freq in the args, or copy the complete checkpoint")
 
 
 def _read_optimizer(trees, ranks, params, tp, args, cfg, canonical, warnings) -> Optional[OptimizerState]:
@@ -322,7 +407,11 @@ def _read_optimizer(trees, ranks, params, tp, args, cfg, canonical, warnings) ->
         if why:
             warnings.append(f"optimizer state dropped: {why}; the output holds the weights only")
             return None
-    pp = max(p for _, p in ranks) + 1
+    pp = max(p for _, p, _ in ranks) + 1
+    if max(e for _, _, e in ranks) > 0 and megatron_distopt.uses_distributed_optimizer(ranks[(0, 0, 0)], args):
+        warnings.append("optimizer state dropped: the distributed optimizer's expert-parallel buffers are not "
+                        "read yet; the output holds the weights only")
+        return None
     per_rank = {rk: _read_rank_optimizer(tree, ranks[rk], params[rk], args, cfg, pp, rk[1])
                 for rk, tree in trees.items()}
     if all(r is None for r in per_rank.values()):
@@ -345,13 +434,13 @@ def _read_optimizer(trees, ranks, params, tp, args, cfg, canonical, warnings) ->
                 names[g] += [n for n in canonical_names(param.role, param.layer, cfg) if n not in names[g]]
     steps = {r.step for r in per_rank.values()}
     require(len(steps) == 1, f"{where}: ranks were stepped {sorted(map(str, steps))} times", megatron_optim.HINT)
-    first = trees[(0, 0)]
-    distributed = megatron_distopt.uses_distributed_optimizer(ranks[(0, 0)], args)
+    first = trees[(0, 0, 0)]
+    distributed = megatron_distopt.uses_distributed_optimizer(ranks[(0, 0, 0)], args)
     return OptimizerState(
         kind="megatron-distributed" if distributed else "megatron" if "master" in slots else "megatron-fp32",
         slots=slots, step=steps.pop(),
         param_groups=[ParamGroup(n, h) for n, h in zip(names, hypers)],
-        grad_scaler=per_rank[(0, 0)].grad_scaler,
+        grad_scaler=per_rank[(0, 0, 0)].grad_scaler,
         scheduler=first.get("opt_param_scheduler", first.get("lr_scheduler")),
         consumed_samples=getattr(args, "consumed_train_samples", None))
 
@@ -375,20 +464,21 @@ def _any_value(models, key):
 
 
 def _check_args_agree(trees, ranks) -> None:
-    fields = ("num_layers", "hidden_size", "num_attention_heads", "tensor_model_parallel_size",
+    fields = ("num_layers", "hidden_size", "num_attention_heads", "tensor_model_parallel_size", "num_experts",
+              "expert_model_parallel_size",
               "pipeline_model_parallel_size", "padded_vocab_size", "ffn_hidden_size")
-    ref = trees[(0, 0)].get("args")
+    ref = trees[(0, 0, 0)].get("args")
     for rk, tree in trees.items():
         a = tree.get("args")
         if (a is None) != (ref is None):
-            raise CkptError(f"{ranks[rk].name} stores args but {ranks[(0, 0)].name} does not (or the reverse)",
+            raise CkptError(f"{ranks[rk].name} stores args but {ranks[(0, 0, 0)].name} does not (or the reverse)",
                             "the rank files do not belong to one checkpoint")
         if a is None:
             continue
         for f in fields:
             if getattr(a, f, None) != getattr(ref, f, None):
                 raise CkptError(f"args disagree across ranks: {f} is {getattr(a, f, None)} in {ranks[rk].name} "
-                                f"but {getattr(ref, f, None)} in {ranks[(0, 0)].name}",
+                                f"but {getattr(ref, f, None)} in {ranks[(0, 0, 0)].name}",
                                 "the rank files come from different runs")
 
 
@@ -454,6 +544,18 @@ def _check_dialect_fits(d: Dialect, cfg: GPTConfig, layout: Layout) -> None:
         raise CkptError("qk_layernorm exists only in megatron-core models", "choose --dialect mcore")
     if d.name.startswith("mcore"):
         megatron_args.refuse_what_megatron_core_ignores(cfg, "choose --dialect legacy or legacy-norm")
+    if cfg.moe is None:
+        require(layout.ep == 1, f"--ep {layout.ep}: the model has no MoE layers to spread over expert-parallel ranks",
+                "drop --ep")
+        return
+    require(bool(d.experts) and d.moe_writable, f"the {d.name} dialect has no place for MoE experts",
+            "choose --dialect mcore (megatron-core's local spec, SequentialMLP experts)")
+    require(not cfg.add_bias_linear, "MoE experts with linear biases (--add-bias-linear) are not written yet",
+            "convert to Hugging Face with to-hf, or keep the source layout")
+    layout.local_experts(cfg.moe.num_experts, 0)  # EP divides the experts
+    for size, what in ((cfg.moe.ffn_hidden_size, "expert FFN size"), (cfg.moe.shared_ffn_hidden_size, "shared-expert FFN size")):
+        require(size % layout.tp == 0, f"--tp {layout.tp} does not divide the {what} {size}",
+                "choose a TP size that divides it (expert TP is written equal to TP)")
 
 
 def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Optional[str] = None,
@@ -461,7 +563,7 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
                    release: Optional[bool] = None, divisible_by: Optional[int] = None,
                    pad_fill: str = "zero", iteration: Optional[int] = None,
                    progress: Optional[Callable[[int], None]] = None, warn=print,
-                   rank_filter: Optional[Callable[[int, int], bool]] = None, optimizer: bool = True,
+                   rank_filter: Optional[Callable[[int, int, int], bool]] = None, optimizer: bool = True,
                    distributed_optimizer: bool = False, dp: int = 1) -> dict:
     """Write ckpt as a Megatron torch-format checkpoint with the given layout into out_dir.
 
@@ -470,7 +572,11 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
     with distributed_optimizer, a distrib_optim.pt beside each rank file holds it instead, laid out for
     a run at data-parallel size dp (megatron_distopt.py).
 
-    Returns a summary dict (files, bytes, padded vocab, iteration dir). rank_filter(tp, pp) lets a
+    MoE models are written at layout.ep expert-parallel ranks (expert TP = TP): one file per (TP, PP, EP)
+    rank, in mp_rank_TT[_PPP][_EEE], holding the dense part and that EP rank's experts under their local
+    index, as Megatron-LM saves them.
+
+    Returns a summary dict (files, bytes, padded vocab, iteration dir). rank_filter(tp, pp, ep) lets a
     distributed run write only its share of the files.
     """
     cfg = ckpt.config
@@ -510,6 +616,12 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
     if out_dtype is None:
         out_dtype = next(iter(tensors.values())).dtype
     train = _TrainingState.for_target(ckpt, tensors, cfg, rows, out_dtype) if optimizer else None
+    if train is not None and cfg.moe is not None and layout.ep > 1:
+        # at EP > 1 megatron-core saves [dense optimizer, expert optimizer] (a ChainedOptimizer's list);
+        # one state dict would not load there
+        warn("optimizer state dropped: at EP > 1 megatron-core keeps the experts in a second (chained) "
+             "optimizer, which ckptool does not write yet; the output holds the weights only")
+        train = None
     if train is not None and train.weights_from_masters:
         tensors = train.slots["master"]  # fp32 training: the fp32 masters are the weights
     args = None
@@ -539,70 +651,83 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
 
     last_pp = layout.pp - 1
     vpp = layout.vpp or 1
-    for p in range(layout.pp):
+    for p, t, e in [(p, t, e) for p in range(layout.pp) for e in range(layout.ep) for t in range(layout.tp)]:
         stage_chunks = [c for c in chunks if c[0] == p]
-        for t in range(layout.tp):
-            if rank_filter and not rank_filter(t, p):
-                continue
-            file_obj: dict = {}
-            params: list = []  # (role, layer, slot -> full tensor, streaming group, key) in parameter order
-            param_chunks: list = []  # the model chunk of each
+        if rank_filter and not rank_filter(t, p, e):
+            continue
+        file_obj: dict = {}
+        params: list = []  # (role, layer, slot -> full tensor, streaming group, key) in parameter order
+        param_chunks: list = []  # the model chunk of each
 
-            def put(flat, key, role, layer, full_of, group):
-                flat[key] = shard(role, full_of("weight"), t, group)
-                params.append((role, layer, full_of, group, key))
-                param_chunks.append(v)
+        def put(flat, key, role, layer, full_of, group):
+            flat[key] = shard(role, full_of("weight"), t, group)
+            params.append((role, layer, full_of, group, key))
+            param_chunks.append(v)
 
-            for (_, v, first, count) in stage_chunks:
-                flat: Dict[str, object] = {}
-                if p == 0 and v == 0:
-                    for role in ("word", "pos"):
-                        if global_role_tensor(tensors, role) is not None:
-                            put(flat, d.globals[role], role, None, _global_of(tensors, train, role), -1)
-                for local in range(count):
-                    g = first + local
-                    prefix = d.layer_prefix.format(i=local)
-                    for role in layer_roles:
-                        if layer_role_tensor(tensors, cfg_out, g, role) is None:
-                            continue
-                        if role not in d.layer:
-                            raise CkptError(f"the {d.name} dialect has no place for {role} tensors",
-                                            "choose --dialect mcore")
-                        put(flat, prefix + d.layer[role], role, g, _layer_of(tensors, train, cfg_out, g, role), g)
-                    for extra in d.extra_state:
+        for (_, v, first, count) in stage_chunks:
+            flat: Dict[str, object] = {}
+            if p == 0 and v == 0:
+                for role in ("word", "pos"):
+                    if global_role_tensor(tensors, role) is not None:
+                        put(flat, d.globals[role], role, None, _global_of(tensors, train, role), -1)
+            for local in range(count):
+                g = first + local
+                prefix = d.layer_prefix.format(i=local)
+                for role in layer_roles:
+                    if layer_role_tensor(tensors, cfg_out, g, role) is None:
+                        continue
+                    if role not in d.layer:
+                        raise CkptError(f"the {d.name} dialect has no place for {role} tensors",
+                                        "choose --dialect mcore")
+                    put(flat, prefix + d.layer[role], role, g, _layer_of(tensors, train, cfg_out, g, role), g)
+                moe_layer = cfg_out.is_moe_layer(g)
+                if moe_layer:
+                    experts = layout.local_experts(cfg_out.moe.num_experts, e)
+                    for role in moe_layer_roles(cfg_out, experts):
+                        if layer_role_tensor(tensors, cfg_out, g, role) is not None:
+                            put(flat, prefix + _moe_key(d, role, experts.start), role, g,
+                                _layer_of(tensors, train, cfg_out, g, role), g)
+                    for j in range(len(experts)):
+                        for extra in d.expert_extra_state:
+                            flat[prefix + extra.format(j=j)] = _extra_state_value(d)
+                    if cfg_out.moe.shared_ffn_hidden_size:
+                        for extra in d.shared_extra_state:
+                            flat[prefix + extra] = _extra_state_value(d)
+                for extra in d.extra_state:  # an MoE layer has no dense MLP, nor its extra state
+                    if not (moe_layer and extra.startswith("mlp.")):
                         flat[prefix + extra] = _extra_state_value(d)
-                if p == last_pp and v == vpp - 1:
-                    for role in ("final_norm.weight", "final_norm.bias"):
-                        if global_role_tensor(tensors, role) is not None:
-                            put(flat, d.globals[role], role, None, _global_of(tensors, train, role), cfg.num_layers)
-                    if not cfg.tied_embeddings:
-                        put(flat, d.globals["output"], "output", None, _global_of(tensors, train, "output"),
-                            cfg.num_layers)
-                    elif layout.pp > 1 and d.head_copy:  # a parameter of its own, kept in sync by Megatron
-                        put(flat, d.head_copy, "word", None, _global_of(tensors, train, "word"), cfg.num_layers)
-                    if (not cfg.tied_embeddings or layout.pp > 1):
-                        for extra in d.global_extra_state:
-                            flat[extra] = _extra_state_value(d)
-                model = unflatten(flat) if d.nested else flat
-                file_obj["model" if vpp == 1 else f"model{v}"] = model
-            top: dict = {}
-            if args is not None:
-                top["args"] = args
-            if version:  # version 0 checkpoints predate the key
-                top["checkpoint_version"] = version
-            top["iteration"] = iteration
-            top.update(file_obj)
-            param_state = None
-            if distributed is not None:
-                entries, param_state = distributed.rank_entries(train, params, param_chunks, t, shard, cfg)
-                top.update(entries)
-            elif train is not None:
-                top.update(train.rank_entries(params, t, shard, cfg))
-            rank_name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if layout.pp > 1 else "")
-            (it_dir / rank_name).mkdir(exist_ok=True)
-            writers.append(StreamingTorchWriter(it_dir / rank_name / "model_optim_rng.pt", top))
-            if param_state is not None:
-                writers.append(StreamingTorchWriter(it_dir / rank_name / megatron_distopt.FILE, param_state))
+            if p == last_pp and v == vpp - 1:
+                for role in ("final_norm.weight", "final_norm.bias"):
+                    if global_role_tensor(tensors, role) is not None:
+                        put(flat, d.globals[role], role, None, _global_of(tensors, train, role), cfg.num_layers)
+                if not cfg.tied_embeddings:
+                    put(flat, d.globals["output"], "output", None, _global_of(tensors, train, "output"),
+                        cfg.num_layers)
+                elif layout.pp > 1 and d.head_copy:  # a parameter of its own, kept in sync by Megatron
+                    put(flat, d.head_copy, "word", None, _global_of(tensors, train, "word"), cfg.num_layers)
+                if (not cfg.tied_embeddings or layout.pp > 1):
+                    for extra in d.global_extra_state:
+                        flat[extra] = _extra_state_value(d)
+            model = unflatten(flat) if d.nested else flat
+            file_obj["model" if vpp == 1 else f"model{v}"] = model
+        top: dict = {}
+        if args is not None:
+            top["args"] = args
+        if version:  # version 0 checkpoints predate the key
+            top["checkpoint_version"] = version
+        top["iteration"] = iteration
+        top.update(file_obj)
+        param_state = None
+        if distributed is not None:
+            entries, param_state = distributed.rank_entries(train, params, param_chunks, t, shard, cfg)
+            top.update(entries)
+        elif train is not None:
+            top.update(train.rank_entries(params, t, shard, cfg))
+        rank_name = _rank_name(t, p, e, layout.pp, layout.ep)
+        (it_dir / rank_name).mkdir(exist_ok=True)
+        writers.append(StreamingTorchWriter(it_dir / rank_name / "model_optim_rng.pt", top))
+        if param_state is not None:
+            writers.append(StreamingTorchWriter(it_dir / rank_name / megatron_distopt.FILE, param_state))
     total = write_grouped(writers, lambda lazy: group_of.get(id(lazy)), progress)
     summary = {"iteration_dir": it_name, "files": len(writers), "bytes": total, "padded_vocab_size": rows,
                "dialect": d.name, "checkpoint_version": version}
@@ -611,6 +736,16 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
         if distributed is not None:
             summary["optimizer"]["distributed"] = {"dp": dp}
     return summary
+
+
+def _moe_key(d: Dialect, role: str, first_expert: int) -> str:
+    """The layer-relative key of an MoE role: the router's and shared expert's from the dialect, an
+    expert's with its index local to the EP rank whose experts start at first_expert."""
+    if role in d.moe_layer:
+        return d.moe_layer[role]
+    mlp, base = scope_of(role)
+    e = int(mlp.split(".")[2])
+    return d.experts[0][base].format(j=e - first_expert)
 
 
 def _global_of(tensors, train, role):
@@ -684,6 +819,9 @@ class _DistributedTarget:
     def for_target(cls, train: Optional[_TrainingState], wanted: bool, dp: int, args, out_dtype: torch.dtype,
                    cfg: GPTConfig, layout: Layout) -> Optional["_DistributedTarget"]:
         require(dp >= 1, f"--dp {dp}: the data-parallel size is at least 1")
+        require(not (wanted and train is not None and cfg.moe is not None),
+                "--distributed-optimizer: the distributed optimizer's buffers of MoE models are not written yet",
+                "drop --distributed-optimizer (the optimizer state is written in the non-distributed form), or --no-optimizer")
         if args is not None:  # what the target run is: Megatron reads DP from its own flags
             args.use_distributed_optimizer = bool(wanted and train is not None)
             if wanted:

@@ -13,7 +13,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ..config import GPTConfig, Layout
+from ..config import MoE, GPTConfig, Layout, moe_layers_megatron
 from ..errors import CkptError
 
 # Tokenizers whose vocabulary size is fixed by the tokenizer itself.
@@ -128,7 +128,80 @@ def config_from_args(args, stored_rows: int, extra: Optional[dict] = None) -> GP
         apply_layernorm_1p=bool(_get(args, "apply_layernorm_1p", default=False)),
         qk_layernorm=bool(_get(args, "qk_layernorm", default=False)),
         post_layernorm_residual=bool(_get(args, "apply_residual_connection_post_layernorm", default=False)),
+        moe=moe_from_args(args, int(num_layers), int(_get(args, "ffn_hidden_size", default=4 * hidden))),
     )
+
+
+def moe_from_args(args, num_layers: int, ffn: int) -> Optional[MoE]:
+    """The routing maths of Megatron's --num-experts run (None for a dense one).
+
+    Megatron's TopKRouter: softmax scores with --moe-router-pre-softmax are softmax over all experts, then
+    the top k (not renormalised); without it the top k LOGITS are chosen and softmaxed among themselves,
+    which is softmax, top k, renormalised. Sigmoid scores are renormalised over the chosen ones when
+    top-k > 1. Group-limited routing scores a group by the sum of its top (top-k / groups chosen) scores;
+    ckptool's MoE has DeepSeek's two, so other ratios are refused."""
+    experts = _get(args, "num_experts")
+    if isinstance(experts, (list, tuple)):  # Megatron-DeepSpeed: experts per layer group, [1] when dense
+        if all(n == 1 for n in experts):
+            return None
+        raise CkptError(f"Megatron-DeepSpeed MoE (--num-experts {' '.join(map(str, experts))})",
+                        "DeepSpeed-MoE checkpoints are not supported; ckptool reads megatron-core MoE")
+    if not experts:
+        return None
+    top_k = int(_get(args, "moe_router_topk", default=2))
+    score = str(_get(args, "moe_router_score_function", default="softmax"))
+    if score == "softmax":
+        topk_norm = not _get(args, "moe_router_pre_softmax", default=False)
+    else:
+        topk_norm = top_k > 1
+    groups = int(_get(args, "moe_router_num_groups", default=1) or 1)
+    group_topk = int(_get(args, "moe_router_group_topk", default=1) or 1)
+    if groups > 1 and top_k // group_topk != 2:
+        raise CkptError(f"group-limited routing scoring each group by its best {top_k // group_topk} experts "
+                        f"(--moe-router-topk {top_k} / --moe-router-group-topk {group_topk})",
+                        "ckptool computes DeepSeek's rule (a group's two best); such checkpoints are not supported")
+    capacity = _get(args, "moe_expert_capacity_factor")
+    if capacity is not None:
+        raise CkptError(f"--moe-expert-capacity-factor {capacity}: tokens beyond an expert's capacity were dropped",
+                        "ckptool converts dropless MoE models only")
+    return MoE(num_experts=int(experts), top_k=top_k,
+               ffn_hidden_size=int(_get(args, "moe_ffn_hidden_size", default=ffn)),
+               layers=moe_layers_megatron(num_layers, _get(args, "moe_layer_freq", default=1)),
+               score_function=score, topk_norm=topk_norm,
+               scaling_factor=float(_get(args, "moe_router_topk_scaling_factor", default=1.0)),
+               router_bias=bool(_get(args, "add_router_bias", default=False)),
+               expert_bias=bool(_get(args, "moe_router_enable_expert_bias", default=False)),
+               shared_ffn_hidden_size=int(_get(args, "moe_shared_expert_intermediate_size", default=0) or 0),
+               shared_gate=bool(_get(args, "moe_shared_expert_gate", default=False)),
+               num_groups=groups, group_topk=group_topk)
+
+
+def moe_args(moe: Optional[MoE], num_layers: int, layout: Layout) -> Dict[str, Any]:
+    """The MoE flags of a run that computes moe (the inverse of moe_from_args), at layout's EP."""
+    if moe is None:
+        return {}
+    if moe.score_function == "softmax":
+        pre_softmax = not moe.topk_norm
+    else:
+        if moe.topk_norm != (moe.top_k > 1):
+            raise CkptError(f"sigmoid routing {'with' if moe.topk_norm else 'without'} top-k renormalisation at "
+                            f"top-k {moe.top_k}", "Megatron renormalises sigmoid scores exactly when top-k > 1")
+        pre_softmax = False
+    if moe.num_groups > 1 and moe.top_k // moe.group_topk != 2:
+        raise CkptError(f"group-limited routing with top-k {moe.top_k} over {moe.group_topk} groups",
+                        "Megatron scores a group by its best top-k / group-topk experts; ckptool's rule is two")
+    layers = set(moe.layers)
+    return dict(num_experts=moe.num_experts, moe_router_topk=moe.top_k, moe_ffn_hidden_size=moe.ffn_hidden_size,
+                moe_layer_freq=[int(i in layers) for i in range(num_layers)],
+                moe_router_score_function=moe.score_function, moe_router_pre_softmax=pre_softmax,
+                moe_router_topk_scaling_factor=None if moe.scaling_factor == 1.0 else moe.scaling_factor,
+                add_router_bias=moe.router_bias, moe_router_enable_expert_bias=moe.expert_bias,
+                moe_shared_expert_intermediate_size=moe.shared_ffn_hidden_size or None,
+                moe_shared_expert_gate=moe.shared_gate,
+                moe_router_num_groups=moe.num_groups if moe.num_groups > 1 else None,
+                moe_router_group_topk=moe.group_topk if moe.num_groups > 1 else None,
+                moe_grouped_gemm=False, expert_model_parallel_size=layout.ep,
+                expert_tensor_parallel_size=layout.tp)
 
 
 def as_megatron_core_computes(cfg: GPTConfig):
@@ -188,6 +261,12 @@ def args_for_target(source_args, cfg: GPTConfig, layout: Layout, padded_rows: in
         ckpt_format="torch", params_dtype=dtype,
         fp16=dtype == torch.float16, bf16=dtype == torch.bfloat16,
     )
+    updates.update(moe_args(cfg.moe, cfg.num_layers, layout))
+    # a dense run's args may still carry the expert sizes (Megatron-LM defaults them): keep them consistent
+    if cfg.moe is None and getattr(args, "expert_tensor_parallel_size", None) is not None:
+        updates["expert_tensor_parallel_size"] = layout.tp
+    if cfg.moe is None and getattr(args, "expert_model_parallel_size", None) is not None:
+        updates["expert_model_parallel_size"] = 1
     if cfg.vocab_size is not None and getattr(args, "vocab_size", None) is None:
         updates["vocab_size"] = cfg.vocab_size
     if cfg.activation == "gelu_tanh":

@@ -14,6 +14,7 @@ Each dialect maps roles (roles.py) to state-dict keys. Nested state dicts (legac
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
@@ -39,6 +40,15 @@ class Dialect:
     # Per-layer roles in the order the framework registers the parameters (= named_parameters() and
     # state-dict order), which is the order its optimizer groups list them in (megatron_optim.py).
     param_order: Tuple[str, ...] = ()
+    # MoE layers (megatron-core): the router / shared-expert roles' keys (layer-relative, like `layer`);
+    # each local expert's fc1/fc2 keys, {j} the expert's index local to its expert-parallel rank (the
+    # first table is what writers write; later ones are other module forms readers accept); and the
+    # extra-state keys of a local expert, of the shared expert.
+    moe_layer: Dict[str, str] = dataclasses.field(default_factory=dict)
+    experts: Tuple[Dict[str, str], ...] = ()
+    expert_extra_state: Tuple[str, ...] = ()
+    moe_writable: bool = True  # False: MoE layers are read in this dialect but not written
+    shared_extra_state: Tuple[str, ...] = ()
 
 
 _LEGACY_LAYER_2021 = {
@@ -86,6 +96,23 @@ _MCORE_TE_LAYER = dict(_MCORE_LAYER, **{
 })
 _MCORE_EXTRA = ("self_attention.linear_proj._extra_state", "self_attention.linear_qkv._extra_state",
                 "mlp.linear_fc1._extra_state", "mlp.linear_fc2._extra_state")
+# megatron-core MoE layers (local spec): TopKRouter, SequentialMLP experts, SharedExpertMLP.
+_MCORE_MOE_LAYER = {
+    "router.weight": "mlp.router.weight", "router.bias": "mlp.router.bias",
+    "router.expert_bias": "mlp.router.expert_bias",
+    "shared.fc1.weight": "mlp.shared_experts.linear_fc1.weight",
+    "shared.fc2.weight": "mlp.shared_experts.linear_fc2.weight",
+    "shared_gate.weight": "mlp.shared_experts.gate_weight",
+}
+_SEQUENTIAL_EXPERTS = {"fc1.weight": "mlp.experts.local_experts.{j}.linear_fc1.weight",
+                       "fc2.weight": "mlp.experts.local_experts.{j}.linear_fc2.weight"}
+_SEQUENTIAL_EXPERT_EXTRA = ("mlp.experts.local_experts.{j}.linear_fc1._extra_state",
+                            "mlp.experts.local_experts.{j}.linear_fc2._extra_state")
+# TEGroupedMLP (--moe-grouped-gemm with Transformer Engine): one TE GroupedLinear per fc, local expert j's
+# weight under `weight{j}`, each laid out as a linear layer's [out / TP, in] (fc1: [gate_r; up_r] when gated).
+_TE_GROUPED_EXPERTS = {"fc1.weight": "mlp.experts.linear_fc1.weight{j}",
+                       "fc2.weight": "mlp.experts.linear_fc2.weight{j}"}
+_SHARED_EXTRA = ("mlp.shared_experts.linear_fc1._extra_state", "mlp.shared_experts.linear_fc2._extra_state")
 _MCORE_GLOBALS = {
     "word": "embedding.word_embeddings.weight", "pos": "embedding.position_embeddings.weight",
     "final_norm.weight": "decoder.final_layernorm.weight",
@@ -136,12 +163,18 @@ DIALECTS: Dict[str, Dialect] = {d.name: d for d in [
     Dialect("mcore", globals=_MCORE_GLOBALS, layer_prefix="decoder.layers.{i}.", layer=_MCORE_LAYER,
             head_copy="output_layer.weight", extra_state=_MCORE_EXTRA,
             global_extra_state=("output_layer._extra_state",), legacy_models=False,
-            param_order=_MCORE_PARAM_ORDER),
+            param_order=_MCORE_PARAM_ORDER, moe_layer=_MCORE_MOE_LAYER, experts=(_SEQUENTIAL_EXPERTS,),
+            expert_extra_state=_SEQUENTIAL_EXPERT_EXTRA, shared_extra_state=_SHARED_EXTRA),
     Dialect("mcore-te", globals=_MCORE_GLOBALS, layer_prefix="decoder.layers.{i}.",
             layer=_MCORE_TE_LAYER, head_copy="output_layer.weight",
             extra_state=_MCORE_EXTRA + ("self_attention.core_attention._extra_state",),
             extra_state_value="empty_bytes", global_extra_state=("output_layer._extra_state",),
-            legacy_models=False, transformer_impl="transformer_engine", param_order=_MCORE_TE_PARAM_ORDER),
+            legacy_models=False, transformer_impl="transformer_engine", param_order=_MCORE_TE_PARAM_ORDER,
+            # MoE layers keep a separate pre_mlp_layernorm (no fc1 to fuse it into); experts are read in
+            # both module forms, never written (no Transformer Engine here to check the output against)
+            moe_layer=dict(_MCORE_MOE_LAYER, **{"mlp_norm.weight": "pre_mlp_layernorm.weight",
+                                                "mlp_norm.bias": "pre_mlp_layernorm.bias"}),
+            experts=(_TE_GROUPED_EXPERTS, _SEQUENTIAL_EXPERTS), moe_writable=False),
 ]}
 
 
@@ -156,13 +189,25 @@ class KeyMatcher:
         prefix = re.escape(dialect.layer_prefix).replace(r"\{i\}", r"(\d+)")
         self.layer_re = re.compile("^" + prefix + "(.+)$")
         self.layer = {suffix: role for role, suffix in dialect.layer.items()}
+        self.layer.update({suffix: role for role, suffix in dialect.moe_layer.items()})
+        # expert keys: (regex of the layer-relative key, its group the local expert) -> base role
+        self.experts = [(re.compile("^" + re.escape(key).replace(r"\{j\}", r"(\d+)") + "$"), base)
+                        for table in dialect.experts for base, key in table.items()]
 
     def match(self, key: str):
+        """(role, local layer or None), or None. An expert's role is experts.{j}.<base> with j its index
+        LOCAL to the file's expert-parallel rank (the reader makes it global)."""
         if key in self.globals:
             return self.globals[key], None
         m = self.layer_re.match(key)
-        if m and m.group(2) in self.layer:
+        if not m:
+            return None
+        if m.group(2) in self.layer:
             return self.layer[m.group(2)], int(m.group(1))
+        for pattern, base in self.experts:
+            e = pattern.match(m.group(2))
+            if e:
+                return f"experts.{int(e.group(1))}.{base}", int(m.group(1))
         return None
 
 

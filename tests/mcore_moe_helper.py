@@ -1,0 +1,245 @@
+"""Helper run under `torchrun --nproc-per-node N` (gloo, CPU) with the real megatron-core package: a tiny
+GPTModel with MoE layers (local spec: SequentialMLP experts `mlp.experts.local_experts.{j}`, router
+`mlp.router.weight`, allgather token dispatcher), saved and loaded in Megatron-LM's torch format.
+
+  "save DIR --tp T --ep E [--pp P] [--arch mixtral|qwen2moe] --out FILE"   build the model at TP x EP (x PP), write
+        DIR/latest_checkpointed_iteration.txt and DIR/iter_0000007/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt
+        as Megatron-LM's save_checkpoint names them (the EP rank suffix only when EP > 1), one file
+        per (TP, PP, EP) rank holding that rank's state dict: the dense part (the same on every EP rank)
+        and its local experts under their LOCAL index j (global expert = ep_rank * E/EP + j).
+  "train DIR --tp T --ep E --out FILE"   as save, after one Adam step of megatron-core's own optimizer
+        (fp32, get_megatron_optimizer; the CPU shims of mcore_train_helper.py), with the optimizer's
+        state_dict() in the file as Megatron-LM saves it; FILE also gets `exp_avg`: per global parameter
+        name (experts by global index), the live optimizer's first moment at the save.
+  "load-torch DIR --tp T --ep E [--pp P] --out FILE"   this rank's file into a fresh model with
+        load_state_dict(strict=True), after comparing the parallel sizes in the file's args.
+
+Both write the logits for TOKENS (megatron-core's own forward at that layout, gathered over TP) to FILE.
+World size = TP x PP x DP, with EP carved out of DP (and expert TP = TP) as megatron-core does.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+if not torch.cuda.is_available():
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    torch.Tensor.cuda = lambda self, *a, **k: self
+
+# megatron-core 0.16's router linear tests `te_general_gemm is not None`, but without Transformer Engine the
+# name is never bound (its import fails before the fallback); None is what it means: a plain matmul.
+from megatron.core.transformer.moe import moe_utils  # noqa: E402
+if not hasattr(moe_utils, "te_general_gemm"):
+    moe_utils.te_general_gemm = None
+
+VOCAB, PADDED, SEQ = 100, 128, 16
+TOKENS = torch.tensor([[1, 5, 9, 33, 2, 70, 99, 4, 8, 15, 16, 23, 42, 7, 0, 3],
+                       [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26]])
+EXPERTS, TOPK, MOE_FFN = 4, 2, 24
+
+# Mixtral-like: RMSNorm, SwiGLU, rope, GQA, no biases, untied, every layer MoE
+CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
+           normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+           add_bias_linear=False, bias_activation_fusion=False, num_moe_experts=EXPERTS,
+           moe_router_topk=TOPK, moe_ffn_hidden_size=MOE_FFN, moe_token_dispatcher_type="allgather",
+           moe_grouped_gemm=False, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+
+
+# Qwen2-MoE-like: layer 0 dense (--moe-layer-freq [0, 1]), a shared expert with its sigmoid gate, QKV bias,
+# softmax over all experts before the top-k and no renormalisation (--moe-router-pre-softmax)
+ARCHS = {"mixtral": {}, "qwen2moe": dict(moe_layer_freq=[0, 1], moe_shared_expert_intermediate_size=16,
+                                         moe_shared_expert_gate=True, moe_router_pre_softmax=True, add_qkv_bias=True)}
+ARCH = {"name": "mixtral"}
+
+
+def build(tp, ep, pp=1):
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep)
+    torch.manual_seed(1234)  # the same on every rank: replicated params (norms, router) must agree
+    cfg = TransformerConfig(use_cpu_initialization=True, pipeline_dtype=torch.float32, pipeline_model_parallel_size=pp,
+                            tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                            hidden_dropout=0.0, attention_dropout=0.0, **dict(CFG, **ARCHS[ARCH["name"]]))
+    if ARCH["name"] == "mixtral":
+        spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False, normalization="RMSNorm")
+    else:  # dense and MoE layers: one spec per layer
+        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
+    model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=PADDED, max_sequence_length=SEQ,
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage(),
+                     position_embedding_type="rope", share_embeddings_and_output_weights=False)
+    with torch.no_grad():  # norms off 1, and each expert's weights distinct per global expert
+        for name, p in model.named_parameters():
+            if "layernorm" in name or name.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+            if ".router." in name:
+                p.mul_(20.0)  # decisive routing: ties between experts would make the test meaningless
+        ep_rank = parallel_state.get_expert_model_parallel_rank()
+        for name, p in model.named_parameters():
+            if ".local_experts." in name:  # experts on other EP ranks were initialised from the same seed
+                j = int(name.split(".local_experts.")[1].split(".")[0])
+                p.add_(0.05 * (ep_rank * (EXPERTS // ep) + j + 1))
+    model.eval()
+    return model, cfg
+
+
+def logits(model):
+    import contextlib
+    from megatron.core import tensor_parallel
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    pos = torch.arange(SEQ).unsqueeze(0).expand(2, SEQ)
+    with torch.no_grad():
+        mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+        if not parallel_state.is_pipeline_first_stage():
+            hidden = torch.empty(SEQ, TOKENS.shape[0], model.config.hidden_size)
+            dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(hidden)
+        out = model(TOKENS, pos, attention_mask=mask)
+        if not parallel_state.is_pipeline_last_stage():
+            dist.send(out.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
+            return None
+    group = parallel_state.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(out) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, out.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def run_args(cfg, tp, ep, pp):
+    args = argparse.Namespace(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads, kv_channels=cfg.kv_channels, group_query_attention=True,
+        num_query_groups=cfg.num_query_groups, max_position_embeddings=SEQ, seq_length=SEQ,
+        position_embedding_type="rope", normalization="RMSNorm", norm_epsilon=cfg.layernorm_epsilon,
+        swiglu=True, add_bias_linear=False, add_qkv_bias=False, untie_embeddings_and_output_weights=True,
+        vocab_size=VOCAB, padded_vocab_size=PADDED, make_vocab_size_divisible_by=64,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=tp, ckpt_format="torch", use_legacy_models=False, transformer_impl="local",
+        tokenizer_type="NullTokenizer", bias_gelu_fusion=False, openai_gelu=False, rotary_base=10000,
+        rotary_percent=1.0, num_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=MOE_FFN,
+        moe_layer_freq=1, moe_router_pre_softmax=False, moe_router_score_function="softmax",
+        moe_router_topk_scaling_factor=None, moe_shared_expert_intermediate_size=None,
+        moe_grouped_gemm=False, moe_router_enable_expert_bias=False, moe_token_dispatcher_type="allgather",
+        add_router_bias=False)
+    for k, v in ARCHS[ARCH["name"]].items():
+        setattr(args, k, v)
+    return args
+
+
+def rank_dir(root: Path, pp: int, ep: int) -> Path:
+    name = f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}"
+    if pp > 1:
+        name += f"_{parallel_state.get_pipeline_model_parallel_rank():03d}"
+    if ep > 1:
+        name += f"_{parallel_state.get_expert_model_parallel_rank():03d}"
+    return root / "iter_0000007" / name
+
+
+def writes_file() -> bool:
+    """Megatron-LM's torch format: one file per (TP, PP, EP) rank, from the first expert-data-parallel rank."""
+    return parallel_state.get_expert_data_parallel_rank() == 0
+
+
+def global_name(name: str, ep: int) -> str:
+    """A parameter's name with its local expert index made global (what ckptool's names count)."""
+    if ".local_experts." not in name:
+        return name
+    head, rest = name.split(".local_experts.")
+    j, tail = rest.split(".", 1)
+    return f"{head}.local_experts.{parallel_state.get_expert_model_parallel_rank() * (EXPERTS // ep) + int(j)}.{tail}"
+
+
+def train_one_step(model, cfg):
+    """One Adam step with megatron-core's optimizer; returns it and {global name: live exp_avg}."""
+    import contextlib
+    sys.path.insert(0, str(Path(__file__).parent))
+    import mcore_train_helper  # noqa: F401  (its CPU shims for megatron-core's optimizer)
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    model.train()
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=False), model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, clip_grad=0.0), [ddp])
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=g)
+    pos = torch.arange(SEQ).unsqueeze(0).expand(2, SEQ)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    ddp(tokens[:, :-1], pos, attention_mask=mask, labels=tokens[:, 1:]).float().mean().backward()
+    ddp.finish_grad_sync()
+    assert opt.step()[0], "optimizer step skipped"
+    model.eval()
+    live = {}
+    for sub in opt.chained_optimizers:
+        for p, st in sub.optimizer.state.items():
+            live[id(p)] = st["exp_avg"].detach().clone()
+    moments = {global_name(n, parallel_state.get_expert_model_parallel_world_size()): live[id(p)]
+               for n, p in model.named_parameters() if id(p) in live}
+    return opt, moments
+
+
+def run_job(a):
+    ARCH["name"] = a.arch
+    model, cfg = build(a.tp, a.ep, a.pp)
+    root = Path(a.dir)
+    d = rank_dir(root, a.pp, a.ep)
+    if a.mode in ("save", "train"):
+        opt, moments = train_one_step(model, cfg) if a.mode == "train" else (None, None)
+        if writes_file():
+            d.mkdir(parents=True, exist_ok=True)
+            state = {"args": run_args(cfg, a.tp, a.ep, a.pp), "checkpoint_version": 3.0, "iteration": 7,
+                     "model": model.state_dict_for_save_checkpoint()}
+            if opt is not None:
+                state["optimizer"] = opt.state_dict()
+            torch.save(state, d / "model_optim_rng.pt")
+        if moments is not None:
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, (parallel_state.get_tensor_model_parallel_rank(), moments))
+            if dist.get_rank() == 0:
+                torch.save({"exp_avg": every}, a.out + ".moments")
+        dist.barrier()
+        if dist.get_rank() == 0:
+            (root / "latest_checkpointed_iteration.txt").write_text("7")
+    else:
+        tracker = (root / "latest_checkpointed_iteration.txt").read_text().strip()
+        d = root / ("release" if tracker == "release" else f"iter_{int(tracker):07d}") / d.name
+        state = torch.load(d / "model_optim_rng.pt", map_location="cpu", weights_only=False)
+        args = state["args"]
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers", "hidden_size",
+                    "padded_vocab_size", "num_attention_heads"):
+            assert getattr(args, key) == getattr(run_args(cfg, a.tp, a.ep, a.pp), key), key
+        model.load_state_dict(state["model"], strict=True)
+    out = logits(model)
+    if (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_data_parallel_rank() == 0):
+        torch.save({"tokens": TOKENS, "logits": out}, a.out)
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["save", "train", "load-torch"])
+    ap.add_argument("dir")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--arch", choices=sorted(ARCHS), default="mixtral")
+    ap.add_argument("--out", required=True)
+    jobs = [ap.parse_args(job.split()) for job in sys.argv[1:]]
+    dist.init_process_group("gloo")
+    for job in jobs:
+        run_job(job)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
