@@ -5,8 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Optional
 
-import torch
-
 from .config import Layout
 from .errors import CkptError, TeamError, exit_status_of, require
 from .distributed import Team, current_team

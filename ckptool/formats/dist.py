@@ -30,10 +30,10 @@ from ..io.dcp_io import METADATA, DcpDir, DcpWriter
 from ..io.torchfile import load_torch_bytes, load_torch_file, save_streaming
 from ..lazy import LazyTensor, load_scope
 from ..options import CONFIG_OVERRIDES, ReadOptions
-from ..roles import GLOBAL_ROLES, LAYER_ROLES, assemble, global_role_tensor, layer_role_tensor
+from ..roles import LAYER_ROLES, assemble, global_role_tensor, layer_role_tensor
 from ..sharding import ReplicaPolicy
 from ..state import (OPTIMIZER_SLOTS, PAD_FILL_BY_SLOT, WEIGHT, Checkpoint, OptimizerState, SourceInfo,
-                     expected_names, in_model_order)
+                     in_model_order)
 from ..vocab import resize_slot_vocab, resize_vocab, target_rows, with_true_vocab_size
 from . import dist_optim, dist_optim_buckets, megatron_args
 from .megatron import TRACKER, resolve_iteration_dir

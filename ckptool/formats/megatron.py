@@ -23,14 +23,13 @@ from ..errors import CkptError, require
 from ..io.torchfile import StreamingTorchWriter, load_torch_file, write_grouped
 from ..lazy import Const, Derived, LazyTensor
 from ..options import ReadOptions
-from ..roles import (assemble, canonical_names, global_role_tensor, layer_role_tensor, moe_layer_roles, scope_of,
-                     shard_role, LAYER_ROLES)
+from ..roles import (assemble, global_role_tensor, layer_role_tensor, moe_layer_roles, scope_of, shard_role,
+                     LAYER_ROLES)
 from ..sharding import ReplicaPolicy
-from ..state import (OPTIMIZER_SLOTS, PAD_FILL_BY_SLOT, WEIGHT, Checkpoint, OptimizerState, ParamGroup, SourceInfo,
-                     in_model_order)
-from ..vocab import resize_slot_vocab, resize_vocab, target_rows, with_true_vocab_size
-from . import megatron_args, megatron_distopt, megatron_optim
-from .megatron_optim import RankParam
+from ..state import Checkpoint, SourceInfo, in_model_order
+from ..vocab import resize_vocab, target_rows, with_true_vocab_size
+from . import megatron_args, megatron_distopt, megatron_training
+from .megatron_optim import RankParam, role_shards
 from .megatron_names import DIALECTS, Dialect, KeyMatcher, is_ignorable, qkv_from_grouped, qkv_to_grouped
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -247,7 +246,7 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                                        None if hit[1] is None else offsets[(p, v)] + hit[1], value, v)
                              for v in sorted(chunks) for key, value in chunks[v].items()
                              for hit in [matcher.match(key)] if hit is not None and isinstance(value, LazyTensor)]
-    shards, head_copy = _role_shards({rk: [x.weight for x in ps] for rk, ps in params.items()}, params, tp)
+    shards, head_copy = role_shards({rk: [x.weight for x in ps] for rk, ps in params.items()}, params, tp)
     for (role, layer), parts in shards.items():
         if any(x is None for x in parts):
             raise CkptError(f"{role}{'' if layer is None else f' of layer {layer}'} is missing on some "
@@ -283,7 +282,13 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     tensors = canonical(shards)
     if not cfg.tied_embeddings and "output.weight" not in tensors and head_copy is not None:
         tensors["output.weight"] = head_copy
-    optimizer = _read_optimizer(trees, ranks, params, tp, args, cfg, canonical, warnings) if opts.optimizer else None
+    optimizer = None
+    if opts.optimizer and any(_is_optimizer_only(d) for d in it_dir.iterdir() if d.is_dir() and RANK_DIR.match(d.name)):
+        warnings.append("optimizer state dropped: the 2022-23 distributed-optimizer form (one optim.pt per "
+                        "data-parallel rank) is not carried; the output holds the weights only")
+    elif opts.optimizer:
+        optimizer = megatron_training.read_training_state(
+            trees, ranks, {rk: _model_file(d) for rk, d in ranks.items()}, params, tp, args, cfg, canonical, warnings)
     layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, ep=ep,
                     stage_layers=None if vpp > 1 or len({counts[(p, 0)] for p in range(pp)}) == 1
                     else [counts[(p, 0)] for p in range(pp)])
@@ -294,22 +299,6 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     if optimizer is not None:
         optimizer = optimizer.with_slots({slot: in_model_order(ts, cfg) for slot, ts in optimizer.slots.items()})
     return Checkpoint(cfg, in_model_order(tensors, cfg), info, warnings, optimizer)
-
-
-def _role_shards(values: Dict[Tuple[int, int], List[LazyTensor]], params: Dict[Tuple[int, int], List[RankParam]],
-                 tp: int):
-    """{(role, layer): [value per TP rank]} from per-rank lists aligned with params; and the last
-    stage's copy of the tied embedding (role head_copy), kept apart."""
-    shards: Dict[Tuple[str, Optional[int]], List[Optional[LazyTensor]]] = defaultdict(lambda: [None] * tp)
-    head_copy = None
-    for rk in sorted(params):  # expert-parallel ranks in order: the dense part is taken from EP rank 0
-        t = rk[0]
-        for param, value in zip(params[rk], values[rk]):
-            if param.role == "head_copy":
-                head_copy = head_copy if head_copy is not None else value
-            elif shards[(param.role, param.layer)][t] is None:
-                shards[(param.role, param.layer)][t] = value
-    return shards, head_copy
 
 
 def _rank_name(t: int, p: int, e: int, pp: int, ep: int) -> str:
@@ -390,69 +379,6 @@ def _check_experts(cfg: GPTConfig, shards, per_ep: int, ep: int, it_dir: Path) -
             f"{it_dir}: expert weights of (layer, expert) {(missing or extra)[:3]} are "
             f"{'missing' if missing else 'in layers the args say are dense'}",
             "check --moe-layer-freq in the args, or copy the complete checkpoint")
-
-
-def _read_optimizer(trees, ranks, params, tp, args, cfg, canonical, warnings) -> Optional[OptimizerState]:
-    """The optimizer state of every rank, tied to the parameters and merged like the weights;
-    None (with a warning naming what is dropped) when there is none or its form is not read yet."""
-    it_dir = next(iter(ranks.values())).parent
-    if any(d.is_dir() and RANK_DIR.match(d.name) and _is_optimizer_only(d) for d in it_dir.iterdir()):
-        warnings.append("optimizer state dropped: the 2022-23 distributed-optimizer form (one optim.pt per "
-                        "data-parallel rank) is not carried; the output holds the weights only")
-        return None
-    if not any("optimizer" in tree for tree in trees.values()):
-        return None
-    for rk, tree in trees.items():
-        why = megatron_optim.unsupported_form(tree)
-        if why:
-            warnings.append(f"optimizer state dropped: {why}; the output holds the weights only")
-            return None
-    pp = max(p for _, p, _ in ranks) + 1
-    if max(e for _, _, e in ranks) > 0 and megatron_distopt.uses_distributed_optimizer(ranks[(0, 0, 0)], args):
-        warnings.append("optimizer state dropped: the distributed optimizer's expert-parallel buffers are not "
-                        "read yet; the output holds the weights only")
-        return None
-    per_rank = {rk: _read_rank_optimizer(tree, ranks[rk], params[rk], args, cfg, pp, rk[1])
-                for rk, tree in trees.items()}
-    if all(r is None for r in per_rank.values()):
-        return None
-    for rk, r in per_rank.items():
-        if r is None:
-            raise CkptError(f"{_model_file(ranks[rk])}: no optimizer state, but other ranks have one",
-                            "the rank files do not belong to one checkpoint; " + megatron_optim.HINT)
-    slot_names = [s for s in OPTIMIZER_SLOTS if all(s in sl for r in per_rank.values() for sl in r.slots)]
-    slots = {}
-    for slot in slot_names:
-        shards, _ = _role_shards({rk: [sl[slot] for sl in r.slots] for rk, r in per_rank.items()}, params, tp)
-        slots[slot] = canonical(shards)
-    where = str(next(iter(ranks.values())).parent)
-    hypers = megatron_optim.merge_hypers([r.hypers for r in per_rank.values()], where)
-    names: List[List[str]] = [[] for _ in hypers]
-    for rk, r in per_rank.items():
-        for param, g in zip(params[rk], r.group_of):
-            if param.role != "head_copy" and not (param.role == "output" and cfg.tied_embeddings):
-                names[g] += [n for n in canonical_names(param.role, param.layer, cfg) if n not in names[g]]
-    steps = {r.step for r in per_rank.values()}
-    require(len(steps) == 1, f"{where}: ranks were stepped {sorted(map(str, steps))} times", megatron_optim.HINT)
-    first = trees[(0, 0, 0)]
-    distributed = megatron_distopt.uses_distributed_optimizer(ranks[(0, 0, 0)], args)
-    return OptimizerState(
-        kind="megatron-distributed" if distributed else "megatron" if "master" in slots else "megatron-fp32",
-        slots=slots, step=steps.pop(),
-        param_groups=[ParamGroup(n, h) for n, h in zip(names, hypers)],
-        grad_scaler=per_rank[(0, 0, 0)].grad_scaler,
-        scheduler=first.get("opt_param_scheduler", first.get("lr_scheduler")),
-        consumed_samples=getattr(args, "consumed_train_samples", None))
-
-
-def _read_rank_optimizer(tree, rank_dir: Path, params: List[RankParam], args, cfg: GPTConfig, pp: int,
-                         pp_rank: int):
-    """One rank's optimizer state: distrib_optim.pt beside the rank file (the distributed optimizer)
-    or the rank file's own 'optimizer' entry."""
-    where = str(_model_file(rank_dir))
-    if megatron_distopt.uses_distributed_optimizer(rank_dir, args):
-        return megatron_distopt.read_rank(tree, rank_dir, params, args, cfg.tied_embeddings, pp, pp_rank, where)
-    return megatron_optim.read_rank(tree, params, where)
 
 
 def _any_value(models, key):
@@ -615,7 +541,7 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
     out_dtype = dtype
     if out_dtype is None:
         out_dtype = next(iter(tensors.values())).dtype
-    train = _TrainingState.for_target(ckpt, tensors, cfg, rows, out_dtype) if optimizer else None
+    train = megatron_training.TrainingTarget.for_target(ckpt, tensors, cfg, rows, out_dtype) if optimizer else None
     if train is not None and cfg.moe is not None and layout.ep > 1:
         # at EP > 1 megatron-core saves [dense optimizer, expert optimizer] (a ChainedOptimizer's list);
         # one state dict would not load there
@@ -629,7 +555,7 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
         args = megatron_args.args_for_target(ckpt.source.args if ckpt.source.format in ("megatron", "torch_dist", "deepspeed") else None,
                                              cfg_out, layout, rows, out_dtype, d.legacy_models,
                                              d.transformer_impl, version or 3.0, iteration)
-    distributed = _DistributedTarget.for_target(train, distributed_optimizer, dp, args, out_dtype, cfg, layout)
+    distributed = megatron_training.DistributedTarget.for_target(train, distributed_optimizer, dp, args, out_dtype, cfg, layout)
     it_name = "release" if release else f"iter_{iteration:07d}"
     it_dir = Path(out_dir) / it_name
     it_dir.mkdir(parents=True, exist_ok=True)
@@ -669,7 +595,7 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
             if p == 0 and v == 0:
                 for role in ("word", "pos"):
                     if global_role_tensor(tensors, role) is not None:
-                        put(flat, d.globals[role], role, None, _global_of(tensors, train, role), -1)
+                        put(flat, d.globals[role], role, None, megatron_training.global_slots(tensors, train, role), -1)
             for local in range(count):
                 g = first + local
                 prefix = d.layer_prefix.format(i=local)
@@ -679,14 +605,14 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
                     if role not in d.layer:
                         raise CkptError(f"the {d.name} dialect has no place for {role} tensors",
                                         "choose --dialect mcore")
-                    put(flat, prefix + d.layer[role], role, g, _layer_of(tensors, train, cfg_out, g, role), g)
+                    put(flat, prefix + d.layer[role], role, g, megatron_training.layer_slots(tensors, train, cfg_out, g, role), g)
                 moe_layer = cfg_out.is_moe_layer(g)
                 if moe_layer:
                     experts = layout.local_experts(cfg_out.moe.num_experts, e)
                     for role in moe_layer_roles(cfg_out, experts):
                         if layer_role_tensor(tensors, cfg_out, g, role) is not None:
                             put(flat, prefix + _moe_key(d, role, experts.start), role, g,
-                                _layer_of(tensors, train, cfg_out, g, role), g)
+                                megatron_training.layer_slots(tensors, train, cfg_out, g, role), g)
                     for j in range(len(experts)):
                         for extra in d.expert_extra_state:
                             flat[prefix + extra.format(j=j)] = _extra_state_value(d)
@@ -699,12 +625,12 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
             if p == last_pp and v == vpp - 1:
                 for role in ("final_norm.weight", "final_norm.bias"):
                     if global_role_tensor(tensors, role) is not None:
-                        put(flat, d.globals[role], role, None, _global_of(tensors, train, role), cfg.num_layers)
+                        put(flat, d.globals[role], role, None, megatron_training.global_slots(tensors, train, role), cfg.num_layers)
                 if not cfg.tied_embeddings:
-                    put(flat, d.globals["output"], "output", None, _global_of(tensors, train, "output"),
+                    put(flat, d.globals["output"], "output", None, megatron_training.global_slots(tensors, train, "output"),
                         cfg.num_layers)
                 elif layout.pp > 1 and d.head_copy:  # a parameter of its own, kept in sync by Megatron
-                    put(flat, d.head_copy, "word", None, _global_of(tensors, train, "word"), cfg.num_layers)
+                    put(flat, d.head_copy, "word", None, megatron_training.global_slots(tensors, train, "word"), cfg.num_layers)
                 if (not cfg.tied_embeddings or layout.pp > 1):
                     for extra in d.global_extra_state:
                         flat[extra] = _extra_state_value(d)
@@ -746,109 +672,6 @@ def _moe_key(d: Dialect, role: str, first_expert: int) -> str:
     mlp, base = scope_of(role)
     e = int(mlp.split(".")[2])
     return d.experts[0][base].format(j=e - first_expert)
-
-
-def _global_of(tensors, train, role):
-    """slot name -> the full tensor of a global role in that slot."""
-    def full(slot):
-        return global_role_tensor(tensors if slot == WEIGHT else train.slots[slot], role)
-    return full
-
-
-def _layer_of(tensors, train, cfg, layer, role):
-    def full(slot):
-        return layer_role_tensor(tensors if slot == WEIGHT else train.slots[slot], cfg, layer, role)
-    return full
-
-
-class _TrainingState:
-    """The optimizer state a Megatron target carries: every slot re-padded like the weights."""
-
-    def __init__(self, opt: OptimizerState, slots: Dict[str, Dict[str, LazyTensor]], mixed: bool):
-        self.opt, self.slots, self.mixed = opt, slots, mixed
-        self.weights_from_masters = not mixed and "master" in opt.slots
-
-    @classmethod
-    def for_target(cls, ckpt: Checkpoint, weights: Dict[str, LazyTensor], cfg: GPTConfig, rows: int,
-                   out_dtype: torch.dtype) -> Optional["_TrainingState"]:
-        opt = ckpt.optimizer
-        if opt is None:
-            return None
-        require(opt.step is not None, f"{ckpt.source.path}: the optimizer state has no step count",
-                megatron_optim.HINT)
-        slots = {}
-        for slot in ("master", "exp_avg", "exp_avg_sq"):
-            source = opt.slots.get(slot)
-            if source is None and slot == "master":  # fp32 training: the weights were the masters
-                source = {n: w.to(torch.float32) for n, w in ckpt.tensors.items()}
-            if source is None:
-                raise CkptError(f"{ckpt.source.path}: the optimizer state has no {slot}", megatron_optim.HINT)
-            slots[slot] = resize_slot_vocab(source, weights, cfg, rows, PAD_FILL_BY_SLOT[slot])
-        return cls(opt, slots, mixed=out_dtype in (torch.float16, torch.bfloat16))
-
-    def rank_entries(self, params, t: int, shard, cfg: GPTConfig) -> dict:
-        """The optimizer and scheduler entries of one rank file; params in the model's order."""
-        entries = []
-        for role, layer, full_of, group, key in params:
-            names = canonical_names(role, layer, cfg)
-            g = megatron_optim.group_index(self.opt.param_groups, names, key, full_of(WEIGHT).shape)
-            slots = {slot: shard(role, full_of(slot), t, group, cast=False) for slot in self.slots
-                     if slot != "master" or self.mixed}
-            entries.append((g, slots))
-        # a loss scaler's state is only Megatron's to read when it came from Megatron
-        scaler = self.opt.grad_scaler if self.opt.kind.startswith("megatron") else None
-        out = {"optimizer": megatron_optim.rank_state(entries, self.opt.param_groups, self.opt.step, self.mixed,
-                                                      scaler)}
-        if self.opt.scheduler is not None:
-            out["opt_param_scheduler"] = self.opt.scheduler
-        return out
-
-    def describe(self) -> dict:
-        return {"kind": self.opt.kind, "step": self.opt.step, "slots": sorted(self.slots),
-                "groups": len(self.opt.param_groups)}
-
-
-class _DistributedTarget:
-    """The distributed optimizer's files for a target: per rank, the 'optimizer' entry without tensors
-    and a distrib_optim.pt laid out as megatron-core lays its grad buffers out for data-parallel size dp."""
-
-    def __init__(self, dp: int, tied: bool, pp: int, dtype_key):
-        self.dp, self.tied, self.pp, self.dtype_key = dp, tied, pp, dtype_key
-
-    @classmethod
-    def for_target(cls, train: Optional[_TrainingState], wanted: bool, dp: int, args, out_dtype: torch.dtype,
-                   cfg: GPTConfig, layout: Layout) -> Optional["_DistributedTarget"]:
-        require(dp >= 1, f"--dp {dp}: the data-parallel size is at least 1")
-        require(not (wanted and train is not None and cfg.moe is not None),
-                "--distributed-optimizer: the distributed optimizer's buffers of MoE models are not written yet",
-                "drop --distributed-optimizer (the optimizer state is written in the non-distributed form), or --no-optimizer")
-        if args is not None:  # what the target run is: Megatron reads DP from its own flags
-            args.use_distributed_optimizer = bool(wanted and train is not None)
-            if wanted:
-                args.data_parallel_size = dp
-        if not wanted or train is None:
-            return None
-        # megatron-core keys each buffer by (param dtype, grad dtype); Megatron-LM reduces bf16 grads in
-        # fp32 (--accumulate-allreduce-grads-in-fp32, on by default with --bf16)
-        fp32_grads = getattr(args, "accumulate_allreduce_grads_in_fp32", out_dtype == torch.bfloat16)
-        return cls(dp, cfg.tied_embeddings, layout.pp, (out_dtype, torch.float32 if fp32_grads else out_dtype))
-
-    def rank_entries(self, train: _TrainingState, params, chunks, t: int, shard, cfg: GPTConfig):
-        entries = []
-        for (role, layer, full_of, group, key), chunk in zip(params, chunks):
-            names = canonical_names(role, layer, cfg)
-            g = megatron_optim.group_index(train.opt.param_groups, names, key, full_of(WEIGHT).shape)
-            slots = {slot: shard(role, full_of(slot), t, group, cast=False) for slot in OPTIMIZER_SLOTS}
-            entries.append((chunk, g, slots, self.tied and self.pp > 1 and role == "word"))
-        used = sorted({g for _, g, _, _ in entries})
-        groups = [dict(train.opt.param_groups[g].hyper) for g in used]  # Megatron builds only the groups a rank has
-        entries = [(c, used.index(g), s, shared) for c, g, s, shared in entries]
-        optimizer, state = megatron_distopt.rank_files(entries, self.dp, train.opt.step, groups,
-                                                       train.opt.grad_scaler, self.dtype_key)
-        out = {"optimizer": optimizer}
-        if train.opt.scheduler is not None:
-            out["opt_param_scheduler"] = train.opt.scheduler
-        return out, state
 
 
 def _extra_state_value(d: Dialect):

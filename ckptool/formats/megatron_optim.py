@@ -23,6 +23,7 @@ TP ranks with the same table as the weights.
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -51,6 +52,22 @@ class RankParam:
     layer: Optional[int]  # global layer index; None for embeddings, final norm, output
     weight: LazyTensor
     chunk: int = 0  # virtual-pipeline model chunk (each has its own grad buffers)
+
+
+def role_shards(values: Dict[Tuple[int, int], List[LazyTensor]], params: Dict[Tuple[int, int], List[RankParam]],
+                 tp: int):
+    """{(role, layer): [value per TP rank]} from per-rank lists aligned with params; and the last
+    stage's copy of the tied embedding (role head_copy), kept apart."""
+    shards: Dict[Tuple[str, Optional[int]], List[Optional[LazyTensor]]] = defaultdict(lambda: [None] * tp)
+    head_copy = None
+    for rk in sorted(params):  # expert-parallel ranks in order: the dense part is taken from EP rank 0
+        t = rk[0]
+        for param, value in zip(params[rk], values[rk]):
+            if param.role == "head_copy":
+                head_copy = head_copy if head_copy is not None else value
+            elif shards[(param.role, param.layer)][t] is None:
+                shards[(param.role, param.layer)][t] = value
+    return shards, head_copy
 
 
 def no_weight_decay(key: str, weight: LazyTensor) -> bool:

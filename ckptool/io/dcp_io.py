@@ -262,9 +262,9 @@ class DcpWriter:
     def finish(self) -> None:
         for fqn, of in dict(self.aliases).items():
             src = self.entries[of]
-            self.entries[fqn] = TensorStorageMetadata(properties=src.properties, size=src.size, chunks=list(src.chunks))
+            self.entries[fqn] = _dcp.TensorStorageMetadata(properties=src.properties, size=src.size, chunks=list(src.chunks))
             for c in src.chunks:
-                self.storage[MetadataIndex(fqn, c.offsets)] = self.storage[MetadataIndex(of, c.offsets)]
+                self.storage[_dcp.MetadataIndex(fqn, c.offsets)] = self.storage[_dcp.MetadataIndex(of, c.offsets)]
         self.fh.flush()
         os.fsync(self.fh.fileno())
         self.fh.close()

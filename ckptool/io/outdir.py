@@ -15,7 +15,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable
 
 from ..errors import CkptError
 from .chunked import HASH_NAME, file_digest

@@ -1,0 +1,187 @@
+"""The training state of Megatron's torch format, between the rank files and the canonical slots.
+
+Reading: each rank's optimizer state (megatron_optim.py for the rank file's own 'optimizer' entry,
+megatron_distopt.py for distrib_optim.pt) tied to that rank's parameters, then merged across ranks by
+the weights' own table (the reader's `canonical`), with the scalars (step, groups, scheduler) once.
+Writing: TrainingTarget re-pads every slot for the target and builds each rank file's optimizer
+entries in the target model's parameter order; DistributedTarget lays them out as distrib_optim.pt.
+megatron.py owns the directory walk, the names and the weights; this module only the optimizer side.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+from ..config import GPTConfig, Layout
+from ..errors import CkptError, require
+from ..lazy import LazyTensor
+from ..roles import canonical_names, global_role_tensor, layer_role_tensor
+from ..state import OPTIMIZER_SLOTS, PAD_FILL_BY_SLOT, WEIGHT, Checkpoint, OptimizerState, ParamGroup
+from ..vocab import resize_slot_vocab
+from . import megatron_distopt, megatron_optim
+from .megatron_optim import RankParam, role_shards
+
+
+def read_training_state(trees, ranks, model_files, params, tp, args, cfg, canonical, warnings) -> Optional[OptimizerState]:
+    """The optimizer state of every rank, tied to the parameters and merged like the weights;
+    None (with a warning naming what is dropped) when there is none or its form is not read yet."""
+    if not any("optimizer" in tree for tree in trees.values()):
+        return None
+    for rk, tree in trees.items():
+        why = megatron_optim.unsupported_form(tree)
+        if why:
+            warnings.append(f"optimizer state dropped: {why}; the output holds the weights only")
+            return None
+    pp = max(p for _, p, _ in ranks) + 1
+    if max(e for _, _, e in ranks) > 0 and megatron_distopt.uses_distributed_optimizer(ranks[(0, 0, 0)], args):
+        warnings.append("optimizer state dropped: the distributed optimizer's expert-parallel buffers are not "
+                        "read yet; the output holds the weights only")
+        return None
+    per_rank = {rk: _read_rank(tree, model_files[rk], params[rk], args, cfg, pp, rk[1])
+                for rk, tree in trees.items()}
+    if all(r is None for r in per_rank.values()):
+        return None
+    for rk, r in per_rank.items():
+        if r is None:
+            raise CkptError(f"{model_files[rk]}: no optimizer state, but other ranks have one",
+                            "the rank files do not belong to one checkpoint; " + megatron_optim.HINT)
+    slot_names = [s for s in OPTIMIZER_SLOTS if all(s in sl for r in per_rank.values() for sl in r.slots)]
+    slots = {}
+    for slot in slot_names:
+        shards, _ = role_shards({rk: [sl[slot] for sl in r.slots] for rk, r in per_rank.items()}, params, tp)
+        slots[slot] = canonical(shards)
+    where = str(next(iter(ranks.values())).parent)
+    hypers = megatron_optim.merge_hypers([r.hypers for r in per_rank.values()], where)
+    names: List[List[str]] = [[] for _ in hypers]
+    for rk, r in per_rank.items():
+        for param, g in zip(params[rk], r.group_of):
+            if param.role != "head_copy" and not (param.role == "output" and cfg.tied_embeddings):
+                names[g] += [n for n in canonical_names(param.role, param.layer, cfg) if n not in names[g]]
+    steps = {r.step for r in per_rank.values()}
+    require(len(steps) == 1, f"{where}: ranks were stepped {sorted(map(str, steps))} times", megatron_optim.HINT)
+    first = trees[(0, 0, 0)]
+    distributed = megatron_distopt.uses_distributed_optimizer(ranks[(0, 0, 0)], args)
+    return OptimizerState(
+        kind="megatron-distributed" if distributed else "megatron" if "master" in slots else "megatron-fp32",
+        slots=slots, step=steps.pop(),
+        param_groups=[ParamGroup(n, h) for n, h in zip(names, hypers)],
+        grad_scaler=per_rank[(0, 0, 0)].grad_scaler,
+        scheduler=first.get("opt_param_scheduler", first.get("lr_scheduler")),
+        consumed_samples=getattr(args, "consumed_train_samples", None))
+
+
+def _read_rank(tree, model_file: Path, params: List[RankParam], args, cfg: GPTConfig, pp: int, pp_rank: int):
+    """One rank's optimizer state: distrib_optim.pt beside the rank file (the distributed optimizer)
+    or the rank file's own 'optimizer' entry."""
+    where, rank_dir = str(model_file), model_file.parent
+    if megatron_distopt.uses_distributed_optimizer(rank_dir, args):
+        return megatron_distopt.read_rank(tree, rank_dir, params, args, cfg.tied_embeddings, pp, pp_rank, where)
+    return megatron_optim.read_rank(tree, params, where)
+
+
+# --- writing ---------------------------------------------------------------------------------
+
+def global_slots(tensors, train, role):
+    """slot name -> the full tensor of a global role in that slot."""
+    def full(slot):
+        return global_role_tensor(tensors if slot == WEIGHT else train.slots[slot], role)
+    return full
+
+
+def layer_slots(tensors, train, cfg, layer, role):
+    """slot name -> the full (fused) tensor of one layer's role in that slot."""
+    def full(slot):
+        return layer_role_tensor(tensors if slot == WEIGHT else train.slots[slot], cfg, layer, role)
+    return full
+
+
+class TrainingTarget:
+    """The optimizer state a Megatron target carries: every slot re-padded like the weights."""
+
+    def __init__(self, opt: OptimizerState, slots: Dict[str, Dict[str, LazyTensor]], mixed: bool):
+        self.opt, self.slots, self.mixed = opt, slots, mixed
+        self.weights_from_masters = not mixed and "master" in opt.slots
+
+    @classmethod
+    def for_target(cls, ckpt: Checkpoint, weights: Dict[str, LazyTensor], cfg: GPTConfig, rows: int,
+                   out_dtype: torch.dtype) -> Optional["TrainingTarget"]:
+        opt = ckpt.optimizer
+        if opt is None:
+            return None
+        require(opt.step is not None, f"{ckpt.source.path}: the optimizer state has no step count",
+                megatron_optim.HINT)
+        slots = {}
+        for slot in ("master", "exp_avg", "exp_avg_sq"):
+            source = opt.slots.get(slot)
+            if source is None and slot == "master":  # fp32 training: the weights were the masters
+                source = {n: w.to(torch.float32) for n, w in ckpt.tensors.items()}
+            if source is None:
+                raise CkptError(f"{ckpt.source.path}: the optimizer state has no {slot}", megatron_optim.HINT)
+            slots[slot] = resize_slot_vocab(source, weights, cfg, rows, PAD_FILL_BY_SLOT[slot])
+        return cls(opt, slots, mixed=out_dtype in (torch.float16, torch.bfloat16))
+
+    def rank_entries(self, params, t: int, shard, cfg: GPTConfig) -> dict:
+        """The optimizer and scheduler entries of one rank file; params in the model's order."""
+        entries = []
+        for role, layer, full_of, group, key in params:
+            names = canonical_names(role, layer, cfg)
+            g = megatron_optim.group_index(self.opt.param_groups, names, key, full_of(WEIGHT).shape)
+            slots = {slot: shard(role, full_of(slot), t, group, cast=False) for slot in self.slots
+                     if slot != "master" or self.mixed}
+            entries.append((g, slots))
+        # a loss scaler's state is only Megatron's to read when it came from Megatron
+        scaler = self.opt.grad_scaler if self.opt.kind.startswith("megatron") else None
+        out = {"optimizer": megatron_optim.rank_state(entries, self.opt.param_groups, self.opt.step, self.mixed,
+                                                      scaler)}
+        if self.opt.scheduler is not None:
+            out["opt_param_scheduler"] = self.opt.scheduler
+        return out
+
+    def describe(self) -> dict:
+        return {"kind": self.opt.kind, "step": self.opt.step, "slots": sorted(self.slots),
+                "groups": len(self.opt.param_groups)}
+
+
+class DistributedTarget:
+    """The distributed optimizer's files for a target: per rank, the 'optimizer' entry without tensors
+    and a distrib_optim.pt laid out as megatron-core lays its grad buffers out for data-parallel size dp."""
+
+    def __init__(self, dp: int, tied: bool, pp: int, dtype_key):
+        self.dp, self.tied, self.pp, self.dtype_key = dp, tied, pp, dtype_key
+
+    @classmethod
+    def for_target(cls, train: Optional[TrainingTarget], wanted: bool, dp: int, args, out_dtype: torch.dtype,
+                   cfg: GPTConfig, layout: Layout) -> Optional["DistributedTarget"]:
+        require(dp >= 1, f"--dp {dp}: the data-parallel size is at least 1")
+        require(not (wanted and train is not None and cfg.moe is not None),
+                "--distributed-optimizer: the distributed optimizer's buffers of MoE models are not written yet",
+                "drop --distributed-optimizer (the optimizer state is written in the non-distributed form), or --no-optimizer")
+        if args is not None:  # what the target run is: Megatron reads DP from its own flags
+            args.use_distributed_optimizer = bool(wanted and train is not None)
+            if wanted:
+                args.data_parallel_size = dp
+        if not wanted or train is None:
+            return None
+        # megatron-core keys each buffer by (param dtype, grad dtype); Megatron-LM reduces bf16 grads in
+        # fp32 (--accumulate-allreduce-grads-in-fp32, on by default with --bf16)
+        fp32_grads = getattr(args, "accumulate_allreduce_grads_in_fp32", out_dtype == torch.bfloat16)
+        return cls(dp, cfg.tied_embeddings, layout.pp, (out_dtype, torch.float32 if fp32_grads else out_dtype))
+
+    def rank_entries(self, train: TrainingTarget, params, chunks, t: int, shard, cfg: GPTConfig):
+        entries = []
+        for (role, layer, full_of, group, key), chunk in zip(params, chunks):
+            names = canonical_names(role, layer, cfg)
+            g = megatron_optim.group_index(train.opt.param_groups, names, key, full_of(WEIGHT).shape)
+            slots = {slot: shard(role, full_of(slot), t, group, cast=False) for slot in OPTIMIZER_SLOTS}
+            entries.append((chunk, g, slots, self.tied and self.pp > 1 and role == "word"))
+        used = sorted({g for _, g, _, _ in entries})
+        groups = [dict(train.opt.param_groups[g].hyper) for g in used]  # Megatron builds only the groups a rank has
+        entries = [(c, used.index(g), s, shared) for c, g, s, shared in entries]
+        optimizer, state = megatron_distopt.rank_files(entries, self.dp, train.opt.step, groups,
+                                                       train.opt.grad_scaler, self.dtype_key)
+        out = {"optimizer": optimizer}
+        if train.opt.scheduler is not None:
+            out["opt_param_scheduler"] = train.opt.scheduler
+        return out, state
