@@ -122,7 +122,8 @@ _MCORE_GLOBALS = {
 
 # named_parameters() order of a layer. Legacy: norm, query_key_value, dense, norm, MLP. megatron-core
 # registers linear_proj before linear_qkv (Attention.__init__ runs before SelfAttention adds linear_qkv),
-# and Transformer Engine's LayerNormLinear registers its norm before its weight.
+# and Transformer Engine's LayerNormLinear registers layer_norm_weight/_bias before weight/bias (read in
+# TE's module/layernorm_linear.py; not run here: TE does not install on a CPU-only machine).
 _LEGACY_PARAM_ORDER = ("attn_norm.weight", "attn_norm.bias", "qkv.weight", "qkv.bias", "proj.weight",
                        "proj.bias", "mlp_norm.weight", "mlp_norm.bias", "fc1.weight", "fc1.bias",
                        "fc2.weight", "fc2.bias")
