@@ -29,10 +29,9 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-if not torch.cuda.is_available():
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.current_device = lambda: "cpu"
-    torch.Tensor.cuda = lambda self, *a, **k: self
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the dense helper's CPU shims, tokens and pipeline/TP-gathering forward serve MoE models unchanged
+from mcore_dist_helper import PADDED, SEQ, TOKENS, VOCAB, logits  # noqa: E402
 
 # megatron-core 0.16's router linear tests `te_general_gemm is not None`, but without Transformer Engine the
 # name is never bound (its import fails before the fallback); None is what it means: a plain matmul.
@@ -40,9 +39,6 @@ from megatron.core.transformer.moe import moe_utils  # noqa: E402
 if not hasattr(moe_utils, "te_general_gemm"):
     moe_utils.te_general_gemm = None
 
-VOCAB, PADDED, SEQ = 100, 128, 16
-TOKENS = torch.tensor([[1, 5, 9, 33, 2, 70, 99, 4, 8, 15, 16, 23, 42, 7, 0, 3],
-                       [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26]])
 EXPERTS, TOPK, MOE_FFN = 4, 2, 24
 
 # Mixtral-like: RMSNorm, SwiGLU, rope, GQA, no biases, untied, every layer MoE
@@ -88,27 +84,6 @@ def build(tp, ep, pp=1):
                 p.add_(0.05 * (ep_rank * (EXPERTS // ep) + j + 1))
     model.eval()
     return model, cfg
-
-
-def logits(model):
-    import contextlib
-    from megatron.core import tensor_parallel
-    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
-    pos = torch.arange(SEQ).unsqueeze(0).expand(2, SEQ)
-    with torch.no_grad():
-        mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
-        if not parallel_state.is_pipeline_first_stage():
-            hidden = torch.empty(SEQ, TOKENS.shape[0], model.config.hidden_size)
-            dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
-            model.set_input_tensor(hidden)
-        out = model(TOKENS, pos, attention_mask=mask)
-        if not parallel_state.is_pipeline_last_stage():
-            dist.send(out.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
-            return None
-    group = parallel_state.get_tensor_model_parallel_group()
-    parts = [torch.empty_like(out) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, out.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
 
 
 def run_args(cfg, tp, ep, pp):
@@ -158,7 +133,6 @@ def global_name(name: str, ep: int) -> str:
 def train_one_step(model, cfg):
     """One Adam step with megatron-core's optimizer; returns it and {global name: live exp_avg}."""
     import contextlib
-    sys.path.insert(0, str(Path(__file__).parent))
     import mcore_train_helper  # noqa: F401  (its CPU shims for megatron-core's optimizer)
     from megatron.core import tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
