@@ -47,6 +47,26 @@ def real_checkpoint(case: str) -> Path:
     pytest.skip(f"real checkpoint {case} not found under ../shared/real-checkpoints or fixtures/real")
 
 
+def count_tensor_reads(monkeypatch) -> list:
+    """From now on, the byte count of every tensor-data read from a torch file (both ways a storage
+    record is read) is appended to the returned list: for tests that measure streaming."""
+    from ckptool.io import torchfile
+    reads: list = []
+    read_record, read_record_into = torchfile.TorchArchive.read_record, torchfile.TorchArchive.read_record_into
+
+    def counting(self, key, start=0, length=None):
+        data = read_record(self, key, start, length)
+        reads.append(len(data))
+        return data
+
+    def counting_into(self, key, start, out):
+        reads.append(memoryview(out).nbytes)
+        return read_record_into(self, key, start, out)
+    monkeypatch.setattr(torchfile.TorchArchive, "read_record", counting)
+    monkeypatch.setattr(torchfile.TorchArchive, "read_record_into", counting_into)
+    return reads
+
+
 def free_port() -> int:
     """A TCP port nobody listens on now, for a torchrun rendezvous (fixed ports collide between runs)."""
     import socket

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import free_port
+from conftest import count_tensor_reads, free_port
 from ckptool.errors import CkptError
 from ckptool.formats import deepspeed as ds
 from ckptool.formats.registry import detect_format, open_checkpoint
@@ -781,20 +781,7 @@ def test_export_reads_each_master_byte_once_in_parameter_sized_reads(ds_cases, c
     groups) run reads every fp32 master once, never more than one parameter at a time, and never the
     Adam moments that make up most of each optimizer shard. So memory stays near one parameter."""
     from ckptool.formats import deepspeed_hf_export
-    from ckptool.io import torchfile
-    reads = []  # bytes of every tensor-data read (the two ways a storage record is read)
-    read_record, read_record_into = torchfile.TorchArchive.read_record, torchfile.TorchArchive.read_record_into
-
-    def counting(self, key, start=0, length=None):
-        data = read_record(self, key, start, length)
-        reads.append(len(data))
-        return data
-
-    def counting_into(self, key, start, out):
-        reads.append(memoryview(out).nbytes)
-        return read_record_into(self, key, start, out)
-    monkeypatch.setattr(torchfile.TorchArchive, "read_record", counting)
-    monkeypatch.setattr(torchfile.TorchArchive, "read_record_into", counting_into)
+    reads = count_tensor_reads(monkeypatch)  # bytes of every tensor-data read
     src = ds_cases / case / "ckpt"
     _, named = ds.consolidate_hf_state(src)
     sizes = {k: v.nbytes for k, v in named.items()}

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import free_port
+from conftest import count_tensor_reads, free_port
 from ckptool.errors import CkptError
 from ckptool.formats.ds_universal import universal_params
 from ckptool.formats.registry import open_checkpoint
@@ -322,23 +322,10 @@ def test_universal_writer_reads_each_optimizer_byte_once_in_parameter_sized_read
     ZeRO-3's per-rank padding), one parameter at a time, so memory stays near one parameter."""
     from ckptool.formats.ds_universal import write_ds_universal
     from ckptool.config import Layout
-    from ckptool.io import torchfile
-    reads = []
-    read_record, read_record_into = torchfile.TorchArchive.read_record, torchfile.TorchArchive.read_record_into
-
-    def counting(self, key, start=0, length=None):
-        data = read_record(self, key, start, length)
-        reads.append(len(data))
-        return data
-
-    def counting_into(self, key, start, out):
-        reads.append(memoryview(out).nbytes)
-        return read_record_into(self, key, start, out)
     ckpt = open_checkpoint(str(runs / case / "ckpt"))
     opt = ckpt.optimizer
     sizes = [t.nbytes for slot in opt.slots.values() for t in slot.values()]
-    monkeypatch.setattr(torchfile.TorchArchive, "read_record", counting)
-    monkeypatch.setattr(torchfile.TorchArchive, "read_record_into", counting_into)
+    reads = count_tensor_reads(monkeypatch)
     write_ds_universal(ckpt, tmp_path / "u", Layout(1, 1))
     frozen_moments = 2 * opt.slots["exp_avg"]["embed.pos"].nbytes  # zeros, never read
     frozen_bf16 = opt.slots["master"]["embed.pos"].nbytes // 2  # its master is the 16-bit weight
