@@ -94,12 +94,12 @@ def resize_slot_vocab(slot: dict, weights: dict, cfg: GPTConfig, rows: int, fill
         return resize_vocab(slot, cfg, rows, fill)
     out = dict(slot)
     for name in ("embed.word", "output.weight"):
-        if name not in out or out[name].shape[0] >= rows:
-            out[name] = resize_rows(out[name], rows, cfg, "zero", name) if name in out else None
-            if out[name] is None:
-                del out[name]
+        if name not in out:
             continue
         have = out[name].shape[0]
+        if rows <= have:  # trimming (or nothing): the same cut as every other slot
+            out[name] = resize_rows(out[name], rows, cfg, "zero", name)
+            continue
         out[name] = Derived(lambda m, w, have=have: torch.cat([m, w[have:].to(m.dtype)], dim=0),
                             [out[name], weights[name]], shape=(rows,) + tuple(out[name].shape[1:]),
                             dtype=out[name].dtype)
