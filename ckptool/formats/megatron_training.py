@@ -122,22 +122,31 @@ class TrainingTarget:
             slots[slot] = resize_slot_vocab(source, weights, cfg, rows, PAD_FILL_BY_SLOT[slot])
         return cls(opt, slots, mixed=out_dtype in (torch.float16, torch.bfloat16))
 
-    def rank_entries(self, params, t: int, shard, cfg: GPTConfig) -> dict:
-        """The optimizer and scheduler entries of one rank file; params in the model's order."""
-        entries = []
+    def param_slots(self, params, t: int, shard, cfg: GPTConfig, slots) -> list:
+        """(source group index, {slot: this rank's piece}) per parameter, in the model's order."""
+        out = []
         for role, layer, full_of, group, key in params:
             names = canonical_names(role, layer, cfg)
             g = megatron_optim.group_index(self.opt.param_groups, names, key, full_of(WEIGHT).shape)
-            slots = {slot: shard(role, full_of(slot), t, group, cast=False) for slot in self.slots
-                     if slot != "master" or self.mixed}
-            entries.append((g, slots))
-        # a loss scaler's state is only Megatron's to read when it came from Megatron
-        scaler = self.opt.grad_scaler if self.opt.kind.startswith("megatron") else None
-        out = {"optimizer": megatron_optim.rank_state(entries, self.opt.param_groups, self.opt.step, self.mixed,
-                                                      scaler)}
-        if self.opt.scheduler is not None:
-            out["opt_param_scheduler"] = self.opt.scheduler
+            out.append((g, {slot: shard(role, full_of(slot), t, group, cast=False) for slot in slots}))
         return out
+
+    @property
+    def grad_scaler(self) -> Optional[dict]:
+        """A loss scaler's state is only Megatron's to read when it came from Megatron."""
+        return self.opt.grad_scaler if self.opt.kind.startswith("megatron") else None
+
+    def with_scheduler(self, entries: dict) -> dict:
+        if self.opt.scheduler is not None:
+            entries["opt_param_scheduler"] = self.opt.scheduler
+        return entries
+
+    def rank_entries(self, params, t: int, shard, cfg: GPTConfig) -> dict:
+        """The optimizer and scheduler entries of one rank file; params in the model's order."""
+        slots = [s for s in self.slots if s != "master" or self.mixed]
+        entries = self.param_slots(params, t, shard, cfg, slots)
+        return self.with_scheduler({"optimizer": megatron_optim.rank_state(
+            entries, self.opt.param_groups, self.opt.step, self.mixed, self.grad_scaler)})
 
     def describe(self) -> dict:
         return {"kind": self.opt.kind, "step": self.opt.step, "slots": sorted(self.slots),
@@ -170,18 +179,12 @@ class DistributedTarget:
         return cls(dp, cfg.tied_embeddings, layout.pp, (out_dtype, torch.float32 if fp32_grads else out_dtype))
 
     def rank_entries(self, train: TrainingTarget, params, chunks, t: int, shard, cfg: GPTConfig):
-        entries = []
-        for (role, layer, full_of, group, key), chunk in zip(params, chunks):
-            names = canonical_names(role, layer, cfg)
-            g = megatron_optim.group_index(train.opt.param_groups, names, key, full_of(WEIGHT).shape)
-            slots = {slot: shard(role, full_of(slot), t, group, cast=False) for slot in OPTIMIZER_SLOTS}
-            entries.append((chunk, g, slots, self.tied and self.pp > 1 and role == "word"))
+        entries = [(chunk, g, slots, self.tied and self.pp > 1 and param[0] == "word")
+                   for param, chunk, (g, slots) in zip(params, chunks,
+                                                       train.param_slots(params, t, shard, cfg, OPTIMIZER_SLOTS))]
         used = sorted({g for _, g, _, _ in entries})
         groups = [dict(train.opt.param_groups[g].hyper) for g in used]  # Megatron builds only the groups a rank has
         entries = [(c, used.index(g), s, shared) for c, g, s, shared in entries]
         optimizer, state = megatron_distopt.rank_files(entries, self.dp, train.opt.step, groups,
-                                                       train.opt.grad_scaler, self.dtype_key)
-        out = {"optimizer": optimizer}
-        if train.opt.scheduler is not None:
-            out["opt_param_scheduler"] = train.opt.scheduler
-        return out, state
+                                                       train.grad_scaler, self.dtype_key)
+        return train.with_scheduler({"optimizer": optimizer}), state
