@@ -542,12 +542,6 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
     if out_dtype is None:
         out_dtype = next(iter(tensors.values())).dtype
     train = megatron_training.TrainingTarget.for_target(ckpt, tensors, cfg, rows, out_dtype) if optimizer else None
-    if train is not None and cfg.moe is not None and layout.ep > 1:
-        # at EP > 1 megatron-core saves [dense optimizer, expert optimizer] (a ChainedOptimizer's list);
-        # one state dict would not load there
-        warn("optimizer state dropped: at EP > 1 megatron-core keeps the experts in a second (chained) "
-             "optimizer, which ckptool does not write yet; the output holds the weights only")
-        train = None
     if train is not None and train.weights_from_masters:
         tensors = train.slots["master"]  # fp32 training: the fp32 masters are the weights
     args = None
@@ -648,7 +642,7 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
             entries, param_state = distributed.rank_entries(train, params, param_chunks, t, shard, cfg)
             top.update(entries)
         elif train is not None:
-            top.update(train.rank_entries(params, t, shard, cfg))
+            top.update(train.rank_entries(params, t, shard, cfg, layout.ep))
         rank_name = _rank_name(t, p, e, layout.pp, layout.ep)
         (it_dir / rank_name).mkdir(exist_ok=True)
         writers.append(StreamingTorchWriter(it_dir / rank_name / "model_optim_rng.pt", top))

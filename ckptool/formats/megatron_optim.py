@@ -18,14 +18,25 @@ emits model keys in that same order). Ties are checked, not trusted: group sizes
 and each fp32 master cast to the model dtype equals the stored weight bit for bit (checked as the
 master is read).
 
+Groups beyond that pair are data too: megatron-core keys each group by (wd_mult, lr_mult,
+is_expert_parallel, is_decoupled_lr) and, since 0.16, by the config override that made it (max_lr /
+min_lr for --decoupled-lr); GROUP_TRAITS says how a parameter and a stored group each show a trait. A
+source's groups become canonical groups (one per group identity, GROUP_IDENTITY: expert-parallel and
+dense copies of a group are one canonical group), each with the canonical names of its parameters; a
+target rank's groups are re-formed from them by the rule megatron-core applies at the target layout
+(target_groups). With expert parallelism (EP > 1) megatron-core runs a ChainedOptimizer: each rank file's
+`optimizer` is the list [dense optimizer's state dict, expert optimizer's], the second holding the
+rank's LOCAL experts in parameter order; expert_parallel() says which parameters the second holds.
+
 This module only ties slots to (role, layer) pieces of one rank; roles.assemble() merges them across
-TP ranks with the same table as the weights.
+TP and EP ranks with the same table as the weights (experts by their global index).
 """
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -42,6 +53,14 @@ MIXED_FORMS = (
 )
 MOMENTS = ("exp_avg", "exp_avg_sq")
 NO_WEIGHT_DECAY_KEYS = ("wd_mult", "weight_decay")  # a group with either at 0 holds biases and norms
+# megatron-core sets is_embedding_or_output_parameter on the word embedding and the output layer (the
+# last stage's copy of a tied embedding included): the parameters --decoupled-lr applies to
+EMBEDDING_OR_OUTPUT_ROLES = frozenset({"word", "output", "head_copy"})
+# What makes two stored groups the same canonical group (megatron-core's group key without
+# is_expert_parallel, which the target layout decides, plus the 0.16 override values); eras without
+# wd_mult tell their groups apart by weight_decay.
+GROUP_IDENTITY = ("wd_mult", "lr_mult", "is_decoupled_lr", "max_lr", "min_lr", "default_config")
+CANONICAL_EXPERT = re.compile(r"^layers\.\d+\.mlp\.experts\.\d+\.")  # state.py's expert names
 
 
 @dataclass
@@ -75,6 +94,58 @@ def no_weight_decay(key: str, weight: LazyTensor) -> bool:
     return key.endswith("bias") or len(weight.shape) == 1
 
 
+def expert_parallel(role: str, ep: int) -> bool:
+    """megatron-core's is_expert_parallel: expert weights are kept out of the data-parallel all-reduce
+    (allreduce=False), and so in the expert optimizer, only when expert parallelism is on (EP > 1)."""
+    return ep > 1 and role.startswith("experts.")
+
+
+@dataclass(frozen=True)
+class GroupRule:
+    """The run's settings the group traits depend on: --decoupled-lr (from the args), if any."""
+    decoupled_lr: Optional[float] = None
+
+    @classmethod
+    def from_args(cls, args) -> "GroupRule":
+        return cls(getattr(args, "decoupled_lr", None))
+
+
+def _group_no_wd(hyper: dict, rule: GroupRule) -> bool:
+    return hyper["wd_mult"] == 0 if "wd_mult" in hyper else hyper.get("weight_decay") == 0
+
+
+def _group_decoupled(hyper: dict, rule: GroupRule) -> bool:
+    # megatron-core < 0.16 flags the group; 0.16 gives it the override max_lr = --decoupled-lr (and so
+    # default_config False, which tells it apart even when --decoupled-lr equals --lr)
+    return bool(hyper.get("is_decoupled_lr")) or (
+        rule.decoupled_lr is not None and hyper.get("max_lr") == rule.decoupled_lr and hyper.get("default_config") is False)
+
+
+# Each trait of megatron-core's group key that a checkpoint lets ckptool decide: (for a parameter: key,
+# role, shape, rule; for a stored group: hyperparameters, rule). is_expert_parallel is not here: it picks
+# the optimizer of a chained pair, not a group within one. lr_mult has no rule a checkpoint records (a
+# run's own scale-lr condition or config override): a group with lr_mult != 1 is tied only where these
+# traits single it out.
+GROUP_TRAITS = (
+    ("no_weight_decay", lambda key, role, shape, rule: key.endswith("bias") or len(shape) == 1, _group_no_wd),
+    ("decoupled_lr", lambda key, role, shape, rule: rule.decoupled_lr is not None and role in EMBEDDING_OR_OUTPUT_ROLES,
+     _group_decoupled),
+)
+
+
+def param_traits(param: "RankParam", rule: GroupRule) -> Tuple[bool, ...]:
+    return tuple(of_param(param.key, param.role, tuple(param.weight.shape), rule) for _, of_param, _ in GROUP_TRAITS)
+
+
+def group_traits(hyper: dict, rule: GroupRule) -> Tuple[bool, ...]:
+    return tuple(of_group(hyper, rule) for _, _, of_group in GROUP_TRAITS)
+
+
+def group_identity(hyper: dict) -> tuple:
+    """Which canonical group a stored group is (see GROUP_IDENTITY)."""
+    return tuple(hyper.get(k) for k in GROUP_IDENTITY) + (None if "wd_mult" in hyper else hyper.get("weight_decay"),)
+
+
 @dataclass
 class RankOptimizer:
     """One rank's optimizer state tied to its parameters."""
@@ -85,20 +156,50 @@ class RankOptimizer:
     grad_scaler: Optional[dict]
 
 
-def unsupported_form(tree: dict) -> Optional[str]:
+def unsupported_form(tree: dict, ep: int = 1) -> Optional[str]:
     """Why this rank's optimizer state cannot be carried (a valid form ckptool does not read yet)."""
     opt = tree.get("optimizer")
-    if isinstance(opt, list):
-        return "a chained optimizer (several optimizer state dicts per rank) is not carried yet"
+    if isinstance(opt, list) and (len(opt) != 2 or ep == 1):
+        # megatron-core chains [dense, expert] at EP > 1; other chains (e.g. the first model chunk's own
+        # optimizer with --overlap-param-gather-with-optimizer-step) are not tied yet
+        return f"a chained optimizer of {len(opt)} optimizers at EP {ep} is not carried yet"
     return None
 
 
-def read_rank(tree: dict, params: List[RankParam], where: str) -> Optional[RankOptimizer]:
+def read_rank(tree: dict, params: List[RankParam], where: str, rule: GroupRule = GroupRule(),
+              ep: int = 1) -> Optional[RankOptimizer]:
     """Tie one rank file's optimizer state to its parameters; None when the file has none, or an
-    optimizer that never stepped (torch keeps no state before the first step)."""
+    optimizer that never stepped (torch keeps no state before the first step). A chained optimizer
+    (EP > 1: [dense, expert]) ties each part to its own parameters; the result lists the dense
+    optimizer's groups, then the expert optimizer's."""
     opt = tree.get("optimizer")
     if opt is None:
         return None
+    parts = [opt] if not isinstance(opt, list) else opt
+    members = [list(range(len(params)))] if not isinstance(opt, list) else \
+        [[i for i, p in enumerate(params) if expert_parallel(p.role, ep) == is_expert] for is_expert in (False, True)]
+    tied = [_read_one(part, [params[i] for i in idx], f"{where}" + (f" (chained optimizer {n})" if len(parts) > 1 else ""),
+                      rule) for n, (part, idx) in enumerate(zip(parts, members))]
+    if all(r is None for r in tied):
+        return None
+    slots: List[Dict[str, LazyTensor]] = [dict() for _ in params]
+    group_of, hypers, steps = [0] * len(params), [], set()
+    for r, idx in zip(tied, members):
+        if r is None:  # one optimizer stepped, the other not: the files do not belong together
+            if idx:
+                raise CkptError(f"{where}: one optimizer of the chain holds no state, the other does", HINT)
+            continue
+        for j, i in enumerate(idx):
+            slots[i], group_of[i] = r.slots[j], len(hypers) + r.group_of[j]
+        hypers += r.hypers
+        steps |= {r.step} if r.step is not None else set()
+    if len(steps) > 1:
+        raise CkptError(f"{where}: the chained optimizers were stepped {sorted(steps)} times", HINT)
+    return RankOptimizer(slots, group_of, hypers, steps.pop() if steps else None, tied[0].grad_scaler if tied[0] else None)
+
+
+def _read_one(opt, params: List[RankParam], where: str, rule: GroupRule) -> Optional[RankOptimizer]:
+    """One optimizer's state dict tied to its parameters (in Megatron's order)."""
     if not isinstance(opt, dict):
         raise CkptError(f"{where}: 'optimizer' is a {type(opt).__name__}, not a state dict", HINT)
     torch_state, masters, scaler = _split_form(opt, where)
@@ -108,7 +209,7 @@ def read_rank(tree: dict, params: List[RankParam], where: str) -> Optional[RankO
         raise CkptError(f"{where}: optimizer state without param_groups/state", HINT)
     if not state:  # never stepped: no moments yet, masters equal the weights; a fresh optimizer is the same
         return None
-    members = _tie_groups(groups, params, where)
+    members = _tie_groups(groups, params, where, rule)
     if masters is not None:
         if len(masters) != len(groups) or any(len(m) != len(g["params"]) for m, g in zip(masters, groups)):
             raise CkptError(f"{where}: fp32 master groups {[len(m) for m in masters]} do not match the "
@@ -134,6 +235,10 @@ def read_rank(tree: dict, params: List[RankParam], where: str) -> Optional[RankO
     if len(steps) > 1:
         raise CkptError(f"{where}: parameters were stepped {sorted(steps)} times", HINT)
     hypers = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+    identities = [group_identity(h) for h in hypers]
+    if len(set(identities)) != len(identities):
+        raise CkptError(f"{where}: two optimizer groups share the hyperparameters megatron-core tells groups "
+                        f"apart by ({', '.join(GROUP_IDENTITY)})", HINT)
     return RankOptimizer(slots, group_of, hypers, steps.pop() if steps else None, scaler)
 
 
@@ -146,24 +251,46 @@ def _split_form(opt: dict, where: str):
     raise CkptError(f"{where}: unknown optimizer layout (keys {sorted(map(str, opt))[:6]})", HINT)
 
 
-def _tie_groups(groups: List[dict], params: List[RankParam], where: str) -> List[List[int]]:
-    """For each optimizer group, the indices (into params) of its parameters, in order."""
+def _tie_groups(groups: List[dict], params: List[RankParam], where: str, rule: GroupRule) -> List[List[int]]:
+    """For each optimizer group, the indices (into params) of its parameters, in order: each parameter
+    joins the one group whose traits (GROUP_TRAITS) equal its own; empty groups (megatron-core >= 0.16
+    gives every rank every group) join nothing."""
     counts = [len(g.get("params", ())) for g in groups]
-    decay = [i for i, p in enumerate(params) if not no_weight_decay(p.key, p.weight)]
-    no_decay = [i for i, p in enumerate(params) if no_weight_decay(p.key, p.weight)]
     if len(groups) == 1 and counts[0] == len(params):
         return [list(range(len(params)))]
-    if len(groups) == 2:
-        zero_wd = [any(g.get(k) == 0 for k in NO_WEIGHT_DECAY_KEYS) for g in groups]
-        fits = [order for order in ((decay, no_decay), (no_decay, decay))
-                if [len(x) for x in order] == counts]
-        if len(fits) == 2:  # equal sizes: the group without weight decay holds the biases and norms
-            fits = [fits[1]] if zero_wd[0] and not zero_wd[1] else [fits[0]]
-        if fits:
-            return [list(x) for x in fits[0]]
+    wanted = [group_traits(g, rule) for g in groups]
+    members: List[List[int]] = [[] for _ in groups]
+    for i, p in enumerate(params):
+        fits = [g for g, t in enumerate(wanted) if t == param_traits(p, rule) and counts[g]]
+        if len(fits) != 1:
+            break
+        members[fits[0]].append(i)
+    else:
+        if [len(m) for m in members] == counts:
+            return members
+    legacy = _tie_by_sizes(groups, params, counts)  # eras whose groups differ in nothing the traits see
+    if legacy is not None:
+        return legacy
+    decay = sum(not no_weight_decay(p.key, p.weight) for p in params)
+    lr_mult = sorted({g.get("lr_mult") for g in groups} - {None, 1.0, 1})
+    why = (f"lr_mult {lr_mult} groups whose members no rule in the checkpoint names (a run's own scale-lr "
+           "condition) cannot be tied" if lr_mult else
+           "the groups are not megatron-core's weight-decay / --decoupled-lr groups of these parameters")
     raise CkptError(f"{where}: optimizer groups hold {counts} parameters, but the model has "
-                    f"{len(decay)} with and {len(no_decay)} without weight decay "
-                    "(extra groups such as --decoupled-lr or lr_mult are not carried yet)", HINT)
+                    f"{decay} with and {len(params) - decay} without weight decay: {why}", HINT)
+
+
+def _tie_by_sizes(groups: List[dict], params: List[RankParam], counts: List[int]) -> Optional[List[List[int]]]:
+    """Two groups told apart by their sizes alone (older eras, e.g. --weight-decay 0 with no wd_mult)."""
+    if len(groups) != 2 or any("wd_mult" in g for g in groups):
+        return None
+    decay = [i for i, p in enumerate(params) if not no_weight_decay(p.key, p.weight)]
+    no_decay = [i for i, p in enumerate(params) if no_weight_decay(p.key, p.weight)]
+    zero_wd = [any(g.get(k) == 0 for k in NO_WEIGHT_DECAY_KEYS) for g in groups]
+    fits = [order for order in ((decay, no_decay), (no_decay, decay)) if [len(x) for x in order] == counts]
+    if len(fits) == 2:  # equal sizes: the group without weight decay holds the biases and norms
+        fits = [fits[1]] if zero_wd[0] and not zero_wd[1] else [fits[0]]
+    return [list(x) for x in fits[0]] if fits else None
 
 
 def _checked_shape(t, param: RankParam, what: str, where: str) -> LazyTensor:
@@ -189,14 +316,25 @@ def master_matching_weight(master: LazyTensor, param: RankParam, where: str,
     return Derived(checked, [master, param.weight], shape=master.shape, dtype=master.dtype)
 
 
-def merge_hypers(per_rank: List[List[dict]], where: str) -> List[dict]:
-    """One list of group hyperparameters for the whole model (ranks must agree group by group)."""
-    longest = max(per_rank, key=len)
-    for hypers in per_rank:
-        for h, ref in zip(hypers, longest):
-            if h != ref and {k: h.get(k) for k in ("lr", "weight_decay")} != {k: ref.get(k) for k in ("lr", "weight_decay")}:
+def merge_groups(per_rank: Dict[tuple, List[dict]], where: str) -> Tuple[List[dict], Dict[tuple, List[int]]]:
+    """The canonical groups of the whole model: one per group identity, in the order the ranks (in
+    order) list them, a dense group before its expert-parallel copy; and, per rank, the canonical index
+    of each of its groups. Copies of a group must agree on lr and weight_decay."""
+    canonical: List[dict] = []
+    index: Dict[tuple, int] = {}
+    local: Dict[tuple, List[int]] = {}
+    for rk in sorted(per_rank):
+        local[rk] = []
+        for h in per_rank[rk]:
+            ident = group_identity(h)
+            if ident not in index:
+                index[ident] = len(canonical)
+                canonical.append(dict(h))
+            ref = canonical[index[ident]]
+            if {k: h.get(k) for k in ("lr", "weight_decay")} != {k: ref.get(k) for k in ("lr", "weight_decay")}:
                 raise CkptError(f"{where}: optimizer groups differ across ranks ({h} vs {ref})", HINT)
-    return [dict(h) for h in longest]
+            local[rk].append(index[ident])
+    return canonical, local
 
 
 # --- writing --------------------------------------------------------------------------------
@@ -215,22 +353,55 @@ def group_index(groups: List[ParamGroup], names: List[str], key: str, weight_sha
     return 0
 
 
-def rank_state(entries: List[Tuple[int, Dict[str, LazyTensor]]], groups: List[ParamGroup], step: int,
-               mixed: bool, grad_scaler: Optional[dict]) -> dict:
-    """The `optimizer` entry of one target rank file. entries: (group, slots) per parameter in the
-    target model's parameter order; slots holds master (mixed precision), exp_avg and exp_avg_sq."""
-    by_group: Dict[int, List[Dict[str, LazyTensor]]] = {}
+def target_groups(groups: List[ParamGroup], ep: int) -> List[List[int]]:
+    """The canonical groups each optimizer of a target rank lists, in order: [dense] or, at EP > 1 with
+    experts, [dense, expert] (megatron-core's ChainedOptimizer). As megatron-core >= 0.16 builds them,
+    every rank lists every group of its optimizer, empty or not (its _get_param_groups aligns the groups
+    over all ranks), so a group is in the dense optimizer when any non-expert-parallel parameter of
+    the model holds it, in the expert optimizer when any expert-parallel one does."""
+    def held(g: ParamGroup, expert: bool) -> bool:
+        if not g.names:  # a source without names: the group is one of the dense pair
+            return not expert
+        return any((ep > 1 and CANONICAL_EXPERT.match(n) is not None) == expert for n in g.names)
+
+    dense = [i for i, g in enumerate(groups) if held(g, False)]
+    experts = [i for i, g in enumerate(groups) if held(g, True)]
+    return [dense, experts] if experts else [dense]
+
+
+def rank_state(entries: List[Tuple[int, bool, Dict[str, LazyTensor]]], groups: List[ParamGroup],
+               optimizers: List[List[int]], step: int, mixed: bool, grad_scaler: Optional[dict]):
+    """The `optimizer` entry of one target rank file: one optimizer's state dict, or the list of a
+    ChainedOptimizer's (len(optimizers) == 2: [dense, expert]). entries: (canonical group, expert-parallel?,
+    slots) per parameter in the target model's parameter order; slots holds master (mixed precision),
+    exp_avg and exp_avg_sq. optimizers: target_groups()."""
+    chained = len(optimizers) > 1
+    states = [_optimizer_state([(g, slots) for g, is_expert, slots in entries if is_expert == (n == 1)],
+                               groups, ids, step, mixed, grad_scaler, chained and n == 1 if chained else None)
+              for n, ids in enumerate(optimizers)]
+    return states if chained else states[0]
+
+
+def _optimizer_state(entries: List[Tuple[int, Dict[str, LazyTensor]]], groups: List[ParamGroup], ids: List[int],
+                     step: int, mixed: bool, grad_scaler: Optional[dict], is_expert: Optional[bool]) -> dict:
+    by_group: Dict[int, List[Dict[str, LazyTensor]]] = {g: [] for g in ids}
     for g, slots in entries:
-        by_group.setdefault(g, []).append(slots)
+        if g not in by_group:
+            raise CkptError(f"a target parameter's optimizer group {groups[g].hyper} is not one of its "
+                            "optimizer's groups", HINT)
+        by_group[g].append(slots)
     state, param_groups, masters, idx = {}, [], [], 0
-    for g in sorted(by_group):  # Megatron builds only the groups a rank has parameters for
-        ids = []
+    for g in ids:
+        params = []
         for slots in by_group[g]:
             state[idx] = {"step": Const(torch.tensor(float(step))), "exp_avg": slots["exp_avg"],
                           "exp_avg_sq": slots["exp_avg_sq"]}
-            ids.append(idx)
+            params.append(idx)
             idx += 1
-        param_groups.append(dict(groups[g].hyper, params=ids))
+        hyper = dict(groups[g].hyper)
+        if is_expert is not None or "is_expert_parallel" in hyper:  # the target layout decides it
+            hyper["is_expert_parallel"] = bool(is_expert)
+        param_groups.append(dict(hyper, params=params))
         if mixed:
             masters.append([slots["master"] for slots in by_group[g]])
     torch_state = {"state": state, "param_groups": param_groups}

@@ -29,17 +29,18 @@ def read_training_state(trees, ranks, model_files, params, tp, args, cfg, canoni
     None (with a warning naming what is dropped) when there is none or its form is not read yet."""
     if not any("optimizer" in tree for tree in trees.values()):
         return None
+    ep = max(e for _, _, e in ranks) + 1
     for rk, tree in trees.items():
-        why = megatron_optim.unsupported_form(tree)
+        why = megatron_optim.unsupported_form(tree, ep)
         if why:
             warnings.append(f"optimizer state dropped: {why}; the output holds the weights only")
             return None
     pp = max(p for _, p, _ in ranks) + 1
-    if max(e for _, _, e in ranks) > 0 and megatron_distopt.uses_distributed_optimizer(ranks[(0, 0, 0)], args):
+    if ep > 1 and megatron_distopt.uses_distributed_optimizer(ranks[(0, 0, 0)], args):
         warnings.append("optimizer state dropped: the distributed optimizer's expert-parallel buffers are not "
                         "read yet; the output holds the weights only")
         return None
-    per_rank = {rk: _read_rank(tree, model_files[rk], params[rk], args, cfg, pp, rk[1])
+    per_rank = {rk: _read_rank(tree, model_files[rk], params[rk], args, cfg, pp, rk[1], ep)
                 for rk, tree in trees.items()}
     if all(r is None for r in per_rank.values()):
         return None
@@ -53,12 +54,13 @@ def read_training_state(trees, ranks, model_files, params, tp, args, cfg, canoni
         shards, _ = role_shards({rk: [sl[slot] for sl in r.slots] for rk, r in per_rank.items()}, params, tp)
         slots[slot] = canonical(shards)
     where = str(next(iter(ranks.values())).parent)
-    hypers = megatron_optim.merge_hypers([r.hypers for r in per_rank.values()], where)
+    hypers, local = megatron_optim.merge_groups({rk: r.hypers for rk, r in per_rank.items()}, where)
     names: List[List[str]] = [[] for _ in hypers]
     for rk, r in per_rank.items():
         for param, g in zip(params[rk], r.group_of):
             if param.role != "head_copy" and not (param.role == "output" and cfg.tied_embeddings):
-                names[g] += [n for n in canonical_names(param.role, param.layer, cfg) if n not in names[g]]
+                group = names[local[rk][g]]
+                group += [n for n in canonical_names(param.role, param.layer, cfg) if n not in group]
     steps = {r.step for r in per_rank.values()}
     require(len(steps) == 1, f"{where}: ranks were stepped {sorted(map(str, steps))} times", megatron_optim.HINT)
     first = trees[(0, 0, 0)]
@@ -72,13 +74,14 @@ def read_training_state(trees, ranks, model_files, params, tp, args, cfg, canoni
         consumed_samples=getattr(args, "consumed_train_samples", None))
 
 
-def _read_rank(tree, model_file: Path, params: List[RankParam], args, cfg: GPTConfig, pp: int, pp_rank: int):
+def _read_rank(tree, model_file: Path, params: List[RankParam], args, cfg: GPTConfig, pp: int, pp_rank: int,
+               ep: int):
     """One rank's optimizer state: distrib_optim.pt beside the rank file (the distributed optimizer)
-    or the rank file's own 'optimizer' entry."""
+    or the rank file's own 'optimizer' entry (a chained [dense, expert] list at EP > 1)."""
     where, rank_dir = str(model_file), model_file.parent
     if megatron_distopt.uses_distributed_optimizer(rank_dir, args):
         return megatron_distopt.read_rank(tree, rank_dir, params, args, cfg.tied_embeddings, pp, pp_rank, where)
-    return megatron_optim.read_rank(tree, params, where)
+    return megatron_optim.read_rank(tree, params, where, megatron_optim.GroupRule.from_args(args), ep)
 
 
 # --- writing ---------------------------------------------------------------------------------
@@ -141,12 +144,16 @@ class TrainingTarget:
             entries["opt_param_scheduler"] = self.opt.scheduler
         return entries
 
-    def rank_entries(self, params, t: int, shard, cfg: GPTConfig) -> dict:
-        """The optimizer and scheduler entries of one rank file; params in the model's order."""
+    def rank_entries(self, params, t: int, shard, cfg: GPTConfig, ep: int = 1) -> dict:
+        """The optimizer and scheduler entries of one rank file; params in the model's order. At EP > 1
+        with experts the entry is megatron-core's chained [dense, expert] list, the experts' slots
+        (this rank's local experts, cut by the weights' table) in the second."""
         slots = [s for s in self.slots if s != "master" or self.mixed]
-        entries = self.param_slots(params, t, shard, cfg, slots)
+        entries = [(g, megatron_optim.expert_parallel(param[0], ep), sl)
+                   for param, (g, sl) in zip(params, self.param_slots(params, t, shard, cfg, slots))]
+        optimizers = megatron_optim.target_groups(self.opt.param_groups, ep)
         return self.with_scheduler({"optimizer": megatron_optim.rank_state(
-            entries, self.opt.param_groups, self.opt.step, self.mixed, self.grad_scaler)})
+            entries, self.opt.param_groups, optimizers, self.opt.step, self.mixed, self.grad_scaler)})
 
     def describe(self) -> dict:
         return {"kind": self.opt.kind, "step": self.opt.step, "slots": sorted(self.slots),
