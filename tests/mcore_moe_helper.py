@@ -9,12 +9,19 @@ GPTModel with MoE layers (local spec: SequentialMLP experts `mlp.experts.local_e
         and its local experts under their LOCAL index j (global expert = ep_rank * E/EP + j).
   "train DIR --tp T --ep E --out FILE"   as save, after one Adam step of megatron-core's own optimizer
         (fp32, get_megatron_optimizer; the CPU shims of mcore_train_helper.py), with the optimizer's
-        state_dict() in the file as Megatron-LM saves it; FILE also gets `exp_avg`: per global parameter
-        name (experts by global index), the live optimizer's first moment at the save.
+        state_dict() in the file as Megatron-LM saves it (at EP > 1 a ChainedOptimizer's list: [dense,
+        expert]); FILE also gets `exp_avg`: per global parameter name (experts by global index), the
+        live optimizer's first moment at the save; and FILE.losses the loss of that step and of two
+        more steps taken after the save (`next`: what a resumed run must reproduce; the second step's
+        loss is the first that depends on the loaded optimizer state).
+  "resume DIR --tp T --ep E --out FILE [--weights-only]"   a fresh model and optimizer at TP x EP load
+        DIR as Megatron-LM's load_checkpoint does (model strict, optimizer.load_state_dict; with
+        --weights-only a fresh optimizer, as --no-load-optim) and take those two steps; FILE.losses
+        gets their losses as `next`.
   "load-torch DIR --tp T --ep E [--pp P] --out FILE"   this rank's file into a fresh model with
         load_state_dict(strict=True), after comparing the parallel sizes in the file's args.
 
-Both write the logits for TOKENS (megatron-core's own forward at that layout, gathered over TP) to FILE.
+Every mode writes the logits for TOKENS (megatron-core's own forward at that layout, gathered over TP) to FILE.
 World size = TP x PP x DP, with EP carved out of DP (and expert TP = TP) as megatron-core does.
 """
 import argparse
@@ -130,8 +137,9 @@ def global_name(name: str, ep: int) -> str:
     return f"{head}.local_experts.{parallel_state.get_expert_model_parallel_rank() * (EXPERTS // ep) + int(j)}.{tail}"
 
 
-def train_one_step(model, cfg):
-    """One Adam step with megatron-core's optimizer; returns it and {global name: live exp_avg}."""
+def make_optimizer(model, cfg):
+    """megatron-core's DDP and optimizer (get_megatron_optimizer: a ChainedOptimizer of the dense and, at
+    EP > 1, the expert-parallel optimizer), as Megatron-LM's setup_model_and_optimizer builds them."""
     import contextlib
     import mcore_train_helper  # noqa: F401  (its CPU shims for megatron-core's optimizer)
     from megatron.core import tensor_parallel
@@ -141,15 +149,29 @@ def train_one_step(model, cfg):
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=False), model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, clip_grad=0.0), [ddp])
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
-    g = torch.Generator().manual_seed(5)
+    return ddp, opt
+
+
+def adam_step(ddp, opt, seed: int) -> float:
+    """One training step on the batch of this seed (the same on every rank); returns its loss."""
+    g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=g)
     pos = torch.arange(SEQ).unsqueeze(0).expand(2, SEQ)
     mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
     ddp.zero_grad_buffer()
     opt.zero_grad()
-    ddp(tokens[:, :-1], pos, attention_mask=mask, labels=tokens[:, 1:]).float().mean().backward()
+    loss = ddp(tokens[:, :-1], pos, attention_mask=mask, labels=tokens[:, 1:]).float().mean()
+    loss.backward()
     ddp.finish_grad_sync()
     assert opt.step()[0], "optimizer step skipped"
+    return loss.item()
+
+
+def train_one_step(model, cfg):
+    """One Adam step with megatron-core's optimizer; returns DDP, the optimizer, the loss and
+    {global name: live exp_avg}."""
+    ddp, opt = make_optimizer(model, cfg)
+    loss = adam_step(ddp, opt, 5)
     model.eval()
     live = {}
     for sub in opt.chained_optimizers:
@@ -157,7 +179,7 @@ def train_one_step(model, cfg):
             live[id(p)] = st["exp_avg"].detach().clone()
     moments = {global_name(n, parallel_state.get_expert_model_parallel_world_size()): live[id(p)]
                for n, p in model.named_parameters() if id(p) in live}
-    return opt, moments
+    return ddp, opt, loss, moments
 
 
 def run_job(a):
@@ -165,8 +187,9 @@ def run_job(a):
     model, cfg = build(a.tp, a.ep, a.pp)
     root = Path(a.dir)
     d = rank_dir(root, a.pp, a.ep)
+    losses = None
     if a.mode in ("save", "train"):
-        opt, moments = train_one_step(model, cfg) if a.mode == "train" else (None, None)
+        ddp, opt, loss, moments = train_one_step(model, cfg) if a.mode == "train" else (None, None, None, None)
         if writes_file():
             d.mkdir(parents=True, exist_ok=True)
             state = {"args": run_args(cfg, a.tp, a.ep, a.pp), "checkpoint_version": 3.0, "iteration": 7,
@@ -182,6 +205,19 @@ def run_job(a):
         dist.barrier()
         if dist.get_rank() == 0:
             (root / "latest_checkpointed_iteration.txt").write_text("7")
+        if opt is not None:  # the step a resumed run must reproduce (logits below are the saved model's)
+            model.train()
+            losses = {"first": loss, "next": [adam_step(ddp, opt, 6), adam_step(ddp, opt, 7)]}
+            model.eval()
+    elif a.mode == "resume":
+        d = root / "iter_0000007" / d.name
+        state = torch.load(d / "model_optim_rng.pt", map_location="cpu", weights_only=False)
+        model.load_state_dict(state["model"], strict=True)
+        ddp, opt = make_optimizer(model, cfg)
+        if not a.weights_only:
+            opt.load_state_dict(state["optimizer"])
+        losses = {"next": [adam_step(ddp, opt, 6), adam_step(ddp, opt, 7)]}
+        model.eval()
     else:
         tracker = (root / "latest_checkpointed_iteration.txt").read_text().strip()
         d = root / ("release" if tracker == "release" else f"iter_{int(tracker):07d}") / d.name
@@ -191,6 +227,8 @@ def run_job(a):
                     "padded_vocab_size", "num_attention_heads"):
             assert getattr(args, key) == getattr(run_args(cfg, a.tp, a.ep, a.pp), key), key
         model.load_state_dict(state["model"], strict=True)
+    if losses is not None and dist.get_rank() == 0:
+        torch.save(losses, a.out + ".losses")
     out = logits(model)
     if (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
             and parallel_state.get_data_parallel_rank() == 0):
@@ -201,7 +239,8 @@ def run_job(a):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["save", "train", "load-torch"])
+    ap.add_argument("mode", choices=["save", "train", "resume", "load-torch"])
+    ap.add_argument("--weights-only", action="store_true")
     ap.add_argument("dir")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)

@@ -17,6 +17,11 @@ optimizer.load_state_dict, scheduler.load_state_dict) and trains the same furthe
         --no-load-optim does), train M steps on the batches that followed; FILE gets the losses and
         DIR_resumed_tpT/ the final state.
 
+Param groups beyond the default pair (tests/test_optimizer_groups.py): --decoupled-lr X gives the
+embedding and output layer their own learning rate (OptimizerConfig.decoupled_lr / decoupled_min_lr,
+megatron-core's own group override; the args saved say so, as Megatron-LM's do), --lr-mult Y adds
+lr_mult Y to the no-weight-decay override (a config override megatron-core 0.16 takes: its own group).
+
 Pipeline stages (--pp P): one micro-batch goes through the stages by point-to-point send/recv and its
 gradients back, then megatron-core's finalize_model_grads syncs the DP grads and the tied embedding's
 grads between the first and last stage (as Megatron-LM's schedule does); rank directories are then
@@ -114,10 +119,11 @@ import mcore_dist_helper as H  # noqa: E402  (its own CUDA shims for the model; 
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
 from megatron.core.distributed import finalize_model_grads  # noqa: E402
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 
 LR, MIN_LR, WD = 1e-2, 1e-3, 0.01
+GROUPS: dict = {}  # this job's --decoupled-lr / --lr-mult
 BATCH = 2
 
 
@@ -139,10 +145,14 @@ def build(arch, tp, dtype, distributed=False, pp=1):
         cfg.bf16, cfg.params_dtype = True, torch.bfloat16
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=distributed),
                                   model)
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=LR, min_lr=MIN_LR, weight_decay=WD,
-                                                 adam_beta1=0.9, adam_beta2=0.95, clip_grad=0.0,
-                                                 bf16=dtype == "bf16", use_distributed_optimizer=distributed),
-                                 [ddp])
+    config = OptimizerConfig(optimizer="adam", lr=LR, min_lr=MIN_LR, weight_decay=WD, adam_beta1=0.9,
+                             adam_beta2=0.95, clip_grad=0.0, bf16=dtype == "bf16",
+                             use_distributed_optimizer=distributed, decoupled_lr=GROUPS.get("decoupled_lr"),
+                             decoupled_min_lr=GROUPS.get("decoupled_lr") and MIN_LR / 2)
+    overrides = get_standard_config_overrides(config)
+    if GROUPS.get("lr_mult"):
+        overrides = {k: dict(v, lr_mult=GROUPS["lr_mult"]) if v.get("wd_mult") == 0.0 else v for k, v in overrides.items()}
+    opt = get_megatron_optimizer(config, [ddp], config_overrides=overrides)
     sched = OptimizerParamScheduler(opt, init_lr=LR, max_lr=LR, min_lr=MIN_LR, lr_warmup_steps=0,
                                     lr_decay_steps=100, lr_decay_style="cosine", start_wd=WD, end_wd=WD,
                                     wd_incr_steps=100, wd_incr_style="constant")
@@ -214,6 +224,8 @@ def save(root: Path, model, opt, sched, cfg, arch, tp, iteration, distributed=Fa
     args.params_dtype = cfg.params_dtype
     args.iteration = iteration
     args.consumed_train_samples = iteration * BATCH
+    args.decoupled_lr = GROUPS.get("decoupled_lr")
+    args.decoupled_min_lr = GROUPS.get("decoupled_lr") and MIN_LR / 2
     d = root / f"iter_{iteration:07d}" / _rank_dir()
     d.mkdir(parents=True, exist_ok=True)
     state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
@@ -289,6 +301,8 @@ def run_job(a):
     if a.distributed_optimizer and not torch.cuda.is_available():
         _gloo_reduce_scatter()
         _torch_adam_step_kept()
+    GROUPS.clear()
+    GROUPS.update({k: v for k, v in (("decoupled_lr", a.decoupled_lr), ("lr_mult", a.lr_mult)) if v})
     model, ddp, opt, sched, cfg = build(a.arch, a.tp, a.dtype, a.distributed_optimizer, a.pp)
     root = Path(a.dir)
     losses, result = [], {}
@@ -328,6 +342,8 @@ def main():
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--distributed-optimizer", action="store_true")
+    ap.add_argument("--decoupled-lr", type=float)
+    ap.add_argument("--lr-mult", type=float)
     ap.add_argument("--out", required=True)
     jobs = [ap.parse_args(job.split()) for job in sys.argv[1:]]
     dist.init_process_group("gloo")

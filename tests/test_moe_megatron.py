@@ -208,36 +208,7 @@ def test_verify_routes_the_expert_parallel_output_and_torchrun_refuses_moe(moe, 
         parallel_target(str(moe / "out_114"), ReadOptions(), None, None, 4)
 
 
-def test_expert_optimizer_state_at_ep1_needs_no_extra_code(tmp_path):
-    """A real megatron-core Adam step (fp32) saved with its optimizer: at EP1 the experts sit in the one
-    optimizer in parameter order and ckptool ties their moments like any parameter; at EP2 megatron-core
-    saves a chained [dense, expert] list, which is dropped with a warning, never mis-tied."""
-    torchrun([f"train {tmp_path / 'ep1'} --tp 1 --ep 1 --out {tmp_path / 'ep1.pt'}",
-              f"train {tmp_path / 'ep2'} --tp 1 --ep 2 --out {tmp_path / 'ep2.pt'}"], nproc=2)
-    ck = read_megatron(tmp_path / "ep1")
-    live = dict(torch.load(tmp_path / "ep1.pt.moments")["exp_avg"][0][1])
-    ea = ck.optimizer.slots["exp_avg"]
-    for i in range(2):
-        assert torch.equal(ea[f"layers.{i}.mlp.router.weight"].load(), live[f"decoder.layers.{i}.mlp.router.weight"])
-        for e in range(4):
-            fc1 = live[f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight"]
-            assert torch.equal(ea[f"layers.{i}.mlp.experts.{e}.gate.weight"].load(), fc1[:24])
-            assert torch.equal(ea[f"layers.{i}.mlp.experts.{e}.up.weight"].load(), fc1[24:])
-            assert torch.equal(ea[f"layers.{i}.mlp.experts.{e}.down.weight"].load(),
-                               live[f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.weight"])
-    # carried through a TP2 reshard at EP1 (read back equal); dropped, with a warning, at EP2
-    api.reshard(tmp_path / "ep1", tmp_path / "tp2", tp=2, warn=lambda m: None)
-    back = read_megatron(tmp_path / "tp2").optimizer.slots["exp_avg"]
-    assert all(torch.equal(back[n].load(), ea[n].load()) for n in ea)
-    said = []
-    api.reshard(tmp_path / "ep1", tmp_path / "ep2out", tp=1, ep=2, warn=said.append)
-    assert any("optimizer state dropped: at EP > 1" in m for m in said) and read_megatron(tmp_path / "ep2out").optimizer is None
-    two = read_megatron(tmp_path / "ep2")
-    assert two.optimizer is None and any("chained optimizer" in w for w in two.warnings)
-    with pytest.raises(CkptError, match="distributed optimizer's buffers of MoE models are not written yet"):
-        api.reshard(tmp_path / "ep1", tmp_path / "d", tp=1, distributed_optimizer=True, dp=2, warn=lambda m: None)
-    assert not (tmp_path / "d").exists()
-
+# The experts' optimizer state (EP 1 and the chained optimizer at EP > 1): tests/test_optimizer_groups.py.
 
 
 def test_te_grouped_experts_are_read_by_their_documented_layout(moe, tmp_path):

@@ -1,0 +1,190 @@
+"""Param groups beyond weight decay, and chained optimizers, with the real megatron-core (CPU, gloo).
+
+1. --decoupled-lr and an lr_mult override: megatron-core 0.16 makes three groups (default, no weight
+   decay with lr_mult, embedding + output at the decoupled learning rate); ckptool ties every parameter
+   to its group, carries the groups with their canonical names, reshards TP2 -> TP1 and a megatron-core
+   run loads the result (its optimizer checks each group's size and key) and trains on like the run that
+   went on at TP2.
+2. MoE at EP 2: megatron-core saves a ChainedOptimizer's [dense, expert] list per rank; ckptool reads the
+   experts' moments under their global names and writes them at EP 1, EP 2 and TP 2; megatron-core loads
+   the EP 1 and EP 2 outputs and takes the next step with the loss the source run took (MoE training at
+   TP > 1 needs sequence parallelism, whose reduce-scatter gloo lacks: TP 2 is checked by reading back).
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptool import api
+from ckptool.errors import CkptError
+from ckptool.formats import megatron_optim
+from ckptool.formats.megatron import read_megatron
+from ckptool.formats.registry import open_checkpoint
+from ckptool.io.torchfile import load_torch_file
+from ckptool.lazy import Const
+
+HAVE_MCORE = importlib.util.find_spec("megatron") is not None and \
+    importlib.util.find_spec("megatron.core") is not None
+pytestmark = pytest.mark.skipif(not HAVE_MCORE, reason="megatron-core is not installed (test-only extra)")
+
+STEPS, MORE = 3, 2
+DECOUPLED, LR_MULT = 3e-3, 0.5
+# fp32 runs: changing EP / TP only reorders float sums (measured gaps below 1e-5); the weights-only
+# resume (fresh Adam) is off by far more
+MOE_TOL = 1e-4
+
+
+def _test_resume():
+    import test_resume
+    return test_resume
+
+
+# --- 1. decoupled learning rate and lr_mult -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def grouped(tmp_path_factory):
+    R = _test_resume()
+    d = tmp_path_factory.mktemp("groups")
+    flags = f"--arch llama --decoupled-lr {DECOUPLED} --lr-mult {LR_MULT}"
+    R.torchrun(2, f"train {d}/a2 --tp 2 --steps {STEPS} --more {MORE} {flags} --out {d}/a2.pt")
+    R.ckptool("reshard", d / "a2", d / "b1", "--tp", "1")
+    R.ckptool("reshard", d / "a2", d / "w1", "--tp", "1", "--no-optimizer")
+    R.torchrun(1, f"resume {d}/b1 --tp 1 --more {MORE} {flags} --out {d}/b1.pt",
+               f"resume {d}/w1 --tp 1 --more {MORE} {flags} --out {d}/w1.pt --weights-only")
+    return d
+
+
+def test_decoupled_lr_and_lr_mult_groups_are_tied_by_name(grouped):
+    opt = open_checkpoint(grouped / "a2").optimizer
+    by_key = {(g.hyper["wd_mult"], g.hyper["lr_mult"], g.hyper["max_lr"]): g for g in opt.param_groups}
+    assert len(opt.param_groups) == 3 and set(by_key) == {(1.0, 1.0, 1e-2), (0.0, LR_MULT, 1e-2), (1.0, 1.0, DECOUPLED)}
+    assert sorted(by_key[(1.0, 1.0, DECOUPLED)].names) == ["embed.word", "output.weight"]
+    no_wd = by_key[(0.0, LR_MULT, 1e-2)].names
+    assert no_wd and all(n.endswith(("norm.weight", ".bias")) for n in no_wd)
+    default = by_key[(1.0, 1.0, 1e-2)].names
+    assert "layers.0.attn.q.weight" in default and "embed.word" not in default
+    # the TP1 output lists the same groups in megatron-core's order, each with its hyperparameters
+    out = load_torch_file(grouped / "b1" / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt")["optimizer"]
+    src = load_torch_file(grouped / "a2" / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt")["optimizer"]
+    strip = [{k: v for k, v in g.items() if k != "params"} for g in src["optimizer"]["param_groups"]]
+    assert [{k: v for k, v in g.items() if k != "params"} for g in out["optimizer"]["param_groups"]] == strip
+
+
+def test_decoupled_lr_run_resumes_after_tp_reshard(grouped):
+    R = _test_resume()
+    went_on = R.losses(grouped / "a2.pt")[STEPS:]
+    gap = (R.losses(grouped / "b1.pt") - went_on).abs().max().item()
+    gap_weights_only = (R.losses(grouped / "w1.pt") - went_on).abs().max().item()
+    print(f"decoupled-lr TP2 -> TP1: loss gap carried {gap:.2e}, weights-only {gap_weights_only:.2e}")
+    assert gap < R.LOSS_TOL and gap_weights_only > 10 * max(gap, 1e-5)
+
+
+def _param(key, shape, role):
+    return megatron_optim.RankParam(key, role, 0, Const(torch.zeros(shape)))
+
+
+def test_groups_no_rule_can_tell_apart_are_refused_naming_lr_mult():
+    """Two weight-decay groups differing only in lr_mult (a run's own scale-lr condition): which weight
+    sits in which group is nowhere in the checkpoint, so nothing is tied."""
+    params = [_param("a.weight", (2, 2), "proj.weight"), _param("b.weight", (2, 2), "fc2.weight"),
+              _param("n.weight", (2,), "attn_norm.weight")]
+    groups = [dict(wd_mult=1.0, lr_mult=1.0, params=[0]), dict(wd_mult=1.0, lr_mult=0.1, params=[1]),
+              dict(wd_mult=0.0, lr_mult=1.0, params=[2])]
+    with pytest.raises(CkptError, match=r"w\.pt: optimizer groups hold \[1, 1, 1\].*lr_mult \[0\.1\].*--no-optimizer"):
+        megatron_optim._tie_groups(groups, params, "w.pt", megatron_optim.GroupRule())
+    # the same groups with the lr_mult group holding the norms instead: the traits single each one out
+    groups = [dict(wd_mult=1.0, lr_mult=1.0, params=[0, 1]), dict(wd_mult=0.0, lr_mult=0.1, params=[2])]
+    assert megatron_optim._tie_groups(groups, params, "w.pt", megatron_optim.GroupRule()) == [[0, 1], [2]]
+
+
+# --- 2. chained optimizers: MoE at EP > 1 ---------------------------------------------------------
+
+def _moe_torchrun(jobs, nproc=2):
+    import test_moe_megatron
+    test_moe_megatron.torchrun(jobs, nproc=nproc)
+
+
+def _next_loss(path: Path) -> float:
+    """The loss of the second step after the save: the first one whose weights the loaded optimizer
+    state moved (the first step's loss depends on the weights alone)."""
+    first, second = torch.load(str(path) + ".losses")["next"]
+    return second
+
+
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("moe_optim")
+    _moe_torchrun([f"train {d / 'ep1'} --tp 1 --ep 1 --out {d / 'ep1.pt'}",
+                   f"train {d / 'ep2'} --tp 1 --ep 2 --out {d / 'ep2.pt'}"])
+    said = []
+    api.reshard(d / "ep2", d / "to_ep1", tp=1, ep=1, warn=said.append)
+    api.reshard(d / "ep1", d / "to_ep2", tp=1, ep=2, warn=said.append)
+    api.reshard(d / "ep2", d / "to_tp2", tp=2, ep=1, warn=said.append)
+    assert not [m for m in said if "optimizer" in m], said
+    _moe_torchrun([f"resume {d / 'to_ep1'} --tp 1 --ep 1 --out {d / 'to_ep1.pt'}",
+                   f"resume {d / 'to_ep2'} --tp 1 --ep 2 --out {d / 'to_ep2.pt'}",
+                   f"resume {d / 'to_ep1'} --tp 1 --ep 1 --out {d / 'fresh.pt'} --weights-only"])
+    return d
+
+
+@pytest.mark.parametrize("src", ["ep1", "ep2"])
+def test_expert_moments_are_read_under_global_names(moe_runs, src):
+    """EP 1: one optimizer, experts in parameter order; EP 2: [dense, expert] per rank, each rank's
+    expert optimizer holding its local experts. Every moment equals the live optimizer's."""
+    ck = read_megatron(moe_runs / src)
+    assert ck.optimizer is not None and not ck.warnings
+    live = {}
+    for _, moments in torch.load(moe_runs / f"{src}.pt.moments")["exp_avg"]:
+        live.update(moments)
+    ea = ck.optimizer.slots["exp_avg"]
+    for i in range(2):
+        assert torch.equal(ea[f"layers.{i}.mlp.router.weight"].load(), live[f"decoder.layers.{i}.mlp.router.weight"])
+        for e in range(4):
+            fc1 = live[f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight"]
+            assert torch.equal(ea[f"layers.{i}.mlp.experts.{e}.gate.weight"].load(), fc1[:24])
+            assert torch.equal(ea[f"layers.{i}.mlp.experts.{e}.up.weight"].load(), fc1[24:])
+            assert torch.equal(ea[f"layers.{i}.mlp.experts.{e}.down.weight"].load(),
+                               live[f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.weight"])
+    assert set(ea) == set(ck.tensors)
+    # one canonical group per megatron-core key: experts join the weight-decay group whatever the EP
+    groups = {g.hyper["wd_mult"]: g.names for g in ck.optimizer.param_groups}
+    assert len(ck.optimizer.param_groups) == 2 and "layers.1.mlp.experts.3.down.weight" in groups[1.0]
+
+
+def test_chained_optimizer_is_written_per_expert_parallel_rank(moe_runs):
+    src = read_megatron(moe_runs / "ep1").optimizer
+    for e in range(2):
+        opt = load_torch_file(moe_runs / "to_ep2" / "iter_0000007" / f"mp_rank_00_{e:03d}" / "model_optim_rng.pt")["optimizer"]
+        assert isinstance(opt, list) and len(opt) == 2
+        dense, expert = opt
+        assert [g["is_expert_parallel"] for g in dense["param_groups"]] == [False, False]
+        (group,) = expert["param_groups"]
+        assert group["is_expert_parallel"] and group["wd_mult"] == 1.0 and len(group["params"]) == 2 * 2 * 2
+        # this rank's first local expert of layer 0 is global expert 2e: its fc2 moment, by the tie
+        fc2 = expert["state"][group["params"][1]]["exp_avg"].load()
+        assert torch.equal(fc2, src.slots["exp_avg"][f"layers.0.mlp.experts.{2 * e}.down.weight"].load())
+    # and back, from EP 2 and from TP 2 (megatron-core trains MoE at TP > 1 only with sequence
+    # parallelism, which gloo cannot run: that layout is checked here, not resumed)
+    for out in ("to_ep2", "to_tp2"):
+        back = read_megatron(moe_runs / out).optimizer
+        origin = src if out == "to_ep2" else read_megatron(moe_runs / "ep2").optimizer
+        for slot in ("exp_avg", "exp_avg_sq"):
+            assert all(torch.equal(t.load(), back.slots[slot][n].load()) for n, t in origin.slots[slot].items()), (out, slot)
+
+
+@pytest.mark.parametrize("out,src", [("to_ep1", "ep2"), ("to_ep2", "ep1")])
+def test_moe_optimizer_resumes_at_another_expert_layout(moe_runs, out, src):
+    went_on = _next_loss(moe_runs / f"{src}.pt")
+    gap = abs(_next_loss(moe_runs / f"{out}.pt") - went_on)
+    fresh = abs(_next_loss(moe_runs / "fresh.pt") - _next_loss(moe_runs / "ep2.pt"))
+    print(f"MoE {src} -> {out}: next-step loss gap {gap:.2e}; weights-only {fresh:.2e}")
+    assert gap < MOE_TOL and fresh > 10 * max(gap, 1e-6)
+
+
+def test_moe_distributed_optimizer_target_is_refused(moe_runs, tmp_path):
+    with pytest.raises(CkptError, match="distributed optimizer's buffers of MoE models are not written yet"):
+        api.reshard(moe_runs / "ep2", tmp_path / "d", tp=1, ep=1, distributed_optimizer=True, dp=2, warn=lambda m: None)
+    assert not (tmp_path / "d").exists()
