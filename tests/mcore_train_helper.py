@@ -110,6 +110,17 @@ def _torch_adam_step_kept():
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states
 
 
+def _groups_told_apart_by_lr_bounds():
+    """megatron-core 0.16 gives the --decoupled-lr group only an override max_lr / min_lr, but matches a
+    loaded state dict's groups to its own by (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr)
+    alone: the decoupled and default groups collide and it cannot load its own checkpoint (the same
+    error with or without ckptool). Later megatron-core adds the override keys to the match; so does
+    this helper, as that fix does."""
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+    if "max_lr" not in mcore_optimizer.param_group_identifier_keys:
+        mcore_optimizer.param_group_identifier_keys += ("max_lr", "min_lr")
+
+
 if not torch.cuda.is_available():
     _cpu_shims()
 
@@ -303,6 +314,8 @@ def run_job(a):
         _torch_adam_step_kept()
     GROUPS.clear()
     GROUPS.update({k: v for k, v in (("decoupled_lr", a.decoupled_lr), ("lr_mult", a.lr_mult)) if v})
+    if a.decoupled_lr:
+        _groups_told_apart_by_lr_bounds()
     model, ddp, opt, sched, cfg = build(a.arch, a.tp, a.dtype, a.distributed_optimizer, a.pp)
     root = Path(a.dir)
     losses, result = [], {}
