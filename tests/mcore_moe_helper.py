@@ -7,8 +7,8 @@ GPTModel with MoE layers (local spec: SequentialMLP experts `mlp.experts.local_e
         as Megatron-LM's save_checkpoint names them (the EP rank suffix only when EP > 1), one file
         per (TP, PP, EP) rank holding that rank's state dict: the dense part (the same on every EP rank)
         and its local experts under their LOCAL index j (global expert = ep_rank * E/EP + j).
-  "train DIR --tp T --ep E --out FILE"   as save, after one Adam step of megatron-core's own optimizer
-        (fp32, get_megatron_optimizer; the CPU shims of mcore_train_helper.py), with the optimizer's
+  "train DIR --tp T --ep E [--dtype bf16] --out FILE"   as save, after one Adam step of megatron-core's
+        own optimizer (fp32, or bf16 with fp32 masters; get_megatron_optimizer; the CPU shims of mcore_train_helper.py), with the optimizer's
         state_dict() in the file as Megatron-LM saves it (at EP > 1 a ChainedOptimizer's list: [dense,
         expert]); FILE also gets `exp_avg`: per global parameter name (experts by global index), the
         live optimizer's first moment at the save; and FILE.losses the loss of that step and of two
@@ -61,6 +61,7 @@ CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups
 ARCHS = {"mixtral": {}, "qwen2moe": dict(moe_layer_freq=[0, 1], moe_shared_expert_intermediate_size=16,
                                          moe_shared_expert_gate=True, moe_router_pre_softmax=True, add_qkv_bias=True)}
 ARCH = {"name": "mixtral"}
+DTYPE = {"bf16": False}  # train / resume --dtype
 
 
 def build(tp, ep, pp=1):
@@ -146,8 +147,12 @@ def make_optimizer(model, cfg):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     model.train()
+    if DTYPE["bf16"]:  # mixed precision: bf16 weights, fp32 masters in each optimizer of the chain
+        model.to(torch.bfloat16)
+        cfg.bf16, cfg.params_dtype = True, torch.bfloat16
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=False), model)
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, clip_grad=0.0), [ddp])
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, clip_grad=0.0,
+                                                 bf16=DTYPE["bf16"]), [ddp])
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     return ddp, opt
 
@@ -175,8 +180,11 @@ def train_one_step(model, cfg):
     model.eval()
     live = {}
     for sub in opt.chained_optimizers:
+        # mixed precision: the torch state is keyed by each model parameter's fp32 master
+        main_of = {id(m): p for mg, fg in zip(getattr(sub, "fp32_from_float16_groups", []),
+                                               getattr(sub, "float16_groups", [])) for m, p in zip(mg, fg)}
         for p, st in sub.optimizer.state.items():
-            live[id(p)] = st["exp_avg"].detach().clone()
+            live[id(main_of.get(id(p), p))] = st["exp_avg"].detach().clone()
     moments = {global_name(n, parallel_state.get_expert_model_parallel_world_size()): live[id(p)]
                for n, p in model.named_parameters() if id(p) in live}
     return ddp, opt, loss, moments
@@ -184,6 +192,7 @@ def train_one_step(model, cfg):
 
 def run_job(a):
     ARCH["name"] = a.arch
+    DTYPE["bf16"] = a.dtype == "bf16"
     model, cfg = build(a.tp, a.ep, a.pp)
     root = Path(a.dir)
     d = rank_dir(root, a.pp, a.ep)
@@ -241,6 +250,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["save", "train", "resume", "load-torch"])
     ap.add_argument("--weights-only", action="store_true")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("dir")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)

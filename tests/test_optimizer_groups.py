@@ -5,10 +5,11 @@
    to its group, carries the groups with their canonical names, reshards TP2 -> TP1 and a megatron-core
    run loads the result (its optimizer checks each group's size and key) and trains on like the run that
    went on at TP2.
-2. MoE at EP 2: megatron-core saves a ChainedOptimizer's [dense, expert] list per rank; ckptool reads the
-   experts' moments under their global names and writes them at EP 1, EP 2 and TP 2; megatron-core loads
-   the EP 1 and EP 2 outputs and takes the next step with the loss the source run took (MoE training at
-   TP > 1 needs sequence parallelism, whose reduce-scatter gloo lacks: TP 2 is checked by reading back).
+2. MoE: at EP 2 (here bf16 with fp32 masters; the EP 1 run is fp32) megatron-core saves a
+   ChainedOptimizer's [dense, expert] list per rank; ckptool reads the experts' moments under their
+   global names and writes them at EP 1, EP 2 and TP 2; megatron-core loads the EP 1 and EP 2 outputs
+   and takes the next steps with the losses the source run took (MoE training at TP > 1 needs sequence
+   parallelism, whose reduce-scatter gloo lacks: TP 2 is checked by reading back).
 """
 from __future__ import annotations
 
@@ -118,15 +119,15 @@ def _next_loss(path: Path) -> float:
 def moe_runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("moe_optim")
     _moe_torchrun([f"train {d / 'ep1'} --tp 1 --ep 1 --out {d / 'ep1.pt'}",
-                   f"train {d / 'ep2'} --tp 1 --ep 2 --out {d / 'ep2.pt'}"])
+                   f"train {d / 'ep2'} --tp 1 --ep 2 --dtype bf16 --out {d / 'ep2.pt'}"])
     said = []
     api.reshard(d / "ep2", d / "to_ep1", tp=1, ep=1, warn=said.append)
     api.reshard(d / "ep1", d / "to_ep2", tp=1, ep=2, warn=said.append)
     api.reshard(d / "ep2", d / "to_tp2", tp=2, ep=1, warn=said.append)
     assert not [m for m in said if "optimizer" in m], said
-    _moe_torchrun([f"resume {d / 'to_ep1'} --tp 1 --ep 1 --out {d / 'to_ep1.pt'}",
+    _moe_torchrun([f"resume {d / 'to_ep1'} --tp 1 --ep 1 --dtype bf16 --out {d / 'to_ep1.pt'}",
                    f"resume {d / 'to_ep2'} --tp 1 --ep 2 --out {d / 'to_ep2.pt'}",
-                   f"resume {d / 'to_ep1'} --tp 1 --ep 1 --out {d / 'fresh.pt'} --weights-only"])
+                   f"resume {d / 'to_ep1'} --tp 1 --ep 1 --dtype bf16 --out {d / 'fresh.pt'} --weights-only"])
     return d
 
 
@@ -136,6 +137,11 @@ def test_expert_moments_are_read_under_global_names(moe_runs, src):
     expert optimizer holding its local experts. Every moment equals the live optimizer's."""
     ck = read_megatron(moe_runs / src)
     assert ck.optimizer is not None and not ck.warnings
+    # EP 1 trained in fp32 (the weights are the masters), EP 2 in bf16 (fp32 masters in each optimizer
+    # of the chain, each checked against its weight as it loads)
+    assert ck.optimizer.kind == {"ep1": "megatron-fp32", "ep2": "megatron"}[src]
+    if src == "ep2":
+        assert all(m.load().dtype == torch.float32 for m in ck.optimizer.slots["master"].values())
     live = {}
     for _, moments in torch.load(moe_runs / f"{src}.pt.moments")["exp_avg"]:
         live.update(moments)
