@@ -189,8 +189,9 @@ class DistributedTarget:
         entries = [(chunk, g, slots, self.tied and self.pp > 1 and param[0] == "word")
                    for param, chunk, (g, slots) in zip(params, chunks,
                                                        train.param_slots(params, t, shard, cfg, OPTIMIZER_SLOTS))]
-        used = sorted({g for _, g, _, _ in entries})
-        groups = [dict(train.opt.param_groups[g].hyper) for g in used]  # Megatron builds only the groups a rank has
+        # megatron-core >= 0.16 lists every group of the model on every rank (megatron_optim.target_groups)
+        (used,) = megatron_optim.target_groups(train.opt.param_groups, 1)
+        groups = [dict(train.opt.param_groups[g].hyper) for g in used]
         entries = [(c, used.index(g), s, shared) for c, g, s, shared in entries]
         optimizer, state = megatron_distopt.rank_files(entries, self.dp, train.opt.step, groups,
                                                        train.grad_scaler, self.dtype_key)
