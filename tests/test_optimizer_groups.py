@@ -67,6 +67,11 @@ def test_decoupled_lr_and_lr_mult_groups_are_tied_by_name(grouped):
     assert no_wd and all(n.endswith(("norm.weight", ".bias")) for n in no_wd)
     default = by_key[(1.0, 1.0, 1e-2)].names
     assert "layers.0.attn.q.weight" in default and "embed.word" not in default
+    # inspect --json shows each group's learning-rate bounds and multiplier
+    from ckptool.commands.inspect_cmd import describe_optimizer
+    shown = describe_optimizer(open_checkpoint(grouped / "a2"))["param_groups"]
+    assert [(g["tensors"], g["lr_mult"], g["max_lr"]) for g in shown] == \
+        [(len(g.names), g.hyper["lr_mult"], g.hyper["max_lr"]) for g in opt.param_groups]
     # the TP1 output lists the same groups in megatron-core's order, each with its hyperparameters
     out = load_torch_file(grouped / "b1" / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt")["optimizer"]
     src = load_torch_file(grouped / "a2" / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt")["optimizer"]
@@ -194,3 +199,36 @@ def test_moe_distributed_optimizer_target_is_refused(moe_runs, tmp_path):
     with pytest.raises(CkptError, match="distributed optimizer's buffers of MoE models are not written yet"):
         api.reshard(moe_runs / "ep2", tmp_path / "d", tp=1, ep=1, distributed_optimizer=True, dp=2, warn=lambda m: None)
     assert not (tmp_path / "d").exists()
+
+
+def test_target_groups_are_re_formed_by_megatron_cores_rule_at_the_target():
+    """EP 1 -> EP 2: the experts' group gets an expert-parallel copy in a second optimizer; every rank
+    lists every group of its optimizer, empty or not (megatron-core 0.16 aligns them over the ranks)."""
+    from ckptool.state import ParamGroup
+    groups = [ParamGroup(["layers.0.attn.q.weight", "layers.0.mlp.experts.3.down.weight"],
+                         {"wd_mult": 1.0, "is_expert_parallel": False}),
+              ParamGroup(["layers.0.attn_norm.weight"], {"wd_mult": 0.0, "is_expert_parallel": False}),
+              ParamGroup(["embed.word", "output.weight"], {"wd_mult": 1.0, "max_lr": 3e-3, "is_expert_parallel": False})]
+    assert megatron_optim.target_groups(groups, 1) == [[0, 1, 2]]
+    assert megatron_optim.target_groups(groups, 2) == [[0, 1, 2], [0]]
+    one = Const(torch.zeros(2))
+    slots = {"exp_avg": one, "exp_avg_sq": one}
+    # a middle pipeline stage at EP 2: a dense weight, a norm, one local expert; no embedding
+    entries = [(0, False, slots), (1, False, slots), (0, True, slots)]
+    dense, expert = megatron_optim.rank_state(entries, groups, megatron_optim.target_groups(groups, 2), 3,
+                                              mixed=False, grad_scaler=None)
+    assert [len(g["params"]) for g in dense["param_groups"]] == [1, 1, 0]
+    assert [g["is_expert_parallel"] for g in dense["param_groups"]] == [False] * 3
+    assert [(len(g["params"]), g["is_expert_parallel"]) for g in expert["param_groups"]] == [(1, True)]
+    assert megatron_optim.rank_state(entries[:2], groups, [[0, 1, 2]], 3, mixed=False, grad_scaler=None)["param_groups"][2]["params"] == []
+
+
+def test_look_alike_groups_of_older_eras_stay_apart():
+    """--weight-decay 0 before wd_mult existed: two groups with the same hyperparameters, tied by size."""
+    hypers = [{"lr": 1e-3, "weight_decay": 0.0}, {"lr": 1e-3, "weight_decay": 0.0}]
+    canonical, local = megatron_optim.merge_groups({(0, 0, 0): hypers, (1, 0, 0): hypers}, "x")
+    assert len(canonical) == 2 and local == {(0, 0, 0): [0, 1], (1, 0, 0): [0, 1]}
+    # a dense group and its expert-parallel copy are one canonical group
+    dense, expert = {"wd_mult": 1.0, "is_expert_parallel": False}, {"wd_mult": 1.0, "is_expert_parallel": True}
+    canonical, local = megatron_optim.merge_groups({(0, 0, 1): [dense, expert]}, "x")
+    assert canonical == [dense] and local == {(0, 0, 1): [0, 0]}

@@ -73,7 +73,7 @@ def describe_optimizer(ckpt: Checkpoint):
             "bytes": opt.total_bytes, "consumed_samples": opt.consumed_samples,
             "scheduler": opt.scheduler is not None, "grad_scaler": opt.grad_scaler is not None,
             "param_groups": [{"tensors": len(g.names),
-                              **{k: g.hyper[k] for k in ("lr", "weight_decay", "wd_mult", "lr_mult")
+                              **{k: g.hyper[k] for k in ("lr", "weight_decay", "wd_mult", "lr_mult", "max_lr", "min_lr")
                                  if k in g.hyper and isinstance(g.hyper[k], (int, float))}}
                              for g in opt.param_groups]}
 
@@ -133,7 +133,10 @@ def inspect_cmd(path, as_json, tensors, **kw):
     if o is None:
         click.echo("optimizer   none (weights only)")
     else:
-        groups = ", ".join(f"{g['tensors']} tensors wd {g.get('weight_decay', '?')}" for g in o["param_groups"])
+        max_lrs = {g.get("max_lr") for g in o["param_groups"]}  # shown where groups differ (--decoupled-lr)
+        groups = ", ".join(f"{g['tensors']} tensors wd {g.get('weight_decay', '?')}"
+                           + (f" lr_mult {g['lr_mult']}" if g.get("lr_mult", 1) != 1 else "")
+                           + (f" max_lr {g['max_lr']}" if len(max_lrs) > 1 else "") for g in o["param_groups"])
         click.echo(f"optimizer   {o['kind']}, step {o['step']}, {' + '.join(o['slots'])} "
                    f"({'/'.join(sorted({d for ds in o['dtypes'].values() for d in ds}))}), "
                    f"{human_bytes(o['bytes'])}; groups: {groups or 'none'}")

@@ -235,10 +235,6 @@ def _read_one(opt, params: List[RankParam], where: str, rule: GroupRule) -> Opti
     if len(steps) > 1:
         raise CkptError(f"{where}: parameters were stepped {sorted(steps)} times", HINT)
     hypers = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-    identities = [group_identity(h) for h in hypers]
-    if len(set(identities)) != len(identities):
-        raise CkptError(f"{where}: two optimizer groups share the hyperparameters megatron-core tells groups "
-                        f"apart by ({', '.join(GROUP_IDENTITY)})", HINT)
     return RankOptimizer(slots, group_of, hypers, steps.pop() if steps else None, scaler)
 
 
@@ -319,14 +315,19 @@ def master_matching_weight(master: LazyTensor, param: RankParam, where: str,
 def merge_groups(per_rank: Dict[tuple, List[dict]], where: str) -> Tuple[List[dict], Dict[tuple, List[int]]]:
     """The canonical groups of the whole model: one per group identity, in the order the ranks (in
     order) list them, a dense group before its expert-parallel copy; and, per rank, the canonical index
-    of each of its groups. Copies of a group must agree on lr and weight_decay."""
+    of each of its groups. Copies of a group must agree on lr and weight_decay. Groups of one optimizer
+    that look the same (older eras with --weight-decay 0: two groups with weight_decay 0) stay apart,
+    by their position among their look-alikes."""
     canonical: List[dict] = []
     index: Dict[tuple, int] = {}
     local: Dict[tuple, List[int]] = {}
     for rk in sorted(per_rank):
         local[rk] = []
+        seen: Dict[tuple, int] = defaultdict(int)
         for h in per_rank[rk]:
-            ident = group_identity(h)
+            same = (group_identity(h), h.get("is_expert_parallel"))
+            ident = same[0] + (seen[same],)
+            seen[same] += 1
             if ident not in index:
                 index[ident] = len(canonical)
                 canonical.append(dict(h))
