@@ -74,7 +74,10 @@ PAD_FILL_BY_SLOT = {"master": "from-weight", "exp_avg": "zero", "exp_avg_sq": "z
 @dataclass
 class ParamGroup:
     """One optimizer param group: its hyperparameters as stored (lr, weight_decay, betas, eps, wd_mult,
-    lr_mult, ... : whatever keys the framework matches groups by) and the canonical names it holds."""
+    lr_mult, max_lr, ... : whatever keys the framework matches groups by) and the canonical names it holds.
+    Layout-made splits are not separate groups: megatron-core's expert-parallel copy of a group (its
+    second, chained optimizer at EP > 1) is the same ParamGroup; writers re-form such splits for the
+    target layout (formats/megatron_optim.py target_groups)."""
     names: List[str]
     hyper: Dict[str, Any] = field(default_factory=dict)
 
