@@ -368,3 +368,19 @@ def assert_same_slots(a, b):
         assert a.optimizer.slots[slot].keys() == b.optimizer.slots[slot].keys()
         for name, t in a.optimizer.slots[slot].items():
             assert torch.equal(t.load(), b.optimizer.slots[slot][name].load()), (slot, name)
+
+
+def test_bucket_options_need_their_flags(tmp_path):
+    """The target run's bucketing options are refused, in one line naming the missing flag, where they
+    would shape nothing: without --distributed-optimizer, or a bucket size without --overlap-grad-reduce."""
+    from ckptool import api
+    from conftest import real_checkpoint
+    from test_optimizer import CASES
+    src = real_checkpoint(CASES[0]) / "checkpoint"
+    for kw, words in ((dict(overlap_grad_reduce=True), "give it with --distributed-optimizer"),
+                      (dict(distrib_optim_era="2024-02"), "give it with --distributed-optimizer"),
+                      (dict(distributed_optimizer=True, ddp_bucket_size=1000), "add --overlap-grad-reduce")):
+        with pytest.raises(CkptError) as e:
+            api.reshard(src, tmp_path / "out", tp=1, warn=lambda m: None, **kw)
+        assert words in str(e.value) and "\n" not in str(e.value)
+        assert not (tmp_path / "out").exists()
