@@ -100,7 +100,8 @@ def open(path: Union[str, Path], **read_options) -> Checkpoint:  # noqa: A001 (c
 def merge(src, dst, *, format: Optional[str] = None, dialect: Optional[str] = None,  # noqa: A002
           release: Optional[bool] = None, dtype=None, make_vocab_size_divisible_by: Optional[int] = None,
           pad_fill: str = "zero", optimizer: bool = True, distributed_optimizer: bool = False,
-          dp: Optional[int] = None, force: bool = False, progress: Optional[Progress] = None,
+          dp: Optional[int] = None, overlap_grad_reduce: Optional[bool] = None, ddp_bucket_size: Optional[int] = None,
+          distrib_optim_era: Optional[str] = None, force: bool = False, progress: Optional[Progress] = None,
           warn: Optional[Warn] = None, **read_options) -> ConversionResult:
     """Merge a model-parallel checkpoint into one rank (TP1 PP1), as `ckptool merge SRC DST`.
 
@@ -111,21 +112,26 @@ def merge(src, dst, *, format: Optional[str] = None, dialect: Optional[str] = No
     writes the weights only, without reading the source's optimizer state; summary["optimizer"] says what
     was carried); distributed_optimizer: write it as Megatron's distributed optimizer does
     (distrib_optim.pt beside each rank file) for a resuming run with dp data-parallel ranks (default
-    1); force: replace dst.
+    1), overlap_grad_reduce and ddp_bucket_size (its buckets; default: the source run's) and the
+    megatron-core of distrib_optim_era ("2024-07": today's form, the default; "2024-05", "2024-04",
+    "2024-02"); force: replace dst.
     progress(bytes, total) and warn(message) are called as the write goes on.
     read_options as for open(). Returns the ConversionResult; raises CkptError."""
     ckpt = _open_source(src, optimizer, read_options)
     return _write_megatron_family("merge", src, dst, ckpt, Layout(1, 1), force, progress, warn,
                                   format=format, dialect=dialect, release=release, dtype=dtype,
                                   make_vocab_size_divisible_by=make_vocab_size_divisible_by, pad_fill=pad_fill,
-                                  **_training_state_options(optimizer, distributed_optimizer, dp))
+                                  **_training_state_options(optimizer, distributed_optimizer, dp, overlap_grad_reduce,
+                                                            ddp_bucket_size, distrib_optim_era))
 
 
 def reshard(src, dst, *, tp: int, pp: int = 1, vpp: Optional[int] = None, ep: int = 1,
             pp_layers: Union[str, Sequence[int], None] = None, format: Optional[str] = None,  # noqa: A002
             dialect: Optional[str] = None, release: Optional[bool] = None, dtype=None,
             make_vocab_size_divisible_by: Optional[int] = None, pad_fill: str = "zero", optimizer: bool = True,
-            distributed_optimizer: bool = False, dp: Optional[int] = None, force: bool = False, progress: Optional[Progress] = None, warn: Optional[Warn] = None,
+            distributed_optimizer: bool = False, dp: Optional[int] = None, overlap_grad_reduce: Optional[bool] = None,
+            ddp_bucket_size: Optional[int] = None, distrib_optim_era: Optional[str] = None, force: bool = False,
+            progress: Optional[Progress] = None, warn: Optional[Warn] = None,
             **read_options) -> ConversionResult:
     """Rewrite any checkpoint ckptool reads at Megatron's layout for tp / pp (/ vpp), as
     `ckptool reshard SRC DST --tp N`. pp_layers: layers per pipeline stage ("3,5" or [3, 5]) for an
@@ -137,13 +143,16 @@ def reshard(src, dst, *, tp: int, pp: int = 1, vpp: Optional[int] = None, ep: in
     return _write_megatron_family("reshard", src, dst, ckpt, layout, force, progress, warn,
                                   format=format, dialect=dialect, release=release, dtype=dtype,
                                   make_vocab_size_divisible_by=make_vocab_size_divisible_by, pad_fill=pad_fill,
-                                  **_training_state_options(optimizer, distributed_optimizer, dp))
+                                  **_training_state_options(optimizer, distributed_optimizer, dp, overlap_grad_reduce,
+                                                            ddp_bucket_size, distrib_optim_era))
 
 
 def fix_vocab(src, dst, *, size: Optional[int] = None, multiple: Optional[int] = None,
               format: Optional[str] = None, dialect: Optional[str] = None,  # noqa: A002
               release: Optional[bool] = None, dtype=None, pad_fill: str = "zero", optimizer: bool = True,
-              distributed_optimizer: bool = False, dp: Optional[int] = None, force: bool = False, progress: Optional[Progress] = None, warn: Optional[Warn] = None,
+              distributed_optimizer: bool = False, dp: Optional[int] = None, overlap_grad_reduce: Optional[bool] = None,
+              ddp_bucket_size: Optional[int] = None, distrib_optim_era: Optional[str] = None, force: bool = False,
+              progress: Optional[Progress] = None, warn: Optional[Warn] = None,
               **read_options) -> ConversionResult:
     """Pad or trim the word embedding (and an untied output layer) to exactly `size` rows, or to the
     true vocabulary rounded up to a `multiple`, keeping the source's layout, as `ckptool fix-vocab`.
@@ -163,7 +172,8 @@ def fix_vocab(src, dst, *, size: Optional[int] = None, multiple: Optional[int] =
     return _write_megatron_family("fix-vocab", src, dst, fixed, layout, force, progress, warn,
                                   format=format, dialect=dialect, release=release, dtype=dtype,
                                   make_vocab_size_divisible_by=rows // lay.tp, pad_fill=pad_fill,
-                                  **_training_state_options(optimizer, distributed_optimizer, dp))
+                                  **_training_state_options(optimizer, distributed_optimizer, dp, overlap_grad_reduce,
+                                                            ddp_bucket_size, distrib_optim_era))
 
 
 def _open_source(src, optimizer: bool, read_options: dict) -> Checkpoint:
@@ -174,13 +184,20 @@ def _open_source(src, optimizer: bool, read_options: dict) -> Checkpoint:
     return open_checkpoint(src, opts)
 
 
-def _training_state_options(optimizer: bool, distributed_optimizer: bool, dp: Optional[int]) -> dict:
+def _training_state_options(optimizer: bool, distributed_optimizer: bool, dp: Optional[int],
+                            overlap_grad_reduce: Optional[bool] = None, ddp_bucket_size: Optional[int] = None,
+                            distrib_optim_era: Optional[str] = None) -> dict:
     """The writers' keywords for the optimizer state: carried or not, and in which Megatron layout."""
-    require(dp is None or distributed_optimizer, "--dp sizes the distributed optimizer's files",
-            "give it with --distributed-optimizer")
+    for given, name in ((dp, "--dp"), (overlap_grad_reduce, "--overlap-grad-reduce"),
+                        (ddp_bucket_size, "--ddp-bucket-size"), (distrib_optim_era, "--distrib-optim-era")):
+        require(given is None or distributed_optimizer, f"{name} shapes the distributed optimizer's files",
+                "give it with --distributed-optimizer")
+    require(ddp_bucket_size is None or overlap_grad_reduce, "--ddp-bucket-size: Megatron buckets only with "
+            "--overlap-grad-reduce", "add --overlap-grad-reduce")
     out = {"optimizer": optimizer}
     if distributed_optimizer:
-        out.update(distributed_optimizer=True, dp=dp or 1)
+        out.update(distributed_optimizer=True, dp=dp or 1, overlap_grad_reduce=overlap_grad_reduce,
+                   ddp_bucket_size=ddp_bucket_size, distrib_optim_era=distrib_optim_era)
     return out
 
 

@@ -39,6 +39,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 STEPS = ("copy", "ceiling", "ceiling-hash", "merge", "reshard", "to-hf", "torchrun", "torchrun-to-hf",
          "transformers", "deepspeed")
+# with --optimizer: the state written as distrib_optim.pt at TP1, the whole model in one rank's flat buffers
+OPTIMIZER_STEPS = ("merge-distopt",)
 
 
 def _env():
@@ -252,14 +254,15 @@ def main(argv=None) -> int:
                     help="synthetic source: GPT-2 style (to-hf transposes Conv1D) or Llama style (no transposes)")
     ap.add_argument("--optimizer", action="store_true",
                     help="the source also holds Megatron's training state (fp32 masters + Adam moments, 6x the "
-                         "bf16 weights' bytes; --size-gb counts the weights), carried by merge and reshard")
+                         "bf16 weights' bytes; --size-gb counts the weights), carried by merge and reshard; "
+                         "allows the step merge-distopt (the state written as one distrib_optim.pt)")
     ap.add_argument("--profile", action="store_true", help="print where each ckptool step's time goes, stage by stage")
     ap.add_argument("--reuse-src", action="store_true", help="keep an existing OUT/src instead of regenerating")
     ap.add_argument("--ds-ckpt", type=Path, default=None,
                     help="ZeRO checkpoint for the deepspeed step (default: write one with scripts/ds_zero_case.py)")
     args = ap.parse_args(argv)
     steps = [s for s in args.steps.split(",") if s]
-    bad = [s for s in steps if s not in STEPS]
+    bad = [s for s in steps if s not in STEPS + (OPTIMIZER_STEPS if args.optimizer else ())]
     if bad:
         ap.error(f"unknown steps {bad}")
 
@@ -306,6 +309,8 @@ def main(argv=None) -> int:
                      tr + ["reshard", str(src), "{dst}", "--tp", "4"]),
         "torchrun-to-hf": (f"torchrun --nproc-per-node {args.nproc} ckptool to-hf --max-shard-size 500MB",
                            tr + ["to-hf", str(src), "{dst}"] + shard),
+        "merge-distopt": ("ckptool merge --distributed-optimizer --dp 2",
+                          py + ["merge", str(src), "{dst}", "--distributed-optimizer", "--dp", "2"]),
         "transformers": ("transformers Megatron GPT-2 conversion script", None),
         "_reasons": {"transformers": "n/a: " + transformers_script_status()},
     }

@@ -13,6 +13,8 @@ optimizer.load_state_dict, scheduler.load_state_dict) and trains the same furthe
         --distributed-optimizer FILE also gets `live`: per TP rank, per parameter name, the full fp32
         master and Adam moments the live optimizer held at the save (gathered from its DP shards).
   "resume DIR --tp T --more M --out FILE [--weights-only] [--dp D] [--distributed-optimizer]"
+  (both: [--ddp-bucket-size N]: Megatron-LM's --overlap-grad-reduce --ddp-bucket-size N, so the grad
+        buffers, and distrib_optim.pt's layout, are cut into buckets of about N elements)
         load DIR at TP T (with its optimizer unless --weights-only: then Adam starts from zero moments, as
         --no-load-optim does), train M steps on the batches that followed; FILE gets the losses and
         DIR_resumed_tpT/ the final state.
@@ -78,7 +80,11 @@ def _gloo_reduce_scatter():
     buckets' collectives run one by one rather than coalesced: gloo would defer the all_reduce to the
     end of the coalescing block, after the shard was taken."""
     import megatron.core.distributed.param_and_grad_buffer as pgb
-    pgb._coalescing_manager = lambda *a, **k: contextlib.nullcontext()
+
+    class Done:  # the handle --overlap-grad-reduce waits on: the reduction already happened
+        def wait(self):
+            pass
+    pgb._coalescing_manager = lambda *a, **k: contextlib.nullcontext(Done())
 
     def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
         whole = input.clone()
@@ -148,14 +154,15 @@ def batch(step: int):
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def build(arch, tp, dtype, distributed=False, pp=1):
+def build(arch, tp, dtype, distributed=False, pp=1, bucket_size=None):
     model, cfg = H.build(arch, tp, pp)
     model.train()
     if dtype == "bf16":
         model = model.to(torch.bfloat16)
         cfg.bf16, cfg.params_dtype = True, torch.bfloat16
-    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=distributed),
-                                  model)
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
+        use_distributed_optimizer=distributed, overlap_grad_reduce=bucket_size is not None, bucket_size=bucket_size),
+        model)
     config = OptimizerConfig(optimizer="adam", lr=LR, min_lr=MIN_LR, weight_decay=WD, adam_beta1=0.9,
                              adam_beta2=0.95, clip_grad=0.0, bf16=dtype == "bf16",
                              use_distributed_optimizer=distributed, decoupled_lr=GROUPS.get("decoupled_lr"),
@@ -221,14 +228,15 @@ def _rank_dir() -> str:
     return name
 
 
-def save(root: Path, model, opt, sched, cfg, arch, tp, iteration, distributed=False):
+def save(root: Path, model, opt, sched, cfg, arch, tp, iteration, distributed=False, bucket_size=None):
     """This rank's model_optim_rng.pt as Megatron-LM writes it for --ckpt-format torch (from DP rank 0),
     and with the distributed optimizer its distrib_optim.pt (a collective over the DP ranks)."""
     args = H.megatron_args(arch, cfg, tp, parallel_state.get_pipeline_model_parallel_world_size())
     args.data_parallel_size = parallel_state.get_data_parallel_world_size()
     args.world_size = dist.get_world_size()
     args.use_distributed_optimizer = distributed
-    args.overlap_grad_reduce = False  # megatron-core then builds one bucket per grad buffer
+    args.overlap_grad_reduce = bucket_size is not None  # without it megatron-core builds one bucket per buffer
+    args.ddp_bucket_size = bucket_size
     args.accumulate_allreduce_grads_in_fp32 = False  # DistributedDataParallelConfig's default, as above
     args.ckpt_format = "torch"
     args.bf16 = cfg.bf16
@@ -316,26 +324,26 @@ def run_job(a):
     GROUPS.update({k: v for k, v in (("decoupled_lr", a.decoupled_lr), ("lr_mult", a.lr_mult)) if v})
     if a.decoupled_lr:
         _groups_told_apart_by_lr_bounds()
-    model, ddp, opt, sched, cfg = build(a.arch, a.tp, a.dtype, a.distributed_optimizer, a.pp)
+    model, ddp, opt, sched, cfg = build(a.arch, a.tp, a.dtype, a.distributed_optimizer, a.pp, a.ddp_bucket_size)
     root = Path(a.dir)
     losses, result = [], {}
     if a.mode == "train":
         for step in range(a.steps):
             losses.append(train_step(ddp, opt, sched, step))
-        save(root, model, opt, sched, cfg, a.arch, a.tp, a.steps, a.distributed_optimizer)
+        save(root, model, opt, sched, cfg, a.arch, a.tp, a.steps, a.distributed_optimizer, a.ddp_bucket_size)
         if a.distributed_optimizer:
             result["live"] = live_state(model, opt)
         for step in range(a.steps, a.steps + a.more):
             losses.append(train_step(ddp, opt, sched, step))
         save(Path(f"{root}_continued"), model, opt, sched, cfg, a.arch, a.tp, a.steps + a.more,
-             a.distributed_optimizer)
+             a.distributed_optimizer, a.ddp_bucket_size)
     else:
         start = load(root, model, opt, sched, a.weights_only, a.distributed_optimizer)
         for step in range(start, start + a.more):
             losses.append(train_step(ddp, opt, sched, step))
         tag = "weights_only" if a.weights_only else "resumed"
         save(Path(f"{root}_{tag}_tp{a.tp}"), model, opt, sched, cfg, a.arch, a.tp, start + a.more,
-             a.distributed_optimizer)
+             a.distributed_optimizer, a.ddp_bucket_size)
     if dist.get_rank() == 0:
         torch.save({"losses": losses, **result}, a.out)
     dist.barrier()
@@ -357,6 +365,8 @@ def main():
     ap.add_argument("--distributed-optimizer", action="store_true")
     ap.add_argument("--decoupled-lr", type=float)
     ap.add_argument("--lr-mult", type=float)
+    ap.add_argument("--ddp-bucket-size", type=int, default=None,
+                    help="run with --overlap-grad-reduce and buckets of this many elements")
     ap.add_argument("--out", required=True)
     jobs = [ap.parse_args(job.split()) for job in sys.argv[1:]]
     dist.init_process_group("gloo")

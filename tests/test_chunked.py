@@ -6,11 +6,13 @@ import hashlib
 import json
 import os
 import random
+import zipfile
 import zlib
 
 import pytest
 import torch
 
+from ckptool.errors import CkptError
 from ckptool.io import chunked, outdir, torchfile, torchzip
 from ckptool.lazy import Const
 
@@ -102,3 +104,59 @@ def test_manifests_old_and_new_verify(tmp_path):
     new["hash"] = "blake9"
     (root / outdir.MANIFEST).write_text(json.dumps(new))
     assert any("unknown hash 'blake9'" in p for p in outdir.check_manifest(root))
+
+
+@pytest.mark.skipif(not torchzip.supported(), reason="this torch has no write_record_metadata")
+def test_record_from_chunks_is_torch_saves_archive(small_pieces, tmp_path):
+    """A record written from chunks of any sizes (write_record_chunks, the streamed distrib_optim.pt
+    tensors) gives torch.save's own file byte for byte when the records come in torch.save's order."""
+    g = torch.Generator().manual_seed(2)
+    obj = {"big": torch.randn(600, 1000, generator=g), "small": torch.arange(5),
+           "odd": torch.randn(300001, generator=g).to(torch.bfloat16)}
+    torch.save(obj, tmp_path / "archive.pt")  # torch names the archive's folder after the file
+    (tmp_path / "ours").mkdir()
+    out = torchzip.ArchiveOut(tmp_path / "ours" / "archive.pt")
+    rng = random.Random(3)
+    with zipfile.ZipFile(tmp_path / "archive.pt") as z:
+        for info in z.infolist():
+            name = info.filename.split("/", 1)[1]
+            if name in ("version", ".data/serialization_id"):
+                continue  # written by the archive's end, as torch does
+            data = z.read(info)
+            if len(data) < 1 << 20:
+                out.write_small(name, data)
+                continue
+            cuts = [0] + sorted(rng.sample(range(1, len(data)), 6)) + [len(data)]
+            out.write_record_chunks(name, len(data), (memoryview(data)[a:b] for a, b in zip(cuts, cuts[1:])))
+    out.finish()
+    assert (tmp_path / "ours" / "archive.pt").read_bytes() == (tmp_path / "archive.pt").read_bytes()
+    with pytest.raises(CkptError, match="planned"):
+        bad = torchzip.ArchiveOut(tmp_path / "bad.pt")
+        bad.write_record_chunks("data/0", 1 << 20, [memoryview(bytes(1000))])
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["archive-out", "torch-writer"])
+def test_streaming_writer_chunks_equal_whole_tensor(small_pieces, tmp_path, monkeypatch, parallel):
+    """StreamingTorchWriter.write_chunks with a producer that refills one buffer gives the file write()
+    of the whole tensor gives, on both archive paths."""
+    if parallel and not torchzip.supported():
+        pytest.skip("this torch has no write_record_metadata")
+    whole = torch.randn(700, 1024, generator=torch.Generator().manual_seed(4))
+    _write(tmp_path / "whole.pt", {"t": Const(whole), "tiny": Const(whole[0, :3].clone())}, parallel, monkeypatch)
+
+    def refilled(t, rows):  # one buffer reused for every chunk, as megatron_distopt's producer does
+        buf = torch.empty(rows, t.shape[1])
+        for r in range(0, t.shape[0], rows):
+            n = min(rows, t.shape[0] - r)
+            buf[:n] = t[r:r + n]
+            yield buf[:n]
+            buf.fill_(float("nan"))
+
+    monkeypatch.setattr(torchzip, "supported", lambda: parallel)
+    w = torchfile.StreamingTorchWriter(tmp_path / "chunks.pt", {"t": Const(whole), "tiny": Const(whole[0, :3].clone())})
+    seen = []
+    w.write_chunks(w.pending[0], refilled(whole, 97), on_bytes=seen.append)
+    w.write_chunks(w.pending[1], iter([whole[0, :1], whole[0, 1:3]]))
+    w.finish()
+    assert sum(seen) == whole.numel() * 4
+    assert (tmp_path / "chunks.pt").read_bytes() == (tmp_path / "whole.pt").read_bytes()

@@ -283,3 +283,104 @@ def test_real_megatron_lm_state_through_distrib_optim(tmp_path, layout, dp):
     assert_same_training_state(src, out)
     write_layout(out, tmp_path / "back", src.source.layout, warn=lambda m: None)
     _assert_rank_files_equal(src_dir / "iter_0000003", tmp_path / "back" / "iter_0000003")
+
+
+def test_flat_tensors_stream_a_parameter_at_a_time(monkeypatch):
+    """A distrib_optim.pt flat tensor (FlatSlot) comes out in chunks equal to the whole tensor built at
+    once (each slot at its offset, zeros in the gaps); each parameter's slot is loaded only when the
+    writer reaches it and at most a chunk (or one large parameter) is out at a time: the rank's buffer
+    is never in memory whole."""
+    from ckptool.lazy import Const, Derived
+    monkeypatch.setattr(D, "CHUNK", 1000)
+    rng = random.Random(5)
+    loaded, out = [], []
+
+    def slot(i, n):
+        t = torch.randn(n, generator=torch.Generator().manual_seed(i))
+        return Derived(lambda x, i=i: loaded.append(i) or x, [Const(t)], shape=t.shape, dtype=t.dtype), t
+
+    numels = [rng.choice([3, 64, 700, 999, 1000, 2500]) for _ in range(14)]
+    layout = D.buffer_layout(numels, [False] * len(numels), D.CURRENT, 4, 3000)
+    pieces, whole = [], torch.zeros(layout.numel_unpadded)
+    for i, n in enumerate(numels):
+        lazy, t = slot(i, n)
+        off = layout.coalesced_offset(i)
+        pieces.append((off, lazy))
+        whole[off:off + n] = t
+    flat = D.FlatSlot(pieces, layout.numel_unpadded)
+    for chunk in flat.chunks():
+        assert chunk.numel() <= max(1000, max(numels))
+        out.append((len(loaded), chunk.clone()))
+    assert torch.equal(torch.cat([c for _, c in out]), whole) and torch.equal(flat.load(), whole)
+    assert sorted(loaded[:len(numels)]) == list(range(len(numels)))  # once each (flat.load() loads again)
+    # loads are interleaved with the chunks: the first chunk went out before the last slot was loaded
+    assert out[0][0] < len(numels) and out[-1][0] == len(numels)
+
+
+def test_bucketed_target_resumes_in_megatron_core(runs, tmp_path):
+    """--overlap-grad-reduce --ddp-bucket-size: the written distrib_optim.pt has the bucketed layout
+    (several buckets, placed unlike the one-bucket file), the args say so, and the real megatron-core
+    run with those flags loads it and resumes exactly like the run that went on; a megatron-core run
+    of its own with buckets is read equal to its live optimizer; the bucketed file reads back bit for
+    bit, and written back without buckets it is the source's file again. The bucket-list form of
+    megatron-core 2024-02..03 is written and read back bit for bit too."""
+    d = tmp_path
+    rank = "iter_0000003/mp_rank_00"
+    model = torch.load(runs / "a" / rank / "model_optim_rng.pt", weights_only=False)["model"]
+    numels = [p.numel() for k, p in model.items() if isinstance(p, torch.Tensor) and not k.endswith("_extra_state")]
+    unbucketed = D.buffer_layout(numels, [False] * len(numels), D.CURRENT, 2, None).numel_unpadded
+    # a bucket size that moves parameters (a bucket ending off the 64-element alignment): the tiny
+    # model's sizes are mostly multiples of 64, where the coalesced form would not show the buckets
+    size = next(b for b in range(1000, 10000, 100)
+                if D.buffer_layout(numels, [False] * len(numels), D.CURRENT, 2, b).numel_unpadded != unbucketed)
+    layout = D.buffer_layout(numels, [False] * len(numels), D.CURRENT, 2, size)
+    assert len(layout.bucket_unpadded) >= 2
+    bucket = ["--overlap-grad-reduce", "--ddp-bucket-size", str(size)]
+    ckptool("reshard", runs / "a", d / "ob", "--tp", "1", DIST, "--dp", "2", *bucket)
+    ours = torch.load(d / "ob" / rank / D.FILE, weights_only=False)
+    src = torch.load(runs / "a" / rank / D.FILE, weights_only=False)
+    args = torch.load(d / "ob" / rank / "model_optim_rng.pt", weights_only=False)["args"]
+    assert args.overlap_grad_reduce is True and args.ddp_bucket_size == size
+    assert next(iter(ours[0].values()))["numel_unpadded"] == layout.numel_unpadded != unbucketed
+    torchrun(2, f"train {d}/o --tp 1 --dp 2 {DIST} --ddp-bucket-size {size} --steps {STEPS} --more 0 --out {d}/o.pt",
+             f"resume {d}/ob --tp 1 --dp 2 {DIST} --ddp-bucket-size {size} --more {MORE} --out {d}/ob.pt")
+    went_on = losses(runs / "a.pt")[STEPS:]
+    assert torch.equal(losses(d / "ob.pt"), went_on)
+    assert weight_gap(runs / "a_continued", d / "ob_resumed_tp1") == 0.0
+    assert_equals_live(open_checkpoint(d / "o"), torch.load(d / "o.pt", weights_only=False)["live"][(0, 0)])
+    back = open_checkpoint(d / "ob")
+    assert_same_slots(open_checkpoint(runs / "a"), back)
+    ckptool("reshard", d / "ob", d / "oa", "--tp", "1", DIST, "--dp", "2", "--no-overlap-grad-reduce")
+    again = torch.load(d / "oa" / rank / D.FILE, weights_only=False)
+    for key, value in next(iter(src[0].values())).items():
+        mine = next(iter(again[0].values()))[key]
+        assert torch.equal(mine, value) if isinstance(value, torch.Tensor) else mine == value, key
+    ckptool("reshard", runs / "a", d / "old", "--tp", "1", DIST, "--dp", "2", *bucket, "--distrib-optim-era", "2024-02")
+    old = torch.load(d / "old" / rank / D.FILE, weights_only=False)
+    lists = next(iter(old[0].values()))
+    assert "buckets_coalesced" not in old and len(lists["param"]) >= 2
+    assert [t.numel() for t in lists["exp_avg"]] == next(iter(old["per_bucket_numel"][0].values()))
+    assert_same_slots(back, open_checkpoint(d / "old"))
+
+
+def assert_same_slots(a, b):
+    for slot in D.SLOT_OF_KEY.values():
+        assert a.optimizer.slots[slot].keys() == b.optimizer.slots[slot].keys()
+        for name, t in a.optimizer.slots[slot].items():
+            assert torch.equal(t.load(), b.optimizer.slots[slot][name].load()), (slot, name)
+
+
+def test_bucket_options_need_their_flags(tmp_path):
+    """The target run's bucketing options are refused, in one line naming the missing flag, where they
+    would shape nothing: without --distributed-optimizer, or a bucket size without --overlap-grad-reduce."""
+    from ckptool import api
+    from conftest import real_checkpoint
+    from test_optimizer import CASES
+    src = real_checkpoint(CASES[0]) / "checkpoint"
+    for kw, words in ((dict(overlap_grad_reduce=True), "give it with --distributed-optimizer"),
+                      (dict(distrib_optim_era="2024-02"), "give it with --distributed-optimizer"),
+                      (dict(distributed_optimizer=True, ddp_bucket_size=1000), "add --overlap-grad-reduce")):
+        with pytest.raises(CkptError) as e:
+            api.reshard(src, tmp_path / "out", tp=1, warn=lambda m: None, **kw)
+        assert words in str(e.value) and "\n" not in str(e.value)
+        assert not (tmp_path / "out").exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from .. import api
+from ..formats.megatron_distopt import ERA_BY_SINCE
 from ..formats.megatron_names import DIALECTS
 from .common import (LiveWarnings, Progress, conversion_line, human_bytes, output_options, report_conversion,
                      reports_errors, source_options)
@@ -53,6 +54,17 @@ def megatron_output_options(fn):
     fn = click.option("--dp", type=click.IntRange(min=1), default=None,
                       help="With --distributed-optimizer: the data-parallel size the resuming run will use "
                            "(default 1).")(fn)
+    fn = click.option("--distrib-optim-era", type=click.Choice(list(ERA_BY_SINCE)), default=None,
+                      help="With --distributed-optimizer: the megatron-core the resuming run uses, by the month its "
+                           "distrib_optim.pt form began (default 2024-07, today's; 2024-02 writes the per-bucket "
+                           "list form).")(fn)
+    fn = click.option("--ddp-bucket-size", type=click.IntRange(min=1), default=None,
+                      help="With --overlap-grad-reduce: the resuming run's --ddp-bucket-size (default: the source "
+                           "run's, else Megatron's max(40M, 1M x DP)).")(fn)
+    fn = click.option("--overlap-grad-reduce/--no-overlap-grad-reduce", default=None,
+                      help="With --distributed-optimizer: whether the resuming run passes --overlap-grad-reduce, "
+                           "which cuts its grad buffers into buckets and so moves parameters in distrib_optim.pt "
+                           "(default: as the source run's args say).")(fn)
     fn = click.option("--distributed-optimizer", is_flag=True, default=False,
                       help="Write the optimizer state as Megatron's distributed optimizer does "
                            "(--use-distributed-optimizer): a distrib_optim.pt beside each rank file, laid out "

@@ -490,13 +490,16 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
                    pad_fill: str = "zero", iteration: Optional[int] = None,
                    progress: Optional[Callable[[int], None]] = None, warn=print,
                    rank_filter: Optional[Callable[[int, int, int], bool]] = None, optimizer: bool = True,
-                   distributed_optimizer: bool = False, dp: int = 1) -> dict:
+                   distributed_optimizer: bool = False, dp: int = 1, overlap_grad_reduce: Optional[bool] = None,
+                   ddp_bucket_size: Optional[int] = None, distrib_optim_era: Optional[str] = None) -> dict:
     """Write ckpt as a Megatron torch-format checkpoint with the given layout into out_dir.
 
     With optimizer (the default) and a source holding optimizer state, each rank file also holds
     that rank's optimizer state in the non-distributed layout and the LR scheduler (megatron_optim.py);
     with distributed_optimizer, a distrib_optim.pt beside each rank file holds it instead, laid out for
-    a run at data-parallel size dp (megatron_distopt.py).
+    a run at data-parallel size dp (megatron_distopt.py), bucketed as a run with overlap_grad_reduce /
+    ddp_bucket_size does (default: as the source run's args say), in the form of distrib_optim_era's
+    megatron-core (default: today's).
 
     MoE models are written at layout.ep expert-parallel ranks (expert TP = TP): one file per (TP, PP, EP)
     rank, in mp_rank_TT[_PPP][_EEE], holding the dense part and that EP rank's experts under their local
@@ -549,7 +552,9 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
         args = megatron_args.args_for_target(ckpt.source.args if ckpt.source.format in ("megatron", "torch_dist", "deepspeed") else None,
                                              cfg_out, layout, rows, out_dtype, d.legacy_models,
                                              d.transformer_impl, version or 3.0, iteration)
-    distributed = megatron_training.DistributedTarget.for_target(train, distributed_optimizer, dp, args, out_dtype, cfg, layout)
+    distributed = megatron_training.DistributedTarget.for_target(
+        train, distributed_optimizer, dp, args, out_dtype, cfg, layout, overlap_grad_reduce, ddp_bucket_size,
+        distrib_optim_era or megatron_distopt.CURRENT.since)
     it_name = "release" if release else f"iter_{iteration:07d}"
     it_dir = Path(out_dir) / it_name
     it_dir.mkdir(parents=True, exist_ok=True)
@@ -557,6 +562,7 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
 
     group_of: Dict[int, int] = {}
     writers = []
+    distopt_writers = []  # distrib_optim.pt: flat tensors streamed after the grouped files
     heads_local = cfg.num_attention_heads // layout.tp
     layer_roles = d.param_order + tuple(r for r in LAYER_ROLES if r not in d.param_order)
 
@@ -639,7 +645,7 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
         top.update(file_obj)
         param_state = None
         if distributed is not None:
-            entries, param_state = distributed.rank_entries(train, params, param_chunks, t, shard, cfg)
+            entries, param_state = distributed.rank_entries(train, params, param_chunks, t, p, shard, cfg)
             top.update(entries)
         elif train is not None:
             top.update(train.rank_entries(params, t, shard, cfg, layout.ep))
@@ -647,9 +653,10 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
         (it_dir / rank_name).mkdir(exist_ok=True)
         writers.append(StreamingTorchWriter(it_dir / rank_name / "model_optim_rng.pt", top))
         if param_state is not None:
-            writers.append(StreamingTorchWriter(it_dir / rank_name / megatron_distopt.FILE, param_state))
+            distopt_writers.append(StreamingTorchWriter(it_dir / rank_name / megatron_distopt.FILE, param_state))
     total = write_grouped(writers, lambda lazy: group_of.get(id(lazy)), progress)
-    summary = {"iteration_dir": it_name, "files": len(writers), "bytes": total, "padded_vocab_size": rows,
+    total += megatron_distopt.write_files(distopt_writers, progress)  # streamed, a parameter at a time
+    summary = {"iteration_dir": it_name, "files": len(writers) + len(distopt_writers), "bytes": total, "padded_vocab_size": rows,
                "dialect": d.name, "checkpoint_version": version}
     if train is not None:
         summary["optimizer"] = train.describe()

@@ -60,15 +60,17 @@ class Era:
     param_align: int  # each parameter starts at a multiple of this many elements (1: packed)
     bucket_multiple: Callable[[int], int]  # bucket ends padded to a multiple of this (from the DP size)
     form: str  # "coalesced" | "bucket-list"
+    since: str = ""  # the era's first month: how --distrib-optim-era names it
 
 
 ERAS = (  # newest first: a source is read by the first era whose layout matches its stored sizes
-    Era("megatron-core 2024-07 and later", 64, lambda dp: math.lcm(dp, 128), "coalesced"),
-    Era("megatron-core 2024-05..06", 1, lambda dp: math.lcm(dp, 128), "coalesced"),
-    Era("megatron-core 2024-04", 1, lambda dp: dp, "coalesced"),
-    Era("megatron-core 2024-02..03", 1, lambda dp: dp, "bucket-list"),
+    Era("megatron-core 2024-07 and later", 64, lambda dp: math.lcm(dp, 128), "coalesced", "2024-07"),
+    Era("megatron-core 2024-05..06", 1, lambda dp: math.lcm(dp, 128), "coalesced", "2024-05"),
+    Era("megatron-core 2024-04", 1, lambda dp: dp, "coalesced", "2024-04"),
+    Era("megatron-core 2024-02..03", 1, lambda dp: dp, "bucket-list", "2024-02"),
 )
 CURRENT = ERAS[0]
+ERA_BY_SINCE = {e.since: e for e in ERAS}
 
 
 @dataclass
@@ -133,6 +135,22 @@ def bucket_sizes(args, chunk: int, pp_rank: int, dp: int) -> List[Optional[int]]
     given = getattr(args, "ddp_bucket_size", None)
     # None last: a file written for a run without bucketing (ckptool's writer) under args that had it
     return ([given] if given else [max(DEFAULT_BUCKET, 1_000_000 * dp), DEFAULT_BUCKET]) + [None]
+
+
+def buffer_key(era: Era, param_dtype: torch.dtype, grad_dtype: torch.dtype):
+    """How the era's file keys a grad buffer's entry: by (param dtype, grad dtype) in megatron-core's
+    ParamAndGradBuffer, by the grad dtype alone in the bucket-list era's per-chunk grad_buffers."""
+    return (param_dtype, grad_dtype) if era.form == "coalesced" else grad_dtype
+
+
+def set_bucket_args(args, overlap_grad_reduce: Optional[bool], ddp_bucket_size: Optional[int]) -> None:
+    """The target run's bucketing in its args, under Megatron-LM's names: what is given wins, the
+    source run's settings (copied into args) stay otherwise; the writer lays the buffers out by them."""
+    if overlap_grad_reduce is not None:
+        args.overlap_grad_reduce = overlap_grad_reduce
+    if ddp_bucket_size is not None:
+        args.ddp_bucket_size = ddp_bucket_size
+    args.overlap_grad_reduce = bool(getattr(args, "overlap_grad_reduce", False))
 
 
 def is_shared_embedding(param: RankParam, tied: bool, pp: int) -> bool:
@@ -284,25 +302,97 @@ def group_by_rule(params: List[RankParam], hypers: List[dict], where: str) -> Li
 
 # --- writing --------------------------------------------------------------------------------
 
+CHUNK = 4 << 20  # elements (16 MiB of fp32) per piece a flat tensor is written in
+
+
+def target_bucket_size(args, chunk: int, pp_rank: int, dp: int) -> Optional[int]:
+    """The bucket size the target run's grad buffer of this chunk will use (None: one bucket), from
+    the args written with it: what the reader takes first (bucket_sizes)."""
+    return None if args is None else bucket_sizes(args, chunk, pp_rank, dp)[0]
+
+
+class FlatSlot(LazyTensor):
+    """One flat fp32 tensor of distrib_optim.pt (a buffer's, or one bucket's in the bucket-list form):
+    each parameter's slot at its offset, zeros in the gaps (alignment, bucket ends) as megatron-core
+    leaves them. chunks() produces it in order, loading one parameter's slot at a time, so writing it
+    holds one slot and one CHUNK in memory, never the rank's whole buffer."""
+
+    def __init__(self, pieces: List[Tuple[int, LazyTensor]], numel: int):
+        self.pieces = sorted(pieces, key=lambda p: p[0])
+        self.shape, self.dtype = torch.Size([numel]), torch.float32
+
+    def chunks(self):
+        """The tensor's elements in order, in pieces; a yielded piece's memory is reused once the
+        next one is asked for (the staging buffer for small parameters and gaps)."""
+        stage = torch.zeros(max(1, min(CHUNK, self.numel)), dtype=torch.float32)
+        used = cursor = 0
+        for offset, piece in self.pieces + [(self.numel, None)]:
+            if offset < cursor:
+                raise CkptError(f"internal: distrib_optim.pt pieces overlap at element {offset}")
+            gap = offset - cursor
+            while gap:  # zeros: the staging buffer is zeroed whenever it is reused
+                take = min(gap, len(stage) - used)
+                used, gap = used + take, gap - take
+                if used == len(stage):
+                    yield stage
+                    stage.zero_()
+                    used = 0
+            if piece is None:
+                break
+            n = piece.numel
+            if n >= len(stage):  # a large parameter goes out from its own memory
+                if used:
+                    yield stage[:used]
+                    stage.zero_()
+                    used = 0
+                yield piece.load().reshape(-1).to(torch.float32)
+            else:
+                if used + n > len(stage):
+                    yield stage[:used]
+                    stage.zero_()
+                    used = 0
+                stage[used:used + n] = piece.load().reshape(-1)
+                used += n
+            cursor = offset + n
+        if used:
+            yield stage[:used]
+
+    def load(self) -> torch.Tensor:
+        parts = [c.clone() for c in self.chunks()]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32)
+
+
 def rank_files(entries: List[Tuple[int, int, Dict[str, LazyTensor], bool]], dp: int, step: int,
-               groups: List[dict], grad_scaler: Optional[dict], dtype_key) -> Tuple[dict, dict]:
-    """The 'optimizer' entry of one target rank file and its distrib_optim.pt, in the current form
-    (coalesced, the layout of today's megatron-core: what load_parameter_state reads at DP size dp).
+               groups: List[dict], grad_scaler: Optional[dict], dtype_key,
+               bucket_size_of: Callable[[int], Optional[int]] = lambda chunk: None,
+               era: Era = CURRENT) -> Tuple[dict, dict]:
+    """The 'optimizer' entry of one target rank file and its distrib_optim.pt in era's form, laid out
+    as that era's megatron-core lays its grad buffers out at DP size dp with bucket_size_of(chunk)
+    (what load_parameter_state reads). The flat tensors are FlatSlots: write them with their chunks().
 
     entries: per parameter in registration order: (model chunk, group, slots, shared embedding?), slots
     holding fp32 master, exp_avg and exp_avg_sq of this rank's shard (full shape of the rank's piece).
     """
-    state: dict = {"buckets_coalesced": True}
+    coalesced = era.form == "coalesced"
+    state: dict = {"buckets_coalesced": True} if coalesced else \
+        {"per_bucket_numel": [], "per_bucket_numel_unpadded": []}
     chunks = sorted({c for c, _, _, _ in entries})
     for gbuf, chunk in enumerate(chunks):
         mine = [e for e in entries if e[0] == chunk]
-        layout = buffer_layout([e[2]["master"].numel for e in mine], [e[3] for e in mine], CURRENT, dp, None)
-        total = layout.numel_unpadded
-        pieces = [(layout.coalesced_offset(j), e[2]) for j, e in enumerate(mine)]
-        world = {key: Derived(_scatter(pieces, SLOT_OF_KEY[key], total), [s[SLOT_OF_KEY[key]] for _, s in pieces],
-                              shape=(total,), dtype=torch.float32)
-                 for key in KEYS}
-        state[gbuf] = {dtype_key: dict(world, numel_unpadded=total)}
+        layout = buffer_layout([e[2]["master"].numel for e in mine], [e[3] for e in mine], era, dp,
+                               bucket_size_of(chunk))
+        if coalesced:
+            world = {key: FlatSlot([(layout.coalesced_offset(j), e[2][SLOT_OF_KEY[key]]) for j, e in enumerate(mine)],
+                                   layout.numel_unpadded) for key in KEYS}
+            state[gbuf] = {dtype_key: dict(world, numel_unpadded=layout.numel_unpadded)}
+            continue
+        buckets = range(len(layout.bucket_padded))
+        state[gbuf] = {dtype_key: {key: [FlatSlot([(layout.start[j], e[2][SLOT_OF_KEY[key]])
+                                                   for j, e in enumerate(mine) if layout.bucket_of[j] == b],
+                                                  layout.bucket_padded[b]) for b in buckets]
+                                   for key in KEYS}}
+        state["per_bucket_numel"].append({dtype_key: list(layout.bucket_padded)})
+        state["per_bucket_numel_unpadded"].append({dtype_key: list(layout.bucket_unpadded)})
     param_groups = [dict(g, step=step) for g in groups]  # no 'params': the distributed optimizer's form
     optimizer: dict = {"optimizer": {"param_groups": param_groups}}
     if grad_scaler is not None:
@@ -310,14 +400,18 @@ def rank_files(entries: List[Tuple[int, int, Dict[str, LazyTensor], bool]], dp: 
     return optimizer, state
 
 
-def _scatter(pieces, slot: str, total: int):
-    """The flat world tensor: each piece at its offset, zeros in the alignment gaps (as megatron-core
-    leaves them)."""
-    offsets = [off for off, _ in pieces]
-
-    def build(*values):
-        flat = torch.zeros(total, dtype=torch.float32)
-        for off, v in zip(offsets, values):
-            flat[off:off + v.numel()] = v.reshape(-1).to(torch.float32)
-        return flat
-    return build
+def write_files(writers: list, on_bytes=None) -> int:
+    """Write distrib_optim.pt files (StreamingTorchWriters over rank_files' state): each flat tensor
+    streamed from its FlatSlot's chunks, one file after another. Returns the bytes written."""
+    total = 0
+    for w in writers:
+        for ps in w.pending:
+            if isinstance(ps.lazy, FlatSlot):
+                total += w.write_chunks(ps, ps.lazy.chunks(), on_bytes)
+            else:
+                n = w.write(ps)
+                total += n
+                if on_bytes:
+                    on_bytes(n)
+        w.finish()
+    return total

@@ -164,12 +164,18 @@ class DistributedTarget:
     """The distributed optimizer's files for a target: per rank, the 'optimizer' entry without tensors
     and a distrib_optim.pt laid out as megatron-core lays its grad buffers out for data-parallel size dp."""
 
-    def __init__(self, dp: int, tied: bool, pp: int, dtype_key):
+    def __init__(self, dp: int, tied: bool, pp: int, dtype_key, args=None, era=megatron_distopt.CURRENT):
         self.dp, self.tied, self.pp, self.dtype_key = dp, tied, pp, dtype_key
+        self.args, self.era = args, era  # the written args say whether (and how) the target run buckets
 
     @classmethod
     def for_target(cls, train: Optional[TrainingTarget], wanted: bool, dp: int, args, out_dtype: torch.dtype,
-                   cfg: GPTConfig, layout: Layout) -> Optional["DistributedTarget"]:
+                   cfg: GPTConfig, layout: Layout, overlap_grad_reduce: Optional[bool] = None,
+                   ddp_bucket_size: Optional[int] = None, era: str = megatron_distopt.CURRENT.since
+                   ) -> Optional["DistributedTarget"]:
+        """overlap_grad_reduce / ddp_bucket_size: the target run's where given (else the source run's, as
+        its args carry them), written into args and followed by the layout; era: the target's
+        megatron-core (megatron_distopt.ERAS by `since`), which decides the file's form."""
         require(dp >= 1, f"--dp {dp}: the data-parallel size is at least 1")
         require(not (wanted and train is not None and cfg.moe is not None),
                 "--distributed-optimizer: the distributed optimizer's buffers of MoE models are not written yet",
@@ -178,14 +184,21 @@ class DistributedTarget:
             args.use_distributed_optimizer = bool(wanted and train is not None)
             if wanted:
                 args.data_parallel_size = dp
+                megatron_distopt.set_bucket_args(args, overlap_grad_reduce, ddp_bucket_size)
         if not wanted or train is None:
             return None
-        # megatron-core keys each buffer by (param dtype, grad dtype); Megatron-LM reduces bf16 grads in
-        # fp32 (--accumulate-allreduce-grads-in-fp32, on by default with --bf16)
+        require(args is not None or not overlap_grad_reduce,
+                "--overlap-grad-reduce: this dialect writes no args to say so", "choose --dialect mcore")
+        require(era in megatron_distopt.ERA_BY_SINCE, f"--distrib-optim-era {era}: not a megatron-core era "
+                "ckptool knows", f"choose one of {', '.join(megatron_distopt.ERA_BY_SINCE)}")
+        # Megatron-LM reduces bf16 grads in fp32 (--accumulate-allreduce-grads-in-fp32, on by default
+        # with --bf16); the buffers' key holds the grad dtype
         fp32_grads = getattr(args, "accumulate_allreduce_grads_in_fp32", out_dtype == torch.bfloat16)
-        return cls(dp, cfg.tied_embeddings, layout.pp, (out_dtype, torch.float32 if fp32_grads else out_dtype))
+        target = megatron_distopt.ERA_BY_SINCE[era]
+        key = megatron_distopt.buffer_key(target, out_dtype, torch.float32 if fp32_grads else out_dtype)
+        return cls(dp, cfg.tied_embeddings, layout.pp, key, args, target)
 
-    def rank_entries(self, train: TrainingTarget, params, chunks, t: int, shard, cfg: GPTConfig):
+    def rank_entries(self, train: TrainingTarget, params, chunks, t: int, p: int, shard, cfg: GPTConfig):
         entries = [(chunk, g, slots, self.tied and self.pp > 1 and param[0] == "word")
                    for param, chunk, (g, slots) in zip(params, chunks,
                                                        train.param_slots(params, t, shard, cfg, OPTIMIZER_SLOTS))]
@@ -193,6 +206,7 @@ class DistributedTarget:
         (used,) = megatron_optim.target_groups(train.opt.param_groups, 1)
         groups = [dict(train.opt.param_groups[g].hyper) for g in used]
         entries = [(c, used.index(g), s, shared) for c, g, s, shared in entries]
-        optimizer, state = megatron_distopt.rank_files(entries, self.dp, train.opt.step, groups,
-                                                       train.grad_scaler, self.dtype_key)
+        optimizer, state = megatron_distopt.rank_files(
+            entries, self.dp, train.opt.step, groups, train.grad_scaler, self.dtype_key,
+            lambda chunk: megatron_distopt.target_bucket_size(self.args, chunk, p, self.dp), self.era)
         return train.with_scheduler({"optimizer": optimizer}), state

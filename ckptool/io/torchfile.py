@@ -406,6 +406,31 @@ class StreamingTorchWriter:
         self._done.add(ps.key)
         return nbytes
 
+    def write_chunks(self, ps: "_PendingStorage", chunks, on_bytes=None) -> int:
+        """ps's record from its tensor's elements in order, given as chunks (tensors of ps's dtype),
+        so a tensor larger than memory streams through: each chunk is written before the next is
+        asked for (its producer may reuse its memory). A small record, or any record where torch's
+        own writer is used (no write_record_metadata), is joined and written whole."""
+        def flat():
+            for c in chunks:
+                if c.dtype != ps.lazy.dtype:
+                    raise CkptError(f"internal: a {c.dtype} chunk for the {ps.lazy.dtype} tensor {ps.key} "
+                                    f"of {self.path.name}")
+                c = c.detach().cpu().contiguous().reshape(-1)
+                if on_bytes:
+                    on_bytes(c.numel() * c.element_size())
+                yield c
+
+        nbytes = ps.lazy.nbytes
+        if self._archive is None or nbytes < _PARALLEL_HASH_BYTES:
+            parts = [c.clone() for c in flat()]  # clone: the producer may refill a chunk's buffer
+            whole = torch.cat(parts) if parts else torch.empty(0, dtype=ps.lazy.dtype)
+            return self.write(ps, whole.reshape(ps.lazy.shape))
+        self._archive.write_record_chunks(f"data/{ps.key}", nbytes,
+                                          (c.view(torch.uint8).numpy() for c in flat()))
+        self._done.add(ps.key)
+        return nbytes
+
     def write(self, ps: "_PendingStorage", tensor: Optional[torch.Tensor] = None) -> int:
         return self.write_prepared(ps, self.prepare(ps, tensor))
 

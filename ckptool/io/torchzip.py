@@ -24,7 +24,7 @@ import os
 import struct
 import zlib
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 import torch
 
@@ -179,6 +179,48 @@ class ArchiveOut:
         offset, piece = descriptor
         struct.pack_into("<I", piece, 4, crc)
         self._sink.crcs[-1] = crc  # the dry run folded 0 for it; torch folds the real CRC
+        self._tensor_crcs[name] = crc
+        self._out.small(offset, piece)
+
+    def write_record_chunks(self, name: str, nbytes: int, chunks: Iterable) -> None:
+        """One record of nbytes whose bytes arrive in order as chunks (buffers), so a record larger
+        than memory streams through a small one: each chunk is on disk and checksummed before the
+        next is asked for (its memory may then be reused). The archive is byte for byte the one
+        write_record of the joined bytes gives; the CRC is combined over the chunks."""
+        with profile.stage("zip"):
+            self._sink.gap = None
+            self._layout.write_record_metadata(name, nbytes)
+            pieces = self._sink.take()
+        gap_at, gap_len = self._sink.gap if self._sink.gap else (None, 0)
+        if nbytes and (gap_len != nbytes or gap_at is None):
+            raise CkptError(f"internal: torch's writer planned {gap_len} bytes for {name}, not {nbytes}")
+        descriptor = None
+        for offset, piece in pieces:
+            if gap_at is not None and offset >= gap_at + gap_len and piece[:4] == _DESCRIPTOR:
+                descriptor = (offset, piece)
+            elif gap_at is None or offset < gap_at:
+                self._out.small(offset, piece)
+            else:
+                raise CkptError(f"internal: unexpected archive piece after the data of {name}")
+        crc, done = 0, 0
+        for chunk in chunks:
+            view = memoryview(chunk).cast("B")
+            if not len(view):
+                continue
+            if done + len(view) > nbytes:
+                raise CkptError(f"internal: more than the {nbytes} bytes planned for {name}")
+            started = chunked.crc32_start(view)  # beside the write, as write_record does
+            self._out.big(gap_at + done, view)
+            with profile.stage("wait"):
+                crc = chunked.crc32_combine(crc, chunked.crc32_finish(started), len(view))
+            done += len(view)
+        if done != nbytes:
+            raise CkptError(f"internal: {done} bytes came for {name}, {nbytes} planned")
+        if descriptor is None:
+            raise CkptError(f"internal: no data descriptor for {name}")
+        offset, piece = descriptor
+        struct.pack_into("<I", piece, 4, crc)
+        self._sink.crcs[-1] = crc
         self._tensor_crcs[name] = crc
         self._out.small(offset, piece)
 
