@@ -129,15 +129,26 @@ def test_dp_reshardable_flat_buckets_are_tied_by_the_buffer_layout(trained):
 
 
 @needs_mcore
-@pytest.mark.parametrize("edit,problem", [
-    (dict(pipeline_model_parallel_size=2), "pipeline parallelism"),
-    (dict(overlap_grad_reduce=True), "--overlap-grad-reduce"),
-])
-def test_dp_reshardable_layouts_not_recomputed_are_dropped_by_name(trained, tmp_path, edit, problem):
-    src = _copy_with_args(trained / "dpr", tmp_path, **edit)
+def test_dp_reshardable_virtual_pipeline_chunks_are_dropped_by_name(trained, tmp_path):
+    src = _copy_with_args(trained / "dpr", tmp_path, virtual_pipeline_model_parallel_size=2)
     ckpt = open_checkpoint(src)
     assert ckpt.optimizer is None
-    assert any("dp_reshardable" in w and problem in w and "weights only" in w for w in ckpt.warnings), ckpt.warnings
+    assert any("dp_reshardable" in w and "virtual pipeline" in w and "weights only" in w for w in ckpt.warnings), \
+        ckpt.warnings
+
+
+@needs_mcore
+@pytest.mark.parametrize("edit,problem", [
+    (dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=2), r"dp_group_idx_0 holds buckets of \[\d+\] elements"),
+    (dict(pipeline_model_parallel_size=2), r"pipeline split .* does not fit 3 layers on 2 stages"),
+])
+def test_dp_reshardable_args_that_do_not_fit_the_buffers_are_refused(trained, tmp_path, edit, problem):
+    """args claiming pipeline stages the save did not have: the recomputed buckets differ from the
+    stored per_bucket_numel_unpadded (or the split does not fit), refused in one line suggesting
+    --no-optimizer."""
+    src = _copy_with_args(trained / "dpr", tmp_path, **edit)
+    with pytest.raises(CkptError, match=problem + ".*--no-optimizer"):
+        open_checkpoint(src)
 
 
 @needs_mcore
