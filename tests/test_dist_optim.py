@@ -70,6 +70,22 @@ def live(root: Path):
     return lambda slot: open_checkpoint(root / slot).tensors
 
 
+# name -> (helper save options, the reader's kind): the distributed optimizer's other torch_dist forms.
+# fully_sharded_model_space as megatron-core < 0.15 stored it (N-D flattened, MCoreMetadata), at TP1 x DP2
+# (DP slices inside parameters), TP2 (llama: GQA, SwiGLU factories) and PP2 (tied embeddings); dp_reshardable
+# (Megatron-LM 0.16's default) at PP2 (gpt2: tied, the embedding and its head copy in buckets of their
+# own; llama: untied, uneven 2 + 1 layers) and bucketed by --overlap-grad-reduce at TP1 x DP2.
+FSMS, DPR = "megatron-core-dist (fully_sharded_model_space)", "megatron-core-dist (dp_reshardable)"
+MORE_FORMS = {
+    "fs": ("--tp 1 --form fully_sharded_model_space", FSMS),
+    "fs_tp2": ("--tp 2 --arch llama --form fully_sharded_model_space", FSMS),
+    "fs_pp2": ("--pp 2 --form fully_sharded_model_space", FSMS),
+    "dpr_pp2": ("--pp 2 --form dp_reshardable", DPR),
+    "dpr_pp2_llama": ("--pp 2 --arch llama --form dp_reshardable", DPR),
+    "dpr_buckets": ("--tp 1 --arch llama --bucket-size 1000 --form dp_reshardable", DPR),
+}
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     if not HAVE_MCORE:
@@ -78,7 +94,9 @@ def trained(tmp_path_factory):
     torchrun(f"save {root}/plain --tp 2 --form plain --live {root}/plain_live --out {root}/plain.pt",
              f"save {root}/fr --tp 1 --form fully_reshardable --live {root}/fr_live --out {root}/fr.pt",
              f"save {root}/dpr --tp 2 --arch llama --form dp_reshardable --live {root}/dpr_live --out {root}/dpr.pt",
-             f"save {root}/f32 --tp 2 --form plain --dtype fp32 --live {root}/f32_live --out {root}/f32.pt")
+             f"save {root}/f32 --tp 2 --form plain --dtype fp32 --live {root}/f32_live --out {root}/f32.pt",
+             *(f"save {root}/{name} {how} --live {root}/{name}_live --out {root}/{name}.pt"
+               for name, (how, _) in MORE_FORMS.items()))
     return root
 
 
@@ -126,6 +144,49 @@ def test_dp_reshardable_flat_buckets_are_tied_by_the_buffer_layout(trained):
     ckpt = open_checkpoint(trained / "dpr")
     assert ckpt.optimizer.kind == "megatron-core-dist (dp_reshardable)" and ckpt.optimizer.step == 3
     assert_slots_equal(ckpt, live(trained / "dpr_live"))
+
+
+@needs_mcore
+@pytest.mark.parametrize("name", list(MORE_FORMS))
+def test_other_distributed_forms_equal_the_live_optimizer(trained, name):
+    """Every slot of every parameter equals the live optimizer's at the save, bit for bit; the scalars
+    come from the common state (fully_sharded_model_space) or the per-rank objects (dp_reshardable)."""
+    ckpt = open_checkpoint(trained / name)
+    opt = ckpt.optimizer
+    assert opt is not None and opt.kind == MORE_FORMS[name][1] and not ckpt.warnings, ckpt.warnings
+    assert opt.step == 3 and opt.consumed_samples == 6 and opt.scheduler["num_steps"] == 3
+    assert [g.hyper["wd_mult"] for g in opt.param_groups] == [1.0, 0.0]
+    assert_slots_equal(ckpt, live(trained / f"{name}_live"))
+
+
+@needs_mcore
+def test_fully_sharded_model_space_storage_is_n_d_flattened(trained):
+    """What the reader undoes: [layers, rows/x, cols/y, x*y] with DP slices inside a chunk, and the
+    original shapes in megatron-core's MCoreMetadata."""
+    dcp = DcpDir(next((trained / "fs").glob("iter_*")))
+    key = "decoder.layers.mlp.linear_fc1.weight"
+    assert tuple(dcp.entries[f"optimizer.state.exp_avg.{key}"].size) == (2, 1, 1, 64 * 32)
+    assert tuple(dcp.entries[key].size) == (2, 64, 32)
+    assert dcp.mcore_data[f"optimizer.state.fp32_param.{key}"]["nd_reformulated_orig_global_shape"] == (2, 64, 32)
+    assert any(c.offsets[-1] > 0 for c in dcp.entries[f"optimizer.state.exp_avg.{key}"].chunks)  # a DP cut inside
+
+
+@needs_mcore
+def test_fully_sharded_model_space_with_a_dp_slice_missing_is_refused(trained, tmp_path):
+    """A DP rank's slice of a parameter absent from the index: the region is not covered, refused."""
+    import pickle
+    import shutil
+    src = tmp_path / "src"
+    shutil.copytree(trained / "fs", src)
+    d = next(src.glob("iter_*"))
+    md = pickle.loads((d / ".metadata").read_bytes())
+    key = "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"
+    entry = md.state_dict_metadata[key]
+    entry.chunks = [c for c in entry.chunks if c.offsets[-1] == 0]
+    (d / ".metadata").write_bytes(pickle.dumps(md))
+    ckpt = open_checkpoint(src)
+    with pytest.raises(CkptError, match="the stored chunks cover"):
+        ckpt.optimizer.slots["exp_avg"]["layers.0.mlp.up.weight"].load()
 
 
 @needs_mcore
