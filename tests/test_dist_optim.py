@@ -86,6 +86,12 @@ MORE_FORMS = {
 }
 
 
+# the other forms resharded to torch_dist at another layout and resumed there by megatron-core's
+# distributed optimizer (the next 2 steps compared with the source run's): name -> (arch option, target TP)
+RESUMED_FORMS = {"fs": ("", 2), "fs_tp2": ("--arch llama", 1), "fs_pp2": ("", 1), "dpr_pp2": ("", 2),
+                 "dpr_pp2_llama": ("--arch llama", 2), "dpr_buckets": ("--arch llama", 2)}
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     if not HAVE_MCORE:
@@ -108,6 +114,8 @@ def resumed(trained):
     write_layout(open_checkpoint(r / "fr"), r / "fr_to_tp2", Layout(2), fmt="torch_dist", warn=print)
     write_layout(open_checkpoint(r / "f32"), r / "f32_to_tp1", Layout(1), fmt="torch_dist", warn=print)
     write_layout(open_checkpoint(r / "dpr"), r / "dpr_to_tp1", Layout(1), fmt="torch_dist", warn=print)
+    for name, (_, tp) in RESUMED_FORMS.items():
+        write_layout(open_checkpoint(r / name), r / f"{name}_to_tp{tp}", Layout(tp), fmt="torch_dist", warn=print)
     torchrun(f"resume {r}/plain_to_tp1 --tp 1 --form plain --out {r}/r_plain_tp1.pt",
              f"resume {r}/plain_to_tp1 --tp 1 --form fully_reshardable --out {r}/r_plain_tp1_distopt.pt",
              f"resume {r}/plain_to_tp1 --tp 1 --form plain --weights-only --out {r}/r_weights_only.pt",
@@ -117,6 +125,8 @@ def resumed(trained):
              f"resume {r}/f32_to_tp1 --tp 1 --form plain --dtype fp32 --out {r}/r_f32.pt",
              f"resume {r}/dpr_to_tp1 --tp 1 --arch llama --form fully_reshardable --out {r}/r_dpr.pt",
              f"resume {r}/f32_to_tp1 --tp 1 --form fully_reshardable --dtype fp32 --out {r}/r_f32_distopt.pt",
+             *(f"resume {r}/{name}_to_tp{tp} --tp {tp} {arch} --form fully_reshardable --out {r}/r_{name}.pt"
+               for name, (arch, tp) in RESUMED_FORMS.items()),
              f"load {r}/plain_to_tp1 --tp 1 --pp 2 --form plain --live {r}/l_pp2_plain --out {r}/l1.pt",
              f"load {r}/fr_to_tp2 --tp 1 --pp 2 --form fully_reshardable --live {r}/l_pp2_fr --out {r}/l2.pt")
     return r
@@ -255,9 +265,11 @@ def test_megatron_core_loads_our_output_at_another_tp_and_pp(resumed):
 def test_training_resumes_on_the_new_layout(resumed):
     r = resumed
     went_on = {"plain": losses(r / "plain.pt")[3:], "fr": losses(r / "fr.pt")[3:], "dpr": losses(r / "dpr.pt")[3:]}
+    went_on.update({name: losses(r / f"{name}.pt")[3:] for name in RESUMED_FORMS})
     gaps = {name: (losses(r / f"{name}.pt") - went_on[src]).abs().max().item()
             for name, src in (("r_plain_tp1", "plain"), ("r_plain_tp1_distopt", "plain"),
-                              ("r_fr_tp2", "fr"), ("r_fr_tp2_plain", "fr"), ("r_dpr", "dpr"))}
+                              ("r_fr_tp2", "fr"), ("r_fr_tp2_plain", "fr"), ("r_dpr", "dpr"),
+                              *((f"r_{name}", name) for name in RESUMED_FORMS))}
     weights_only = (losses(r / "r_weights_only.pt") - went_on["plain"]).abs().max().item()
     print("loss gaps:", gaps, "weights only:", weights_only)
     assert max(gaps.values()) < LOSS_TOL, gaps
