@@ -200,6 +200,24 @@ def test_fully_sharded_model_space_with_a_dp_slice_missing_is_refused(trained, t
 
 
 @needs_mcore
+@pytest.mark.parametrize("name,layout,distributed", [
+    ("fs", Layout(2), False), ("fs_pp2", Layout(1, 1), True), ("dpr_pp2", Layout(1, 2), True),
+    ("dpr_buckets", Layout(2), False),
+])
+def test_other_distributed_forms_reshard_into_the_torch_format(trained, tmp_path, name, layout, distributed):
+    """Into Megatron-LM's torch format, with the non-distributed optimizer or distrib_optim.pt (DP 2):
+    what ckptool reads back equals the source's optimizer state bit for bit."""
+    src = open_checkpoint(trained / name)
+    kw = dict(distributed_optimizer=True, dp=2) if distributed else {}
+    write_layout(src, tmp_path / "out", layout, fmt="torch", warn=print, **kw)
+    out = open_checkpoint(tmp_path / "out")
+    assert out.optimizer.step == 3 and not out.warnings, out.warnings
+    assert (tmp_path / "out" / "iter_0000003" / ("mp_rank_00" + ("_000" if layout.pp > 1 else "")) /
+            "distrib_optim.pt").is_file() == distributed
+    assert_slots_equal(src, lambda slot: out.optimizer.slots[slot])
+
+
+@needs_mcore
 def test_dp_reshardable_virtual_pipeline_chunks_are_dropped_by_name(trained, tmp_path):
     src = _copy_with_args(trained / "dpr", tmp_path, virtual_pipeline_model_parallel_size=2)
     ckpt = open_checkpoint(src)
