@@ -3,7 +3,8 @@
 Sources come from the real megatron-core (0.16, CPU, gloo, two torchrun processes) training a tiny GPT
 with its own DDP, bf16 Adam with fp32 masters and LR scheduler, saving as Megatron-LM does for
 --ckpt-format torch_dist (tests/mcore_optim_dist_helper.py): the non-distributed optimizer at TP2, the
-distributed optimizer at TP1 x DP2 in its fully_reshardable and dp_reshardable forms. At the save the
+distributed optimizer at TP1 x DP2 in its fully_reshardable form, and in its dp_reshardable (the 0.15/0.16
+default) and fully_sharded_model_space (the default up to 0.14) forms at TP2, PP2, TP1 x DP2 and bucketed. At the save the
 helper also writes the live optimizer's values (DP-gathered), which the reader must reproduce bit for bit.
 
 ckptool then writes torch_dist with the optimizer at another TP; megatron-core loads it with
