@@ -73,13 +73,15 @@ def live(root: Path):
 
 # name -> (helper save options, the reader's kind): the distributed optimizer's other torch_dist forms.
 # fully_sharded_model_space as megatron-core < 0.15 stored it (N-D flattened, MCoreMetadata), at TP1 x DP2
-# (DP slices inside parameters), TP2 (llama: GQA, SwiGLU factories) and PP2 (tied embeddings); dp_reshardable
+# (DP slices inside parameters; llama: inside a SwiGLU half), TP2 (llama: GQA, SwiGLU factories) and PP2
+# (tied embeddings); dp_reshardable
 # (Megatron-LM 0.16's default) at PP2 (gpt2: tied, the embedding and its head copy in buckets of their
 # own; llama: untied, uneven 2 + 1 layers) and bucketed by --overlap-grad-reduce at TP1 x DP2.
 FSMS, DPR = "megatron-core-dist (fully_sharded_model_space)", "megatron-core-dist (dp_reshardable)"
 MORE_FORMS = {
     "fs": ("--tp 1 --form fully_sharded_model_space", FSMS),
     "fs_tp2": ("--tp 2 --arch llama --form fully_sharded_model_space", FSMS),
+    "fs_llama": ("--tp 1 --arch llama --form fully_sharded_model_space", FSMS),  # a DP cut inside SwiGLU's up half
     "fs_pp2": ("--pp 2 --form fully_sharded_model_space", FSMS),
     "dpr_pp2": ("--pp 2 --form dp_reshardable", DPR),
     "dpr_pp2_llama": ("--pp 2 --arch llama --form dp_reshardable", DPR),
@@ -180,6 +182,9 @@ def test_fully_sharded_model_space_storage_is_n_d_flattened(trained):
     assert tuple(dcp.entries[key].size) == (2, 64, 32)
     assert dcp.mcore_data[f"optimizer.state.fp32_param.{key}"]["nd_reformulated_orig_global_shape"] == (2, 64, 32)
     assert any(c.offsets[-1] > 0 for c in dcp.entries[f"optimizer.state.exp_avg.{key}"].chunks)  # a DP cut inside
+    up = DcpDir(next((trained / "fs_llama").glob("iter_*"))).entries[f"optimizer.state.exp_avg.{key}"]
+    assert tuple(up.size) == (3, 2, 1, 48 * 32)  # [layers, gate / up, 1, half of fc1]
+    assert any(c.offsets[1] == 1 and c.offsets[-1] > 0 for c in up.chunks)
 
 
 @needs_mcore
