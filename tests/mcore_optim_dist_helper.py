@@ -11,10 +11,16 @@ Megatron-LM reads content_metadata back from the checkpoint and builds the same 
 loading run's own layout (dist_checkpointing reshards), then load_state_dict on model, optimizer and
 scheduler. This helper does exactly that with the training loop of tests/mcore_train_helper.py.
 
-  "save DIR --tp T --form F --steps N --more M --out FILE [--live LIVE] [--dtype bf16|fp32]"
-        train N steps at TP T (DP = world / T), save DIR (iteration N) in form F, train M more.
+  "save DIR --tp T [--pp P] --form F --steps N --more M --out FILE [--live LIVE] [--dtype bf16|fp32]
+        [--bucket-size B]"
+        train N steps at TP T, PP P (DP = world / (T x P)), save DIR (iteration N) in form F, train M more.
         F: plain (non-distributed optimizer) | fully_reshardable | fully_sharded_model_space |
-        dp_reshardable (distributed optimizer). --live LIVE: the live optimizer's values at the save,
+        dp_reshardable (distributed optimizer). --bucket-size B: --overlap-grad-reduce with buckets of
+        B elements (the grad buffer cut into several buckets on the first pipeline stage).
+        fully_sharded_model_space is what megatron-core < 0.14 saved (and 0.15 with
+        --dist-ckpt-save-pre-mcore-014); 0.16 builds its sharded state dict still (flattened_range
+        ShardedTensors per parameter and DP rank) but no longer stores flattened tensors, so the helper
+        stores them as megatron-core 0.15 did (save_nd_flattened below). --live LIVE: the live optimizer's values at the save,
         per slot, written as Megatron-LM torch-format weights (LIVE/<slot>/...: each slot's tensors under
         the model's own parameter names, TP shards per mp_rank file), so ckptool's proven weight reader
         maps them to canonical names for comparison.
@@ -63,18 +69,101 @@ if not torch.cuda.is_available():
         DistributedOptimizer._set_main_param_and_optimizer_states)
 
 DISTRIBUTED_FORMS = ("fully_reshardable", "fully_sharded_model_space", "dp_reshardable")
+ND_FLATTENED = "fully_sharded_model_space"
+
+
+def _allow_flattened_range():
+    """megatron-core 0.16 still builds fully_sharded_model_space state (ShardedTensors with a
+    flattened_range: each DP rank's slice of a parameter's flattened TP shard) but its metadata check
+    now rejects flattened_range; skip only that check, the others still run."""
+    from dataclasses import replace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    orig = ShardedTensor.validate_metadata_integrity
+
+    def validate(self):
+        if self.flattened_range is None:
+            return orig(self)
+        return orig(replace(self, data=None, flattened_range=None))
+
+    ShardedTensor.validate_metadata_integrity = validate
+
+
+_allow_flattened_range()
+
+
+def nd_flattened(sh, flat, offset_in_local: int):
+    """The ShardedTensor megatron-core < 0.15 stored for a flattened_range piece (its
+    strategies/torch.py "N-D flattened" case): a [X, Y, Z] tensor cut into local [x, y, z] chunks is
+    stored as [X/x, Y/y, Z/z, x*y*z], the piece at its chunk's grid position and, along the last axis,
+    at its offset in the flattened local chunk. Returns the ShardedTensor of that layout (a regular
+    one, which megatron-core 0.16 saves) and the original global shape (kept in .metadata's mcore_data)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    chunk = tuple(sh.global_offset[:sh.prepend_axis_num]) + tuple(
+        off // size for off, size in zip(sh.global_offset[sh.prepend_axis_num:], sh.local_shape))
+    grid = tuple(sh.axis_fragmentations)
+    numel = int(torch.Size(sh.local_shape).numel())
+    shape = grid + (numel,)
+    data = flat.reshape((1,) * len(grid) + (flat.numel(),))
+    return ShardedTensor(sh.key, data, data.dtype, tuple(data.shape), shape, chunk + (offset_in_local,),
+                         None, replica_id=sh.replica_id), tuple(sh.global_shape)
+
+
+def save_nd_flattened(opt, param_state):
+    """Replace fully_sharded_model_space's flattened_range ShardedTensors (and SwiGLU factories, whose
+    0.16 build no longer splits a flattened range) by their N-D flattened storage; returns
+    {key: original global shape}."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+    inner = getattr(opt, "chained_optimizers", [opt])[0]
+    params = [p for maps in inner.gbuf_ranges for per_dtype in maps.values() for m in per_dtype
+              for p in m["param_map"]]  # the order sharded_param_state_fs_model_space numbers them in
+    shapes = {}
+    for idx, param in enumerate(params):
+        for name, sh in list(param_state[idx].items()):
+            if not hasattr(sh, "flattened_range"):
+                continue
+            rng = sh.flattened_range
+            if isinstance(sh, ShardedTensorFactory):
+                # the factory's own split of the whole local tensor gives the parts' metadata; each
+                # part (gate, up: halves of the flattened local tensor) keeps its share of the range
+                parts = sh.build_fn(sh.key, torch.empty(param.shape, dtype=sh.data.dtype), sh.replica_id, None)
+                half = param.numel() // 2
+                out = []
+                for j, part in enumerate(parts):
+                    lo, hi = max(rng.start, j * half), min(rng.stop, (j + 1) * half)
+                    if hi > lo:
+                        t, shapes[part.key] = nd_flattened(part, sh.data[lo - rng.start:hi - rng.start], lo - j * half)
+                        out.append(t)
+                param_state[idx][name] = out
+            else:
+                param_state[idx][name], shapes[sh.key] = nd_flattened(sh, sh.data, rng.start)
+    return shapes
+
+
+def as_pre_016_metadata(d: Path, shapes):
+    """Rewrite .metadata as megatron-core < 0.16 wrote it: its MCoreMetadata (a DCP Metadata with
+    mcore_data: the original global shape of every N-D flattened tensor); 0.16 keeps the class name
+    only so old checkpoints unpickle."""
+    import pickle
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreMetadata
+    md = pickle.loads((d / ".metadata").read_bytes())
+    old = MCoreMetadata.__new__(MCoreMetadata)
+    old.__dict__.update(vars(md), mcore_data={k: {"nd_reformulated_orig_global_shape": s} for k, s in shapes.items()})
+    (d / ".metadata").write_bytes(pickle.dumps(old))
 SLOT_OF = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 
 
-def build(arch, tp, dtype, distributed, pp=1):
-    """mcore_train_helper.build, with the distributed optimizer when asked (and PP for load checks)."""
+def build(arch, tp, dtype, distributed, pp=1, bucket_size=None):
+    """mcore_train_helper.build, with the distributed optimizer when asked, PP, and --overlap-grad-reduce
+    buckets of bucket_size elements."""
     import contextlib
     model, cfg = H.build(arch, tp, pp)
     model.train()
     if dtype == "bf16":
         model = model.to(torch.bfloat16)
         cfg.bf16, cfg.params_dtype = True, torch.bfloat16
-    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=distributed), model)
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
+        use_distributed_optimizer=distributed, overlap_grad_reduce=bucket_size is not None,
+        bucket_size=bucket_size), model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=T.LR, min_lr=T.MIN_LR, weight_decay=T.WD,
                                                  adam_beta1=0.9, adam_beta2=0.95, clip_grad=0.0,
                                                  bf16=dtype == "bf16", use_distributed_optimizer=distributed),
@@ -107,7 +196,13 @@ def state_dict(model, opt, sched, metadata, loading):
 def save(root: Path, model, opt, sched, cfg, a, iteration):
     metadata = content_metadata(a.form)
     sd = state_dict(model, opt, sched, metadata, loading=False)
-    args = H.megatron_args(a.arch, cfg, a.tp)
+    shapes = save_nd_flattened(opt, sd["optimizer"]["param_state"]) if a.form == ND_FLATTENED else {}
+    args = H.megatron_args(a.arch, cfg, a.tp, a.pp)
+    args.data_parallel_size = parallel_state.get_data_parallel_world_size()
+    args.overlap_grad_reduce = a.bucket_size is not None
+    args.ddp_bucket_size = a.bucket_size
+    if cfg.num_layers_in_first_pipeline_stage:
+        args.decoder_first_pipeline_num_layers = cfg.num_layers_in_first_pipeline_stage
     args.bf16 = cfg.bf16
     args.params_dtype = cfg.params_dtype
     args.iteration = iteration
@@ -120,6 +215,11 @@ def save(root: Path, model, opt, sched, cfg, a, iteration):
         d.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     dist_checkpointing.save(sd, str(d))
+    if shapes:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, shapes)
+        if dist.get_rank() == 0:
+            as_pre_016_metadata(d, {k: v for part in every for k, v in part.items()})
     if dist.get_rank() == 0:
         (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     dist.barrier()
@@ -213,7 +313,7 @@ def save_live(live_root: Path, live, cfg, a, iteration):
 
 def run_job(a):
     distributed = a.form in DISTRIBUTED_FORMS
-    model, ddp, opt, sched, cfg = build(a.arch, a.tp, a.dtype, distributed, a.pp)
+    model, ddp, opt, sched, cfg = build(a.arch, a.tp, a.dtype, distributed, a.pp, a.bucket_size)
     root = Path(a.dir)
     losses = []
     if a.mode == "save":
@@ -249,6 +349,7 @@ def main():
     ap.add_argument("--form", default="plain", choices=("plain",) + DISTRIBUTED_FORMS)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--more", type=int, default=2)
+    ap.add_argument("--bucket-size", type=int)
     ap.add_argument("--live")
     ap.add_argument("--weights-only", action="store_true")
     ap.add_argument("--out", required=True)

@@ -3,7 +3,8 @@
 Sources come from the real megatron-core (0.16, CPU, gloo, two torchrun processes) training a tiny GPT
 with its own DDP, bf16 Adam with fp32 masters and LR scheduler, saving as Megatron-LM does for
 --ckpt-format torch_dist (tests/mcore_optim_dist_helper.py): the non-distributed optimizer at TP2, the
-distributed optimizer at TP1 x DP2 in its fully_reshardable and dp_reshardable forms. At the save the
+distributed optimizer at TP1 x DP2 in its fully_reshardable form, and in its dp_reshardable (the 0.15/0.16
+default) and fully_sharded_model_space (the default up to 0.14) forms at TP2, PP2, TP1 x DP2 and bucketed. At the save the
 helper also writes the live optimizer's values (DP-gathered), which the reader must reproduce bit for bit.
 
 ckptool then writes torch_dist with the optimizer at another TP; megatron-core loads it with
@@ -70,6 +71,30 @@ def live(root: Path):
     return lambda slot: open_checkpoint(root / slot).tensors
 
 
+# name -> (helper save options, the reader's kind): the distributed optimizer's other torch_dist forms.
+# fully_sharded_model_space as megatron-core < 0.15 stored it (N-D flattened, MCoreMetadata), at TP1 x DP2
+# (DP slices inside parameters; llama: inside a SwiGLU half), TP2 (llama: GQA, SwiGLU factories) and PP2
+# (tied embeddings); dp_reshardable
+# (Megatron-LM 0.16's default) at PP2 (gpt2: tied, the embedding and its head copy in buckets of their
+# own; llama: untied, uneven 2 + 1 layers) and bucketed by --overlap-grad-reduce at TP1 x DP2.
+FSMS, DPR = "megatron-core-dist (fully_sharded_model_space)", "megatron-core-dist (dp_reshardable)"
+MORE_FORMS = {
+    "fs": ("--tp 1 --form fully_sharded_model_space", FSMS),
+    "fs_tp2": ("--tp 2 --arch llama --form fully_sharded_model_space", FSMS),
+    "fs_llama": ("--tp 1 --arch llama --form fully_sharded_model_space", FSMS),  # a DP cut inside SwiGLU's up half
+    "fs_pp2": ("--pp 2 --form fully_sharded_model_space", FSMS),
+    "dpr_pp2": ("--pp 2 --form dp_reshardable", DPR),
+    "dpr_pp2_llama": ("--pp 2 --arch llama --form dp_reshardable", DPR),
+    "dpr_buckets": ("--tp 1 --arch llama --bucket-size 1000 --form dp_reshardable", DPR),
+}
+
+
+# the other forms resharded to torch_dist at another layout and resumed there by megatron-core's
+# distributed optimizer (the next 2 steps compared with the source run's): name -> (arch option, target TP)
+RESUMED_FORMS = {"fs": ("", 2), "fs_tp2": ("--arch llama", 1), "fs_pp2": ("", 1), "dpr_pp2": ("", 2),
+                 "dpr_pp2_llama": ("--arch llama", 2), "dpr_buckets": ("--arch llama", 2)}
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     if not HAVE_MCORE:
@@ -78,7 +103,9 @@ def trained(tmp_path_factory):
     torchrun(f"save {root}/plain --tp 2 --form plain --live {root}/plain_live --out {root}/plain.pt",
              f"save {root}/fr --tp 1 --form fully_reshardable --live {root}/fr_live --out {root}/fr.pt",
              f"save {root}/dpr --tp 2 --arch llama --form dp_reshardable --live {root}/dpr_live --out {root}/dpr.pt",
-             f"save {root}/f32 --tp 2 --form plain --dtype fp32 --live {root}/f32_live --out {root}/f32.pt")
+             f"save {root}/f32 --tp 2 --form plain --dtype fp32 --live {root}/f32_live --out {root}/f32.pt",
+             *(f"save {root}/{name} {how} --live {root}/{name}_live --out {root}/{name}.pt"
+               for name, (how, _) in MORE_FORMS.items()))
     return root
 
 
@@ -90,6 +117,8 @@ def resumed(trained):
     write_layout(open_checkpoint(r / "fr"), r / "fr_to_tp2", Layout(2), fmt="torch_dist", warn=print)
     write_layout(open_checkpoint(r / "f32"), r / "f32_to_tp1", Layout(1), fmt="torch_dist", warn=print)
     write_layout(open_checkpoint(r / "dpr"), r / "dpr_to_tp1", Layout(1), fmt="torch_dist", warn=print)
+    for name, (_, tp) in RESUMED_FORMS.items():
+        write_layout(open_checkpoint(r / name), r / f"{name}_to_tp{tp}", Layout(tp), fmt="torch_dist", warn=print)
     torchrun(f"resume {r}/plain_to_tp1 --tp 1 --form plain --out {r}/r_plain_tp1.pt",
              f"resume {r}/plain_to_tp1 --tp 1 --form fully_reshardable --out {r}/r_plain_tp1_distopt.pt",
              f"resume {r}/plain_to_tp1 --tp 1 --form plain --weights-only --out {r}/r_weights_only.pt",
@@ -99,6 +128,8 @@ def resumed(trained):
              f"resume {r}/f32_to_tp1 --tp 1 --form plain --dtype fp32 --out {r}/r_f32.pt",
              f"resume {r}/dpr_to_tp1 --tp 1 --arch llama --form fully_reshardable --out {r}/r_dpr.pt",
              f"resume {r}/f32_to_tp1 --tp 1 --form fully_reshardable --dtype fp32 --out {r}/r_f32_distopt.pt",
+             *(f"resume {r}/{name}_to_tp{tp} --tp {tp} {arch} --form fully_reshardable --out {r}/r_{name}.pt"
+               for name, (arch, tp) in RESUMED_FORMS.items()),
              f"load {r}/plain_to_tp1 --tp 1 --pp 2 --form plain --live {r}/l_pp2_plain --out {r}/l1.pt",
              f"load {r}/fr_to_tp2 --tp 1 --pp 2 --form fully_reshardable --live {r}/l_pp2_fr --out {r}/l2.pt")
     return r
@@ -129,15 +160,90 @@ def test_dp_reshardable_flat_buckets_are_tied_by_the_buffer_layout(trained):
 
 
 @needs_mcore
-@pytest.mark.parametrize("edit,problem", [
-    (dict(pipeline_model_parallel_size=2), "pipeline parallelism"),
-    (dict(overlap_grad_reduce=True), "--overlap-grad-reduce"),
+@pytest.mark.parametrize("name", list(MORE_FORMS))
+def test_other_distributed_forms_equal_the_live_optimizer(trained, name):
+    """Every slot of every parameter equals the live optimizer's at the save, bit for bit; the scalars
+    come from the common state (fully_sharded_model_space) or the per-rank objects (dp_reshardable)."""
+    ckpt = open_checkpoint(trained / name)
+    opt = ckpt.optimizer
+    assert opt is not None and opt.kind == MORE_FORMS[name][1] and not ckpt.warnings, ckpt.warnings
+    assert opt.step == 3 and opt.consumed_samples == 6 and opt.scheduler["num_steps"] == 3
+    assert [g.hyper["wd_mult"] for g in opt.param_groups] == [1.0, 0.0]
+    assert_slots_equal(ckpt, live(trained / f"{name}_live"))
+
+
+@needs_mcore
+def test_fully_sharded_model_space_storage_is_n_d_flattened(trained):
+    """What the reader undoes: [layers, rows/x, cols/y, x*y] with DP slices inside a chunk, and the
+    original shapes in megatron-core's MCoreMetadata."""
+    dcp = DcpDir(next((trained / "fs").glob("iter_*")))
+    key = "decoder.layers.mlp.linear_fc1.weight"
+    assert tuple(dcp.entries[f"optimizer.state.exp_avg.{key}"].size) == (2, 1, 1, 64 * 32)
+    assert tuple(dcp.entries[key].size) == (2, 64, 32)
+    assert dcp.mcore_data[f"optimizer.state.fp32_param.{key}"]["nd_reformulated_orig_global_shape"] == (2, 64, 32)
+    assert any(c.offsets[-1] > 0 for c in dcp.entries[f"optimizer.state.exp_avg.{key}"].chunks)  # a DP cut inside
+    up = DcpDir(next((trained / "fs_llama").glob("iter_*"))).entries[f"optimizer.state.exp_avg.{key}"]
+    assert tuple(up.size) == (3, 2, 1, 48 * 32)  # [layers, gate / up, 1, half of fc1]
+    assert any(c.offsets[1] == 1 and c.offsets[-1] > 0 for c in up.chunks)
+
+
+@needs_mcore
+def test_fully_sharded_model_space_with_a_dp_slice_missing_is_refused(trained, tmp_path):
+    """A DP rank's slice of a parameter absent from the index: the region is not covered, refused."""
+    import pickle
+    import shutil
+    src = tmp_path / "src"
+    shutil.copytree(trained / "fs", src)
+    d = next(src.glob("iter_*"))
+    md = pickle.loads((d / ".metadata").read_bytes())
+    key = "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"
+    entry = md.state_dict_metadata[key]
+    entry.chunks = [c for c in entry.chunks if c.offsets[-1] == 0]
+    (d / ".metadata").write_bytes(pickle.dumps(md))
+    ckpt = open_checkpoint(src)
+    with pytest.raises(CkptError, match="the stored chunks cover"):
+        ckpt.optimizer.slots["exp_avg"]["layers.0.mlp.up.weight"].load()
+
+
+@needs_mcore
+@pytest.mark.parametrize("name,layout,distributed", [
+    ("fs", Layout(2), False), ("fs_pp2", Layout(1, 1), True), ("dpr_pp2", Layout(1, 2), True),
+    ("dpr_buckets", Layout(2), False),
 ])
-def test_dp_reshardable_layouts_not_recomputed_are_dropped_by_name(trained, tmp_path, edit, problem):
-    src = _copy_with_args(trained / "dpr", tmp_path, **edit)
+def test_other_distributed_forms_reshard_into_the_torch_format(trained, tmp_path, name, layout, distributed):
+    """Into Megatron-LM's torch format, with the non-distributed optimizer or distrib_optim.pt (DP 2):
+    what ckptool reads back equals the source's optimizer state bit for bit."""
+    src = open_checkpoint(trained / name)
+    kw = dict(distributed_optimizer=True, dp=2) if distributed else {}
+    write_layout(src, tmp_path / "out", layout, fmt="torch", warn=print, **kw)
+    out = open_checkpoint(tmp_path / "out")
+    assert out.optimizer.step == 3 and not out.warnings, out.warnings
+    assert (tmp_path / "out" / "iter_0000003" / ("mp_rank_00" + ("_000" if layout.pp > 1 else "")) /
+            "distrib_optim.pt").is_file() == distributed
+    assert_slots_equal(src, lambda slot: out.optimizer.slots[slot])
+
+
+@needs_mcore
+def test_dp_reshardable_virtual_pipeline_chunks_are_dropped_by_name(trained, tmp_path):
+    src = _copy_with_args(trained / "dpr", tmp_path, virtual_pipeline_model_parallel_size=2)
     ckpt = open_checkpoint(src)
     assert ckpt.optimizer is None
-    assert any("dp_reshardable" in w and problem in w and "weights only" in w for w in ckpt.warnings), ckpt.warnings
+    assert any("dp_reshardable" in w and "virtual pipeline" in w and "weights only" in w for w in ckpt.warnings), \
+        ckpt.warnings
+
+
+@needs_mcore
+@pytest.mark.parametrize("edit,problem", [
+    (dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=2), r"dp_group_idx_0 holds buckets of \[\d+\] elements"),
+    (dict(pipeline_model_parallel_size=2), r"pipeline split .* does not fit 3 layers on 2 stages"),
+])
+def test_dp_reshardable_args_that_do_not_fit_the_buffers_are_refused(trained, tmp_path, edit, problem):
+    """args claiming pipeline stages the save did not have: the recomputed buckets differ from the
+    stored per_bucket_numel_unpadded (or the split does not fit), refused in one line suggesting
+    --no-optimizer."""
+    src = _copy_with_args(trained / "dpr", tmp_path, **edit)
+    with pytest.raises(CkptError, match=problem + ".*--no-optimizer"):
+        open_checkpoint(src)
 
 
 @needs_mcore
@@ -183,9 +289,11 @@ def test_megatron_core_loads_our_output_at_another_tp_and_pp(resumed):
 def test_training_resumes_on_the_new_layout(resumed):
     r = resumed
     went_on = {"plain": losses(r / "plain.pt")[3:], "fr": losses(r / "fr.pt")[3:], "dpr": losses(r / "dpr.pt")[3:]}
+    went_on.update({name: losses(r / f"{name}.pt")[3:] for name in RESUMED_FORMS})
     gaps = {name: (losses(r / f"{name}.pt") - went_on[src]).abs().max().item()
             for name, src in (("r_plain_tp1", "plain"), ("r_plain_tp1_distopt", "plain"),
-                              ("r_fr_tp2", "fr"), ("r_fr_tp2_plain", "fr"), ("r_dpr", "dpr"))}
+                              ("r_fr_tp2", "fr"), ("r_fr_tp2_plain", "fr"), ("r_dpr", "dpr"),
+                              *((f"r_{name}", name) for name in RESUMED_FORMS))}
     weights_only = (losses(r / "r_weights_only.pt") - went_on["plain"]).abs().max().item()
     print("loss gaps:", gaps, "weights only:", weights_only)
     assert max(gaps.values()) < LOSS_TOL, gaps

@@ -35,7 +35,7 @@ from ..sharding import ReplicaPolicy
 from ..state import (OPTIMIZER_SLOTS, PAD_FILL_BY_SLOT, WEIGHT, Checkpoint, OptimizerState, SourceInfo,
                      in_model_order)
 from ..vocab import resize_slot_vocab, resize_vocab, target_rows, with_true_vocab_size
-from . import dist_optim, dist_optim_buckets, megatron_args
+from . import dist_optim, dist_optim_buckets, dist_optim_flattened, megatron_args
 from .megatron import TRACKER, resolve_iteration_dir
 
 FORMAT = "torch_dist"
@@ -336,17 +336,16 @@ def _read_optimizer(dcp: DcpDir, common: dict, cfg: GPTConfig, tensors, policy, 
     weight_shards, _ = _collect(dcp)
 
     def slot_tensors(stored: str):
-        shards, _ = _collect(dcp, f"{dist_optim.PREFIX}{stored}.")
+        prefix = f"{dist_optim.PREFIX}{stored}."
+        view = dist_optim_flattened.ModelSpaceView(dcp, prefix, where) if form == dist_optim_flattened.FORM else dcp
+        shards, _ = _collect(view, prefix)
         if cfg.tied_embeddings:
             shards.pop(("output", None), None)
         for key, parts in shards.items():
             want = weight_shards.get(key)
             if want is not None and tuple(parts[0].shape) != tuple(want[0].shape):
-                flattened = " (stored N-D flattened by megatron-core < 0.14, which ckptool does not read)" \
-                    if form == "fully_sharded_model_space" else ""
                 raise CkptError(f"{where}: {stored} optimizer state of {key[0]} (layer {key[1]}) has shape "
-                                f"{tuple(parts[0].shape)}, the weight {tuple(want[0].shape)}{flattened}",
-                                dist_optim.HINT)
+                                f"{tuple(parts[0].shape)}, the weight {tuple(want[0].shape)}", dist_optim.HINT)
         return in_model_order(assemble(cfg, shards, policy), cfg) if shards else {}
 
     return dist_optim.read(common, form, slot_tensors, tensors, consumed, where)

@@ -7,8 +7,9 @@ global shape (stacked layers included), so the weights' key table reads them unc
   form (common optimizer.param_state_sharding_type)    master key          moments
   non-distributed optimizer (no sharding type)          fp32_param          exp_avg, exp_avg_sq
   distributed, fully_reshardable                        param               exp_avg, exp_avg_sq
-  distributed, fully_sharded_model_space (< 0.14)       fp32_param          (N-D flattened chunks)
-  distributed, dp_reshardable (the default)             flat per-bucket buffers (dist_optim_buckets.py)
+  distributed, fully_sharded_model_space (<= 0.14)      fp32_param          exp_avg, exp_avg_sq
+                  (N-D flattened DP slices: dist_optim_flattened.py shows them in model shape)
+  distributed, dp_reshardable (the default since 0.15)  flat per-bucket buffers (dist_optim_buckets.py)
 
 each as `optimizer.state.<stored slot>.<model key>`. The scalars live in the common state: the param
 groups (hyperparameters without their parameter lists), the step (`state.common_step` for the

@@ -10,11 +10,18 @@ flat tensors laid out like the grad buffer:
 
 Nothing names a parameter: where each one sits is the buffer layout, recomputed from the model as
 megatron-core builds it (megatron_distopt.buffer_layout; dp_reshardable exists only since megatron-core
-0.14, so the current era): parameters in REVERSE registration order (the dialect's param_order within a
-layer), each starting at a multiple of 64 elements. Only the single-bucket case is recomputed (no
---overlap-grad-reduce bucketing, PP 1);
-others are refused by name. The layout is never trusted: it must reproduce the stored
-per_bucket_numel_unpadded, and every master is checked against its weight as it loads.
+0.14, so the current era) for every model-parallel rank:
+  - the rank's parameters: its pipeline stage's layers (an even split, or the args'
+    --decoder-first/last-pipeline-num-layers), the embeddings on the first stage, the final norm and
+    output layer on the last; with tied embeddings and PP > 1 the last stage also holds the head's
+    copy of the word embedding (in the buffer, never in the canonical state);
+  - in REVERSE registration order (the dialect's param_order within a layer), each starting at a
+    multiple of 64 elements;
+  - cut into buckets with --overlap-grad-reduce (--ddp-bucket-size, else megatron-core's default) on
+    the first pipeline stage only, and a bucket of its own for a PP > 1 tied embedding copy.
+The layout is never trusted: it must reproduce the stored per_bucket_numel_unpadded of every rank,
+and every master is checked against its weight as it loads. Virtual pipeline chunks (one buffer per
+chunk) are not recomputed and are dropped by name.
 """
 from __future__ import annotations
 
@@ -23,14 +30,14 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..config import GPTConfig
+from ..config import GPTConfig, Layout
 from ..errors import CkptError
 from ..io.dcp_io import DcpDir
 from ..io.torchfile import load_torch_bytes
 from ..lazy import LazyTensor, derive
 from ..roles import GLOBAL_ROLES, LAYER_ROLES, global_role_tensor, layer_role_tensor, shard_role
 from .megatron_names import DIALECTS
-from .megatron_distopt import CURRENT, buffer_layout
+from .megatron_distopt import CURRENT, buffer_layout, bucket_sizes
 from .megatron_optim import HINT
 
 PREFIX = "optimizer.distributed.dp_group_idx_{mp}."
@@ -38,38 +45,69 @@ STORED = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 DIALECT_OF_IMPL = {"local": "mcore", "transformer_engine": "mcore-te"}
 HEAD = ("word", "pos")
 TAIL = ("final_norm.weight", "final_norm.bias", "output")
+HEAD_COPY = "head_copy"  # the last stage's copy of a tied word embedding (PP > 1): laid out, not read
+# args naming the first / last pipeline stage's layer counts (Megatron-LM's, and megatron-core's config)
+FIRST_STAGE_ARGS = ("decoder_first_pipeline_num_layers", "num_layers_in_first_pipeline_stage")
+LAST_STAGE_ARGS = ("decoder_last_pipeline_num_layers", "num_layers_in_last_pipeline_stage")
 
 
 def unsupported(args) -> Optional[str]:
     """Why this run's buffer layout is not recomputed, or None."""
-    if (getattr(args, "pipeline_model_parallel_size", None) or 1) > 1:
-        return "pipeline parallelism (per-stage buffers, shared-embedding buckets)"
-    if getattr(args, "overlap_grad_reduce", False):
-        return "--overlap-grad-reduce (buffers cut into buckets)"
+    if (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1:
+        return "virtual pipeline chunks (one grad buffer per chunk)"
     if getattr(args, "transformer_impl", "transformer_engine") not in DIALECT_OF_IMPL:
         return f"transformer_impl {getattr(args, 'transformer_impl', None)!r}"
     return None
 
 
-def rank_params(weights: Dict[str, LazyTensor], cfg: GPTConfig, tp: int, t: int, impl: str
+def _arg(args, names) -> Optional[int]:
+    return next((int(getattr(args, n)) for n in names if getattr(args, n, None)), None)
+
+
+def stage_layers(args, num_layers: int, pp: int, where: str) -> List[int]:
+    """Layers per pipeline stage: the args' first / last stage counts, the stages between them split
+    evenly."""
+    first, last = _arg(args, FIRST_STAGE_ARGS), _arg(args, LAST_STAGE_ARGS)
+    if pp == 1:
+        return [num_layers]
+    middle = pp - (first is not None) - (last is not None)
+    rest = num_layers - (first or 0) - (last or 0)
+    counts = None
+    if middle > 0 and rest >= 0 and rest % middle == 0:
+        counts = [first] * (first is not None) + [rest // middle] * middle + [last] * (last is not None)
+    elif middle == 0 and rest == 0:
+        counts = [first, last]
+    if counts is None:
+        raise CkptError(f"{where}: the args' pipeline split (first stage {first}, last stage {last} layers, the others "
+                        f"even) does not fit {num_layers} layers on {pp} stages", HINT)
+    return counts
+
+
+def rank_params(weights: Dict[str, LazyTensor], cfg: GPTConfig, tp: int, t: int, impl: str,
+                layers: range = None, first: bool = True, last: bool = True, pp: int = 1
                 ) -> List[Tuple[str, Optional[int], torch.Size]]:
-    """(role, layer, local shape) of TP rank t's parameters in registration order (PP 1)."""
+    """(role, layer, local shape) of one model-parallel rank's parameters in registration order: TP
+    rank t of the pipeline stage holding `layers` (first / last: whether it is the first / last stage)."""
     order = DIALECTS[DIALECT_OF_IMPL[impl]].param_order
     out = []
 
-    def add(role, layer, full):
+    def add(role, layer, full, as_role=None):
         if full is not None:
-            out.append((role, layer, shard_role(full, role, cfg, tp)[t].shape))
+            out.append((as_role or role, layer, shard_role(full, role, cfg, tp)[t].shape))
 
-    for role in HEAD:
-        add(role, None, global_role_tensor(weights, role))
-    for i in range(cfg.num_layers):
+    if first:
+        for role in HEAD:
+            add(role, None, global_role_tensor(weights, role))
+    for i in (range(cfg.num_layers) if layers is None else layers):
         for role in order:
             if role in LAYER_ROLES:
                 add(role, i, layer_role_tensor(weights, cfg, i, role))
-    for role in TAIL:
-        if role in GLOBAL_ROLES:
-            add(role, None, global_role_tensor(weights, role))
+    if last:
+        for role in TAIL:
+            if role in GLOBAL_ROLES:
+                add(role, None, global_role_tensor(weights, role))
+        if cfg.tied_embeddings and pp > 1:
+            add("word", None, global_role_tensor(weights, "word"), as_role=HEAD_COPY)
     return out
 
 
@@ -77,31 +115,52 @@ def read_shards(dcp: DcpDir, weights, cfg: GPTConfig, args, where: str
                 ) -> Dict[str, Dict[Tuple[str, Optional[int]], List[LazyTensor]]]:
     """slot -> {(role, layer): [per TP rank lazy local tensor]}, for roles.assemble()."""
     tp = getattr(args, "tensor_model_parallel_size", None) or 1
+    pp = getattr(args, "pipeline_model_parallel_size", None) or 1
+    dp = int(getattr(args, "data_parallel_size", None) or 1)
     impl = getattr(args, "transformer_impl", "transformer_engine")
+    stages = Layout(tp=tp, pp=pp, stage_layers=stage_layers(args, cfg.num_layers, pp, where)).chunks(cfg.num_layers)
     out: Dict[str, Dict[Tuple[str, Optional[int]], List[LazyTensor]]] = {s: {} for s in STORED}
-    for t in range(tp):
-        prefix = PREFIX.format(mp=t)
-        params = rank_params(weights, cfg, tp, t, impl)
-        # dp only pads bucket ends, which the stored tensors' offsets never depend on
-        lay = buffer_layout([math.prod(shape) for _, _, shape in params], [False] * len(params), CURRENT, 1, None)
-        stored = _stored_unpadded(dcp, prefix, where)
-        if stored != lay.bucket_unpadded:
-            raise CkptError(f"{where}: dp_group_idx_{t} holds buckets of {stored} elements, megatron-core's layout "
-                            f"for this model gives {lay.bucket_unpadded}: the model, its args or the layout era "
-                            "differ", HINT)
-        buffers = [k for k in dcp.entries if k.startswith(prefix + "gbuf_idx_0.") and k.endswith(".bucket_idx_0.param")]
-        if len(buffers) != 1:
-            raise CkptError(f"{where}: dp_group_idx_{t} has {len(buffers)} single-dtype buffers; one was expected",
-                            HINT)
-        base = buffers[0][:-len("bucket_idx_0.param")]
-        for slot, name in STORED.items():
-            for i, (role, layer, shape) in enumerate(params):
-                key = f"{base}bucket_idx_{lay.bucket_of[i]}.{name}"
-                if key not in dcp.entries:
-                    raise CkptError(f"{where}: no {key}", HINT)
-                flat = dcp.lazy(key, (lay.start[i],), (math.prod(shape),))
-                out[slot].setdefault((role, layer), []).append(derive(lambda x, s=shape: x.view(s), [flat]))
+    for pp_rank, _, first_layer, count in stages:
+        for t in range(tp):
+            mp = pp_rank * tp + t  # the rank's index in its model-parallel group (dp_group_idx)
+            prefix = PREFIX.format(mp=mp)
+            params = rank_params(weights, cfg, tp, t, impl, range(first_layer, first_layer + count),
+                                 pp_rank == 0, pp_rank == pp - 1, pp)
+            lay = _matching_layout(dcp, params, args, cfg.tied_embeddings and pp > 1, pp_rank, dp, prefix, where)
+            buffers = [k for k in dcp.entries
+                       if k.startswith(prefix + "gbuf_idx_0.") and k.endswith(".bucket_idx_0.param")]
+            if len(buffers) != 1 or any(k.startswith(prefix + "gbuf_idx_1.") for k in dcp.entries):
+                raise CkptError(f"{where}: dp_group_idx_{mp} has {len(buffers)} single-dtype buffers; one was "
+                                "expected", HINT)
+            base = buffers[0][:-len("bucket_idx_0.param")]
+            for slot, name in STORED.items():
+                for i, (role, layer, shape) in enumerate(params):
+                    if role == HEAD_COPY:
+                        continue
+                    key = f"{base}bucket_idx_{lay.bucket_of[i]}.{name}"
+                    if key not in dcp.entries:
+                        raise CkptError(f"{where}: no {key}", HINT)
+                    flat = dcp.lazy(key, (lay.start[i],), (math.prod(shape),))
+                    out[slot].setdefault((role, layer), []).append(derive(lambda x, s=shape: x.view(s), [flat]))
     return out
+
+
+def _matching_layout(dcp: DcpDir, params, args, shared_embedding: bool, pp_rank: int, dp: int, prefix: str,
+                     where: str):
+    """The buffer layout (of the bucket sizes the run may have used) that reproduces the rank's stored
+    per_bucket_numel_unpadded. shared_embedding: the word embedding and its head copy (tied, PP > 1)
+    each get a bucket of their own."""
+    numels = [math.prod(shape) for _, _, shape in params]
+    shared = [shared_embedding and role in ("word", HEAD_COPY) for role, _, _ in params]
+    stored = _stored_unpadded(dcp, prefix, where)
+    tried = []
+    for size in bucket_sizes(args, 0, pp_rank, dp):
+        lay = buffer_layout(numels, shared, CURRENT, dp, size)
+        if lay.bucket_unpadded == stored:
+            return lay
+        tried.append(f"{lay.bucket_unpadded} (bucket size {size})")
+    raise CkptError(f"{where}: {prefix[:-1]} holds buckets of {stored} elements, megatron-core's layout for "
+                    f"this model gives {'; '.join(tried)}: the model, its args or the layout era differ", HINT)
 
 
 def _stored_unpadded(dcp: DcpDir, prefix: str, where: str) -> List[int]:

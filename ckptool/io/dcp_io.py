@@ -93,6 +93,22 @@ def check_metadata(md: _dcp.Metadata, where: Path) -> None:
                         "the checkpoint is corrupt; copy it again from the source")
 
 
+def _plain_metadata(md) -> Tuple[object, dict]:
+    """(DCP Metadata, megatron-core's per-key mcore_data). megatron-core before 0.16 pickled its own
+    subclass, MCoreMetadata (the DCP fields plus mcore_data: the original global shape of each N-D
+    flattened optimizer tensor), which the restricted unpickler leaves as an inert stand-in: rebuilt
+    here as the plain Metadata it extends."""
+    if getattr(type(md), "_ckptool_name", None) != "MCoreMetadata":
+        return md, {}
+    import dataclasses
+    fields = {f.name: md.__dict__[f.name] for f in dataclasses.fields(_dcp.Metadata) if f.name in md.__dict__}
+    mcore = md.__dict__.get("mcore_data")
+    try:
+        return _dcp.Metadata(**fields), mcore if isinstance(mcore, dict) else {}
+    except TypeError:
+        return md, {}
+
+
 class DcpDir:
     """An opened DCP directory: its metadata, and ranged reads of its entries."""
 
@@ -103,6 +119,7 @@ class DcpDir:
             raise CkptError(f"{self.path}: no {METADATA} file (the torch.distributed.checkpoint index)",
                             "the checkpoint is incomplete: the save was interrupted or a file was not copied")
         md = safe_loads(md_path.read_bytes(), source=str(md_path))
+        md, self.mcore_data = _plain_metadata(md)
         if not isinstance(md, _dcp.Metadata):
             raise CkptError(f"{md_path} does not hold torch.distributed.checkpoint Metadata "
                             f"(found {type(md).__name__})")
