@@ -86,6 +86,11 @@ def _leave() -> None:
 # never exits (it did not meet this error, e.g. it waits in a collective for this rank), they report
 # it themselves after REPORTER_GRACE_S.
 REPORTER_GRACE_S = 10.0
+# Set by `python -m ckptool.torchrun` for its ranks: that launcher ends with ckptool's line itself.
+LAUNCHER_ENV = "CKPTOOL_TORCHRUN_LAUNCHER"
+# How long the line deferred past torchrun's report waits for torchrun to end (it ends within
+# seconds of a failure; this only bounds a process left behind by a launcher that never ends).
+TAIL_WAIT_S = 600.0
 
 
 def torchrun_rank() -> Optional[int]:
@@ -96,11 +101,14 @@ def torchrun_rank() -> Optional[int]:
     return int(os.environ.get("RANK", "0") or 0)
 
 
-def fail_as_team(line: str, status: int, reporter: int, say: Callable[[str], None]) -> NoReturn:
+def fail_as_team(line: str, status: int, reporter: int, say: Callable[[str], None],
+                 tail: Optional[str] = None) -> NoReturn:
     """End this rank of a failed torchrun command: the reporter rank says `line` and exits first with
     `status`; the others exit with the same status without a word once torchrun stops them (or, after
-    REPORTER_GRACE_S, say it themselves). `line` also goes to torchrun's error file
-    (TORCHELASTIC_ERROR_FILE), so torchrun's report names ckptool's error instead of a traceback hint."""
+    REPORTER_GRACE_S, say it themselves). Every failing rank writes `line` to torchrun's error file
+    (TORCHELASTIC_ERROR_FILE), so torchrun's report names ckptool's error for each rank instead of a
+    traceback hint. Under plain torchrun, whose report would otherwise be the last thing printed, the
+    reporter leaves `tail` (default: `line`) to be printed once torchrun has ended (say_after_torchrun)."""
     global _ABANDONED
     _ABANDONED = True
     rank = torchrun_rank() or 0
@@ -108,24 +116,87 @@ def fail_as_team(line: str, status: int, reporter: int, say: Callable[[str], Non
         import signal
         import time
         signal.signal(signal.SIGTERM, lambda *_: os._exit(status))
+        _write_error_file(line)
         time.sleep(REPORTER_GRACE_S)
-    _write_error_file(line)
-    say(line)
+    else:
+        _write_error_file(line)
+    tail = line if tail is None else tail
+    if not (tail and say_after_torchrun(tail)):
+        say(line)
     sys.stderr.flush()
     sys.stdout.flush()
     sys.exit(status)
 
 
 def _write_error_file(line: str) -> None:
-    """torchrun's agent shows the `py_callstack` of the first failed rank's error file in its report."""
+    """torchrun's agent shows the `py_callstack` of each failed rank's error file in its report."""
     import json
     import time
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
+    # written whole or not at all: the agent fails on a partial file, and a rank may be stopped mid-write
+    part = f"{path}.{os.getpid()}.part"
     try:
-        with open(path, "w") as f:
+        with open(part, "w") as f:
             json.dump({"message": {"message": line, "extraInfo": {"py_callstack": f"ckptool {line}",
                                                                   "timestamp": str(int(time.time()))}}}, f)
+        os.replace(part, path)
     except OSError:
         pass  # the report then carries torchrun's own hint; the error line is printed anyway
+
+
+# Run by a detached interpreter: wait until torchrun's agent (this rank's parent) has ended, then say the
+# line on the stderr the rank had. Its own session, so the agent's SIGTERM to the rank's group misses it.
+_TAIL_SCRIPT = r"""
+import os, sys, time
+agent, line, wait = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+
+def running(pid):
+    # an agent that ended but is not reaped yet (a zombie: its own parent waits to read our pipe) has ended
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+end = time.monotonic() + wait
+while running(agent):
+    if time.monotonic() > end:
+        sys.exit(0)
+    time.sleep(0.02)
+sys.stderr.write(line + "\n")
+"""
+
+
+def say_after_torchrun(line: str) -> bool:
+    """Print `line` after torchrun's own failure report, so that a user's last line is ckptool's: True
+    when that is arranged. Only under plain torchrun (its agent is this rank's parent), only where
+    stderr is a file or a pipe (in a terminal the shell's prompt would come first: there the line is
+    said at once and torchrun's report repeats it), and not when torchrun will restart the ranks."""
+    if os.environ.get(LAUNCHER_ENV) or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) < restarts:
+        return False  # the agent starts the ranks again instead of ending
+    try:
+        if os.isatty(sys.stderr.fileno()):
+            return False
+    except (AttributeError, ValueError, OSError):
+        return False  # no real stderr (captured): nothing a later process could write to
+    import subprocess
+    try:
+        subprocess.Popen([sys.executable, "-c", _TAIL_SCRIPT, str(os.getppid()), line, str(TAIL_WAIT_S)],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=sys.stderr.fileno(),
+                         start_new_session=True, close_fds=True)
+    except OSError:
+        return False
+    return True

@@ -13,6 +13,7 @@ line, so nothing follows it. A rank that died without a word (a signal, a crash)
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import List, Optional
 
@@ -46,6 +47,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
     args = parse_args([*torchrun_opts, "-m", "ckptool", *command])
+    from .distributed import LAUNCHER_ENV
+    os.environ[LAUNCHER_ENV] = "1"  # the ranks say their line at once: this launcher ends with it
     _quiet_torchrun_failure_logs()
     try:
         run(args)

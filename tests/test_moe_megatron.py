@@ -196,7 +196,7 @@ def test_legacy_grouped_gemm_experts_are_refused_by_name(moe, tmp_path):
             read_megatron(dst)
 
 
-def test_verify_routes_the_expert_parallel_output_and_torchrun_refuses_moe(moe, tmp_path):
+def test_verify_routes_the_expert_parallel_output_and_torchrun_runs_it_at_its_ep(moe, tmp_path):
     from click.testing import CliRunner
     from ckptool.cli import main
     from ckptool.commands.verify_cmd import parallel_target
@@ -204,8 +204,8 @@ def test_verify_routes_the_expert_parallel_output_and_torchrun_refuses_moe(moe, 
     api.to_hf(moe / "src", tmp_path / "hf", warn=lambda m: None)
     res = CliRunner().invoke(main, ["verify", str(moe / "out_114"), "--reference", str(tmp_path / "hf")])
     assert res.exit_code == 0 and "result=PASS" in res.output, res.output
-    with pytest.raises(CkptError, match="parallel verify .* does not run MoE layers yet"):
-        parallel_target(str(moe / "out_114"), ReadOptions(), None, None, 4)
+    # under torchrun it runs at its files' TP1 PP1 EP4 (tests/test_verify_moe.py runs it)
+    assert parallel_target(str(moe / "out_114"), ReadOptions(), None, None, 4).layout.ep == 4
 
 
 # The experts' optimizer state (EP 1 and the chained optimizer at EP > 1): tests/test_optimizer_groups.py.

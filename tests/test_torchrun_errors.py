@@ -35,13 +35,17 @@ def _rank_statuses(report: str) -> dict:
 def test_bad_input_is_reported_once_with_every_rank_exiting_2(tmp_path):
     r = _torchrun("-m", "ckptool", "merge", str(tmp_path / "missing"), str(tmp_path / "out"))
     out = r.stdout + r.stderr
-    ours = [line for line in out.splitlines() if line.startswith("error:")]
-    assert ours == [f"error: {tmp_path / 'missing'}: no such file or directory"], out[-3000:]
+    line = f"error: {tmp_path / 'missing'}: no such file or directory"
+    ours = [x for x in out.splitlines() if x.startswith("error:")]
+    assert ours == [line], out[-3000:]
     assert r.returncode == 1  # torchrun's own status whenever a rank fails
     statuses = _rank_statuses(out)
     assert statuses and set(statuses.values()) == {2}, out[-3000:]  # ckptool's "bad input"
-    # torchrun's report carries ckptool's line (our error file) instead of its traceback hint
-    assert f"traceback : ckptool error: {tmp_path / 'missing'}" in out, out[-3000:]
+    # torchrun's report carries ckptool's line (our error files) for every rank, never its traceback hint
+    assert out.count(f"traceback : ckptool {line}") == 2 and "To enable traceback" not in out, out[-3000:]
+    # ... and ckptool's line comes after it: the last thing printed (stderr is a pipe here)
+    assert r.stderr.strip().splitlines()[-1] == line, r.stderr[-3000:]
+    assert r.stderr.index("ChildFailedError") < r.stderr.index(line)
     assert not (tmp_path / "out").exists()
 
 

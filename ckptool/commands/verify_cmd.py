@@ -169,15 +169,15 @@ def run_parallel(target, ref, reference_logits, opts, dtype, tol, token_args, tp
     world = int(os.environ["WORLD_SIZE"])
     target_kind = parallel_target(target, opts, tp, pp, world, vpp)
     cfg, layout, ckpt = target_kind.config, target_kind.layout, target_kind.ckpt
-    require(world == layout.tp * layout.pp,
-            f"torchrun started {world} processes but {target} is {layout.describe()}: "
-            f"it needs {layout.tp * layout.pp}",
-            f"run torchrun --nproc-per-node {layout.tp * layout.pp} -m ckptool verify ..."
+    need = layout.tp * layout.pp * layout.ep
+    require(world == need,
+            f"torchrun started {world} processes but {target} is {layout.describe()}: it needs {need}",
+            f"run torchrun --nproc-per-node {need} -m ckptool verify ..."
             + (" (or give --tp/--pp whose product is the process count)" if target_kind.any_layout else ""))
     tokens, recorded = _tokens_for(reference_logits, token_args, cfg.true_or_padded_vocab)
-    r = parallel.init_ranks(layout.tp, layout.pp)
+    r = parallel.init_ranks(layout.tp, layout.pp, layout.ep)
     try:
-        shards = target_kind.shards(r.tp_rank, r.pp_rank)
+        shards = target_kind.rank_shards(r.tp_rank, r.pp_rank, r.ep_rank)
         start = time.perf_counter()
         with torch.no_grad():
             logits, hidden = parallel.stage_forward(tokens, shards, r, dtype)
@@ -185,7 +185,7 @@ def run_parallel(target, ref, reference_logits, opts, dtype, tol, token_args, tp
             torch.cuda.synchronize(r.device)
         seconds = time.perf_counter() - start
         got = parallel.gather_to_rank0(logits, hidden, shards, r, tuple(tokens.shape))
-        ok = True
+        ok, report, where, moe_probe = True, None, None, None
         if r.rank == 0:
             click.echo(f"parallel forward: {layout.describe()}, {world} processes, {dtype}, "
                        f"tokens {tuple(tokens.shape)}, {target_kind.format} target")
@@ -197,8 +197,13 @@ def run_parallel(target, ref, reference_logits, opts, dtype, tol, token_args, tp
             where = _where(layout, cfg, target_kind.files)
             tol, floor = _tolerance(tol, dtype, ref_logits, cols, recorded,
                                     lambda dt: _reference(ref, recorded, ckpt, tokens, dt, r.device, opts)[0])
-            ok = _report(cmp.compare(logits, ref_logits.cpu(), cols, tol, hidden, ref_hidden,
-                                     noise_floor=floor), where)
+            report = cmp.compare(logits, ref_logits.cpu(), cols, tol, hidden, ref_hidden, noise_floor=floor)
+            if cfg.moe is not None and report.first_divergence:
+                moe_probe = (_reference_weights(ref, recorded, ckpt, opts), ref_hidden)
+        if cfg.moe is not None:  # every rank knows: all take part in the probe of a diverging MoE layer
+            _probe_moe_layer(moe_probe, report, where, shards, layout, r, dtype, tol, target_kind.files)
+        if r.rank == 0:
+            ok = _report(report, where)
         status = torch.tensor([1 if ok else 0], dtype=torch.int32, device=r.device)
         dist.broadcast(status, src=0)
         return bool(status.item())
@@ -207,15 +212,60 @@ def run_parallel(target, ref, reference_logits, opts, dtype, tol, token_args, tp
             dist.destroy_process_group()
 
 
+def _reference_weights(ref, recorded, target_ckpt, opts):
+    """The reference as canonical weights (for probing an MoE layer), or None for recorded logits."""
+    if recorded is not None:
+        return None
+    if ref is None:
+        return target_ckpt
+    from ..formats.registry import open_checkpoint
+    return open_checkpoint(ref, opts)
+
+
+def _probe_moe_layer(moe_probe, report, where, shards, layout, r, dtype, tol, files) -> None:
+    """When the first divergence is an MoE layer and the reference has weights, find which rank files'
+    router / experts / shared expert differ (verify/experts.py) and add that to the layer's `where`.
+    Collective: every rank calls it; rank 0 decides whether there is a probe."""
+    import torch.distributed as dist
+    from ..verify import experts
+    layer = -1
+    if r.rank == 0 and moe_probe is not None:
+        layer = experts.probe_layer(report.first_divergence, shards.config, *moe_probe)
+    box = [layer]
+    dist.broadcast_object_list(box, src=0)
+    layer = box[0]
+    if layer < 0:
+        return
+    stage = next(p for p, _, first, count in layout.chunks(shards.config.num_layers) if first <= layer < first + count)
+    h = None
+    if r.rank == 0:
+        ref_ckpt, ref_hidden = moe_probe
+        before = ref_hidden["embedding" if layer == 0 else f"layer {layer - 1}"]
+        h = experts.moe_input(ref_ckpt, layer, before, dtype, r.device)
+
+    def own_weights():
+        return {k: v.load().to(device=r.device, dtype=dtype) for k, v in shards.tensors.items()
+                if k.startswith(f"layers.{layer}.")}
+    got = experts.probe(layer, h, shards, own_weights, r, dtype, stage)
+    if r.rank == 0:
+        file_of = (lambda t, e: files(t, stage, e)) if layout.ep > 1 else (lambda t, e: files(t, stage))
+        line = experts.diagnose(layer, got, moe_probe[0], h, layout, dtype, cmp.relative_tolerance(tol), file_of)
+        name = report.first_divergence  # "layer i", or "layer i or the output layer (...)" without its hidden state
+        where[name] = "; ".join(x for x in (where.get(f"layer {layer}"), f"layer {layer}: {line}") if x)
+
+
 class ParallelTarget:
     """What the parallel forward runs: the layout and how a rank gets its shard."""
 
     def __init__(self, fmt, ckpt, layout, shards, files, any_layout):
         self.format, self.ckpt, self.layout = fmt, ckpt, layout
         self.config = ckpt.config
-        self.shards = shards  # (tp_rank, pp_rank) -> RankShards
-        self.files = files  # (tp_rank, pp_rank) -> the file that holds it, or None
+        self.shards = shards  # (tp_rank, pp_rank[, ep_rank]) -> RankShards (ep_rank only with EP > 1)
+        self.files = files  # (tp_rank, pp_rank[, ep_rank]) -> the file that holds it, or None
         self.any_layout = any_layout  # True when --tp/--pp may choose the layout
+
+    def rank_shards(self, tp_rank: int, pp_rank: int, ep_rank: int = 0):
+        return self.shards(tp_rank, pp_rank, ep_rank) if self.layout.ep > 1 else self.shards(tp_rank, pp_rank)
 
 
 def parallel_target(target, opts, tp, pp, world, vpp=None) -> ParallelTarget:
@@ -235,24 +285,23 @@ def parallel_target(target, opts, tp, pp, world, vpp=None) -> ParallelTarget:
                 f"{target} is stored at {layout.describe()}; a torch-format checkpoint runs at the layout of "
                 "its files", f"drop --tp/--pp/--vpp, or reshard it first: ckptool reshard {target} DST --tp N --pp M")
         return ParallelTarget("megatron torch", ckpt, layout,
-                              lambda t, p: read_rank_shards(target, t, p, opts, meta),
-                              lambda t, p: rank_dir_name(t, p, layout.pp), False)
+                              lambda t, p, e=0: read_rank_shards(target, t, p, opts, meta, e),
+                              lambda t, p, e=0: rank_dir_name(t, p, layout.pp, e, layout.ep), False)
     if dist_format.looks_like(Path(target)):
         ckpt = dist_format.read(target, opts)  # metadata only: tensors are read per rank, sliced
         _dense_only(ckpt, target)
         layout = dist_layout(ckpt, tp, pp, world, vpp)
         return ParallelTarget("torch_dist", ckpt, layout,
-                              lambda t, p: slice_rank_shards(ckpt, layout, t, p), lambda t, p: None, True)
+                              lambda t, p, e=0: slice_rank_shards(ckpt, layout, t, p, e), lambda t, p, e=0: None, True)
     raise CkptError(f"{target}: the parallel verify runs Megatron checkpoints (torch format mp_rank_* files "
                     "or torch_dist) and DeepSpeed saves", "run `ckptool verify` without torchrun for other formats")
 
 
 def _dense_only(ckpt, target) -> None:
-    """The parallel forward knows dense MLPs and grouped-query attention only: an MoE or MLA model's
-    experts / latents would be missing from its per-rank views."""
-    what = "MoE layers" if ckpt.config.moe is not None else "Multi-Latent Attention" if ckpt.config.mla else None
-    require(what is None, f"{target}: the parallel verify (under torchrun) does not run {what} yet",
-            "run `ckptool verify` without torchrun: the reference forward routes experts exactly")
+    """The parallel forward knows grouped-query attention, dense MLPs and (torch format) MoE layers: an
+    MLA model's latents would be missing from its per-rank views."""
+    require(not ckpt.config.mla, f"{target}: the parallel verify (under torchrun) does not run "
+            "Multi-Latent Attention yet", "run `ckptool verify` without torchrun")
 
 
 def deepspeed_target(target, opts, tp, pp, vpp) -> ParallelTarget:
@@ -296,7 +345,7 @@ def dist_layout(ckpt, tp, pp, world, vpp=None):
 def _where(layout, cfg, files) -> dict:
     """'layer i' -> which stage and files hold it, so a divergence points at files."""
     def held(p):
-        names = [files(t, p) for t in range(layout.tp)]
+        names = [files(t, p, e) if layout.ep > 1 else files(t, p) for e in range(layout.ep) for t in range(layout.tp)]
         return f": {', '.join(names)}" if all(names) else f" (TP ranks 0-{layout.tp - 1})"
 
     out = {}

@@ -1,6 +1,6 @@
 """One rank's share of a Megatron checkpoint, as that rank held it in training.
 
-`ckptool verify` under torchrun runs the model the way the framework did: every (tp, pp) rank
+`ckptool verify` under torchrun runs the model the way the framework did: every (tp, pp[, ep]) rank
 computes with the tensors in ITS OWN file. Replicated tensors (norms, biases, positions, the tied
 embedding copy on the last stage) are therefore the rank's own copies, never rank 0's, so a run
 whose replicas drifted apart is reproduced exactly.
@@ -9,6 +9,8 @@ read_rank_shards() returns role tensors under names that say what they are and w
 
   embed.word  embed.pos  final_norm.{weight,bias}  output.weight
   layers.{i}.{role}   role from roles.ROLE_RULES (qkv.weight, fc1.weight, proj.weight, ...), i global
+  layers.{i}.experts.{e}.fc1.weight ...   MoE layers: the rank's own experts, e GLOBAL (its file numbers
+                      them from 0 on every expert-parallel rank: EP rank r holds r * E/EP + j)
 
 With a virtual pipeline a file holds several model chunks (model0, model1, ...): stage s chunk c
 holds the layers of model chunk c * PP + s (Megatron's interleaved order), so `chunks` lists one
@@ -33,7 +35,8 @@ from ..errors import CkptError
 from ..io.torchfile import load_torch_file
 from ..lazy import Derived, LazyTensor, cat
 from ..options import ReadOptions
-from ..roles import GLOBAL_ROLES, LAYER_ROLES, global_role_tensor, layer_role_tensor, rule_for, shard_role
+from ..roles import (GLOBAL_ROLES, LAYER_ROLES, expert_role, global_role_tensor, layer_role_tensor, moe_layer_roles,
+                     rule_for, shard_role)
 from ..sharding import Rule
 from ..state import Checkpoint
 from ..vocab import resize_vocab
@@ -50,10 +53,17 @@ class RankShards:
     chunks: List[Tuple[int, int]]  # per virtual chunk: (global index of its first layer, layer count)
     tensors: Dict[str, LazyTensor]
     file: Optional[Path]  # the rank's own model file (None when cut from a merged checkpoint)
+    ep_rank: int = 0
+    experts: range = range(0)  # the global experts this rank holds in each MoE layer
 
 
-def rank_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
-    return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
+def rank_dir_name(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
+    """Megatron-LM's name: mp_rank_TT, _PPP with pipeline parallelism, _EEE with expert parallelism."""
+    return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "") + (f"_{ep_rank:03d}" if ep > 1 else "")
+
+
+def _local_experts(cfg: GPTConfig, layout: Layout, ep_rank: int) -> range:
+    return layout.local_experts(cfg.moe.num_experts, ep_rank) if cfg.moe is not None else range(0)
 
 
 def read_layout(path, opts: Optional[ReadOptions] = None):
@@ -63,13 +73,15 @@ def read_layout(path, opts: Optional[ReadOptions] = None):
 
 
 def read_rank_shards(path, tp_rank: int, pp_rank: int, opts: Optional[ReadOptions] = None,
-                     meta=None) -> RankShards:
+                     meta=None, ep_rank: int = 0) -> RankShards:
     opts = opts or ReadOptions()
     cfg, layout, ckpt = meta or read_layout(path, opts)
-    if not (0 <= tp_rank < layout.tp and 0 <= pp_rank < layout.pp):
-        raise CkptError(f"rank (tp {tp_rank}, pp {pp_rank}) is outside the checkpoint's {layout.describe()}")
+    if not (0 <= tp_rank < layout.tp and 0 <= pp_rank < layout.pp and 0 <= ep_rank < layout.ep):
+        raise CkptError(f"rank (tp {tp_rank}, pp {pp_rank}, ep {ep_rank}) is outside the checkpoint's "
+                        f"{layout.describe()}")
     it_dir, _, _ = resolve_iteration_dir(Path(path), opts.iteration)
-    file = _model_file(it_dir / rank_dir_name(tp_rank, pp_rank, layout.pp))
+    file = _model_file(it_dir / rank_dir_name(tp_rank, pp_rank, layout.pp, ep_rank, layout.ep))
+    experts = _local_experts(cfg, layout, ep_rank)
     tree = load_torch_file(file)
     dialect = DIALECTS[ckpt.source.dialect]
     matcher = KeyMatcher(dialect)
@@ -92,14 +104,17 @@ def read_rank_shards(path, tp_rank: int, pp_rank: int, opts: Optional[ReadOption
                 continue
             if role.startswith("qkv.") and version < 2:
                 value = Derived(lambda x: qkv_to_grouped(x, version, heads_local, cfg.head_dim), [value])
+            if role.startswith("experts."):  # local index j -> global expert
+                _, j, base = role.split(".", 2)
+                role = expert_role(experts.start + int(j), base)
             out[f"layers.{first + local}.{role}"] = value
-    return RankShards(cfg, layout, tp_rank, pp_rank, chunks, out, file)
+    return RankShards(cfg, layout, tp_rank, pp_rank, chunks, out, file, ep_rank, experts)
 
 
-def slice_rank_shards(ckpt: Checkpoint, layout: Layout, tp_rank: int, pp_rank: int) -> RankShards:
-    """Rank (tp_rank, pp_rank)'s role tensors cut from a merged checkpoint (torch_dist: global
-    tensors). Every tensor is a narrow of a stored one, so only this rank's slices are read; the
-    vocabulary is re-padded when the stored rows do not split evenly over this TP size."""
+def slice_rank_shards(ckpt: Checkpoint, layout: Layout, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> RankShards:
+    """Rank (tp_rank, pp_rank, ep_rank)'s role tensors cut from a merged checkpoint (torch_dist: global
+    tensors). Every tensor is a narrow of a stored one, so only this rank's slices (and its experts)
+    are read; the vocabulary is re-padded when the stored rows do not split evenly over this TP size."""
     cfg = ckpt.config
     check_tensor_parallel(cfg, layout.tp)
     rows = cfg.padded_vocab_size
@@ -125,10 +140,12 @@ def slice_rank_shards(ckpt: Checkpoint, layout: Layout, tp_rank: int, pp_rank: i
             tensor = global_role_tensor(tensors, "word")  # tied: the last stage's copy of the embedding
         if wanted and tensor is not None:
             out[name] = mine(tensor, role)
+    experts = _local_experts(cfg, layout, ep_rank)
     for first, count in chunks:
         for i in range(first, first + count):
-            for role in LAYER_ROLES:
+            moe_roles = moe_layer_roles(cfg, experts) if cfg.is_moe_layer(i) else []
+            for role in list(LAYER_ROLES) + moe_roles:
                 tensor = layer_role_tensor(tensors, cfg, i, role)
                 if tensor is not None:
                     out[f"layers.{i}.{role}"] = mine(tensor, role)
-    return RankShards(cfg, layout, tp_rank, pp_rank, chunks, out, None)
+    return RankShards(cfg, layout, tp_rank, pp_rank, chunks, out, None, ep_rank, experts)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from ..config import GPTConfig
 from ..formats.megatron_ranks import RankShards
-from .reference import activation, apply_rope, norm, rope_frequencies
+from .reference import activation, apply_rope, norm, route, rope_frequencies
 
 
 # --- process groups -------------------------------------------------------------------------
@@ -48,13 +48,18 @@ class Ranks:
     tp_group: object
     device: torch.device
     owns_group: bool = True  # False when a caller joined the job first (and will leave it)
+    ep: int = 1
+    ep_rank: int = 0
+    ep_group: object = None  # this stage's ranks of the same TP rank: the experts' data-parallel peers
+    tp_ep_group: object = None  # this stage's TP x EP ranks: the ones whose expert outputs add up
 
-    def global_rank(self, tp_rank: int, pp_rank: int) -> int:
-        return pp_rank * self.tp + tp_rank
+    def global_rank(self, tp_rank: int, pp_rank: int, ep_rank: Optional[int] = None) -> int:
+        """megatron-core's default order (tp-cp-ep-dp-pp): TP fastest, then EP, then the stage."""
+        return (pp_rank * self.ep + (self.ep_rank if ep_rank is None else ep_rank)) * self.tp + tp_rank
 
 
-def init_ranks(tp: int, pp: int) -> Ranks:
-    """Join the torchrun job (NCCL on GPUs, gloo otherwise) and build the TP groups."""
+def init_ranks(tp: int, pp: int, ep: int = 1) -> Ranks:
+    """Join the torchrun job (NCCL on GPUs, gloo otherwise) and build the TP (and EP) groups."""
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
@@ -68,8 +73,24 @@ def init_ranks(tp: int, pp: int) -> Ranks:
     if owns:
         dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    groups = [dist.new_group([p * tp + t for t in range(tp)]) for p in range(pp)]  # every rank makes every group
-    return Ranks(rank, world, tp, pp, rank % tp, rank // tp, groups[rank // tp], device, owns)
+    at = lambda t, p, e: (p * ep + e) * tp + t  # noqa: E731  (Ranks.global_rank before a Ranks exists)
+    t, e, p = rank % tp, (rank // tp) % ep, rank // (tp * ep)
+    # every rank makes every group, in the same order (new_group is collective)
+    tp_groups = {(pp_, e_): dist.new_group([at(t_, pp_, e_) for t_ in range(tp)]) for pp_ in range(pp) for e_ in range(ep)}
+    ep_groups, tp_ep_groups = {}, {}
+    if ep > 1:
+        ep_groups = {(pp_, t_): dist.new_group([at(t_, pp_, e_) for e_ in range(ep)]) for pp_ in range(pp) for t_ in range(tp)}
+        tp_ep_groups = {pp_: dist.new_group(list(range(pp_ * tp * ep, (pp_ + 1) * tp * ep))) for pp_ in range(pp)}
+    return Ranks(rank, world, tp, pp, t, p, tp_groups[(p, e)], device, owns, ep, e,
+                 ep_groups.get((p, t)), tp_ep_groups.get(p))
+
+
+def batch_rows(batch: int, ep: int, ep_rank: int) -> range:
+    """The token rows EP rank ep_rank runs: its data-parallel share, as in training (EP ranks are data-
+    parallel ranks of the dense part); as even as the batch allows (a rank may get none)."""
+    per, extra = divmod(batch, ep)
+    start = ep_rank * per + min(ep_rank, extra)
+    return range(start, start + per + (ep_rank < extra))
 
 
 def all_reduce(x: torch.Tensor, r: Ranks) -> torch.Tensor:
@@ -140,7 +161,8 @@ def attention(x: torch.Tensor, w, p: str, cfg: GPTConfig, r: Ranks, rope) -> tor
     scores = (q @ k.transpose(-1, -2)) / math.sqrt(cfg.head_dim)
     mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
     probs = torch.softmax(scores.float().masked_fill(mask, float("-inf")), dim=-1).to(v.dtype)
-    ctx = (probs @ v).transpose(1, 2).reshape(b, s, -1)
+    ctx = (probs @ v).transpose(1, 2)
+    ctx = ctx.reshape(b, s, ctx.shape[2] * ctx.shape[3])  # sizes given: an EP rank may have no rows
     out = all_reduce(F.linear(ctx, w[p + "proj.weight"]), r)
     return out + w[p + "proj.bias"] if p + "proj.bias" in w else out
 
@@ -156,12 +178,73 @@ def mlp(x: torch.Tensor, w, p: str, cfg: GPTConfig, r: Ranks) -> torch.Tensor:
     return out + w[p + "fc2.bias"] if p + "fc2.bias" in w else out
 
 
-def block(x: torch.Tensor, w, i: int, cfg: GPTConfig, r: Ranks, rope) -> torch.Tensor:
+def gather_ep(x: torch.Tensor, r: Ranks) -> Tuple[torch.Tensor, int]:
+    """(every EP rank's rows of x concatenated in EP order, where this rank's rows start). Ranks may hold
+    different numbers of rows (an uneven batch), so each pads to the largest and the padding is cut."""
+    if r.ep == 1:
+        return x, 0
+    counts = [torch.zeros(1, dtype=torch.int64, device=x.device) for _ in range(r.ep)]
+    dist.all_gather(counts, torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device), group=r.ep_group)
+    counts = [int(c.item()) for c in counts]
+    most = max(counts)
+    padded = torch.zeros(most, *x.shape[1:], dtype=x.dtype, device=x.device)
+    padded[: x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in range(r.ep)]
+    dist.all_gather(parts, padded, group=r.ep_group)
+    return torch.cat([p[:n] for p, n in zip(parts, counts)]), sum(counts[: r.ep_rank])
+
+
+def expert_partial(x: torch.Tensor, w, p: str, cfg: GPTConfig, r: Ranks) -> torch.Tensor:
+    """One expert's MLP on this TP rank: its fc1 rows ([gate_r; up_r] when gated) and fc2 columns, so the
+    output is this rank's partial sum (the fc2 bias, replicated, counted once: on TP rank 0)."""
+    h = F.linear(x, w[p + "fc1.weight"], w.get(p + "fc1.bias"))
+    if cfg.gated:
+        gate, up = h.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+    else:
+        h = activation(h, cfg)
+    out = F.linear(h, w[p + "fc2.weight"])
+    return out + w[p + "fc2.bias"] if p + "fc2.bias" in w and r.tp_rank == 0 else out
+
+
+def moe_mlp(x: torch.Tensor, w, p: str, cfg: GPTConfig, r: Ranks, experts: range) -> torch.Tensor:
+    """Dropless MoE with expert parallelism, all-gather dispatch: every rank routes its own tokens (the
+    router is replicated); the EP ranks of this stage all-gather tokens, choices and weights; each runs
+    its experts (its TP share of each) on the tokens routed to them, weighted; the partial outputs are
+    summed over the stage's TP x EP ranks and each rank keeps its own tokens. Then the shared expert,
+    tensor-parallel like a dense MLP, on the rank's own tokens."""
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1])
+    chosen, weights = route(flat, w, cfg, p)
+    every, start = gather_ep(flat, r)
+    every_chosen, _ = gather_ep(chosen, r)
+    every_weights, _ = gather_ep(weights, r)
+    out = torch.zeros_like(every)
+    for e in experts:
+        token, slot = torch.where(every_chosen == e)
+        if token.numel():
+            y = expert_partial(every[token], w, f"{p}experts.{e}.", cfg, r) * every_weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+    if r.ep > 1:
+        dist.all_reduce(out, group=r.tp_ep_group)
+    else:
+        all_reduce(out, r)
+    out = out[start:start + flat.shape[0]]
+    if cfg.moe.shared_ffn_hidden_size:
+        shared = mlp(flat, w, p + "shared.", cfg, r)
+        if cfg.moe.shared_gate:
+            shared = torch.sigmoid(F.linear(flat, w[p + "shared_gate.weight"])) * shared
+        out = out + shared
+    return out.reshape(shape)
+
+
+def block(x: torch.Tensor, w, i: int, cfg: GPTConfig, r: Ranks, rope, experts: range = range(0)) -> torch.Tensor:
     p = f"layers.{i}."
     h = norm(x, w[p + "attn_norm.weight"], w.get(p + "attn_norm.bias"), cfg)
     x = (h if cfg.post_layernorm_residual else x) + attention(h, w, p, cfg, r, rope)
     h = norm(x, w[p + "mlp_norm.weight"], w.get(p + "mlp_norm.bias"), cfg)
-    return (h if cfg.post_layernorm_residual else x) + mlp(h, w, p, cfg, r)
+    ffn = moe_mlp(h, w, p, cfg, r, experts) if cfg.is_moe_layer(i) else mlp(h, w, p, cfg, r)
+    return (h if cfg.post_layernorm_residual else x) + ffn
 
 
 def head(x: torch.Tensor, w, cfg: GPTConfig, r: Ranks) -> torch.Tensor:
@@ -173,14 +256,16 @@ def head(x: torch.Tensor, w, cfg: GPTConfig, r: Ranks) -> torch.Tensor:
 # --- the pipeline ---------------------------------------------------------------------------
 
 def stage_forward(tokens: torch.Tensor, shards: RankShards, r: Ranks, dtype: torch.dtype):
-    """Run this rank's stage. Returns (logits or None, [(name, hidden)] of this stage).
+    """Run this rank's stage on its rows of tokens (all of them without expert parallelism; with it,
+    its EP rank's share). Returns (logits or None, [(name, hidden)] of this stage).
 
     With virtual pipeline chunks the hidden state goes round the ring once per chunk: stage 0
     chunk 0, stage 1 chunk 0, ..., the last stage's chunk 0 back to stage 0 for chunk 1, and so on.
     """
     cfg = shards.config
     w = {k: v.load().to(device=r.device, dtype=dtype) for k, v in shards.tensors.items()}
-    tokens = tokens.to(r.device)
+    rows = batch_rows(tokens.shape[0], r.ep, r.ep_rank)
+    tokens = tokens[rows.start:rows.stop].to(r.device)
     b, s = tokens.shape
     rope = None
     if cfg.position_embedding == "rope":
@@ -195,13 +280,14 @@ def stage_forward(tokens: torch.Tensor, shards: RankShards, r: Ranks, dtype: tor
             hidden.append(("embedding", x))
         elif r.pp > 1:
             x = torch.empty(b, s, cfg.hidden_size, dtype=dtype, device=r.device)
-            dist.recv(x, src=prev)
+            if b:  # an EP rank without rows (batch < EP) still joins every layer's collectives
+                dist.recv(x, src=prev)
         for i in range(first, first + count):
-            x = block(x, w, i, cfg, r, rope)
+            x = block(x, w, i, cfg, r, rope, shards.experts)
             hidden.append((f"layer {i}", x))
         if r.pp_rank == r.pp - 1 and v == last_chunk:
             return head(x, w, cfg, r), hidden
-        if r.pp > 1:
+        if r.pp > 1 and b:
             dist.send(x.contiguous(), dst=nxt)
     return None, hidden
 
@@ -215,30 +301,42 @@ def stage_labels(layout, num_layers: int, pp_rank: int) -> List[str]:
 
 def gather_to_rank0(logits: Optional[torch.Tensor], hidden, shards: RankShards, r: Ranks,
                     shape: Tuple[int, int]):
-    """On rank 0: (logits [b, s, V], {name: hidden} in layer order) from every stage's TP rank 0;
-    None elsewhere."""
+    """On rank 0: (logits [b, s, V], {name: hidden} in layer order) from TP rank 0 of every stage and
+    EP rank (whose rows are concatenated in EP order); None elsewhere."""
     b, s = shape
     cfg = shards.config
     h, vocab_cols = cfg.hidden_size, cfg.padded_vocab_size
-    if r.tp_rank == 0 and r.rank != 0:
+    mine = len(batch_rows(b, r.ep, r.ep_rank))
+    if r.tp_rank == 0 and r.rank != 0 and mine:
         dist.send(torch.stack([t for _, t in hidden]).float().contiguous(), dst=0)
         if logits is not None:
             dist.send(logits.contiguous(), dst=0)
     if r.rank != 0:
         return None
+    rows = [len(batch_rows(b, r.ep, e)) for e in range(r.ep)]
     got: Dict[str, torch.Tensor] = {}
     for p in range(r.pp):
         labels = stage_labels(shards.layout, cfg.num_layers, p)
-        if p == 0:
-            states = [t.float().cpu() for _, t in hidden]
-        else:
-            buf = torch.empty(len(labels), b, s, h, dtype=torch.float32, device=r.device)
-            dist.recv(buf, src=r.global_rank(0, p))
-            states = list(buf.cpu())
+        parts = []
+        for e in range(r.ep):
+            if (p, e) == (0, 0):
+                parts.append(torch.stack([t.float() for _, t in hidden]) if hidden else None)
+            elif rows[e]:
+                buf = torch.empty(len(labels), rows[e], s, h, dtype=torch.float32, device=r.device)
+                dist.recv(buf, src=r.global_rank(0, p, e))
+                parts.append(buf)
+        states = torch.cat([x for x in parts if x is not None and x.shape[1]], dim=1).cpu()
         got.update(zip(labels, states))
     order = ["embedding"] + [f"layer {i}" for i in range(cfg.num_layers)]
     names = {n: got[n] for n in order if n in got}  # compare.py finds the FIRST divergence in this order
-    if r.pp > 1:
-        logits = torch.empty(b, s, vocab_cols, dtype=torch.float32, device=r.device)
-        dist.recv(logits, src=r.global_rank(0, r.pp - 1))
+    last = r.pp - 1
+    parts = []
+    for e in range(r.ep):
+        if (last, e) == (0, 0):
+            parts.append(logits)
+        elif rows[e]:
+            buf = torch.empty(rows[e], s, vocab_cols, dtype=torch.float32, device=r.device)
+            dist.recv(buf, src=r.global_rank(0, last, e))
+            parts.append(buf)
+    logits = torch.cat([x for x in parts if x is not None and x.shape[0]])
     return logits.cpu(), names

@@ -1,0 +1,143 @@
+"""Which file of an MoE layer is wrong: a probe run after the parallel forward diverged in that layer.
+
+The per-layer comparison says where the target and the reference part ways, but an MoE layer's
+weights are spread over every (TP, EP) rank file of its stage. So rank 0 takes the reference's input
+to the diverging layer, runs the reference's attention and norm on it, and hands the result h (the
+MoE block's input) to every rank of that stage. Each rank runs on h, with the tensors of its own
+file: its router copy, its TP share of each of its experts (no routing: every expert on every
+token) and of the shared expert. Rank 0 computes the same pieces from the reference's weights, cut at
+the target's TP, and names each piece that differs with the file that holds it. The attention and
+norms are not probed: when every MoE piece agrees, the difference is in them.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..config import GPTConfig
+from ..lazy import load_scope
+from ..state import Checkpoint
+from . import reference as ref_fwd
+from .parallel import Ranks, expert_partial, mlp
+
+
+def probe_layer(first_divergence: Optional[str], cfg: GPTConfig, ref_ckpt: Optional[Checkpoint],
+                ref_hidden: Optional[Dict[str, torch.Tensor]]) -> int:
+    """The MoE layer to probe (the first diverging layer, when it is one and the reference has weights
+    and the layer's input), else -1."""
+    if not first_divergence or not first_divergence.startswith("layer ") or ref_ckpt is None or not ref_hidden:
+        return -1
+    try:
+        i = int(first_divergence.split()[1])
+    except (IndexError, ValueError):
+        return -1
+    before = "embedding" if i == 0 else f"layer {i - 1}"
+    return i if cfg.is_moe_layer(i) and before in ref_hidden else -1
+
+
+def moe_input(ref_ckpt: Checkpoint, i: int, x: torch.Tensor, dtype, device) -> torch.Tensor:
+    """The reference's input to layer i's MoE block (after its attention and mlp_norm), flat [tokens, h]."""
+    cfg = ref_ckpt.config
+    with load_scope():
+        w = {k: v.load().to(device=device, dtype=dtype) for k, v in ref_ckpt.layer_tensors(i).items()}
+    x = x.to(device=device, dtype=dtype)
+    p = f"layers.{i}."
+    rope = ref_fwd.rope_frequencies(cfg, x.shape[1], device) if cfg.position_embedding == "rope" else None
+    h = ref_fwd.norm(x, w[p + "attn_norm.weight"], w.get(p + "attn_norm.bias"), cfg)
+    a = (ref_fwd.mla_attention if cfg.mla is not None else ref_fwd.attention)(h, w, cfg, rope, p)
+    x = (h if cfg.post_layernorm_residual else x) + a
+    h = ref_fwd.norm(x, w[p + "mlp_norm.weight"], w.get(p + "mlp_norm.bias"), cfg)
+    return h.reshape(-1, h.shape[-1])
+
+
+def rank_pieces(h: torch.Tensor, w, i: int, cfg: GPTConfig, r: Ranks, experts: range) -> Dict[str, torch.Tensor]:
+    """This rank's MoE pieces of layer i on h: router logits, each of its experts' TP partial output,
+    the shared expert's TP partial (and its gate logits)."""
+    p = f"layers.{i}."
+    out = {"router": F.linear(h, w[p + "router.weight"], w.get(p + "router.bias")).float()}
+    for e in experts:
+        out[f"expert {e}"] = expert_partial(h, w, f"{p}experts.{e}.", cfg, r).float()
+    if cfg.moe.shared_ffn_hidden_size:
+        out["shared expert"] = _no_reduce_mlp(h, w, p + "shared.", cfg, r).float()
+        if cfg.moe.shared_gate:
+            out["shared expert gate"] = F.linear(h, w[p + "shared_gate.weight"]).float()
+    return out
+
+
+def _no_reduce_mlp(x, w, p, cfg, r):
+    """The shared expert's partial output on this TP rank (mlp() without its all-reduce)."""
+    lone = Ranks(r.rank, r.world, 1, r.pp, 0, r.pp_rank, None, r.device)
+    partial = mlp(x, {k: v for k, v in w.items() if k.startswith(p) and not k.endswith("fc2.bias")}, p, cfg, lone)
+    return partial + w[p + "fc2.bias"] if p + "fc2.bias" in w and r.tp_rank == 0 else partial
+
+
+def reference_pieces(ref_ckpt: Checkpoint, i: int, h: torch.Tensor, tp: int, tp_rank: int,
+                     experts: range, dtype) -> Dict[str, torch.Tensor]:
+    """The same pieces from the reference's merged weights, each expert's cut to TP rank tp_rank of tp."""
+    cfg = ref_ckpt.config
+    p = f"layers.{i}.mlp."
+    with load_scope():
+        w = {k: v.load().to(device=h.device, dtype=dtype) for k, v in ref_ckpt.layer_tensors(i).items()
+             if k.startswith(p)}
+    out = {"router": F.linear(h, w[p + "router.weight"], w.get(p + "router.bias")).float()}
+    scopes = [(f"expert {e}", f"{p}experts.{e}.") for e in experts]
+    if cfg.moe.shared_ffn_hidden_size:
+        scopes.append(("shared expert", p + "shared."))
+        if cfg.moe.shared_gate:
+            out["shared expert gate"] = F.linear(h, w[p + "shared_gate.weight"]).float()
+    for name, q in scopes:
+        out[name] = _tp_share(h, w, q, cfg, tp, tp_rank).float()
+    return out
+
+
+def _tp_share(h, w, q: str, cfg: GPTConfig, tp: int, t: int) -> torch.Tensor:
+    """TP rank t's partial output of the MLP whose canonical tensors are q + {gate,up,down}.*: its block
+    of the intermediate features (rows of gate/up, columns of down); the down bias on rank 0 only."""
+    def rows(name):
+        x = w.get(q + name)
+        return None if x is None else x.chunk(tp, 0)[t]
+    up = F.linear(h, rows("up.weight"), rows("up.bias"))
+    act = F.silu(F.linear(h, rows("gate.weight"), rows("gate.bias"))) * up if cfg.gated else ref_fwd.activation(up, cfg)
+    out = F.linear(act, w[q + "down.weight"].chunk(tp, 1)[t])
+    return out + w[q + "down.bias"] if q + "down.bias" in w and t == 0 else out
+
+
+def probe(layer: int, h: Optional[torch.Tensor], shards, w_loader, r: Ranks, dtype, stage_of_layer: int):
+    """Collective: every rank takes part. Rank 0 passes h; the ranks of the layer's stage compute their
+    pieces; returns on rank 0 {(tp_rank, ep_rank): pieces}, None elsewhere."""
+    box = [h.cpu() if h is not None else None]
+    dist.broadcast_object_list(box, src=0)
+    mine = None
+    if r.pp_rank == stage_of_layer:
+        w = w_loader()
+        mine = rank_pieces(box[0].to(device=r.device, dtype=dtype), w, layer, shards.config, r, shards.experts)
+        mine = {k: v.cpu() for k, v in mine.items()}
+    got: List = [None] * r.world if r.rank == 0 else None
+    dist.gather_object(((r.tp_rank, r.ep_rank), mine), got, dst=0)
+    if r.rank != 0:
+        return None
+    return {rk: pieces for rk, pieces in got if pieces is not None}
+
+
+def diagnose(layer: int, got: Dict[Tuple[int, int], Dict[str, torch.Tensor]], ref_ckpt: Checkpoint, h: torch.Tensor,
+             layout, dtype, tolerance: float, file_of) -> str:
+    """One line naming the MoE pieces of `layer` that differ from the reference's and their files."""
+    bad: List[str] = []
+    for (t, e), pieces in sorted(got.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        experts = [int(k.split()[1]) for k in pieces if k.startswith("expert ")]
+        want = reference_pieces(ref_ckpt, layer, h, layout.tp, t, range(min(experts), max(experts) + 1)
+                                if experts else range(0), dtype)
+        for name, value in pieces.items():
+            ref = want[name]
+            scale = max(ref.abs().max().item(), 1e-6)
+            diff = (value - ref).abs().max().item()
+            if diff / scale > tolerance:
+                local = f", local expert {int(name.split()[1]) - min(experts)}" if name.startswith("expert ") else ""
+                bad.append(f"{name} in {file_of(t, e)}{local} (relative diff {diff / scale:.3g})")
+    if not bad:
+        return (f"its router, experts and shared expert compute what the reference's do on the reference's input: "
+                f"the difference is in its attention or norms")
+    return "MoE pieces that differ from the reference's on the reference's input: " + "; ".join(bad)

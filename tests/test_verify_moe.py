@@ -1,0 +1,148 @@
+"""`torchrun -m ckptool verify` on MoE checkpoints with expert parallelism (gloo, CPU, 4 processes).
+
+tests/mcore_moe_helper.py saves tiny megatron-core MoE GPTs (4 SequentialMLP experts, top-2) in
+Megatron-LM's torch format at TP2 EP2 and PP2 EP2 (mp_rank_TT[_PPP]_EEE) with megatron-core's own
+logits. The parallel verify runs each at its files' layout (world = TP x PP x EP; the EP ranks split
+the batch as the data-parallel ranks they are), every rank on its own file, and must reproduce
+megatron-core's logits, the single-process forward and transformers' (to-hf of the same source). An
+expert corrupted in one EP rank's file is caught and the file named.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import free_port
+from test_verify import metric, verify_batch
+
+from ckptool import api
+from ckptool.config import Layout
+from ckptool.formats.megatron import read_megatron
+
+REPO = Path(__file__).resolve().parents[1]
+HELPER = REPO / "tests" / "mcore_moe_helper.py"
+HAVE_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+pytestmark = pytest.mark.skipif(not HAVE_MCORE, reason="megatron-core is not installed (test-only extra)")
+
+# name -> helper job arguments (all at 4 processes: megatron-core carves EP out of DP)
+SAVES = {"tp2ep2": "--tp 2 --ep 2", "pp2ep2": "--pp 2 --ep 2", "qwen_tp2ep2": "--tp 2 --ep 2 --arch qwen2moe"}
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """The megatron-core saves (one launch), ckptool's TP1 EP4 and Qwen PP2 EP2 reshards, and the to-hf
+    of the TP2 EP2 source (the reference with weights, for locating a corrupted expert)."""
+    root = tmp_path_factory.mktemp("verify_moe")
+    jobs = [f"save {root / n} {a} --out {root / n}.pt" for n, a in SAVES.items()]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
+           str(HELPER), *jobs]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO),
+                                                                      OMP_NUM_THREADS="1"), timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    api.reshard(root / "tp2ep2", root / "tp1ep4", tp=1, ep=4, warn=lambda m: None)
+    api.reshard(root / "qwen_tp2ep2", root / "qwen_pp2ep2", tp=1, pp=2, ep=2, warn=lambda m: None)
+    api.to_hf(root / "tp2ep2", root / "hf", warn=lambda m: None)
+    # one expert corrupted in one EP rank's file: layer 1's local expert 1 of mp_rank_01_001 (TP rank 1,
+    # EP rank 1: global expert 3) takes local expert 0's fc2 columns (a swapped expert)
+    shutil.copytree(root / "tp2ep2", root / "corrupt")
+    f = root / "corrupt" / "iter_0000007" / "mp_rank_01_001" / "model_optim_rng.pt"
+    state = torch.load(f, weights_only=False)
+    p = "decoder.layers.1.mlp.experts.local_experts.{}.linear_fc2.weight"
+    state["model"][p.format(1)] = state["model"][p.format(0)].clone()
+    torch.save(state, f)
+    return root
+
+
+@pytest.fixture(scope="module")
+def runs(moe):
+    """Every parallel verify of this module in one torchrun launch of 4 processes."""
+    m = lambda name, key="logits": f"{moe / name}.pt:{key}"  # noqa: E731
+    cases = {
+        "tp2ep2_mcore": [moe / "tp2ep2", "--reference-logits", m("tp2ep2")],
+        "pp2ep2_mcore": [moe / "pp2ep2", "--reference-logits", m("pp2ep2")],
+        "qwen_mcore": [moe / "qwen_tp2ep2", "--reference-logits", m("qwen_tp2ep2")],
+        "ep4_mcore": [moe / "tp1ep4", "--reference-logits", m("tp2ep2")],  # batch 2 over 4 EP ranks: two idle
+        "tp2ep2_merged": [moe / "tp2ep2"],  # against the single-process forward of the same files
+        "tp2ep2_hf": [moe / "tp2ep2", "--reference", moe / "hf"],
+        "qwen_pp2ep2_uneven": [moe / "qwen_pp2ep2", "--batch", 3, "--seq-len", 8],  # rows 2 + 1
+        "corrupt_hf": [moe / "corrupt", "--reference", moe / "hf"],
+        "corrupt_mcore": [moe / "corrupt", "--reference-logits", m("tp2ep2")],
+    }
+    return verify_batch(4, cases, moe / "runs")
+
+
+@pytest.mark.parametrize("case, layout, save", [
+    ("tp2ep2_mcore", "TP2 PP1 EP2", "tp2ep2"), ("pp2ep2_mcore", "TP1 PP2 EP2", "pp2ep2"),
+    ("qwen_mcore", "TP2 PP1 EP2", "qwen_tp2ep2"), ("ep4_mcore", "TP1 PP1 EP4", "tp2ep2")])
+def test_expert_parallel_forward_reproduces_megatron_cores_logits(runs, moe, case, layout, save):
+    out, rc = runs[case]
+    assert rc == 0 and "result=PASS" in out, out
+    assert f"parallel forward: {layout}, 4 processes" in out, out
+    ref = torch.load(f"{moe / save}.pt")["logits"][..., :100]
+    assert metric(out, "max_abs_error") <= 1e-5 * ref.abs().max().item(), out  # fp32: relative 1e-5
+
+
+@pytest.mark.parametrize("case", ["tp2ep2_merged", "tp2ep2_hf", "qwen_pp2ep2_uneven"])
+def test_expert_parallel_forward_matches_the_one_process_and_transformers_forwards(runs, case):
+    out, rc = runs[case]
+    assert rc == 0 and "result=PASS" in out, out
+    assert metric(out, "max_abs_error") <= 1e-5, out
+    assert "  layer 0 " in out, out  # hidden states compared layer by layer (transformers: not the last)
+
+
+def test_a_corrupted_expert_is_caught_and_its_file_named(runs):
+    out, rc = runs["corrupt_hf"]
+    assert rc == 1 and "result=FAIL" in out, out
+    line = next(l for l in out.splitlines() if l.startswith("first_divergence="))
+    assert line.startswith("first_divergence=layer 1 "), line  # transformers has no hidden state of the last layer
+    assert "expert 3" in line and "mp_rank_01_001" in line, line
+    assert "mp_rank_00_001" not in line.split("expert 3", 1)[1].split(";")[0], line  # the one file, not its TP peer
+    out, rc = runs["corrupt_mcore"]  # recorded logits alone: caught, located no further than the output
+    assert rc == 1 and "result=FAIL" in out, out
+
+
+def test_a_rank_reads_only_its_own_file_and_holds_only_its_experts(moe, monkeypatch):
+    from ckptool.formats.megatron_ranks import read_layout, read_rank_shards
+    from ckptool.io import torchfile
+    meta = read_layout(moe / "tp2ep2")
+    read_from = set()
+    real = torchfile.TorchArchive.read_record
+    monkeypatch.setattr(torchfile.TorchArchive, "read_record",
+                        lambda self, *a, **k: read_from.add(Path(self.path).parent.name) or real(self, *a, **k))
+    real_into = torchfile.TorchArchive.read_record_into
+    monkeypatch.setattr(torchfile.TorchArchive, "read_record_into",
+                        lambda self, *a, **k: read_from.add(Path(self.path).parent.name) or real_into(self, *a, **k))
+    shards = read_rank_shards(moe / "tp2ep2", 1, 0, meta=meta, ep_rank=1)
+    loaded = {k: v.load() for k, v in shards.tensors.items()}
+    assert read_from == {"mp_rank_01_001"}, read_from
+    assert shards.experts == range(2, 4)
+    held = {int(k.split(".")[3]) for k in loaded if ".experts." in k}
+    assert held == {2, 3}
+    # global expert 3 is TP rank 1's [gate_r; up_r] rows and down columns of the merged expert
+    merged = read_megatron(moe / "tp2ep2").tensors
+    gate, up = (merged[f"layers.1.mlp.experts.3.{x}.weight"].load().chunk(2)[1] for x in ("gate", "up"))
+    assert torch.equal(loaded["layers.1.experts.3.fc1.weight"], torch.cat([gate, up]))
+    assert torch.equal(loaded["layers.1.experts.3.fc2.weight"], merged["layers.1.mlp.experts.3.down.weight"].load().chunk(2, 1)[1])
+
+
+def test_torch_dist_style_slices_hold_the_ranks_experts(moe):
+    """slice_rank_shards (the torch_dist path: global tensors cut per rank) gives an EP rank its experts
+    only, the same tensors as the torch-format file of that rank."""
+    from ckptool.formats.megatron_ranks import read_rank_shards, slice_rank_shards
+    ck = read_megatron(moe / "tp2ep2")
+    cut = slice_rank_shards(ck, Layout(tp=2, pp=1, ep=2), 1, 0, 1)
+    own = read_rank_shards(moe / "tp2ep2", 1, 0, ep_rank=1)
+    assert set(cut.tensors) == set(own.tensors)
+    for name, t in own.tensors.items():
+        assert torch.equal(cut.tensors[name].load(), t.load()), name
