@@ -283,6 +283,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", choices=CACHE_MODES, default="as-is",
                     help="the source's page-cache state before every timed command: as-is (what the last one "
                          "left), warm (read in first) or cold (dropped; root only). Every mode syncs first")
+    ap.add_argument("--launcher", choices=("torchrun", "ckptool"), default="torchrun",
+                    help="torchrun steps start with `torchrun -m ckptool` or `python -m ckptool.torchrun`")
     ap.add_argument("--variants", default="",
                     help="run each ckptool step once per variant, each with its own copy pair: "
                          "'NAME:VAR=VALUE,VAR=VALUE;NAME2:' (environment of the step's process)")
@@ -321,7 +323,8 @@ def main(argv=None) -> int:
           f"{biggest_layer / 2**20:.0f} MiB", flush=True)
 
     py = [sys.executable, "-m", "ckptool"]
-    tr = ["torchrun", "--nproc-per-node", str(args.nproc), "-m", "ckptool"]
+    tr = (["torchrun", "--nproc-per-node", str(args.nproc), "-m", "ckptool"] if args.launcher == "torchrun"
+          else [sys.executable, "-m", "ckptool.torchrun", "--nproc-per-node", str(args.nproc)])
     shard = ["--max-shard-size", "500MB"]  # several safetensors files, so torchrun ranks can share them
     plan = {
         "copy": ("`cp -r` + `sync` (the limit)", ["sh", "-c", 'cp -r "$0" "$1" && sync', str(src)]),
