@@ -213,8 +213,12 @@ def run_side_by_side(plan: dict, steps: list, size: int, work: Path, repeat: int
             walls[step].append(r["wall"])
             rss[step] = max(rss[step], r["rss"])
             ratios[step].append(measured["copy"]["wall"] / r["wall"] if "copy" in measured else 1.0)
+            said = [f"copy before it {measured['copy']['wall']:.1f} s"] if "copy" in measured else []
+            profs = read_profiles(r["log"]) if profiles is not None else []
+            if profs:  # so a run cut short still tells where its time went
+                said.append("startup " + "/".join(f"{p['stages'].get('startup', [0])[0]:.1f}" for p in profs) + " s")
             print(f"  round {rnd + 1} {step}: {r['wall']:.1f} s, {ratios[step][-1]:.2f}x copy, "
-                  f"{r['rss'] / 2**20:.0f} MiB", flush=True)
+                  f"{r['rss'] / 2**20:.0f} MiB" + (f" ({'; '.join(said)})" if said else ""), flush=True)
     rows = []
     for step in steps:
         label, cmd = plan[step][:2]
