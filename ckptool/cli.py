@@ -31,6 +31,13 @@ COMMANDS = {
 class LazyGroup(click.Group):
     """A click group whose subcommands are imported on first use (click's documented lazy pattern)."""
 
+    def main(self, args=None, *a, **kw):
+        # before any command module imports torch: bytecode cache, read-ahead of the source (io/startup.py)
+        from .io import startup
+        import sys
+        startup.prepare(sys.argv[1:] if args is None else args)
+        return super().main(args, *a, **kw)
+
     def list_commands(self, ctx):
         return sorted(COMMANDS)
 

@@ -57,7 +57,9 @@ def current_team() -> Team:
         return Team()
     import torch.distributed as dist
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        from .io import profile
+        with profile.stage("team"):
+            dist.init_process_group("gloo")
         import atexit
         atexit.register(_leave)
     return Team(rank=dist.get_rank(), world=dist.get_world_size())

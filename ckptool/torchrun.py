@@ -44,6 +44,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("usage: python -m ckptool.torchrun [torchrun options] COMMAND [ARGS]...  "
               "(COMMAND: a ckptool command, e.g. verify)", file=sys.stderr)
         return 2
+    from .io import startup
+    # the launcher imports torch too, before any worker starts: bytecode cache, and the disk reads the
+    # source meanwhile, for the workers (io/startup.py)
+    startup.prepare(command)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
     args = parse_args([*torchrun_opts, "-m", "ckptool", *command])

@@ -61,7 +61,7 @@ def ckptool_commands() -> set:
     return cmds
 
 
-def timed(cmd: list, log: Path) -> dict:
+def timed(cmd: list, log: Path, env: dict = None) -> dict:
     """Run cmd under GNU time (or rusage when absent): wall seconds, peak RSS bytes, rc."""
     stats = log.with_suffix(".time")
     if Path("/usr/bin/time").exists():
@@ -70,7 +70,7 @@ def timed(cmd: list, log: Path) -> dict:
         full = cmd
     start = time.perf_counter()
     with open(log, "w") as f:
-        rc = subprocess.run(full, stdout=f, stderr=subprocess.STDOUT, env=_env()).returncode
+        rc = subprocess.run(full, stdout=f, stderr=subprocess.STDOUT, env=dict(_env(), **(env or {}))).returncode
     wall = time.perf_counter() - start
     if stats.exists() and stats.read_text().split():
         last = stats.read_text().split("\n")[-2].split()
@@ -148,12 +148,35 @@ def print_profiles(profiles: dict, plan: dict) -> None:
         f"{total(s, 'cpu_user'):.1f} + {total(s, 'cpu_sys'):.1f}" for s in steps) + " |")
 
 
+CACHE_MODES = ("as-is", "warm", "cold")
+
+
+def settle(mode: str, src: Path) -> None:
+    """The same start for every timed command: nothing dirty (the previous output's pages and, on a
+    disk mounted with `discard`, the trims of its deletion are done: sync), and the source either
+    left as the last command left it (as-is), read into the page cache (warm), or dropped from it
+    (cold: every byte comes from the disk; needs root, /proc/sys/vm/drop_caches)."""
+    subprocess.run(["sync"])
+    if mode == "as-is":
+        return
+    with open("/proc/sys/vm/drop_caches", "w") as f:  # clean pages only: sync ran just before
+        f.write("3\n")
+    if mode == "warm":
+        buf = bytearray(16 << 20)
+        for p in sorted(src.rglob("*")):
+            if p.is_file():
+                with open(p, "rb", buffering=0) as f:
+                    while f.readinto(buf):
+                        pass
+
+
 def run_side_by_side(plan: dict, steps: list, size: int, work: Path, repeat: int, keep: bool,
-                     profiles: dict = None) -> list:
+                     profiles: dict = None, cache: str = "as-is", src: Path = None) -> list:
     """Each step runs right after its own copy of the same bytes, `repeat` rounds; rows of medians.
 
     Pairing every run with a copy taken just before it makes the ratio robust to load from other
-    jobs on a shared machine (both see about the same load)."""
+    jobs on a shared machine (both see about the same load). Before each timed command the
+    machine settles (settle(): sync, and the page cache as `cache` says)."""
     copy_cmd = plan["copy"][1]
     walls: dict = {s: [] for s in steps}
     ratios: dict = {s: [] for s in steps}
@@ -161,19 +184,21 @@ def run_side_by_side(plan: dict, steps: list, size: int, work: Path, repeat: int
     failed: dict = {}
     for rnd in range(repeat):
         for step in steps:
-            label, cmd = plan[step]
+            label, cmd = plan[step][:2]
             if cmd is None or step in failed:
                 continue
             pair = [("copy", copy_cmd)] if step != "copy" else []
             pair.append((step, cmd))
+            step_env = plan[step][2] if len(plan[step]) > 2 else None
             measured = {}
             for name, c in pair:
-                dst = work / f"out-{name}"
+                dst = work / ("out-" + "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in name))
                 shutil.rmtree(dst, ignore_errors=True)
                 c = [x.replace("{dst}", str(dst)) for x in c]
                 if name == "copy":  # sh -c 'cp -r "$0" "$1" && sync' SRC DST
                     c = c + [str(dst)]
-                r = timed(c, work / f"{name}.log")
+                settle(cache, src)
+                r = timed(c, dst.with_name(dst.name[4:] + ".log"), step_env if name == step else None)
                 if r["rc"] != 0:
                     tail = r["log"].read_text()[-300:].strip().splitlines()
                     failed[step] = f"FAILED (exit {r['rc']}): {tail[-1] if tail else ''}"
@@ -190,11 +215,15 @@ def run_side_by_side(plan: dict, steps: list, size: int, work: Path, repeat: int
             walls[step].append(r["wall"])
             rss[step] = max(rss[step], r["rss"])
             ratios[step].append(measured["copy"]["wall"] / r["wall"] if "copy" in measured else 1.0)
+            said = [f"copy before it {measured['copy']['wall']:.1f} s"] if "copy" in measured else []
+            profs = read_profiles(r["log"]) if profiles is not None else []
+            if profs:  # so a run cut short still tells where its time went
+                said.append("startup " + "/".join(f"{p['stages'].get('startup', [0])[0]:.1f}" for p in profs) + " s")
             print(f"  round {rnd + 1} {step}: {r['wall']:.1f} s, {ratios[step][-1]:.2f}x copy, "
-                  f"{r['rss'] / 2**20:.0f} MiB", flush=True)
+                  f"{r['rss'] / 2**20:.0f} MiB" + (f" ({'; '.join(said)})" if said else ""), flush=True)
     rows = []
     for step in steps:
-        label, cmd = plan[step]
+        label, cmd = plan[step][:2]
         if cmd is None:
             rows.append((label, plan.get("_reasons", {}).get(step, "n/a")))
         elif step in failed:
@@ -258,6 +287,14 @@ def main(argv=None) -> int:
                          "allows the step merge-distopt (the state written as one distrib_optim.pt)")
     ap.add_argument("--profile", action="store_true", help="print where each ckptool step's time goes, stage by stage")
     ap.add_argument("--reuse-src", action="store_true", help="keep an existing OUT/src instead of regenerating")
+    ap.add_argument("--cache", choices=CACHE_MODES, default="as-is",
+                    help="the source's page-cache state before every timed command: as-is (what the last one "
+                         "left), warm (read in first) or cold (dropped; root only). Every mode syncs first")
+    ap.add_argument("--launcher", choices=("torchrun", "ckptool"), default="torchrun",
+                    help="torchrun steps start with `torchrun -m ckptool` or `python -m ckptool.torchrun`")
+    ap.add_argument("--variants", default="",
+                    help="run each ckptool step once per variant, each with its own copy pair: "
+                         "'NAME:VAR=VALUE,VAR=VALUE;NAME2:' (environment of the step's process)")
     ap.add_argument("--ds-ckpt", type=Path, default=None,
                     help="ZeRO checkpoint for the deepspeed step (default: write one with scripts/ds_zero_case.py)")
     args = ap.parse_args(argv)
@@ -293,7 +330,8 @@ def main(argv=None) -> int:
           f"{biggest_layer / 2**20:.0f} MiB", flush=True)
 
     py = [sys.executable, "-m", "ckptool"]
-    tr = ["torchrun", "--nproc-per-node", str(args.nproc), "-m", "ckptool"]
+    tr = (["torchrun", "--nproc-per-node", str(args.nproc), "-m", "ckptool"] if args.launcher == "torchrun"
+          else [sys.executable, "-m", "ckptool.torchrun", "--nproc-per-node", str(args.nproc)])
     shard = ["--max-shard-size", "500MB"]  # several safetensors files, so torchrun ranks can share them
     plan = {
         "copy": ("`cp -r` + `sync` (the limit)", ["sh", "-c", 'cp -r "$0" "$1" && sync', str(src)]),
@@ -315,10 +353,29 @@ def main(argv=None) -> int:
         "_reasons": {"transformers": "n/a: " + transformers_script_status()},
     }
     main_steps = [s for s in steps if s != "deepspeed"]
+    if args.variants:
+        variants = []
+        for spec in args.variants.split(";"):
+            name, _, assigns = spec.partition(":")
+            env = dict(a.split("=", 1) for a in assigns.split(",") if a)
+            variants.append((name.strip(), env))
+        expanded = []
+        for step in main_steps:
+            if step in ("copy", "ceiling", "ceiling-hash") or plan[step][1] is None:
+                expanded.append(step)
+                continue
+            for name, env in variants:
+                key = f"{step} [{name}]"
+                plan[key] = (f"{plan[step][0]} [{name}: {','.join(f'{k}={v}' for k, v in env.items()) or 'defaults'}]",
+                             plan[step][1], env)
+                expanded.append(key)
+        main_steps = expanded
     if args.profile:
         os.environ["CKPTOOL_PROFILE"] = "1"
     profiles = {} if args.profile else None
-    rows = run_side_by_side(plan, main_steps, size, work, args.repeat, args.keep, profiles)
+    if args.cache != "as-is" and not os.access("/proc/sys/vm/drop_caches", os.W_OK):
+        ap.error(f"--cache {args.cache} drops the page cache: it needs root (/proc/sys/vm/drop_caches)")
+    rows = run_side_by_side(plan, main_steps, size, work, args.repeat, args.keep, profiles, args.cache, src)
     ds = deepspeed_rows(args, work) if "deepspeed" in steps else None
     if not args.keep and not args.reuse_src:
         shutil.rmtree(src, ignore_errors=True)
@@ -328,7 +385,8 @@ def main(argv=None) -> int:
     print(f"Checkpoint: {style}, {size / 1e9:.2f} GB ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
           f"TP2 PP2, bf16); largest layer {biggest_layer / 2**20:.0f} MiB (peak RSS bound 1 GiB + 2 x that = "
           f"{(2**30 + 2 * biggest_layer) / 2**20:.0f} MiB); {args.repeat} rounds; "
-          f"{os.cpu_count()} CPUs, load average {load[0]:.1f} at the end")
+          f"{os.cpu_count()} CPUs, load average {load[0]:.1f} at the end; page cache before each command: "
+          f"{args.cache}")
     print()
     print_table(rows)
     if profiles:

@@ -38,6 +38,7 @@ STAGES = {
     "wait": "a thread waiting for another (loader for writer, writer for its checksum pieces)",
     "fsync": "fsync of the output directory's files",
     "manifest": "manifest: hashing files not hashed while written, writing the json",
+    "team": "torchrun: joining the gloo process group",
     "main-other": "main thread outside every stage above (Python work, progress, process group, exit)",
 }
 

@@ -1,0 +1,62 @@
+"""ckptool/io/startup.py: what runs before torch is imported (read-ahead, bytecode cache)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from ckptool.io import startup
+
+
+def _megatron_like(tmp_path: Path) -> Path:
+    src = tmp_path / "ckpt"
+    (src / "iter_0000010" / "mp_rank_00").mkdir(parents=True)
+    (src / "iter_0000010" / "mp_rank_01").mkdir(parents=True)
+    (src / "iter_0000005" / "mp_rank_00").mkdir(parents=True)  # an older iteration: not read
+    (src / "latest_checkpointed_iteration.txt").write_text("10")
+    (src / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"a" * 10000)
+    (src / "iter_0000010" / "mp_rank_01" / "model_optim_rng.pt").write_bytes(b"b" * 30000)
+    (src / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"c" * 10)
+    return src
+
+
+def test_source_argument_skips_options_and_missing_paths(tmp_path):
+    src = _megatron_like(tmp_path)
+    argv = ["--debug", "reshard", "--tp", "4", str(src), str(tmp_path / "out")]
+    assert startup.source_argument(argv) == src
+    assert startup.source_argument(["inspect", str(src)]) is None  # not a command that reads it all
+    assert startup.source_argument(["merge", str(tmp_path / "nope")]) is None
+
+
+def test_files_follow_the_tracker_and_readahead_splits_the_cap(tmp_path):
+    src = _megatron_like(tmp_path)
+    files = startup.files_to_read(src)
+    assert [f.parent.name for f in files] == ["mp_rank_00", "mp_rank_01"]
+    assert all("iter_0000010" in str(f) for f in files)
+    assert startup.readahead(files, 1 << 30) == 40000  # both whole under a large cap
+    # a small cap: the smaller file whole when under its share, the rest of the cap to the larger
+    assert startup.readahead(files, 30000) == 30000
+    assert startup.readahead(files, 12000) == 12000  # 6000 of each
+    assert startup.readahead([tmp_path / "missing"], 100) == 0
+
+
+def _child(code: str, **env) -> str:
+    full = dict(os.environ, PYTHONPATH=str(Path(startup.__file__).parents[2]), **env)
+    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_bytecode_cache_only_where_the_interpreter_would_not_keep_one(tmp_path):
+    code = ("import sys; from ckptool.io import startup; r = startup.use_own_bytecode_cache(); "
+            "print(r, sys.pycache_prefix, sys.dont_write_bytecode)")
+    cache = tmp_path / "pyc"
+    # told not to write bytecode: ckptool keeps it in its own folder, nothing beside the sources
+    assert _child(code, PYTHONDONTWRITEBYTECODE="1", CKPTOOL_PYCACHE=str(cache)) == f"{cache} {cache} False"
+    assert cache.is_dir()
+    # switched off, or a prefix the user chose, or bytecode written normally: left alone
+    assert _child(code, PYTHONDONTWRITEBYTECODE="1", CKPTOOL_PYCACHE="0") == "None None True"
+    assert _child(code, PYTHONDONTWRITEBYTECODE="1", PYTHONPYCACHEPREFIX=str(tmp_path / "mine")) \
+        == f"None {tmp_path / 'mine'} True"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env, PYTHONPATH=str(Path(startup.__file__).parents[2])),
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "None None False"
