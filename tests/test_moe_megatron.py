@@ -47,6 +47,9 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 ARCHS = ("mixtral", "qwen2moe")  # the helper's two models (see mcore_moe_helper.ARCHS)
+# ckptool outputs with expert TP != TP or from the ETP1 save: (name, source, (tp, ep, etp or None = tp))
+ETP_OUTPUTS = [("tp2ep2etp1", "mixtral", (2, 2, 1)), ("tp2ep1etp1", "mixtral", (2, 1, 1)),
+               ("tp2ep2", "etp", (2, 2, None)), ("tp1ep4", "etp", (1, 4, None))]
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +57,13 @@ def moe_root(tmp_path_factory):
     """Per arch: the megatron-core TP2 EP2 save, ckptool's outputs at LAYOUTS, megatron-core's logits of
     each (two torchrun launches in all)."""
     root = tmp_path_factory.mktemp("mcore_moe")
-    torchrun([f"save {root / a / 'src'} --tp 2 --ep 2 --arch {a} --out {root / a / 'src.pt'}" for a in ARCHS])
+    torchrun([f"save {root / a / 'src'} --tp 2 --ep 2 --arch {a} --out {root / a / 'src.pt'}" for a in ARCHS]
+             + [f"save {root / 'etp' / 'src'} --tp 2 --ep 2 --etp 1 --out {root / 'etp' / 'src.pt'}"])
     jobs = []
+    for name, src, (tp, ep, etp) in ETP_OUTPUTS:  # expert TP != TP, both ways (mixtral)
+        out = root / "etp" / name
+        api.reshard(root / src / "src", out, tp=tp, ep=ep, etp=etp, warn=lambda m: None)
+        jobs.append(f"load-torch {out} --tp {tp} --ep {ep} --etp {etp or tp} --out {out}.pt")
     for a in ARCHS:
         d = root / a
         for tp, pp, ep in LAYOUTS:
@@ -171,13 +179,9 @@ def test_bad_layouts_and_formats_are_refused(moe, tmp_path):
     # expert files whose args say dense
     with pytest.raises(CkptError, match="hold MoE experts but the args describe a dense model"):
         read_megatron(_with_args(moe / "out_111", tmp_path / "dense", num_experts=None))
-    # expert tensor parallelism different from TP is not read yet, and says so
-    with pytest.raises(CkptError, match="expert tensor parallelism 1 differs from tensor parallelism 2"):
+    # args saying expert TP 1 over a full TP2 EP2 grid: mp_rank_00_001 is no file of such a save
+    with pytest.raises(CkptError, match="rank directory mp_rank_00_001 is not part of a TP2 EP2 expert-TP 1 save"):
         read_megatron(_with_args(moe / "src", tmp_path / "etp", expert_tensor_parallel_size=1))
-    # ... also when its save is sparse as megatron-core writes it (TP2 ETP1 EP2: only (tp0, ep0), (tp1, ep1))
-    shutil.rmtree(tmp_path / "etp" / "iter_0000007" / "mp_rank_00_001")
-    with pytest.raises(CkptError, match="expert tensor parallelism 1 differs"):
-        read_megatron(tmp_path / "etp")
     with pytest.raises(CkptError, match="has 48 rows over the TP ranks, expected 24 for the expert FFN size 12"):
         read_megatron(_with_args(moe / "src", tmp_path / "ffn", moe_ffn_hidden_size=12))
 
@@ -273,3 +277,64 @@ def test_te_grouped_experts_are_read_by_their_documented_layout(moe, tmp_path):
         api.reshard(dst, tmp_path / "out", tp=1, warn=lambda m: None)  # written only as mcore
     api.reshard(dst, tmp_path / "mcore", tp=1, ep=2, dialect="mcore", warn=lambda m: None)
     assert read_megatron(tmp_path / "mcore").source.dialect == "mcore"
+
+
+def test_reads_the_expert_tp_save_of_megatron_core(moe_root):
+    """megatron-core at TP2 ETP1 EP2 (4 ranks): Megatron-LM saves from data-parallel rank 0 and expert-data-
+    parallel rank 0, so only mp_rank_00_000 and mp_rank_01_001 exist, each with whole (ETP1) experts. The
+    helper seeds both saves alike, so the ETP1 save reads as the same model as the TP2 EP2 one."""
+    src = moe_root / "etp" / "src"
+    assert sorted(p.name for p in (src / "iter_0000007").iterdir()) == ["mp_rank_00_000", "mp_rank_01_001"]
+    f = torch.load(src / "iter_0000007" / "mp_rank_01_001" / "model_optim_rng.pt", weights_only=False)["model"]
+    assert f["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"].shape == (48, 32)  # whole expert
+    assert f["decoder.layers.0.self_attention.linear_proj.weight"].shape == (32, 16)  # dense: TP2 shard
+    ck, ref = read_megatron(src), read_megatron(moe_root / "mixtral" / "src")
+    assert ck.source.layout.describe() == "TP2 PP1 EP2 ETP1" and ck.source.layout.expert_tp == 1
+    assert list(ck.tensors) == list(ref.tensors)
+    for name in ref.tensors:
+        assert torch.equal(ck.tensors[name].load(), ref.tensors[name].load()), name
+    assert relative(torch.load(moe_root / "etp" / "src.pt")["logits"], torch.load(moe_root / "mixtral" / "src.pt")["logits"]) <= 1e-5
+
+
+@pytest.mark.parametrize("name, source, layout", ETP_OUTPUTS, ids=[o[0] for o in ETP_OUTPUTS])
+def test_megatron_core_loads_expert_tp_layouts_strictly_with_the_same_logits(moe_root, name, source, layout):
+    from ckptool.formats.megatron import expert_grid
+    tp, ep, etp = layout
+    out = moe_root / "etp" / name
+    names = sorted(p.name for p in (out / "iter_0000007").iterdir())
+    want = sorted(f"mp_rank_{t:02d}" + (f"_{e:03d}" if ep > 1 else "") for t, e in expert_grid(tp, ep, etp or tp))
+    assert names == want
+    if (tp, ep, etp) == (2, 2, 1):
+        assert names == ["mp_rank_00_000", "mp_rank_01_001"]  # as megatron-core's own save above
+    if (tp, ep, etp) == (2, 1, 1):
+        assert names == ["mp_rank_00", "mp_rank_01"]  # TP > EP x ETP: data-parallel rank 0 saves the second
+    ref = torch.load(moe_root / "etp" / "src.pt")["logits"]
+    assert relative(torch.load(f"{out}.pt")["logits"], ref) <= 1e-5
+    back, src = read_megatron(out), read_megatron(moe_root / source / "src")
+    assert (back.source.layout.ep, back.source.layout.expert_tp) == (ep, etp or tp)
+    assert back.source.args.expert_tensor_parallel_size == (etp or tp)
+    for n in src.tensors:
+        assert torch.equal(back.tensors[n].load(), src.tensors[n].load()), n
+
+
+def test_expert_tp_refusals(moe_root, tmp_path):
+    etp = moe_root / "etp"
+    # expert TP above TP has no torch-format layout (ranks of different expert-TP rank share one file name)
+    with pytest.raises(CkptError, match="expert tensor parallelism 2 above TP 1 has no torch-format layout"):
+        api.reshard(etp / "src", tmp_path / "a", tp=1, ep=2, etp=2, warn=lambda m: None)
+    with pytest.raises(CkptError, match="expert tensor parallelism 3 does not divide TP 2"):
+        api.reshard(etp / "src", tmp_path / "b", tp=2, ep=1, etp=3, warn=lambda m: None)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    with pytest.raises(CkptError, match="expert tensor parallelism 4 above TP 2"):
+        read_megatron(_with_args(etp / "src", tmp_path / "big", expert_tensor_parallel_size=4))
+    # Megatron-LM before 2026-05 saved only expert-data-parallel rank 0's files: at TP2 EP1 ETP1 the second
+    # TP rank's dense shard is missing, and the reader says so
+    old = tmp_path / "old"
+    shutil.copytree(etp / "tp2ep1etp1", old)
+    shutil.rmtree(old / "iter_0000007" / "mp_rank_01")
+    with pytest.raises(CkptError, match="missing rank directory mp_rank_01 .*before 2026-05"):
+        read_megatron(old)
+    with pytest.raises(CkptError, match="--etp 1: the model has no MoE experts to cut"):
+        api.reshard(REPO / "fixtures" / "gpt2_mcore_tp2pp2" / "checkpoint", tmp_path / "c", tp=2, etp=1,
+                    warn=lambda m: None)
+    assert not (tmp_path / "c").exists()

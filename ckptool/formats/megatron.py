@@ -11,6 +11,7 @@ is shared with every Megatron-family format (roles.py, sharding.py).
 """
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -167,31 +168,15 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     loaded = {d: load_torch_file(_model_file(d)) for d in rank_dirs}
     ranks = _rank_coordinates(rank_dirs, loaded[rank_dirs[0]])
     trees = {rk: loaded[d] for rk, d in ranks.items()}
-    tp = max(t for t, _, _ in ranks) + 1
-    pp = max(p for _, p, _ in ranks) + 1
-    ep = max(e for _, _, e in ranks) + 1
-    _refuse_expert_tp(loaded[rank_dirs[0]], it_dir)
-    for t in range(tp):
-        for p in range(pp):
-            for e in range(ep):
-                if (t, p, e) not in ranks:
-                    raise CkptError(f"{it_dir}: missing rank directory {_rank_name(t, p, e, pp, ep)} "
-                                    f"(have {len(ranks)} of {tp * pp * ep})",
-                                    "copy the complete checkpoint; every tensor/pipeline/expert rank is needed")
+    tp, pp, ep = _parallel_sizes(ranks, loaded[rank_dirs[0]], it_dir)
+    etp = _expert_tp(loaded[rank_dirs[0]], tp, it_dir)
+    grid = expert_grid(tp, ep, etp)
+    _check_rank_dirs(ranks, grid, tp, pp, ep, etp, it_dir)
     first = trees[(0, 0, 0)]
     if not isinstance(first, dict) or not any(k == "model" or re.match(r"^model\d+$", str(k)) for k in first):
         raise CkptError(f"{_model_file(ranks[(0, 0, 0)])}: no 'model' entry", "not a Megatron checkpoint file")
     args = first.get("args")
     _check_args_agree(trees, ranks)
-    if args is not None:
-        want_tp = getattr(args, "tensor_model_parallel_size", None) or getattr(args, "model_parallel_size", None)
-        want_pp = getattr(args, "pipeline_model_parallel_size", None) or 1
-        want_ep = getattr(args, "expert_model_parallel_size", None) or 1
-        if want_tp and (want_tp, want_pp, want_ep) != (tp, pp, ep):
-            extra = "an extra rank directory" if tp * pp * ep > want_tp * want_pp * want_ep else "missing rank directories"
-            raise CkptError(f"{it_dir}: found {tp}x{pp}x{ep} (TP x PP x EP) rank directories but args say "
-                            f"{want_tp}x{want_pp}x{want_ep}: {extra}",
-                            "remove stray mp_rank_* directories or copy the missing ones")
     version = float(first.get("checkpoint_version", 0) or 0)
     if version not in (0.0, 1.0, 2.0, 3.0):
         raise CkptError(f"unknown checkpoint_version {version}", "ckptool reads versions 0, 1.0, 2.0 and 3.0")
@@ -246,7 +231,7 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                                        None if hit[1] is None else offsets[(p, v)] + hit[1], value, v)
                              for v in sorted(chunks) for key, value in chunks[v].items()
                              for hit in [matcher.match(key)] if hit is not None and isinstance(value, LazyTensor)]
-    shards, head_copy = role_shards({rk: [x.weight for x in ps] for rk, ps in params.items()}, params, tp)
+    shards, head_copy = _weight_shards(params, grid, tp, etp)
     for (role, layer), parts in shards.items():
         if any(x is None for x in parts):
             raise CkptError(f"{role}{'' if layer is None else f' of layer {layer}'} is missing on some "
@@ -286,10 +271,13 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     if opts.optimizer and any(_is_optimizer_only(d) for d in it_dir.iterdir() if d.is_dir() and RANK_DIR.match(d.name)):
         warnings.append("optimizer state dropped: the 2022-23 distributed-optimizer form (one optim.pt per "
                         "data-parallel rank) is not carried; the output holds the weights only")
+    elif opts.optimizer and etp != tp and any("optimizer" in tree for tree in trees.values()):
+        warnings.append(f"optimizer state dropped: expert tensor parallelism {etp} differs from TP {tp}, whose "
+                        "optimizer layout ckptool does not read yet; the output holds the weights only")
     elif opts.optimizer:
         optimizer = megatron_training.read_training_state(
             trees, ranks, {rk: _model_file(d) for rk, d in ranks.items()}, params, tp, args, cfg, canonical, warnings)
-    layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, ep=ep,
+    layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, ep=ep, etp=etp if etp != tp else None,
                     stage_layers=None if vpp > 1 or len({counts[(p, 0)] for p in range(pp)}) == 1
                     else [counts[(p, 0)] for p in range(pp)])
     info = SourceInfo(path=str(path), format="megatron", dialect=dialect.name, layout=layout,
@@ -326,16 +314,88 @@ def _rank_coordinates(rank_dirs: List[Path], first_tree) -> Dict[Tuple[int, int,
     return out
 
 
-def _refuse_expert_tp(first_tree, it_dir: Path) -> None:
-    """Expert TP other than TP is not read yet. (Its torch-format saves are sparse: at TP2 ETP1 EP2 only the
-    ranks of expert-data-parallel rank 0, (tp 0, ep 0) and (tp 1, ep 1), write files.)"""
+def expert_grid(tp: int, ep: int, etp: int) -> Dict[Tuple[int, int], int]:
+    """{(TP rank, EP rank): expert-TP rank} of the rank directories of one pipeline stage.
+
+    In a stage, rank x (megatron-core's default order tp-cp-ep-dp-pp, parallel_state.RankGenerator) has
+    dense TP rank x % TP and, on the expert grid (tp-ep-dp with the expert TP size), expert-TP rank
+    x % ETP and EP rank (x // ETP) % EP. Megatron-LM names a rank's file by (TP rank, EP rank) only
+    (checkpointing.py get_checkpoint_name), saves from data-parallel rank 0 and expert-data-parallel rank 0
+    (save_checkpoint; before 2026-05 only the latter), and every rank loads the file of its (TP rank,
+    EP rank). So the pairs repeat with period lcm(TP, ETP x EP): with ETP = TP every (t, e) exists; with
+    ETP below TP only some do (TP2 ETP1 EP2: mp_rank_00_000 and mp_rank_01_001) and file (t, e) holds
+    EP rank e's experts cut at expert-TP rank t % ETP (ETP divides TP, so x % ETP = t % ETP)."""
+    require(tp % etp == 0, *_etp_refusal(tp, etp))
+    period = tp * ep * etp // math.gcd(tp, ep * etp)
+    return {(x % tp, (x // etp) % ep): x % etp for x in range(period)}
+
+
+def _etp_refusal(tp: int, etp: int) -> Tuple[str, str]:
+    if etp > tp and etp % tp == 0:
+        return (f"expert tensor parallelism {etp} above TP {tp} has no torch-format layout: ranks of different "
+                "expert-TP rank save to (and load from) the same mp_rank directory, which holds one of their shards",
+                f"choose --etp dividing --tp {tp}, or use the run's torch_dist checkpoint")
+    return (f"expert tensor parallelism {etp} does not divide TP {tp}", "choose an expert TP size that divides TP")
+
+
+def _parallel_sizes(ranks, first_tree, it_dir: Path) -> Tuple[int, int, int]:
+    """(TP, PP, EP): the args' when they store them (a missing directory is then named), else the directories'."""
+    tp, pp, ep = (max(rk[i] for rk in ranks) + 1 for i in range(3))
+    args = first_tree.get("args") if isinstance(first_tree, dict) else None
+    want_tp = getattr(args, "tensor_model_parallel_size", None) or getattr(args, "model_parallel_size", None)
+    if not want_tp:
+        return tp, pp, ep
+    want = (want_tp, getattr(args, "pipeline_model_parallel_size", None) or 1,
+            getattr(args, "expert_model_parallel_size", None) or 1)
+    if any(found > w for found, w in zip((tp, pp, ep), want)):
+        raise CkptError(f"{it_dir}: found {tp}x{pp}x{ep} (TP x PP x EP) rank directories but args say "
+                        f"{want[0]}x{want[1]}x{want[2]}: an extra rank directory",
+                        "remove stray mp_rank_* directories or copy the missing ones")
+    return want
+
+
+def _expert_tp(first_tree, tp: int, it_dir: Path) -> int:
+    """The source's expert TP size (args.expert_tensor_parallel_size; = TP when absent or dense)."""
     args = first_tree.get("args") if isinstance(first_tree, dict) else None
     if not getattr(args, "num_experts", None):
-        return  # dense: Megatron-LM's args carry an expert TP size whatever the model
-    tp = getattr(args, "tensor_model_parallel_size", None)
-    etp = getattr(args, "expert_tensor_parallel_size", None)
-    require(etp in (None, tp), f"{it_dir}: expert tensor parallelism {etp} differs from tensor parallelism {tp}",
-            "checkpoints with --expert-tensor-parallel-size different from --tensor-model-parallel-size are not read yet")
+        return tp  # dense: Megatron-LM's args carry an expert TP size whatever the model
+    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
+    msg, hint = _etp_refusal(tp, etp)
+    require(tp % etp == 0, f"{it_dir}: {msg}", hint)
+    return etp
+
+
+def _check_rank_dirs(ranks, grid, tp: int, pp: int, ep: int, etp: int, it_dir: Path) -> None:
+    """Every rank directory Megatron-LM saves is there (ranks x < max(TP, ETP x EP) of each stage: data-
+    parallel rank 0 and expert-data-parallel rank 0, expert_grid), and none lies off the grid."""
+    for rk in sorted(ranks):
+        require((rk[0], rk[2]) in grid, f"{it_dir}: rank directory {ranks[rk].name} is not part of a TP{tp} EP{ep} "
+                f"expert-TP {etp} save (which holds only some (TP, EP) pairs when expert TP differs from TP)",
+                "remove the stray directory, or check --expert-tensor-parallel-size in the args")
+    saved = {x: (x % tp, (x // etp) % ep) for x in range(max(tp, etp * ep))}
+    for p in range(pp):
+        for x, (t, e) in saved.items():
+            if (t, p, e) in ranks:
+                continue
+            why = ""
+            if x >= etp * ep:  # saved by data-parallel rank 0 only
+                why = (f"; at TP{tp} ETP{etp} EP{ep} Megatron-LM before 2026-05 saved only expert-data-parallel "
+                       "rank 0's files, leaving this tensor-parallel rank's dense weights out")
+            raise CkptError(f"{it_dir}: missing rank directory {_rank_name(t, p, e, pp, ep)} "
+                            f"(have {len(ranks)} of {pp * len(set(saved.values()))}){why}",
+                            "copy the complete checkpoint; every tensor/pipeline/expert rank is needed")
+
+
+def _weight_shards(params, grid, tp: int, etp: int):
+    """{(role, layer): [shard per TP rank]} of the dense part, and per expert-TP rank of the experts (file
+    (t, p, e) holds expert-TP shard grid[(t, e)]; the first file of each is taken, as for the dense part)."""
+    dense = {rk: [x for x in ps if not x.role.startswith("experts.")] for rk, ps in params.items()}
+    experts: Dict[Tuple[int, int, int], List[RankParam]] = {}
+    for (t, p, e), ps in sorted(params.items()):
+        experts.setdefault((grid[(t, e)], p, e), [x for x in ps if x.role.startswith("experts.")])
+    shards, head_copy = role_shards({rk: [x.weight for x in ps] for rk, ps in dense.items()}, dense, tp)
+    expert_shards, _ = role_shards({rk: [x.weight for x in ps] for rk, ps in experts.items()}, experts, etp)
+    return {**shards, **expert_shards}, head_copy
 
 
 def _local_expert_count(chunks: Dict[int, Dict[str, object]], matcher: KeyMatcher) -> int:
@@ -391,7 +451,7 @@ def _any_value(models, key):
 
 def _check_args_agree(trees, ranks) -> None:
     fields = ("num_layers", "hidden_size", "num_attention_heads", "tensor_model_parallel_size", "num_experts",
-              "expert_model_parallel_size",
+              "expert_model_parallel_size", "expert_tensor_parallel_size",
               "pipeline_model_parallel_size", "padded_vocab_size", "ffn_hidden_size")
     ref = trees[(0, 0, 0)].get("args")
     for rk, tree in trees.items():
@@ -473,15 +533,19 @@ def _check_dialect_fits(d: Dialect, cfg: GPTConfig, layout: Layout) -> None:
     if cfg.moe is None:
         require(layout.ep == 1, f"--ep {layout.ep}: the model has no MoE layers to spread over expert-parallel ranks",
                 "drop --ep")
+        require(layout.expert_tp == layout.tp, f"--etp {layout.etp}: the model has no MoE experts to cut", "drop --etp")
         return
     require(bool(d.experts) and d.moe_writable, f"the {d.name} dialect has no place for MoE experts",
             "choose --dialect mcore (megatron-core's local spec, SequentialMLP experts)")
     require(not cfg.add_bias_linear, "MoE experts with linear biases (--add-bias-linear) are not written yet",
             "convert to Hugging Face with to-hf, or keep the source layout")
     layout.local_experts(cfg.moe.num_experts, 0)  # EP divides the experts
-    for size, what in ((cfg.moe.ffn_hidden_size, "expert FFN size"), (cfg.moe.shared_ffn_hidden_size, "shared-expert FFN size")):
-        require(size % layout.tp == 0, f"--tp {layout.tp} does not divide the {what} {size}",
-                "choose a TP size that divides it (expert TP is written equal to TP)")
+    require(layout.expert_tp >= 1, f"--etp {layout.etp}: the expert tensor-parallel size is at least 1")
+    expert_grid(layout.tp, layout.ep, layout.expert_tp)  # expert TP divides TP
+    for size, what, n, flag in ((cfg.moe.ffn_hidden_size, "expert FFN size", layout.expert_tp, "--etp"),
+                                (cfg.moe.shared_ffn_hidden_size, "shared-expert FFN size", layout.tp, "--tp")):
+        require(size % n == 0, f"{flag} {n} does not divide the {what} {size}",
+                f"choose a {flag} size that divides it (expert TP defaults to TP)")
 
 
 def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Optional[str] = None,
@@ -498,9 +562,10 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
     with distributed_optimizer, a distrib_optim.pt beside each rank file holds it instead, laid out for
     a run at data-parallel size dp (megatron_distopt.py).
 
-    MoE models are written at layout.ep expert-parallel ranks (expert TP = TP): one file per (TP, PP, EP)
-    rank, in mp_rank_TT[_PPP][_EEE], holding the dense part and that EP rank's experts under their local
-    index, as Megatron-LM saves them.
+    MoE models are written at layout.ep expert-parallel ranks and expert TP layout.expert_tp: one file per
+    (TP, PP, EP) rank in mp_rank_TT[_PPP][_EEE], holding the dense part and that EP rank's experts under
+    their local index, cut at expert-TP rank TT % ETP; with expert TP below TP only the (TP, EP) pairs
+    Megatron-LM's ranks load exist (expert_grid), as Megatron-LM saves them.
 
     Returns a summary dict (files, bytes, padded vocab, iteration dir). rank_filter(tp, pp, ep) lets a
     distributed run write only its share of the files.
@@ -542,6 +607,10 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
     if out_dtype is None:
         out_dtype = next(iter(tensors.values())).dtype
     train = megatron_training.TrainingTarget.for_target(ckpt, tensors, cfg, rows, out_dtype) if optimizer else None
+    if train is not None and cfg.moe is not None and layout.expert_tp != layout.tp:
+        warn(f"optimizer state dropped: ckptool does not write the optimizer layout of expert TP {layout.expert_tp} "
+             f"differing from TP {layout.tp} yet; the output holds the weights only")
+        train = None
     if train is not None and cfg.moe is not None and layout.ep > 1:
         # at EP > 1 megatron-core saves [dense optimizer, expert optimizer] (a ChainedOptimizer's list);
         # one state dict would not load there
@@ -567,7 +636,10 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
     layer_roles = d.param_order + tuple(r for r in LAYER_ROLES if r not in d.param_order)
 
     def shard(role: str, full: LazyTensor, t: int, group: int, cast: bool = True) -> LazyTensor:
-        piece = shard_role(full, role, cfg_out, layout.tp)[t]
+        if role.startswith("experts."):  # routed experts are cut over expert TP: file t holds shard t % ETP
+            piece = shard_role(full, role, cfg_out, layout.expert_tp)[t % layout.expert_tp]
+        else:
+            piece = shard_role(full, role, cfg_out, layout.tp)[t]
         if role.startswith("qkv.") and qkv_version < 2:
             piece = Derived(lambda x: qkv_from_grouped(x, qkv_version, heads_local, cfg.head_dim), [piece])
         if cast and dtype is not None and piece.dtype != dtype:
@@ -577,7 +649,9 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
 
     last_pp = layout.pp - 1
     vpp = layout.vpp or 1
-    for p, t, e in [(p, t, e) for p in range(layout.pp) for e in range(layout.ep) for t in range(layout.tp)]:
+    grid = expert_grid(layout.tp, layout.ep, layout.expert_tp)  # the (TP, EP) pairs Megatron-LM's ranks load
+    for p, t, e in [(p, t, e) for p in range(layout.pp) for e in range(layout.ep) for t in range(layout.tp)
+                    if (t, e) in grid]:
         stage_chunks = [c for c in chunks if c[0] == p]
         if rank_filter and not rank_filter(t, p, e):
             continue

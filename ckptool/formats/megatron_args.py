@@ -201,7 +201,7 @@ def moe_args(moe: Optional[MoE], num_layers: int, layout: Layout) -> Dict[str, A
                 moe_router_num_groups=moe.num_groups if moe.num_groups > 1 else None,
                 moe_router_group_topk=moe.group_topk if moe.num_groups > 1 else None,
                 moe_grouped_gemm=False, expert_model_parallel_size=layout.ep,
-                expert_tensor_parallel_size=layout.tp)
+                expert_tensor_parallel_size=layout.expert_tp)
 
 
 def as_megatron_core_computes(cfg: GPTConfig):
