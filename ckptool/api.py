@@ -101,7 +101,7 @@ def merge(src, dst, *, format: Optional[str] = None, dialect: Optional[str] = No
           release: Optional[bool] = None, dtype=None, make_vocab_size_divisible_by: Optional[int] = None,
           pad_fill: str = "zero", optimizer: bool = True, distributed_optimizer: bool = False,
           dp: Optional[int] = None, force: bool = False, progress: Optional[Progress] = None,
-          warn: Optional[Warn] = None, **read_options) -> ConversionResult:
+          warn: Optional[Warn] = None, moe_grouped_gemm: Optional[bool] = None, **read_options) -> ConversionResult:
     """Merge a model-parallel checkpoint into one rank (TP1 PP1), as `ckptool merge SRC DST`.
 
     format: "torch" or "torch_dist" (default: the source's); dialect: Megatron key names to write
@@ -111,14 +111,21 @@ def merge(src, dst, *, format: Optional[str] = None, dialect: Optional[str] = No
     writes the weights only, without reading the source's optimizer state; summary["optimizer"] says what
     was carried); distributed_optimizer: write it as Megatron's distributed optimizer does
     (distrib_optim.pt beside each rank file) for a resuming run with dp data-parallel ranks (default
-    1); force: replace dst.
+    1); force: replace dst; moe_grouped_gemm: MoE experts for a run with --moe-grouped-gemm (torch format,
+    mcore-te dialect: TEGroupedMLP; default: as the source when it is that dialect, else SequentialMLP).
     progress(bytes, total) and warn(message) are called as the write goes on.
     read_options as for open(). Returns the ConversionResult; raises CkptError."""
     ckpt = _open_source(src, optimizer, read_options)
     return _write_megatron_family("merge", src, dst, ckpt, Layout(1, 1), force, progress, warn,
                                   format=format, dialect=dialect, release=release, dtype=dtype,
                                   make_vocab_size_divisible_by=make_vocab_size_divisible_by, pad_fill=pad_fill,
-                                  **_training_state_options(optimizer, distributed_optimizer, dp))
+                                  **_training_state_options(optimizer, distributed_optimizer, dp),
+                                  **_expert_form(moe_grouped_gemm))
+
+
+def _expert_form(moe_grouped_gemm: Optional[bool]) -> dict:
+    """The writer option for the experts' module form, only when the caller chose one."""
+    return {} if moe_grouped_gemm is None else {"moe_grouped_gemm": moe_grouped_gemm}
 
 
 def reshard(src, dst, *, tp: int, pp: int = 1, vpp: Optional[int] = None, ep: int = 1, etp: Optional[int] = None,
@@ -126,7 +133,7 @@ def reshard(src, dst, *, tp: int, pp: int = 1, vpp: Optional[int] = None, ep: in
             dialect: Optional[str] = None, release: Optional[bool] = None, dtype=None,
             make_vocab_size_divisible_by: Optional[int] = None, pad_fill: str = "zero", optimizer: bool = True,
             distributed_optimizer: bool = False, dp: Optional[int] = None, force: bool = False, progress: Optional[Progress] = None, warn: Optional[Warn] = None,
-            **read_options) -> ConversionResult:
+            moe_grouped_gemm: Optional[bool] = None, **read_options) -> ConversionResult:
     """Rewrite any checkpoint ckptool reads at Megatron's layout for tp / pp (/ vpp), as
     `ckptool reshard SRC DST --tp N`. pp_layers: layers per pipeline stage ("3,5" or [3, 5]) for an
     uneven split; vpp below 2 means no virtual pipeline; ep: expert-parallel ranks of an MoE model's
@@ -138,7 +145,8 @@ def reshard(src, dst, *, tp: int, pp: int = 1, vpp: Optional[int] = None, ep: in
     return _write_megatron_family("reshard", src, dst, ckpt, layout, force, progress, warn,
                                   format=format, dialect=dialect, release=release, dtype=dtype,
                                   make_vocab_size_divisible_by=make_vocab_size_divisible_by, pad_fill=pad_fill,
-                                  **_training_state_options(optimizer, distributed_optimizer, dp))
+                                  **_training_state_options(optimizer, distributed_optimizer, dp),
+                                  **_expert_form(moe_grouped_gemm))
 
 
 def fix_vocab(src, dst, *, size: Optional[int] = None, multiple: Optional[int] = None,
@@ -282,7 +290,7 @@ def from_hf(src, dst, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep
             pp_layers: Union[str, Sequence[int], None] = None, dialect: str = "mcore", dtype=None,
             make_vocab_size_divisible_by: Optional[int] = None, pad_fill: str = "zero", force: bool = False,
             true_vocab_size: Optional[int] = None, progress: Optional[Progress] = None,
-            warn: Optional[Warn] = None) -> ConversionResult:
+            warn: Optional[Warn] = None, moe_grouped_gemm: Optional[bool] = None) -> ConversionResult:
     """Convert a Hugging Face GPT-2 / Llama / Mistral / Qwen2 / Qwen3 directory into a Megatron torch-format
     checkpoint at tp / pp (/ vpp, pp_layers; ep and etp for MoE models), as `ckptool from-hf`. The vocabulary is padded for tp
     as Megatron pads it (make_vocab_size_divisible_by, default 128); true_vocab_size overrides
@@ -296,7 +304,8 @@ def from_hf(src, dst, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep
                     etp=etp)
     return _write_megatron_family("from-hf", src, dst, ckpt, layout, force, progress, warn, format="torch",
                                   dialect=dialect, dtype=dtype, pad_fill=pad_fill,
-                                  make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+                                  make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                                  **_expert_form(moe_grouped_gemm))
 
 
 # --- verify ---------------------------------------------------------------------------------------

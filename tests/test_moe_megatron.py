@@ -167,8 +167,8 @@ def test_bad_layouts_and_formats_are_refused(moe, tmp_path):
         api.reshard(moe / "src", tmp_path / "a", tp=1, ep=3, warn=lambda m: None)
     with pytest.raises(CkptError, match="torch_dist output of MoE models is not supported"):
         api.reshard(moe / "src", tmp_path / "b", tp=1, format="torch_dist", warn=lambda m: None)
-    with pytest.raises(CkptError, match="mcore-te dialect has no place for MoE experts"):
-        api.reshard(moe / "src", tmp_path / "c", tp=1, dialect="mcore-te", warn=lambda m: None)
+    with pytest.raises(CkptError, match="legacy-norm dialect has no place for MoE experts"):
+        api.reshard(moe / "src", tmp_path / "c", tp=1, dialect="legacy-norm", warn=lambda m: None)
     assert not any((tmp_path / n).exists() for n in "abc")
     # a missing expert-parallel rank is named
     broken = tmp_path / "broken"
@@ -186,18 +186,117 @@ def test_bad_layouts_and_formats_are_refused(moe, tmp_path):
         read_megatron(_with_args(moe / "src", tmp_path / "ffn", moe_ffn_hidden_size=12))
 
 
-def test_legacy_grouped_gemm_experts_are_refused_by_name(moe, tmp_path):
-    """The legacy GroupedMLP (`experts.weight1` [h, experts x fc1], `weight2`) needs grouped_gemm, absent
-    here: not read yet, and never silently left out."""
-    for form, rename in (("legacy", lambda k: k.replace("experts.local_experts.0.linear_fc1.weight", "experts.weight1")),):
-        dst = tmp_path / form
-        shutil.copytree(moe / "out_111", dst)
-        f = next(dst.glob("iter_*/mp_rank_*/model_optim_rng.pt"))
+class _Group:
+    """A process group's size and rank: all GroupedMLP's constructor and sharded_state_dict ask of one."""
+
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+def test_legacy_grouped_mlp_layout_is_megatron_cores(monkeypatch):
+    """ckptool's reading of GroupedMLP's weight1 / weight2 against megatron-core's own GroupedMLP.sharded_state_dict
+    (transformer/moe/experts.py), which states where each local expert's fc1 / fc2 shard lies in the global
+    [experts, out, in] tensors (the SequentialMLP-compatible form). grouped_gemm is only needed for the
+    forward, so its availability check is lifted to build the module on CPU, at every (TP, EP) rank of TP2 EP2."""
+    from types import SimpleNamespace
+    from megatron.core.transformer.moe import experts as mcore_experts
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from ckptool.formats.megatron import _unstack
+    from ckptool.formats.megatron_names import stack_expert_weights
+    from ckptool.lazy import Const
+    monkeypatch.setattr(mcore_experts.gg, "assert_grouped_gemm_is_available", lambda: None)
+    hidden, ffn, experts, tp, ep = 8, 6, 4, 2, 2
+    cfg = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=2, moe_ffn_hidden_size=ffn,
+                            num_moe_experts=experts, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                            add_bias_linear=False, use_cpu_initialization=True, expert_model_parallel_size=ep,
+                            expert_tensor_parallel_size=tp)
+    fc1 = torch.zeros(experts, 2 * ffn, hidden)  # megatron-core's global tensors, filled from its shards
+    fc2 = torch.zeros(experts, hidden, ffn)
+    ranks = {}
+    for t in range(tp):
+        for e in range(ep):
+            m = mcore_experts.GroupedMLP(experts // ep, cfg, SimpleNamespace(ep=_Group(ep, e), expt_tp=_Group(tp, t),
+                                                                           expt_dp=_Group(1, 0)))
+            with torch.no_grad():
+                m.weight1.normal_(), m.weight2.normal_()
+            ranks[(t, e)] = (m.weight1.detach().clone(), m.weight2.detach().clone())
+            for name, glob in (("weight1", fc1), ("weight2", fc2)):
+                built = m.sharded_state_dict(prefix="mlp.")[f"mlp.{name}"].build()
+                for sh in built if isinstance(built, list) else [built]:
+                    glob[tuple(slice(o, o + n) for o, n in zip(sh.global_offset, sh.data.shape))] = sh.data
+    r = ffn // tp
+    for (t, e), (w1, w2) in ranks.items():
+        pieces1 = dict(_unstack("experts.*.fc1.weight", Const(w1), experts // ep))
+        pieces2 = dict(_unstack("experts.*.fc2.weight", Const(w2), experts // ep))
+        for j in range(experts // ep):
+            g = e * (experts // ep) + j
+            want1 = torch.cat([fc1[g, t * r:(t + 1) * r], fc1[g, ffn + t * r:ffn + (t + 1) * r]])  # [gate_t; up_t]
+            assert torch.equal(pieces1[f"experts.{j}.fc1.weight"].load(), want1)
+            assert torch.equal(pieces2[f"experts.{j}.fc2.weight"].load(), fc2[g][:, t * r:(t + 1) * r])
+        # and the inverse gives GroupedMLP's tensors back, bit for bit
+        assert torch.equal(stack_expert_weights("fc1.weight", [pieces1[f"experts.{j}.fc1.weight"].load() for j in range(2)]), w1)
+        assert torch.equal(stack_expert_weights("fc2.weight", [pieces2[f"experts.{j}.fc2.weight"].load() for j in range(2)]), w2)
+
+
+def _as_legacy_grouped(src: Path, dst: Path) -> Path:
+    """megatron-core's SequentialMLP save with each rank's local experts stacked as GroupedMLP keeps them
+    (weight1 / weight2, the layout pinned to megatron-core's by the test above)."""
+    from ckptool.formats.megatron_names import stack_expert_weights
+    shutil.copytree(src, dst)
+    for f in dst.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
         state = torch.load(f, weights_only=False)
-        state["model"] = {rename(k): v for k, v in state["model"].items()}
+        model, stacks = {}, {}
+        for k, v in state["model"].items():
+            head, sep, rest = k.partition("mlp.experts.local_experts.")
+            if not sep:
+                model[k] = v
+            elif rest.endswith(".weight"):
+                j, fc = rest.split(".", 1)
+                stacks.setdefault((head, fc), {})[int(j)] = v
+        for (head, fc), by_j in stacks.items():
+            base = "fc1.weight" if fc.startswith("linear_fc1") else "fc2.weight"
+            model[f"{head}mlp.experts.weight{base[2]}"] = stack_expert_weights(base, [by_j[j] for j in sorted(by_j)])
+        state["model"] = model
+        state["args"].moe_grouped_gemm = True
         torch.save(state, f)
-        with pytest.raises(CkptError, match=r"keys are not part of a mcore GPT model \(e\.g\. decoder\.layers\.0\.mlp\.experts\."):
-            read_megatron(dst)
+    return dst
+
+
+def test_legacy_grouped_mlp_save_reads_as_the_same_model(moe, tmp_path):
+    legacy = _as_legacy_grouped(moe / "src", tmp_path / "legacy")
+    f = torch.load(next(legacy.glob("iter_*/mp_rank_01_001/model_optim_rng.pt")), weights_only=False)["model"]
+    assert f["decoder.layers.1.mlp.experts.weight1"].shape == (32, 2 * 24)  # [hidden, 2 experts x [gate_r; up_r]]
+    assert not any("local_experts" in k for k in f)
+    ck, src = read_megatron(legacy), read_megatron(moe / "src")
+    assert ck.source.dialect == "mcore" and ck.config.moe == src.config.moe and list(ck.tensors) == list(src.tensors)
+    for n in src.tensors:
+        assert torch.equal(ck.tensors[n].load(), src.tensors[n].load()), n
+    # written as SequentialMLP (ckptool does not write the legacy form), args saying so
+    said = []
+    api.reshard(legacy, tmp_path / "seq", tp=1, ep=2, warn=said.append)
+    out = torch.load(next((tmp_path / "seq").glob("iter_*/mp_rank_00_001/model_optim_rng.pt")), weights_only=False)
+    assert "decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight" in out["model"]
+    assert out["args"].moe_grouped_gemm is False
+    back = read_megatron(tmp_path / "seq")
+    assert all(torch.equal(back.tensors[n].load(), src.tensors[n].load()) for n in src.tensors)
+    with pytest.raises(CkptError, match="legacy GroupedMLP .* which ckptool reads but does not write"):
+        api.reshard(legacy, tmp_path / "no", tp=1, moe_grouped_gemm=True, warn=lambda m: None)
+    # a file mixing the two forms is refused by name, never read half
+    mixed = tmp_path / "mixed"
+    shutil.copytree(moe / "out_111", mixed)
+    fm = next(mixed.glob("iter_*/mp_rank_*/model_optim_rng.pt"))
+    state = torch.load(fm, weights_only=False)
+    state["model"] = {k.replace("experts.local_experts.0.linear_fc1.weight", "experts.weight1"): v
+                      for k, v in state["model"].items()}
+    torch.save(state, fm)
+    with pytest.raises(CkptError, match=r"legacy GroupedMLP tensors .* beside per-expert ones \(e\.g\. decoder\.layers\.0\.mlp\.experts\.local_experts"):
+        read_megatron(mixed)
 
 
 def test_verify_routes_the_expert_parallel_output_and_torchrun_refuses_moe(moe, tmp_path):
@@ -273,10 +372,34 @@ def test_te_grouped_experts_are_read_by_their_documented_layout(moe, tmp_path):
     assert te.source.dialect == "mcore-te" and te.config.moe == src.config.moe
     assert list(te.tensors) == list(src.tensors)
     assert all(torch.equal(te.tensors[n].load(), src.tensors[n].load()) for n in src.tensors)
-    with pytest.raises(CkptError, match="mcore-te dialect has no place for MoE experts"):
-        api.reshard(dst, tmp_path / "out", tp=1, warn=lambda m: None)  # written only as mcore
     api.reshard(dst, tmp_path / "mcore", tp=1, ep=2, dialect="mcore", warn=lambda m: None)
     assert read_megatron(tmp_path / "mcore").source.dialect == "mcore"
+    # ckptool writes the same files from the SequentialMLP save: every weight where the documented layout puts it
+    api.reshard(moe / "src", tmp_path / "ours", tp=2, ep=2, dialect="mcore-te", moe_grouped_gemm=True, warn=lambda m: None)
+    for f in dst.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
+        want = torch.load(f, weights_only=False)
+        got = torch.load(tmp_path / "ours" / f.relative_to(dst), weights_only=False)
+        weights = {k: v for k, v in got["model"].items() if not k.endswith("_extra_state")}
+        assert sorted(weights) == sorted(k for k in want["model"] if not k.endswith("_extra_state"))
+        assert all(torch.equal(v, want["model"][k]) for k, v in weights.items())
+        # a grouped linear's parameters fc by fc (weight0, weight1 of fc1, then of fc2): the optimizer's order
+        layer1 = [k for k in weights if k.startswith("decoder.layers.1.mlp.")]
+        assert layer1 == ["decoder.layers.1.mlp.router.weight"] + [
+            f"decoder.layers.1.mlp.experts.linear_fc{n}.weight{j}" for n in (1, 2) for j in range(2)]
+        assert {"decoder.layers.1.mlp.experts.linear_fc1._extra_state",
+                "decoder.layers.1.mlp.experts.linear_fc2._extra_state"} <= set(got["model"])
+        assert (got["args"].moe_grouped_gemm, got["args"].transformer_impl) == (True, "transformer_engine")
+    # the default keeps the source's form; --no-moe-grouped-gemm writes SequentialMLP of TE linears
+    for grouped, key in ((None, "mlp.experts.linear_fc2.weight0"), (False, "mlp.experts.local_experts.0.linear_fc2.weight")):
+        out = tmp_path / f"te_{grouped}"
+        api.reshard(dst, out, tp=1, moe_grouped_gemm=grouped, warn=lambda m: None)
+        model = torch.load(next(out.glob("iter_*/mp_rank_00/model_optim_rng.pt")), weights_only=False)["model"]
+        assert f"decoder.layers.0.{key}" in model and "decoder.layers.0.pre_mlp_layernorm.weight" in model
+        back = read_megatron(out)
+        assert all(torch.equal(back.tensors[n].load(), src.tensors[n].load()) for n in src.tensors)
+    with pytest.raises(CkptError, match="--moe-grouped-gemm: the model has no MoE layers"):
+        api.reshard(REPO / "fixtures" / "gpt2_mcore_tp2pp2" / "checkpoint", tmp_path / "d", tp=1,
+                    moe_grouped_gemm=True, warn=lambda m: None)
 
 
 def test_reads_the_expert_tp_save_of_megatron_core(moe_root):

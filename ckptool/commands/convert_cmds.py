@@ -90,6 +90,9 @@ def merge_cmd(src, dst, **kw):
               help="Target expert-parallel size (MoE models, torch format): EP rank r holds experts r*E/EP .. (r+1)*E/EP-1.")
 @click.option("--etp", type=int, default=None,
               help="Target expert tensor-parallel size (MoE models, torch format; default --tp; must divide --tp).")
+@click.option("--moe-grouped-gemm/--no-moe-grouped-gemm", default=None,
+              help="MoE experts for a run with --moe-grouped-gemm (torch format, --dialect mcore-te: TEGroupedMLP); "
+                   "default: as the source when it has that dialect, else SequentialMLP.")
 @click.option("--pp-layers", default=None,
               help="Layers per pipeline stage, comma separated (e.g. 3,5), for an uneven split.")
 @megatron_output_options

@@ -21,7 +21,7 @@ import torch
 
 from ..config import GPTConfig, Layout, check_tensor_parallel
 from ..errors import CkptError, require
-from ..io.torchfile import StreamingTorchWriter, load_torch_file, write_grouped
+from ..io.torchfile import StoredTensor, StreamingTorchWriter, load_torch_file, write_grouped
 from ..lazy import Const, Derived, LazyTensor
 from ..options import ReadOptions
 from ..roles import (assemble, global_role_tensor, layer_role_tensor, moe_layer_roles, scope_of, shard_role,
@@ -31,7 +31,8 @@ from ..state import Checkpoint, SourceInfo, in_model_order
 from ..vocab import resize_vocab, target_rows, with_true_vocab_size
 from . import megatron_args, megatron_distopt, megatron_training
 from .megatron_optim import RankParam, role_shards
-from .megatron_names import DIALECTS, Dialect, KeyMatcher, is_ignorable, qkv_from_grouped, qkv_to_grouped
+from .megatron_names import (DIALECTS, Dialect, KeyMatcher, is_ignorable, qkv_from_grouped, qkv_to_grouped,
+                             stacked_expert_block)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILES = ("model_optim_rng.pt", "model_rng.pt")
@@ -224,13 +225,15 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
 
     # Each rank's parameters in file order, which is the order Megatron built its optimizer from; an
     # expert's local index j on EP rank e is global expert e * (experts per rank) + j.
-    per_ep = max(_local_expert_count(chunks, matcher) for chunks in models.values())  # a stage may be all dense
+    stacked_local = _stacked_local_experts(all_keys, matcher, args, ep, it_dir)
+    per_ep = stacked_local or max(_local_expert_count(chunks, matcher) for chunks in models.values())  # a stage may be all dense
     params: Dict[Tuple[int, int, int], List[RankParam]] = {}
     for (t, p, e), chunks in models.items():
-        params[(t, p, e)] = [RankParam(key, _global_expert(hit[0], e, per_ep),
-                                       None if hit[1] is None else offsets[(p, v)] + hit[1], value, v)
+        params[(t, p, e)] = [RankParam(key, _global_expert(role, e, per_ep),
+                                       None if hit[1] is None else offsets[(p, v)] + hit[1], piece, v)
                              for v in sorted(chunks) for key, value in chunks[v].items()
-                             for hit in [matcher.match(key)] if hit is not None and isinstance(value, LazyTensor)]
+                             for hit in [matcher.match(key)] if hit is not None and isinstance(value, LazyTensor)
+                             for role, piece in _unstack(hit[0], value, stacked_local)]
     shards, head_copy = _weight_shards(params, grid, tp, etp)
     for (role, layer), parts in shards.items():
         if any(x is None for x in parts):
@@ -271,6 +274,9 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     if opts.optimizer and any(_is_optimizer_only(d) for d in it_dir.iterdir() if d.is_dir() and RANK_DIR.match(d.name)):
         warnings.append("optimizer state dropped: the 2022-23 distributed-optimizer form (one optim.pt per "
                         "data-parallel rank) is not carried; the output holds the weights only")
+    elif opts.optimizer and stacked_local and any("optimizer" in tree for tree in trees.values()):
+        warnings.append("optimizer state dropped: the legacy GroupedMLP's state (one entry for all local experts "
+                        "per fc) is not split per expert yet; the output holds the weights only")
     elif opts.optimizer and etp != tp and any("optimizer" in tree for tree in trees.values()):
         warnings.append(f"optimizer state dropped: expert tensor parallelism {etp} differs from TP {tp}, whose "
                         "optimizer layout ckptool does not read yet; the output holds the weights only")
@@ -408,6 +414,54 @@ def _local_expert_count(chunks: Dict[int, Dict[str, object]], matcher: KeyMatche
     return max(per_layer.values(), default=0)
 
 
+def _stacked_local_experts(keys, matcher: KeyMatcher, args, ep: int, it_dir: Path) -> int:
+    """Local experts per file of a legacy GroupedMLP save (0 for other expert forms): its one tensor per fc
+    does not say how many experts it stacks, the args do."""
+    if not any((hit := matcher.match(k)) is not None and hit[0].startswith("experts.*.") for k in keys):
+        return 0
+    per_expert = sorted(k for k in keys if (hit := matcher.match(k)) is not None and hit[0].startswith("experts.")
+                        and not hit[0].startswith("experts.*."))
+    require(not per_expert, f"{it_dir}: legacy GroupedMLP tensors (mlp.experts.weight1 / weight2) beside per-expert "
+            f"ones (e.g. {per_expert[0] if per_expert else ''})", "the rank files mix expert module forms; "
+            "they do not belong to one checkpoint")
+    experts = getattr(args, "num_experts", None)
+    require(isinstance(experts, int) and experts > 0 and experts % ep == 0,
+            f"{it_dir}: legacy GroupedMLP experts (mlp.experts.weight1 / weight2) but the args give no number of "
+            f"experts that {ep} expert-parallel ranks divide", "the args must carry --num-experts")
+    return experts // ep
+
+
+def _unstack(role: str, value: LazyTensor, local_experts: int):
+    """[(role, tensor)] of one key: itself, or each local expert's [out, in] shard of a stacked tensor."""
+    if not role.startswith("experts.*."):
+        return [(role, value)]
+    base = role[len("experts.*."):]
+    hidden = value.shape[0] if base == "fc1.weight" else value.shape[1]
+    n, block = stacked_expert_block(base, hidden, local_experts, value.numel)
+    require(n * local_experts == value.numel and n % hidden == 0,
+            f"a legacy GroupedMLP {base.split('.')[0]} of shape {tuple(value.shape)} does not hold {local_experts} "
+            "experts", "the args' --num-experts or expert-parallel size do not match the files")
+    return [(f"experts.{j}.{base}", Derived(lambda b: b.t().contiguous(), [_flat_block(value, j * n, block)]))
+            for j in range(local_experts)]
+
+
+def _flat_block(t: LazyTensor, first: int, shape: Tuple[int, int]) -> LazyTensor:
+    """Elements first .. first + prod(shape) - 1 of t's row-major order, as shape: a ranged read of a
+    contiguous stored tensor, else a slice of the loaded one."""
+    n = shape[0] * shape[1]
+    if isinstance(t, StoredTensor) and t.stride == tuple(_row_major_strides(t.shape)):
+        return StoredTensor(t.storage, t.offset + first, shape, (shape[1], 1))
+    return Derived(lambda x: x.reshape(-1)[first:first + n].reshape(shape), [t])
+
+
+def _row_major_strides(shape) -> List[int]:
+    out, step = [], 1
+    for size in reversed(shape):
+        out.append(step)
+        step *= size
+    return out[::-1]
+
+
 def _global_expert(role: str, ep_rank: int, per_ep: int) -> str:
     if not role.startswith("experts."):
         return role
@@ -535,7 +589,7 @@ def _check_dialect_fits(d: Dialect, cfg: GPTConfig, layout: Layout) -> None:
                 "drop --ep")
         require(layout.expert_tp == layout.tp, f"--etp {layout.etp}: the model has no MoE experts to cut", "drop --etp")
         return
-    require(bool(d.experts) and d.moe_writable, f"the {d.name} dialect has no place for MoE experts",
+    require(bool(d.experts), f"the {d.name} dialect has no place for MoE experts",
             "choose --dialect mcore (megatron-core's local spec, SequentialMLP experts)")
     require(not cfg.add_bias_linear, "MoE experts with linear biases (--add-bias-linear) are not written yet",
             "convert to Hugging Face with to-hf, or keep the source layout")
@@ -554,7 +608,7 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
                    pad_fill: str = "zero", iteration: Optional[int] = None,
                    progress: Optional[Callable[[int], None]] = None, warn=print,
                    rank_filter: Optional[Callable[[int, int, int], bool]] = None, optimizer: bool = True,
-                   distributed_optimizer: bool = False, dp: int = 1) -> dict:
+                   distributed_optimizer: bool = False, dp: int = 1, moe_grouped_gemm: Optional[bool] = None) -> dict:
     """Write ckpt as a Megatron torch-format checkpoint with the given layout into out_dir.
 
     With optimizer (the default) and a source holding optimizer state, each rank file also holds
@@ -565,7 +619,9 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
     MoE models are written at layout.ep expert-parallel ranks and expert TP layout.expert_tp: one file per
     (TP, PP, EP) rank in mp_rank_TT[_PPP][_EEE], holding the dense part and that EP rank's experts under
     their local index, cut at expert-TP rank TT % ETP; with expert TP below TP only the (TP, EP) pairs
-    Megatron-LM's ranks load exist (expert_grid), as Megatron-LM saves them.
+    Megatron-LM's ranks load exist (expert_grid), as Megatron-LM saves them. moe_grouped_gemm: the target
+    run uses --moe-grouped-gemm, so the experts are written as the dialect's grouped module (mcore-te:
+    TEGroupedMLP) and the args say so; None keeps the source's choice where the dialect is the source's.
 
     Returns a summary dict (files, bytes, padded vocab, iteration dir). rank_filter(tp, pp, ep) lets a
     distributed run write only its share of the files.
@@ -577,6 +633,8 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
     d = DIALECTS[name]
     check_tensor_parallel(cfg, layout.tp)
     _check_dialect_fits(d, cfg, layout)
+    grouped = _grouped_gemm(ckpt, d, moe_grouped_gemm)
+    expert_keys = d.grouped_experts if grouped else (d.experts[0] if d.experts else {})
     chunks = layout.chunks(cfg.num_layers)
     if layout.stage_layers and layout.pp > 2:
         mids = set(layout.stage_layers[1:-1])
@@ -623,7 +681,7 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
     if d.has_args:
         args = megatron_args.args_for_target(ckpt.source.args if ckpt.source.format in ("megatron", "torch_dist", "deepspeed") else None,
                                              cfg_out, layout, rows, out_dtype, d.legacy_models,
-                                             d.transformer_impl, version or 3.0, iteration)
+                                             d.transformer_impl, version or 3.0, iteration, grouped_gemm=grouped)
     distributed = megatron_training.DistributedTarget.for_target(train, distributed_optimizer, dp, args, out_dtype, cfg, layout)
     it_name = "release" if release else f"iter_{iteration:07d}"
     it_dir = Path(out_dir) / it_name
@@ -673,23 +731,27 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
             for local in range(count):
                 g = first + local
                 prefix = d.layer_prefix.format(i=local)
+                moe_layer = cfg_out.is_moe_layer(g)
                 for role in layer_roles:
                     if layer_role_tensor(tensors, cfg_out, g, role) is None:
                         continue
                     if role not in d.layer:
                         raise CkptError(f"the {d.name} dialect has no place for {role} tensors",
                                         "choose --dialect mcore")
-                    put(flat, prefix + d.layer[role], role, g, megatron_training.layer_slots(tensors, train, cfg_out, g, role), g)
-                moe_layer = cfg_out.is_moe_layer(g)
+                    key = d.moe_layer.get(role, d.layer[role]) if moe_layer else d.layer[role]
+                    put(flat, prefix + key, role, g, megatron_training.layer_slots(tensors, train, cfg_out, g, role), g)
                 if moe_layer:
                     experts = layout.local_experts(cfg_out.moe.num_experts, e)
-                    for role in moe_layer_roles(cfg_out, experts):
+                    roles = moe_layer_roles(cfg_out, experts)
+                    if grouped:
+                        roles = _fc_major(roles)
+                    for role in roles:
                         if layer_role_tensor(tensors, cfg_out, g, role) is not None:
-                            put(flat, prefix + _moe_key(d, role, experts.start), role, g,
+                            put(flat, prefix + _moe_key(d, expert_keys, role, experts.start), role, g,
                                 megatron_training.layer_slots(tensors, train, cfg_out, g, role), g)
-                    for j in range(len(experts)):
-                        for extra in d.expert_extra_state:
-                            flat[prefix + extra.format(j=j)] = _extra_state_value(d)
+                    for extra in (d.grouped_extra_state if grouped else
+                                  [x.format(j=j) for j in range(len(experts)) for x in d.expert_extra_state]):
+                        flat[prefix + extra] = _extra_state_value(d)
                     if cfg_out.moe.shared_ffn_hidden_size:
                         for extra in d.shared_extra_state:
                             flat[prefix + extra] = _extra_state_value(d)
@@ -738,14 +800,38 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
     return summary
 
 
-def _moe_key(d: Dialect, role: str, first_expert: int) -> str:
+def _moe_key(d: Dialect, expert_keys: Dict[str, str], role: str, first_expert: int) -> str:
     """The layer-relative key of an MoE role: the router's and shared expert's from the dialect, an
-    expert's with its index local to the EP rank whose experts start at first_expert."""
+    expert's from expert_keys with its index local to the EP rank whose experts start at first_expert."""
     if role in d.moe_layer:
         return d.moe_layer[role]
     mlp, base = scope_of(role)
     e = int(mlp.split(".")[2])
-    return d.experts[0][base].format(j=e - first_expert)
+    return expert_keys[base].format(j=e - first_expert)
+
+
+def _fc_major(roles: List[str]) -> List[str]:
+    """An MoE layer's roles with the experts' fc by fc (every local expert's fc1, then every fc2), as a grouped
+    linear registers its weight0 .. weightN-1 (parameter order = optimizer order); the rest in place."""
+    experts = [r for r in roles if r.startswith("experts.")]
+    first = roles.index(experts[0])
+    ordered = sorted(experts, key=lambda r: scope_of(r)[1])  # stable: local experts in order within each fc
+    return roles[:first] + ordered + [r for r in roles[first:] if not r.startswith("experts.")]
+
+
+def _grouped_gemm(ckpt: Checkpoint, d: Dialect, asked: Optional[bool]) -> bool:
+    """Whether the experts are written in the dialect's --moe-grouped-gemm form (see write_megatron)."""
+    if ckpt.config.moe is None:
+        require(not asked, "--moe-grouped-gemm: the model has no MoE layers", "drop --moe-grouped-gemm")
+        return False
+    if asked is None:  # keep the source run's form when writing its own dialect
+        src = ckpt.source
+        return bool(d.grouped_experts) and src.format == "megatron" and src.dialect == d.name and \
+            bool(getattr(src.args, "moe_grouped_gemm", False)) and not getattr(src.args, "moe_use_legacy_grouped_gemm", False)
+    require(not asked or d.grouped_experts is not None,
+            f"--moe-grouped-gemm with the {d.name} dialect means the legacy GroupedMLP (mlp.experts.weight1 / weight2), "
+            "which ckptool reads but does not write", "write --dialect mcore-te (TEGroupedMLP), or SequentialMLP experts")
+    return bool(asked)
 
 
 def _extra_state_value(d: Dialect):
