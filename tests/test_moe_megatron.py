@@ -461,3 +461,32 @@ def test_expert_tp_refusals(moe_root, tmp_path):
         api.reshard(REPO / "fixtures" / "gpt2_mcore_tp2pp2" / "checkpoint", tmp_path / "c", tp=2, etp=1,
                     warn=lambda m: None)
     assert not (tmp_path / "c").exists()
+
+
+def test_mtp_layers_and_unknown_expert_modules_are_refused_by_name(moe, tmp_path):
+    """Nothing is dropped silently: multi-token prediction layers (megatron-core's GPTModel.mtp: enorm, hnorm,
+    eh_proj, transformer_layer, final_layernorm per MTP layer) and expert modules ckptool does not know are
+    named, and no output is written."""
+    def with_keys(name, extra, **args):
+        dst = tmp_path / name
+        shutil.copytree(moe / "out_111", dst)
+        f = next(dst.glob("iter_*/mp_rank_*/model_optim_rng.pt"))
+        state = torch.load(f, weights_only=False)
+        state["model"].update(extra)
+        for k, v in args.items():
+            setattr(state["args"], k, v)
+        torch.save(state, f)
+        return dst
+    w = torch.zeros(32, 64)
+    mtp = with_keys("mtp", {"mtp.layers.0.eh_proj.weight": w, "mtp.layers.0.enorm.weight": torch.ones(32),
+                            "mtp.layers.0.transformer_layer.self_attention.linear_qkv.weight": w})
+    with pytest.raises(CkptError, match=r"multi-token prediction \(MTP\) layers \(--mtp-num-layers\): 3 keys such as mtp\.layers\.0\."):
+        read_megatron(mtp)
+    with pytest.raises(CkptError, match="multi-token prediction"):
+        api.reshard(mtp, tmp_path / "out", tp=1, warn=lambda m: None)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(CkptError, match="the args say --mtp-num-layers 1"):
+        read_megatron(with_keys("mtp_args", {}, mtp_num_layers=1))
+    odd = with_keys("odd", {"decoder.layers.0.mlp.experts.experts.linear_fc1.weight": torch.zeros(4, 48, 32)})
+    with pytest.raises(CkptError, match=r"an MoE expert module ckptool does not know: 1 keys such as decoder\.layers\.0\.mlp\.experts\.experts"):
+        read_megatron(odd)

@@ -31,8 +31,8 @@ from ..state import Checkpoint, SourceInfo, in_model_order
 from ..vocab import resize_vocab, target_rows, with_true_vocab_size
 from . import megatron_args, megatron_distopt, megatron_training
 from .megatron_optim import RankParam, role_shards
-from .megatron_names import (DIALECTS, Dialect, KeyMatcher, is_ignorable, qkv_from_grouped, qkv_to_grouped,
-                             stacked_expert_block)
+from .megatron_names import (DIALECTS, REFUSED_KEYS, Dialect, KeyMatcher, is_ignorable, qkv_from_grouped,
+                             qkv_to_grouped, refused_module, stacked_expert_block)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILES = ("model_optim_rng.pt", "model_rng.pt")
@@ -202,6 +202,14 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     matcher = KeyMatcher(dialect)
     unknown = sorted(k for k in all_keys if matcher.match(k) is None and not is_ignorable(k)
                      and not (isinstance(_any_value(models, k), type(None))))
+    for key in unknown:  # modules ckptool knows it does not convert, by name
+        refused = refused_module(key)
+        if refused:
+            raise CkptError(f"{it_dir}: {refused[0]}: {sum(1 for k in unknown if refused_module(k) == refused)} "
+                            f"keys such as {key}", refused[1])
+    mtp = getattr(args, "mtp_num_layers", None)
+    require(not mtp, f"{it_dir}: the args say --mtp-num-layers {mtp}: multi-token prediction (MTP) layers",
+            REFUSED_KEYS[0][2])
     if unknown:
         raise CkptError(f"{len(unknown)} keys are not part of a {dialect.name} GPT model "
                         f"(e.g. {', '.join(unknown[:3])})",

@@ -229,6 +229,25 @@ class KeyMatcher:
         return None
 
 
+# Keys of modules ckptool knows and does not convert: (pattern, what they are, what to do). The reader names
+# them instead of the generic "not part of a GPT model", and never leaves them out of an output.
+REFUSED_KEYS = (
+    (re.compile(r"(^|[./])mtp[./]"), "multi-token prediction (MTP) layers (--mtp-num-layers)",
+     "ckptool does not convert MTP modules yet; convert a checkpoint of a run without MTP"),
+    (re.compile(r"(^|[./])mlp\.experts\."), "an MoE expert module ckptool does not know",
+     "ckptool reads SequentialMLP (local_experts.{j}), TEGroupedMLP (linear_fc1.weight{j}) and the legacy "
+     "GroupedMLP (weight1 / weight2) experts"),
+)
+
+
+def refused_module(key: str):
+    """(what, hint) when key belongs to a module of REFUSED_KEYS, else None."""
+    for pattern, what, hint in REFUSED_KEYS:
+        if pattern.search(key):
+            return what, hint
+    return None
+
+
 def is_ignorable(key: str) -> bool:
     """Keys that carry no weights: TE/local extra state, legacy alias params, causal-mask buffers."""
     tail = key.rsplit(".", 1)[-1].rsplit("/", 1)[-1]
