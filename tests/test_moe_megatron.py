@@ -10,6 +10,7 @@ whose logits transformers computes equal to megatron-core's.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -490,3 +491,55 @@ def test_mtp_layers_and_unknown_expert_modules_are_refused_by_name(moe, tmp_path
     odd = with_keys("odd", {"decoder.layers.0.mlp.experts.experts.linear_fc1.weight": torch.zeros(4, 48, 32)})
     with pytest.raises(CkptError, match=r"an MoE expert module ckptool does not know: 1 keys such as decoder\.layers\.0\.mlp\.experts\.experts"):
         read_megatron(odd)
+
+
+# Runs in a child: a synthetic MoE model (lazy random bf16, scripts/synthetic.py) written at EP2; reports the
+# peak-RSS growth during the write. argv: out dir, "expert" (ckptool's unit) or "layer" (a whole layer per unit).
+MEMORY_PROBE = r"""
+import json, sys, torch
+sys.path.insert(0, sys.argv[3])
+from synthetic import _random
+from make_random_gpt import canonical_shape
+from ckptool.config import GPTConfig, Layout, MoE
+from ckptool.state import Checkpoint, SourceInfo, expected_names
+from ckptool.convert import write_layout
+import ckptool.formats.megatron as megatron
+if sys.argv[2] == "layer":
+    megatron._write_unit = lambda layer, role: (layer, 0)
+H, F, E = 512, 2048, 8
+cfg = GPTConfig(num_layers=2, hidden_size=H, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=F,
+                padded_vocab_size=1024, vocab_size=1000, vocab_size_source="test", max_position_embeddings=256,
+                position_embedding="rope", normalization="rmsnorm", activation="swiglu", add_bias_linear=False,
+                tied_embeddings=False, moe=MoE(num_experts=E, top_k=2, ffn_hidden_size=F, layers=(0, 1), topk_norm=True))
+shape = lambda n: (E, H) if n.endswith("router.weight") else canonical_shape(cfg, n)
+ckpt = Checkpoint(cfg, {n: _random(n, shape(n), torch.bfloat16) for n in expected_names(cfg)},
+                  SourceInfo(path="<synthetic>", format="synthetic", dialect="mcore"))
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets VmHWM to the current RSS
+before = status("VmRSS:")
+write_layout(ckpt, sys.argv[1], Layout(tp=1, ep=2), warn=lambda m: None)
+print(json.dumps({"growth": status("VmHWM:") - before, "expert": 3 * H * F * 2, "layer_experts": E * 3 * H * F * 2}))
+"""
+
+
+def test_the_writer_streams_an_moe_layer_expert_by_expert(tmp_path):
+    """A layer's experts can be many GB (issue 16, Memory): the torch writer's unit of work is one expert (all its
+    ranks' pieces), so peak RSS grows by about two experts in flight, not by the layer. Measured against the
+    same write with a whole layer per unit (8 experts of 6 MiB: the layer's experts are 48 MiB)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    got = {}
+    for unit in ("expert", "layer"):
+        r = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(tmp_path / unit), unit, str(REPO / "scripts")],
+                           capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        got[unit] = json.loads(r.stdout.strip().splitlines()[-1])
+    expert, layer = got["expert"]["expert"], got["expert"]["layer_experts"]
+    assert got["expert"]["growth"] < 4 * expert + (32 << 20), got  # two units in flight, each ~2 experts' bytes
+    assert got["layer"]["growth"] > layer, got  # the measurement sees a layer when the unit is one
+    back = read_megatron(tmp_path / "expert")  # and the output is whole
+    assert back.source.layout.ep == 2 and len([n for n in back.tensors if ".experts." in n]) == 2 * 8 * 3

@@ -696,7 +696,7 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
     it_dir.mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / TRACKER).write_text("release" if release else str(iteration))
 
-    group_of: Dict[int, int] = {}
+    group_of: Dict[int, Tuple[int, int]] = {}
     writers = []
     heads_local = cfg.num_attention_heads // layout.tp
     layer_roles = d.param_order + tuple(r for r in LAYER_ROLES if r not in d.param_order)
@@ -735,7 +735,7 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
             if p == 0 and v == 0:
                 for role in ("word", "pos"):
                     if global_role_tensor(tensors, role) is not None:
-                        put(flat, d.globals[role], role, None, megatron_training.global_slots(tensors, train, role), -1)
+                        put(flat, d.globals[role], role, None, megatron_training.global_slots(tensors, train, role), (-1, 0))
             for local in range(count):
                 g = first + local
                 prefix = d.layer_prefix.format(i=local)
@@ -747,7 +747,7 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
                         raise CkptError(f"the {d.name} dialect has no place for {role} tensors",
                                         "choose --dialect mcore")
                     key = d.moe_layer.get(role, d.layer[role]) if moe_layer else d.layer[role]
-                    put(flat, prefix + key, role, g, megatron_training.layer_slots(tensors, train, cfg_out, g, role), g)
+                    put(flat, prefix + key, role, g, megatron_training.layer_slots(tensors, train, cfg_out, g, role), (g, 0))
                 if moe_layer:
                     experts = layout.local_experts(cfg_out.moe.num_experts, e)
                     roles = moe_layer_roles(cfg_out, experts)
@@ -756,7 +756,7 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
                     for role in roles:
                         if layer_role_tensor(tensors, cfg_out, g, role) is not None:
                             put(flat, prefix + _moe_key(d, expert_keys, role, experts.start), role, g,
-                                megatron_training.layer_slots(tensors, train, cfg_out, g, role), g)
+                                megatron_training.layer_slots(tensors, train, cfg_out, g, role), _write_unit(g, role))
                     for extra in (d.grouped_extra_state if grouped else
                                   [x.format(j=j) for j in range(len(experts)) for x in d.expert_extra_state]):
                         flat[prefix + extra] = _extra_state_value(d)
@@ -769,12 +769,12 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
             if p == last_pp and v == vpp - 1:
                 for role in ("final_norm.weight", "final_norm.bias"):
                     if global_role_tensor(tensors, role) is not None:
-                        put(flat, d.globals[role], role, None, megatron_training.global_slots(tensors, train, role), cfg.num_layers)
+                        put(flat, d.globals[role], role, None, megatron_training.global_slots(tensors, train, role), (cfg.num_layers, 0))
                 if not cfg.tied_embeddings:
                     put(flat, d.globals["output"], "output", None, megatron_training.global_slots(tensors, train, "output"),
-                        cfg.num_layers)
+                        (cfg.num_layers, 0))
                 elif layout.pp > 1 and d.head_copy:  # a parameter of its own, kept in sync by Megatron
-                    put(flat, d.head_copy, "word", None, megatron_training.global_slots(tensors, train, "word"), cfg.num_layers)
+                    put(flat, d.head_copy, "word", None, megatron_training.global_slots(tensors, train, "word"), (cfg.num_layers, 0))
                 if (not cfg.tied_embeddings or layout.pp > 1):
                     for extra in d.global_extra_state:
                         flat[extra] = _extra_state_value(d)
@@ -816,6 +816,14 @@ def _moe_key(d: Dialect, expert_keys: Dict[str, str], role: str, first_expert: i
     mlp, base = scope_of(role)
     e = int(mlp.split(".")[2])
     return expert_keys[base].format(j=e - first_expert)
+
+
+def _write_unit(layer: int, role: str) -> Tuple[int, int]:
+    """The streaming group of a layer's tensor: (layer, 0), or (layer, 1 + e) for routed expert e's, so the
+    writer holds one expert (all its ranks' pieces and optimizer slots) at a time, not a whole MoE layer,
+    whose experts can be many GB (peak about two units in flight: torchfile.write_grouped)."""
+    mlp, _ = scope_of(role)
+    return (layer, 1 + int(mlp.split(".")[2])) if role.startswith("experts.") else (layer, 0)
 
 
 def _fc_major(roles: List[str]) -> List[str]:
