@@ -630,6 +630,7 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
     Megatron-LM's ranks load exist (expert_grid), as Megatron-LM saves them. moe_grouped_gemm: the target
     run uses --moe-grouped-gemm, so the experts are written as the dialect's grouped module (mcore-te:
     TEGroupedMLP) and the args say so; None keeps the source's choice where the dialect is the source's.
+    Tensors stream one layer at a time, an MoE layer's routed experts one expert at a time (_write_unit).
 
     Returns a summary dict (files, bytes, padded vocab, iteration dir). rank_filter(tp, pp, ep) lets a
     distributed run write only its share of the files.
