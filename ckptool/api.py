@@ -102,7 +102,7 @@ def merge(src, dst, *, format: Optional[str] = None, dialect: Optional[str] = No
           pad_fill: str = "zero", optimizer: bool = True, distributed_optimizer: bool = False,
           dp: Optional[int] = None, overlap_grad_reduce: Optional[bool] = None, ddp_bucket_size: Optional[int] = None,
           distrib_optim_era: Optional[str] = None, force: bool = False, progress: Optional[Progress] = None,
-          warn: Optional[Warn] = None, **read_options) -> ConversionResult:
+          warn: Optional[Warn] = None, moe_grouped_gemm: Optional[bool] = None, **read_options) -> ConversionResult:
     """Merge a model-parallel checkpoint into one rank (TP1 PP1), as `ckptool merge SRC DST`.
 
     format: "torch" or "torch_dist" (default: the source's); dialect: Megatron key names to write
@@ -114,7 +114,9 @@ def merge(src, dst, *, format: Optional[str] = None, dialect: Optional[str] = No
     (distrib_optim.pt beside each rank file) for a resuming run with dp data-parallel ranks (default
     1), overlap_grad_reduce and ddp_bucket_size (its buckets; default: the source run's) and the
     megatron-core of distrib_optim_era ("2024-07": today's form, the default; "2024-05", "2024-04",
-    "2024-02"); force: replace dst.
+    "2024-02"); force: replace dst; moe_grouped_gemm: MoE experts for a run with --moe-grouped-gemm
+    (torch format, mcore-te dialect: TEGroupedMLP; default: as the source when it is that dialect,
+    else SequentialMLP).
     progress(bytes, total) and warn(message) are called as the write goes on.
     read_options as for open(). Returns the ConversionResult; raises CkptError."""
     ckpt = _open_source(src, optimizer, read_options)
@@ -122,29 +124,37 @@ def merge(src, dst, *, format: Optional[str] = None, dialect: Optional[str] = No
                                   format=format, dialect=dialect, release=release, dtype=dtype,
                                   make_vocab_size_divisible_by=make_vocab_size_divisible_by, pad_fill=pad_fill,
                                   **_training_state_options(optimizer, distributed_optimizer, dp, overlap_grad_reduce,
-                                                            ddp_bucket_size, distrib_optim_era))
+                                                            ddp_bucket_size, distrib_optim_era),
+                                  **_expert_form(moe_grouped_gemm))
 
 
-def reshard(src, dst, *, tp: int, pp: int = 1, vpp: Optional[int] = None, ep: int = 1,
+def _expert_form(moe_grouped_gemm: Optional[bool]) -> dict:
+    """The writer option for the experts' module form, only when the caller chose one."""
+    return {} if moe_grouped_gemm is None else {"moe_grouped_gemm": moe_grouped_gemm}
+
+
+def reshard(src, dst, *, tp: int, pp: int = 1, vpp: Optional[int] = None, ep: int = 1, etp: Optional[int] = None,
             pp_layers: Union[str, Sequence[int], None] = None, format: Optional[str] = None,  # noqa: A002
             dialect: Optional[str] = None, release: Optional[bool] = None, dtype=None,
             make_vocab_size_divisible_by: Optional[int] = None, pad_fill: str = "zero", optimizer: bool = True,
             distributed_optimizer: bool = False, dp: Optional[int] = None, overlap_grad_reduce: Optional[bool] = None,
             ddp_bucket_size: Optional[int] = None, distrib_optim_era: Optional[str] = None, force: bool = False,
             progress: Optional[Progress] = None, warn: Optional[Warn] = None,
-            **read_options) -> ConversionResult:
+            moe_grouped_gemm: Optional[bool] = None, **read_options) -> ConversionResult:
     """Rewrite any checkpoint ckptool reads at Megatron's layout for tp / pp (/ vpp), as
     `ckptool reshard SRC DST --tp N`. pp_layers: layers per pipeline stage ("3,5" or [3, 5]) for an
     uneven split; vpp below 2 means no virtual pipeline; ep: expert-parallel ranks of an MoE model's
-    experts (torch format). Other options as for merge()."""
+    experts (torch format); etp: their expert tensor-parallel size (default tp; it must divide tp).
+    Other options as for merge()."""
     layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp is not None and vpp >= 2 else None,
-                    stage_layers=_stage_layers(pp_layers), ep=ep)
+                    stage_layers=_stage_layers(pp_layers), ep=ep, etp=etp)
     ckpt = _open_source(src, optimizer, read_options)
     return _write_megatron_family("reshard", src, dst, ckpt, layout, force, progress, warn,
                                   format=format, dialect=dialect, release=release, dtype=dtype,
                                   make_vocab_size_divisible_by=make_vocab_size_divisible_by, pad_fill=pad_fill,
                                   **_training_state_options(optimizer, distributed_optimizer, dp, overlap_grad_reduce,
-                                                            ddp_bucket_size, distrib_optim_era))
+                                                            ddp_bucket_size, distrib_optim_era),
+                                  **_expert_form(moe_grouped_gemm))
 
 
 def fix_vocab(src, dst, *, size: Optional[int] = None, multiple: Optional[int] = None,
@@ -167,7 +177,7 @@ def fix_vocab(src, dst, *, size: Optional[int] = None, multiple: Optional[int] =
     if rows % lay.tp:
         raise CkptError(f"{rows} rows cannot be split evenly across the checkpoint's {lay.tp} TP ranks",
                         f"choose a size that is a multiple of {lay.tp}")
-    layout = Layout(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, stage_layers=lay.stage_layers, ep=lay.ep)
+    layout = Layout(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, stage_layers=lay.stage_layers, ep=lay.ep, etp=lay.etp)
     # Megatron pads the true vocabulary to a multiple of divisible_by x TP: rows / TP gives `rows`.
     return _write_megatron_family("fix-vocab", src, dst, fixed, layout, force, progress, warn,
                                   format=format, dialect=dialect, release=release, dtype=dtype,
@@ -294,13 +304,13 @@ def _deepspeed_hf_to_hf(src, dst, dtype, max_shard_size, tokenizer, opts, model_
     return ConversionResult("to-hf", str(src), str(dst), summary, kind="deepspeed-hf")
 
 
-def from_hf(src, dst, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: int = 1,
+def from_hf(src, dst, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: int = 1, etp: Optional[int] = None,
             pp_layers: Union[str, Sequence[int], None] = None, dialect: str = "mcore", dtype=None,
             make_vocab_size_divisible_by: Optional[int] = None, pad_fill: str = "zero", force: bool = False,
             true_vocab_size: Optional[int] = None, progress: Optional[Progress] = None,
-            warn: Optional[Warn] = None) -> ConversionResult:
+            warn: Optional[Warn] = None, moe_grouped_gemm: Optional[bool] = None) -> ConversionResult:
     """Convert a Hugging Face GPT-2 / Llama / Mistral / Qwen2 / Qwen3 directory into a Megatron torch-format
-    checkpoint at tp / pp (/ vpp, pp_layers; ep for MoE models), as `ckptool from-hf`. The vocabulary is padded for tp
+    checkpoint at tp / pp (/ vpp, pp_layers; ep and etp for MoE models), as `ckptool from-hf`. The vocabulary is padded for tp
     as Megatron pads it (make_vocab_size_divisible_by, default 128); true_vocab_size overrides
     config.json's vocab_size. Other options as for merge()."""
     from .formats import hf as hf_reader
@@ -308,10 +318,12 @@ def from_hf(src, dst, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep
         raise CkptError(f"{src}: not a Hugging Face GPT-2/Llama/Mistral/Qwen2/Qwen3 (or Mixtral/Qwen-MoE) directory",
                         "expected a directory with config.json and model.safetensors or pytorch_model.bin")
     ckpt = hf_reader.read(Path(src), ReadOptions(true_vocab_size=true_vocab_size))
-    layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp and vpp > 1 else None, stage_layers=_stage_layers(pp_layers), ep=ep)
+    layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp and vpp > 1 else None, stage_layers=_stage_layers(pp_layers), ep=ep,
+                    etp=etp)
     return _write_megatron_family("from-hf", src, dst, ckpt, layout, force, progress, warn, format="torch",
                                   dialect=dialect, dtype=dtype, pad_fill=pad_fill,
-                                  make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+                                  make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                                  **_expert_form(moe_grouped_gemm))
 
 
 # --- verify ---------------------------------------------------------------------------------------

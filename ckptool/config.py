@@ -226,6 +226,11 @@ class Layout:
     stage_layers: Optional[Sequence[int]] = None
     dp: int = 1
     ep: int = 1  # expert parallelism: EP rank r holds experts r * E/EP .. (r + 1) * E/EP - 1 of each MoE layer
+    etp: Optional[int] = None  # expert tensor parallelism (Megatron's --expert-tensor-parallel-size); None: = tp
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
 
     def chunks(self, num_layers: int) -> list:
         """[(pp_rank, vpp_chunk, first_global_layer, layer_count)] in global layer order."""
@@ -265,6 +270,8 @@ class Layout:
             s += f" VPP{self.vpp}"
         if self.ep > 1:
             s += f" EP{self.ep}"
+        if self.expert_tp != self.tp:
+            s += f" ETP{self.expert_tp}"
         if self.stage_layers:
             s += " layers/stage " + ",".join(map(str, self.stage_layers))
         return s

@@ -56,6 +56,9 @@ def write_layout(ckpt: Checkpoint, dst, layout: Layout, fmt: Optional[str] = Non
     if fmt not in WRITERS:
         raise CkptError(f"unknown output format {fmt!r}", f"choose one of {', '.join(sorted(WRITERS))}")
     refuse_moe(ckpt, fmt)
+    if fmt != "torch" and kw.pop("moe_grouped_gemm", None):
+        raise CkptError(f"--moe-grouped-gemm chooses the experts' module in Megatron's torch format, not {fmt}",
+                        "add --format torch")
     if kw.get("distributed_optimizer") and fmt != "torch":
         raise CkptError(f"--distributed-optimizer writes Megatron's torch format (distrib_optim.pt), not {fmt}",
                         "add --format torch")

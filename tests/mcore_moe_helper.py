@@ -2,7 +2,7 @@
 GPTModel with MoE layers (local spec: SequentialMLP experts `mlp.experts.local_experts.{j}`, router
 `mlp.router.weight`, allgather token dispatcher), saved and loaded in Megatron-LM's torch format.
 
-  "save DIR --tp T --ep E [--pp P] [--arch mixtral|qwen2moe] --out FILE"   build the model at TP x EP (x PP), write
+  "save DIR --tp T --ep E [--pp P] [--etp M] [--arch mixtral|qwen2moe] --out FILE"   build the model at TP x EP (x PP), write
         DIR/latest_checkpointed_iteration.txt and DIR/iter_0000007/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt
         as Megatron-LM's save_checkpoint names them (the EP rank suffix only when EP > 1), one file
         per (TP, PP, EP) rank holding that rank's state dict: the dense part (the same on every EP rank)
@@ -22,7 +22,8 @@ GPTModel with MoE layers (local spec: SequentialMLP experts `mlp.experts.local_e
         load_state_dict(strict=True), after comparing the parallel sizes in the file's args.
 
 Every mode writes the logits for TOKENS (megatron-core's own forward at that layout, gathered over TP) to FILE.
-World size = TP x PP x DP, with EP carved out of DP (and expert TP = TP) as megatron-core does.
+World size = TP x PP x DP; the experts' grid is expert TP (--etp, default TP) x EP x expert DP over the same
+ranks, as megatron-core's parallel_state lays it out.
 """
 import argparse
 import sys
@@ -64,12 +65,13 @@ ARCH = {"name": "mixtral"}
 DTYPE = {"bf16": False}  # train / resume --dtype
 
 
-def build(tp, ep, pp=1):
+def build(tp, ep, pp=1, etp=None):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             expert_model_parallel_size=ep)
+                                             expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     torch.manual_seed(1234)  # the same on every rank: replicated params (norms, router) must agree
     cfg = TransformerConfig(use_cpu_initialization=True, pipeline_dtype=torch.float32, pipeline_model_parallel_size=pp,
                             tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                            expert_tensor_parallel_size=etp or tp,
                             hidden_dropout=0.0, attention_dropout=0.0, **dict(CFG, **ARCHS[ARCH["name"]]))
     if ARCH["name"] == "mixtral":
         spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False, normalization="RMSNorm")
@@ -94,7 +96,7 @@ def build(tp, ep, pp=1):
     return model, cfg
 
 
-def run_args(cfg, tp, ep, pp):
+def run_args(cfg, tp, ep, pp, etp=None):
     args = argparse.Namespace(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
         num_attention_heads=cfg.num_attention_heads, kv_channels=cfg.kv_channels, group_query_attention=True,
@@ -103,7 +105,7 @@ def run_args(cfg, tp, ep, pp):
         swiglu=True, add_bias_linear=False, add_qkv_bias=False, untie_embeddings_and_output_weights=True,
         vocab_size=VOCAB, padded_vocab_size=PADDED, make_vocab_size_divisible_by=64,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=tp, ckpt_format="torch", use_legacy_models=False, transformer_impl="local",
+        expert_tensor_parallel_size=etp or tp, ckpt_format="torch", use_legacy_models=False, transformer_impl="local",
         tokenizer_type="NullTokenizer", bias_gelu_fusion=False, openai_gelu=False, rotary_base=10000,
         rotary_percent=1.0, num_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=MOE_FFN,
         moe_layer_freq=1, moe_router_pre_softmax=False, moe_router_score_function="softmax",
@@ -125,8 +127,10 @@ def rank_dir(root: Path, pp: int, ep: int) -> Path:
 
 
 def writes_file() -> bool:
-    """Megatron-LM's torch format: one file per (TP, PP, EP) rank, from the first expert-data-parallel rank."""
-    return parallel_state.get_expert_data_parallel_rank() == 0
+    """Megatron-LM's torch format: one file per (TP, PP, EP) rank name, from data-parallel rank 0 and
+    expert-data-parallel rank 0 (checkpointing.py save_checkpoint; with expert TP below TP only some
+    (TP, EP) names are written, each holding its ranks' dense shard and their expert-TP shard)."""
+    return parallel_state.get_data_parallel_rank() == 0 or parallel_state.get_expert_data_parallel_rank() == 0
 
 
 def global_name(name: str, ep: int) -> str:
@@ -193,7 +197,7 @@ def train_one_step(model, cfg):
 def run_job(a):
     ARCH["name"] = a.arch
     DTYPE["bf16"] = a.dtype == "bf16"
-    model, cfg = build(a.tp, a.ep, a.pp)
+    model, cfg = build(a.tp, a.ep, a.pp, a.etp)
     root = Path(a.dir)
     d = rank_dir(root, a.pp, a.ep)
     losses = None
@@ -201,7 +205,7 @@ def run_job(a):
         ddp, opt, loss, moments = train_one_step(model, cfg) if a.mode == "train" else (None, None, None, None)
         if writes_file():
             d.mkdir(parents=True, exist_ok=True)
-            state = {"args": run_args(cfg, a.tp, a.ep, a.pp), "checkpoint_version": 3.0, "iteration": 7,
+            state = {"args": run_args(cfg, a.tp, a.ep, a.pp, a.etp), "checkpoint_version": 3.0, "iteration": 7,
                      "model": model.state_dict_for_save_checkpoint()}
             if opt is not None:
                 state["optimizer"] = opt.state_dict()
@@ -233,8 +237,8 @@ def run_job(a):
         state = torch.load(d / "model_optim_rng.pt", map_location="cpu", weights_only=False)
         args = state["args"]
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers", "hidden_size",
-                    "padded_vocab_size", "num_attention_heads"):
-            assert getattr(args, key) == getattr(run_args(cfg, a.tp, a.ep, a.pp), key), key
+                    "padded_vocab_size", "num_attention_heads", "expert_tensor_parallel_size"):
+            assert getattr(args, key) == getattr(run_args(cfg, a.tp, a.ep, a.pp, a.etp), key), key
         model.load_state_dict(state["model"], strict=True)
     if losses is not None and dist.get_rank() == 0:
         torch.save(losses, a.out + ".losses")
@@ -255,6 +259,7 @@ def main():
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default --tp)")
     ap.add_argument("--arch", choices=sorted(ARCHS), default="mixtral")
     ap.add_argument("--out", required=True)
     jobs = [ap.parse_args(job.split()) for job in sys.argv[1:]]

@@ -100,21 +100,26 @@ def merge_cmd(src, dst, **kw):
 @click.option("--vpp", type=int, default=None, help="Virtual pipeline chunks per stage (interleaved schedule).")
 @click.option("--ep", type=int, default=1, show_default=True,
               help="Target expert-parallel size (MoE models, torch format): EP rank r holds experts r*E/EP .. (r+1)*E/EP-1.")
+@click.option("--etp", type=int, default=None,
+              help="Target expert tensor-parallel size (MoE models, torch format; default --tp; must divide --tp).")
+@click.option("--moe-grouped-gemm/--no-moe-grouped-gemm", default=None,
+              help="MoE experts for a run with --moe-grouped-gemm (torch format, --dialect mcore-te: TEGroupedMLP); "
+                   "default: as the source when it has that dialect, else SequentialMLP.")
 @click.option("--pp-layers", default=None,
               help="Layers per pipeline stage, comma separated (e.g. 3,5), for an uneven split.")
 @megatron_output_options
 @output_options
 @source_options
 @reports_errors
-def reshard_cmd(src, dst, tp, pp, vpp, pp_layers, ep, **kw):
+def reshard_cmd(src, dst, tp, pp, vpp, pp_layers, ep, etp, **kw):
     """Rewrite a checkpoint for any tensor/pipeline(/virtual pipeline/expert) layout.
 
     Reads any layout and dialect ckptool knows, writes Megatron's layout for --tp/--pp/--vpp with
     args and checkpoint_version that Megatron itself accepts. Layers are split evenly across
     stages; an uneven split needs --pp-layers. MoE models (torch format, mcore dialect) spread
-    their experts over --ep expert-parallel ranks (expert TP = TP).
+    their experts over --ep expert-parallel ranks, cut over --etp expert tensor-parallel ranks (default --tp).
     """
-    _run(api.reshard, "reshard", src, dst, tp=tp, pp=pp, vpp=vpp, pp_layers=pp_layers, ep=ep, **kw)
+    _run(api.reshard, "reshard", src, dst, tp=tp, pp=pp, vpp=vpp, pp_layers=pp_layers, ep=ep, etp=etp, **kw)
 
 
 @click.command("fix-vocab")

@@ -65,6 +65,11 @@ def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, force, **kw):
 @click.option("--vpp", type=int, default=None, help="Virtual pipeline chunks per stage.")
 @click.option("--ep", type=int, default=1, show_default=True,
               help="Target expert-parallel size (MoE models, torch format): EP rank r holds experts r*E/EP .. (r+1)*E/EP-1.")
+@click.option("--etp", type=int, default=None,
+              help="Target expert tensor-parallel size (MoE models, torch format; default --tp; must divide --tp).")
+@click.option("--moe-grouped-gemm/--no-moe-grouped-gemm", default=None,
+              help="MoE experts for a run with --moe-grouped-gemm (torch format, --dialect mcore-te: TEGroupedMLP); "
+                   "default: as the source when it has that dialect, else SequentialMLP.")
 @click.option("--pp-layers", default=None, help="Layers per pipeline stage, comma separated, for an uneven split.")
 @click.option("--dialect", type=click.Choice(sorted(DIALECTS)), default="mcore", show_default=True,
               help="Megatron key-name dialect to write.")

@@ -11,6 +11,7 @@ is shared with every Megatron-family format (roles.py, sharding.py).
 """
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 
 from ..config import GPTConfig, Layout, check_tensor_parallel
 from ..errors import CkptError, require
-from ..io.torchfile import StreamingTorchWriter, load_torch_file, write_grouped
+from ..io.torchfile import StoredTensor, StreamingTorchWriter, load_torch_file, write_grouped
 from ..lazy import Const, Derived, LazyTensor
 from ..options import ReadOptions
 from ..roles import (assemble, global_role_tensor, layer_role_tensor, moe_layer_roles, scope_of, shard_role,
@@ -30,7 +31,8 @@ from ..state import Checkpoint, SourceInfo, in_model_order
 from ..vocab import resize_vocab, target_rows, with_true_vocab_size
 from . import megatron_args, megatron_distopt, megatron_training
 from .megatron_optim import RankParam, role_shards
-from .megatron_names import DIALECTS, Dialect, KeyMatcher, is_ignorable, qkv_from_grouped, qkv_to_grouped
+from .megatron_names import (DIALECTS, REFUSED_KEYS, Dialect, KeyMatcher, is_ignorable, qkv_from_grouped,
+                             qkv_to_grouped, refused_module, stacked_expert_block)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILES = ("model_optim_rng.pt", "model_rng.pt")
@@ -167,31 +169,15 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     loaded = {d: load_torch_file(_model_file(d)) for d in rank_dirs}
     ranks = _rank_coordinates(rank_dirs, loaded[rank_dirs[0]])
     trees = {rk: loaded[d] for rk, d in ranks.items()}
-    tp = max(t for t, _, _ in ranks) + 1
-    pp = max(p for _, p, _ in ranks) + 1
-    ep = max(e for _, _, e in ranks) + 1
-    _refuse_expert_tp(loaded[rank_dirs[0]], it_dir)
-    for t in range(tp):
-        for p in range(pp):
-            for e in range(ep):
-                if (t, p, e) not in ranks:
-                    raise CkptError(f"{it_dir}: missing rank directory {_rank_name(t, p, e, pp, ep)} "
-                                    f"(have {len(ranks)} of {tp * pp * ep})",
-                                    "copy the complete checkpoint; every tensor/pipeline/expert rank is needed")
+    tp, pp, ep = _parallel_sizes(ranks, loaded[rank_dirs[0]], it_dir)
+    etp = _expert_tp(loaded[rank_dirs[0]], tp, it_dir)
+    grid = expert_grid(tp, ep, etp)
+    _check_rank_dirs(ranks, grid, tp, pp, ep, etp, it_dir)
     first = trees[(0, 0, 0)]
     if not isinstance(first, dict) or not any(k == "model" or re.match(r"^model\d+$", str(k)) for k in first):
         raise CkptError(f"{_model_file(ranks[(0, 0, 0)])}: no 'model' entry", "not a Megatron checkpoint file")
     args = first.get("args")
     _check_args_agree(trees, ranks)
-    if args is not None:
-        want_tp = getattr(args, "tensor_model_parallel_size", None) or getattr(args, "model_parallel_size", None)
-        want_pp = getattr(args, "pipeline_model_parallel_size", None) or 1
-        want_ep = getattr(args, "expert_model_parallel_size", None) or 1
-        if want_tp and (want_tp, want_pp, want_ep) != (tp, pp, ep):
-            extra = "an extra rank directory" if tp * pp * ep > want_tp * want_pp * want_ep else "missing rank directories"
-            raise CkptError(f"{it_dir}: found {tp}x{pp}x{ep} (TP x PP x EP) rank directories but args say "
-                            f"{want_tp}x{want_pp}x{want_ep}: {extra}",
-                            "remove stray mp_rank_* directories or copy the missing ones")
     version = float(first.get("checkpoint_version", 0) or 0)
     if version not in (0.0, 1.0, 2.0, 3.0):
         raise CkptError(f"unknown checkpoint_version {version}", "ckptool reads versions 0, 1.0, 2.0 and 3.0")
@@ -216,6 +202,14 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     matcher = KeyMatcher(dialect)
     unknown = sorted(k for k in all_keys if matcher.match(k) is None and not is_ignorable(k)
                      and not (isinstance(_any_value(models, k), type(None))))
+    for key in unknown:  # modules ckptool knows it does not convert, by name
+        refused = refused_module(key)
+        if refused:
+            raise CkptError(f"{it_dir}: {refused[0]}: {sum(1 for k in unknown if refused_module(k) == refused)} "
+                            f"keys such as {key}", refused[1])
+    mtp = getattr(args, "mtp_num_layers", None)
+    require(not mtp, f"{it_dir}: the args say --mtp-num-layers {mtp}: multi-token prediction (MTP) layers",
+            REFUSED_KEYS[0][2])
     if unknown:
         raise CkptError(f"{len(unknown)} keys are not part of a {dialect.name} GPT model "
                         f"(e.g. {', '.join(unknown[:3])})",
@@ -239,14 +233,16 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
 
     # Each rank's parameters in file order, which is the order Megatron built its optimizer from; an
     # expert's local index j on EP rank e is global expert e * (experts per rank) + j.
-    per_ep = max(_local_expert_count(chunks, matcher) for chunks in models.values())  # a stage may be all dense
+    stacked_local = _stacked_local_experts(all_keys, matcher, args, ep, it_dir)
+    per_ep = stacked_local or max(_local_expert_count(chunks, matcher) for chunks in models.values())  # a stage may be all dense
     params: Dict[Tuple[int, int, int], List[RankParam]] = {}
     for (t, p, e), chunks in models.items():
-        params[(t, p, e)] = [RankParam(key, _global_expert(hit[0], e, per_ep),
-                                       None if hit[1] is None else offsets[(p, v)] + hit[1], value, v)
+        params[(t, p, e)] = [RankParam(key, _global_expert(role, e, per_ep),
+                                       None if hit[1] is None else offsets[(p, v)] + hit[1], piece, v)
                              for v in sorted(chunks) for key, value in chunks[v].items()
-                             for hit in [matcher.match(key)] if hit is not None and isinstance(value, LazyTensor)]
-    shards, head_copy = role_shards({rk: [x.weight for x in ps] for rk, ps in params.items()}, params, tp)
+                             for hit in [matcher.match(key)] if hit is not None and isinstance(value, LazyTensor)
+                             for role, piece in _unstack(hit[0], value, stacked_local)]
+    shards, head_copy = _weight_shards(params, grid, tp, etp)
     for (role, layer), parts in shards.items():
         if any(x is None for x in parts):
             raise CkptError(f"{role}{'' if layer is None else f' of layer {layer}'} is missing on some "
@@ -286,10 +282,16 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     if opts.optimizer and any(_is_optimizer_only(d) for d in it_dir.iterdir() if d.is_dir() and RANK_DIR.match(d.name)):
         warnings.append("optimizer state dropped: the 2022-23 distributed-optimizer form (one optim.pt per "
                         "data-parallel rank) is not carried; the output holds the weights only")
+    elif opts.optimizer and stacked_local and any("optimizer" in tree for tree in trees.values()):
+        warnings.append("optimizer state dropped: the legacy GroupedMLP's state (one entry for all local experts "
+                        "per fc) is not split per expert yet; the output holds the weights only")
+    elif opts.optimizer and etp != tp and any("optimizer" in tree for tree in trees.values()):
+        warnings.append(f"optimizer state dropped: expert tensor parallelism {etp} differs from TP {tp}, whose "
+                        "optimizer layout ckptool does not read yet; the output holds the weights only")
     elif opts.optimizer:
         optimizer = megatron_training.read_training_state(
             trees, ranks, {rk: _model_file(d) for rk, d in ranks.items()}, params, tp, args, cfg, canonical, warnings)
-    layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, ep=ep,
+    layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, ep=ep, etp=etp if etp != tp else None,
                     stage_layers=None if vpp > 1 or len({counts[(p, 0)] for p in range(pp)}) == 1
                     else [counts[(p, 0)] for p in range(pp)])
     info = SourceInfo(path=str(path), format="megatron", dialect=dialect.name, layout=layout,
@@ -326,16 +328,88 @@ def _rank_coordinates(rank_dirs: List[Path], first_tree) -> Dict[Tuple[int, int,
     return out
 
 
-def _refuse_expert_tp(first_tree, it_dir: Path) -> None:
-    """Expert TP other than TP is not read yet. (Its torch-format saves are sparse: at TP2 ETP1 EP2 only the
-    ranks of expert-data-parallel rank 0, (tp 0, ep 0) and (tp 1, ep 1), write files.)"""
+def expert_grid(tp: int, ep: int, etp: int) -> Dict[Tuple[int, int], int]:
+    """{(TP rank, EP rank): expert-TP rank} of the rank directories of one pipeline stage.
+
+    In a stage, rank x (megatron-core's default order tp-cp-ep-dp-pp, parallel_state.RankGenerator) has
+    dense TP rank x % TP and, on the expert grid (tp-ep-dp with the expert TP size), expert-TP rank
+    x % ETP and EP rank (x // ETP) % EP. Megatron-LM names a rank's file by (TP rank, EP rank) only
+    (checkpointing.py get_checkpoint_name), saves from data-parallel rank 0 and expert-data-parallel rank 0
+    (save_checkpoint; before 2026-05 only the latter), and every rank loads the file of its (TP rank,
+    EP rank). So the pairs repeat with period lcm(TP, ETP x EP): with ETP = TP every (t, e) exists; with
+    ETP below TP only some do (TP2 ETP1 EP2: mp_rank_00_000 and mp_rank_01_001) and file (t, e) holds
+    EP rank e's experts cut at expert-TP rank t % ETP (ETP divides TP, so x % ETP = t % ETP)."""
+    require(tp % etp == 0, *_etp_refusal(tp, etp))
+    period = tp * ep * etp // math.gcd(tp, ep * etp)
+    return {(x % tp, (x // etp) % ep): x % etp for x in range(period)}
+
+
+def _etp_refusal(tp: int, etp: int) -> Tuple[str, str]:
+    if etp > tp and etp % tp == 0:
+        return (f"expert tensor parallelism {etp} above TP {tp} has no torch-format layout: ranks of different "
+                "expert-TP rank save to (and load from) the same mp_rank directory, which holds one of their shards",
+                f"choose --etp dividing --tp {tp}, or use the run's torch_dist checkpoint")
+    return (f"expert tensor parallelism {etp} does not divide TP {tp}", "choose an expert TP size that divides TP")
+
+
+def _parallel_sizes(ranks, first_tree, it_dir: Path) -> Tuple[int, int, int]:
+    """(TP, PP, EP): the args' when they store them (a missing directory is then named), else the directories'."""
+    tp, pp, ep = (max(rk[i] for rk in ranks) + 1 for i in range(3))
+    args = first_tree.get("args") if isinstance(first_tree, dict) else None
+    want_tp = getattr(args, "tensor_model_parallel_size", None) or getattr(args, "model_parallel_size", None)
+    if not want_tp:
+        return tp, pp, ep
+    want = (want_tp, getattr(args, "pipeline_model_parallel_size", None) or 1,
+            getattr(args, "expert_model_parallel_size", None) or 1)
+    if any(found > w for found, w in zip((tp, pp, ep), want)):
+        raise CkptError(f"{it_dir}: found {tp}x{pp}x{ep} (TP x PP x EP) rank directories but args say "
+                        f"{want[0]}x{want[1]}x{want[2]}: an extra rank directory",
+                        "remove stray mp_rank_* directories or copy the missing ones")
+    return want
+
+
+def _expert_tp(first_tree, tp: int, it_dir: Path) -> int:
+    """The source's expert TP size (args.expert_tensor_parallel_size; = TP when absent or dense)."""
     args = first_tree.get("args") if isinstance(first_tree, dict) else None
     if not getattr(args, "num_experts", None):
-        return  # dense: Megatron-LM's args carry an expert TP size whatever the model
-    tp = getattr(args, "tensor_model_parallel_size", None)
-    etp = getattr(args, "expert_tensor_parallel_size", None)
-    require(etp in (None, tp), f"{it_dir}: expert tensor parallelism {etp} differs from tensor parallelism {tp}",
-            "checkpoints with --expert-tensor-parallel-size different from --tensor-model-parallel-size are not read yet")
+        return tp  # dense: Megatron-LM's args carry an expert TP size whatever the model
+    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
+    msg, hint = _etp_refusal(tp, etp)
+    require(tp % etp == 0, f"{it_dir}: {msg}", hint)
+    return etp
+
+
+def _check_rank_dirs(ranks, grid, tp: int, pp: int, ep: int, etp: int, it_dir: Path) -> None:
+    """Every rank directory Megatron-LM saves is there (ranks x < max(TP, ETP x EP) of each stage: data-
+    parallel rank 0 and expert-data-parallel rank 0, expert_grid), and none lies off the grid."""
+    for rk in sorted(ranks):
+        require((rk[0], rk[2]) in grid, f"{it_dir}: rank directory {ranks[rk].name} is not part of a TP{tp} EP{ep} "
+                f"expert-TP {etp} save (which holds only some (TP, EP) pairs when expert TP differs from TP)",
+                "remove the stray directory, or check --expert-tensor-parallel-size in the args")
+    saved = {x: (x % tp, (x // etp) % ep) for x in range(max(tp, etp * ep))}
+    for p in range(pp):
+        for x, (t, e) in saved.items():
+            if (t, p, e) in ranks:
+                continue
+            why = ""
+            if x >= etp * ep:  # saved by data-parallel rank 0 only
+                why = (f"; at TP{tp} ETP{etp} EP{ep} Megatron-LM before 2026-05 saved only expert-data-parallel "
+                       "rank 0's files, leaving this tensor-parallel rank's dense weights out")
+            raise CkptError(f"{it_dir}: missing rank directory {_rank_name(t, p, e, pp, ep)} "
+                            f"(have {len(ranks)} of {pp * len(set(saved.values()))}){why}",
+                            "copy the complete checkpoint; every tensor/pipeline/expert rank is needed")
+
+
+def _weight_shards(params, grid, tp: int, etp: int):
+    """{(role, layer): [shard per TP rank]} of the dense part, and per expert-TP rank of the experts (file
+    (t, p, e) holds expert-TP shard grid[(t, e)]; the first file of each is taken, as for the dense part)."""
+    dense = {rk: [x for x in ps if not x.role.startswith("experts.")] for rk, ps in params.items()}
+    experts: Dict[Tuple[int, int, int], List[RankParam]] = {}
+    for (t, p, e), ps in sorted(params.items()):
+        experts.setdefault((grid[(t, e)], p, e), [x for x in ps if x.role.startswith("experts.")])
+    shards, head_copy = role_shards({rk: [x.weight for x in ps] for rk, ps in dense.items()}, dense, tp)
+    expert_shards, _ = role_shards({rk: [x.weight for x in ps] for rk, ps in experts.items()}, experts, etp)
+    return {**shards, **expert_shards}, head_copy
 
 
 def _local_expert_count(chunks: Dict[int, Dict[str, object]], matcher: KeyMatcher) -> int:
@@ -346,6 +420,54 @@ def _local_expert_count(chunks: Dict[int, Dict[str, object]], matcher: KeyMatche
     for v, layer, _ in locals_:
         per_layer[(v, layer)] += 1
     return max(per_layer.values(), default=0)
+
+
+def _stacked_local_experts(keys, matcher: KeyMatcher, args, ep: int, it_dir: Path) -> int:
+    """Local experts per file of a legacy GroupedMLP save (0 for other expert forms): its one tensor per fc
+    does not say how many experts it stacks, the args do."""
+    if not any((hit := matcher.match(k)) is not None and hit[0].startswith("experts.*.") for k in keys):
+        return 0
+    per_expert = sorted(k for k in keys if (hit := matcher.match(k)) is not None and hit[0].startswith("experts.")
+                        and not hit[0].startswith("experts.*."))
+    require(not per_expert, f"{it_dir}: legacy GroupedMLP tensors (mlp.experts.weight1 / weight2) beside per-expert "
+            f"ones (e.g. {per_expert[0] if per_expert else ''})", "the rank files mix expert module forms; "
+            "they do not belong to one checkpoint")
+    experts = getattr(args, "num_experts", None)
+    require(isinstance(experts, int) and experts > 0 and experts % ep == 0,
+            f"{it_dir}: legacy GroupedMLP experts (mlp.experts.weight1 / weight2) but the args give no number of "
+            f"experts that {ep} expert-parallel ranks divide", "the args must carry --num-experts")
+    return experts // ep
+
+
+def _unstack(role: str, value: LazyTensor, local_experts: int):
+    """[(role, tensor)] of one key: itself, or each local expert's [out, in] shard of a stacked tensor."""
+    if not role.startswith("experts.*."):
+        return [(role, value)]
+    base = role[len("experts.*."):]
+    hidden = value.shape[0] if base == "fc1.weight" else value.shape[1]
+    n, block = stacked_expert_block(base, hidden, local_experts, value.numel)
+    require(n * local_experts == value.numel and n % hidden == 0,
+            f"a legacy GroupedMLP {base.split('.')[0]} of shape {tuple(value.shape)} does not hold {local_experts} "
+            "experts", "the args' --num-experts or expert-parallel size do not match the files")
+    return [(f"experts.{j}.{base}", Derived(lambda b: b.t().contiguous(), [_flat_block(value, j * n, block)]))
+            for j in range(local_experts)]
+
+
+def _flat_block(t: LazyTensor, first: int, shape: Tuple[int, int]) -> LazyTensor:
+    """Elements first .. first + prod(shape) - 1 of t's row-major order, as shape: a ranged read of a
+    contiguous stored tensor, else a slice of the loaded one."""
+    n = shape[0] * shape[1]
+    if isinstance(t, StoredTensor) and t.stride == tuple(_row_major_strides(t.shape)):
+        return StoredTensor(t.storage, t.offset + first, shape, (shape[1], 1))
+    return Derived(lambda x: x.reshape(-1)[first:first + n].reshape(shape), [t])
+
+
+def _row_major_strides(shape) -> List[int]:
+    out, step = [], 1
+    for size in reversed(shape):
+        out.append(step)
+        step *= size
+    return out[::-1]
 
 
 def _global_expert(role: str, ep_rank: int, per_ep: int) -> str:
@@ -391,7 +513,7 @@ def _any_value(models, key):
 
 def _check_args_agree(trees, ranks) -> None:
     fields = ("num_layers", "hidden_size", "num_attention_heads", "tensor_model_parallel_size", "num_experts",
-              "expert_model_parallel_size",
+              "expert_model_parallel_size", "expert_tensor_parallel_size",
               "pipeline_model_parallel_size", "padded_vocab_size", "ffn_hidden_size")
     ref = trees[(0, 0, 0)].get("args")
     for rk, tree in trees.items():
@@ -473,15 +595,19 @@ def _check_dialect_fits(d: Dialect, cfg: GPTConfig, layout: Layout) -> None:
     if cfg.moe is None:
         require(layout.ep == 1, f"--ep {layout.ep}: the model has no MoE layers to spread over expert-parallel ranks",
                 "drop --ep")
+        require(layout.expert_tp == layout.tp, f"--etp {layout.etp}: the model has no MoE experts to cut", "drop --etp")
         return
-    require(bool(d.experts) and d.moe_writable, f"the {d.name} dialect has no place for MoE experts",
+    require(bool(d.experts), f"the {d.name} dialect has no place for MoE experts",
             "choose --dialect mcore (megatron-core's local spec, SequentialMLP experts)")
     require(not cfg.add_bias_linear, "MoE experts with linear biases (--add-bias-linear) are not written yet",
             "convert to Hugging Face with to-hf, or keep the source layout")
     layout.local_experts(cfg.moe.num_experts, 0)  # EP divides the experts
-    for size, what in ((cfg.moe.ffn_hidden_size, "expert FFN size"), (cfg.moe.shared_ffn_hidden_size, "shared-expert FFN size")):
-        require(size % layout.tp == 0, f"--tp {layout.tp} does not divide the {what} {size}",
-                "choose a TP size that divides it (expert TP is written equal to TP)")
+    require(layout.expert_tp >= 1, f"--etp {layout.etp}: the expert tensor-parallel size is at least 1")
+    expert_grid(layout.tp, layout.ep, layout.expert_tp)  # expert TP divides TP
+    for size, what, n, flag in ((cfg.moe.ffn_hidden_size, "expert FFN size", layout.expert_tp, "--etp"),
+                                (cfg.moe.shared_ffn_hidden_size, "shared-expert FFN size", layout.tp, "--tp")):
+        require(size % n == 0, f"{flag} {n} does not divide the {what} {size}",
+                f"choose a {flag} size that divides it (expert TP defaults to TP)")
 
 
 def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Optional[str] = None,
@@ -491,7 +617,8 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
                    progress: Optional[Callable[[int], None]] = None, warn=print,
                    rank_filter: Optional[Callable[[int, int, int], bool]] = None, optimizer: bool = True,
                    distributed_optimizer: bool = False, dp: int = 1, overlap_grad_reduce: Optional[bool] = None,
-                   ddp_bucket_size: Optional[int] = None, distrib_optim_era: Optional[str] = None) -> dict:
+                   ddp_bucket_size: Optional[int] = None, distrib_optim_era: Optional[str] = None,
+                   moe_grouped_gemm: Optional[bool] = None) -> dict:
     """Write ckpt as a Megatron torch-format checkpoint with the given layout into out_dir.
 
     With optimizer (the default) and a source holding optimizer state, each rank file also holds
@@ -501,9 +628,13 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
     ddp_bucket_size does (default: as the source run's args say), in the form of distrib_optim_era's
     megatron-core (default: today's).
 
-    MoE models are written at layout.ep expert-parallel ranks (expert TP = TP): one file per (TP, PP, EP)
-    rank, in mp_rank_TT[_PPP][_EEE], holding the dense part and that EP rank's experts under their local
-    index, as Megatron-LM saves them.
+    MoE models are written at layout.ep expert-parallel ranks and expert TP layout.expert_tp: one file per
+    (TP, PP, EP) rank in mp_rank_TT[_PPP][_EEE], holding the dense part and that EP rank's experts under
+    their local index, cut at expert-TP rank TT % ETP; with expert TP below TP only the (TP, EP) pairs
+    Megatron-LM's ranks load exist (expert_grid), as Megatron-LM saves them. moe_grouped_gemm: the target
+    run uses --moe-grouped-gemm, so the experts are written as the dialect's grouped module (mcore-te:
+    TEGroupedMLP) and the args say so; None keeps the source's choice where the dialect is the source's.
+    Tensors stream one layer at a time, an MoE layer's routed experts one expert at a time (_write_unit).
 
     Returns a summary dict (files, bytes, padded vocab, iteration dir). rank_filter(tp, pp, ep) lets a
     distributed run write only its share of the files.
@@ -515,6 +646,8 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
     d = DIALECTS[name]
     check_tensor_parallel(cfg, layout.tp)
     _check_dialect_fits(d, cfg, layout)
+    grouped = _grouped_gemm(ckpt, d, moe_grouped_gemm)
+    expert_keys = d.grouped_experts if grouped else (d.experts[0] if d.experts else {})
     chunks = layout.chunks(cfg.num_layers)
     if layout.stage_layers and layout.pp > 2:
         mids = set(layout.stage_layers[1:-1])
@@ -545,13 +678,17 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
     if out_dtype is None:
         out_dtype = next(iter(tensors.values())).dtype
     train = megatron_training.TrainingTarget.for_target(ckpt, tensors, cfg, rows, out_dtype) if optimizer else None
+    if train is not None and cfg.moe is not None and layout.expert_tp != layout.tp:
+        warn(f"optimizer state dropped: ckptool does not write the optimizer layout of expert TP {layout.expert_tp} "
+             f"differing from TP {layout.tp} yet; the output holds the weights only")
+        train = None
     if train is not None and train.weights_from_masters:
         tensors = train.slots["master"]  # fp32 training: the fp32 masters are the weights
     args = None
     if d.has_args:
         args = megatron_args.args_for_target(ckpt.source.args if ckpt.source.format in ("megatron", "torch_dist", "deepspeed") else None,
                                              cfg_out, layout, rows, out_dtype, d.legacy_models,
-                                             d.transformer_impl, version or 3.0, iteration)
+                                             d.transformer_impl, version or 3.0, iteration, grouped_gemm=grouped)
     distributed = megatron_training.DistributedTarget.for_target(
         train, distributed_optimizer, dp, args, out_dtype, cfg, layout, overlap_grad_reduce, ddp_bucket_size,
         distrib_optim_era or megatron_distopt.CURRENT.since)
@@ -560,14 +697,17 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
     it_dir.mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / TRACKER).write_text("release" if release else str(iteration))
 
-    group_of: Dict[int, int] = {}
+    group_of: Dict[int, Tuple[int, int]] = {}
     writers = []
     distopt_writers = []  # distrib_optim.pt: flat tensors streamed after the grouped files
     heads_local = cfg.num_attention_heads // layout.tp
     layer_roles = d.param_order + tuple(r for r in LAYER_ROLES if r not in d.param_order)
 
     def shard(role: str, full: LazyTensor, t: int, group: int, cast: bool = True) -> LazyTensor:
-        piece = shard_role(full, role, cfg_out, layout.tp)[t]
+        if role.startswith("experts."):  # routed experts are cut over expert TP: file t holds shard t % ETP
+            piece = shard_role(full, role, cfg_out, layout.expert_tp)[t % layout.expert_tp]
+        else:
+            piece = shard_role(full, role, cfg_out, layout.tp)[t]
         if role.startswith("qkv.") and qkv_version < 2:
             piece = Derived(lambda x: qkv_from_grouped(x, qkv_version, heads_local, cfg.head_dim), [piece])
         if cast and dtype is not None and piece.dtype != dtype:
@@ -577,7 +717,9 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
 
     last_pp = layout.pp - 1
     vpp = layout.vpp or 1
-    for p, t, e in [(p, t, e) for p in range(layout.pp) for e in range(layout.ep) for t in range(layout.tp)]:
+    grid = expert_grid(layout.tp, layout.ep, layout.expert_tp)  # the (TP, EP) pairs Megatron-LM's ranks load
+    for p, t, e in [(p, t, e) for p in range(layout.pp) for e in range(layout.ep) for t in range(layout.tp)
+                    if (t, e) in grid]:
         stage_chunks = [c for c in chunks if c[0] == p]
         if rank_filter and not rank_filter(t, p, e):
             continue
@@ -595,27 +737,31 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
             if p == 0 and v == 0:
                 for role in ("word", "pos"):
                     if global_role_tensor(tensors, role) is not None:
-                        put(flat, d.globals[role], role, None, megatron_training.global_slots(tensors, train, role), -1)
+                        put(flat, d.globals[role], role, None, megatron_training.global_slots(tensors, train, role), (-1, 0))
             for local in range(count):
                 g = first + local
                 prefix = d.layer_prefix.format(i=local)
+                moe_layer = cfg_out.is_moe_layer(g)
                 for role in layer_roles:
                     if layer_role_tensor(tensors, cfg_out, g, role) is None:
                         continue
                     if role not in d.layer:
                         raise CkptError(f"the {d.name} dialect has no place for {role} tensors",
                                         "choose --dialect mcore")
-                    put(flat, prefix + d.layer[role], role, g, megatron_training.layer_slots(tensors, train, cfg_out, g, role), g)
-                moe_layer = cfg_out.is_moe_layer(g)
+                    key = d.moe_layer.get(role, d.layer[role]) if moe_layer else d.layer[role]
+                    put(flat, prefix + key, role, g, megatron_training.layer_slots(tensors, train, cfg_out, g, role), (g, 0))
                 if moe_layer:
                     experts = layout.local_experts(cfg_out.moe.num_experts, e)
-                    for role in moe_layer_roles(cfg_out, experts):
+                    roles = moe_layer_roles(cfg_out, experts)
+                    if grouped:
+                        roles = _fc_major(roles)
+                    for role in roles:
                         if layer_role_tensor(tensors, cfg_out, g, role) is not None:
-                            put(flat, prefix + _moe_key(d, role, experts.start), role, g,
-                                megatron_training.layer_slots(tensors, train, cfg_out, g, role), g)
-                    for j in range(len(experts)):
-                        for extra in d.expert_extra_state:
-                            flat[prefix + extra.format(j=j)] = _extra_state_value(d)
+                            put(flat, prefix + _moe_key(d, expert_keys, role, experts.start), role, g,
+                                megatron_training.layer_slots(tensors, train, cfg_out, g, role), _write_unit(g, role))
+                    for extra in (d.grouped_extra_state if grouped else
+                                  [x.format(j=j) for j in range(len(experts)) for x in d.expert_extra_state]):
+                        flat[prefix + extra] = _extra_state_value(d)
                     if cfg_out.moe.shared_ffn_hidden_size:
                         for extra in d.shared_extra_state:
                             flat[prefix + extra] = _extra_state_value(d)
@@ -625,12 +771,12 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
             if p == last_pp and v == vpp - 1:
                 for role in ("final_norm.weight", "final_norm.bias"):
                     if global_role_tensor(tensors, role) is not None:
-                        put(flat, d.globals[role], role, None, megatron_training.global_slots(tensors, train, role), cfg.num_layers)
+                        put(flat, d.globals[role], role, None, megatron_training.global_slots(tensors, train, role), (cfg.num_layers, 0))
                 if not cfg.tied_embeddings:
                     put(flat, d.globals["output"], "output", None, megatron_training.global_slots(tensors, train, "output"),
-                        cfg.num_layers)
+                        (cfg.num_layers, 0))
                 elif layout.pp > 1 and d.head_copy:  # a parameter of its own, kept in sync by Megatron
-                    put(flat, d.head_copy, "word", None, megatron_training.global_slots(tensors, train, "word"), cfg.num_layers)
+                    put(flat, d.head_copy, "word", None, megatron_training.global_slots(tensors, train, "word"), (cfg.num_layers, 0))
                 if (not cfg.tied_embeddings or layout.pp > 1):
                     for extra in d.global_extra_state:
                         flat[extra] = _extra_state_value(d)
@@ -665,14 +811,46 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
     return summary
 
 
-def _moe_key(d: Dialect, role: str, first_expert: int) -> str:
+def _moe_key(d: Dialect, expert_keys: Dict[str, str], role: str, first_expert: int) -> str:
     """The layer-relative key of an MoE role: the router's and shared expert's from the dialect, an
-    expert's with its index local to the EP rank whose experts start at first_expert."""
+    expert's from expert_keys with its index local to the EP rank whose experts start at first_expert."""
     if role in d.moe_layer:
         return d.moe_layer[role]
     mlp, base = scope_of(role)
     e = int(mlp.split(".")[2])
-    return d.experts[0][base].format(j=e - first_expert)
+    return expert_keys[base].format(j=e - first_expert)
+
+
+def _write_unit(layer: int, role: str) -> Tuple[int, int]:
+    """The streaming group of a layer's tensor: (layer, 0), or (layer, 1 + e) for routed expert e's, so the
+    writer holds one expert (all its ranks' pieces and optimizer slots) at a time, not a whole MoE layer,
+    whose experts can be many GB (peak about two units in flight: torchfile.write_grouped)."""
+    mlp, _ = scope_of(role)
+    return (layer, 1 + int(mlp.split(".")[2])) if role.startswith("experts.") else (layer, 0)
+
+
+def _fc_major(roles: List[str]) -> List[str]:
+    """An MoE layer's roles with the experts' fc by fc (every local expert's fc1, then every fc2), as a grouped
+    linear registers its weight0 .. weightN-1 (parameter order = optimizer order); the rest in place."""
+    experts = [r for r in roles if r.startswith("experts.")]
+    first = roles.index(experts[0])
+    ordered = sorted(experts, key=lambda r: scope_of(r)[1])  # stable: local experts in order within each fc
+    return roles[:first] + ordered + [r for r in roles[first:] if not r.startswith("experts.")]
+
+
+def _grouped_gemm(ckpt: Checkpoint, d: Dialect, asked: Optional[bool]) -> bool:
+    """Whether the experts are written in the dialect's --moe-grouped-gemm form (see write_megatron)."""
+    if ckpt.config.moe is None:
+        require(not asked, "--moe-grouped-gemm: the model has no MoE layers", "drop --moe-grouped-gemm")
+        return False
+    if asked is None:  # keep the source run's form when writing its own dialect
+        src = ckpt.source
+        return bool(d.grouped_experts) and src.format == "megatron" and src.dialect == d.name and \
+            bool(getattr(src.args, "moe_grouped_gemm", False)) and not getattr(src.args, "moe_use_legacy_grouped_gemm", False)
+    require(not asked or d.grouped_experts is not None,
+            f"--moe-grouped-gemm with the {d.name} dialect means the legacy GroupedMLP (mlp.experts.weight1 / weight2), "
+            "which ckptool reads but does not write", "write --dialect mcore-te (TEGroupedMLP), or SequentialMLP experts")
+    return bool(asked)
 
 
 def _extra_state_value(d: Dialect):

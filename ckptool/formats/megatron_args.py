@@ -176,8 +176,9 @@ def moe_from_args(args, num_layers: int, ffn: int) -> Optional[MoE]:
                num_groups=groups, group_topk=group_topk)
 
 
-def moe_args(moe: Optional[MoE], num_layers: int, layout: Layout) -> Dict[str, Any]:
-    """The MoE flags of a run that computes moe (the inverse of moe_from_args), at layout's EP."""
+def moe_args(moe: Optional[MoE], num_layers: int, layout: Layout, grouped_gemm: bool = False) -> Dict[str, Any]:
+    """The MoE flags of a run that computes moe (the inverse of moe_from_args), at layout's EP and expert TP;
+    grouped_gemm: the run's experts are TEGroupedMLP (--moe-grouped-gemm), else SequentialMLP."""
     if moe is None:
         return {}
     if moe.score_function == "softmax":
@@ -200,8 +201,8 @@ def moe_args(moe: Optional[MoE], num_layers: int, layout: Layout) -> Dict[str, A
                 moe_shared_expert_gate=moe.shared_gate,
                 moe_router_num_groups=moe.num_groups if moe.num_groups > 1 else None,
                 moe_router_group_topk=moe.group_topk if moe.num_groups > 1 else None,
-                moe_grouped_gemm=False, expert_model_parallel_size=layout.ep,
-                expert_tensor_parallel_size=layout.tp)
+                moe_grouped_gemm=grouped_gemm, moe_use_legacy_grouped_gemm=False, expert_model_parallel_size=layout.ep,
+                expert_tensor_parallel_size=layout.expert_tp)
 
 
 def as_megatron_core_computes(cfg: GPTConfig):
@@ -228,8 +229,8 @@ def refuse_what_megatron_core_ignores(cfg: GPTConfig, hint: str) -> None:
 
 def args_for_target(source_args, cfg: GPTConfig, layout: Layout, padded_rows: int,
                     dtype: torch.dtype, legacy_models: bool, transformer_impl: str,
-                    checkpoint_version: float, iteration: Optional[int]) -> argparse.Namespace:
-    """args for a written checkpoint: the source's run settings, this layout's sizes."""
+                    checkpoint_version: float, iteration: Optional[int], grouped_gemm: bool = False) -> argparse.Namespace:
+    """args for a written checkpoint: the source's run settings, this layout's sizes (grouped_gemm: see moe_args)."""
     args = copy.copy(source_args) if source_args is not None else argparse.Namespace()
     vpp = layout.vpp
     per_vstage = cfg.num_layers // (layout.pp * vpp) if vpp else None
@@ -261,7 +262,7 @@ def args_for_target(source_args, cfg: GPTConfig, layout: Layout, padded_rows: in
         ckpt_format="torch", params_dtype=dtype,
         fp16=dtype == torch.float16, bf16=dtype == torch.bfloat16,
     )
-    updates.update(moe_args(cfg.moe, cfg.num_layers, layout))
+    updates.update(moe_args(cfg.moe, cfg.num_layers, layout, grouped_gemm))
     # a dense run's args may still carry the expert sizes (Megatron-LM defaults them): keep them consistent
     if cfg.moe is None and getattr(args, "expert_tensor_parallel_size", None) is not None:
         updates["expert_tensor_parallel_size"] = layout.tp

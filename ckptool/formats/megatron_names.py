@@ -47,8 +47,13 @@ class Dialect:
     moe_layer: Dict[str, str] = dataclasses.field(default_factory=dict)
     experts: Tuple[Dict[str, str], ...] = ()
     expert_extra_state: Tuple[str, ...] = ()
-    moe_writable: bool = True  # False: MoE layers are read in this dialect but not written
     shared_extra_state: Tuple[str, ...] = ()
+    # --moe-grouped-gemm runs: the per-expert table written then (experts fc-major: every local expert's fc1,
+    # then every fc2, as a grouped linear registers them) and its extra-state keys; None: not written
+    grouped_experts: Optional[Dict[str, str]] = None
+    grouped_extra_state: Tuple[str, ...] = ()
+    # read only: expert forms holding all local experts of a layer in one tensor per fc (legacy GroupedMLP)
+    stacked_experts: Dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 _LEGACY_LAYER_2021 = {
@@ -112,6 +117,10 @@ _SEQUENTIAL_EXPERT_EXTRA = ("mlp.experts.local_experts.{j}.linear_fc1._extra_sta
 # weight under `weight{j}`, each laid out as a linear layer's [out / TP, in] (fc1: [gate_r; up_r] when gated).
 _TE_GROUPED_EXPERTS = {"fc1.weight": "mlp.experts.linear_fc1.weight{j}",
                        "fc2.weight": "mlp.experts.linear_fc2.weight{j}"}
+_TE_GROUPED_EXTRA = ("mlp.experts.linear_fc1._extra_state", "mlp.experts.linear_fc2._extra_state")
+# The legacy GroupedMLP (--moe-grouped-gemm on the local spec, or --moe-use-legacy-grouped-gemm): one tensor per
+# fc for all local experts, laid out for grouped_gemm's kernels (stacked_expert_block below).
+_LEGACY_GROUPED_EXPERTS = {"fc1.weight": "mlp.experts.weight1", "fc2.weight": "mlp.experts.weight2"}
 _SHARED_EXTRA = ("mlp.shared_experts.linear_fc1._extra_state", "mlp.shared_experts.linear_fc2._extra_state")
 _MCORE_GLOBALS = {
     "word": "embedding.word_embeddings.weight", "pos": "embedding.position_embeddings.weight",
@@ -165,17 +174,21 @@ DIALECTS: Dict[str, Dialect] = {d.name: d for d in [
             head_copy="output_layer.weight", extra_state=_MCORE_EXTRA,
             global_extra_state=("output_layer._extra_state",), legacy_models=False,
             param_order=_MCORE_PARAM_ORDER, moe_layer=_MCORE_MOE_LAYER, experts=(_SEQUENTIAL_EXPERTS,),
-            expert_extra_state=_SEQUENTIAL_EXPERT_EXTRA, shared_extra_state=_SHARED_EXTRA),
+            expert_extra_state=_SEQUENTIAL_EXPERT_EXTRA, shared_extra_state=_SHARED_EXTRA,
+            stacked_experts=_LEGACY_GROUPED_EXPERTS),
     Dialect("mcore-te", globals=_MCORE_GLOBALS, layer_prefix="decoder.layers.{i}.",
             layer=_MCORE_TE_LAYER, head_copy="output_layer.weight",
             extra_state=_MCORE_EXTRA + ("self_attention.core_attention._extra_state",),
             extra_state_value="empty_bytes", global_extra_state=("output_layer._extra_state",),
             legacy_models=False, transformer_impl="transformer_engine", param_order=_MCORE_TE_PARAM_ORDER,
-            # MoE layers keep a separate pre_mlp_layernorm (no fc1 to fuse it into); experts are read in
-            # both module forms, never written (no Transformer Engine here to check the output against)
+            # MoE layers keep a separate pre_mlp_layernorm (no fc1 to fuse it into); experts as SequentialMLP
+            # of TE linears, or TEGroupedMLP under --moe-grouped-gemm (layouts from megatron-core's
+            # experts.py; Transformer Engine itself does not run here), or legacy GroupedMLP (read only)
             moe_layer=dict(_MCORE_MOE_LAYER, **{"mlp_norm.weight": "pre_mlp_layernorm.weight",
                                                 "mlp_norm.bias": "pre_mlp_layernorm.bias"}),
-            experts=(_TE_GROUPED_EXPERTS, _SEQUENTIAL_EXPERTS), moe_writable=False),
+            experts=(_SEQUENTIAL_EXPERTS, _TE_GROUPED_EXPERTS), expert_extra_state=_SEQUENTIAL_EXPERT_EXTRA,
+            shared_extra_state=_SHARED_EXTRA, grouped_experts=_TE_GROUPED_EXPERTS,
+            grouped_extra_state=_TE_GROUPED_EXTRA, stacked_experts=_LEGACY_GROUPED_EXPERTS),
 ]}
 
 
@@ -194,10 +207,12 @@ class KeyMatcher:
         # expert keys: (regex of the layer-relative key, its group the local expert) -> base role
         self.experts = [(re.compile("^" + re.escape(key).replace(r"\{j\}", r"(\d+)") + "$"), base)
                         for table in dialect.experts for base, key in table.items()]
+        self.stacked = {key: base for base, key in dialect.stacked_experts.items()}
 
     def match(self, key: str):
         """(role, local layer or None), or None. An expert's role is experts.{j}.<base> with j its index
-        LOCAL to the file's expert-parallel rank (the reader makes it global)."""
+        LOCAL to the file's expert-parallel rank (the reader makes it global); a tensor of all local
+        experts (stacked_experts) has role experts.*.<base>."""
         if key in self.globals:
             return self.globals[key], None
         m = self.layer_re.match(key)
@@ -205,6 +220,8 @@ class KeyMatcher:
             return None
         if m.group(2) in self.layer:
             return self.layer[m.group(2)], int(m.group(1))
+        if m.group(2) in self.stacked:
+            return f"experts.*.{self.stacked[m.group(2)]}", int(m.group(1))
         for pattern, base in self.experts:
             e = pattern.match(m.group(2))
             if e:
@@ -212,10 +229,47 @@ class KeyMatcher:
         return None
 
 
+# Keys of modules ckptool knows and does not convert: (pattern, what they are, what to do). The reader names
+# them instead of the generic "not part of a GPT model", and never leaves them out of an output.
+REFUSED_KEYS = (
+    (re.compile(r"(^|[./])mtp[./]"), "multi-token prediction (MTP) layers (--mtp-num-layers)",
+     "ckptool does not convert MTP modules yet; convert a checkpoint of a run without MTP"),
+    (re.compile(r"(^|[./])mlp\.experts\."), "an MoE expert module ckptool does not know",
+     "ckptool reads SequentialMLP (local_experts.{j}), TEGroupedMLP (linear_fc1.weight{j}) and the legacy "
+     "GroupedMLP (weight1 / weight2) experts"),
+)
+
+
+def refused_module(key: str):
+    """(what, hint) when key belongs to a module of REFUSED_KEYS, else None."""
+    for pattern, what, hint in REFUSED_KEYS:
+        if pattern.search(key):
+            return what, hint
+    return None
+
+
 def is_ignorable(key: str) -> bool:
     """Keys that carry no weights: TE/local extra state, legacy alias params, causal-mask buffers."""
     tail = key.rsplit(".", 1)[-1].rsplit("/", 1)[-1]
     return tail in ("_extra_state", "embedding_param", "masked_bias", "inv_freq")
+
+
+# --- legacy GroupedMLP: all local experts in one tensor per fc ---------------------------------
+
+def stacked_expert_block(base: str, hidden: int, local_experts: int, size: int) -> Tuple[int, Tuple[int, int]]:
+    """(elements per expert, block shape) of local expert j's block, elements j*n .. (j+1)*n - 1 of the
+    flattened weight. megatron-core's GroupedMLP (transformer/moe/experts.py) keeps weight1 as
+    [hidden, E_local * fc1_r] and weight2 as [E_local * ffn_r, hidden] and views them as
+    [E_local, hidden, fc1_r] / [E_local, ffn_r, hidden] for grouped_gemm; its sharded_state_dict transposes
+    each block to a linear layer's [out, in] to make the SequentialMLP expert (fc1: [gate_r; up_r])."""
+    n = size // local_experts
+    return n, ((hidden, n // hidden) if base == "fc1.weight" else (n // hidden, hidden))
+
+
+def stack_expert_weights(base: str, experts) -> torch.Tensor:
+    """The inverse: local experts' [out, in] shards -> GroupedMLP's weight1 / weight2."""
+    blocks = torch.stack([x.t() for x in experts])  # [E_local, *block]
+    return blocks.reshape(blocks.shape[1], -1) if base == "fc1.weight" else blocks.reshape(-1, blocks.shape[2])
 
 
 # --- QKV per-rank layouts by checkpoint_version (MHA only; GQA appeared with version 3) ----
