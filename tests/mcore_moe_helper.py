@@ -13,6 +13,12 @@ GPTModel with MoE layers (local spec: SequentialMLP experts `mlp.experts.local_e
         name (experts by global index), the live optimizer's first moment at the save.
   "load-torch DIR --tp T --ep E [--pp P] --out FILE"   this rank's file into a fresh model with
         load_state_dict(strict=True), after comparing the parallel sizes in the file's args.
+  "save-dist DIR --tp T --ep E [--pp P] --out FILE"   dist_checkpointing.save of GPTModel.sharded_state_dict()
+        with the common state of a Megatron-LM run (args, checkpoint_version, iteration) into DIR/iter_0000007/
+        (torch_dist: experts stacked under their global index), plus the tracker file; FILE also gets
+        `params`: every parameter under its global name (experts by global index, TP shards gathered).
+  "load-dist DIR --tp T --ep E [--pp P] --out FILE"   dist_checkpointing.load of DIR at this layout into a fresh
+        model, then load_state_dict(strict=True) (every parameter found, nothing left over).
 
 Both write the logits for TOKENS (megatron-core's own forward at that layout, gathered over TP) to FILE.
 World size = TP x PP x DP, with EP carved out of DP (and expert TP = TP) as megatron-core does.
@@ -165,6 +171,9 @@ def run_job(a):
     model, cfg = build(a.tp, a.ep, a.pp)
     root = Path(a.dir)
     d = rank_dir(root, a.pp, a.ep)
+    if a.mode in ("save-dist", "load-dist"):
+        dist_job(a, model, cfg, root)
+        return
     if a.mode in ("save", "train"):
         opt, moments = train_one_step(model, cfg) if a.mode == "train" else (None, None)
         if writes_file():
@@ -199,9 +208,72 @@ def run_job(a):
     parallel_state.destroy_model_parallel()
 
 
+def full_params(model, ep):
+    """{global name: full tensor} of every parameter (experts by global index; TP shards gathered the way
+    megatron-core's sharded_state_dict stores them: fc1 of a GLU as [all gate; all up]), on every rank."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    group = parallel_state.get_tensor_model_parallel_group()
+    mine = {}
+    for name, p in model.named_parameters():
+        t = p.detach().clone()
+        axis = getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1
+        if tp > 1 and axis >= 0:
+            parts = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            if name.endswith("linear_fc1.weight") and cfg_glu(model):
+                halves = [x.chunk(2, dim=0) for x in parts]
+                t = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+            else:
+                t = torch.cat(parts, dim=axis)
+        parts = name.split(".")
+        if parts[:2] == ["decoder", "layers"]:
+            parts[2] = str(model.decoder.layers[int(parts[2])].layer_number - 1)
+        mine[global_name(".".join(parts), ep)] = t
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {k: v for d in every for k, v in d.items()}
+
+
+def cfg_glu(model):
+    return model.config.gated_linear_unit
+
+
+def dist_job(a, model, cfg, root):
+    from megatron.core import dist_checkpointing
+    d = root / "iter_0000007"
+    sd = model.sharded_state_dict(prefix="")
+    if a.mode == "save-dist":
+        args = run_args(cfg, a.tp, a.ep, a.pp)
+        args.ckpt_format = "torch_dist"
+        sd.update(args=args, checkpoint_version=3.0, iteration=7)
+        if dist.get_rank() == 0:
+            d.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(sd, str(d))
+        params = full_params(model, a.ep)
+        if dist.get_rank() == 0:
+            (root / "latest_checkpointed_iteration.txt").write_text("7")
+    else:
+        tracker = (root / "latest_checkpointed_iteration.txt").read_text().strip()
+        d = root / ("release" if tracker == "release" else f"iter_{int(tracker):07d}")
+        loaded = dist_checkpointing.load(sd, str(d))
+        for k in ("args", "iteration", "checkpoint_version"):
+            loaded.pop(k, None)
+        missing, unexpected = model.load_state_dict(loaded, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        assert not missing and not unexpected, (missing, unexpected)
+        params = None
+    out = logits(model)
+    if (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_data_parallel_rank() == 0):
+        torch.save({"tokens": TOKENS, "logits": out, "params": params}, a.out)
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["save", "train", "load-torch"])
+    ap.add_argument("mode", choices=["save", "train", "load-torch", "save-dist", "load-dist"])
     ap.add_argument("dir")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
