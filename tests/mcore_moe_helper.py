@@ -13,10 +13,12 @@ GPTModel with MoE layers (local spec: SequentialMLP experts `mlp.experts.local_e
         name (experts by global index), the live optimizer's first moment at the save.
   "load-torch DIR --tp T --ep E [--pp P] --out FILE"   this rank's file into a fresh model with
         load_state_dict(strict=True), after comparing the parallel sizes in the file's args.
-  "save-dist DIR --tp T --ep E [--pp P] --out FILE"   dist_checkpointing.save of GPTModel.sharded_state_dict()
+  "save-dist DIR --tp T --ep E [--pp P] [--singleton] --out FILE"   dist_checkpointing.save of GPTModel.sharded_state_dict()
         with the common state of a Megatron-LM run (args, checkpoint_version, iteration) into DIR/iter_0000007/
         (torch_dist: experts stacked under their global index), plus the tracker file; FILE also gets
         `params`: every parameter under its global name (experts by global index, TP shards gathered).
+        --singleton: with the sharded_state_dict metadata singleton_local_shards (one key per expert, GLU
+        fc1 as separate gate / up keys), as Megatron-LM 0.14-era runs could save.
   "load-dist DIR --tp T --ep E [--pp P] --out FILE"   dist_checkpointing.load of DIR at this layout into a fresh
         model, then load_state_dict(strict=True) (every parameter found, nothing left over).
 
@@ -241,7 +243,8 @@ def cfg_glu(model):
 def dist_job(a, model, cfg, root):
     from megatron.core import dist_checkpointing
     d = root / "iter_0000007"
-    sd = model.sharded_state_dict(prefix="")
+    # --singleton: the per-expert keys (GLU halves apart) megatron-core writes with singleton_local_shards
+    sd = model.sharded_state_dict(prefix="", metadata={"singleton_local_shards": True} if a.singleton else None)
     if a.mode == "save-dist":
         args = run_args(cfg, a.tp, a.ep, a.pp)
         args.ckpt_format = "torch_dist"
@@ -279,6 +282,7 @@ def main():
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--arch", choices=sorted(ARCHS), default="mixtral")
+    ap.add_argument("--singleton", action="store_true")
     ap.add_argument("--out", required=True)
     jobs = [ap.parse_args(job.split()) for job in sys.argv[1:]]
     dist.init_process_group("gloo")

@@ -44,8 +44,13 @@ def root(tmp_path_factory):
     """Per arch: the megatron-core save (src/), its logits and live parameters (src.pt), ckptool's OUTPUTS
     and megatron-core's logits after loading each (two torchrun launches in all)."""
     root = tmp_path_factory.mktemp("mcore_moe_dist")
-    torchrun([f"save-dist {root / a / 'src'} --tp 2 --ep 2 --arch {a} --out {root / a / 'src.pt'}" for a in ARCHS])
-    jobs = []
+    torchrun([f"save-dist {root / a / 'src'} --tp 2 --ep 2 --arch {a} --out {root / a / 'src.pt'}" for a in ARCHS] +
+             [f"save-dist {root / a / 'single'} --tp 2 --ep 2 --arch {a} --singleton --out {root / a / 'single.pt'}"
+              for a in ARCHS])
+    # the per-expert (singleton) save of the all-MoE model back to megatron-core's default stacked form
+    out = root / "mixtral" / "single_to_stacked"
+    api.reshard(root / "mixtral" / "single", out, tp=1, ep=4, format="torch_dist", warn=lambda m: None)
+    jobs = [f"load-dist {out} --tp 1 --ep 4 --arch mixtral --out {out}.pt"]
     for a in ARCHS:
         for fmt, tp, pp, ep in OUTPUTS:
             out = root / a / _name(fmt, tp, pp, ep)
@@ -104,14 +109,20 @@ def canonical_live(params: dict, heads=4, groups=2, head_dim=8) -> dict:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_reads_every_tensor_equal_to_the_live_model(root, arch):
-    ck = dist.read(root / arch / "src")
+@pytest.mark.parametrize("save", ["src", "single"])
+def test_reads_every_tensor_equal_to_the_live_model(root, arch, save):
+    """src: megatron-core's default keys (experts stacked on an expert axis; layers too when all are MoE);
+    single: singleton_local_shards (every layer keyed, one key per expert, GLU fc1 as weight_w / weight_v)."""
+    ck = dist.read(root / arch / save)
     assert ck.source.layout.describe() == "TP2 PP1 EP2"
-    assert ck.source.dialect == ("mcore-dist" if arch == "mixtral" else "mcore-dist-per-layer")
+    stacked = arch == "mixtral" and save == "src"
+    assert ck.source.dialect == ("mcore-dist" if stacked else "mcore-dist-per-layer")
+    keys = _metadata(root / arch / save)
+    assert ("decoder.layers.1.mlp.experts.experts.3.linear_fc1.weight_w" in keys) == (save == "single")
     m = ck.config.moe
     assert (m.num_experts, m.top_k, m.ffn_hidden_size) == (4, 2, 24)
     assert m.layers == ((0, 1) if arch == "mixtral" else (1,))
-    live = canonical_live(torch.load(root / arch / "src.pt")["params"])
+    live = canonical_live(torch.load(root / arch / f"{save}.pt")["params"])
     assert sorted(live) == sorted(ck.tensors)
     for name, t in live.items():
         assert torch.equal(ck.tensors[name].load(), t), name
@@ -152,6 +163,13 @@ def test_megatron_core_loads_every_output_strictly_with_the_same_logits(root, ar
         assert ("decoder.layers.1.mlp.experts.experts.linear_fc1.weight" in keys) == (arch != "mixtral")
 
 
+def test_singleton_save_converts_to_the_stacked_form_megatron_core_loads(root):
+    out = root / "mixtral" / "single_to_stacked"
+    assert "decoder.layers.mlp.experts.experts.linear_fc1.weight" in _metadata(out)
+    ref = torch.load(root / "mixtral" / "single.pt")["logits"]
+    assert relative(torch.load(f"{out}.pt")["logits"], ref) <= 1e-5
+
+
 def _metadata(ckpt_dir: Path) -> dict:
     it = next(ckpt_dir.glob("iter_*"))
     with open(it / ".metadata", "rb") as f:
@@ -169,17 +187,30 @@ def _rename_key(src: Path, dst: Path, old: str, new: str) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("new, says", [
-    ("mtp.layers.0.transformer_layer.mlp.linear_fc1.weight", "multi-token-prediction"),
-    ("decoder.layers.1.mlp.experts.experts.2.linear_fc1.weight", "one key per expert"),
-    ("decoder.layers.1.mlp.experts.linear_fc1.weight0", "expert layout other than"),
+STACKED_FC1 = "decoder.layers.1.mlp.experts.experts.linear_fc1.weight"
+
+
+@pytest.mark.parametrize("save, old, new, says", [
+    ("src", STACKED_FC1, "mtp.layers.0.transformer_layer.mlp.linear_fc1.weight", "multi-token-prediction"),
+    ("src", STACKED_FC1, "decoder.layers.1.mlp.experts.linear_fc1.weight0", "expert layout other than"),
+    ("src", STACKED_FC1, "decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight", "expert layout other than"),
+    # a name of the other form with this form's shape: every expert's fc1 but that one is missing
+    ("src", STACKED_FC1, "decoder.layers.1.mlp.experts.experts.2.linear_fc1.weight", "6 tensors missing"),
+    ("single", "decoder.layers.1.mlp.experts.experts.1.linear_fc1.weight_v",
+     "decoder.layers.1.mlp.experts.experts.1.linear_fc1.weight_u", "expert layout other than"),
 ])
-def test_unknown_expert_layouts_and_mtp_are_refused_by_name(root, tmp_path, new, says):
-    old = "decoder.layers.1.mlp.experts.experts.linear_fc1.weight"
-    bad = _rename_key(root / "qwen2moe" / "src", tmp_path / "bad", old, new)
+def test_unknown_expert_layouts_and_mtp_are_refused_by_name(root, tmp_path, save, old, new, says):
+    bad = _rename_key(root / "qwen2moe" / save, tmp_path / "bad", old, new)
     with pytest.raises(CkptError, match=says) as e:
         dist.read(bad)
-    assert new in str(e.value)
+    assert new in str(e.value) or "missing" in says
+
+
+def test_a_lost_glu_half_is_refused(root, tmp_path):
+    bad = _rename_key(root / "qwen2moe" / "single", tmp_path / "bad",
+                      "decoder.layers.1.mlp.shared_experts.linear_fc1.weight_v", "rng_state_unused")
+    with pytest.raises(CkptError, match="only its gate half"):
+        dist.read(bad)
 
 
 def test_moe_without_args_asks_for_them(root, tmp_path):
@@ -206,3 +237,41 @@ def test_inspect_shows_experts_top_k_and_ep(root):
         in r.output
     doc = json.loads(CliRunner().invoke(main, ["inspect", str(root / "mixtral" / "src"), "--json"]).output)
     assert doc["layout"]["ep"] == 2 and doc["config"]["moe"]["num_experts"] == 4 and doc["config"]["moe"]["top_k"] == 2
+
+
+def test_moe_optimizer_state_is_dropped_with_a_warning_never_silently(root, tmp_path):
+    """megatron-core keeps expert parameters in a separate (chained) optimizer: the torch_dist writer carries
+    MoE weights only and says so."""
+    import dataclasses
+    from ckptool.convert import write_layout
+    from ckptool.config import Layout
+    from ckptool.state import OptimizerState
+    ck = dist.read(root / "mixtral" / "src")
+    moments = {n: t for n, t in ck.tensors.items()}
+    ck = dataclasses.replace(ck, optimizer=OptimizerState("megatron", {"exp_avg": moments, "exp_avg_sq": moments}, step=1))
+    said = []
+    write_layout(ck, tmp_path / "out", Layout(tp=1, ep=2), fmt="torch_dist", warn=said.append)
+    assert any("optimizer state dropped" in m and "MoE" in m for m in said), said
+    keys = _metadata(tmp_path / "out")
+    assert not any("optimizer" in k for k in keys)
+    back = dist.read(tmp_path / "out")
+    assert back.source.layout.ep == 2 and list(back.tensors) == list(ck.tensors)
+
+
+@pytest.mark.parametrize("kind, ep", [("mixtral", 2), ("qwen2_moe", 3), ("qwen3_moe", 4)])
+def test_hf_moe_through_torch_dist_is_bit_exact(tmp_path, kind, ep):
+    """A tiny random HF model of each family -> torch_dist at TP2 and an EP -> to-hf: every tensor bit-exact,
+    transformers' logits equal (the all-MoE model stacked, the others keyed per layer)."""
+    from test_moe import _build, hf_logits, randomise
+    from ckptool.formats.registry import open_checkpoint
+    torch.manual_seed(7)
+    model = randomise(_build(kind)).eval()
+    model.save_pretrained(tmp_path / "hf")
+    api.reshard(tmp_path / "hf", tmp_path / "dist", tp=2, ep=ep, format="torch_dist", warn=lambda m: None)
+    src, back = open_checkpoint(tmp_path / "hf"), dist.read(tmp_path / "dist")
+    assert back.source.dialect == ("mcore-dist" if kind == "mixtral" else "mcore-dist-per-layer")
+    assert back.source.layout.ep == ep and back.config.moe == src.config.moe
+    for name, t in src.tensors.items():
+        assert torch.equal(back.tensors[name].load()[:t.shape[0]], t.load()), name
+    api.to_hf(tmp_path / "dist", tmp_path / "hf2", warn=lambda m: None)
+    assert torch.equal(hf_logits(tmp_path / "hf2"), hf_logits(model))

@@ -10,6 +10,14 @@ Tensors are stored with GLOBAL shapes, already TP-merged: QKV in grouped order, 
 for local layers. A plain DCP save of a model's sharded_state_dict (megatron-core's simple training
 loop) has the same keys, possibly under `model.` / `model.module.`, and stores no args.
 
+MoE (megatron-core transformer/moe/experts.py, the same form for SequentialMLP, GroupedMLP and TEGroupedMLP):
+router and shared expert are per-layer tensors like the dense ones; a layer's experts are ONE tensor with
+the global expert index as an axis in front of the weight's own (`mlp.experts.experts.linear_fc1.weight`
+[E, out, in], GLU fc1 per expert as [gate; up]). Layers are keyed by index instead of stacked when
+--moe-layer-freq is a list or above 1 (transformer_block.py), and with the singleton_local_shards metadata,
+which also gives each expert its own keys (`mlp.experts.experts.{e}.linear_fc1.weight_w` / `_v`: GLU halves);
+both are read, the stacked / per-layer form megatron-core asks for by default is written.
+
 The reader never imports Megatron and needs no process group (io/dcp_io.py reads the chunks).
 The writer produces one stacked, full-shape chunk per layer: megatron-core reshards on load, so
 the same files load at any TP/PP.
@@ -28,12 +36,12 @@ from ..config import GPTConfig, Layout, check_tensor_parallel
 from ..errors import CkptError, require
 from ..io.dcp_io import METADATA, DcpDir, DcpWriter
 from ..io.torchfile import load_torch_bytes, load_torch_file, save_streaming
-from ..lazy import LazyTensor, load_scope
+from ..lazy import LazyTensor, cat, load_scope
 from ..options import CONFIG_OVERRIDES, ReadOptions
 from ..roles import LAYER_ROLES, assemble, expert_role, global_role_tensor, layer_role_tensor
 from ..sharding import ReplicaPolicy
 from ..state import (OPTIMIZER_SLOTS, PAD_FILL_BY_SLOT, WEIGHT, Checkpoint, OptimizerState, SourceInfo,
-                     in_model_order)
+                     expected_names, in_model_order)
 from ..vocab import resize_slot_vocab, resize_vocab, target_rows, with_true_vocab_size
 from . import dist_optim, dist_optim_buckets, megatron_args
 from .megatron import TRACKER, resolve_iteration_dir
@@ -92,12 +100,15 @@ EXPERT_WRITE_NAMES = {
 }
 LAYER_KEYS.update({v: k for k, v in MOE_WRITE_NAMES.items()})
 EXPERT_KEYS = {v: k for k, v in EXPERT_WRITE_NAMES.items()}
+# With the sharded_state_dict metadata singleton_local_shards (read only), every layer is keyed by its index,
+# each expert has its own keys (group 1 the global expert, group 2 an EXPERT_KEYS name without the prefix)...
+SINGLETON_EXPERT = re.compile(r"^mlp\.experts\.experts\.(\d+)\.(linear_fc[12]\.weight)$")
+# ...and a GLU fc1 (dense, shared or expert) is stored as its gate and up halves under these suffixes.
+GLU_HALVES = {"_w": 0, "_v": 1}
 # Stored MoE forms ckptool does not read, by what they are (refused with these words, never skipped).
 NOT_READ = (
     (re.compile(r"^mtp\."), "multi-token-prediction (MTP) layers"),
-    (re.compile(r"mlp\.experts\.experts\.\d+\."), "experts stored one key per expert (singleton_local_shards)"),
-    (re.compile(r"mlp\.experts\.experts\.linear_fc\d\.weight_[wv]$"), "experts with split GLU halves (singleton_local_shards)"),
-    (re.compile(r"mlp\.experts\."), "an expert layout other than megatron-core's stacked experts"),
+    (re.compile(r"mlp\.experts\."), "an expert layout other than megatron-core's sharded experts"),
 )
 # ShardedObjects megatron-core expects per layer (local spec: 4, TE spec adds core_attention).
 EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
@@ -197,6 +208,7 @@ def _collect(dcp: DcpDir, slot_prefix: Optional[str] = None) -> Tuple[Dict[Tuple
     prefix = _model_prefix(keys) if slot_prefix is None else slot_prefix
     shards: Dict[Tuple[str, Optional[int]], List[LazyTensor]] = {}
     unknown, stacked = [], False
+    halves: Dict[Tuple[str, int], Dict[int, LazyTensor]] = {}
     for key in keys:
         if not key.startswith(prefix):
             continue
@@ -207,11 +219,17 @@ def _collect(dcp: DcpDir, slot_prefix: Optional[str] = None) -> Tuple[Dict[Tuple
             shards[(GLOBAL_KEYS[k], None)] = [dcp.lazy(key)]
             continue
         m = PER_LAYER.match(k)
-        if m and m.group(2) in LAYER_KEYS:
-            shards[(LAYER_KEYS[m.group(2)], int(m.group(1)))] = [dcp.lazy(key)]
+        role = _layer_role(m.group(2)) if m else None
+        if role:
+            shards[(role, int(m.group(1)))] = [dcp.lazy(key)]
             continue
         if m and m.group(2) in EXPERT_KEYS:
             _add_experts(shards, dcp, key, EXPERT_KEYS[m.group(2)], [int(m.group(1))], stacked=False)
+            continue
+        half = GLU_HALVES.get(m.group(2)[-2:]) if m else None
+        role = _layer_role(m.group(2)[:-2]) if half is not None else None
+        if role and role.endswith("fc1.weight"):
+            halves.setdefault((role, int(m.group(1))), {})[half] = dcp.lazy(key)
             continue
         m = STACKED.match(k)
         if m and m.group(1) in LAYER_KEYS:
@@ -227,7 +245,19 @@ def _collect(dcp: DcpDir, slot_prefix: Optional[str] = None) -> Tuple[Dict[Tuple
         unknown.append(key)
     if unknown:
         _refuse_unknown(unknown)
+    for (role, i), parts in halves.items():  # gate and up of a GLU fc1 again as megatron-core's [gate; up]
+        require(len(parts) == 2, f"layer {i}: {role} has only its {'gate' if 0 in parts else 'up'} half "
+                "(weight_w / weight_v) stored", "the checkpoint is incomplete")
+        shards[(role, i)] = [cat([parts[0], parts[1]], 0)]
     return shards, stacked
+
+
+def _layer_role(name: str) -> Optional[str]:
+    """The role of a layer-relative stored name (one tensor, no expert axis), or None."""
+    if name in LAYER_KEYS:
+        return LAYER_KEYS[name]
+    m = SINGLETON_EXPERT.match(name)
+    return expert_role(int(m.group(1)), EXPERT_KEYS[f"mlp.experts.experts.{m.group(2)}"]) if m else None
 
 
 def _stored_layers(dcp: DcpDir, key: str) -> List[int]:
@@ -353,6 +383,7 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
         shards.pop(("output", None), None)  # a tied model's synchronised head copy
     policy = ReplicaPolicy(opts.replicas, warnings.append)
     tensors = assemble(cfg, shards, policy)
+    _check_complete(tensors, cfg, d)
     tensors = in_model_order(tensors, cfg)
     tp = getattr(args, "tensor_model_parallel_size", None) or 1
     pp = getattr(args, "pipeline_model_parallel_size", None) or 1
@@ -365,6 +396,30 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                       extra={"replica_policy": policy, "plain_dcp": backend is None})
     optimizer = _read_optimizer(dcp, common, cfg, tensors, policy, args, str(d), warnings) if opts.optimizer else None
     return Checkpoint(cfg, tensors, info, warnings, optimizer)
+
+
+def _check_complete(tensors: Dict[str, LazyTensor], cfg: GPTConfig, where: Path) -> None:
+    """Every tensor the config implies is there, nothing else is, and experts have the expert shapes: an
+    expert layout read wrongly must fail here, not leave experts out of (or misshapen in) the output."""
+    want = expected_names(cfg)
+    missing = [n for n in want if n not in tensors]
+    extra = sorted(set(tensors) - set(want))
+    if missing or extra:
+        raise CkptError(f"{where}: " + "; ".join(f"{len(names)} tensors {what} (e.g. {', '.join(names[:3])})"
+                                                 for names, what in ((missing, "missing"), (extra, "not in the model its "
+                                                 "args describe")) if names),
+                        "the checkpoint is incomplete, or its args do not describe it")
+    moe = cfg.moe
+    if moe is None:
+        return
+    h, f = cfg.hidden_size, moe.ffn_hidden_size
+    for i in moe.layers:
+        for e in range(moe.num_experts):
+            p = f"layers.{i}.mlp.experts.{e}."
+            for name, shape in ((p + "up.weight", (f, h)), (p + "down.weight", (h, f))):
+                got = tuple(tensors[name].shape)
+                require(got == shape, f"{where}: {name} has shape {got}, expected {shape} ({moe.num_experts} experts "
+                        f"of FFN size {f}, hidden {h})", "the checkpoint's args do not describe its experts")
 
 
 def _read_optimizer(dcp: DcpDir, common: dict, cfg: GPTConfig, tensors, policy, args, where: str,
@@ -560,15 +615,17 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
 
 
 def _per_layer_keys(ckpt: Checkpoint) -> bool:
-    """Whether layers are stored under decoder.layers.{i}.* instead of stacked: megatron-core does so for
-    MoE models whose layers are not all alike (--moe-layer-freq other than 1) and asks for the same keys
-    at load; an all-MoE model keeps the form of its torch_dist source, stacked otherwise. Dense: stacked."""
+    """Whether layers are stored under decoder.layers.{i}.* instead of stacked, as megatron-core asks at load
+    (transformer_block.py): for MoE models whose --moe-layer-freq is a list or an int above 1, which an
+    MoE model whose layers are not all MoE always has; an all-MoE model follows its source run's flag
+    (stacked for the default int 1). Dense models: stacked."""
     moe = ckpt.config.moe
     if moe is None:
         return False
     if set(moe.layers) != set(range(ckpt.config.num_layers)):
         return True
-    return ckpt.source.format == FORMAT and ckpt.source.dialect == "mcore-dist-per-layer"
+    freq = getattr(ckpt.source.args, "moe_layer_freq", 1) if ckpt.source.format in ("megatron", FORMAT) else 1
+    return not isinstance(freq, int)
 
 
 def _target_slots(ckpt: Checkpoint, weights, cfg: GPTConfig, rows: int) -> Dict[str, Dict[str, LazyTensor]]:
