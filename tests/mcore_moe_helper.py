@@ -22,10 +22,13 @@ GPTModel with MoE layers (local spec: SequentialMLP experts `mlp.experts.local_e
   "load-dist DIR --tp T --ep E [--pp P] --out FILE"   dist_checkpointing.load of DIR at this layout into a fresh
         model, then load_state_dict(strict=True) (every parameter found, nothing left over).
 
+--arch grouped: the Mixtral-like model with megatron-core's legacy GroupedMLP experts (weight1 / weight2; the
+CUDA-only grouped_gemm kernel stood in for by its maths on CPU).
 Both write the logits for TOKENS (megatron-core's own forward at that layout, gathered over TP) to FILE.
 World size = TP x PP x DP, with EP carved out of DP (and expert TP = TP) as megatron-core does.
 """
 import argparse
+import copy
 import sys
 from pathlib import Path
 
@@ -62,6 +65,22 @@ CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups
 ARCHS = {"mixtral": {}, "qwen2moe": dict(moe_layer_freq=[0, 1], moe_shared_expert_intermediate_size=16,
                                          moe_shared_expert_gate=True, moe_router_pre_softmax=True, add_qkv_bias=True)}
 ARCH = {"name": "mixtral"}
+# Mixtral-like with megatron-core's legacy GroupedMLP experts (--moe-grouped-gemm without Transformer Engine:
+# weight1 [h, local experts x fc1 rows], weight2 [local experts x ffn, h], run as one grouped GEMM)
+ARCHS["grouped"] = dict(moe_grouped_gemm=True)
+
+
+def _cpu_grouped_gemm():
+    """The grouped_gemm package (CUDA only) stood in for by its maths: rows of `a` in consecutive blocks of
+    batch_sizes[i] tokens, each times b[i] (or its transpose)."""
+    from types import SimpleNamespace
+    from megatron.core.transformer.moe import grouped_gemm_util as gg
+
+    def gmm(a, b, batch_sizes, trans_b=False):
+        blocks = torch.split(a, [int(n) for n in batch_sizes])
+        return torch.cat([x @ (w.t() if trans_b else w) for x, w in zip(blocks, b)])
+    gg.grouped_gemm = SimpleNamespace(ops=SimpleNamespace(gmm=gmm))
+    gg.ops = gg.grouped_gemm.ops
 
 
 def build(tp, ep, pp=1):
@@ -71,8 +90,12 @@ def build(tp, ep, pp=1):
     cfg = TransformerConfig(use_cpu_initialization=True, pipeline_dtype=torch.float32, pipeline_model_parallel_size=pp,
                             tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                             hidden_dropout=0.0, attention_dropout=0.0, **dict(CFG, **ARCHS[ARCH["name"]]))
-    if ARCH["name"] == "mixtral":
-        spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False, normalization="RMSNorm")
+    if ARCH["name"] in ("mixtral", "grouped"):
+        grouped = ARCH["name"] == "grouped"
+        if grouped:
+            _cpu_grouped_gemm()
+        spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=grouped, normalization="RMSNorm",
+                                        moe_use_legacy_grouped_gemm=grouped)
     else:  # dense and MoE layers: one spec per layer
         spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
     model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=PADDED, max_sequence_length=SEQ,
@@ -90,6 +113,14 @@ def build(tp, ep, pp=1):
             if ".local_experts." in name:  # experts on other EP ranks were initialised from the same seed
                 j = int(name.split(".local_experts.")[1].split(".")[0])
                 p.add_(0.05 * (ep_rank * (EXPERTS // ep) + j + 1))
+            if name.endswith((".experts.weight1", ".experts.weight2")):  # GroupedMLP: all local experts at once
+                p.add_(0.05 * (ep_rank + 1))
+    if ARCH["name"] == "grouped":  # GroupedMLP asserts bf16 for its CUDA kernel; the CPU stand-in is exact in fp32
+        from megatron.core.transformer.moe.experts import GroupedMLP
+        for m in model.modules():
+            if isinstance(m, GroupedMLP):
+                m.config = copy.copy(m.config)
+                m.config.bf16 = True
     model.eval()
     return model, cfg
 

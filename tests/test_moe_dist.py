@@ -6,7 +6,8 @@ keys each layer) at TP2 EP2 on 4 CPU processes (gloo) and saves GPTModel.sharded
 dist_checkpointing.save, as a Megatron-LM run with --ckpt-format torch_dist does. ckptool reads it (every
 tensor equal to the live model's), converts it to Hugging Face (transformers computes megatron-core's logits),
 to the torch format at EP1 / EP4 and back to torch_dist at other TP / EP / PP; megatron-core loads each
-output strictly at its layout and computes the same logits.
+output strictly at its layout and computes the same logits. The same for a save with singleton_local_shards
+(per-expert keys) and one of the legacy GroupedMLP experts (--moe-grouped-gemm without Transformer Engine).
 """
 from __future__ import annotations
 
@@ -35,6 +36,11 @@ OUTPUTS = [("torch", 1, 1, 1), ("torch", 1, 1, 4), ("torch_dist", 1, 1, 4), ("to
            ("torch_dist", 1, 2, 2)]
 
 
+# the legacy GroupedMLP save (--moe-grouped-gemm without Transformer Engine; the helper stands in for the CUDA
+# grouped_gemm kernel) written as torch_dist, loaded into SequentialMLP and GroupedMLP models: (tp, pp, ep), arch
+GROUPED_OUTPUTS = [((1, 1, 4), "mixtral"), ((2, 1, 1), "grouped")]
+
+
 def _name(fmt, tp, pp, ep):
     return f"{fmt}_{tp}{pp}{ep}"
 
@@ -44,13 +50,18 @@ def root(tmp_path_factory):
     """Per arch: the megatron-core save (src/), its logits and live parameters (src.pt), ckptool's OUTPUTS
     and megatron-core's logits after loading each (two torchrun launches in all)."""
     root = tmp_path_factory.mktemp("mcore_moe_dist")
-    torchrun([f"save-dist {root / a / 'src'} --tp 2 --ep 2 --arch {a} --out {root / a / 'src.pt'}" for a in ARCHS] +
+    torchrun([f"save-dist {root / a / 'src'} --tp 2 --ep 2 --arch {a} --out {root / a / 'src.pt'}"
+              for a in list(ARCHS) + ["grouped"]] +
              [f"save-dist {root / a / 'single'} --tp 2 --ep 2 --arch {a} --singleton --out {root / a / 'single.pt'}"
               for a in ARCHS])
     # the per-expert (singleton) save of the all-MoE model back to megatron-core's default stacked form
     out = root / "mixtral" / "single_to_stacked"
     api.reshard(root / "mixtral" / "single", out, tp=1, ep=4, format="torch_dist", warn=lambda m: None)
     jobs = [f"load-dist {out} --tp 1 --ep 4 --arch mixtral --out {out}.pt"]
+    for (tp, pp, ep), arch in GROUPED_OUTPUTS:
+        out = root / "grouped" / f"{arch}_{tp}{pp}{ep}"
+        api.reshard(root / "grouped" / "src", out, tp=tp, pp=pp, ep=ep, format="torch_dist", warn=lambda m: None)
+        jobs.append(f"load-dist {out} --tp {tp} --pp {pp} --ep {ep} --arch {arch} --out {out}.pt")
     for a in ARCHS:
         for fmt, tp, pp, ep in OUTPUTS:
             out = root / a / _name(fmt, tp, pp, ep)
@@ -130,12 +141,12 @@ def test_reads_every_tensor_equal_to_the_live_model(root, arch, save):
     assert all(not torch.equal(gates[a], gates[b]) for a in range(4) for b in range(a + 1, 4))
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", list(ARCHS) + ["grouped"])
 def test_to_hf_computes_megatron_cores_logits(root, tmp_path, arch):
     import transformers
     result = api.to_hf(root / arch / "src", tmp_path / "hf", warn=lambda m: None)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
-    assert type(model).__name__ == ARCHS[arch], result.summary
+    assert type(model).__name__ == ARCHS.get(arch, "MixtralForCausalLM"), result.summary
     ref = torch.load(root / arch / "src.pt")
     with torch.no_grad():
         got = model(ref["tokens"]).logits
@@ -168,6 +179,20 @@ def test_singleton_save_converts_to_the_stacked_form_megatron_core_loads(root):
     assert "decoder.layers.mlp.experts.experts.linear_fc1.weight" in _metadata(out)
     ref = torch.load(root / "mixtral" / "single.pt")["logits"]
     assert relative(torch.load(f"{out}.pt")["logits"], ref) <= 1e-5
+
+
+@pytest.mark.parametrize("layout, arch", GROUPED_OUTPUTS, ids=lambda x: str(x))
+def test_grouped_gemm_save_loads_as_sequential_and_grouped_experts(root, layout, arch):
+    """GroupedMLP stores the same sharded form as SequentialMLP (weights transposed back per expert)."""
+    ck = dist.read(root / "grouped" / "src")
+    gates = [ck.tensors[f"layers.0.mlp.experts.{e}.gate.weight"].load() for e in range(4)]
+    assert all(not torch.equal(gates[a], gates[b]) for a in range(4) for b in range(a + 1, 4))
+    out = root / "grouped" / "{}_{}{}{}".format(arch, *layout)
+    ref = torch.load(root / "grouped" / "src.pt")["logits"]
+    assert relative(torch.load(f"{out}.pt")["logits"], ref) <= 1e-5
+    back = dist.read(out)
+    for name in ck.tensors:
+        assert torch.equal(back.tensors[name].load(), ck.tensors[name].load()), name
 
 
 def _metadata(ckpt_dir: Path) -> dict:
