@@ -88,7 +88,7 @@ def write_layout(ckpt: Checkpoint, dst, layout: Layout, fmt: Optional[str] = Non
 # target formats whose writer places MoE experts (router, experts by expert-parallel rank); the others know
 # dense MLPs only, and an MoE model must never reach them, or its experts would be left out of a
 # complete-looking output.
-MOE_WRITERS = {"torch"}
+MOE_WRITERS = {"torch", "torch_dist"}
 
 
 def refuse_moe(ckpt: Checkpoint, fmt: str) -> None:

@@ -20,12 +20,23 @@ GPTModel with MoE layers (local spec: SequentialMLP experts `mlp.experts.local_e
         gets their losses as `next`.
   "load-torch DIR --tp T --ep E [--pp P] --out FILE"   this rank's file into a fresh model with
         load_state_dict(strict=True), after comparing the parallel sizes in the file's args.
+  "save-dist DIR --tp T --ep E [--pp P] [--singleton] --out FILE"   dist_checkpointing.save of GPTModel.sharded_state_dict()
+        with the common state of a Megatron-LM run (args, checkpoint_version, iteration) into DIR/iter_0000007/
+        (torch_dist: experts stacked under their global index), plus the tracker file; FILE also gets
+        `params`: every parameter under its global name (experts by global index, TP shards gathered).
+        --singleton: with the sharded_state_dict metadata singleton_local_shards (one key per expert, GLU
+        fc1 as separate gate / up keys), as Megatron-LM 0.14-era runs could save.
+  "load-dist DIR --tp T --ep E [--pp P] --out FILE"   dist_checkpointing.load of DIR at this layout into a fresh
+        model, then load_state_dict(strict=True) (every parameter found, nothing left over).
 
+--arch grouped: the Mixtral-like model with megatron-core's legacy GroupedMLP experts (weight1 / weight2; the
+CUDA-only grouped_gemm kernel stood in for by its maths on CPU).
 Every mode writes the logits for TOKENS (megatron-core's own forward at that layout, gathered over TP) to FILE.
 World size = TP x PP x DP; the experts' grid is expert TP (--etp, default TP) x EP x expert DP over the same
 ranks, as megatron-core's parallel_state lays it out.
 """
 import argparse
+import copy
 import sys
 from pathlib import Path
 
@@ -63,6 +74,22 @@ ARCHS = {"mixtral": {}, "qwen2moe": dict(moe_layer_freq=[0, 1], moe_shared_exper
                                          moe_shared_expert_gate=True, moe_router_pre_softmax=True, add_qkv_bias=True)}
 ARCH = {"name": "mixtral"}
 DTYPE = {"bf16": False}  # train / resume --dtype
+# Mixtral-like with megatron-core's legacy GroupedMLP experts (--moe-grouped-gemm without Transformer Engine:
+# weight1 [h, local experts x fc1 rows], weight2 [local experts x ffn, h], run as one grouped GEMM)
+ARCHS["grouped"] = dict(moe_grouped_gemm=True)
+
+
+def _cpu_grouped_gemm():
+    """The grouped_gemm package (CUDA only) stood in for by its maths: rows of `a` in consecutive blocks of
+    batch_sizes[i] tokens, each times b[i] (or its transpose)."""
+    from types import SimpleNamespace
+    from megatron.core.transformer.moe import grouped_gemm_util as gg
+
+    def gmm(a, b, batch_sizes, trans_b=False):
+        blocks = torch.split(a, [int(n) for n in batch_sizes])
+        return torch.cat([x @ (w.t() if trans_b else w) for x, w in zip(blocks, b)])
+    gg.grouped_gemm = SimpleNamespace(ops=SimpleNamespace(gmm=gmm))
+    gg.ops = gg.grouped_gemm.ops
 
 
 def build(tp, ep, pp=1, etp=None):
@@ -73,8 +100,12 @@ def build(tp, ep, pp=1, etp=None):
                             tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                             expert_tensor_parallel_size=etp or tp,
                             hidden_dropout=0.0, attention_dropout=0.0, **dict(CFG, **ARCHS[ARCH["name"]]))
-    if ARCH["name"] == "mixtral":
-        spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False, normalization="RMSNorm")
+    if ARCH["name"] in ("mixtral", "grouped"):
+        grouped = ARCH["name"] == "grouped"
+        if grouped:
+            _cpu_grouped_gemm()
+        spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=grouped, normalization="RMSNorm",
+                                        moe_use_legacy_grouped_gemm=grouped)
     else:  # dense and MoE layers: one spec per layer
         spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
     model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=PADDED, max_sequence_length=SEQ,
@@ -92,6 +123,14 @@ def build(tp, ep, pp=1, etp=None):
             if ".local_experts." in name:  # experts on other EP ranks were initialised from the same seed
                 j = int(name.split(".local_experts.")[1].split(".")[0])
                 p.add_(0.05 * (ep_rank * (EXPERTS // ep) + j + 1))
+            if name.endswith((".experts.weight1", ".experts.weight2")):  # GroupedMLP: all local experts at once
+                p.add_(0.05 * (ep_rank + 1))
+    if ARCH["name"] == "grouped":  # GroupedMLP asserts bf16 for its CUDA kernel; the CPU stand-in is exact in fp32
+        from megatron.core.transformer.moe.experts import GroupedMLP
+        for m in model.modules():
+            if isinstance(m, GroupedMLP):
+                m.config = copy.copy(m.config)
+                m.config.bf16 = True
     model.eval()
     return model, cfg
 
@@ -201,6 +240,9 @@ def run_job(a):
     root = Path(a.dir)
     d = rank_dir(root, a.pp, a.ep)
     losses = None
+    if a.mode in ("save-dist", "load-dist"):
+        dist_job(a, model, cfg, root)
+        return
     if a.mode in ("save", "train"):
         ddp, opt, loss, moments = train_one_step(model, cfg) if a.mode == "train" else (None, None, None, None)
         if writes_file():
@@ -250,9 +292,73 @@ def run_job(a):
     parallel_state.destroy_model_parallel()
 
 
+def full_params(model, ep):
+    """{global name: full tensor} of every parameter (experts by global index; TP shards gathered the way
+    megatron-core's sharded_state_dict stores them: fc1 of a GLU as [all gate; all up]), on every rank."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    group = parallel_state.get_tensor_model_parallel_group()
+    mine = {}
+    for name, p in model.named_parameters():
+        t = p.detach().clone()
+        axis = getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1
+        if tp > 1 and axis >= 0:
+            parts = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            if name.endswith("linear_fc1.weight") and cfg_glu(model):
+                halves = [x.chunk(2, dim=0) for x in parts]
+                t = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+            else:
+                t = torch.cat(parts, dim=axis)
+        parts = name.split(".")
+        if parts[:2] == ["decoder", "layers"]:
+            parts[2] = str(model.decoder.layers[int(parts[2])].layer_number - 1)
+        mine[global_name(".".join(parts), ep)] = t
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {k: v for d in every for k, v in d.items()}
+
+
+def cfg_glu(model):
+    return model.config.gated_linear_unit
+
+
+def dist_job(a, model, cfg, root):
+    from megatron.core import dist_checkpointing
+    d = root / "iter_0000007"
+    # --singleton: the per-expert keys (GLU halves apart) megatron-core writes with singleton_local_shards
+    sd = model.sharded_state_dict(prefix="", metadata={"singleton_local_shards": True} if a.singleton else None)
+    if a.mode == "save-dist":
+        args = run_args(cfg, a.tp, a.ep, a.pp)
+        args.ckpt_format = "torch_dist"
+        sd.update(args=args, checkpoint_version=3.0, iteration=7)
+        if dist.get_rank() == 0:
+            d.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(sd, str(d))
+        params = full_params(model, a.ep)
+        if dist.get_rank() == 0:
+            (root / "latest_checkpointed_iteration.txt").write_text("7")
+    else:
+        tracker = (root / "latest_checkpointed_iteration.txt").read_text().strip()
+        d = root / ("release" if tracker == "release" else f"iter_{int(tracker):07d}")
+        loaded = dist_checkpointing.load(sd, str(d))
+        for k in ("args", "iteration", "checkpoint_version"):
+            loaded.pop(k, None)
+        missing, unexpected = model.load_state_dict(loaded, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        assert not missing and not unexpected, (missing, unexpected)
+        params = None
+    out = logits(model)
+    if (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_data_parallel_rank() == 0):
+        torch.save({"tokens": TOKENS, "logits": out, "params": params}, a.out)
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["save", "train", "resume", "load-torch"])
+    ap.add_argument("mode", choices=["save", "train", "resume", "load-torch", "save-dist", "load-dist"])
     ap.add_argument("--weights-only", action="store_true")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("dir")
@@ -261,6 +367,7 @@ def main():
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default --tp)")
     ap.add_argument("--arch", choices=sorted(ARCHS), default="mixtral")
+    ap.add_argument("--singleton", action="store_true")
     ap.add_argument("--out", required=True)
     jobs = [ap.parse_args(job.split()) for job in sys.argv[1:]]
     dist.init_process_group("gloo")

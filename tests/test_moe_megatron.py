@@ -166,8 +166,8 @@ def test_bad_layouts_and_formats_are_refused(moe, tmp_path):
         api.reshard(moe / "src", tmp_path / "a", tp=1, ep=0, warn=lambda m: None)
     with pytest.raises(CkptError, match="--ep 3 does not divide the 4 experts"):
         api.reshard(moe / "src", tmp_path / "a", tp=1, ep=3, warn=lambda m: None)
-    with pytest.raises(CkptError, match="torch_dist output of MoE models is not supported"):
-        api.reshard(moe / "src", tmp_path / "b", tp=1, format="torch_dist", warn=lambda m: None)
+    with pytest.raises(CkptError, match="ds-universal output of MoE models is not supported"):
+        api.reshard(moe / "src", tmp_path / "b", tp=1, format="ds-universal", warn=lambda m: None)
     with pytest.raises(CkptError, match="legacy-norm dialect has no place for MoE experts"):
         api.reshard(moe / "src", tmp_path / "c", tp=1, dialect="legacy-norm", warn=lambda m: None)
     assert not any((tmp_path / n).exists() for n in "abc")

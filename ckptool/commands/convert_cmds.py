@@ -99,7 +99,8 @@ def merge_cmd(src, dst, **kw):
 @click.option("--pp", type=int, default=1, show_default=True, help="Target pipeline-parallel size.")
 @click.option("--vpp", type=int, default=None, help="Virtual pipeline chunks per stage (interleaved schedule).")
 @click.option("--ep", type=int, default=1, show_default=True,
-              help="Target expert-parallel size (MoE models, torch format): EP rank r holds experts r*E/EP .. (r+1)*E/EP-1.")
+              help="Target expert-parallel size (MoE models): EP rank r holds experts r*E/EP .. (r+1)*E/EP-1 (torch format); "
+                   "torch_dist stores every expert once, so --ep only sets the args.")
 @click.option("--etp", type=int, default=None,
               help="Target expert tensor-parallel size (MoE models, torch format; default --tp; must divide --tp).")
 @click.option("--moe-grouped-gemm/--no-moe-grouped-gemm", default=None,
@@ -117,7 +118,8 @@ def reshard_cmd(src, dst, tp, pp, vpp, pp_layers, ep, etp, **kw):
     Reads any layout and dialect ckptool knows, writes Megatron's layout for --tp/--pp/--vpp with
     args and checkpoint_version that Megatron itself accepts. Layers are split evenly across
     stages; an uneven split needs --pp-layers. MoE models (torch format, mcore dialect) spread
-    their experts over --ep expert-parallel ranks, cut over --etp expert tensor-parallel ranks (default --tp).
+    their experts over --ep expert-parallel ranks, cut over --etp expert tensor-parallel ranks (default --tp);
+    with --format torch_dist megatron-core loads the stacked experts at any EP.
     """
     _run(api.reshard, "reshard", src, dst, tp=tp, pp=pp, vpp=vpp, pp_layers=pp_layers, ep=ep, etp=etp, **kw)
 

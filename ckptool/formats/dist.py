@@ -10,6 +10,14 @@ Tensors are stored with GLOBAL shapes, already TP-merged: QKV in grouped order, 
 for local layers. A plain DCP save of a model's sharded_state_dict (megatron-core's simple training
 loop) has the same keys, possibly under `model.` / `model.module.`, and stores no args.
 
+MoE (megatron-core transformer/moe/experts.py, the same form for SequentialMLP, GroupedMLP and TEGroupedMLP):
+router and shared expert are per-layer tensors like the dense ones; a layer's experts are ONE tensor with
+the global expert index as an axis in front of the weight's own (`mlp.experts.experts.linear_fc1.weight`
+[E, out, in], GLU fc1 per expert as [gate; up]). Layers are keyed by index instead of stacked when
+--moe-layer-freq is a list or above 1 (transformer_block.py), and with the singleton_local_shards metadata,
+which also gives each expert its own keys (`mlp.experts.experts.{e}.linear_fc1.weight_w` / `_v`: GLU halves);
+both are read, the stacked / per-layer form megatron-core asks for by default is written.
+
 The reader never imports Megatron and needs no process group (io/dcp_io.py reads the chunks).
 The writer produces one stacked, full-shape chunk per layer: megatron-core reshards on load, so
 the same files load at any TP/PP.
@@ -28,12 +36,12 @@ from ..config import GPTConfig, Layout, check_tensor_parallel
 from ..errors import CkptError, require
 from ..io.dcp_io import METADATA, DcpDir, DcpWriter
 from ..io.torchfile import load_torch_bytes, load_torch_file, save_streaming
-from ..lazy import LazyTensor, load_scope
+from ..lazy import LazyTensor, cat, load_scope
 from ..options import CONFIG_OVERRIDES, ReadOptions
-from ..roles import LAYER_ROLES, assemble, global_role_tensor, layer_role_tensor
+from ..roles import LAYER_ROLES, assemble, expert_role, global_role_tensor, layer_role_tensor
 from ..sharding import ReplicaPolicy
 from ..state import (OPTIMIZER_SLOTS, PAD_FILL_BY_SLOT, WEIGHT, Checkpoint, OptimizerState, SourceInfo,
-                     in_model_order)
+                     expected_names, in_model_order)
 from ..vocab import resize_slot_vocab, resize_vocab, target_rows, with_true_vocab_size
 from . import dist_optim, dist_optim_buckets, dist_optim_flattened, megatron_args
 from .megatron import TRACKER, resolve_iteration_dir
@@ -75,9 +83,38 @@ LAYER_KEYS.update({
     "input_layernorm.weight": "attn_norm.weight", "input_layernorm.bias": "attn_norm.bias",
     "pre_mlp_layernorm.weight": "mlp_norm.weight", "pre_mlp_layernorm.bias": "mlp_norm.bias",
 })
+# MoE layers (megatron-core SequentialMLP / GroupedMLP / TEGroupedMLP, which share one sharded form): router and
+# shared expert per layer like the dense roles; every expert of a layer in ONE tensor with an expert axis
+# before the weight's own axes ([E, out, in]; [L, E, out, in] when stacked), global expert index = position on it.
+MOE_WRITE_NAMES = {
+    "router.weight": "mlp.router.weight",
+    "router.bias": "mlp.router.bias",
+    "router.expert_bias": "mlp.router.expert_bias",
+    "shared.fc1.weight": "mlp.shared_experts.linear_fc1.weight",
+    "shared.fc2.weight": "mlp.shared_experts.linear_fc2.weight",
+    "shared_gate.weight": "mlp.shared_experts.gate_weight",
+}
+EXPERT_WRITE_NAMES = {
+    "fc1.weight": "mlp.experts.experts.linear_fc1.weight",
+    "fc2.weight": "mlp.experts.experts.linear_fc2.weight",
+}
+LAYER_KEYS.update({v: k for k, v in MOE_WRITE_NAMES.items()})
+EXPERT_KEYS = {v: k for k, v in EXPERT_WRITE_NAMES.items()}
+# With the sharded_state_dict metadata singleton_local_shards (read only), every layer is keyed by its index,
+# each expert has its own keys (group 1 the global expert, group 2 an EXPERT_KEYS name without the prefix)...
+SINGLETON_EXPERT = re.compile(r"^mlp\.experts\.experts\.(\d+)\.(linear_fc[12]\.weight)$")
+# ...and a GLU fc1 (dense, shared or expert) is stored as its gate and up halves under these suffixes.
+GLU_HALVES = {"_w": 0, "_v": 1}
+# Stored MoE forms ckptool does not read, by what they are (refused with these words, never skipped).
+NOT_READ = (
+    (re.compile(r"^mtp\."), "multi-token-prediction (MTP) layers"),
+    (re.compile(r"mlp\.experts\."), "an expert layout other than megatron-core's sharded experts"),
+)
 # ShardedObjects megatron-core expects per layer (local spec: 4, TE spec adds core_attention).
 EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
                "mlp.linear_fc2", "self_attention.core_attention")
+SHARED_EXTRA_STATE = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+EXPERT_EXTRA_STATE = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")  # one per expert
 # A ShardedObject is stored as torch.save([its data]); local layers' extra state is None. megatron-core
 # asks for these objects at load, so they are written even though they hold nothing.
 _buf = io.BytesIO()
@@ -171,6 +208,7 @@ def _collect(dcp: DcpDir, slot_prefix: Optional[str] = None) -> Tuple[Dict[Tuple
     prefix = _model_prefix(keys) if slot_prefix is None else slot_prefix
     shards: Dict[Tuple[str, Optional[int]], List[LazyTensor]] = {}
     unknown, stacked = [], False
+    halves: Dict[Tuple[str, int], Dict[int, LazyTensor]] = {}
     for key in keys:
         if not key.startswith(prefix):
             continue
@@ -181,22 +219,76 @@ def _collect(dcp: DcpDir, slot_prefix: Optional[str] = None) -> Tuple[Dict[Tuple
             shards[(GLOBAL_KEYS[k], None)] = [dcp.lazy(key)]
             continue
         m = PER_LAYER.match(k)
-        if m and m.group(2) in LAYER_KEYS:
-            shards[(LAYER_KEYS[m.group(2)], int(m.group(1)))] = [dcp.lazy(key)]
+        role = _layer_role(m.group(2)) if m else None
+        if role:
+            shards[(role, int(m.group(1)))] = [dcp.lazy(key)]
+            continue
+        if m and m.group(2) in EXPERT_KEYS:
+            _add_experts(shards, dcp, key, EXPERT_KEYS[m.group(2)], [int(m.group(1))], stacked=False)
+            continue
+        half = GLU_HALVES.get(m.group(2)[-2:]) if m else None
+        role = _layer_role(m.group(2)[:-2]) if half is not None else None
+        if role and role.endswith("fc1.weight"):
+            halves.setdefault((role, int(m.group(1))), {})[half] = dcp.lazy(key)
             continue
         m = STACKED.match(k)
         if m and m.group(1) in LAYER_KEYS:
             stacked = True
             size = tuple(dcp.entries[key].size)
-            for i in range(size[0]):
+            for i in _stored_layers(dcp, key):
                 shards[(LAYER_KEYS[m.group(1)], i)] = [dcp.lazy(key, (i,), (1,) + size[1:], squeeze=1)]
+            continue
+        if m and m.group(1) in EXPERT_KEYS:
+            stacked = True
+            _add_experts(shards, dcp, key, EXPERT_KEYS[m.group(1)], _stored_layers(dcp, key), stacked=True)
             continue
         unknown.append(key)
     if unknown:
-        raise CkptError(f"{len(unknown)} tensors are not part of a megatron-core GPT model "
-                        f"(e.g. {', '.join(sorted(unknown)[:3])})",
-                        "ckptool converts dense GPT models (no MoE, MLA or hybrid layers)")
+        _refuse_unknown(unknown)
+    for (role, i), parts in halves.items():  # gate and up of a GLU fc1 again as megatron-core's [gate; up]
+        require(len(parts) == 2, f"layer {i}: {role} has only its {'gate' if 0 in parts else 'up'} half "
+                "(weight_w / weight_v) stored", "the checkpoint is incomplete")
+        shards[(role, i)] = [cat([parts[0], parts[1]], 0)]
     return shards, stacked
+
+
+def _layer_role(name: str) -> Optional[str]:
+    """The role of a layer-relative stored name (one tensor, no expert axis), or None."""
+    if name in LAYER_KEYS:
+        return LAYER_KEYS[name]
+    m = SINGLETON_EXPERT.match(name)
+    return expert_role(int(m.group(1)), EXPERT_KEYS[f"mlp.experts.experts.{m.group(2)}"]) if m else None
+
+
+def _stored_layers(dcp: DcpDir, key: str) -> List[int]:
+    """The layers a stacked tensor holds chunks for (all of them in a homogeneous model)."""
+    return sorted({i for c in dcp.entries[key].chunks for i in range(c.offsets[0], c.offsets[0] + c.sizes[0])})
+
+
+def _add_experts(shards, dcp: DcpDir, key: str, base: str, layers: List[int], stacked: bool) -> None:
+    """Every expert of an experts tensor as role experts.{e}.<base> of each of layers ([E, out, in] of one
+    layer, or [L, E, out, in] with the layer axis first when stacked)."""
+    size = tuple(dcp.entries[key].size)
+    lead = 2 if stacked else 1
+    require(len(size) == lead + 2, f"{key}: shape {size} is not [{'layers, ' if stacked else ''}experts, out, in]",
+            "ckptool reads megatron-core's stacked experts")
+    for i in layers:
+        for e in range(size[lead - 1]):
+            at = (i, e) if stacked else (e,)
+            shards[(expert_role(e, base), i)] = [dcp.lazy(key, at, (1,) * lead + size[lead:], squeeze=lead)]
+
+
+def _refuse_unknown(keys: List[str]) -> None:
+    for pattern, what in NOT_READ:
+        hits = sorted(k for k in keys if pattern.search(k))
+        if hits:
+            raise CkptError(f"{what}: {len(hits)} tensors such as {hits[0]}, which ckptool does not read",
+                            "ckptool reads megatron-core GPT models whose experts are stored stacked "
+                            "(decoder.layers[.N].mlp.experts.experts.linear_fc1.weight [experts, out, in]); "
+                            "nothing is converted with parts left out")
+    raise CkptError(f"{len(keys)} tensors are not part of a megatron-core GPT model "
+                    f"(e.g. {', '.join(sorted(keys)[:3])})",
+                    "ckptool converts GPT models, dense or MoE (no MLA or hybrid layers in torch_dist)")
 
 
 def config_from_shapes(shards, num_layers: int, stored_rows: int, ov: dict, warn) -> GPTConfig:
@@ -275,6 +367,10 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
             warnings.append(note)
     elif not opts.args_from:
         cfg_src = "tensor shapes and flags"
+        if any(role.startswith(("experts.", "router.")) for role, _ in shards):
+            raise CkptError(f"{d}: an MoE model that stores no args (a bare dist_checkpointing save): the "
+                            "routing (top-k, score function) cannot be read from tensor shapes",
+                            "give --args-from A_CHECKPOINT_OF_THE_SAME_RUN")
         cfg = config_from_shapes(shards, num_layers, stored_rows, ov, warnings.append)
     if ov.get("vocab_size"):
         cfg = cfg.replace(vocab_size=ov["vocab_size"], vocab_size_source="--vocab-size")
@@ -287,17 +383,43 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
         shards.pop(("output", None), None)  # a tied model's synchronised head copy
     policy = ReplicaPolicy(opts.replicas, warnings.append)
     tensors = assemble(cfg, shards, policy)
+    _check_complete(tensors, cfg, d)
     tensors = in_model_order(tensors, cfg)
     tp = getattr(args, "tensor_model_parallel_size", None) or 1
     pp = getattr(args, "pipeline_model_parallel_size", None) or 1
+    ep = (getattr(args, "expert_model_parallel_size", None) or 1) if cfg.moe is not None else 1
     info = SourceInfo(path=str(path), format=FORMAT,
                       dialect="mcore-dist" if stacked else "mcore-dist-per-layer",
-                      layout=Layout(tp=tp, pp=pp), release=release,
+                      layout=Layout(tp=tp, pp=pp, ep=ep), release=release,
                       iteration=iteration if iteration is not None else common.get("iteration"),
                       checkpoint_version=common.get("checkpoint_version"), args=args,
                       extra={"replica_policy": policy, "plain_dcp": backend is None})
     optimizer = _read_optimizer(dcp, common, cfg, tensors, policy, args, str(d), warnings) if opts.optimizer else None
     return Checkpoint(cfg, tensors, info, warnings, optimizer)
+
+
+def _check_complete(tensors: Dict[str, LazyTensor], cfg: GPTConfig, where: Path) -> None:
+    """Every tensor the config implies is there, nothing else is, and experts have the expert shapes: an
+    expert layout read wrongly must fail here, not leave experts out of (or misshapen in) the output."""
+    want = expected_names(cfg)
+    missing = [n for n in want if n not in tensors]
+    extra = sorted(set(tensors) - set(want))
+    if missing or extra:
+        raise CkptError(f"{where}: " + "; ".join(f"{len(names)} tensors {what} (e.g. {', '.join(names[:3])})"
+                                                 for names, what in ((missing, "missing"), (extra, "not in the model its "
+                                                 "args describe")) if names),
+                        "the checkpoint is incomplete, or its args do not describe it")
+    moe = cfg.moe
+    if moe is None:
+        return
+    h, f = cfg.hidden_size, moe.ffn_hidden_size
+    for i in moe.layers:
+        for e in range(moe.num_experts):
+            p = f"layers.{i}.mlp.experts.{e}."
+            for name, shape in ((p + "up.weight", (f, h)), (p + "down.weight", (h, f))):
+                got = tuple(tensors[name].shape)
+                require(got == shape, f"{where}: {name} has shape {got}, expected {shape} ({moe.num_experts} experts "
+                        f"of FFN size {f}, hidden {h})", "the checkpoint's args do not describe its experts")
 
 
 def _read_optimizer(dcp: DcpDir, common: dict, cfg: GPTConfig, tensors, policy, args, where: str,
@@ -370,6 +492,12 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
     """
     cfg = ckpt.config
     check_tensor_parallel(cfg, layout.tp)
+    moe = cfg.moe
+    if moe is not None:
+        layout.local_experts(moe.num_experts, 0)  # validates --ep against the expert count
+        require(moe.ffn_hidden_size % layout.tp == 0 and moe.shared_ffn_hidden_size % layout.tp == 0,
+                f"--tp {layout.tp} does not divide the expert FFN size {moe.ffn_hidden_size}"
+                + (f" / shared expert size {moe.shared_ffn_hidden_size}" if moe.shared_ffn_hidden_size else ""))
     megatron_args.refuse_what_megatron_core_ignores(cfg, "torch_dist is always megatron-core: write --format "
                                                     "torch --dialect legacy")
     layout.chunks(cfg.num_layers)  # validates the pipeline split the args will describe
@@ -384,7 +512,14 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
                                          getattr(src_args, "transformer_impl", None) or "transformer_engine",
                                          3.0, iteration)
     args.ckpt_format = "torch_dist"
+    per_layer = _per_layer_keys(ckpt)
+    if moe is not None and not per_layer:
+        args.moe_layer_freq = 1  # every layer MoE, and megatron-core stacks layers only for an int frequency
     common = {"args": args, "checkpoint_version": 3.0, "iteration": iteration}
+    if optimizer and moe is not None and ckpt.optimizer is not None:
+        warn("optimizer state dropped: the torch_dist writer carries MoE weights only (megatron-core keeps "
+             "expert parameters in a separate chained optimizer); --format torch carries it")
+        optimizer = False
     slots = _target_slots(ckpt, tensors, cfg, rows) if optimizer else {}
     mixed = out_dtype in (torch.float16, torch.bfloat16)
     if slots:
@@ -406,17 +541,16 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
         if progress:
             progress(t.numel() * t.element_size())
 
-    def put_slots(model_key: str, full_of: Callable, stacked: Optional[int] = None) -> None:
-        """The weight (WEIGHT slot) and every optimizer slot of one parameter (one layer of it when stacked)."""
+    def put_slots(model_key: str, full_of: Callable, at: Tuple[int, ...] = (), lead: Tuple[int, ...] = ()) -> None:
+        """The weight (WEIGHT slot) and every optimizer slot of one parameter: its chunk at index `at` of the
+        leading axes `lead` (layer and/or expert) the stored tensor has before the parameter's own."""
         for slot in (WEIGHT,) + tuple(slots):
             full = full_of(tensors if slot == WEIGHT else slots[slot])
             if full is None:
                 continue
             t = full.load()
-            shape, offsets = t.shape, (0,) * t.dim()
-            if stacked is not None:
-                t = t.unsqueeze(0)
-                shape, offsets = (cfg.num_layers,) + tuple(t.shape[1:]), (stacked,) + (0,) * (t.dim() - 1)
+            t = t.reshape((1,) * len(lead) + tuple(t.shape))
+            shape, offsets = tuple(lead) + tuple(t.shape[len(lead):]), tuple(at) + (0,) * (t.dim() - len(at))
             if slot == WEIGHT:
                 put(model_key, t, shape, offsets)
                 continue
@@ -432,12 +566,28 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
     put_global("word")
     put_global("pos")
     for i in range(L):
+        # stacked: one [L, ...] tensor per name, this layer at index i; per-layer: decoder.layers.{i}.<name>
+        prefix, at, lead = ("decoder.layers.", (i,), (L,)) if not per_layer else (f"decoder.layers.{i}.", (), ())
+        is_moe = cfg.is_moe_layer(i)
         with load_scope():
-            for role in LAYER_ROLES:
-                put_slots(f"decoder.layers.{WRITE_NAMES[role]}",
-                          lambda ts, role=role: layer_role_tensor(ts, cfg_out, i, role), stacked=i)
-        for name in EXTRA_STATE:
-            writer.add_bytes(f"decoder.layers.{name}._extra_state/shard_{i}_{L}", NO_EXTRA_STATE)
+            for role in LAYER_ROLES + (tuple(MOE_WRITE_NAMES) if is_moe else ()):
+                put_slots(prefix + {**WRITE_NAMES, **MOE_WRITE_NAMES}[role],
+                          lambda ts, role=role: layer_role_tensor(ts, cfg_out, i, role), at, lead)
+        if is_moe:
+            E = moe.num_experts
+            for e in range(E):
+                with load_scope():  # one expert at a time: a layer's experts can be many GB
+                    for base, name in EXPERT_WRITE_NAMES.items():
+                        put_slots(prefix + name, lambda ts, base=base, e=e: layer_role_tensor(
+                            ts, cfg_out, i, expert_role(e, base)), at + (e,), lead + (E,))
+        shard = f"{i}_{L}" if not per_layer else "0_1"
+        for name in EXTRA_STATE + (SHARED_EXTRA_STATE if is_moe and moe.shared_ffn_hidden_size else ()):
+            if not (is_moe and name.startswith("mlp.linear_fc")):
+                writer.add_bytes(f"{prefix}{name}._extra_state/shard_{shard}", NO_EXTRA_STATE)
+        for name in EXPERT_EXTRA_STATE if is_moe else ():
+            for e in range(moe.num_experts):
+                where = f"{i}.{e}_{L}.{moe.num_experts}" if not per_layer else f"{e}_{moe.num_experts}"
+                writer.add_bytes(f"{prefix}{name}._extra_state/shard_{where}", NO_EXTRA_STATE)
     put_global("final_norm.weight")
     put_global("final_norm.bias")
     if not cfg.tied_embeddings:
@@ -461,6 +611,20 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
         summary["optimizer"] = {"kind": dist_optim.WRITE_FORM, "step": opt.step, "slots": sorted(slots),
                                 "groups": len(opt.param_groups)}
     return summary
+
+
+def _per_layer_keys(ckpt: Checkpoint) -> bool:
+    """Whether layers are stored under decoder.layers.{i}.* instead of stacked, as megatron-core asks at load
+    (transformer_block.py): for MoE models whose --moe-layer-freq is a list or an int above 1, which an
+    MoE model whose layers are not all MoE always has; an all-MoE model follows its source run's flag
+    (stacked for the default int 1). Dense models: stacked."""
+    moe = ckpt.config.moe
+    if moe is None:
+        return False
+    if set(moe.layers) != set(range(ckpt.config.num_layers)):
+        return True
+    freq = getattr(ckpt.source.args, "moe_layer_freq", 1) if ckpt.source.format in ("megatron", FORMAT) else 1
+    return not isinstance(freq, int)
 
 
 def _target_slots(ckpt: Checkpoint, weights, cfg: GPTConfig, rows: int) -> Dict[str, Dict[str, LazyTensor]]:
