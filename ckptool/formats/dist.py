@@ -380,7 +380,7 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
                           make_vocab_size_divisible_by=divisible_by or cfg.make_vocab_size_divisible_by)
     out_dtype = dtype or next(iter(tensors.values())).dtype
     iteration = iteration if iteration is not None else (ckpt.source.iteration or 0)
-    src_args = ckpt.source.args if ckpt.source.format in ("megatron", "torch_dist", "deepspeed") else None
+    src_args = ckpt.source.args
     args = megatron_args.args_for_target(src_args, cfg_out, layout, rows, out_dtype, False,
                                          getattr(src_args, "transformer_impl", None) or "transformer_engine",
                                          3.0, iteration)
