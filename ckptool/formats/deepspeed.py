@@ -39,7 +39,7 @@ from . import megatron_args
 from . import hf as hf_format
 from .deepspeed_optim import optimizer_state, stepped
 from .deepspeed_zero import RankStates, find_files, looks_like_deepspeed, read_rank, _param_shapes
-from .megatron import detect_dialect, flatten, _config as megatron_config
+from .megatron import config_for_shards, detect_dialect, flatten
 from .megatron_names import KeyMatcher, is_ignorable, qkv_to_grouped
 from . import mds_pipeline as mds
 
@@ -339,7 +339,7 @@ def _read_megatron_module(named, r0, opts, policy):
     rows = sum(p.shape[0] for p in shards[("word", None)])
     args = r0.meta.get("args")
     cfg = _gpt_config(args, rows, r0.meta, opts, num_layers) if args is not None else \
-        megatron_config(None, dialect, shards, num_layers, tp, rows, opts, 0.0)
+        config_for_shards(None, dialect, shards, num_layers, tp, rows, opts, 0.0)
     if dialect.qkv_version0_only:  # 2019: each rank's QKV is [3, np, hd]
         heads_local = cfg.num_attention_heads // tp
         for k in list(shards):

@@ -113,7 +113,7 @@ def looks_like_megatron(path: Path) -> bool:
     return not ((it_dir / "metadata.json").is_file() or (it_dir / ".metadata").is_file())
 
 
-def _model_file(rank_dir: Path) -> Path:
+def model_file(rank_dir: Path) -> Path:
     for name in MODEL_FILES:
         if (rank_dir / name).is_file():
             return rank_dir / name
@@ -164,7 +164,7 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     opts = opts or ReadOptions()
     it_dir, iteration, release = resolve_iteration_dir(Path(path), opts.iteration)
     rank_dirs = _rank_dirs(it_dir)
-    loaded = {d: load_torch_file(_model_file(d)) for d in rank_dirs}
+    loaded = {d: load_torch_file(model_file(d)) for d in rank_dirs}
     ranks = _rank_coordinates(rank_dirs, loaded[rank_dirs[0]])
     trees = {rk: loaded[d] for rk, d in ranks.items()}
     tp = max(t for t, _, _ in ranks) + 1
@@ -180,7 +180,7 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                                     "copy the complete checkpoint; every tensor/pipeline/expert rank is needed")
     first = trees[(0, 0, 0)]
     if not isinstance(first, dict) or not any(k == "model" or re.match(r"^model\d+$", str(k)) for k in first):
-        raise CkptError(f"{_model_file(ranks[(0, 0, 0)])}: no 'model' entry", "not a Megatron checkpoint file")
+        raise CkptError(f"{model_file(ranks[(0, 0, 0)])}: no 'model' entry", "not a Megatron checkpoint file")
     args = first.get("args")
     _check_args_agree(trees, ranks)
     if args is not None:
@@ -256,7 +256,7 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     if word is None:
         raise CkptError(f"{it_dir}: no word embeddings found", "the first pipeline stage is missing or not a GPT model")
     stored_rows = sum(p.shape[0] for p in word)
-    cfg = _config(args, dialect, shards, num_layers, tp, stored_rows, opts, version)
+    cfg = config_for_shards(args, dialect, shards, num_layers, tp, stored_rows, opts, version)
     _check_experts(cfg, shards, per_ep, ep, it_dir)
     layer_note = None
     if dialect.name.startswith("mcore"):
@@ -288,7 +288,7 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                         "data-parallel rank) is not carried; the output holds the weights only")
     elif opts.optimizer:
         optimizer = megatron_training.read_training_state(
-            trees, ranks, {rk: _model_file(d) for rk, d in ranks.items()}, params, tp, args, cfg, canonical, warnings)
+            trees, ranks, {rk: model_file(d) for rk, d in ranks.items()}, params, tp, args, cfg, canonical, warnings)
     layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, ep=ep,
                     stage_layers=None if vpp > 1 or len({counts[(p, 0)] for p in range(pp)}) == 1
                     else [counts[(p, 0)] for p in range(pp)])
@@ -408,7 +408,9 @@ def _check_args_agree(trees, ranks) -> None:
                                 "the rank files come from different runs")
 
 
-def _config(args, dialect, shards, num_layers, tp, stored_rows, opts: ReadOptions, version) -> GPTConfig:
+def config_for_shards(args, dialect, shards, num_layers, tp, stored_rows, opts: ReadOptions, version) -> GPTConfig:
+    """The GPTConfig of Megatron-named shards: from the run's args where stored, else from shapes and
+    the user's flags; --true-vocab-size and the layer count checked (the DeepSpeed reader's too)."""
     ov = opts.config_overrides()
     if args is not None:
         cfg = megatron_args.config_from_args(args, stored_rows)
@@ -531,7 +533,7 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
         raise CkptError(f"checkpoint_version {version} predates grouped-query attention",
                         "write checkpoint_version 3.0")
     if release is None:
-        release = d.name == "flat2019" or (ckpt.source.release and ckpt.source.format == "megatron")
+        release = d.name == "flat2019" or ckpt.source.release
     iteration = iteration if iteration is not None else (ckpt.source.iteration or 0)
 
     rows = target_rows(cfg, layout.tp, divisible_by, warn)
@@ -552,7 +554,7 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
         tensors = train.slots["master"]  # fp32 training: the fp32 masters are the weights
     args = None
     if d.has_args:
-        args = megatron_args.args_for_target(ckpt.source.args if ckpt.source.format in ("megatron", "torch_dist", "deepspeed") else None,
+        args = megatron_args.args_for_target(ckpt.source.args,
                                              cfg_out, layout, rows, out_dtype, d.legacy_models,
                                              d.transformer_impl, version or 3.0, iteration)
     distributed = megatron_training.DistributedTarget.for_target(train, distributed_optimizer, dp, args, out_dtype, cfg, layout)

@@ -37,7 +37,7 @@ from ..roles import GLOBAL_ROLES, LAYER_ROLES, global_role_tensor, layer_role_te
 from ..sharding import Rule
 from ..state import Checkpoint
 from ..vocab import resize_vocab
-from .megatron import _model_file, flatten, read_megatron, resolve_iteration_dir
+from .megatron import model_file, flatten, read_megatron, resolve_iteration_dir
 from .megatron_names import DIALECTS, KeyMatcher, qkv_to_grouped
 
 
@@ -69,7 +69,7 @@ def read_rank_shards(path, tp_rank: int, pp_rank: int, opts: Optional[ReadOption
     if not (0 <= tp_rank < layout.tp and 0 <= pp_rank < layout.pp):
         raise CkptError(f"rank (tp {tp_rank}, pp {pp_rank}) is outside the checkpoint's {layout.describe()}")
     it_dir, _, _ = resolve_iteration_dir(Path(path), opts.iteration)
-    file = _model_file(it_dir / rank_dir_name(tp_rank, pp_rank, layout.pp))
+    file = model_file(it_dir / rank_dir_name(tp_rank, pp_rank, layout.pp))
     tree = load_torch_file(file)
     dialect = DIALECTS[ckpt.source.dialect]
     matcher = KeyMatcher(dialect)
