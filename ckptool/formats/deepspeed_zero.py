@@ -160,7 +160,8 @@ class RankStates:
     missing_shard: Optional[str] = None  # "<file> is missing ..." when some DP rank's shard is absent
 
 
-def _param_shapes(meta) -> List["OrderedDict[str, tuple]"]:
+def param_shapes(meta) -> List["OrderedDict[str, tuple]"]:
+    """The engine's parameter names and shapes per optimizer param group, in group order."""
     ps = meta.get("param_shapes")
     if ps is None:
         return []
@@ -219,11 +220,11 @@ def read_rank(tf: TagFiles, mp: int) -> RankStates:
         stage = _stage_of(first)
         if stage == 3 or "fp32_flat_groups" in first:
             stage, kind = 3, "zero3"
-            master = _zero3_master(osds, _param_shapes(meta), tf.tag_dir)
+            master = _zero3_master(osds, param_shapes(meta), tf.tag_dir)
         else:
             kind = "zero" if stage is not None else "bf16_optimizer"
             stage = stage or 1  # BF16_Optimizer partitions like ZeRO-1
-            master = _zero12_master(osds, _param_shapes(meta), tf.tag_dir)
+            master = _zero12_master(osds, param_shapes(meta), tf.tag_dir)
     frozen = _frozen(meta, metas, module, stage)
     return RankStates(meta, module, master, frozen, buffers, shared, stage, kind, dp, osds, optim_paths, tf.tag_dir)
 
@@ -357,7 +358,7 @@ def rank_moments(r: "RankStates") -> Dict[str, Dict[str, LazyTensor]]:
     fp32 masters (the same partitions, offsets and slice mappings)."""
     if not r.osds:
         return {}
-    shapes = _param_shapes(r.meta)
+    shapes = param_shapes(r.meta)
     out = {}
     for key in MOMENTS:
         flats = [_moment_flats(r, d, key) for d in sorted(r.osds)]
