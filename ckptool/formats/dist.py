@@ -26,7 +26,7 @@ import torch
 
 from ..config import GPTConfig, Layout, check_tensor_parallel
 from ..errors import CkptError, require
-from ..io.dcp_io import METADATA, DcpDir, DcpWriter
+from ..io.dcp_io import DcpDir, DcpWriter
 from ..io.torchfile import load_torch_bytes, load_torch_file, save_streaming
 from ..lazy import LazyTensor, load_scope
 from ..options import CONFIG_OVERRIDES, ReadOptions
@@ -36,10 +36,10 @@ from ..state import (OPTIMIZER_SLOTS, PAD_FILL_BY_SLOT, WEIGHT, Checkpoint, Opti
                      in_model_order)
 from ..vocab import resize_slot_vocab, resize_vocab, target_rows, with_true_vocab_size
 from . import dist_optim, dist_optim_buckets, megatron_args
-from .megatron import TRACKER, resolve_iteration_dir
+from .dist_files import CONFIG_FILE, locate, looks_like  # noqa: F401 (looks_like: this reader's interface)
+from .megatron import TRACKER
 
 FORMAT = "torch_dist"
-CONFIG_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
 COMMON_KEY = "common_state/shard_0_1"
 
@@ -92,34 +92,6 @@ STACKED = re.compile(r"^decoder\.layers\.(.+)$")
 
 
 # --- locating -------------------------------------------------------------------------------
-
-def _is_dist_dir(d: Path) -> bool:
-    return d.is_dir() and ((d / METADATA).is_file() or (d / CONFIG_FILE).is_file())
-
-
-def locate(path: Path, iteration: Optional[int] = None) -> Tuple[Path, Optional[int], bool]:
-    """(directory holding .metadata, iteration, release?) for a save dir or an iteration dir."""
-    path = Path(path)
-    if _is_dist_dir(path):
-        m = re.match(r"^iter_(\d{7})$", path.name)
-        return path, (int(m.group(1)) if m else None), path.name == "release"
-    return resolve_iteration_dir(path, iteration)
-
-
-def looks_like(path: Path) -> bool:
-    path = Path(path)
-    if not path.is_dir():
-        return False
-    if _is_dist_dir(path):
-        return True
-    if not ((path / TRACKER).is_file() or any(p.name.startswith("iter_") for p in path.iterdir())):
-        return False
-    try:
-        d, _, _ = resolve_iteration_dir(path)
-    except CkptError:
-        return False
-    return _is_dist_dir(d)
-
 
 def _backend(d: Path) -> Optional[str]:
     f = d / CONFIG_FILE
