@@ -2,7 +2,9 @@
 this table, and only this table, which format a source is and which writer a target needs.
 
 A format's functions are named as "module:function" and imported on first use, so consulting the
-table costs no import of the formats it does not pick. Each entry may have:
+table costs no import of the formats it does not pick; the looks_like functions of directory formats
+live in torch-free modules (*_files.py, hf_config.py), so naming a directory's format imports no
+torch (the quick inspect relies on it). Each entry may have:
 
   looks_like(path) -> bool                 claims a path (asked in table order; see ORDER below)
   read(path, ReadOptions) -> Checkpoint    the canonical state, lazily
@@ -11,6 +13,7 @@ table costs no import of the formats it does not pick. Each entry may have:
                                            fix-vocab (Megatron layouts), None where another command
                                            writes it (to-hf) or nothing does
   carries_optimizer, shares_ranks, writes_moe   what that layout writer can do (see Format)
+  quick_read(path) -> Checkpoint | None    metadata only, without torch, for inspect (quick/)
 
 A source with no canonical GPT form (a DeepLearningExamples BERT file, a DeepSpeed run of a non-GPT
 Hugging Face model) is still claimed here; its reader raises errors.NoCanonicalForm, which every
@@ -45,6 +48,7 @@ class Format:
     carries_optimizer: bool = False  # the writer takes optimizer=True/False and writes the state
     shares_ranks: bool = False  # the writer takes rank_filter(tp, pp, ep): torchrun ranks share one output
     writes_moe: bool = False  # the writer places MoE routers and experts (others would drop them)
+    quick_ref: Optional[str] = None  # torch-free metadata reader for inspect (quick_inspect.py)
 
     def looks_like(self, path) -> bool:
         fn = _function(self.looks_like_ref)
@@ -55,6 +59,12 @@ class Format:
         if fn is None:  # pragma: no cover - every entry with looks_like has a reader
             raise CkptError(f"internal: no reader for {self.name}")
         return fn(Path(path), opts)
+
+    def quick_read(self, path) -> Optional[Checkpoint]:
+        """The checkpoint with TensorMeta records for tensors, read without torch; None where only
+        the full reader can say (or the format has no quick reader)."""
+        fn = _function(self.quick_ref)
+        return fn(Path(path), self.name) if fn is not None else None
 
     @property
     def write(self) -> Callable:
@@ -68,14 +78,14 @@ class Format:
 # save directory may have one too, so the more specific formats are asked first. The BERT file
 # check opens the file, so it comes last (every other format is a directory).
 FORMATS: Tuple[Format, ...] = (
-    Format("torch_dist", "ckptool.formats.dist:looks_like", "ckptool.formats.dist:read",
+    Format("torch_dist", "ckptool.formats.dist_files:looks_like", "ckptool.formats.dist:read",
            "ckptool.formats.dist:write_torch_dist", output="torch_dist", carries_optimizer=True),
-    Format("deepspeed", "ckptool.formats.deepspeed:looks_like", "ckptool.formats.deepspeed:read"),
+    Format("deepspeed", "ckptool.formats.deepspeed_files:looks_like_deepspeed", "ckptool.formats.deepspeed:read"),
     Format("hf", "ckptool.formats.hf_config:looks_like", "ckptool.formats.hf:read",
-           "ckptool.formats.hf_writer:write_hf"),
-    Format("megatron", "ckptool.formats.megatron:looks_like_megatron", "ckptool.formats.megatron:read_megatron",
+           "ckptool.formats.hf_writer:write_hf", quick_ref="ckptool.quick.hf:read"),
+    Format("megatron", "ckptool.formats.megatron_files:looks_like_megatron", "ckptool.formats.megatron:read_megatron",
            "ckptool.formats.megatron:write_megatron", output="torch", carries_optimizer=True, shares_ranks=True,
-           writes_moe=True),
+           writes_moe=True, quick_ref="ckptool.quick.megatron:read"),
     Format("ds-universal", write_ref="ckptool.formats.ds_universal:write_ds_universal", output="ds-universal",
            carries_optimizer=True),
     Format("dle-bert", "ckptool.formats.dle_bert:looks_like", "ckptool.formats.dle_bert:read"),
