@@ -100,11 +100,15 @@ def megatron_dirs(tmp_path_factory):
         dirs[case + "_weights"] = root / case
     ckptool.reshard(dirs["gpt2_mcore"], root / "vpp", tp=1, pp=2, vpp=2, optimizer=False)
     dirs["gpt2_mcore_vpp"] = root / "vpp"
+    # torch_dist: ckptool's writer (stacked layers, args carried from the real run)
+    ckptool.merge(dirs["mlm_mcore_gpt2_torch_tp2pp2_weights"], root / "dist_gpt2", format="torch_dist")
+    ckptool.merge(dirs["llama_legacy_norm"], root / "dist_llama", format="torch_dist")
+    dirs["dist_gpt2"], dirs["dist_llama"] = root / "dist_gpt2", root / "dist_llama"
     return dirs
 
 
 QUICK_MEGATRON = ["gpt2_mcore", "llama_legacy_norm", "mlm_mcore_gpt2_torch_tp2pp2_weights",
-                  "mlm_legacy_gpt2_torch_tp2pp2_weights", "gpt2_mcore_vpp"]
+                  "mlm_legacy_gpt2_torch_tp2pp2_weights", "gpt2_mcore_vpp", "dist_gpt2", "dist_llama"]
 
 
 @pytest.mark.parametrize("kind", QUICK_MEGATRON + ["mlm_mcore_gpt2_torch_tp2pp2", "mlm_legacy_gpt2_torch_tp2pp2"])
@@ -118,6 +122,21 @@ def test_quick_megatron_inspect_equals_the_full_path_without_torch(megatron_dirs
     assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d)
     quick = quick_inspect.quick_open(d, {})
     assert type(next(iter(quick.tensors.values()))).__name__ == "TensorMeta"
+
+
+def test_quick_inspect_of_megatron_cores_own_torch_dist_save(tmp_path, monkeypatch):
+    """A torch_dist checkpoint saved by megatron-core itself (dist_checkpointing under torchrun, args
+    stored in the common state) reads the same both ways; a bare save without args is the full
+    reader's (its config needs flags)."""
+    from test_dist import HAVE_MCORE, torchrun_helper
+    if not HAVE_MCORE:
+        pytest.skip("megatron-core is not installed (pip install megatron-core: test-only extra)")
+    torchrun_helper([f"save {tmp_path}/gpt2 --tp 1 --pp 2 --arch gpt2 --with-args --out {tmp_path}/gpt2.pt",
+                     f"save {tmp_path}/bare --tp 2 --arch llama --out {tmp_path}/bare.pt"])
+    d = tmp_path / "gpt2"
+    assert torch_free("inspect", d, "--json") == full_path(monkeypatch, "inspect", d, "--json")
+    assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d)
+    assert quick_inspect.quick_open(tmp_path / "bare", {}) is None
 
 
 def test_help_imports_no_command_module_and_lists_their_own_lines():

@@ -36,12 +36,10 @@ from ..state import (OPTIMIZER_SLOTS, PAD_FILL_BY_SLOT, WEIGHT, Checkpoint, Opti
                      in_model_order)
 from ..vocab import resize_slot_vocab, resize_vocab, target_rows, with_true_vocab_size
 from . import dist_optim, dist_optim_buckets, megatron_args
-from .dist_files import CONFIG_FILE, locate, looks_like  # noqa: F401 (looks_like: this reader's interface)
+from .dist_files import COMMON_FILE, COMMON_KEY, CONFIG_FILE, locate, looks_like  # noqa: F401 (looks_like: the table's)
 from .megatron import TRACKER
 
 FORMAT = "torch_dist"
-COMMON_FILE = "common.pt"
-COMMON_KEY = "common_state/shard_0_1"
 
 GLOBAL_KEYS = {
     "embedding.word_embeddings.weight": "word",

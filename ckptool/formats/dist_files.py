@@ -11,6 +11,8 @@ from ..errors import CkptError
 from .megatron_files import TRACKER, resolve_iteration_dir
 
 CONFIG_FILE = "metadata.json"  # megatron-core's {"sharded_backend": ...}
+COMMON_FILE = "common.pt"  # the non-sharded state (args, iteration), older saves
+COMMON_KEY = "common_state/shard_0_1"  # the same as a DCP byte entry, newer saves
 DCP_METADATA = ".metadata"  # DCP's index (io/dcp_io.METADATA; that module imports torch)
 
 

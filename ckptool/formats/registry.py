@@ -79,7 +79,8 @@ class Format:
 # check opens the file, so it comes last (every other format is a directory).
 FORMATS: Tuple[Format, ...] = (
     Format("torch_dist", "ckptool.formats.dist_files:looks_like", "ckptool.formats.dist:read",
-           "ckptool.formats.dist:write_torch_dist", output="torch_dist", carries_optimizer=True),
+           "ckptool.formats.dist:write_torch_dist", output="torch_dist", carries_optimizer=True,
+           quick_ref="ckptool.quick.dist:read"),
     Format("deepspeed", "ckptool.formats.deepspeed_files:looks_like_deepspeed", "ckptool.formats.deepspeed:read"),
     Format("hf", "ckptool.formats.hf_config:looks_like", "ckptool.formats.hf:read",
            "ckptool.formats.hf_writer:write_hf", quick_ref="ckptool.quick.hf:read"),
