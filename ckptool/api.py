@@ -23,14 +23,15 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 import torch
 
 from .config import Layout, parse_stage_layers
-from .errors import CkptError, require
+from .errors import CkptError, NoCanonicalForm, require
+from .formats import registry
 from .options import ReadOptions, pop_read_options
 from .state import Checkpoint
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
           "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 PAD_FILLS = ("zero", "mean", "last")
-OUTPUT_FORMATS = ("torch", "torch_dist", "ds-universal")
+OUTPUT_FORMATS = registry.OUTPUT_FORMATS
 
 Progress = Callable[[int, Optional[int]], None]  # progress(bytes just written, total bytes or None)
 Warn = Callable[[str], None]
@@ -245,18 +246,13 @@ def to_hf(src, dst, *, dtype=None, max_shard_size: str = "5GB", tokenizer: Optio
     tokenizer: a directory whose tokenizer files are copied into dst. read_options as for open()."""
     from .convert import write_output
     from .distributed import current_team
-    from .formats import deepspeed_hf_export, dle_bert
-    from .formats.hf_writer import write_hf
-    from .formats.registry import open_checkpoint
+    from .formats.registry import BY_NAME, open_checkpoint
     torch_dtype = _dtype(dtype)
-    if dle_bert.looks_like(src):
-        return _bert_to_hf(src, dst, torch_dtype, max_shard_size, tokenizer, read_options.get("hf_config"), force)
-    opts = _parse_read_options(**read_options)
-    model_type = deepspeed_hf_export.non_gpt_hf_model(src, opts)
-    if model_type is not None:
-        return _deepspeed_hf_to_hf(src, dst, torch_dtype, max_shard_size, tokenizer, opts, model_type, force,
-                                   progress)
-    ckpt = open_checkpoint(src, opts)
+    try:
+        ckpt = open_checkpoint(src, _parse_read_options(**read_options))
+    except NoCanonicalForm as source:  # no GPT state, but the reader can export what it opened
+        return _export_to_hf(source, src, dst, torch_dtype, max_shard_size, tokenizer, force, progress)
+    write_hf = BY_NAME["hf"].write
     warnings: List[str] = []
     bar = _bytes_progress(progress, ckpt)
 
@@ -276,32 +272,18 @@ def _merge_hf_summaries(parts: list) -> dict:
     return dict(first, bytes=sum(p["bytes"] for p in parts))
 
 
-def _bert_to_hf(src, dst, dtype, max_shard_size, tokenizer, hf_config, force) -> ConversionResult:
-    from .formats import dle_bert
-    from .formats.hf_writer import copy_tokenizer
-    from .io.outdir import atomic_output_dir
-    require(hf_config is not None, f"{src} is a DeepLearningExamples BERT checkpoint, which stores no config",
-            "pass --hf-config bert_config.json (the file the run trained with)")
-    with atomic_output_dir(dst, sources=[Path(src)], force=force) as tmp:
-        summary = dle_bert.write_hf_bert(Path(src), hf_config, tmp, dtype=dtype, max_shard_size=max_shard_size)
-        if tokenizer:
-            copy_tokenizer(tokenizer, tmp)
-    return ConversionResult("to-hf", str(src), str(dst), summary, kind="bert")
-
-
-def _deepspeed_hf_to_hf(src, dst, dtype, max_shard_size, tokenizer, opts, model_type, force,
-                        progress) -> ConversionResult:
-    from .formats import deepspeed_hf_export
+def _export_to_hf(source: NoCanonicalForm, src, dst, dtype, max_shard_size, tokenizer, force,
+                  progress) -> ConversionResult:
+    """to-hf of a source without a canonical form (a DeepLearningExamples BERT file, a DeepSpeed run of
+    another Hugging Face model): its reader's export writes it under the model's own names."""
     from .formats.hf_writer import copy_tokenizer
     from .io.outdir import atomic_output_dir
     bar = (lambda n: progress(n, None)) if progress is not None else None  # total unknown before reading
     with atomic_output_dir(dst, sources=[Path(src)], force=force) as tmp:
-        summary = deepspeed_hf_export.write_hf_consolidated(src, tmp, opts, dtype=dtype,
-                                                            max_shard_size=max_shard_size, progress=bar)
+        summary = source.export(tmp, dtype=dtype, max_shard_size=max_shard_size, progress=bar)
         if tokenizer:
             copy_tokenizer(tokenizer, tmp)
-    summary = dict(summary, model_type=model_type)
-    return ConversionResult("to-hf", str(src), str(dst), summary, kind="deepspeed-hf")
+    return ConversionResult("to-hf", str(src), str(dst), summary, kind=source.kind)
 
 
 def from_hf(src, dst, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: int = 1, etp: Optional[int] = None,
@@ -313,11 +295,12 @@ def from_hf(src, dst, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep
     checkpoint at tp / pp (/ vpp, pp_layers; ep and etp for MoE models), as `ckptool from-hf`. The vocabulary is padded for tp
     as Megatron pads it (make_vocab_size_divisible_by, default 128); true_vocab_size overrides
     config.json's vocab_size. Other options as for merge()."""
-    from .formats import hf as hf_reader
-    if not hf_reader.looks_like(Path(src)):
+    from .formats.registry import BY_NAME
+    hf = BY_NAME["hf"]
+    if not hf.looks_like(src):
         raise CkptError(f"{src}: not a Hugging Face GPT-2/Llama/Mistral/Qwen2/Qwen3 (or Mixtral/Qwen-MoE) directory",
                         "expected a directory with config.json and model.safetensors or pytorch_model.bin")
-    ckpt = hf_reader.read(Path(src), ReadOptions(true_vocab_size=true_vocab_size))
+    ckpt = hf.read(src, ReadOptions(true_vocab_size=true_vocab_size))
     layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp and vpp > 1 else None, stage_layers=_stage_layers(pp_layers), ep=ep,
                     etp=etp)
     return _write_megatron_family("from-hf", src, dst, ckpt, layout, force, progress, warn, format="torch",

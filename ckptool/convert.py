@@ -1,5 +1,6 @@
 """Conversions as functions (the CLI is a thin layer over these): reshard/merge Megatron-family
-checkpoints, fix the vocabulary padding. Output goes through atomic_output_dir."""
+checkpoints, fix the vocabulary padding. Output goes through atomic_output_dir; which writer a
+target format needs, and what it can do, is the format table's (formats/registry.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,41 +9,10 @@ from typing import Callable, Optional
 from .config import Layout
 from .errors import CkptError, TeamError, exit_status_of, require
 from .distributed import Team, current_team
+from .formats.registry import Format, default_output, output_format
 from .io.outdir import adopt_digests, atomic_output_dir, known_digests, make_partial_dir, seal_partial_dir
 from .state import PAD_FILL_BY_SLOT, Checkpoint
 from .vocab import resize_slot_vocab, resize_vocab
-
-# target format name -> writer(ckpt, out_dir, layout, **kw) -> summary dict
-WRITERS = {}
-
-
-def _megatron_writer(ckpt, out_dir, layout, **kw):
-    from .formats.megatron import write_megatron
-    return write_megatron(ckpt, out_dir, layout, **kw)
-
-
-WRITERS["torch"] = _megatron_writer
-# writers that take rank_filter(tp, pp, ep) and so can share one output among torchrun ranks
-SHARED_WRITERS = {"torch"}
-
-
-def _dist_writer(ckpt, out_dir, layout, **kw):
-    from .formats.dist import write_torch_dist
-    return write_torch_dist(ckpt, out_dir, layout, **kw)
-
-
-WRITERS["torch_dist"] = _dist_writer
-
-
-def _ds_universal_writer(ckpt, out_dir, layout, **kw):
-    from .formats.ds_universal import write_ds_universal
-    return write_ds_universal(ckpt, out_dir, layout, **kw)
-
-
-WRITERS["ds-universal"] = _ds_universal_writer
-# writers that carry the optimizer state (keyword optimizer=True/False); the others write weights only
-OPTIMIZER_WRITERS = {"torch", "torch_dist", "ds-universal"}
-
 
 def write_layout(ckpt: Checkpoint, dst, layout: Layout, fmt: Optional[str] = None, force: bool = False,
                  progress: Optional[Callable[[int], None]] = None, warn: Callable[[str], None] = print,
@@ -52,32 +22,31 @@ def write_layout(ckpt: Checkpoint, dst, layout: Layout, fmt: Optional[str] = Non
 
     optimizer: carry the source's optimizer state where the target format holds one (the default);
     False writes the weights only. Dropping state the user did not ask to drop is warned about."""
-    fmt = fmt or ("torch_dist" if ckpt.source.format == "torch_dist" else "torch")
-    if fmt not in WRITERS:
-        raise CkptError(f"unknown output format {fmt!r}", f"choose one of {', '.join(sorted(WRITERS))}")
-    refuse_moe(ckpt, fmt)
+    target = output_format(fmt) if fmt is not None else default_output(ckpt)
+    fmt = target.output
+    refuse_moe(ckpt, target)
     if fmt != "torch" and kw.pop("moe_grouped_gemm", None):
         raise CkptError(f"--moe-grouped-gemm chooses the experts' module in Megatron's torch format, not {fmt}",
                         "add --format torch")
     if kw.get("distributed_optimizer") and fmt != "torch":
         raise CkptError(f"--distributed-optimizer writes Megatron's torch format (distrib_optim.pt), not {fmt}",
                         "add --format torch")
-    if fmt in OPTIMIZER_WRITERS:
+    if target.carries_optimizer:
         kw["optimizer"] = optimizer
     elif optimizer and ckpt.optimizer is not None:
         warn(f"optimizer state dropped: the {fmt} writer holds the weights only "
              "(--no-optimizer says so explicitly; --format torch carries it)")
     src = Path(ckpt.source.path)
+    writer = target.write
 
     def write(tmp: Path, owns) -> dict:
         if owns is None:
-            return WRITERS[fmt](ckpt, tmp, layout, progress=progress, warn=warn, **kw)
-        if fmt in SHARED_WRITERS:  # warnings once, from the rank that owns item 0
-            return WRITERS[fmt](ckpt, tmp, layout, progress=progress,
-                                warn=warn if owns(0) else (lambda m: None),
-                                rank_filter=lambda t, p, e: owns((p * layout.ep + e) * layout.tp + t), **kw)
+            return writer(ckpt, tmp, layout, progress=progress, warn=warn, **kw)
+        if target.shares_ranks:  # warnings once, from the rank that owns item 0
+            return writer(ckpt, tmp, layout, progress=progress, warn=warn if owns(0) else (lambda m: None),
+                          rank_filter=lambda t, p, e: owns((p * layout.ep + e) * layout.tp + t), **kw)
         if owns(0):  # a writer that cannot share: one rank writes it all
-            return WRITERS[fmt](ckpt, tmp, layout, progress=progress, warn=warn, **kw)
+            return writer(ckpt, tmp, layout, progress=progress, warn=warn, **kw)
         return None
 
     summary = write_output(dst, [src], force, write, merge=_add_files_and_bytes)
@@ -85,18 +54,14 @@ def write_layout(ckpt: Checkpoint, dst, layout: Layout, fmt: Optional[str] = Non
     return summary
 
 
-# target formats whose writer places MoE experts (router, experts by expert-parallel rank); the others know
-# dense MLPs only, and an MoE model must never reach them, or its experts would be left out of a
-# complete-looking output.
-MOE_WRITERS = {"torch", "torch_dist"}
-
-
-def refuse_moe(ckpt: Checkpoint, fmt: str) -> None:
-    moe = ckpt.config.moe
+def refuse_moe(ckpt: Checkpoint, target: Format) -> None:
+    """Writers that know dense MLPs only (Format.writes_moe False) must never see an MoE model, or its
+    experts would be left out of a complete-looking output."""
+    moe, fmt = ckpt.config.moe, target.output
     if ckpt.config.mla is not None:
         raise CkptError(f"Multi-Latent Attention: Megatron {fmt} output of MLA models is not supported yet",
                         "use to-hf for DeepSeek-style models")
-    if moe is not None and fmt not in MOE_WRITERS:
+    if moe is not None and not target.writes_moe:
         raise CkptError(f"MoE layers ({moe.num_experts} experts, top-{moe.top_k}, in {len(moe.layers)} of "
                         f"{ckpt.config.num_layers} layers): Megatron {fmt} output of MoE models is not supported yet",
                         "write --format torch (expert parallelism with --ep), or use to-hf")

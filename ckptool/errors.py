@@ -34,6 +34,19 @@ class TeamError(CkptError):
         self.status = status
 
 
+class NoCanonicalForm(CkptError):
+    """A checkpoint ckptool recognises but cannot read into the canonical GPT state (a
+    DeepLearningExamples BERT file, a DeepSpeed run of a non-GPT Hugging Face model). Every command
+    reports it as the error it is; `to-hf` instead calls export(out_dir, dtype=, max_shard_size=,
+    progress=) -> summary, which writes it as a Hugging Face directory under the model's own names,
+    from the files the reader already opened. `kind` names the export in the API's result."""
+
+    def __init__(self, message: str, hint: str, kind: str, export):
+        super().__init__(message, hint)
+        self.kind = kind
+        self.export = export
+
+
 def require(condition: bool, message: str, hint: str = "") -> None:
     """Raise CkptError(message, hint) unless condition holds."""
     if not condition:

@@ -1,54 +1,26 @@
-"""`ckptool inspect` without importing torch, for checkpoints whose metadata says everything.
+"""`ckptool inspect` without importing torch, where a format's metadata says everything.
 
-Covered: Hugging Face model directories whose weights are safetensors files. Their config.json gives
-the GPTConfig (formats/hf_config.py, the reader's own code) and the safetensors headers give every
-tensor's name, shape and dtype (io/safetensors_header.py, the reader's own parser); the HF name
-table (formats/hf_names.py) maps them to canonical names as the reader does, on shapes alone. The
-result is a real Checkpoint whose tensors are TensorMeta records (shape, dtype name, bytes), so
-inspect's describe() and text output are the same code on both paths.
-
-Anything this module does not recognise with certainty returns None and the caller takes the full
-reader (api.open), which then gives the answer, or the error, it always gave: reading options given,
-a directory another format could claim (the registry asks torch_dist and DeepSpeed first),
-pytorch_model.bin weights, FP8 or fused-expert tensors (their canonical form needs the reader's
-arithmetic), or files that do not match config.json. torch_dist and Megatron torch files always
-take the full path (their metadata is a torch pickle).
+The format table (formats/registry.py) names the format without torch (its looks_like functions of
+directory formats are torch-free) and gives that format's quick reader, if it has one:
+  hf         config.json + safetensors headers (quick/hf.py)
+  megatron   the rank files' pickles read for structure, args -> config (quick/megatron.py)
+  torch_dist the DCP .metadata pickle and the common state's args (quick/dist.py)
+Each returns a real Checkpoint whose tensors are TensorMeta records (shape, dtype name, bytes), so
+inspect's describe() and text output are the same code on both paths, or None where only the full
+reader can say. Then, and for reading options (overrides, --true-vocab-size), other formats (DeepSpeed),
+files and anything damaged, the caller takes the full reader (api.open), which gives the answer, or
+the error, it always gave.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Optional
 
-from .config import Layout
 from .errors import CkptError
-from .formats import hf_config
-from .formats.hf_names import MODEL_TYPES, expand
-from .io.safetensors_header import DTYPES, read_safetensors_header
+from .formats import registry
 from .options import ReadOptions, pop_read_options
-from .state import Checkpoint, SourceInfo, expected_names
-
-ITEMSIZE = {torch_name: size for torch_name, size in DTYPES.values()}
-# Entries in a directory that make another reader (torch_dist, DeepSpeed, Megatron) a candidate the
-# registry would ask before the HF one: their presence sends inspect down the full path.
-OTHER_FORMAT_MARKERS = (".metadata", "metadata.json", "latest_checkpointed_iteration.txt", "latest")
-# Dtypes whose canonical form is computed (DeepSeek's block FP8 is dequantized to bf16 by the reader).
-COMPUTED_DTYPES = ("float8_e4m3fn", "float8_e5m2")
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    """What inspect shows of a tensor, without the tensor: describe() prints str(dtype), so the
-    dtype is torch's name for it ("bfloat16")."""
-    shape: Tuple[int, ...]
-    dtype: str
-
-    @property
-    def nbytes(self) -> int:
-        n = ITEMSIZE[self.dtype]
-        for d in self.shape:
-            n *= d
-        return n
+from .quick.meta import TensorMeta  # noqa: F401 (the records quick readers hold)
+from .state import Checkpoint
 
 
 def quick_open(path, read_options: dict) -> Optional[Checkpoint]:
@@ -57,73 +29,10 @@ def quick_open(path, read_options: dict) -> Optional[Checkpoint]:
     if pop_read_options(dict(read_options)) != ReadOptions():
         return None  # overrides and --true-vocab-size are the full reader's to apply
     path = Path(path)
-    if not _plain_hf_dir(path):
-        return None
+    if not path.is_dir():
+        return None  # the table's file formats (a BERT ckpt_N.pt) are told apart by loading them
     try:
-        return _hf_checkpoint(path)
-    except (CkptError, OSError, LookupError, ValueError, TypeError):
-        return None  # the full reader reports what is wrong, as it always has
-
-
-def _plain_hf_dir(path: Path) -> bool:
-    """A directory of files only, which the HF reader claims and no reader asked before it could."""
-    if not hf_config.looks_like(path):
-        return False
-    entries = list(path.iterdir())
-    return not any(p.is_dir() or p.name in OTHER_FORMAT_MARKERS or p.suffix == ".pt" for p in entries)
-
-
-def _hf_checkpoint(path: Path) -> Optional[Checkpoint]:
-    conf, model_type = hf_config.read_supported_config(path)
-    family = MODEL_TYPES[model_type][0]
-    files = hf_config.weight_files(path)
-    if any(f.suffix != ".safetensors" for f in files):
-        return None  # .bin files are torch pickles
-    entries: Dict[str, TensorMeta] = {}
-    for f in files:
-        for name, e in read_safetensors_header(f).tensors.items():
-            entries[name] = TensorMeta(e.shape, e.dtype_name)
-    if any(t.dtype in COMPUTED_DTYPES for t in entries.values()):
+        fmt = registry.source_format(path)
+    except CkptError:
         return None
-    entries = hf_config.with_full_names(entries, family)
-    rows = entries[hf_config.word_embedding_key(family)].shape[0]
-    cfg = hf_config.config_from_hf(conf, rows, model_type)
-    tensors = _canonical_shapes(entries, family, cfg)
-    if tensors is None:
-        return None
-    ckpt = Checkpoint(cfg, tensors, SourceInfo(path=str(path), format=hf_config.FORMAT, dialect=model_type,
-                                               layout=Layout(1, 1), extra={"hf_config": conf}))
-    for w in hf_config.source_warnings(conf, model_type):
-        ckpt.warn(w)
-    return ckpt
-
-
-def _canonical_shapes(entries: Dict[str, TensorMeta], family: str, cfg) -> Optional[Dict[str, TensorMeta]]:
-    """The hf_names table applied to shapes, as the reader applies it to tensors; None unless every
-    stored tensor maps and every canonical tensor of cfg is found (the reader's own checks)."""
-    tensors: Dict[str, TensorMeta] = {}
-    used = set()
-    for hf_name, (op, arg), _group in expand(family, cfg.num_layers, cfg.moe.num_experts if cfg.moe else 0):
-        t = entries.get(hf_name)
-        if t is None:
-            continue
-        used.add(hf_name)
-        shape = t.shape[::-1] if op in ("T", "cat_T") else t.shape
-        if op in ("copy", "T"):
-            tensors[arg] = TensorMeta(shape, t.dtype)
-            continue
-        start = 0
-        for name in arg:
-            n = hf_config.part_rows(name, cfg)
-            tensors[name] = TensorMeta((n,) + shape[1:], t.dtype)
-            start += n
-        if start != shape[0]:
-            return None
-    if cfg.tied_embeddings:
-        tensors.pop("output.weight", None)
-    leftover = [k for k in entries if k not in used and not k.endswith(hf_config.IGNORED_SUFFIXES)
-                and not (cfg.tied_embeddings and k == "lm_head.weight")]
-    want = expected_names(cfg)
-    if leftover or set(tensors) != set(want):
-        return None  # fused experts, MTP layers, or files that disagree with config.json
-    return {n: tensors[n] for n in want}
+    return fmt.quick_read(path)

@@ -51,14 +51,28 @@ _LAYER = re.compile(r"^layers\.(\d+)\.")
 
 @dataclass
 class SourceInfo:
+    """Where a Checkpoint came from. Writers take values from here (iteration, args, release, a
+    Megatron dialect to keep) but never branch on `format`: what a format can do is the format
+    table's (formats/registry.py).
+
+    format: the table's name of the format that read it (megatron, torch_dist, deepspeed, hf).
+    dialect: which variant of that format, for every format the same thing: a label for people of how
+    the tensors are named and kept inside the format, key naming first: the Megatron key dialect
+    (megatron_names.DIALECTS) of torch files, mcore-dist or mcore-dist-per-layer for torch_dist, the
+    config's model_type for Hugging Face, and for DeepSpeed the model naming inside the engine
+    followed by how the engine stored it (ZeRO stage, which weights, their dtype). inspect prints it;
+    code never parses it, and only an exact DIALECTS name is reused (as the default output dialect).
+    release: a Megatron release checkpoint (release/ instead of iter_*), which Megatron writers keep.
+    args: the Megatron training run's argparse.Namespace where the source stores one (Megatron torch,
+    torch_dist, Megatron-DeepSpeed), else None; Megatron writers start from it."""
     path: str
-    format: str  # e.g. "megatron-torch", "torch_dist", "deepspeed", "hf"
+    format: str
     dialect: str = ""
     layout: Layout = field(default_factory=Layout)
     iteration: Optional[int] = None
     release: bool = False
     checkpoint_version: Optional[float] = None
-    args: Any = None  # argparse.Namespace of the training run, when stored
+    args: Any = None
     extra: Dict[str, Any] = field(default_factory=dict)
 
 

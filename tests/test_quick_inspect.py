@@ -9,7 +9,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from conftest import ROOT
+from conftest import ROOT, real_checkpoint
 from ckptool import quick_inspect
 from ckptool.cli import main
 from ckptool.commands import inspect_cmd
@@ -63,23 +63,80 @@ def test_full_path_when_the_quick_one_cannot_say(hf_dirs, tmp_path, monkeypatch)
     """Options, other formats and damaged files take the full reader, which behaves as before."""
     gpt2 = hf_dirs["gpt2"]
     assert quick_inspect.quick_open(gpt2, {"true_vocab_size": 1000}) is None
-    assert quick_inspect.quick_open(ROOT / "fixtures/gpt2_mcore_tp2pp2/checkpoint", {}) is None
+    assert quick_inspect.quick_open(ROOT / "fixtures/real/mds_gpt2_pipe_tp2pp2_bf16_zero1/checkpoint", {}) is None
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text((gpt2 / "config.json").read_text())
     (broken / "model.safetensors").write_bytes((gpt2 / "model.safetensors").read_bytes()[:1000])
     assert quick_inspect.quick_open(broken, {}) is None
-    claimed = tmp_path / "claimed"  # a DeepSpeed `latest` file: the registry asks DeepSpeed first
+    claimed = tmp_path / "claimed"  # a DeepSpeed `latest` file: the format table asks DeepSpeed first
     claimed.mkdir()
     for f in gpt2.iterdir():
         (claimed / f.name).write_bytes(f.read_bytes())
     assert quick_inspect.quick_open(claimed, {}) is not None
-    (claimed / "latest").write_text("global_step5")
+    (claimed / "latest").write_text("global_step5")  # names no step: DeepSpeed does not claim it, HF does
+    assert torch_free("inspect", claimed, "--json") == full_path(monkeypatch, "inspect", claimed, "--json")
+    (claimed / "global_step5").mkdir()
+    (claimed / "global_step5" / "mp_rank_00_model_states.pt").write_bytes(b"")  # now DeepSpeed's
     assert quick_inspect.quick_open(claimed, {}) is None
     r = CliRunner().invoke(main, ["inspect", str(broken)])
     assert r.exit_code != 0 and "truncated or corrupt" in r.output
     r = CliRunner().invoke(main, ["inspect", str(gpt2), "--true-vocab-size", "1000", "--json"])
     assert r.exit_code == 0 and json.loads(r.output)["vocab_size_source"] == "--true-vocab-size"
+
+
+@pytest.fixture(scope="module")
+def megatron_dirs(tmp_path_factory):
+    """Megatron torch-format checkpoints the quick path reads: the committed fixtures, and weights-only
+    copies of the real Megatron-LM saves (their args as Megatron wrote them, enums and all)."""
+    import ckptool
+    root = tmp_path_factory.mktemp("quick_megatron")
+    dirs = {"gpt2_mcore": ROOT / "fixtures/gpt2_mcore_tp2pp2/checkpoint",
+            "llama_legacy_norm": ROOT / "fixtures/llama_legacy_norm_tp2pp1/checkpoint"}
+    for case in ("mlm_mcore_gpt2_torch_tp2pp2", "mlm_legacy_gpt2_torch_tp2pp2"):
+        src = real_checkpoint(case) / "checkpoint"
+        dirs[case] = src  # holds optimizer state: the quick path hands it to the full reader
+        ckptool.reshard(src, root / case, tp=2, pp=2, optimizer=False)
+        dirs[case + "_weights"] = root / case
+    ckptool.reshard(dirs["gpt2_mcore"], root / "vpp", tp=1, pp=2, vpp=2, optimizer=False)
+    dirs["gpt2_mcore_vpp"] = root / "vpp"
+    # torch_dist: ckptool's writer (stacked layers, args carried from the real run)
+    ckptool.merge(dirs["mlm_mcore_gpt2_torch_tp2pp2_weights"], root / "dist_gpt2", format="torch_dist")
+    ckptool.merge(dirs["llama_legacy_norm"], root / "dist_llama", format="torch_dist")
+    dirs["dist_gpt2"], dirs["dist_llama"] = root / "dist_gpt2", root / "dist_llama"
+    return dirs
+
+
+QUICK_MEGATRON = ["gpt2_mcore", "llama_legacy_norm", "mlm_mcore_gpt2_torch_tp2pp2_weights",
+                  "mlm_legacy_gpt2_torch_tp2pp2_weights", "gpt2_mcore_vpp", "dist_gpt2", "dist_llama"]
+
+
+@pytest.mark.parametrize("kind", QUICK_MEGATRON + ["mlm_mcore_gpt2_torch_tp2pp2", "mlm_legacy_gpt2_torch_tp2pp2"])
+def test_quick_megatron_inspect_equals_the_full_path_without_torch(megatron_dirs, monkeypatch, kind):
+    d = megatron_dirs[kind]
+    if kind not in QUICK_MEGATRON:  # optimizer state: only the full reader describes it
+        assert quick_inspect.quick_open(d, {}) is None
+        return
+    quick_json = torch_free("inspect", d, "--json")
+    assert quick_json == full_path(monkeypatch, "inspect", d, "--json")
+    assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d)
+    quick = quick_inspect.quick_open(d, {})
+    assert type(next(iter(quick.tensors.values()))).__name__ == "TensorMeta"
+
+
+def test_quick_inspect_of_megatron_cores_own_torch_dist_save(tmp_path, monkeypatch):
+    """A torch_dist checkpoint saved by megatron-core itself (dist_checkpointing under torchrun, args
+    stored in the common state) reads the same both ways; a bare save without args is the full
+    reader's (its config needs flags)."""
+    from test_dist import HAVE_MCORE, torchrun_helper
+    if not HAVE_MCORE:
+        pytest.skip("megatron-core is not installed (pip install megatron-core: test-only extra)")
+    torchrun_helper([f"save {tmp_path}/gpt2 --tp 1 --pp 2 --arch gpt2 --with-args --out {tmp_path}/gpt2.pt",
+                     f"save {tmp_path}/bare --tp 2 --arch llama --out {tmp_path}/bare.pt"])
+    d = tmp_path / "gpt2"
+    assert torch_free("inspect", d, "--json") == full_path(monkeypatch, "inspect", d, "--json")
+    assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d)
+    assert quick_inspect.quick_open(tmp_path / "bare", {}) is None
 
 
 def test_help_imports_no_command_module_and_lists_their_own_lines():

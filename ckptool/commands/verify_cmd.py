@@ -269,15 +269,14 @@ class ParallelTarget:
 
 
 def parallel_target(target, opts, tp, pp, world, vpp=None) -> ParallelTarget:
-    from ..formats import deepspeed as ds_format
     from ..formats import dist as dist_format
-    from ..formats.megatron import looks_like_megatron
     from ..formats.megatron_ranks import rank_dir_name, read_layout, read_rank_shards, slice_rank_shards
+    from ..formats.registry import detect_format
 
-    # DeepSpeed first: a Megatron-DeepSpeed save dir also holds Megatron's tracker file (registry.py)
-    if ds_format.looks_like(Path(target)):
+    fmt = detect_format(target)  # the format table decides, as for every command
+    if fmt == "deepspeed":
         return deepspeed_target(target, opts, tp, pp, vpp)
-    if looks_like_megatron(Path(target)):
+    if fmt == "megatron":
         meta = read_layout(target, opts)
         cfg, layout, ckpt = meta
         _dense_only(ckpt, target)
@@ -287,7 +286,7 @@ def parallel_target(target, opts, tp, pp, world, vpp=None) -> ParallelTarget:
         return ParallelTarget("megatron torch", ckpt, layout,
                               lambda t, p, e=0: read_rank_shards(target, t, p, opts, meta, e),
                               lambda t, p, e=0: rank_dir_name(t, p, layout.pp, e, layout.ep), False)
-    if dist_format.looks_like(Path(target)):
+    if fmt == "torch_dist":
         ckpt = dist_format.read(target, opts)  # metadata only: tensors are read per rank, sliced
         _dense_only(ckpt, target)
         layout = dist_layout(ckpt, tp, pp, world, vpp)

@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..config import Layout
-from ..errors import CkptError, require
+from ..errors import CkptError, NoCanonicalForm, require
 from ..io.torchfile import load_torch_file
 from ..lazy import Derived, LazyTensor
 from ..options import ReadOptions
@@ -38,8 +38,8 @@ from ..vocab import with_true_vocab_size
 from . import megatron_args
 from . import hf as hf_format
 from .deepspeed_optim import optimizer_state, stepped
-from .deepspeed_zero import RankStates, find_files, looks_like_deepspeed, read_rank, _param_shapes
-from .megatron import detect_dialect, flatten, _config as megatron_config
+from .deepspeed_zero import RankStates, find_files, looks_like_deepspeed, read_rank, param_shapes
+from .megatron import config_for_shards, detect_dialect, flatten
 from .megatron_names import KeyMatcher, is_ignorable, qkv_to_grouped
 from . import mds_pipeline as mds
 
@@ -156,9 +156,9 @@ def _canonical(tf, ranks, named, opts, policy, warnings):
     if mds.is_pipe_names(named[0]):
         raise CkptError(f"{tf.tag_dir}: pipeline parameter names but no layer_* files",
                         "copy the layer_*-model_states.pt files of this step too")
-    if _looks_megatron(named[0]):
+    if looks_megatron(named[0]):
         return _read_megatron_module(named, ranks[0], opts, policy)
-    return _read_hf_gpt(tf, named, opts)
+    return _read_hf_gpt(tf, ranks, named, opts)
 
 
 def _args_with_true_vocab(args, cfg):
@@ -261,7 +261,7 @@ def _pipe_naming(ranks: Dict[int, RankStates], qkv_layout: str) -> dict:
     the optimizer used (param_shapes), so a tied embedding keeps `tied_modules.embed.*`."""
     names = set()
     for r in ranks.values():
-        names.update(n for g in _param_shapes(r.meta) for n in g)
+        names.update(n for g in param_shapes(r.meta) for n in g)
         names.update((r.meta.get("frozen_param_shapes") or {}).keys())
     split = {n: mds.split_pipe_name(n) for n in names}
     keys_by_idx: Dict[Optional[int], set] = defaultdict(set)
@@ -297,7 +297,7 @@ def _tied_check(key, t, owner, copy, warnings):
 
 # --- Megatron names stored under `module` ---------------------------------------------------
 
-def _megatron_key(name: str) -> str:
+def megatron_key(name: str) -> str:
     """Dotted parameter names of a nested Megatron model -> the '/' paths megatron_names uses."""
     parts = name.split(".")
     if parts[0] != "language_model":
@@ -307,8 +307,9 @@ def _megatron_key(name: str) -> str:
     return f"language_model/{parts[1]}/" + ".".join(parts[2:])
 
 
-def _looks_megatron(named: Dict[str, LazyTensor]) -> bool:
-    keys = [_megatron_key(k) for k in named]
+def looks_megatron(named: Dict[str, LazyTensor]) -> bool:
+    """Whether most parameter names are one Megatron dialect's (the module holds a Megatron model)."""
+    keys = [megatron_key(k) for k in named]
     try:
         d = detect_dialect(keys)
     except CkptError:
@@ -319,7 +320,7 @@ def _looks_megatron(named: Dict[str, LazyTensor]) -> bool:
 
 def _read_megatron_module(named, r0, opts, policy):
     tp = len(named)
-    flat = {mp: {_megatron_key(k): v for k, v in (flatten(n) if any(isinstance(x, dict) for x in n.values()) else n).items()}
+    flat = {mp: {megatron_key(k): v for k, v in (flatten(n) if any(isinstance(x, dict) for x in n.values()) else n).items()}
             for mp, n in named.items()}
     dialect = detect_dialect(flat[0])
     m = KeyMatcher(dialect)
@@ -339,7 +340,7 @@ def _read_megatron_module(named, r0, opts, policy):
     rows = sum(p.shape[0] for p in shards[("word", None)])
     args = r0.meta.get("args")
     cfg = _gpt_config(args, rows, r0.meta, opts, num_layers) if args is not None else \
-        megatron_config(None, dialect, shards, num_layers, tp, rows, opts, 0.0)
+        config_for_shards(None, dialect, shards, num_layers, tp, rows, opts, 0.0)
     if dialect.qkv_version0_only:  # 2019: each rank's QKV is [3, np, hd]
         heads_local = cfg.num_attention_heads // tp
         for k in list(shards):
@@ -352,10 +353,10 @@ def _read_megatron_module(named, r0, opts, policy):
 def _module_naming(r0: RankStates, matcher: KeyMatcher, dialect) -> dict:
     """(role, layer or None) -> the engine's dotted parameter name, for Megatron models kept under
     `module` (Megatron-DeepSpeed --no-pipeline-parallel), from the names the optimizer used."""
-    names = [n for g in _param_shapes(r0.meta) for n in g] + list((r0.meta.get("frozen_param_shapes") or {}))
+    names = [n for g in param_shapes(r0.meta) for n in g] + list((r0.meta.get("frozen_param_shapes") or {}))
     roles = {}
     for name in names:
-        hit = matcher.match(_megatron_key(name))
+        hit = matcher.match(megatron_key(name))
         if hit is not None and hit[0] != "head_copy":
             roles[hit] = name
     return {"scheme": "megatron-module", "roles": roles,
@@ -381,7 +382,7 @@ def find_hf_config(tag_dir: Path, given: Optional[str]) -> Optional[dict]:
     return None
 
 
-def _read_hf_gpt(tf, named, opts):
+def _read_hf_gpt(tf, ranks, named, opts):
     require(len(named) == 1, f"{tf.tag_dir}: Hugging Face names with {len(named)} model-parallel ranks",
             "ckptool reads HF models trained with data parallelism (ZeRO) only")
     hf = find_hf_config(tf.tag_dir, opts.hf_config)
@@ -391,8 +392,12 @@ def _read_hf_gpt(tf, named, opts):
                         "config.json sits beside the checkpoint", "give --hf-config PATH (the model's config.json)")
     mt = hf_format.gpt_model_type(hf)
     if mt is None:
-        raise CkptError(f"{tf.tag_dir} holds a Hugging Face {hf.get('model_type')} model, which is not a GPT "
-                        "ckptool can reshard", "use `ckptool to-hf SRC DST` to consolidate it into a Hugging Face model")
+        model_type = str(hf.get("model_type"))
+        # to-hf exports it from the files opened here (deepspeed_hf_export.py): no second open
+        export = lambda out_dir, **kw: _export_hf(hf, _own_names(ranks[0], named[0], hf), out_dir, model_type, **kw)  # noqa: E731
+        raise NoCanonicalForm(f"{tf.tag_dir} holds a Hugging Face {model_type} model, which is not a GPT "
+                              "ckptool can reshard", "use `ckptool to-hf SRC DST` to consolidate it into a Hugging Face model",
+                              kind="deepspeed-hf", export=export)
     n = {k[len("module."):] if k.startswith("module.") else k: v for k, v in named[0].items()}
     cfg, tensors = hf_format.to_canonical(n, hf, mt, opts, tf.tag_dir)
     return cfg, tensors, Layout(tp=1, pp=1), f"hf {mt}", {"scheme": "hf", "model_type": mt, "hf_config": hf}
@@ -412,9 +417,18 @@ def consolidate_hf_state(path, opts: Optional[ReadOptions] = None) -> Tuple[dict
     hf = find_hf_config(tf.tag_dir, opts.hf_config)
     if hf is None:
         raise CkptError(f"{tf.tag_dir}: no config.json beside the checkpoint", "give --hf-config PATH")
-    r = ranks[0]
-    named = named_weights(r, weights)
+    return hf, _own_names(ranks[0], named_weights(ranks[0], weights), hf)
+
+
+def _own_names(r: RankStates, named: Dict[str, LazyTensor], hf: dict) -> Dict[str, LazyTensor]:
+    """The model's own HF names (no `module.` prefix); tied aliases left out where the config ties them."""
+    named = dict(named)
     if hf.get("tie_word_embeddings", True):
         for alias in r.shared:
             named.pop(alias, None)
-    return hf, {k[len("module."):] if k.startswith("module.") else k: v for k, v in named.items()}
+    return {k[len("module."):] if k.startswith("module.") else k: v for k, v in named.items()}
+
+
+def _export_hf(hf: dict, named: Dict[str, LazyTensor], out_dir, model_type: str, **kw) -> dict:
+    from .deepspeed_hf_export import write_hf_state
+    return dict(write_hf_state(hf, named, out_dir, **kw), model_type=model_type)

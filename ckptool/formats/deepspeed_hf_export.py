@@ -4,57 +4,42 @@ GPT-2 and Llama runs are GPT sources (deepspeed.py reads them into canonical nam
 command works on them). Other architectures (a ZeRO-3 BertForMaskedLM run, say) have no canonical
 form; `ckptool to-hf` still consolidates them: the engine's parameter names are already the
 model's HF names, so the ZeRO partitions are reassembled and written as safetensors, one tensor
-at a time, next to the run's own config.json.
+at a time, next to the run's own config.json. The DeepSpeed reader, finding such a model, raises
+errors.NoCanonicalForm whose export calls write_hf_state on the files it opened.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
 from ..errors import CkptError
 from ..io.safetensors_writer import Item, parse_size, write_sharded
+from ..lazy import LazyTensor
 from ..options import ReadOptions
 from . import deepspeed as ds
-from .hf import gpt_model_type
 from .hf_writer import config_dtype
-from .deepspeed_zero import find_files, looks_like_deepspeed, read_rank
-
-def non_gpt_hf_model(path, opts: ReadOptions) -> Optional[str]:
-    """The model_type when `path` is a DeepSpeed run of an HF model ckptool cannot read as a GPT.
-
-    None for everything else (Megatron-DeepSpeed, GPT-2 / Llama runs, non-DeepSpeed sources), which
-    the ordinary readers handle, with their own errors."""
-    if not looks_like_deepspeed(Path(path)):
-        return None
-    try:
-        tf = find_files(Path(path), opts.iteration)
-        if tf.layers or len(tf.mp_ranks) != 1:
-            return None
-        r = read_rank(tf, tf.mp_ranks[0])
-        names = set(r.module) | set(r.master)
-        if not names or ds.mds.is_pipe_names(names) or ds._looks_megatron({n: None for n in names}):
-            return None
-        hf = ds.find_hf_config(tf.tag_dir, opts.hf_config)
-    except CkptError:
-        return None  # the reader will say what is wrong
-    if hf is None or gpt_model_type(hf) is not None:
-        return None
-    return str(hf.get("model_type"))
 
 
 def write_hf_consolidated(path, out_dir: Path, opts: ReadOptions, dtype: Optional[torch.dtype] = None,
                           max_shard_size="5GB", progress: Optional[Callable[[int], None]] = None) -> dict:
+    """Open the DeepSpeed run at path and write it (write_hf_state)."""
     hf, named = ds.consolidate_hf_state(path, opts)
+    return write_hf_state(hf, named, out_dir, dtype=dtype, max_shard_size=max_shard_size, progress=progress)
+
+
+def write_hf_state(hf: dict, named: Dict[str, LazyTensor], out_dir: Path, dtype: Optional[torch.dtype] = None,
+                   max_shard_size="5GB", progress: Optional[Callable[[int], None]] = None) -> dict:
+    """The model's own {HF name: lazy tensor} as safetensors shards beside its config.json (hf)."""
     items: List[Item] = []
     for name, t in named.items():
         if dtype is not None:
             t = t.to(dtype)
         items.append((name, t, name))  # each tensor its own load scope: one parameter in memory
     if not items:
-        raise CkptError(f"{path}: no weights to export", "the checkpoint holds no parameters")
+        raise CkptError("no weights to export", "the checkpoint holds no parameters")
     out_dir = Path(out_dir)
     summary = write_sharded(out_dir, items, parse_size(max_shard_size), progress)
     out_dtype = dtype or items[0][1].dtype

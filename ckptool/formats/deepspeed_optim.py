@@ -18,7 +18,7 @@ from ..ondemand import Builder, OnDemandDict, OnDemandList
 from ..options import ReadOptions
 from ..sharding import ReplicaPolicy
 from ..state import OptimizerState, ParamGroup, expected_names
-from .deepspeed_zero import MOMENTS, NO_OPTIMIZER_HINT, RankStates, base_optimizer, rank_moments, _param_shapes
+from .deepspeed_zero import MOMENTS, NO_OPTIMIZER_HINT, RankStates, base_optimizer, rank_moments, param_shapes
 
 
 class _SlotWarnings(list):
@@ -99,7 +99,7 @@ def _param_groups(tf, ranks: Dict[int, RankStates], opts, canonical: Callable, n
     owners: Dict[int, int] = {}  # id(tag) -> index of the flat (param_shapes group) holding it
     named = {}
     for mp, r in ranks.items():
-        flat_of = {n: f for f, names in enumerate(_param_shapes(r.meta)) for n in names}
+        flat_of = {n: f for f, names in enumerate(param_shapes(r.meta)) for n in names}
         named[mp] = {}
         for k, v in named_weights(r, "master").items():
             tag = _Tag(v)
@@ -112,7 +112,7 @@ def _param_groups(tf, ranks: Dict[int, RankStates], opts, canonical: Callable, n
     for name, t in traced.items():
         for f in sorted(_reaches(t, owners)):
             by_flat[f].append(name)
-    flats = len(_param_shapes(ranks[0].meta))
+    flats = len(param_shapes(ranks[0].meta))
     stored = [g for g in base_optimizer(ranks[0]).get("param_groups") or [] if isinstance(g, dict)]
     if not stored:
         stored = [{"params": [f]} for f in range(flats)]

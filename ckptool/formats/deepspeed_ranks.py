@@ -32,7 +32,7 @@ from ..options import ReadOptions
 from ..roles import GLOBAL_ROLES
 from ..state import Checkpoint
 from . import mds_pipeline as mds
-from .deepspeed import _megatron_key, named_weights
+from .deepspeed import megatron_key, named_weights
 from .deepspeed_zero import find_files, read_rank
 from .megatron import detect_dialect, flatten
 from .megatron_names import KeyMatcher, qkv_to_grouped
@@ -51,7 +51,7 @@ class DeepSpeedRanks:
         if self.kinds is not None:
             self.numbers = mds.layer_numbers(self.kinds)  # spec index -> global transformer layer
             self.index_of = {n: idx for idx, n in self.numbers.items()}
-        self.hf_names = ckpt.source.dialect.startswith("hf ")  # deepspeed.read's dialect for HF names
+        self.hf_names = (ckpt.source.extra.get("param_names") or {}).get("scheme") == "hf"
 
     def mp_rank(self, tp_rank: int, pp_rank: int) -> int:
         return pp_rank * self.layout.tp + tp_rank
@@ -134,7 +134,7 @@ class DeepSpeedRanks:
     def _megatron_module(self, t: int) -> Dict[str, LazyTensor]:
         named = named_weights(read_rank(self.tf, t), self.weights)
         flat = flatten(named) if any(isinstance(x, dict) for x in named.values()) else named
-        flat = {_megatron_key(k): v for k, v in flat.items()}
+        flat = {megatron_key(k): v for k, v in flat.items()}
         dialect = detect_dialect(flat)
         matcher = KeyMatcher(dialect)
         cfg = self.cfg

@@ -22,93 +22,11 @@ from typing import Dict, List, Optional, Tuple
 from ..errors import CkptError
 from ..io.torchfile import load_torch_file
 from ..lazy import Derived, LazyTensor, cat
-
-MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
-OPTIM_RE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt$")
-LAYER_RE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
-TAG_DIR = re.compile(r"^(global_step\d+|\d+)$")  # DeepSpeed's default tag; the 2019 engine used the iteration
-
-
-@dataclass
-class TagFiles:
-    tag_dir: Path
-    model: Dict[int, Path] = field(default_factory=dict)  # mp -> mp_rank_XX_model_states.pt
-    zero_model: Dict[Tuple[int, int], Path] = field(default_factory=dict)  # (dp, mp) -> ZeRO-3 model states
-    optim: Dict[Tuple[int, int], Path] = field(default_factory=dict)  # (dp, mp) -> optimizer shard
-    layers: Dict[Tuple[int, int], Path] = field(default_factory=dict)  # (layer index, tp) -> layer file
-
-    @property
-    def mp_ranks(self) -> List[int]:
-        return sorted(set(self.model) | {mp for _, mp in self.zero_model})
-
-
-def _scan(d: Path) -> TagFiles:
-    tf = TagFiles(d)
-    for p in d.iterdir():
-        if m := MODEL_RE.match(p.name):
-            if m.group(1) is None:
-                tf.model[int(m.group(2))] = p
-            else:
-                tf.zero_model[(int(m.group(1)), int(m.group(2)))] = p
-        elif m := OPTIM_RE.match(p.name):
-            key = (int(m.group(1)), int(m.group(2)))
-            if key in tf.optim:
-                raise CkptError(f"{d}: two optimizer shards for DP rank {key[0]}, MP rank {key[1]} "
-                                f"({tf.optim[key].name}, {p.name})", "remove the stale shard")
-            tf.optim[key] = p
-        elif m := LAYER_RE.match(p.name):
-            tf.layers[(int(m.group(1)), int(m.group(2) or 0))] = p
-    return tf
-
-
-def _has_states(d: Path) -> bool:
-    return d.is_dir() and any(MODEL_RE.match(p.name) or LAYER_RE.match(p.name) for p in d.iterdir())
-
-
-def resolve_tag_dir(path: Path, iteration: Optional[int] = None) -> Path:
-    """The directory holding the *_model_states.pt files, for a tag dir or its parent."""
-    path = Path(path)
-    if not path.is_dir():
-        raise CkptError(f"{path}: not a directory", "pass a DeepSpeed save dir or its global_stepN directory")
-    if iteration is not None:
-        for name in (f"global_step{iteration}", str(iteration)):
-            if _has_states(path / name):
-                return path / name
-        raise CkptError(f"{path}: no checkpoint for step {iteration}",
-                        f"available: {', '.join(sorted(p.name for p in path.iterdir() if TAG_DIR.match(p.name))) or 'none'}")
-    if _has_states(path):
-        return path
-    for tracker in ("latest", "latest_checkpointed_iteration.txt"):
-        f = path / tracker
-        if f.is_file():
-            tag = f.read_text(errors="replace").strip()
-            for name in (tag, f"global_step{tag}"):
-                if name and _has_states(path / name):
-                    return path / name
-            raise CkptError(f"{f} names {tag[:40]!r}, but {path / tag} holds no model states",
-                            "the checkpoint is incomplete; pass --iteration N for a step that exists")
-    tags = [p for p in path.iterdir() if TAG_DIR.match(p.name) and _has_states(p)]
-    if tags:
-        return max(tags, key=lambda p: int(re.sub(r"\D", "", p.name)))
-    raise CkptError(f"{path}: no DeepSpeed checkpoint here (no `latest` file, no global_step* directory)",
-                    "pass the directory given to engine.save_checkpoint, or a global_stepN directory in it")
-
-
-def looks_like_deepspeed(path: Path) -> bool:
-    path = Path(path)
-    if not path.is_dir():
-        return False
-    try:
-        d = resolve_tag_dir(path)
-    except CkptError:
-        return False
-    # A Megatron-LM iter_* directory never holds *_model_states.pt, so this cannot steal those.
-    tf = _scan(d)
-    return bool(tf.model or tf.zero_model or tf.layers)
-
+from .deepspeed_files import (LAYER_RE, MODEL_RE, OPTIM_RE, TAG_DIR, TagFiles,  # noqa: F401
+                              looks_like_deepspeed, resolve_tag_dir, scan_tag_dir)
 
 def find_files(path: Path, iteration: Optional[int] = None) -> TagFiles:
-    tf = _scan(resolve_tag_dir(path, iteration))
+    tf = scan_tag_dir(resolve_tag_dir(path, iteration))
     if not (tf.model or tf.zero_model):
         raise CkptError(f"{tf.tag_dir}: no mp_rank_*_model_states.pt files",
                         "the model-state files are missing; copy the complete global_step directory")
@@ -160,7 +78,8 @@ class RankStates:
     missing_shard: Optional[str] = None  # "<file> is missing ..." when some DP rank's shard is absent
 
 
-def _param_shapes(meta) -> List["OrderedDict[str, tuple]"]:
+def param_shapes(meta) -> List["OrderedDict[str, tuple]"]:
+    """The engine's parameter names and shapes per optimizer param group, in group order."""
     ps = meta.get("param_shapes")
     if ps is None:
         return []
@@ -219,11 +138,11 @@ def read_rank(tf: TagFiles, mp: int) -> RankStates:
         stage = _stage_of(first)
         if stage == 3 or "fp32_flat_groups" in first:
             stage, kind = 3, "zero3"
-            master = _zero3_master(osds, _param_shapes(meta), tf.tag_dir)
+            master = _zero3_master(osds, param_shapes(meta), tf.tag_dir)
         else:
             kind = "zero" if stage is not None else "bf16_optimizer"
             stage = stage or 1  # BF16_Optimizer partitions like ZeRO-1
-            master = _zero12_master(osds, _param_shapes(meta), tf.tag_dir)
+            master = _zero12_master(osds, param_shapes(meta), tf.tag_dir)
     frozen = _frozen(meta, metas, module, stage)
     return RankStates(meta, module, master, frozen, buffers, shared, stage, kind, dp, osds, optim_paths, tf.tag_dir)
 
@@ -357,7 +276,7 @@ def rank_moments(r: "RankStates") -> Dict[str, Dict[str, LazyTensor]]:
     fp32 masters (the same partitions, offsets and slice mappings)."""
     if not r.osds:
         return {}
-    shapes = _param_shapes(r.meta)
+    shapes = param_shapes(r.meta)
     out = {}
     for key in MOMENTS:
         flats = [_moment_flats(r, d, key) for d in sorted(r.osds)]

@@ -34,7 +34,7 @@ import torch
 
 from ..config import GPTConfig, Layout, check_tensor_parallel
 from ..errors import CkptError, require
-from ..io.dcp_io import METADATA, DcpDir, DcpWriter
+from ..io.dcp_io import DcpDir, DcpWriter
 from ..io.torchfile import load_torch_bytes, load_torch_file, save_streaming
 from ..lazy import LazyTensor, cat, load_scope
 from ..options import CONFIG_OVERRIDES, ReadOptions
@@ -44,12 +44,10 @@ from ..state import (OPTIMIZER_SLOTS, PAD_FILL_BY_SLOT, WEIGHT, Checkpoint, Opti
                      expected_names, in_model_order)
 from ..vocab import resize_slot_vocab, resize_vocab, target_rows, with_true_vocab_size
 from . import dist_optim, dist_optim_buckets, dist_optim_flattened, megatron_args
-from .megatron import TRACKER, resolve_iteration_dir
+from .dist_files import COMMON_FILE, COMMON_KEY, CONFIG_FILE, locate, looks_like  # noqa: F401 (looks_like: the table's)
+from .megatron import TRACKER
 
 FORMAT = "torch_dist"
-CONFIG_FILE = "metadata.json"
-COMMON_FILE = "common.pt"
-COMMON_KEY = "common_state/shard_0_1"
 
 GLOBAL_KEYS = {
     "embedding.word_embeddings.weight": "word",
@@ -129,34 +127,6 @@ STACKED = re.compile(r"^decoder\.layers\.(.+)$")
 
 
 # --- locating -------------------------------------------------------------------------------
-
-def _is_dist_dir(d: Path) -> bool:
-    return d.is_dir() and ((d / METADATA).is_file() or (d / CONFIG_FILE).is_file())
-
-
-def locate(path: Path, iteration: Optional[int] = None) -> Tuple[Path, Optional[int], bool]:
-    """(directory holding .metadata, iteration, release?) for a save dir or an iteration dir."""
-    path = Path(path)
-    if _is_dist_dir(path):
-        m = re.match(r"^iter_(\d{7})$", path.name)
-        return path, (int(m.group(1)) if m else None), path.name == "release"
-    return resolve_iteration_dir(path, iteration)
-
-
-def looks_like(path: Path) -> bool:
-    path = Path(path)
-    if not path.is_dir():
-        return False
-    if _is_dist_dir(path):
-        return True
-    if not ((path / TRACKER).is_file() or any(p.name.startswith("iter_") for p in path.iterdir())):
-        return False
-    try:
-        d, _, _ = resolve_iteration_dir(path)
-    except CkptError:
-        return False
-    return _is_dist_dir(d)
-
 
 def _backend(d: Path) -> Optional[str]:
     f = d / CONFIG_FILE
@@ -507,7 +477,7 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
                           make_vocab_size_divisible_by=divisible_by or cfg.make_vocab_size_divisible_by)
     out_dtype = dtype or next(iter(tensors.values())).dtype
     iteration = iteration if iteration is not None else (ckpt.source.iteration or 0)
-    src_args = ckpt.source.args if ckpt.source.format in ("megatron", "torch_dist", "deepspeed") else None
+    src_args = ckpt.source.args
     args = megatron_args.args_for_target(src_args, cfg_out, layout, rows, out_dtype, False,
                                          getattr(src_args, "transformer_impl", None) or "transformer_engine",
                                          3.0, iteration)

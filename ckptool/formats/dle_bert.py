@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from ..errors import CkptError, require
+from ..errors import CkptError, NoCanonicalForm, require
 from ..io.safetensors_writer import Item, parse_size, write_sharded
 from ..io.torchfile import load_torch_file
 from ..lazy import LazyTensor
@@ -59,6 +59,19 @@ def looks_like(path) -> bool:
         return WORD in _state(path)
     except Exception:
         return False
+
+
+def read(path: Path, opts) -> None:
+    """The format table's reader: BERT has no canonical GPT form, so every command but to-hf refuses
+    it; to-hf calls the error's export (write_hf_bert with --hf-config)."""
+    def export(out_dir, dtype=None, max_shard_size="5GB", progress=None) -> dict:
+        require(opts.hf_config is not None, f"{path} is a DeepLearningExamples BERT checkpoint, which stores no config",
+                "pass --hf-config bert_config.json (the file the run trained with)")
+        return write_hf_bert(Path(path), opts.hf_config, out_dir, dtype=dtype, max_shard_size=max_shard_size,
+                             progress=progress)
+    raise NoCanonicalForm(f"{path} is a DeepLearningExamples BERT checkpoint, not a GPT ckptool can reshard",
+                          "use `ckptool to-hf SRC DST --hf-config bert_config.json` to export it as BertForPreTraining",
+                          kind="bert", export=export)
 
 
 def hf_name(dle: str) -> str:

@@ -39,7 +39,7 @@ from ..roles import canonical_names, global_role_tensor, layer_role_tensor, rule
 from ..sharding import Rule
 from ..state import OPTIMIZER_SLOTS, Checkpoint
 from . import hf_names
-from .hf_writer import _materialise
+from .hf_writer import materialise
 
 FORMAT = "ds-universal"
 # canonical slot -> the state file name the universal loader expects
@@ -70,7 +70,7 @@ def _hf_params(ckpt: Checkpoint, naming: dict, slots: Dict[str, Dict[str, LazyTe
     for hf_name, entry, _group in hf_names.expand(family, ckpt.config.num_layers):
         if hf_name == "lm_head.weight" and ckpt.config.tied_embeddings:
             continue
-        made = {slot: _materialise(entry, tensors) for slot, tensors in slots.items()}
+        made = {slot: materialise(entry, tensors) for slot, tensors in slots.items()}
         if any(t is None for t in made.values()):
             continue
         out.append(Param(hf_name, made, list(hf_names.canonical_names(entry))))
@@ -114,7 +114,7 @@ def universal_params(ckpt: Checkpoint) -> Tuple[List[Param], dict]:
     naming = ckpt.source.extra.get("param_names") or {}
     make = SCHEMES.get(naming.get("scheme"))
     if make is None:
-        why = ("its parameters have no DeepSpeed names" if ckpt.source.format != "deepspeed"
+        why = ("its parameters have no DeepSpeed names" if not naming
                else f"ckptool cannot name this DeepSpeed run's parameters ({naming.get('scheme')})")
         raise CkptError(f"--format ds-universal: {why}",
                         "the source must be a DeepSpeed run of a Hugging Face GPT or of Megatron-DeepSpeed")

@@ -171,7 +171,8 @@ def _export_tensors(cfg: GPTConfig, tensors: Dict[str, LazyTensor], model_type: 
     return out
 
 
-def _materialise(entry, tensors: Dict[str, LazyTensor]) -> Optional[LazyTensor]:
+def materialise(entry, tensors: Dict[str, LazyTensor]) -> Optional[LazyTensor]:
+    """The HF tensor of one hf_names entry (op, arg) built from canonical tensors; None if one is absent."""
     op, arg = entry
     names = hf_names.canonical_names(entry)
     if any(n not in tensors for n in names):
@@ -324,7 +325,7 @@ def write_hf(ckpt: Checkpoint, out_dir: Path, dtype: Optional[torch.dtype] = Non
     for hf_name, entry, group in expand(family, cfg.num_layers, cfg.moe.num_experts if cfg.moe else 0):
         if hf_name == "lm_head.weight" and cfg.tied_embeddings:
             continue
-        t = _materialise(entry, tensors)
+        t = materialise(entry, tensors)
         if t is None:
             continue
         used.update(hf_names.canonical_names(entry))

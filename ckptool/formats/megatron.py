@@ -33,106 +33,8 @@ from . import megatron_args, megatron_distopt, megatron_training
 from .megatron_optim import RankParam, role_shards
 from .megatron_names import (DIALECTS, REFUSED_KEYS, Dialect, KeyMatcher, is_ignorable, qkv_from_grouped,
                              qkv_to_grouped, refused_module, stacked_expert_block)
-
-TRACKER = "latest_checkpointed_iteration.txt"
-MODEL_FILES = ("model_optim_rng.pt", "model_rng.pt")
-RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
-ITER_DIR = re.compile(r"^iter_(\d{7})$")
-
-
-# --- locating the files ---------------------------------------------------------------------
-
-# 2022-03..2023-05 runs with --use-distributed-optimizer wrote mp_rank_XX[_YYY]/model_rng.pt plus one
-# mp_rank_XX[_YYY]_DDD/optim.pt per data-parallel rank: those names look like PP or EP ranks, but a
-# directory holding only optim.pt carries no model weights.
-OPTIMIZER_ONLY_FILE = "optim.pt"
-
-
-def _is_optimizer_only(d: Path) -> bool:
-    return (d / OPTIMIZER_ONLY_FILE).is_file() and not any((d / n).is_file() for n in MODEL_FILES)
-
-
-def _rank_dirs(d: Path) -> List[Path]:
-    return sorted(p for p in d.iterdir() if p.is_dir() and RANK_DIR.match(p.name) and not _is_optimizer_only(p))
-
-
-def resolve_iteration_dir(path: Path, iteration: Optional[int] = None) -> Tuple[Path, Optional[int], bool]:
-    """(directory holding mp_rank_*, iteration, release?) for a save dir or an iteration dir."""
-    path = Path(path)
-    if not path.exists():
-        raise CkptError(f"{path}: no such file or directory")
-    if not path.is_dir():
-        raise CkptError(f"{path} is a file, but a Megatron checkpoint is a directory",
-                        "pass the save directory (holding latest_checkpointed_iteration.txt) or an iter_* directory")
-    if _rank_dirs(path):
-        m = ITER_DIR.match(path.name)
-        return path, (int(m.group(1)) if m else None), path.name == "release"
-    if iteration is not None:
-        d = path / f"iter_{iteration:07d}"
-        if not d.is_dir():
-            have = sorted(p.name for p in path.iterdir() if ITER_DIR.match(p.name))
-            raise CkptError(f"{path}: no iteration {iteration}", f"available: {', '.join(have) or 'none'}")
-        return d, iteration, False
-    tracker = path / TRACKER
-    if tracker.is_file():
-        text = tracker.read_text(errors="replace").strip()
-        if text == "release":
-            d = path / "release"
-            if not d.is_dir():
-                raise CkptError(f"{tracker} says 'release' but {d} does not exist",
-                                "the checkpoint is incomplete; pass the directory of an existing iteration")
-            return d, None, True
-        if not text.isdigit():
-            raise CkptError(f"{tracker} holds {text[:40]!r}, not an iteration number or 'release'",
-                            "fix the tracker file or pass --iteration N")
-        d = path / f"iter_{int(text):07d}"
-        if not d.is_dir():
-            raise CkptError(f"{tracker} points to iteration {int(text)} but {d.name}/ does not exist",
-                            "pass --iteration N for an iteration that exists")
-        return d, int(text), False
-    iters = sorted(p for p in path.iterdir() if p.is_dir() and ITER_DIR.match(p.name))
-    if iters:
-        return iters[-1], int(ITER_DIR.match(iters[-1].name).group(1)), False
-    if (path / "release").is_dir():
-        return path / "release", None, True
-    raise CkptError(f"{path}: no Megatron checkpoint here (no {TRACKER}, iter_* or mp_rank_* directories)",
-                    "pass the directory you gave Megatron's --save")
-
-
-def looks_like_megatron(path: Path) -> bool:
-    path = Path(path)
-    if not path.is_dir():
-        return False
-    if _rank_dirs(path):
-        return True
-    if not ((path / TRACKER).is_file() or (path / "release").is_dir()
-            or any(ITER_DIR.match(p.name) for p in path.iterdir())):
-        return False
-    try:  # a torch_dist save has the same tracker and iter_* dirs, but no mp_rank_* inside
-        it_dir, _, _ = resolve_iteration_dir(path)
-    except CkptError:
-        return True  # let the reader report what is wrong
-    return not ((it_dir / "metadata.json").is_file() or (it_dir / ".metadata").is_file())
-
-
-def _model_file(rank_dir: Path) -> Path:
-    for name in MODEL_FILES:
-        if (rank_dir / name).is_file():
-            return rank_dir / name
-    raise CkptError(f"{rank_dir}: no {' or '.join(MODEL_FILES)}", "the rank directory is incomplete")
-
-
-def flatten(tree, prefix: str = "") -> Dict[str, object]:
-    """Nested model dicts -> {'language_model/encoder/layers.0.x.weight': leaf}."""
-    out = {}
-    for k, v in tree.items():
-        key = f"{prefix}/{k}" if prefix else str(k)
-        if isinstance(v, dict):
-            out.update(flatten(v, key))
-        else:
-            out[key] = v
-    return out
-
+from .megatron_files import (ITER_DIR, MODEL_FILES, RANK_DIR, TRACKER, detect_dialect, flatten,  # noqa: F401
+                             is_optimizer_only, looks_like_megatron, model_file, list_rank_dirs, resolve_iteration_dir)
 
 def unflatten(flat: Dict[str, object]) -> dict:
     out: dict = {}
@@ -145,28 +47,13 @@ def unflatten(flat: Dict[str, object]) -> dict:
     return out
 
 
-def detect_dialect(keys) -> Dialect:
-    keys = [k for k in keys if not is_ignorable(k)]
-    best, best_hits = None, -1
-    for d in DIALECTS.values():
-        m = KeyMatcher(d)
-        hits = sum(1 for k in keys if m.match(k))
-        if hits > best_hits:
-            best, best_hits = d, hits
-    if best_hits <= 0:
-        sample = ", ".join(sorted(keys)[:4])
-        raise CkptError(f"unrecognised Megatron model keys (e.g. {sample})",
-                        "ckptool reads GPT models in the 2019, legacy and megatron-core dialects")
-    return best
-
-
 # --- reading --------------------------------------------------------------------------------
 
 def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     opts = opts or ReadOptions()
     it_dir, iteration, release = resolve_iteration_dir(Path(path), opts.iteration)
-    rank_dirs = _rank_dirs(it_dir)
-    loaded = {d: load_torch_file(_model_file(d)) for d in rank_dirs}
+    rank_dirs = list_rank_dirs(it_dir)
+    loaded = {d: load_torch_file(model_file(d)) for d in rank_dirs}
     ranks = _rank_coordinates(rank_dirs, loaded[rank_dirs[0]])
     trees = {rk: loaded[d] for rk, d in ranks.items()}
     tp, pp, ep = _parallel_sizes(ranks, loaded[rank_dirs[0]], it_dir)
@@ -175,7 +62,7 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     _check_rank_dirs(ranks, grid, tp, pp, ep, etp, it_dir)
     first = trees[(0, 0, 0)]
     if not isinstance(first, dict) or not any(k == "model" or re.match(r"^model\d+$", str(k)) for k in first):
-        raise CkptError(f"{_model_file(ranks[(0, 0, 0)])}: no 'model' entry", "not a Megatron checkpoint file")
+        raise CkptError(f"{model_file(ranks[(0, 0, 0)])}: no 'model' entry", "not a Megatron checkpoint file")
     args = first.get("args")
     _check_args_agree(trees, ranks)
     version = float(first.get("checkpoint_version", 0) or 0)
@@ -252,7 +139,7 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     if word is None:
         raise CkptError(f"{it_dir}: no word embeddings found", "the first pipeline stage is missing or not a GPT model")
     stored_rows = sum(p.shape[0] for p in word)
-    cfg = _config(args, dialect, shards, num_layers, tp, stored_rows, opts, version)
+    cfg = config_for_shards(args, dialect, shards, num_layers, tp, stored_rows, opts, version)
     _check_experts(cfg, shards, per_ep, ep, it_dir)
     layer_note = None
     if dialect.name.startswith("mcore"):
@@ -279,7 +166,7 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     if not cfg.tied_embeddings and "output.weight" not in tensors and head_copy is not None:
         tensors["output.weight"] = head_copy
     optimizer = None
-    if opts.optimizer and any(_is_optimizer_only(d) for d in it_dir.iterdir() if d.is_dir() and RANK_DIR.match(d.name)):
+    if opts.optimizer and any(is_optimizer_only(d) for d in it_dir.iterdir() if d.is_dir() and RANK_DIR.match(d.name)):
         warnings.append("optimizer state dropped: the 2022-23 distributed-optimizer form (one optim.pt per "
                         "data-parallel rank) is not carried; the output holds the weights only")
     elif opts.optimizer and stacked_local and any("optimizer" in tree for tree in trees.values()):
@@ -290,7 +177,7 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                         "optimizer layout ckptool does not read yet; the output holds the weights only")
     elif opts.optimizer:
         optimizer = megatron_training.read_training_state(
-            trees, ranks, {rk: _model_file(d) for rk, d in ranks.items()}, params, tp, args, cfg, canonical, warnings)
+            trees, ranks, {rk: model_file(d) for rk, d in ranks.items()}, params, tp, args, cfg, canonical, warnings)
     layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, ep=ep, etp=etp if etp != tp else None,
                     stage_layers=None if vpp > 1 or len({counts[(p, 0)] for p in range(pp)}) == 1
                     else [counts[(p, 0)] for p in range(pp)])
@@ -530,7 +417,9 @@ def _check_args_agree(trees, ranks) -> None:
                                 "the rank files come from different runs")
 
 
-def _config(args, dialect, shards, num_layers, tp, stored_rows, opts: ReadOptions, version) -> GPTConfig:
+def config_for_shards(args, dialect, shards, num_layers, tp, stored_rows, opts: ReadOptions, version) -> GPTConfig:
+    """The GPTConfig of Megatron-named shards: from the run's args where stored, else from shapes and
+    the user's flags; --true-vocab-size and the layer count checked (the DeepSpeed reader's too)."""
     ov = opts.config_overrides()
     if args is not None:
         cfg = megatron_args.config_from_args(args, stored_rows)
@@ -667,7 +556,7 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
         raise CkptError(f"checkpoint_version {version} predates grouped-query attention",
                         "write checkpoint_version 3.0")
     if release is None:
-        release = d.name == "flat2019" or (ckpt.source.release and ckpt.source.format == "megatron")
+        release = d.name == "flat2019" or ckpt.source.release
     iteration = iteration if iteration is not None else (ckpt.source.iteration or 0)
 
     rows = target_rows(cfg, layout.tp, divisible_by, warn)
@@ -686,7 +575,7 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
         tensors = train.slots["master"]  # fp32 training: the fp32 masters are the weights
     args = None
     if d.has_args:
-        args = megatron_args.args_for_target(ckpt.source.args if ckpt.source.format in ("megatron", "torch_dist", "deepspeed") else None,
+        args = megatron_args.args_for_target(ckpt.source.args,
                                              cfg_out, layout, rows, out_dtype, d.legacy_models,
                                              d.transformer_impl, version or 3.0, iteration, grouped_gemm=grouped)
     distributed = megatron_training.DistributedTarget.for_target(

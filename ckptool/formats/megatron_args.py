@@ -9,12 +9,13 @@ from __future__ import annotations
 import argparse
 import copy
 import math
-from typing import Any, Dict, Optional
-
-import torch
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from ..config import MoE, GPTConfig, Layout, moe_layers_megatron
 from ..errors import CkptError
+
+if TYPE_CHECKING:  # config_from_args runs without torch (quick inspect); args_for_target imports it
+    import torch
 
 # Tokenizers whose vocabulary size is fixed by the tokenizer itself.
 TOKENIZER_VOCAB = {"GPT2BPETokenizer": 50257}
@@ -231,6 +232,7 @@ def args_for_target(source_args, cfg: GPTConfig, layout: Layout, padded_rows: in
                     dtype: torch.dtype, legacy_models: bool, transformer_impl: str,
                     checkpoint_version: float, iteration: Optional[int], grouped_gemm: bool = False) -> argparse.Namespace:
     """args for a written checkpoint: the source's run settings, this layout's sizes (grouped_gemm: see moe_args)."""
+    import torch
     args = copy.copy(source_args) if source_args is not None else argparse.Namespace()
     vpp = layout.vpp
     per_vstage = cfg.num_layers // (layout.pp * vpp) if vpp else None

@@ -17,9 +17,10 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
-import torch
+if TYPE_CHECKING:  # annotations only: the dialect tables are read without torch (quick inspect)
+    import torch
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from ..roles import (GLOBAL_ROLES, LAYER_ROLES, expert_role, global_role_tensor,
 from ..sharding import Rule
 from ..state import Checkpoint
 from ..vocab import resize_vocab
-from .megatron import _model_file, flatten, read_megatron, resolve_iteration_dir
+from .megatron import model_file, flatten, read_megatron, resolve_iteration_dir
 from .megatron_names import DIALECTS, KeyMatcher, qkv_to_grouped
 
 
@@ -80,7 +80,7 @@ def read_rank_shards(path, tp_rank: int, pp_rank: int, opts: Optional[ReadOption
         raise CkptError(f"rank (tp {tp_rank}, pp {pp_rank}, ep {ep_rank}) is outside the checkpoint's "
                         f"{layout.describe()}")
     it_dir, _, _ = resolve_iteration_dir(Path(path), opts.iteration)
-    file = _model_file(it_dir / rank_dir_name(tp_rank, pp_rank, layout.pp, ep_rank, layout.ep))
+    file = model_file(it_dir / rank_dir_name(tp_rank, pp_rank, layout.pp, ep_rank, layout.ep))
     experts = _local_experts(cfg, layout, ep_rank)
     tree = load_torch_file(file)
     dialect = DIALECTS[ckpt.source.dialect]

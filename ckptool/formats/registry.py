@@ -1,52 +1,139 @@
-"""Which reader opens a path. Each format module exposes FORMAT, looks_like(path), read(path, opts).
+"""The table of formats: for each, how a path is recognised, read and written. Every command asks
+this table, and only this table, which format a source is and which writer a target needs.
 
-Order matters: a torch_dist iteration directory also has Megatron's tracker file, and a DeepSpeed
-save directory may have one too, so the more specific formats are asked first.
+A format's functions are named as "module:function" and imported on first use, so consulting the
+table costs no import of the formats it does not pick; the looks_like functions of directory formats
+live in torch-free modules (*_files.py, hf_config.py), so naming a directory's format imports no
+torch (the quick inspect relies on it). Each entry may have:
+
+  looks_like(path) -> bool                 claims a path (asked in table order; see ORDER below)
+  read(path, ReadOptions) -> Checkpoint    the canonical state, lazily
+  write(ckpt, out_dir, ...) -> summary     the format's writer (keyword options are its own)
+  output                                   the name `--format` gives the writer of merge / reshard /
+                                           fix-vocab (Megatron layouts), None where another command
+                                           writes it (to-hf) or nothing does
+  carries_optimizer, shares_ranks, writes_moe   what that layout writer can do (see Format)
+  quick_read(path) -> Checkpoint | None    metadata only, without torch, for inspect (quick/)
+
+A source with no canonical GPT form (a DeepLearningExamples BERT file, a DeepSpeed run of a non-GPT
+Hugging Face model) is still claimed here; its reader raises errors.NoCanonicalForm, which every
+command reports and to-hf turns into a Hugging Face directory (api.to_hf).
 """
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, Tuple
 
 from ..errors import CkptError
 from ..options import ReadOptions
 from ..state import Checkpoint
 
-READER_MODULES = [
-    "ckptool.formats.dist",  # before megatron_reader: same tracker file and iter_* dirs
-    "ckptool.formats.deepspeed",  # before megatron: an MDS save dir also has Megatron's tracker file
-    "ckptool.formats.hf",
-    "ckptool.formats.megatron_reader",
-]
+
+def _function(ref: Optional[str]) -> Optional[Callable]:
+    if ref is None:
+        return None
+    module, name = ref.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
-def _modules():
-    for name in READER_MODULES:
-        yield importlib.import_module(name)
+@dataclass(frozen=True)
+class Format:
+    name: str  # SourceInfo.format of what it reads (and of what its writer wrote)
+    looks_like_ref: Optional[str] = None
+    read_ref: Optional[str] = None
+    write_ref: Optional[str] = None
+    output: Optional[str] = None  # `--format` name of its Megatron-layout writer
+    carries_optimizer: bool = False  # the writer takes optimizer=True/False and writes the state
+    shares_ranks: bool = False  # the writer takes rank_filter(tp, pp, ep): torchrun ranks share one output
+    writes_moe: bool = False  # the writer places MoE routers and experts (others would drop them)
+    quick_ref: Optional[str] = None  # torch-free metadata reader for inspect (quick_inspect.py)
+
+    def looks_like(self, path) -> bool:
+        fn = _function(self.looks_like_ref)
+        return fn is not None and bool(fn(Path(path)))
+
+    def read(self, path, opts: ReadOptions) -> Checkpoint:
+        fn = _function(self.read_ref)
+        if fn is None:  # pragma: no cover - every entry with looks_like has a reader
+            raise CkptError(f"internal: no reader for {self.name}")
+        return fn(Path(path), opts)
+
+    def quick_read(self, path) -> Optional[Checkpoint]:
+        """The checkpoint with TensorMeta records for tensors, read without torch; None where only
+        the full reader can say (or the format has no quick reader)."""
+        fn = _function(self.quick_ref)
+        return fn(Path(path), self.name) if fn is not None else None
+
+    @property
+    def write(self) -> Callable:
+        fn = _function(self.write_ref)
+        if fn is None:
+            raise CkptError(f"ckptool does not write {self.name} checkpoints")
+        return fn
 
 
-def detect_format(path) -> str:
+# Order matters: a torch_dist iteration directory also has Megatron's tracker file, and a DeepSpeed
+# save directory may have one too, so the more specific formats are asked first. The BERT file
+# check opens the file, so it comes last (every other format is a directory).
+FORMATS: Tuple[Format, ...] = (
+    Format("torch_dist", "ckptool.formats.dist_files:looks_like", "ckptool.formats.dist:read",
+           "ckptool.formats.dist:write_torch_dist", output="torch_dist", carries_optimizer=True,
+           writes_moe=True, quick_ref="ckptool.quick.dist:read"),
+    Format("deepspeed", "ckptool.formats.deepspeed_files:looks_like_deepspeed", "ckptool.formats.deepspeed:read"),
+    Format("hf", "ckptool.formats.hf_config:looks_like", "ckptool.formats.hf:read",
+           "ckptool.formats.hf_writer:write_hf", quick_ref="ckptool.quick.hf:read"),
+    Format("megatron", "ckptool.formats.megatron_files:looks_like_megatron", "ckptool.formats.megatron:read_megatron",
+           "ckptool.formats.megatron:write_megatron", output="torch", carries_optimizer=True, shares_ranks=True,
+           writes_moe=True, quick_ref="ckptool.quick.megatron:read"),
+    Format("ds-universal", write_ref="ckptool.formats.ds_universal:write_ds_universal", output="ds-universal",
+           carries_optimizer=True),
+    Format("dle-bert", "ckptool.formats.dle_bert:looks_like", "ckptool.formats.dle_bert:read"),
+)
+BY_NAME = {f.name: f for f in FORMATS}
+BY_OUTPUT = {f.output: f for f in FORMATS if f.output}
+# what merge / reshard / fix-vocab write (--format), the default for most sources first
+OUTPUT_FORMATS = ("torch",) + tuple(n for n in BY_OUTPUT if n != "torch")
+
+
+def source_format(path) -> Format:
+    """The table's entry for the checkpoint at path (CkptError if none claims it)."""
     path = Path(path)
     if not path.exists():
         raise CkptError(f"{path}: no such file or directory")
     if path.is_dir() and not any(path.iterdir()):
         raise CkptError(f"{path} is an empty directory", "pass the directory the training run saved to")
-    for mod in _modules():
-        if mod.looks_like(path):
-            return mod.FORMAT
+    for fmt in FORMATS:
+        if fmt.looks_like(path):
+            return fmt
     raise CkptError(f"{path}: not a checkpoint ckptool recognises",
                     "expected a Megatron save dir (mp_rank_*), a torch_dist/DCP dir, a DeepSpeed "
                     "global_step dir or a Hugging Face model dir")
 
 
+def detect_format(path) -> str:
+    return source_format(path).name
+
+
+def output_format(name: str) -> Format:
+    """The writer `--format name` means."""
+    if name not in BY_OUTPUT:
+        raise CkptError(f"unknown output format {name!r}", f"choose one of {', '.join(sorted(BY_OUTPUT))}")
+    return BY_OUTPUT[name]
+
+
+def default_output(ckpt: Checkpoint) -> Format:
+    """What merge / reshard / fix-vocab write when --format is not given: the source's own format
+    where the table writes Megatron layouts of it, else Megatron's torch format."""
+    own = BY_NAME.get(ckpt.source.format)
+    return own if own is not None and own.output is not None and own.looks_like_ref else BY_OUTPUT["torch"]
+
+
 def open_checkpoint(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     """Read any supported checkpoint into the canonical state (lazily)."""
     opts = opts or ReadOptions()
-    fmt = detect_format(path)
+    fmt = source_format(path)
     from ..io import profile
-    for mod in _modules():
-        if mod.FORMAT == fmt:
-            with profile.stage("plan"):
-                return mod.read(Path(path), opts)
-    raise CkptError(f"internal: no reader for {fmt}")  # pragma: no cover
+    with profile.stage("plan"):
+        return fmt.read(path, opts)

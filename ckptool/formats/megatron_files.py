@@ -1,0 +1,129 @@
+"""Megatron-LM torch-format checkpoints on disk, without torch: which directories and files make one,
+and what its model keys say (flattened key paths, the key dialect). The reader and writer
+(megatron.py) and the quick inspect (quick/megatron.py) both start here; `import torch` is not
+needed to answer where a checkpoint is or which format the table should call it.
+
+Directory facts (shared/reference/megatron.md section 1): see megatron.py.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from ..errors import CkptError
+from .megatron_names import DIALECTS, Dialect, KeyMatcher, is_ignorable
+
+TRACKER = "latest_checkpointed_iteration.txt"
+MODEL_FILES = ("model_optim_rng.pt", "model_rng.pt")
+RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+ITER_DIR = re.compile(r"^iter_(\d{7})$")
+
+
+# --- locating the files ---------------------------------------------------------------------
+
+# 2022-03..2023-05 runs with --use-distributed-optimizer wrote mp_rank_XX[_YYY]/model_rng.pt plus one
+# mp_rank_XX[_YYY]_DDD/optim.pt per data-parallel rank: those names look like PP or EP ranks, but a
+# directory holding only optim.pt carries no model weights.
+OPTIMIZER_ONLY_FILE = "optim.pt"
+
+
+def is_optimizer_only(d: Path) -> bool:
+    return (d / OPTIMIZER_ONLY_FILE).is_file() and not any((d / n).is_file() for n in MODEL_FILES)
+
+
+def list_rank_dirs(d: Path) -> List[Path]:
+    return sorted(p for p in d.iterdir() if p.is_dir() and RANK_DIR.match(p.name) and not is_optimizer_only(p))
+
+
+def resolve_iteration_dir(path: Path, iteration: Optional[int] = None) -> Tuple[Path, Optional[int], bool]:
+    """(directory holding mp_rank_*, iteration, release?) for a save dir or an iteration dir."""
+    path = Path(path)
+    if not path.exists():
+        raise CkptError(f"{path}: no such file or directory")
+    if not path.is_dir():
+        raise CkptError(f"{path} is a file, but a Megatron checkpoint is a directory",
+                        "pass the save directory (holding latest_checkpointed_iteration.txt) or an iter_* directory")
+    if list_rank_dirs(path):
+        m = ITER_DIR.match(path.name)
+        return path, (int(m.group(1)) if m else None), path.name == "release"
+    if iteration is not None:
+        d = path / f"iter_{iteration:07d}"
+        if not d.is_dir():
+            have = sorted(p.name for p in path.iterdir() if ITER_DIR.match(p.name))
+            raise CkptError(f"{path}: no iteration {iteration}", f"available: {', '.join(have) or 'none'}")
+        return d, iteration, False
+    tracker = path / TRACKER
+    if tracker.is_file():
+        text = tracker.read_text(errors="replace").strip()
+        if text == "release":
+            d = path / "release"
+            if not d.is_dir():
+                raise CkptError(f"{tracker} says 'release' but {d} does not exist",
+                                "the checkpoint is incomplete; pass the directory of an existing iteration")
+            return d, None, True
+        if not text.isdigit():
+            raise CkptError(f"{tracker} holds {text[:40]!r}, not an iteration number or 'release'",
+                            "fix the tracker file or pass --iteration N")
+        d = path / f"iter_{int(text):07d}"
+        if not d.is_dir():
+            raise CkptError(f"{tracker} points to iteration {int(text)} but {d.name}/ does not exist",
+                            "pass --iteration N for an iteration that exists")
+        return d, int(text), False
+    iters = sorted(p for p in path.iterdir() if p.is_dir() and ITER_DIR.match(p.name))
+    if iters:
+        return iters[-1], int(ITER_DIR.match(iters[-1].name).group(1)), False
+    if (path / "release").is_dir():
+        return path / "release", None, True
+    raise CkptError(f"{path}: no Megatron checkpoint here (no {TRACKER}, iter_* or mp_rank_* directories)",
+                    "pass the directory you gave Megatron's --save")
+
+
+def looks_like_megatron(path: Path) -> bool:
+    path = Path(path)
+    if not path.is_dir():
+        return False
+    if list_rank_dirs(path):
+        return True
+    if not ((path / TRACKER).is_file() or (path / "release").is_dir()
+            or any(ITER_DIR.match(p.name) for p in path.iterdir())):
+        return False
+    try:  # a torch_dist save has the same tracker and iter_* dirs, but no mp_rank_* inside
+        it_dir, _, _ = resolve_iteration_dir(path)
+    except CkptError:
+        return True  # let the reader report what is wrong
+    return not ((it_dir / "metadata.json").is_file() or (it_dir / ".metadata").is_file())
+
+
+def model_file(rank_dir: Path) -> Path:
+    for name in MODEL_FILES:
+        if (rank_dir / name).is_file():
+            return rank_dir / name
+    raise CkptError(f"{rank_dir}: no {' or '.join(MODEL_FILES)}", "the rank directory is incomplete")
+
+
+def flatten(tree, prefix: str = "") -> Dict[str, object]:
+    """Nested model dicts -> {'language_model/encoder/layers.0.x.weight': leaf}."""
+    out = {}
+    for k, v in tree.items():
+        key = f"{prefix}/{k}" if prefix else str(k)
+        if isinstance(v, dict):
+            out.update(flatten(v, key))
+        else:
+            out[key] = v
+    return out
+
+
+def detect_dialect(keys) -> Dialect:
+    keys = [k for k in keys if not is_ignorable(k)]
+    best, best_hits = None, -1
+    for d in DIALECTS.values():
+        m = KeyMatcher(d)
+        hits = sum(1 for k in keys if m.match(k))
+        if hits > best_hits:
+            best, best_hits = d, hits
+    if best_hits <= 0:
+        sample = ", ".join(sorted(keys)[:4])
+        raise CkptError(f"unrecognised Megatron model keys (e.g. {sample})",
+                        "ckptool reads GPT models in the 2019, legacy and megatron-core dialects")
+    return best

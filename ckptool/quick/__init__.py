@@ -1,0 +1,1 @@
+"""Metadata-only readers for `ckptool inspect`, without importing torch (see quick_inspect.py)."""

@@ -1,0 +1,142 @@
+"""megatron-core torch_dist checkpoints for inspect, without torch: the DCP index (.metadata, a
+pickle of torch.distributed.checkpoint's metadata dataclasses, read into inert Records by
+quick/torch_pickle.py) gives every tensor's global shape and dtype, the common state (common.pt or
+the common_state byte entry) the run's args, and the args the config (megatron_args, as the full
+reader computes it); the canonical shapes follow from the config (quick/meta.py).
+
+Covered: dense GPT models with args and without optimizer state. None (the full reader answers) for
+optimizer tensors or an optimizer entry, bare saves without args, MoE/MLA, mixed dtypes, an unknown
+backend, or stored tensors whose element count differs from the model the args describe (tensors
+the full reader would refuse as not part of a GPT model).
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Dict, Optional
+
+from ..config import Layout
+from ..errors import CkptError
+from ..formats import megatron_args
+from ..formats.dist_files import COMMON_FILE, COMMON_KEY, CONFIG_FILE, DCP_METADATA, locate
+from ..state import Checkpoint, SourceInfo
+from .meta import TensorMeta, canonical_shapes
+from .torch_pickle import NotQuick, Record, load_torch_zip, loads
+
+WORD = "embedding.word_embeddings.weight"
+HEAD = "output_layer.weight"  # a tied model's synchronised copy of WORD, when stored
+# DCP entries that are not model weights: Transformer Engine extra state, RNG and rerun state, the
+# common state (dist.py SKIP says the same for the full reader); optimizer entries end the quick path.
+NOT_WEIGHTS = re.compile(r"(_extra_state|^rng_state|^common_state|rerun_state_machine)")
+OPTIMIZER = re.compile(r"(^|\.)optimizer\.")
+STACKED = re.compile(r"^decoder\.layers\.([^0-9].*)$")
+PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def read(path: Path, format_name: str) -> Optional[Checkpoint]:
+    try:
+        d, iteration, release = locate(path)
+        if not _known_backend(d):
+            return None
+        meta = loads((d / DCP_METADATA).read_bytes())
+        common = _common_state(d, meta)
+    except (CkptError, NotQuick, OSError, ValueError):
+        return None
+    entries = getattr(meta, "state_dict_metadata", None)
+    if not isinstance(entries, dict) or not isinstance(common, dict) or "optimizer" in common:
+        return None
+    if any(OPTIMIZER.search(k) for k in entries):
+        return None
+    return _checkpoint(path, format_name, d, entries, common, iteration, release)
+
+
+def _known_backend(d: Path) -> bool:
+    f = d / CONFIG_FILE
+    if not f.is_file():
+        return True  # plain DCP
+    conf = json.loads(f.read_text())
+    return isinstance(conf, dict) and conf.get("sharded_backend") in ("torch_dist", "torch")
+
+
+def _common_state(d: Path, meta) -> Optional[dict]:
+    """As the full reader finds it: common.pt, else the common_state byte entry (torch.save([state]))."""
+    if (d / COMMON_FILE).is_file():
+        state = load_torch_zip(d / COMMON_FILE)
+    else:
+        where = [v for k, v in getattr(meta, "storage_data", {}).items() if getattr(k, "fqn", None) == COMMON_KEY]
+        if len(where) != 1:
+            return {}
+        info = where[0]
+        with open(d / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            state = load_torch_zip(f.read(info.length))
+        if isinstance(state, (list, tuple)) and len(state) == 1:
+            state = state[0]
+    return state if isinstance(state, dict) else {}
+
+
+def _tensor(entry) -> Optional[TensorMeta]:
+    """A TensorStorageMetadata record as TensorMeta (its properties pickle as a state tuple, dtype first)."""
+    props = getattr(entry, "properties", None)
+    size = getattr(entry, "size", None)
+    state = getattr(props, "state", None) if isinstance(props, Record) else None
+    dtype = getattr(props, "dtype", None) or (state[0] if isinstance(state, tuple) and state else None)
+    if not isinstance(size, tuple) or not isinstance(dtype, str):
+        return None
+    return TensorMeta(size, str(dtype))
+
+
+def _checkpoint(path, format_name, d, entries, common, iteration, release) -> Optional[Checkpoint]:
+    args = common.get("args")
+    if args is None:
+        return None
+    weights: Dict[str, TensorMeta] = {}
+    for key, entry in entries.items():
+        if NOT_WEIGHTS.search(key) or type(entry).__name__ == "BytesStorageMetadata":
+            continue
+        t = _tensor(entry)
+        if t is None:
+            return None
+        weights[key] = t
+    word = [k for k in weights if k.endswith(WORD)]
+    if len(word) != 1:
+        return None
+    prefix = word[0][:-len(WORD)]
+    if any(not k.startswith(prefix) for k in weights):
+        return None
+    keys = {k[len(prefix):]: t for k, t in weights.items()}
+    stacked = [t.shape[0] for k, t in keys.items() if STACKED.match(k)]
+    per_layer = {int(m.group(1)) for k in keys for m in [PER_LAYER.match(k)] if m}
+    if stacked and per_layer or len(set(stacked)) > 1 or len({t.dtype for t in keys.values()}) != 1:
+        return None
+    num_layers = stacked[0] if stacked else (max(per_layer) + 1 if per_layer else 0)
+    if not stacked and per_layer != set(range(num_layers)):
+        return None
+    rows = keys[WORD].shape[0]
+    try:
+        cfg = megatron_args.config_from_args(args, rows)
+    except CkptError:
+        return None
+    cfg, note = megatron_args.as_megatron_core_computes(cfg)  # torch_dist is always megatron-core
+    shapes = canonical_shapes(cfg)
+    if shapes is None or cfg.num_layers != num_layers or (cfg.vocab_size or 0) > rows:
+        return None
+    stored = sum(_numel(t.shape) for k, t in keys.items() if not (cfg.tied_embeddings and k == HEAD))
+    if stored != sum(_numel(s) for s in shapes.values()):
+        return None  # tensors outside the model the args describe: the full reader names them
+    dtype = next(iter(keys.values())).dtype
+    tp = getattr(args, "tensor_model_parallel_size", None) or 1
+    pp = getattr(args, "pipeline_model_parallel_size", None) or 1
+    info = SourceInfo(path=str(path), format=format_name, dialect="mcore-dist" if stacked else "mcore-dist-per-layer",
+                      layout=Layout(tp=tp, pp=pp), release=release,
+                      iteration=iteration if iteration is not None else common.get("iteration"),
+                      checkpoint_version=common.get("checkpoint_version"), args=args)
+    return Checkpoint(cfg, {n: TensorMeta(s, dtype) for n, s in shapes.items()}, info, [note] if note else [])
+
+
+def _numel(shape) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n

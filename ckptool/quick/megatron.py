@@ -1,0 +1,154 @@
+"""Megatron torch-format checkpoints for inspect, without torch: the rank files' pickles read for
+structure (quick/torch_pickle.py), the config from the stored args as the full reader computes it
+(megatron_args.config_from_args), the dialect and layer layout from the keys (megatron_files.py,
+megatron_names.py), and the canonical tensors' shapes from the config (quick/meta.py).
+
+Covered: dense GPT models whose files store args and hold no optimizer state (converted, released
+and from-hf checkpoints; training saves with --no-save-optim). Anything else returns None and the
+full reader answers: optimizer state (its description needs the training-state reader), MoE/MLA,
+2019 files without args, mixed dtypes, keys outside the dialect, or files that disagree with one
+another or with their args (the full reader has the error message for each).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from ..config import Layout
+from ..errors import CkptError
+from ..formats import megatron_args
+from ..formats.megatron_files import RANK_DIR, detect_dialect, flatten, list_rank_dirs, model_file, resolve_iteration_dir
+from ..formats.megatron_names import KeyMatcher, is_ignorable
+from ..state import Checkpoint, SourceInfo
+from .meta import TensorMeta, canonical_shapes
+from .torch_pickle import NotQuick, load_torch_zip
+
+VERSIONS = (0.0, 1.0, 2.0, 3.0)  # checkpoint_version values the full reader accepts
+OPTIMIZER_FILES = ("distrib_optim.pt", "optim.pt")
+
+
+def read(path: Path, format_name: str) -> Optional[Checkpoint]:
+    try:
+        it_dir, iteration, release = resolve_iteration_dir(path)
+        dirs = list_rank_dirs(it_dir)
+        if not dirs or any((d / f).exists() for d in it_dir.iterdir() for f in OPTIMIZER_FILES):
+            return None
+        trees = {_coordinates(d): load_torch_zip(model_file(d)) for d in dirs}
+    except (CkptError, NotQuick, OSError):
+        return None
+    if any(not isinstance(t, dict) or _has_optimizer_state(t) or "model" not in t and not _chunk_keys(t)
+           for t in trees.values()):
+        return None
+    return _checkpoint(path, format_name, trees, iteration, release)
+
+
+def _has_optimizer_state(tree: dict) -> bool:
+    """Whether the full reader could find optimizer state here: anything but no entry or an optimizer
+    that never stepped (torch's state dict with an empty `state`, alone or under mixed precision's
+    wrapper), which it reads as none (megatron_optim.read_rank)."""
+    opt = tree.get("optimizer")
+    if opt is None:
+        return False
+    inner = opt.get("optimizer", opt) if isinstance(opt, dict) else None
+    return not (isinstance(inner, dict) and inner.get("state") == {} and isinstance(inner.get("param_groups"), list))
+
+
+def _plain_args(args) -> Optional[dict]:
+    """The args' plain values (numbers, strings, flags): what the ranks of one run share exactly."""
+    if args is None:
+        return None
+    return {k: v for k, v in vars(args).items() if type(v) in (int, float, str, bool, type(None))}
+
+
+def _coordinates(d: Path) -> Tuple[int, int]:
+    nums = [int(g) for g in RANK_DIR.match(d.name).groups() if g is not None]
+    if len(nums) == 3:
+        raise NotQuick("expert-parallel rank directories")
+    return nums[0], (nums[1] if len(nums) == 2 else 0)
+
+
+def _chunk_keys(tree: dict) -> Dict[int, str]:
+    return {int(m.group(1)): k for k in tree for m in [re.match(r"^model(\d+)$", str(k))] if m}
+
+
+def _checkpoint(path: Path, format_name: str, trees, iteration, release) -> Optional[Checkpoint]:
+    tp = max(t for t, _ in trees) + 1
+    pp = max(p for _, p in trees) + 1
+    first = trees[(0, 0)]
+    args = first.get("args")
+    if len(trees) != tp * pp or args is None:
+        return None
+    if any(_plain_args(t.get("args")) != _plain_args(args) for t in trees.values()):
+        return None  # ranks of different runs (the full reader names the differing arg)
+    want = (getattr(args, "tensor_model_parallel_size", None), getattr(args, "pipeline_model_parallel_size", None) or 1,
+            getattr(args, "expert_model_parallel_size", None) or 1, getattr(args, "num_experts", None))
+    if want[:3] != (tp, pp, 1) or want[3]:
+        return None
+    version = float(first.get("checkpoint_version", 0) or 0)
+    models = {rk: ({0: flatten(t["model"])} if "model" in t else
+                   {v: flatten(t[k]) for v, k in _chunk_keys(t).items()}) for rk, t in trees.items()}
+    all_keys = {k for chunks in models.values() for c in chunks.values() for k in c}
+    try:
+        dialect = detect_dialect(all_keys)
+    except CkptError:
+        return None
+    if dialect.qkv_version0_only:
+        version = 0.0
+    matcher = KeyMatcher(dialect)
+    if version not in VERSIONS or any(matcher.match(k) is None and not is_ignorable(k) for k in all_keys):
+        return None
+    dtypes = {v.dtype for chunks in models.values() for c in chunks.values() for k, v in c.items()
+              if isinstance(v, TensorMeta) and matcher.match(k) is not None}
+    counts = _layer_counts(models, matcher)
+    vpp = len(models[(0, 0)])
+    if len(dtypes) != 1 or counts is None or any(len(c) != vpp for c in models.values()):
+        return None
+    rows = _word_rows(models, matcher, tp)
+    if rows is None:
+        return None
+    try:
+        cfg = megatron_args.config_from_args(args, rows)
+    except CkptError:
+        return None
+    if cfg.num_layers != sum(counts.values()):
+        return None
+    warnings: List[str] = []
+    if dialect.name.startswith("mcore"):
+        cfg, note = megatron_args.as_megatron_core_computes(cfg)
+        warnings += [note] if note else []
+    shapes = canonical_shapes(cfg)
+    if shapes is None:
+        return None
+    dtype = dtypes.pop()
+    stages = [counts[(p, 0)] for p in range(pp)]
+    layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None,
+                    stage_layers=None if vpp > 1 or len(set(stages)) == 1 else stages)
+    info = SourceInfo(path=str(path), format=format_name, dialect=dialect.name, layout=layout,
+                      iteration=iteration if iteration is not None else first.get("iteration"), release=release,
+                      checkpoint_version=None if dialect.qkv_version0_only else version, args=args)
+    return Checkpoint(cfg, {n: TensorMeta(s, dtype) for n, s in shapes.items()}, info, warnings)
+
+
+def _layer_counts(models, matcher) -> Optional[Dict[Tuple[int, int], int]]:
+    """Layers per (pipeline stage, virtual chunk), the same on every TP rank, as the full reader counts."""
+    counts: Dict[Tuple[int, int], int] = {}
+    for (_, p), chunks in models.items():
+        for v, flat in chunks.items():
+            idx = [m[1] for m in (matcher.match(k) for k in flat) if m and m[1] is not None]
+            n = max(idx) + 1 if idx else 0
+            if counts.setdefault((p, v), n) != n:
+                return None
+    return counts
+
+
+def _word_rows(models, matcher, tp: int) -> Optional[int]:
+    """Stored vocabulary rows: the word embedding's rows summed over the TP ranks of the first stage."""
+    rows = 0
+    for t in range(tp):
+        words = [v for k, v in models[(t, 0)][0].items()
+                 if isinstance(v, TensorMeta) and (matcher.match(k) or (None,))[0] == "word"]
+        if len(words) != 1:
+            return None
+        rows += words[0].shape[0]
+    return rows

@@ -1,0 +1,172 @@
+"""torch.save files and DCP metadata read for their structure only, without importing torch.
+
+A torch.save zip holds `<name>/data.pkl`, a pickle whose tensors are calls of torch's rebuild helpers
+(torch._utils._rebuild_tensor_v2(storage, offset, size, stride, ...)) on storages named by
+persistent ids ('storage', <dtype's storage class>, key, location, numel); the bytes live in other
+zip entries this module never opens. The unpickler here resolves every torch global to an inert
+stand-in: a rebuild helper returns a TensorMeta (shape and dtype name), a dtype or storage class its
+name, torch.Size a tuple, and any other class (DCP's metadata dataclasses, a framework's enums, numpy
+arrays of RNG state) a Record that keeps the data it was built with and runs nothing. Only the plain
+Python types in SAFE are real; a global from any other module (os.system, builtins.eval, ...) raises
+NotQuick, and the caller leaves the file to the full reader, which refuses it as it always has.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import io
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from .meta import STORAGE_DTYPES, TensorMeta
+
+
+class NotQuick(Exception):
+    """This file is not one the quick path can read with certainty: use the full reader."""
+
+
+class Record:
+    """An inert object of a class the pickle names: constructor arguments and state kept as data."""
+
+    module = ""
+    name = ""
+
+    def __new__(cls, *args, **kwargs):
+        obj = object.__new__(cls)
+        obj.__dict__["args"] = args
+        return obj
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):  # slots form
+            state = dict(state[0] or {}, **state[1])
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            self.__dict__["state"] = state
+
+
+_records: dict = {}
+
+
+def record_class(module: str, name: str) -> type:
+    key = (module, name)
+    if key not in _records:
+        _records[key] = type(name, (Record,), {"module": module, "name": name})
+    return _records[key]
+
+
+class DtypeName(str):
+    """A torch dtype in a pickle (torch.bfloat16): its name."""
+
+
+def _rebuild_tensor(storage, storage_offset, size, *rest, **kwargs) -> TensorMeta:
+    return TensorMeta(tuple(int(d) for d in size), storage.dtype)
+
+
+def _rebuild_parameter(data, *rest, **kwargs):
+    return data
+
+
+def _rebuild_from_type(func, new_type, args, state):
+    if func not in (_rebuild_tensor, _rebuild_parameter):
+        raise NotQuick(f"tensor subclass rebuilt by {func!r}")
+    return func(*args)
+
+
+def _reconstructor(cls, base, state):  # copyreg._reconstructor: only ever builds a Record here
+    if not (isinstance(cls, type) and issubclass(cls, (Record, collections.OrderedDict, argparse.Namespace))):
+        raise NotQuick(f"copyreg._reconstructor of {cls!r}")
+    return cls.__new__(cls)
+
+
+def _encode(text, encoding="latin1"):  # _codecs.encode: how protocol 2 pickles bytes
+    return str(text).encode(encoding)
+
+
+# plain Python types a checkpoint's pickle may build for real: they run no code of the file's choosing
+SAFE = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("builtins", "set"): set, ("builtins", "frozenset"): frozenset, ("builtins", "slice"): slice,
+    ("builtins", "tuple"): tuple, ("builtins", "list"): list, ("builtins", "dict"): dict,
+    ("builtins", "int"): int, ("builtins", "float"): float, ("builtins", "str"): str,
+    ("builtins", "bool"): bool, ("builtins", "bytes"): bytes, ("builtins", "complex"): complex,
+    ("__builtin__", "set"): set,
+    ("argparse", "Namespace"): argparse.Namespace,
+    ("copyreg", "_reconstructor"): _reconstructor, ("copy_reg", "_reconstructor"): _reconstructor,
+    ("_codecs", "encode"): _encode,
+}
+# stdlib classes a Megatron args Namespace or DCP metadata holds; kept as Records (data only)
+RECORDED_STDLIB = {("types", "SimpleNamespace"), ("signal", "Signals"), ("pathlib", "PosixPath"),
+                   ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("datetime", "datetime"),
+                   ("datetime", "timedelta"), ("datetime", "date"), ("enum", "Enum"), ("io", "BytesIO")}
+TORCH_REBUILDS = {"_rebuild_tensor": _rebuild_tensor, "_rebuild_tensor_v2": _rebuild_tensor,
+                  "_rebuild_tensor_v3": _rebuild_tensor, "_rebuild_parameter": _rebuild_parameter,
+                  "_rebuild_parameter_with_state": _rebuild_parameter}
+# Top-level packages whose classes a checkpoint may name (enums in args, loss scalers, numpy RNG
+# state); io/safe_pickle.py turns the same into inert stand-ins on the full path.
+RECORDED_PACKAGES = ("torch", "numpy", "megatron", "deepspeed", "apex", "transformer_engine", "nemo", "mpu",
+                     "fp16", "model", "modelopt", "megatron_bridge", "lightning", "pytorch_lightning",
+                     "fairscale", "torchtitan", "__main__", "utils", "arguments")
+
+
+class MetaUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in SAFE:
+            return SAFE[(module, name)]
+        if module == "torch._utils" and name in TORCH_REBUILDS:
+            return TORCH_REBUILDS[name]
+        if module == "torch._tensor" and name == "_rebuild_from_type_v2":
+            return _rebuild_from_type
+        if module == "torch" and name == "Size":
+            return tuple
+        if module == "torch" and name.endswith("Storage"):
+            if name not in STORAGE_DTYPES:
+                raise NotQuick(f"storage class torch.{name}")
+            return DtypeName(STORAGE_DTYPES[name])
+        if module == "torch" and name == "device":
+            return record_class(module, name)
+        if module == "torch" and name[0].islower():
+            return DtypeName(name)  # torch.bfloat16 and the like (a layout or memory format reads the same)
+        if module.startswith("torch._utils") or module.startswith("torch._tensor"):
+            raise NotQuick(f"{module}.{name}")  # sparse, quantized, ... tensors: the full reader's to judge
+        if (module, name) in RECORDED_STDLIB or module.split(".", 1)[0] in RECORDED_PACKAGES:
+            return record_class(module, name)
+        raise NotQuick(f"{module}.{name} in a pickle")
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and pid and pid[0] == "storage" and isinstance(pid[1], DtypeName)):
+            raise NotQuick(f"persistent id {pid!r:.60}")
+        return _Storage(str(pid[1]))
+
+
+class _Storage:
+    def __init__(self, dtype: str):
+        self.dtype = dtype
+
+
+def loads(data: bytes) -> Any:
+    try:
+        return MetaUnpickler(io.BytesIO(data), encoding="utf-8").load()
+    except NotQuick:
+        raise
+    except Exception as e:  # malformed: the full reader reports it
+        raise NotQuick(f"{type(e).__name__}: {e}") from e
+
+
+def load_torch_zip(source) -> Any:
+    """The object a torch.save zip (a path or bytes) holds, tensors as TensorMeta. NotQuick for legacy
+    (non-zip) torch files and anything the unpickler does not resolve."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(source) if isinstance(source, bytes) else Path(source)) as z:
+            pkl = [n for n in z.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
+            if len(pkl) != 1:
+                raise NotQuick("no single data.pkl")
+            data = z.read(pkl[0])
+    except (zipfile.BadZipFile, OSError) as e:
+        raise NotQuick(str(e)) from e
+    return loads(data)
