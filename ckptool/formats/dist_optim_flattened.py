@@ -105,7 +105,10 @@ class ModelSpaceView:
                 raise CkptError(f"{where}: {key} has shape {stored}, neither the weight's {original} nor its "
                                 "N-D flattened form [chunk grid..., chunk numel]", HINT)
             self.local[key] = (local, original)
-            self.entries[key] = SimpleNamespace(size=torch.Size(original), properties=dcp.entries[key].properties)
+            # chunks in the original shape: the weight's (its stacked-layer offsets); else one chunk, all of it
+            chunks = getattr(weight, "chunks", None) or [SimpleNamespace(offsets=(0,) * len(original), sizes=original)]
+            self.entries[key] = SimpleNamespace(size=torch.Size(original), properties=dcp.entries[key].properties,
+                                                chunks=chunks)
 
     def tensor_keys(self):
         return self.dcp.tensor_keys()
