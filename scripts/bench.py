@@ -213,7 +213,7 @@ def run_side_by_side(plan: dict, steps: list, size: int, work: Path, repeat: int
             walls[step].append(r["wall"])
             rss[step] = max(rss[step], r["rss"])
             ratios[step].append(measured["copy"]["wall"] / r["wall"] if "copy" in measured else 1.0)
-            said = [f"copy before it {measured['copy']['wall']:.1f} s"] if "copy" in measured else []
+            said = [f"copy before it {measured['copy']['wall']:.1f} s"] if step != "copy" else []
             profs = read_profiles(r["log"]) if profiles is not None else []
             if profs:  # so a run cut short still tells where its time went
                 said.append("startup " + "/".join(f"{p['stages'].get('startup', [0])[0]:.1f}" for p in profs) + " s")
