@@ -17,6 +17,10 @@ transformers Megatron GPT-2 script where the installed transformers still ships 
 tensor bytes copied in the kernel into one file, without torch, with and without the manifest's
 sha256; no converter can beat them, so their ratio bounds every other row's.
 Every step's output is fsynced (ckptool seals its output with fsync; the copy runs `sync`).
+--cache cold (root) drops the page cache before every timed command, so copy and conversion both
+read the source from the disk (warm: read into the cache first; as-is, the default: sync only);
+--variants 'NAME:VAR=VALUE,...;NAME2:' runs every ckptool step once per environment (an A/B in one
+run); --launcher ckptool starts the torchrun steps with `python -m ckptool.torchrun`.
 --profile runs the ckptool steps with CKPTOOL_PROFILE=1 and prints, for each, where the last
 round's time went stage by stage (ckptool/io/profile.py: thread-seconds per stage, summed over the
 processes of a torchrun step).
@@ -215,7 +219,7 @@ def run_side_by_side(plan: dict, steps: list, size: int, work: Path, repeat: int
             walls[step].append(r["wall"])
             rss[step] = max(rss[step], r["rss"])
             ratios[step].append(measured["copy"]["wall"] / r["wall"] if "copy" in measured else 1.0)
-            said = [f"copy before it {measured['copy']['wall']:.1f} s"] if "copy" in measured else []
+            said = [f"copy before it {measured['copy']['wall']:.1f} s"] if step != "copy" else []
             profs = read_profiles(r["log"]) if profiles is not None else []
             if profs:  # so a run cut short still tells where its time went
                 said.append("startup " + "/".join(f"{p['stages'].get('startup', [0])[0]:.1f}" for p in profs) + " s")

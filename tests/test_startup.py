@@ -46,8 +46,13 @@ def _child(code: str, **env) -> str:
 
 
 def test_bytecode_cache_only_where_the_interpreter_would_not_keep_one(tmp_path):
-    code = ("import sys; from ckptool.io import startup; r = startup.use_own_bytecode_cache(); "
-            "print(r, sys.pycache_prefix, sys.dont_write_bytecode)")
+    # a package installed without bytecode (as torch is in some container images) decides it
+    pkg = tmp_path / "site" / "bare_pkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    code = ("import sys; sys.path.insert(0, %r); from ckptool.io import startup; "
+            "r = startup.use_own_bytecode_cache('bare_pkg'); "
+            "print(r, sys.pycache_prefix, sys.dont_write_bytecode)" % str(tmp_path / "site"))
     cache = tmp_path / "pyc"
     # told not to write bytecode: ckptool keeps it in its own folder, nothing beside the sources
     assert _child(code, PYTHONDONTWRITEBYTECODE="1", CKPTOOL_PYCACHE=str(cache)) == f"{cache} {cache} False"
@@ -60,3 +65,7 @@ def test_bytecode_cache_only_where_the_interpreter_would_not_keep_one(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=dict(env, PYTHONPATH=str(Path(startup.__file__).parents[2])),
                          capture_output=True, text=True, check=True).stdout.strip()
     assert out == "None None False"
+    # the package compiled beside its sources (pip's default): the interpreter reads that, left alone
+    import py_compile
+    py_compile.compile(str(pkg / "__init__.py"), doraise=True)
+    assert _child(code, PYTHONDONTWRITEBYTECODE="1", CKPTOOL_PYCACHE=str(tmp_path / "other")) == "None None True"

@@ -6,7 +6,8 @@ read. Two things shorten or use that time:
 - The bytecode cache. Container images often set PYTHONDONTWRITEBYTECODE=1 and install packages
   without compiling them, so every start compiles torch's ~2000 modules again (measured on the
   16-core device machine: `import torch` 3.2-3.5 s, 1.7 s from a cache). When the interpreter is
-  told not to write bytecode beside the sources and no cache prefix is set, ckptool keeps the
+  told not to write bytecode beside the sources, no cache prefix is set and torch was installed
+  without its bytecode, ckptool keeps the
   bytecode under its own cache folder (sys.pycache_prefix: nothing is written beside any source;
   Python checks each entry against its source's mtime). CKPTOOL_PYCACHE=0 turns this off;
   CKPTOOL_PYCACHE=DIR picks the folder (default $XDG_CACHE_HOME/ckptool/pycache).
@@ -36,14 +37,19 @@ def prepare(argv: Sequence[str]) -> Optional[threading.Thread]:
     return start_readahead(argv)
 
 
-def use_own_bytecode_cache() -> Optional[str]:
+def use_own_bytecode_cache(probe: str = "torch") -> Optional[str]:
     """Keep compiled bytecode under ckptool's cache folder when the interpreter would otherwise
-    recompile every module on every start (see the module docstring). Returns the folder used."""
+    recompile every module on every start (see the module docstring). Returns the folder used.
+
+    probe: the package whose bytecode decides it: when it was compiled at install time (its
+    __pycache__ beside the sources), the interpreter reads that and nothing needs changing."""
     choice = os.environ.get("CKPTOOL_PYCACHE", "")
-    if choice == "0" or "torch" in sys.modules:  # too late to matter (an embedding program, tests)
+    if choice == "0" or probe in sys.modules:  # too late to matter (an embedding program, tests)
         return None
     if not sys.dont_write_bytecode or sys.pycache_prefix:
         return None  # bytecode is cached beside the sources or where the user said
+    if _has_bytecode(probe):
+        return None
     folder = Path(choice) if choice else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") \
         / "ckptool" / "pycache"
     try:
@@ -55,6 +61,18 @@ def use_own_bytecode_cache() -> Optional[str]:
     sys.pycache_prefix = str(folder)
     sys.dont_write_bytecode = False
     return str(folder)
+
+
+def _has_bytecode(package: str) -> bool:
+    """Whether package's __init__ has its compiled bytecode beside it (found without importing it)."""
+    import importlib.util
+    try:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            return True  # not there, or not Python source: nothing to gain
+        return os.path.exists(importlib.util.cache_from_source(spec.origin))
+    except (ImportError, ValueError, NotImplementedError):
+        return True
 
 
 def source_argument(argv: Sequence[str]) -> Optional[Path]:
