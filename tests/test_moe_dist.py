@@ -53,7 +53,8 @@ def root(tmp_path_factory):
     torchrun([f"save-dist {root / a / 'src'} --tp 2 --ep 2 --arch {a} --out {root / a / 'src.pt'}"
               for a in list(ARCHS) + ["grouped"]] +
              [f"save-dist {root / a / 'single'} --tp 2 --ep 2 --arch {a} --singleton --out {root / a / 'single.pt'}"
-              for a in ARCHS])
+              for a in ARCHS] +
+             [f"save-dist {root / a / 'pp2'} --tp 1 --pp 2 --ep 2 --arch {a} --out {root / a / 'pp2.pt'}" for a in ARCHS])
     # the per-expert (singleton) save of the all-MoE model back to megatron-core's default stacked form
     out = root / "mixtral" / "single_to_stacked"
     api.reshard(root / "mixtral" / "single", out, tp=1, ep=4, format="torch_dist", warn=lambda m: None)
@@ -120,13 +121,14 @@ def canonical_live(params: dict, heads=4, groups=2, head_dim=8) -> dict:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("save", ["src", "single"])
+@pytest.mark.parametrize("save", ["src", "single", "pp2"])
 def test_reads_every_tensor_equal_to_the_live_model(root, arch, save):
     """src: megatron-core's default keys (experts stacked on an expert axis; layers too when all are MoE);
-    single: singleton_local_shards (every layer keyed, one key per expert, GLU fc1 as weight_w / weight_v)."""
+    single: singleton_local_shards (every layer keyed, one key per expert, GLU fc1 as weight_w / weight_v);
+    pp2: TP1 PP2 EP2, each pipeline stage saving its own layers."""
     ck = dist.read(root / arch / save)
-    assert ck.source.layout.describe() == "TP2 PP1 EP2"
-    stacked = arch == "mixtral" and save == "src"
+    assert ck.source.layout.describe() == ("TP1 PP2 EP2" if save == "pp2" else "TP2 PP1 EP2")
+    stacked = arch == "mixtral" and save != "single"
     assert ck.source.dialect == ("mcore-dist" if stacked else "mcore-dist-per-layer")
     keys = _metadata(root / arch / save)
     assert ("decoder.layers.1.mlp.experts.experts.3.linear_fc1.weight_w" in keys) == (save == "single")
