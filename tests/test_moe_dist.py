@@ -51,7 +51,7 @@ def root(tmp_path_factory):
     and megatron-core's logits after loading each (two torchrun launches in all)."""
     root = tmp_path_factory.mktemp("mcore_moe_dist")
     torchrun([f"save-dist {root / a / 'src'} --tp 2 --ep 2 --arch {a} --out {root / a / 'src.pt'}"
-              for a in list(ARCHS) + ["grouped"]] +
+              for a in list(ARCHS) + ["grouped", "biased"]] +
              [f"save-dist {root / a / 'single'} --tp 2 --ep 2 --arch {a} --singleton --out {root / a / 'single.pt'}"
               for a in ARCHS] +
              [f"save-dist {root / a / 'pp2'} --tp 1 --pp 2 --ep 2 --arch {a} --out {root / a / 'pp2.pt'}" for a in ARCHS])
@@ -59,6 +59,12 @@ def root(tmp_path_factory):
     out = root / "mixtral" / "single_to_stacked"
     api.reshard(root / "mixtral" / "single", out, tp=1, ep=4, format="torch_dist", warn=lambda m: None)
     jobs = [f"load-dist {out} --tp 1 --ep 4 --arch mixtral --out {out}.pt"]
+    # sigmoid routing steered by an expert bias: the float32 bias stays float32 in a bf16 output
+    out = root / "biased" / "out_114"
+    api.reshard(root / "biased" / "src", out, tp=1, ep=4, format="torch_dist", warn=lambda m: None)
+    api.reshard(root / "biased" / "src", root / "biased" / "bf16", tp=1, ep=4, format="torch_dist",
+                dtype=torch.bfloat16, warn=lambda m: None)
+    jobs.append(f"load-dist {out} --tp 1 --ep 4 --arch biased --out {out}.pt")
     for (tp, pp, ep), arch in GROUPED_OUTPUTS:
         out = root / "grouped" / f"{arch}_{tp}{pp}{ep}"
         api.reshard(root / "grouped" / "src", out, tp=tp, pp=pp, ep=ep, format="torch_dist", warn=lambda m: None)
@@ -195,6 +201,21 @@ def test_grouped_gemm_save_loads_as_sequential_and_grouped_experts(root, layout,
     back = dist.read(out)
     for name in ck.tensors:
         assert torch.equal(back.tensors[name].load(), ck.tensors[name].load()), name
+
+
+def test_expert_bias_round_trips_and_steers_megatron_cores_routing(root):
+    src = dist.read(root / "biased" / "src")
+    m = src.config.moe
+    assert (m.score_function, m.expert_bias, m.topk_norm) == ("sigmoid", True, True)
+    bias = src.tensors["layers.1.mlp.router.expert_bias"].load()
+    assert bias.dtype == torch.float32 and bias.abs().min() > 0  # the helper's, off megatron-core's zeros
+    out = root / "biased" / "out_114"
+    ref = torch.load(root / "biased" / "src.pt")["logits"]
+    assert relative(torch.load(f"{out}.pt")["logits"], ref) <= 1e-5
+    assert torch.equal(dist.read(out).tensors["layers.1.mlp.router.expert_bias"].load(), bias)
+    half = dist.read(root / "biased" / "bf16")
+    assert half.tensors["layers.1.mlp.router.weight"].dtype == torch.bfloat16
+    assert torch.equal(half.tensors["layers.1.mlp.router.expert_bias"].load(), bias)
 
 
 def _metadata(ckpt_dir: Path) -> dict:

@@ -100,6 +100,9 @@ EXPERT_WRITE_NAMES = {
 }
 LAYER_KEYS.update({v: k for k, v in MOE_WRITE_NAMES.items()})
 EXPERT_KEYS = {v: k for k, v in EXPERT_WRITE_NAMES.items()}
+# Roles written in their stored dtype whatever --dtype says: megatron-core keeps the expert bias in float32
+# (router.py _maintain_float32_expert_bias), whatever the model's dtype.
+KEEP_STORED_DTYPE = ("router.expert_bias",)
 # With the sharded_state_dict metadata singleton_local_shards (read only), every layer is keyed by its index,
 # each expert has its own keys (group 1 the global expert, group 2 an EXPERT_KEYS name without the prefix)...
 SINGLETON_EXPERT = re.compile(r"^mlp\.experts\.experts\.(\d+)\.(linear_fc[12]\.weight)$")
@@ -542,7 +545,8 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
         if progress:
             progress(t.numel() * t.element_size())
 
-    def put_slots(model_key: str, full_of: Callable, at: Tuple[int, ...] = (), lead: Tuple[int, ...] = ()) -> None:
+    def put_slots(model_key: str, full_of: Callable, at: Tuple[int, ...] = (), lead: Tuple[int, ...] = (),
+                  cast: bool = True) -> None:
         """The weight (WEIGHT slot) and every optimizer slot of one parameter: its chunk at index `at` of the
         leading axes `lead` (layer and/or expert) the stored tensor has before the parameter's own."""
         for slot in (WEIGHT,) + tuple(slots):
@@ -553,7 +557,7 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
             t = t.reshape((1,) * len(lead) + tuple(t.shape))
             shape, offsets = tuple(lead) + tuple(t.shape[len(lead):]), tuple(at) + (0,) * (t.dim() - len(at))
             if slot == WEIGHT:
-                put(model_key, t, shape, offsets)
+                put(model_key, t, shape, offsets, cast)
                 continue
             first, *aliases = dist_optim.stored_keys(slot, model_key)
             put(first, t, shape, offsets, cast=False)
@@ -573,7 +577,8 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
         with load_scope():
             for role in LAYER_ROLES + (tuple(MOE_WRITE_NAMES) if is_moe else ()):
                 put_slots(prefix + {**WRITE_NAMES, **MOE_WRITE_NAMES}[role],
-                          lambda ts, role=role: layer_role_tensor(ts, cfg_out, i, role), at, lead)
+                          lambda ts, role=role: layer_role_tensor(ts, cfg_out, i, role), at, lead,
+                          cast=role not in KEEP_STORED_DTYPE)
         if is_moe:
             E = moe.num_experts
             for e in range(E):
