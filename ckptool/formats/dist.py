@@ -110,8 +110,11 @@ SINGLETON_EXPERT = re.compile(r"^mlp\.experts\.experts\.(\d+)\.(linear_fc[12]\.w
 GLU_HALVES = {"_w": 0, "_v": 1}
 # Stored MoE forms ckptool does not read, by what they are (refused with these words, never skipped).
 NOT_READ = (
-    (re.compile(r"^mtp\."), "multi-token-prediction (MTP) layers"),
-    (re.compile(r"mlp\.experts\."), "an expert layout other than megatron-core's sharded experts"),
+    (re.compile(r"^mtp\."), "multi-token-prediction (MTP) layers",
+     "ckptool does not convert MTP layers yet, and never converts a model with parts left out"),
+    (re.compile(r"mlp\.experts\."), "an expert layout other than megatron-core's sharded experts",
+     "ckptool reads experts stored as decoder.layers[.N].mlp.experts.experts.linear_fc{1,2}.weight "
+     "[(layers,) experts, out, in] or one key per expert (...experts.experts.{e}.linear_fc1.weight_w / _v)"),
 )
 # ShardedObjects megatron-core expects per layer (local spec: 4, TE spec adds core_attention).
 EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
@@ -282,13 +285,10 @@ def _add_experts(shards, dcp: DcpDir, key: str, base: str, layers: List[int], st
 
 
 def _refuse_unknown(keys: List[str]) -> None:
-    for pattern, what in NOT_READ:
+    for pattern, what, hint in NOT_READ:
         hits = sorted(k for k in keys if pattern.search(k))
         if hits:
-            raise CkptError(f"{what}: {len(hits)} tensors such as {hits[0]}, which ckptool does not read",
-                            "ckptool reads megatron-core GPT models whose experts are stored stacked "
-                            "(decoder.layers[.N].mlp.experts.experts.linear_fc1.weight [experts, out, in]); "
-                            "nothing is converted with parts left out")
+            raise CkptError(f"{what}: {len(hits)} tensors such as {hits[0]}, which ckptool does not read", hint)
     raise CkptError(f"{len(keys)} tensors are not part of a megatron-core GPT model "
                     f"(e.g. {', '.join(sorted(keys)[:3])})",
                     "ckptool converts GPT models, dense or MoE (no MLA or hybrid layers in torch_dist)")
