@@ -321,5 +321,23 @@ def test_hf_moe_through_torch_dist_is_bit_exact(tmp_path, kind, ep):
     assert back.source.layout.ep == ep and back.config.moe == src.config.moe
     for name, t in src.tensors.items():
         assert torch.equal(back.tensors[name].load()[:t.shape[0]], t.load()), name
+    # args say transformer_engine (no source run to follow): an MoE layer's norm under the TE spec's own name
+    # (megatron-core's local spec, which the tests above load, maps it onto mlp.linear_fc1.layer_norm_weight)
+    assert back.source.args.transformer_impl == "transformer_engine"
+    keys = _metadata(tmp_path / "dist")
+    moe_layer = src.config.moe.layers[0]
+    layer = "decoder.layers." if kind == "mixtral" else f"decoder.layers.{moe_layer}."
+    assert layer + "pre_mlp_layernorm.weight" in keys and layer + "mlp.linear_fc1.layer_norm_weight" not in keys
     api.to_hf(tmp_path / "dist", tmp_path / "hf2", warn=lambda m: None)
     assert torch.equal(hf_logits(tmp_path / "hf2"), hf_logits(model))
+
+
+@pytest.mark.parametrize("arch", list(ARCHS) + ["grouped"])
+def test_verify_routes_like_megatron_core(root, tmp_path, arch):
+    """ckptool's single-process reference forward of the torch_dist source against megatron-core's own logits."""
+    from click.testing import CliRunner
+    from ckptool.cli import main
+    ref = torch.load(root / arch / "src.pt")
+    torch.save({"tokens": ref["tokens"], "logits": ref["logits"]}, tmp_path / "ref.pt")
+    r = CliRunner().invoke(main, ["verify", str(root / arch / "src"), "--reference-logits", str(tmp_path / "ref.pt")])
+    assert r.exit_code == 0 and "result=PASS" in r.output and "top1_agreement=1" in r.output, r.output

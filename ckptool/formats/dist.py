@@ -100,6 +100,12 @@ EXPERT_WRITE_NAMES = {
 }
 LAYER_KEYS.update({v: k for k, v in MOE_WRITE_NAMES.items()})
 EXPERT_KEYS = {v: k for k, v in EXPERT_WRITE_NAMES.items()}
+# The MLP norm of an MoE layer has no fc1 to fuse into. megatron-core's local spec maps its key onto the dense
+# name (sharded_state_dict_keys_map); the Transformer Engine spec keeps the module's own name (gpt_layer_specs.py;
+# not run here: no Transformer Engine). Both are read (LAYER_KEYS); the target args' transformer_impl picks.
+MOE_NORM_NAMES = {"transformer_engine": {"mlp_norm.weight": "pre_mlp_layernorm.weight",
+                                         "mlp_norm.bias": "pre_mlp_layernorm.bias"},
+                  "local": {}}
 # Roles written in their stored dtype whatever --dtype says: megatron-core keeps the expert bias in float32
 # (router.py _maintain_float32_expert_bias), whatever the model's dtype.
 KEEP_STORED_DTYPE = ("router.expert_bias",)
@@ -517,6 +523,7 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
                                          3.0, iteration)
     args.ckpt_format = "torch_dist"
     per_layer = _per_layer_keys(ckpt)
+    moe_norm_names = MOE_NORM_NAMES.get(args.transformer_impl, {})
     if moe is not None and not per_layer:
         args.moe_layer_freq = 1  # every layer MoE, and megatron-core stacks layers only for an int frequency
     common = {"args": args, "checkpoint_version": 3.0, "iteration": iteration}
@@ -574,9 +581,10 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
         # stacked: one [L, ...] tensor per name, this layer at index i; per-layer: decoder.layers.{i}.<name>
         prefix, at, lead = ("decoder.layers.", (i,), (L,)) if not per_layer else (f"decoder.layers.{i}.", (), ())
         is_moe = cfg.is_moe_layer(i)
+        names = {**WRITE_NAMES, **MOE_WRITE_NAMES, **(moe_norm_names if is_moe else {})}
         with load_scope():
             for role in LAYER_ROLES + (tuple(MOE_WRITE_NAMES) if is_moe else ()):
-                put_slots(prefix + {**WRITE_NAMES, **MOE_WRITE_NAMES}[role],
+                put_slots(prefix + names[role],
                           lambda ts, role=role: layer_role_tensor(ts, cfg_out, i, role), at, lead,
                           cast=role not in KEEP_STORED_DTYPE)
         if is_moe:
