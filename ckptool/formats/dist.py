@@ -19,8 +19,8 @@ which also gives each expert its own keys (`mlp.experts.experts.{e}.linear_fc1.w
 both are read, the stacked / per-layer form megatron-core asks for by default is written.
 
 The reader never imports Megatron and needs no process group (io/dcp_io.py reads the chunks).
-The writer produces one stacked, full-shape chunk per layer: megatron-core reshards on load, so
-the same files load at any TP/PP.
+The writer produces one stacked, full-shape chunk per layer (per layer and expert for experts, so one
+expert is in memory at a time): megatron-core reshards on load, so the same files load at any TP/PP/EP.
 """
 from __future__ import annotations
 
