@@ -29,6 +29,7 @@ GPTModel with MoE layers (local spec: SequentialMLP experts `mlp.experts.local_e
   "load-dist DIR --tp T --ep E [--pp P] --out FILE"   dist_checkpointing.load of DIR at this layout into a fresh
         model, then load_state_dict(strict=True) (every parameter found, nothing left over).
 
+--arch biased: the Mixtral-like model with sigmoid routing and an expert bias (--moe-router-enable-expert-bias).
 --arch grouped: the Mixtral-like model with megatron-core's legacy GroupedMLP experts (weight1 / weight2; the
 CUDA-only grouped_gemm kernel stood in for by its maths on CPU).
 Every mode writes the logits for TOKENS (megatron-core's own forward at that layout, gathered over TP) to FILE.
@@ -77,6 +78,8 @@ DTYPE = {"bf16": False}  # train / resume --dtype
 # Mixtral-like with megatron-core's legacy GroupedMLP experts (--moe-grouped-gemm without Transformer Engine:
 # weight1 [h, local experts x fc1 rows], weight2 [local experts x ffn, h], run as one grouped GEMM)
 ARCHS["grouped"] = dict(moe_grouped_gemm=True)
+# Mixtral-like with sigmoid scores and an expert bias (a float32 buffer, set off zero here) steering the choice
+ARCHS["biased"] = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
 
 
 def _cpu_grouped_gemm():
@@ -100,7 +103,7 @@ def build(tp, ep, pp=1, etp=None):
                             tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                             expert_tensor_parallel_size=etp or tp,
                             hidden_dropout=0.0, attention_dropout=0.0, **dict(CFG, **ARCHS[ARCH["name"]]))
-    if ARCH["name"] in ("mixtral", "grouped"):
+    if ARCH["name"] in ("mixtral", "grouped", "biased"):
         grouped = ARCH["name"] == "grouped"
         if grouped:
             _cpu_grouped_gemm()
@@ -125,6 +128,9 @@ def build(tp, ep, pp=1, etp=None):
                 p.add_(0.05 * (ep_rank * (EXPERTS // ep) + j + 1))
             if name.endswith((".experts.weight1", ".experts.weight2")):  # GroupedMLP: all local experts at once
                 p.add_(0.05 * (ep_rank + 1))
+        for name, b in model.named_buffers():
+            if name.endswith("router.expert_bias"):
+                b.copy_(torch.randn_like(b) * 0.5)
     if ARCH["name"] == "grouped":  # GroupedMLP asserts bf16 for its CUDA kernel; the CPU stand-in is exact in fp32
         from megatron.core.transformer.moe.experts import GroupedMLP
         for m in model.modules():

@@ -51,13 +51,20 @@ def root(tmp_path_factory):
     and megatron-core's logits after loading each (two torchrun launches in all)."""
     root = tmp_path_factory.mktemp("mcore_moe_dist")
     torchrun([f"save-dist {root / a / 'src'} --tp 2 --ep 2 --arch {a} --out {root / a / 'src.pt'}"
-              for a in list(ARCHS) + ["grouped"]] +
+              for a in list(ARCHS) + ["grouped", "biased"]] +
              [f"save-dist {root / a / 'single'} --tp 2 --ep 2 --arch {a} --singleton --out {root / a / 'single.pt'}"
-              for a in ARCHS])
+              for a in ARCHS] +
+             [f"save-dist {root / a / 'pp2'} --tp 1 --pp 2 --ep 2 --arch {a} --out {root / a / 'pp2.pt'}" for a in ARCHS])
     # the per-expert (singleton) save of the all-MoE model back to megatron-core's default stacked form
     out = root / "mixtral" / "single_to_stacked"
     api.reshard(root / "mixtral" / "single", out, tp=1, ep=4, format="torch_dist", warn=lambda m: None)
     jobs = [f"load-dist {out} --tp 1 --ep 4 --arch mixtral --out {out}.pt"]
+    # sigmoid routing steered by an expert bias: the float32 bias stays float32 in a bf16 output
+    out = root / "biased" / "out_114"
+    api.reshard(root / "biased" / "src", out, tp=1, ep=4, format="torch_dist", warn=lambda m: None)
+    api.reshard(root / "biased" / "src", root / "biased" / "bf16", tp=1, ep=4, format="torch_dist",
+                dtype=torch.bfloat16, warn=lambda m: None)
+    jobs.append(f"load-dist {out} --tp 1 --ep 4 --arch biased --out {out}.pt")
     for (tp, pp, ep), arch in GROUPED_OUTPUTS:
         out = root / "grouped" / f"{arch}_{tp}{pp}{ep}"
         api.reshard(root / "grouped" / "src", out, tp=tp, pp=pp, ep=ep, format="torch_dist", warn=lambda m: None)
@@ -120,13 +127,14 @@ def canonical_live(params: dict, heads=4, groups=2, head_dim=8) -> dict:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("save", ["src", "single"])
+@pytest.mark.parametrize("save", ["src", "single", "pp2"])
 def test_reads_every_tensor_equal_to_the_live_model(root, arch, save):
     """src: megatron-core's default keys (experts stacked on an expert axis; layers too when all are MoE);
-    single: singleton_local_shards (every layer keyed, one key per expert, GLU fc1 as weight_w / weight_v)."""
+    single: singleton_local_shards (every layer keyed, one key per expert, GLU fc1 as weight_w / weight_v);
+    pp2: TP1 PP2 EP2, each pipeline stage saving its own layers."""
     ck = dist.read(root / arch / save)
-    assert ck.source.layout.describe() == "TP2 PP1 EP2"
-    stacked = arch == "mixtral" and save == "src"
+    assert ck.source.layout.describe() == ("TP1 PP2 EP2" if save == "pp2" else "TP2 PP1 EP2")
+    stacked = arch == "mixtral" and save != "single"
     assert ck.source.dialect == ("mcore-dist" if stacked else "mcore-dist-per-layer")
     keys = _metadata(root / arch / save)
     assert ("decoder.layers.1.mlp.experts.experts.3.linear_fc1.weight_w" in keys) == (save == "single")
@@ -193,6 +201,21 @@ def test_grouped_gemm_save_loads_as_sequential_and_grouped_experts(root, layout,
     back = dist.read(out)
     for name in ck.tensors:
         assert torch.equal(back.tensors[name].load(), ck.tensors[name].load()), name
+
+
+def test_expert_bias_round_trips_and_steers_megatron_cores_routing(root):
+    src = dist.read(root / "biased" / "src")
+    m = src.config.moe
+    assert (m.score_function, m.expert_bias, m.topk_norm) == ("sigmoid", True, True)
+    bias = src.tensors["layers.1.mlp.router.expert_bias"].load()
+    assert bias.dtype == torch.float32 and bias.abs().min() > 0  # the helper's, off megatron-core's zeros
+    out = root / "biased" / "out_114"
+    ref = torch.load(root / "biased" / "src.pt")["logits"]
+    assert relative(torch.load(f"{out}.pt")["logits"], ref) <= 1e-5
+    assert torch.equal(dist.read(out).tensors["layers.1.mlp.router.expert_bias"].load(), bias)
+    half = dist.read(root / "biased" / "bf16")
+    assert half.tensors["layers.1.mlp.router.weight"].dtype == torch.bfloat16
+    assert torch.equal(half.tensors["layers.1.mlp.router.expert_bias"].load(), bias)
 
 
 def _metadata(ckpt_dir: Path) -> dict:
@@ -298,5 +321,23 @@ def test_hf_moe_through_torch_dist_is_bit_exact(tmp_path, kind, ep):
     assert back.source.layout.ep == ep and back.config.moe == src.config.moe
     for name, t in src.tensors.items():
         assert torch.equal(back.tensors[name].load()[:t.shape[0]], t.load()), name
+    # args say transformer_engine (no source run to follow): an MoE layer's norm under the TE spec's own name
+    # (megatron-core's local spec, which the tests above load, maps it onto mlp.linear_fc1.layer_norm_weight)
+    assert back.source.args.transformer_impl == "transformer_engine"
+    keys = _metadata(tmp_path / "dist")
+    moe_layer = src.config.moe.layers[0]
+    layer = "decoder.layers." if kind == "mixtral" else f"decoder.layers.{moe_layer}."
+    assert layer + "pre_mlp_layernorm.weight" in keys and layer + "mlp.linear_fc1.layer_norm_weight" not in keys
     api.to_hf(tmp_path / "dist", tmp_path / "hf2", warn=lambda m: None)
     assert torch.equal(hf_logits(tmp_path / "hf2"), hf_logits(model))
+
+
+@pytest.mark.parametrize("arch", list(ARCHS) + ["grouped"])
+def test_verify_routes_like_megatron_core(root, tmp_path, arch):
+    """ckptool's single-process reference forward of the torch_dist source against megatron-core's own logits."""
+    from click.testing import CliRunner
+    from ckptool.cli import main
+    ref = torch.load(root / arch / "src.pt")
+    torch.save({"tokens": ref["tokens"], "logits": ref["logits"]}, tmp_path / "ref.pt")
+    r = CliRunner().invoke(main, ["verify", str(root / arch / "src"), "--reference-logits", str(tmp_path / "ref.pt")])
+    assert r.exit_code == 0 and "result=PASS" in r.output and "top1_agreement=1" in r.output, r.output

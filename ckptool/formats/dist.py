@@ -19,8 +19,8 @@ which also gives each expert its own keys (`mlp.experts.experts.{e}.linear_fc1.w
 both are read, the stacked / per-layer form megatron-core asks for by default is written.
 
 The reader never imports Megatron and needs no process group (io/dcp_io.py reads the chunks).
-The writer produces one stacked, full-shape chunk per layer: megatron-core reshards on load, so
-the same files load at any TP/PP.
+The writer produces one stacked, full-shape chunk per layer (per layer and expert for experts, so one
+expert is in memory at a time): megatron-core reshards on load, so the same files load at any TP/PP/EP.
 """
 from __future__ import annotations
 
@@ -98,6 +98,15 @@ EXPERT_WRITE_NAMES = {
 }
 LAYER_KEYS.update({v: k for k, v in MOE_WRITE_NAMES.items()})
 EXPERT_KEYS = {v: k for k, v in EXPERT_WRITE_NAMES.items()}
+# The MLP norm of an MoE layer has no fc1 to fuse into. megatron-core's local spec maps its key onto the dense
+# name (sharded_state_dict_keys_map); the Transformer Engine spec keeps the module's own name (gpt_layer_specs.py;
+# not run here: no Transformer Engine). Both are read (LAYER_KEYS); the target args' transformer_impl picks.
+MOE_NORM_NAMES = {"transformer_engine": {"mlp_norm.weight": "pre_mlp_layernorm.weight",
+                                         "mlp_norm.bias": "pre_mlp_layernorm.bias"},
+                  "local": {}}
+# Roles written in their stored dtype whatever --dtype says: megatron-core keeps the expert bias in float32
+# (router.py _maintain_float32_expert_bias), whatever the model's dtype.
+KEEP_STORED_DTYPE = ("router.expert_bias",)
 # With the sharded_state_dict metadata singleton_local_shards (read only), every layer is keyed by its index,
 # each expert has its own keys (group 1 the global expert, group 2 an EXPERT_KEYS name without the prefix)...
 SINGLETON_EXPERT = re.compile(r"^mlp\.experts\.experts\.(\d+)\.(linear_fc[12]\.weight)$")
@@ -105,8 +114,11 @@ SINGLETON_EXPERT = re.compile(r"^mlp\.experts\.experts\.(\d+)\.(linear_fc[12]\.w
 GLU_HALVES = {"_w": 0, "_v": 1}
 # Stored MoE forms ckptool does not read, by what they are (refused with these words, never skipped).
 NOT_READ = (
-    (re.compile(r"^mtp\."), "multi-token-prediction (MTP) layers"),
-    (re.compile(r"mlp\.experts\."), "an expert layout other than megatron-core's sharded experts"),
+    (re.compile(r"^mtp\."), "multi-token-prediction (MTP) layers",
+     "ckptool does not convert MTP layers yet, and never converts a model with parts left out"),
+    (re.compile(r"mlp\.experts\."), "an expert layout other than megatron-core's sharded experts",
+     "ckptool reads experts stored as decoder.layers[.N].mlp.experts.experts.linear_fc{1,2}.weight "
+     "[(layers,) experts, out, in] or one key per expert (...experts.experts.{e}.linear_fc1.weight_w / _v)"),
 )
 # ShardedObjects megatron-core expects per layer (local spec: 4, TE spec adds core_attention).
 EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
@@ -249,13 +261,10 @@ def _add_experts(shards, dcp: DcpDir, key: str, base: str, layers: List[int], st
 
 
 def _refuse_unknown(keys: List[str]) -> None:
-    for pattern, what in NOT_READ:
+    for pattern, what, hint in NOT_READ:
         hits = sorted(k for k in keys if pattern.search(k))
         if hits:
-            raise CkptError(f"{what}: {len(hits)} tensors such as {hits[0]}, which ckptool does not read",
-                            "ckptool reads megatron-core GPT models whose experts are stored stacked "
-                            "(decoder.layers[.N].mlp.experts.experts.linear_fc1.weight [experts, out, in]); "
-                            "nothing is converted with parts left out")
+            raise CkptError(f"{what}: {len(hits)} tensors such as {hits[0]}, which ckptool does not read", hint)
     raise CkptError(f"{len(keys)} tensors are not part of a megatron-core GPT model "
                     f"(e.g. {', '.join(sorted(keys)[:3])})",
                     "ckptool converts GPT models, dense or MoE (no MLA or hybrid layers in torch_dist)")
@@ -483,6 +492,7 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
                                          3.0, iteration)
     args.ckpt_format = "torch_dist"
     per_layer = _per_layer_keys(ckpt)
+    moe_norm_names = MOE_NORM_NAMES.get(args.transformer_impl, {})
     if moe is not None and not per_layer:
         args.moe_layer_freq = 1  # every layer MoE, and megatron-core stacks layers only for an int frequency
     common = {"args": args, "checkpoint_version": 3.0, "iteration": iteration}
@@ -511,7 +521,8 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
         if progress:
             progress(t.numel() * t.element_size())
 
-    def put_slots(model_key: str, full_of: Callable, at: Tuple[int, ...] = (), lead: Tuple[int, ...] = ()) -> None:
+    def put_slots(model_key: str, full_of: Callable, at: Tuple[int, ...] = (), lead: Tuple[int, ...] = (),
+                  cast: bool = True) -> None:
         """The weight (WEIGHT slot) and every optimizer slot of one parameter: its chunk at index `at` of the
         leading axes `lead` (layer and/or expert) the stored tensor has before the parameter's own."""
         for slot in (WEIGHT,) + tuple(slots):
@@ -522,7 +533,7 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
             t = t.reshape((1,) * len(lead) + tuple(t.shape))
             shape, offsets = tuple(lead) + tuple(t.shape[len(lead):]), tuple(at) + (0,) * (t.dim() - len(at))
             if slot == WEIGHT:
-                put(model_key, t, shape, offsets)
+                put(model_key, t, shape, offsets, cast)
                 continue
             first, *aliases = dist_optim.stored_keys(slot, model_key)
             put(first, t, shape, offsets, cast=False)
@@ -539,10 +550,12 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
         # stacked: one [L, ...] tensor per name, this layer at index i; per-layer: decoder.layers.{i}.<name>
         prefix, at, lead = ("decoder.layers.", (i,), (L,)) if not per_layer else (f"decoder.layers.{i}.", (), ())
         is_moe = cfg.is_moe_layer(i)
+        names = {**WRITE_NAMES, **MOE_WRITE_NAMES, **(moe_norm_names if is_moe else {})}
         with load_scope():
             for role in LAYER_ROLES + (tuple(MOE_WRITE_NAMES) if is_moe else ()):
-                put_slots(prefix + {**WRITE_NAMES, **MOE_WRITE_NAMES}[role],
-                          lambda ts, role=role: layer_role_tensor(ts, cfg_out, i, role), at, lead)
+                put_slots(prefix + names[role],
+                          lambda ts, role=role: layer_role_tensor(ts, cfg_out, i, role), at, lead,
+                          cast=role not in KEEP_STORED_DTYPE)
         if is_moe:
             E = moe.num_experts
             for e in range(E):
