@@ -263,23 +263,38 @@ def test_corrupt_or_missing_distrib_optim_is_refused(runs, tmp_path):
     assert open_checkpoint(tmp_path / "weights").optimizer is None
 
 
-@pytest.mark.parametrize("layout,dp", [(Layout(1, 1), 3), (Layout(1, 2), 4), (Layout(2, 2, vpp=2), 2)],
-                         ids=["tp1pp1-dp3", "tp1pp2-dp4", "tp2pp2vpp2-dp2"])
-def test_real_megatron_lm_state_through_distrib_optim(tmp_path, layout, dp):
+BUCKETED = dict(overlap_grad_reduce=True, ddp_bucket_size=3000)  # several buckets on stage 0, chunk 0
+
+
+@pytest.mark.parametrize("layout,dp,options", [
+    (Layout(1, 1), 3, {}), (Layout(1, 2), 4, {}), (Layout(2, 2, vpp=2), 2, {}),
+    (Layout(1, 2), 4, dict(BUCKETED, distrib_optim_era="2024-02")),
+    (Layout(2, 2, vpp=2), 3, dict(BUCKETED, distrib_optim_era="2024-05")),
+    (Layout(1, 1), 2, dict(BUCKETED, distrib_optim_era="2024-04"))],
+    ids=["tp1pp1-dp3", "tp1pp2-dp4", "tp2pp2vpp2-dp2", "tp1pp2-dp4-bucketed-2024-02",
+         "tp2pp2vpp2-dp3-bucketed-2024-05", "tp1pp1-dp2-bucketed-2024-04"])
+def test_real_megatron_lm_state_through_distrib_optim(tmp_path, layout, dp, options):
     """A real Megatron-LM checkpoint (non-distributed optimizer, TP2 PP2, tied embeddings) written with
     the distributed optimizer at other layouts (PP > 1: shared-embedding buckets; VPP: one buffer per
-    chunk) and read back: every master and moment is the source's; back to the non-distributed
-    source layout, the rank files' optimizer entries are the source's, index by index."""
+    chunk), also bucketed in the older eras' forms, and read back: every master and moment is the
+    source's; back to the non-distributed source layout, the rank files' optimizer entries are the
+    source's, index by index."""
     from conftest import real_checkpoint
     from test_optimizer import CASES, _assert_rank_files_equal, assert_same_training_state
     src_dir = real_checkpoint(CASES[0]) / "checkpoint"
     src = open_checkpoint(src_dir)
-    summary = write_layout(src, tmp_path / "dist", layout, warn=lambda m: None, distributed_optimizer=True, dp=dp)
+    summary = write_layout(src, tmp_path / "dist", layout, warn=lambda m: None, distributed_optimizer=True, dp=dp,
+                           **options)
     assert summary["optimizer"]["distributed"] == {"dp": dp}
     rank_dirs = sorted((tmp_path / "dist" / "iter_0000003").iterdir())
     assert len(rank_dirs) == layout.tp * layout.pp and all((d / D.FILE).is_file() for d in rank_dirs)
     out = open_checkpoint(tmp_path / "dist")
     assert out.optimizer.kind == "megatron-distributed" and out.source.args.data_parallel_size == dp
+    first = torch.load(rank_dirs[0] / D.FILE, weights_only=False)
+    if options:  # the first stage's chunk 0 is cut into buckets, the form is the era's
+        assert out.source.args.overlap_grad_reduce and out.source.args.ddp_bucket_size == 3000
+        era = D.ERA_BY_SINCE[options["distrib_optim_era"]]
+        assert ("buckets_coalesced" in first) == (era.form == "coalesced")
     assert_same_training_state(src, out)
     write_layout(out, tmp_path / "back", src.source.layout, warn=lambda m: None)
     _assert_rank_files_equal(src_dir / "iter_0000003", tmp_path / "back" / "iter_0000003")

@@ -155,8 +155,9 @@ def set_bucket_args(args, overlap_grad_reduce: Optional[bool], ddp_bucket_size: 
 
 def is_shared_embedding(param: RankParam, tied: bool, pp: int) -> bool:
     """megatron-core marks the tied word embedding (first stage) and its head copy (last stage)
-    shared_embedding when PP > 1; the distributed optimizer buckets each alone."""
-    return tied and pp > 1 and param.role in ("word", "head_copy")
+    shared_embedding when PP > 1; the distributed optimizer buckets each alone. The head copy reads as
+    role head_copy in the legacy dialects, as output (output_layer.weight) in megatron-core's."""
+    return tied and pp > 1 and param.role in ("word", "head_copy", "output")
 
 
 # --- reading --------------------------------------------------------------------------------
