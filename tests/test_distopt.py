@@ -13,6 +13,10 @@
   bit for bit; at TP2 DP1 within the noise.
 - A corrupted numel_unpadded, values shifted within the file (a master that no longer rounds to its
   weight) or a missing distrib_optim.pt is refused in one line naming --no-optimizer.
+- Written bucketed for a target run with --overlap-grad-reduce --ddp-bucket-size, the real megatron-core
+  run with those flags resumes from it exactly; megatron-core's own bucketed save reads equal to its live
+  optimizer; the older eras' forms (2024-02 bucket list, 2024-04/05 coalesced) round-trip bit for bit.
+- The flat tensors are written a parameter at a time (FlatSlot chunks), never built whole.
 """
 from __future__ import annotations
 
