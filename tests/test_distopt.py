@@ -403,3 +403,24 @@ def test_bucket_options_need_their_flags(tmp_path):
             api.reshard(src, tmp_path / "out", tp=1, warn=lambda m: None, **kw)
         assert words in str(e.value) and "\n" not in str(e.value)
         assert not (tmp_path / "out").exists()
+
+
+def test_written_args_say_the_bucketing_the_layout_follows():
+    """The target's args after set_bucket_args: the options win over the source run's settings, the
+    source's stay otherwise, and a source cut by --ddp-num-buckets (not laid out by ckptool) is refused
+    unless the target's size or --no-overlap-grad-reduce is given."""
+    import argparse
+    source = dict(overlap_grad_reduce=True, ddp_bucket_size=None, ddp_num_buckets=4)
+    with pytest.raises(CkptError, match="--ddp-num-buckets 4"):
+        D.set_bucket_args(argparse.Namespace(**source), None, None)
+    args = argparse.Namespace(**source)
+    D.set_bucket_args(args, None, 5000)
+    assert (args.overlap_grad_reduce, args.ddp_bucket_size, args.ddp_num_buckets) == (True, 5000, None)
+    assert D.target_bucket_size(args, 0, 0, 2) == 5000 and D.target_bucket_size(args, 1, 0, 2) is None
+    assert D.target_bucket_size(args, 0, 1, 2) is None  # only the first stage's first chunk is cut
+    args = argparse.Namespace(**source)
+    D.set_bucket_args(args, False, None)
+    assert args.overlap_grad_reduce is False and D.target_bucket_size(args, 0, 0, 2) is None
+    args = argparse.Namespace(overlap_grad_reduce=True, ddp_bucket_size=None)
+    D.set_bucket_args(args, None, None)
+    assert D.target_bucket_size(args, 0, 0, 64) == 64_000_000  # megatron-core's max(40M, 1M x DP)

@@ -150,7 +150,13 @@ def set_bucket_args(args, overlap_grad_reduce: Optional[bool], ddp_bucket_size: 
         args.overlap_grad_reduce = overlap_grad_reduce
     if ddp_bucket_size is not None:
         args.ddp_bucket_size = ddp_bucket_size
+        if getattr(args, "ddp_num_buckets", None) is not None:
+            args.ddp_num_buckets = None  # Megatron-LM refuses both; the size given is the target's
     args.overlap_grad_reduce = bool(getattr(args, "overlap_grad_reduce", False))
+    if args.overlap_grad_reduce and getattr(args, "ddp_num_buckets", None) is not None:
+        raise CkptError(f"the source run cut its buckets by --ddp-num-buckets {args.ddp_num_buckets}, which "
+                        "ckptool does not lay out", "give the target run's --ddp-bucket-size (with "
+                        "--overlap-grad-reduce), or --no-overlap-grad-reduce")
 
 
 def is_shared_embedding(param: RankParam, tied: bool, pp: int) -> bool:

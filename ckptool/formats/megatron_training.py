@@ -177,7 +177,8 @@ class DistributedTarget:
             args.use_distributed_optimizer = bool(wanted and train is not None)
             if wanted:
                 args.data_parallel_size = dp
-                megatron_distopt.set_bucket_args(args, overlap_grad_reduce, ddp_bucket_size)
+                if train is not None:
+                    megatron_distopt.set_bucket_args(args, overlap_grad_reduce, ddp_bucket_size)
         if not wanted or train is None:
             return None
         require(args is not None or not overlap_grad_reduce,
