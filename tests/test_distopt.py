@@ -13,7 +13,8 @@
   bit for bit; at TP2 DP1 within the noise.
 - A corrupted numel_unpadded, values shifted within the file (a master that no longer rounds to its
   weight) or a missing distrib_optim.pt is refused in one line naming --no-optimizer.
-- Written bucketed for a target run with --overlap-grad-reduce --ddp-bucket-size, the real megatron-core
+- Written bucketed for a target run with --overlap-grad-reduce --ddp-bucket-size (TP1 DP2, and TP1 PP2 DP2
+  where stage 0 is cut beside the embedding's own bucket), the real megatron-core
   run with those flags resumes from it exactly; megatron-core's own bucketed save reads equal to its live
   optimizer; the older eras' forms (2024-02 bucket list, 2024-04/05 coalesced) round-trip bit for bit.
 - The flat tensors are written a parameter at a time (FlatSlot chunks), never built whole.
@@ -141,9 +142,11 @@ def assert_equals_live(ckpt, live):
 def test_pipeline_stages_read_and_written_like_megatron_core(tmp_path):
     """TP1 PP2 DP2 with tied embeddings: each stage's grad buffer (the last stage's holds the head copy
     of the word embedding, which megatron-core buckets alone) read equal to the live optimizer, and
-    ckptool's distrib_optim.pt at the same layout equals megatron-core's tensor for tensor."""
+    ckptool's distrib_optim.pt at the same layout equals megatron-core's tensor for tensor. Written
+    bucketed (--overlap-grad-reduce: stage 0 cut into buckets beside the embedding's own, stage 1
+    not), the real megatron-core run with those flags resumes from it like the run that went on."""
     d = tmp_path
-    torchrun(4, f"train {d}/p --tp 1 --pp 2 --dp 2 {DIST} --steps 2 --more 0 --out {d}/p.pt")
+    torchrun(4, f"train {d}/p --tp 1 --pp 2 --dp 2 {DIST} --steps 2 --more {MORE} --out {d}/p.pt")
     live = torch.load(d / "p.pt", weights_only=False)["live"]
     assert sorted(live) == [(0, 0), (0, 1)]
     head, word = live[(0, 1)].pop("output_layer.weight"), live[(0, 0)]["embedding.word_embeddings.weight"]
@@ -159,6 +162,18 @@ def test_pipeline_stages_read_and_written_like_megatron_core(tmp_path):
         for key, value in next(iter(src[0].values())).items():
             mine = next(iter(ours[0].values()))[key]
             assert torch.equal(mine, value) if isinstance(value, torch.Tensor) else mine == value, (stage, key)
+    size = 1500
+    ckptool("reshard", d / "p", d / "b", "--tp", "1", "--pp", "2", DIST, "--dp", "2", "--overlap-grad-reduce",
+            "--ddp-bucket-size", str(size))
+    model = torch.load(d / "b/iter_0000002/mp_rank_00_000/model_optim_rng.pt", weights_only=False)["model"]
+    keys = [k for k, v in model.items() if isinstance(v, torch.Tensor)]
+    stage0 = D.buffer_layout([model[k].numel() for k in keys], [k == "embedding.word_embeddings.weight" for k in keys],
+                             D.CURRENT, 2, size)
+    assert len(stage0.bucket_unpadded) >= 3  # the embedding's own bucket and at least two more
+    torchrun(4, f"resume {d}/b --tp 1 --pp 2 --dp 2 {DIST} --ddp-bucket-size {size} --more {MORE} --out {d}/b.pt")
+    gap = (losses(d / "b.pt") - losses(d / "p.pt")[2:]).abs().max().item()
+    print(f"TP1 PP2 DP2 bucketed by ckptool, resumed bucketed: loss gap {gap:.2e}")
+    assert gap == 0.0
 
 
 def test_older_forms_by_era(runs, tmp_path):
