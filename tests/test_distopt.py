@@ -304,7 +304,8 @@ def test_real_megatron_lm_state_through_distrib_optim(tmp_path, layout, dp, opti
     src = open_checkpoint(src_dir)
     summary = write_layout(src, tmp_path / "dist", layout, warn=lambda m: None, distributed_optimizer=True, dp=dp,
                            **options)
-    assert summary["optimizer"]["distributed"] == {"dp": dp}
+    bucketing = {"bucket_size": 3000, "era": options["distrib_optim_era"]} if options else {}
+    assert summary["optimizer"]["distributed"] == {"dp": dp, **bucketing}
     rank_dirs = sorted((tmp_path / "dist" / "iter_0000003").iterdir())
     assert len(rank_dirs) == layout.tp * layout.pp and all((d / D.FILE).is_file() for d in rank_dirs)
     out = open_checkpoint(tmp_path / "dist")
