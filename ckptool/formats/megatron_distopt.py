@@ -31,6 +31,10 @@ per-DP-rank optim.pt files) are refused by name.
 
 The layout is never trusted: its numel_unpadded (per bucket for the bucket-list form) must equal the
 stored one, and every master is checked against its weight as it loads (megatron_optim).
+
+Writing (`rank_files`, `write_files`) lays a target rank out by the same rules, in the form of the era
+asked for and bucketed as the written args say (set_bucket_args); each flat tensor is a FlatSlot,
+streamed into its zip record a parameter at a time, so no rank's buffer is ever in memory whole.
 """
 from __future__ import annotations
 
