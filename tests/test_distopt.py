@@ -13,6 +13,11 @@
   bit for bit; at TP2 DP1 within the noise.
 - A corrupted numel_unpadded, values shifted within the file (a master that no longer rounds to its
   weight) or a missing distrib_optim.pt is refused in one line naming --no-optimizer.
+- Written bucketed for a target run with --overlap-grad-reduce --ddp-bucket-size (TP1 DP2, and TP1 PP2 DP2
+  where stage 0 is cut beside the embedding's own bucket), the real megatron-core
+  run with those flags resumes from it exactly; megatron-core's own bucketed save reads equal to its live
+  optimizer; the older eras' forms (2024-02 bucket list, 2024-04/05 coalesced) round-trip bit for bit.
+- The flat tensors are written a parameter at a time (FlatSlot chunks), never built whole.
 """
 from __future__ import annotations
 
@@ -137,9 +142,11 @@ def assert_equals_live(ckpt, live):
 def test_pipeline_stages_read_and_written_like_megatron_core(tmp_path):
     """TP1 PP2 DP2 with tied embeddings: each stage's grad buffer (the last stage's holds the head copy
     of the word embedding, which megatron-core buckets alone) read equal to the live optimizer, and
-    ckptool's distrib_optim.pt at the same layout equals megatron-core's tensor for tensor."""
+    ckptool's distrib_optim.pt at the same layout equals megatron-core's tensor for tensor. Written
+    bucketed (--overlap-grad-reduce: stage 0 cut into buckets beside the embedding's own, stage 1
+    not), the real megatron-core run with those flags resumes from it like the run that went on."""
     d = tmp_path
-    torchrun(4, f"train {d}/p --tp 1 --pp 2 --dp 2 {DIST} --steps 2 --more 0 --out {d}/p.pt")
+    torchrun(4, f"train {d}/p --tp 1 --pp 2 --dp 2 {DIST} --steps 2 --more {MORE} --out {d}/p.pt")
     live = torch.load(d / "p.pt", weights_only=False)["live"]
     assert sorted(live) == [(0, 0), (0, 1)]
     head, word = live[(0, 1)].pop("output_layer.weight"), live[(0, 0)]["embedding.word_embeddings.weight"]
@@ -155,6 +162,18 @@ def test_pipeline_stages_read_and_written_like_megatron_core(tmp_path):
         for key, value in next(iter(src[0].values())).items():
             mine = next(iter(ours[0].values()))[key]
             assert torch.equal(mine, value) if isinstance(value, torch.Tensor) else mine == value, (stage, key)
+    size = 1500
+    ckptool("reshard", d / "p", d / "b", "--tp", "1", "--pp", "2", DIST, "--dp", "2", "--overlap-grad-reduce",
+            "--ddp-bucket-size", str(size))
+    model = torch.load(d / "b/iter_0000002/mp_rank_00_000/model_optim_rng.pt", weights_only=False)["model"]
+    keys = [k for k, v in model.items() if isinstance(v, torch.Tensor)]
+    stage0 = D.buffer_layout([model[k].numel() for k in keys], [k == "embedding.word_embeddings.weight" for k in keys],
+                             D.CURRENT, 2, size)
+    assert len(stage0.bucket_unpadded) >= 3  # the embedding's own bucket and at least two more
+    torchrun(4, f"resume {d}/b --tp 1 --pp 2 --dp 2 {DIST} --ddp-bucket-size {size} --more {MORE} --out {d}/b.pt")
+    gap = (losses(d / "b.pt") - losses(d / "p.pt")[2:]).abs().max().item()
+    print(f"TP1 PP2 DP2 bucketed by ckptool, resumed bucketed: loss gap {gap:.2e}")
+    assert gap == 0.0
 
 
 def test_older_forms_by_era(runs, tmp_path):
@@ -263,23 +282,39 @@ def test_corrupt_or_missing_distrib_optim_is_refused(runs, tmp_path):
     assert open_checkpoint(tmp_path / "weights").optimizer is None
 
 
-@pytest.mark.parametrize("layout,dp", [(Layout(1, 1), 3), (Layout(1, 2), 4), (Layout(2, 2, vpp=2), 2)],
-                         ids=["tp1pp1-dp3", "tp1pp2-dp4", "tp2pp2vpp2-dp2"])
-def test_real_megatron_lm_state_through_distrib_optim(tmp_path, layout, dp):
+BUCKETED = dict(overlap_grad_reduce=True, ddp_bucket_size=3000)  # several buckets on stage 0, chunk 0
+
+
+@pytest.mark.parametrize("layout,dp,options", [
+    (Layout(1, 1), 3, {}), (Layout(1, 2), 4, {}), (Layout(2, 2, vpp=2), 2, {}),
+    (Layout(1, 2), 4, dict(BUCKETED, distrib_optim_era="2024-02")),
+    (Layout(2, 2, vpp=2), 3, dict(BUCKETED, distrib_optim_era="2024-05")),
+    (Layout(1, 1), 2, dict(BUCKETED, distrib_optim_era="2024-04"))],
+    ids=["tp1pp1-dp3", "tp1pp2-dp4", "tp2pp2vpp2-dp2", "tp1pp2-dp4-bucketed-2024-02",
+         "tp2pp2vpp2-dp3-bucketed-2024-05", "tp1pp1-dp2-bucketed-2024-04"])
+def test_real_megatron_lm_state_through_distrib_optim(tmp_path, layout, dp, options):
     """A real Megatron-LM checkpoint (non-distributed optimizer, TP2 PP2, tied embeddings) written with
     the distributed optimizer at other layouts (PP > 1: shared-embedding buckets; VPP: one buffer per
-    chunk) and read back: every master and moment is the source's; back to the non-distributed
-    source layout, the rank files' optimizer entries are the source's, index by index."""
+    chunk), also bucketed in the older eras' forms, and read back: every master and moment is the
+    source's; back to the non-distributed source layout, the rank files' optimizer entries are the
+    source's, index by index."""
     from conftest import real_checkpoint
     from test_optimizer import CASES, _assert_rank_files_equal, assert_same_training_state
     src_dir = real_checkpoint(CASES[0]) / "checkpoint"
     src = open_checkpoint(src_dir)
-    summary = write_layout(src, tmp_path / "dist", layout, warn=lambda m: None, distributed_optimizer=True, dp=dp)
-    assert summary["optimizer"]["distributed"] == {"dp": dp}
+    summary = write_layout(src, tmp_path / "dist", layout, warn=lambda m: None, distributed_optimizer=True, dp=dp,
+                           **options)
+    bucketing = {"bucket_size": 3000, "era": options["distrib_optim_era"]} if options else {}
+    assert summary["optimizer"]["distributed"] == {"dp": dp, **bucketing}
     rank_dirs = sorted((tmp_path / "dist" / "iter_0000003").iterdir())
     assert len(rank_dirs) == layout.tp * layout.pp and all((d / D.FILE).is_file() for d in rank_dirs)
     out = open_checkpoint(tmp_path / "dist")
     assert out.optimizer.kind == "megatron-distributed" and out.source.args.data_parallel_size == dp
+    first = torch.load(rank_dirs[0] / D.FILE, weights_only=False)
+    if options:  # the first stage's chunk 0 is cut into buckets, the form is the era's
+        assert out.source.args.overlap_grad_reduce and out.source.args.ddp_bucket_size == 3000
+        era = D.ERA_BY_SINCE[options["distrib_optim_era"]]
+        assert ("buckets_coalesced" in first) == (era.form == "coalesced")
     assert_same_training_state(src, out)
     write_layout(out, tmp_path / "back", src.source.layout, warn=lambda m: None)
     _assert_rank_files_equal(src_dir / "iter_0000003", tmp_path / "back" / "iter_0000003")
@@ -384,3 +419,24 @@ def test_bucket_options_need_their_flags(tmp_path):
             api.reshard(src, tmp_path / "out", tp=1, warn=lambda m: None, **kw)
         assert words in str(e.value) and "\n" not in str(e.value)
         assert not (tmp_path / "out").exists()
+
+
+def test_written_args_say_the_bucketing_the_layout_follows():
+    """The target's args after set_bucket_args: the options win over the source run's settings, the
+    source's stay otherwise, and a source cut by --ddp-num-buckets (not laid out by ckptool) is refused
+    unless the target's size or --no-overlap-grad-reduce is given."""
+    import argparse
+    source = dict(overlap_grad_reduce=True, ddp_bucket_size=None, ddp_num_buckets=4)
+    with pytest.raises(CkptError, match="--ddp-num-buckets 4"):
+        D.set_bucket_args(argparse.Namespace(**source), None, None)
+    args = argparse.Namespace(**source)
+    D.set_bucket_args(args, None, 5000)
+    assert (args.overlap_grad_reduce, args.ddp_bucket_size, args.ddp_num_buckets) == (True, 5000, None)
+    assert D.target_bucket_size(args, 0, 0, 2) == 5000 and D.target_bucket_size(args, 1, 0, 2) is None
+    assert D.target_bucket_size(args, 0, 1, 2) is None  # only the first stage's first chunk is cut
+    args = argparse.Namespace(**source)
+    D.set_bucket_args(args, False, None)
+    assert args.overlap_grad_reduce is False and D.target_bucket_size(args, 0, 0, 2) is None
+    args = argparse.Namespace(overlap_grad_reduce=True, ddp_bucket_size=None)
+    D.set_bucket_args(args, None, None)
+    assert D.target_bucket_size(args, 0, 0, 64) == 64_000_000  # megatron-core's max(40M, 1M x DP)

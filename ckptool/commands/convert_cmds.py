@@ -31,8 +31,11 @@ def _training_state_lines(summary: dict, ckpt, optimizer: bool) -> list:
     """What the output holds beside the weights, and how Megatron resumes from it."""
     carried = summary.get("optimizer")
     if carried:
-        where = (f"distrib_optim.pt files for DP {carried['distributed']['dp']}" if carried.get("distributed")
-                 else "non-distributed layout")
+        dist = carried.get("distributed")
+        where = "non-distributed layout" if not dist else (
+            f"distrib_optim.pt files for DP {dist['dp']}"
+            + (f", buckets of {dist['bucket_size']} (--overlap-grad-reduce)" if "bucket_size" in dist else "")
+            + (f", megatron-core {dist['era']} form" if "era" in dist else ""))
         return [f"  optimizer state carried ({carried['kind']}, step {carried['step']}, {carried['groups']} "
                 f"param groups, {where}); RNG state is not: resume with --no-load-rng"]
     if ckpt.source.format != "megatron":

@@ -696,7 +696,7 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
     if train is not None:
         summary["optimizer"] = train.describe()
         if distributed is not None:
-            summary["optimizer"]["distributed"] = {"dp": dp}
+            summary["optimizer"]["distributed"] = distributed.describe()
     return summary
 
 

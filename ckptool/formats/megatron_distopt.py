@@ -31,6 +31,10 @@ per-DP-rank optim.pt files) are refused by name.
 
 The layout is never trusted: its numel_unpadded (per bucket for the bucket-list form) must equal the
 stored one, and every master is checked against its weight as it loads (megatron_optim).
+
+Writing (`rank_files`, `write_files`) lays a target rank out by the same rules, in the form of the era
+asked for and bucketed as the written args say (set_bucket_args); each flat tensor is a FlatSlot,
+streamed into its zip record a parameter at a time, so no rank's buffer is ever in memory whole.
 """
 from __future__ import annotations
 
@@ -150,13 +154,20 @@ def set_bucket_args(args, overlap_grad_reduce: Optional[bool], ddp_bucket_size: 
         args.overlap_grad_reduce = overlap_grad_reduce
     if ddp_bucket_size is not None:
         args.ddp_bucket_size = ddp_bucket_size
+        if getattr(args, "ddp_num_buckets", None) is not None:
+            args.ddp_num_buckets = None  # Megatron-LM refuses both; the size given is the target's
     args.overlap_grad_reduce = bool(getattr(args, "overlap_grad_reduce", False))
+    if args.overlap_grad_reduce and getattr(args, "ddp_num_buckets", None) is not None:
+        raise CkptError(f"the source run cut its buckets by --ddp-num-buckets {args.ddp_num_buckets}, which "
+                        "ckptool does not lay out", "give the target run's --ddp-bucket-size (with "
+                        "--overlap-grad-reduce), or --no-overlap-grad-reduce")
 
 
 def is_shared_embedding(param: RankParam, tied: bool, pp: int) -> bool:
     """megatron-core marks the tied word embedding (first stage) and its head copy (last stage)
-    shared_embedding when PP > 1; the distributed optimizer buckets each alone."""
-    return tied and pp > 1 and param.role in ("word", "head_copy")
+    shared_embedding when PP > 1; the distributed optimizer buckets each alone. The head copy reads as
+    role head_copy in the legacy dialects, as output (output_layer.weight) in megatron-core's."""
+    return tied and pp > 1 and param.role in ("word", "head_copy", "output")
 
 
 # --- reading --------------------------------------------------------------------------------

@@ -184,7 +184,8 @@ class DistributedTarget:
             args.use_distributed_optimizer = bool(wanted and train is not None)
             if wanted:
                 args.data_parallel_size = dp
-                megatron_distopt.set_bucket_args(args, overlap_grad_reduce, ddp_bucket_size)
+                if train is not None:
+                    megatron_distopt.set_bucket_args(args, overlap_grad_reduce, ddp_bucket_size)
         if not wanted or train is None:
             return None
         require(args is not None or not overlap_grad_reduce,
@@ -197,6 +198,16 @@ class DistributedTarget:
         target = megatron_distopt.ERA_BY_SINCE[era]
         key = megatron_distopt.buffer_key(target, out_dtype, torch.float32 if fp32_grads else out_dtype)
         return cls(dp, cfg.tied_embeddings, layout.pp, key, args, target)
+
+    def describe(self) -> dict:
+        """dp, and the bucketing and era where they are not the plain default (for the report)."""
+        out: dict = {"dp": self.dp}
+        size = megatron_distopt.target_bucket_size(self.args, 0, 0, self.dp)
+        if size is not None:
+            out["bucket_size"] = size
+        if self.era is not megatron_distopt.CURRENT:
+            out["era"] = self.era.since
+        return out
 
     def rank_entries(self, train: TrainingTarget, params, chunks, t: int, p: int, shard, cfg: GPTConfig):
         entries = [(chunk, g, slots, self.tied and self.pp > 1 and param[0] == "word")
