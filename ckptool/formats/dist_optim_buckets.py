@@ -11,17 +11,20 @@ flat tensors laid out like the grad buffer:
 Nothing names a parameter: where each one sits is the buffer layout, recomputed from the model as
 megatron-core builds it (megatron_distopt.buffer_layout; dp_reshardable exists only since megatron-core
 0.14, so the current era) for every model-parallel rank:
-  - the rank's parameters: its pipeline stage's layers (an even split, or the args'
-    --decoder-first/last-pipeline-num-layers), the embeddings on the first stage, the final norm and
-    output layer on the last; with tied embeddings and PP > 1 the last stage also holds the head's
-    copy of the word embedding (in the buffer, never in the canonical state);
+  - one grad buffer (gbuf_idx_K) per model chunk K: with virtual pipeline chunks, chunk K of stage p
+    holds layer block K x PP + p (Layout.chunks); without, the stage's layers (an even split, or the
+    args' --decoder-first/last-pipeline-num-layers);
+  - the embeddings in the first chunk of the first stage, the final norm and output layer in the last
+    chunk of the last; with tied embeddings and PP > 1 that last chunk also holds the head's copy of
+    the word embedding (in the buffer, never in the canonical state);
   - in REVERSE registration order (the dialect's param_order within a layer), each starting at a
     multiple of 64 elements;
-  - cut into buckets with --overlap-grad-reduce (--ddp-bucket-size, else megatron-core's default) on
-    the first pipeline stage only, and a bucket of its own for a PP > 1 tied embedding copy.
+  - cut into buckets with --overlap-grad-reduce (--ddp-bucket-size, else megatron-core's default) in
+    model chunk 0 of the first pipeline stage only, and a bucket of its own for a PP > 1 tied
+    embedding copy.
 The layout is never trusted: it must reproduce the stored per_bucket_numel_unpadded of every rank,
-and every master is checked against its weight as it loads. Virtual pipeline chunks (one buffer per
-chunk) are not recomputed and are dropped by name.
+and every master is checked against its weight as it loads. Several dtypes per chunk (one buffer
+each) are refused.
 """
 from __future__ import annotations
 
@@ -53,8 +56,6 @@ LAST_STAGE_ARGS = ("decoder_last_pipeline_num_layers", "num_layers_in_last_pipel
 
 def unsupported(args) -> Optional[str]:
     """Why this run's buffer layout is not recomputed, or None."""
-    if (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1:
-        return "virtual pipeline chunks (one grad buffer per chunk)"
     if getattr(args, "transformer_impl", "transformer_engine") not in DIALECT_OF_IMPL:
         return f"transformer_impl {getattr(args, 'transformer_impl', None)!r}"
     return None
@@ -116,22 +117,26 @@ def read_shards(dcp: DcpDir, weights, cfg: GPTConfig, args, where: str
     """slot -> {(role, layer): [per TP rank lazy local tensor]}, for roles.assemble()."""
     tp = getattr(args, "tensor_model_parallel_size", None) or 1
     pp = getattr(args, "pipeline_model_parallel_size", None) or 1
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
     dp = int(getattr(args, "data_parallel_size", None) or 1)
     impl = getattr(args, "transformer_impl", "transformer_engine")
-    stages = Layout(tp=tp, pp=pp, stage_layers=stage_layers(args, cfg.num_layers, pp, where)).chunks(cfg.num_layers)
+    split = stage_layers(args, cfg.num_layers, pp, where) if vpp == 1 else None
+    chunks = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, stage_layers=split).chunks(cfg.num_layers)
     out: Dict[str, Dict[Tuple[str, Optional[int]], List[LazyTensor]]] = {s: {} for s in STORED}
-    for pp_rank, _, first_layer, count in stages:
+    for pp_rank, chunk, first_layer, count in sorted(chunks):
         for t in range(tp):
             mp = pp_rank * tp + t  # the rank's index in its model-parallel group (dp_group_idx)
             prefix = PREFIX.format(mp=mp)
+            # one grad buffer per model chunk (gbuf_idx = the chunk), its parameters in turn
             params = rank_params(weights, cfg, tp, t, impl, range(first_layer, first_layer + count),
-                                 pp_rank == 0, pp_rank == pp - 1, pp)
-            lay = _matching_layout(dcp, params, args, cfg.tied_embeddings and pp > 1, pp_rank, dp, prefix, where)
-            buffers = [k for k in dcp.entries
-                       if k.startswith(prefix + "gbuf_idx_0.") and k.endswith(".bucket_idx_0.param")]
-            if len(buffers) != 1 or any(k.startswith(prefix + "gbuf_idx_1.") for k in dcp.entries):
-                raise CkptError(f"{where}: dp_group_idx_{mp} has {len(buffers)} single-dtype buffers; one was "
-                                "expected", HINT)
+                                 pp_rank == 0 and chunk == 0, pp_rank == pp - 1 and chunk == vpp - 1, pp)
+            stored = _stored_unpadded(dcp, prefix, vpp, where)[chunk]
+            lay = _matching_layout(params, stored, args, cfg.tied_embeddings and pp > 1, chunk, pp_rank, dp,
+                                   f"{where}: {prefix}gbuf_idx_{chunk}")
+            gbuf = f"{prefix}gbuf_idx_{chunk}."
+            buffers = [k for k in dcp.entries if k.startswith(gbuf) and k.endswith(".bucket_idx_0.param")]
+            if len(buffers) != 1:
+                raise CkptError(f"{where}: {gbuf[:-1]} has {len(buffers)} dtype buffers; one was expected", HINT)
             base = buffers[0][:-len("bucket_idx_0.param")]
             for slot, name in STORED.items():
                 for i, (role, layer, shape) in enumerate(params):
@@ -145,36 +150,41 @@ def read_shards(dcp: DcpDir, weights, cfg: GPTConfig, args, where: str
     return out
 
 
-def _matching_layout(dcp: DcpDir, params, args, shared_embedding: bool, pp_rank: int, dp: int, prefix: str,
+def _matching_layout(params, stored: List[int], args, shared_embedding: bool, chunk: int, pp_rank: int, dp: int,
                      where: str):
-    """The buffer layout (of the bucket sizes the run may have used) that reproduces the rank's stored
+    """The buffer layout (of the bucket sizes the run may have used) that reproduces the buffer's stored
     per_bucket_numel_unpadded. shared_embedding: the word embedding and its head copy (tied, PP > 1)
     each get a bucket of their own."""
     numels = [math.prod(shape) for _, _, shape in params]
     shared = [shared_embedding and role in ("word", HEAD_COPY) for role, _, _ in params]
-    stored = _stored_unpadded(dcp, prefix, where)
     tried = []
-    for size in bucket_sizes(args, 0, pp_rank, dp):
+    for size in bucket_sizes(args, chunk, pp_rank, dp):
         lay = buffer_layout(numels, shared, CURRENT, dp, size)
         if lay.bucket_unpadded == stored:
             return lay
         tried.append(f"{lay.bucket_unpadded} (bucket size {size})")
-    raise CkptError(f"{where}: {prefix[:-1]} holds buckets of {stored} elements, megatron-core's layout for "
-                    f"this model gives {'; '.join(tried)}: the model, its args or the layout era differ", HINT)
+    raise CkptError(f"{where} holds buckets of {stored} elements, megatron-core's layout for this model gives "
+                    f"{'; '.join(tried)}: the model, its args or the layout era differ", HINT)
 
 
-def _stored_unpadded(dcp: DcpDir, prefix: str, where: str) -> List[int]:
+def _stored_unpadded(dcp: DcpDir, prefix: str, buffers: int, where: str) -> List[List[int]]:
+    """Per grad buffer, the unpadded size of each bucket."""
     key = next((k for k in dcp.entries if k.startswith(prefix + "per_bucket_numel_unpadded/")), None)
     if key is None:
         raise CkptError(f"{where}: no {prefix}per_bucket_numel_unpadded", HINT)
     obj = load_torch_bytes(dcp.read_bytes(key), source=f"{where}:{key}")
     try:  # [[{(param dtype, grad dtype): [numel per bucket]} per grad buffer]]
-        (buffers,) = obj
-        (per_dtype,) = buffers
-        (sizes,) = per_dtype.values()
-        return [int(n) for n in sizes]
+        (per_buffer,) = obj
+        out = []
+        for per_dtype in per_buffer:
+            (sizes,) = per_dtype.values()
+            out.append([int(n) for n in sizes])
     except (TypeError, ValueError, AttributeError):
-        raise CkptError(f"{where}: {key} holds {obj!r}, not one buffer of one dtype", HINT)
+        out = None
+    if out is None or len(out) != buffers:
+        raise CkptError(f"{where}: {key} holds {obj!r}, not {buffers} grad buffer(s) (one per model chunk) of one "
+                        "dtype each", HINT)
+    return out
 
 
 def read_scalars(dcp: DcpDir, common: dict, where: str) -> dict:
