@@ -12,11 +12,12 @@ loading run's own layout (dist_checkpointing reshards), then load_state_dict on 
 scheduler. This helper does exactly that with the training loop of tests/mcore_train_helper.py.
 
   "save DIR --tp T [--pp P] --form F --steps N --more M --out FILE [--live LIVE] [--dtype bf16|fp32]
-        [--bucket-size B]"
+        [--bucket-size B] [--grad-fp32]"
         train N steps at TP T, PP P (DP = world / (T x P)), save DIR (iteration N) in form F, train M more.
         F: plain (non-distributed optimizer) | fully_reshardable | fully_sharded_model_space |
         dp_reshardable (distributed optimizer). --bucket-size B: --overlap-grad-reduce with buckets of
-        B elements (the grad buffer cut into several buckets on the first pipeline stage).
+        B elements (the grad buffer cut into several buckets on the first pipeline stage). --grad-fp32:
+        grads reduced in fp32 (the buffers' dtype key becomes (bf16, fp32)).
         fully_sharded_model_space is what megatron-core < 0.14 saved (and 0.15 with
         --dist-ckpt-save-pre-mcore-014); 0.16 builds its sharded state dict still (flattened_range
         ShardedTensors per parameter and DP rank) but no longer stores flattened tensors, so the helper
@@ -158,9 +159,10 @@ def as_pre_016_metadata(d: Path, shapes):
 SLOT_OF = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 
 
-def build(arch, tp, dtype, distributed, pp=1, bucket_size=None):
-    """mcore_train_helper.build, with the distributed optimizer when asked, PP, and --overlap-grad-reduce
-    buckets of bucket_size elements."""
+def build(arch, tp, dtype, distributed, pp=1, bucket_size=None, grad_fp32=False):
+    """mcore_train_helper.build, with the distributed optimizer when asked, PP, --overlap-grad-reduce
+    buckets of bucket_size elements, and grads reduced in fp32 (grad_fp32: Megatron-LM's
+    --accumulate-allreduce-grads-in-fp32, which it turns on for bf16 by default)."""
     import contextlib
     model, cfg = H.build(arch, tp, pp)
     model.train()
@@ -169,7 +171,7 @@ def build(arch, tp, dtype, distributed, pp=1, bucket_size=None):
         cfg.bf16, cfg.params_dtype = True, torch.bfloat16
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
         use_distributed_optimizer=distributed, overlap_grad_reduce=bucket_size is not None,
-        bucket_size=bucket_size), model)
+        bucket_size=bucket_size, grad_reduce_in_fp32=grad_fp32), model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=T.LR, min_lr=T.MIN_LR, weight_decay=T.WD,
                                                  adam_beta1=0.9, adam_beta2=0.95, clip_grad=0.0,
                                                  bf16=dtype == "bf16", use_distributed_optimizer=distributed),
@@ -207,6 +209,7 @@ def save(root: Path, model, opt, sched, cfg, a, iteration):
     args.data_parallel_size = parallel_state.get_data_parallel_world_size()
     args.overlap_grad_reduce = a.bucket_size is not None
     args.ddp_bucket_size = a.bucket_size
+    args.accumulate_allreduce_grads_in_fp32 = a.grad_fp32
     if cfg.num_layers_in_first_pipeline_stage:
         args.decoder_first_pipeline_num_layers = cfg.num_layers_in_first_pipeline_stage
     args.bf16 = cfg.bf16
@@ -428,7 +431,7 @@ def run_job(a):
         finally:
             cfg["num_layers"] = default
     distributed = a.form in DISTRIBUTED_FORMS
-    model, ddp, opt, sched, cfg = build(a.arch, a.tp, a.dtype, distributed, a.pp, a.bucket_size)
+    model, ddp, opt, sched, cfg = build(a.arch, a.tp, a.dtype, distributed, a.pp, a.bucket_size, a.grad_fp32)
     root = Path(a.dir)
     losses = []
     if a.mode == "save":
@@ -466,6 +469,7 @@ def main():
     ap.add_argument("--more", type=int, default=2)
     ap.add_argument("--bucket-size", type=int)
     ap.add_argument("--vpp", type=int, default=1)
+    ap.add_argument("--grad-fp32", action="store_true")
     ap.add_argument("--layers", type=int)
     ap.add_argument("--live")
     ap.add_argument("--weights-only", action="store_true")

@@ -76,7 +76,7 @@ def live(root: Path):
 # (DP slices inside parameters; llama: inside a SwiGLU half), TP2 (llama: GQA, SwiGLU factories) and PP2
 # (tied embeddings); dp_reshardable
 # (Megatron-LM 0.16's default) at PP2 (gpt2: tied, the embedding and its head copy in buckets of their
-# own; llama: untied, uneven 2 + 1 layers) and bucketed by --overlap-grad-reduce at TP1 x DP2.
+# own; llama: untied, uneven 2 + 1 layers, grads in fp32 as Megatron-LM reduces them with bf16) and bucketed by --overlap-grad-reduce at TP1 x DP2.
 FSMS, DPR = "megatron-core-dist (fully_sharded_model_space)", "megatron-core-dist (dp_reshardable)"
 MORE_FORMS = {
     "fs": ("save --tp 1 --form fully_sharded_model_space", FSMS),
@@ -84,7 +84,7 @@ MORE_FORMS = {
     "fs_llama": ("save --tp 1 --arch llama --form fully_sharded_model_space", FSMS),  # a DP cut inside SwiGLU's up half
     "fs_pp2": ("save --pp 2 --form fully_sharded_model_space", FSMS),
     "dpr_pp2": ("save --pp 2 --form dp_reshardable", DPR),
-    "dpr_pp2_llama": ("save --pp 2 --arch llama --form dp_reshardable", DPR),
+    "dpr_pp2_llama": ("save --pp 2 --arch llama --grad-fp32 --form dp_reshardable", DPR),
     "dpr_buckets": ("save --tp 1 --arch llama --bucket-size 1000 --form dp_reshardable", DPR),
     # virtual pipeline: 4 llama layers on PP2 x VPP2, one grad buffer per model chunk, chunk 0 of stage 0
     # bucketed (synthetic gradients, real optimizer steps: the helper has no interleaved schedule)
@@ -176,6 +176,8 @@ def test_other_distributed_forms_equal_the_live_optimizer(trained, name):
     assert opt.step == 3 and opt.consumed_samples == 6 and opt.scheduler["num_steps"] == 3
     assert [g.hyper["wd_mult"] for g in opt.param_groups] == [1.0, 0.0]
     assert_slots_equal(ckpt, live(trained / f"{name}_live"))
+    if "--grad-fp32" in MORE_FORMS[name][0]:
+        assert any("dtype_(torch.bfloat16, torch.float32)" in k for k in DcpDir(next((trained / name).glob("iter_*"))).entries)
 
 
 @needs_mcore
