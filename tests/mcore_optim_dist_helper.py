@@ -18,10 +18,11 @@ scheduler. This helper does exactly that with the training loop of tests/mcore_t
         dp_reshardable (distributed optimizer). --bucket-size B: --overlap-grad-reduce with buckets of
         B elements (the grad buffer cut into several buckets on the first pipeline stage). --grad-fp32:
         grads reduced in fp32 (the buffers' dtype key becomes (bf16, fp32)).
-        fully_sharded_model_space is what megatron-core < 0.14 saved (and 0.15 with
+        fully_sharded_model_space is what megatron-core up to 0.14 saved by default (0.15 with
         --dist-ckpt-save-pre-mcore-014); 0.16 builds its sharded state dict still (flattened_range
         ShardedTensors per parameter and DP rank) but no longer stores flattened tensors, so the helper
-        stores them as megatron-core 0.15 did (save_nd_flattened below). --live LIVE: the live optimizer's values at the save,
+        stores them as megatron-core 0.15 did (save_nd_flattened below).
+        --live LIVE: the live optimizer's values at the save,
         per slot, written as Megatron-LM torch-format weights (LIVE/<slot>/...: each slot's tensors under
         the model's own parameter names, TP shards per mp_rank file), so ckptool's proven weight reader
         maps them to canonical names for comparison.
@@ -400,7 +401,8 @@ def run_vpp(a):
         (root / "latest_checkpointed_iteration.txt").write_text(str(a.steps))
     # the live values per slot, as torch-format weights with VPP chunks (model0, model1, ...)
     per_chunk = [live_slots(m, opt, True) for m in chunks]  # chunk-local layer names, as the torch format has
-    tp_rank, pp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     for slot in SLOT_OF:
         slot_root = Path(a.live) / slot
         rank_dir = slot_root / f"iter_{a.steps:07d}" / f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"

@@ -4,8 +4,8 @@ Sources come from the real megatron-core (0.16, CPU, gloo, two torchrun processe
 with its own DDP, bf16 Adam with fp32 masters and LR scheduler, saving as Megatron-LM does for
 --ckpt-format torch_dist (tests/mcore_optim_dist_helper.py): the non-distributed optimizer at TP2, the
 distributed optimizer at TP1 x DP2 in its fully_reshardable form, and in its dp_reshardable (the 0.15/0.16
-default) and fully_sharded_model_space (the default up to 0.14) forms at TP2, PP2, TP1 x DP2 and bucketed. At the save the
-helper also writes the live optimizer's values (DP-gathered), which the reader must reproduce bit for bit.
+default) and fully_sharded_model_space (the default up to 0.14) forms at TP2, PP2, TP1 x DP2, bucketed
+and (dp_reshardable) PP2 x VPP2. At the save the helper also writes the live optimizer's values (DP-gathered), which the reader must reproduce bit for bit.
 
 ckptool then writes torch_dist with the optimizer at another TP; megatron-core loads it with
 optimizer.sharded_state_dict + dist_checkpointing.load (both optimizer kinds, TP 1 and 2, and PP 2)
@@ -76,7 +76,8 @@ def live(root: Path):
 # (DP slices inside parameters; llama: inside a SwiGLU half), TP2 (llama: GQA, SwiGLU factories) and PP2
 # (tied embeddings); dp_reshardable
 # (Megatron-LM 0.16's default) at PP2 (gpt2: tied, the embedding and its head copy in buckets of their
-# own; llama: untied, uneven 2 + 1 layers, grads in fp32 as Megatron-LM reduces them with bf16) and bucketed by --overlap-grad-reduce at TP1 x DP2.
+# own; llama: untied, uneven 2 + 1 layers, grads in fp32 as Megatron-LM reduces them with bf16) and bucketed
+# by --overlap-grad-reduce at TP1 x DP2.
 FSMS, DPR = "megatron-core-dist (fully_sharded_model_space)", "megatron-core-dist (dp_reshardable)"
 MORE_FORMS = {
     "fs": ("save --tp 1 --form fully_sharded_model_space", FSMS),
@@ -177,7 +178,8 @@ def test_other_distributed_forms_equal_the_live_optimizer(trained, name):
     assert [g.hyper["wd_mult"] for g in opt.param_groups] == [1.0, 0.0]
     assert_slots_equal(ckpt, live(trained / f"{name}_live"))
     if "--grad-fp32" in MORE_FORMS[name][0]:
-        assert any("dtype_(torch.bfloat16, torch.float32)" in k for k in DcpDir(next((trained / name).glob("iter_*"))).entries)
+        keys = DcpDir(next((trained / name).glob("iter_*"))).entries
+        assert any("dtype_(torch.bfloat16, torch.float32)" in k for k in keys)
 
 
 @needs_mcore
