@@ -234,6 +234,15 @@ def test_other_distributed_forms_reshard_into_the_torch_format(trained, tmp_path
 
 
 @needs_mcore
+def test_dp_reshardable_bucket_size_not_in_the_args_is_found_from_the_stored_buckets(trained, tmp_path):
+    """args with --overlap-grad-reduce but no --ddp-bucket-size (megatron-core's default would be
+    40M): the bucket size is found among the stored bucket sizes; every slot still equals the live one."""
+    ckpt = open_checkpoint(_copy_with_args(trained / "dpr_buckets", tmp_path, ddp_bucket_size=None))
+    assert ckpt.optimizer is not None and not ckpt.warnings
+    assert_slots_equal(ckpt, live(trained / "dpr_buckets_live"))
+
+
+@needs_mcore
 @pytest.mark.parametrize("edit,problem", [
     (dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=2),
      r"dp_group_idx_0\.gbuf_idx_0 holds buckets of \[\d+\] elements"),

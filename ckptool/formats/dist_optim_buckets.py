@@ -154,11 +154,20 @@ def _matching_layout(params, stored: List[int], args, shared_embedding: bool, ch
                      where: str):
     """The buffer layout (of the bucket sizes the run may have used) that reproduces the buffer's stored
     per_bucket_numel_unpadded. shared_embedding: the word embedding and its head copy (tied, PP > 1)
-    each get a bucket of their own."""
+    each get a bucket of their own.
+
+    Besides the args' bucket size (or megatron-core's default), each stored bucket size is tried as
+    the bucket size: a bucket closes at the first parameter end reaching the bucket size, so the
+    smallest end of a bucket closed that way is itself a bucket size giving the same cuts. This reads
+    runs whose size the args do not say (newer Megatron-LM derives it); the layout reproducing every
+    stored size places every parameter as the run did, whichever size produced it."""
     numels = [math.prod(shape) for _, _, shape in params]
     shared = [shared_embedding and role in ("word", HEAD_COPY) for role, _, _ in params]
     tried = []
-    for size in bucket_sizes(args, chunk, pp_rank, dp):
+    sizes = bucket_sizes(args, chunk, pp_rank, dp)
+    if sizes != [None] and len(stored) > 1:
+        sizes = sizes[:-1] + sorted(set(stored) - set(sizes)) + [None]
+    for size in sizes:
         lay = buffer_layout(numels, shared, CURRENT, dp, size)
         if lay.bucket_unpadded == stored:
             return lay
