@@ -79,8 +79,8 @@ def stage_layers(args, num_layers: int, pp: int, where: str) -> List[int]:
     elif middle == 0 and rest == 0:
         counts = [first, last]
     if counts is None:
-        raise CkptError(f"{where}: the args' pipeline split (first stage {first}, last stage {last} layers, the others "
-                        f"even) does not fit {num_layers} layers on {pp} stages", HINT)
+        raise CkptError(f"{where}: the args' pipeline split (first stage {first}, last stage {last} layers, the "
+                        f"others even) does not fit {num_layers} layers on {pp} stages", HINT)
     return counts
 
 
@@ -123,6 +123,7 @@ def read_shards(dcp: DcpDir, weights, cfg: GPTConfig, args, where: str
     split = stage_layers(args, cfg.num_layers, pp, where) if vpp == 1 else None
     chunks = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, stage_layers=split).chunks(cfg.num_layers)
     out: Dict[str, Dict[Tuple[str, Optional[int]], List[LazyTensor]]] = {s: {} for s in STORED}
+    unpadded: Dict[str, List[List[int]]] = {}  # per model-parallel rank: its buffers' bucket sizes
     for pp_rank, chunk, first_layer, count in sorted(chunks):
         for t in range(tp):
             mp = pp_rank * tp + t  # the rank's index in its model-parallel group (dp_group_idx)
@@ -130,7 +131,9 @@ def read_shards(dcp: DcpDir, weights, cfg: GPTConfig, args, where: str
             # one grad buffer per model chunk (gbuf_idx = the chunk), its parameters in turn
             params = rank_params(weights, cfg, tp, t, impl, range(first_layer, first_layer + count),
                                  pp_rank == 0 and chunk == 0, pp_rank == pp - 1 and chunk == vpp - 1, pp)
-            stored = _stored_unpadded(dcp, prefix, vpp, where)[chunk]
+            if prefix not in unpadded:
+                unpadded[prefix] = _stored_unpadded(dcp, prefix, vpp, where)
+            stored = unpadded[prefix][chunk]
             lay = _matching_layout(params, stored, args, cfg.tied_embeddings and pp > 1, chunk, pp_rank, dp,
                                    f"{where}: {prefix}gbuf_idx_{chunk}")
             gbuf = f"{prefix}gbuf_idx_{chunk}."

@@ -94,6 +94,8 @@ class ModelSpaceView:
             original = tuple(weight.size) if weight is not None and hasattr(weight, "size") else None
             info = dcp.mcore_data.get(key)
             recorded = info.get(ND_SHAPE_KEY) if isinstance(info, dict) else None
+            if not (isinstance(recorded, (tuple, list)) and all(type(n) is int for n in recorded)):
+                recorded = None  # absent (saves before mcore_data) or not a shape: the weight's decides
             stored = tuple(dcp.entries[key].size)
             if recorded is not None and original is not None and tuple(recorded) != original:
                 raise CkptError(f"{where}: {key} was flattened from shape {tuple(recorded)}, the weight "
