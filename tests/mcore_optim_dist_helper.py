@@ -15,7 +15,7 @@ scheduler. This helper does exactly that with the training loop of tests/mcore_t
         [--bucket-size B] [--grad-fp32]"
         train N steps at TP T, PP P (DP = world / (T x P)), save DIR (iteration N) in form F, train M more.
         F: plain (non-distributed optimizer) | fully_reshardable | fully_sharded_model_space |
-        dp_reshardable (distributed optimizer). --bucket-size B: --overlap-grad-reduce with buckets of
+        dp_reshardable | dp_zero_gather_scatter (distributed optimizer). --bucket-size B: --overlap-grad-reduce with buckets of
         B elements (the grad buffer cut into several buckets on the first pipeline stage). --grad-fp32:
         grads reduced in fp32 (the buffers' dtype key becomes (bf16, fp32)).
         fully_sharded_model_space is what megatron-core up to 0.14 saved by default (0.15 with
@@ -76,7 +76,7 @@ if not torch.cuda.is_available():
     DistributedOptimizer._set_main_param_and_optimizer_states = _keep_torch_step(
         DistributedOptimizer._set_main_param_and_optimizer_states)
 
-DISTRIBUTED_FORMS = ("fully_reshardable", "fully_sharded_model_space", "dp_reshardable")
+DISTRIBUTED_FORMS = ("fully_reshardable", "fully_sharded_model_space", "dp_reshardable", "dp_zero_gather_scatter")
 ND_FLATTENED = "fully_sharded_model_space"
 
 

@@ -79,6 +79,7 @@ def live(root: Path):
 # own; llama: untied, uneven 2 + 1 layers, grads in fp32 as Megatron-LM reduces them with bf16) and bucketed
 # by --overlap-grad-reduce at TP1 x DP2.
 FSMS, DPR = "megatron-core-dist (fully_sharded_model_space)", "megatron-core-dist (dp_reshardable)"
+DZ = "megatron-core-dist (dp_zero_gather_scatter)"
 MORE_FORMS = {
     "fs": ("save --tp 1 --form fully_sharded_model_space", FSMS),
     "fs_tp2": ("save --tp 2 --arch llama --form fully_sharded_model_space", FSMS),
@@ -90,13 +91,17 @@ MORE_FORMS = {
     # virtual pipeline: 4 llama layers on PP2 x VPP2, one grad buffer per model chunk, chunk 0 of stage 0
     # bucketed (synthetic gradients, real optimizer steps: the helper has no interleaved schedule)
     "dpr_vpp": ("save-vpp --pp 2 --vpp 2 --bucket-size 1000 --form dp_reshardable", DPR),
+    # the deprecated dp_zero_gather_scatter (up to 0.14 without --ckpt-fully-parallel-save): bucketed
+    # buffers gathered over DP2, and PP2 with the tied embedding's own buckets
+    "dz_buckets": ("save --tp 1 --arch llama --bucket-size 1000 --form dp_zero_gather_scatter", DZ),
+    "dz_pp2": ("save --pp 2 --form dp_zero_gather_scatter", DZ),
 }
 
 
 # the other forms resharded to torch_dist at another layout and resumed there by megatron-core's
 # distributed optimizer (the next 2 steps compared with the source run's): name -> (arch option, target TP)
 RESUMED_FORMS = {"fs": ("", 2), "fs_tp2": ("--arch llama", 1), "fs_pp2": ("", 1), "dpr_pp2": ("", 2),
-                 "dpr_pp2_llama": ("--arch llama", 2), "dpr_buckets": ("--arch llama", 2)}
+                 "dpr_pp2_llama": ("--arch llama", 2), "dpr_buckets": ("--arch llama", 2), "dz_pp2": ("", 2)}
 
 
 @pytest.fixture(scope="module")
