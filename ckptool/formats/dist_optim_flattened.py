@@ -92,7 +92,7 @@ class ModelSpaceView:
                 continue
             weight = dcp.entries.get(key[len(prefix):])
             original = tuple(weight.size) if weight is not None and hasattr(weight, "size") else None
-            info = dcp.mcore_data.get(key)
+            info = getattr(dcp, "mcore_data", {}).get(key)
             recorded = info.get(ND_SHAPE_KEY) if isinstance(info, dict) else None
             if not (isinstance(recorded, (tuple, list)) and all(type(n) is int for n in recorded)):
                 recorded = None  # absent (saves before mcore_data) or not a shape: the weight's decides
