@@ -12,19 +12,27 @@ loading run's own layout (dist_checkpointing reshards), then load_state_dict on 
 scheduler. This helper does exactly that with the training loop of tests/mcore_train_helper.py.
 
   "save DIR --tp T [--pp P] --form F --steps N --more M --out FILE [--live LIVE] [--dtype bf16|fp32]
-        [--bucket-size B]"
+        [--bucket-size B] [--grad-fp32]"
         train N steps at TP T, PP P (DP = world / (T x P)), save DIR (iteration N) in form F, train M more.
         F: plain (non-distributed optimizer) | fully_reshardable | fully_sharded_model_space |
-        dp_reshardable (distributed optimizer). --bucket-size B: --overlap-grad-reduce with buckets of
-        B elements (the grad buffer cut into several buckets on the first pipeline stage).
-        fully_sharded_model_space is what megatron-core < 0.14 saved (and 0.15 with
+        dp_reshardable | dp_zero_gather_scatter (distributed optimizer). --bucket-size B: --overlap-grad-reduce with buckets of
+        B elements (the grad buffer cut into several buckets on the first pipeline stage). --grad-fp32:
+        grads reduced in fp32 (the buffers' dtype key becomes (bf16, fp32)).
+        fully_sharded_model_space is what megatron-core up to 0.14 saved by default (0.15 with
         --dist-ckpt-save-pre-mcore-014); 0.16 builds its sharded state dict still (flattened_range
         ShardedTensors per parameter and DP rank) but no longer stores flattened tensors, so the helper
-        stores them as megatron-core 0.15 did (save_nd_flattened below). --live LIVE: the live optimizer's values at the save,
+        stores them as megatron-core 0.15 did (save_nd_flattened below).
+        --live LIVE: the live optimizer's values at the save,
         per slot, written as Megatron-LM torch-format weights (LIVE/<slot>/...: each slot's tensors under
         the model's own parameter names, TP shards per mp_rank file), so ckptool's proven weight reader
         maps them to canonical names for comparison.
-  "load DIR --tp T --pp P --form F --live LIVE --out FILE"
+  "save-vpp DIR --pp P --vpp V [--tp T] [--layers L] [--bucket-size B] --form F --steps N --live LIVE --out FILE"
+        the same with virtual pipeline chunks (llama, L layers, default 4): V model chunks per stage, each with its
+        own DDP grad buffer, one distributed optimizer over all. No forward/backward (the helper has
+        no interleaved schedule): each step gives every parameter a seeded random gradient and runs
+        the real optimizer step, so masters, moments and weights are what megatron-core computes
+        from those gradients. Saved as Megatron-LM does with VPP (model0, model1, ...).
+  "load DIR --tp T --pp P --form F --live LIVE --out FILE [--arch A --layers L]"
         load DIR at TP T, PP P as in resume and write the optimizer's values as --live does (no training).
   "resume DIR --tp T --form F --more M --out FILE [--weights-only]"
         load DIR at TP T as Megatron-LM's load_checkpoint does (optimizer too unless --weights-only;
@@ -68,7 +76,7 @@ if not torch.cuda.is_available():
     DistributedOptimizer._set_main_param_and_optimizer_states = _keep_torch_step(
         DistributedOptimizer._set_main_param_and_optimizer_states)
 
-DISTRIBUTED_FORMS = ("fully_reshardable", "fully_sharded_model_space", "dp_reshardable")
+DISTRIBUTED_FORMS = ("fully_reshardable", "fully_sharded_model_space", "dp_reshardable", "dp_zero_gather_scatter")
 ND_FLATTENED = "fully_sharded_model_space"
 
 
@@ -152,9 +160,10 @@ def as_pre_016_metadata(d: Path, shapes):
 SLOT_OF = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 
 
-def build(arch, tp, dtype, distributed, pp=1, bucket_size=None):
-    """mcore_train_helper.build, with the distributed optimizer when asked, PP, and --overlap-grad-reduce
-    buckets of bucket_size elements."""
+def build(arch, tp, dtype, distributed, pp=1, bucket_size=None, grad_fp32=False):
+    """mcore_train_helper.build, with the distributed optimizer when asked, PP, --overlap-grad-reduce
+    buckets of bucket_size elements, and grads reduced in fp32 (grad_fp32: Megatron-LM's
+    --accumulate-allreduce-grads-in-fp32, which it turns on for bf16 by default)."""
     import contextlib
     model, cfg = H.build(arch, tp, pp)
     model.train()
@@ -163,7 +172,7 @@ def build(arch, tp, dtype, distributed, pp=1, bucket_size=None):
         cfg.bf16, cfg.params_dtype = True, torch.bfloat16
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
         use_distributed_optimizer=distributed, overlap_grad_reduce=bucket_size is not None,
-        bucket_size=bucket_size), model)
+        bucket_size=bucket_size, grad_reduce_in_fp32=grad_fp32), model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=T.LR, min_lr=T.MIN_LR, weight_decay=T.WD,
                                                  adam_beta1=0.9, adam_beta2=0.95, clip_grad=0.0,
                                                  bf16=dtype == "bf16", use_distributed_optimizer=distributed),
@@ -201,6 +210,7 @@ def save(root: Path, model, opt, sched, cfg, a, iteration):
     args.data_parallel_size = parallel_state.get_data_parallel_world_size()
     args.overlap_grad_reduce = a.bucket_size is not None
     args.ddp_bucket_size = a.bucket_size
+    args.accumulate_allreduce_grads_in_fp32 = a.grad_fp32
     if cfg.num_layers_in_first_pipeline_stage:
         args.decoder_first_pipeline_num_layers = cfg.num_layers_in_first_pipeline_stage
     args.bf16 = cfg.bf16
@@ -311,9 +321,119 @@ def save_live(live_root: Path, live, cfg, a, iteration):
     dist.barrier()
 
 
+def build_vpp(a):
+    """V llama model chunks per stage (untied: with synthetic gradients a tied embedding and its head
+    copy would drift apart), DDP per chunk as Megatron-LM's get_model does (buckets only in chunk 0),
+    one optimizer over all chunks."""
+    import contextlib
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp,
+                                             virtual_pipeline_model_parallel_size=a.vpp)
+    torch.manual_seed(1234)
+    arch = H.ARCHS["llama"]
+    cfg = TransformerConfig(use_cpu_initialization=True, pipeline_dtype=torch.bfloat16, bf16=True,
+                            params_dtype=torch.bfloat16, pipeline_model_parallel_size=a.pp,
+                            virtual_pipeline_model_parallel_size=a.vpp, hidden_dropout=0.0, attention_dropout=0.0,
+                            **dict(arch["cfg"], num_layers=a.layers or 4))
+    chunks, ddps = [], []
+    for v in range(a.vpp):
+        m = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                     vocab_size=H.PADDED, max_sequence_length=H.SEQ, vp_stage=v,
+                     pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v),
+                     post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v),
+                     **arch["model"]).to(torch.bfloat16)
+        chunks.append(m)
+        ddps.append(DistributedDataParallel(cfg, DistributedDataParallelConfig(
+            use_distributed_optimizer=True, overlap_grad_reduce=a.bucket_size is not None,
+            bucket_size=a.bucket_size), m, disable_bucketing=v > 0))
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=T.LR, min_lr=T.MIN_LR, weight_decay=T.WD,
+                                                 adam_beta1=0.9, adam_beta2=0.95, clip_grad=0.0, bf16=True,
+                                                 use_distributed_optimizer=True), ddps)
+    sched = OptimizerParamScheduler(opt, init_lr=T.LR, max_lr=T.LR, min_lr=T.MIN_LR, lr_warmup_steps=0,
+                                    lr_decay_steps=100, lr_decay_style="cosine", start_wd=T.WD, end_wd=T.WD,
+                                    wd_incr_steps=100, wd_incr_style="constant")
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    return chunks, ddps, opt, sched, cfg
+
+
+def synthetic_step(chunks, ddps, opt, sched, step):
+    """Seeded random gradients into every parameter's main_grad (the grad buffer), then the real step."""
+    for ddp in ddps:
+        ddp.zero_grad_buffer()
+    g = torch.Generator().manual_seed(100 + step * 7919 + dist.get_rank())
+    for m in chunks:
+        for p in m.parameters():
+            p.main_grad.copy_(torch.randn(p.shape, generator=g) * 0.01)
+    ok, _, _ = opt.step()
+    assert ok, "optimizer step skipped"
+    sched.step(increment=1)
+
+
+def run_vpp(a):
+    chunks, ddps, opt, sched, cfg = build_vpp(a)
+    for step in range(a.steps):
+        synthetic_step(chunks, ddps, opt, sched, step)
+    metadata = content_metadata(a.form)
+    model_sd = {}
+    sd = {}
+    for v, m in enumerate(chunks):
+        sd[f"model{v}"] = m.sharded_state_dict(prefix="", metadata=metadata)
+        model_sd.update(sd[f"model{v}"])
+    sd["optimizer"] = opt.sharded_state_dict(model_sd, is_loading=False, metadata=metadata)
+    sd["opt_param_scheduler"] = sched.state_dict()
+    args = H.megatron_args("llama", cfg, a.tp, a.pp)
+    args.bf16, args.params_dtype, args.iteration = True, torch.bfloat16, a.steps
+    args.consumed_train_samples = a.steps * T.BATCH
+    args.virtual_pipeline_model_parallel_size = a.vpp
+    args.data_parallel_size = parallel_state.get_data_parallel_world_size()
+    args.use_distributed_optimizer = True
+    args.overlap_grad_reduce, args.ddp_bucket_size = a.bucket_size is not None, a.bucket_size
+    sd.update(args=args, checkpoint_version=3.0, iteration=a.steps, content_metadata=metadata)
+    root = Path(a.dir)
+    d = root / f"iter_{a.steps:07d}"
+    if dist.get_rank() == 0:
+        d.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(sd, str(d))
+    if dist.get_rank() == 0:
+        (root / "latest_checkpointed_iteration.txt").write_text(str(a.steps))
+    # the live values per slot, as torch-format weights with VPP chunks (model0, model1, ...)
+    per_chunk = [live_slots(m, opt, True) for m in chunks]  # chunk-local layer names, as the torch format has
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    for slot in SLOT_OF:
+        slot_root = Path(a.live) / slot
+        rank_dir = slot_root / f"iter_{a.steps:07d}" / f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+        if parallel_state.get_data_parallel_rank() == 0:
+            rank_dir.mkdir(parents=True, exist_ok=True)
+            largs = H.megatron_args("llama", cfg, a.tp, a.pp)
+            largs.ckpt_format, largs.params_dtype = "torch", torch.float32
+            largs.virtual_pipeline_model_parallel_size = a.vpp
+            state = {"args": largs, "checkpoint_version": 3.0, "iteration": a.steps}
+            state.update({f"model{v}": live[slot] for v, live in enumerate(per_chunk)})
+            torch.save(state, rank_dir / "model_optim_rng.pt")
+            if tp_rank == 0 and pp_rank == 0:
+                (slot_root / "latest_checkpointed_iteration.txt").write_text(str(a.steps))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        torch.save({"losses": [], "params": {}}, a.out)
+    parallel_state.destroy_model_parallel()
+
+
 def run_job(a):
+    if a.mode == "save-vpp":
+        return run_vpp(a)
+    if a.layers is not None:  # another layer count for this job only
+        cfg = H.ARCHS[a.arch]["cfg"]
+        default, cfg["num_layers"] = cfg["num_layers"], a.layers
+        try:
+            return run_job(argparse.Namespace(**dict(vars(a), layers=None)))
+        finally:
+            cfg["num_layers"] = default
     distributed = a.form in DISTRIBUTED_FORMS
-    model, ddp, opt, sched, cfg = build(a.arch, a.tp, a.dtype, distributed, a.pp, a.bucket_size)
+    model, ddp, opt, sched, cfg = build(a.arch, a.tp, a.dtype, distributed, a.pp, a.bucket_size, a.grad_fp32)
     root = Path(a.dir)
     losses = []
     if a.mode == "save":
@@ -340,7 +460,7 @@ def run_job(a):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["save", "resume", "load"])
+    ap.add_argument("mode", choices=["save", "save-vpp", "resume", "load"])
     ap.add_argument("dir")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
@@ -350,6 +470,9 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--more", type=int, default=2)
     ap.add_argument("--bucket-size", type=int)
+    ap.add_argument("--vpp", type=int, default=1)
+    ap.add_argument("--grad-fp32", action="store_true")
+    ap.add_argument("--layers", type=int)
     ap.add_argument("--live")
     ap.add_argument("--weights-only", action="store_true")
     ap.add_argument("--out", required=True)

@@ -4,8 +4,8 @@ Sources come from the real megatron-core (0.16, CPU, gloo, two torchrun processe
 with its own DDP, bf16 Adam with fp32 masters and LR scheduler, saving as Megatron-LM does for
 --ckpt-format torch_dist (tests/mcore_optim_dist_helper.py): the non-distributed optimizer at TP2, the
 distributed optimizer at TP1 x DP2 in its fully_reshardable form, and in its dp_reshardable (the 0.15/0.16
-default) and fully_sharded_model_space (the default up to 0.14) forms at TP2, PP2, TP1 x DP2 and bucketed. At the save the
-helper also writes the live optimizer's values (DP-gathered), which the reader must reproduce bit for bit.
+default) and fully_sharded_model_space (the default up to 0.14) forms at TP2, PP2, TP1 x DP2, bucketed
+and (dp_reshardable) PP2 x VPP2. At the save the helper also writes the live optimizer's values (DP-gathered), which the reader must reproduce bit for bit.
 
 ckptool then writes torch_dist with the optimizer at another TP; megatron-core loads it with
 optimizer.sharded_state_dict + dist_checkpointing.load (both optimizer kinds, TP 1 and 2, and PP 2)
@@ -76,23 +76,32 @@ def live(root: Path):
 # (DP slices inside parameters; llama: inside a SwiGLU half), TP2 (llama: GQA, SwiGLU factories) and PP2
 # (tied embeddings); dp_reshardable
 # (Megatron-LM 0.16's default) at PP2 (gpt2: tied, the embedding and its head copy in buckets of their
-# own; llama: untied, uneven 2 + 1 layers) and bucketed by --overlap-grad-reduce at TP1 x DP2.
+# own; llama: untied, uneven 2 + 1 layers, grads in fp32 as Megatron-LM reduces them with bf16) and bucketed
+# by --overlap-grad-reduce at TP1 x DP2.
 FSMS, DPR = "megatron-core-dist (fully_sharded_model_space)", "megatron-core-dist (dp_reshardable)"
+DZ = "megatron-core-dist (dp_zero_gather_scatter)"
 MORE_FORMS = {
-    "fs": ("--tp 1 --form fully_sharded_model_space", FSMS),
-    "fs_tp2": ("--tp 2 --arch llama --form fully_sharded_model_space", FSMS),
-    "fs_llama": ("--tp 1 --arch llama --form fully_sharded_model_space", FSMS),  # a DP cut inside SwiGLU's up half
-    "fs_pp2": ("--pp 2 --form fully_sharded_model_space", FSMS),
-    "dpr_pp2": ("--pp 2 --form dp_reshardable", DPR),
-    "dpr_pp2_llama": ("--pp 2 --arch llama --form dp_reshardable", DPR),
-    "dpr_buckets": ("--tp 1 --arch llama --bucket-size 1000 --form dp_reshardable", DPR),
+    "fs": ("save --tp 1 --form fully_sharded_model_space", FSMS),
+    "fs_tp2": ("save --tp 2 --arch llama --form fully_sharded_model_space", FSMS),
+    "fs_llama": ("save --tp 1 --arch llama --form fully_sharded_model_space", FSMS),  # a DP cut inside SwiGLU's up half
+    "fs_pp2": ("save --pp 2 --form fully_sharded_model_space", FSMS),
+    "dpr_pp2": ("save --pp 2 --form dp_reshardable", DPR),
+    "dpr_pp2_llama": ("save --pp 2 --arch llama --grad-fp32 --form dp_reshardable", DPR),
+    "dpr_buckets": ("save --tp 1 --arch llama --bucket-size 1000 --form dp_reshardable", DPR),
+    # virtual pipeline: 4 llama layers on PP2 x VPP2, one grad buffer per model chunk, chunk 0 of stage 0
+    # bucketed (synthetic gradients, real optimizer steps: the helper has no interleaved schedule)
+    "dpr_vpp": ("save-vpp --pp 2 --vpp 2 --bucket-size 1000 --form dp_reshardable", DPR),
+    # the deprecated dp_zero_gather_scatter (up to 0.14 without --ckpt-fully-parallel-save): bucketed
+    # buffers gathered over DP2, and PP2 with the tied embedding's own buckets
+    "dz_buckets": ("save --tp 1 --arch llama --bucket-size 1000 --form dp_zero_gather_scatter", DZ),
+    "dz_pp2": ("save --pp 2 --form dp_zero_gather_scatter", DZ),
 }
 
 
 # the other forms resharded to torch_dist at another layout and resumed there by megatron-core's
 # distributed optimizer (the next 2 steps compared with the source run's): name -> (arch option, target TP)
 RESUMED_FORMS = {"fs": ("", 2), "fs_tp2": ("--arch llama", 1), "fs_pp2": ("", 1), "dpr_pp2": ("", 2),
-                 "dpr_pp2_llama": ("--arch llama", 2), "dpr_buckets": ("--arch llama", 2)}
+                 "dpr_pp2_llama": ("--arch llama", 2), "dpr_buckets": ("--arch llama", 2), "dz_pp2": ("", 2)}
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +113,8 @@ def trained(tmp_path_factory):
              f"save {root}/fr --tp 1 --form fully_reshardable --live {root}/fr_live --out {root}/fr.pt",
              f"save {root}/dpr --tp 2 --arch llama --form dp_reshardable --live {root}/dpr_live --out {root}/dpr.pt",
              f"save {root}/f32 --tp 2 --form plain --dtype fp32 --live {root}/f32_live --out {root}/f32.pt",
-             *(f"save {root}/{name} {how} --live {root}/{name}_live --out {root}/{name}.pt"
-               for name, (how, _) in MORE_FORMS.items()))
+             *(f"{how.split(' ', 1)[0]} {root}/{name} {how.split(' ', 1)[1]} --live {root}/{name}_live "
+               f"--out {root}/{name}.pt" for name, (how, _) in MORE_FORMS.items()))
     return root
 
 
@@ -117,6 +126,7 @@ def resumed(trained):
     write_layout(open_checkpoint(r / "fr"), r / "fr_to_tp2", Layout(2), fmt="torch_dist", warn=print)
     write_layout(open_checkpoint(r / "f32"), r / "f32_to_tp1", Layout(1), fmt="torch_dist", warn=print)
     write_layout(open_checkpoint(r / "dpr"), r / "dpr_to_tp1", Layout(1), fmt="torch_dist", warn=print)
+    write_layout(open_checkpoint(r / "dpr_vpp"), r / "dpr_vpp_to_tp2", Layout(2), fmt="torch_dist", warn=print)
     for name, (_, tp) in RESUMED_FORMS.items():
         write_layout(open_checkpoint(r / name), r / f"{name}_to_tp{tp}", Layout(tp), fmt="torch_dist", warn=print)
     torchrun(f"resume {r}/plain_to_tp1 --tp 1 --form plain --out {r}/r_plain_tp1.pt",
@@ -131,6 +141,8 @@ def resumed(trained):
              *(f"resume {r}/{name}_to_tp{tp} --tp {tp} {arch} --form fully_reshardable --out {r}/r_{name}.pt"
                for name, (arch, tp) in RESUMED_FORMS.items()),
              f"load {r}/plain_to_tp1 --tp 1 --pp 2 --form plain --live {r}/l_pp2_plain --out {r}/l1.pt",
+             f"load {r}/dpr_vpp_to_tp2 --tp 2 --arch llama --layers 4 --form fully_reshardable --live {r}/l_vpp "
+             f"--out {r}/l3.pt",
              f"load {r}/fr_to_tp2 --tp 1 --pp 2 --form fully_reshardable --live {r}/l_pp2_fr --out {r}/l2.pt")
     return r
 
@@ -170,6 +182,9 @@ def test_other_distributed_forms_equal_the_live_optimizer(trained, name):
     assert opt.step == 3 and opt.consumed_samples == 6 and opt.scheduler["num_steps"] == 3
     assert [g.hyper["wd_mult"] for g in opt.param_groups] == [1.0, 0.0]
     assert_slots_equal(ckpt, live(trained / f"{name}_live"))
+    if "--grad-fp32" in MORE_FORMS[name][0]:
+        keys = DcpDir(next((trained / name).glob("iter_*"))).entries
+        assert any("dtype_(torch.bfloat16, torch.float32)" in k for k in keys)
 
 
 @needs_mcore
@@ -224,17 +239,18 @@ def test_other_distributed_forms_reshard_into_the_torch_format(trained, tmp_path
 
 
 @needs_mcore
-def test_dp_reshardable_virtual_pipeline_chunks_are_dropped_by_name(trained, tmp_path):
-    src = _copy_with_args(trained / "dpr", tmp_path, virtual_pipeline_model_parallel_size=2)
-    ckpt = open_checkpoint(src)
-    assert ckpt.optimizer is None
-    assert any("dp_reshardable" in w and "virtual pipeline" in w and "weights only" in w for w in ckpt.warnings), \
-        ckpt.warnings
+def test_dp_reshardable_bucket_size_not_in_the_args_is_found_from_the_stored_buckets(trained, tmp_path):
+    """args with --overlap-grad-reduce but no --ddp-bucket-size (megatron-core's default would be
+    40M): the bucket size is found among the stored bucket sizes; every slot still equals the live one."""
+    ckpt = open_checkpoint(_copy_with_args(trained / "dpr_buckets", tmp_path, ddp_bucket_size=None))
+    assert ckpt.optimizer is not None and not ckpt.warnings
+    assert_slots_equal(ckpt, live(trained / "dpr_buckets_live"))
 
 
 @needs_mcore
 @pytest.mark.parametrize("edit,problem", [
-    (dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=2), r"dp_group_idx_0 holds buckets of \[\d+\] elements"),
+    (dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=2),
+     r"dp_group_idx_0\.gbuf_idx_0 holds buckets of \[\d+\] elements"),
     (dict(pipeline_model_parallel_size=2), r"pipeline split .* does not fit 3 layers on 2 stages"),
 ])
 def test_dp_reshardable_args_that_do_not_fit_the_buffers_are_refused(trained, tmp_path, edit, problem):
@@ -275,8 +291,10 @@ def _copy_with_args(save: Path, tmp_path: Path, **changes) -> Path:
 @needs_mcore
 def test_megatron_core_loads_our_output_at_another_tp_and_pp(resumed):
     """What megatron-core's optimizer holds after loading ckptool's output (TP1 PP2, both optimizer
-    kinds) equals the source's optimizer state, bit for bit; so does ckptool reading its own output."""
-    for src, out, loaded in (("plain", "plain_to_tp1", "l_pp2_plain"), ("fr", "fr_to_tp2", "l_pp2_fr")):
+    kinds; the PP2 x VPP2 dp_reshardable source at TP2) equals the source's optimizer state, bit for bit;
+    so does ckptool reading its own output."""
+    for src, out, loaded in (("plain", "plain_to_tp1", "l_pp2_plain"), ("fr", "fr_to_tp2", "l_pp2_fr"),
+                             ("dpr_vpp", "dpr_vpp_to_tp2", "l_vpp")):
         ckpt = open_checkpoint(resumed / src)
         assert_slots_equal(ckpt, live(resumed / loaded))
         ours = open_checkpoint(resumed / out)

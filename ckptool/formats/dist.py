@@ -417,7 +417,7 @@ def _read_optimizer(dcp: DcpDir, common: dict, cfg: GPTConfig, tensors, policy, 
                             "entry in its common state (a bare save); the output holds the weights only")
         return None
     why = dist_optim.NOT_MODEL_SPACE.get(form)
-    if form == dist_optim.FLAT_BUCKETS:
+    if form in dist_optim.BUFFER_FORMS:
         why = dist_optim_buckets.unsupported(args)
         why = why and f"flat per-bucket buffers whose layout ckptool recomputes only without {why}"
     if why:
@@ -426,8 +426,8 @@ def _read_optimizer(dcp: DcpDir, common: dict, cfg: GPTConfig, tensors, policy, 
                         "--dist-ckpt-optim-fully-reshardable to carry it)")
         return None
     consumed = getattr(args, "consumed_train_samples", None)
-    if form == dist_optim.FLAT_BUCKETS:
-        flat = dist_optim_buckets.read_shards(dcp, tensors, cfg, args, where)
+    if form in dist_optim.BUFFER_FORMS:
+        flat = dist_optim_buckets.read_shards(dcp, tensors, cfg, args, where, form)
         by_stored = {dist_optim_buckets.STORED[slot]: shards for slot, shards in flat.items()}
         scalars = dist_optim_buckets.read_scalars(dcp, common, where)
         return dist_optim.read(scalars, form, lambda stored: in_model_order(assemble(cfg, by_stored[stored], policy), cfg),

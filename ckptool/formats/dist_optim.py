@@ -10,6 +10,7 @@ global shape (stacked layers included), so the weights' key table reads them unc
   distributed, fully_sharded_model_space (<= 0.14)      fp32_param          exp_avg, exp_avg_sq
                   (N-D flattened DP slices: dist_optim_flattened.py shows them in model shape)
   distributed, dp_reshardable (the default since 0.15)  flat per-bucket buffers (dist_optim_buckets.py)
+  distributed, dp_zero_gather_scatter (deprecated)      per-rank object of DP-gathered buffers (same)
 
 each as `optimizer.state.<stored slot>.<model key>`. The scalars live in the common state: the param
 groups (hyperparameters without their parameter lists), the step (`state.common_step` for the
@@ -44,12 +45,16 @@ STORED_SLOTS = {
     "fully_reshardable": {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},
     "fully_sharded_model_space": {"master": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},
 }
-# The flat-bucket form (dist_optim_buckets.py recomputes where each parameter sits); same slot names.
+# The forms laid out like the grad buffers (dist_optim_buckets.py recomputes where each parameter
+# sits): flat per-bucket tensors, and (before 0.14 without --ckpt-fully-parallel-save) one object per
+# model-parallel rank gathered over DP; same slot names.
 FLAT_BUCKETS = "dp_reshardable"
-STORED_SLOTS[FLAT_BUCKETS] = STORED_SLOTS["fully_reshardable"]
+GATHERED_BUFFERS = "dp_zero_gather_scatter"
+BUFFER_FORMS = (FLAT_BUCKETS, GATHERED_BUFFERS)
+for _form in BUFFER_FORMS:
+    STORED_SLOTS[_form] = STORED_SLOTS["fully_reshardable"]
 # Other forms that are not model space: why ckptool cannot carry them.
 NOT_MODEL_SPACE = {
-    "dp_zero_gather_scatter": "one gathered object per model-parallel rank (deprecated in megatron-core)",
     "fully_sharded_bucket_space": "flat per-bucket shards (deprecated in megatron-core)",
     "fsdp_dtensor": "Megatron-FSDP DTensor state",
 }

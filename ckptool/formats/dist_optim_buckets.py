@@ -8,25 +8,36 @@ flat tensors laid out like the grad buffer:
   exp_avg, exp_avg_sq}                          fp32 [bucket numel], chunked by DP rank
   optimizer.distributed.dp_group_idx_N.per_bucket_numel(_unpadded)   objects: [[{dtypes: [numel per bucket]}]]
 
+The deprecated dp_zero_gather_scatter form (megatron-core up to 0.14 without
+--ckpt-fully-parallel-save) holds the same values gathered over DP into one object per model-parallel
+rank, `optimizer.distributed.dp_group_idx_N.param_state`: distrib_optim.pt's coalesced form
+({'buckets_coalesced': True, gbuf: {dtype: {param, exp_avg, exp_avg_sq: fp32 [numel_unpadded],
+'numel_unpadded'}}}, every bucket's unpadded part in turn). Only the buffer's total size is stored, so
+the layout is chosen among the bucket sizes the run may have used by that total, and the master check
+decides. The object is read whole (one rank's three fp32 buffers in memory).
+
 Nothing names a parameter: where each one sits is the buffer layout, recomputed from the model as
 megatron-core builds it (megatron_distopt.buffer_layout; dp_reshardable exists only since megatron-core
 0.14, so the current era) for every model-parallel rank:
-  - the rank's parameters: its pipeline stage's layers (an even split, or the args'
-    --decoder-first/last-pipeline-num-layers), the embeddings on the first stage, the final norm and
-    output layer on the last; with tied embeddings and PP > 1 the last stage also holds the head's
-    copy of the word embedding (in the buffer, never in the canonical state);
+  - one grad buffer (gbuf_idx_K) per model chunk K: with virtual pipeline chunks, chunk K of stage p
+    holds layer block K x PP + p (Layout.chunks); without, the stage's layers (an even split, or the
+    args' --decoder-first/last-pipeline-num-layers);
+  - the embeddings in the first chunk of the first stage, the final norm and output layer in the last
+    chunk of the last; with tied embeddings and PP > 1 that last chunk also holds the head's copy of
+    the word embedding (in the buffer, never in the canonical state);
   - in REVERSE registration order (the dialect's param_order within a layer), each starting at a
     multiple of 64 elements;
-  - cut into buckets with --overlap-grad-reduce (--ddp-bucket-size, else megatron-core's default) on
-    the first pipeline stage only, and a bucket of its own for a PP > 1 tied embedding copy.
+  - cut into buckets with --overlap-grad-reduce (--ddp-bucket-size, else megatron-core's default) in
+    model chunk 0 of the first pipeline stage only, and a bucket of its own for a PP > 1 tied
+    embedding copy.
 The layout is never trusted: it must reproduce the stored per_bucket_numel_unpadded of every rank,
-and every master is checked against its weight as it loads. Virtual pipeline chunks (one buffer per
-chunk) are not recomputed and are dropped by name.
+and every master is checked against its weight as it loads. Several dtypes per chunk (one buffer
+each) are refused.
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -34,13 +45,14 @@ from ..config import GPTConfig, Layout
 from ..errors import CkptError
 from ..io.dcp_io import DcpDir
 from ..io.torchfile import load_torch_bytes
-from ..lazy import LazyTensor, derive
+from ..lazy import Const, LazyTensor, derive
 from ..roles import GLOBAL_ROLES, LAYER_ROLES, global_role_tensor, layer_role_tensor, shard_role
 from .megatron_names import DIALECTS
 from .megatron_distopt import CURRENT, buffer_layout, bucket_sizes
 from .megatron_optim import HINT
 
 PREFIX = "optimizer.distributed.dp_group_idx_{mp}."
+FLAT, GATHERED = "dp_reshardable", "dp_zero_gather_scatter"
 STORED = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 DIALECT_OF_IMPL = {"local": "mcore", "transformer_engine": "mcore-te"}
 HEAD = ("word", "pos")
@@ -53,8 +65,6 @@ LAST_STAGE_ARGS = ("decoder_last_pipeline_num_layers", "num_layers_in_last_pipel
 
 def unsupported(args) -> Optional[str]:
     """Why this run's buffer layout is not recomputed, or None."""
-    if (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1:
-        return "virtual pipeline chunks (one grad buffer per chunk)"
     if getattr(args, "transformer_impl", "transformer_engine") not in DIALECT_OF_IMPL:
         return f"transformer_impl {getattr(args, 'transformer_impl', None)!r}"
     return None
@@ -78,8 +88,8 @@ def stage_layers(args, num_layers: int, pp: int, where: str) -> List[int]:
     elif middle == 0 and rest == 0:
         counts = [first, last]
     if counts is None:
-        raise CkptError(f"{where}: the args' pipeline split (first stage {first}, last stage {last} layers, the others "
-                        f"even) does not fit {num_layers} layers on {pp} stages", HINT)
+        raise CkptError(f"{where}: the args' pipeline split (first stage {first}, last stage {last} layers, the "
+                        f"others even) does not fit {num_layers} layers on {pp} stages", HINT)
     return counts
 
 
@@ -111,27 +121,43 @@ def rank_params(weights: Dict[str, LazyTensor], cfg: GPTConfig, tp: int, t: int,
     return out
 
 
-def read_shards(dcp: DcpDir, weights, cfg: GPTConfig, args, where: str
+def read_shards(dcp: DcpDir, weights, cfg: GPTConfig, args, where: str, form: str = FLAT
                 ) -> Dict[str, Dict[Tuple[str, Optional[int]], List[LazyTensor]]]:
-    """slot -> {(role, layer): [per TP rank lazy local tensor]}, for roles.assemble()."""
+    """slot -> {(role, layer): [per TP rank lazy local tensor]}, for roles.assemble(); form: FLAT or
+    GATHERED."""
     tp = getattr(args, "tensor_model_parallel_size", None) or 1
     pp = getattr(args, "pipeline_model_parallel_size", None) or 1
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
     dp = int(getattr(args, "data_parallel_size", None) or 1)
     impl = getattr(args, "transformer_impl", "transformer_engine")
-    stages = Layout(tp=tp, pp=pp, stage_layers=stage_layers(args, cfg.num_layers, pp, where)).chunks(cfg.num_layers)
+    split = stage_layers(args, cfg.num_layers, pp, where) if vpp == 1 else None
+    chunks = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, stage_layers=split).chunks(cfg.num_layers)
     out: Dict[str, Dict[Tuple[str, Optional[int]], List[LazyTensor]]] = {s: {} for s in STORED}
-    for pp_rank, _, first_layer, count in stages:
+    unpadded: Dict[str, List[List[int]]] = {}  # per model-parallel rank: its buffers' bucket sizes
+    gathered: Dict[str, Tuple[str, dict]] = {}  # per model-parallel rank: its gathered buffers (GATHERED)
+    for pp_rank, chunk, first_layer, count in sorted(chunks):
         for t in range(tp):
             mp = pp_rank * tp + t  # the rank's index in its model-parallel group (dp_group_idx)
             prefix = PREFIX.format(mp=mp)
+            # one grad buffer per model chunk (gbuf_idx = the chunk), its parameters in turn
             params = rank_params(weights, cfg, tp, t, impl, range(first_layer, first_layer + count),
-                                 pp_rank == 0, pp_rank == pp - 1, pp)
-            lay = _matching_layout(dcp, params, args, cfg.tied_embeddings and pp > 1, pp_rank, dp, prefix, where)
-            buffers = [k for k in dcp.entries
-                       if k.startswith(prefix + "gbuf_idx_0.") and k.endswith(".bucket_idx_0.param")]
-            if len(buffers) != 1 or any(k.startswith(prefix + "gbuf_idx_1.") for k in dcp.entries):
-                raise CkptError(f"{where}: dp_group_idx_{mp} has {len(buffers)} single-dtype buffers; one was "
-                                "expected", HINT)
+                                 pp_rank == 0 and chunk == 0, pp_rank == pp - 1 and chunk == vpp - 1, pp)
+            shared = cfg.tied_embeddings and pp > 1
+            if form == GATHERED:
+                if prefix not in gathered:
+                    gathered[prefix] = _gathered_state(dcp, prefix, where)
+                key, state = gathered[prefix]
+                _add_gathered(out, state, chunk, params, args, shared, pp_rank, dp, f"{where}: {key}")
+                continue
+            if prefix not in unpadded:
+                unpadded[prefix] = _stored_unpadded(dcp, prefix, vpp, where)
+            stored = unpadded[prefix][chunk]
+            lay = _matching_layout(params, stored, args, cfg.tied_embeddings and pp > 1, chunk, pp_rank, dp,
+                                   f"{where}: {prefix}gbuf_idx_{chunk}")
+            gbuf = f"{prefix}gbuf_idx_{chunk}."
+            buffers = [k for k in dcp.entries if k.startswith(gbuf) and k.endswith(".bucket_idx_0.param")]
+            if len(buffers) != 1:
+                raise CkptError(f"{where}: {gbuf[:-1]} has {len(buffers)} dtype buffers; one was expected", HINT)
             base = buffers[0][:-len("bucket_idx_0.param")]
             for slot, name in STORED.items():
                 for i, (role, layer, shape) in enumerate(params):
@@ -145,36 +171,77 @@ def read_shards(dcp: DcpDir, weights, cfg: GPTConfig, args, where: str
     return out
 
 
-def _matching_layout(dcp: DcpDir, params, args, shared_embedding: bool, pp_rank: int, dp: int, prefix: str,
-                     where: str):
-    """The buffer layout (of the bucket sizes the run may have used) that reproduces the rank's stored
-    per_bucket_numel_unpadded. shared_embedding: the word embedding and its head copy (tied, PP > 1)
-    each get a bucket of their own."""
+def _matching_layout(params, stored: Union[List[int], int], args, shared_embedding: bool, chunk: int, pp_rank: int,
+                     dp: int, where: str):
+    """The buffer layout (of the bucket sizes the run may have used) that reproduces the buffer's stored
+    per_bucket_numel_unpadded (or, GATHERED, its total numel_unpadded). shared_embedding: the word embedding and its head copy (tied, PP > 1)
+    each get a bucket of their own.
+
+    Besides the args' bucket size (or megatron-core's default), each stored bucket size is tried as
+    the bucket size: a bucket closes at the first parameter end reaching the bucket size, so the
+    smallest end of a bucket closed that way is itself a bucket size giving the same cuts. This reads
+    runs whose size the args do not say (newer Megatron-LM derives it); the layout reproducing every
+    stored size places every parameter as the run did, whichever size produced it."""
     numels = [math.prod(shape) for _, _, shape in params]
     shared = [shared_embedding and role in ("word", HEAD_COPY) for role, _, _ in params]
-    stored = _stored_unpadded(dcp, prefix, where)
     tried = []
-    for size in bucket_sizes(args, 0, pp_rank, dp):
+    sizes = bucket_sizes(args, chunk, pp_rank, dp)
+    if sizes != [None] and isinstance(stored, list) and len(stored) > 1:
+        sizes = sizes[:-1] + sorted(set(stored) - set(sizes)) + [None]
+    for size in sizes:
         lay = buffer_layout(numels, shared, CURRENT, dp, size)
-        if lay.bucket_unpadded == stored:
+        if lay.bucket_unpadded == stored or lay.numel_unpadded == stored:  # per bucket, or the total
             return lay
         tried.append(f"{lay.bucket_unpadded} (bucket size {size})")
-    raise CkptError(f"{where}: {prefix[:-1]} holds buckets of {stored} elements, megatron-core's layout for "
-                    f"this model gives {'; '.join(tried)}: the model, its args or the layout era differ", HINT)
+    raise CkptError(f"{where} holds buckets of {stored} elements, megatron-core's layout for this model gives "
+                    f"{'; '.join(tried)}: the model, its args or the layout era differ", HINT)
 
 
-def _stored_unpadded(dcp: DcpDir, prefix: str, where: str) -> List[int]:
+def _gathered_state(dcp: DcpDir, prefix: str, where: str) -> Tuple[str, dict]:
+    """(key, object) of a model-parallel rank's DP-gathered buffers (GATHERED form)."""
+    key = next((k for k in dcp.entries if k.startswith(prefix + "param_state/")), None)
+    if key is None:
+        raise CkptError(f"{where}: no {prefix}param_state object (the gathered optimizer buffers)", HINT)
+    state = load_torch_bytes(dcp.read_bytes(key), source=f"{where}:{key}")
+    return key, state[0] if isinstance(state, list) and len(state) == 1 else state
+
+
+def _add_gathered(out, state, chunk: int, params, args, shared: bool, pp_rank: int, dp: int, where: str) -> None:
+    """One model chunk's parameters cut out of the rank's DP-gathered buffers (GATHERED form)."""
+    entry = state.get(chunk) if isinstance(state, dict) and state.get("buckets_coalesced") is True else None
+    entry = next(iter(entry.values())) if isinstance(entry, dict) and len(entry) == 1 else None
+    total = entry.get("numel_unpadded") if isinstance(entry, dict) else None
+    if not isinstance(total, int) or any(not isinstance(entry.get(n), torch.Tensor) or
+                                         tuple(entry[n].shape) != (total,) for n in STORED.values()):
+        raise CkptError(f"{where} is not one coalesced buffer of one dtype for model chunk {chunk} "
+                        "(param, exp_avg, exp_avg_sq of numel_unpadded elements)", HINT)
+    lay = _matching_layout(params, total, args, shared, chunk, pp_rank, dp, f"{where} buffer {chunk}")
+    for slot, name in STORED.items():
+        for i, (role, layer, shape) in enumerate(params):
+            if role != HEAD_COPY:
+                start = lay.coalesced_offset(i)
+                value = entry[name][start:start + math.prod(shape)].view(shape)
+                out[slot].setdefault((role, layer), []).append(Const(value))
+
+
+def _stored_unpadded(dcp: DcpDir, prefix: str, buffers: int, where: str) -> List[List[int]]:
+    """Per grad buffer, the unpadded size of each bucket."""
     key = next((k for k in dcp.entries if k.startswith(prefix + "per_bucket_numel_unpadded/")), None)
     if key is None:
         raise CkptError(f"{where}: no {prefix}per_bucket_numel_unpadded", HINT)
     obj = load_torch_bytes(dcp.read_bytes(key), source=f"{where}:{key}")
     try:  # [[{(param dtype, grad dtype): [numel per bucket]} per grad buffer]]
-        (buffers,) = obj
-        (per_dtype,) = buffers
-        (sizes,) = per_dtype.values()
-        return [int(n) for n in sizes]
+        (per_buffer,) = obj
+        out = []
+        for per_dtype in per_buffer:
+            (sizes,) = per_dtype.values()
+            out.append([int(n) for n in sizes])
     except (TypeError, ValueError, AttributeError):
-        raise CkptError(f"{where}: {key} holds {obj!r}, not one buffer of one dtype", HINT)
+        out = None
+    if out is None or len(out) != buffers:
+        raise CkptError(f"{where}: {key} holds {obj!r}, not {buffers} grad buffer(s) (one per model chunk) of one "
+                        "dtype each", HINT)
+    return out
 
 
 def read_scalars(dcp: DcpDir, common: dict, where: str) -> dict:

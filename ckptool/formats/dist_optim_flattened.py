@@ -50,8 +50,8 @@ class Unflattened(LazyTensor):
                  offsets: Sequence[int] = (), sizes=None, squeeze: int = 0):
         offsets = tuple(offsets) + (0,) * (len(original) - len(offsets))
         sizes = tuple(sizes) if sizes is not None else tuple(n - o for n, o in zip(original, offsets))
-        self.dcp, self.key, self.local, self.offsets, self.sizes, self.squeeze = dcp, key, local, offsets, sizes, squeeze
-        self.original = original
+        self.dcp, self.key, self.local, self.original = dcp, key, local, original
+        self.offsets, self.sizes, self.squeeze = offsets, sizes, squeeze
         self.dtype = dcp.entries[key].properties.dtype
         self.shape = torch.Size(sizes[squeeze:])
 
@@ -92,7 +92,10 @@ class ModelSpaceView:
                 continue
             weight = dcp.entries.get(key[len(prefix):])
             original = tuple(weight.size) if weight is not None and hasattr(weight, "size") else None
-            recorded = dcp.mcore_data.get(key, {}).get(ND_SHAPE_KEY) if isinstance(dcp.mcore_data.get(key), dict) else None
+            info = getattr(dcp, "mcore_data", {}).get(key)
+            recorded = info.get(ND_SHAPE_KEY) if isinstance(info, dict) else None
+            if not (isinstance(recorded, (tuple, list)) and all(type(n) is int for n in recorded)):
+                recorded = None  # absent (saves before mcore_data) or not a shape: the weight's decides
             stored = tuple(dcp.entries[key].size)
             if recorded is not None and original is not None and tuple(recorded) != original:
                 raise CkptError(f"{where}: {key} was flattened from shape {tuple(recorded)}, the weight "
