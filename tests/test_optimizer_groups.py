@@ -2,9 +2,9 @@
 
 1. --decoupled-lr and an lr_mult override: megatron-core 0.16 makes three groups (default, no weight
    decay with lr_mult, embedding + output at the decoupled learning rate); ckptool ties every parameter
-   to its group, carries the groups with their canonical names, reshards TP2 -> TP1 and a megatron-core
-   run loads the result (its optimizer checks each group's size and key) and trains on like the run that
-   went on at TP2.
+   to its group, carries the groups with their canonical names, reshards TP2 -> TP1 and -> TP1 PP3, and a
+   megatron-core run loads each (its optimizer checks each group's size and key) and trains on like the
+   run that went on at TP2.
 2. MoE: at EP 2 (here bf16 with fp32 masters; the EP 1 run is fp32) megatron-core saves a
    ChainedOptimizer's [dense, expert] list per rank; ckptool reads the experts' moments under their
    global names and writes them at EP 1, EP 2 and TP 2; megatron-core loads the EP 1 and EP 2 outputs
@@ -55,6 +55,10 @@ def grouped(tmp_path_factory):
     R.ckptool("reshard", d / "a2", d / "w1", "--tp", "1", "--no-optimizer")
     R.torchrun(1, f"resume {d}/b1 --tp 1 --more {MORE} {flags} --out {d}/b1.pt",
                f"resume {d}/w1 --tp 1 --more {MORE} {flags} --out {d}/w1.pt --weights-only")
+    # PP 3 (one layer a stage): the middle stage holds neither embedding nor output, yet megatron-core
+    # 0.16 lists the decoupled group there too, empty
+    R.ckptool("reshard", d / "a2", d / "p3", "--tp", "1", "--pp", "3")
+    R.torchrun(3, f"resume {d}/p3 --tp 1 --pp 3 --more {MORE} {flags} --out {d}/p3.pt")
     return d
 
 
@@ -79,13 +83,17 @@ def test_decoupled_lr_and_lr_mult_groups_are_tied_by_name(grouped):
     assert [{k: v for k, v in g.items() if k != "params"} for g in out["optimizer"]["param_groups"]] == strip
 
 
-def test_decoupled_lr_run_resumes_after_tp_reshard(grouped):
+@pytest.mark.parametrize("out", ["b1", "p3"])
+def test_decoupled_lr_run_resumes_after_reshard(grouped, out):
     R = _test_resume()
     went_on = R.losses(grouped / "a2.pt")[STEPS:]
-    gap = (R.losses(grouped / "b1.pt") - went_on).abs().max().item()
+    gap = (R.losses(grouped / f"{out}.pt") - went_on).abs().max().item()
     gap_weights_only = (R.losses(grouped / "w1.pt") - went_on).abs().max().item()
-    print(f"decoupled-lr TP2 -> TP1: loss gap carried {gap:.2e}, weights-only {gap_weights_only:.2e}")
+    print(f"decoupled-lr TP2 -> {out}: loss gap carried {gap:.2e}, weights-only (TP1) {gap_weights_only:.2e}")
     assert gap < R.LOSS_TOL and gap_weights_only > 10 * max(gap, 1e-5)
+    if out == "p3":
+        middle = load_torch_file(grouped / "p3" / "iter_0000003" / "mp_rank_00_001" / "model_optim_rng.pt")
+        assert [len(g["params"]) for g in middle["optimizer"]["optimizer"]["param_groups"]][2] == 0
 
 
 def _param(key, shape, role):
