@@ -273,3 +273,20 @@ def test_look_alike_groups_of_older_eras_stay_apart():
     dense, expert = {"wd_mult": 1.0, "is_expert_parallel": False}, {"wd_mult": 1.0, "is_expert_parallel": True}
     canonical, local = megatron_optim.merge_groups({(0, 0, 1): [dense, expert]}, "x")
     assert canonical == [dense] and local == {(0, 0, 1): [0, 0]}
+
+
+def test_a_swapped_or_foreign_chain_is_refused_never_mis_tied(moe_runs, tmp_path):
+    """The chain's order is [dense, expert]: swapped, the dense parameters meet the expert optimizer's
+    one group and the tie fails by name. A chain at EP 1 (not megatron-core's expert pair) is dropped
+    with a warning naming it."""
+    import shutil
+    bad = tmp_path / "swapped"
+    shutil.copytree(moe_runs / "ep2", bad)
+    f = bad / "iter_0000007" / "mp_rank_00_001" / "model_optim_rng.pt"
+    state = torch.load(f, map_location="cpu", weights_only=False)
+    state["optimizer"] = state["optimizer"][::-1]
+    torch.save(state, f)
+    with pytest.raises(CkptError, match=r"mp_rank_00_001.*chained optimizer 0.*groups hold \[8\].*--no-optimizer"):
+        read_megatron(bad)
+    assert megatron_optim.unsupported_form({"optimizer": [{}, {}]}, 1) is not None
+    assert megatron_optim.unsupported_form({"optimizer": [{}, {}]}, 2) is None
