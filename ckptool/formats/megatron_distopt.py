@@ -48,8 +48,8 @@ import torch
 from ..errors import CkptError
 from ..io.torchfile import StoredTensor, load_torch_file
 from ..lazy import Derived, LazyTensor
-from .megatron_optim import (HINT, NO_WEIGHT_DECAY_KEYS, RankOptimizer, RankParam, master_matching_weight,
-                             no_weight_decay)
+from .megatron_optim import (HINT, GroupRule, RankOptimizer, RankParam, groups_by_traits,
+                             master_matching_weight)
 
 FILE = "distrib_optim.pt"
 KEYS = ("param", "exp_avg", "exp_avg_sq")  # the file's names for the master and the two moments
@@ -225,7 +225,8 @@ def read_rank(tree: dict, rank_dir: Path, params: List[RankParam], args, tied: b
     step = int(steps.pop()) if steps else None
     if step == 0:
         return None
-    return RankOptimizer(slots, group_by_rule(params, hypers, where), hypers, step, opt.get("grad_scaler"))
+    return RankOptimizer(slots, group_by_rule(params, hypers, where, GroupRule.from_args(args)), hypers, step,
+                         opt.get("grad_scaler"))
 
 
 def _form(state, where: str) -> str:
@@ -294,21 +295,18 @@ def flat_view(flat: LazyTensor, offset: int, shape: Tuple[int, ...]) -> LazyTens
     return Derived(lambda t: t[offset:offset + numel].reshape(shape), [flat])
 
 
-def group_by_rule(params: List[RankParam], hypers: List[dict], where: str) -> List[int]:
+def group_by_rule(params: List[RankParam], hypers: List[dict], where: str, rule: GroupRule = GroupRule()) -> List[int]:
     """Each parameter's group: the distributed optimizer's saved groups hold no parameter lists, so
-    parameters are placed by Megatron's rule (biases and 1-D parameters in the group without weight
-    decay) and the groups must tell the two kinds apart unambiguously."""
-    zero = [any(h.get(k) == 0 for k in NO_WEIGHT_DECAY_KEYS) for h in hypers]
-    out = []
-    for p in params:
-        want = no_weight_decay(p.key, p.weight)
-        fits = [g for g, z in enumerate(zero) if z == want] if len(hypers) > 1 else [0]
-        if len(fits) != 1:
-            raise CkptError(f"{where}: {len(hypers)} optimizer groups ({len(fits)} fit {p.key}): only the "
-                            "weight-decay / no-weight-decay pair is carried (not --decoupled-lr or lr_mult groups)",
-                            HINT)
-        out.append(fits[0])
-    return out
+    parameters are placed by megatron-core's group traits (megatron_optim.GROUP_TRAITS: weight decay,
+    --decoupled-lr), which must single out one group for each."""
+    if len(hypers) == 1:
+        return [0] * len(params)
+    group_of = groups_by_traits(params, hypers, rule)
+    if group_of is None:
+        raise CkptError(f"{where}: {len(hypers)} optimizer groups that megatron-core's group traits (weight decay, "
+                        "--decoupled-lr) do not tell apart for every parameter (e.g. lr_mult groups of a run's "
+                        "own condition)", HINT)
+    return group_of
 
 
 # --- writing --------------------------------------------------------------------------------

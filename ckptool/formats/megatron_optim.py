@@ -36,7 +36,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -254,14 +254,11 @@ def _tie_groups(groups: List[dict], params: List[RankParam], where: str, rule: G
     counts = [len(g.get("params", ())) for g in groups]
     if len(groups) == 1 and counts[0] == len(params):
         return [list(range(len(params)))]
-    wanted = [group_traits(g, rule) for g in groups]
-    members: List[List[int]] = [[] for _ in groups]
-    for i, p in enumerate(params):
-        fits = [g for g, t in enumerate(wanted) if t == param_traits(p, rule) and counts[g]]
-        if len(fits) != 1:
-            break
-        members[fits[0]].append(i)
-    else:
+    group_of = groups_by_traits(params, groups, rule, counts)
+    if group_of is not None:
+        members: List[List[int]] = [[] for _ in groups]
+        for i, g in enumerate(group_of):
+            members[g].append(i)
         if [len(m) for m in members] == counts:
             return members
     legacy = _tie_by_sizes(groups, params, counts)  # eras whose groups differ in nothing the traits see
@@ -274,6 +271,20 @@ def _tie_groups(groups: List[dict], params: List[RankParam], where: str, rule: G
            "the groups are not megatron-core's weight-decay / --decoupled-lr groups of these parameters")
     raise CkptError(f"{where}: optimizer groups hold {counts} parameters, but the model has "
                     f"{decay} with and {len(params) - decay} without weight decay: {why}", HINT)
+
+
+def groups_by_traits(params: List[RankParam], hypers: List[dict], rule: GroupRule,
+                     counts: Optional[Sequence[int]] = None) -> Optional[List[int]]:
+    """Each parameter's group: the one group (non-empty, where counts are known) whose traits equal its
+    own; None when a parameter fits no group or several."""
+    wanted = [group_traits(h, rule) for h in hypers]
+    out = []
+    for p in params:
+        fits = [g for g, t in enumerate(wanted) if t == param_traits(p, rule) and (counts is None or counts[g])]
+        if len(fits) != 1:
+            return None
+        out.append(fits[0])
+    return out
 
 
 def _tie_by_sizes(groups: List[dict], params: List[RankParam], counts: List[int]) -> Optional[List[List[int]]]:
