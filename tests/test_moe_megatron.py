@@ -336,6 +336,10 @@ def test_expert_optimizer_state_at_ep1_needs_no_extra_code(tmp_path):
     said = []
     api.reshard(tmp_path / "ep1", tmp_path / "ep2out", tp=1, ep=2, warn=said.append)
     assert any("optimizer state dropped: at EP > 1" in m for m in said) and read_megatron(tmp_path / "ep2out").optimizer is None
+    said = []  # expert TP != TP: weights written, the optimizer dropped with a warning, never mis-laid
+    api.reshard(tmp_path / "ep1", tmp_path / "etp1", tp=2, etp=1, warn=said.append)
+    assert any("optimizer state dropped: ckptool does not write the optimizer layout of expert TP 1" in m for m in said)
+    assert read_megatron(tmp_path / "etp1").optimizer is None
     two = read_megatron(tmp_path / "ep2")
     assert two.optimizer is None and any("chained optimizer" in w for w in two.warnings)
     with pytest.raises(CkptError, match="distributed optimizer's buffers of MoE models are not written yet"):
@@ -458,6 +462,14 @@ def test_expert_tp_refusals(moe_root, tmp_path):
     shutil.rmtree(old / "iter_0000007" / "mp_rank_01")
     with pytest.raises(CkptError, match="missing rank directory mp_rank_01 .*before 2026-05"):
         read_megatron(old)
+    # the CLI: reshard --etp
+    from click.testing import CliRunner
+    from ckptool.cli import main
+    res = CliRunner().invoke(main, ["reshard", str(etp / "src"), str(tmp_path / "cli"), "--tp", "4", "--ep", "2", "--etp", "2"])
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in (tmp_path / "cli" / "iter_0000007").iterdir()) == [
+        "mp_rank_00_000", "mp_rank_01_000", "mp_rank_02_001", "mp_rank_03_001"]
+    assert read_megatron(tmp_path / "cli").source.layout.describe() == "TP4 PP1 EP2 ETP2"
     with pytest.raises(CkptError, match="--etp 1: the model has no MoE experts to cut"):
         api.reshard(REPO / "fixtures" / "gpt2_mcore_tp2pp2" / "checkpoint", tmp_path / "c", tp=2, etp=1,
                     warn=lambda m: None)
