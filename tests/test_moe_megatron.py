@@ -555,3 +555,55 @@ def test_the_writer_streams_an_moe_layer_expert_by_expert(tmp_path):
     assert got["layer"]["growth"] > layer, got  # the measurement sees a layer when the unit is one
     back = read_megatron(tmp_path / "expert")  # and the output is whole
     assert back.source.layout.ep == 2 and len([n for n in back.tensors if ".experts." in n]) == 2 * 8 * 3
+
+
+def _group_rank(gen, token: str) -> dict:
+    """global rank -> its rank inside its `token` group, from megatron-core's RankGenerator."""
+    return {r: i for group in gen.get_ranks(token) for i, r in enumerate(group)}
+
+
+# (TP, CP, EP, expert TP, PP, world size); expert TP divides TP (the ones the torch format holds)
+GRIDS = [(2, 1, 2, 1, 1, 4), (2, 1, 2, 1, 1, 8), (4, 1, 2, 1, 1, 4), (4, 1, 2, 2, 1, 8), (2, 1, 1, 1, 1, 2),
+         (2, 1, 3, 1, 1, 6), (2, 2, 2, 1, 1, 8), (4, 2, 4, 2, 2, 32), (8, 1, 2, 2, 2, 32), (2, 1, 4, 2, 1, 8),
+         (1, 1, 4, 1, 1, 4), (2, 2, 4, 1, 2, 16)]
+
+
+@pytest.mark.parametrize("tp, cp, ep, etp, pp, world", GRIDS)
+def test_expert_grid_is_megatron_cores_rank_layout(tp, cp, ep, etp, pp, world):
+    """ckptool's expert_grid against megatron-core's own RankGenerator (parallel_state, default order
+    tp-cp-ep-dp-pp; the expert grid with expert TP, EP, expert DP) and Megatron-LM's save rule (data-parallel
+    rank 0 or expert-data-parallel rank 0 writes mp_rank_<TP rank>[_<PP rank>][_<EP rank>]): every rank
+    loads a file ckptool writes, whose experts are that rank's expert-TP shard; every file Megatron-LM
+    saves lies on the grid with one expert shard, and covers what the reader requires."""
+    from megatron.core.parallel_state import RankGenerator
+    from ckptool.formats.megatron import _check_rank_dirs, _rank_name, expert_grid
+    order = "tp-cp-ep-dp-pp"
+    dense = RankGenerator(tp=tp, ep=1, dp=world // (tp * cp * pp), pp=pp, cp=cp, order=order)
+    expert = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order=order)
+    tpr, dpr, ppr = (_group_rank(dense, x) for x in ("tp", "dp", "pp"))
+    etpr, epr, edpr = (_group_rank(expert, x) for x in ("tp", "ep", "dp"))
+    assert all(ppr[r] == _group_rank(expert, "pp")[r] for r in range(world))
+    grid = expert_grid(tp, ep, etp)
+    saved = {}
+    for r in range(world):
+        assert grid[(tpr[r], epr[r])] == etpr[r]  # the file this rank loads holds its expert shard
+        if dpr[r] == 0 or edpr[r] == 0:
+            saved.setdefault((tpr[r], ppr[r], epr[r]), set()).add(etpr[r])
+    assert all(len(shards) == 1 for shards in saved.values())  # no two savers of one file disagree
+    assert {(t, e) for t, _, e in saved} <= set(grid)
+    _check_rank_dirs({rk: Path(_rank_name(*rk, pp, ep)) for rk in saved}, grid, tp, pp, ep, etp, Path("it"))
+
+
+def test_expert_tp_above_tp_has_no_torch_layout():
+    """Why ckptool refuses expert TP above TP in the torch format: at TP1 ETP2 EP2 (4 ranks) two ranks of
+    different expert-TP rank save the same mp_rank_00_EEE file (megatron-core's RankGenerator)."""
+    from megatron.core.parallel_state import RankGenerator
+    dense = RankGenerator(tp=1, ep=1, dp=4, pp=1, cp=1, order="tp-cp-ep-dp-pp")
+    expert = RankGenerator(tp=2, ep=2, dp=1, pp=1, cp=1, order="tp-cp-ep-dp-pp")
+    tpr, dpr = _group_rank(dense, "tp"), _group_rank(dense, "dp")
+    etpr, epr, edpr = (_group_rank(expert, x) for x in ("tp", "ep", "dp"))
+    names = {}
+    for r in range(4):
+        if dpr[r] == 0 or edpr[r] == 0:  # Megatron-LM's savers: here every rank (expert DP is 1)
+            names.setdefault(f"mp_rank_{tpr[r]:02d}_{epr[r]:03d}", set()).add(etpr[r])
+    assert names == {"mp_rank_00_000": {0, 1}, "mp_rank_00_001": {0, 1}}
