@@ -450,6 +450,8 @@ def test_expert_tp_refusals(moe_root, tmp_path):
     # expert TP above TP has no torch-format layout (ranks of different expert-TP rank share one file name)
     with pytest.raises(CkptError, match="expert tensor parallelism 2 above TP 1 has no torch-format layout"):
         api.reshard(etp / "src", tmp_path / "a", tp=1, ep=2, etp=2, warn=lambda m: None)
+    with pytest.raises(CkptError, match="--etp 0: the expert tensor-parallel size is at least 1"):
+        api.reshard(etp / "src", tmp_path / "b", tp=2, ep=1, etp=0, warn=lambda m: None)
     with pytest.raises(CkptError, match="expert tensor parallelism 3 does not divide TP 2"):
         api.reshard(etp / "src", tmp_path / "b", tp=2, ep=1, etp=3, warn=lambda m: None)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
