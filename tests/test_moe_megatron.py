@@ -48,9 +48,10 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 ARCHS = ("mixtral", "qwen2moe")  # the helper's two models (see mcore_moe_helper.ARCHS)
-# ckptool outputs with expert TP != TP or from the ETP1 save: (name, source, (tp, ep, etp or None = tp))
-ETP_OUTPUTS = [("tp2ep2etp1", "mixtral", (2, 2, 1)), ("tp2ep1etp1", "mixtral", (2, 1, 1)),
-               ("tp2ep2", "etp", (2, 2, None)), ("tp1ep4", "etp", (1, 4, None))]
+# ckptool outputs with expert TP != TP or from the ETP1 save: (name, source, (tp, pp, ep, etp or None = tp))
+ETP_OUTPUTS = [("tp2ep2etp1", "mixtral", (2, 1, 2, 1)), ("tp2ep1etp1", "mixtral", (2, 1, 1, 1)),
+               ("tp2pp2ep2etp1", "mixtral", (2, 2, 2, 1)), ("tp2ep2", "etp", (2, 1, 2, None)),
+               ("tp1ep4", "etp", (1, 1, 4, None))]
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +62,10 @@ def moe_root(tmp_path_factory):
     torchrun([f"save {root / a / 'src'} --tp 2 --ep 2 --arch {a} --out {root / a / 'src.pt'}" for a in ARCHS]
              + [f"save {root / 'etp' / 'src'} --tp 2 --ep 2 --etp 1 --out {root / 'etp' / 'src.pt'}"])
     jobs = []
-    for name, src, (tp, ep, etp) in ETP_OUTPUTS:  # expert TP != TP, both ways (mixtral)
+    for name, src, (tp, pp, ep, etp) in ETP_OUTPUTS:  # expert TP != TP, both ways (mixtral)
         out = root / "etp" / name
-        api.reshard(root / src / "src", out, tp=tp, ep=ep, etp=etp, warn=lambda m: None)
-        jobs.append(f"load-torch {out} --tp {tp} --ep {ep} --etp {etp or tp} --out {out}.pt")
+        api.reshard(root / src / "src", out, tp=tp, pp=pp, ep=ep, etp=etp, warn=lambda m: None)
+        jobs.append(f"load-torch {out} --tp {tp} --pp {pp} --ep {ep} --etp {etp or tp} --out {out}.pt")
     for a in ARCHS:
         d = root / a
         for tp, pp, ep in LAYOUTS:
@@ -427,19 +428,22 @@ def test_reads_the_expert_tp_save_of_megatron_core(moe_root):
 @pytest.mark.parametrize("name, source, layout", ETP_OUTPUTS, ids=[o[0] for o in ETP_OUTPUTS])
 def test_megatron_core_loads_expert_tp_layouts_strictly_with_the_same_logits(moe_root, name, source, layout):
     from ckptool.formats.megatron import expert_grid
-    tp, ep, etp = layout
+    tp, pp, ep, etp = layout
     out = moe_root / "etp" / name
     names = sorted(p.name for p in (out / "iter_0000007").iterdir())
-    want = sorted(f"mp_rank_{t:02d}" + (f"_{e:03d}" if ep > 1 else "") for t, e in expert_grid(tp, ep, etp or tp))
+    want = sorted(f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
+                  for p in range(pp) for t, e in expert_grid(tp, ep, etp or tp))
     assert names == want
-    if (tp, ep, etp) == (2, 2, 1):
+    if (tp, pp, ep, etp) == (2, 1, 2, 1):
         assert names == ["mp_rank_00_000", "mp_rank_01_001"]  # as megatron-core's own save above
-    if (tp, ep, etp) == (2, 1, 1):
+    if (tp, pp, ep, etp) == (2, 2, 2, 1):
+        assert names == ["mp_rank_00_000_000", "mp_rank_00_001_000", "mp_rank_01_000_001", "mp_rank_01_001_001"]
+    if (tp, pp, ep, etp) == (2, 1, 1, 1):
         assert names == ["mp_rank_00", "mp_rank_01"]  # TP > EP x ETP: data-parallel rank 0 saves the second
     ref = torch.load(moe_root / "etp" / "src.pt")["logits"]
     assert relative(torch.load(f"{out}.pt")["logits"], ref) <= 1e-5
     back, src = read_megatron(out), read_megatron(moe_root / source / "src")
-    assert (back.source.layout.ep, back.source.layout.expert_tp) == (ep, etp or tp)
+    assert (back.source.layout.pp, back.source.layout.ep, back.source.layout.expert_tp) == (pp, ep, etp or tp)
     assert back.source.args.expert_tensor_parallel_size == (etp or tp)
     for n in src.tensors:
         assert torch.equal(back.tensors[n].load(), src.tensors[n].load()), n
