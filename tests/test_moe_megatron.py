@@ -406,6 +406,13 @@ def test_te_grouped_experts_are_read_by_their_documented_layout(moe, tmp_path):
     with pytest.raises(CkptError, match="--moe-grouped-gemm: the model has no MoE layers"):
         api.reshard(REPO / "fixtures" / "gpt2_mcore_tp2pp2" / "checkpoint", tmp_path / "d", tp=1,
                     moe_grouped_gemm=True, warn=lambda m: None)
+    from click.testing import CliRunner
+    from ckptool.cli import main
+    res = CliRunner().invoke(main, ["merge", str(moe / "src"), str(tmp_path / "cli"), "--dialect", "mcore-te",
+                                    "--moe-grouped-gemm"])
+    assert res.exit_code == 0, res.output
+    model = torch.load(next((tmp_path / "cli").glob("iter_*/mp_rank_00/model_optim_rng.pt")), weights_only=False)["model"]
+    assert "decoder.layers.1.mlp.experts.linear_fc1.weight3" in model  # TP1 EP1: all four experts local
 
 
 def test_reads_the_expert_tp_save_of_megatron_core(moe_root):
