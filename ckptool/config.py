@@ -230,7 +230,7 @@ class Layout:
 
     @property
     def expert_tp(self) -> int:
-        return self.etp or self.tp
+        return self.tp if self.etp is None else self.etp
 
     def chunks(self, num_layers: int) -> list:
         """[(pp_rank, vpp_chunk, first_global_layer, layer_count)] in global layer order."""

@@ -48,9 +48,10 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 ARCHS = ("mixtral", "qwen2moe")  # the helper's two models (see mcore_moe_helper.ARCHS)
-# ckptool outputs with expert TP != TP or from the ETP1 save: (name, source, (tp, ep, etp or None = tp))
-ETP_OUTPUTS = [("tp2ep2etp1", "mixtral", (2, 2, 1)), ("tp2ep1etp1", "mixtral", (2, 1, 1)),
-               ("tp2ep2", "etp", (2, 2, None)), ("tp1ep4", "etp", (1, 4, None))]
+# ckptool outputs with expert TP != TP or from the ETP1 save: (name, source, (tp, pp, ep, etp or None = tp))
+ETP_OUTPUTS = [("tp2ep2etp1", "mixtral", (2, 1, 2, 1)), ("tp2ep1etp1", "mixtral", (2, 1, 1, 1)),
+               ("tp2pp2ep2etp1", "mixtral", (2, 2, 2, 1)), ("tp2ep2", "etp", (2, 1, 2, None)),
+               ("tp1ep4", "etp", (1, 1, 4, None))]
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +62,10 @@ def moe_root(tmp_path_factory):
     torchrun([f"save {root / a / 'src'} --tp 2 --ep 2 --arch {a} --out {root / a / 'src.pt'}" for a in ARCHS]
              + [f"save {root / 'etp' / 'src'} --tp 2 --ep 2 --etp 1 --out {root / 'etp' / 'src.pt'}"])
     jobs = []
-    for name, src, (tp, ep, etp) in ETP_OUTPUTS:  # expert TP != TP, both ways (mixtral)
+    for name, src, (tp, pp, ep, etp) in ETP_OUTPUTS:  # expert TP != TP, both ways (mixtral)
         out = root / "etp" / name
-        api.reshard(root / src / "src", out, tp=tp, ep=ep, etp=etp, warn=lambda m: None)
-        jobs.append(f"load-torch {out} --tp {tp} --ep {ep} --etp {etp or tp} --out {out}.pt")
+        api.reshard(root / src / "src", out, tp=tp, pp=pp, ep=ep, etp=etp, warn=lambda m: None)
+        jobs.append(f"load-torch {out} --tp {tp} --pp {pp} --ep {ep} --etp {etp or tp} --out {out}.pt")
     for a in ARCHS:
         d = root / a
         for tp, pp, ep in LAYOUTS:
@@ -372,6 +373,13 @@ def test_te_grouped_experts_are_read_by_their_documented_layout(moe, tmp_path):
     with pytest.raises(CkptError, match="--moe-grouped-gemm: the model has no MoE layers"):
         api.reshard(REPO / "fixtures" / "gpt2_mcore_tp2pp2" / "checkpoint", tmp_path / "d", tp=1,
                     moe_grouped_gemm=True, warn=lambda m: None)
+    from click.testing import CliRunner
+    from ckptool.cli import main
+    res = CliRunner().invoke(main, ["merge", str(moe / "src"), str(tmp_path / "cli"), "--dialect", "mcore-te",
+                                    "--moe-grouped-gemm"])
+    assert res.exit_code == 0, res.output
+    model = torch.load(next((tmp_path / "cli").glob("iter_*/mp_rank_00/model_optim_rng.pt")), weights_only=False)["model"]
+    assert "decoder.layers.1.mlp.experts.linear_fc1.weight3" in model  # TP1 EP1: all four experts local
 
 
 def test_reads_the_expert_tp_save_of_megatron_core(moe_root):
@@ -394,19 +402,22 @@ def test_reads_the_expert_tp_save_of_megatron_core(moe_root):
 @pytest.mark.parametrize("name, source, layout", ETP_OUTPUTS, ids=[o[0] for o in ETP_OUTPUTS])
 def test_megatron_core_loads_expert_tp_layouts_strictly_with_the_same_logits(moe_root, name, source, layout):
     from ckptool.formats.megatron import expert_grid
-    tp, ep, etp = layout
+    tp, pp, ep, etp = layout
     out = moe_root / "etp" / name
     names = sorted(p.name for p in (out / "iter_0000007").iterdir())
-    want = sorted(f"mp_rank_{t:02d}" + (f"_{e:03d}" if ep > 1 else "") for t, e in expert_grid(tp, ep, etp or tp))
+    want = sorted(f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
+                  for p in range(pp) for t, e in expert_grid(tp, ep, etp or tp))
     assert names == want
-    if (tp, ep, etp) == (2, 2, 1):
+    if (tp, pp, ep, etp) == (2, 1, 2, 1):
         assert names == ["mp_rank_00_000", "mp_rank_01_001"]  # as megatron-core's own save above
-    if (tp, ep, etp) == (2, 1, 1):
+    if (tp, pp, ep, etp) == (2, 2, 2, 1):
+        assert names == ["mp_rank_00_000_000", "mp_rank_00_001_000", "mp_rank_01_000_001", "mp_rank_01_001_001"]
+    if (tp, pp, ep, etp) == (2, 1, 1, 1):
         assert names == ["mp_rank_00", "mp_rank_01"]  # TP > EP x ETP: data-parallel rank 0 saves the second
     ref = torch.load(moe_root / "etp" / "src.pt")["logits"]
     assert relative(torch.load(f"{out}.pt")["logits"], ref) <= 1e-5
     back, src = read_megatron(out), read_megatron(moe_root / source / "src")
-    assert (back.source.layout.ep, back.source.layout.expert_tp) == (ep, etp or tp)
+    assert (back.source.layout.pp, back.source.layout.ep, back.source.layout.expert_tp) == (pp, ep, etp or tp)
     assert back.source.args.expert_tensor_parallel_size == (etp or tp)
     for n in src.tensors:
         assert torch.equal(back.tensors[n].load(), src.tensors[n].load()), n
@@ -417,6 +428,8 @@ def test_expert_tp_refusals(moe_root, tmp_path):
     # expert TP above TP has no torch-format layout (ranks of different expert-TP rank share one file name)
     with pytest.raises(CkptError, match="expert tensor parallelism 2 above TP 1 has no torch-format layout"):
         api.reshard(etp / "src", tmp_path / "a", tp=1, ep=2, etp=2, warn=lambda m: None)
+    with pytest.raises(CkptError, match="--etp 0: the expert tensor-parallel size is at least 1"):
+        api.reshard(etp / "src", tmp_path / "b", tp=2, ep=1, etp=0, warn=lambda m: None)
     with pytest.raises(CkptError, match="expert tensor parallelism 3 does not divide TP 2"):
         api.reshard(etp / "src", tmp_path / "b", tp=2, ep=1, etp=3, warn=lambda m: None)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
@@ -429,6 +442,14 @@ def test_expert_tp_refusals(moe_root, tmp_path):
     shutil.rmtree(old / "iter_0000007" / "mp_rank_01")
     with pytest.raises(CkptError, match="missing rank directory mp_rank_01 .*before 2026-05"):
         read_megatron(old)
+    # the CLI: reshard --etp
+    from click.testing import CliRunner
+    from ckptool.cli import main
+    res = CliRunner().invoke(main, ["reshard", str(etp / "src"), str(tmp_path / "cli"), "--tp", "4", "--ep", "2", "--etp", "2"])
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in (tmp_path / "cli" / "iter_0000007").iterdir()) == [
+        "mp_rank_00_000", "mp_rank_01_000", "mp_rank_02_001", "mp_rank_03_001"]
+    assert read_megatron(tmp_path / "cli").source.layout.describe() == "TP4 PP1 EP2 ETP2"
     with pytest.raises(CkptError, match="--etp 1: the model has no MoE experts to cut"):
         api.reshard(REPO / "fixtures" / "gpt2_mcore_tp2pp2" / "checkpoint", tmp_path / "c", tp=2, etp=1,
                     warn=lambda m: None)
@@ -514,3 +535,55 @@ def test_the_writer_streams_an_moe_layer_expert_by_expert(tmp_path):
     assert got["layer"]["growth"] > layer, got  # the measurement sees a layer when the unit is one
     back = read_megatron(tmp_path / "expert")  # and the output is whole
     assert back.source.layout.ep == 2 and len([n for n in back.tensors if ".experts." in n]) == 2 * 8 * 3
+
+
+def _group_rank(gen, token: str) -> dict:
+    """global rank -> its rank inside its `token` group, from megatron-core's RankGenerator."""
+    return {r: i for group in gen.get_ranks(token) for i, r in enumerate(group)}
+
+
+# (TP, CP, EP, expert TP, PP, world size); expert TP divides TP (the ones the torch format holds)
+GRIDS = [(2, 1, 2, 1, 1, 4), (2, 1, 2, 1, 1, 8), (4, 1, 2, 1, 1, 4), (4, 1, 2, 2, 1, 8), (2, 1, 1, 1, 1, 2),
+         (2, 1, 3, 1, 1, 6), (2, 2, 2, 1, 1, 8), (4, 2, 4, 2, 2, 32), (8, 1, 2, 2, 2, 32), (2, 1, 4, 2, 1, 8),
+         (1, 1, 4, 1, 1, 4), (2, 2, 4, 1, 2, 16)]
+
+
+@pytest.mark.parametrize("tp, cp, ep, etp, pp, world", GRIDS)
+def test_expert_grid_is_megatron_cores_rank_layout(tp, cp, ep, etp, pp, world):
+    """ckptool's expert_grid against megatron-core's own RankGenerator (parallel_state, default order
+    tp-cp-ep-dp-pp; the expert grid with expert TP, EP, expert DP) and Megatron-LM's save rule (data-parallel
+    rank 0 or expert-data-parallel rank 0 writes mp_rank_<TP rank>[_<PP rank>][_<EP rank>]): every rank
+    loads a file ckptool writes, whose experts are that rank's expert-TP shard; every file Megatron-LM
+    saves lies on the grid with one expert shard, and covers what the reader requires."""
+    from megatron.core.parallel_state import RankGenerator
+    from ckptool.formats.megatron import _check_rank_dirs, _rank_name, expert_grid
+    order = "tp-cp-ep-dp-pp"
+    dense = RankGenerator(tp=tp, ep=1, dp=world // (tp * cp * pp), pp=pp, cp=cp, order=order)
+    expert = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order=order)
+    tpr, dpr, ppr = (_group_rank(dense, x) for x in ("tp", "dp", "pp"))
+    etpr, epr, edpr = (_group_rank(expert, x) for x in ("tp", "ep", "dp"))
+    assert all(ppr[r] == _group_rank(expert, "pp")[r] for r in range(world))
+    grid = expert_grid(tp, ep, etp)
+    saved = {}
+    for r in range(world):
+        assert grid[(tpr[r], epr[r])] == etpr[r]  # the file this rank loads holds its expert shard
+        if dpr[r] == 0 or edpr[r] == 0:
+            saved.setdefault((tpr[r], ppr[r], epr[r]), set()).add(etpr[r])
+    assert all(len(shards) == 1 for shards in saved.values())  # no two savers of one file disagree
+    assert {(t, e) for t, _, e in saved} <= set(grid)
+    _check_rank_dirs({rk: Path(_rank_name(*rk, pp, ep)) for rk in saved}, grid, tp, pp, ep, etp, Path("it"))
+
+
+def test_expert_tp_above_tp_has_no_torch_layout():
+    """Why ckptool refuses expert TP above TP in the torch format: at TP1 ETP2 EP2 (4 ranks) two ranks of
+    different expert-TP rank save the same mp_rank_00_EEE file (megatron-core's RankGenerator)."""
+    from megatron.core.parallel_state import RankGenerator
+    dense = RankGenerator(tp=1, ep=1, dp=4, pp=1, cp=1, order="tp-cp-ep-dp-pp")
+    expert = RankGenerator(tp=2, ep=2, dp=1, pp=1, cp=1, order="tp-cp-ep-dp-pp")
+    tpr, dpr = _group_rank(dense, "tp"), _group_rank(dense, "dp")
+    etpr, epr, edpr = (_group_rank(expert, x) for x in ("tp", "ep", "dp"))
+    names = {}
+    for r in range(4):
+        if dpr[r] == 0 or edpr[r] == 0:  # Megatron-LM's savers: here every rank (expert DP is 1)
+            names.setdefault(f"mp_rank_{tpr[r]:02d}_{epr[r]:03d}", set()).add(etpr[r])
+    assert names == {"mp_rank_00_000": {0, 1}, "mp_rank_00_001": {0, 1}}

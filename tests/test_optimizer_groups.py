@@ -242,6 +242,14 @@ def test_moe_distributed_optimizer_target_is_refused(moe_runs, tmp_path):
     assert not (tmp_path / "d").exists()
 
 
+def test_expert_tp_below_tp_drops_the_optimizer_with_a_warning(moe_runs, tmp_path):
+    """Expert TP != TP: the weights are written, the optimizer is dropped with a warning, never mis-laid."""
+    said = []
+    api.reshard(moe_runs / "ep1", tmp_path / "etp1", tp=2, etp=1, warn=said.append)
+    assert any("optimizer state dropped: ckptool does not write the optimizer layout of expert TP 1" in m for m in said)
+    assert read_megatron(tmp_path / "etp1").optimizer is None
+
+
 def test_target_groups_are_re_formed_by_megatron_cores_rule_at_the_target():
     """EP 1 -> EP 2: the experts' group gets an expert-parallel copy in a second optimizer; every rank
     lists every group of its optimizer, empty or not (megatron-core 0.16 aligns them over the ranks)."""

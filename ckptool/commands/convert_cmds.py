@@ -81,6 +81,9 @@ def megatron_output_options(fn):
 @click.command("merge")
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
+@click.option("--moe-grouped-gemm/--no-moe-grouped-gemm", default=None,
+              help="MoE experts for a run with --moe-grouped-gemm (torch format, --dialect mcore-te: TEGroupedMLP); "
+                   "default: as the source when it has that dialect, else SequentialMLP.")
 @megatron_output_options
 @output_options
 @source_options
