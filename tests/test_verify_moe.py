@@ -76,7 +76,6 @@ def runs(moe):
         "tp2ep2_merged": [moe / "tp2ep2"],  # against the single-process forward of the same files
         "tp2ep2_hf": [moe / "tp2ep2", "--reference", moe / "hf"],
         "qwen_pp2ep2_uneven": [moe / "qwen_pp2ep2", "--batch", 3, "--seq-len", 8],  # rows 2 + 1
-        "corrupt_hf": [moe / "corrupt", "--reference", moe / "hf"],
         "corrupt_mcore": [moe / "corrupt", "--reference-logits", m("tp2ep2")],
     }
     return verify_batch(4, cases, moe / "runs")
@@ -101,13 +100,22 @@ def test_expert_parallel_forward_matches_the_one_process_and_transformers_forwar
     assert "  layer 0 " in out, out  # hidden states compared layer by layer (transformers: not the last)
 
 
-def test_a_corrupted_expert_is_caught_and_its_file_named(runs):
-    out, rc = runs["corrupt_hf"]
-    assert rc == 1 and "result=FAIL" in out, out
-    line = next(l for l in out.splitlines() if l.startswith("first_divergence="))
+def test_a_corrupted_expert_is_caught_and_its_file_named(runs, moe):
+    """Under plain `torchrun -m ckptool verify` (the entry point itself): the divergence names the layer
+    and the one rank file holding the corrupted expert; every rank exits 1 and, stderr being a pipe,
+    ckptool's result line comes after torchrun's report."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    r = subprocess.run(["torchrun", "--nproc-per-node", "4", "--master-port", str(free_port()), "-m", "ckptool",
+                        "verify", str(moe / "corrupt"), "--reference", str(moe / "hf")],
+                       capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert r.returncode == 1 and "result=FAIL" in r.stdout, r.stdout + r.stderr[-3000:]
+    line = next(l for l in r.stdout.splitlines() if l.startswith("first_divergence="))
     assert line.startswith("first_divergence=layer 1 "), line  # transformers has no hidden state of the last layer
-    assert "expert 3" in line and "mp_rank_01_001" in line, line
-    assert "mp_rank_00_001" not in line.split("expert 3", 1)[1].split(";")[0], line  # the one file, not its TP peer
+    named = line.split("MoE pieces that differ", 1)[1]
+    assert "expert 3 in mp_rank_01_001, local expert 1" in named and named.count(" in mp_rank_") == 1, line
+    assert r.stderr.strip().splitlines()[-1] == "result=FAIL (see the report above)", r.stderr[-3000:]
+    assert r.stderr.count("exitcode  : 1 ") == 4, r.stderr[-3000:]  # every rank: ckptool's "mismatch"
     out, rc = runs["corrupt_mcore"]  # recorded logits alone: caught, located no further than the output
     assert rc == 1 and "result=FAIL" in out, out
 

@@ -83,7 +83,7 @@ def verify_cmd(target, ref, reference_logits, files_dir, tokens, tokenizer, batc
     if not result.ok:
         from ..distributed import fail_as_team, torchrun_rank
         if torchrun_rank() is not None:  # rank 0 printed the report: it exits first, every rank with status 1
-            fail_as_team("result=FAIL (see the report above)", EXIT["mismatch"], 0, lambda line: None)
+            fail_as_team("result=FAIL (see the report above)", EXIT["mismatch"], 0, lambda line: None, agreed=True)
         sys.exit(EXIT["mismatch"])
 
 
