@@ -1,7 +1,7 @@
 """`ckptool verify`: run a checkpoint and compare its logits with a reference.
 
-Under torchrun (WORLD_SIZE = TP * PP of the target) every rank loads its own shard and the model
-runs tensor- and pipeline-parallel as the framework ran it (verify/parallel.py). Without torchrun
+Under torchrun (WORLD_SIZE = TP * PP, x EP for MoE, of the target) every rank loads its own shard and
+the model runs tensor-, pipeline- (and expert-) parallel as the framework ran it (verify/parallel.py). Without torchrun
 the merged target runs in one process. `--files DST` checks an output directory's manifest instead.
 """
 from __future__ import annotations
@@ -64,13 +64,15 @@ def verify_cmd(target, ref, reference_logits, files_dir, tokens, tokenizer, batc
 
     Under torchrun, TARGET is a Megatron checkpoint (torch format, VPP included, or torch_dist) or a
     DeepSpeed save (Megatron-DeepSpeed pipeline files, ZeRO runs of Megatron models with TP), and
-    WORLD_SIZE must be TP * PP of the layout it runs at; each rank reads only its own shard.
+    WORLD_SIZE must be TP * PP of the layout it runs at (x EP for MoE checkpoints saved with expert
+    parallelism: mp_rank_TT[_PPP]_EEE); each rank reads only its own shard.
 
     \b
     Examples:
       torchrun --nproc-per-node 4 -m ckptool verify ckpts/run1                # TP2 PP2 vs merged
       torchrun --nproc-per-node 4 -m ckptool verify out --reference ckpts/run1
       torchrun --nproc-per-node 4 -m ckptool verify ckpts/run1 --reference-logits ref.pt:logits_fp32
+      torchrun --nproc-per-node 4 -m ckptool verify moe_tp2ep2 --reference hf_dir  # MoE at TP2 EP2
       torchrun --nproc-per-node 2 -m ckptool verify dist_ckpt --tp 1 --pp 2  # torch_dist at TP1 PP2
       torchrun --nproc-per-node 2 -m ckptool verify dist_ckpt --pp 2 --vpp 2  # ... interleaved
       ckptool verify out --reference hf_model_dir                             # one process
