@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import free_port
-from test_verify import metric, verify_batch
+from test_verify import _fake_torchrun, metric, verify_batch
 
 from ckptool import api
 from ckptool.config import Layout
@@ -53,6 +53,7 @@ def moe(tmp_path_factory):
     api.reshard(root / "tp2ep2", root / "tp1ep4", tp=1, ep=4, warn=lambda m: None)
     api.reshard(root / "qwen_tp2ep2", root / "qwen_pp2ep2", tp=1, pp=2, ep=2, warn=lambda m: None)
     api.to_hf(root / "tp2ep2", root / "hf", warn=lambda m: None)
+    api.to_hf(root / "pp2ep2", root / "hf_pp2ep2", warn=lambda m: None)
     # one expert corrupted in one EP rank's file: layer 1's local expert 1 of mp_rank_01_001 (TP rank 1,
     # EP rank 1: global expert 3) takes local expert 0's fc2 columns (a swapped expert)
     shutil.copytree(root / "tp2ep2", root / "corrupt")
@@ -75,6 +76,7 @@ def runs(moe):
         "ep4_mcore": [moe / "tp1ep4", "--reference-logits", m("tp2ep2")],  # batch 2 over 4 EP ranks: two idle
         "tp2ep2_merged": [moe / "tp2ep2"],  # against the single-process forward of the same files
         "tp2ep2_hf": [moe / "tp2ep2", "--reference", moe / "hf"],
+        "pp2ep2_hf": [moe / "pp2ep2", "--reference", moe / "hf_pp2ep2"],
         "qwen_pp2ep2_uneven": [moe / "qwen_pp2ep2", "--batch", 3, "--seq-len", 8],  # rows 2 + 1
         "corrupt_mcore": [moe / "corrupt", "--reference-logits", m("tp2ep2")],
     }
@@ -92,7 +94,7 @@ def test_expert_parallel_forward_reproduces_megatron_cores_logits(runs, moe, cas
     assert metric(out, "max_abs_error") <= 1e-5 * ref.abs().max().item(), out  # fp32: relative 1e-5
 
 
-@pytest.mark.parametrize("case", ["tp2ep2_merged", "tp2ep2_hf", "qwen_pp2ep2_uneven"])
+@pytest.mark.parametrize("case", ["tp2ep2_merged", "tp2ep2_hf", "pp2ep2_hf", "qwen_pp2ep2_uneven"])
 def test_expert_parallel_forward_matches_the_one_process_and_transformers_forwards(runs, case):
     out, rc = runs[case]
     assert rc == 0 and "result=PASS" in out, out
@@ -154,3 +156,9 @@ def test_torch_dist_style_slices_hold_the_ranks_experts(moe):
     assert set(cut.tensors) == set(own.tensors)
     for name, t in own.tensors.items():
         assert torch.equal(cut.tensors[name].load(), t.load()), name
+
+
+def test_the_process_count_must_be_tp_x_pp_x_ep(moe):
+    r = _fake_torchrun(2, moe / "tp2ep2")
+    assert r.returncode == 2, r.output
+    assert "torchrun started 2 processes but" in r.output and "is TP2 PP1 EP2: it needs 4" in r.output, r.output

@@ -74,14 +74,17 @@ def _no_reduce_mlp(x, w, p, cfg, r):
     return partial + w[p + "fc2.bias"] if p + "fc2.bias" in w and r.tp_rank == 0 else partial
 
 
-def reference_pieces(ref_ckpt: Checkpoint, i: int, h: torch.Tensor, tp: int, tp_rank: int,
-                     experts: range, dtype) -> Dict[str, torch.Tensor]:
-    """The same pieces from the reference's merged weights, each expert's cut to TP rank tp_rank of tp."""
-    cfg = ref_ckpt.config
+def reference_mlp_weights(ref_ckpt: Checkpoint, i: int, dtype, device) -> Dict[str, torch.Tensor]:
     p = f"layers.{i}.mlp."
     with load_scope():
-        w = {k: v.load().to(device=h.device, dtype=dtype) for k, v in ref_ckpt.layer_tensors(i).items()
-             if k.startswith(p)}
+        return {k: v.load().to(device=device, dtype=dtype) for k, v in ref_ckpt.layer_tensors(i).items()
+                if k.startswith(p)}
+
+
+def reference_pieces(cfg: GPTConfig, w: Dict[str, torch.Tensor], i: int, h: torch.Tensor, tp: int, tp_rank: int,
+                     experts: range) -> Dict[str, torch.Tensor]:
+    """The same pieces from the reference's merged weights w, each expert's cut to TP rank tp_rank of tp."""
+    p = f"layers.{i}.mlp."
     out = {"router": F.linear(h, w[p + "router.weight"], w.get(p + "router.bias")).float()}
     scopes = [(f"expert {e}", f"{p}experts.{e}.") for e in experts]
     if cfg.moe.shared_ffn_hidden_size:
@@ -126,10 +129,11 @@ def diagnose(layer: int, got: Dict[Tuple[int, int], Dict[str, torch.Tensor]], re
              layout, dtype, tolerance: float, file_of) -> str:
     """One line naming the MoE pieces of `layer` that differ from the reference's and their files."""
     bad: List[str] = []
+    w = reference_mlp_weights(ref_ckpt, layer, dtype, h.device)
     for (t, e), pieces in sorted(got.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         experts = [int(k.split()[1]) for k in pieces if k.startswith("expert ")]
-        want = reference_pieces(ref_ckpt, layer, h, layout.tp, t, range(min(experts), max(experts) + 1)
-                                if experts else range(0), dtype)
+        want = reference_pieces(ref_ckpt.config, w, layer, h, layout.tp, t, range(min(experts), max(experts) + 1)
+                                if experts else range(0))
         for name, value in pieces.items():
             ref = want[name]
             scale = max(ref.abs().max().item(), 1e-6)
