@@ -162,3 +162,20 @@ def test_the_process_count_must_be_tp_x_pp_x_ep(moe):
     r = _fake_torchrun(2, moe / "tp2ep2")
     assert r.returncode == 2, r.output
     assert "torchrun started 2 processes but" in r.output and "is TP2 PP1 EP2: it needs 4" in r.output, r.output
+
+
+def test_expert_tp_other_than_tp_is_refused_by_name(moe, monkeypatch):
+    """The parallel forward shards experts at TP: a checkpoint whose args say another expert TP is
+    refused before any process group is joined (read as the reader gives it, args edited)."""
+    import copy
+    from ckptool.commands.verify_cmd import parallel_target
+    from ckptool.errors import CkptError
+    from ckptool.formats import megatron_ranks
+    from ckptool.options import ReadOptions
+    cfg, layout, ck = megatron_ranks.read_layout(moe / "tp2ep2")
+    args = copy.copy(ck.source.args)
+    args.expert_tensor_parallel_size = 1
+    ck.source.args = args
+    monkeypatch.setattr(megatron_ranks, "read_layout", lambda *a, **k: (cfg, layout, ck))
+    with pytest.raises(CkptError, match="expert TP 1 and TP 2"):
+        parallel_target(str(moe / "tp2ep2"), ReadOptions(), None, None, 4)

@@ -156,7 +156,7 @@ def run_single(target, ref, reference_logits, opts, dtype, tol, token_args) -> b
                             lambda dt: _reference(ref, recorded, ckpt, tokens, dt, "cpu", opts)[0])
     ok = _report(cmp.compare(logits, ref_logits, cols, tol, hidden, ref_hidden, noise_floor=floor))
     layout = ckpt.source.layout
-    n = layout.tp * layout.pp
+    n = layout.tp * layout.pp * layout.ep
     if n > 1:
         click.echo(f"note: this ran the merged target in one process; for the {layout.describe()} "
                    f"parallel forward run: torchrun --nproc-per-node {n} -m ckptool verify {target} ...")
@@ -283,6 +283,10 @@ def parallel_target(target, opts, tp, pp, world, vpp=None) -> ParallelTarget:
         meta = read_layout(target, opts)
         cfg, layout, ckpt = meta
         _dense_only(ckpt, target)
+        etp = getattr(ckpt.source.args, "expert_tensor_parallel_size", None) if cfg.moe is not None else None
+        require(etp in (None, layout.tp), f"{target}: the parallel verify runs experts at expert TP = TP, but "
+                f"this checkpoint has expert TP {etp} and TP {layout.tp}",
+                f"run `ckptool verify` without torchrun, or reshard it first: ckptool reshard {target} DST --ep N")
         require(tp in (None, layout.tp) and pp in (None, layout.pp) and vpp in (None, layout.vpp),
                 f"{target} is stored at {layout.describe()}; a torch-format checkpoint runs at the layout of "
                 "its files", f"drop --tp/--pp/--vpp, or reshard it first: ckptool reshard {target} DST --tp N --pp M")
