@@ -62,6 +62,13 @@ def moe(tmp_path_factory):
     p = "decoder.layers.1.mlp.experts.local_experts.{}.linear_fc2.weight"
     state["model"][p.format(1)] = state["model"][p.format(0)].clone()
     torch.save(state, f)
+    # the Qwen-like model's shared expert (replicated over EP) changed in one file: TP rank 1, EP rank 0
+    api.to_hf(root / "qwen_tp2ep2", root / "hf_qwen", warn=lambda m: None)
+    shutil.copytree(root / "qwen_tp2ep2", root / "qwen_shared")
+    f = root / "qwen_shared" / "iter_0000007" / "mp_rank_01_000" / "model_optim_rng.pt"
+    state = torch.load(f, weights_only=False)
+    state["model"]["decoder.layers.1.mlp.shared_experts.linear_fc2.weight"] *= 1.5
+    torch.save(state, f)
     return root
 
 
@@ -79,6 +86,7 @@ def runs(moe):
         "pp2ep2_hf": [moe / "pp2ep2", "--reference", moe / "hf_pp2ep2"],
         "qwen_pp2ep2_uneven": [moe / "qwen_pp2ep2", "--batch", 3, "--seq-len", 8],  # rows 2 + 1
         "corrupt_mcore": [moe / "corrupt", "--reference-logits", m("tp2ep2")],
+        "qwen_shared": [moe / "qwen_shared", "--reference", moe / "hf_qwen"],
     }
     return verify_batch(4, cases, moe / "runs")
 
@@ -120,6 +128,14 @@ def test_a_corrupted_expert_is_caught_and_its_file_named(runs, moe):
     assert r.stderr.count("exitcode  : 1 ") == 4, r.stderr[-3000:]  # every rank: ckptool's "mismatch"
     out, rc = runs["corrupt_mcore"]  # recorded logits alone: caught, located no further than the output
     assert rc == 1 and "result=FAIL" in out, out
+
+
+def test_a_changed_shared_expert_copy_is_named_with_its_file(runs):
+    out, rc = runs["qwen_shared"]
+    assert rc == 1 and "result=FAIL" in out, out
+    line = next(l for l in out.splitlines() if l.startswith("first_divergence="))
+    named = line.split("MoE pieces that differ", 1)[1]
+    assert "shared expert in mp_rank_01_000" in named and named.count(" in mp_rank_") == 1, line
 
 
 def test_a_rank_reads_only_its_own_file_and_holds_only_its_experts(moe, monkeypatch):

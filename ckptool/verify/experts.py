@@ -21,7 +21,7 @@ from ..config import GPTConfig
 from ..lazy import load_scope
 from ..state import Checkpoint
 from . import reference as ref_fwd
-from .parallel import Ranks, expert_partial, mlp
+from .parallel import Ranks, expert_partial
 
 
 def probe_layer(first_divergence: Optional[str], cfg: GPTConfig, ref_ckpt: Optional[Checkpoint],
@@ -61,17 +61,10 @@ def rank_pieces(h: torch.Tensor, w, i: int, cfg: GPTConfig, r: Ranks, experts: r
     for e in experts:
         out[f"expert {e}"] = expert_partial(h, w, f"{p}experts.{e}.", cfg, r).float()
     if cfg.moe.shared_ffn_hidden_size:
-        out["shared expert"] = _no_reduce_mlp(h, w, p + "shared.", cfg, r).float()
+        out["shared expert"] = expert_partial(h, w, p + "shared.", cfg, r).float()  # the same TP-partial MLP
         if cfg.moe.shared_gate:
             out["shared expert gate"] = F.linear(h, w[p + "shared_gate.weight"]).float()
     return out
-
-
-def _no_reduce_mlp(x, w, p, cfg, r):
-    """The shared expert's partial output on this TP rank (mlp() without its all-reduce)."""
-    lone = Ranks(r.rank, r.world, 1, r.pp, 0, r.pp_rank, None, r.device)
-    partial = mlp(x, {k: v for k, v in w.items() if k.startswith(p) and not k.endswith("fc2.bias")}, p, cfg, lone)
-    return partial + w[p + "fc2.bias"] if p + "fc2.bias" in w and r.tp_rank == 0 else partial
 
 
 def reference_mlp_weights(ref_ckpt: Checkpoint, i: int, dtype, device) -> Dict[str, torch.Tensor]:
