@@ -62,6 +62,12 @@ def moe(tmp_path_factory):
     p = "decoder.layers.1.mlp.experts.local_experts.{}.linear_fc2.weight"
     state["model"][p.format(1)] = state["model"][p.format(0)].clone()
     torch.save(state, f)
+    # not an MoE piece: layer 1's attention output projection changed in one file
+    shutil.copytree(root / "tp2ep2", root / "attn")
+    f = root / "attn" / "iter_0000007" / "mp_rank_00_000" / "model_optim_rng.pt"
+    state = torch.load(f, weights_only=False)
+    state["model"]["decoder.layers.1.self_attention.linear_proj.weight"] *= 1.5
+    torch.save(state, f)
     # the Qwen-like model's shared expert (replicated over EP) changed in one file: TP rank 1, EP rank 0
     api.to_hf(root / "qwen_tp2ep2", root / "hf_qwen", warn=lambda m: None)
     shutil.copytree(root / "qwen_tp2ep2", root / "qwen_shared")
@@ -87,6 +93,7 @@ def runs(moe):
         "qwen_pp2ep2_uneven": [moe / "qwen_pp2ep2", "--batch", 3, "--seq-len", 8],  # rows 2 + 1
         "corrupt_mcore": [moe / "corrupt", "--reference-logits", m("tp2ep2")],
         "qwen_shared": [moe / "qwen_shared", "--reference", moe / "hf_qwen"],
+        "attn": [moe / "attn", "--reference", moe / "hf"],
     }
     return verify_batch(4, cases, moe / "runs")
 
@@ -136,6 +143,14 @@ def test_a_changed_shared_expert_copy_is_named_with_its_file(runs):
     line = next(l for l in out.splitlines() if l.startswith("first_divergence="))
     named = line.split("MoE pieces that differ", 1)[1]
     assert "shared expert in mp_rank_01_000" in named and named.count(" in mp_rank_") == 1, line
+
+
+def test_a_divergence_outside_the_moe_pieces_says_so(runs):
+    out, rc = runs["attn"]
+    assert rc == 1 and "result=FAIL" in out, out
+    line = next(l for l in out.splitlines() if l.startswith("first_divergence="))
+    assert "layer 1: its router, experts and shared expert compute what the reference's do" in line, line
+    assert "attention or norms" in line, line
 
 
 def test_a_rank_reads_only_its_own_file_and_holds_only_its_experts(moe, monkeypatch):
