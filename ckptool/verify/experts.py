@@ -135,6 +135,8 @@ def diagnose(layer: int, got: Dict[Tuple[int, int], Dict[str, torch.Tensor]], re
                 local = f", local expert {int(name.split()[1]) - min(experts)}" if name.startswith("expert ") else ""
                 bad.append(f"{name} in {file_of(t, e)}{local} (relative diff {diff / scale:.3g})")
     if not bad:
-        return (f"its router, experts and shared expert compute what the reference's do on the reference's input: "
-                f"the difference is in its attention or norms")
+        shared = any("shared expert" in pieces for pieces in got.values())
+        probed = "router, experts and shared expert" if shared else "router and experts"
+        return (f"its {probed} compute what the reference's do on the reference's input: the difference is in "
+                "its attention or norms")
     return "MoE pieces that differ from the reference's on the reference's input: " + "; ".join(bad)
