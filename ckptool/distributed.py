@@ -86,8 +86,11 @@ def _leave() -> None:
 # prints its own ChildFailedError report (and exits 1, whatever the ranks' statuses). So the rank
 # that reports the error must be the first to exit, and the others must wait for it silently; if it
 # never exits (it did not meet this error, e.g. it waits in a collective for this rank), they report
-# it themselves after REPORTER_GRACE_S.
+# it themselves after REPORTER_GRACE_S. When the team agreed on the reporter (a verify result, a
+# TeamError), it surely reports, and may take a while to exit on a loaded machine (its interpreter's
+# teardown): the others then wait up to AGREED_GRACE_S, so the line is not said by every rank.
 REPORTER_GRACE_S = 10.0
+AGREED_GRACE_S = 120.0
 # Set by `python -m ckptool.torchrun` for its ranks: that launcher ends with ckptool's line itself.
 LAUNCHER_ENV = "CKPTOOL_TORCHRUN_LAUNCHER"
 # How long the line deferred past torchrun's report waits for torchrun to end (it ends within
@@ -104,10 +107,10 @@ def torchrun_rank() -> Optional[int]:
 
 
 def fail_as_team(line: str, status: int, reporter: int, say: Callable[[str], None],
-                 tail: Optional[str] = None) -> NoReturn:
+                 tail: Optional[str] = None, agreed: bool = False) -> NoReturn:
     """End this rank of a failed torchrun command: the reporter rank says `line` and exits first with
     `status`; the others exit with the same status without a word once torchrun stops them (or, after
-    REPORTER_GRACE_S, say it themselves). Every failing rank writes `line` to torchrun's error file
+    REPORTER_GRACE_S, or AGREED_GRACE_S when the team agreed on the reporter, say it themselves). Every failing rank writes `line` to torchrun's error file
     (TORCHELASTIC_ERROR_FILE), so torchrun's report names ckptool's error for each rank instead of a
     traceback hint. Under plain torchrun, whose report would otherwise be the last thing printed, the
     reporter leaves `tail` (default: `line`) to be printed once torchrun has ended (say_after_torchrun)."""
@@ -119,7 +122,7 @@ def fail_as_team(line: str, status: int, reporter: int, say: Callable[[str], Non
         import time
         signal.signal(signal.SIGTERM, lambda *_: os._exit(status))
         _write_error_file(line)
-        time.sleep(REPORTER_GRACE_S)
+        time.sleep(AGREED_GRACE_S if agreed else REPORTER_GRACE_S)
     else:
         _write_error_file(line)
     tail = line if tail is None else tail

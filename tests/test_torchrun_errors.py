@@ -107,3 +107,38 @@ def test_the_launcher_ends_with_ckptools_line_and_status(tmp_path):
     assert lines[-1] == f"error: {tmp_path / 'missing'}: no such file or directory", r.stderr[-3000:]
     assert sum(line.startswith("error:") for line in lines) == 1
     assert "ChildFailedError" not in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("env, why", [
+    ({}, "not under a torchrun agent"),
+    ({"TORCHELASTIC_RUN_ID": "x", "CKPTOOL_TORCHRUN_LAUNCHER": "1"}, "python -m ckptool.torchrun ends with the line"),
+    ({"TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_MAX_RESTARTS": "2", "TORCHELASTIC_RESTART_COUNT": "1"},
+     "the agent will start the ranks again"),
+])
+def test_the_line_is_said_at_once_where_a_late_line_would_mislead(monkeypatch, env, why):
+    from ckptool import distributed
+    for k in ("TORCHELASTIC_RUN_ID", "CKPTOOL_TORCHRUN_LAUNCHER", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    spawned = []
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: spawned.append(a))
+    assert distributed.say_after_torchrun("error: x") is False, why
+    assert not spawned
+
+
+def test_the_late_line_waits_for_torchrun_to_end(tmp_path):
+    """The detached printer says the line only once the agent process has ended (here: a sleeping
+    stand-in for torchrun), on the stderr it was given."""
+    import time
+    from ckptool import distributed
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+    err = tmp_path / "stderr"
+    with open(err, "w") as f:
+        printer = subprocess.Popen([sys.executable, "-c", distributed._TAIL_SCRIPT, str(agent.pid), "error: late", "60"],
+                                   stderr=f)
+        time.sleep(0.5)
+        assert err.read_text() == ""  # the agent still runs
+        agent.wait()
+        printer.wait(timeout=30)
+    assert err.read_text() == "error: late\n"

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import free_port
-from test_verify import metric, verify_batch
+from test_verify import _fake_torchrun, metric, verify_batch
 
 from ckptool import api
 from ckptool.config import Layout
@@ -53,6 +53,7 @@ def moe(tmp_path_factory):
     api.reshard(root / "tp2ep2", root / "tp1ep4", tp=1, ep=4, warn=lambda m: None)
     api.reshard(root / "qwen_tp2ep2", root / "qwen_pp2ep2", tp=1, pp=2, ep=2, warn=lambda m: None)
     api.to_hf(root / "tp2ep2", root / "hf", warn=lambda m: None)
+    api.to_hf(root / "pp2ep2", root / "hf_pp2ep2", warn=lambda m: None)
     # one expert corrupted in one EP rank's file: layer 1's local expert 1 of mp_rank_01_001 (TP rank 1,
     # EP rank 1: global expert 3) takes local expert 0's fc2 columns (a swapped expert)
     shutil.copytree(root / "tp2ep2", root / "corrupt")
@@ -60,6 +61,19 @@ def moe(tmp_path_factory):
     state = torch.load(f, weights_only=False)
     p = "decoder.layers.1.mlp.experts.local_experts.{}.linear_fc2.weight"
     state["model"][p.format(1)] = state["model"][p.format(0)].clone()
+    torch.save(state, f)
+    # not an MoE piece: layer 1's attention output projection changed in one file
+    shutil.copytree(root / "tp2ep2", root / "attn")
+    f = root / "attn" / "iter_0000007" / "mp_rank_00_000" / "model_optim_rng.pt"
+    state = torch.load(f, weights_only=False)
+    state["model"]["decoder.layers.1.self_attention.linear_proj.weight"] *= 1.5
+    torch.save(state, f)
+    # the Qwen-like model's shared expert (replicated over EP) changed in one file: TP rank 1, EP rank 0
+    api.to_hf(root / "qwen_tp2ep2", root / "hf_qwen", warn=lambda m: None)
+    shutil.copytree(root / "qwen_tp2ep2", root / "qwen_shared")
+    f = root / "qwen_shared" / "iter_0000007" / "mp_rank_01_000" / "model_optim_rng.pt"
+    state = torch.load(f, weights_only=False)
+    state["model"]["decoder.layers.1.mlp.shared_experts.linear_fc2.weight"] *= 1.5
     torch.save(state, f)
     return root
 
@@ -75,9 +89,11 @@ def runs(moe):
         "ep4_mcore": [moe / "tp1ep4", "--reference-logits", m("tp2ep2")],  # batch 2 over 4 EP ranks: two idle
         "tp2ep2_merged": [moe / "tp2ep2"],  # against the single-process forward of the same files
         "tp2ep2_hf": [moe / "tp2ep2", "--reference", moe / "hf"],
+        "pp2ep2_hf": [moe / "pp2ep2", "--reference", moe / "hf_pp2ep2"],
         "qwen_pp2ep2_uneven": [moe / "qwen_pp2ep2", "--batch", 3, "--seq-len", 8],  # rows 2 + 1
-        "corrupt_hf": [moe / "corrupt", "--reference", moe / "hf"],
         "corrupt_mcore": [moe / "corrupt", "--reference-logits", m("tp2ep2")],
+        "qwen_shared": [moe / "qwen_shared", "--reference", moe / "hf_qwen"],
+        "attn": [moe / "attn", "--reference", moe / "hf"],
     }
     return verify_batch(4, cases, moe / "runs")
 
@@ -93,7 +109,7 @@ def test_expert_parallel_forward_reproduces_megatron_cores_logits(runs, moe, cas
     assert metric(out, "max_abs_error") <= 1e-5 * ref.abs().max().item(), out  # fp32: relative 1e-5
 
 
-@pytest.mark.parametrize("case", ["tp2ep2_merged", "tp2ep2_hf", "qwen_pp2ep2_uneven"])
+@pytest.mark.parametrize("case", ["tp2ep2_merged", "tp2ep2_hf", "pp2ep2_hf", "qwen_pp2ep2_uneven"])
 def test_expert_parallel_forward_matches_the_one_process_and_transformers_forwards(runs, case):
     out, rc = runs[case]
     assert rc == 0 and "result=PASS" in out, out
@@ -101,15 +117,40 @@ def test_expert_parallel_forward_matches_the_one_process_and_transformers_forwar
     assert "  layer 0 " in out, out  # hidden states compared layer by layer (transformers: not the last)
 
 
-def test_a_corrupted_expert_is_caught_and_its_file_named(runs):
-    out, rc = runs["corrupt_hf"]
-    assert rc == 1 and "result=FAIL" in out, out
-    line = next(l for l in out.splitlines() if l.startswith("first_divergence="))
+def test_a_corrupted_expert_is_caught_and_its_file_named(runs, moe):
+    """Under plain `torchrun -m ckptool verify` (the entry point itself): the divergence names the layer
+    and the one rank file holding the corrupted expert; every rank exits 1 and, stderr being a pipe,
+    ckptool's result line comes after torchrun's report."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    r = subprocess.run(["torchrun", "--nproc-per-node", "4", "--master-port", str(free_port()), "-m", "ckptool",
+                        "verify", str(moe / "corrupt"), "--reference", str(moe / "hf")],
+                       capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert r.returncode == 1 and "result=FAIL" in r.stdout, r.stdout + r.stderr[-3000:]
+    line = next(l for l in r.stdout.splitlines() if l.startswith("first_divergence="))
     assert line.startswith("first_divergence=layer 1 "), line  # transformers has no hidden state of the last layer
-    assert "expert 3" in line and "mp_rank_01_001" in line, line
-    assert "mp_rank_00_001" not in line.split("expert 3", 1)[1].split(";")[0], line  # the one file, not its TP peer
+    named = line.split("MoE pieces that differ", 1)[1]
+    assert "expert 3 in mp_rank_01_001, local expert 1" in named and named.count(" in mp_rank_") == 1, line
+    assert r.stderr.strip().splitlines()[-1] == "result=FAIL (see the report above)", r.stderr[-3000:]
+    assert r.stderr.count("exitcode  : 1 ") == 4, r.stderr[-3000:]  # every rank: ckptool's "mismatch"
     out, rc = runs["corrupt_mcore"]  # recorded logits alone: caught, located no further than the output
     assert rc == 1 and "result=FAIL" in out, out
+
+
+def test_a_changed_shared_expert_copy_is_named_with_its_file(runs):
+    out, rc = runs["qwen_shared"]
+    assert rc == 1 and "result=FAIL" in out, out
+    line = next(l for l in out.splitlines() if l.startswith("first_divergence="))
+    named = line.split("MoE pieces that differ", 1)[1]
+    assert "shared expert in mp_rank_01_000" in named and named.count(" in mp_rank_") == 1, line
+
+
+def test_a_divergence_outside_the_moe_pieces_says_so(runs):
+    out, rc = runs["attn"]
+    assert rc == 1 and "result=FAIL" in out, out
+    line = next(l for l in out.splitlines() if l.startswith("first_divergence="))
+    assert "layer 1: its router and experts compute what the reference's do" in line, line  # (no shared expert)
+    assert "attention or norms" in line, line
 
 
 def test_a_rank_reads_only_its_own_file_and_holds_only_its_experts(moe, monkeypatch):
@@ -146,3 +187,26 @@ def test_torch_dist_style_slices_hold_the_ranks_experts(moe):
     assert set(cut.tensors) == set(own.tensors)
     for name, t in own.tensors.items():
         assert torch.equal(cut.tensors[name].load(), t.load()), name
+
+
+def test_the_process_count_must_be_tp_x_pp_x_ep(moe):
+    r = _fake_torchrun(2, moe / "tp2ep2")
+    assert r.returncode == 2, r.output
+    assert "torchrun started 2 processes but" in r.output and "is TP2 PP1 EP2: it needs 4" in r.output, r.output
+
+
+def test_expert_tp_other_than_tp_is_refused_by_name(moe, monkeypatch):
+    """The parallel forward shards experts at TP: a checkpoint whose args say another expert TP is
+    refused before any process group is joined (read as the reader gives it, args edited)."""
+    import copy
+    from ckptool.commands.verify_cmd import parallel_target
+    from ckptool.errors import CkptError
+    from ckptool.formats import megatron_ranks
+    from ckptool.options import ReadOptions
+    cfg, layout, ck = megatron_ranks.read_layout(moe / "tp2ep2")
+    args = copy.copy(ck.source.args)
+    args.expert_tensor_parallel_size = 1
+    ck.source.args = args
+    monkeypatch.setattr(megatron_ranks, "read_layout", lambda *a, **k: (cfg, layout, ck))
+    with pytest.raises(CkptError, match="expert TP 1 and TP 2"):
+        parallel_target(str(moe / "tp2ep2"), ReadOptions(), None, None, 4)

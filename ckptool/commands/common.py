@@ -10,7 +10,7 @@ from typing import Callable, Optional
 import click
 from tqdm import tqdm
 
-from ..errors import EXIT, CkptError, exit_status_of
+from ..errors import EXIT, CkptError, TeamError, exit_status_of
 from ..options import CHOICES, ReadOptions, pop_read_options
 
 
@@ -127,7 +127,7 @@ def reports_errors(fn: Callable) -> Callable:
         except (KeyboardInterrupt, Exception) as e:
             if debug and not isinstance(e, KeyboardInterrupt):
                 traceback.print_exc()
-            _fail(error_line(e), exit_status_of(e), getattr(e, "reporter", 0))
+            _fail(error_line(e), exit_status_of(e), getattr(e, "reporter", 0), isinstance(e, TeamError))
 
     return wrapper
 
@@ -144,13 +144,13 @@ def error_line(e: BaseException) -> str:
     return f"internal error: {type(e).__name__}: {e} (rerun with `ckptool --debug ...` and report it)"
 
 
-def _fail(line: str, status: int, reporter: int) -> None:
+def _fail(line: str, status: int, reporter: int, agreed: bool = False) -> None:
     from ..distributed import fail_as_team, torchrun_rank
     say = lambda text: click.echo(text, err=True)  # noqa: E731
     if torchrun_rank() is None:
         say(line)
         sys.exit(status)
-    fail_as_team(line, status, reporter, say)
+    fail_as_team(line, status, reporter, say, agreed=agreed)
 
 
 def _quiet_broken_pipe() -> None:

@@ -1,7 +1,7 @@
 """`ckptool verify`: run a checkpoint and compare its logits with a reference.
 
-Under torchrun (WORLD_SIZE = TP * PP of the target) every rank loads its own shard and the model
-runs tensor- and pipeline-parallel as the framework ran it (verify/parallel.py). Without torchrun
+Under torchrun (WORLD_SIZE = TP * PP, x EP for MoE, of the target) every rank loads its own shard and
+the model runs tensor-, pipeline- (and expert-) parallel as the framework ran it (verify/parallel.py). Without torchrun
 the merged target runs in one process. `--files DST` checks an output directory's manifest instead.
 """
 from __future__ import annotations
@@ -64,13 +64,15 @@ def verify_cmd(target, ref, reference_logits, files_dir, tokens, tokenizer, batc
 
     Under torchrun, TARGET is a Megatron checkpoint (torch format, VPP included, or torch_dist) or a
     DeepSpeed save (Megatron-DeepSpeed pipeline files, ZeRO runs of Megatron models with TP), and
-    WORLD_SIZE must be TP * PP of the layout it runs at; each rank reads only its own shard.
+    WORLD_SIZE must be TP * PP of the layout it runs at (x EP for MoE checkpoints saved with expert
+    parallelism: mp_rank_TT[_PPP]_EEE); each rank reads only its own shard.
 
     \b
     Examples:
       torchrun --nproc-per-node 4 -m ckptool verify ckpts/run1                # TP2 PP2 vs merged
       torchrun --nproc-per-node 4 -m ckptool verify out --reference ckpts/run1
       torchrun --nproc-per-node 4 -m ckptool verify ckpts/run1 --reference-logits ref.pt:logits_fp32
+      torchrun --nproc-per-node 4 -m ckptool verify moe_tp2ep2 --reference hf_dir  # MoE at TP2 EP2
       torchrun --nproc-per-node 2 -m ckptool verify dist_ckpt --tp 1 --pp 2  # torch_dist at TP1 PP2
       torchrun --nproc-per-node 2 -m ckptool verify dist_ckpt --pp 2 --vpp 2  # ... interleaved
       ckptool verify out --reference hf_model_dir                             # one process
@@ -83,7 +85,7 @@ def verify_cmd(target, ref, reference_logits, files_dir, tokens, tokenizer, batc
     if not result.ok:
         from ..distributed import fail_as_team, torchrun_rank
         if torchrun_rank() is not None:  # rank 0 printed the report: it exits first, every rank with status 1
-            fail_as_team("result=FAIL (see the report above)", EXIT["mismatch"], 0, lambda line: None)
+            fail_as_team("result=FAIL (see the report above)", EXIT["mismatch"], 0, lambda line: None, agreed=True)
         sys.exit(EXIT["mismatch"])
 
 
@@ -154,7 +156,7 @@ def run_single(target, ref, reference_logits, opts, dtype, tol, token_args) -> b
                             lambda dt: _reference(ref, recorded, ckpt, tokens, dt, "cpu", opts)[0])
     ok = _report(cmp.compare(logits, ref_logits, cols, tol, hidden, ref_hidden, noise_floor=floor))
     layout = ckpt.source.layout
-    n = layout.tp * layout.pp
+    n = layout.tp * layout.pp * layout.ep
     if n > 1:
         click.echo(f"note: this ran the merged target in one process; for the {layout.describe()} "
                    f"parallel forward run: torchrun --nproc-per-node {n} -m ckptool verify {target} ...")
@@ -280,6 +282,10 @@ def parallel_target(target, opts, tp, pp, world, vpp=None) -> ParallelTarget:
         meta = read_layout(target, opts)
         cfg, layout, ckpt = meta
         _dense_only(ckpt, target)
+        etp = getattr(ckpt.source.args, "expert_tensor_parallel_size", None) if cfg.moe is not None else None
+        require(etp in (None, layout.tp), f"{target}: the parallel verify runs experts at expert TP = TP, but "
+                f"this checkpoint has expert TP {etp} and TP {layout.tp}",
+                f"run `ckptool verify` without torchrun, or reshard it first: ckptool reshard {target} DST --ep N")
         require(tp in (None, layout.tp) and pp in (None, layout.pp) and vpp in (None, layout.vpp),
                 f"{target} is stored at {layout.describe()}; a torch-format checkpoint runs at the layout of "
                 "its files", f"drop --tp/--pp/--vpp, or reshard it first: ckptool reshard {target} DST --tp N --pp M")

@@ -106,6 +106,11 @@ def read_rank_shards(path, tp_rank: int, pp_rank: int, opts: Optional[ReadOption
                 value = Derived(lambda x: qkv_to_grouped(x, version, heads_local, cfg.head_dim), [value])
             if role.startswith("experts."):  # local index j -> global expert
                 _, j, base = role.split(".", 2)
+                if not j.isdigit():  # one tensor of all local experts (legacy GroupedMLP weight1 / weight2)
+                    raise CkptError(f"{file}: {key} holds all local experts in one tensor (legacy GroupedMLP); "
+                                    "the parallel verify reads experts one by one",
+                                    f"run `ckptool verify` without torchrun, or reshard it first (SequentialMLP): "
+                                    f"ckptool reshard {path} DST --ep {layout.ep}")
                 role = expert_role(experts.start + int(j), base)
             out[f"layers.{first + local}.{role}"] = value
     return RankShards(cfg, layout, tp_rank, pp_rank, chunks, out, file, ep_rank, experts)

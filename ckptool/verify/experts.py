@@ -21,7 +21,7 @@ from ..config import GPTConfig
 from ..lazy import load_scope
 from ..state import Checkpoint
 from . import reference as ref_fwd
-from .parallel import Ranks, expert_partial, mlp
+from .parallel import Ranks, expert_partial
 
 
 def probe_layer(first_divergence: Optional[str], cfg: GPTConfig, ref_ckpt: Optional[Checkpoint],
@@ -61,27 +61,23 @@ def rank_pieces(h: torch.Tensor, w, i: int, cfg: GPTConfig, r: Ranks, experts: r
     for e in experts:
         out[f"expert {e}"] = expert_partial(h, w, f"{p}experts.{e}.", cfg, r).float()
     if cfg.moe.shared_ffn_hidden_size:
-        out["shared expert"] = _no_reduce_mlp(h, w, p + "shared.", cfg, r).float()
+        out["shared expert"] = expert_partial(h, w, p + "shared.", cfg, r).float()  # the same TP-partial MLP
         if cfg.moe.shared_gate:
             out["shared expert gate"] = F.linear(h, w[p + "shared_gate.weight"]).float()
     return out
 
 
-def _no_reduce_mlp(x, w, p, cfg, r):
-    """The shared expert's partial output on this TP rank (mlp() without its all-reduce)."""
-    lone = Ranks(r.rank, r.world, 1, r.pp, 0, r.pp_rank, None, r.device)
-    partial = mlp(x, {k: v for k, v in w.items() if k.startswith(p) and not k.endswith("fc2.bias")}, p, cfg, lone)
-    return partial + w[p + "fc2.bias"] if p + "fc2.bias" in w and r.tp_rank == 0 else partial
-
-
-def reference_pieces(ref_ckpt: Checkpoint, i: int, h: torch.Tensor, tp: int, tp_rank: int,
-                     experts: range, dtype) -> Dict[str, torch.Tensor]:
-    """The same pieces from the reference's merged weights, each expert's cut to TP rank tp_rank of tp."""
-    cfg = ref_ckpt.config
+def reference_mlp_weights(ref_ckpt: Checkpoint, i: int, dtype, device) -> Dict[str, torch.Tensor]:
     p = f"layers.{i}.mlp."
     with load_scope():
-        w = {k: v.load().to(device=h.device, dtype=dtype) for k, v in ref_ckpt.layer_tensors(i).items()
-             if k.startswith(p)}
+        return {k: v.load().to(device=device, dtype=dtype) for k, v in ref_ckpt.layer_tensors(i).items()
+                if k.startswith(p)}
+
+
+def reference_pieces(cfg: GPTConfig, w: Dict[str, torch.Tensor], i: int, h: torch.Tensor, tp: int, tp_rank: int,
+                     experts: range) -> Dict[str, torch.Tensor]:
+    """The same pieces from the reference's merged weights w, each expert's cut to TP rank tp_rank of tp."""
+    p = f"layers.{i}.mlp."
     out = {"router": F.linear(h, w[p + "router.weight"], w.get(p + "router.bias")).float()}
     scopes = [(f"expert {e}", f"{p}experts.{e}.") for e in experts]
     if cfg.moe.shared_ffn_hidden_size:
@@ -126,10 +122,11 @@ def diagnose(layer: int, got: Dict[Tuple[int, int], Dict[str, torch.Tensor]], re
              layout, dtype, tolerance: float, file_of) -> str:
     """One line naming the MoE pieces of `layer` that differ from the reference's and their files."""
     bad: List[str] = []
+    w = reference_mlp_weights(ref_ckpt, layer, dtype, h.device)
     for (t, e), pieces in sorted(got.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         experts = [int(k.split()[1]) for k in pieces if k.startswith("expert ")]
-        want = reference_pieces(ref_ckpt, layer, h, layout.tp, t, range(min(experts), max(experts) + 1)
-                                if experts else range(0), dtype)
+        want = reference_pieces(ref_ckpt.config, w, layer, h, layout.tp, t, range(min(experts), max(experts) + 1)
+                                if experts else range(0))
         for name, value in pieces.items():
             ref = want[name]
             scale = max(ref.abs().max().item(), 1e-6)
@@ -138,6 +135,8 @@ def diagnose(layer: int, got: Dict[Tuple[int, int], Dict[str, torch.Tensor]], re
                 local = f", local expert {int(name.split()[1]) - min(experts)}" if name.startswith("expert ") else ""
                 bad.append(f"{name} in {file_of(t, e)}{local} (relative diff {diff / scale:.3g})")
     if not bad:
-        return (f"its router, experts and shared expert compute what the reference's do on the reference's input: "
-                f"the difference is in its attention or norms")
+        shared = any("shared expert" in pieces for pieces in got.values())
+        probed = "router, experts and shared expert" if shared else "router and experts"
+        return (f"its {probed} compute what the reference's do on the reference's input: the difference is in "
+                "its attention or norms")
     return "MoE pieces that differ from the reference's on the reference's input: " + "; ".join(bad)

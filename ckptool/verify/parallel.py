@@ -1,7 +1,8 @@
 """The GPT forward as Megatron runs it: tensor- and pipeline-parallel, one process per rank.
 
-Run under torchrun with WORLD_SIZE = TP * PP. Ranks are numbered TP-fastest (rank = pp * TP + tp),
-Megatron's default order. Every rank computes with the tensors of its own checkpoint file
+Run under torchrun with WORLD_SIZE = TP * PP (* EP for MoE checkpoints saved with expert parallelism).
+Ranks are numbered as megatron-core's default order has them: TP fastest, then EP, then the stage
+(rank = (pp * EP + ep) * TP + tp). Every rank computes with the tensors of its own checkpoint file
 (formats/megatron_ranks.py), so replicated tensors that drifted apart in training give the same
 numbers here as they did there.
 
@@ -13,6 +14,13 @@ numbers here as they did there.
                  output projection row-parallel + all-reduce, then the bias
   mlp            fc1 column-parallel ([gate_r; up_r] per rank for SwiGLU), fc2 row-parallel +
                  all-reduce, then the bias
+  moe            (MoE layers) the EP ranks are the data-parallel ranks of the dense part, so each runs
+                 its share of the batch rows; the router (replicated) picks each token's top-k
+                 experts; tokens, choices and weights are all-gathered over the stage's EP ranks;
+                 every rank runs its own experts (its TP share of each: [gate_r; up_r] rows, down
+                 columns) on the tokens routed to them, weighted; the partial outputs are summed
+                 over the stage's TP x EP ranks and each keeps its own rows (dropless: no capacity);
+                 the shared expert runs like a dense MLP
   head           final norm, vocab-parallel logits, all-gathered over TP on the last stage
   pipeline       the hidden state goes stage to stage with send/recv between equal TP ranks;
                  with virtual chunks it goes round all stages once per chunk (interleaved order)
