@@ -116,3 +116,30 @@ def test_writers_and_conversions_never_branch_on_the_sources_format():
                     and node.value.attr == "source"):
                 found.append(f"{path.name}:{node.lineno}")
     assert found == []
+
+
+def test_to_hf_of_a_deepspeed_run_of_another_hf_model_reads_its_files_once(tmp_path, monkeypatch):
+    """A DeepSpeed save of a non-GPT Hugging Face model (here a tiny BERT: module weights, no ZeRO
+    shards) is named by the table, read once, and exported by the reader's NoCanonicalForm."""
+    import json
+    from safetensors.torch import load_file
+    from ckptool.formats import deepspeed_zero
+    run = tmp_path / "run"
+    (run / "global_step1").mkdir(parents=True)
+    (run / "latest").write_text("global_step1")
+    module = {"bert.embeddings.word_embeddings.weight": torch.randn(8, 4), "cls.predictions.bias": torch.randn(8)}
+    torch.save({"module": module, "param_shapes": [{k: tuple(v.shape) for k, v in module.items()}]},
+               run / "global_step1" / "mp_rank_00_model_states.pt")
+    (run / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"],
+                                                 "vocab_size": 8}))
+    assert registry.detect_format(run) == "deepspeed"
+    opened = []
+    real = deepspeed_zero.load_torch_file  # how the ZeRO reader opens every model-states file
+    monkeypatch.setattr(deepspeed_zero, "load_torch_file", lambda p, *a, **k: opened.append(Path(p).name) or real(p, *a, **k))
+    result = ckptool.to_hf(run, tmp_path / "hf")
+    assert opened == ["mp_rank_00_model_states.pt"]  # opened once, by the table's reader; the export reuses it
+    assert result.kind == "deepspeed-hf" and result["model_type"] == "bert" and result.checkpoint is None
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    assert got.keys() == module.keys() and all(torch.equal(got[k], module[k]) for k in module)
+    with pytest.raises(NoCanonicalForm, match="not a GPT"):
+        ckptool.open(run)
