@@ -146,6 +146,19 @@ def test_damaged_megatron_and_torch_dist_files_take_the_full_path(megatron_dirs,
                 out.writestr(info, src.read(info))
     rank_file.with_name("x.pt").replace(rank_file)
     assert quick_inspect.quick_open(meg, {}) is None
+    # one TP rank's fc1 cut in half (the full reader: "inconsistent across tensor-parallel ranks")
+    from ckptool.io.torchfile import load_torch_file, save_streaming
+    from ckptool.lazy import Const
+    shutil.copytree(megatron_dirs["gpt2_mcore"], tmp_path / "shape")
+    rank_file = next((tmp_path / "shape").glob("*/mp_rank_01_000/model_optim_rng.pt"))
+    tree = load_torch_file(rank_file)
+    w = tree["model"]["decoder.layers.0.mlp.linear_fc1.weight"]
+    tree["model"]["decoder.layers.0.mlp.linear_fc1.weight"] = Const(torch.zeros(w.shape[0] // 2, w.shape[1]))
+    save_streaming(tree, rank_file.with_suffix(".tmp"))
+    rank_file.with_suffix(".tmp").replace(rank_file)
+    assert quick_inspect.quick_open(tmp_path / "shape", {}) is None
+    r = CliRunner().invoke(main, ["inspect", str(tmp_path / "shape")])
+    assert r.exit_code == 2 and "inconsistent across tensor-parallel ranks" in r.output
     code = tmp_path / "code"
     shutil.copytree(megatron_dirs["dist_llama"], code)
     (next(code.glob("iter_*")) / ".metadata").write_bytes(b"cos\nsystem\n(S'echo pwned'\ntR.")
