@@ -26,7 +26,7 @@ def test_every_entry_resolves_to_functions():
     for fmt in registry.FORMATS:
         for ref in (fmt.looks_like_ref, fmt.read_ref, fmt.write_ref):
             if ref is not None:
-                assert callable(registry._function(ref)), ref
+                assert callable(registry.resolve(ref)), ref
         assert (fmt.looks_like_ref is None) == (fmt.read_ref is None), fmt.name  # what is claimed is read
     assert set(registry.OUTPUT_FORMATS) == {"torch", "torch_dist", "ds-universal"}
     assert registry.OUTPUT_FORMATS[0] == "torch"
