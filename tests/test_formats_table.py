@@ -24,7 +24,7 @@ def test_every_entry_resolves_to_functions():
     names = [f.name for f in registry.FORMATS]
     assert len(set(names)) == len(names)
     for fmt in registry.FORMATS:
-        for ref in (fmt.looks_like_ref, fmt.read_ref, fmt.write_ref):
+        for ref in (fmt.looks_like_ref, fmt.read_ref, fmt.write_ref, fmt.quick_ref):
             if ref is not None:
                 assert callable(registry.resolve(ref)), ref
         assert (fmt.looks_like_ref is None) == (fmt.read_ref is None), fmt.name  # what is claimed is read
@@ -34,6 +34,23 @@ def test_every_entry_resolves_to_functions():
         registry.output_format("zarr")
     with pytest.raises(CkptError, match="does not write deepspeed"):
         registry.BY_NAME["deepspeed"].write
+
+
+def test_naming_a_directorys_format_imports_no_torch():
+    """The directory formats' looks_like and every quick reader import without torch, so the table
+    can name a directory's format, and inspect read it, before torch is needed (quick_inspect.py)."""
+    import os
+    import subprocess
+    import sys
+    refs = [f.looks_like_ref for f in registry.FORMATS if f.looks_like_ref and f.name != "dle-bert"]
+    refs += [f.quick_ref for f in registry.FORMATS if f.quick_ref]
+    code = ("import sys\nfrom ckptool.formats import registry\n"
+            f"for ref in {refs!r}: registry.resolve(ref)\n"
+            f"print(registry.detect_format({str(GPT2 / 'checkpoint')!r}))\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "megatron", r.stderr
 
 
 @pytest.fixture(scope="module")
