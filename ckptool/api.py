@@ -92,7 +92,9 @@ def open(path: Union[str, Path], **read_options) -> Checkpoint:  # noqa: A001 (c
     names: iteration, true_vocab_size, replicas, weights, qkv_layout, hf_config, args_from, and for
     checkpoints that store no args num_attention_heads, num_query_groups, activation, num_layers,
     hidden_size, ffn_hidden_size, max_position_embeddings, vocab_size, normalization, rotary_base.
-    Raises CkptError for a path that is not a readable checkpoint, TypeError for an unknown option."""
+    Raises CkptError for a path that is not a readable checkpoint (errors.NoCanonicalForm for one ckptool
+    recognises but cannot read as a GPT: a DeepLearningExamples BERT file, a DeepSpeed run of another
+    Hugging Face model; to_hf exports those), TypeError for an unknown option."""
     from .formats.registry import open_checkpoint
     return open_checkpoint(path, _parse_read_options(**read_options))
 
