@@ -92,7 +92,9 @@ def open(path: Union[str, Path], **read_options) -> Checkpoint:  # noqa: A001 (c
     names: iteration, true_vocab_size, replicas, weights, qkv_layout, hf_config, args_from, and for
     checkpoints that store no args num_attention_heads, num_query_groups, activation, num_layers,
     hidden_size, ffn_hidden_size, max_position_embeddings, vocab_size, normalization, rotary_base.
-    Raises CkptError for a path that is not a readable checkpoint, TypeError for an unknown option."""
+    Raises CkptError for a path that is not a readable checkpoint (errors.NoCanonicalForm for one ckptool
+    recognises but cannot read as a GPT: a DeepLearningExamples BERT file, a DeepSpeed run of another
+    Hugging Face model; to_hf exports those), TypeError for an unknown option."""
     from .formats.registry import open_checkpoint
     return open_checkpoint(path, _parse_read_options(**read_options))
 
@@ -295,12 +297,16 @@ def from_hf(src, dst, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep
     checkpoint at tp / pp (/ vpp, pp_layers; ep and etp for MoE models), as `ckptool from-hf`. The vocabulary is padded for tp
     as Megatron pads it (make_vocab_size_divisible_by, default 128); true_vocab_size overrides
     config.json's vocab_size. Other options as for merge()."""
-    from .formats.registry import BY_NAME
-    hf = BY_NAME["hf"]
-    if not hf.looks_like(src):
-        raise CkptError(f"{src}: not a Hugging Face GPT-2/Llama/Mistral/Qwen2/Qwen3 (or Mixtral/Qwen-MoE) directory",
+    from .formats.registry import source_format
+    try:
+        fmt = source_format(src)
+    except CkptError:
+        fmt = None
+    if fmt is None or fmt.name != "hf":
+        raise CkptError(f"{src}: not a Hugging Face GPT-2/Llama/Mistral/Qwen2/Qwen3 (or Mixtral/Qwen-MoE) directory"
+                        + (f" but a {fmt.name} checkpoint" if fmt is not None else ""),
                         "expected a directory with config.json and model.safetensors or pytorch_model.bin")
-    ckpt = hf.read(src, ReadOptions(true_vocab_size=true_vocab_size))
+    ckpt = fmt.read(src, ReadOptions(true_vocab_size=true_vocab_size))
     layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp and vpp > 1 else None, stage_layers=_stage_layers(pp_layers), ep=ep,
                     etp=etp)
     return _write_megatron_family("from-hf", src, dst, ckpt, layout, force, progress, warn, format="torch",

@@ -24,9 +24,9 @@ def test_every_entry_resolves_to_functions():
     names = [f.name for f in registry.FORMATS]
     assert len(set(names)) == len(names)
     for fmt in registry.FORMATS:
-        for ref in (fmt.looks_like_ref, fmt.read_ref, fmt.write_ref):
+        for ref in (fmt.looks_like_ref, fmt.read_ref, fmt.write_ref, fmt.quick_ref):
             if ref is not None:
-                assert callable(registry._function(ref)), ref
+                assert callable(registry.resolve(ref)), ref
         assert (fmt.looks_like_ref is None) == (fmt.read_ref is None), fmt.name  # what is claimed is read
     assert set(registry.OUTPUT_FORMATS) == {"torch", "torch_dist", "ds-universal"}
     assert registry.OUTPUT_FORMATS[0] == "torch"
@@ -34,6 +34,23 @@ def test_every_entry_resolves_to_functions():
         registry.output_format("zarr")
     with pytest.raises(CkptError, match="does not write deepspeed"):
         registry.BY_NAME["deepspeed"].write
+
+
+def test_naming_a_directorys_format_imports_no_torch():
+    """The directory formats' looks_like and every quick reader import without torch, so the table
+    can name a directory's format, and inspect read it, before torch is needed (quick_inspect.py)."""
+    import os
+    import subprocess
+    import sys
+    refs = [f.looks_like_ref for f in registry.FORMATS if f.looks_like_ref and f.name != "dle-bert"]
+    refs += [f.quick_ref for f in registry.FORMATS if f.quick_ref]
+    code = ("import sys\nfrom ckptool.formats import registry\n"
+            f"for ref in {refs!r}: registry.resolve(ref)\n"
+            f"print(registry.detect_format({str(GPT2 / 'checkpoint')!r}))\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "megatron", r.stderr
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +133,30 @@ def test_writers_and_conversions_never_branch_on_the_sources_format():
                     and node.value.attr == "source"):
                 found.append(f"{path.name}:{node.lineno}")
     assert found == []
+
+
+def test_to_hf_of_a_deepspeed_run_of_another_hf_model_reads_its_files_once(tmp_path, monkeypatch):
+    """A DeepSpeed save of a non-GPT Hugging Face model (here a tiny BERT: module weights, no ZeRO
+    shards) is named by the table, read once, and exported by the reader's NoCanonicalForm."""
+    import json
+    from safetensors.torch import load_file
+    from ckptool.formats import deepspeed_zero
+    run = tmp_path / "run"
+    (run / "global_step1").mkdir(parents=True)
+    (run / "latest").write_text("global_step1")
+    module = {"bert.embeddings.word_embeddings.weight": torch.randn(8, 4), "cls.predictions.bias": torch.randn(8)}
+    torch.save({"module": module, "param_shapes": [{k: tuple(v.shape) for k, v in module.items()}]},
+               run / "global_step1" / "mp_rank_00_model_states.pt")
+    (run / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"],
+                                                 "vocab_size": 8}))
+    assert registry.detect_format(run) == "deepspeed"
+    opened = []
+    real = deepspeed_zero.load_torch_file  # how the ZeRO reader opens every model-states file
+    monkeypatch.setattr(deepspeed_zero, "load_torch_file", lambda p, *a, **k: opened.append(Path(p).name) or real(p, *a, **k))
+    result = ckptool.to_hf(run, tmp_path / "hf")
+    assert opened == ["mp_rank_00_model_states.pt"]  # opened once, by the table's reader; the export reuses it
+    assert result.kind == "deepspeed-hf" and result["model_type"] == "bert" and result.checkpoint is None
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    assert got.keys() == module.keys() and all(torch.equal(got[k], module[k]) for k in module)
+    with pytest.raises(NoCanonicalForm, match="not a GPT"):
+        ckptool.open(run)

@@ -1,5 +1,6 @@
 """`ckptool inspect` without torch (ckptool/quick_inspect.py) and the lazily imported CLI: the quick
 path prints exactly what the full reader's path prints, and never imports torch."""
+import io
 import json
 import subprocess
 import sys
@@ -122,6 +123,48 @@ def test_quick_megatron_inspect_equals_the_full_path_without_torch(megatron_dirs
     assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d)
     quick = quick_inspect.quick_open(d, {})
     assert type(next(iter(quick.tensors.values()))).__name__ == "TensorMeta"
+
+
+def test_damaged_megatron_and_torch_dist_files_take_the_full_path(megatron_dirs, tmp_path):
+    """What the full reader refuses on opening (a missing chunk file, a truncated rank file, a tensor
+    whose storage record is gone, code in a pickle) the quick path leaves to it."""
+    import shutil
+    import zipfile
+    dist = tmp_path / "dist"
+    shutil.copytree(megatron_dirs["dist_llama"], dist)
+    (next(dist.glob("iter_*")) / "__0_0.distcp").unlink()
+    assert quick_inspect.quick_open(dist, {}) is None
+    meg = tmp_path / "meg"
+    shutil.copytree(megatron_dirs["llama_legacy_norm"], meg)
+    rank_file = next(meg.glob("*/mp_rank_01/model_optim_rng.pt"))
+    whole = rank_file.read_bytes()
+    rank_file.write_bytes(whole[: len(whole) // 2])
+    assert quick_inspect.quick_open(meg, {}) is None
+    with zipfile.ZipFile(rank_file.with_name("x.pt"), "w") as out, zipfile.ZipFile(io.BytesIO(whole)) as src:
+        for info in src.infolist():  # every record but one tensor's storage
+            if "/data/" not in info.filename or not info.filename.endswith("/0"):
+                out.writestr(info, src.read(info))
+    rank_file.with_name("x.pt").replace(rank_file)
+    assert quick_inspect.quick_open(meg, {}) is None
+    # one TP rank's fc1 cut in half (the full reader: "inconsistent across tensor-parallel ranks")
+    from ckptool.io.torchfile import load_torch_file, save_streaming
+    from ckptool.lazy import Const
+    shutil.copytree(megatron_dirs["gpt2_mcore"], tmp_path / "shape")
+    rank_file = next((tmp_path / "shape").glob("*/mp_rank_01_000/model_optim_rng.pt"))
+    tree = load_torch_file(rank_file)
+    w = tree["model"]["decoder.layers.0.mlp.linear_fc1.weight"]
+    tree["model"]["decoder.layers.0.mlp.linear_fc1.weight"] = Const(torch.zeros(w.shape[0] // 2, w.shape[1]))
+    save_streaming(tree, rank_file.with_suffix(".tmp"))
+    rank_file.with_suffix(".tmp").replace(rank_file)
+    assert quick_inspect.quick_open(tmp_path / "shape", {}) is None
+    r = CliRunner().invoke(main, ["inspect", str(tmp_path / "shape")])
+    assert r.exit_code == 2 and "inconsistent across tensor-parallel ranks" in r.output
+    code = tmp_path / "code"
+    shutil.copytree(megatron_dirs["dist_llama"], code)
+    (next(code.glob("iter_*")) / ".metadata").write_bytes(b"cos\nsystem\n(S'echo pwned'\ntR.")
+    assert quick_inspect.quick_open(code, {}) is None
+    r = CliRunner().invoke(main, ["inspect", str(code)])
+    assert r.exit_code == 2 and "refusing" in r.output and "pwned" not in r.output
 
 
 def test_quick_inspect_of_megatron_cores_own_torch_dist_save(tmp_path, monkeypatch):

@@ -31,7 +31,8 @@ from ..options import ReadOptions
 from ..state import Checkpoint
 
 
-def _function(ref: Optional[str]) -> Optional[Callable]:
+def resolve(ref: Optional[str]) -> Optional[Callable]:
+    """The function a "module:function" reference names (imported now), or None for None."""
     if ref is None:
         return None
     module, name = ref.split(":")
@@ -51,11 +52,11 @@ class Format:
     quick_ref: Optional[str] = None  # torch-free metadata reader for inspect (quick_inspect.py)
 
     def looks_like(self, path) -> bool:
-        fn = _function(self.looks_like_ref)
+        fn = resolve(self.looks_like_ref)
         return fn is not None and bool(fn(Path(path)))
 
     def read(self, path, opts: ReadOptions) -> Checkpoint:
-        fn = _function(self.read_ref)
+        fn = resolve(self.read_ref)
         if fn is None:  # pragma: no cover - every entry with looks_like has a reader
             raise CkptError(f"internal: no reader for {self.name}")
         return fn(Path(path), opts)
@@ -63,12 +64,12 @@ class Format:
     def quick_read(self, path) -> Optional[Checkpoint]:
         """The checkpoint with TensorMeta records for tensors, read without torch; None where only
         the full reader can say (or the format has no quick reader)."""
-        fn = _function(self.quick_ref)
+        fn = resolve(self.quick_ref)
         return fn(Path(path), self.name) if fn is not None else None
 
     @property
     def write(self) -> Callable:
-        fn = _function(self.write_ref)
+        fn = resolve(self.write_ref)
         if fn is None:
             raise CkptError(f"ckptool does not write {self.name} checkpoints")
         return fn

@@ -44,11 +44,57 @@ def read(path: Path, format_name: str) -> Optional[Checkpoint]:
     except (CkptError, NotQuick, OSError, ValueError):
         return None
     entries = getattr(meta, "state_dict_metadata", None)
-    if not isinstance(entries, dict) or not isinstance(common, dict) or "optimizer" in common:
+    if not _sound_index(meta, d) or not isinstance(common, dict) or "optimizer" in common:
         return None
     if any(OPTIMIZER.search(k) for k in entries):
         return None
     return _checkpoint(path, format_name, d, entries, common, iteration, release)
+
+
+def _is(obj, name: str) -> bool:
+    """obj is a record of torch.distributed.checkpoint's class `name`."""
+    return isinstance(obj, Record) and obj.name == name and obj.module.startswith("torch.distributed.checkpoint")
+
+
+def _index(value, dims: Optional[int] = None) -> bool:
+    return isinstance(value, tuple) and all(type(x) is int and x >= 0 for x in value) and \
+        (dims is None or len(value) == dims)
+
+
+def _sound_index(meta, d: Path) -> bool:
+    """Whether the DCP index is whole, as the full reader checks it on opening (io/dcp_io.py): every
+    entry tensor or bytes metadata, chunks inside their tensor, every storage entry a plain file of
+    this directory that exists, holding its bytes, without stream transforms. Anything else is the
+    full reader's to report."""
+    entries, storage = getattr(meta, "state_dict_metadata", None), getattr(meta, "storage_data", None)
+    if not _is(meta, "Metadata") or not isinstance(entries, dict) or not isinstance(storage, dict):
+        return False
+    for fqn, e in entries.items():
+        if _is(e, "BytesStorageMetadata"):
+            continue
+        size = getattr(e, "size", None)
+        if not (isinstance(fqn, str) and _is(e, "TensorStorageMetadata") and _index(size)
+                and _tensor(e) is not None and isinstance(getattr(e, "chunks", None), list)):
+            return False
+        for c in e.chunks:
+            offsets, sizes = getattr(c, "offsets", None), getattr(c, "sizes", None)
+            if not (_is(c, "ChunkStorageMetadata") and _index(offsets, len(size)) and _index(sizes, len(size))
+                    and all(o + n <= full for o, n, full in zip(offsets, sizes, size))):
+                return False
+    lengths = {}
+    for idx, info in storage.items():
+        rel = getattr(info, "relative_path", None)
+        if not (_is(idx, "MetadataIndex") and isinstance(getattr(idx, "fqn", None), str) and _is(info, "_StorageInfo")
+                and isinstance(rel, str) and rel and Path(rel).name == rel and rel not in (".", "..")
+                and type(getattr(info, "offset", None)) is int and type(getattr(info, "length", None)) is int
+                and info.offset >= 0 and info.length >= 0 and not getattr(info, "transform_descriptors", None)):
+            return False
+        if rel not in lengths:
+            f = d / rel
+            lengths[rel] = f.stat().st_size if f.is_file() else -1
+        if info.offset + info.length > lengths[rel]:
+            return False
+    return True
 
 
 def _known_backend(d: Path) -> bool:

@@ -104,6 +104,8 @@ def _checkpoint(path: Path, format_name: str, trees, iteration, release) -> Opti
     vpp = len(models[(0, 0)])
     if len(dtypes) != 1 or counts is None or any(len(c) != vpp for c in models.values()):
         return None
+    if not _same_across_tp(models, tp, pp):
+        return None  # Megatron splits evenly: a shard that differs is the full reader's error to report
     rows = _word_rows(models, matcher, tp)
     if rows is None:
         return None
@@ -128,6 +130,21 @@ def _checkpoint(path: Path, format_name: str, trees, iteration, release) -> Opti
                       iteration=iteration if iteration is not None else first.get("iteration"), release=release,
                       checkpoint_version=None if dialect.qkv_version0_only else version, args=args)
     return Checkpoint(cfg, {n: TensorMeta(s, dtype) for n, s in shapes.items()}, info, warnings)
+
+
+def _same_across_tp(models, tp: int, pp: int) -> bool:
+    """Every TP rank of a stage holds the same keys with the same shapes."""
+    for p in range(pp):
+        first = models[(0, p)]
+        for t in range(1, tp):
+            other = models[(t, p)]
+            if other.keys() != first.keys():
+                return False
+            for v, flat in first.items():
+                if {k: getattr(x, "shape", None) for k, x in flat.items()} != \
+                        {k: getattr(x, "shape", None) for k, x in other[v].items()}:
+                    return False
+    return True
 
 
 def _layer_counts(models, matcher) -> Optional[Dict[Tuple[int, int], int]]:

@@ -16,9 +16,9 @@ import argparse
 import collections
 import io
 import pickle
+import struct
 import zipfile
-from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from .meta import STORAGE_DTYPES, TensorMeta
 
@@ -138,9 +138,12 @@ class MetaUnpickler(pickle.Unpickler):
             return record_class(module, name)
         raise NotQuick(f"{module}.{name} in a pickle")
 
+    storage_keys: set
+
     def persistent_load(self, pid):
-        if not (isinstance(pid, tuple) and pid and pid[0] == "storage" and isinstance(pid[1], DtypeName)):
+        if not (isinstance(pid, tuple) and len(pid) >= 3 and pid[0] == "storage" and isinstance(pid[1], DtypeName)):
             raise NotQuick(f"persistent id {pid!r:.60}")
+        self.storage_keys.add(str(pid[2]))
         return _Storage(str(pid[1]))
 
 
@@ -149,9 +152,13 @@ class _Storage:
         self.dtype = dtype
 
 
-def loads(data: bytes) -> Any:
+def loads(data: bytes, storage_keys: Optional[set] = None) -> Any:
+    """The object a plain pickle holds (DCP's .metadata); storage_keys collects the tensor records a
+    torch.save pickle refers to."""
+    up = MetaUnpickler(io.BytesIO(data), encoding="utf-8")
+    up.storage_keys = storage_keys if storage_keys is not None else set()
     try:
-        return MetaUnpickler(io.BytesIO(data), encoding="utf-8").load()
+        return up.load()
     except NotQuick:
         raise
     except Exception as e:  # malformed: the full reader reports it
@@ -160,13 +167,44 @@ def loads(data: bytes) -> Any:
 
 def load_torch_zip(source) -> Any:
     """The object a torch.save zip (a path or bytes) holds, tensors as TensorMeta. NotQuick for legacy
-    (non-zip) torch files and anything the unpickler does not resolve."""
+    (non-zip) torch files, anything the unpickler does not resolve, and any archive the full reader
+    could find fault with on opening it (compressed or truncated records, big-endian data, a tensor
+    whose storage record is absent): that reader then says what is wrong."""
     try:
-        with zipfile.ZipFile(io.BytesIO(source) if isinstance(source, bytes) else Path(source)) as z:
-            pkl = [n for n in z.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
+        with (io.BytesIO(source) if isinstance(source, bytes) else open(source, "rb")) as f, zipfile.ZipFile(f) as z:
+            records = _sound_records(z, f)
+            pkl = [n for n in records if n.endswith("/data.pkl") and n.count("/") == 1]
             if len(pkl) != 1:
                 raise NotQuick("no single data.pkl")
+            prefix = pkl[0].rsplit("/", 1)[0]
+            if f"{prefix}/byteorder" in records and z.read(f"{prefix}/byteorder") != b"little":
+                raise NotQuick("big-endian data")
             data = z.read(pkl[0])
-    except (zipfile.BadZipFile, OSError) as e:
+    except (zipfile.BadZipFile, OSError, KeyError, ValueError) as e:
         raise NotQuick(str(e)) from e
-    return loads(data)
+    keys: set = set()
+    obj = loads(data, keys)
+    if any(f"{prefix}/data/{k}" not in records for k in keys):
+        raise NotQuick("a tensor's storage record is missing")
+    return obj
+
+
+def _sound_records(z: zipfile.ZipFile, f) -> set:
+    """The archive's member names, if every member is stored uncompressed inside the file."""
+    f.seek(0, io.SEEK_END)
+    size = f.tell()
+    names = set()
+    for info in z.infolist():
+        if info.compress_type != zipfile.ZIP_STORED or not 0 <= info.header_offset <= size - 30:
+            raise NotQuick(f"zip member {info.filename}")
+        f.seek(info.header_offset)
+        header = f.read(30)
+        if header[:4] != b"PK\x03\x04":
+            raise NotQuick(f"zip header of {info.filename}")
+        name_len, extra_len = struct.unpack("<HH", header[26:30])
+        if info.header_offset + 30 + name_len + extra_len + info.file_size > size:
+            raise NotQuick(f"{info.filename} runs past the end")
+        names.add(info.filename)
+    if not names:
+        raise NotQuick("empty archive")
+    return names
