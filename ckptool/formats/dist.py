@@ -606,7 +606,7 @@ def _per_layer_keys(ckpt: Checkpoint) -> bool:
         return False
     if set(moe.layers) != set(range(ckpt.config.num_layers)):
         return True
-    freq = getattr(ckpt.source.args, "moe_layer_freq", 1) if ckpt.source.format in ("megatron", FORMAT) else 1
+    freq = getattr(ckpt.source.args, "moe_layer_freq", 1)  # args: only sources that store Megatron's carry them
     return not isinstance(freq, int)
 
 

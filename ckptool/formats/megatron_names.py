@@ -269,6 +269,7 @@ def stacked_expert_block(base: str, hidden: int, local_experts: int, size: int) 
 
 def stack_expert_weights(base: str, experts) -> torch.Tensor:
     """The inverse: local experts' [out, in] shards -> GroupedMLP's weight1 / weight2."""
+    import torch  # here, not at the top: the quick inspect imports this module without torch
     blocks = torch.stack([x.t() for x in experts])  # [E_local, *block]
     return blocks.reshape(blocks.shape[1], -1) if base == "fc1.weight" else blocks.reshape(-1, blocks.shape[2])
 
