@@ -1,0 +1,96 @@
+"""Optimizer state when expert TP differs from TP, with the real megatron-core (CPU, gloo, 4 processes).
+
+megatron-core trains a Mixtral-like MoE model at TP2 ETP1 EP2 one Adam step (fp32) and saves it as
+Megatron-LM does: only the (TP, EP) rank files mp_rank_00_000 and mp_rank_01_001 (megatron.expert_grid),
+each with its rank's optimizer.state_dict(), a ChainedOptimizer's [dense, expert] list whose expert part
+holds the rank's local experts whole (expert-TP rank 0 of 1). ckptool reads every moment equal to the live
+optimizer's, writes it at TP2 ETP1 EP1 (expert TP != TP again, one optimizer) and at TP1 EP2, and
+megatron-core resumes each with the next-step loss the source run took (a weights-only resume misses it).
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from ckptool import api
+from ckptool.formats.megatron import read_megatron
+from ckptool.io.torchfile import load_torch_file
+
+HAVE_MCORE = importlib.util.find_spec("megatron") is not None and \
+    importlib.util.find_spec("megatron.core") is not None
+pytestmark = pytest.mark.skipif(not HAVE_MCORE, reason="megatron-core is not installed (test-only extra)")
+
+MOE_TOL = 1e-4  # fp32: a layout change only reorders float sums
+# target name -> (tp, ep, etp)
+TARGETS = {"tp2ep1etp1": (2, 1, 1), "tp1ep2": (1, 2, 1)}
+
+
+def _torchrun(jobs):
+    import test_moe_megatron
+    test_moe_megatron.torchrun(jobs, nproc=4)
+
+
+def _next_loss(path) -> float:
+    """The second step after the save: the first whose weights the loaded optimizer state moved."""
+    return torch.load(str(path) + ".losses")["next"][1]
+
+
+@pytest.fixture(scope="module")
+def etp_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("etp_optim")
+    _torchrun([f"train {d / 'src'} --tp 2 --ep 2 --etp 1 --out {d / 'src.pt'}"])
+    said = []
+    for name, (tp, ep, etp) in TARGETS.items():
+        api.reshard(d / "src", d / name, tp=tp, ep=ep, etp=etp, warn=said.append)
+    assert not [m for m in said if "optimizer" in m], said
+    _torchrun([f"resume {d / name} --tp {tp} --ep {ep} --etp {etp} --out {d / name}.pt" for name, (tp, ep, etp) in TARGETS.items()]
+              + [f"resume {d / 'tp2ep1etp1'} --tp 2 --ep 1 --etp 1 --out {d / 'fresh.pt'} --weights-only"])
+    return d
+
+
+def test_expert_tp_moments_equal_the_live_optimizers(etp_run):
+    ck = read_megatron(etp_run / "src")
+    assert ck.optimizer is not None and not ck.warnings and ck.source.layout.expert_tp == 1
+    # every rank's live moments under global names; experts (ETP 1) and replicated tensors are whole
+    live = {}
+    for _, moments in torch.load(etp_run / "src.pt.moments")["exp_avg"]:
+        for name, m in moments.items():
+            live.setdefault(name, []).append(m)
+    ea = ck.optimizer.slots["exp_avg"]
+    for i in range(2):
+        assert torch.equal(ea[f"layers.{i}.mlp.router.weight"].load(), live[f"decoder.layers.{i}.mlp.router.weight"][0])
+        for e in range(4):
+            (fc1, *same1) = live[f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight"]
+            (fc2, *same2) = live[f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.weight"]
+            assert fc1.shape[0] == 48 and all(torch.equal(fc1, x) for x in same1)  # whole on every rank holding it
+            assert torch.equal(ea[f"layers.{i}.mlp.experts.{e}.gate.weight"].load(), fc1[:24])
+            assert torch.equal(ea[f"layers.{i}.mlp.experts.{e}.up.weight"].load(), fc1[24:])
+            assert torch.equal(ea[f"layers.{i}.mlp.experts.{e}.down.weight"].load(), fc2)
+        # a dense TP-cut weight: the row-parallel output projection, TP rank 0's half then rank 1's
+        proj = {t: m[f"decoder.layers.{i}.self_attention.linear_proj.weight"]
+                for t, m in torch.load(etp_run / "src.pt.moments")["exp_avg"]}
+        assert torch.equal(ea[f"layers.{i}.attn.out.weight"].load(), torch.cat([proj[0], proj[1]], dim=1))
+    assert set(ea) == set(ck.tensors)
+
+
+def test_expert_tp_target_lays_out_each_ranks_shard(etp_run):
+    """TP2 ETP1 EP1: one optimizer (no expert parallelism), both TP files holding every expert whole."""
+    src = read_megatron(etp_run / "src").optimizer
+    for t in range(2):
+        opt = load_torch_file(etp_run / "tp2ep1etp1" / "iter_0000007" / f"mp_rank_{t:02d}" / "model_optim_rng.pt")["optimizer"]
+        assert isinstance(opt, dict)
+    for name in TARGETS:
+        back = read_megatron(etp_run / name).optimizer
+        for slot in ("exp_avg", "exp_avg_sq"):
+            assert all(torch.equal(x.load(), back.slots[slot][n].load()) for n, x in src.slots[slot].items()), (name, slot)
+
+
+@pytest.mark.parametrize("out", list(TARGETS))
+def test_expert_tp_run_resumes_at_another_layout(etp_run, out):
+    went_on = _next_loss(etp_run / "src.pt")
+    gap = abs(_next_loss(etp_run / f"{out}.pt") - went_on)
+    fresh = abs(_next_loss(etp_run / "fresh.pt") - went_on)
+    print(f"ETP1 TP2 EP2 -> {out}: next-step loss gap {gap:.2e}; weights-only {fresh:.2e}")
+    assert gap < MOE_TOL and fresh > 10 * max(gap, 1e-6)
