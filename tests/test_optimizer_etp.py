@@ -6,6 +6,8 @@ each with its rank's optimizer.state_dict(), a ChainedOptimizer's [dense, expert
 holds the rank's local experts whole (expert-TP rank 0 of 1). ckptool reads every moment equal to the live
 optimizer's, writes it at TP2 ETP1 EP1 (expert TP != TP again, one optimizer) and at TP1 EP2, and
 megatron-core resumes each with the next-step loss the source run took (a weights-only resume misses it).
+A bf16 run (fp32 masters in each optimizer of the chain) written back at its own layout resumes exactly as
+megatron-core resumes its own save.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ pytestmark = pytest.mark.skipif(not HAVE_MCORE, reason="megatron-core is not ins
 
 MOE_TOL = 1e-4  # fp32: a layout change only reorders float sums
 # target name -> (tp, ep, etp)
-TARGETS = {"tp2ep1etp1": (2, 1, 1), "tp1ep2": (1, 2, 1)}
+TARGETS = {"tp2ep1etp1": (2, 1, 1), "tp1ep2": (1, 2, 1), "tp2ep2etp1": (2, 2, 1)}
 
 
 def _torchrun(jobs):
@@ -40,22 +42,31 @@ def _next_loss(path) -> float:
 @pytest.fixture(scope="module")
 def etp_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("etp_optim")
-    _torchrun([f"train {d / 'src'} --tp 2 --ep 2 --etp 1 --out {d / 'src.pt'}"])
+    grid = "--tp 2 --ep 2 --etp 1"
+    _torchrun([f"train {d / 'src'} {grid} --out {d / 'src.pt'}",
+               f"train {d / 'bf16'} {grid} --dtype bf16 --out {d / 'bf16.pt'}"])
     said = []
     for name, (tp, ep, etp) in TARGETS.items():
         api.reshard(d / "src", d / name, tp=tp, ep=ep, etp=etp, warn=said.append)
+    api.reshard(d / "bf16", d / "bf16_same", tp=2, ep=2, etp=1, warn=said.append)
     assert not [m for m in said if "optimizer" in m], said
     _torchrun([f"resume {d / name} --tp {tp} --ep {ep} --etp {etp} --out {d / name}.pt" for name, (tp, ep, etp) in TARGETS.items()]
-              + [f"resume {d / 'tp2ep1etp1'} --tp 2 --ep 1 --etp 1 --out {d / 'fresh.pt'} --weights-only"])
+              + [f"resume {d / 'tp2ep1etp1'} --tp 2 --ep 1 --etp 1 --out {d / 'fresh.pt'} --weights-only",
+                 f"resume {d / 'bf16_same'} {grid} --dtype bf16 --out {d / 'bf16_same.pt'}",
+                 f"resume {d / 'bf16'} {grid} --dtype bf16 --out {d / 'bf16_control.pt'}"])
     return d
 
 
-def test_expert_tp_moments_equal_the_live_optimizers(etp_run):
-    ck = read_megatron(etp_run / "src")
+@pytest.mark.parametrize("src", ["src", "bf16"])
+def test_expert_tp_moments_equal_the_live_optimizers(etp_run, src):
+    ck = read_megatron(etp_run / src)
     assert ck.optimizer is not None and not ck.warnings and ck.source.layout.expert_tp == 1
+    assert ck.optimizer.kind == {"src": "megatron-fp32", "bf16": "megatron"}[src]
+    if src == "bf16":  # each master is checked against its stored weight as it loads
+        assert all(m.load().dtype == torch.float32 for m in ck.optimizer.slots["master"].values())
     # every rank's live moments under global names; experts (ETP 1) and replicated tensors are whole
     live = {}
-    for _, moments in torch.load(etp_run / "src.pt.moments")["exp_avg"]:
+    for _, moments in torch.load(etp_run / f"{src}.pt.moments")["exp_avg"]:
         for name, m in moments.items():
             live.setdefault(name, []).append(m)
     ea = ck.optimizer.slots["exp_avg"]
@@ -70,17 +81,27 @@ def test_expert_tp_moments_equal_the_live_optimizers(etp_run):
             assert torch.equal(ea[f"layers.{i}.mlp.experts.{e}.down.weight"].load(), fc2)
         # a dense TP-cut weight: the row-parallel output projection, TP rank 0's half then rank 1's
         proj = {t: m[f"decoder.layers.{i}.self_attention.linear_proj.weight"]
-                for t, m in torch.load(etp_run / "src.pt.moments")["exp_avg"]}
+                for t, m in torch.load(etp_run / f"{src}.pt.moments")["exp_avg"]}
         assert torch.equal(ea[f"layers.{i}.attn.out.weight"].load(), torch.cat([proj[0], proj[1]], dim=1))
     assert set(ea) == set(ck.tensors)
 
 
 def test_expert_tp_target_lays_out_each_ranks_shard(etp_run):
-    """TP2 ETP1 EP1: one optimizer (no expert parallelism), both TP files holding every expert whole."""
+    """TP2 ETP1 EP1: one optimizer (no expert parallelism); TP2 ETP1 EP2: only the grid's files, each with
+    the chained pair, the expert one holding its EP rank's experts whole; every target reads back the same."""
     src = read_megatron(etp_run / "src").optimizer
     for t in range(2):
         opt = load_torch_file(etp_run / "tp2ep1etp1" / "iter_0000007" / f"mp_rank_{t:02d}" / "model_optim_rng.pt")["optimizer"]
-        assert isinstance(opt, dict)
+        assert isinstance(opt, dict) and len(opt["state"]) == len(opt["param_groups"][0]["params"]) + \
+            len(opt["param_groups"][1]["params"])
+    it = etp_run / "tp2ep2etp1" / "iter_0000007"
+    assert sorted(p.name for p in it.iterdir()) == ["mp_rank_00_000", "mp_rank_01_001"]
+    for t in range(2):
+        dense, expert = load_torch_file(it / f"mp_rank_{t:02d}_{t:03d}" / "model_optim_rng.pt")["optimizer"]
+        (group,) = expert["param_groups"]
+        # layer 0's first local expert is global expert 2t: its whole fc2 moment (ETP 1)
+        fc2 = expert["state"][group["params"][1]]["exp_avg"].load()
+        assert torch.equal(fc2, src.slots["exp_avg"][f"layers.0.mlp.experts.{2 * t}.down.weight"].load())
     for name in TARGETS:
         back = read_megatron(etp_run / name).optimizer
         for slot in ("exp_avg", "exp_avg_sq"):
@@ -94,3 +115,8 @@ def test_expert_tp_run_resumes_at_another_layout(etp_run, out):
     fresh = abs(_next_loss(etp_run / "fresh.pt") - went_on)
     print(f"ETP1 TP2 EP2 -> {out}: next-step loss gap {gap:.2e}; weights-only {fresh:.2e}")
     assert gap < MOE_TOL and fresh > 10 * max(gap, 1e-6)
+
+
+def test_expert_tp_bf16_round_trip_resumes_exactly_as_megatron_core_resumes_its_save(etp_run):
+    ours, control = (torch.load(etp_run / f"{n}.pt.losses")["next"] for n in ("bf16_same", "bf16_control"))
+    assert ours == control
