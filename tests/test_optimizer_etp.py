@@ -120,3 +120,17 @@ def test_expert_tp_run_resumes_at_another_layout(etp_run, out):
 def test_expert_tp_bf16_round_trip_resumes_exactly_as_megatron_core_resumes_its_save(etp_run):
     ours, control = (torch.load(etp_run / f"{n}.pt.losses")["next"] for n in ("bf16_same", "bf16_control"))
     assert ours == control
+
+
+def test_expert_tp_pipeline_target_reads_back_and_distributed_form_is_dropped_by_name(etp_run, tmp_path, monkeypatch):
+    """TP2 PP2 ETP1 EP2 (the grid per stage) reads back bit for bit; a distributed-optimizer source at expert
+    TP != TP is dropped with a warning naming it, never mis-read."""
+    src = read_megatron(etp_run / "src").optimizer
+    api.reshard(etp_run / "src", tmp_path / "pp2", tp=2, pp=2, ep=2, etp=1, warn=lambda m: None)
+    back = read_megatron(tmp_path / "pp2").optimizer
+    for slot in ("exp_avg", "exp_avg_sq"):
+        assert all(torch.equal(x.load(), back.slots[slot][n].load()) for n, x in src.slots[slot].items()), slot
+    from ckptool.formats import megatron_distopt
+    monkeypatch.setattr(megatron_distopt, "uses_distributed_optimizer", lambda *a: True)
+    ck = read_megatron(etp_run / "tp2ep1etp1")
+    assert ck.optimizer is None and any("distributed optimizer's buffers at expert TP 1 != TP 2" in w for w in ck.warnings)
