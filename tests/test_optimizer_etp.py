@@ -134,3 +134,24 @@ def test_expert_tp_pipeline_target_reads_back_and_distributed_form_is_dropped_by
     monkeypatch.setattr(megatron_distopt, "uses_distributed_optimizer", lambda *a: True)
     ck = read_megatron(etp_run / "tp2ep1etp1")
     assert ck.optimizer is None and any("distributed optimizer's buffers at expert TP 1 != TP 2" in w for w in ck.warnings)
+
+
+def test_slot_shards_follow_the_expert_grid_at_expert_tp_above_one():
+    """TP4 ETP2 EP2: Megatron-LM saves files (0, 0), (1, 0), (2, 1), (3, 1); EP rank 1's experts are cut at
+    expert-TP ranks 0 and 1 in files (2, 1) and (3, 1), and each slot is gathered from there."""
+    from ckptool.formats.megatron import expert_grid
+    from ckptool.formats.megatron_optim import RankParam
+    from ckptool.formats.megatron_training import slot_shards
+    from ckptool.lazy import Const
+    grid = expert_grid(4, 2, 2)
+    assert sorted(grid) == [(0, 0), (1, 0), (2, 1), (3, 1)]
+    params, values = {}, {}
+    for t, e in grid:
+        roles = ["proj.weight", f"experts.{2 * e}.fc2.weight", f"experts.{2 * e + 1}.fc2.weight"]
+        params[(t, 0, e)] = [RankParam(f"k{i}", r, 0, Const(torch.zeros(1))) for i, r in enumerate(roles)]
+        values[(t, 0, e)] = [Const(torch.tensor([float(100 * t + 10 * e + i)])) for i in range(3)]
+    shards, _ = slot_shards(values, params, 4, grid, 2)
+    got = {k: [int(v.load().item()) for v in vs] for k, vs in shards.items()}
+    assert got == {("proj.weight", 0): [0, 100, 210, 310],
+                   ("experts.0.fc2.weight", 0): [1, 101], ("experts.1.fc2.weight", 0): [2, 102],
+                   ("experts.2.fc2.weight", 0): [211, 311], ("experts.3.fc2.weight", 0): [212, 312]}
