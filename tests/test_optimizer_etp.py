@@ -155,3 +155,39 @@ def test_slot_shards_follow_the_expert_grid_at_expert_tp_above_one():
     assert got == {("proj.weight", 0): [0, 100, 210, 310],
                    ("experts.0.fc2.weight", 0): [1, 101], ("experts.1.fc2.weight", 0): [2, 102],
                    ("experts.2.fc2.weight", 0): [211, 311], ("experts.3.fc2.weight", 0): [212, 312]}
+
+
+def test_expert_tp_2_of_tp_4_is_written_on_its_grid_and_reads_back(tmp_path):
+    """TP4 ETP2 EP2 (a tiny Mixtral with 4 KV heads, distinct random moments): the writer cuts each expert's
+    slots at expert-TP rank t % 2 into the grid's files only, the reader gathers them back bit for bit."""
+    import transformers
+    from ckptool.config import Layout
+    from ckptool.formats.megatron import write_megatron
+    from ckptool.formats.registry import open_checkpoint
+    from ckptool.lazy import Const
+    from ckptool.state import OptimizerState, ParamGroup
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=128, hidden_size=32, num_attention_heads=4, num_key_value_heads=4, intermediate_size=48,
+        num_hidden_layers=1, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        tie_word_embeddings=False))
+    model.save_pretrained(tmp_path / "hf")
+    ck = open_checkpoint(tmp_path / "hf")
+    gen = torch.Generator().manual_seed(0)
+    slots = {s: {n: Const(torch.randn(t.shape, generator=gen)) for n, t in ck.tensors.items()} for s in ("exp_avg", "exp_avg_sq")}
+    hyper = dict(lr=1e-3, lr_mult=1.0, is_expert_parallel=False)
+    groups = [ParamGroup([n for n, t in ck.tensors.items() if len(t.shape) > 1], dict(hyper, wd_mult=1.0, weight_decay=0.01)),
+              ParamGroup([n for n, t in ck.tensors.items() if len(t.shape) == 1], dict(hyper, wd_mult=0.0, weight_decay=0.0))]
+    ck.optimizer = OptimizerState("megatron-fp32", slots, step=3, param_groups=groups)
+    write_megatron(ck, tmp_path / "out", Layout(tp=4, ep=2, etp=2), dialect="mcore", warn=lambda m: None)
+    it = tmp_path / "out" / "iter_0000000"
+    assert sorted(p.name for p in it.iterdir()) == ["mp_rank_00_000", "mp_rank_01_000", "mp_rank_02_001", "mp_rank_03_001"]
+    # file (2, 1): EP rank 1's first local expert (global 2), fc2 cut over expert TP along its input: half 0
+    dense, expert = load_torch_file(it / "mp_rank_02_001" / "model_optim_rng.pt")["optimizer"]
+    fc2 = expert["state"][expert["param_groups"][0]["params"][1]]["exp_avg"].load()
+    assert torch.equal(fc2, slots["exp_avg"]["layers.0.mlp.experts.2.down.weight"].load()[:, :24])
+    back = read_megatron(tmp_path / "out")
+    assert back.source.layout.expert_tp == 2 and not [w for w in back.warnings if "optimizer" in w]
+    for slot in ("exp_avg", "exp_avg_sq"):
+        for n, t in slots[slot].items():
+            if n not in ("embed.word", "output.weight"):  # padded for TP4 on write
+                assert torch.equal(back.optimizer.slots[slot][n].load(), t.load()), (slot, n)
