@@ -157,9 +157,11 @@ def test_slot_shards_follow_the_expert_grid_at_expert_tp_above_one():
                    ("experts.2.fc2.weight", 0): [211, 311], ("experts.3.fc2.weight", 0): [212, 312]}
 
 
-def test_expert_tp_2_of_tp_4_is_written_on_its_grid_and_reads_back(tmp_path):
+@pytest.mark.parametrize("dialect, grouped", [("mcore", False), ("mcore-te", True)])
+def test_expert_tp_2_of_tp_4_is_written_on_its_grid_and_reads_back(tmp_path, dialect, grouped):
     """TP4 ETP2 EP2 (a tiny Mixtral with 4 KV heads, distinct random moments): the writer cuts each expert's
-    slots at expert-TP rank t % 2 into the grid's files only, the reader gathers them back bit for bit."""
+    slots at expert-TP rank t % 2 into the grid's files only, the reader gathers them back bit for bit;
+    SequentialMLP experts and TEGroupedMLP (--moe-grouped-gemm: fc-major parameter order) alike."""
     import transformers
     from ckptool.config import Layout
     from ckptool.formats.megatron import write_megatron
@@ -178,12 +180,14 @@ def test_expert_tp_2_of_tp_4_is_written_on_its_grid_and_reads_back(tmp_path):
     groups = [ParamGroup([n for n, t in ck.tensors.items() if len(t.shape) > 1], dict(hyper, wd_mult=1.0, weight_decay=0.01)),
               ParamGroup([n for n, t in ck.tensors.items() if len(t.shape) == 1], dict(hyper, wd_mult=0.0, weight_decay=0.0))]
     ck.optimizer = OptimizerState("megatron-fp32", slots, step=3, param_groups=groups)
-    write_megatron(ck, tmp_path / "out", Layout(tp=4, ep=2, etp=2), dialect="mcore", warn=lambda m: None)
+    write_megatron(ck, tmp_path / "out", Layout(tp=4, ep=2, etp=2), dialect=dialect, moe_grouped_gemm=grouped,
+                   warn=lambda m: None)
     it = tmp_path / "out" / "iter_0000000"
     assert sorted(p.name for p in it.iterdir()) == ["mp_rank_00_000", "mp_rank_01_000", "mp_rank_02_001", "mp_rank_03_001"]
     # file (2, 1): EP rank 1's first local expert (global 2), fc2 cut over expert TP along its input: half 0
     dense, expert = load_torch_file(it / "mp_rank_02_001" / "model_optim_rng.pt")["optimizer"]
-    fc2 = expert["state"][expert["param_groups"][0]["params"][1]]["exp_avg"].load()
+    # (SequentialMLP: expert by expert, fc1 then fc2; TEGroupedMLP: every local expert's fc1, then every fc2)
+    fc2 = expert["state"][expert["param_groups"][0]["params"][2 if grouped else 1]]["exp_avg"].load()
     assert torch.equal(fc2, slots["exp_avg"]["layers.0.mlp.experts.2.down.weight"].load()[:, :24])
     back = read_megatron(tmp_path / "out")
     assert back.source.layout.expert_tp == 2 and not [w for w in back.warnings if "optimizer" in w]
