@@ -196,6 +196,8 @@ def make_optimizer(model, cfg):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     model.train()
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        train_without_sequence_parallel()
     if DTYPE["bf16"]:  # mixed precision: bf16 weights, fp32 masters in each optimizer of the chain
         model.to(torch.bfloat16)
         cfg.bf16, cfg.params_dtype = True, torch.bfloat16
@@ -219,6 +221,27 @@ def adam_step(ddp, opt, seed: int) -> float:
     ddp.finish_grad_sync()
     assert opt.step()[0], "optimizer step skipped"
     return loss.item()
+
+
+def train_without_sequence_parallel():
+    """megatron-core refuses to train MoE at TP > 1 without sequence parallelism, for speed only (the
+    maths is the same; its eval-mode forward at TP 2 gives the TP 1 logits), and sequence parallelism
+    needs a reduce-scatter gloo lacks: the MoE layer's check is passed by running its forward with the
+    training flag off (nothing else in these MoE layers reads it: no dropout, jitter or aux loss)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    if getattr(MoELayer.forward, "_no_sp_check", False):
+        return
+    forward = MoELayer.forward
+
+    def unchecked(self, *args, **kwargs):
+        was, self.training = self.training, False
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            self.training = was
+
+    unchecked._no_sp_check = True
+    MoELayer.forward = unchecked
 
 
 def train_one_step(model, cfg):

@@ -172,12 +172,10 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     elif opts.optimizer and stacked_local and any("optimizer" in tree for tree in trees.values()):
         warnings.append("optimizer state dropped: the legacy GroupedMLP's state (one entry for all local experts "
                         "per fc) is not split per expert yet; the output holds the weights only")
-    elif opts.optimizer and etp != tp and any("optimizer" in tree for tree in trees.values()):
-        warnings.append(f"optimizer state dropped: expert tensor parallelism {etp} differs from TP {tp}, whose "
-                        "optimizer layout ckptool does not read yet; the output holds the weights only")
-    elif opts.optimizer:
+    elif opts.optimizer:  # with expert TP != TP each file's expert optimizer holds its experts' grid shard
         optimizer = megatron_training.read_training_state(
-            trees, ranks, {rk: model_file(d) for rk, d in ranks.items()}, params, tp, args, cfg, canonical, warnings)
+            trees, ranks, {rk: model_file(d) for rk, d in ranks.items()}, params, tp, args, cfg, canonical, warnings,
+            grid, etp)
     layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, ep=ep, etp=etp if etp != tp else None,
                     stage_layers=None if vpp > 1 or len({counts[(p, 0)] for p in range(pp)}) == 1
                     else [counts[(p, 0)] for p in range(pp)])
@@ -567,9 +565,9 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
     if out_dtype is None:
         out_dtype = next(iter(tensors.values())).dtype
     train = megatron_training.TrainingTarget.for_target(ckpt, tensors, cfg, rows, out_dtype) if optimizer else None
-    if train is not None and cfg.moe is not None and layout.expert_tp != layout.tp:
-        warn(f"optimizer state dropped: ckptool does not write the optimizer layout of expert TP {layout.expert_tp} "
-             f"differing from TP {layout.tp} yet; the output holds the weights only")
+    if train is not None and cfg.moe is not None and layout.expert_tp != layout.tp and distributed_optimizer:
+        warn(f"optimizer state dropped: ckptool does not write the distributed optimizer's buffers at expert TP "
+             f"{layout.expert_tp} differing from TP {layout.tp}; the output holds the weights only")
         train = None
     if train is not None and train.weights_from_masters:
         tensors = train.slots["master"]  # fp32 training: the fp32 masters are the weights

@@ -29,7 +29,9 @@ target rank's groups are re-formed from them by the rule megatron-core applies a
 rank's LOCAL experts in parameter order; expert_parallel() says which parameters the second holds.
 
 This module only ties slots to (role, layer) pieces of one rank; roles.assemble() merges them across
-TP and EP ranks with the same table as the weights (experts by their global index).
+TP and EP ranks with the same table as the weights (experts by their global index). With expert TP !=
+TP a file's expert slots are its expert-TP shard, as its expert weights are (each file is one rank's
+own optimizer.state_dict()); megatron_training.slot_shards gathers them by megatron.expert_grid.
 """
 from __future__ import annotations
 

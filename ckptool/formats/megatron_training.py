@@ -10,7 +10,7 @@ megatron.py owns the directory walk, the names and the weights; this module only
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -24,9 +24,12 @@ from . import megatron_distopt, megatron_optim
 from .megatron_optim import RankParam, role_shards
 
 
-def read_training_state(trees, ranks, model_files, params, tp, args, cfg, canonical, warnings) -> Optional[OptimizerState]:
+def read_training_state(trees, ranks, model_files, params, tp, args, cfg, canonical, warnings,
+                        grid: Optional[Dict[Tuple[int, int], int]] = None, etp: Optional[int] = None
+                        ) -> Optional[OptimizerState]:
     """The optimizer state of every rank, tied to the parameters and merged like the weights;
-    None (with a warning naming what is dropped) when there is none or its form is not read yet."""
+    None (with a warning naming what is dropped) when there is none or its form is not read yet.
+    grid, etp: with expert TP != TP, megatron.expert_grid (which expert-TP shard each (TP, EP) file holds)."""
     if not any("optimizer" in tree for tree in trees.values()):
         return None
     ep = max(e for _, _, e in ranks) + 1
@@ -40,6 +43,10 @@ def read_training_state(trees, ranks, model_files, params, tp, args, cfg, canoni
         warnings.append("optimizer state dropped: the distributed optimizer's expert-parallel buffers are not "
                         "read yet; the output holds the weights only")
         return None
+    if etp not in (None, tp) and megatron_distopt.uses_distributed_optimizer(ranks[(0, 0, 0)], args):
+        warnings.append(f"optimizer state dropped: the distributed optimizer's buffers at expert TP {etp} != TP {tp} "
+                        "are not read yet; the output holds the weights only")
+        return None
     per_rank = {rk: _read_rank(tree, model_files[rk], params[rk], args, cfg, pp, rk[1], ep)
                 for rk, tree in trees.items()}
     if all(r is None for r in per_rank.values()):
@@ -51,7 +58,7 @@ def read_training_state(trees, ranks, model_files, params, tp, args, cfg, canoni
     slot_names = [s for s in OPTIMIZER_SLOTS if all(s in sl for r in per_rank.values() for sl in r.slots)]
     slots = {}
     for slot in slot_names:
-        shards, _ = role_shards({rk: [sl[slot] for sl in r.slots] for rk, r in per_rank.items()}, params, tp)
+        shards, _ = slot_shards({rk: [sl[slot] for sl in r.slots] for rk, r in per_rank.items()}, params, tp, grid, etp)
         slots[slot] = canonical(shards)
     where = str(next(iter(ranks.values())).parent)
     hypers, local = megatron_optim.merge_groups({rk: r.hypers for rk, r in per_rank.items()}, where)
@@ -72,6 +79,27 @@ def read_training_state(trees, ranks, model_files, params, tp, args, cfg, canoni
         grad_scaler=per_rank[(0, 0, 0)].grad_scaler,
         scheduler=first.get("opt_param_scheduler", first.get("lr_scheduler")),
         consumed_samples=getattr(args, "consumed_train_samples", None))
+
+
+def slot_shards(values, params: Dict[tuple, List[RankParam]], tp: int, grid=None, etp: Optional[int] = None):
+    """{(role, layer): [value per TP rank]} of one slot, as the weights are gathered: with expert TP != TP the
+    experts' values per expert-TP rank, file (t, p, e) holding shard grid[(t, e)] (Megatron-LM saves each
+    rank's optimizer.state_dict() beside its own weights, so its expert optimizer holds the same cut; the
+    first file of each shard is taken, as for the dense part)."""
+    if grid is None or etp in (None, tp):
+        return role_shards(values, params, tp)
+    dense_p, dense_v, expert_p, expert_v = {}, {}, {}, {}
+    for rk in sorted(params):
+        t, p, e = rk
+        is_expert = [x.role.startswith("experts.") for x in params[rk]]
+        dense_p[rk] = [x for x, ex in zip(params[rk], is_expert) if not ex]
+        dense_v[rk] = [v for v, ex in zip(values[rk], is_expert) if not ex]
+        if (grid[(t, e)], p, e) not in expert_p:
+            expert_p[(grid[(t, e)], p, e)] = [x for x, ex in zip(params[rk], is_expert) if ex]
+            expert_v[(grid[(t, e)], p, e)] = [v for v, ex in zip(values[rk], is_expert) if ex]
+    shards, head_copy = role_shards(dense_v, dense_p, tp)
+    expert_shards, _ = role_shards(expert_v, expert_p, etp)
+    return {**shards, **expert_shards}, head_copy
 
 
 def _read_rank(tree, model_file: Path, params: List[RankParam], args, cfg: GPTConfig, pp: int, pp_rank: int,
