@@ -48,6 +48,7 @@ import torch
 from ..errors import CkptError
 from ..io.torchfile import StoredTensor, load_torch_file
 from ..lazy import Derived, LazyTensor
+from . import megatron_optim
 from .megatron_optim import (HINT, GroupRule, RankOptimizer, RankParam, groups_by_traits,
                              master_matching_weight)
 
@@ -177,30 +178,85 @@ def uses_distributed_optimizer(rank_dir: Path, args) -> bool:
 
 
 def read_rank(tree: dict, rank_dir: Path, params: List[RankParam], args, tied: bool, pp: int, pp_rank: int,
-              where: str) -> Optional[RankOptimizer]:
-    """One (TP, PP) rank's distributed-optimizer state tied to its parameters (params in file order,
-    each with its model chunk); None when the optimizer never stepped."""
+              where: str, ep: int = 1, dense_dir: Optional[Path] = None) -> Optional[RankOptimizer]:
+    """One (TP, PP, EP) rank's distributed-optimizer state tied to its parameters (params in file order,
+    each with its model chunk); None when the optimizer never stepped.
+
+    At EP > 1 megatron-core chains a dense DistributedOptimizer (the grad buffers of the parameters
+    all-reduced over data parallelism) and an expert one (its expert_parallel_buffers, sharded over the
+    expert-data-parallel group): the rank file's 'optimizer' is the list of their groups and
+    distrib_optim.pt the list of their states, each written only by that optimizer's DP rank 0 (None in
+    the other places). The dense state, the same on every EP rank, is in EP rank 0's file (dense_dir)."""
     path = rank_dir / FILE
     opt = tree.get("optimizer")
     if not path.is_file():
         raise CkptError(f"{where}: the run used the distributed optimizer but {path} is missing", HINT)
-    if not isinstance(opt, dict) or not isinstance(opt.get("optimizer"), dict) \
-            or not isinstance(opt["optimizer"].get("param_groups"), list):
+    parts = opt if isinstance(opt, list) else [opt]
+    if not all(isinstance(o, dict) and isinstance(o.get("optimizer"), dict)
+               and isinstance(o["optimizer"].get("param_groups"), list) for o in parts):
         raise CkptError(f"{where}: 'optimizer' is not a distributed optimizer's state dict "
-                        "({'optimizer': {'param_groups'}})", HINT)
-    groups = opt["optimizer"]["param_groups"]
-    where_file = str(path)
+                        "({'optimizer': {'param_groups'}}, or megatron-core's chained list of them)", HINT)
+    states = _load(path)
+    chained = isinstance(opt, list)
+    if chained != isinstance(states, list) or (chained and (ep == 1 or len(parts) != 2 or len(states) != 2)):
+        raise CkptError(f"{path}: {len(states) if isinstance(states, list) else 'one'} optimizer state(s) for the "
+                        f"{len(parts) if chained else 'single'} optimizer(s) of the rank file at EP {ep} (megatron-core "
+                        "chains [dense, expert] at EP > 1)", HINT)
+    if not chained:
+        return _read_part(parts[0], states, str(path), params, args, _dp(args, False), tied, pp, pp_rank, where)
+    members = megatron_optim.chain_members(params, ep)
+    if states[0] is None and members[0]:  # this file's writer was not the dense optimizer's DP rank 0
+        dense_path = (dense_dir or rank_dir) / FILE
+        dense = _load(dense_path) if dense_path != path else None
+        if not isinstance(dense, list) or len(dense) != 2 or dense[0] is None:
+            elsewhere = f" nor in {dense_path}" if dense_path != path else ""
+            raise CkptError(f"{path}: no dense optimizer state here{elsewhere} (EP rank 0's file, where "
+                            "megatron-core's dense DP rank 0 saves it, must hold it)", HINT)
+        states = [dense[0], states[1]]
+        dense_file = str(dense_path)
+    else:
+        dense_file = str(path)
+    files = [dense_file, str(path)]
+    tied_parts = [_read_part(part, state, file, [params[i] for i in idx], args, _dp(args, n == 1), tied, pp, pp_rank,
+                             f"{where} (chained optimizer {n})")
+                  if idx or state is not None else None
+                  for n, (part, state, file, idx) in enumerate(zip(parts, states, files, members))]
+    return megatron_optim.join_chain(tied_parts, members, len(params), where)
+
+
+def _load(path: Path):
     try:
-        state = load_torch_file(path)
+        return load_torch_file(path)
     except CkptError as e:
-        raise CkptError(f"{where_file} cannot be read: {e.message}", HINT) from None
-    form = _form(state, where_file)
+        raise CkptError(f"{path} cannot be read: {e.message}", HINT) from None
+
+
+def _dp(args, expert: bool) -> int:
+    """The data-parallel size an optimizer of the run was sharded over: the dense one's, or (expert) the
+    expert-data-parallel size megatron-core derives for the same world (world / (expert TP x EP x PP))."""
     dp = int(getattr(args, "data_parallel_size", 0) or 1)
+    if not expert:
+        return dp
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp)
+    ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+    if (dp * tp) % (etp * ep):
+        raise CkptError(f"the run's args give DP {dp} x TP {tp}, which expert TP {etp} x EP {ep} does not divide",
+                        HINT)
+    return dp * tp // (etp * ep)
+
+
+def _read_part(opt: dict, state, where_file: str, params: List[RankParam], args, dp: int, tied: bool, pp: int,
+               pp_rank: int, where: str) -> Optional[RankOptimizer]:
+    """One DistributedOptimizer's state (its groups from the rank file, its buffers from distrib_optim.pt)
+    tied to its parameters."""
+    groups = opt["optimizer"]["param_groups"]
+    form = _form(state, where_file)
     chunks = sorted({p.chunk for p in params})
     buffers = sorted(k for k in state if isinstance(k, int))
     if buffers != list(range(len(chunks))):
         raise CkptError(f"{where_file}: {len(buffers)} grad buffers for {len(chunks)} model chunks "
-                        "(several dtypes or expert parameters are not carried yet)", HINT)
+                        "(several dtypes are not carried yet)", HINT)
     slots: List[Dict[str, LazyTensor]] = [dict() for _ in params]
     for gbuf, chunk in zip(buffers, chunks):
         members = [i for i, p in enumerate(params) if p.chunk == chunk]
@@ -230,8 +286,6 @@ def read_rank(tree: dict, rank_dir: Path, params: List[RankParam], args, tied: b
 
 
 def _form(state, where: str) -> str:
-    if isinstance(state, list):
-        raise CkptError(f"{where}: several chained optimizers' states are not carried yet", HINT)
     if not isinstance(state, dict):
         raise CkptError(f"{where}: not a distributed-optimizer state (a {type(state).__name__})", HINT)
     if state.get("buckets_coalesced") is True:

@@ -36,11 +36,8 @@ def read_training_state(trees, ranks, model_files, params, tp, args, cfg, canoni
             warnings.append(f"optimizer state dropped: {why}; the output holds the weights only")
             return None
     pp = max(p for _, p, _ in ranks) + 1
-    if ep > 1 and megatron_distopt.uses_distributed_optimizer(ranks[(0, 0, 0)], args):
-        warnings.append("optimizer state dropped: the distributed optimizer's expert-parallel buffers are not "
-                        "read yet; the output holds the weights only")
-        return None
-    per_rank = {rk: _read_rank(tree, model_files[rk], params[rk], args, cfg, pp, rk[1], ep)
+    per_rank = {rk: _read_rank(tree, model_files[rk], params[rk], args, cfg, pp, rk[1], ep,
+                               model_files.get((rk[0], rk[1], 0)))
                 for rk, tree in trees.items()}
     if all(r is None for r in per_rank.values()):
         return None
@@ -75,12 +72,14 @@ def read_training_state(trees, ranks, model_files, params, tp, args, cfg, canoni
 
 
 def _read_rank(tree, model_file: Path, params: List[RankParam], args, cfg: GPTConfig, pp: int, pp_rank: int,
-               ep: int):
-    """One rank's optimizer state: distrib_optim.pt beside the rank file (the distributed optimizer)
-    or the rank file's own 'optimizer' entry (a chained [dense, expert] list at EP > 1)."""
+               ep: int, ep0_file: Optional[Path] = None):
+    """One rank's optimizer state: distrib_optim.pt beside the rank file (the distributed optimizer; at
+    EP > 1 its dense part in EP rank 0's, ep0_file's directory) or the rank file's own 'optimizer' entry
+    (a chained [dense, expert] list at EP > 1)."""
     where, rank_dir = str(model_file), model_file.parent
     if megatron_distopt.uses_distributed_optimizer(rank_dir, args):
-        return megatron_distopt.read_rank(tree, rank_dir, params, args, cfg.tied_embeddings, pp, pp_rank, where)
+        return megatron_distopt.read_rank(tree, rank_dir, params, args, cfg.tied_embeddings, pp, pp_rank, where,
+                                          ep, ep0_file.parent if ep0_file is not None else None)
     return megatron_optim.read_rank(tree, params, where, megatron_optim.GroupRule.from_args(args), ep)
 
 
