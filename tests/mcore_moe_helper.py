@@ -304,6 +304,8 @@ def run_job(a):
                 state["args"].use_distributed_optimizer = True
                 state["args"].data_parallel_size = parallel_state.get_data_parallel_world_size()
                 state["args"].overlap_grad_reduce = False
+                state["args"].accumulate_allreduce_grads_in_fp32 = False  # DistributedDataParallelConfig's default
+                state["args"].bf16 = DTYPE["bf16"]
             torch.save(state, d / "model_optim_rng.pt")
         if a.distributed_optimizer and opt is not None:  # a collective: every rank, the DP-rank-0 ones write
             dist.barrier()
