@@ -29,6 +29,10 @@ The file's forms by era (`ERAS`, `read_rank`):
 Older forms (the 2023 per-bucket layout before megatron-core's ParamAndGradBuffer, the 2022-23
 per-DP-rank optim.pt files) are refused by name.
 
+MoE at EP > 1: megatron-core chains a dense and an expert optimizer (the expert one over the experts'
+own grad buffers, sharded over the expert-data-parallel size); both files then hold their lists
+[dense, expert], the dense state in EP rank 0's distrib_optim.pt only (`read_rank`, DistributedTarget).
+
 The layout is never trusted: its numel_unpadded (per bucket for the bucket-list form) must equal the
 stored one, and every master is checked against its weight as it loads (megatron_optim).
 
