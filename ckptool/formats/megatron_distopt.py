@@ -238,9 +238,9 @@ def _load(path: Path):
 def _dp(args, expert: bool) -> int:
     """The data-parallel size an optimizer of the run was sharded over: the dense one's, or (expert) the
     expert-data-parallel size megatron-core derives for the same world (world / (expert TP x EP x PP))."""
-    dp = int(getattr(args, "data_parallel_size", 0) or 1)
-    if not expert:
-        return dp
+    dp = int(getattr(args, "data_parallel_size", 0) or 0)
+    if not expert or not dp:  # args without the DP size: 1 (it shapes only bucket padding, checked by size)
+        return dp or 1
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp)
     ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
