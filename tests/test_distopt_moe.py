@@ -2,7 +2,7 @@
 (CPU, gloo; tests/mcore_moe_helper.py train --distributed-optimizer, 2 ranks).
 
 EP 1: the experts are ordinary data-parallel parameters, one DistributedOptimizer, one grad buffer.
-EP 2 (DP 2, expert DP 1): megatron-core chains a dense DistributedOptimizer and an expert one over the
+EP 2 (DP 2, expert DP 1; and DP 4, expert DP 2): megatron-core chains a dense DistributedOptimizer and an expert one over the
 expert_parallel_buffers; distrib_optim.pt is the list [dense, expert], the dense part only in EP rank 0's
 file (None in EP rank 1's). ckptool reads every master and moment bit for bit equal to the live
 optimizer's, assembled from the DP shards by megatron-core's own range maps."""
@@ -55,6 +55,11 @@ def runs(tmp_path_factory):
                f"resume {d / 'to_ep2'} --ep 2 {flags} --out {d / 'to_ep2.pt'}",
                f"resume {d / 'ep2'} --ep 2 {flags} --out {d / 'control.pt'}",
                f"resume {d / 'to_ep1'} --ep 1 {flags} --weights-only --out {d / 'fresh.pt'}"])
+    # DP 4 x EP 2 (expert DP 2: ranks 2 and 3 hold halves of their experts' state and write no file)
+    api.reshard(d / "ep1", d / "to_dp4", tp=1, ep=2, distributed_optimizer=True, dp=4, warn=said.append)
+    assert not said, said
+    _torchrun([f"train {d / 'dp4'} --ep 2 {flags} --out {d / 'dp4.pt'}",
+               f"resume {d / 'to_dp4'} --ep 2 {flags} --out {d / 'to_dp4.pt'}"], nproc=4)
     return d
 
 
@@ -77,7 +82,7 @@ def canonical_pieces(name: str, value: torch.Tensor, cfg) -> dict:
     return {expert + "down.weight": value}
 
 
-@pytest.mark.parametrize("src", ["ep1", "ep2"])
+@pytest.mark.parametrize("src", ["ep1", "ep2", "dp4"])
 def test_every_master_and_moment_equals_the_live_optimizers(runs, src):
     ck = read_megatron(runs / src)
     assert not ck.warnings and ck.optimizer is not None and ck.optimizer.kind == "megatron-distributed"
@@ -103,7 +108,7 @@ def _next(path):
     return torch.load(str(path) + ".losses")["next"]
 
 
-@pytest.mark.parametrize("out,src", [("to_ep1", "ep2"), ("to_ep2", "ep1")])
+@pytest.mark.parametrize("out,src", [("to_ep1", "ep2"), ("to_ep2", "ep1"), ("to_dp4", "ep1")])
 def test_written_distrib_optim_resumes_at_another_expert_layout(runs, out, src):
     """megatron-core loads ckptool's distrib_optim.pt (load_state_dict + load_parameter_state) and takes
     the next two steps with the very losses the source run took; the second is the first that the
