@@ -46,15 +46,18 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("moe_distopt")
     flags = "--tp 1 --dtype bf16 --distributed-optimizer"
     _torchrun([f"train {d / 'ep1'} --ep 1 {flags} --out {d / 'ep1.pt'}",
-               f"train {d / 'ep2'} --ep 2 {flags} --out {d / 'ep2.pt'}"])
+               f"train {d / 'ep2'} --ep 2 {flags} --out {d / 'ep2.pt'}",
+               f"train {d / 'qwen'} --ep 2 --arch qwen2moe {flags} --out {d / 'qwen.pt'}"])
     said = []
     api.reshard(d / "ep2", d / "to_ep1", tp=1, ep=1, distributed_optimizer=True, dp=2, warn=said.append)
     api.reshard(d / "ep1", d / "to_ep2", tp=1, ep=2, distributed_optimizer=True, dp=2, warn=said.append)
+    api.reshard(d / "qwen", d / "qwen_to_ep1", tp=1, ep=1, distributed_optimizer=True, dp=2, warn=said.append)
     assert not said, said
     _torchrun([f"resume {d / 'to_ep1'} --ep 1 {flags} --out {d / 'to_ep1.pt'}",
                f"resume {d / 'to_ep2'} --ep 2 {flags} --out {d / 'to_ep2.pt'}",
                f"resume {d / 'ep2'} --ep 2 {flags} --out {d / 'control.pt'}",
-               f"resume {d / 'to_ep1'} --ep 1 {flags} --weights-only --out {d / 'fresh.pt'}"])
+               f"resume {d / 'to_ep1'} --ep 1 {flags} --weights-only --out {d / 'fresh.pt'}",
+               f"resume {d / 'qwen_to_ep1'} --ep 1 --arch qwen2moe {flags} --out {d / 'qwen_to_ep1.pt'}"])
     # DP 4 x EP 2 (expert DP 2: ranks 2 and 3 hold halves of their experts' state and write no file)
     api.reshard(d / "ep1", d / "to_dp4", tp=1, ep=2, distributed_optimizer=True, dp=4, warn=said.append)
     assert not said, said
@@ -108,11 +111,13 @@ def _next(path):
     return torch.load(str(path) + ".losses")["next"]
 
 
-@pytest.mark.parametrize("out,src", [("to_ep1", "ep2"), ("to_ep2", "ep1"), ("to_dp4", "ep1")])
+@pytest.mark.parametrize("out,src", [("to_ep1", "ep2"), ("to_ep2", "ep1"), ("to_dp4", "ep1"),
+                                     ("qwen_to_ep1", "qwen")])
 def test_written_distrib_optim_resumes_at_another_expert_layout(runs, out, src):
     """megatron-core loads ckptool's distrib_optim.pt (load_state_dict + load_parameter_state) and takes
     the next two steps with the very losses the source run took; the second is the first that the
-    loaded moments move. A fresh optimizer (weights only) is off by far more."""
+    loaded moments move. A fresh optimizer (weights only) is off by far more. qwen: the Qwen2-MoE-like
+    model (a dense layer 0, a shared expert with its gate, QKV biases: all in the dense buffer)."""
     went_on, resumed = _next(runs / f"{src}.pt"), _next(runs / f"{out}.pt")
     fresh = abs(_next(runs / "fresh.pt")[1] - _next(runs / "ep2.pt")[1])
     print(f"MoE distributed {src} -> {out}: losses {resumed} vs {went_on}; weights-only gap {fresh:.2e}")
