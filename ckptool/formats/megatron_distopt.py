@@ -221,8 +221,10 @@ def read_rank(tree: dict, rank_dir: Path, params: List[RankParam], args, tied: b
     else:
         dense_file = str(path)
     files = [dense_file, str(path)]
+    # both optimizers' buffers are cut at one bucket size, its default from the dense DP size (megatron-core's
+    # DDP); each pads its bucket ends for its own DP size
     tied_parts = [_read_part(part, state, file, [params[i] for i in idx], args, _dp(args, n == 1), tied, pp, pp_rank,
-                             f"{where} (chained optimizer {n})")
+                             f"{where} (chained optimizer {n})", bucket_dp=_dp(args, False))
                   if idx or state is not None else None
                   for n, (part, state, file, idx) in enumerate(zip(parts, states, files, members))]
     return megatron_optim.join_chain(tied_parts, members, len(params), where)
@@ -251,9 +253,10 @@ def _dp(args, expert: bool) -> int:
 
 
 def _read_part(opt: dict, state, where_file: str, params: List[RankParam], args, dp: int, tied: bool, pp: int,
-               pp_rank: int, where: str) -> Optional[RankOptimizer]:
+               pp_rank: int, where: str, bucket_dp: Optional[int] = None) -> Optional[RankOptimizer]:
     """One DistributedOptimizer's state (its groups from the rank file, its buffers from distrib_optim.pt)
-    tied to its parameters."""
+    tied to its parameters; dp: the size it was sharded over, bucket_dp: the one the default bucket size
+    comes from (the dense DP size; default dp)."""
     groups = opt["optimizer"]["param_groups"]
     form = _form(state, where_file)
     chunks = sorted({p.chunk for p in params})
@@ -266,7 +269,7 @@ def _read_part(opt: dict, state, where_file: str, params: List[RankParam], args,
         members = [i for i, p in enumerate(params) if p.chunk == chunk]
         entry = _one_dtype(state[gbuf], f"{where_file} buffer {gbuf}")
         layout, _ = _matching_layout([params[i] for i in members], entry, form, args, chunk, pp_rank, dp,
-                                       tied, pp, f"{where_file} buffer {gbuf}")
+                                       tied, pp, f"{where_file} buffer {gbuf}", bucket_dp or dp)
         for j, i in enumerate(members):
             shape = tuple(params[i].weight.shape)
             for key in KEYS:
@@ -312,7 +315,7 @@ def _one_dtype(buffer_state, where: str) -> dict:
 
 
 def _matching_layout(params: List[RankParam], entry: dict, form: str, args, chunk: int, pp_rank: int, dp: int,
-                     tied: bool, pp: int, where: str) -> Tuple[BufferLayout, Era]:
+                     tied: bool, pp: int, where: str, bucket_dp: Optional[int] = None) -> Tuple[BufferLayout, Era]:
     """The first era (and bucket size) whose layout reproduces the stored sizes."""
     numels = [p.weight.numel for p in params]
     shared = [is_shared_embedding(p, tied, pp) for p in params]
@@ -331,7 +334,7 @@ def _matching_layout(params: List[RankParam], entry: dict, form: str, args, chun
         want = sizes["param"]
     tried = []
     for era in (e for e in ERAS if e.form == form):
-        for size in bucket_sizes(args, chunk, pp_rank, dp):
+        for size in bucket_sizes(args, chunk, pp_rank, bucket_dp or dp):
             layout = buffer_layout(numels, shared, era, dp, size)
             got = layout.numel_unpadded if form == "coalesced" else layout.bucket_padded
             if got == want:

@@ -232,7 +232,8 @@ class DistributedTarget:
             dp = self.dp * self.tp // ep if expert else self.dp
             optimizer, state = megatron_distopt.rank_files(
                 mine, dp, train.opt.step, groups, train.grad_scaler, self.dtype_key,
-                lambda chunk, dp=dp: megatron_distopt.target_bucket_size(self.args, chunk, p, dp), self.era)
+                # one bucket size for both (its default from the dense DP size), each padded for its own DP
+                lambda chunk: megatron_distopt.target_bucket_size(self.args, chunk, p, self.dp), self.era)
             parts.append((optimizer, None if chained and not expert and e > 0 else state))
         if not chained:
             return train.with_scheduler({"optimizer": parts[0][0]}), parts[0][1]
