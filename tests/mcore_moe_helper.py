@@ -14,6 +14,12 @@ GPTModel with MoE layers (local spec: SequentialMLP experts `mlp.experts.local_e
         live optimizer's first moment at the save; and FILE.losses the loss of that step and of two
         more steps taken after the save (`next`: what a resumed run must reproduce; the second step's
         loss is the first that depends on the loaded optimizer state).
+        --distributed-optimizer: megatron-core's DistributedOptimizer (at EP > 1 a chain of the dense one
+        over the data-parallel group and the expert one over the expert-data-parallel group), saved as
+        Megatron-LM does for --ckpt-format torch: its groups in the rank file, and
+        optimizer.save_parameter_state() writing distrib_optim.pt beside it (at EP > 1 a list [dense,
+        expert], each part from that optimizer's DP rank 0, None elsewhere); FILE.moments then gets
+        `live`: per (TP rank, global name) the live fp32 master and moments, from the DP shards.
   "resume DIR --tp T --ep E --out FILE [--weights-only]"   a fresh model and optimizer at TP x EP load
         DIR as Megatron-LM's load_checkpoint does (model strict, optimizer.load_state_dict; with
         --weights-only a fresh optimizer, as --no-load-optim) and take those two steps; FILE.losses
@@ -75,6 +81,7 @@ ARCHS = {"mixtral": {}, "qwen2moe": dict(moe_layer_freq=[0, 1], moe_shared_exper
                                          moe_shared_expert_gate=True, moe_router_pre_softmax=True, add_qkv_bias=True)}
 ARCH = {"name": "mixtral"}
 DTYPE = {"bf16": False}  # train / resume --dtype
+DISTRIBUTED = {"on": False}  # train / resume --distributed-optimizer
 # Mixtral-like with megatron-core's legacy GroupedMLP experts (--moe-grouped-gemm without Transformer Engine:
 # weight1 [h, local experts x fc1 rows], weight2 [local experts x ffn, h], run as one grouped GEMM)
 ARCHS["grouped"] = dict(moe_grouped_gemm=True)
@@ -201,9 +208,13 @@ def make_optimizer(model, cfg):
     if DTYPE["bf16"]:  # mixed precision: bf16 weights, fp32 masters in each optimizer of the chain
         model.to(torch.bfloat16)
         cfg.bf16, cfg.params_dtype = True, torch.bfloat16
-    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=False), model)
+    distributed = DISTRIBUTED["on"]
+    if distributed and not torch.cuda.is_available():
+        mcore_train_helper._gloo_reduce_scatter()
+        mcore_train_helper._torch_adam_step_kept()
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=distributed), model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, clip_grad=0.0,
-                                                 bf16=DTYPE["bf16"]), [ddp])
+                                                 bf16=DTYPE["bf16"], use_distributed_optimizer=distributed), [ddp])
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     return ddp, opt
 
@@ -262,9 +273,41 @@ def train_one_step(model, cfg):
     return ddp, opt, loss, moments
 
 
+def live_distributed(model, opt, ep) -> dict:
+    """{(TP rank, global name): {"param", "exp_avg", "exp_avg_sq"}}: every DistributedOptimizer's fp32
+    master and moments of each parameter, put together from each DP rank's shard at the ranges
+    megatron-core's own range maps give (independent of ckptool's buffer layout)."""
+    names = {p: global_name(n, ep) for n, p in model.named_parameters()}
+    mine = {}
+    for sub in opt.chained_optimizers:
+        for gbuf_range_maps in sub.gbuf_ranges:
+            for maps in gbuf_range_maps.values():
+                for bucket_map in maps:
+                    for param, ranges in bucket_map["param_map"].items():
+                        tensors = sub._get_main_param_and_optimizer_states(param)
+                        r = ranges["param"]
+                        mine[names[param]] = (param.numel(), tuple(param.shape), r.start, r.end,
+                                              {k: tensors[k].detach().float().clone()
+                                               for k in ("param", "exp_avg", "exp_avg_sq")})
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (parallel_state.get_tensor_model_parallel_rank(), mine))
+    out: dict = {}
+    shapes = {}
+    for t, pieces in every:
+        for name, (numel, shape, start, end, tensors) in pieces.items():
+            full = out.setdefault((t, name), {k: torch.full((numel,), float("nan")) for k in tensors})
+            shapes[(t, name)] = shape
+            for k, v in tensors.items():
+                full[k][start:end] = v
+    for key, full in out.items():
+        assert not any(v.isnan().any() for v in full.values()), f"{key}: the DP shards do not cover it"
+    return {key: {k: v.reshape(shapes[key]) for k, v in full.items()} for key, full in out.items()}
+
+
 def run_job(a):
     ARCH["name"] = a.arch
     DTYPE["bf16"] = a.dtype == "bf16"
+    DISTRIBUTED["on"] = a.distributed_optimizer
     model, cfg = build(a.tp, a.ep, a.pp, a.etp)
     root = Path(a.dir)
     d = rank_dir(root, a.pp, a.ep)
@@ -280,7 +323,19 @@ def run_job(a):
                      "model": model.state_dict_for_save_checkpoint()}
             if opt is not None:
                 state["optimizer"] = opt.state_dict()
+            if a.distributed_optimizer:
+                state["args"].use_distributed_optimizer = True
+                state["args"].data_parallel_size = parallel_state.get_data_parallel_world_size()
+                state["args"].overlap_grad_reduce = False
+                state["args"].accumulate_allreduce_grads_in_fp32 = False  # DistributedDataParallelConfig's default
+                state["args"].bf16 = DTYPE["bf16"]
             torch.save(state, d / "model_optim_rng.pt")
+        if a.distributed_optimizer and opt is not None:  # a collective: every rank, the DP-rank-0 ones write
+            dist.barrier()
+            opt.save_parameter_state(str(d / "distrib_optim.pt"))
+            live = live_distributed(model, opt, a.ep)
+            if dist.get_rank() == 0:
+                torch.save({"live": live}, a.out + ".live")
         if moments is not None:
             every = [None] * dist.get_world_size()
             dist.all_gather_object(every, (parallel_state.get_tensor_model_parallel_rank(), moments))
@@ -300,6 +355,8 @@ def run_job(a):
         ddp, opt = make_optimizer(model, cfg)
         if not a.weights_only:
             opt.load_state_dict(state["optimizer"])
+            if a.distributed_optimizer:
+                opt.load_parameter_state(str(d / "distrib_optim.pt"))
         losses = {"next": [adam_step(ddp, opt, 6), adam_step(ddp, opt, 7)]}
         model.eval()
     else:
@@ -389,6 +446,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["save", "train", "resume", "load-torch", "save-dist", "load-dist"])
     ap.add_argument("--weights-only", action="store_true")
+    ap.add_argument("--distributed-optimizer", action="store_true")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("dir")
     ap.add_argument("--tp", type=int, default=1)

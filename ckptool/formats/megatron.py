@@ -678,7 +678,8 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
         top.update(file_obj)
         param_state = None
         if distributed is not None:
-            entries, param_state = distributed.rank_entries(train, params, param_chunks, t, p, shard, cfg)
+            entries, param_state = distributed.rank_entries(train, params, param_chunks, t, p, shard, cfg,
+                                                            layout.ep, e)
             top.update(entries)
         elif train is not None:
             top.update(train.rank_entries(params, t, shard, cfg, layout.ep))

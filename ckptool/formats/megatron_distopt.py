@@ -29,6 +29,10 @@ The file's forms by era (`ERAS`, `read_rank`):
 Older forms (the 2023 per-bucket layout before megatron-core's ParamAndGradBuffer, the 2022-23
 per-DP-rank optim.pt files) are refused by name.
 
+MoE at EP > 1: megatron-core chains a dense and an expert optimizer (the expert one over the experts'
+own grad buffers, sharded over the expert-data-parallel size); both files then hold their lists
+[dense, expert], the dense state in EP rank 0's distrib_optim.pt only (`read_rank`, DistributedTarget).
+
 The layout is never trusted: its numel_unpadded (per bucket for the bucket-list form) must equal the
 stored one, and every master is checked against its weight as it loads (megatron_optim).
 
@@ -48,6 +52,7 @@ import torch
 from ..errors import CkptError
 from ..io.torchfile import StoredTensor, load_torch_file
 from ..lazy import Derived, LazyTensor
+from . import megatron_optim
 from .megatron_optim import (HINT, GroupRule, RankOptimizer, RankParam, groups_by_traits,
                              master_matching_weight)
 
@@ -177,36 +182,94 @@ def uses_distributed_optimizer(rank_dir: Path, args) -> bool:
 
 
 def read_rank(tree: dict, rank_dir: Path, params: List[RankParam], args, tied: bool, pp: int, pp_rank: int,
-              where: str) -> Optional[RankOptimizer]:
-    """One (TP, PP) rank's distributed-optimizer state tied to its parameters (params in file order,
-    each with its model chunk); None when the optimizer never stepped."""
+              where: str, ep: int = 1, dense_dir: Optional[Path] = None) -> Optional[RankOptimizer]:
+    """One (TP, PP, EP) rank's distributed-optimizer state tied to its parameters (params in file order,
+    each with its model chunk); None when the optimizer never stepped.
+
+    At EP > 1 megatron-core chains a dense DistributedOptimizer (the grad buffers of the parameters
+    all-reduced over data parallelism) and an expert one (its expert_parallel_buffers, sharded over the
+    expert-data-parallel group): the rank file's 'optimizer' is the list of their groups and
+    distrib_optim.pt the list of their states, each written only by that optimizer's DP rank 0 (None in
+    the other places). The dense state, the same on every EP rank, is in EP rank 0's file (dense_dir)."""
     path = rank_dir / FILE
     opt = tree.get("optimizer")
     if not path.is_file():
         raise CkptError(f"{where}: the run used the distributed optimizer but {path} is missing", HINT)
-    if not isinstance(opt, dict) or not isinstance(opt.get("optimizer"), dict) \
-            or not isinstance(opt["optimizer"].get("param_groups"), list):
+    parts = opt if isinstance(opt, list) else [opt]
+    if not all(isinstance(o, dict) and isinstance(o.get("optimizer"), dict)
+               and isinstance(o["optimizer"].get("param_groups"), list) for o in parts):
         raise CkptError(f"{where}: 'optimizer' is not a distributed optimizer's state dict "
-                        "({'optimizer': {'param_groups'}})", HINT)
-    groups = opt["optimizer"]["param_groups"]
-    where_file = str(path)
+                        "({'optimizer': {'param_groups'}}, or megatron-core's chained list of them)", HINT)
+    states = _load(path)
+    chained = isinstance(opt, list)
+    if chained != isinstance(states, list) or (chained and (ep == 1 or len(parts) != 2 or len(states) != 2)):
+        raise CkptError(f"{path}: {len(states) if isinstance(states, list) else 'one'} optimizer state(s) for the "
+                        f"{len(parts) if chained else 'single'} optimizer(s) of the rank file at EP {ep} (megatron-core "
+                        "chains [dense, expert] at EP > 1)", HINT)
+    if not chained:
+        return _read_part(parts[0], states, str(path), params, args, _dp(args, False), tied, pp, pp_rank, where)
+    members = megatron_optim.chain_members(params, ep)
+    if states[0] is None and members[0]:  # this file's writer was not the dense optimizer's DP rank 0
+        dense_path = (dense_dir or rank_dir) / FILE
+        dense = _load(dense_path) if dense_path != path else None
+        if not isinstance(dense, list) or len(dense) != 2 or dense[0] is None:
+            elsewhere = f" nor in {dense_path}" if dense_path != path else ""
+            raise CkptError(f"{path}: no dense optimizer state here{elsewhere} (EP rank 0's file, where "
+                            "megatron-core's dense DP rank 0 saves it, must hold it)", HINT)
+        states = [dense[0], states[1]]
+        dense_file = str(dense_path)
+    else:
+        dense_file = str(path)
+    files = [dense_file, str(path)]
+    # both optimizers' buffers are cut at one bucket size, its default from the dense DP size (megatron-core's
+    # DDP); each pads its bucket ends for its own DP size
+    tied_parts = [_read_part(part, state, file, [params[i] for i in idx], args, _dp(args, n == 1), tied, pp, pp_rank,
+                             f"{where} (chained optimizer {n})", bucket_dp=_dp(args, False))
+                  if idx or state is not None else None
+                  for n, (part, state, file, idx) in enumerate(zip(parts, states, files, members))]
+    return megatron_optim.join_chain(tied_parts, members, len(params), where)
+
+
+def _load(path: Path):
     try:
-        state = load_torch_file(path)
+        return load_torch_file(path)
     except CkptError as e:
-        raise CkptError(f"{where_file} cannot be read: {e.message}", HINT) from None
+        raise CkptError(f"{path} cannot be read: {e.message}", HINT) from None
+
+
+def _dp(args, expert: bool) -> int:
+    """The data-parallel size an optimizer of the run was sharded over: the dense one's, or (expert) the
+    expert-data-parallel size megatron-core derives for the same world (world / (expert TP x EP x PP))."""
+    dp = int(getattr(args, "data_parallel_size", 0) or 0)
+    if not expert or not dp:  # args without the DP size: 1 (it shapes only bucket padding, checked by size)
+        return dp or 1
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp)
+    ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+    if (dp * tp) % (etp * ep):
+        raise CkptError(f"the run's args give DP {dp} x TP {tp}, which expert TP {etp} x EP {ep} does not divide",
+                        HINT)
+    return dp * tp // (etp * ep)
+
+
+def _read_part(opt: dict, state, where_file: str, params: List[RankParam], args, dp: int, tied: bool, pp: int,
+               pp_rank: int, where: str, bucket_dp: Optional[int] = None) -> Optional[RankOptimizer]:
+    """One DistributedOptimizer's state (its groups from the rank file, its buffers from distrib_optim.pt)
+    tied to its parameters; dp: the size it was sharded over, bucket_dp: the one the default bucket size
+    comes from (the dense DP size; default dp)."""
+    groups = opt["optimizer"]["param_groups"]
     form = _form(state, where_file)
-    dp = int(getattr(args, "data_parallel_size", 0) or 1)
     chunks = sorted({p.chunk for p in params})
     buffers = sorted(k for k in state if isinstance(k, int))
     if buffers != list(range(len(chunks))):
         raise CkptError(f"{where_file}: {len(buffers)} grad buffers for {len(chunks)} model chunks "
-                        "(several dtypes or expert parameters are not carried yet)", HINT)
+                        "(several dtypes are not carried yet)", HINT)
     slots: List[Dict[str, LazyTensor]] = [dict() for _ in params]
     for gbuf, chunk in zip(buffers, chunks):
         members = [i for i, p in enumerate(params) if p.chunk == chunk]
         entry = _one_dtype(state[gbuf], f"{where_file} buffer {gbuf}")
         layout, _ = _matching_layout([params[i] for i in members], entry, form, args, chunk, pp_rank, dp,
-                                       tied, pp, f"{where_file} buffer {gbuf}")
+                                       tied, pp, f"{where_file} buffer {gbuf}", bucket_dp or dp)
         for j, i in enumerate(members):
             shape = tuple(params[i].weight.shape)
             for key in KEYS:
@@ -230,8 +293,6 @@ def read_rank(tree: dict, rank_dir: Path, params: List[RankParam], args, tied: b
 
 
 def _form(state, where: str) -> str:
-    if isinstance(state, list):
-        raise CkptError(f"{where}: several chained optimizers' states are not carried yet", HINT)
     if not isinstance(state, dict):
         raise CkptError(f"{where}: not a distributed-optimizer state (a {type(state).__name__})", HINT)
     if state.get("buckets_coalesced") is True:
@@ -254,7 +315,7 @@ def _one_dtype(buffer_state, where: str) -> dict:
 
 
 def _matching_layout(params: List[RankParam], entry: dict, form: str, args, chunk: int, pp_rank: int, dp: int,
-                     tied: bool, pp: int, where: str) -> Tuple[BufferLayout, Era]:
+                     tied: bool, pp: int, where: str, bucket_dp: Optional[int] = None) -> Tuple[BufferLayout, Era]:
     """The first era (and bucket size) whose layout reproduces the stored sizes."""
     numels = [p.weight.numel for p in params]
     shared = [is_shared_embedding(p, tied, pp) for p in params]
@@ -273,7 +334,7 @@ def _matching_layout(params: List[RankParam], entry: dict, form: str, args, chun
         want = sizes["param"]
     tried = []
     for era in (e for e in ERAS if e.form == form):
-        for size in bucket_sizes(args, chunk, pp_rank, dp):
+        for size in bucket_sizes(args, chunk, pp_rank, bucket_dp or dp):
             layout = buffer_layout(numels, shared, era, dp, size)
             got = layout.numel_unpadded if form == "coalesced" else layout.bucket_padded
             if got == want:

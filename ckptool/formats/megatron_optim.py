@@ -178,14 +178,25 @@ def read_rank(tree: dict, params: List[RankParam], where: str, rule: GroupRule =
     if opt is None:
         return None
     parts = [opt] if not isinstance(opt, list) else opt
-    members = [list(range(len(params)))] if not isinstance(opt, list) else \
-        [[i for i, p in enumerate(params) if expert_parallel(p.role, ep) == is_expert] for is_expert in (False, True)]
+    members = [list(range(len(params)))] if not isinstance(opt, list) else chain_members(params, ep)
     tied = [_read_one(part, [params[i] for i in idx], f"{where}" + (f" (chained optimizer {n})" if len(parts) > 1 else ""),
                       rule) for n, (part, idx) in enumerate(zip(parts, members))]
+    return join_chain(tied, members, len(params), where)
+
+
+def chain_members(params: List[RankParam], ep: int) -> List[List[int]]:
+    """The parameters (indices into params) of each optimizer of megatron-core's chain [dense, expert]."""
+    return [[i for i, p in enumerate(params) if expert_parallel(p.role, ep) == is_expert] for is_expert in (False, True)]
+
+
+def join_chain(tied: List[Optional[RankOptimizer]], members: List[List[int]], n: int, where: str
+               ) -> Optional[RankOptimizer]:
+    """One rank's RankOptimizer from the chain's parts (each tied to its members): the dense optimizer's
+    groups, then the expert optimizer's; None when none stepped."""
     if all(r is None for r in tied):
         return None
-    slots: List[Dict[str, LazyTensor]] = [dict() for _ in params]
-    group_of, hypers, steps = [0] * len(params), [], set()
+    slots: List[Dict[str, LazyTensor]] = [dict() for _ in range(n)]
+    group_of, hypers, steps = [0] * n, [], set()
     for r, idx in zip(tied, members):
         if r is None:  # one optimizer stepped, the other not: the files do not belong together
             if idx:

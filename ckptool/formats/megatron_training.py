@@ -39,15 +39,12 @@ def read_training_state(trees, ranks, model_files, params, tp, args, cfg, canoni
             warnings.append(f"optimizer state dropped: {why}; the output holds the weights only")
             return None
     pp = max(p for _, p, _ in ranks) + 1
-    if ep > 1 and megatron_distopt.uses_distributed_optimizer(ranks[(0, 0, 0)], args):
-        warnings.append("optimizer state dropped: the distributed optimizer's expert-parallel buffers are not "
-                        "read yet; the output holds the weights only")
-        return None
     if etp not in (None, tp) and megatron_distopt.uses_distributed_optimizer(ranks[(0, 0, 0)], args):
         warnings.append(f"optimizer state dropped: the distributed optimizer's buffers at expert TP {etp} != TP {tp} "
                         "are not read yet; the output holds the weights only")
         return None
-    per_rank = {rk: _read_rank(tree, model_files[rk], params[rk], args, cfg, pp, rk[1], ep)
+    per_rank = {rk: _read_rank(tree, model_files[rk], params[rk], args, cfg, pp, rk[1], ep,
+                               model_files.get((rk[0], rk[1], 0)))
                 for rk, tree in trees.items()}
     if all(r is None for r in per_rank.values()):
         return None
@@ -103,12 +100,14 @@ def slot_shards(values, params: Dict[tuple, List[RankParam]], tp: int, grid=None
 
 
 def _read_rank(tree, model_file: Path, params: List[RankParam], args, cfg: GPTConfig, pp: int, pp_rank: int,
-               ep: int):
-    """One rank's optimizer state: distrib_optim.pt beside the rank file (the distributed optimizer)
-    or the rank file's own 'optimizer' entry (a chained [dense, expert] list at EP > 1)."""
+               ep: int, ep0_file: Optional[Path] = None):
+    """One rank's optimizer state: distrib_optim.pt beside the rank file (the distributed optimizer; at
+    EP > 1 its dense part in EP rank 0's, ep0_file's directory) or the rank file's own 'optimizer' entry
+    (a chained [dense, expert] list at EP > 1)."""
     where, rank_dir = str(model_file), model_file.parent
     if megatron_distopt.uses_distributed_optimizer(rank_dir, args):
-        return megatron_distopt.read_rank(tree, rank_dir, params, args, cfg.tied_embeddings, pp, pp_rank, where)
+        return megatron_distopt.read_rank(tree, rank_dir, params, args, cfg.tied_embeddings, pp, pp_rank, where,
+                                          ep, ep0_file.parent if ep0_file is not None else None)
     return megatron_optim.read_rank(tree, params, where, megatron_optim.GroupRule.from_args(args), ep)
 
 
@@ -192,8 +191,8 @@ class DistributedTarget:
     """The distributed optimizer's files for a target: per rank, the 'optimizer' entry without tensors
     and a distrib_optim.pt laid out as megatron-core lays its grad buffers out for data-parallel size dp."""
 
-    def __init__(self, dp: int, tied: bool, pp: int, dtype_key, args=None, era=megatron_distopt.CURRENT):
-        self.dp, self.tied, self.pp, self.dtype_key = dp, tied, pp, dtype_key
+    def __init__(self, dp: int, tied: bool, pp: int, dtype_key, args=None, era=megatron_distopt.CURRENT, tp: int = 1):
+        self.dp, self.tied, self.pp, self.dtype_key, self.tp = dp, tied, pp, dtype_key, tp
         self.args, self.era = args, era  # the written args say whether (and how) the target run buckets
 
     @classmethod
@@ -205,9 +204,9 @@ class DistributedTarget:
         its args carry them), written into args and followed by the layout; era: the target's
         megatron-core (megatron_distopt.ERAS by `since`), which decides the file's form."""
         require(dp >= 1, f"--dp {dp}: the data-parallel size is at least 1")
-        require(not (wanted and train is not None and cfg.moe is not None),
-                "--distributed-optimizer: the distributed optimizer's buffers of MoE models are not written yet",
-                "drop --distributed-optimizer (the optimizer state is written in the non-distributed form), or --no-optimizer")
+        require(not (wanted and train is not None and cfg.moe is not None and (dp * layout.tp) % layout.ep),
+                f"--dp {dp}: the expert-data-parallel size of the run (DP x TP / EP = {dp} x {layout.tp} / "
+                f"{layout.ep}) is not whole", "choose --dp so that DP x TP is a multiple of --ep")
         if args is not None:  # what the target run is: Megatron reads DP from its own flags
             args.use_distributed_optimizer = bool(wanted and train is not None)
             if wanted:
@@ -225,7 +224,7 @@ class DistributedTarget:
         fp32_grads = getattr(args, "accumulate_allreduce_grads_in_fp32", out_dtype == torch.bfloat16)
         target = megatron_distopt.ERA_BY_SINCE[era]
         key = megatron_distopt.buffer_key(target, out_dtype, torch.float32 if fp32_grads else out_dtype)
-        return cls(dp, cfg.tied_embeddings, layout.pp, key, args, target)
+        return cls(dp, cfg.tied_embeddings, layout.pp, key, args, target, layout.tp)
 
     def describe(self) -> dict:
         """dp, and the bucketing and era where they are not the plain default (for the report)."""
@@ -237,15 +236,33 @@ class DistributedTarget:
             out["era"] = self.era.since
         return out
 
-    def rank_entries(self, train: TrainingTarget, params, chunks, t: int, p: int, shard, cfg: GPTConfig):
-        entries = [(chunk, g, slots, self.tied and self.pp > 1 and param[0] == "word")
+    def rank_entries(self, train: TrainingTarget, params, chunks, t: int, p: int, shard, cfg: GPTConfig,
+                     ep: int = 1, e: int = 0):
+        """The rank file's optimizer entries and its distrib_optim.pt state. At EP > 1 with experts, as
+        megatron-core's chain [dense, expert]: the expert optimizer's buffers hold the expert-parallel
+        parameters, sharded over the expert-data-parallel size (DP x TP / EP); the dense state is saved
+        by the dense optimizer's DP rank 0 only, EP rank 0 (None in the other EP ranks' files)."""
+        entries = [(chunk, g, slots, self.tied and self.pp > 1 and param[0] == "word",
+                    megatron_optim.expert_parallel(param[0], ep))
                    for param, chunk, (g, slots) in zip(params, chunks,
                                                        train.param_slots(params, t, shard, cfg, OPTIMIZER_SLOTS))]
         # megatron-core >= 0.16 lists every group of the model on every rank (megatron_optim.target_groups)
-        (used,) = megatron_optim.target_groups(train.opt.param_groups, 1)
-        groups = [dict(train.opt.param_groups[g].hyper) for g in used]
-        entries = [(c, used.index(g), s, shared) for c, g, s, shared in entries]
-        optimizer, state = megatron_distopt.rank_files(
-            entries, self.dp, train.opt.step, groups, train.grad_scaler, self.dtype_key,
-            lambda chunk: megatron_distopt.target_bucket_size(self.args, chunk, p, self.dp), self.era)
-        return train.with_scheduler({"optimizer": optimizer}), state
+        optimizers = megatron_optim.target_groups(train.opt.param_groups, ep)
+        chained = len(optimizers) > 1
+        parts = []
+        for n, used in enumerate(optimizers):
+            expert = chained and n == 1
+            groups = [dict(train.opt.param_groups[g].hyper) for g in used]
+            for hyper in groups:
+                if chained or "is_expert_parallel" in hyper:  # the target layout decides it
+                    hyper["is_expert_parallel"] = expert
+            mine = [(c, used.index(g), s, shared) for c, g, s, shared, x in entries if x == expert]
+            dp = self.dp * self.tp // ep if expert else self.dp
+            optimizer, state = megatron_distopt.rank_files(
+                mine, dp, train.opt.step, groups, train.grad_scaler, self.dtype_key,
+                # one bucket size for both (its default from the dense DP size), each padded for its own DP
+                lambda chunk: megatron_distopt.target_bucket_size(self.args, chunk, p, self.dp), self.era)
+            parts.append((optimizer, None if chained and not expert and e > 0 else state))
+        if not chained:
+            return train.with_scheduler({"optimizer": parts[0][0]}), parts[0][1]
+        return train.with_scheduler({"optimizer": [o for o, _ in parts]}), [s for _, s in parts]
