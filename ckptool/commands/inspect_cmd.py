@@ -135,7 +135,8 @@ def inspect_cmd(path, as_json, tensors, **kw):
     else:
         max_lrs = {g.get("max_lr") for g in o["param_groups"]}  # shown where groups differ (--decoupled-lr)
         groups = ", ".join(f"{g['tensors']} tensors wd {g.get('weight_decay', '?')}"
-                           + (f" lr_mult {g['lr_mult']}" if g.get("lr_mult", 1) != 1 else "")
+                           + (f" wd_mult {g['wd_mult']}" if g.get("wd_mult", 1) != 1 else "")  # megatron-core's
+                           + (f" lr_mult {g['lr_mult']}" if g.get("lr_mult", 1) != 1 else "")  # per-group factors
                            + (f" max_lr {g['max_lr']}" if len(max_lrs) > 1 else "") for g in o["param_groups"])
         click.echo(f"optimizer   {o['kind']}, step {o['step']}, {' + '.join(o['slots'])} "
                    f"({'/'.join(sorted({d for ds in o['dtypes'].values() for d in ds}))}), "
