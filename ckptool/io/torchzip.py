@@ -153,34 +153,8 @@ class ArchiveOut:
 
     def write_record(self, name: str, data: memoryview) -> None:
         """One record from memory (its bytes must stay unchanged until this returns)."""
-        n = len(data)
-        with profile.stage("zip"):
-            self._sink.gap = None
-            self._layout.write_record_metadata(name, n)
-            pieces = self._sink.take()
-        gap_at, gap_len = self._sink.gap if self._sink.gap else (None, 0)
-        if n and (gap_len != n or gap_at is None):
-            raise CkptError(f"internal: torch's writer planned {gap_len} bytes for {name}, not {n}")
-        started = chunked.crc32_start(data)  # CRC pieces on the pool, beside the write
-        descriptor = None
-        for offset, piece in pieces:
-            if gap_at is not None and offset >= gap_at + gap_len and piece[:4] == _DESCRIPTOR:
-                descriptor = (offset, piece)
-            elif gap_at is None or offset < gap_at:
-                self._out.small(offset, piece)
-            else:
-                raise CkptError(f"internal: unexpected archive piece after the data of {name}")
-        if n:
-            self._out.big(gap_at, data)
-        with profile.stage("wait"):
-            crc = chunked.crc32_finish(started)
-        if descriptor is None:
-            raise CkptError(f"internal: no data descriptor for {name}")
-        offset, piece = descriptor
-        struct.pack_into("<I", piece, 4, crc)
-        self._sink.crcs[-1] = crc  # the dry run folded 0 for it; torch folds the real CRC
-        self._tensor_crcs[name] = crc
-        self._out.small(offset, piece)
+        view = memoryview(data).cast("B")
+        self.write_record_chunks(name, len(view), [view])
 
     def write_record_chunks(self, name: str, nbytes: int, chunks: Iterable) -> None:
         """One record of nbytes whose bytes arrive in order as chunks (buffers), so a record larger
