@@ -363,7 +363,7 @@ class StreamingTorchWriter:
         else:  # torch's writer does it all, on the calling thread
             self._archive = None
             self._file = _HashingFile(self.path)
-            self._writer = _archive_writer(self._file)
+            self._writer = torchzip.torch_archive_writer(self._file)
         self._done: set = set()
 
     @property
@@ -484,14 +484,6 @@ class _HashingFile:
 
     def close(self) -> None:
         self._f.close()
-
-
-def _archive_writer(f: _HashingFile):
-    ser = torch.serialization
-    try:  # the options torch.save itself uses (CRC32 on, 64-byte record alignment)
-        return torch._C.PyTorchFileWriter(f, ser.get_crc32_options(), ser._get_storage_alignment())
-    except (AttributeError, TypeError):  # older torch: one-argument constructor
-        return torch._C.PyTorchFileWriter(f)
 
 
 def save_streaming(obj: Any, path, on_tensor=None) -> int:

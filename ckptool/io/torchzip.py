@@ -136,18 +136,23 @@ class _Output:
         return self.digest.hexdigest()
 
 
+def torch_archive_writer(f):
+    """torch's own archive writer over file-like f, with the options torch.save uses (CRC32 on,
+    64-byte record alignment)."""
+    ser = torch.serialization
+    try:
+        return torch._C.PyTorchFileWriter(f, ser.get_crc32_options(), ser._get_storage_alignment())
+    except (AttributeError, TypeError):  # older torch: one-argument constructor
+        return torch._C.PyTorchFileWriter(f)
+
+
 class ArchiveOut:
     """One torch.save zip archive: records go out in the order given, checksums over the cores."""
 
     def __init__(self, path):
         self.path = Path(path)
-        ser = torch.serialization
         self._sink = LayoutSink()
-        try:  # the options torch.save itself uses (CRC32 on, 64-byte record alignment)
-            self._layout = torch._C.PyTorchFileWriter(self._sink, ser.get_crc32_options(),
-                                                      ser._get_storage_alignment())
-        except (AttributeError, TypeError):
-            self._layout = torch._C.PyTorchFileWriter(self._sink)
+        self._layout = torch_archive_writer(self._sink)
         self._out = _Output(self.path)
         self._tensor_crcs: dict = {}  # record name -> CRC32 for the records written from memory
 
