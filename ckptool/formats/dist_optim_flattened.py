@@ -25,7 +25,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from ..errors import CkptError
-from ..io.dcp_io import DcpDir, DcpTensor
+from ..io.dcp_io import DcpDir, DcpTensor, Region
 from ..lazy import LazyTensor
 from .megatron_optim import HINT
 
@@ -42,24 +42,16 @@ def chunk_shape(stored: Sequence[int], original: Sequence[int]) -> Optional[Tupl
     return local if math.prod(local) == stored[-1] else None
 
 
-class Unflattened(LazyTensor):
+class Unflattened(Region):
     """A region [offsets, offsets + sizes) of an N-D flattened tensor, in its original shape; `squeeze`
     leading axes dropped. Reads the chunk-grid cells that cover the region."""
 
     def __init__(self, dcp: DcpDir, key: str, local: Tuple[int, ...], original: Tuple[int, ...],
                  offsets: Sequence[int] = (), sizes=None, squeeze: int = 0):
-        offsets = tuple(offsets) + (0,) * (len(original) - len(offsets))
-        sizes = tuple(sizes) if sizes is not None else tuple(n - o for n, o in zip(original, offsets))
         self.dcp, self.key, self.local, self.original = dcp, key, local, original
-        self.offsets, self.sizes, self.squeeze = offsets, sizes, squeeze
-        self.dtype = dcp.entries[key].properties.dtype
-        self.shape = torch.Size(sizes[squeeze:])
+        self._region(original, offsets, sizes, squeeze, dcp.entries[key].properties.dtype)
 
-    def narrow(self, dim: int, start: int, length: int) -> "Unflattened":
-        dim = dim % len(self.shape) + self.squeeze
-        offsets, sizes = list(self.offsets), list(self.sizes)
-        offsets[dim] += start
-        sizes[dim] = length
+    def _at(self, offsets, sizes) -> "Unflattened":
         return Unflattened(self.dcp, self.key, self.local, self.original, offsets, sizes, self.squeeze)
 
     def load(self) -> torch.Tensor:

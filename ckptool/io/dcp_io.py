@@ -180,25 +180,38 @@ class DcpDir:
         return DcpTensor(self, fqn, offsets, sizes, squeeze)
 
 
-class DcpTensor(LazyTensor):
-    """A region [offsets, offsets + sizes) of a DCP tensor; `squeeze` leading axes dropped (the
-    layer axis of a stacked tensor). load() reads only the overlapping chunks."""
+class Region(LazyTensor):
+    """A region [offsets, offsets + sizes) of a tensor of global shape `full`, `squeeze` leading axes
+    dropped; narrow() gives a smaller region of the same source (subclasses say how: _at)."""
 
-    def __init__(self, d: DcpDir, fqn: str, offsets: Sequence[int] = (), sizes=None, squeeze: int = 0):
-        md = d.entries[fqn]
-        full = tuple(md.size)
-        offsets = tuple(offsets) + (0,) * (len(full) - len(offsets))
-        sizes = tuple(sizes) if sizes is not None else tuple(f - o for f, o in zip(full, offsets))
-        self.dir, self.fqn, self.offsets, self.sizes, self.squeeze = d, fqn, offsets, sizes, squeeze
-        self.dtype = md.properties.dtype
-        self.shape = torch.Size(sizes[squeeze:])
+    def _region(self, full: Sequence[int], offsets: Sequence[int], sizes, squeeze: int, dtype) -> None:
+        self.offsets = tuple(offsets) + (0,) * (len(full) - len(offsets))
+        self.sizes = tuple(sizes) if sizes is not None else tuple(f - o for f, o in zip(full, self.offsets))
+        self.squeeze, self.dtype = squeeze, dtype
+        self.shape = torch.Size(self.sizes[squeeze:])
 
-    def narrow(self, dim: int, start: int, length: int) -> "DcpTensor":
+    def narrow(self, dim: int, start: int, length: int) -> "Region":
         """A smaller region: reads only its own chunks (the gate half of [gate; up] fc1)."""
         dim = dim % len(self.shape) + self.squeeze
         offsets, sizes = list(self.offsets), list(self.sizes)
         offsets[dim] += start
         sizes[dim] = length
+        return self._at(offsets, sizes)
+
+    def _at(self, offsets: Sequence[int], sizes: Sequence[int]) -> "Region":
+        raise NotImplementedError
+
+
+class DcpTensor(Region):
+    """A region [offsets, offsets + sizes) of a DCP tensor; `squeeze` leading axes dropped (the
+    layer axis of a stacked tensor). load() reads only the overlapping chunks."""
+
+    def __init__(self, d: DcpDir, fqn: str, offsets: Sequence[int] = (), sizes=None, squeeze: int = 0):
+        md = d.entries[fqn]
+        self.dir, self.fqn = d, fqn
+        self._region(tuple(md.size), offsets, sizes, squeeze, md.properties.dtype)
+
+    def _at(self, offsets, sizes) -> "DcpTensor":
         return DcpTensor(self.dir, self.fqn, offsets, sizes, self.squeeze)
 
     def load(self) -> torch.Tensor:
