@@ -20,7 +20,6 @@ load mode also writes every parameter it loaded under its global name (layer ind
 stage), so a test can compare them with ckptool's tensors. Several quoted jobs may follow one another on the command line.
 """
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -215,6 +214,17 @@ def run_job(a):
     parallel_state.destroy_model_parallel()
 
 
+def run_jobs(ap: argparse.ArgumentParser, run_job) -> None:
+    """Each command-line argument is one job, parsed by ap and run in one gloo process group (one
+    torchrun start for several jobs: importing megatron-core is the slow part). The other helpers' main
+    loop too."""
+    jobs = [ap.parse_args(job.split()) for job in sys.argv[1:]]
+    dist.init_process_group("gloo")
+    for job in jobs:
+        run_job(job)
+    dist.destroy_process_group()
+
+
 def main():
     """Each argument is one job: 'mode dir --tp T [--pp P] --arch A [--with-args] --out FILE' (one torchrun
     start for several jobs: importing megatron-core is the slow part)."""
@@ -226,11 +236,7 @@ def main():
     ap.add_argument("--arch", default="gpt2")
     ap.add_argument("--with-args", action="store_true")
     ap.add_argument("--out", required=True)
-    jobs = [ap.parse_args(job.split()) for job in sys.argv[1:]]
-    dist.init_process_group("gloo")
-    for job in jobs:
-        run_job(job)
-    dist.destroy_process_group()
+    run_jobs(ap, run_job)
 
 
 if __name__ == "__main__":

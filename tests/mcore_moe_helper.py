@@ -57,7 +57,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # the dense helper's CPU shims, tokens and pipeline/TP-gathering forward serve MoE models unchanged
-from mcore_dist_helper import PADDED, SEQ, TOKENS, VOCAB, logits  # noqa: E402
+from mcore_dist_helper import PADDED, SEQ, TOKENS, VOCAB, logits, run_jobs  # noqa: E402
 
 # megatron-core 0.16's router linear tests `te_general_gemm is not None`, but without Transformer Engine the
 # name is never bound (its import fails before the fallback); None is what it means: a plain matmul.
@@ -456,11 +456,7 @@ def main():
     ap.add_argument("--arch", choices=sorted(ARCHS), default="mixtral")
     ap.add_argument("--singleton", action="store_true")
     ap.add_argument("--out", required=True)
-    jobs = [ap.parse_args(job.split()) for job in sys.argv[1:]]
-    dist.init_process_group("gloo")
-    for job in jobs:
-        run_job(job)
-    dist.destroy_process_group()
+    run_jobs(ap, run_job)
 
 
 if __name__ == "__main__":
