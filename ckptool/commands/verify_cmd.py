@@ -178,6 +178,7 @@ def run_parallel(target, ref, reference_logits, opts, dtype, tol, token_args, tp
             + (" (or give --tp/--pp whose product is the process count)" if target_kind.any_layout else ""))
     tokens, recorded = _tokens_for(reference_logits, token_args, cfg.true_or_padded_vocab)
     r = parallel.init_ranks(layout.tp, layout.pp, layout.ep)
+    finished = False
     try:
         shards = target_kind.rank_shards(r.tp_rank, r.pp_rank, r.ep_rank)
         start = time.perf_counter()
@@ -208,9 +209,12 @@ def run_parallel(target, ref, reference_logits, opts, dtype, tol, token_args, tp
             ok = _report(report, where)
         status = torch.tensor([1 if ok else 0], dtype=torch.int32, device=r.device)
         dist.broadcast(status, src=0)
+        finished = True
         return bool(status.item())
     finally:
-        if r.owns_group:
+        # After an error on one rank the others wait in a collective: tearing the group down would wait
+        # with them (NCCL), so a failing rank just exits and torchrun stops the rest.
+        if r.owns_group and finished:
             dist.destroy_process_group()
 
 

@@ -128,7 +128,7 @@ def diagnose(layer: int, got: Dict[Tuple[int, int], Dict[str, torch.Tensor]], re
         want = reference_pieces(ref_ckpt.config, w, layer, h, layout.tp, t, range(min(experts), max(experts) + 1)
                                 if experts else range(0))
         for name, value in pieces.items():
-            ref = want[name]
+            ref = want[name].to(value.device)  # pieces come back from every rank on the CPU
             scale = max(ref.abs().max().item(), 1e-6)
             diff = (value - ref).abs().max().item()
             if diff / scale > tolerance:
