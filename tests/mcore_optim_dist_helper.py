@@ -12,12 +12,14 @@ loading run's own layout (dist_checkpointing reshards), then load_state_dict on 
 scheduler. This helper does exactly that with the training loop of tests/mcore_train_helper.py.
 
   "save DIR --tp T [--pp P] --form F --steps N --more M --out FILE [--live LIVE] [--dtype bf16|fp32]
-        [--bucket-size B] [--grad-fp32]"
+        [--bucket-size B] [--grad-fp32] [--decoupled-lr X] [--lr-mult Y]"
         train N steps at TP T, PP P (DP = world / (T x P)), save DIR (iteration N) in form F, train M more.
         F: plain (non-distributed optimizer) | fully_reshardable | fully_sharded_model_space |
         dp_reshardable | dp_zero_gather_scatter (distributed optimizer). --bucket-size B: --overlap-grad-reduce with buckets of
         B elements (the grad buffer cut into several buckets on the first pipeline stage). --grad-fp32:
-        grads reduced in fp32 (the buffers' dtype key becomes (bf16, fp32)).
+        grads reduced in fp32 (the buffers' dtype key becomes (bf16, fp32)). --decoupled-lr / --lr-mult:
+        the param groups of mcore_train_helper.py (embedding + output at their own lr, lr_mult on the
+        no-weight-decay group); resume and load need the same flags.
         fully_sharded_model_space is what megatron-core up to 0.14 saved by default (0.15 with
         --dist-ckpt-save-pre-mcore-014); 0.16 builds its sharded state dict still (flattened_range
         ShardedTensors per parameter and DP rank) but no longer stores flattened tensors, so the helper
@@ -52,7 +54,7 @@ import mcore_train_helper as T  # noqa: E402  (CPU shims, batches, train_step)
 H = T.H
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # noqa: E402
@@ -173,15 +175,38 @@ def build(arch, tp, dtype, distributed, pp=1, bucket_size=None, grad_fp32=False)
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
         use_distributed_optimizer=distributed, overlap_grad_reduce=bucket_size is not None,
         bucket_size=bucket_size, grad_reduce_in_fp32=grad_fp32), model)
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=T.LR, min_lr=T.MIN_LR, weight_decay=T.WD,
-                                                 adam_beta1=0.9, adam_beta2=0.95, clip_grad=0.0,
-                                                 bf16=dtype == "bf16", use_distributed_optimizer=distributed),
-                                 [ddp])
+    config = OptimizerConfig(optimizer="adam", lr=T.LR, min_lr=T.MIN_LR, weight_decay=T.WD,
+                             adam_beta1=0.9, adam_beta2=0.95, clip_grad=0.0,
+                             bf16=dtype == "bf16", use_distributed_optimizer=distributed,
+                             decoupled_lr=T.GROUPS.get("decoupled_lr"),
+                             decoupled_min_lr=T.GROUPS.get("decoupled_lr") and T.MIN_LR / 2)
+    opt = get_megatron_optimizer(config, [ddp], config_overrides=group_overrides(config))
     sched = OptimizerParamScheduler(opt, init_lr=T.LR, max_lr=T.LR, min_lr=T.MIN_LR, lr_warmup_steps=0,
                                     lr_decay_steps=100, lr_decay_style="cosine", start_wd=T.WD, end_wd=T.WD,
                                     wd_incr_steps=100, wd_incr_style="constant")
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     return model, ddp, opt, sched, cfg
+
+
+def group_overrides(config):
+    """megatron-core's standard group overrides (no weight decay for biases and norms; --decoupled-lr for
+    the embedding and output layer), plus --lr-mult on the no-weight-decay override as
+    mcore_train_helper.build does: --decoupled-lr and --lr-mult give the three groups of
+    tests/test_optimizer_groups.py."""
+    overrides = get_standard_config_overrides(config)
+    if T.GROUPS.get("lr_mult"):
+        overrides = {k: dict(v, lr_mult=T.GROUPS["lr_mult"]) if v.get("wd_mult") == 0.0 else v
+                     for k, v in overrides.items()}
+    return overrides
+
+
+def groups_told_apart_by_lr_bounds():
+    """mcore_train_helper's fix (megatron-core 0.16 matches a loaded checkpoint's groups to its own by
+    keys that do not tell the --decoupled-lr group from the default one; later releases add max_lr /
+    min_lr), applied also where distrib_optimizer.py imported the key tuple by value."""
+    from megatron.core.optimizer import distrib_optimizer, optimizer as mcore_optimizer
+    T._groups_told_apart_by_lr_bounds()
+    distrib_optimizer.param_group_identifier_keys = mcore_optimizer.param_group_identifier_keys
 
 
 def content_metadata(form):
@@ -219,6 +244,8 @@ def save(root: Path, model, opt, sched, cfg, a, iteration):
     args.consumed_train_samples = iteration * T.BATCH
     args.use_distributed_optimizer = a.form in DISTRIBUTED_FORMS
     args.dist_ckpt_optim_fully_reshardable = a.form == "fully_reshardable"
+    args.decoupled_lr = T.GROUPS.get("decoupled_lr")
+    args.decoupled_min_lr = T.GROUPS.get("decoupled_lr") and T.MIN_LR / 2
     sd.update(args=args, checkpoint_version=3.0, iteration=iteration, content_metadata=metadata)
     d = root / f"iter_{iteration:07d}"
     if dist.get_rank() == 0:
@@ -432,6 +459,10 @@ def run_job(a):
             return run_job(argparse.Namespace(**dict(vars(a), layers=None)))
         finally:
             cfg["num_layers"] = default
+    T.GROUPS.clear()
+    T.GROUPS.update({k: v for k, v in (("decoupled_lr", a.decoupled_lr), ("lr_mult", a.lr_mult)) if v})
+    if a.decoupled_lr:
+        groups_told_apart_by_lr_bounds()
     distributed = a.form in DISTRIBUTED_FORMS
     model, ddp, opt, sched, cfg = build(a.arch, a.tp, a.dtype, distributed, a.pp, a.bucket_size, a.grad_fp32)
     root = Path(a.dir)
@@ -474,6 +505,8 @@ def main():
     ap.add_argument("--grad-fp32", action="store_true")
     ap.add_argument("--layers", type=int)
     ap.add_argument("--live")
+    ap.add_argument("--decoupled-lr", type=float)
+    ap.add_argument("--lr-mult", type=float)
     ap.add_argument("--weights-only", action="store_true")
     ap.add_argument("--out", required=True)
     T.H.run_jobs(ap, run_job)
