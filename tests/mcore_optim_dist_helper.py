@@ -39,6 +39,10 @@ scheduler. This helper does exactly that with the training loop of tests/mcore_t
   "resume DIR --tp T --form F --more M --out FILE [--weights-only]"
         load DIR at TP T as Megatron-LM's load_checkpoint does (optimizer too unless --weights-only;
         form F says which optimizer the loading run uses) and train M steps on the batches that follow.
+  "moe-save DIR --tp T --ep E --form F --out FILE [--dtype bf16] [--moe-arch A]"
+  "moe-resume DIR --tp T --ep E --form F --out FILE [--weights-only]"
+        mcore_moe_helper.py's MoE model (experts in a second, expert-parallel optimizer at EP > 1) with its
+        optimizer in torch_dist, and resumed from it at another EP (run_moe below).
 FILE gets {"losses": [...], "params": {name: full fp32 tensor}} (params gathered at the end, TP 1 only).
 """
 import argparse
@@ -449,7 +453,124 @@ def run_vpp(a):
     parallel_state.destroy_model_parallel()
 
 
+def moe_live(model, opt, ep: int, distributed: bool) -> dict:
+    """{(TP rank, global name): {"param", "exp_avg", "exp_avg_sq"}} of every optimizer of the chain: the
+    distributed one's from its DP shards (mcore_moe_helper.live_distributed), the non-distributed one's
+    from its fp32 masters and torch state."""
+    import itertools
+    import mcore_moe_helper as M
+    if distributed:
+        return M.live_distributed(model, opt, ep)
+    names = {p: M.global_name(n, ep) for n, p in model.named_parameters()}
+    mine = {}
+    for sub in opt.chained_optimizers:
+        if hasattr(sub, "float16_groups"):  # mixed precision: the torch state is keyed by the fp32 master
+            pairs = zip(itertools.chain(*sub.float16_groups), itertools.chain(*sub.fp32_from_float16_groups))
+        else:
+            pairs = ((p, p) for g in sub.optimizer.param_groups for p in g["params"])
+        for p, main in pairs:
+            st = sub.optimizer.state[main]
+            mine[names[p]] = {"param": main.detach().float().clone(), "exp_avg": st["exp_avg"].clone(),
+                              "exp_avg_sq": st["exp_avg_sq"].clone()}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (parallel_state.get_tensor_model_parallel_rank(), mine))
+    return {(t, name): v for t, part in every for name, v in part.items()}
+
+
+def tp_gathered(model, live: dict) -> dict:
+    """{global name: {slot: full tensor}} from moe_live's per-TP-rank values, the TP shards put together
+    as mcore_moe_helper.full_params puts the weights (a GLU fc1 as [all gate; all up])."""
+    import re
+    any_expert = re.compile(r"local_experts\.\d+\.")
+    axis = {}
+    for n, p in model.named_parameters():
+        tp_axis = getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1
+        axis[any_expert.sub("local_experts.*.", n)] = tp_axis
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    out = {}
+    for name in sorted({n for _, n in live}):
+        a = axis[any_expert.sub("local_experts.*.", name)]
+        out[name] = {}
+        for slot in live[(0, name)]:
+            parts = [live[(t, name)][slot] for t in range(tp)]
+            if tp == 1 or a < 0:
+                full = parts[0]
+            elif name.endswith("linear_fc1.weight") and model.config.gated_linear_unit:
+                halves = [x.chunk(2, dim=0) for x in parts]
+                full = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+            else:
+                full = torch.cat(parts, dim=a)
+            out[name][slot] = full
+    return out
+
+
+def run_moe(a):
+    """moe-save: one Adam step of mcore_moe_helper's MoE model (megatron-core's ChainedOptimizer [dense,
+    expert] at EP > 1), saved as torch_dist in form F with the optimizer (iteration 7), FILE.live the live
+    values, FILE.losses the step's loss and the next two (seeds 6, 7). moe-resume: a fresh model and
+    optimizer at this TP x EP load DIR as Megatron-LM's load_checkpoint does for torch_dist (optimizer
+    too unless --weights-only, then reload_model_params as with --no-load-optim) and take those two steps."""
+    import mcore_moe_helper as M
+    M.ARCH["name"] = a.moe_arch
+    M.DTYPE["bf16"] = a.dtype == "bf16"
+    distributed = a.form in DISTRIBUTED_FORMS
+    M.DISTRIBUTED["on"] = distributed
+    model, cfg = M.build(a.tp, a.ep, a.pp)
+    ddp, opt = M.make_optimizer(model, cfg)  # before loading, as Megatron-LM's setup_model_and_optimizer
+    root = Path(a.dir)
+    d = root / "iter_0000007"
+    metadata = content_metadata(a.form)
+    if a.mode == "moe-save":
+        first = M.adam_step(ddp, opt, 5)
+        model_sd = model.sharded_state_dict(prefix="", metadata=metadata)
+        sd = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=False, metadata=metadata)}
+        args = M.run_args(cfg, a.tp, a.ep, a.pp)
+        args.ckpt_format, args.iteration, args.bf16, args.params_dtype = "torch_dist", 7, cfg.bf16, cfg.params_dtype
+        args.use_distributed_optimizer = distributed
+        args.dist_ckpt_optim_fully_reshardable = a.form == "fully_reshardable"
+        args.data_parallel_size = parallel_state.get_data_parallel_world_size()
+        sd.update(args=args, checkpoint_version=3.0, iteration=7, content_metadata=metadata)
+        if dist.get_rank() == 0:
+            d.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(sd, str(d))
+        live = tp_gathered(model, moe_live(model, opt, a.ep, distributed))
+        if dist.get_rank() == 0:
+            (root / "latest_checkpointed_iteration.txt").write_text("7")
+            torch.save({"live": live}, a.out + ".live")
+        losses = {"first": first}
+    else:
+        metadata = dist_checkpointing.load_content_metadata(str(d)) or metadata
+        model_sd = model.sharded_state_dict(prefix="", metadata=metadata)
+        sd = {"model": model_sd}
+        if not a.weights_only:
+            for inner in opt.chained_optimizers:
+                if distributed and not inner.optimizer.state:  # the CPU shim of load() above
+                    inner._init_optimizer_states_with_dummy_values()
+            sd["optimizer"] = opt.sharded_state_dict(model_sd, is_loading=True, metadata=metadata)
+        loaded = dist_checkpointing.load(sd, str(d), strict="assume_ok_unexpected")
+        missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
+        assert not [k for k in missing if not k.endswith("_extra_state")] and not unexpected, (missing, unexpected)
+        if a.weights_only:
+            opt.reload_model_params()
+        else:
+            opt.load_state_dict(loaded["optimizer"])
+            if distributed and not torch.cuda.is_available():  # the CPU shim of load() above
+                for inner in opt.chained_optimizers:
+                    for st in inner.optimizer.state.values():
+                        st["step"] = st["step"].clone()
+        losses = {}
+    model.train()
+    losses["next"] = [M.adam_step(ddp, opt, 6), M.adam_step(ddp, opt, 7)]
+    if dist.get_rank() == 0:
+        torch.save(losses, a.out + ".losses")
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+
+
 def run_job(a):
+    if a.mode in ("moe-save", "moe-resume"):
+        return run_moe(a)
     if a.mode == "save-vpp":
         return run_vpp(a)
     if a.layers is not None:  # another layer count for this job only
@@ -491,7 +612,7 @@ def run_job(a):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["save", "save-vpp", "resume", "load"])
+    ap.add_argument("mode", choices=["save", "save-vpp", "resume", "load", "moe-save", "moe-resume"])
     ap.add_argument("dir")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
@@ -505,6 +626,8 @@ def main():
     ap.add_argument("--grad-fp32", action="store_true")
     ap.add_argument("--layers", type=int)
     ap.add_argument("--live")
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--moe-arch", default="mixtral")
     ap.add_argument("--decoupled-lr", type=float)
     ap.add_argument("--lr-mult", type=float)
     ap.add_argument("--weights-only", action="store_true")
