@@ -472,7 +472,8 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
     Tensors are full and stacked; `layout` only sets the args (and the vocab padding for its TP):
     megatron-core cuts the shards it needs at load time, whatever its TP/PP. With optimizer (the
     default) and a source holding optimizer state, every slot is written beside the weights in the
-    fully_reshardable form (dist_optim.py), layer by layer, so it loads at any layout too.
+    fully_reshardable form (dist_optim.py), layer by layer, so it loads at any layout too (MoE: the
+    optimizer's common entry is the chain megatron-core builds at layout.ep).
     """
     cfg = ckpt.config
     check_tensor_parallel(cfg, layout.tp)

@@ -18,13 +18,16 @@ non-distributed optimizer, `step` in every group for the distributed one), the g
 the optimizer the LR scheduler (`opt_param_scheduler`) and `content_metadata`, which tells a loading
 Megatron-LM run which form to expect.
 
-Groups carry no parameter names: they are tied by Megatron's default rule (biases and 1-D parameters
-in the group without weight decay; megatron_optim.no_weight_decay), and refused when a source has
-other groups (lr_mult, decoupled lr).
+Groups carry no parameter names: each canonical tensor joins the group whose traits equal its own, by
+the torch format's table (megatron_optim.GROUP_TRAITS: weight decay, --decoupled-lr); groups the traits
+cannot tell apart are refused. At EP > 1 megatron-core's ChainedOptimizer [dense, expert] stores its
+common entries as {0: ..., 1: ...}, the tensors of both under the one prefix above (no chained_N.
+prefix in the model-space forms); the experts (megatron_optim.chain_members) tie to the second.
 
 The writer emits the fully_reshardable form, which megatron-core loads at any TP/PP with the
 distributed optimizer, plus `fp32_param` entries that alias the same bytes (one copy on disk), so a
-run with the non-distributed optimizer loads the same checkpoint.
+run with the non-distributed optimizer loads the same checkpoint; its common entries follow the
+target's EP (one optimizer, or the [dense, expert] chain: megatron_optim.target_groups).
 """
 from __future__ import annotations
 
