@@ -89,6 +89,12 @@ def test_written_groups_are_the_sources(resumed, tmp_path):
     back = open_checkpoint(resumed / "fr_torch").optimizer  # and the torch-format output
     assert sorted(sorted(g.names) for g in back.param_groups) == sorted(sorted(g.names) for g in src.optimizer.param_groups)
     assert_slots_equal(src, lambda slot: back.slots[slot])
+    # torch format (its rank files' groups tied by the torch reader) -> torch_dist: the same again
+    write_layout(open_checkpoint(resumed / "fr_torch"), tmp_path / "again", Layout(2), fmt="torch_dist", warn=print)
+    again = open_checkpoint(tmp_path / "again").optimizer
+    assert sorted((sorted(g.names), g.hyper["max_lr"]) for g in again.param_groups) == \
+        sorted((sorted(g.names), g.hyper["max_lr"]) for g in src.optimizer.param_groups)
+    assert_slots_equal(src, lambda slot: again.slots[slot])
 
 
 @pytest.mark.parametrize("run", ["r_fr", "r_fr_plain", "r_dpr_pp2", "r_plain", "r_fr_torch"])

@@ -422,8 +422,8 @@ def _read_optimizer(dcp: DcpDir, common: dict, cfg: GPTConfig, tensors, policy, 
     if form in dist_optim.BUFFER_FORMS:
         why = dist_optim_buckets.unsupported(args)
         why = why and f"flat per-bucket buffers whose layout ckptool recomputes only without {why}"
-        if dist_optim.chained_count(common):
-            why = "flat per-bucket buffers of a chained [dense, expert] optimizer, whose expert buffers ckptool does not lay out"
+        if cfg.moe is not None:  # the router and experts in the buffers; at EP > 1 a chain prefixed chained_N.
+            why = "flat per-bucket buffers of an MoE model, whose router and expert buffers ckptool does not lay out"
     if why:
         warnings.append(f"optimizer state dropped: the distributed optimizer's {form} form ({why}) is not "
                         "carried yet; the output holds the weights only (re-save with "
