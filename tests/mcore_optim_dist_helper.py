@@ -12,12 +12,14 @@ loading run's own layout (dist_checkpointing reshards), then load_state_dict on 
 scheduler. This helper does exactly that with the training loop of tests/mcore_train_helper.py.
 
   "save DIR --tp T [--pp P] --form F --steps N --more M --out FILE [--live LIVE] [--dtype bf16|fp32]
-        [--bucket-size B] [--grad-fp32]"
+        [--bucket-size B] [--grad-fp32] [--decoupled-lr X] [--lr-mult Y]"
         train N steps at TP T, PP P (DP = world / (T x P)), save DIR (iteration N) in form F, train M more.
         F: plain (non-distributed optimizer) | fully_reshardable | fully_sharded_model_space |
         dp_reshardable | dp_zero_gather_scatter (distributed optimizer). --bucket-size B: --overlap-grad-reduce with buckets of
         B elements (the grad buffer cut into several buckets on the first pipeline stage). --grad-fp32:
-        grads reduced in fp32 (the buffers' dtype key becomes (bf16, fp32)).
+        grads reduced in fp32 (the buffers' dtype key becomes (bf16, fp32)). --decoupled-lr / --lr-mult:
+        the param groups of mcore_train_helper.py (embedding + output at their own lr, lr_mult on the
+        no-weight-decay group); resume and load need the same flags.
         fully_sharded_model_space is what megatron-core up to 0.14 saved by default (0.15 with
         --dist-ckpt-save-pre-mcore-014); 0.16 builds its sharded state dict still (flattened_range
         ShardedTensors per parameter and DP rank) but no longer stores flattened tensors, so the helper
@@ -37,6 +39,10 @@ scheduler. This helper does exactly that with the training loop of tests/mcore_t
   "resume DIR --tp T --form F --more M --out FILE [--weights-only]"
         load DIR at TP T as Megatron-LM's load_checkpoint does (optimizer too unless --weights-only;
         form F says which optimizer the loading run uses) and train M steps on the batches that follow.
+  "moe-save DIR --tp T --ep E --form F --out FILE [--dtype bf16] [--moe-arch A]"
+  "moe-resume DIR --tp T --ep E --form F --out FILE [--weights-only]"
+        mcore_moe_helper.py's MoE model (experts in a second, expert-parallel optimizer at EP > 1) with its
+        optimizer in torch_dist, and resumed from it at another EP (run_moe below).
 FILE gets {"losses": [...], "params": {name: full fp32 tensor}} (params gathered at the end, TP 1 only).
 """
 import argparse
@@ -52,7 +58,7 @@ import mcore_train_helper as T  # noqa: E402  (CPU shims, batches, train_step)
 H = T.H
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # noqa: E402
@@ -173,15 +179,38 @@ def build(arch, tp, dtype, distributed, pp=1, bucket_size=None, grad_fp32=False)
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
         use_distributed_optimizer=distributed, overlap_grad_reduce=bucket_size is not None,
         bucket_size=bucket_size, grad_reduce_in_fp32=grad_fp32), model)
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=T.LR, min_lr=T.MIN_LR, weight_decay=T.WD,
-                                                 adam_beta1=0.9, adam_beta2=0.95, clip_grad=0.0,
-                                                 bf16=dtype == "bf16", use_distributed_optimizer=distributed),
-                                 [ddp])
+    config = OptimizerConfig(optimizer="adam", lr=T.LR, min_lr=T.MIN_LR, weight_decay=T.WD,
+                             adam_beta1=0.9, adam_beta2=0.95, clip_grad=0.0,
+                             bf16=dtype == "bf16", use_distributed_optimizer=distributed,
+                             decoupled_lr=T.GROUPS.get("decoupled_lr"),
+                             decoupled_min_lr=T.GROUPS.get("decoupled_lr") and T.MIN_LR / 2)
+    opt = get_megatron_optimizer(config, [ddp], config_overrides=group_overrides(config))
     sched = OptimizerParamScheduler(opt, init_lr=T.LR, max_lr=T.LR, min_lr=T.MIN_LR, lr_warmup_steps=0,
                                     lr_decay_steps=100, lr_decay_style="cosine", start_wd=T.WD, end_wd=T.WD,
                                     wd_incr_steps=100, wd_incr_style="constant")
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     return model, ddp, opt, sched, cfg
+
+
+def group_overrides(config):
+    """megatron-core's standard group overrides (no weight decay for biases and norms; --decoupled-lr for
+    the embedding and output layer), plus --lr-mult on the no-weight-decay override as
+    mcore_train_helper.build does: --decoupled-lr and --lr-mult give the three groups of
+    tests/test_optimizer_groups.py."""
+    overrides = get_standard_config_overrides(config)
+    if T.GROUPS.get("lr_mult"):
+        overrides = {k: dict(v, lr_mult=T.GROUPS["lr_mult"]) if v.get("wd_mult") == 0.0 else v
+                     for k, v in overrides.items()}
+    return overrides
+
+
+def groups_told_apart_by_lr_bounds():
+    """mcore_train_helper's fix (megatron-core 0.16 matches a loaded checkpoint's groups to its own by
+    keys that do not tell the --decoupled-lr group from the default one; later releases add max_lr /
+    min_lr), applied also where distrib_optimizer.py imported the key tuple by value."""
+    from megatron.core.optimizer import distrib_optimizer, optimizer as mcore_optimizer
+    T._groups_told_apart_by_lr_bounds()
+    distrib_optimizer.param_group_identifier_keys = mcore_optimizer.param_group_identifier_keys
 
 
 def content_metadata(form):
@@ -219,6 +248,8 @@ def save(root: Path, model, opt, sched, cfg, a, iteration):
     args.consumed_train_samples = iteration * T.BATCH
     args.use_distributed_optimizer = a.form in DISTRIBUTED_FORMS
     args.dist_ckpt_optim_fully_reshardable = a.form == "fully_reshardable"
+    args.decoupled_lr = T.GROUPS.get("decoupled_lr")
+    args.decoupled_min_lr = T.GROUPS.get("decoupled_lr") and T.MIN_LR / 2
     sd.update(args=args, checkpoint_version=3.0, iteration=iteration, content_metadata=metadata)
     d = root / f"iter_{iteration:07d}"
     if dist.get_rank() == 0:
@@ -422,7 +453,124 @@ def run_vpp(a):
     parallel_state.destroy_model_parallel()
 
 
+def moe_live(model, opt, ep: int, distributed: bool) -> dict:
+    """{(TP rank, global name): {"param", "exp_avg", "exp_avg_sq"}} of every optimizer of the chain: the
+    distributed one's from its DP shards (mcore_moe_helper.live_distributed), the non-distributed one's
+    from its fp32 masters and torch state."""
+    import itertools
+    import mcore_moe_helper as M
+    if distributed:
+        return M.live_distributed(model, opt, ep)
+    names = {p: M.global_name(n, ep) for n, p in model.named_parameters()}
+    mine = {}
+    for sub in opt.chained_optimizers:
+        if hasattr(sub, "float16_groups"):  # mixed precision: the torch state is keyed by the fp32 master
+            pairs = zip(itertools.chain(*sub.float16_groups), itertools.chain(*sub.fp32_from_float16_groups))
+        else:
+            pairs = ((p, p) for g in sub.optimizer.param_groups for p in g["params"])
+        for p, main in pairs:
+            st = sub.optimizer.state[main]
+            mine[names[p]] = {"param": main.detach().float().clone(), "exp_avg": st["exp_avg"].clone(),
+                              "exp_avg_sq": st["exp_avg_sq"].clone()}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (parallel_state.get_tensor_model_parallel_rank(), mine))
+    return {(t, name): v for t, part in every for name, v in part.items()}
+
+
+def tp_gathered(model, live: dict) -> dict:
+    """{global name: {slot: full tensor}} from moe_live's per-TP-rank values, the TP shards put together
+    as mcore_moe_helper.full_params puts the weights (a GLU fc1 as [all gate; all up])."""
+    import re
+    any_expert = re.compile(r"local_experts\.\d+\.")
+    axis = {}
+    for n, p in model.named_parameters():
+        tp_axis = getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1
+        axis[any_expert.sub("local_experts.*.", n)] = tp_axis
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    out = {}
+    for name in sorted({n for _, n in live}):
+        a = axis[any_expert.sub("local_experts.*.", name)]
+        out[name] = {}
+        for slot in live[(0, name)]:
+            parts = [live[(t, name)][slot] for t in range(tp)]
+            if tp == 1 or a < 0:
+                full = parts[0]
+            elif name.endswith("linear_fc1.weight") and model.config.gated_linear_unit:
+                halves = [x.chunk(2, dim=0) for x in parts]
+                full = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+            else:
+                full = torch.cat(parts, dim=a)
+            out[name][slot] = full
+    return out
+
+
+def run_moe(a):
+    """moe-save: one Adam step of mcore_moe_helper's MoE model (megatron-core's ChainedOptimizer [dense,
+    expert] at EP > 1), saved as torch_dist in form F with the optimizer (iteration 7), FILE.live the live
+    values, FILE.losses the step's loss and the next two (seeds 6, 7). moe-resume: a fresh model and
+    optimizer at this TP x EP load DIR as Megatron-LM's load_checkpoint does for torch_dist (optimizer
+    too unless --weights-only, then reload_model_params as with --no-load-optim) and take those two steps."""
+    import mcore_moe_helper as M
+    M.ARCH["name"] = a.moe_arch
+    M.DTYPE["bf16"] = a.dtype == "bf16"
+    distributed = a.form in DISTRIBUTED_FORMS
+    M.DISTRIBUTED["on"] = distributed
+    model, cfg = M.build(a.tp, a.ep, a.pp)
+    ddp, opt = M.make_optimizer(model, cfg)  # before loading, as Megatron-LM's setup_model_and_optimizer
+    root = Path(a.dir)
+    d = root / "iter_0000007"
+    metadata = content_metadata(a.form)
+    if a.mode == "moe-save":
+        first = M.adam_step(ddp, opt, 5)
+        model_sd = model.sharded_state_dict(prefix="", metadata=metadata)
+        sd = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=False, metadata=metadata)}
+        args = M.run_args(cfg, a.tp, a.ep, a.pp)
+        args.ckpt_format, args.iteration, args.bf16, args.params_dtype = "torch_dist", 7, cfg.bf16, cfg.params_dtype
+        args.use_distributed_optimizer = distributed
+        args.dist_ckpt_optim_fully_reshardable = a.form == "fully_reshardable"
+        args.data_parallel_size = parallel_state.get_data_parallel_world_size()
+        sd.update(args=args, checkpoint_version=3.0, iteration=7, content_metadata=metadata)
+        if dist.get_rank() == 0:
+            d.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(sd, str(d))
+        live = tp_gathered(model, moe_live(model, opt, a.ep, distributed))
+        if dist.get_rank() == 0:
+            (root / "latest_checkpointed_iteration.txt").write_text("7")
+            torch.save({"live": live}, a.out + ".live")
+        losses = {"first": first}
+    else:
+        metadata = dist_checkpointing.load_content_metadata(str(d)) or metadata
+        model_sd = model.sharded_state_dict(prefix="", metadata=metadata)
+        sd = {"model": model_sd}
+        if not a.weights_only:
+            for inner in opt.chained_optimizers:
+                if distributed and not inner.optimizer.state:  # the CPU shim of load() above
+                    inner._init_optimizer_states_with_dummy_values()
+            sd["optimizer"] = opt.sharded_state_dict(model_sd, is_loading=True, metadata=metadata)
+        loaded = dist_checkpointing.load(sd, str(d), strict="assume_ok_unexpected")
+        missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
+        assert not [k for k in missing if not k.endswith("_extra_state")] and not unexpected, (missing, unexpected)
+        if a.weights_only:
+            opt.reload_model_params()
+        else:
+            opt.load_state_dict(loaded["optimizer"])
+            if distributed and not torch.cuda.is_available():  # the CPU shim of load() above
+                for inner in opt.chained_optimizers:
+                    for st in inner.optimizer.state.values():
+                        st["step"] = st["step"].clone()
+        losses = {}
+    model.train()
+    losses["next"] = [M.adam_step(ddp, opt, 6), M.adam_step(ddp, opt, 7)]
+    if dist.get_rank() == 0:
+        torch.save(losses, a.out + ".losses")
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+
+
 def run_job(a):
+    if a.mode in ("moe-save", "moe-resume"):
+        return run_moe(a)
     if a.mode == "save-vpp":
         return run_vpp(a)
     if a.layers is not None:  # another layer count for this job only
@@ -432,6 +580,10 @@ def run_job(a):
             return run_job(argparse.Namespace(**dict(vars(a), layers=None)))
         finally:
             cfg["num_layers"] = default
+    T.GROUPS.clear()
+    T.GROUPS.update({k: v for k, v in (("decoupled_lr", a.decoupled_lr), ("lr_mult", a.lr_mult)) if v})
+    if a.decoupled_lr:
+        groups_told_apart_by_lr_bounds()
     distributed = a.form in DISTRIBUTED_FORMS
     model, ddp, opt, sched, cfg = build(a.arch, a.tp, a.dtype, distributed, a.pp, a.bucket_size, a.grad_fp32)
     root = Path(a.dir)
@@ -460,7 +612,7 @@ def run_job(a):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["save", "save-vpp", "resume", "load"])
+    ap.add_argument("mode", choices=["save", "save-vpp", "resume", "load", "moe-save", "moe-resume"])
     ap.add_argument("dir")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
@@ -474,6 +626,10 @@ def main():
     ap.add_argument("--grad-fp32", action="store_true")
     ap.add_argument("--layers", type=int)
     ap.add_argument("--live")
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--moe-arch", default="mixtral")
+    ap.add_argument("--decoupled-lr", type=float)
+    ap.add_argument("--lr-mult", type=float)
     ap.add_argument("--weights-only", action="store_true")
     ap.add_argument("--out", required=True)
     T.H.run_jobs(ap, run_job)

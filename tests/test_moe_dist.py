@@ -287,23 +287,30 @@ def test_inspect_shows_experts_top_k_and_ep(root):
     assert doc["layout"]["ep"] == 2 and doc["config"]["moe"]["num_experts"] == 4 and doc["config"]["moe"]["top_k"] == 2
 
 
-def test_moe_optimizer_state_is_dropped_with_a_warning_never_silently(root, tmp_path):
-    """megatron-core keeps expert parameters in a separate (chained) optimizer: the torch_dist writer carries
-    MoE weights only and says so."""
+def test_moe_optimizer_state_is_written_as_the_target_eps_chain(root, tmp_path):
+    """megatron-core keeps expert parameters in a separate (chained) optimizer at EP > 1: the torch_dist
+    writer lists the groups as that chain ({0: dense, 1: expert}) and stores the experts' slots beside
+    their weights; they read back unchanged (real megatron-core runs: tests/test_dist_optim_moe.py)."""
     import dataclasses
     from ckptool.convert import write_layout
     from ckptool.config import Layout
-    from ckptool.state import OptimizerState
+    from ckptool.io.torchfile import load_torch_file
+    from ckptool.state import OptimizerState, ParamGroup
     ck = dist.read(root / "mixtral" / "src")
     moments = {n: t for n, t in ck.tensors.items()}
-    ck = dataclasses.replace(ck, optimizer=OptimizerState("megatron", {"exp_avg": moments, "exp_avg_sq": moments}, step=1))
+    ck = dataclasses.replace(ck, optimizer=OptimizerState(
+        "megatron", {"exp_avg": moments, "exp_avg_sq": moments}, step=1,
+        param_groups=[ParamGroup(list(ck.tensors), {"lr": 1e-3, "weight_decay": 0.01, "wd_mult": 1.0})]))
     said = []
     write_layout(ck, tmp_path / "out", Layout(tp=1, ep=2), fmt="torch_dist", warn=said.append)
-    assert any("optimizer state dropped" in m and "MoE" in m for m in said), said
+    assert not [m for m in said if "optimizer" in m], said
     keys = _metadata(tmp_path / "out")
-    assert not any("optimizer" in k for k in keys)
+    assert any(k.startswith("optimizer.state.exp_avg.") and "experts" in k for k in keys)
+    common = load_torch_file(next((tmp_path / "out").glob("iter_*")) / "common.pt")["optimizer"]
+    assert sorted(common) == [0, 1] and common[1]["optimizer"]["param_groups"][0]["is_expert_parallel"]
     back = dist.read(tmp_path / "out")
     assert back.source.layout.ep == 2 and list(back.tensors) == list(ck.tensors)
+    assert all(torch.equal(back.optimizer.slots["exp_avg"][n].load(), t.load()) for n, t in moments.items())
 
 
 @pytest.mark.parametrize("kind, ep", [("mixtral", 2), ("qwen2_moe", 3), ("qwen3_moe", 4)])

@@ -46,6 +46,7 @@ from ..vocab import resize_slot_vocab, resize_vocab, target_rows, with_true_voca
 from . import dist_optim, dist_optim_buckets, dist_optim_flattened, megatron_args
 from .dist_files import COMMON_FILE, COMMON_KEY, CONFIG_FILE, locate, looks_like  # noqa: F401 (looks_like: the table's)
 from .megatron import TRACKER
+from .megatron_optim import GroupRule
 
 FORMAT = "torch_dist"
 
@@ -405,12 +406,13 @@ def _read_optimizer(dcp: DcpDir, common: dict, cfg: GPTConfig, tensors, policy, 
                     warnings: List[str]) -> Optional[OptimizerState]:
     """The optimizer state of a model-space form as slots (dist_optim.py); other forms are dropped
     with a warning naming them (the weights are still converted)."""
-    form = dist_optim.sharding_type(common)
-    chained = dist_optim.chained_count(common)
-    if chained:
-        warnings.append(f"optimizer state dropped: a chained optimizer ({chained} optimizers, e.g. separate expert or "
-                        "decoupled-lr groups) is not carried yet; the output holds the weights only")
+    ep = (getattr(args, "expert_model_parallel_size", None) or 1) if cfg.moe is not None else 1
+    chain = dist_optim.unsupported_chain(common, ep)
+    if chain:
+        warnings.append(f"optimizer state dropped: {chain} is not carried (megatron-core chains [dense, expert] "
+                        "at EP > 1 only); the output holds the weights only")
         return None
+    form = dist_optim.sharding_type(common)
     if form is None:
         if any(SKIP.search(k) and "optimizer." in k for k in dcp.entries):
             warnings.append("optimizer state dropped: the checkpoint holds optimizer tensors but no optimizer "
@@ -420,18 +422,21 @@ def _read_optimizer(dcp: DcpDir, common: dict, cfg: GPTConfig, tensors, policy, 
     if form in dist_optim.BUFFER_FORMS:
         why = dist_optim_buckets.unsupported(args)
         why = why and f"flat per-bucket buffers whose layout ckptool recomputes only without {why}"
+        if cfg.moe is not None:  # the router and experts in the buffers; at EP > 1 a chain prefixed chained_N.
+            why = "flat per-bucket buffers of an MoE model, whose router and expert buffers ckptool does not lay out"
     if why:
         warnings.append(f"optimizer state dropped: the distributed optimizer's {form} form ({why}) is not "
                         "carried yet; the output holds the weights only (re-save with "
                         "--dist-ckpt-optim-fully-reshardable to carry it)")
         return None
     consumed = getattr(args, "consumed_train_samples", None)
+    rule = GroupRule.from_args(args)
     if form in dist_optim.BUFFER_FORMS:
         flat = dist_optim_buckets.read_shards(dcp, tensors, cfg, args, where, form)
         by_stored = {dist_optim_buckets.STORED[slot]: shards for slot, shards in flat.items()}
         scalars = dist_optim_buckets.read_scalars(dcp, common, where)
         return dist_optim.read(scalars, form, lambda stored: in_model_order(assemble(cfg, by_stored[stored], policy), cfg),
-                               tensors, consumed, where)
+                               tensors, consumed, where, rule)
     if form not in dist_optim.STORED_SLOTS:
         raise CkptError(f"{where}: unknown optimizer form {form!r}", dist_optim.HINT)
     weight_shards, _ = _collect(dcp)
@@ -449,7 +454,7 @@ def _read_optimizer(dcp: DcpDir, common: dict, cfg: GPTConfig, tensors, policy, 
                                 f"{tuple(parts[0].shape)}, the weight {tuple(want[0].shape)}", dist_optim.HINT)
         return in_model_order(assemble(cfg, shards, policy), cfg) if shards else {}
 
-    return dist_optim.read(common, form, slot_tensors, tensors, consumed, where)
+    return dist_optim.read(common, form, slot_tensors, tensors, consumed, where, rule, ep)
 
 
 # --- writing --------------------------------------------------------------------------------
@@ -467,7 +472,8 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
     Tensors are full and stacked; `layout` only sets the args (and the vocab padding for its TP):
     megatron-core cuts the shards it needs at load time, whatever its TP/PP. With optimizer (the
     default) and a source holding optimizer state, every slot is written beside the weights in the
-    fully_reshardable form (dist_optim.py), layer by layer, so it loads at any layout too.
+    fully_reshardable form (dist_optim.py), layer by layer, so it loads at any layout too (MoE: the
+    optimizer's common entry is the chain megatron-core builds at layout.ep).
     """
     cfg = ckpt.config
     check_tensor_parallel(cfg, layout.tp)
@@ -496,14 +502,10 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
     if moe is not None and not per_layer:
         args.moe_layer_freq = 1  # every layer MoE, and megatron-core stacks layers only for an int frequency
     common = {"args": args, "checkpoint_version": 3.0, "iteration": iteration}
-    if optimizer and moe is not None and ckpt.optimizer is not None:
-        warn("optimizer state dropped: the torch_dist writer carries MoE weights only (megatron-core keeps "
-             "expert parameters in a separate chained optimizer); --format torch carries it")
-        optimizer = False
     slots = _target_slots(ckpt, tensors, cfg, rows) if optimizer else {}
     mixed = out_dtype in (torch.float16, torch.bfloat16)
     if slots:
-        common.update(dist_optim.common_entries(ckpt.optimizer, mixed=mixed))
+        common.update(dist_optim.common_entries(ckpt.optimizer, mixed=mixed, ep=layout.ep if moe is not None else 1))
         args.dist_ckpt_optim_fully_reshardable = True
         if not mixed and "master" in ckpt.optimizer.slots:
             tensors = slots["master"]  # fp32 training: the fp32 masters are the weights

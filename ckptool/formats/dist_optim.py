@@ -18,13 +18,16 @@ non-distributed optimizer, `step` in every group for the distributed one), the g
 the optimizer the LR scheduler (`opt_param_scheduler`) and `content_metadata`, which tells a loading
 Megatron-LM run which form to expect.
 
-Groups carry no parameter names: they are tied by Megatron's default rule (biases and 1-D parameters
-in the group without weight decay; megatron_optim.no_weight_decay), and refused when a source has
-other groups (lr_mult, decoupled lr).
+Groups carry no parameter names: each canonical tensor joins the group whose traits equal its own, by
+the torch format's table (megatron_optim.GROUP_TRAITS: weight decay, --decoupled-lr); groups the traits
+cannot tell apart are refused. At EP > 1 megatron-core's ChainedOptimizer [dense, expert] stores its
+common entries as {0: ..., 1: ...}, the tensors of both under the one prefix above (no chained_N.
+prefix in the model-space forms); the experts (megatron_optim.chain_members) tie to the second.
 
 The writer emits the fully_reshardable form, which megatron-core loads at any TP/PP with the
 distributed optimizer, plus `fp32_param` entries that alias the same bytes (one copy on disk), so a
-run with the non-distributed optimizer loads the same checkpoint.
+run with the non-distributed optimizer loads the same checkpoint; its common entries follow the
+target's EP (one optimizer, or the [dense, expert] chain: megatron_optim.target_groups).
 """
 from __future__ import annotations
 
@@ -35,7 +38,10 @@ import torch
 from ..errors import CkptError
 from ..lazy import Const, Derived, LazyTensor
 from ..state import OPTIMIZER_SLOTS, OptimizerState, ParamGroup
-from .megatron_optim import HINT, NO_WEIGHT_DECAY_KEYS, no_weight_decay
+from ..roles import GLOBAL_ROLES
+from .megatron_distopt import group_by_rule
+from .megatron_optim import (CANONICAL_EXPERT, HINT, GroupRule, RankParam, chain_members, merge_groups,
+                             target_groups)
 
 PREFIX = "optimizer.state."
 NON_DISTRIBUTED = "non-distributed"
@@ -69,10 +75,10 @@ CONTENT_METADATA = {"distrib_optim_sharding_type": WRITE_FORM, "distrib_optim_fu
 
 def sharding_type(common: dict) -> Optional[str]:
     """The form of a checkpoint's optimizer state, from its common state (None: no optimizer)."""
-    opt = common.get("optimizer")
-    if not isinstance(opt, dict):
+    if not isinstance(common.get("optimizer"), dict):
         return None
-    return opt.get("param_state_sharding_type") or NON_DISTRIBUTED
+    forms = {part.get("param_state_sharding_type") or NON_DISTRIBUTED for part in parts(common)}
+    return forms.pop() if len(forms) == 1 else f"mixed ({', '.join(sorted(forms))})"
 
 
 def chained_count(common: dict) -> int:
@@ -80,6 +86,24 @@ def chained_count(common: dict) -> int:
     optimizer under its index."""
     opt = common.get("optimizer")
     return sum(1 for k in opt if isinstance(k, int)) if isinstance(opt, dict) else 0
+
+
+def parts(common: dict) -> List[dict]:
+    """The common-state entry of each optimizer: [the one optimizer's], or a ChainedOptimizer's in
+    chain order ([dense, expert] at EP > 1)."""
+    opt = common["optimizer"]
+    if not chained_count(common):
+        return [opt]
+    return [opt[k] for k in sorted(k for k in opt if isinstance(k, int))]
+
+
+def unsupported_chain(common: dict, ep: int) -> Optional[str]:
+    """Why a chained optimizer cannot be tied (None: one optimizer, or megatron-core's [dense, expert]
+    pair at EP > 1, which megatron_optim.chain_members splits by megatron-core's own rule)."""
+    n = chained_count(common)
+    if n and (n != 2 or ep == 1):
+        return f"a chained optimizer of {n} optimizers at EP {ep}"
+    return None
 
 
 def _torch_state(opt: dict) -> dict:
@@ -97,36 +121,57 @@ def _number(v) -> Optional[float]:
     return float(v) if isinstance(v, (int, float)) else None
 
 
-def read_scalars(common: dict, where: str) -> Tuple[Optional[int], List[dict], Optional[dict]]:
-    """(step, group hyperparameters without 'params'/'step', grad scaler)."""
-    opt = common["optimizer"]
-    torch_state = _torch_state(opt)
-    groups = torch_state.get("param_groups")
-    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
-        raise CkptError(f"{where}: the common state's optimizer has no param_groups", HINT)
-    steps = set()
-    state = torch_state.get("state")
-    if isinstance(state, dict) and "common_step" in state:
-        steps.add(_number(state["common_step"]))
-    steps |= {_number(g["step"]) for g in groups if g.get("step") is not None}
+def read_scalars(common: dict, where: str) -> Tuple[Optional[int], List[List[dict]], Optional[dict]]:
+    """(step, per optimizer of the chain: its group hyperparameters without 'params'/'step', grad scaler)."""
+    steps, hypers = set(), []
+    for opt in parts(common):
+        torch_state = _torch_state(opt)
+        groups = torch_state.get("param_groups")
+        if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+            raise CkptError(f"{where}: the common state's optimizer has no param_groups", HINT)
+        state = torch_state.get("state")
+        if isinstance(state, dict) and "common_step" in state:
+            steps.add(_number(state["common_step"]))
+        steps |= {_number(g["step"]) for g in groups if g.get("step") is not None}
+        hypers.append([{k: v for k, v in g.items() if k not in ("params", "step")} for g in groups])
     steps.discard(None)
     if len(steps) > 1:
         raise CkptError(f"{where}: the optimizer groups were stepped {sorted(steps)} times", HINT)
-    hypers = [{k: v for k, v in g.items() if k not in ("params", "step")} for g in groups]
-    return (int(steps.pop()) if steps else None), hypers, opt.get("grad_scaler")
+    return (int(steps.pop()) if steps else None), hypers, parts(common)[0].get("grad_scaler")
 
 
-def tie_groups(hypers: List[dict], weights: Dict[str, LazyTensor], where: str) -> List[ParamGroup]:
-    """Canonical names per group by Megatron's default rule (one group, or one with and one without
-    weight decay); anything else is refused."""
-    if len(hypers) == 1:
-        return [ParamGroup(list(weights), dict(hypers[0]))]
-    zero = [any(h.get(k) == 0 for k in NO_WEIGHT_DECAY_KEYS) for h in hypers]
-    if len(hypers) == 2 and sum(zero) == 1:
-        return [ParamGroup([n for n, w in weights.items() if no_weight_decay(n, w) == z], dict(h))
-                for h, z in zip(hypers, zero)]
-    raise CkptError(f"{where}: {len(hypers)} optimizer param groups ({sum(zero)} without weight decay); only "
-                    "Megatron's default grouping (with / without weight decay) is carried", HINT)
+GLOBAL_ROLE_OF = {name: role for role, name in GLOBAL_ROLES.items()}
+
+
+def canonical_params(weights: Dict[str, LazyTensor]) -> List[RankParam]:
+    """The model's parameters as megatron_optim's group traits see them: the canonical name (biases end
+    in 'bias' there too), the shape, and a role where a trait depends on it (the word embedding and
+    output layer for --decoupled-lr, experts.* for the expert optimizer of a chain)."""
+    def role(name: str) -> str:
+        m = CANONICAL_EXPERT.match(name)
+        return GLOBAL_ROLE_OF.get(name) or ("experts." + name[m.end():] if m else name)
+    return [RankParam(n, role(n), None, w) for n, w in weights.items()]
+
+
+def tie_groups(hypers: List[List[dict]], weights: Dict[str, LazyTensor], rule: GroupRule, ep: int,
+               where: str) -> List[ParamGroup]:
+    """Canonical names per canonical group. The stored groups list no parameters, so each parameter
+    joins the group whose traits (megatron_optim.GROUP_TRAITS: weight decay, --decoupled-lr) equal its
+    own, within its optimizer of the chain (megatron_optim.chain_members); an expert optimizer's group
+    and its dense twin are one canonical group (megatron_optim.merge_groups), as the torch format reads them."""
+    params = canonical_params(weights)
+    members = [list(range(len(params)))] if len(hypers) == 1 else chain_members(params, ep)
+    flat = [h for part in hypers for h in part]
+    canonical, local = merge_groups({(0,): flat}, where)
+    names: List[List[str]] = [[] for _ in canonical]
+    offset = 0
+    for n, (part, idx) in enumerate(zip(hypers, members)):
+        mine = [params[i] for i in idx]
+        at = where + (f" (chained optimizer {n})" if len(hypers) > 1 else "")
+        for p, g in zip(mine, group_by_rule(mine, part, at, rule) if mine else []):
+            names[local[(0,)][offset + g]].append(p.key)
+        offset += len(part)
+    return [ParamGroup(n, h) for n, h in zip(names, canonical)]
 
 
 def master_checked(master: LazyTensor, weight: LazyTensor, name: str, where: str) -> LazyTensor:
@@ -144,9 +189,12 @@ def master_checked(master: LazyTensor, weight: LazyTensor, name: str, where: str
 
 
 def read(common: dict, form: str, slot_tensors: Callable[[str], Dict[str, LazyTensor]],
-         weights: Dict[str, LazyTensor], consumed_samples: Optional[int], where: str) -> OptimizerState:
+         weights: Dict[str, LazyTensor], consumed_samples: Optional[int], where: str, rule: GroupRule = GroupRule(),
+         ep: int = 1) -> OptimizerState:
     """The optimizer state of a model-space form. slot_tensors(stored slot name) -> canonical name ->
-    lazy full tensor (the weights' own key table applied to `optimizer.state.<stored slot>.` keys)."""
+    lazy full tensor (the weights' own key table applied to `optimizer.state.<stored slot>.` keys; a
+    chained optimizer's parts hold disjoint parameters under the same prefix). rule, ep: the source
+    run's --decoupled-lr and expert-parallel size, which its groups and chain follow."""
     step, hypers, scaler = read_scalars(common, where)
     slots = {}
     for slot, stored in STORED_SLOTS[form].items():
@@ -169,7 +217,7 @@ def read(common: dict, form: str, slot_tensors: Callable[[str], Dict[str, LazyTe
     if step is None:
         raise CkptError(f"{where}: the optimizer state has no step count", HINT)
     return OptimizerState(kind=f"megatron-core-dist ({form})", slots=slots, step=step,
-                          param_groups=tie_groups(hypers, weights, where), grad_scaler=scaler,
+                          param_groups=tie_groups(hypers, weights, rule, ep, where), grad_scaler=scaler,
                           scheduler=common.get("opt_param_scheduler"), consumed_samples=consumed_samples)
 
 
@@ -190,21 +238,32 @@ def _with_identifiers(hyper: dict) -> dict:
     return out
 
 
-def common_entries(opt: OptimizerState, mixed: bool) -> dict:
+def common_entries(opt: OptimizerState, mixed: bool, ep: int = 1) -> dict:
     """The common-state entries megatron-core's optimizers read back: the distributed optimizer's
     (param groups with their step, the sharding type) and the non-distributed one's (common_step;
-    at fp32 its torch state sits at the top of the entry)."""
-    groups = [dict(_with_identifiers(g.hyper), step=float(opt.step)) for g in opt.param_groups]
+    at fp32 its torch state sits at the top of the entry). The groups are re-formed for the target as
+    megatron-core forms them there (megatron_optim.target_groups): at EP > 1 with experts a
+    ChainedOptimizer's entries {0: dense, 1: expert}, the expert groups flagged is_expert_parallel; so
+    the optimizer part of the common state is for the target's EP (the tensors load at any layout)."""
+    optimizers = target_groups(opt.param_groups, ep)
+    chained = len(optimizers) > 1
+    entries = [_entry(opt, ids, mixed, is_expert=chained and n == 1) for n, ids in enumerate(optimizers)]
+    out = {"optimizer": dict(enumerate(entries)) if chained else entries[0], "content_metadata": dict(CONTENT_METADATA)}
+    if opt.scheduler is not None:
+        out["opt_param_scheduler"] = opt.scheduler
+    return out
+
+
+def _entry(opt: OptimizerState, ids: List[int], mixed: bool, is_expert: bool) -> dict:
+    groups = [dict(_with_identifiers(opt.param_groups[i].hyper), step=float(opt.step), is_expert_parallel=is_expert)
+              for i in ids]
     torch_state = {"param_groups": groups, "state": {"common_step": Const(torch.tensor(float(opt.step)))}}
     entry = {"optimizer": torch_state, "param_state_sharding_type": WRITE_FORM}
     if not mixed:
         entry.update(param_groups=[dict(g) for g in groups], state=dict(torch_state["state"]))
     if opt.grad_scaler is not None:
         entry["grad_scaler"] = opt.grad_scaler
-    out = {"optimizer": entry, "content_metadata": dict(CONTENT_METADATA)}
-    if opt.scheduler is not None:
-        out["opt_param_scheduler"] = opt.scheduler
-    return out
+    return entry
 
 
 assert all(set(m) == set(OPTIMIZER_SLOTS) for m in STORED_SLOTS.values())

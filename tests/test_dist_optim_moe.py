@@ -1,0 +1,156 @@
+"""torch_dist MoE optimizer state (megatron-core's ChainedOptimizer [dense, expert]), real megatron-core.
+
+At EP > 1 megatron-core keeps the experts in a second, expert-parallel optimizer. In torch_dist the
+chain's common state is {0: dense entry, 1: expert entry} (param groups, step, sharding type), while the
+tensors of both sit under the one prefix `optimizer.state.<slot>.<model key>` (fully_reshardable and the
+non-distributed optimizer add no chained_N. prefix), the experts' under the stacked expert keys the
+weights use. ckptool reads the experts' masters and moments under their canonical names
+(tests/mcore_optim_dist_helper.py moe-save: one Adam step of mcore_moe_helper's Mixtral-like model, bf16
+with fp32 masters), each equal to the live optimizer's, at TP1 EP2 (both optimizer kinds) and TP2 EP2;
+it writes torch_dist for the target EP (one optimizer at EP 1, the chain at EP 2) and the torch format,
+and megatron-core resumes each with the very losses the source run took next (a weights-only resume is
+off by ~2e-2 at the second step, the first one the loaded moments move).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import free_port
+from ckptool.config import Layout
+from ckptool.convert import write_layout
+from ckptool.formats.registry import open_checkpoint
+from ckptool.io.torchfile import load_torch_file
+
+HAVE_MCORE = importlib.util.find_spec("megatron") is not None and \
+    importlib.util.find_spec("megatron.core") is not None
+pytestmark = pytest.mark.skipif(not HAVE_MCORE, reason="megatron-core is not installed (test-only extra)")
+
+REPO = Path(__file__).resolve().parents[1]
+HELPER = REPO / "tests" / "mcore_optim_dist_helper.py"
+BF16 = "--dtype bf16"
+SAVES = {"fr": ("--tp 1 --ep 2 --form fully_reshardable", 2), "plain": ("--tp 1 --ep 2 --form plain", 2),
+         "tp2": ("--tp 2 --ep 2 --form fully_reshardable", 4),
+         "dpr": ("--tp 1 --ep 2 --form dp_reshardable", 2)}  # not carried: dropped with a warning
+
+
+def torchrun(nproc: int, *jobs: str, timeout: int = 900) -> None:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(free_port()), str(HELPER), *jobs]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+
+
+def _next(path: Path):
+    return torch.load(str(path) + ".losses")["next"]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dist_moe")
+    for nproc in (2, 4):
+        torchrun(nproc, *(f"moe-save {d}/{name} {how} {BF16} --out {d}/{name}.pt"
+                          for name, (how, n) in SAVES.items() if n == nproc))
+    return d
+
+
+@pytest.fixture(scope="module")
+def resumed(saved):
+    import test_moe_megatron
+    d = saved
+    said = []
+    write_layout(open_checkpoint(d / "fr"), d / "fr_ep1", Layout(1, ep=1), fmt="torch_dist", warn=said.append)
+    write_layout(open_checkpoint(d / "plain"), d / "plain_ep1", Layout(1, ep=1), fmt="torch_dist", warn=said.append)
+    write_layout(open_checkpoint(d / "tp2"), d / "tp2_ep1", Layout(1, ep=1), fmt="torch_dist", warn=said.append)
+    write_layout(open_checkpoint(d / "fr_ep1"), d / "back_ep2", Layout(1, ep=2), fmt="torch_dist", warn=said.append)
+    write_layout(open_checkpoint(d / "fr"), d / "torch_ep1", Layout(1, ep=1), fmt="torch", warn=said.append)
+    assert not said, said
+    torchrun(2, f"moe-resume {d}/fr_ep1 --tp 1 --ep 1 --form fully_reshardable {BF16} --out {d}/r_fr_ep1.pt",
+             f"moe-resume {d}/plain_ep1 --tp 1 --ep 1 --form plain {BF16} --out {d}/r_plain_ep1.pt",
+             f"moe-resume {d}/tp2_ep1 --tp 1 --ep 1 --form fully_reshardable {BF16} --out {d}/r_tp2_ep1.pt",
+             f"moe-resume {d}/back_ep2 --tp 1 --ep 2 --form fully_reshardable {BF16} --out {d}/r_back_ep2.pt",
+             f"moe-resume {d}/fr --tp 1 --ep 2 --form fully_reshardable {BF16} --out {d}/r_control.pt",
+             f"moe-resume {d}/fr_ep1 --tp 1 --ep 1 --form fully_reshardable {BF16} --weights-only "
+             f"--out {d}/r_weights_only.pt")
+    # the torch-format output, resumed as Megatron-LM's torch format loads (mcore_moe_helper.py resume)
+    test_moe_megatron.torchrun([f"resume {d}/torch_ep1 --tp 1 --ep 1 {BF16} --out {d}/r_torch_ep1.pt"])
+    return d
+
+
+@pytest.mark.parametrize("name", [n for n in SAVES if n != "dpr"])
+def test_expert_optimizer_state_equals_the_live_optimizers(saved, name):
+    from test_distopt_moe import SLOTS, canonical_pieces
+    ck = open_checkpoint(saved / name)
+    opt = ck.optimizer
+    assert opt is not None and not ck.warnings, ck.warnings
+    assert opt.step == 1 and opt.kind.startswith("megatron-core-dist")
+    seen = set()
+    for name_, tensors in torch.load(saved / f"{name}.pt.live")["live"].items():
+        for key, slot in SLOTS.items():
+            for canon, want in canonical_pieces(name_, tensors[key], ck.config).items():
+                got = opt.slots[slot][canon].load()
+                want = want[:got.shape[0]] if canon in ("embed.word", "output.weight") else want  # vocab padding
+                assert got.dtype == torch.float32 and torch.equal(got, want.reshape(got.shape)), (name, canon, slot)
+                seen.add(canon)
+    assert seen == set(ck.tensors) and any(".mlp.experts.3." in n for n in seen)
+    # the expert optimizer's group and its dense twin are one canonical group
+    groups = {g.hyper["wd_mult"]: g.names for g in opt.param_groups}
+    assert len(opt.param_groups) == 2 and "layers.1.mlp.experts.3.down.weight" in groups[1.0]
+
+
+def test_written_chain_is_megatron_cores_for_the_target_ep(resumed, tmp_path):
+    """EP 2: {0: dense, 1: expert} with the expert group flagged is_expert_parallel, as the run's own save;
+    EP 1: one optimizer. Read back, every slot equals the source's."""
+    d = resumed
+
+    def groups(path):
+        common = load_torch_file(next(path.glob("iter_*")) / "common.pt")["optimizer"]
+        parts = [common[k] for k in sorted(common)] if 0 in common else [common]
+        return [[(g["wd_mult"], g["is_expert_parallel"]) for g in p["optimizer"]["param_groups"]] for p in parts]
+
+    assert groups(d / "back_ep2") == groups(d / "fr") == [[(1.0, False), (0.0, False)], [(1.0, True)]]
+    assert groups(d / "fr_ep1") == [[(1.0, False), (0.0, False)]]
+    # the torch-format output (its rank files tied by the torch reader) back into torch_dist at EP 2
+    write_layout(open_checkpoint(d / "torch_ep1"), tmp_path / "again", Layout(1, ep=2), fmt="torch_dist", warn=print)
+    assert groups(tmp_path / "again") == groups(d / "fr")
+    src = open_checkpoint(d / "fr").optimizer
+    for out in ("back_ep2", "fr_ep1", "torch_ep1", tmp_path / "again"):
+        back = open_checkpoint(d / out).optimizer
+        for slot, tensors in src.slots.items():
+            assert all(torch.equal(t.load(), back.slots[slot][n].load()) for n, t in tensors.items()), (out, slot)
+
+
+@pytest.mark.parametrize("run,src", [("r_fr_ep1", "fr"), ("r_plain_ep1", "plain"), ("r_tp2_ep1", "tp2"),
+                                     ("r_back_ep2", "fr"), ("r_torch_ep1", "fr")])
+def test_moe_optimizer_resumes_at_another_expert_layout(resumed, run, src):
+    """EP 2 -> EP 1 (both optimizer kinds; from TP2 too), EP 2 -> EP 1 -> EP 2, and into the torch
+    format: the next two losses are the source run's; a fresh optimizer's second loss is not."""
+    went_on, got = _next(resumed / f"{src}.pt"), _next(resumed / f"{run}.pt")
+    fresh = abs(_next(resumed / "r_weights_only.pt")[1] - _next(resumed / "fr.pt")[1])
+    gap = max(abs(a - b) for a, b in zip(got, went_on))
+    print(f"MoE torch_dist {src} -> {run}: losses {got} vs {went_on} (gap {gap:.1e}); weights-only {fresh:.2e}")
+    assert gap <= (2e-3 if src == "tp2" else 0.0) and fresh > 1e-3
+    assert _next(resumed / "r_control.pt") == _next(resumed / "fr.pt")
+
+
+def test_dp_reshardable_moe_optimizer_is_dropped_by_name(saved):
+    """Megatron-LM's default distributed form for MoE (flat buffers; at EP 2 the chain's tensors prefixed
+    chained_0. / chained_1.): not laid out by ckptool, so dropped with a warning naming it; the weights
+    still read (and resharding them would write the weights only)."""
+    ck = open_checkpoint(saved / "dpr")
+    assert ck.optimizer is None
+    assert any("optimizer state dropped" in w and "dp_reshardable" in w and "MoE" in w for w in ck.warnings), ck.warnings
+    assert any(k.startswith("chained_1.optimizer.distributed.") for k in _dcp_keys(saved / "dpr"))
+    assert any(".mlp.experts.3." in n for n in ck.tensors)
+
+
+def _dcp_keys(path: Path):
+    from ckptool.io.dcp_io import DcpDir
+    return DcpDir(next(path.glob("iter_*"))).entries
