@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from ckptool import api
+from ckptool.errors import CkptError
 from ckptool.formats.megatron import read_megatron
 from ckptool.formats.megatron_distopt import chain_sources
 
@@ -140,3 +141,53 @@ def test_resumes_at_another_layout_with_the_source_runs_losses(runs, out):
     if out in ("tp2ep2etp1", "tp2ep4etp1"):
         assert resumed == went_on
     assert gap < 1e-3 and fresh > 10 * gap
+
+
+def test_expert_parts_in_other_files_are_written_and_read_back(tmp_path):
+    """TP4 ETP1 EP2 (beyond the helper's model; a tiny Mixtral with 4 KV heads and distinct random moments):
+    ranks 2 and 3 are expert-DP rank 1, so files (2, 0) and (3, 1) hold [dense, None] and their experts'
+    state is in (0, 0) and (1, 1), where ckptool writes it and reads it back bit for bit."""
+    import transformers
+    from ckptool.config import Layout
+    from ckptool.formats.megatron import write_megatron
+    from ckptool.formats.registry import open_checkpoint
+    from ckptool.lazy import Const
+    from ckptool.state import OptimizerState, ParamGroup
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=128, hidden_size=32, num_attention_heads=4, num_key_value_heads=4, intermediate_size=48,
+        num_hidden_layers=1, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        tie_word_embeddings=False))
+    model.save_pretrained(tmp_path / "hf")
+    ck = open_checkpoint(tmp_path / "hf")
+    gen = torch.Generator().manual_seed(0)
+    slots = {s: {n: Const(torch.randn(t.shape, generator=gen)) for n, t in ck.tensors.items()} for s in ("exp_avg", "exp_avg_sq")}
+    hyper = dict(lr=1e-3, lr_mult=1.0, is_expert_parallel=False)
+    groups = [ParamGroup([n for n, t in ck.tensors.items() if len(t.shape) > 1], dict(hyper, wd_mult=1.0, weight_decay=0.01)),
+              ParamGroup([n for n, t in ck.tensors.items() if len(t.shape) == 1], dict(hyper, wd_mult=0.0, weight_decay=0.0))]
+    ck.optimizer = OptimizerState("megatron-fp32", slots, step=3, param_groups=groups)
+    write_megatron(ck, tmp_path / "out", Layout(tp=4, ep=2, etp=1), distributed_optimizer=True, dp=1, warn=lambda m: None)
+    it = tmp_path / "out" / "iter_0000000"
+    held = {p.name: [x is not None for x in torch.load(p / "distrib_optim.pt", weights_only=False)] for p in it.iterdir()}
+    assert held == {"mp_rank_00_000": [True, True], "mp_rank_01_001": [True, True],
+                    "mp_rank_02_000": [True, False], "mp_rank_03_001": [True, False]}
+    back = read_megatron(tmp_path / "out")
+    assert back.optimizer.kind == "megatron-distributed" and not [w for w in back.warnings if "optimizer" in w]
+    for slot in ("exp_avg", "exp_avg_sq"):
+        for n, t in slots[slot].items():
+            if n not in ("embed.word", "output.weight"):  # padded for TP4 on write
+                assert torch.equal(back.optimizer.slots[slot][n].load(), t.load()), (slot, n)
+    # a file that should hold the experts' state but does not is refused, naming it (and, for a file that
+    # looks there, both)
+    f = it / "mp_rank_00_000" / "distrib_optim.pt"
+    state = torch.load(f, weights_only=False)
+    torch.save([state[0], None], f)
+    with pytest.raises(CkptError, match=r"mp_rank_00_000/distrib_optim\.pt: no expert optimizer state here \(the file "
+                                        r"of the expert optimizer's DP rank 0"):
+        read_megatron(tmp_path / "out")
+    from ckptool.formats import megatron_distopt, megatron_optim
+    rank = it / "mp_rank_02_000"
+    tree = torch.load(rank / "model_optim_rng.pt", weights_only=False)
+    expert = megatron_optim.RankParam("w", "experts.0.fc2.weight", 0, Const(torch.zeros(2)))
+    with pytest.raises(CkptError, match=r"mp_rank_02_000/distrib_optim\.pt: no expert optimizer state here nor in "
+                                        r".*mp_rank_00_000/distrib_optim\.pt"):
+        megatron_distopt.read_rank(tree, rank, [expert], tree["args"], False, 1, 0, "x", 2, rank, it / "mp_rank_00_000")
