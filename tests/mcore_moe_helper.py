@@ -19,7 +19,8 @@ GPTModel with MoE layers (local spec: SequentialMLP experts `mlp.experts.local_e
         Megatron-LM does for --ckpt-format torch: its groups in the rank file, and
         optimizer.save_parameter_state() writing distrib_optim.pt beside it (at EP > 1 a list [dense,
         expert], each part from that optimizer's DP rank 0, None elsewhere); FILE.moments then gets
-        `live`: per (TP rank, global name) the live fp32 master and moments, from the DP shards.
+        `live`: per (TP rank, global name) the live fp32 master and moments, from the DP shards (a legacy
+        GroupedMLP weight, all local experts of an fc in one tensor, as `NAME@epR` per EP rank R).
   "resume DIR --tp T --ep E --out FILE [--weights-only]"   a fresh model and optimizer at TP x EP load
         DIR as Megatron-LM's load_checkpoint does (model strict, optimizer.load_state_dict; with
         --weights-only a fresh optimizer, as --no-load-optim) and take those two steps; FILE.losses
@@ -194,6 +195,13 @@ def global_name(name: str, ep: int) -> str:
     return f"{head}.local_experts.{parallel_state.get_expert_model_parallel_rank() * (EXPERTS // ep) + int(j)}.{tail}"
 
 
+def stacked_name(name: str) -> str:
+    """A legacy GroupedMLP weight (all local experts in one tensor) named apart per EP rank: `NAME@epR`."""
+    if name.endswith((".experts.weight1", ".experts.weight2")):
+        return f"{name}@ep{parallel_state.get_expert_model_parallel_rank()}"
+    return name
+
+
 def make_optimizer(model, cfg):
     """megatron-core's DDP and optimizer (get_megatron_optimizer: a ChainedOptimizer of the dense and, at
     EP > 1, the expert-parallel optimizer), as Megatron-LM's setup_model_and_optimizer builds them."""
@@ -277,7 +285,7 @@ def live_distributed(model, opt, ep) -> dict:
     """{(TP rank, global name): {"param", "exp_avg", "exp_avg_sq"}}: every DistributedOptimizer's fp32
     master and moments of each parameter, put together from each DP rank's shard at the ranges
     megatron-core's own range maps give (independent of ckptool's buffer layout)."""
-    names = {p: global_name(n, ep) for n, p in model.named_parameters()}
+    names = {p: stacked_name(global_name(n, ep)) for n, p in model.named_parameters()}
     mine = {}
     for sub in opt.chained_optimizers:
         for gbuf_range_maps in sub.gbuf_ranges:

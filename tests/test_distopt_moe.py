@@ -166,7 +166,8 @@ def test_missing_dense_state_is_refused_naming_ep_rank_0s_file(runs, tmp_path):
     f = bad / "iter_0000007" / "mp_rank_00_000" / "distrib_optim.pt"
     state = torch.load(f, weights_only=False)
     torch.save([None, state[1]], f)
-    with pytest.raises(CkptError, match=r"mp_rank_00_000/distrib_optim\.pt: no dense optimizer state here \(EP rank 0"):
+    with pytest.raises(CkptError, match=r"mp_rank_00_000/distrib_optim\.pt: no dense optimizer state here \(the file of "
+                                        r"the dense optimizer's DP rank 0"):
         read_megatron(bad)
     # EP rank 1's file points at EP rank 0's for the dense part
     from ckptool.formats import megatron_distopt

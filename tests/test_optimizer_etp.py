@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from ckptool import api
+from ckptool.errors import CkptError
 from ckptool.formats.megatron import read_megatron
 from ckptool.io.torchfile import load_torch_file
 
@@ -122,9 +123,10 @@ def test_expert_tp_bf16_round_trip_resumes_exactly_as_megatron_core_resumes_its_
     assert ours == control
 
 
-def test_expert_tp_pipeline_target_reads_back_and_distributed_form_is_dropped_by_name(etp_run, tmp_path, monkeypatch):
-    """TP2 PP2 ETP1 EP2 (the grid per stage) reads back bit for bit; a distributed-optimizer source at expert
-    TP != TP is dropped with a warning naming it, never mis-read."""
+def test_expert_tp_pipeline_target_reads_back_and_a_missing_distrib_optim_is_refused(etp_run, tmp_path, monkeypatch):
+    """TP2 PP2 ETP1 EP2 (the grid per stage) reads back bit for bit; args claiming the distributed optimizer
+    without its distrib_optim.pt are refused by name, never mis-read (the distributed optimizer at expert
+    TP != TP itself: tests/test_distopt_etp.py)."""
     src = read_megatron(etp_run / "src").optimizer
     api.reshard(etp_run / "src", tmp_path / "pp2", tp=2, pp=2, ep=2, etp=1, warn=lambda m: None)
     back = read_megatron(tmp_path / "pp2").optimizer
@@ -132,8 +134,9 @@ def test_expert_tp_pipeline_target_reads_back_and_distributed_form_is_dropped_by
         assert all(torch.equal(x.load(), back.slots[slot][n].load()) for n, x in src.slots[slot].items()), slot
     from ckptool.formats import megatron_distopt
     monkeypatch.setattr(megatron_distopt, "uses_distributed_optimizer", lambda *a: True)
-    ck = read_megatron(etp_run / "tp2ep1etp1")
-    assert ck.optimizer is None and any("distributed optimizer's buffers at expert TP 1 != TP 2" in w for w in ck.warnings)
+    with pytest.raises(CkptError, match=r"mp_rank_00/model_optim_rng\.pt: the run used the distributed optimizer but "
+                                        r".*mp_rank_00/distrib_optim\.pt is missing"):
+        read_megatron(etp_run / "tp2ep1etp1")
 
 
 def test_slot_shards_follow_the_expert_grid_at_expert_tp_above_one():

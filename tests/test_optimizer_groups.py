@@ -245,15 +245,17 @@ def test_moe_distributed_optimizer_target_needs_a_whole_expert_dp(moe_runs, tmp_
 
 def test_expert_tp_below_tp_carries_the_optimizer(moe_runs, tmp_path):
     """Expert TP != TP: the optimizer is written at the target's expert grid and reads back the same
-    (tests/test_optimizer_etp.py resumes it); the distributed optimizer's buffers there are dropped with a warning."""
+    (tests/test_optimizer_etp.py resumes it); so do the distributed optimizer's buffers (tests/test_distopt_etp.py)."""
     said = []
     api.reshard(moe_runs / "ep1", tmp_path / "etp1", tp=2, etp=1, warn=said.append)
     assert not [m for m in said if "optimizer" in m], said
     src, back = read_megatron(moe_runs / "ep1").optimizer, read_megatron(tmp_path / "etp1").optimizer
     assert all(torch.equal(t.load(), back.slots["exp_avg"][n].load()) for n, t in src.slots["exp_avg"].items())
     api.reshard(moe_runs / "ep1", tmp_path / "etp1d", tp=2, etp=1, distributed_optimizer=True, dp=2, warn=said.append)
-    assert any("optimizer state dropped: ckptool does not write the distributed optimizer's buffers at expert TP 1" in m
-               for m in said)
+    assert not [m for m in said if "optimizer" in m], said
+    back = read_megatron(tmp_path / "etp1d").optimizer
+    assert back.kind == "megatron-distributed"
+    assert all(torch.equal(t.load(), back.slots["exp_avg"][n].load()) for n, t in src.slots["exp_avg"].items())
 
 
 def test_target_groups_are_re_formed_by_megatron_cores_rule_at_the_target():

@@ -122,13 +122,20 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     # expert's local index j on EP rank e is global expert e * (experts per rank) + j.
     stacked_local = _stacked_local_experts(all_keys, matcher, args, ep, it_dir)
     per_ep = stacked_local or max(_local_expert_count(chunks, matcher) for chunks in models.values())  # a stage may be all dense
-    params: Dict[Tuple[int, int, int], List[RankParam]] = {}
+    # stored: one per tensor of the file (a legacy GroupedMLP fc stacks all local experts: role experts.*.<fc>),
+    # what the optimizer's entries count; params: the stacked ones cut per expert, as the weights are used
+    stored: Dict[Tuple[int, int, int], List[RankParam]] = {}
     for (t, p, e), chunks in models.items():
-        params[(t, p, e)] = [RankParam(key, _global_expert(role, e, per_ep),
-                                       None if hit[1] is None else offsets[(p, v)] + hit[1], piece, v)
+        stored[(t, p, e)] = [RankParam(key, hit[0], None if hit[1] is None else offsets[(p, v)] + hit[1], value, v)
                              for v in sorted(chunks) for key, value in chunks[v].items()
-                             for hit in [matcher.match(key)] if hit is not None and isinstance(value, LazyTensor)
-                             for role, piece in _unstack(hit[0], value, stacked_local)]
+                             for hit in [matcher.match(key)] if hit is not None and isinstance(value, LazyTensor)]
+
+    def unstack(rk, param: RankParam, value: LazyTensor) -> List[Tuple[RankParam, LazyTensor]]:
+        """A stored parameter's (or its optimizer slot's) pieces: each local expert's under its global role."""
+        return [(RankParam(param.key, _global_expert(role, rk[2], per_ep), param.layer, piece, param.chunk), cut)
+                for (role, piece), (_, cut) in zip(_unstack(param.role, param.weight, stacked_local),
+                                                   _unstack(param.role, value, stacked_local))]
+    params = {rk: [q for x in ps for q, _ in unstack(rk, x, x.weight)] for rk, ps in stored.items()}
     shards, head_copy = _weight_shards(params, grid, tp, etp)
     for (role, layer), parts in shards.items():
         if any(x is None for x in parts):
@@ -169,13 +176,12 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     if opts.optimizer and any(is_optimizer_only(d) for d in it_dir.iterdir() if d.is_dir() and RANK_DIR.match(d.name)):
         warnings.append("optimizer state dropped: the 2022-23 distributed-optimizer form (one optim.pt per "
                         "data-parallel rank) is not carried; the output holds the weights only")
-    elif opts.optimizer and stacked_local and any("optimizer" in tree for tree in trees.values()):
-        warnings.append("optimizer state dropped: the legacy GroupedMLP's state (one entry for all local experts "
-                        "per fc) is not split per expert yet; the output holds the weights only")
     elif opts.optimizer:  # with expert TP != TP each file's expert optimizer holds its experts' grid shard
+        # a legacy GroupedMLP's optimizer holds one entry per stacked fc: tied to the stored tensors, then
+        # cut per expert by the weights' own cut
         optimizer = megatron_training.read_training_state(
             trees, ranks, {rk: model_file(d) for rk, d in ranks.items()}, params, tp, args, cfg, canonical, warnings,
-            grid, etp)
+            grid, etp, (stored, unstack) if stacked_local else None)
     layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, ep=ep, etp=etp if etp != tp else None,
                     stage_layers=None if vpp > 1 or len({counts[(p, 0)] for p in range(pp)}) == 1
                     else [counts[(p, 0)] for p in range(pp)])
@@ -565,10 +571,6 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
     if out_dtype is None:
         out_dtype = next(iter(tensors.values())).dtype
     train = megatron_training.TrainingTarget.for_target(ckpt, tensors, cfg, rows, out_dtype) if optimizer else None
-    if train is not None and cfg.moe is not None and layout.expert_tp != layout.tp and distributed_optimizer:
-        warn(f"optimizer state dropped: ckptool does not write the distributed optimizer's buffers at expert TP "
-             f"{layout.expert_tp} differing from TP {layout.tp}; the output holds the weights only")
-        train = None
     if train is not None and train.weights_from_masters:
         tensors = train.slots["master"]  # fp32 training: the fp32 masters are the weights
     args = None

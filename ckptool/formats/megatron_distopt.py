@@ -31,7 +31,9 @@ per-DP-rank optim.pt files) are refused by name.
 
 MoE at EP > 1: megatron-core chains a dense and an expert optimizer (the expert one over the experts'
 own grad buffers, sharded over the expert-data-parallel size); both files then hold their lists
-[dense, expert], the dense state in EP rank 0's distrib_optim.pt only (`read_rank`, DistributedTarget).
+[dense, expert], each part only in the file of that optimizer's DP rank 0 (`chain_sources`: with expert
+TP = TP the dense state is in EP rank 0's file, every file holds its own experts'; with expert TP below
+TP the two grids differ and a part may sit in another file of the stage; `read_rank`, DistributedTarget).
 
 The layout is never trusted: its numel_unpadded (per bucket for the bucket-list form) must equal the
 stored one, and every master is checked against its weight as it loads (megatron_optim).
@@ -181,8 +183,23 @@ def uses_distributed_optimizer(rank_dir: Path, args) -> bool:
     return (rank_dir / FILE).is_file() or bool(getattr(args, "use_distributed_optimizer", False))
 
 
+def chain_sources(t: int, e: int, tp: int, ep: int, etp: int) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+    """(TP rank, EP rank) of the rank files whose distrib_optim.pt holds the chain's [dense, expert] parts
+    for the ranks of file (t, e) of a pipeline stage.
+
+    ChainedOptimizer.save_parameter_state saves each part on that optimizer's DP rank 0 only, into the
+    saving rank's own file. In a stage, rank x is dense TP rank x % TP, dense DP rank x // TP, expert-TP
+    rank x % ETP, EP rank (x // ETP) % EP, expert DP rank x // (ETP x EP) (megatron-core's rank order
+    tp-cp-ep-dp-pp, megatron.expert_grid). So TP rank t's dense state is saved by rank t, into file
+    (t, (t // ETP) % EP), and the experts of (expert-TP rank t % ETP, EP rank e) by rank t % ETP + ETP x e,
+    into file ((t % ETP + ETP x e) % TP, e). With ETP = TP: EP rank 0's file and the file itself."""
+    writer = t % etp + etp * e
+    return (t, (t // etp) % ep), (writer % tp, e)
+
+
 def read_rank(tree: dict, rank_dir: Path, params: List[RankParam], args, tied: bool, pp: int, pp_rank: int,
-              where: str, ep: int = 1, dense_dir: Optional[Path] = None) -> Optional[RankOptimizer]:
+              where: str, ep: int = 1, dense_dir: Optional[Path] = None,
+              expert_dir: Optional[Path] = None) -> Optional[RankOptimizer]:
     """One (TP, PP, EP) rank's distributed-optimizer state tied to its parameters (params in file order,
     each with its model chunk); None when the optimizer never stepped.
 
@@ -190,7 +207,8 @@ def read_rank(tree: dict, rank_dir: Path, params: List[RankParam], args, tied: b
     all-reduced over data parallelism) and an expert one (its expert_parallel_buffers, sharded over the
     expert-data-parallel group): the rank file's 'optimizer' is the list of their groups and
     distrib_optim.pt the list of their states, each written only by that optimizer's DP rank 0 (None in
-    the other places). The dense state, the same on every EP rank, is in EP rank 0's file (dense_dir)."""
+    the other places): the dense state in dense_dir's file, the experts' in expert_dir's (chain_sources;
+    default: this file)."""
     path = rank_dir / FILE
     opt = tree.get("optimizer")
     if not path.is_file():
@@ -209,18 +227,17 @@ def read_rank(tree: dict, rank_dir: Path, params: List[RankParam], args, tied: b
     if not chained:
         return _read_part(parts[0], states, str(path), params, args, _dp(args, False), tied, pp, pp_rank, where)
     members = megatron_optim.chain_members(params, ep)
-    if states[0] is None and members[0]:  # this file's writer was not the dense optimizer's DP rank 0
-        dense_path = (dense_dir or rank_dir) / FILE
-        dense = _load(dense_path) if dense_path != path else None
-        if not isinstance(dense, list) or len(dense) != 2 or dense[0] is None:
-            elsewhere = f" nor in {dense_path}" if dense_path != path else ""
-            raise CkptError(f"{path}: no dense optimizer state here{elsewhere} (EP rank 0's file, where "
-                            "megatron-core's dense DP rank 0 saves it, must hold it)", HINT)
-        states = [dense[0], states[1]]
-        dense_file = str(dense_path)
-    else:
-        dense_file = str(path)
-    files = [dense_file, str(path)]
+    states, files = list(states), [str(path), str(path)]
+    for n, (kind, source_dir) in enumerate((("dense", dense_dir), ("expert", expert_dir))):
+        if states[n] is not None or not members[n]:
+            continue  # this file's writer was that optimizer's DP rank 0, or the part has no parameters here
+        source = (source_dir or rank_dir) / FILE
+        other = _load(source) if source != path else None
+        if not isinstance(other, list) or len(other) != 2 or other[n] is None:
+            elsewhere = f" nor in {source}" if source != path else ""
+            raise CkptError(f"{path}: no {kind} optimizer state here{elsewhere} (the file of the {kind} "
+                            "optimizer's DP rank 0, where megatron-core saves it, must hold it)", HINT)
+        states[n], files[n] = other[n], str(source)
     # both optimizers' buffers are cut at one bucket size, its default from the dense DP size (megatron-core's
     # DDP); each pads its bucket ends for its own DP size
     tied_parts = [_read_part(part, state, file, [params[i] for i in idx], args, _dp(args, n == 1), tied, pp, pp_rank,

@@ -9,6 +9,7 @@ megatron.py owns the directory walk, the names and the weights; this module only
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -25,11 +26,14 @@ from .megatron_optim import RankParam, role_shards
 
 
 def read_training_state(trees, ranks, model_files, params, tp, args, cfg, canonical, warnings,
-                        grid: Optional[Dict[Tuple[int, int], int]] = None, etp: Optional[int] = None
-                        ) -> Optional[OptimizerState]:
+                        grid: Optional[Dict[Tuple[int, int], int]] = None, etp: Optional[int] = None,
+                        stacked=None) -> Optional[OptimizerState]:
     """The optimizer state of every rank, tied to the parameters and merged like the weights;
     None (with a warning naming what is dropped) when there is none or its form is not read yet.
-    grid, etp: with expert TP != TP, megatron.expert_grid (which expert-TP shard each (TP, EP) file holds)."""
+    grid, etp: with expert TP != TP, megatron.expert_grid (which expert-TP shard each (TP, EP) file holds).
+    stacked: (stored params per rank, unstack(rk, param, value)) when a file's tensors are not one per
+    parameter of params (the legacy GroupedMLP: one tensor for all local experts of an fc); the optimizer,
+    which has one entry per stored tensor, is tied to those, then each slot is cut as unstack cuts the weight."""
     if not any("optimizer" in tree for tree in trees.values()):
         return None
     ep = max(e for _, _, e in ranks) + 1
@@ -39,13 +43,14 @@ def read_training_state(trees, ranks, model_files, params, tp, args, cfg, canoni
             warnings.append(f"optimizer state dropped: {why}; the output holds the weights only")
             return None
     pp = max(p for _, p, _ in ranks) + 1
-    if etp not in (None, tp) and megatron_distopt.uses_distributed_optimizer(ranks[(0, 0, 0)], args):
-        warnings.append(f"optimizer state dropped: the distributed optimizer's buffers at expert TP {etp} != TP {tp} "
-                        "are not read yet; the output holds the weights only")
-        return None
-    per_rank = {rk: _read_rank(tree, model_files[rk], params[rk], args, cfg, pp, rk[1], ep,
-                               model_files.get((rk[0], rk[1], 0)))
+
+    def sources(rk):  # the files holding a chained distributed optimizer's [dense, expert] parts for rk
+        return [model_files.get((t, rk[1], e)) for t, e in megatron_distopt.chain_sources(rk[0], rk[2], tp, ep, etp or tp)]
+    tied_to = stacked[0] if stacked else params
+    per_rank = {rk: _read_rank(tree, model_files[rk], tied_to[rk], args, cfg, pp, rk[1], ep, *sources(rk))
                 for rk, tree in trees.items()}
+    if stacked:
+        per_rank = {rk: r and _unstacked(r, rk, stacked[0][rk], stacked[1]) for rk, r in per_rank.items()}
     if all(r is None for r in per_rank.values()):
         return None
     for rk, r in per_rank.items():
@@ -78,6 +83,17 @@ def read_training_state(trees, ranks, model_files, params, tp, args, cfg, canoni
         consumed_samples=getattr(args, "consumed_train_samples", None))
 
 
+def _unstacked(r: megatron_optim.RankOptimizer, rk, stored: List[RankParam], unstack) -> megatron_optim.RankOptimizer:
+    """A rank's optimizer tied to its stored tensors, with each stacked one's slots cut as its weight is."""
+    slots, group_of = [], []
+    for param, sl, g in zip(stored, r.slots, r.group_of):
+        cut = {slot: [v for _, v in unstack(rk, param, value)] for slot, value in sl.items()}
+        for j in range(len(unstack(rk, param, param.weight))):
+            slots.append({slot: pieces[j] for slot, pieces in cut.items()})
+            group_of.append(g)
+    return dataclasses.replace(r, slots=slots, group_of=group_of)
+
+
 def slot_shards(values, params: Dict[tuple, List[RankParam]], tp: int, grid=None, etp: Optional[int] = None):
     """{(role, layer): [value per TP rank]} of one slot, as the weights are gathered: with expert TP != TP the
     experts' values per expert-TP rank, file (t, p, e) holding shard grid[(t, e)] (Megatron-LM saves each
@@ -100,14 +116,14 @@ def slot_shards(values, params: Dict[tuple, List[RankParam]], tp: int, grid=None
 
 
 def _read_rank(tree, model_file: Path, params: List[RankParam], args, cfg: GPTConfig, pp: int, pp_rank: int,
-               ep: int, ep0_file: Optional[Path] = None):
+               ep: int, dense_file: Optional[Path] = None, expert_file: Optional[Path] = None):
     """One rank's optimizer state: distrib_optim.pt beside the rank file (the distributed optimizer; at
-    EP > 1 its dense part in EP rank 0's, ep0_file's directory) or the rank file's own 'optimizer' entry
-    (a chained [dense, expert] list at EP > 1)."""
+    EP > 1 its dense and expert parts beside dense_file and expert_file, megatron_distopt.chain_sources)
+    or the rank file's own 'optimizer' entry (a chained [dense, expert] list at EP > 1)."""
     where, rank_dir = str(model_file), model_file.parent
     if megatron_distopt.uses_distributed_optimizer(rank_dir, args):
         return megatron_distopt.read_rank(tree, rank_dir, params, args, cfg.tied_embeddings, pp, pp_rank, where,
-                                          ep, ep0_file.parent if ep0_file is not None else None)
+                                          ep, *(f.parent if f is not None else None for f in (dense_file, expert_file)))
     return megatron_optim.read_rank(tree, params, where, megatron_optim.GroupRule.from_args(args), ep)
 
 
@@ -191,8 +207,10 @@ class DistributedTarget:
     """The distributed optimizer's files for a target: per rank, the 'optimizer' entry without tensors
     and a distrib_optim.pt laid out as megatron-core lays its grad buffers out for data-parallel size dp."""
 
-    def __init__(self, dp: int, tied: bool, pp: int, dtype_key, args=None, era=megatron_distopt.CURRENT, tp: int = 1):
+    def __init__(self, dp: int, tied: bool, pp: int, dtype_key, args=None, era=megatron_distopt.CURRENT, tp: int = 1,
+                 etp: Optional[int] = None):
         self.dp, self.tied, self.pp, self.dtype_key, self.tp = dp, tied, pp, dtype_key, tp
+        self.etp = etp or tp  # expert TP: the expert grid (and expert-DP size) of the target run
         self.args, self.era = args, era  # the written args say whether (and how) the target run buckets
 
     @classmethod
@@ -204,9 +222,11 @@ class DistributedTarget:
         its args carry them), written into args and followed by the layout; era: the target's
         megatron-core (megatron_distopt.ERAS by `since`), which decides the file's form."""
         require(dp >= 1, f"--dp {dp}: the data-parallel size is at least 1")
-        require(not (wanted and train is not None and cfg.moe is not None and (dp * layout.tp) % layout.ep),
-                f"--dp {dp}: the expert-data-parallel size of the run (DP x TP / EP = {dp} x {layout.tp} / "
-                f"{layout.ep}) is not whole", "choose --dp so that DP x TP is a multiple of --ep")
+        require(not (wanted and train is not None and cfg.moe is not None
+                     and (dp * layout.tp) % (layout.ep * layout.expert_tp)),
+                f"--dp {dp}: the expert-data-parallel size of the run (DP x TP / (EP x expert TP) = {dp} x "
+                f"{layout.tp} / ({layout.ep} x {layout.expert_tp})) is not whole",
+                "choose --dp so that DP x TP is a multiple of --ep times the expert TP")
         if args is not None:  # what the target run is: Megatron reads DP from its own flags
             args.use_distributed_optimizer = bool(wanted and train is not None)
             if wanted:
@@ -224,7 +244,7 @@ class DistributedTarget:
         fp32_grads = getattr(args, "accumulate_allreduce_grads_in_fp32", out_dtype == torch.bfloat16)
         target = megatron_distopt.ERA_BY_SINCE[era]
         key = megatron_distopt.buffer_key(target, out_dtype, torch.float32 if fp32_grads else out_dtype)
-        return cls(dp, cfg.tied_embeddings, layout.pp, key, args, target, layout.tp)
+        return cls(dp, cfg.tied_embeddings, layout.pp, key, args, target, layout.tp, layout.expert_tp)
 
     def describe(self) -> dict:
         """dp, and the bucketing and era where they are not the plain default (for the report)."""
@@ -240,8 +260,9 @@ class DistributedTarget:
                      ep: int = 1, e: int = 0):
         """The rank file's optimizer entries and its distrib_optim.pt state. At EP > 1 with experts, as
         megatron-core's chain [dense, expert]: the expert optimizer's buffers hold the expert-parallel
-        parameters, sharded over the expert-data-parallel size (DP x TP / EP); the dense state is saved
-        by the dense optimizer's DP rank 0 only, EP rank 0 (None in the other EP ranks' files)."""
+        parameters, sharded over the expert-data-parallel size (DP x TP / (EP x expert TP)); each part is in
+        the file of that optimizer's DP rank 0 only (megatron_distopt.chain_sources; None in the others'):
+        with expert TP = TP the dense one in EP rank 0's files, the expert one in every file."""
         entries = [(chunk, g, slots, self.tied and self.pp > 1 and param[0] == "word",
                     megatron_optim.expert_parallel(param[0], ep))
                    for param, chunk, (g, slots) in zip(params, chunks,
@@ -249,6 +270,7 @@ class DistributedTarget:
         # megatron-core >= 0.16 lists every group of the model on every rank (megatron_optim.target_groups)
         optimizers = megatron_optim.target_groups(train.opt.param_groups, ep)
         chained = len(optimizers) > 1
+        holds = [source == (t, e) for source in megatron_distopt.chain_sources(t, e, self.tp, ep, self.etp)]
         parts = []
         for n, used in enumerate(optimizers):
             expert = chained and n == 1
@@ -257,12 +279,12 @@ class DistributedTarget:
                 if chained or "is_expert_parallel" in hyper:  # the target layout decides it
                     hyper["is_expert_parallel"] = expert
             mine = [(c, used.index(g), s, shared) for c, g, s, shared, x in entries if x == expert]
-            dp = self.dp * self.tp // ep if expert else self.dp
+            dp = self.dp * self.tp // (ep * self.etp) if expert else self.dp
             optimizer, state = megatron_distopt.rank_files(
                 mine, dp, train.opt.step, groups, train.grad_scaler, self.dtype_key,
                 # one bucket size for both (its default from the dense DP size), each padded for its own DP
                 lambda chunk: megatron_distopt.target_bucket_size(self.args, chunk, p, self.dp), self.era)
-            parts.append((optimizer, None if chained and not expert and e > 0 else state))
+            parts.append((optimizer, None if chained and not holds[n] else state))
         if not chained:
             return train.with_scheduler({"optimizer": parts[0][0]}), parts[0][1]
         return train.with_scheduler({"optimizer": [o for o, _ in parts]}), [s for _, s in parts]
