@@ -18,9 +18,10 @@ import io
 import pickle
 import struct
 import zipfile
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
-from .meta import STORAGE_DTYPES, TensorMeta
+from .meta import ITEMSIZE, STORAGE_DTYPES, TensorMeta
 
 
 class NotQuick(Exception):
@@ -64,8 +65,28 @@ class DtypeName(str):
     """A torch dtype in a pickle (torch.bfloat16): its name."""
 
 
+@dataclass(frozen=True)
+class Scalar(TensorMeta):
+    """A 0-d tensor (Adam's per-parameter `step`) and its value: the one kind of tensor whose bytes the
+    quick path reads (a few bytes of one small zip record), because inspect shows the step."""
+    value: Optional[float] = field(default=None, compare=False)
+
+
+# struct formats of the dtypes a scalar may be stored in
+SCALAR_FORMATS = {"float32": "<f", "float64": "<d", "float16": "<e", "int64": "<q", "int32": "<i", "int16": "<h",
+                  "int8": "<b", "uint8": "<B", "bool": "<?"}
+SCALAR_RECORD_LIMIT = 64  # bytes: a 0-d view into a larger storage is not read (its value stays None)
+
+
 def _rebuild_tensor(storage, storage_offset, size, *rest, **kwargs) -> TensorMeta:
-    return TensorMeta(tuple(int(d) for d in size), storage.dtype)
+    shape = tuple(int(d) for d in size)
+    if shape or storage.read is None or storage.dtype not in SCALAR_FORMATS:
+        return TensorMeta(shape, storage.dtype)
+    fmt, start = SCALAR_FORMATS[storage.dtype], int(storage_offset) * ITEMSIZE[storage.dtype]
+    data = storage.read(storage.key)
+    if data is None or start + struct.calcsize(fmt) > len(data):
+        return Scalar(shape, storage.dtype)
+    return Scalar(shape, storage.dtype, struct.unpack_from(fmt, data, start)[0])
 
 
 def _rebuild_parameter(data, *rest, **kwargs):
@@ -139,24 +160,26 @@ class MetaUnpickler(pickle.Unpickler):
         raise NotQuick(f"{module}.{name} in a pickle")
 
     storage_keys: set
+    read_record: Optional[Callable[[str], Optional[bytes]]] = None
 
     def persistent_load(self, pid):
         if not (isinstance(pid, tuple) and len(pid) >= 3 and pid[0] == "storage" and isinstance(pid[1], DtypeName)):
             raise NotQuick(f"persistent id {pid!r:.60}")
         self.storage_keys.add(str(pid[2]))
-        return _Storage(str(pid[1]))
+        return _Storage(str(pid[1]), str(pid[2]), self.read_record)
 
 
 class _Storage:
-    def __init__(self, dtype: str):
-        self.dtype = dtype
+    def __init__(self, dtype: str, key: str = "", read=None):
+        self.dtype, self.key, self.read = dtype, key, read
 
 
-def loads(data: bytes, storage_keys: Optional[set] = None) -> Any:
+def loads(data: bytes, storage_keys: Optional[set] = None, read_record=None) -> Any:
     """The object a plain pickle holds (DCP's .metadata); storage_keys collects the tensor records a
-    torch.save pickle refers to."""
+    torch.save pickle refers to; read_record(key) gives a small record's bytes (for Scalar values)."""
     up = MetaUnpickler(io.BytesIO(data), encoding="utf-8")
     up.storage_keys = storage_keys if storage_keys is not None else set()
+    up.read_record = read_record
     try:
         return up.load()
     except NotQuick:
@@ -180,10 +203,17 @@ def load_torch_zip(source) -> Any:
             if f"{prefix}/byteorder" in records and z.read(f"{prefix}/byteorder") != b"little":
                 raise NotQuick("big-endian data")
             data = z.read(pkl[0])
+            keys: set = set()
+
+            def small_record(key: str) -> Optional[bytes]:
+                name = f"{prefix}/data/{key}"
+                if name not in records or z.getinfo(name).file_size > SCALAR_RECORD_LIMIT:
+                    return None
+                return z.read(name)
+
+            obj = loads(data, keys, small_record)
     except (zipfile.BadZipFile, OSError, KeyError, ValueError) as e:
         raise NotQuick(str(e)) from e
-    keys: set = set()
-    obj = loads(data, keys)
     if any(f"{prefix}/data/{k}" not in records for k in keys):
         raise NotQuick("a tensor's storage record is missing")
     return obj
