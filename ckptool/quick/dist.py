@@ -1,5 +1,5 @@
 """megatron-core torch_dist checkpoints for inspect, without torch: the DCP index (.metadata, a
-pickle of torch.distributed.checkpoint's metadata dataclasses, read into inert Records by
+pickle of torch.distributed.checkpoint's metadata dataclasses, read into inert StandIns by
 quick/torch_pickle.py) gives every tensor's global shape and dtype, the common state (common.pt or
 the common_state byte entry) the run's args, and the args the config (megatron_args, as the full
 reader computes it); the canonical shapes follow from the config (quick/meta.py).
@@ -22,7 +22,8 @@ from ..formats import megatron_args
 from ..formats.dist_files import COMMON_FILE, COMMON_KEY, CONFIG_FILE, DCP_METADATA, locate
 from ..state import Checkpoint, SourceInfo
 from .meta import TensorMeta, canonical_shapes
-from .torch_pickle import NotQuick, Record, load_torch_zip, loads
+from ..io.standin import stands_for, state_of
+from .torch_pickle import NotQuick, load_torch_zip, loads
 
 WORD = "embedding.word_embeddings.weight"
 HEAD = "output_layer.weight"  # a tied model's synchronised copy of WORD, when stored
@@ -53,7 +54,8 @@ def read(path: Path, format_name: str) -> Optional[Checkpoint]:
 
 def _is(obj, name: str) -> bool:
     """obj is a record of torch.distributed.checkpoint's class `name`."""
-    return isinstance(obj, Record) and obj.name == name and obj.module.startswith("torch.distributed.checkpoint")
+    module, cls = stands_for(obj)
+    return cls == name and module.startswith("torch.distributed.checkpoint")
 
 
 def _index(value, dims: Optional[int] = None) -> bool:
@@ -126,7 +128,7 @@ def _tensor(entry) -> Optional[TensorMeta]:
     """A TensorStorageMetadata record as TensorMeta (its properties pickle as a state tuple, dtype first)."""
     props = getattr(entry, "properties", None)
     size = getattr(entry, "size", None)
-    state = getattr(props, "state", None) if isinstance(props, Record) else None
+    state = state_of(props)
     dtype = getattr(props, "dtype", None) or (state[0] if isinstance(state, tuple) and state else None)
     if not isinstance(size, tuple) or not isinstance(dtype, str):
         return None
