@@ -196,3 +196,35 @@ def test_torchrun_launcher_finds_the_command_in_the_table():
     from ckptool.torchrun import split_argv
     assert split_argv(["--nproc-per-node", "2", "verify", "out", "--reference", "src"]) == (
         ["--nproc-per-node", "2"], ["verify", "out", "--reference", "src"])
+
+
+def test_quick_inspect_of_torch_dist_with_optimizer_state(megatron_dirs, tmp_path, monkeypatch):
+    """torch_dist saves with optimizer state: megatron-core's own (non-distributed optimizer in bf16 and
+    fp32, the distributed optimizer's fully_reshardable form) and ckptool's output of a real Megatron-LM
+    training save read quick, equal to the full path; the flat per-bucket dp_reshardable form takes the
+    full reader (its slots' placement is recomputed from the grad buffers)."""
+    import ckptool
+    from test_dist_optim import HAVE_MCORE, torchrun
+    ckptool.merge(megatron_dirs["mlm_mcore_gpt2_torch_tp2pp2"], tmp_path / "ours", format="torch_dist")
+    dirs = {"ours": (tmp_path / "ours", "megatron-core-dist (fully_reshardable)")}
+    if HAVE_MCORE:
+        torchrun(f"save {tmp_path}/plain --tp 2 --form plain --out {tmp_path}/plain.pt",
+                 f"save {tmp_path}/f32 --tp 2 --form plain --dtype fp32 --out {tmp_path}/f32.pt",
+                 f"save {tmp_path}/fr --tp 1 --form fully_reshardable --out {tmp_path}/fr.pt",
+                 f"save {tmp_path}/dpr --tp 2 --form dp_reshardable --out {tmp_path}/dpr.pt")
+        dirs.update(plain=(tmp_path / "plain", "megatron-core-dist (non-distributed)"),
+                    f32=(tmp_path / "f32", "megatron-core-dist (non-distributed)"),
+                    fr=(tmp_path / "fr", "megatron-core-dist (fully_reshardable)"),
+                    dpr=(tmp_path / "dpr", None))
+    for name, (d, kind) in dirs.items():
+        quick = quick_inspect.quick_open(d, {})
+        full_json = full_path(monkeypatch, "inspect", d, "--json")
+        assert json.loads(full_json)["optimizer"]["step"] > 0
+        if kind is None:
+            assert quick is None, name
+            continue
+        assert quick.optimizer.kind == kind, name
+        assert torch_free("inspect", d, "--json") == full_json, name
+        assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d), name
+    if HAVE_MCORE:  # fp32 training: the weights are the masters, no slot of their own
+        assert quick_inspect.quick_open(tmp_path / "f32", {}).optimizer.slot_names() == ["exp_avg", "exp_avg_sq"]
