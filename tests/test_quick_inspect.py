@@ -228,3 +228,69 @@ def test_quick_inspect_of_torch_dist_with_optimizer_state(megatron_dirs, tmp_pat
         assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d), name
     if HAVE_MCORE:  # fp32 training: the weights are the masters, no slot of their own
         assert quick_inspect.quick_open(tmp_path / "f32", {}).optimizer.slot_names() == ["exp_avg", "exp_avg_sq"]
+
+
+def test_quick_inspect_of_megatron_core_training_saves_with_three_groups_and_fp32(tmp_path, monkeypatch):
+    """megatron-core training saves in the torch format: --decoupled-lr with an lr_mult override (three
+    groups, tied by their traits), its PP 3 reshard by ckptool (a middle stage lists the decoupled group
+    empty), and fp32 training (no masters apart: kind megatron-fp32) read quick, equal to the full path."""
+    from test_dist import HAVE_MCORE
+    if not HAVE_MCORE:
+        pytest.skip("megatron-core is not installed (pip install megatron-core: test-only extra)")
+    import ckptool
+    from test_resume import torchrun
+    torchrun(2, f"train {tmp_path}/groups --tp 2 --steps 2 --more 0 --arch llama --decoupled-lr 3e-3 --lr-mult 0.5 "
+                f"--out {tmp_path}/groups.pt",
+             f"train {tmp_path}/f32 --tp 2 --steps 2 --more 0 --dtype fp32 --out {tmp_path}/f32.pt")
+    ckptool.reshard(tmp_path / "groups", tmp_path / "pp3", tp=1, pp=3)
+    for name, kind, groups in (("groups", "megatron", 3), ("pp3", "megatron", 3), ("f32", "megatron-fp32", 2)):
+        d = tmp_path / name
+        quick = quick_inspect.quick_open(d, {})
+        assert quick.optimizer.kind == kind and len(quick.optimizer.param_groups) == groups, name
+        assert torch_free("inspect", d, "--json") == full_path(monkeypatch, "inspect", d, "--json"), name
+        assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d), name
+    lr_mults = [g.hyper.get("lr_mult") for g in quick_inspect.quick_open(tmp_path / "groups", {}).optimizer.param_groups]
+    assert 0.5 in lr_mults
+
+
+def test_optimizer_state_the_quick_tie_cannot_decide_takes_the_full_path(megatron_dirs, tmp_path, monkeypatch):
+    """Rank files whose optimizer the full reader refuses or ties by other means (a group size off, a
+    moment of another shape, one rank never stepped, groups told apart by sizes alone) give no quick
+    answer; the full reader's message or description stands."""
+    import shutil
+    from ckptool.io.torchfile import load_torch_file, save_streaming
+    src = megatron_dirs["mlm_mcore_gpt2_torch_tp2pp2"]
+
+    def edited(name, edit):
+        d = tmp_path / name
+        shutil.copytree(src, d)
+        f = next(d.glob("*/mp_rank_01_001/model_optim_rng.pt"))
+        tree = load_torch_file(f)
+        edit(tree["optimizer"])
+        save_streaming(tree, f.with_suffix(".tmp"))
+        f.with_suffix(".tmp").replace(f)
+        assert quick_inspect.quick_open(d, {}) is None, name
+        return d
+
+    def moved_param(opt):  # the first decay parameter listed in the no-decay group
+        groups = opt["optimizer"]["param_groups"]
+        groups[1]["params"].insert(0, groups[0]["params"].pop(0))
+        opt["fp32_from_fp16_params"][1].insert(0, opt["fp32_from_fp16_params"][0].pop(0))
+
+    def other_shape(opt):
+        state = opt["optimizer"]["state"]
+        state[0]["exp_avg"] = state[1]["exp_avg"]
+
+    def never_stepped(opt):
+        opt["optimizer"]["state"] = {}
+
+    def sizes_alone(opt):  # an older era: no wd_mult, weight decay 0 in both groups
+        for g in opt["optimizer"]["param_groups"]:
+            g.pop("wd_mult")
+            g["weight_decay"] = 0.0
+
+    for name, edit in (("moved", moved_param), ("shape", other_shape), ("never", never_stepped)):
+        r = CliRunner().invoke(main, ["inspect", str(edited(name, edit))])
+        assert r.exit_code == 2 and "pass --no-optimizer" in r.output, (name, r.output)
+    d = edited("sizes", sizes_alone)
+    full_path(monkeypatch, "inspect", d)  # whatever the full reader makes of it, the quick path did not guess
