@@ -64,7 +64,8 @@ def test_full_path_when_the_quick_one_cannot_say(hf_dirs, tmp_path, monkeypatch)
     """Options, other formats and damaged files take the full reader, which behaves as before."""
     gpt2 = hf_dirs["gpt2"]
     assert quick_inspect.quick_open(gpt2, {"true_vocab_size": 1000}) is None
-    assert quick_inspect.quick_open(ROOT / "fixtures/real/mds_gpt2_pipe_tp2pp2_bf16_zero1/checkpoint", {}) is None
+    assert quick_inspect.quick_open(ROOT / "fixtures/real/mds_gpt2_pipe_tp2pp2_bf16_zero1/checkpoint",
+                                    {"weights": "model"}) is None
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text((gpt2 / "config.json").read_text())
@@ -294,3 +295,31 @@ def test_optimizer_state_the_quick_tie_cannot_decide_takes_the_full_path(megatro
         assert r.exit_code == 2 and "pass --no-optimizer" in r.output, (name, r.output)
     d = edited("sizes", sizes_alone)
     full_path(monkeypatch, "inspect", d)  # whatever the full reader makes of it, the quick path did not guess
+
+
+@pytest.mark.parametrize("era,untied", [("old", False), ("new", True)])
+def test_quick_inspect_of_megatron_deepspeed_pipeline_saves(tmp_path, monkeypatch, era, untied):
+    """Megatron-DeepSpeed pipeline saves: the real TP2 PP2 bf16 ZeRO-1 run (fp32 master weights from the
+    optimizer partitions, Adam state, groups) and synthetic layer files of both spec-index eras without
+    optimizer shards (16-bit model weights, untied head) read quick, equal to the full path; a save with
+    one model-parallel rank's optimizer shard gone is the full reader's to judge."""
+    import shutil
+    from test_deepspeed import _rand_gpt, _write_pipeline
+    real = real_checkpoint("mds_gpt2_pipe_tp2pp2_bf16_zero1") / "checkpoint"
+    t = _rand_gpt(h=8, heads=2, vocab=16, seed=7)
+    t["head"] = torch.randn(16, 8)
+    (tmp_path / "synthetic").mkdir()
+    _write_pipeline(tmp_path / "synthetic", t, era, untied, "grouped")
+    for d in (real, tmp_path / "synthetic"):
+        quick = quick_inspect.quick_open(d, {})
+        assert quick is not None, d
+        assert torch_free("inspect", d, "--json") == full_path(monkeypatch, "inspect", d, "--json"), d
+        assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d), d
+    quick = quick_inspect.quick_open(real, {})
+    assert quick.optimizer.kind == "deepspeed-zero1" and quick.optimizer.step == 3
+    assert "master weights (float32)" in quick.source.dialect
+    assert "model weights" in quick_inspect.quick_open(tmp_path / "synthetic", {}).source.dialect
+    shutil.copytree(real, tmp_path / "missing")
+    next((tmp_path / "missing").glob("*/bf16_zero_pp_rank_0_mp_rank_03_optim_states.pt")).unlink()
+    assert quick_inspect.quick_open(tmp_path / "missing", {}) is None
+    assert "model weights" in json.loads(full_path(monkeypatch, "inspect", tmp_path / "missing", "--json"))["dialect"]
