@@ -3,13 +3,16 @@
 The format table (formats/registry.py) names the format without torch (its looks_like functions of
 directory formats are torch-free) and gives that format's quick reader, if it has one:
   hf         config.json + safetensors headers (quick/hf.py)
-  megatron   the rank files' pickles read for structure, args -> config (quick/megatron.py)
-  torch_dist the DCP .metadata pickle and the common state's args (quick/dist.py)
-Each returns a real Checkpoint whose tensors are TensorMeta records (shape, dtype name, bytes), so
-inspect's describe() and text output are the same code on both paths, or None where only the full
-reader can say. Then, and for reading options (overrides, --true-vocab-size), other formats (DeepSpeed),
-files and anything damaged, the caller takes the full reader (api.open), which gives the answer, or
-the error, it always gave.
+  megatron   the rank files' pickles read for structure, args -> config, the non-distributed
+             optimizer's state (quick/megatron.py, quick/optim.py)
+  torch_dist the DCP .metadata pickle, the common state's args and model-space optimizer state
+             (quick/dist.py, quick/dist_optim.py)
+  deepspeed  Megatron-DeepSpeed pipeline saves: model states, ZeRO-1/2 shards, layer files (quick/deepspeed.py)
+Each returns a real Checkpoint whose tensors (and optimizer slots) are TensorMeta records (shape,
+dtype name, bytes), so inspect's describe() and text output are the same code on both paths, or None
+where only the full reader can say. Then, and for reading options (overrides, --true-vocab-size,
+--weights), other forms (docs/inspect-json.md lists them), files and anything damaged, the caller
+takes the full reader (api.open), which gives the answer, or the error, it always gave.
 """
 from __future__ import annotations
 

@@ -64,7 +64,8 @@ def test_full_path_when_the_quick_one_cannot_say(hf_dirs, tmp_path, monkeypatch)
     """Options, other formats and damaged files take the full reader, which behaves as before."""
     gpt2 = hf_dirs["gpt2"]
     assert quick_inspect.quick_open(gpt2, {"true_vocab_size": 1000}) is None
-    assert quick_inspect.quick_open(ROOT / "fixtures/real/mds_gpt2_pipe_tp2pp2_bf16_zero1/checkpoint", {}) is None
+    assert quick_inspect.quick_open(ROOT / "fixtures/real/mds_gpt2_pipe_tp2pp2_bf16_zero1/checkpoint",
+                                    {"weights": "model"}) is None
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text((gpt2 / "config.json").read_text())
@@ -96,7 +97,7 @@ def megatron_dirs(tmp_path_factory):
             "llama_legacy_norm": ROOT / "fixtures/llama_legacy_norm_tp2pp1/checkpoint"}
     for case in ("mlm_mcore_gpt2_torch_tp2pp2", "mlm_legacy_gpt2_torch_tp2pp2"):
         src = real_checkpoint(case) / "checkpoint"
-        dirs[case] = src  # holds optimizer state: the quick path hands it to the full reader
+        dirs[case] = src  # the real training save, with the (non-distributed) optimizer's state
         ckptool.reshard(src, root / case, tp=2, pp=2, optimizer=False)
         dirs[case + "_weights"] = root / case
     ckptool.reshard(dirs["gpt2_mcore"], root / "vpp", tp=1, pp=2, vpp=2, optimizer=False)
@@ -109,20 +110,20 @@ def megatron_dirs(tmp_path_factory):
 
 
 QUICK_MEGATRON = ["gpt2_mcore", "llama_legacy_norm", "mlm_mcore_gpt2_torch_tp2pp2_weights",
-                  "mlm_legacy_gpt2_torch_tp2pp2_weights", "gpt2_mcore_vpp", "dist_gpt2", "dist_llama"]
+                  "mlm_legacy_gpt2_torch_tp2pp2_weights", "gpt2_mcore_vpp", "dist_gpt2", "dist_llama",
+                  "mlm_mcore_gpt2_torch_tp2pp2", "mlm_legacy_gpt2_torch_tp2pp2"]
 
 
-@pytest.mark.parametrize("kind", QUICK_MEGATRON + ["mlm_mcore_gpt2_torch_tp2pp2", "mlm_legacy_gpt2_torch_tp2pp2"])
+@pytest.mark.parametrize("kind", QUICK_MEGATRON)
 def test_quick_megatron_inspect_equals_the_full_path_without_torch(megatron_dirs, monkeypatch, kind):
     d = megatron_dirs[kind]
-    if kind not in QUICK_MEGATRON:  # optimizer state: only the full reader describes it
-        assert quick_inspect.quick_open(d, {}) is None
-        return
     quick_json = torch_free("inspect", d, "--json")
     assert quick_json == full_path(monkeypatch, "inspect", d, "--json")
     assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d)
     quick = quick_inspect.quick_open(d, {})
     assert type(next(iter(quick.tensors.values()))).__name__ == "TensorMeta"
+    if kind.startswith("mlm_") and not kind.endswith("_weights"):  # the real runs' Adam state, read as shapes
+        assert quick.optimizer.step == 3 and quick.optimizer.slot_names() == ["master", "exp_avg", "exp_avg_sq"]
 
 
 def test_damaged_megatron_and_torch_dist_files_take_the_full_path(megatron_dirs, tmp_path):
@@ -196,3 +197,129 @@ def test_torchrun_launcher_finds_the_command_in_the_table():
     from ckptool.torchrun import split_argv
     assert split_argv(["--nproc-per-node", "2", "verify", "out", "--reference", "src"]) == (
         ["--nproc-per-node", "2"], ["verify", "out", "--reference", "src"])
+
+
+def test_quick_inspect_of_torch_dist_with_optimizer_state(megatron_dirs, tmp_path, monkeypatch):
+    """torch_dist saves with optimizer state: megatron-core's own (non-distributed optimizer in bf16 and
+    fp32, the distributed optimizer's fully_reshardable form) and ckptool's output of a real Megatron-LM
+    training save read quick, equal to the full path; the flat per-bucket dp_reshardable form takes the
+    full reader (its slots' placement is recomputed from the grad buffers)."""
+    import ckptool
+    from test_dist_optim import HAVE_MCORE, torchrun
+    ckptool.merge(megatron_dirs["mlm_mcore_gpt2_torch_tp2pp2"], tmp_path / "ours", format="torch_dist")
+    dirs = {"ours": (tmp_path / "ours", "megatron-core-dist (fully_reshardable)")}
+    if HAVE_MCORE:
+        torchrun(f"save {tmp_path}/plain --tp 2 --form plain --out {tmp_path}/plain.pt",
+                 f"save {tmp_path}/f32 --tp 2 --form plain --dtype fp32 --out {tmp_path}/f32.pt",
+                 f"save {tmp_path}/fr --tp 1 --form fully_reshardable --out {tmp_path}/fr.pt",
+                 f"save {tmp_path}/dpr --tp 2 --form dp_reshardable --out {tmp_path}/dpr.pt")
+        dirs.update(plain=(tmp_path / "plain", "megatron-core-dist (non-distributed)"),
+                    f32=(tmp_path / "f32", "megatron-core-dist (non-distributed)"),
+                    fr=(tmp_path / "fr", "megatron-core-dist (fully_reshardable)"),
+                    dpr=(tmp_path / "dpr", None))
+    for name, (d, kind) in dirs.items():
+        quick = quick_inspect.quick_open(d, {})
+        full_json = full_path(monkeypatch, "inspect", d, "--json")
+        assert json.loads(full_json)["optimizer"]["step"] > 0
+        if kind is None:
+            assert quick is None, name
+            continue
+        assert quick.optimizer.kind == kind, name
+        assert torch_free("inspect", d, "--json") == full_json, name
+        assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d), name
+    if HAVE_MCORE:  # fp32 training: the weights are the masters, no slot of their own
+        assert quick_inspect.quick_open(tmp_path / "f32", {}).optimizer.slot_names() == ["exp_avg", "exp_avg_sq"]
+
+
+def test_quick_inspect_of_megatron_core_training_saves_with_three_groups_and_fp32(tmp_path, monkeypatch):
+    """megatron-core training saves in the torch format: --decoupled-lr with an lr_mult override (three
+    groups, tied by their traits), its PP 3 reshard by ckptool (a middle stage lists the decoupled group
+    empty), and fp32 training (no masters apart: kind megatron-fp32) read quick, equal to the full path."""
+    from test_dist import HAVE_MCORE
+    if not HAVE_MCORE:
+        pytest.skip("megatron-core is not installed (pip install megatron-core: test-only extra)")
+    import ckptool
+    from test_resume import torchrun
+    torchrun(2, f"train {tmp_path}/groups --tp 2 --steps 2 --more 0 --arch llama --decoupled-lr 3e-3 --lr-mult 0.5 "
+                f"--out {tmp_path}/groups.pt",
+             f"train {tmp_path}/f32 --tp 2 --steps 2 --more 0 --dtype fp32 --out {tmp_path}/f32.pt")
+    ckptool.reshard(tmp_path / "groups", tmp_path / "pp3", tp=1, pp=3)
+    for name, kind, groups in (("groups", "megatron", 3), ("pp3", "megatron", 3), ("f32", "megatron-fp32", 2)):
+        d = tmp_path / name
+        quick = quick_inspect.quick_open(d, {})
+        assert quick.optimizer.kind == kind and len(quick.optimizer.param_groups) == groups, name
+        assert torch_free("inspect", d, "--json") == full_path(monkeypatch, "inspect", d, "--json"), name
+        assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d), name
+    lr_mults = [g.hyper.get("lr_mult") for g in quick_inspect.quick_open(tmp_path / "groups", {}).optimizer.param_groups]
+    assert 0.5 in lr_mults
+
+
+def test_optimizer_state_the_quick_tie_cannot_decide_takes_the_full_path(megatron_dirs, tmp_path, monkeypatch):
+    """Rank files whose optimizer the full reader refuses or ties by other means (a group size off, a
+    moment of another shape, one rank never stepped, groups told apart by sizes alone) give no quick
+    answer; the full reader's message or description stands."""
+    import shutil
+    from ckptool.io.torchfile import load_torch_file, save_streaming
+    src = megatron_dirs["mlm_mcore_gpt2_torch_tp2pp2"]
+
+    def edited(name, edit):
+        d = tmp_path / name
+        shutil.copytree(src, d)
+        f = next(d.glob("*/mp_rank_01_001/model_optim_rng.pt"))
+        tree = load_torch_file(f)
+        edit(tree["optimizer"])
+        save_streaming(tree, f.with_suffix(".tmp"))
+        f.with_suffix(".tmp").replace(f)
+        assert quick_inspect.quick_open(d, {}) is None, name
+        return d
+
+    def moved_param(opt):  # the first decay parameter listed in the no-decay group
+        groups = opt["optimizer"]["param_groups"]
+        groups[1]["params"].insert(0, groups[0]["params"].pop(0))
+        opt["fp32_from_fp16_params"][1].insert(0, opt["fp32_from_fp16_params"][0].pop(0))
+
+    def other_shape(opt):
+        state = opt["optimizer"]["state"]
+        state[0]["exp_avg"] = state[1]["exp_avg"]
+
+    def never_stepped(opt):
+        opt["optimizer"]["state"] = {}
+
+    def sizes_alone(opt):  # an older era: no wd_mult, weight decay 0 in both groups
+        for g in opt["optimizer"]["param_groups"]:
+            g.pop("wd_mult")
+            g["weight_decay"] = 0.0
+
+    for name, edit in (("moved", moved_param), ("shape", other_shape), ("never", never_stepped)):
+        r = CliRunner().invoke(main, ["inspect", str(edited(name, edit))])
+        assert r.exit_code == 2 and "pass --no-optimizer" in r.output, (name, r.output)
+    d = edited("sizes", sizes_alone)
+    full_path(monkeypatch, "inspect", d)  # whatever the full reader makes of it, the quick path did not guess
+
+
+@pytest.mark.parametrize("era,untied", [("old", False), ("new", True)])
+def test_quick_inspect_of_megatron_deepspeed_pipeline_saves(tmp_path, monkeypatch, era, untied):
+    """Megatron-DeepSpeed pipeline saves: the real TP2 PP2 bf16 ZeRO-1 run (fp32 master weights from the
+    optimizer partitions, Adam state, groups) and synthetic layer files of both spec-index eras without
+    optimizer shards (16-bit model weights, untied head) read quick, equal to the full path; a save with
+    one model-parallel rank's optimizer shard gone is the full reader's to judge."""
+    import shutil
+    from test_deepspeed import _rand_gpt, _write_pipeline
+    real = real_checkpoint("mds_gpt2_pipe_tp2pp2_bf16_zero1") / "checkpoint"
+    t = _rand_gpt(h=8, heads=2, vocab=16, seed=7)
+    t["head"] = torch.randn(16, 8)
+    (tmp_path / "synthetic").mkdir()
+    _write_pipeline(tmp_path / "synthetic", t, era, untied, "grouped")
+    for d in (real, tmp_path / "synthetic"):
+        quick = quick_inspect.quick_open(d, {})
+        assert quick is not None, d
+        assert torch_free("inspect", d, "--json") == full_path(monkeypatch, "inspect", d, "--json"), d
+        assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d), d
+    quick = quick_inspect.quick_open(real, {})
+    assert quick.optimizer.kind == "deepspeed-zero1" and quick.optimizer.step == 3
+    assert "master weights (float32)" in quick.source.dialect
+    assert "model weights" in quick_inspect.quick_open(tmp_path / "synthetic", {}).source.dialect
+    shutil.copytree(real, tmp_path / "missing")
+    next((tmp_path / "missing").glob("*/bf16_zero_pp_rank_0_mp_rank_03_optim_states.pt")).unlink()
+    assert quick_inspect.quick_open(tmp_path / "missing", {}) is None
+    assert "model weights" in json.loads(full_path(monkeypatch, "inspect", tmp_path / "missing", "--json"))["dialect"]

@@ -10,13 +10,14 @@ and transformer layers are numbered in index order. That covers both eras.
 from __future__ import annotations
 
 import re
-from typing import Dict, Iterable, List, Optional, Tuple
-
-import torch
+from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Tuple
 
 from ..config import GPTConfig
 from ..errors import CkptError
-from ..lazy import Derived, LazyTensor
+
+if TYPE_CHECKING:  # the name tables are torch-free: the quick inspect reads them (quick/deepspeed.py)
+    import torch
+    from ..lazy import LazyTensor
 
 # key inside a layer file -> role (roles.py)
 EMBED_KEYS = {"word_embeddings.weight": "word", "position_embeddings.weight": "pos"}
@@ -97,6 +98,7 @@ def first_layer_index(kinds) -> Optional[int]:
 
 def split_qkv_to_grouped(t: torch.Tensor, cfg: GPTConfig, tp: int) -> torch.Tensor:
     """One rank's [Q | K | V] blocks -> the grouped [ng, nq/ng + 2, hd] order roles.py expects."""
+    import torch
     nq, ng, hd = cfg.num_attention_heads // tp, max(1, cfg.num_query_groups // tp), cfg.head_dim
     rest = t.shape[1:]
     q, k, v = torch.split(t, [nq * hd, ng * hd, ng * hd], dim=0)
@@ -110,5 +112,6 @@ def regroup_qkv(parts: List[LazyTensor], cfg: GPTConfig, layout: str) -> List[La
         return parts
     if layout != "split":
         raise CkptError(f"unknown --qkv-layout {layout!r}", f"choose one of {', '.join(QKV_LAYOUTS)}")
+    from ..lazy import Derived
     tp = len(parts)
     return [Derived(lambda x: split_qkv_to_grouped(x, cfg, tp), [p]) for p in parts]

@@ -7,7 +7,7 @@ through SafeUnpickler. What may load:
     enums Megatron keeps in args such as signal.Signals, pathlib paths, ...);
   * torch.distributed.checkpoint metadata dataclasses (data only);
   * any class from a training framework's namespace (megatron.*, deepspeed.*, apex.*, ...), which
-    becomes an inert StandIn that keeps its constructor arguments and state and runs nothing.
+    becomes an inert StandIn (io/standin.py) that keeps its constructor arguments and state and runs nothing.
 Everything else (builtins.eval, os.system, subprocess.*, torch.load, ...) raises UnsafePickleError.
 The constructors pickle needs (copyreg._reconstructor/__newobj__, defaultdict, torch's
 _rebuild_from_type_v2, numpy arrays) are wrapped so that they accept only plain types: the stdlib
@@ -30,19 +30,12 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..errors import CkptError
+from .standin import FRAMEWORK_PACKAGES, StandIn, is_framework_module, standin_class  # noqa: F401 (torch-free home)
 
 
 class UnsafePickleError(CkptError):
     pass
 
-
-# Top-level packages whose classes become inert stand-ins (new enums appear with every release,
-# so no fixed list of names).
-FRAMEWORK_PACKAGES = (
-    "megatron", "deepspeed", "apex", "transformer_engine", "nemo", "mpu", "fp16", "model",
-    "modelopt", "megatron_bridge", "lightning", "pytorch_lightning", "fairscale", "torchtitan",
-    "__main__", "utils", "arguments",
-)
 
 _SAFE_GLOBALS = {
     ("collections", "OrderedDict"): collections.OrderedDict,
@@ -202,75 +195,6 @@ _DCP_MODULES = (
     "torch.distributed.checkpoint._extension",
     "torch.distributed.checkpoint._hf_utils",
 )
-
-
-class StandIn:
-    """Inert replacement for a class from a training framework: keeps its data, runs nothing."""
-
-    _ckptool_module = ""
-    _ckptool_name = ""
-
-    def __new__(cls, *args, **kwargs):
-        obj = object.__new__(cls)
-        obj.__dict__["_ckptool_args"] = args
-        obj.__dict__["_ckptool_state"] = None
-        return obj
-
-    def __init__(self, *args, **kwargs):
-        # reached only when the pickle called the class (REDUCE: enums, factories); objects pickled
-        # by protocol 2+ come back through cls.__new__ alone (NEWOBJ) and must be written that way,
-        # or unpickling calls e.g. DeepSpeed's DynamicLossScaler() without its required arguments
-        self.__dict__["_ckptool_called"] = True
-
-    def __setstate__(self, state):
-        self.__dict__["_ckptool_state"] = state
-        if isinstance(state, dict):
-            self.__dict__.update(state)
-        elif isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
-            self.__dict__.update(state[1])
-
-    def __reduce_ex__(self, protocol):
-        cls = type(self)
-        state = self.__dict__.get("_ckptool_state")
-        args = tuple(self.__dict__.get("_ckptool_args", ()))
-        if not self.__dict__.get("_ckptool_called") and protocol >= 2:
-            return (copyreg.__newobj__, (cls,) + args, state)
-        return (cls, args, state)
-
-    @property
-    def value(self):
-        """The first constructor argument: an enum member's value."""
-        args = self.__dict__.get("_ckptool_args", ())
-        return args[0] if args else None
-
-    def __repr__(self) -> str:
-        args = ", ".join(repr(a) for a in self.__dict__.get("_ckptool_args", ()))
-        return f"<{self._ckptool_module}.{self._ckptool_name}({args})>"
-
-    def __eq__(self, other):
-        return (isinstance(other, StandIn) and type(other) is type(self)
-                and other.__dict__.get("_ckptool_args") == self.__dict__.get("_ckptool_args"))
-
-    def __hash__(self):
-        return hash((self._ckptool_module, self._ckptool_name,
-                     repr(self.__dict__.get("_ckptool_args"))))
-
-
-_standin_classes: dict = {}
-
-
-def standin_class(module: str, name: str) -> type:
-    key = (module, name)
-    cls = _standin_classes.get(key)
-    if cls is None:
-        cls = type(name, (StandIn,), {"_ckptool_module": module, "_ckptool_name": name,
-                                      "__module__": module, "__qualname__": name})
-        _standin_classes[key] = cls
-    return cls
-
-
-def is_framework_module(module: str) -> bool:
-    return module.split(".", 1)[0] in FRAMEWORK_PACKAGES
 
 
 _PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}

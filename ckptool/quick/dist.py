@@ -1,13 +1,14 @@
 """megatron-core torch_dist checkpoints for inspect, without torch: the DCP index (.metadata, a
-pickle of torch.distributed.checkpoint's metadata dataclasses, read into inert Records by
+pickle of torch.distributed.checkpoint's metadata dataclasses, read into inert StandIns by
 quick/torch_pickle.py) gives every tensor's global shape and dtype, the common state (common.pt or
 the common_state byte entry) the run's args, and the args the config (megatron_args, as the full
 reader computes it); the canonical shapes follow from the config (quick/meta.py).
 
-Covered: dense GPT models with args and without optimizer state. None (the full reader answers) for
-optimizer tensors or an optimizer entry, bare saves without args, MoE/MLA, mixed dtypes, an unknown
-backend, or stored tensors whose element count differs from the model the args describe (tensors
-the full reader would refuse as not part of a GPT model).
+Covered: dense GPT models with args, without optimizer state or with it in a model-space form
+(quick/dist_optim.py). None (the full reader answers) for other optimizer forms (quick/dist_optim.py
+names them), bare saves without args, MoE/MLA, mixed dtypes, an unknown backend, or stored tensors
+whose element count differs from the model the args describe (tensors the full reader would refuse as
+not part of a GPT model).
 """
 from __future__ import annotations
 
@@ -21,15 +22,16 @@ from ..errors import CkptError
 from ..formats import megatron_args
 from ..formats.dist_files import COMMON_FILE, COMMON_KEY, CONFIG_FILE, DCP_METADATA, locate
 from ..state import Checkpoint, SourceInfo
+from .dist_optim import training_state
 from .meta import TensorMeta, canonical_shapes
-from .torch_pickle import NotQuick, Record, load_torch_zip, loads
+from ..io.standin import stands_for, state_of
+from .torch_pickle import NotQuick, load_torch_zip, loads
 
 WORD = "embedding.word_embeddings.weight"
 HEAD = "output_layer.weight"  # a tied model's synchronised copy of WORD, when stored
 # DCP entries that are not model weights: Transformer Engine extra state, RNG and rerun state, the
-# common state (dist.py SKIP says the same for the full reader); optimizer entries end the quick path.
-NOT_WEIGHTS = re.compile(r"(_extra_state|^rng_state|^common_state|rerun_state_machine)")
-OPTIMIZER = re.compile(r"(^|\.)optimizer\.")
+# common state, optimizer tensors (dist.py SKIP says the same for the full reader).
+NOT_WEIGHTS = re.compile(r"(_extra_state|^rng_state|^(chained_\d+\.)?optimizer\.|^common_state|rerun_state_machine)")
 STACKED = re.compile(r"^decoder\.layers\.([^0-9].*)$")
 PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -44,16 +46,18 @@ def read(path: Path, format_name: str) -> Optional[Checkpoint]:
     except (CkptError, NotQuick, OSError, ValueError):
         return None
     entries = getattr(meta, "state_dict_metadata", None)
-    if not _sound_index(meta, d) or not isinstance(common, dict) or "optimizer" in common:
+    if not _sound_index(meta, d) or not isinstance(common, dict):
         return None
-    if any(OPTIMIZER.search(k) for k in entries):
+    try:
+        return _checkpoint(path, format_name, d, entries, common, iteration, release)
+    except NotQuick:
         return None
-    return _checkpoint(path, format_name, d, entries, common, iteration, release)
 
 
 def _is(obj, name: str) -> bool:
     """obj is a record of torch.distributed.checkpoint's class `name`."""
-    return isinstance(obj, Record) and obj.name == name and obj.module.startswith("torch.distributed.checkpoint")
+    module, cls = stands_for(obj)
+    return cls == name and module.startswith("torch.distributed.checkpoint")
 
 
 def _index(value, dims: Optional[int] = None) -> bool:
@@ -126,7 +130,7 @@ def _tensor(entry) -> Optional[TensorMeta]:
     """A TensorStorageMetadata record as TensorMeta (its properties pickle as a state tuple, dtype first)."""
     props = getattr(entry, "properties", None)
     size = getattr(entry, "size", None)
-    state = getattr(props, "state", None) if isinstance(props, Record) else None
+    state = state_of(props)
     dtype = getattr(props, "dtype", None) or (state[0] if isinstance(state, tuple) and state else None)
     if not isinstance(size, tuple) or not isinstance(dtype, str):
         return None
@@ -178,7 +182,11 @@ def _checkpoint(path, format_name, d, entries, common, iteration, release) -> Op
                       layout=Layout(tp=tp, pp=pp), release=release,
                       iteration=iteration if iteration is not None else common.get("iteration"),
                       checkpoint_version=common.get("checkpoint_version"), args=args)
-    return Checkpoint(cfg, {n: TensorMeta(s, dtype) for n, s in shapes.items()}, info, [note] if note else [])
+    canonical = {n: TensorMeta(s, dtype) for n, s in shapes.items()}
+    stored_tensors = {k: _tensor(e) for k, e in entries.items() if _is(e, "TensorStorageMetadata")}
+    head = prefix + HEAD if cfg.tied_embeddings and prefix + HEAD in weights else None
+    optimizer = training_state(common, stored_tensors, weights, canonical, args, head)
+    return Checkpoint(cfg, canonical, info, [note] if note else [], optimizer)
 
 
 def _numel(shape) -> int:

@@ -1,13 +1,15 @@
 """Megatron torch-format checkpoints for inspect, without torch: the rank files' pickles read for
 structure (quick/torch_pickle.py), the config from the stored args as the full reader computes it
 (megatron_args.config_from_args), the dialect and layer layout from the keys (megatron_files.py,
-megatron_names.py), and the canonical tensors' shapes from the config (quick/meta.py).
+megatron_names.py), the canonical tensors' shapes from the config (quick/meta.py), and the
+non-distributed optimizer's state in the rank files as the training-state reader ties it (quick/optim.py).
 
-Covered: dense GPT models whose files store args and hold no optimizer state (converted, released
-and from-hf checkpoints; training saves with --no-save-optim). Anything else returns None and the
-full reader answers: optimizer state (its description needs the training-state reader), MoE/MLA,
-2019 files without args, mixed dtypes, keys outside the dialect, or files that disagree with one
-another or with their args (the full reader has the error message for each).
+Covered: dense GPT models whose files store args: converted, released and from-hf checkpoints, and
+training saves with or without the (non-distributed) optimizer's state. Anything else returns None
+and the full reader answers: the distributed optimizer (distrib_optim.pt, optim.pt), optimizer groups
+the quick tie cannot decide (quick/optim.py), MoE/MLA, 2019 files without args, mixed dtypes, keys
+outside the dialect, or files that disagree with one another or with their args (the full reader has
+the error message for each).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from ..formats.megatron_files import RANK_DIR, detect_dialect, flatten, list_ran
 from ..formats.megatron_names import KeyMatcher, is_ignorable
 from ..state import Checkpoint, SourceInfo
 from .meta import TensorMeta, canonical_shapes
+from .optim import Param, training_state
 from .torch_pickle import NotQuick, load_torch_zip
 
 VERSIONS = (0.0, 1.0, 2.0, 3.0)  # checkpoint_version values the full reader accepts
@@ -37,28 +40,24 @@ def read(path: Path, format_name: str) -> Optional[Checkpoint]:
         trees = {_coordinates(d): load_torch_zip(model_file(d)) for d in dirs}
     except (CkptError, NotQuick, OSError):
         return None
-    if any(not isinstance(t, dict) or _has_optimizer_state(t) or "model" not in t and not _chunk_keys(t)
-           for t in trees.values()):
+    if any(not isinstance(t, dict) or "model" not in t and not _chunk_keys(t) for t in trees.values()):
         return None
-    return _checkpoint(path, format_name, trees, iteration, release)
+    try:
+        return _checkpoint(path, format_name, trees, iteration, release)
+    except NotQuick:
+        return None
 
 
-def _has_optimizer_state(tree: dict) -> bool:
-    """Whether the full reader could find optimizer state here: anything but no entry or an optimizer
-    that never stepped (torch's state dict with an empty `state`, alone or under mixed precision's
-    wrapper), which it reads as none (megatron_optim.read_rank)."""
-    opt = tree.get("optimizer")
-    if opt is None:
-        return False
-    inner = opt.get("optimizer", opt) if isinstance(opt, dict) else None
-    return not (isinstance(inner, dict) and inner.get("state") == {} and isinstance(inner.get("param_groups"), list))
+PER_PROCESS_ARGS = ("rank", "local_rank")  # args each process of one run sets to its own value
 
 
 def _plain_args(args) -> Optional[dict]:
-    """The args' plain values (numbers, strings, flags): what the ranks of one run share exactly."""
+    """The args' plain values (numbers, strings, flags) but each process's own: what the ranks of one
+    run share exactly (stricter than the full reader's check of the layout fields)."""
     if args is None:
         return None
-    return {k: v for k, v in vars(args).items() if type(v) in (int, float, str, bool, type(None))}
+    return {k: v for k, v in vars(args).items()
+            if type(v) in (int, float, str, bool, type(None)) and k not in PER_PROCESS_ARGS}
 
 
 def _coordinates(d: Path) -> Tuple[int, int]:
@@ -123,13 +122,18 @@ def _checkpoint(path: Path, format_name: str, trees, iteration, release) -> Opti
     if shapes is None:
         return None
     dtype = dtypes.pop()
+    weights = {n: TensorMeta(s, dtype) for n, s in shapes.items()}
+    params = {rk: [Param(k, matcher.match(k)[0], v.shape) for c in sorted(chunks) for k, v in chunks[c].items()
+                   if isinstance(v, TensorMeta) and matcher.match(k) is not None]
+              for rk, chunks in models.items()}
+    optimizer = training_state(trees, params, args, weights)
     stages = [counts[(p, 0)] for p in range(pp)]
     layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None,
                     stage_layers=None if vpp > 1 or len(set(stages)) == 1 else stages)
     info = SourceInfo(path=str(path), format=format_name, dialect=dialect.name, layout=layout,
                       iteration=iteration if iteration is not None else first.get("iteration"), release=release,
                       checkpoint_version=None if dialect.qkv_version0_only else version, args=args)
-    return Checkpoint(cfg, {n: TensorMeta(s, dtype) for n, s in shapes.items()}, info, warnings)
+    return Checkpoint(cfg, weights, info, warnings, optimizer)
 
 
 def _same_across_tp(models, tp: int, pp: int) -> bool:

@@ -6,7 +6,8 @@ persistent ids ('storage', <dtype's storage class>, key, location, numel); the b
 zip entries this module never opens. The unpickler here resolves every torch global to an inert
 stand-in: a rebuild helper returns a TensorMeta (shape and dtype name), a dtype or storage class its
 name, torch.Size a tuple, and any other class (DCP's metadata dataclasses, a framework's enums, numpy
-arrays of RNG state) a Record that keeps the data it was built with and runs nothing. Only the plain
+arrays of RNG state) an inert StandIn (io/standin.py, the full path's own) that keeps the data it was
+built with and runs nothing. Only the plain
 Python types in SAFE are real; a global from any other module (os.system, builtins.eval, ...) raises
 NotQuick, and the caller leaves the file to the full reader, which refuses it as it always has.
 """
@@ -18,54 +19,43 @@ import io
 import pickle
 import struct
 import zipfile
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
-from .meta import STORAGE_DTYPES, TensorMeta
+from ..io.standin import FRAMEWORK_PACKAGES, StandIn, standin_class
+from .meta import ITEMSIZE, STORAGE_DTYPES, TensorMeta
 
 
 class NotQuick(Exception):
     """This file is not one the quick path can read with certainty: use the full reader."""
 
 
-class Record:
-    """An inert object of a class the pickle names: constructor arguments and state kept as data."""
-
-    module = ""
-    name = ""
-
-    def __new__(cls, *args, **kwargs):
-        obj = object.__new__(cls)
-        obj.__dict__["args"] = args
-        return obj
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __setstate__(self, state):
-        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):  # slots form
-            state = dict(state[0] or {}, **state[1])
-        if isinstance(state, dict):
-            self.__dict__.update(state)
-        else:
-            self.__dict__["state"] = state
-
-
-_records: dict = {}
-
-
-def record_class(module: str, name: str) -> type:
-    key = (module, name)
-    if key not in _records:
-        _records[key] = type(name, (Record,), {"module": module, "name": name})
-    return _records[key]
-
-
 class DtypeName(str):
     """A torch dtype in a pickle (torch.bfloat16): its name."""
 
 
+@dataclass(frozen=True)
+class Scalar(TensorMeta):
+    """A 0-d tensor (Adam's per-parameter `step`) and its value: the one kind of tensor whose bytes the
+    quick path reads (a few bytes of one small zip record), because inspect shows the step."""
+    value: Optional[float] = field(default=None, compare=False)
+
+
+# struct formats of the dtypes a scalar may be stored in
+SCALAR_FORMATS = {"float32": "<f", "float64": "<d", "float16": "<e", "int64": "<q", "int32": "<i", "int16": "<h",
+                  "int8": "<b", "uint8": "<B", "bool": "<?"}
+SCALAR_RECORD_LIMIT = 64  # bytes: a 0-d view into a larger storage is not read (its value stays None)
+
+
 def _rebuild_tensor(storage, storage_offset, size, *rest, **kwargs) -> TensorMeta:
-    return TensorMeta(tuple(int(d) for d in size), storage.dtype)
+    shape = tuple(int(d) for d in size)
+    if shape or storage.read is None or storage.dtype not in SCALAR_FORMATS:
+        return TensorMeta(shape, storage.dtype)
+    fmt, start = SCALAR_FORMATS[storage.dtype], int(storage_offset) * ITEMSIZE[storage.dtype]
+    data = storage.read(storage.key)
+    if data is None or start + struct.calcsize(fmt) > len(data):
+        return Scalar(shape, storage.dtype)
+    return Scalar(shape, storage.dtype, struct.unpack_from(fmt, data, start)[0])
 
 
 def _rebuild_parameter(data, *rest, **kwargs):
@@ -78,8 +68,8 @@ def _rebuild_from_type(func, new_type, args, state):
     return func(*args)
 
 
-def _reconstructor(cls, base, state):  # copyreg._reconstructor: only ever builds a Record here
-    if not (isinstance(cls, type) and issubclass(cls, (Record, collections.OrderedDict, argparse.Namespace))):
+def _reconstructor(cls, base, state):  # copyreg._reconstructor: only ever builds a StandIn here
+    if not (isinstance(cls, type) and issubclass(cls, (StandIn, collections.OrderedDict, argparse.Namespace))):
         raise NotQuick(f"copyreg._reconstructor of {cls!r}")
     return cls.__new__(cls)
 
@@ -100,18 +90,17 @@ SAFE = {
     ("copyreg", "_reconstructor"): _reconstructor, ("copy_reg", "_reconstructor"): _reconstructor,
     ("_codecs", "encode"): _encode,
 }
-# stdlib classes a Megatron args Namespace or DCP metadata holds; kept as Records (data only)
+# stdlib classes a Megatron args Namespace or DCP metadata holds; kept as StandIns (data only)
 RECORDED_STDLIB = {("types", "SimpleNamespace"), ("signal", "Signals"), ("pathlib", "PosixPath"),
                    ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("datetime", "datetime"),
                    ("datetime", "timedelta"), ("datetime", "date"), ("enum", "Enum"), ("io", "BytesIO")}
 TORCH_REBUILDS = {"_rebuild_tensor": _rebuild_tensor, "_rebuild_tensor_v2": _rebuild_tensor,
                   "_rebuild_tensor_v3": _rebuild_tensor, "_rebuild_parameter": _rebuild_parameter,
                   "_rebuild_parameter_with_state": _rebuild_parameter}
-# Top-level packages whose classes a checkpoint may name (enums in args, loss scalers, numpy RNG
-# state); io/safe_pickle.py turns the same into inert stand-ins on the full path.
-RECORDED_PACKAGES = ("torch", "numpy", "megatron", "deepspeed", "apex", "transformer_engine", "nemo", "mpu",
-                     "fp16", "model", "modelopt", "megatron_bridge", "lightning", "pytorch_lightning",
-                     "fairscale", "torchtitan", "__main__", "utils", "arguments")
+# Top-level packages whose classes a checkpoint may name: the frameworks' (enums in args, loss
+# scalers), which io/safe_pickle.py turns into the same stand-ins on the full path, and torch's and
+# numpy's own classes (DCP metadata, numpy RNG state), which it imports but this module must not.
+RECORDED_PACKAGES = ("torch", "numpy") + FRAMEWORK_PACKAGES
 
 
 class MetaUnpickler(pickle.Unpickler):
@@ -129,34 +118,36 @@ class MetaUnpickler(pickle.Unpickler):
                 raise NotQuick(f"storage class torch.{name}")
             return DtypeName(STORAGE_DTYPES[name])
         if module == "torch" and name == "device":
-            return record_class(module, name)
+            return standin_class(module, name)
         if module == "torch" and name[0].islower():
             return DtypeName(name)  # torch.bfloat16 and the like (a layout or memory format reads the same)
         if module.startswith("torch._utils") or module.startswith("torch._tensor"):
             raise NotQuick(f"{module}.{name}")  # sparse, quantized, ... tensors: the full reader's to judge
         if (module, name) in RECORDED_STDLIB or module.split(".", 1)[0] in RECORDED_PACKAGES:
-            return record_class(module, name)
+            return standin_class(module, name)
         raise NotQuick(f"{module}.{name} in a pickle")
 
     storage_keys: set
+    read_record: Optional[Callable[[str], Optional[bytes]]] = None
 
     def persistent_load(self, pid):
         if not (isinstance(pid, tuple) and len(pid) >= 3 and pid[0] == "storage" and isinstance(pid[1], DtypeName)):
             raise NotQuick(f"persistent id {pid!r:.60}")
         self.storage_keys.add(str(pid[2]))
-        return _Storage(str(pid[1]))
+        return _Storage(str(pid[1]), str(pid[2]), self.read_record)
 
 
 class _Storage:
-    def __init__(self, dtype: str):
-        self.dtype = dtype
+    def __init__(self, dtype: str, key: str = "", read=None):
+        self.dtype, self.key, self.read = dtype, key, read
 
 
-def loads(data: bytes, storage_keys: Optional[set] = None) -> Any:
+def loads(data: bytes, storage_keys: Optional[set] = None, read_record=None) -> Any:
     """The object a plain pickle holds (DCP's .metadata); storage_keys collects the tensor records a
-    torch.save pickle refers to."""
+    torch.save pickle refers to; read_record(key) gives a small record's bytes (for Scalar values)."""
     up = MetaUnpickler(io.BytesIO(data), encoding="utf-8")
     up.storage_keys = storage_keys if storage_keys is not None else set()
+    up.read_record = read_record
     try:
         return up.load()
     except NotQuick:
@@ -180,10 +171,17 @@ def load_torch_zip(source) -> Any:
             if f"{prefix}/byteorder" in records and z.read(f"{prefix}/byteorder") != b"little":
                 raise NotQuick("big-endian data")
             data = z.read(pkl[0])
+            keys: set = set()
+
+            def small_record(key: str) -> Optional[bytes]:
+                name = f"{prefix}/data/{key}"
+                if name not in records or z.getinfo(name).file_size > SCALAR_RECORD_LIMIT:
+                    return None
+                return z.read(name)
+
+            obj = loads(data, keys, small_record)
     except (zipfile.BadZipFile, OSError, KeyError, ValueError) as e:
         raise NotQuick(str(e)) from e
-    keys: set = set()
-    obj = loads(data, keys)
     if any(f"{prefix}/data/{k}" not in records for k in keys):
         raise NotQuick("a tensor's storage record is missing")
     return obj

@@ -1,0 +1,104 @@
+"""The inert stand-in for a class a checkpoint's pickle names but ckptool will not run, torch-free.
+
+Both unpicklers use it: io/safe_pickle.py (the full path) for classes of training frameworks
+(Megatron's enums, DeepSpeed's loss scalers, ...), and quick/torch_pickle.py (inspect without torch)
+for those and for torch's own classes it does not import (DCP's metadata dataclasses, torch.device).
+A StandIn keeps the constructor arguments and the state it was built with, runs nothing, and
+pickles back as the original class reference (safe_pickle.StandInPickler), so a Megatron loading
+ckptool's output sees its own enums again.
+"""
+from __future__ import annotations
+
+import copyreg
+from typing import Any, Tuple
+
+# Top-level packages whose classes become inert stand-ins (new enums appear with every release,
+# so no fixed list of names).
+FRAMEWORK_PACKAGES = (
+    "megatron", "deepspeed", "apex", "transformer_engine", "nemo", "mpu", "fp16", "model",
+    "modelopt", "megatron_bridge", "lightning", "pytorch_lightning", "fairscale", "torchtitan",
+    "__main__", "utils", "arguments",
+)
+
+
+class StandIn:
+    """Inert replacement for a class from a training framework: keeps its data, runs nothing."""
+
+    _ckptool_module = ""
+    _ckptool_name = ""
+
+    def __new__(cls, *args, **kwargs):
+        obj = object.__new__(cls)
+        obj.__dict__["_ckptool_args"] = args
+        obj.__dict__["_ckptool_state"] = None
+        return obj
+
+    def __init__(self, *args, **kwargs):
+        # reached only when the pickle called the class (REDUCE: enums, factories); objects pickled
+        # by protocol 2+ come back through cls.__new__ alone (NEWOBJ) and must be written that way,
+        # or unpickling calls e.g. DeepSpeed's DynamicLossScaler() without its required arguments
+        self.__dict__["_ckptool_called"] = True
+
+    def __setstate__(self, state):
+        self.__dict__["_ckptool_state"] = state
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        elif isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):  # (dict, slots)
+            self.__dict__.update(state[0] if isinstance(state[0], dict) else {}, **state[1])
+
+    def __reduce_ex__(self, protocol):
+        cls = type(self)
+        state = self.__dict__.get("_ckptool_state")
+        args = tuple(self.__dict__.get("_ckptool_args", ()))
+        if not self.__dict__.get("_ckptool_called") and protocol >= 2:
+            return (copyreg.__newobj__, (cls,) + args, state)
+        return (cls, args, state)
+
+    @property
+    def value(self):
+        """The first constructor argument: an enum member's value."""
+        args = self.__dict__.get("_ckptool_args", ())
+        return args[0] if args else None
+
+    def __repr__(self) -> str:
+        args = ", ".join(repr(a) for a in self.__dict__.get("_ckptool_args", ()))
+        return f"<{self._ckptool_module}.{self._ckptool_name}({args})>"
+
+    # Equal when built alike: the same arguments and state (a frozen dataclass of DCP's metadata, a
+    # MetadataIndex, is a dict key in its index and must stay as many keys as it was written with).
+    def __eq__(self, other):
+        return other is self or (isinstance(other, StandIn) and type(other) is type(self)
+                and other.__dict__.get("_ckptool_args") == self.__dict__.get("_ckptool_args")
+                and other.__dict__.get("_ckptool_state") == self.__dict__.get("_ckptool_state"))
+
+    def __hash__(self):  # the state is set before a pickle uses the object as a key (BUILD precedes SETITEMS)
+        return hash((self._ckptool_module, self._ckptool_name, repr(self.__dict__.get("_ckptool_args")),
+                     repr(self.__dict__.get("_ckptool_state"))))
+
+
+_standin_classes: dict = {}
+
+
+def standin_class(module: str, name: str) -> type:
+    """The one StandIn subclass for module.name (the same class object every time)."""
+    key = (module, name)
+    cls = _standin_classes.get(key)
+    if cls is None:
+        cls = type(name, (StandIn,), {"_ckptool_module": module, "_ckptool_name": name,
+                                      "__module__": module, "__qualname__": name})
+        _standin_classes[key] = cls
+    return cls
+
+
+def is_framework_module(module: str) -> bool:
+    return module.split(".", 1)[0] in FRAMEWORK_PACKAGES
+
+
+def stands_for(obj) -> Tuple[str, str]:
+    """(module, name) of the class a StandIn replaces; ("", "") for anything else."""
+    return (obj._ckptool_module, obj._ckptool_name) if isinstance(obj, StandIn) else ("", "")
+
+
+def state_of(obj) -> Any:
+    """The state a StandIn was given by the pickle (its __setstate__ argument), or None."""
+    return obj.__dict__.get("_ckptool_state") if isinstance(obj, StandIn) else None

@@ -1,0 +1,326 @@
+"""DeepSpeed saves of Megatron-DeepSpeed pipeline models for inspect, without torch.
+
+What the full reader (formats/deepspeed.py, deepspeed_zero.py, deepspeed_optim.py) shows by default
+for a GPTModelPipe save (mp_rank_XX_model_states.pt, layer_LL-model_TT-model_states.pt and the ZeRO-1/2
+or BF16_Optimizer shards [bf16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt) follows from the pickles'
+structure alone (quick/torch_pickle.py):
+  - the weights are the fp32 masters: each parameter of param_shapes (its engine name and shape) placed
+    in the flat fp32 partitions of single_partition_of_fp32_groups by param_slice_mappings (or back to
+    back in older files), every placement checked as the full reader checks it;
+  - pipe names <LL>.<key> / tied_modules.embed.<key> onto roles by formats/mds_pipeline.py's own
+    tables; the config from the stored args (megatron_args.config_from_args, with
+    universal_checkpoint_info), the canonical shapes from the config (quick/meta.py), every role the
+    config implies checked present;
+  - the optimizer: the Adam moments' flats checked against their partitions, the step (a 0-d tensor read
+    as a Scalar), each torch param group's canonical tensors by the group's weight-decay trait (every
+    parameter of its flats must have it: biases and 1-D norms in the group without weight decay), the
+    loss scaler's entries, the scheduler and the sample count.
+
+NotQuick (the full reader answers) for everything else: ZeRO-3, Megatron or Hugging Face names under
+`module`, frozen parameters, buffers or shared aliases, a missing optimizer shard, the 16-bit layer files
+as the only weights, elastic checkpoints, groups the trait does not tell apart, mixed dtypes, MoE.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from ..config import Layout
+from ..errors import CkptError
+from ..formats import megatron_args
+from ..formats import mds_pipeline as mds
+from ..formats.deepspeed_files import TagFiles, resolve_tag_dir, scan_tag_dir
+from ..state import Checkpoint, OptimizerState, ParamGroup, SourceInfo
+from .meta import TensorMeta, canonical_shapes
+from .torch_pickle import NotQuick, Scalar, load_torch_zip
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+SCALER_KEYS = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")  # deepspeed_optim's grad_scaler
+# a canonical tensor's part (state.py names, `layers.N.<scope>.<part>.<kind>`) -> the Megatron-DeepSpeed
+# role (mds_pipeline tables) that holds it: what the config implies must be stored
+ROLE_OF_PART = {"attn_norm": "attn_norm", "mlp_norm": "mlp_norm", "q": "qkv", "k": "qkv", "v": "qkv",
+                "out": "proj", "gate": "fc1", "up": "fc1", "down": "fc2"}
+ROLE_OF_GLOBAL = {"embed.word": "word", "embed.pos": "pos", "final_norm.weight": "final_norm.weight",
+                  "final_norm.bias": "final_norm.bias", "output.weight": "output"}
+
+
+@dataclass
+class _Rank:
+    meta: dict
+    osds: Dict[int, dict]
+    shapes: List["OrderedDict[str, tuple]"]
+    master: Dict[str, TensorMeta]
+    stage: Optional[int]  # None: no optimizer shards
+    kind: str  # "zero" | "bf16_optimizer" | "none"
+
+
+def read(path: Path, format_name: str) -> Optional[Checkpoint]:
+    try:
+        return _checkpoint(path, format_name)
+    except (NotQuick, CkptError, OSError, LookupError, ValueError, TypeError, AttributeError):
+        return None  # the full reader gives the answer, or its error
+
+
+def _checkpoint(path: Path, format_name: str) -> Checkpoint:
+    tf = scan_tag_dir(resolve_tag_dir(Path(path)))
+    if tf.zero_model or not tf.model or not tf.layers:
+        raise NotQuick("not a ZeRO-1/2 pipeline save")
+    mps = sorted(tf.model)
+    tp = max(t for _, t in tf.layers) + 1
+    if mps != list(range(len(mps))) or len(mps) % tp:
+        raise NotQuick("model-parallel ranks")
+    pp = len(mps) // tp
+    ranks = {mp: _rank(tf, mp) for mp in mps}
+    r0 = ranks[0]
+    if all(r.osds for r in ranks.values()):
+        weights = "master"  # the full reader's default where every rank has its shards
+        entries, copies = _pipe_entries(ranks, tp)
+    elif not any(r.osds for r in ranks.values()):
+        weights = "model"
+        entries, copies = _layer_entries(tf, tp), {}
+    else:
+        raise NotQuick("optimizer shards for some model-parallel ranks only")
+    keys_by_idx: Dict[Optional[int], set] = defaultdict(set)
+    for idx, key in entries:
+        keys_by_idx[idx].add(key)
+    kinds = mds.classify(keys_by_idx)
+    numbers = mds.layer_numbers(kinds)
+    shards: Dict[Tuple[str, Optional[int]], List[TensorMeta]] = {}
+    for (idx, key), parts in entries.items():
+        copy = copies.get((idx, key))
+        if any(p is None for p in parts) or len({p.shape for p in parts}) != 1 or \
+                (copy is not None and any(c is not None and c.shape != p.shape for c, p in zip(copy, parts))):
+            raise NotQuick(f"{key} of layer {idx} differs across TP ranks or copies")
+        kind = kinds[idx]
+        shards[(mds.role_of(kind, key), numbers[idx] if kind == "layer" else None)] = parts
+    word = shards.get(("word", None))
+    args = r0.meta.get("args")
+    if word is None or args is None:
+        raise NotQuick("no word embeddings or no args")
+    cfg = megatron_args.config_from_args(args, sum(p.shape[0] for p in word),
+                                         {"universal_checkpoint_info": r0.meta.get("universal_checkpoint_info")})
+    shapes = canonical_shapes(cfg)
+    dtypes = {p.dtype for parts in shards.values() for p in parts}
+    if cfg.num_layers != len(numbers) or shapes is None or len(dtypes) != 1 or set(shards) != _roles(shapes):
+        raise NotQuick("the files do not hold the model the args describe")
+    dtype = dtypes.pop()
+    tensors = {n: TensorMeta(s, dtype) for n, s in shapes.items()}
+    counts = [len({mds.split_pipe_name(n)[0] for g in ranks[s * tp].shapes for n in g
+                   if (mds.split_pipe_name(n) or (None,))[0] in numbers}) for s in range(pp)]
+    layout = Layout(tp=tp, pp=pp, stage_layers=None if len(set(counts)) <= 1 or sum(counts) != cfg.num_layers
+                    else counts)
+    layout.dp = max(1, len(r0.osds))
+    stage = "BF16_Optimizer" if r0.kind == "bf16_optimizer" else f"zero-{r0.stage}" if r0.stage else "no ZeRO"
+    dialect = (f"mds-pipeline (transformer layers from spec index {mds.first_layer_index(kinds)}, qkv grouped), "
+               f"{stage}, {weights} weights ({dtype})")
+    info = SourceInfo(path=str(path), format=format_name, dialect=dialect, layout=layout,
+                      iteration=r0.meta.get("iteration", r0.meta.get("global_steps")),
+                      checkpoint_version=r0.meta.get("checkpoint_version"), args=args)
+    return Checkpoint(cfg, tensors, info, [], _optimizer(ranks, tensors) if weights == "master" else None)
+
+
+def _roles(shapes: Dict[str, tuple]) -> set:
+    """(role, layer) of every tensor the canonical names imply."""
+    out = set()
+    for name in shapes:
+        if name in ROLE_OF_GLOBAL:
+            out.add((ROLE_OF_GLOBAL[name], None))
+            continue
+        _, layer, *_, part, kind = name.split(".")
+        if part not in ROLE_OF_PART:
+            raise NotQuick(f"{name} has no Megatron-DeepSpeed role")
+        out.add((f"{ROLE_OF_PART[part]}.{kind}", int(layer)))
+    return out
+
+
+def _pipe_entries(ranks: Dict[int, _Rank], tp: int):
+    """(spec index, key) -> [master per TP rank], and the later stages' copies (the tied embedding)."""
+    entries: Dict[tuple, list] = defaultdict(lambda: [None] * tp)
+    copies: Dict[tuple, list] = defaultdict(lambda: [None] * tp)
+    for mp, r in sorted(ranks.items()):
+        t = mp % tp
+        for name, v in r.master.items():
+            hit = mds.split_pipe_name(name)
+            if hit is None:
+                raise NotQuick(f"parameter {name} is not a pipe name")
+            target = entries if entries[hit][t] is None else copies
+            target[hit][t] = v
+    return dict(entries), dict(copies)
+
+
+def _layer_entries(tf: TagFiles, tp: int) -> Dict[tuple, list]:
+    """(spec index, key) -> [16-bit weight per TP rank] from the layer files (no optimizer shards)."""
+    entries: Dict[tuple, list] = defaultdict(lambda: [None] * tp)
+    for (idx, t), p in sorted(tf.layers.items()):
+        tree = load_torch_zip(p)
+        if not isinstance(tree, dict):
+            raise NotQuick(f"{p.name}: not a layer state dict")
+        for key, v in tree.items():
+            if isinstance(v, TensorMeta):
+                entries[(idx, key)][t] = v
+    return dict(entries)
+
+
+def _rank(tf: TagFiles, mp: int) -> _Rank:
+    meta = load_torch_zip(tf.model[mp])
+    if not isinstance(meta, dict) or "module" not in meta:
+        raise NotQuick("no module entry")
+    if meta.get("module") or meta.get("frozen_param_shapes") or meta.get("buffer_names") or meta.get("shared_params"):
+        raise NotQuick("module weights, frozen parameters, buffers or aliases")
+    paths = {d: p for (d, m), p in tf.optim.items() if m == mp}
+    if not paths:  # the layer files' 16-bit weights are the only ones
+        return _Rank(meta, {}, _param_shapes(meta), {}, None, "none")
+    osds = {}
+    for d, p in sorted(paths.items()):
+        tree = load_torch_zip(p)
+        osds[d] = tree.get("optimizer_state_dict") if isinstance(tree, dict) else None
+        if not isinstance(osds[d], dict):
+            raise NotQuick("no optimizer_state_dict")
+    first = osds[min(osds)]
+    count = first.get("partition_count")
+    count = max((c for c in count if type(c) is int), default=0) if isinstance(count, (list, tuple)) else count
+    if set(range(max(max(osds) + 1, count if type(count) is int else 0))) != set(osds):
+        raise NotQuick("an optimizer shard is missing")
+    z = first.get("zero_stage")
+    stage = None if z is None else int(getattr(z, "value", z))
+    if stage == 3 or "fp32_flat_groups" in first:
+        raise NotQuick("ZeRO-3")
+    shapes = _param_shapes(meta)
+    groups = [osds[d].get("single_partition_of_fp32_groups") for d in sorted(osds)]
+    if any(not isinstance(g, list) or len(g) != len(shapes) for g in groups):
+        raise NotQuick("param_shapes does not describe the fp32 partitions")
+    mappings = [osds[d].get("param_slice_mappings") for d in sorted(osds)]
+    master = _place(groups, mappings, shapes, check_tail=True)
+    return _Rank(meta, osds, shapes, master, stage or 1, "zero" if stage is not None else "bf16_optimizer")
+
+
+def _param_shapes(meta) -> List["OrderedDict[str, tuple]"]:
+    ps = meta.get("param_shapes")
+    if ps is None:
+        return []
+    ps = [ps] if isinstance(ps, dict) else ps
+    return [OrderedDict((k, tuple(int(x) for x in v)) for k, v in g.items()) for g in ps]
+
+
+def _place(groups: List[list], mappings: List[Optional[list]], shapes, check_tail: bool) -> Dict[str, TensorMeta]:
+    """deepspeed_zero._zero12_params on shapes: each parameter's fragments in the per-rank, per-group flat
+    partitions (groups[rank][group]), checked to hold exactly its elements; its dtype the partitions'."""
+    out: Dict[str, TensorMeta] = {}
+    for g, names in enumerate(shapes):
+        parts = [grp[g] for grp in groups]
+        if any(not isinstance(p, TensorMeta) or len(p.shape) != 1 for p in parts) or len({p.dtype for p in parts}) != 1:
+            raise NotQuick("flat partitions of several dtypes")
+        dtype = parts[0].dtype
+        if all(m is not None for m in mappings):
+            for name, shape in names.items():
+                got = 0
+                for r, m in enumerate(mappings):
+                    frag = m[g].get(name)
+                    numel = int(frag.numel) if frag is not None else 0
+                    if numel:
+                        if not 0 <= int(frag.start) <= int(frag.start) + numel <= parts[r].shape[0]:
+                            raise NotQuick(f"a fragment of {name} outside its partition")
+                        got += numel
+                if got != math.prod(shape):
+                    raise NotQuick(f"the partitions hold {got} elements of {name}")
+                out[name] = TensorMeta(shape, dtype)
+            continue
+        offset, total = 0, sum(p.shape[0] for p in parts)
+        for name, shape in names.items():
+            offset += math.prod(shape)
+            out[name] = TensorMeta(shape, dtype)
+        if offset > total or (check_tail and total - offset >= 2 * len(parts)):
+            raise NotQuick("param_shapes does not describe the partitions")
+    return out
+
+
+def _base(osd: dict) -> dict:
+    base = osd.get("base_optimizer_state")
+    if isinstance(base, list) or osd.get("elastic_checkpoint"):
+        raise NotQuick("an elastic checkpoint")  # the full reader refuses its moments when they are read
+    return base if isinstance(base, dict) else {}
+
+
+def _optimizer(ranks: Dict[int, _Rank], tensors: Dict[str, TensorMeta]) -> Optional[OptimizerState]:
+    if not all(_base(r.osds[0]).get("state") for r in ranks.values()):
+        return None  # never stepped: the weights only
+    r0 = ranks[0]
+    dtypes: Dict[str, set] = {"master": {t.dtype for r in ranks.values() for t in r.master.values()}}
+    for key in MOMENTS:
+        dtypes[key] = set()
+        for r in ranks.values():
+            flats = [_moment_flats(r.osds[d], key) for d in sorted(r.osds)]
+            mappings = [r.osds[d].get("param_slice_mappings") for d in sorted(r.osds)]
+            dtypes[key] |= {t.dtype for t in _place(flats, mappings, r.shapes, check_tail=False).values()}
+    if any(len(d) != 1 for d in dtypes.values()):
+        raise NotQuick("a slot of several dtypes")
+    slot_dtype = {s: next(iter(d)) for s, d in dtypes.items()}
+    slots = {s: {n: TensorMeta(t.shape, slot_dtype[s]) for n, t in tensors.items()} for s in ("master",) + MOMENTS}
+    osd0 = r0.osds[0]
+    scaler = {k: osd0[k] for k in SCALER_KEYS if k in osd0}
+    return OptimizerState(kind="deepspeed-bf16" if r0.kind == "bf16_optimizer" else f"deepspeed-zero{r0.stage}",
+                          slots=slots, step=_step(r0), param_groups=_groups(ranks, tensors),
+                          grad_scaler=scaler or None, scheduler=r0.meta.get("lr_scheduler"),
+                          consumed_samples=r0.meta.get("global_samples"))
+
+
+def _moment_flats(osd: dict, key: str) -> List[TensorMeta]:
+    """One DP rank's `key` flats, checked against its fp32 partitions (deepspeed_zero._moment_flats)."""
+    state = _base(osd).get("state")
+    masters, paddings = osd["single_partition_of_fp32_groups"], osd.get("group_paddings")
+    if not isinstance(state, dict):
+        raise NotQuick("no torch optimizer state")
+    out = []
+    for g, master in enumerate(masters):
+        t = (state.get(g) or {}).get(key)
+        pad = int(paddings[g]) if paddings and g < len(paddings) else 0
+        if not isinstance(t, TensorMeta) or len(t.shape) != 1 or t.shape[0] not in (master.shape[0], master.shape[0] + pad):
+            raise NotQuick(f"group {g} {key} does not fit its partition")
+        out.append(TensorMeta(master.shape, t.dtype))
+    return out
+
+
+def _step(r0: _Rank) -> Optional[int]:
+    state = _base(r0.osds[0]).get("state")
+    first = state.get(0) if isinstance(state, dict) else None
+    step = first.get("step") if isinstance(first, dict) else None
+    if isinstance(step, Scalar):
+        if step.value is None:
+            raise NotQuick("a step whose value is not in the pickle")
+        step = step.value
+    elif isinstance(step, TensorMeta):
+        raise NotQuick("a step tensor that is not a scalar")
+    return int(step) if type(step) in (int, float) else None
+
+
+def _no_decay(hyper: dict) -> bool:
+    return hyper["wd_mult"] == 0 if "wd_mult" in hyper else hyper.get("weight_decay") == 0
+
+
+def _groups(ranks: Dict[int, _Rank], tensors: Dict[str, TensorMeta]) -> List[ParamGroup]:
+    """Each torch param group with the canonical tensors its flats feed. The full reader traces every
+    flat through the name mapping; here a group's tensors are those with its weight-decay trait, which
+    holds where every parameter of every group's flats has its group's trait and the groups' traits
+    differ (a fused QKV weight is 2-D like q, k and v; a bias stays a bias)."""
+    r0 = ranks[0]
+    flats = len(r0.shapes)
+    stored = [g for g in _base(r0.osds[0]).get("param_groups") or [] if isinstance(g, dict)]
+    if not stored:
+        raise NotQuick("param groups without hyperparameters")
+    listed = [f for g in stored for f in g.get("params", [])]
+    if sorted(listed) != list(range(flats)):
+        raise NotQuick("the param groups do not step the flats param_shapes describes")
+    traits = [_no_decay(g) for g in stored]
+    if len(set(t for t, g in zip(traits, stored) if g.get("params"))) != sum(1 for g in stored if g.get("params")):
+        raise NotQuick("groups the weight-decay trait does not tell apart")
+    for trait, g in zip(traits, stored):
+        for f in g.get("params", []):
+            for r in ranks.values():
+                if any((n.endswith("bias") or len(s) == 1) != trait for n, s in r.shapes[f].items()):
+                    raise NotQuick("a parameter outside its group's trait")
+    return [ParamGroup([n for n, t in tensors.items() if g.get("params") and (n.endswith("bias") or len(t.shape) == 1) == trait],
+                       {k: v for k, v in g.items() if k != "params"}) for trait, g in zip(traits, stored)]
+

@@ -1,0 +1,107 @@
+"""megatron-core's optimizer state in a torch_dist checkpoint as inspect shows it, without torch.
+
+The model-space forms (formats/dist_optim.py: the non-distributed optimizer's, and the distributed
+optimizer's fully_reshardable) keep one DCP tensor per parameter and slot under
+`optimizer.state.<stored slot>.<model key>`, with the weight's global shape: the DCP index gives every
+slot's shapes and dtypes, the common state the param groups, the step (`state.common_step` or each
+group's `step`, a plain number or a 0-d tensor read as a Scalar), the grad scaler and the scheduler.
+Groups are tied by Megatron's default rule, as the full reader ties them (one group, or one with and
+one without weight decay).
+
+NotQuick (the full reader answers, with its warning or error) for chained optimizers, optimizer
+tensors without an optimizer entry, the flat per-bucket forms (dp_reshardable, the default since
+megatron-core 0.15, and dp_zero_gather_scatter: where each parameter sits is recomputed from the
+grad-buffer layout), the N-D flattened fully_sharded_model_space, other groups, and any slot that
+does not cover exactly the model's weights with their shapes in one dtype.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+from ..state import OptimizerState, ParamGroup
+from .meta import TensorMeta
+from .torch_pickle import NotQuick, Scalar
+
+PREFIX = "optimizer.state."
+NON_DISTRIBUTED = "non-distributed"
+# param_state_sharding_type -> stored slot name of each canonical slot (the model-space forms read here;
+# formats/dist_optim.STORED_SLOTS has them all)
+STORED_SLOTS = {
+    NON_DISTRIBUTED: {"master": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},
+    "fully_reshardable": {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},
+}
+NO_WEIGHT_DECAY_KEYS = ("wd_mult", "weight_decay")
+
+
+def training_state(common: dict, stored: Dict[str, TensorMeta], model_keys: Dict[str, TensorMeta],
+                   weights: Dict[str, TensorMeta], args, tied_head: Optional[str]) -> Optional[OptimizerState]:
+    """stored: every DCP tensor entry (key -> TensorMeta); model_keys: the weights' DCP keys; weights:
+    the canonical tensors; tied_head: the DCP key of a tied model's output-layer copy (not a slot of its
+    own). None where the checkpoint holds no optimizer state."""
+    opt = common.get("optimizer")
+    if not isinstance(opt, dict):
+        if any(k.startswith(PREFIX) or ".optimizer." in k for k in stored):
+            raise NotQuick("optimizer tensors without an optimizer entry")  # the full reader's warning
+        return None
+    if any(isinstance(k, int) for k in opt):
+        raise NotQuick("a chained optimizer")
+    form = opt.get("param_state_sharding_type") or NON_DISTRIBUTED
+    if form not in STORED_SLOTS:
+        raise NotQuick(f"the {form} form")
+    want = {k: t for k, t in model_keys.items() if k != tied_head}
+    slots = {}
+    for slot, name in STORED_SLOTS[form].items():
+        prefix = f"{PREFIX}{name}."
+        have = {k[len(prefix):]: t for k, t in stored.items() if k.startswith(prefix)}
+        have.pop(tied_head, None)
+        if not have:
+            continue  # fp32 non-distributed training keeps no masters apart
+        if have.keys() != want.keys() or any(t.shape != want[k].shape for k, t in have.items()):
+            raise NotQuick(f"{name} does not cover the model's weights")
+        dtypes = {t.dtype for t in have.values()}
+        if len(dtypes) != 1:
+            raise NotQuick(f"{name} in several dtypes")
+        dtype = dtypes.pop()
+        slots[slot] = {n: TensorMeta(w.shape, dtype) for n, w in weights.items()}
+    if "exp_avg" not in slots or "exp_avg_sq" not in slots:
+        raise NotQuick("no Adam moments")
+    step, hypers = _scalars(opt)
+    return OptimizerState(kind=f"megatron-core-dist ({form})", slots=slots, step=step,
+                          param_groups=_tie_groups(hypers, weights), grad_scaler=opt.get("grad_scaler"),
+                          scheduler=common.get("opt_param_scheduler"),
+                          consumed_samples=getattr(args, "consumed_train_samples", None))
+
+
+def _number(v) -> Optional[float]:
+    if isinstance(v, Scalar):
+        if v.value is None:
+            raise NotQuick("a step whose value is not in the pickle")
+        return float(v.value)
+    if isinstance(v, TensorMeta):
+        raise NotQuick("a step tensor that is not a scalar")
+    return float(v) if type(v) in (int, float) else None
+
+
+def _scalars(opt: dict):
+    """(step, group hyperparameters without 'params'/'step'), as dist_optim.read_scalars finds them."""
+    torch_state = opt["optimizer"] if isinstance(opt.get("optimizer"), dict) else opt
+    groups, state = torch_state.get("param_groups"), torch_state.get("state")
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise NotQuick("no param_groups")
+    steps = {_number(state["common_step"])} if isinstance(state, dict) and "common_step" in state else set()
+    steps |= {_number(g["step"]) for g in groups if g.get("step") is not None}
+    steps.discard(None)
+    if len(steps) != 1:
+        raise NotQuick("no step count, or several")
+    return int(steps.pop()), [{k: v for k, v in g.items() if k not in ("params", "step")} for g in groups]
+
+
+def _tie_groups(hypers, weights: Dict[str, TensorMeta]):
+    """dist_optim.tie_groups: one group, or one with and one without weight decay (biases and 1-D)."""
+    if len(hypers) == 1:
+        return [ParamGroup(list(weights), dict(hypers[0]))]
+    zero = [any(h.get(k) == 0 for k in NO_WEIGHT_DECAY_KEYS) for h in hypers]
+    if len(hypers) != 2 or sum(zero) != 1:
+        raise NotQuick("groups other than Megatron's default pair")
+    return [ParamGroup([n for n, w in weights.items() if (n.endswith("bias") or len(w.shape) == 1) == z], dict(h))
+            for h, z in zip(hypers, zero)]

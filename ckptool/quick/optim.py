@@ -1,0 +1,212 @@
+"""Megatron's non-distributed optimizer state (each rank file's `optimizer` entry) as inspect shows it,
+without torch: kind, step, slots and their dtypes, bytes, and the canonical param groups with the
+number of canonical tensors each holds.
+
+The full reader (formats/megatron_optim.py, megatron_training.py) ties every stored slot to its
+parameter and merges the slots like the weights; inspect only shows what that tie implies, so here
+the same decisions are taken on the pickle's shapes alone (quick/torch_pickle.py: moments and fp32
+masters are TensorMeta records; Adam's 0-d `step` tensors are read as Scalars):
+
+- each rank's parameters (its model keys in file order) join the one non-empty stored group whose
+  traits (no weight decay: a bias or 1-D; --decoupled-lr: word embedding / output layer) are theirs,
+  or the single group that holds them all, and the group sizes must come out as stored;
+- every slot tensor (exp_avg, exp_avg_sq, fp32 master) has its parameter's shape, every parameter
+  its state entry, and all parameters of all ranks the same step;
+- stored groups merge into canonical groups by megatron_optim.GROUP_IDENTITY, copies agreeing on lr
+  and weight_decay; a canonical group's tensors are the canonical tensors with its traits (a
+  parameter and its canonical parts have the same traits: a fused QKV weight is 2-D as q, k and v
+  are, a bias stays a bias).
+
+Anything this cannot decide the way the full reader does (groups told apart by sizes alone, lr_mult
+groups, chained optimizers, mixed slot dtypes, the distributed optimizer) raises NotQuick and the
+full reader answers. The trait rules are megatron_optim.GROUP_TRAITS restated without torch: the
+tests compare both paths' output on real Megatron-LM saves.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from ..state import OPTIMIZER_SLOTS, OptimizerState, ParamGroup
+from .meta import TensorMeta
+from .torch_pickle import NotQuick, Scalar
+
+# where each era keeps the torch state, the fp32 masters and the loss scaler (megatron_optim.MIXED_FORMS)
+MIXED_FORMS = (("optimizer", "fp32_from_fp16_params", "grad_scaler"),
+               ("optimizer_state_dict", "fp32_from_fp16", "loss_scaler"))
+MOMENTS = ("exp_avg", "exp_avg_sq")
+GROUP_IDENTITY = ("wd_mult", "lr_mult", "is_decoupled_lr", "max_lr", "min_lr", "default_config")
+DECOUPLED_ROLES = frozenset({"word", "output", "head_copy"})  # parameters --decoupled-lr applies to
+DECOUPLED_NAMES = frozenset({"embed.word", "output.weight"})  # their canonical tensors
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter of one rank file, in the order Megatron built its optimizer groups."""
+    key: str
+    role: str
+    shape: Tuple[int, ...]
+
+
+@dataclass
+class _Rank:
+    group_of: List[int]
+    hypers: List[dict]
+    step: Optional[int]
+    scaler: object
+    dtypes: Dict[str, set]
+    single_group: bool
+
+
+def _param_traits(p: Param, decoupled_lr) -> Tuple[bool, bool]:
+    return (p.key.endswith("bias") or len(p.shape) == 1, decoupled_lr is not None and p.role in DECOUPLED_ROLES)
+
+
+def _name_traits(name: str, shape, decoupled_lr) -> Tuple[bool, bool]:
+    return (name.endswith(".bias") or len(shape) == 1, decoupled_lr is not None and name in DECOUPLED_NAMES)
+
+
+def _group_traits(h: dict, decoupled_lr) -> Tuple[bool, bool]:
+    no_wd = h["wd_mult"] == 0 if "wd_mult" in h else h.get("weight_decay") == 0
+    decoupled = bool(h.get("is_decoupled_lr")) or (
+        decoupled_lr is not None and h.get("max_lr") == decoupled_lr and h.get("default_config") is False)
+    return no_wd, decoupled
+
+
+def training_state(trees: Dict[tuple, dict], params: Dict[tuple, List[Param]], args,
+                   weights: Dict[str, TensorMeta]) -> Optional[OptimizerState]:
+    """The OptimizerState the full reader would build (slots as TensorMeta of the weights' shapes), None
+    where no rank's optimizer ever stepped; NotQuick where only the full reader can say."""
+    if not any("optimizer" in t for t in trees.values()):
+        return None
+    if getattr(args, "use_distributed_optimizer", False):
+        raise NotQuick("the distributed optimizer")
+    decoupled_lr = getattr(args, "decoupled_lr", None)
+    per_rank = {rk: _rank(trees[rk], params[rk], decoupled_lr) for rk in sorted(trees)}
+    if all(r is None for r in per_rank.values()):
+        return None
+    if any(r is None for r in per_rank.values()):
+        raise NotQuick("some ranks never stepped")  # the full reader's error
+    steps = {r.step for r in per_rank.values()}
+    slot_names = [s for s in OPTIMIZER_SLOTS if all(s in r.dtypes for r in per_rank.values())]
+    dtypes = {s: set().union(*(r.dtypes[s] for r in per_rank.values())) for s in slot_names}
+    if len(steps) != 1 or any(len(d) != 1 for d in dtypes.values()):
+        raise NotQuick("ranks stepped differently, or a slot of several dtypes")
+    hypers = _canonical_groups(per_rank)
+    names = _group_names(hypers, per_rank, weights, decoupled_lr)
+    first = trees[min(trees)]
+    slots = {s: {n: TensorMeta(t.shape, next(iter(dtypes[s]))) for n, t in weights.items()} for s in slot_names}
+    return OptimizerState(kind="megatron" if "master" in slots else "megatron-fp32", slots=slots, step=steps.pop(),
+                          param_groups=[ParamGroup(n, h) for n, h in zip(names, hypers)],
+                          grad_scaler=per_rank[min(per_rank)].scaler,
+                          scheduler=first.get("opt_param_scheduler", first.get("lr_scheduler")),
+                          consumed_samples=getattr(args, "consumed_train_samples", None))
+
+
+def _split_form(opt):
+    if not isinstance(opt, dict):
+        raise NotQuick("a chained or unknown optimizer entry")
+    for state_key, master_key, scaler_key in MIXED_FORMS:
+        if state_key in opt and master_key in opt:
+            return opt[state_key], opt[master_key], opt.get(scaler_key)
+    if "state" in opt and "param_groups" in opt:
+        return opt, None, None
+    raise NotQuick("unknown optimizer layout")
+
+
+def _rank(tree: dict, params: List[Param], decoupled_lr) -> Optional[_Rank]:
+    """One rank's optimizer tied to its parameters, as megatron_optim.read_rank ties it."""
+    if tree.get("optimizer") is None:
+        return None
+    torch_state, masters, scaler = _split_form(tree["optimizer"])
+    groups, state = torch_state.get("param_groups"), torch_state.get("state")
+    if not isinstance(groups, list) or not isinstance(state, dict) or not all(isinstance(g, dict) for g in groups):
+        raise NotQuick("optimizer state without param_groups/state")
+    if not state:
+        return None  # never stepped
+    counts = [len(g.get("params", ())) for g in groups]
+    single = len(groups) == 1 and counts[0] == len(params)
+    members = [list(range(len(params)))] if single else _tie_by_traits(groups, params, counts, decoupled_lr)
+    if masters is not None and (not isinstance(masters, list) or len(masters) != len(groups)
+                                or any(len(m) != n for m, n in zip(masters, counts))):
+        raise NotQuick("fp32 master groups do not match the optimizer's groups")
+    group_of, steps, dtypes = [0] * len(params), set(), defaultdict(set)
+    for g, (group, member) in enumerate(zip(groups, members)):
+        for j, (idx, pi) in enumerate(zip(group["params"], member)):
+            group_of[pi] = g
+            entry = state.get(idx)
+            if not isinstance(entry, dict):
+                raise NotQuick(f"no optimizer state for parameter {idx}")
+            values = [(slot, entry.get(slot)) for slot in MOMENTS]
+            if masters is not None:
+                values.append(("master", masters[g][j]))
+            for slot, t in values:
+                if not isinstance(t, TensorMeta) or t.shape != params[pi].shape:
+                    raise NotQuick(f"{slot} of {params[pi].key} is missing or of another shape")
+                dtypes[slot].add(t.dtype)
+            if "step" in entry:
+                steps.add(_step(entry["step"]))
+    if len(steps) > 1:
+        raise NotQuick("parameters stepped differently")
+    hypers = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+    return _Rank(group_of, hypers, steps.pop() if steps else None, scaler, dict(dtypes), single)
+
+
+def _step(value) -> int:
+    if isinstance(value, Scalar) and value.value is not None:
+        return int(value.value)
+    if type(value) in (int, float):
+        return int(value)
+    raise NotQuick("a step whose value is not in the pickle")
+
+
+def _tie_by_traits(groups: List[dict], params: List[Param], counts: List[int], decoupled_lr) -> List[List[int]]:
+    wanted = [_group_traits(h, decoupled_lr) for h in groups]
+    members: List[List[int]] = [[] for _ in groups]
+    for i, p in enumerate(params):
+        fits = [g for g, t in enumerate(wanted) if t == _param_traits(p, decoupled_lr) and counts[g]]
+        if len(fits) != 1:
+            raise NotQuick("a parameter fits no stored group, or several")
+        members[fits[0]].append(i)
+    if [len(m) for m in members] != counts:
+        raise NotQuick("groups not tied by their traits")  # sizes alone, or lr_mult groups: the full reader's
+    return members
+
+
+def _canonical_groups(per_rank: Dict[tuple, _Rank]) -> List[dict]:
+    """megatron_optim.merge_groups: one group per identity, in the order the ranks list them."""
+    canonical: List[dict] = []
+    index: Dict[tuple, int] = {}
+    for rk in sorted(per_rank):
+        seen: Dict[tuple, int] = defaultdict(int)
+        for h in per_rank[rk].hypers:
+            same = (tuple(h.get(k) for k in GROUP_IDENTITY) + (None if "wd_mult" in h else h.get("weight_decay"),),
+                    h.get("is_expert_parallel"))
+            ident = same[0] + (seen[same],)
+            seen[same] += 1
+            if ident not in index:
+                index[ident] = len(canonical)
+                canonical.append(dict(h))
+            ref = canonical[index[ident]]
+            if (h.get("lr"), h.get("weight_decay")) != (ref.get("lr"), ref.get("weight_decay")):
+                raise NotQuick("groups differ across ranks")
+    return canonical
+
+
+def _group_names(hypers: List[dict], per_rank: Dict[tuple, _Rank], weights: Dict[str, TensorMeta],
+                 decoupled_lr) -> List[List[str]]:
+    """The canonical tensors of each canonical group: all of them for a single group, else those whose
+    traits are the group's (each canonical group's traits must be its own)."""
+    if len(hypers) == 1:
+        return [list(weights)]
+    traits = [_group_traits(h, decoupled_lr) for h in hypers]
+    if len(set(traits)) != len(traits) or any(r.single_group for r in per_rank.values()):
+        raise NotQuick("canonical groups not told apart by their traits")
+    names: List[List[str]] = [[] for _ in hypers]
+    for n, t in weights.items():
+        mine = _name_traits(n, t.shape, decoupled_lr)
+        if mine not in traits:
+            raise NotQuick(f"{n} fits no group")
+        names[traits.index(mine)].append(n)
+    return names
