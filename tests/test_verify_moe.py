@@ -49,6 +49,7 @@ def moe(tmp_path_factory):
     of the TP2 EP2 source (the reference with weights, for locating a corrupted expert)."""
     root = tmp_path_factory.mktemp("verify_moe")
     jobs = [f"save {root / n} {a} --out {root / n}.pt" for n, a in SAVES.items()]
+    jobs.append(f"save-dist {root / 'dist'} --tp 2 --ep 2 --out {root / 'dist'}.pt")  # torch_dist: experts stacked
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
            str(HELPER), *jobs]
     r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO),
@@ -100,6 +101,10 @@ def moe(tmp_path_factory):
     from test_moe import _build, randomise
     randomise(_build("qwen2_moe")).save_pretrained(root / "hf_qwen4")
     api.from_hf(root / "hf_qwen4", root / "qwen_vpp_ep", tp=1, pp=2, vpp=2, ep=2, warn=lambda m: None)
+    # TEGroupedMLP experts (mlp.experts.linear_fc1.weight{j}), as a --moe-grouped-gemm run with Transformer
+    # Engine saves them
+    api.reshard(root / "tp2ep2", root / "te_grouped", tp=2, ep=2, dialect="mcore-te", moe_grouped_gemm=True,
+                warn=lambda m: None)
     return root
 
 
@@ -123,6 +128,8 @@ def runs(moe):
         "etp1ep4_mcore": [moe / "etp1ep4", "--reference-logits", m("tp2ep2")],
         "pp2etp1_mcore": [moe / "pp2etp1", "--reference-logits", m("tp2ep2")],
         "qwen_vpp_ep_hf": [moe / "qwen_vpp_ep", "--reference", moe / "hf_qwen4", "--batch", 3],
+        "te_grouped_mcore": [moe / "te_grouped", "--reference-logits", m("tp2ep2")],
+        "dist_mcore": [moe / "dist", "--reference-logits", m("dist")],  # at its args' TP2 EP2
     }
     return verify_batch(4, cases, moe / "runs")
 
@@ -136,6 +143,7 @@ def runs2(moe):
         "etp1_hf": [moe / "etp1", "--reference", moe / "hf_etp1"],
         "etp1ep1_mcore": [moe / "etp1ep1", "--reference-logits", m("tp2ep2")],
         "etp1_swapped": [moe / "etp1_swapped", "--reference", moe / "hf_etp1"],
+        "dist_tp2_mcore": [moe / "dist", "--tp", 2, "--reference-logits", m("dist")],  # EP1: every expert, TP share
     }
     return verify_batch(2, cases, moe / "runs2")
 
@@ -244,9 +252,12 @@ def test_the_process_count_must_be_tp_x_pp_x_ep(moe):
     ("etp1ep1_mcore", "TP2 PP1 ETP1", 2, "tp2ep2"),  # ckptool's: both files hold every expert whole
     ("etp1ep4_mcore", "TP2 PP1 EP4 ETP1", 4, "tp2ep2"),
     ("pp2etp1_mcore", "TP2 PP2 EP2 ETP1", 4, "tp2ep2"),
-    ("grouped_mcore", "TP2 PP1 EP2", 4, "grouped")])  # megatron-core's legacy GroupedMLP save
-def test_expert_tp_and_grouped_mlp_forwards_reproduce_megatron_cores_logits(runs, runs2, moe, case, layout, nproc,
-                                                                          save):
+    ("grouped_mcore", "TP2 PP1 EP2", 4, "grouped"),  # megatron-core's legacy GroupedMLP save
+    ("te_grouped_mcore", "TP2 PP1 EP2", 4, "tp2ep2"),  # TEGroupedMLP files (ckptool's)
+    ("dist_mcore", "TP2 PP1 EP2", 4, "dist"),  # megatron-core's torch_dist save: slices of the stacked experts
+    ("dist_tp2_mcore", "TP2 PP1", 2, "dist")])
+def test_expert_tp_grouped_and_torch_dist_forwards_reproduce_megatron_cores_logits(runs, runs2, moe, case, layout,
+                                                                                  nproc, save):
     out, rc = (runs2 if nproc == 2 else runs)[case]
     assert rc == 0 and "result=PASS" in out, out
     assert f"parallel forward: {layout}, {nproc} processes" in out, out
@@ -294,3 +305,29 @@ def test_the_process_count_at_expert_tp_is_the_files_grid(moe):
     r = _fake_torchrun(4, moe / "etp1")
     assert r.returncode == 2, r.output
     assert "torchrun started 4 processes but" in r.output and "is TP2 PP1 EP2 ETP1: it needs 2" in r.output, r.output
+
+
+def test_a_torch_dist_rank_reads_only_its_slices_of_the_stacked_experts(moe):
+    """megatron-core's torch_dist stacks a layer kind's experts ([layers, experts, out, in]); rank (TP 1,
+    EP 1) of TP2 EP2 reads only the chunks of global experts 2 and 3 at TP rank 1 (fc1 rows from 12 of
+    each of gate and up, fc2 columns from 12), and gets the tensors of the torch-format file of that rank
+    (the same model, saved both ways from one seed)."""
+    from ckptool.formats import dist as dist_format
+    from ckptool.formats.megatron_ranks import read_rank_shards, slice_rank_shards
+    from ckptool.io import dcp_io
+    shards = slice_rank_shards(dist_format.read(moe / "dist"), Layout(tp=2, pp=1, ep=2), 1, 0, 1)
+    reads = []
+    real = dcp_io.DcpDir.read_chunk
+    try:
+        dcp_io.DcpDir.read_chunk = lambda self, fqn, chunk: reads.append((fqn, tuple(chunk.offsets))) or real(
+            self, fqn, chunk)
+        loaded = {k: v.load() for k, v in shards.tensors.items()}
+    finally:
+        dcp_io.DcpDir.read_chunk = real
+    experts = {(fqn.rsplit(".", 2)[1], off) for fqn, off in reads if ".experts." in fqn}
+    assert experts == {(fc, (layer, e) + rest) for layer in (0, 1) for e in (2, 3)
+                       for fc, rest in (("linear_fc1", (12, 0)), ("linear_fc1", (36, 0)), ("linear_fc2", (0, 12)))}
+    own = read_rank_shards(moe / "tp2ep2", 1, 0, ep_rank=1)
+    assert set(loaded) == set(own.tensors)
+    for name, t in own.tensors.items():
+        assert torch.equal(loaded[name], t.load()), name
