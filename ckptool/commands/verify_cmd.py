@@ -1,8 +1,9 @@
 """`ckptool verify`: run a checkpoint and compare its logits with a reference.
 
-Under torchrun (WORLD_SIZE = TP * PP of the target; with expert parallelism see verify/parallel.py) every rank loads its own shard and
-the model runs tensor-, pipeline- (and expert-) parallel as the framework ran it (verify/parallel.py). Without torchrun
-the merged target runs in one process. `--files DST` checks an output directory's manifest instead.
+Under torchrun (WORLD_SIZE = TP * PP of the target; with expert parallelism see verify/parallel.py)
+every rank loads its own shard and the model runs tensor-, pipeline- (and expert-) parallel as the
+framework ran it (verify/parallel.py). Without torchrun the merged target runs in one process.
+`--files DST` checks an output directory's manifest instead.
 """
 from __future__ import annotations
 

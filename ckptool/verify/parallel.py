@@ -261,7 +261,8 @@ def moe_mlp(x: torch.Tensor, w, p: str, cfg: GPTConfig, r: Ranks, experts: range
         if r.edp > 1:  # the replicas split the work: each (token, slot) is computed once in the stage
             token, slot = token[r.edp_rank::r.edp], slot[r.edp_rank::r.edp]
         if token.numel():
-            y = expert_partial(every[token], w, f"{p}experts.{e}.", cfg, r.etp_rank == 0) * every_weights[token, slot, None]
+            y = expert_partial(every[token], w, f"{p}experts.{e}.", cfg, r.etp_rank == 0)
+            y = y * every_weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
     dist.all_reduce(out, group=r.stage_group)
     out = out[start:start + flat.shape[0]]
