@@ -331,3 +331,22 @@ def test_a_torch_dist_rank_reads_only_its_slices_of_the_stacked_experts(moe):
     assert set(loaded) == set(own.tensors)
     for name, t in own.tensors.items():
         assert torch.equal(loaded[name], t.load()), name
+
+
+@pytest.mark.parametrize("tp, ep, etp", [(2, 2, 2), (1, 4, 1), (2, 2, 1), (2, 4, 1), (2, 1, 1), (4, 2, 1), (4, 2, 2)])
+def test_a_stages_ranks_are_the_files_megatron_lm_writes(tp, ep, etp):
+    """One rank per file: the (TP rank, EP rank) pairs of a stage's ranks are exactly the files of
+    Megatron-LM's expert grid, each once; every expert shard (EP rank, expert-TP rank) is held by the
+    stage's expert-data-parallel replicas, each once; every TP rank of each data-parallel rank is there."""
+    from ckptool.formats.megatron import expert_grid
+    from ckptool.verify.parallel import ranks_per_stage, stage_coordinates
+    n = ranks_per_stage(tp, ep, etp)
+    ranks = [stage_coordinates(x, tp, ep, etp) for x in range(n)]
+    grid = expert_grid(tp, ep, etp)
+    files = [(t, e) for t, _, _, e, _ in ranks]
+    assert sorted(files) == sorted(grid) and len(set(files)) == n
+    assert all(grid[(t, e)] == et for t, _, et, e, _ in ranks)  # the file holds that expert-TP shard
+    edp = n // (etp * ep)
+    assert sorted((e, et, ed) for _, _, et, e, ed in ranks) == [
+        (e, et, ed) for e in range(ep) for et in range(etp) for ed in range(edp)]
+    assert sorted((d, t) for t, d, _, _, _ in ranks) == [(d, t) for d in range(n // tp) for t in range(tp)]

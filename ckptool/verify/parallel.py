@@ -85,6 +85,12 @@ def ranks_per_stage(tp: int, ep: int = 1, etp: Optional[int] = None) -> int:
     return tp * ep * etp // math.gcd(tp, ep * etp)
 
 
+def stage_coordinates(x: int, tp: int, ep: int, etp: int) -> Tuple[int, int, int, int, int]:
+    """Stage-local rank x as megatron-core's default order reads it twice over: (TP rank, data-parallel
+    rank) for the dense part and (expert-TP rank, EP rank, expert-data-parallel rank) for the experts."""
+    return x % tp, x // tp, x % etp, (x // etp) % ep, x // (etp * ep)
+
+
 def init_ranks(tp: int, pp: int, ep: int = 1, etp: Optional[int] = None) -> Ranks:
     """Join the torchrun job (NCCL on GPUs, gloo otherwise) and build the TP (and expert) groups."""
     if torch.cuda.is_available():
@@ -104,17 +110,16 @@ def init_ranks(tp: int, pp: int, ep: int = 1, etp: Optional[int] = None) -> Rank
     per = ranks_per_stage(tp, ep, etp)
     dp = per // tp
     at = lambda t, p, d: p * per + d * tp + t  # noqa: E731  (Ranks.global_rank before a Ranks exists)
-    x, p = rank % per, rank // per
-    t, d = x % tp, x // tp
+    p = rank // per
+    t, d, et, e, ed = stage_coordinates(rank % per, tp, ep, etp)
     # every rank makes every group, in the same order (new_group is collective)
     tp_groups = {(pp_, d_): dist.new_group([at(t_, pp_, d_) for t_ in range(tp)]) for pp_ in range(pp) for d_ in range(dp)}
     dp_groups, stage_groups = {}, {}
     if dp > 1:
         dp_groups = {(pp_, t_): dist.new_group([at(t_, pp_, d_) for d_ in range(dp)]) for pp_ in range(pp) for t_ in range(tp)}
         stage_groups = {pp_: dist.new_group(list(range(pp_ * per, (pp_ + 1) * per))) for pp_ in range(pp)}
-    return Ranks(rank, world, tp, pp, t, p, tp_groups[(p, d)], device, owns, ep, (x // etp) % ep,
-                 dp_groups.get((p, t)), stage_groups.get(p, tp_groups[(p, d)]), dp, d, etp, x % etp,
-                 per // (etp * ep), x // (etp * ep))
+    return Ranks(rank, world, tp, pp, t, p, tp_groups[(p, d)], device, owns, ep, e,
+                 dp_groups.get((p, t)), stage_groups.get(p, tp_groups[(p, d)]), dp, d, etp, et, per // (etp * ep), ed)
 
 
 def batch_rows(batch: int, dp: int, dp_rank: int) -> range:
