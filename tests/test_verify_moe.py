@@ -96,6 +96,13 @@ def moe(tmp_path_factory):
         m = state["model"]
         m[p.format(0)], m[p.format(1)] = m[p.format(1)], m[p.format(0)]
     torch.save(state, f)
+    # an expert-data-parallel replica changed: at TP2 ETP1 EP1 both files hold every expert whole; layer 1's
+    # expert 1 of mp_rank_01 (the replica that computes every other token routed to it) scaled
+    shutil.copytree(root / "etp1ep1", root / "etp1ep1_replica")
+    f = root / "etp1ep1_replica" / "iter_0000007" / "mp_rank_01" / "model_optim_rng.pt"
+    state = torch.load(f, weights_only=False)
+    state["model"]["decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight"] *= 1.5
+    torch.save(state, f)
     # a virtual pipeline with EP: a Qwen2-MoE of 4 layers (dense layer 0, gated shared expert) built by
     # transformers, written by from-hf at TP1 PP2 VPP2 EP2 (stage 0 holds layers 0 and 2)
     from test_moe import _build, randomise
@@ -144,6 +151,7 @@ def runs2(moe):
         "etp1ep1_mcore": [moe / "etp1ep1", "--reference-logits", m("tp2ep2")],
         "etp1_swapped": [moe / "etp1_swapped", "--reference", moe / "hf_etp1"],
         "dist_tp2_mcore": [moe / "dist", "--tp", 2, "--reference-logits", m("dist")],  # EP1: every expert, TP share
+        "etp1ep1_replica": [moe / "etp1ep1_replica", "--reference", moe / "hf"],
     }
     return verify_batch(2, cases, moe / "runs2")
 
@@ -284,6 +292,15 @@ def test_a_swapped_expert_in_an_expert_tp_file_is_caught_and_named(runs2):
     named = line.split("MoE pieces that differ", 1)[1]
     assert "expert 2 in mp_rank_01_001, local expert 0" in named, line
     assert "expert 3 in mp_rank_01_001, local expert 1" in named and named.count(" in mp_rank_") == 2, line
+
+
+def test_a_changed_expert_replica_is_caught_and_named(runs2):
+    """TP2 ETP1 EP1: the two files are expert-data-parallel replicas; the one whose copy differs is named."""
+    out, rc = runs2["etp1ep1_replica"]
+    assert rc == 1 and "result=FAIL" in out, out
+    line = next(l for l in out.splitlines() if l.startswith("first_divergence="))
+    named = line.split("MoE pieces that differ", 1)[1]
+    assert "expert 1 in mp_rank_01, local expert 1" in named and named.count(" in mp_rank_") == 1, line
 
 
 def test_a_grouped_mlp_rank_reads_its_experts_from_its_own_tensors(moe):
