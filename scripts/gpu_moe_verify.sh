@@ -5,7 +5,8 @@
 # expert-parallel layouts, verified under torchrun with each rank holding only its experts, then
 # converted back with to-hf and compared tensor by tensor with the source.
 #
-#   OUT=/path/to/results bash scripts/gpu_moe_verify.sh                  # 2 GPUs (EP2 layouts)
+#   OUT=/path/to/results bash scripts/gpu_moe_verify.sh                  # 2 GPUs (EP2, TP2, ETP1 layouts)
+#   NPROC=4 OUT=/path/to/results bash scripts/gpu_moe_verify.sh          # 4 GPUs: also TP2 EP2, EP4, PP2 EP2, VPP2 EP2
 #   MOE_SIZE=tiny NPROC=2 bash scripts/gpu_moe_verify.sh                  # CPU smoke test (gloo)
 #
 # Env: MOE_FAMILIES (default "mixtral qwen3_moe"), MOE_SIZE (16x1024), NPROC (GPUs to use, default 2),
@@ -59,10 +60,15 @@ for fam in $FAMILIES; do
   timed "$fam-from-hf-ep$NPROC" python -m ckptool from-hf "$hf" "$WORK/$fam-ep" --ep "$NPROC" || exit 1
   run_case "$fam-ep$NPROC-bf16" "$NPROC" "$WORK/$fam-ep" --reference "$hf" --dtype bf16
   run_case "$fam-ep$NPROC-fp32" "$NPROC" "$WORK/$fam-ep" --reference "$hf" --dtype fp32
-  if [ "$NPROC" -ge 2 ]; then
-    timed "$fam-reshard-tp2" python -m ckptool reshard "$WORK/$fam-ep" "$WORK/$fam-tp2" --tp 2 --ep 1 || exit 1
-    run_case "$fam-tp2ep1-fp32" 2 "$WORK/$fam-tp2" --reference "$hf" --dtype fp32
-  fi
+  # other layouts: name, processes, from-hf flags (expert TP 1 at TP2 EP2 runs on the 2 files
+  # Megatron-LM writes: PP x lcm(TP, ETP x EP) processes)
+  for c in "tp2ep1 2 --tp 2 --ep 1" "tp2ep2etp1 2 --tp 2 --ep 2 --etp 1" "tp2ep2 4 --tp 2 --ep 2" \
+           "tp1ep4 4 --tp 1 --ep 4" "pp2ep2 4 --tp 1 --pp 2 --ep 2" "pp2vpp2ep2 4 --tp 1 --pp 2 --vpp 2 --ep 2"; do
+    set -- $c; name=$1 n=$2; shift 2
+    [ "$n" -le "$NPROC" ] || continue
+    timed "$fam-from-hf-$name" python -m ckptool from-hf "$hf" "$WORK/$fam-$name" "$@" || exit 1
+    run_case "$fam-$name-fp32" "$n" "$WORK/$fam-$name" --reference "$hf" --dtype fp32
+  done
   # back to HF: every tensor equal to the source's
   timed "$fam-to-hf" python -m ckptool to-hf "$WORK/$fam-ep" "$WORK/$fam-back" || exit 1
   python - "$hf" "$WORK/$fam-back" <<'PY' | tee -a "$RESULTS"

@@ -1,8 +1,9 @@
 """`ckptool verify`: run a checkpoint and compare its logits with a reference.
 
-Under torchrun (WORLD_SIZE = TP * PP, x EP for MoE, of the target) every rank loads its own shard and
-the model runs tensor-, pipeline- (and expert-) parallel as the framework ran it (verify/parallel.py). Without torchrun
-the merged target runs in one process. `--files DST` checks an output directory's manifest instead.
+Under torchrun (WORLD_SIZE = TP * PP of the target; with expert parallelism see verify/parallel.py)
+every rank loads its own shard and the model runs tensor-, pipeline- (and expert-) parallel as the
+framework ran it (verify/parallel.py). Without torchrun the merged target runs in one process.
+`--files DST` checks an output directory's manifest instead.
 """
 from __future__ import annotations
 
@@ -64,8 +65,9 @@ def verify_cmd(target, ref, reference_logits, files_dir, tokens, tokenizer, batc
 
     Under torchrun, TARGET is a Megatron checkpoint (torch format, VPP included, or torch_dist) or a
     DeepSpeed save (Megatron-DeepSpeed pipeline files, ZeRO runs of Megatron models with TP), and
-    WORLD_SIZE must be TP * PP of the layout it runs at (x EP for MoE checkpoints saved with expert
-    parallelism: mp_rank_TT[_PPP]_EEE); each rank reads only its own shard.
+    WORLD_SIZE must be TP * PP of the layout it runs at (for MoE checkpoints saved with expert
+    parallelism, mp_rank_TT[_PPP]_EEE: PP x TP x EP, or PP x lcm(TP, ETP x EP) at an expert TP ETP
+    other than TP); each rank reads only its own shard.
 
     \b
     Examples:
@@ -73,6 +75,7 @@ def verify_cmd(target, ref, reference_logits, files_dir, tokens, tokenizer, batc
       torchrun --nproc-per-node 4 -m ckptool verify out --reference ckpts/run1
       torchrun --nproc-per-node 4 -m ckptool verify ckpts/run1 --reference-logits ref.pt:logits_fp32
       torchrun --nproc-per-node 4 -m ckptool verify moe_tp2ep2 --reference hf_dir  # MoE at TP2 EP2
+      torchrun --nproc-per-node 2 -m ckptool verify moe_tp2ep2etp1            # ... expert TP 1: 2 files
       torchrun --nproc-per-node 2 -m ckptool verify dist_ckpt --tp 1 --pp 2  # torch_dist at TP1 PP2
       torchrun --nproc-per-node 2 -m ckptool verify dist_ckpt --pp 2 --vpp 2  # ... interleaved
       ckptool verify out --reference hf_model_dir                             # one process
@@ -156,7 +159,7 @@ def run_single(target, ref, reference_logits, opts, dtype, tol, token_args) -> b
                             lambda dt: _reference(ref, recorded, ckpt, tokens, dt, "cpu", opts)[0])
     ok = _report(cmp.compare(logits, ref_logits, cols, tol, hidden, ref_hidden, noise_floor=floor))
     layout = ckpt.source.layout
-    n = layout.tp * layout.pp * layout.ep
+    n = layout.pp * _ranks_per_stage(layout)
     if n > 1:
         click.echo(f"note: this ran the merged target in one process; for the {layout.describe()} "
                    f"parallel forward run: torchrun --nproc-per-node {n} -m ckptool verify {target} ...")
@@ -171,13 +174,13 @@ def run_parallel(target, ref, reference_logits, opts, dtype, tol, token_args, tp
     world = int(os.environ["WORLD_SIZE"])
     target_kind = parallel_target(target, opts, tp, pp, world, vpp)
     cfg, layout, ckpt = target_kind.config, target_kind.layout, target_kind.ckpt
-    need = layout.tp * layout.pp * layout.ep
+    need = layout.pp * _ranks_per_stage(layout)
     require(world == need,
             f"torchrun started {world} processes but {target} is {layout.describe()}: it needs {need}",
             f"run torchrun --nproc-per-node {need} -m ckptool verify ..."
             + (" (or give --tp/--pp whose product is the process count)" if target_kind.any_layout else ""))
     tokens, recorded = _tokens_for(reference_logits, token_args, cfg.true_or_padded_vocab)
-    r = parallel.init_ranks(layout.tp, layout.pp, layout.ep)
+    r = parallel.init_ranks(layout.tp, layout.pp, layout.ep, layout.expert_tp)
     finished = False
     try:
         shards = target_kind.rank_shards(r.tp_rank, r.pp_rank, r.ep_rank)
@@ -286,10 +289,6 @@ def parallel_target(target, opts, tp, pp, world, vpp=None) -> ParallelTarget:
         meta = read_layout(target, opts)
         cfg, layout, ckpt = meta
         _dense_only(ckpt, target)
-        etp = getattr(ckpt.source.args, "expert_tensor_parallel_size", None) if cfg.moe is not None else None
-        require(etp in (None, layout.tp), f"{target}: the parallel verify runs experts at expert TP = TP, but "
-                f"this checkpoint has expert TP {etp} and TP {layout.tp}",
-                f"run `ckptool verify` without torchrun, or reshard it first: ckptool reshard {target} DST --ep N")
         require(tp in (None, layout.tp) and pp in (None, layout.pp) and vpp in (None, layout.vpp),
                 f"{target} is stored at {layout.describe()}; a torch-format checkpoint runs at the layout of "
                 "its files", f"drop --tp/--pp/--vpp, or reshard it first: ckptool reshard {target} DST --tp N --pp M")
@@ -351,10 +350,16 @@ def dist_layout(ckpt, tp, pp, world, vpp=None):
     return layout
 
 
+def _ranks_per_stage(layout) -> int:
+    from ..verify.parallel import ranks_per_stage
+    return ranks_per_stage(layout.tp, layout.ep, layout.expert_tp)
+
+
 def _where(layout, cfg, files) -> dict:
     """'layer i' -> which stage and files hold it, so a divergence points at files."""
-    def held(p):
-        names = [files(t, p, e) if layout.ep > 1 else files(t, p) for e in range(layout.ep) for t in range(layout.tp)]
+    def held(p):  # the stage's ranks in order: rank x has TP rank x % TP, EP rank (x // ETP) % EP
+        names = [files(x % layout.tp, p, (x // layout.expert_tp) % layout.ep) if layout.ep > 1 else files(x, p)
+                 for x in range(_ranks_per_stage(layout))]
         return f": {', '.join(names)}" if all(names) else f" (TP ranks 0-{layout.tp - 1})"
 
     out = {}

@@ -40,7 +40,7 @@ from ..roles import (GLOBAL_ROLES, LAYER_ROLES, expert_role, global_role_tensor,
 from ..sharding import Rule
 from ..state import Checkpoint
 from ..vocab import resize_vocab
-from .megatron import model_file, flatten, read_megatron, resolve_iteration_dir
+from .megatron import _unstack, model_file, flatten, read_megatron, resolve_iteration_dir
 from .megatron_names import DIALECTS, KeyMatcher, qkv_to_grouped
 
 
@@ -105,13 +105,11 @@ def read_rank_shards(path, tp_rank: int, pp_rank: int, opts: Optional[ReadOption
             if role.startswith("qkv.") and version < 2:
                 value = Derived(lambda x: qkv_to_grouped(x, version, heads_local, cfg.head_dim), [value])
             if role.startswith("experts."):  # local index j -> global expert
-                _, j, base = role.split(".", 2)
-                if not j.isdigit():  # one tensor of all local experts (legacy GroupedMLP weight1 / weight2)
-                    raise CkptError(f"{file}: {key} holds all local experts in one tensor (legacy GroupedMLP); "
-                                    "the parallel verify reads experts one by one",
-                                    f"run `ckptool verify` without torchrun, or reshard it first (SequentialMLP): "
-                                    f"ckptool reshard {path} DST --ep {layout.ep}")
-                role = expert_role(experts.start + int(j), base)
+                # the legacy GroupedMLP's weight1 / weight2 hold every local expert: the reader's cut
+                for name, piece in _unstack(role, value, len(experts)):
+                    _, j, base = name.split(".", 2)
+                    out[f"layers.{first + local}.{expert_role(experts.start + int(j), base)}"] = piece
+                continue
             out[f"layers.{first + local}.{role}"] = value
     return RankShards(cfg, layout, tp_rank, pp_rank, chunks, out, file, ep_rank, experts)
 

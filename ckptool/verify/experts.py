@@ -54,14 +54,14 @@ def moe_input(ref_ckpt: Checkpoint, i: int, x: torch.Tensor, dtype, device) -> t
 
 
 def rank_pieces(h: torch.Tensor, w, i: int, cfg: GPTConfig, r: Ranks, experts: range) -> Dict[str, torch.Tensor]:
-    """This rank's MoE pieces of layer i on h: router logits, each of its experts' TP partial output,
-    the shared expert's TP partial (and its gate logits)."""
+    """This rank's MoE pieces of layer i on h: router logits, each of its experts' expert-TP partial
+    output, the shared expert's TP partial (and its gate logits)."""
     p = f"layers.{i}."
     out = {"router": F.linear(h, w[p + "router.weight"], w.get(p + "router.bias")).float()}
     for e in experts:
-        out[f"expert {e}"] = expert_partial(h, w, f"{p}experts.{e}.", cfg, r).float()
+        out[f"expert {e}"] = expert_partial(h, w, f"{p}experts.{e}.", cfg, r.etp_rank == 0).float()
     if cfg.moe.shared_ffn_hidden_size:
-        out["shared expert"] = expert_partial(h, w, p + "shared.", cfg, r).float()  # the same TP-partial MLP
+        out["shared expert"] = expert_partial(h, w, p + "shared.", cfg, r.tp_rank == 0).float()  # a TP-partial MLP
         if cfg.moe.shared_gate:
             out["shared expert gate"] = F.linear(h, w[p + "shared_gate.weight"]).float()
     return out
@@ -74,23 +74,25 @@ def reference_mlp_weights(ref_ckpt: Checkpoint, i: int, dtype, device) -> Dict[s
                 if k.startswith(p)}
 
 
-def reference_pieces(cfg: GPTConfig, w: Dict[str, torch.Tensor], i: int, h: torch.Tensor, tp: int, tp_rank: int,
+def reference_pieces(cfg: GPTConfig, w: Dict[str, torch.Tensor], i: int, h: torch.Tensor, layout, tp_rank: int,
                      experts: range) -> Dict[str, torch.Tensor]:
-    """The same pieces from the reference's merged weights w, each expert's cut to TP rank tp_rank of tp."""
+    """The same pieces from the reference's merged weights w as file tp_rank of `layout` holds them: each
+    routed expert cut to expert-TP rank tp_rank % ETP of ETP, the shared expert to TP rank tp_rank."""
     p = f"layers.{i}.mlp."
     out = {"router": F.linear(h, w[p + "router.weight"], w.get(p + "router.bias")).float()}
-    scopes = [(f"expert {e}", f"{p}experts.{e}.") for e in experts]
+    etp = layout.expert_tp
+    scopes = [(f"expert {e}", f"{p}experts.{e}.", etp, tp_rank % etp) for e in experts]
     if cfg.moe.shared_ffn_hidden_size:
-        scopes.append(("shared expert", p + "shared."))
+        scopes.append(("shared expert", p + "shared.", layout.tp, tp_rank))
         if cfg.moe.shared_gate:
             out["shared expert gate"] = F.linear(h, w[p + "shared_gate.weight"]).float()
-    for name, q in scopes:
-        out[name] = _tp_share(h, w, q, cfg, tp, tp_rank).float()
+    for name, q, size, t in scopes:
+        out[name] = _tp_share(h, w, q, cfg, size, t).float()
     return out
 
 
 def _tp_share(h, w, q: str, cfg: GPTConfig, tp: int, t: int) -> torch.Tensor:
-    """TP rank t's partial output of the MLP whose canonical tensors are q + {gate,up,down}.*: its block
+    """Rank t of tp's partial output of the MLP whose canonical tensors are q + {gate,up,down}.*: its block
     of the intermediate features (rows of gate/up, columns of down); the down bias on rank 0 only."""
     def rows(name):
         x = w.get(q + name)
@@ -125,7 +127,7 @@ def diagnose(layer: int, got: Dict[Tuple[int, int], Dict[str, torch.Tensor]], re
     w = reference_mlp_weights(ref_ckpt, layer, dtype, h.device)
     for (t, e), pieces in sorted(got.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         experts = [int(k.split()[1]) for k in pieces if k.startswith("expert ")]
-        want = reference_pieces(ref_ckpt.config, w, layer, h, layout.tp, t, range(min(experts), max(experts) + 1)
+        want = reference_pieces(ref_ckpt.config, w, layer, h, layout, t, range(min(experts), max(experts) + 1)
                                 if experts else range(0))
         for name, value in pieces.items():
             ref = want[name].to(value.device)  # pieces come back from every rank on the CPU

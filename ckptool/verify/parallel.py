@@ -1,10 +1,13 @@
 """The GPT forward as Megatron runs it: tensor- and pipeline-parallel, one process per rank.
 
-Run under torchrun with WORLD_SIZE = TP * PP (* EP for MoE checkpoints saved with expert parallelism).
-Ranks are numbered as megatron-core's default order has them: TP fastest, then EP, then the stage
-(rank = (pp * EP + ep) * TP + tp). Every rank computes with the tensors of its own checkpoint file
-(formats/megatron_ranks.py), so replicated tensors that drifted apart in training give the same
-numbers here as they did there.
+Run under torchrun with WORLD_SIZE = PP x the ranks of a stage: TP without experts; for MoE checkpoints
+saved with expert parallelism lcm(TP, ETP x EP), the ranks whose files Megatron-LM writes (TP x EP when
+expert TP is TP; formats/megatron.expert_grid). Stage-local rank x is what megatron-core's default order
+makes of it twice over: for the dense part TP rank x % TP and data-parallel rank x // TP; for the experts
+expert-TP rank x % ETP, EP rank (x // ETP) % EP and expert-data-parallel rank x // (ETP x EP). Global rank
+= pp x (ranks of a stage) + x, so with ETP = TP: (pp * EP + ep) * TP + tp. Every rank computes with the
+tensors of its own checkpoint file, mp_rank_{x % TP}[_PPP][_{EP rank}] (formats/megatron_ranks.py), so
+replicated tensors that drifted apart in training give the same numbers here as they did there.
 
   embedding      vocab-parallel: each rank looks up the tokens in its row block, zeros the rest,
                  all-reduce over TP; then positions (learned) are added
@@ -14,13 +17,14 @@ numbers here as they did there.
                  output projection row-parallel + all-reduce, then the bias
   mlp            fc1 column-parallel ([gate_r; up_r] per rank for SwiGLU), fc2 row-parallel +
                  all-reduce, then the bias
-  moe            (MoE layers) the EP ranks are the data-parallel ranks of the dense part, so each runs
-                 its share of the batch rows; the router (replicated) picks each token's top-k
-                 experts; tokens, choices and weights are all-gathered over the stage's EP ranks;
-                 every rank runs its own experts (its TP share of each: [gate_r; up_r] rows, down
-                 columns) on the tokens routed to them, weighted; the partial outputs are summed
-                 over the stage's TP x EP ranks and each keeps its own rows (dropless: no capacity);
-                 the shared expert runs like a dense MLP
+  moe            (MoE layers) the data-parallel ranks of the dense part (EP ranks when ETP = TP) each run
+                 their share of the batch rows; the router (replicated) picks each token's top-k
+                 experts; tokens, choices and weights are all-gathered over the stage's data-parallel
+                 ranks; every rank runs its own experts (its expert-TP share of each: [gate_r; up_r]
+                 rows, down columns, cut at ETP) on the tokens routed to them (expert-data-parallel
+                 replicas of the same experts split those tokens), weighted; the partial outputs are
+                 summed over the stage's ranks and each keeps its own rows (dropless: no capacity);
+                 the shared expert runs like a dense MLP at TP
   head           final norm, vocab-parallel logits, all-gathered over TP on the last stage
   pipeline       the hidden state goes stage to stage with send/recv between equal TP ranks;
                  with virtual chunks it goes round all stages once per chunk (interleaved order)
@@ -58,16 +62,37 @@ class Ranks:
     owns_group: bool = True  # False when a caller joined the job first (and will leave it)
     ep: int = 1
     ep_rank: int = 0
-    ep_group: object = None  # this stage's ranks of the same TP rank: the experts' data-parallel peers
-    tp_ep_group: object = None  # this stage's TP x EP ranks: the ones whose expert outputs add up
+    dp_group: object = None  # this stage's ranks of the same TP rank: the dense part's data-parallel peers
+    stage_group: object = None  # this stage's ranks: the ones whose expert outputs add up
+    dp: int = 1  # data-parallel ranks of the dense part per stage (each runs its share of the batch rows)
+    dp_rank: int = 0
+    etp: int = 1  # expert tensor parallelism
+    etp_rank: int = 0
+    edp: int = 1  # expert-data-parallel replicas per stage (ranks holding the same expert shard)
+    edp_rank: int = 0
 
-    def global_rank(self, tp_rank: int, pp_rank: int, ep_rank: Optional[int] = None) -> int:
-        """megatron-core's default order (tp-cp-ep-dp-pp): TP fastest, then EP, then the stage."""
-        return (pp_rank * self.ep + (self.ep_rank if ep_rank is None else ep_rank)) * self.tp + tp_rank
+    def global_rank(self, tp_rank: int, pp_rank: int, dp_rank: Optional[int] = None) -> int:
+        """megatron-core's default order (tp-cp-ep-dp-pp for the dense part): TP fastest, then the data-
+        parallel rank (the EP rank when ETP = TP), then the stage."""
+        return (pp_rank * self.dp + (self.dp_rank if dp_rank is None else dp_rank)) * self.tp + tp_rank
 
 
-def init_ranks(tp: int, pp: int, ep: int = 1) -> Ranks:
-    """Join the torchrun job (NCCL on GPUs, gloo otherwise) and build the TP (and EP) groups."""
+def ranks_per_stage(tp: int, ep: int = 1, etp: Optional[int] = None) -> int:
+    """The ranks of one pipeline stage: TP, or for experts lcm(TP, ETP x EP), the period after which
+    megatron-core's dense (TP rank) and expert (expert-TP rank, EP rank) coordinates of a rank repeat;
+    each of these ranks has its own file (formats/megatron.expert_grid)."""
+    etp = etp or tp
+    return tp * ep * etp // math.gcd(tp, ep * etp)
+
+
+def stage_coordinates(x: int, tp: int, ep: int, etp: int) -> Tuple[int, int, int, int, int]:
+    """Stage-local rank x as megatron-core's default order reads it twice over: (TP rank, data-parallel
+    rank) for the dense part and (expert-TP rank, EP rank, expert-data-parallel rank) for the experts."""
+    return x % tp, x // tp, x % etp, (x // etp) % ep, x // (etp * ep)
+
+
+def init_ranks(tp: int, pp: int, ep: int = 1, etp: Optional[int] = None) -> Ranks:
+    """Join the torchrun job (NCCL on GPUs, gloo otherwise) and build the TP (and expert) groups."""
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
@@ -81,24 +106,29 @@ def init_ranks(tp: int, pp: int, ep: int = 1) -> Ranks:
     if owns:
         dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    at = lambda t, p, e: (p * ep + e) * tp + t  # noqa: E731  (Ranks.global_rank before a Ranks exists)
-    t, e, p = rank % tp, (rank // tp) % ep, rank // (tp * ep)
+    etp = etp or tp
+    per = ranks_per_stage(tp, ep, etp)
+    dp = per // tp
+    at = lambda t, p, d: p * per + d * tp + t  # noqa: E731  (Ranks.global_rank before a Ranks exists)
+    p = rank // per
+    t, d, et, e, ed = stage_coordinates(rank % per, tp, ep, etp)
     # every rank makes every group, in the same order (new_group is collective)
-    tp_groups = {(pp_, e_): dist.new_group([at(t_, pp_, e_) for t_ in range(tp)]) for pp_ in range(pp) for e_ in range(ep)}
-    ep_groups, tp_ep_groups = {}, {}
-    if ep > 1:
-        ep_groups = {(pp_, t_): dist.new_group([at(t_, pp_, e_) for e_ in range(ep)]) for pp_ in range(pp) for t_ in range(tp)}
-        tp_ep_groups = {pp_: dist.new_group(list(range(pp_ * tp * ep, (pp_ + 1) * tp * ep))) for pp_ in range(pp)}
-    return Ranks(rank, world, tp, pp, t, p, tp_groups[(p, e)], device, owns, ep, e,
-                 ep_groups.get((p, t)), tp_ep_groups.get(p))
+    tp_groups = {(pp_, d_): dist.new_group([at(t_, pp_, d_) for t_ in range(tp)]) for pp_ in range(pp) for d_ in range(dp)}
+    dp_groups, stage_groups = {}, {}
+    if dp > 1:
+        dp_groups = {(pp_, t_): dist.new_group([at(t_, pp_, d_) for d_ in range(dp)]) for pp_ in range(pp) for t_ in range(tp)}
+        stage_groups = {pp_: dist.new_group(list(range(pp_ * per, (pp_ + 1) * per))) for pp_ in range(pp)}
+    return Ranks(rank, world, tp, pp, t, p, tp_groups[(p, d)], device, owns, ep, e,
+                 dp_groups.get((p, t)), stage_groups.get(p, tp_groups[(p, d)]), dp, d, etp, et, per // (etp * ep), ed)
 
 
-def batch_rows(batch: int, ep: int, ep_rank: int) -> range:
-    """The token rows EP rank ep_rank runs: its data-parallel share, as in training (EP ranks are data-
-    parallel ranks of the dense part); as even as the batch allows (a rank may get none)."""
-    per, extra = divmod(batch, ep)
-    start = ep_rank * per + min(ep_rank, extra)
-    return range(start, start + per + (ep_rank < extra))
+def batch_rows(batch: int, dp: int, dp_rank: int) -> range:
+    """The token rows data-parallel rank dp_rank runs: its share, as in training (with experts the EP
+    ranks, or the ranks of a stage beyond TP, are data-parallel ranks of the dense part); as even as
+    the batch allows (a rank may get none)."""
+    per, extra = divmod(batch, dp)
+    start = dp_rank * per + min(dp_rank, extra)
+    return range(start, start + per + (dp_rank < extra))
 
 
 def all_reduce(x: torch.Tensor, r: Ranks) -> torch.Tensor:
@@ -170,7 +200,7 @@ def attention(x: torch.Tensor, w, p: str, cfg: GPTConfig, r: Ranks, rope) -> tor
     mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
     probs = torch.softmax(scores.float().masked_fill(mask, float("-inf")), dim=-1).to(v.dtype)
     ctx = (probs @ v).transpose(1, 2)
-    ctx = ctx.reshape(b, s, ctx.shape[2] * ctx.shape[3])  # sizes given: an EP rank may have no rows
+    ctx = ctx.reshape(b, s, ctx.shape[2] * ctx.shape[3])  # sizes given: a data-parallel rank may have no rows
     out = all_reduce(F.linear(ctx, w[p + "proj.weight"]), r)
     return out + w[p + "proj.bias"] if p + "proj.bias" in w else out
 
@@ -186,25 +216,27 @@ def mlp(x: torch.Tensor, w, p: str, cfg: GPTConfig, r: Ranks) -> torch.Tensor:
     return out + w[p + "fc2.bias"] if p + "fc2.bias" in w else out
 
 
-def gather_ep(x: torch.Tensor, r: Ranks) -> Tuple[torch.Tensor, int]:
-    """(every EP rank's rows of x concatenated in EP order, where this rank's rows start). Ranks may hold
-    different numbers of rows (an uneven batch), so each pads to the largest and the padding is cut."""
-    if r.ep == 1:
+def gather_dp(x: torch.Tensor, r: Ranks) -> Tuple[torch.Tensor, int]:
+    """(every data-parallel rank's rows of x concatenated in rank order, where this rank's rows start).
+    Ranks may hold different numbers of rows (an uneven batch), so each pads to the largest and the
+    padding is cut."""
+    if r.dp == 1:
         return x, 0
-    counts = [torch.zeros(1, dtype=torch.int64, device=x.device) for _ in range(r.ep)]
-    dist.all_gather(counts, torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device), group=r.ep_group)
+    counts = [torch.zeros(1, dtype=torch.int64, device=x.device) for _ in range(r.dp)]
+    dist.all_gather(counts, torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device), group=r.dp_group)
     counts = [int(c.item()) for c in counts]
     most = max(counts)
     padded = torch.zeros(most, *x.shape[1:], dtype=x.dtype, device=x.device)
     padded[: x.shape[0]] = x
-    parts = [torch.empty_like(padded) for _ in range(r.ep)]
-    dist.all_gather(parts, padded, group=r.ep_group)
-    return torch.cat([p[:n] for p, n in zip(parts, counts)]), sum(counts[: r.ep_rank])
+    parts = [torch.empty_like(padded) for _ in range(r.dp)]
+    dist.all_gather(parts, padded, group=r.dp_group)
+    return torch.cat([p[:n] for p, n in zip(parts, counts)]), sum(counts[: r.dp_rank])
 
 
-def expert_partial(x: torch.Tensor, w, p: str, cfg: GPTConfig, r: Ranks) -> torch.Tensor:
-    """One expert's MLP on this TP rank: its fc1 rows ([gate_r; up_r] when gated) and fc2 columns, so the
-    output is this rank's partial sum (the fc2 bias, replicated, counted once: on TP rank 0)."""
+def expert_partial(x: torch.Tensor, w, p: str, cfg: GPTConfig, adds_bias: bool) -> torch.Tensor:
+    """One expert's MLP on this rank: its fc1 rows ([gate_r; up_r] when gated) and fc2 columns, so the
+    output is this rank's partial sum. The fc2 bias, replicated, is counted once: by the rank that says
+    adds_bias (expert-TP rank 0 for routed experts, TP rank 0 for the shared expert)."""
     h = F.linear(x, w[p + "fc1.weight"], w.get(p + "fc1.bias"))
     if cfg.gated:
         gate, up = h.chunk(2, dim=-1)
@@ -212,31 +244,32 @@ def expert_partial(x: torch.Tensor, w, p: str, cfg: GPTConfig, r: Ranks) -> torc
     else:
         h = activation(h, cfg)
     out = F.linear(h, w[p + "fc2.weight"])
-    return out + w[p + "fc2.bias"] if p + "fc2.bias" in w and r.tp_rank == 0 else out
+    return out + w[p + "fc2.bias"] if p + "fc2.bias" in w and adds_bias else out
 
 
 def moe_mlp(x: torch.Tensor, w, p: str, cfg: GPTConfig, r: Ranks, experts: range) -> torch.Tensor:
-    """Dropless MoE with expert parallelism, all-gather dispatch: every rank routes its own tokens (the
-    router is replicated); the EP ranks of this stage all-gather tokens, choices and weights; each runs
-    its experts (its TP share of each) on the tokens routed to them, weighted; the partial outputs are
-    summed over the stage's TP x EP ranks and each rank keeps its own tokens. Then the shared expert,
+    """Dropless MoE, all-gather dispatch: every rank routes its own tokens (the router is replicated);
+    the data-parallel ranks of this stage all-gather tokens, choices and weights; each rank runs its
+    experts (its expert-TP share of each) on the tokens routed to them, weighted, where expert-data-
+    parallel replicas of the same shard take every edp-th of those tokens; the partial outputs are
+    summed over the stage's ranks and each rank keeps its own tokens. Then the shared expert,
     tensor-parallel like a dense MLP, on the rank's own tokens."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     chosen, weights = route(flat, w, cfg, p)
-    every, start = gather_ep(flat, r)
-    every_chosen, _ = gather_ep(chosen, r)
-    every_weights, _ = gather_ep(weights, r)
+    every, start = gather_dp(flat, r)
+    every_chosen, _ = gather_dp(chosen, r)
+    every_weights, _ = gather_dp(weights, r)
     out = torch.zeros_like(every)
     for e in experts:
         token, slot = torch.where(every_chosen == e)
+        if r.edp > 1:  # the replicas split the work: each (token, slot) is computed once in the stage
+            token, slot = token[r.edp_rank::r.edp], slot[r.edp_rank::r.edp]
         if token.numel():
-            y = expert_partial(every[token], w, f"{p}experts.{e}.", cfg, r) * every_weights[token, slot, None]
+            y = expert_partial(every[token], w, f"{p}experts.{e}.", cfg, r.etp_rank == 0)
+            y = y * every_weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
-    if r.ep > 1:
-        dist.all_reduce(out, group=r.tp_ep_group)
-    else:
-        all_reduce(out, r)
+    dist.all_reduce(out, group=r.stage_group)
     out = out[start:start + flat.shape[0]]
     if cfg.moe.shared_ffn_hidden_size:
         shared = mlp(flat, w, p + "shared.", cfg, r)
@@ -265,14 +298,14 @@ def head(x: torch.Tensor, w, cfg: GPTConfig, r: Ranks) -> torch.Tensor:
 
 def stage_forward(tokens: torch.Tensor, shards: RankShards, r: Ranks, dtype: torch.dtype):
     """Run this rank's stage on its rows of tokens (all of them without expert parallelism; with it,
-    its EP rank's share). Returns (logits or None, [(name, hidden)] of this stage).
+    its data-parallel rank's share). Returns (logits or None, [(name, hidden)] of this stage).
 
     With virtual pipeline chunks the hidden state goes round the ring once per chunk: stage 0
     chunk 0, stage 1 chunk 0, ..., the last stage's chunk 0 back to stage 0 for chunk 1, and so on.
     """
     cfg = shards.config
     w = {k: v.load().to(device=r.device, dtype=dtype) for k, v in shards.tensors.items()}
-    rows = batch_rows(tokens.shape[0], r.ep, r.ep_rank)
+    rows = batch_rows(tokens.shape[0], r.dp, r.dp_rank)
     tokens = tokens[rows.start:rows.stop].to(r.device)
     b, s = tokens.shape
     rope = None
@@ -288,7 +321,7 @@ def stage_forward(tokens: torch.Tensor, shards: RankShards, r: Ranks, dtype: tor
             hidden.append(("embedding", x))
         elif r.pp > 1:
             x = torch.empty(b, s, cfg.hidden_size, dtype=dtype, device=r.device)
-            if b:  # an EP rank without rows (batch < EP) still joins every layer's collectives
+            if b:  # a data-parallel rank without rows (batch < DP) still joins every layer's collectives
                 dist.recv(x, src=prev)
         for i in range(first, first + count):
             x = block(x, w, i, cfg, r, rope, shards.experts)
@@ -310,28 +343,28 @@ def stage_labels(layout, num_layers: int, pp_rank: int) -> List[str]:
 def gather_to_rank0(logits: Optional[torch.Tensor], hidden, shards: RankShards, r: Ranks,
                     shape: Tuple[int, int]):
     """On rank 0: (logits [b, s, V], {name: hidden} in layer order) from TP rank 0 of every stage and
-    EP rank (whose rows are concatenated in EP order); None elsewhere."""
+    data-parallel rank (whose rows are concatenated in rank order); None elsewhere."""
     b, s = shape
     cfg = shards.config
     h, vocab_cols = cfg.hidden_size, cfg.padded_vocab_size
-    mine = len(batch_rows(b, r.ep, r.ep_rank))
+    mine = len(batch_rows(b, r.dp, r.dp_rank))
     if r.tp_rank == 0 and r.rank != 0 and mine:
         dist.send(torch.stack([t for _, t in hidden]).float().contiguous(), dst=0)
         if logits is not None:
             dist.send(logits.contiguous(), dst=0)
     if r.rank != 0:
         return None
-    rows = [len(batch_rows(b, r.ep, e)) for e in range(r.ep)]
+    rows = [len(batch_rows(b, r.dp, d)) for d in range(r.dp)]
     got: Dict[str, torch.Tensor] = {}
     for p in range(r.pp):
         labels = stage_labels(shards.layout, cfg.num_layers, p)
         parts = []
-        for e in range(r.ep):
-            if (p, e) == (0, 0):
+        for d in range(r.dp):
+            if (p, d) == (0, 0):
                 parts.append(torch.stack([t.float() for _, t in hidden]) if hidden else None)
-            elif rows[e]:
-                buf = torch.empty(len(labels), rows[e], s, h, dtype=torch.float32, device=r.device)
-                dist.recv(buf, src=r.global_rank(0, p, e))
+            elif rows[d]:
+                buf = torch.empty(len(labels), rows[d], s, h, dtype=torch.float32, device=r.device)
+                dist.recv(buf, src=r.global_rank(0, p, d))
                 parts.append(buf)
         states = torch.cat([x for x in parts if x is not None and x.shape[1]], dim=1).cpu()
         got.update(zip(labels, states))
@@ -339,12 +372,12 @@ def gather_to_rank0(logits: Optional[torch.Tensor], hidden, shards: RankShards, 
     names = {n: got[n] for n in order if n in got}  # compare.py finds the FIRST divergence in this order
     last = r.pp - 1
     parts = []
-    for e in range(r.ep):
-        if (last, e) == (0, 0):
+    for d in range(r.dp):
+        if (last, d) == (0, 0):
             parts.append(logits)
-        elif rows[e]:
-            buf = torch.empty(rows[e], s, vocab_cols, dtype=torch.float32, device=r.device)
-            dist.recv(buf, src=r.global_rank(0, last, e))
+        elif rows[d]:
+            buf = torch.empty(rows[d], s, vocab_cols, dtype=torch.float32, device=r.device)
+            dist.recv(buf, src=r.global_rank(0, last, d))
             parts.append(buf)
     logits = torch.cat([x for x in parts if x is not None and x.shape[0]])
     return logits.cpu(), names
