@@ -209,7 +209,7 @@ def test_legacy_grouped_mlp_layout_is_megatron_cores(monkeypatch):
     from types import SimpleNamespace
     from megatron.core.transformer.moe import experts as mcore_experts
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from ckptool.formats.megatron import _unstack
+    from ckptool.formats.megatron import unstack_grouped
     from ckptool.formats.megatron_names import stack_expert_weights
     from ckptool.lazy import Const
     monkeypatch.setattr(mcore_experts.gg, "assert_grouped_gemm_is_available", lambda: None)
@@ -234,8 +234,8 @@ def test_legacy_grouped_mlp_layout_is_megatron_cores(monkeypatch):
                     glob[tuple(slice(o, o + n) for o, n in zip(sh.global_offset, sh.data.shape))] = sh.data
     r = ffn // tp
     for (t, e), (w1, w2) in ranks.items():
-        pieces1 = dict(_unstack("experts.*.fc1.weight", Const(w1), experts // ep))
-        pieces2 = dict(_unstack("experts.*.fc2.weight", Const(w2), experts // ep))
+        pieces1 = dict(unstack_grouped("experts.*.fc1.weight", Const(w1), experts // ep))
+        pieces2 = dict(unstack_grouped("experts.*.fc2.weight", Const(w2), experts // ep))
         for j in range(experts // ep):
             g = e * (experts // ep) + j
             want1 = torch.cat([fc1[g, t * r:(t + 1) * r], fc1[g, ffn + t * r:ffn + (t + 1) * r]])  # [gate_t; up_t]

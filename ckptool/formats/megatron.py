@@ -133,8 +133,8 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     def unstack(rk, param: RankParam, value: LazyTensor) -> List[Tuple[RankParam, LazyTensor]]:
         """A stored parameter's (or its optimizer slot's) pieces: each local expert's under its global role."""
         return [(RankParam(param.key, _global_expert(role, rk[2], per_ep), param.layer, piece, param.chunk), cut)
-                for (role, piece), (_, cut) in zip(_unstack(param.role, param.weight, stacked_local),
-                                                   _unstack(param.role, value, stacked_local))]
+                for (role, piece), (_, cut) in zip(unstack_grouped(param.role, param.weight, stacked_local),
+                                                   unstack_grouped(param.role, value, stacked_local))]
     params = {rk: [q for x in ps for q, _ in unstack(rk, x, x.weight)] for rk, ps in stored.items()}
     shards, head_copy = _weight_shards(params, grid, tp, etp)
     for (role, layer), parts in shards.items():
@@ -330,7 +330,7 @@ def _stacked_local_experts(keys, matcher: KeyMatcher, args, ep: int, it_dir: Pat
     return experts // ep
 
 
-def _unstack(role: str, value: LazyTensor, local_experts: int):
+def unstack_grouped(role: str, value: LazyTensor, local_experts: int):
     """[(role, tensor)] of one key: itself, or each local expert's [out, in] shard of a stacked tensor."""
     if not role.startswith("experts.*."):
         return [(role, value)]

@@ -40,7 +40,7 @@ from ..roles import (GLOBAL_ROLES, LAYER_ROLES, expert_role, global_role_tensor,
 from ..sharding import Rule
 from ..state import Checkpoint
 from ..vocab import resize_vocab
-from .megatron import _unstack, model_file, flatten, read_megatron, resolve_iteration_dir
+from .megatron import unstack_grouped, model_file, flatten, read_megatron, resolve_iteration_dir
 from .megatron_names import DIALECTS, KeyMatcher, qkv_to_grouped
 
 
@@ -106,7 +106,7 @@ def read_rank_shards(path, tp_rank: int, pp_rank: int, opts: Optional[ReadOption
                 value = Derived(lambda x: qkv_to_grouped(x, version, heads_local, cfg.head_dim), [value])
             if role.startswith("experts."):  # local index j -> global expert
                 # the legacy GroupedMLP's weight1 / weight2 hold every local expert: the reader's cut
-                for name, piece in _unstack(role, value, len(experts)):
+                for name, piece in unstack_grouped(role, value, len(experts)):
                     _, j, base = name.split(".", 2)
                     out[f"layers.{first + local}.{expert_role(experts.start + int(j), base)}"] = piece
                 continue
