@@ -137,6 +137,14 @@ class Spec:
     def tensors_of(self, role: str) -> List[Tensor]:
         return [t for t in self.tensors if t.role == role]
 
+    def parts(self, role: str, cfg, layer: Optional[int] = None) -> List[Tensor]:
+        """The canonical tensors a role's tensor holds for cfg, in fused order: the role's Tensors less those
+        whose own predicates fail (beyond the ones all of them share, which say whether the role exists at
+        all): fc1 holds gate and up for a gated model, up alone otherwise."""
+        ts = self.tensors_of(role)
+        common = set.intersection(*(set(t.when) for t in ts)) if ts else set()
+        return [t for t in ts if all(PREDICATES[p](cfg, layer) for p in t.when if p not in common)]
+
     def role_list(self, where: str) -> List[Role]:
         """Roles in ROLES order: "global" (no layer axis), "layer" (every layer of a dense model holds
         them), "moe" (an MoE layer's own: router, shared expert and its gate), "expert" (per expert)."""
