@@ -119,3 +119,92 @@ def test_expected_names_equal_the_code_before_the_spec():
     assert len(CONFIGS) == 155
     for cfg in CONFIGS:
         assert state.expected_names(cfg) == _names_before(cfg)
+
+
+# --- what the spec guarantees ---------------------------------------------------------------------
+
+def test_the_spec_and_its_views_need_no_torch():
+    """The quick inspect path reads the spec and the Megatron dialect tables in a process without torch."""
+    import subprocess
+    import sys
+    code = ("import sys, ckptool.spec, ckptool.state, ckptool.formats.megatron_names\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_fused_roles_list_their_parts_in_fused_order():
+    for role in GPT.roles.values():
+        parts = [t.part for t in GPT.tensors_of(role.name)]
+        if role.fused == "qkv":
+            assert parts == ["q", "k", "v"], role.name
+        elif role.fused == "halves":
+            assert parts == ["gate", "up"], role.name
+        else:
+            assert parts in ([None], []), role.name  # [] only for a role no tensor names (none today)
+        assert role.rule is not None or role.base != role.name, f"{role.name}: an unscoped role needs a rule"
+
+
+@pytest.mark.parametrize("cfg", [c for c in CONFIGS if c.mla is None][::7])
+def test_each_canonical_tensor_sits_in_exactly_one_role(cfg):
+    """Expanding the spec and asking each role which canonical tensors it holds give the same names, once."""
+    held = {}
+    expanded = []
+    for name, t, layer, expert in GPT.expand(cfg):
+        assert t.role is not None, f"{name}: only MLA tensors have no Megatron role"
+        role = t.role.format(expert=expert) if expert is not None else t.role
+        held[(role, layer)] = roles.canonical_names(role, layer, cfg)
+        expanded.append(name)
+    flat = [n for names in held.values() for n in names]
+    assert sorted(flat) == sorted(expanded) == sorted(set(expanded))
+
+
+def test_every_role_key_round_trips_through_every_megatron_dialect():
+    """A key a writer makes from a dialect's table is read back as the same role (layer-relative keys under
+    the dialect's layer prefix, experts with their local index), and no two roles share a key."""
+    for d in megatron_names.DIALECTS.values():
+        m = megatron_names.KeyMatcher(d)
+        for role, key in d.globals.items():
+            assert m.match(key) == (role, None), (d.name, key)
+        layer = d.layer_prefix.format(i=5)
+        for table in (d.layer, d.moe_layer):
+            for role, key in table.items():
+                assert m.match(layer + key) == (role, 5), (d.name, key)
+        for table in d.experts:
+            for base, key in table.items():
+                assert m.match(layer + key.format(j=2)) == (f"experts.2.{base}", 5), (d.name, key)
+        for base, key in d.stacked_experts.items():
+            assert m.match(layer + key) == (f"experts.*.{base}", 5)
+        by_key = {}
+        for role, key in list(d.layer.items()) + list(d.moe_layer.items()):
+            assert by_key.setdefault(key, role) == role, f"{d.name}: {key} names {role} and {by_key[key]}"
+
+
+def test_every_role_key_round_trips_through_torch_dist_and_megatron_deepspeed_names():
+    for role, key in {**dist.WRITE_NAMES, **dist.MOE_WRITE_NAMES}.items():
+        assert dist.LAYER_KEYS[key] == role
+    for role, key in dist.MOE_NORM_NAMES["transformer_engine"].items():
+        assert dist.LAYER_KEYS[key] == role
+    for base, key in dist.EXPERT_WRITE_NAMES.items():
+        assert dist.EXPERT_KEYS[key] == base
+    assert set(dist.GLOBAL_KEYS.values()) == set(roles.GLOBAL_ROLES)
+    assert set(dist.WRITE_NAMES) == set(roles.LAYER_ROLES)
+    for kind, table in (("embed", mds_pipeline.EMBED_KEYS), ("head", mds_pipeline.HEAD_KEYS),
+                        ("final_norm", mds_pipeline.FINAL_NORM_KEYS), ("layer", mds_pipeline.LAYER_KEYS)):
+        for key, role in table.items():
+            assert mds_pipeline.role_of(kind, key) == role
+            assert mds_pipeline.classify({7: [key]})[7] == kind
+    assert set(mds_pipeline.EMBED_KEYS.values()) | set(mds_pipeline.HEAD_KEYS.values()) | \
+        set(mds_pipeline.FINAL_NORM_KEYS.values()) == set(roles.GLOBAL_ROLES)
+
+
+FIXTURES = Path(__file__).parent.parent / "fixtures"
+
+
+@pytest.mark.parametrize("path", ["gpt2_mcore_tp2pp2/checkpoint", "gpt2_mcore_tp2pp2/hf",
+                                  "llama_legacy_norm_tp2pp1/checkpoint", "llama_legacy_norm_tp2pp1/hf",
+                                  "real/mlm_legacy_gpt2_torch_tp2pp2/checkpoint",
+                                  "real/mds_gpt2_pipe_tp2pp2_bf16_zero1/checkpoint"])
+def test_each_fixture_holds_exactly_the_names_its_config_expands_to(path):
+    import ckptool
+    ckpt = ckptool.open(FIXTURES / path)
+    assert sorted(ckpt.tensors) == sorted(state.expected_names(ckpt.config))
