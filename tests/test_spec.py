@@ -16,6 +16,7 @@ from ckptool import roles, state
 from ckptool.config import MLA, GPTConfig, MoE
 from ckptool.formats import dist, mds_pipeline, megatron_names
 from ckptool.spec import GPT
+from ckptool.spec.schema import Role, Spec, Tensor
 
 
 def _items(d):
@@ -208,3 +209,14 @@ def test_each_fixture_holds_exactly_the_names_its_config_expands_to(path):
     import ckptool
     ckpt = ckptool.open(FIXTURES / path)
     assert sorted(ckpt.tensors) == sorted(state.expected_names(ckpt.config))
+
+
+@pytest.mark.parametrize("tensors, roles_, says", [
+    ((Tensor("a", role="r"), Tensor("a", role="r")), (Role("r", "replicated"),), "listed twice"),
+    ((Tensor("a", role="nope"),), (), "roles the spec lacks"),
+    ((Tensor("a", ("no_such_predicate",)),), (), "unknown predicate"),
+    ((), (Role("r", "replicated", {"megatron-9": "x"}),), "unknown name column"),
+])
+def test_a_spec_with_a_mistake_fails_when_it_is_built(tensors, roles_, says):
+    with pytest.raises(ValueError, match=says):
+        Spec(tensors, roles_)

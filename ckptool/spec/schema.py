@@ -86,6 +86,10 @@ class Tensor:
         return self.name.format(layer=layer, expert=expert)
 
 
+# MoE scopes of a role name: one expert's (its {expert} axis) and the shared expert's
+SCOPES = ("experts.{expert}.", "shared.")
+
+
 @dataclass(frozen=True)
 class Role:
     """One Megatron role (a tensor as Megatron stores it, possibly fused from canonical parts).
@@ -103,12 +107,14 @@ class Role:
     @property
     def base(self) -> str:
         """The role without its MoE scope: fc1.weight for experts.{expert}.fc1.weight."""
-        return self.name.split(".", 2)[-1] if self.name.startswith("experts.") else \
-            self.name[len("shared."):] if self.name.startswith("shared.") else self.name
+        for scope in SCOPES:
+            if self.name.startswith(scope):
+                return self.name[len(scope):]
+        return self.name
 
     @property
     def is_expert(self) -> bool:
-        return self.name.startswith("experts.")
+        return self.name.startswith(SCOPES[0])
 
     def key(self, column: str) -> Optional[str]:
         """This role's key in a name column, following FALLBACK; None when the column has none."""
@@ -125,13 +131,15 @@ class Spec:
     def __init__(self, tensors: Tuple[Tensor, ...], roles: Tuple[Role, ...]):
         self.tensors = tensors
         self.roles = {r.name: r for r in roles}
-        assert len(self.roles) == len(roles), "a role listed twice"
         names = [t.name for t in tensors]
-        assert len(set(names)) == len(names), "a canonical tensor listed twice"
         unknown = {t.role for t in tensors if t.role is not None} - set(self.roles)
-        assert not unknown, f"tensors name roles the spec lacks: {unknown}"
-        for t in tensors:
-            assert set(t.when) <= set(PREDICATES), f"{t.name}: unknown predicate in {t.when}"
+        problems = (["a role listed twice"] * (len(self.roles) != len(roles))
+                    + ["a canonical tensor listed twice"] * (len(set(names)) != len(names))
+                    + [f"tensors name roles the spec lacks: {sorted(unknown)}"] * bool(unknown)
+                    + [f"{t.name}: unknown predicate in {t.when}" for t in tensors if not set(t.when) <= set(PREDICATES)]
+                    + [f"{r.name}: unknown name column" for r in roles if not set(r.names) <= set(COLUMNS)])
+        if problems:  # a mistake in the spec's data: fail at import, not in some writer later
+            raise ValueError("; ".join(problems))
 
     # --- roles by where they live ----------------------------------------------------------
     def tensors_of(self, role: str) -> List[Tensor]:
