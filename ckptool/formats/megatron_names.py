@@ -96,21 +96,26 @@ def _experts(column: str) -> Dict[str, str]:
     return {GPT.roles[role].base: key for role, key in GPT.keys("expert", column).items()}
 
 
-_MCORE_EXTRA = ("self_attention.linear_proj._extra_state", "self_attention.linear_qkv._extra_state",
-                "mlp.linear_fc1._extra_state", "mlp.linear_fc2._extra_state")
+def _extra_state(column: str, *roles: str) -> Tuple[str, ...]:
+    """The `_extra_state` keys of the linear modules holding these roles (one per module, beside its weight)."""
+    return tuple(GPT.roles[r].key(column).rsplit(".", 1)[0] + "._extra_state" for r in roles)
+
+
+_LINEARS = ("proj.weight", "qkv.weight", "fc1.weight", "fc2.weight")  # megatron-core's registration order
+_EXPERT_LINEARS = ("experts.{expert}.fc1.weight", "experts.{expert}.fc2.weight")
+_MCORE_EXTRA = _extra_state(MCORE, *_LINEARS)
 # megatron-core MoE layers (local spec): TopKRouter, SequentialMLP experts, SharedExpertMLP.
 _MCORE_MOE_LAYER = GPT.keys("moe", MCORE)
 _SEQUENTIAL_EXPERTS = _experts(SEQUENTIAL)
-_SEQUENTIAL_EXPERT_EXTRA = ("mlp.experts.local_experts.{j}.linear_fc1._extra_state",
-                            "mlp.experts.local_experts.{j}.linear_fc2._extra_state")
+_SEQUENTIAL_EXPERT_EXTRA = _extra_state(SEQUENTIAL, *_EXPERT_LINEARS)
 # TEGroupedMLP (--moe-grouped-gemm with Transformer Engine): one TE GroupedLinear per fc, local expert j's
 # weight under `weight{j}`, each laid out as a linear layer's [out / TP, in] (fc1: [gate_r; up_r] when gated).
 _TE_GROUPED_EXPERTS = _experts(TE_GROUPED)
-_TE_GROUPED_EXTRA = ("mlp.experts.linear_fc1._extra_state", "mlp.experts.linear_fc2._extra_state")
+_TE_GROUPED_EXTRA = _extra_state(TE_GROUPED, *_EXPERT_LINEARS)
 # The legacy GroupedMLP (--moe-grouped-gemm on the local spec, or --moe-use-legacy-grouped-gemm): one tensor per
 # fc for all local experts, laid out for grouped_gemm's kernels (stacked_expert_block below).
 _LEGACY_GROUPED_EXPERTS = _experts(LEGACY_GROUPED)
-_SHARED_EXTRA = ("mlp.shared_experts.linear_fc1._extra_state", "mlp.shared_experts.linear_fc2._extra_state")
+_SHARED_EXTRA = _extra_state(MCORE, "shared.fc1.weight", "shared.fc2.weight")
 
 
 # named_parameters() order of a layer. Legacy: norm, query_key_value, dense, norm, MLP. megatron-core
