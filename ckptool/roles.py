@@ -5,7 +5,7 @@ same fused pieces under different names: one QKV matrix in grouped order, fc1 ho
 for gated MLPs, and so on. A format module only maps its names onto these roles; this module owns
 the maths shared by all of them:
 
-  ROLE_RULES   role -> tensor-parallel rule (the one sharding table)
+  ROLE_RULES   role -> tensor-parallel rule (the one sharding table, read from spec/gpt.py)
   fuse_*/unfuse_*  grouped QKV <-> q, k, v and [gate; up] <-> gate, up
   assemble()   per-rank role shards -> canonical lazy tensors (readers)
   disassemble()  canonical tensors -> per-rank role shards for a target TP (writers)
