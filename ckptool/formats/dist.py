@@ -85,11 +85,17 @@ NOT_READ = (
      "ckptool reads experts stored as decoder.layers[.N].mlp.experts.experts.linear_fc{1,2}.weight "
      "[(layers,) experts, out, in] or one key per expert (...experts.experts.{e}.linear_fc1.weight_w / _v)"),
 )
-# ShardedObjects megatron-core expects per layer (local spec: 4, TE spec adds core_attention).
-EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
-               "mlp.linear_fc2", "self_attention.core_attention")
-SHARED_EXTRA_STATE = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
-EXPERT_EXTRA_STATE = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")  # one per expert
+
+
+def _modules(*roles: str) -> tuple:
+    """The modules holding these roles' torch_dist keys (a ShardedObject per linear module)."""
+    return tuple(GPT.roles[r].key(DIST).rsplit(".", 1)[0] for r in roles)
+
+
+# ShardedObjects megatron-core expects per layer (local spec: 4, TE spec adds core_attention, which holds no weight).
+EXTRA_STATE = _modules("qkv.weight", "proj.weight", "fc1.weight", "fc2.weight") + ("self_attention.core_attention",)
+SHARED_EXTRA_STATE = _modules("shared.fc1.weight", "shared.fc2.weight")
+EXPERT_EXTRA_STATE = _modules("experts.{expert}.fc1.weight", "experts.{expert}.fc2.weight")  # one per expert
 # A ShardedObject is stored as torch.save([its data]); local layers' extra state is None. megatron-core
 # asks for these objects at load, so they are written even though they hold nothing.
 _buf = io.BytesIO()
