@@ -133,11 +133,14 @@ class Spec:
         self.roles = {r.name: r for r in roles}
         names = [t.name for t in tensors]
         unknown = {t.role for t in tensors if t.role is not None} - set(self.roles)
-        problems = (["a role listed twice"] * (len(self.roles) != len(roles))
-                    + ["a canonical tensor listed twice"] * (len(set(names)) != len(names))
-                    + [f"tensors name roles the spec lacks: {sorted(unknown)}"] * bool(unknown)
-                    + [f"{t.name}: unknown predicate in {t.when}" for t in tensors if not set(t.when) <= set(PREDICATES)]
-                    + [f"{r.name}: unknown name column" for r in roles if not set(r.names) <= set(COLUMNS)])
+        problems = [f"{t.name}: unknown predicate in {t.when}" for t in tensors if not set(t.when) <= set(PREDICATES)]
+        problems += [f"{r.name}: unknown name column" for r in roles if not set(r.names) <= set(COLUMNS)]
+        if unknown:
+            problems.append(f"tensors name roles the spec lacks: {sorted(unknown)}")
+        if len(self.roles) != len(roles):
+            problems.append("a role listed twice")
+        if len(set(names)) != len(names):
+            problems.append("a canonical tensor listed twice")
         if problems:  # a mistake in the spec's data: fail at import, not in some writer later
             raise ValueError("; ".join(problems))
 
