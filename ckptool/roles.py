@@ -5,7 +5,7 @@ same fused pieces under different names: one QKV matrix in grouped order, fc1 ho
 for gated MLPs, and so on. A format module only maps its names onto these roles; this module owns
 the maths shared by all of them:
 
-  ROLE_RULES   role -> tensor-parallel rule (the one sharding table)
+  ROLE_RULES   role -> tensor-parallel rule (the one sharding table, read from spec/gpt.py)
   fuse_*/unfuse_*  grouped QKV <-> q, k, v and [gate; up] <-> gate, up
   assemble()   per-rank role shards -> canonical lazy tensors (readers)
   disassemble()  canonical tensors -> per-rank role shards for a target TP (writers)
@@ -29,75 +29,31 @@ from .config import GPTConfig
 from .errors import CkptError
 from .lazy import Derived, LazyTensor, cat, cat_shape
 from .sharding import ReplicaPolicy, Rule, merge_lazy, split_lazy
+from .spec import GPT
 
-# role -> rule.  fc1 is GATED for SwiGLU models and COLUMN otherwise (see rule_for).
-ROLE_RULES: Dict[str, Rule] = {
-    "word": Rule.VOCAB,
-    "pos": Rule.REPLICATED,
-    "output": Rule.VOCAB,
-    "final_norm.weight": Rule.REPLICATED,
-    "final_norm.bias": Rule.REPLICATED,
-    "attn_norm.weight": Rule.REPLICATED,
-    "attn_norm.bias": Rule.REPLICATED,
-    "qkv.weight": Rule.QKV,
-    "qkv.bias": Rule.QKV,
-    "q_norm.weight": Rule.REPLICATED,
-    "q_norm.bias": Rule.REPLICATED,
-    "k_norm.weight": Rule.REPLICATED,
-    "k_norm.bias": Rule.REPLICATED,
-    "proj.weight": Rule.ROW,
-    "proj.bias": Rule.REPLICATED,
-    "mlp_norm.weight": Rule.REPLICATED,
-    "mlp_norm.bias": Rule.REPLICATED,
-    "fc1.weight": Rule.COLUMN,
-    "fc1.bias": Rule.COLUMN,
-    "fc2.weight": Rule.ROW,
-    "fc2.bias": Rule.REPLICATED,
-    "router.weight": Rule.REPLICATED,
-    "router.bias": Rule.REPLICATED,
-    "router.expert_bias": Rule.REPLICATED,
-    "shared_gate.weight": Rule.REPLICATED,
-}
+# The tables below are views of the model-family spec (spec/gpt.py), which lists each role and canonical tensor once.
+# role -> rule.  A role fused of halves (fc1) is GATED for SwiGLU models and COLUMN otherwise (see rule_for).
+ROLE_RULES: Dict[str, Rule] = {r.name: Rule(r.rule) for r in GPT.roles.values() if r.rule is not None}
 
 # MLP scopes of MoE layers: role prefix (regex, its group the global expert) -> canonical prefix. The
 # unscoped roles are the dense MLP's, under "mlp.". Scoped roles use the MLP roles fc1/fc2 underneath.
 MLP_SCOPES = ((re.compile(r"^experts\.(\d+)\.(.+)$"), "mlp.experts.{}."),
               (re.compile(r"^shared\.()(.+)$"), "mlp.shared."))
 # roles an MoE layer holds in place of the dense MLP, in megatron-core's parameter order (experts between)
-MOE_ROUTER_ROLES = ("router.weight", "router.bias", "router.expert_bias")
-MOE_EXPERT_ROLES = ("fc1.weight", "fc2.weight")
+MOE_ROUTER_ROLES = tuple(r.name for r in GPT.role_list("moe") if r.name.startswith("router."))
+MOE_EXPERT_ROLES = tuple(r.base for r in GPT.role_list("expert"))
 MOE_SHARED_ROLES = ("shared_gate.weight", "shared.fc1.weight", "shared.fc2.weight")  # gate_weight registered first
 
 # Global (non-layer) roles and their canonical names.
-GLOBAL_ROLES = {
-    "word": "embed.word",
-    "pos": "embed.pos",
-    "final_norm.weight": "final_norm.weight",
-    "final_norm.bias": "final_norm.bias",
-    "output": "output.weight",
-}
+GLOBAL_ROLES = {t.role: t.name for t in GPT.tensors if t.role is not None and not t.axes}
 
-# Per-layer roles that map one-to-one onto a canonical tensor.
-LAYER_SIMPLE = {
-    "attn_norm.weight": "attn_norm.weight",
-    "attn_norm.bias": "attn_norm.bias",
-    "q_norm.weight": "attn.q_norm.weight",
-    "q_norm.bias": "attn.q_norm.bias",
-    "k_norm.weight": "attn.k_norm.weight",
-    "k_norm.bias": "attn.k_norm.bias",
-    "proj.weight": "attn.out.weight",
-    "proj.bias": "attn.out.bias",
-    "mlp_norm.weight": "mlp_norm.weight",
-    "mlp_norm.bias": "mlp_norm.bias",
-    "fc2.weight": "mlp.down.weight",
-    "fc2.bias": "mlp.down.bias",
-    "router.weight": "mlp.router.weight",
-    "router.bias": "mlp.router.bias",
-    "router.expert_bias": "mlp.router.expert_bias",
-    "shared_gate.weight": "mlp.shared_gate.weight",
-}
+# Per-layer roles that map one-to-one onto a canonical tensor (unscoped, unfused); "mlp." is the scope's prefix.
+_LAYER = "layers.{layer}."
+LAYER_SIMPLE = {t.role: t.name[len(_LAYER):] for t in GPT.tensors
+                if t.role is not None and t.axes == ("layer",) and t.part is None and GPT.roles[t.role].base == t.role}
 
-LAYER_ROLES = tuple(r for r in ROLE_RULES if r not in GLOBAL_ROLES and not r.startswith(("router.", "shared_gate")))
+# The roles every layer of a dense model has (the MoE layer's own are MOE_*_ROLES), in the order writers write them.
+LAYER_ROLES = tuple(r.name for r in GPT.role_list("layer"))
 
 
 def scope_of(role: str) -> Tuple[str, str]:
@@ -123,9 +79,14 @@ def moe_layer_roles(cfg: GPTConfig, experts) -> List[str]:
 
 def rule_for(role: str, cfg: GPTConfig) -> Rule:
     _, role = scope_of(role)
-    if role.startswith("fc1.") and cfg.gated:
-        return Rule.GATED
-    return ROLE_RULES[role]
+    rule = ROLE_RULES[role]
+    return Rule.GATED if cfg.gated and GPT.roles[role].fused == "halves" else rule
+
+
+def spec_role(role: str) -> Tuple[str, Optional[int]]:
+    """(the spec's role, global expert or None): ("experts.{expert}.fc1.weight", 3) for experts.3.fc1.weight."""
+    m = MLP_SCOPES[0][0].match(role)
+    return (f"experts.{{expert}}.{m.group(2)}", int(m.group(1))) if m else (role, None)
 
 
 # --- fused layouts --------------------------------------------------------------------------
@@ -254,17 +215,11 @@ def layer_role_tensor(tensors: Dict[str, LazyTensor], cfg: GPTConfig, layer: int
 
 
 def canonical_names(role: str, layer: Optional[int], cfg: GPTConfig) -> List[str]:
-    """The canonical tensors a role's tensor holds (one, or the fused parts of QKV and gated fc1)."""
+    """The canonical tensors a role's tensor holds (one, or the fused parts of QKV and gated fc1), from the spec."""
     if layer is None:
         return [GLOBAL_ROLES.get(role, "embed.word")]  # head_copy: the tied embedding again
-    p = f"layers.{layer}."
-    mlp, role = scope_of(role)
-    if role in LAYER_SIMPLE:
-        return [p + LAYER_SIMPLE[role].replace("mlp.", mlp, 1)]
-    kind = role.split(".")[1]
-    if role.startswith("qkv."):
-        return [f"{p}attn.{x}.{kind}" for x in "qkv"]
-    return [f"{p}{mlp}{x}.{kind}" for x in (("gate", "up") if cfg.gated else ("up",))]
+    name, expert = spec_role(role)
+    return [t.format(layer, expert) for t in GPT.parts(name, cfg, layer)]
 
 
 def global_role_tensor(tensors: Dict[str, LazyTensor], role: str) -> Optional[LazyTensor]:

@@ -2,7 +2,7 @@
 
 A Checkpoint is a GPTConfig, full (unsharded) LazyTensors under canonical names, and where it came
 from. Canonical names say what a tensor IS, never where a framework kept it; layer indices are
-global:
+global (ckptool/spec/gpt.py lists each once, with the config condition under which a model has it):
 
   embed.word [V_rows, h]         embed.pos [max_pos, h] (learned positions only)
   layers.{i}.attn_norm.{weight,bias}
@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 from .config import GPTConfig, Layout
+from .spec import GPT
 
 if TYPE_CHECKING:  # annotations only: the state itself needs no torch (quick_inspect.py builds one without)
     from .lazy import LazyTensor
@@ -185,59 +186,5 @@ def in_model_order(tensors: Dict[str, LazyTensor], cfg: GPTConfig) -> Dict[str, 
 
 
 def expected_names(cfg: GPTConfig) -> List[str]:
-    """Every canonical tensor name a model with this config has, in streaming order."""
-    names = ["embed.word"]
-    if cfg.position_embedding == "learned":
-        names.append("embed.pos")
-    norm = ["weight", "bias"] if cfg.norm_has_bias else ["weight"]
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        names += [f"{p}attn_norm.{x}" for x in norm]
-        names += mla_names(cfg, i) if cfg.mla is not None else attention_names(cfg, i, norm)
-        names += [f"{p}mlp_norm.{x}" for x in norm]
-        names += moe_names(cfg, i) if cfg.is_moe_layer(i) else mlp_names(cfg, f"{p}mlp.", cfg.add_bias_linear)
-    names += [f"final_norm.{x}" for x in norm]
-    if not cfg.tied_embeddings:
-        names.append("output.weight")
-    return names
-
-
-def mlp_names(cfg: GPTConfig, prefix: str, bias: bool) -> List[str]:
-    """gate (gated models only), up, down weights under prefix, and their biases when bias."""
-    parts = ["gate", "up", "down"] if cfg.gated else ["up", "down"]
-    return [f"{prefix}{m}.weight" for m in parts] + ([f"{prefix}{m}.bias" for m in parts] if bias else [])
-
-
-def attention_names(cfg: GPTConfig, i: int, norm: List[str]) -> List[str]:
-    p = f"layers.{i}.attn."
-    names = [f"{p}{x}.weight" for x in "qkv"]
-    if cfg.add_qkv_bias or cfg.add_bias_linear:
-        names += [f"{p}{x}.bias" for x in "qkv"]
-    if cfg.qk_layernorm:
-        names += [f"{p}q_norm.{x}" for x in norm] + [f"{p}k_norm.{x}" for x in norm]
-    names.append(f"{p}out.weight")
-    if cfg.add_bias_linear:
-        names.append(f"{p}out.bias")
-    return names
-
-
-def mla_names(cfg: GPTConfig, i: int) -> List[str]:
-    """An MLA layer's attention (no biases in any family ckptool reads)."""
-    p = f"layers.{i}.attn."
-    q = ["q_down", "q_down_norm", "q_up"] if cfg.mla.q_lora_rank else ["q"]
-    return [f"{p}{x}.weight" for x in q + ["kv_down", "kv_down_norm", "kv_up", "out"]]
-
-
-def moe_names(cfg: GPTConfig, i: int) -> List[str]:
-    """An MoE layer's MLP: router, every expert (global index), the shared expert and its gate.
-    Experts and the shared expert have no biases in any family ckptool reads."""
-    moe, p = cfg.moe, f"layers.{i}.mlp."
-    names = [f"{p}router.weight"]
-    names += [f"{p}router.bias"] if moe.router_bias else []
-    names += [f"{p}router.expert_bias"] if moe.expert_bias else []
-    for e in range(moe.num_experts):
-        names += mlp_names(cfg, f"{p}experts.{e}.", False)
-    if moe.shared_ffn_hidden_size:
-        names += mlp_names(cfg, f"{p}shared.", False)
-    names += [f"{p}shared_gate.weight"] if moe.shared_gate else []
-    return names
+    """Every canonical tensor name a model with this config has, in streaming order (spec/gpt.py)."""
+    return GPT.names(cfg)

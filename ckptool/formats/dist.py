@@ -40,6 +40,8 @@ from ..lazy import LazyTensor, cat, load_scope
 from ..options import CONFIG_OVERRIDES, ReadOptions
 from ..roles import LAYER_ROLES, assemble, expert_role, global_role_tensor, layer_role_tensor
 from ..sharding import ReplicaPolicy
+from ..spec import GPT
+from ..spec.schema import DIST, MCORE, TE_MOE
 from ..state import (OPTIMIZER_SLOTS, PAD_FILL_BY_SLOT, WEIGHT, Checkpoint, OptimizerState, SourceInfo,
                      expected_names, in_model_order)
 from ..vocab import resize_slot_vocab, resize_vocab, target_rows, with_true_vocab_size
@@ -50,61 +52,24 @@ from .megatron_optim import GroupRule
 
 FORMAT = "torch_dist"
 
-GLOBAL_KEYS = {
-    "embedding.word_embeddings.weight": "word",
-    "embedding.position_embeddings.weight": "pos",
-    "decoder.final_layernorm.weight": "final_norm.weight",
-    "decoder.final_layernorm.bias": "final_norm.bias",
-    "output_layer.weight": "output",
-}
-# Layer names as dist checkpoints store them (TE norm names) -> role.  WRITE_NAMES is what we write.
-WRITE_NAMES = {
-    "attn_norm.weight": "self_attention.linear_qkv.layer_norm_weight",
-    "attn_norm.bias": "self_attention.linear_qkv.layer_norm_bias",
-    "qkv.weight": "self_attention.linear_qkv.weight",
-    "qkv.bias": "self_attention.linear_qkv.bias",
-    "q_norm.weight": "self_attention.q_layernorm.weight",
-    "q_norm.bias": "self_attention.q_layernorm.bias",
-    "k_norm.weight": "self_attention.k_layernorm.weight",
-    "k_norm.bias": "self_attention.k_layernorm.bias",
-    "proj.weight": "self_attention.linear_proj.weight",
-    "proj.bias": "self_attention.linear_proj.bias",
-    "mlp_norm.weight": "mlp.linear_fc1.layer_norm_weight",
-    "mlp_norm.bias": "mlp.linear_fc1.layer_norm_bias",
-    "fc1.weight": "mlp.linear_fc1.weight",
-    "fc1.bias": "mlp.linear_fc1.bias",
-    "fc2.weight": "mlp.linear_fc2.weight",
-    "fc2.bias": "mlp.linear_fc2.bias",
-}
+# Names from the spec (spec/gpt.py): torch_dist keys are megatron-core's with Transformer-Engine norm names even
+# for local layers (the spec's "dist" column). GLOBAL_KEYS / LAYER_KEYS: key -> role (read); WRITE_NAMES: what we write.
+GLOBAL_KEYS = {key: role for role, key in GPT.keys("global", DIST).items()}
+WRITE_NAMES = GPT.keys("layer", DIST)
 LAYER_KEYS = {v: k for k, v in WRITE_NAMES.items()}
 # Local-spec names, found in plain DCP saves of model.state_dict() (not sharded_state_dict()).
-LAYER_KEYS.update({
-    "input_layernorm.weight": "attn_norm.weight", "input_layernorm.bias": "attn_norm.bias",
-    "pre_mlp_layernorm.weight": "mlp_norm.weight", "pre_mlp_layernorm.bias": "mlp_norm.bias",
-})
+LAYER_KEYS.update({key: role for role, key in GPT.keys("layer", MCORE).items() if key not in LAYER_KEYS})
 # MoE layers (megatron-core SequentialMLP / GroupedMLP / TEGroupedMLP, which share one sharded form): router and
 # shared expert per layer like the dense roles; every expert of a layer in ONE tensor with an expert axis
 # before the weight's own axes ([E, out, in]; [L, E, out, in] when stacked), global expert index = position on it.
-MOE_WRITE_NAMES = {
-    "router.weight": "mlp.router.weight",
-    "router.bias": "mlp.router.bias",
-    "router.expert_bias": "mlp.router.expert_bias",
-    "shared.fc1.weight": "mlp.shared_experts.linear_fc1.weight",
-    "shared.fc2.weight": "mlp.shared_experts.linear_fc2.weight",
-    "shared_gate.weight": "mlp.shared_experts.gate_weight",
-}
-EXPERT_WRITE_NAMES = {
-    "fc1.weight": "mlp.experts.experts.linear_fc1.weight",
-    "fc2.weight": "mlp.experts.experts.linear_fc2.weight",
-}
+MOE_WRITE_NAMES = GPT.keys("moe", DIST)
+EXPERT_WRITE_NAMES = {GPT.roles[role].base: key for role, key in GPT.keys("expert", DIST).items()}
 LAYER_KEYS.update({v: k for k, v in MOE_WRITE_NAMES.items()})
 EXPERT_KEYS = {v: k for k, v in EXPERT_WRITE_NAMES.items()}
 # The MLP norm of an MoE layer has no fc1 to fuse into. megatron-core's local spec maps its key onto the dense
 # name (sharded_state_dict_keys_map); the Transformer Engine spec keeps the module's own name (gpt_layer_specs.py;
 # not run here: no Transformer Engine). Both are read (LAYER_KEYS); the target args' transformer_impl picks.
-MOE_NORM_NAMES = {"transformer_engine": {"mlp_norm.weight": "pre_mlp_layernorm.weight",
-                                         "mlp_norm.bias": "pre_mlp_layernorm.bias"},
-                  "local": {}}
+MOE_NORM_NAMES = {"transformer_engine": GPT.keys("layer", TE_MOE), "local": {}}
 # Roles written in their stored dtype whatever --dtype says: megatron-core keeps the expert bias in float32
 # (router.py _maintain_float32_expert_bias), whatever the model's dtype.
 KEEP_STORED_DTYPE = ("router.expert_bias",)
@@ -121,11 +86,17 @@ NOT_READ = (
      "ckptool reads experts stored as decoder.layers[.N].mlp.experts.experts.linear_fc{1,2}.weight "
      "[(layers,) experts, out, in] or one key per expert (...experts.experts.{e}.linear_fc1.weight_w / _v)"),
 )
-# ShardedObjects megatron-core expects per layer (local spec: 4, TE spec adds core_attention).
-EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
-               "mlp.linear_fc2", "self_attention.core_attention")
-SHARED_EXTRA_STATE = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
-EXPERT_EXTRA_STATE = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")  # one per expert
+
+
+def _modules(*roles: str) -> tuple:
+    """The modules holding these roles' torch_dist keys (a ShardedObject per linear module)."""
+    return tuple(GPT.roles[r].key(DIST).rsplit(".", 1)[0] for r in roles)
+
+
+# ShardedObjects megatron-core expects per layer (local spec: 4, TE spec adds core_attention, which holds no weight).
+EXTRA_STATE = _modules("qkv.weight", "proj.weight", "fc1.weight", "fc2.weight") + ("self_attention.core_attention",)
+SHARED_EXTRA_STATE = _modules("shared.fc1.weight", "shared.fc2.weight")
+EXPERT_EXTRA_STATE = _modules("experts.{expert}.fc1.weight", "experts.{expert}.fc2.weight")  # one per expert
 # A ShardedObject is stored as torch.save([its data]); local layers' extra state is None. megatron-core
 # asks for these objects at load, so they are written even though they hold nothing.
 _buf = io.BytesIO()

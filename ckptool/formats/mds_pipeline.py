@@ -14,23 +14,23 @@ from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Tuple
 
 from ..config import GPTConfig
 from ..errors import CkptError
+from ..spec import GPT
+from ..spec.schema import MDS
 
 if TYPE_CHECKING:  # the name tables are torch-free: the quick inspect reads them (quick/deepspeed.py)
     import torch
     from ..lazy import LazyTensor
 
-# key inside a layer file -> role (roles.py)
-EMBED_KEYS = {"word_embeddings.weight": "word", "position_embeddings.weight": "pos"}
-HEAD_KEYS = {"lm_head.weight": "output"}
-FINAL_NORM_KEYS = {"weight": "final_norm.weight", "bias": "final_norm.bias"}
-LAYER_KEYS = {
-    "input_layernorm.weight": "attn_norm.weight", "input_layernorm.bias": "attn_norm.bias",
-    "self_attention.query_key_value.weight": "qkv.weight", "self_attention.query_key_value.bias": "qkv.bias",
-    "self_attention.dense.weight": "proj.weight", "self_attention.dense.bias": "proj.bias",
-    "post_attention_layernorm.weight": "mlp_norm.weight", "post_attention_layernorm.bias": "mlp_norm.bias",
-    "mlp.dense_h_to_4h.weight": "fc1.weight", "mlp.dense_h_to_4h.bias": "fc1.bias",
-    "mlp.dense_4h_to_h.weight": "fc2.weight", "mlp.dense_4h_to_h.bias": "fc2.bias",
-}
+# key inside a layer file -> role (roles.py), from the spec's "mds" column: "<file kind>/<key>" for the globals
+# (which pipeline module holds them), the legacy Megatron-LM names inside a transformer layer's file.
+def _file_keys(kind: str) -> Dict[str, str]:
+    return {key[len(kind) + 1:]: role for role, key in GPT.keys("global", MDS).items() if key.startswith(kind + "/")}
+
+
+EMBED_KEYS = _file_keys("embed")
+HEAD_KEYS = _file_keys("head")
+FINAL_NORM_KEYS = _file_keys("final_norm")
+LAYER_KEYS = {key: role for role, key in GPT.keys("layer", MDS).items()}
 # Pre-2023-11 GQA kept query and key_value apart; nothing here knows their per-rank packing.
 UNSUPPORTED_KEYS = ("self_attention.query.weight", "self_attention.key_value.weight")
 # QKV packing of one TP rank's fused tensor (--qkv-layout; the files do not say which):

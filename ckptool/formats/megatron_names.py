@@ -1,6 +1,7 @@
 """Megatron's key names, one dialect per era, as data.
 
-Each dialect maps roles (roles.py) to state-dict keys. Nested state dicts (legacy
+Each dialect maps roles (roles.py) to state-dict keys, read from the model-family spec (spec/gpt.py: each
+role's key per name column; ERAS below: which columns a dialect reads, renamed how). Nested state dicts (legacy
 `model['language_model'][...]`) are flattened with '/' between dict levels, so a key is a path:
 'language_model/encoder/layers.{i}.input_norm.weight'. {i} is the layer index local to the file
 (pipeline stage / virtual chunk).
@@ -18,6 +19,9 @@ import dataclasses
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, Optional, Tuple
+
+from ..spec import GPT
+from ..spec.schema import FLAT, LEGACY, LEGACY_GROUPED, MCORE, SEQUENTIAL, TE, TE_GROUPED, TE_MOE
 
 if TYPE_CHECKING:  # annotations only: the dialect tables are read without torch (quick inspect)
     import torch
@@ -57,18 +61,6 @@ class Dialect:
     stacked_experts: Dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-_LEGACY_LAYER_2021 = {
-    "attn_norm.weight": "input_layernorm.weight", "attn_norm.bias": "input_layernorm.bias",
-    "qkv.weight": "self_attention.query_key_value.weight",
-    "qkv.bias": "self_attention.query_key_value.bias",
-    "proj.weight": "self_attention.dense.weight", "proj.bias": "self_attention.dense.bias",
-    "mlp_norm.weight": "post_attention_layernorm.weight",
-    "mlp_norm.bias": "post_attention_layernorm.bias",
-    "fc1.weight": "mlp.dense_h_to_4h.weight", "fc1.bias": "mlp.dense_h_to_4h.bias",
-    "fc2.weight": "mlp.dense_4h_to_h.weight", "fc2.bias": "mlp.dense_4h_to_h.bias",
-}
-
-
 def _rename(table: Dict[str, str], *pairs) -> Dict[str, str]:
     out = {}
     for role, key in table.items():
@@ -78,56 +70,52 @@ def _rename(table: Dict[str, str], *pairs) -> Dict[str, str]:
     return out
 
 
-_LEGACY_LAYER_2020 = _rename(_LEGACY_LAYER_2021, ("self_attention.", "attention."))
-_LEGACY_LAYER_NORM = _rename(_LEGACY_LAYER_2021, ("input_layernorm", "input_norm"),
-                             ("post_attention_layernorm", "post_attention_norm"))
+# The keys come from the spec (spec/gpt.py). Each dialect reads one column of it for the globals and one for the
+# layers; the legacy eras are the spec's 2021-2023 names ("legacy" column) with module names renamed.
+_ATTENTION_2020 = ("self_attention.", "attention.")
+ERAS = {  # dialect -> (globals column, layer column, renames)
+    "flat2019": (FLAT, LEGACY, (_ATTENTION_2020,)),
+    "legacy-2020": (LEGACY, LEGACY, (("/encoder/", "/transformer/"), _ATTENTION_2020)),
+    "legacy": (LEGACY, LEGACY, ()),
+    "legacy-norm": (LEGACY, LEGACY, (("input_layernorm", "input_norm"),
+                                     ("post_attention_layernorm", "post_attention_norm"),
+                                     ("final_layernorm", "final_norm"))),
+    "mcore": (MCORE, MCORE, ()),
+    "mcore-te": (TE, TE, ()),
+}
 
-_MCORE_LAYER = {
-    "attn_norm.weight": "input_layernorm.weight", "attn_norm.bias": "input_layernorm.bias",
-    "qkv.weight": "self_attention.linear_qkv.weight", "qkv.bias": "self_attention.linear_qkv.bias",
-    "q_norm.weight": "self_attention.q_layernorm.weight",
-    "q_norm.bias": "self_attention.q_layernorm.bias",
-    "k_norm.weight": "self_attention.k_layernorm.weight",
-    "k_norm.bias": "self_attention.k_layernorm.bias",
-    "proj.weight": "self_attention.linear_proj.weight", "proj.bias": "self_attention.linear_proj.bias",
-    "mlp_norm.weight": "pre_mlp_layernorm.weight", "mlp_norm.bias": "pre_mlp_layernorm.bias",
-    "fc1.weight": "mlp.linear_fc1.weight", "fc1.bias": "mlp.linear_fc1.bias",
-    "fc2.weight": "mlp.linear_fc2.weight", "fc2.bias": "mlp.linear_fc2.bias",
-}
-_MCORE_TE_LAYER = dict(_MCORE_LAYER, **{
-    "attn_norm.weight": "self_attention.linear_qkv.layer_norm_weight",
-    "attn_norm.bias": "self_attention.linear_qkv.layer_norm_bias",
-    "mlp_norm.weight": "mlp.linear_fc1.layer_norm_weight",
-    "mlp_norm.bias": "mlp.linear_fc1.layer_norm_bias",
-})
-_MCORE_EXTRA = ("self_attention.linear_proj._extra_state", "self_attention.linear_qkv._extra_state",
-                "mlp.linear_fc1._extra_state", "mlp.linear_fc2._extra_state")
+
+def _era(name: str) -> Dict[str, object]:
+    glob, layer, renames = ERAS[name]
+    return dict(globals=_rename(GPT.keys("global", glob), *renames),
+                layer=_rename(GPT.keys("layer", layer), *renames))
+
+
+def _experts(column: str) -> Dict[str, str]:
+    """An expert module form's keys by base role (fc1.weight, fc2.weight)."""
+    return {GPT.roles[role].base: key for role, key in GPT.keys("expert", column).items()}
+
+
+def _extra_state(column: str, *roles: str) -> Tuple[str, ...]:
+    """The `_extra_state` keys of the linear modules holding these roles (one per module, beside its weight)."""
+    return tuple(GPT.roles[r].key(column).rsplit(".", 1)[0] + "._extra_state" for r in roles)
+
+
+_LINEARS = ("proj.weight", "qkv.weight", "fc1.weight", "fc2.weight")  # megatron-core's registration order
+_EXPERT_LINEARS = ("experts.{expert}.fc1.weight", "experts.{expert}.fc2.weight")
+_MCORE_EXTRA = _extra_state(MCORE, *_LINEARS)
 # megatron-core MoE layers (local spec): TopKRouter, SequentialMLP experts, SharedExpertMLP.
-_MCORE_MOE_LAYER = {
-    "router.weight": "mlp.router.weight", "router.bias": "mlp.router.bias",
-    "router.expert_bias": "mlp.router.expert_bias",
-    "shared.fc1.weight": "mlp.shared_experts.linear_fc1.weight",
-    "shared.fc2.weight": "mlp.shared_experts.linear_fc2.weight",
-    "shared_gate.weight": "mlp.shared_experts.gate_weight",
-}
-_SEQUENTIAL_EXPERTS = {"fc1.weight": "mlp.experts.local_experts.{j}.linear_fc1.weight",
-                       "fc2.weight": "mlp.experts.local_experts.{j}.linear_fc2.weight"}
-_SEQUENTIAL_EXPERT_EXTRA = ("mlp.experts.local_experts.{j}.linear_fc1._extra_state",
-                            "mlp.experts.local_experts.{j}.linear_fc2._extra_state")
+_MCORE_MOE_LAYER = GPT.keys("moe", MCORE)
+_SEQUENTIAL_EXPERTS = _experts(SEQUENTIAL)
+_SEQUENTIAL_EXPERT_EXTRA = _extra_state(SEQUENTIAL, *_EXPERT_LINEARS)
 # TEGroupedMLP (--moe-grouped-gemm with Transformer Engine): one TE GroupedLinear per fc, local expert j's
 # weight under `weight{j}`, each laid out as a linear layer's [out / TP, in] (fc1: [gate_r; up_r] when gated).
-_TE_GROUPED_EXPERTS = {"fc1.weight": "mlp.experts.linear_fc1.weight{j}",
-                       "fc2.weight": "mlp.experts.linear_fc2.weight{j}"}
-_TE_GROUPED_EXTRA = ("mlp.experts.linear_fc1._extra_state", "mlp.experts.linear_fc2._extra_state")
+_TE_GROUPED_EXPERTS = _experts(TE_GROUPED)
+_TE_GROUPED_EXTRA = _extra_state(TE_GROUPED, *_EXPERT_LINEARS)
 # The legacy GroupedMLP (--moe-grouped-gemm on the local spec, or --moe-use-legacy-grouped-gemm): one tensor per
 # fc for all local experts, laid out for grouped_gemm's kernels (stacked_expert_block below).
-_LEGACY_GROUPED_EXPERTS = {"fc1.weight": "mlp.experts.weight1", "fc2.weight": "mlp.experts.weight2"}
-_SHARED_EXTRA = ("mlp.shared_experts.linear_fc1._extra_state", "mlp.shared_experts.linear_fc2._extra_state")
-_MCORE_GLOBALS = {
-    "word": "embedding.word_embeddings.weight", "pos": "embedding.position_embeddings.weight",
-    "final_norm.weight": "decoder.final_layernorm.weight",
-    "final_norm.bias": "decoder.final_layernorm.bias", "output": "output_layer.weight",
-}
+_LEGACY_GROUPED_EXPERTS = _experts(LEGACY_GROUPED)
+_SHARED_EXTRA = _extra_state(MCORE, "shared.fc1.weight", "shared.fc2.weight")
 
 
 # named_parameters() order of a layer. Legacy: norm, query_key_value, dense, norm, MLP. megatron-core
@@ -145,48 +133,29 @@ _MCORE_TE_PARAM_ORDER = (("proj.weight", "proj.bias", "attn_norm.weight", "attn_
                          + _QK_NORMS + _MLP)
 
 
-def _legacy_globals(body: str, final: str) -> Dict[str, str]:
-    return {
-        "word": "language_model/embedding/word_embeddings/weight",
-        "pos": "language_model/embedding/position_embeddings/weight",
-        "final_norm.weight": f"language_model/{body}/{final}.weight",
-        "final_norm.bias": f"language_model/{body}/{final}.bias",
-        "output": "language_model/output_layer/weight",
-    }
-
-
 DIALECTS: Dict[str, Dialect] = {d.name: d for d in [
-    Dialect("flat2019",
-            globals={"word": "word_embeddings.weight", "pos": "position_embeddings.weight",
-                     "final_norm.weight": "transformer.final_layernorm.weight",
-                     "final_norm.bias": "transformer.final_layernorm.bias"},
-            layer_prefix="transformer.layers.{i}.", layer=_LEGACY_LAYER_2020,
+    Dialect("flat2019", layer_prefix="transformer.layers.{i}.", **_era("flat2019"),
             has_args=False, qkv_version0_only=True, param_order=_LEGACY_PARAM_ORDER),
-    Dialect("legacy-2020", globals=_legacy_globals("transformer", "final_layernorm"),
-            layer_prefix="language_model/transformer/layers.{i}.", layer=_LEGACY_LAYER_2020,
+    Dialect("legacy-2020", layer_prefix="language_model/transformer/layers.{i}.", **_era("legacy-2020"),
             head_copy="word_embeddings_for_head/weight", nested=True, param_order=_LEGACY_PARAM_ORDER),
-    Dialect("legacy", globals=_legacy_globals("encoder", "final_layernorm"),
-            layer_prefix="language_model/encoder/layers.{i}.", layer=_LEGACY_LAYER_2021,
+    Dialect("legacy", layer_prefix="language_model/encoder/layers.{i}.", **_era("legacy"),
             head_copy="word_embeddings_for_head/weight", nested=True, param_order=_LEGACY_PARAM_ORDER),
-    Dialect("legacy-norm", globals=_legacy_globals("encoder", "final_norm"),
-            layer_prefix="language_model/encoder/layers.{i}.", layer=_LEGACY_LAYER_NORM,
+    Dialect("legacy-norm", layer_prefix="language_model/encoder/layers.{i}.", **_era("legacy-norm"),
             head_copy="word_embeddings_for_head/weight", nested=True, param_order=_LEGACY_PARAM_ORDER),
-    Dialect("mcore", globals=_MCORE_GLOBALS, layer_prefix="decoder.layers.{i}.", layer=_MCORE_LAYER,
+    Dialect("mcore", layer_prefix="decoder.layers.{i}.", **_era("mcore"),
             head_copy="output_layer.weight", extra_state=_MCORE_EXTRA,
             global_extra_state=("output_layer._extra_state",), legacy_models=False,
             param_order=_MCORE_PARAM_ORDER, moe_layer=_MCORE_MOE_LAYER, experts=(_SEQUENTIAL_EXPERTS,),
             expert_extra_state=_SEQUENTIAL_EXPERT_EXTRA, shared_extra_state=_SHARED_EXTRA,
             stacked_experts=_LEGACY_GROUPED_EXPERTS),
-    Dialect("mcore-te", globals=_MCORE_GLOBALS, layer_prefix="decoder.layers.{i}.",
-            layer=_MCORE_TE_LAYER, head_copy="output_layer.weight",
+    Dialect("mcore-te", layer_prefix="decoder.layers.{i}.", **_era("mcore-te"), head_copy="output_layer.weight",
             extra_state=_MCORE_EXTRA + ("self_attention.core_attention._extra_state",),
             extra_state_value="empty_bytes", global_extra_state=("output_layer._extra_state",),
             legacy_models=False, transformer_impl="transformer_engine", param_order=_MCORE_TE_PARAM_ORDER,
             # MoE layers keep a separate pre_mlp_layernorm (no fc1 to fuse it into); experts as SequentialMLP
             # of TE linears, or TEGroupedMLP under --moe-grouped-gemm (layouts from megatron-core's
             # experts.py; Transformer Engine itself does not run here), or legacy GroupedMLP (read only)
-            moe_layer=dict(_MCORE_MOE_LAYER, **{"mlp_norm.weight": "pre_mlp_layernorm.weight",
-                                                "mlp_norm.bias": "pre_mlp_layernorm.bias"}),
+            moe_layer=dict(GPT.keys("moe", TE), **GPT.keys("layer", TE_MOE)),
             experts=(_SEQUENTIAL_EXPERTS, _TE_GROUPED_EXPERTS), expert_extra_state=_SEQUENTIAL_EXPERT_EXTRA,
             shared_extra_state=_SHARED_EXTRA, grouped_experts=_TE_GROUPED_EXPERTS,
             grouped_extra_state=_TE_GROUPED_EXTRA, stacked_experts=_LEGACY_GROUPED_EXPERTS),

@@ -1,0 +1,124 @@
+"""The GPT family (GPT-2, Llama, Mistral, Qwen, Mixtral, Qwen-MoE, DeepSeek-V3) as data: every canonical
+tensor once (TENSORS) and every Megatron role once with its key in each format (ROLES). schema.py says
+what the fields mean; README "Adding a family or a slot" how to extend it. Hugging Face names stay per
+architecture in formats/hf_names.py: one HF architecture's names do not line up with Megatron's roles.
+"""
+from __future__ import annotations
+
+from .schema import (DIST, FLAT, LEGACY, LEGACY_GROUPED, MCORE, MDS, SEQUENTIAL, TE, TE_GROUPED, TE_MOE,
+                     Role, Spec, Tensor)
+
+L = "layers.{layer}."
+E = L + "mlp.experts.{expert}."
+# predicate runs (order matters where a later one reads config that an earlier one guarantees: moe first)
+NORM_BIAS, QK_NORM, MOE, EXPERT = ("norm_bias",), ("gqa", "qk_norm"), ("moe",), ("moe",)
+
+TENSORS = (
+    Tensor("embed.word", role="word"),
+    Tensor("embed.pos", ("learned_pos",), role="pos"),
+    Tensor(L + "attn_norm.weight", role="attn_norm.weight"),
+    Tensor(L + "attn_norm.bias", NORM_BIAS, role="attn_norm.bias"),
+    # attention: grouped-query (gqa) or Multi-Latent (mla); attn.q is both GQA's q and MLA's without q_lora
+    Tensor(L + "attn.q_down.weight", ("mla_q_lora",)),
+    Tensor(L + "attn.q_down_norm.weight", ("mla_q_lora",)),
+    Tensor(L + "attn.q_up.weight", ("mla_q_lora",)),
+    Tensor(L + "attn.q.weight", ("q_proj",), role="qkv.weight", part="q"),
+    Tensor(L + "attn.k.weight", ("gqa",), role="qkv.weight", part="k"),
+    Tensor(L + "attn.v.weight", ("gqa",), role="qkv.weight", part="v"),
+    Tensor(L + "attn.q.bias", ("gqa", "qkv_bias"), role="qkv.bias", part="q"),
+    Tensor(L + "attn.k.bias", ("gqa", "qkv_bias"), role="qkv.bias", part="k"),
+    Tensor(L + "attn.v.bias", ("gqa", "qkv_bias"), role="qkv.bias", part="v"),
+    Tensor(L + "attn.q_norm.weight", QK_NORM, role="q_norm.weight"),
+    Tensor(L + "attn.q_norm.bias", QK_NORM + NORM_BIAS, role="q_norm.bias"),
+    Tensor(L + "attn.k_norm.weight", QK_NORM, role="k_norm.weight"),
+    Tensor(L + "attn.k_norm.bias", QK_NORM + NORM_BIAS, role="k_norm.bias"),
+    Tensor(L + "attn.kv_down.weight", ("mla",)),
+    Tensor(L + "attn.kv_down_norm.weight", ("mla",)),
+    Tensor(L + "attn.kv_up.weight", ("mla",)),
+    Tensor(L + "attn.out.weight", role="proj.weight"),
+    Tensor(L + "attn.out.bias", ("gqa", "linear_bias"), role="proj.bias"),
+    Tensor(L + "mlp_norm.weight", role="mlp_norm.weight"),
+    Tensor(L + "mlp_norm.bias", NORM_BIAS, role="mlp_norm.bias"),
+    # dense MLP
+    Tensor(L + "mlp.gate.weight", ("dense_mlp", "gated"), role="fc1.weight", part="gate"),
+    Tensor(L + "mlp.up.weight", ("dense_mlp",), role="fc1.weight", part="up"),
+    Tensor(L + "mlp.down.weight", ("dense_mlp",), role="fc2.weight"),
+    Tensor(L + "mlp.gate.bias", ("dense_mlp", "linear_bias", "gated"), role="fc1.bias", part="gate"),
+    Tensor(L + "mlp.up.bias", ("dense_mlp", "linear_bias"), role="fc1.bias", part="up"),
+    Tensor(L + "mlp.down.bias", ("dense_mlp", "linear_bias"), role="fc2.bias"),
+    # MoE layer: router, experts (no biases in any family ckptool reads), shared expert and its gate
+    Tensor(L + "mlp.router.weight", MOE, role="router.weight"),
+    Tensor(L + "mlp.router.bias", MOE + ("router_bias",), role="router.bias"),
+    Tensor(L + "mlp.router.expert_bias", MOE + ("expert_bias",), role="router.expert_bias"),
+    Tensor(E + "gate.weight", EXPERT + ("gated",), role="experts.{expert}.fc1.weight", part="gate"),
+    Tensor(E + "up.weight", EXPERT, role="experts.{expert}.fc1.weight", part="up"),
+    Tensor(E + "down.weight", EXPERT, role="experts.{expert}.fc2.weight"),
+    Tensor(L + "mlp.shared.gate.weight", MOE + ("shared_expert", "gated"), role="shared.fc1.weight", part="gate"),
+    Tensor(L + "mlp.shared.up.weight", MOE + ("shared_expert",), role="shared.fc1.weight", part="up"),
+    Tensor(L + "mlp.shared.down.weight", MOE + ("shared_expert",), role="shared.fc2.weight"),
+    Tensor(L + "mlp.shared_gate.weight", MOE + ("shared_gate",), role="shared_gate.weight"),
+    Tensor("final_norm.weight", role="final_norm.weight"),
+    Tensor("final_norm.bias", NORM_BIAS, role="final_norm.bias"),
+    Tensor("output.weight", ("untied",), role="output"),
+)
+
+_NESTED = "language_model/"
+ROLES = (
+    # globals: whole keys
+    Role("word", "vocab", {LEGACY: _NESTED + "embedding/word_embeddings/weight", FLAT: "word_embeddings.weight",
+                           MCORE: "embedding.word_embeddings.weight", MDS: "embed/word_embeddings.weight"}),
+    Role("pos", "replicated", {LEGACY: _NESTED + "embedding/position_embeddings/weight",
+                               FLAT: "position_embeddings.weight", MCORE: "embedding.position_embeddings.weight",
+                               MDS: "embed/position_embeddings.weight"}),
+    Role("final_norm.weight", "replicated", {LEGACY: _NESTED + "encoder/final_layernorm.weight",
+                                             FLAT: "transformer.final_layernorm.weight",
+                                             MCORE: "decoder.final_layernorm.weight", MDS: "final_norm/weight"}),
+    Role("final_norm.bias", "replicated", {LEGACY: _NESTED + "encoder/final_layernorm.bias",
+                                           FLAT: "transformer.final_layernorm.bias",
+                                           MCORE: "decoder.final_layernorm.bias", MDS: "final_norm/bias"}),
+    Role("output", "vocab", {LEGACY: _NESTED + "output_layer/weight", MCORE: "output_layer.weight",
+                             MDS: "head/lm_head.weight"}),
+    # layer roles: keys relative to the layer, in the order writers write them
+    Role("attn_norm.weight", "replicated", {LEGACY: "input_layernorm.weight", MCORE: "input_layernorm.weight",
+                                            TE: "self_attention.linear_qkv.layer_norm_weight"}),
+    Role("attn_norm.bias", "replicated", {LEGACY: "input_layernorm.bias", MCORE: "input_layernorm.bias",
+                                          TE: "self_attention.linear_qkv.layer_norm_bias"}),
+    Role("qkv.weight", "qkv", {LEGACY: "self_attention.query_key_value.weight",
+                               MCORE: "self_attention.linear_qkv.weight"}, fused="qkv"),
+    Role("qkv.bias", "qkv", {LEGACY: "self_attention.query_key_value.bias",
+                             MCORE: "self_attention.linear_qkv.bias"}, fused="qkv"),
+    Role("q_norm.weight", "replicated", {MCORE: "self_attention.q_layernorm.weight"}),
+    Role("q_norm.bias", "replicated", {MCORE: "self_attention.q_layernorm.bias"}),
+    Role("k_norm.weight", "replicated", {MCORE: "self_attention.k_layernorm.weight"}),
+    Role("k_norm.bias", "replicated", {MCORE: "self_attention.k_layernorm.bias"}),
+    Role("proj.weight", "row", {LEGACY: "self_attention.dense.weight", MCORE: "self_attention.linear_proj.weight"}),
+    Role("proj.bias", "replicated", {LEGACY: "self_attention.dense.bias", MCORE: "self_attention.linear_proj.bias"}),
+    Role("mlp_norm.weight", "replicated", {LEGACY: "post_attention_layernorm.weight",
+                                           MCORE: "pre_mlp_layernorm.weight",
+                                           TE: "mlp.linear_fc1.layer_norm_weight",
+                                           TE_MOE: "pre_mlp_layernorm.weight"}),
+    Role("mlp_norm.bias", "replicated", {LEGACY: "post_attention_layernorm.bias", MCORE: "pre_mlp_layernorm.bias",
+                                         TE: "mlp.linear_fc1.layer_norm_bias", TE_MOE: "pre_mlp_layernorm.bias"}),
+    Role("fc1.weight", "column", {LEGACY: "mlp.dense_h_to_4h.weight", MCORE: "mlp.linear_fc1.weight"},
+         fused="halves"),
+    Role("fc1.bias", "column", {LEGACY: "mlp.dense_h_to_4h.bias", MCORE: "mlp.linear_fc1.bias"}, fused="halves"),
+    Role("fc2.weight", "row", {LEGACY: "mlp.dense_4h_to_h.weight", MCORE: "mlp.linear_fc2.weight"}),
+    Role("fc2.bias", "replicated", {LEGACY: "mlp.dense_4h_to_h.bias", MCORE: "mlp.linear_fc2.bias"}),
+    # MoE layer roles (megatron-core only): TopKRouter, SharedExpertMLP
+    Role("router.weight", "replicated", {MCORE: "mlp.router.weight"}),
+    Role("router.bias", "replicated", {MCORE: "mlp.router.bias"}),
+    Role("router.expert_bias", "replicated", {MCORE: "mlp.router.expert_bias"}),
+    Role("shared.fc1.weight", names={MCORE: "mlp.shared_experts.linear_fc1.weight"}, fused="halves"),
+    Role("shared.fc2.weight", names={MCORE: "mlp.shared_experts.linear_fc2.weight"}),
+    Role("shared_gate.weight", "replicated", {MCORE: "mlp.shared_experts.gate_weight"}),
+    # experts, by module form; {j}: the expert's index local to its expert-parallel rank. torch_dist keeps a
+    # layer's experts in one tensor with the global expert index as its leading axis.
+    Role("experts.{expert}.fc1.weight", fused="halves", names={
+        SEQUENTIAL: "mlp.experts.local_experts.{j}.linear_fc1.weight", TE_GROUPED: "mlp.experts.linear_fc1.weight{j}",
+        LEGACY_GROUPED: "mlp.experts.weight1", DIST: "mlp.experts.experts.linear_fc1.weight"}),
+    Role("experts.{expert}.fc2.weight", names={
+        SEQUENTIAL: "mlp.experts.local_experts.{j}.linear_fc2.weight", TE_GROUPED: "mlp.experts.linear_fc2.weight{j}",
+        LEGACY_GROUPED: "mlp.experts.weight2", DIST: "mlp.experts.experts.linear_fc2.weight"}),
+)
+
+GPT = Spec(TENSORS, ROLES)

@@ -1,0 +1,207 @@
+"""What a model-family spec is made of, and how a config expands it into names. No torch here: the
+quick inspect path reads these tables without it.
+
+A spec is two tables (spec/gpt.py is the one family ckptool converts):
+
+  TENSORS  every canonical tensor ONCE, in the order writers stream them (state.expected_names), as a
+           Tensor: its name pattern with index axes ({layer}, {expert}), the named predicates a config
+           must satisfy for the model to have it (PREDICATES), and the Megatron role that holds it with
+           its part of that role when the role is fused (q|k|v of QKV, gate|up of a gated fc1).
+  ROLES    every Megatron role ONCE, in the order writers write a layer's roles, as a Role: its
+           tensor-parallel rule, how its parts are fused, and its key in each name column (COLUMNS).
+
+Formats name Megatron's fused roles, never the canonical parts, so format names live on the Role and a
+Tensor reaches them through its role. The format modules' tables (megatron_names dialects, dist.py,
+mds_pipeline.py, roles.py) are views built from these two tables.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+
+# --- name columns of a Role ------------------------------------------------------------------
+# Layer roles' keys are relative to the layer (the format adds its layer prefix); globals' are whole keys.
+LEGACY = "legacy"          # Megatron-LM legacy models, 2021-01 .. 2023-09 names (other eras: renames of
+                           # these, megatron_names.ERAS); globals as the nested '/' path
+FLAT = "flat"              # DeepSpeedExamples' 2019 Megatron-LM, flat global keys
+MCORE = "mcore"            # megatron-core GPTModel, local layer spec
+TE = "te"                  # megatron-core with Transformer Engine (norms fused into linear_qkv / linear_fc1)
+TE_MOE = "te-moe"          # the TE name inside an MoE layer, where there is no fc1 to fuse the norm into
+DIST = "dist"              # torch_dist (megatron-core sharded_state_dict): what ckptool writes
+MDS = "mds"                # Megatron-DeepSpeed pipeline layer files: "<file kind>/<key>" for globals
+SEQUENTIAL = "sequential"  # experts: SequentialMLP, {j} the expert's index local to its EP rank
+TE_GROUPED = "te-grouped"  # experts: TEGroupedMLP (--moe-grouped-gemm with Transformer Engine)
+LEGACY_GROUPED = "legacy-grouped"  # experts: legacy GroupedMLP, all local experts in one tensor (read only)
+COLUMNS = (LEGACY, FLAT, MCORE, TE, TE_MOE, DIST, MDS, SEQUENTIAL, TE_GROUPED, LEGACY_GROUPED)
+# A column a Role does not list takes the name of its fallback column (the names that do not differ):
+FALLBACK = {TE: MCORE, DIST: TE, MDS: LEGACY}
+
+# --- config predicates: when a model has a tensor ---------------------------------------------
+# (cfg, layer) -> bool; layer is None for global tensors. A Tensor lists the ones that must all hold.
+Predicate = Callable[[object, Optional[int]], bool]
+PREDICATES: Dict[str, Predicate] = {
+    "learned_pos": lambda c, i: c.position_embedding == "learned",
+    "untied": lambda c, i: not c.tied_embeddings,
+    "norm_bias": lambda c, i: c.norm_has_bias,              # LayerNorm has a bias, RMSNorm none
+    "linear_bias": lambda c, i: c.add_bias_linear,
+    "qkv_bias": lambda c, i: c.add_qkv_bias or c.add_bias_linear,
+    "qk_norm": lambda c, i: c.qk_layernorm,
+    "gated": lambda c, i: c.gated,                           # SwiGLU: fc1 = [gate; up]
+    "gqa": lambda c, i: c.mla is None,                       # grouped-query attention (attn.q/k/v)
+    "mla": lambda c, i: c.mla is not None,                   # Multi-Latent Attention
+    "mla_q_lora": lambda c, i: c.mla is not None and bool(c.mla.q_lora_rank),
+    "q_proj": lambda c, i: c.mla is None or not c.mla.q_lora_rank,  # q projected straight from h
+    "dense_mlp": lambda c, i: not c.is_moe_layer(i),
+    "moe": lambda c, i: c.is_moe_layer(i),
+    "router_bias": lambda c, i: c.moe.router_bias,
+    "expert_bias": lambda c, i: c.moe.expert_bias,
+    "shared_expert": lambda c, i: bool(c.moe.shared_ffn_hidden_size),
+    "shared_gate": lambda c, i: c.moe.shared_gate,
+}
+# index axes of a name pattern and how many values each takes for a config
+AXES: Dict[str, Callable[[object], int]] = {
+    "layer": lambda c: c.num_layers,
+    "expert": lambda c: c.moe.num_experts,
+}
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One canonical tensor: `name` with its index axes ({layer}, {expert}), `when` the PREDICATES a
+    config must satisfy for the model to have it, `role` the Megatron role (ROLES) holding it (None: no
+    Megatron form ckptool writes, e.g. MLA) and `part` its part of a fused role (q|k|v, gate|up)."""
+    name: str
+    when: Tuple[str, ...] = ()
+    role: Optional[str] = None
+    part: Optional[str] = None
+
+    @property
+    def axes(self) -> Tuple[str, ...]:
+        return tuple(a for a in AXES if "{" + a + "}" in self.name)
+
+    def holds(self, cfg, layer: Optional[int] = None) -> bool:
+        return all(PREDICATES[p](cfg, layer) for p in self.when)
+
+    def format(self, layer: Optional[int] = None, expert: Optional[int] = None) -> str:
+        return self.name.format(layer=layer, expert=expert)
+
+
+# MoE scopes of a role name: one expert's (its {expert} axis) and the shared expert's
+SCOPES = ("experts.{expert}.", "shared.")
+
+
+@dataclass(frozen=True)
+class Role:
+    """One Megatron role (a tensor as Megatron stores it, possibly fused from canonical parts).
+
+    name: the role; an MoE scope prefixes the base role (shared.fc1.weight, experts.{expert}.fc1.weight)
+    and a scoped role shards by its base role's rule. rule: the tensor-parallel rule (a sharding.Rule
+    value; None for scoped roles). fused: how the parts sit in the tensor: "qkv" (grouped per query
+    group) or "halves" ([gate; up] rows when the model is gated, the GATED rule then). names: column
+    (COLUMNS) -> key; a column missing here and in FALLBACK means the format has no such tensor."""
+    name: str
+    rule: Optional[str] = None
+    names: Mapping[str, str] = field(default_factory=dict)
+    fused: Optional[str] = None
+
+    @property
+    def base(self) -> str:
+        """The role without its MoE scope: fc1.weight for experts.{expert}.fc1.weight."""
+        for scope in SCOPES:
+            if self.name.startswith(scope):
+                return self.name[len(scope):]
+        return self.name
+
+    @property
+    def is_expert(self) -> bool:
+        return self.name.startswith(SCOPES[0])
+
+    def key(self, column: str) -> Optional[str]:
+        """This role's key in a name column, following FALLBACK; None when the column has none."""
+        while column is not None:
+            if column in self.names:
+                return self.names[column]
+            column = FALLBACK.get(column)
+        return None
+
+
+class Spec:
+    """A family's TENSORS and ROLES with the lookups the format views need."""
+
+    def __init__(self, tensors: Tuple[Tensor, ...], roles: Tuple[Role, ...]):
+        self.tensors = tensors
+        self.roles = {r.name: r for r in roles}
+        names = [t.name for t in tensors]
+        unknown = {t.role for t in tensors if t.role is not None} - set(self.roles)
+        problems = [f"{t.name}: unknown predicate in {t.when}" for t in tensors if not set(t.when) <= set(PREDICATES)]
+        problems += [f"{r.name}: unknown name column" for r in roles if not set(r.names) <= set(COLUMNS)]
+        if unknown:
+            problems.append(f"tensors name roles the spec lacks: {sorted(unknown)}")
+        if len(self.roles) != len(roles):
+            problems.append("a role listed twice")
+        if len(set(names)) != len(names):
+            problems.append("a canonical tensor listed twice")
+        if problems:  # a mistake in the spec's data: fail at import, not in some writer later
+            raise ValueError("; ".join(problems))
+
+    # --- roles by where they live ----------------------------------------------------------
+    def tensors_of(self, role: str) -> List[Tensor]:
+        return [t for t in self.tensors if t.role == role]
+
+    def parts(self, role: str, cfg, layer: Optional[int] = None) -> List[Tensor]:
+        """The canonical tensors a role's tensor holds for cfg, in fused order: the role's Tensors less those
+        whose own predicates fail (beyond the ones all of them share, which say whether the role exists at
+        all): fc1 holds gate and up for a gated model, up alone otherwise."""
+        ts = self.tensors_of(role)
+        common = set.intersection(*(set(t.when) for t in ts)) if ts else set()
+        return [t for t in ts if all(PREDICATES[p](cfg, layer) for p in t.when if p not in common)]
+
+    def role_list(self, where: str) -> List[Role]:
+        """Roles in ROLES order: "global" (no layer axis), "layer" (every layer of a dense model holds
+        them), "moe" (an MoE layer's own: router, shared expert and its gate), "expert" (per expert)."""
+        out = []
+        for r in self.roles.values():
+            ts = self.tensors_of(r.name)
+            if not ts:
+                continue
+            kind = ("global" if "layer" not in ts[0].axes else "expert" if r.is_expert
+                    else "moe" if "moe" in ts[0].when else "layer")
+            if kind == where:
+                out.append(r)
+        return out
+
+    def keys(self, where: str, column: str) -> Dict[str, str]:
+        """role -> key in one column, for the roles of `where` that the column names."""
+        return {r.name: r.key(column) for r in self.role_list(where) if r.key(column) is not None}
+
+    # --- expansion --------------------------------------------------------------------------
+    def expand(self, cfg) -> Iterator[Tuple[str, Tensor, Optional[int], Optional[int]]]:
+        """(name, Tensor, layer, expert) of every tensor a model with cfg has, in TENSORS order with
+        each run of consecutive same-axis entries repeated over its axis (layer-major, then expert)."""
+        yield from self._expand(cfg, list(self.tensors), (), None, None)
+
+    def _expand(self, cfg, tensors, outer, layer, expert):
+        i = 0
+        while i < len(tensors):
+            axis = next((a for a in tensors[i].axes if a not in outer), None)
+            if axis is None:
+                t = tensors[i]
+                if t.holds(cfg, layer):
+                    yield t.format(layer, expert), t, layer, expert
+                i += 1
+                continue
+            j = i
+            while j < len(tensors) and axis in tensors[j].axes:
+                j += 1
+            run = tensors[i:j]
+            # a whole run is skipped without counting its axis when none of it holds (no MoE: no experts)
+            if layer is not None and not any(t.holds(cfg, layer) for t in run):
+                i = j
+                continue
+            for n in range(AXES[axis](cfg)):
+                yield from self._expand(cfg, run, outer + (axis,), n if axis == "layer" else layer,
+                                        n if axis == "expert" else expert)
+            i = j
+
+    def names(self, cfg) -> List[str]:
+        return [name for name, _, _, _ in self.expand(cfg)]
