@@ -27,6 +27,7 @@ from .errors import CkptError, NoCanonicalForm, require
 from .formats import registry
 from .options import ReadOptions, pop_read_options
 from .state import Checkpoint
+from .summary import WriteSummary
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
           "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -39,23 +40,33 @@ Warn = Callable[[str], None]
 
 @dataclass
 class ConversionResult:
-    """What a conversion wrote: `summary` is the writer's own report (files, bytes, padded_vocab_size,
-    format, dialect, iteration_dir for Megatron outputs; architecture, files, vocab_size, ... for
-    Hugging Face ones); `result["files"]` reads it directly. `checkpoint` is the canonical state that
+    """What a conversion wrote: `summary` is the writer's own report (summary.WriteSummary: files, tensors,
+    bytes, the optimizer state carried, the warnings of the write; padded_vocab_size, dialect, iteration_dir
+    for Megatron outputs; architecture, vocab_size, dtype, ... for Hugging Face ones in its details);
+    `result["files"]` reads it directly. `checkpoint` is the canonical state that
     was written (None for the BERT and DeepSpeed-HF exports, which bypass it); `warnings` everything
     ckptool warned about, in order."""
     command: str
     src: str
     dst: str
-    summary: Dict[str, Any]
+    summary: WriteSummary
     checkpoint: Optional[Checkpoint] = None
     layout: Optional[Layout] = None
     kind: str = "gpt"  # to_hf: "gpt", "bert" (DeepLearningExamples) or "deepspeed-hf" (model's own names)
     warnings: List[str] = field(default_factory=list)
     leader: bool = True  # False on the torchrun ranks that do not report for the team
+    # tensor-parallel replicas that differed in the source: name -> largest abs difference (sharding.ReplicaPolicy)
+    replica_divergences: Dict[str, float] = field(default_factory=dict)
 
     def __getitem__(self, key: str) -> Any:
         return self.summary[key]
+
+
+def replica_divergences(ckpt: Checkpoint) -> Dict[str, float]:
+    """The source's tensor-parallel replicas that differed, as far as its tensors have been read: name ->
+    largest absolute difference (empty when every copy agreed, or the format keeps no replicas)."""
+    policy = ckpt.source.extra.get("replica_policy")
+    return dict(policy.divergences) if policy is not None else {}
 
 
 @dataclass
@@ -230,8 +241,10 @@ def _write_megatron_family(command, src, dst, ckpt: Checkpoint, layout: Layout, 
     warnings: List[str] = []
     summary = write_layout(ckpt, dst, layout, fmt=fmt, force=force, progress=_bytes_progress(progress, ckpt),
                            warn=_collecting(warnings, warn), **write_options)
+    summary.warnings = list(warnings)  # what the write warned about (the reader's follow)
     warnings += [w for w in ckpt.warnings if w not in warnings]
     return ConversionResult(command, str(src), str(dst), summary, ckpt, layout, warnings=warnings,
+                            replica_divergences=replica_divergences(ckpt),
                             leader=current_team().leader)
 
 
@@ -262,16 +275,12 @@ def to_hf(src, dst, *, dtype=None, max_shard_size: str = "5GB", tokenizer: Optio
         return write_hf(ckpt, tmp, dtype=torch_dtype, max_shard_size=max_shard_size, tokenizer=tokenizer,
                         progress=bar, warn=_collecting(warnings, warn), owns=owns)
 
-    summary = write_output(dst, [Path(src)], force, write_into, merge=_merge_hf_summaries)
+    summary = write_output(dst, [Path(src)], force, write_into, merge=WriteSummary.combined)
+    summary.warnings = list(warnings)
     warnings += [w for w in ckpt.warnings if w not in warnings]
     return ConversionResult("to-hf", str(src), str(dst), summary, ckpt, warnings=warnings,
+                            replica_divergences=replica_divergences(ckpt),
                             leader=current_team().leader)
-
-
-def _merge_hf_summaries(parts: list) -> dict:
-    """The ranks' write_hf summaries as one: shard 0's owner has the metadata, all have bytes."""
-    first = next(p for p in parts if p.get("architecture"))
-    return dict(first, bytes=sum(p["bytes"] for p in parts))
 
 
 def _export_to_hf(source: NoCanonicalForm, src, dst, dtype, max_shard_size, tokenizer, force,

@@ -12,11 +12,12 @@ from .distributed import Team, current_team
 from .formats.registry import Format, default_output, output_format
 from .io.outdir import adopt_digests, atomic_output_dir, known_digests, make_partial_dir, seal_partial_dir
 from .state import PAD_FILL_BY_SLOT, Checkpoint
+from .summary import WriteSummary
 from .vocab import resize_slot_vocab, resize_vocab
 
 def write_layout(ckpt: Checkpoint, dst, layout: Layout, fmt: Optional[str] = None, force: bool = False,
                  progress: Optional[Callable[[int], None]] = None, warn: Callable[[str], None] = print,
-                 optimizer: bool = True, **kw) -> dict:
+                 optimizer: bool = True, **kw) -> WriteSummary:
     """Write ckpt at layout into dst (atomically). fmt: torch | torch_dist | ds-universal (default: the
     source's Megatron format).
 
@@ -39,7 +40,7 @@ def write_layout(ckpt: Checkpoint, dst, layout: Layout, fmt: Optional[str] = Non
     src = Path(ckpt.source.path)
     writer = target.write
 
-    def write(tmp: Path, owns) -> dict:
+    def write(tmp: Path, owns) -> WriteSummary:
         if owns is None:
             return writer(ckpt, tmp, layout, progress=progress, warn=warn, **kw)
         if target.shares_ranks:  # warnings once, from the rank that owns item 0
@@ -49,9 +50,7 @@ def write_layout(ckpt: Checkpoint, dst, layout: Layout, fmt: Optional[str] = Non
             return writer(ckpt, tmp, layout, progress=progress, warn=warn, **kw)
         return None
 
-    summary = write_output(dst, [src], force, write, merge=_add_files_and_bytes)
-    summary["format"] = fmt
-    return summary
+    return write_output(dst, [src], force, write, merge=WriteSummary.combined)
 
 
 def refuse_moe(ckpt: Checkpoint, target: Format) -> None:
@@ -65,13 +64,6 @@ def refuse_moe(ckpt: Checkpoint, target: Format) -> None:
         raise CkptError(f"MoE layers ({moe.num_experts} experts, top-{moe.top_k}, in {len(moe.layers)} of "
                         f"{ckpt.config.num_layers} layers): Megatron {fmt} output of MoE models is not supported yet",
                         "write --format torch (expert parallelism with --ep), or use to-hf")
-
-
-def _add_files_and_bytes(parts: list) -> dict:
-    total = dict(parts[0])
-    total["files"] = sum(s["files"] for s in parts)
-    total["bytes"] = sum(s["bytes"] for s in parts)
-    return total
 
 
 def write_output(dst, sources, force: bool, write: Callable, merge: Callable[[list], dict]) -> dict:

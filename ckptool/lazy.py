@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -39,6 +40,7 @@ def load_scope():
 class LazyTensor:
     shape: torch.Size
     dtype: torch.dtype
+    placement: Optional["Placement"] = None  # set on pieces cut from a whole tensor (see Placement)
 
     def load(self) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -79,6 +81,61 @@ class LazyTensor:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+@dataclass(frozen=True, eq=False)
+class Placement:
+    """Where a piece sits in the whole tensor it was cut from, declared by the split that cut it
+    (megatron-core's ShardedTensor idea: each shard states its global shape and offset, so nothing
+    downstream re-derives it).
+
+      whole   the tensor the piece is cut from (its global shape is whole.shape)
+      names   the canonical names the whole holds: one, or the parts of a fused tensor in order
+              (q, k, v of a fused QKV; gate, up of a gated fc1)
+      blocks  (offset, length) ranges of the whole along `dim`; the piece is their concatenation in
+              order: one range for a plain tensor-parallel slice, two for a gated fc1 rank
+              ([gate_r; up_r]), one per query group for q, k or v of a fused QKV
+      part    for a canonical part of a fused whole (q=0, k=1, v=2; gate=0, up=1): its index
+    """
+    whole: "LazyTensor"
+    names: Tuple[str, ...]
+    blocks: Tuple[Tuple[int, int], ...]
+    dim: int = 0
+    part: Optional[int] = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.whole.shape
+
+    @property
+    def offset(self) -> Tuple[int, ...]:
+        """The global index of the piece's first element (its first block's start along dim)."""
+        return tuple(self.blocks[0][0] if d == self.dim else 0 for d in range(len(self.whole.shape)))
+
+    def is_part(self, whole: "LazyTensor", part: int) -> bool:
+        return self.whole is whole and self.part == part
+
+
+class Piece(LazyTensor):
+    """A lazy tensor that declares its placement; loads (and narrows) as the tensor it wraps."""
+
+    def __init__(self, data: LazyTensor, placement: Placement):
+        self.data = data.data if isinstance(data, Piece) else data
+        self.shape = data.shape
+        self.dtype = data.dtype
+        self.placement = placement
+
+    def load(self) -> torch.Tensor:
+        return self.data.load()
+
+    def load_into(self, out: torch.Tensor) -> None:
+        self.data.load_into(out)
+
+    def narrow(self, dim: int, start: int, length: int) -> LazyTensor:
+        return self.data.narrow(dim, start, length)
+
+    def to(self, dtype: torch.dtype) -> LazyTensor:
+        return self if dtype == self.dtype else Piece(self.data.to(dtype), self.placement)
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -27,7 +27,7 @@ import torch
 
 from .config import GPTConfig
 from .errors import CkptError
-from .lazy import Derived, LazyTensor, cat, cat_shape
+from .lazy import Derived, LazyTensor, Placement, cat, cat_shape
 from .sharding import ReplicaPolicy, Rule, merge_lazy, split_lazy
 from .spec import GPT
 
@@ -146,15 +146,18 @@ def assemble(cfg: GPTConfig, shards: Dict[Tuple[str, Optional[int]], List[LazyTe
                                 f"{qkv_rows(cfg)} for {cfg.num_attention_heads} heads, "
                                 f"{cfg.num_query_groups} query groups, head size {cfg.head_dim}",
                                 "check --num-attention-heads / --num-query-groups")
-            for idx, part in enumerate("qkv"):
+            names = tuple(f"{prefix}attn.{x}.{kind}" for x in "qkv")
+            for idx, name in enumerate(names):
                 piece = Derived(lambda t, i=idx: qkv_part(t, cfg, i), [merged])
-                out[f"{prefix}attn.{part}.{kind}"] = _mark_part(piece, merged, idx)
+                out[name] = _declare_part(piece, merged, names, idx, qkv_blocks(cfg, idx))
         elif role.startswith("fc1."):
             kind = role.split(".")[1]
             if cfg.gated:
                 half = merged.shape[0] // 2
-                out[f"{prefix}{mlp}gate.{kind}"] = _mark_part(merged.narrow(0, 0, half), merged, 0)
-                out[f"{prefix}{mlp}up.{kind}"] = _mark_part(merged.narrow(0, half, half), merged, 1)
+                names = (f"{prefix}{mlp}gate.{kind}", f"{prefix}{mlp}up.{kind}")
+                for idx, name in enumerate(names):
+                    out[name] = _declare_part(merged.narrow(0, idx * half, half), merged, names, idx,
+                                              ((idx * half, half),))
             else:
                 out[f"{prefix}{mlp}up.{kind}"] = merged
         else:  # pragma: no cover - table and code disagree
@@ -162,21 +165,28 @@ def assemble(cfg: GPTConfig, shards: Dict[Tuple[str, Optional[int]], List[LazyTe
     return out
 
 
-def _mark_part(piece: LazyTensor, fused: LazyTensor, index: int) -> LazyTensor:
-    """Remember that piece is part `index` of a fused tensor, so a writer that fuses the same
-    parts again can take the fused tensor as it is (a merge writes fc1/QKV without re-fusing)."""
-    piece.fused_from = (fused, index)
+def _declare_part(piece: LazyTensor, fused: LazyTensor, names, index: int, blocks) -> LazyTensor:
+    """piece (made here, so no one else holds it) declares itself part `index` of the fused tensor, so a
+    writer that fuses the same parts again takes the fused tensor as it is (a merge writes fc1/QKV
+    without re-fusing)."""
+    piece.placement = Placement(fused, tuple(names), tuple(blocks), 0, index)
     return piece
 
 
-def _fused_origin(parts) -> Optional[LazyTensor]:
-    """The fused tensor parts came from, when they are all of its parts in order; else None."""
-    origins = [getattr(p, "fused_from", None) for p in parts]
-    if any(o is None for o in origins):
+def qkv_blocks(cfg: GPTConfig, index: int) -> Tuple[Tuple[int, int], ...]:
+    """The rows of q (index 0), k (1) or v (2) in the grouped QKV: one (offset, length) per query group."""
+    per, hd = cfg.heads_per_group, cfg.head_dim
+    first, length = ((0, per * hd), (per * hd, hd), ((per + 1) * hd, hd))[index]
+    return tuple((g * (per + 2) * hd + first, length) for g in range(cfg.num_query_groups))
+
+
+def _fused_whole(parts) -> Optional[LazyTensor]:
+    """The fused tensor parts came from, when they declare themselves all of its parts in order; else None."""
+    first = parts[0].placement
+    if first is None or first.part is None:
         return None
-    fused = origins[0][0]
-    if all(o[0] is fused and o[1] == i for i, o in enumerate(origins)):
-        return fused
+    if all(p.placement is not None and p.placement.is_part(first.whole, i) for i, p in enumerate(parts)):
+        return first.whole
     return None
 
 
@@ -196,7 +206,7 @@ def layer_role_tensor(tensors: Dict[str, LazyTensor], cfg: GPTConfig, layer: int
             return None
         if any(x is None for x in parts):
             raise CkptError(f"layer {layer}: q, k and v {kind} must all be present or all absent")
-        same = _fused_origin(parts)
+        same = _fused_whole(parts)
         if same is not None and same.shape[0] == qkv_rows(cfg):
             return same
         return Derived(lambda q, k, v: fuse_qkv(q, k, v, cfg), parts, memo=True,
@@ -209,7 +219,7 @@ def layer_role_tensor(tensors: Dict[str, LazyTensor], cfg: GPTConfig, layer: int
                 return None
             if gate is None or up is None:
                 raise CkptError(f"layer {layer}: a gated MLP needs both gate and up {kind}")
-            return _fused_origin([gate, up]) or cat([gate, up], 0, memo=True)
+            return _fused_whole([gate, up]) or cat([gate, up], 0, memo=True)
         return up
     raise CkptError(f"internal: unknown role {role}")
 
@@ -226,5 +236,8 @@ def global_role_tensor(tensors: Dict[str, LazyTensor], role: str) -> Optional[La
     return tensors.get(GLOBAL_ROLES[role])
 
 
-def shard_role(tensor: LazyTensor, role: str, cfg: GPTConfig, tp: int) -> List[LazyTensor]:
-    return split_lazy(tensor, rule_for(role, cfg), tp)
+def shard_role(tensor: LazyTensor, role: str, cfg: GPTConfig, tp: int, layer: Optional[int] = None,
+               names: Optional[Tuple[str, ...]] = None) -> List[LazyTensor]:
+    """The tp per-rank pieces of a role tensor (layer's, or a global one), each declaring its placement
+    under the role's canonical names (or `names` where the caller knows better: a head copy)."""
+    return split_lazy(tensor, rule_for(role, cfg), tp, names or canonical_names(role, layer, cfg))

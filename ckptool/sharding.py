@@ -22,7 +22,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from .errors import CkptError
-from .lazy import Concat, Derived, LazyTensor
+from .lazy import Concat, Derived, LazyTensor, Piece, Placement, cat
 
 
 class Rule(enum.Enum):
@@ -81,7 +81,9 @@ class ReplicaPolicy:
 
     first: take rank 0's copy and warn; mean: average the copies and warn; strict: fail.
     `warn` is called once per tensor with the largest absolute difference; the figures are also kept
-    in `divergences` (name -> largest difference) for API callers who want them as data.
+    in `divergences` (name -> largest difference): api.py returns them with a conversion's result
+    (ConversionResult.replica_divergences) and the commands print the largest (report()). Replicas are
+    compared as tensors load, so the figures are complete once a conversion has read everything.
     """
 
     CHOICES = ("first", "mean", "strict")
@@ -92,6 +94,10 @@ class ReplicaPolicy:
         self.mode = mode
         self.warn = warn or (lambda msg: None)
         self.divergences: dict = {}
+
+    def report(self) -> Optional[str]:
+        """One line on the largest divergence seen so far, or None while every replica agreed."""
+        return divergence_report(self.divergences)
 
     def resolve(self, name: str, copies: List[torch.Tensor]) -> torch.Tensor:
         first = copies[0]
@@ -115,6 +121,15 @@ class ReplicaPolicy:
         if self.mode == "mean":
             return torch.stack([c.float() for c in copies]).mean(0).to(first.dtype)
         return first
+
+
+def divergence_report(divergences: dict) -> Optional[str]:
+    """One line on the largest of {name: largest abs difference between replicas}, or None when empty."""
+    if not divergences:
+        return None
+    name, worst = max(divergences.items(), key=lambda kv: kv[1])
+    return (f"tensor-parallel replicas differ in {len(divergences)} tensor(s); the largest divergence is "
+            f"{worst:.3g} (max abs diff) in {name}")
 
 
 def merge_lazy(parts: Sequence[LazyTensor], rule: Rule, name: str,
@@ -143,11 +158,26 @@ def merge_lazy(parts: Sequence[LazyTensor], rule: Rule, name: str,
     return Concat(parts, _DIM.get(rule, 0), memo=True)
 
 
-def split_lazy(tensor: LazyTensor, rule: Rule, tp: int) -> List[LazyTensor]:
+def split_lazy(tensor: LazyTensor, rule: Rule, tp: int, names: Sequence[str] = ()) -> List[Piece]:
+    """The tp per-rank pieces of a merged lazy tensor, each declaring its placement in it (names: the
+    canonical names the tensor holds). Every piece is a narrow (two for GATED: gate_r and up_r) of the
+    whole, so a rank's piece reads only its rows of a stored tensor."""
+    names = tuple(names)
     if tp == 1 or rule is Rule.REPLICATED:
-        return [tensor] * tp
+        rows = tensor.shape[0] if len(tensor.shape) else 1
+        return [Piece(tensor, Placement(tensor, names, ((0, rows),))) for _ in range(tp)]
     if rule is Rule.GATED:
-        shape = (tensor.shape[0] // tp,) + tuple(tensor.shape[1:])
-        return [Derived(lambda t, r=r: split(t, rule, tp)[r], [tensor], shape=shape, dtype=tensor.dtype)
-                for r in range(tp)]
-    return tensor.chunk(tp, _DIM[rule])
+        rows = tensor.shape[0] if len(tensor.shape) else 1
+        if rows % 2:
+            raise CkptError(f"gated fc1 tensor of shape {tuple(tensor.shape)} has an odd number of rows")
+        half = rows // 2
+        if half % tp:
+            raise CkptError(f"cannot split a tensor of shape {(half,) + tuple(tensor.shape[1:])} into {tp} "
+                            "tensor-parallel parts along dim 0")
+        step = half // tp
+        blocks = [((r * step, step), (half + r * step, step)) for r in range(tp)]
+        return [Piece(cat([tensor.narrow(0, a, n) for a, n in b], 0), Placement(tensor, names, b)) for b in blocks]
+    dim = _DIM[rule]
+    step = tensor.shape[dim] // tp if len(tensor.shape) > dim else 0
+    return [Piece(p, Placement(tensor, names, ((r * step, step),), dim))
+            for r, p in enumerate(tensor.chunk(tp, dim))]

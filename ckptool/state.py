@@ -57,24 +57,31 @@ class SourceInfo:
     table's (formats/registry.py).
 
     format: the table's name of the format that read it (megatron, torch_dist, deepspeed, hf).
-    dialect: which variant of that format, for every format the same thing: a label for people of how
-    the tensors are named and kept inside the format, key naming first: the Megatron key dialect
-    (megatron_names.DIALECTS) of torch files, mcore-dist or mcore-dist-per-layer for torch_dist, the
-    config's model_type for Hugging Face, and for DeepSpeed the model naming inside the engine
-    followed by how the engine stored it (ZeRO stage, which weights, their dtype). inspect prints it;
-    code never parses it, and only an exact DIALECTS name is reused (as the default output dialect).
+    dialect: which variant of that format, for every format the same thing: how the tensors are named
+    inside the format: the Megatron key dialect (megatron_names.DIALECTS) of torch files, mcore-dist or
+    mcore-dist-per-layer for torch_dist, the config's model_type for Hugging Face, and for DeepSpeed the
+    model naming inside the engine. inspect prints it; code never parses it, and only an exact DIALECTS
+    name is reused (as the default output dialect).
+    storage: how the weights were kept, where a format has several ways: for DeepSpeed the ZeRO stage
+    (or BF16_Optimizer), which weights were read and their dtype; "" for the others. A label for people.
     release: a Megatron release checkpoint (release/ instead of iter_*), which Megatron writers keep.
     args: the Megatron training run's argparse.Namespace where the source stores one (Megatron torch,
     torch_dist, Megatron-DeepSpeed), else None; Megatron writers start from it."""
     path: str
     format: str
     dialect: str = ""
+    storage: str = ""
     layout: Layout = field(default_factory=Layout)
     iteration: Optional[int] = None
     release: bool = False
     checkpoint_version: Optional[float] = None
     args: Any = None
     extra: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def variant(self) -> str:
+        """dialect and storage as one label for people ("megatron module (mcore), zero-2, master weights (float32)")."""
+        return ", ".join(x for x in (self.dialect, self.storage) if x)
 
 
 WEIGHT = "weight"

@@ -129,7 +129,7 @@ def test_gpt2_logits_through_transformers(ds_cases, case, tmp_path):
     ckpt_dir = ds_cases / case / "ckpt"
     assert detect_format(ckpt_dir) == "deepspeed" and detect_format(ckpt_dir / "global_step2") == "deepspeed"
     ckpt = open_checkpoint(ckpt_dir)
-    assert ckpt.source.layout.dp == 2 and "master" in ckpt.source.dialect
+    assert ckpt.source.layout.dp == 2 and "master" in ckpt.source.storage
     tokens = torch.randint(0, 1001, (2, 12), generator=torch.Generator().manual_seed(0))
     ref = forward(ckpt, tokens)
     hf_cfg, named = ds.consolidate_hf_state(ckpt_dir)
@@ -220,7 +220,7 @@ def test_real_mds_model_weights_reproduce_framework_logits():
 def test_real_mds_master_weights_differ_and_tied_copy_is_reported():
     ref = torch.load(MDS / "reference_logits.pt")
     ckpt = open_checkpoint(MDS / "checkpoint" / "global_step3")
-    assert "master" in ckpt.source.dialect
+    assert "master" in ckpt.source.storage
     logits = forward(ckpt, ref["tokens"])
     assert 1e-4 < _rel(logits, ref["logits_fp32"]) < 1e-1  # bf16 rounding apart (deepspeed.md 8)
     # The last stage's optimizer keeps a stale master of the (unused there) position embeddings.
@@ -396,7 +396,7 @@ def test_synthetic_bf16_optimizer_tp2_megatron_names(tmp_path):
                       {"args": _args(tp=2), "iteration": 7, "checkpoint_version": 3.0})
     assert detect_format(tmp_path) == "deepspeed"
     ckpt = open_checkpoint(tmp_path)
-    assert "BF16_Optimizer" in ckpt.source.dialect and ckpt.source.layout.tp == 2 and ckpt.source.layout.dp == 3
+    assert "BF16_Optimizer" in ckpt.source.storage and ckpt.source.layout.tp == 2 and ckpt.source.layout.dp == 3
     _check_canonical(ckpt, t)
     model = open_checkpoint(tmp_path, ReadOptions(weights="model"))
     assert model.tensors["embed.word"].dtype == torch.bfloat16
@@ -412,7 +412,7 @@ def test_synthetic_zero2_fp16_trailing_padding_stripped(tmp_path):
     _write_zero12(tag, params, 0, 4, "", 2, False,
                   {"args": _args(h=6, heads=2, ffn=10, pos=5, vocab=11)})
     ckpt = open_checkpoint(tag)
-    assert "zero-2" in ckpt.source.dialect
+    assert "zero-2" in ckpt.source.storage
     _check_canonical(ckpt, t)
 
 
@@ -440,7 +440,7 @@ def test_synthetic_2019_deepspeed_examples_engine_format(tmp_path):
     torch.save({"module": m, "optimizer": None, "iteration": 1000}, it / "mp_rank_00_model_states.pt")
     assert detect_format(tmp_path) == "deepspeed"
     ckpt = open_checkpoint(tmp_path, ReadOptions(overrides={"num_attention_heads": 2}))
-    assert "flat2019" in ckpt.source.dialect and "model weights" in ckpt.source.dialect
+    assert "flat2019" in ckpt.source.dialect and "model weights" in ckpt.source.storage
     _check_canonical(ckpt, t)
 
 
@@ -562,7 +562,7 @@ def test_synthetic_mds_pipeline_layer_files(tmp_path, era, untied, qkv):
     _write_pipeline(tmp_path, t, era, untied, qkv)
     assert detect_format(tmp_path) == "deepspeed"
     ckpt = open_checkpoint(tmp_path, ReadOptions(qkv_layout=qkv))
-    assert "model weights" in ckpt.source.dialect and ckpt.source.layout.tp == 2
+    assert "model weights" in ckpt.source.storage and ckpt.source.layout.tp == 2
     assert ckpt.config.tied_embeddings == (not untied) and ckpt.config.num_layers == 2
     _check_canonical(ckpt, t)
     if untied:

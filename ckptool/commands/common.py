@@ -189,6 +189,9 @@ def report_conversion(result, lines: list, live: LiveWarnings) -> None:
         return
     for line in lines:
         click.echo(line)
+    if result.replica_divergences:  # the source's replicas that differed (ReplicaPolicy)
+        from ..sharding import divergence_report
+        click.echo(f"  {divergence_report(result.replica_divergences)}")
     for w in result.warnings:
         if w not in live.printed:
             warn(w)
@@ -197,4 +200,4 @@ def report_conversion(result, lines: list, live: LiveWarnings) -> None:
 def conversion_line(result, target: str) -> str:
     """First line of a conversion's report: what was read, where it went, as what."""
     s = result.checkpoint.source
-    return f"{result.command}: {result.src} ({s.format} {s.dialect}, {s.layout.describe()}) -> {result.dst} ({target})"
+    return f"{result.command}: {result.src} ({s.format} {s.variant}, {s.layout.describe()}) -> {result.dst} ({target})"

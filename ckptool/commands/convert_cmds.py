@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from .. import api
+from ..summary import WriteSummary
 from ..formats.megatron_distopt import ERA_BY_SINCE
 from ..formats.megatron_names import DIALECTS
 from .common import (LiveWarnings, Progress, conversion_line, human_bytes, output_options, report_conversion,
@@ -20,16 +21,21 @@ def _run(convert, verb: str, src, dst, **kw) -> None:
         bar.close()
     s, vocab = result.summary, result.checkpoint.config.vocab_size
     report_conversion(result, [
-        conversion_line(result, f"{s['format']} {s.get('dialect', '')}, {result.layout.describe()}"),
-        f"  {s['files']} files, {human_bytes(s['bytes'])} of tensors, vocab "
-        f"{vocab if vocab is not None else 'unknown'} padded to {s['padded_vocab_size']}, {s['iteration_dir']}",
+        conversion_line(result, f"{s.format} {s.dialect or ''}, {result.layout.describe()}"),
+        f"  {s.files} files, {human_bytes(s.bytes)} of tensors, vocab "
+        f"{vocab if vocab is not None else 'unknown'} padded to {s.padded_vocab_size}, {s.iteration_dir}",
         *_training_state_lines(s, result.checkpoint, kw.get("optimizer", True))],
         live)
 
 
-def _training_state_lines(summary: dict, ckpt, optimizer: bool) -> list:
-    """What the output holds beside the weights, and how Megatron resumes from it."""
-    carried = summary.get("optimizer")
+MEGATRON_OUTPUTS = ("torch", "torch_dist")  # the outputs Megatron resumes from (ds-universal is DeepSpeed's)
+
+
+def _training_state_lines(summary: WriteSummary, ckpt, optimizer: bool) -> list:
+    """What a Megatron output holds beside the weights, and how Megatron resumes from it."""
+    if summary.format not in MEGATRON_OUTPUTS:
+        return []
+    carried = summary.optimizer
     if carried:
         dist = carried.get("distributed")
         where = "non-distributed layout" if not dist else (

@@ -44,15 +44,15 @@ def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, force, **kw):
     s = result.summary
     if result.kind == "bert":
         lines = [f"to-hf: {src} (DeepLearningExamples BERT) -> {dst} (BertForPreTraining, {s['dtype']})",
-                 f"  {len(s['files'])} safetensors file(s), {human_bytes(s['bytes'])}, vocab {s['vocab_size']} "
+                 f"  {s.files} safetensors file(s), {human_bytes(s.bytes)}, vocab {s['vocab_size']} "
                  f"(padding rows {s['padded_rows'] - s['vocab_size']} trimmed)"]
     elif result.kind == "deepspeed-hf":
         lines = [f"to-hf: {src} (deepspeed, Hugging Face {s['model_type']} names) "
                  f"-> {dst} ({s['architecture']}, {s['dtype']})",
-                 f"  {len(s['files'])} safetensors file(s), {s['tensors']} tensors, {human_bytes(s['bytes'])}"]
+                 f"  {s.files} safetensors file(s), {s.tensors} tensors, {human_bytes(s.bytes)}"]
     else:
         lines = [conversion_line(result, f"{s['architecture']}, {s['dtype']}"),
-                 f"  {len(s['files'])} safetensors file(s), {human_bytes(s['bytes'])}, vocab {s['vocab_size']}"
+                 f"  {s.files} safetensors file(s), {human_bytes(s.bytes)}, vocab {s['vocab_size']}"
                  + (f", tokenizer: {', '.join(s['tokenizer_files'])}" if s["tokenizer_files"] else "")]
     report_conversion(result, lines, live)
 
@@ -96,7 +96,7 @@ def from_hf_cmd(src, dst, **kw):
         bar.close()
     s = result.summary
     report_conversion(result, [
-        f"from-hf: {src} ({result.checkpoint.source.dialect}) -> {dst} (torch {s.get('dialect', '')}, "
+        f"from-hf: {src} ({result.checkpoint.source.dialect}) -> {dst} (torch {s.dialect or ''}, "
         f"{result.layout.describe()})",
-        f"  {s['files']} files, {human_bytes(s['bytes'])} of tensors, vocab "
-        f"{result.checkpoint.config.vocab_size} padded to {s['padded_vocab_size']}"], live)
+        f"  {s.files} files, {human_bytes(s.bytes)} of tensors, vocab "
+        f"{result.checkpoint.config.vocab_size} padded to {s.padded_vocab_size}"], live)

@@ -31,6 +31,7 @@ def describe(ckpt: Checkpoint) -> dict:
         "path": src.path,
         "format": src.format,
         "dialect": src.dialect,
+        "storage": src.storage,
         "iteration": src.iteration,
         "release": src.release,
         "checkpoint_version": src.checkpoint_version,
@@ -103,6 +104,7 @@ def inspect_cmd(path, as_json, tensors, **kw):
     lay = ckpt.source.layout
     click.echo(f"path        {doc['path']}")
     click.echo(f"format      {doc['format']}  dialect {doc['dialect'] or '-'}"
+               + (f"  storage {doc['storage']}" if doc["storage"] else "")
                + (f"  checkpoint_version {doc['checkpoint_version']}" if doc["checkpoint_version"] is not None else ""))
     click.echo(f"iteration   {'release' if doc['release'] else doc['iteration']}")
     click.echo(f"layout      {lay.describe()}" + (f" DP{lay.dp}" if lay.dp > 1 else ""))
@@ -146,3 +148,6 @@ def inspect_cmd(path, as_json, tensors, **kw):
         for t in doc["tensors"]:
             click.echo(f"  {t['name']:<{width}}  {str(tuple(t['shape'])):<16} {t['dtype']}")
     print_warnings(ckpt)
+    policy = ckpt.source.extra.get("replica_policy")  # replicas compared so far (as tensors load)
+    if policy is not None and policy.report():
+        click.echo(policy.report())

@@ -323,7 +323,7 @@ def deepspeed_target(target, opts, tp, pp, vpp) -> ParallelTarget:
             f"{target} is stored at {layout.describe()}; a DeepSpeed checkpoint runs at the layout of its files",
             f"drop --tp/--pp/--vpp, or reshard it first: ckptool reshard {target} DST --tp N --pp M")
     ranks = DeepSpeedRanks(target, opts, ckpt)
-    return ParallelTarget(f"deepspeed ({ckpt.source.dialect})", ckpt, layout, ranks.shards, ranks.files, False)
+    return ParallelTarget(f"deepspeed ({ckpt.source.variant})", ckpt, layout, ranks.shards, ranks.files, False)
 
 
 def dist_layout(ckpt, tp, pp, world, vpp=None):

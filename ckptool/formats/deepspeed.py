@@ -40,6 +40,7 @@ from . import hf as hf_format
 from .deepspeed_optim import optimizer_state, stepped
 from .deepspeed_zero import RankStates, find_files, looks_like_deepspeed, read_rank, param_shapes
 from .megatron import config_for_shards, detect_dialect, flatten
+from ..summary import WriteSummary
 from .megatron_names import KeyMatcher, is_ignorable, qkv_to_grouped
 from . import mds_pipeline as mds
 
@@ -119,7 +120,7 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
         stage = "BF16_Optimizer"
     dtype = next(iter(tensors.values())).dtype if tensors else None
     info = SourceInfo(path=str(path), format=FORMAT,
-                      dialect=f"{dialect}, {stage}, {weights} weights ({str(dtype).replace('torch.', '')})",
+                      dialect=dialect, storage=f"{stage}, {weights} weights ({str(dtype).replace('torch.', '')})",
                       layout=layout, iteration=r0.meta.get("iteration", r0.meta.get("global_steps")),
                       checkpoint_version=r0.meta.get("checkpoint_version"), args=args,
                       extra={"replica_policy": policy, "weights": weights, "zero_stage": r0.zero_stage,
@@ -429,6 +430,8 @@ def _own_names(r: RankStates, named: Dict[str, LazyTensor], hf: dict) -> Dict[st
     return {k[len("module."):] if k.startswith("module.") else k: v for k, v in named.items()}
 
 
-def _export_hf(hf: dict, named: Dict[str, LazyTensor], out_dir, model_type: str, **kw) -> dict:
+def _export_hf(hf: dict, named: Dict[str, LazyTensor], out_dir, model_type: str, **kw) -> WriteSummary:
     from .deepspeed_hf_export import write_hf_state
-    return dict(write_hf_state(hf, named, out_dir, **kw), model_type=model_type)
+    summary = write_hf_state(hf, named, out_dir, **kw)
+    summary.details["model_type"] = model_type
+    return summary

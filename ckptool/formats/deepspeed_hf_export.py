@@ -18,20 +18,21 @@ import torch
 from ..errors import CkptError
 from ..io.safetensors_writer import Item, parse_size, write_sharded
 from ..lazy import LazyTensor
+from ..summary import WriteSummary, from_sharded
 from ..options import ReadOptions
 from . import deepspeed as ds
 from .hf_writer import config_dtype
 
 
 def write_hf_consolidated(path, out_dir: Path, opts: ReadOptions, dtype: Optional[torch.dtype] = None,
-                          max_shard_size="5GB", progress: Optional[Callable[[int], None]] = None) -> dict:
+                          max_shard_size="5GB", progress: Optional[Callable[[int], None]] = None) -> WriteSummary:
     """Open the DeepSpeed run at path and write it (write_hf_state)."""
     hf, named = ds.consolidate_hf_state(path, opts)
     return write_hf_state(hf, named, out_dir, dtype=dtype, max_shard_size=max_shard_size, progress=progress)
 
 
 def write_hf_state(hf: dict, named: Dict[str, LazyTensor], out_dir: Path, dtype: Optional[torch.dtype] = None,
-                   max_shard_size="5GB", progress: Optional[Callable[[int], None]] = None) -> dict:
+                   max_shard_size="5GB", progress: Optional[Callable[[int], None]] = None) -> WriteSummary:
     """The model's own {HF name: lazy tensor} as safetensors shards beside its config.json (hf)."""
     items: List[Item] = []
     for name, t in named.items():
@@ -41,11 +42,11 @@ def write_hf_state(hf: dict, named: Dict[str, LazyTensor], out_dir: Path, dtype:
     if not items:
         raise CkptError("no weights to export", "the checkpoint holds no parameters")
     out_dir = Path(out_dir)
-    summary = write_sharded(out_dir, items, parse_size(max_shard_size), progress)
+    written = write_sharded(out_dir, items, parse_size(max_shard_size), progress)
     out_dtype = dtype or items[0][1].dtype
     conf = dict(hf)
     conf["dtype"] = conf["torch_dtype"] = config_dtype(out_dtype)
     (out_dir / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
     arch = (hf.get("architectures") or [hf.get("model_type")])[0]
-    summary.update(architecture=arch, vocab_size=hf.get("vocab_size"), dtype=conf["dtype"], tensors=len(items))
-    return summary
+    return from_sharded("hf", written, tensors=len(items), architecture=arch, vocab_size=hf.get("vocab_size"),
+                        dtype=conf["dtype"])

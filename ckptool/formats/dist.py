@@ -44,6 +44,7 @@ from ..spec import GPT
 from ..spec.schema import DIST, MCORE, TE_MOE
 from ..state import (OPTIMIZER_SLOTS, PAD_FILL_BY_SLOT, WEIGHT, Checkpoint, OptimizerState, SourceInfo,
                      expected_names, in_model_order)
+from ..summary import WriteSummary
 from ..vocab import resize_slot_vocab, resize_vocab, target_rows, with_true_vocab_size
 from . import dist_optim, dist_optim_buckets, dist_optim_flattened, megatron_args
 from .dist_files import COMMON_FILE, COMMON_KEY, CONFIG_FILE, locate, looks_like  # noqa: F401 (looks_like: the table's)
@@ -437,7 +438,7 @@ def _global_fqn(role: str) -> str:
 def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Optional[torch.dtype] = None,
                      divisible_by: Optional[int] = None, pad_fill: str = "zero", iteration: Optional[int] = None,
                      progress: Optional[Callable[[int], None]] = None, warn=print, optimizer: bool = True,
-                     **_ignored) -> dict:
+                     **_ignored) -> WriteSummary:
     """Write ckpt as a megatron-core torch_dist checkpoint (save dir: tracker + iter_XXXXXXX/).
 
     Tensors are full and stacked; `layout` only sets the args (and the vocab padding for its TP):
@@ -483,7 +484,7 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
 
     it_dir = Path(out_dir) / f"iter_{iteration:07d}"
     writer = DcpWriter(it_dir)
-    tensor_bytes = [0]
+    tensor_bytes = [0, 0]  # bytes, chunks
 
     def put(fqn: str, t: torch.Tensor, global_shape, offsets, cast: bool = True) -> None:
         if dtype is not None and cast:
@@ -491,6 +492,7 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
         writer.declare(fqn, global_shape, t.dtype)
         writer.add_chunk(fqn, t, offsets)
         tensor_bytes[0] += t.numel() * t.element_size()
+        tensor_bytes[1] += 1
         if progress:
             progress(t.numel() * t.element_size())
 
@@ -560,13 +562,13 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
     (it_dir / CONFIG_FILE).write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                                                   "common_backend": "torch", "common_backend_version": 1}))
     (Path(out_dir) / TRACKER).write_text(str(iteration))
-    summary = {"iteration_dir": it_dir.name, "files": 1, "bytes": tensor_bytes[0], "padded_vocab_size": rows,
-               "dialect": "torch_dist", "checkpoint_version": 3.0}
+    carried = None
     if slots:
         opt = ckpt.optimizer
-        summary["optimizer"] = {"kind": dist_optim.WRITE_FORM, "step": opt.step, "slots": sorted(slots),
-                                "groups": len(opt.param_groups)}
-    return summary
+        carried = {"kind": dist_optim.WRITE_FORM, "step": opt.step, "slots": sorted(slots),
+                   "groups": len(opt.param_groups)}
+    return WriteSummary("torch_dist", 1, tensor_bytes[0], tensors=tensor_bytes[1], optimizer=carried,
+                        dialect="torch_dist", iteration_dir=it_dir.name, padded_vocab_size=rows, checkpoint_version=3.0)
 
 
 def _per_layer_keys(ckpt: Checkpoint) -> bool:

@@ -26,6 +26,7 @@ from ..errors import CkptError, NoCanonicalForm, require
 from ..io.safetensors_writer import Item, parse_size, write_sharded
 from ..io.torchfile import load_torch_file
 from ..lazy import LazyTensor
+from ..summary import WriteSummary, from_sharded
 from .hf_writer import config_dtype
 
 WORD = "bert.embeddings.word_embeddings.weight"
@@ -64,7 +65,7 @@ def looks_like(path) -> bool:
 def read(path: Path, opts) -> None:
     """The format table's reader: BERT has no canonical GPT form, so every command but to-hf refuses
     it; to-hf calls the error's export (write_hf_bert with --hf-config)."""
-    def export(out_dir, dtype=None, max_shard_size="5GB", progress=None) -> dict:
+    def export(out_dir, dtype=None, max_shard_size="5GB", progress=None) -> WriteSummary:
         require(opts.hf_config is not None, f"{path} is a DeepLearningExamples BERT checkpoint, which stores no config",
                 "pass --hf-config bert_config.json (the file the run trained with)")
         return write_hf_bert(Path(path), opts.hf_config, out_dir, dtype=dtype, max_shard_size=max_shard_size,
@@ -96,7 +97,7 @@ def bert_hf_config(dle_conf: dict, vocab: int, dtype: torch.dtype) -> dict:
 
 
 def write_hf_bert(src: Path, hf_config: str, out_dir: Path, dtype: Optional[torch.dtype] = None,
-                  max_shard_size="5GB", progress: Optional[Callable[[int], None]] = None) -> dict:
+                  max_shard_size="5GB", progress: Optional[Callable[[int], None]] = None) -> WriteSummary:
     try:
         dle_conf = json.loads(Path(hf_config).read_text())
     except (OSError, ValueError) as e:
@@ -120,9 +121,8 @@ def write_hf_bert(src: Path, hf_config: str, out_dir: Path, dtype: Optional[torc
     dup = sorted({n for n in names if names.count(n) > 1})
     require(not dup, f"{src}: several tensors map to {', '.join(dup[:3])}")
     out_dir = Path(out_dir)
-    summary = write_sharded(out_dir, items, parse_size(max_shard_size), progress)
+    written = write_sharded(out_dir, items, parse_size(max_shard_size), progress)
     out_dtype = dtype or items[0][1].dtype
     (out_dir / "config.json").write_text(json.dumps(bert_hf_config(dle_conf, vocab, out_dtype), indent=2) + "\n")
-    summary.update(architecture="BertForPreTraining", vocab_size=vocab, padded_rows=rows,
-                   dtype=config_dtype(out_dtype))
-    return summary
+    return from_sharded("hf", written, tensors=len(items), architecture="BertForPreTraining", vocab_size=vocab,
+                        padded_rows=rows, dtype=config_dtype(out_dtype))

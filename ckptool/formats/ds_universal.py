@@ -38,6 +38,7 @@ from ..lazy import LazyTensor, load_scope
 from ..roles import canonical_names, global_role_tensor, layer_role_tensor, rule_for
 from ..sharding import Rule
 from ..state import OPTIMIZER_SLOTS, Checkpoint
+from ..summary import WriteSummary
 from . import hf_names
 from .hf_writer import materialise
 
@@ -157,7 +158,7 @@ def _groups_of(ckpt: Checkpoint) -> Dict[str, int]:
 
 def write_ds_universal(ckpt: Checkpoint, out_dir: Path, layout: Layout, progress=None, warn=print,
                        dtype: Optional[torch.dtype] = None, dialect: Optional[str] = None, optimizer: bool = True,
-                       **_ignored) -> dict:
+                       **_ignored) -> WriteSummary:
     opt = ckpt.optimizer
     require(optimizer, "--format ds-universal is the training state itself; it cannot be written --no-optimizer",
             "drop --no-optimizer, or write --format torch for the weights only")
@@ -178,7 +179,7 @@ def write_ds_universal(ckpt: Checkpoint, out_dir: Path, layout: Layout, progress
     tag = f"global_step{es['global_steps']}_universal"
     zero = out_dir / tag / "zero"
     group_of = _groups_of(ckpt)
-    files = nbytes = 0
+    files = nbytes = tensors = 0
     shapes: Dict[int, "OrderedDict[str, torch.Size]"] = {}
     for p in params:
         groups = {group_of[n] for n in p.canonical if n in group_of}
@@ -190,6 +191,7 @@ def write_ds_universal(ckpt: Checkpoint, out_dir: Path, layout: Layout, progress
                 # a frozen parameter's fp32.pt is the bare {"param": ...} DeepSpeed writes for it
                 n = _save(zero / p.name / f"{STATE_FILES[slot]}.pt", {"param": t, **(p.extra if trained else {})})
                 files += 1
+                tensors += 1
                 nbytes += n
                 if progress:
                     progress(n)
@@ -220,6 +222,7 @@ def write_ds_universal(ckpt: Checkpoint, out_dir: Path, layout: Layout, progress
     (out_dir / "latest_universal").write_text(tag)
     files += 1 + len(MODEL_STATES) + 1
     rows = next((p.slots["master"].shape[0] for p in params if p.extra.get("vocab_tensor")), None)
-    return {"files": files, "bytes": nbytes, "format": FORMAT, "iteration_dir": tag,
-            "padded_vocab_size": rows or ckpt.config.vocab_size or ckpt.config.padded_vocab_size,
-            "dialect": f"{naming['scheme']} names, {len(params)} parameters"}
+    carried = {"kind": FORMAT, "step": step, "groups": len(opt.param_groups), "slots": sorted(OPTIMIZER_SLOTS)}
+    return WriteSummary(FORMAT, files, nbytes, tensors=tensors, optimizer=carried,
+                        dialect=f"{naming['scheme']} names, {len(params)} parameters", iteration_dir=tag,
+                        padded_vocab_size=rows or ckpt.config.vocab_size or ckpt.config.padded_vocab_size)

@@ -24,6 +24,7 @@ from ..io.transpose import transposed, transposed_cat
 from ..io.safetensors_writer import Item, parse_size, write_sharded
 from ..lazy import Const, Derived, LazyTensor, cat_shape
 from ..state import Checkpoint, expected_names
+from ..summary import WriteSummary, from_sharded
 from ..vocab import resize_vocab
 from . import hf_names
 from .hf_names import expand
@@ -300,7 +301,7 @@ def _yarn_fields(cfg: GPTConfig) -> dict:
 
 def write_hf(ckpt: Checkpoint, out_dir: Path, dtype: Optional[torch.dtype] = None, max_shard_size="5GB",
              tokenizer: Optional[str] = None, progress: Optional[Callable[[int], None]] = None,
-             warn: Callable[[str], None] = print, owns: Optional[Callable[[int], bool]] = None) -> dict:
+             warn: Callable[[str], None] = print, owns: Optional[Callable[[int], bool]] = None) -> WriteSummary:
     """owns(i) (torchrun): write only the safetensors shards i it owns; configs, index and
     tokenizer go with shard 0's owner."""
     cfg = ckpt.config
@@ -337,7 +338,7 @@ def write_hf(ckpt: Checkpoint, out_dir: Path, dtype: Optional[torch.dtype] = Non
             "ckptool never leaves tensors out of an export")
     out_dtype = dtype or items[0][1].dtype
     out_dir = Path(out_dir)
-    summary = write_sharded(out_dir, items, max_bytes, progress, owns=owns)
+    written = write_sharded(out_dir, items, max_bytes, progress, owns=owns)
     copied = []
     if first:
         ids = _token_ids(ckpt)
@@ -346,9 +347,8 @@ def write_hf(ckpt: Checkpoint, out_dir: Path, dtype: Optional[torch.dtype] = Non
         gen = {"_from_model_config": True, **ids}
         (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         copied = copy_tokenizer(tokenizer, out_dir) if tokenizer else []
-    summary.update(architecture=arch, vocab_size=vocab, dtype=config_dtype(out_dtype),
-                   tokenizer_files=copied)
-    return summary
+    return from_sharded("hf", written, tensors=len(items) if first else 0,  # a team's ranks: counted once
+                        architecture=arch, vocab_size=vocab, dtype=config_dtype(out_dtype), tokenizer_files=copied)
 
 
 def copy_tokenizer(src: str, out_dir: Path) -> List[str]:

@@ -22,12 +22,13 @@ import torch
 from ..config import GPTConfig, Layout, check_tensor_parallel
 from ..errors import CkptError, require
 from ..io.torchfile import StoredTensor, StreamingTorchWriter, load_torch_file, write_grouped
-from ..lazy import Const, Derived, LazyTensor
+from ..lazy import Const, Derived, LazyTensor, Piece, Placement
 from ..options import ReadOptions
-from ..roles import (assemble, global_role_tensor, layer_role_tensor, moe_layer_roles, scope_of, shard_role,
+from ..roles import (assemble, canonical_names, global_role_tensor, layer_role_tensor, moe_layer_roles, scope_of, shard_role,
                      LAYER_ROLES)
 from ..sharding import ReplicaPolicy
 from ..state import Checkpoint, SourceInfo, in_model_order
+from ..summary import WriteSummary
 from ..vocab import resize_vocab, target_rows, with_true_vocab_size
 from . import megatron_args, megatron_distopt, megatron_training
 from .megatron_optim import RankParam, role_shards
@@ -511,7 +512,7 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
                    rank_filter: Optional[Callable[[int, int, int], bool]] = None, optimizer: bool = True,
                    distributed_optimizer: bool = False, dp: int = 1, overlap_grad_reduce: Optional[bool] = None,
                    ddp_bucket_size: Optional[int] = None, distrib_optim_era: Optional[str] = None,
-                   moe_grouped_gemm: Optional[bool] = None) -> dict:
+                   moe_grouped_gemm: Optional[bool] = None) -> WriteSummary:
     """Write ckpt as a Megatron torch-format checkpoint with the given layout into out_dir.
 
     With optimizer (the default) and a source holding optimizer state, each rank file also holds
@@ -529,7 +530,7 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
     TEGroupedMLP) and the args say so; None keeps the source's choice where the dialect is the source's.
     Tensors stream one layer at a time, an MoE layer's routed experts one expert at a time (_write_unit).
 
-    Returns a summary dict (files, bytes, padded vocab, iteration dir). rank_filter(tp, pp, ep) lets a
+    Returns its WriteSummary (files, bytes, padded vocab, iteration dir, optimizer state carried). rank_filter(tp, pp, ep) lets a
     distributed run write only its share of the files.
     """
     cfg = ckpt.config
@@ -586,22 +587,20 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
     it_dir.mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / TRACKER).write_text("release" if release else str(iteration))
 
-    group_of: Dict[int, Tuple[int, int]] = {}
     writers = []
     distopt_writers = []  # distrib_optim.pt: flat tensors streamed after the grouped files
     heads_local = cfg.num_attention_heads // layout.tp
     layer_roles = d.param_order + tuple(r for r in LAYER_ROLES if r not in d.param_order)
 
-    def shard(role: str, full: LazyTensor, t: int, group: int, cast: bool = True) -> LazyTensor:
-        if role.startswith("experts."):  # routed experts are cut over expert TP: file t holds shard t % ETP
-            piece = shard_role(full, role, cfg_out, layout.expert_tp)[t % layout.expert_tp]
-        else:
-            piece = shard_role(full, role, cfg_out, layout.tp)[t]
+    def shard(role: str, full: LazyTensor, t: int, names: Tuple[str, ...], cast: bool = True) -> Piece:
+        """File t's piece of a role tensor (or of one of its optimizer slots), declaring its placement
+        under names; its streaming group follows from that (_unit_of)."""
+        piece = rank_piece(full, role, cfg_out, layout, t, names=names)
         if role.startswith("qkv.") and qkv_version < 2:
-            piece = Derived(lambda x: qkv_from_grouped(x, qkv_version, heads_local, cfg.head_dim), [piece])
+            piece = Piece(Derived(lambda x: qkv_from_grouped(x, qkv_version, heads_local, cfg.head_dim), [piece]),
+                          piece.placement)
         if cast and dtype is not None and piece.dtype != dtype:
             piece = piece.to(dtype)
-        group_of[id(piece)] = group
         return piece
 
     last_pp = layout.pp - 1
@@ -613,12 +612,13 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
         if rank_filter and not rank_filter(t, p, e):
             continue
         file_obj: dict = {}
-        params: list = []  # (role, layer, slot -> full tensor, streaming group, key) in parameter order
+        params: list = []  # (role, layer, slot -> full tensor, canonical names, key) in parameter order
         param_chunks: list = []  # the model chunk of each
 
-        def put(flat, key, role, layer, full_of, group):
-            flat[key] = shard(role, full_of("weight"), t, group)
-            params.append((role, layer, full_of, group, key))
+        def put(flat, key, role, layer, full_of, names=None):
+            names = names or canonical_names(role, layer, cfg_out)
+            flat[key] = shard(role, full_of("weight"), t, names)
+            params.append((role, layer, full_of, names, key))
             param_chunks.append(v)
 
         for (_, v, first, count) in stage_chunks:
@@ -626,7 +626,7 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
             if p == 0 and v == 0:
                 for role in ("word", "pos"):
                     if global_role_tensor(tensors, role) is not None:
-                        put(flat, d.globals[role], role, None, megatron_training.global_slots(tensors, train, role), (-1, 0))
+                        put(flat, d.globals[role], role, None, megatron_training.global_slots(tensors, train, role))
             for local in range(count):
                 g = first + local
                 prefix = d.layer_prefix.format(i=local)
@@ -638,7 +638,7 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
                         raise CkptError(f"the {d.name} dialect has no place for {role} tensors",
                                         "choose --dialect mcore")
                     key = d.moe_layer.get(role, d.layer[role]) if moe_layer else d.layer[role]
-                    put(flat, prefix + key, role, g, megatron_training.layer_slots(tensors, train, cfg_out, g, role), (g, 0))
+                    put(flat, prefix + key, role, g, megatron_training.layer_slots(tensors, train, cfg_out, g, role))
                 if moe_layer:
                     experts = layout.local_experts(cfg_out.moe.num_experts, e)
                     roles = moe_layer_roles(cfg_out, experts)
@@ -647,7 +647,7 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
                     for role in roles:
                         if layer_role_tensor(tensors, cfg_out, g, role) is not None:
                             put(flat, prefix + _moe_key(d, expert_keys, role, experts.start), role, g,
-                                megatron_training.layer_slots(tensors, train, cfg_out, g, role), _write_unit(g, role))
+                                megatron_training.layer_slots(tensors, train, cfg_out, g, role))
                     for extra in (d.grouped_extra_state if grouped else
                                   [x.format(j=j) for j in range(len(experts)) for x in d.expert_extra_state]):
                         flat[prefix + extra] = _extra_state_value(d)
@@ -660,12 +660,13 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
             if p == last_pp and v == vpp - 1:
                 for role in ("final_norm.weight", "final_norm.bias"):
                     if global_role_tensor(tensors, role) is not None:
-                        put(flat, d.globals[role], role, None, megatron_training.global_slots(tensors, train, role), (cfg.num_layers, 0))
+                        put(flat, d.globals[role], role, None, megatron_training.global_slots(tensors, train, role))
                 if not cfg.tied_embeddings:
-                    put(flat, d.globals["output"], "output", None, megatron_training.global_slots(tensors, train, "output"),
-                        (cfg.num_layers, 0))
-                elif layout.pp > 1 and d.head_copy:  # a parameter of its own, kept in sync by Megatron
-                    put(flat, d.head_copy, "word", None, megatron_training.global_slots(tensors, train, "word"), (cfg.num_layers, 0))
+                    put(flat, d.globals["output"], "output", None, megatron_training.global_slots(tensors, train, "output"))
+                elif layout.pp > 1 and d.head_copy:  # a parameter of its own, kept in sync by Megatron; the tied
+                    # embedding's copy that is the last stage's output matrix, so it streams with the last stage
+                    put(flat, d.head_copy, "word", None, megatron_training.global_slots(tensors, train, "word"),
+                        HEAD_COPY_NAMES)
                 if (not cfg.tied_embeddings or layout.pp > 1):
                     for extra in d.global_extra_state:
                         flat[extra] = _extra_state_value(d)
@@ -690,15 +691,27 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
         writers.append(StreamingTorchWriter(it_dir / rank_name / "model_optim_rng.pt", top))
         if param_state is not None:
             distopt_writers.append(StreamingTorchWriter(it_dir / rank_name / megatron_distopt.FILE, param_state))
-    total = write_grouped(writers, lambda lazy: group_of.get(id(lazy)), progress)
+    tensors_written = sum(len(w.pending) for w in writers + distopt_writers)
+    total = write_grouped(writers, lambda lazy: _unit_of(lazy.placement, cfg.num_layers), progress)
     total += megatron_distopt.write_files(distopt_writers, progress)  # streamed, a parameter at a time
-    summary = {"iteration_dir": it_name, "files": len(writers) + len(distopt_writers), "bytes": total, "padded_vocab_size": rows,
-               "dialect": d.name, "checkpoint_version": version}
+    carried = None
     if train is not None:
-        summary["optimizer"] = train.describe()
+        carried = train.describe()
         if distributed is not None:
-            summary["optimizer"]["distributed"] = distributed.describe()
-    return summary
+            carried["distributed"] = distributed.describe()
+    return WriteSummary("torch", len(writers) + len(distopt_writers), total, tensors=tensors_written,
+                        optimizer=carried, dialect=d.name, iteration_dir=it_name, padded_vocab_size=rows,
+                        checkpoint_version=version)
+
+
+def rank_piece(full: LazyTensor, role: str, cfg: GPTConfig, layout: Layout, t: int, layer: Optional[int] = None,
+               names: Optional[Tuple[str, ...]] = None) -> Piece:
+    """TP rank t's piece of a merged role tensor, as its Megatron file holds it (write_megatron writes it,
+    verify's rank view of a merged source computes with it): routed experts are cut over expert TP, file t
+    holding shard t % ETP; the rest over TP."""
+    if role.startswith("experts."):
+        return shard_role(full, role, cfg, layout.expert_tp, layer, names)[t % layout.expert_tp]
+    return shard_role(full, role, cfg, layout.tp, layer, names)[t]
 
 
 def _moe_key(d: Dialect, expert_keys: Dict[str, str], role: str, first_expert: int) -> str:
@@ -711,12 +724,29 @@ def _moe_key(d: Dialect, expert_keys: Dict[str, str], role: str, first_expert: i
     return expert_keys[base].format(j=e - first_expert)
 
 
-def _write_unit(layer: int, role: str) -> Tuple[int, int]:
+# the names the tied embedding's last-stage copy declares: it is the output matrix there (as verify's
+# rank view calls it), so it streams with the last stage's tensors rather than with the embedding
+HEAD_COPY_NAMES = ("output.weight",)
+_LAYER_NAME = re.compile(r"^layers\.(\d+)\.(?:mlp\.experts\.(\d+)\.)?")
+
+
+def _unit_of(placement: Optional[Placement], num_layers: int) -> Optional[Tuple[int, int]]:
+    """The streaming group of a piece, from the canonical names it declares: the embeddings (-1, 0), a
+    layer's tensors _write_unit, the final norm and output (num_layers, 0); entries that are no piece
+    (extra state) go last (None)."""
+    if placement is None:
+        return None
+    m = _LAYER_NAME.match(placement.names[0])
+    if m is None:
+        return (-1, 0) if placement.names[0].startswith("embed.") else (num_layers, 0)
+    return _write_unit(int(m.group(1)), None if m.group(2) is None else int(m.group(2)))
+
+
+def _write_unit(layer: int, expert: Optional[int]) -> Tuple[int, int]:
     """The streaming group of a layer's tensor: (layer, 0), or (layer, 1 + e) for routed expert e's, so the
     writer holds one expert (all its ranks' pieces and optimizer slots) at a time, not a whole MoE layer,
     whose experts can be many GB (peak about two units in flight: torchfile.write_grouped)."""
-    mlp, _ = scope_of(role)
-    return (layer, 1 + int(mlp.split(".")[2])) if role.startswith("experts.") else (layer, 0)
+    return (layer, 0) if expert is None else (layer, 1 + expert)
 
 
 def _fc_major(roles: List[str]) -> List[str]:

@@ -30,17 +30,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from ..config import GPTConfig, Layout, check_tensor_parallel, padded_vocab_size
+from ..config import GPTConfig, Layout, check_tensor_parallel
 from ..errors import CkptError
 from ..io.torchfile import load_torch_file
-from ..lazy import Derived, LazyTensor, cat
+from ..lazy import Derived, LazyTensor
 from ..options import ReadOptions
-from ..roles import (GLOBAL_ROLES, LAYER_ROLES, expert_role, global_role_tensor, layer_role_tensor, moe_layer_roles,
-                     rule_for, shard_role)
-from ..sharding import Rule
+from ..roles import GLOBAL_ROLES, LAYER_ROLES, expert_role, global_role_tensor, layer_role_tensor, moe_layer_roles
 from ..state import Checkpoint
-from ..vocab import resize_vocab
-from .megatron import unstack_grouped, model_file, flatten, read_megatron, resolve_iteration_dir
+from ..vocab import resize_vocab, target_rows
+from .megatron import model_file, flatten, rank_piece, read_megatron, resolve_iteration_dir, unstack_grouped
 from .megatron_names import DIALECTS, KeyMatcher, qkv_to_grouped
 
 
@@ -116,23 +114,16 @@ def read_rank_shards(path, tp_rank: int, pp_rank: int, opts: Optional[ReadOption
 
 def slice_rank_shards(ckpt: Checkpoint, layout: Layout, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> RankShards:
     """Rank (tp_rank, pp_rank, ep_rank)'s role tensors cut from a merged checkpoint (torch_dist: global
-    tensors). Every tensor is a narrow of a stored one, so only this rank's slices (and its experts)
-    are read; the vocabulary is re-padded when the stored rows do not split evenly over this TP size."""
+    tensors) by the split write_megatron writes that rank's file with (megatron.rank_piece), so the rank
+    computes with exactly the pieces a conversion would give it. Every tensor is a narrow of a stored one, so
+    only this rank's slices (and its experts) are read; the vocabulary is padded as the writer pads it for
+    this TP size (vocab.target_rows)."""
     cfg = ckpt.config
     check_tensor_parallel(cfg, layout.tp)
-    rows = cfg.padded_vocab_size
-    if rows % layout.tp:
-        rows = padded_vocab_size(cfg.true_or_padded_vocab, cfg.make_vocab_size_divisible_by or 1, layout.tp)
+    rows = target_rows(cfg, layout.tp)  # the rows write_megatron pads the vocabulary to for this TP size
     tensors = resize_vocab(ckpt.tensors, cfg, rows)
     cfg = cfg.replace(padded_vocab_size=rows)
     chunks = [(first, count) for p, _, first, count in layout.chunks(cfg.num_layers) if p == pp_rank]
-
-    def mine(tensor: LazyTensor, role: str) -> LazyTensor:
-        rule = rule_for(role, cfg)
-        if rule is Rule.GATED:  # [gate; up] -> [gate_r; up_r], each half narrowed on its own
-            gate, up = tensor.chunk(2, 0)
-            return cat([gate.chunk(layout.tp, 0)[tp_rank], up.chunk(layout.tp, 0)[tp_rank]], 0)
-        return shard_role(tensor, role, cfg, layout.tp)[tp_rank]
 
     out: Dict[str, LazyTensor] = {}
     last = pp_rank == layout.pp - 1
@@ -142,7 +133,7 @@ def slice_rank_shards(ckpt: Checkpoint, layout: Layout, tp_rank: int, pp_rank: i
         if role == "output" and tensor is None and last:
             tensor = global_role_tensor(tensors, "word")  # tied: the last stage's copy of the embedding
         if wanted and tensor is not None:
-            out[name] = mine(tensor, role)
+            out[name] = rank_piece(tensor, role, cfg, layout, tp_rank)
     experts = _local_experts(cfg, layout, ep_rank)
     for first, count in chunks:
         for i in range(first, first + count):
@@ -150,5 +141,5 @@ def slice_rank_shards(ckpt: Checkpoint, layout: Layout, tp_rank: int, pp_rank: i
             for role in list(LAYER_ROLES) + moe_roles:
                 tensor = layer_role_tensor(tensors, cfg, i, role)
                 if tensor is not None:
-                    out[f"layers.{i}.{role}"] = mine(tensor, role)
+                    out[f"layers.{i}.{role}"] = rank_piece(tensor, role, cfg, layout, tp_rank, i)
     return RankShards(cfg, layout, tp_rank, pp_rank, chunks, out, None, ep_rank, experts)
