@@ -400,6 +400,27 @@ def test_unexpected_param_groups_are_refused():
     assert [g.names for g in groups] == [["a.weight"], ["a.bias"]]
 
 
+def test_a_chain_is_tied_per_optimizer_and_a_swapped_one_is_refused():
+    """megatron-core's [dense, expert] chain at EP 2: the experts tie to the second optimizer's group,
+    which is one canonical group with its dense twin; written back at EP 2 the chain is re-formed, at EP 1
+    one optimizer. Swapped, the is_expert_parallel flags disagree with the chain's order: refused."""
+    from ckptool.formats.megatron_optim import GroupRule
+    weights = {"layers.0.attn.q.weight": Const(torch.zeros(2, 2)), "layers.0.attn_norm.weight": Const(torch.zeros(2)),
+               "layers.0.mlp.experts.1.down.weight": Const(torch.zeros(2, 2))}
+    dense = [{"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False},
+             {"wd_mult": 0.0, "lr_mult": 1.0, "is_expert_parallel": False}]
+    expert = [{"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": True}]
+    groups = dist_optim.tie_groups([dense, expert], weights, GroupRule(), 2, "here")
+    assert [g.names for g in groups] == [["layers.0.attn.q.weight", "layers.0.mlp.experts.1.down.weight"],
+                                         ["layers.0.attn_norm.weight"]]
+    opt = OptimizerState("x", {}, step=2, param_groups=groups)
+    chain = dist_optim.common_entries(opt, mixed=True, ep=2)["optimizer"]
+    assert [[g["is_expert_parallel"] for g in chain[k]["optimizer"]["param_groups"]] for k in (0, 1)] == [[False, False], [True]]
+    assert "param_groups" in dist_optim.common_entries(opt, mixed=True, ep=1)["optimizer"]["optimizer"]
+    with pytest.raises(CkptError, match=r"here \(chained optimizer 0\): its groups say is_expert_parallel \[True\].*--no-optimizer"):
+        dist_optim.tie_groups([expert, dense], weights, GroupRule(), 2, "here")
+
+
 def test_groups_without_megatron_core_identifier_keys_get_a_default_runs_values():
     from ckptool.state import ParamGroup
     opt = OptimizerState("x", {}, step=5, param_groups=[ParamGroup(["w"], {"lr": 0.1, "weight_decay": 0.1}),

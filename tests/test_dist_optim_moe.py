@@ -37,7 +37,10 @@ HELPER = REPO / "tests" / "mcore_optim_dist_helper.py"
 BF16 = "--dtype bf16"
 SAVES = {"fr": ("--tp 1 --ep 2 --form fully_reshardable", 2), "plain": ("--tp 1 --ep 2 --form plain", 2),
          "tp2": ("--tp 2 --ep 2 --form fully_reshardable", 4),
-         "dpr": ("--tp 1 --ep 2 --form dp_reshardable", 2)}  # not carried: dropped with a warning
+         "dpr": ("--tp 1 --ep 2 --form dp_reshardable", 2),  # not carried: dropped with a warning
+         # Qwen2-MoE-like: a dense layer 0, a shared expert with its gate, QKV biases (layers keyed by index)
+         "qwen": ("--tp 1 --ep 2 --form fully_reshardable --moe-arch qwen2moe", 2)}
+LIVE_CHECKED = ("fr", "plain", "tp2")  # test_distopt_moe.canonical_pieces knows the Mixtral-like names
 
 
 def torchrun(nproc: int, *jobs: str, timeout: int = 900) -> None:
@@ -71,6 +74,7 @@ def resumed(saved):
     write_layout(open_checkpoint(d / "tp2"), d / "tp2_ep1", Layout(1, ep=1), fmt="torch_dist", warn=said.append)
     write_layout(open_checkpoint(d / "fr_ep1"), d / "back_ep2", Layout(1, ep=2), fmt="torch_dist", warn=said.append)
     write_layout(open_checkpoint(d / "fr"), d / "torch_ep1", Layout(1, ep=1), fmt="torch", warn=said.append)
+    write_layout(open_checkpoint(d / "qwen"), d / "qwen_ep1", Layout(1, ep=1), fmt="torch_dist", warn=said.append)
     assert not said, said
     torchrun(2, f"moe-resume {d}/fr_ep1 --tp 1 --ep 1 --form fully_reshardable {BF16} --out {d}/r_fr_ep1.pt",
              f"moe-resume {d}/plain_ep1 --tp 1 --ep 1 --form plain {BF16} --out {d}/r_plain_ep1.pt",
@@ -78,13 +82,15 @@ def resumed(saved):
              f"moe-resume {d}/back_ep2 --tp 1 --ep 2 --form fully_reshardable {BF16} --out {d}/r_back_ep2.pt",
              f"moe-resume {d}/fr --tp 1 --ep 2 --form fully_reshardable {BF16} --out {d}/r_control.pt",
              f"moe-resume {d}/fr_ep1 --tp 1 --ep 1 --form fully_reshardable {BF16} --weights-only "
-             f"--out {d}/r_weights_only.pt")
+             f"--out {d}/r_weights_only.pt",
+             f"moe-resume {d}/qwen_ep1 --tp 1 --ep 1 --form fully_reshardable --moe-arch qwen2moe {BF16} "
+             f"--out {d}/r_qwen_ep1.pt")
     # the torch-format output, resumed as Megatron-LM's torch format loads (mcore_moe_helper.py resume)
     test_moe_megatron.torchrun([f"resume {d}/torch_ep1 --tp 1 --ep 1 {BF16} --out {d}/r_torch_ep1.pt"])
     return d
 
 
-@pytest.mark.parametrize("name", [n for n in SAVES if n != "dpr"])
+@pytest.mark.parametrize("name", LIVE_CHECKED)
 def test_expert_optimizer_state_equals_the_live_optimizers(saved, name):
     from test_distopt_moe import SLOTS, canonical_pieces
     ck = open_checkpoint(saved / name)
@@ -128,10 +134,11 @@ def test_written_chain_is_megatron_cores_for_the_target_ep(resumed, tmp_path):
 
 
 @pytest.mark.parametrize("run,src", [("r_fr_ep1", "fr"), ("r_plain_ep1", "plain"), ("r_tp2_ep1", "tp2"),
-                                     ("r_back_ep2", "fr"), ("r_torch_ep1", "fr")])
+                                     ("r_back_ep2", "fr"), ("r_torch_ep1", "fr"), ("r_qwen_ep1", "qwen")])
 def test_moe_optimizer_resumes_at_another_expert_layout(resumed, run, src):
-    """EP 2 -> EP 1 (both optimizer kinds; from TP2 too), EP 2 -> EP 1 -> EP 2, and into the torch
-    format: the next two losses are the source run's; a fresh optimizer's second loss is not."""
+    """EP 2 -> EP 1 (both optimizer kinds; from TP2 too; the Qwen2-MoE-like model), EP 2 -> EP 1 -> EP 2,
+    and into the torch format: the next two losses are the source run's; a fresh optimizer's second
+    loss is not."""
     went_on, got = _next(resumed / f"{src}.pt"), _next(resumed / f"{run}.pt")
     fresh = abs(_next(resumed / "r_weights_only.pt")[1] - _next(resumed / "fr.pt")[1])
     gap = max(abs(a - b) for a, b in zip(got, went_on))

@@ -168,6 +168,10 @@ def tie_groups(hypers: List[List[dict]], weights: Dict[str, LazyTensor], rule: G
     for n, (part, idx) in enumerate(zip(hypers, members)):
         mine = [params[i] for i in idx]
         at = where + (f" (chained optimizer {n})" if len(hypers) > 1 else "")
+        flags = {h["is_expert_parallel"] for h in part if "is_expert_parallel" in h}
+        if len(hypers) > 1 and flags - {n == 1}:  # a chain out of order, or not the [dense, expert] pair
+            raise CkptError(f"{at}: its groups say is_expert_parallel {sorted(flags)}, but megatron-core's chain "
+                            f"holds the {'expert' if n else 'dense'} optimizer there", HINT)
         for p, g in zip(mine, group_by_rule(mine, part, at, rule) if mine else []):
             names[local[(0,)][offset + g]].append(p.key)
         offset += len(part)
