@@ -41,7 +41,8 @@ def _torchrun(jobs):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("distopt_etp")
-    _torchrun([f"train {d / 'src'} {GRID} {FLAGS} --out {d / 'src.pt'}"])
+    _torchrun([f"train {d / 'src'} {GRID} {FLAGS} --out {d / 'src.pt'}",
+               f"train {d / 'ep1src'} --tp 2 --ep 1 --etp 1 {FLAGS} --out {d / 'ep1src.pt'}"])
     said = []
     for name, (tp, ep, etp, dp) in TARGETS.items():
         api.reshard(d / "src", d / name, tp=tp, ep=ep, etp=etp, distributed_optimizer=True, dp=dp, warn=said.append)
@@ -83,11 +84,14 @@ def test_chain_sources_follow_the_two_grids():
     assert chain_sources(2, 0, 4, 2, 1) == ((2, 0), (0, 0))
 
 
-def test_every_master_and_moment_equals_the_live_optimizers(runs):
+@pytest.mark.parametrize("src", ["src", "ep1src"])
+def test_every_master_and_moment_equals_the_live_optimizers(runs, src):
+    """TP2 ETP1 EP2 (chained), and TP2 ETP1 EP1 (one optimizer: the experts, whole, in every TP rank's
+    dense buffer)."""
     from test_distopt_moe import SLOTS, canonical_pieces
-    ck = read_megatron(runs / "src")
+    ck = read_megatron(runs / src)
     assert not ck.warnings and ck.optimizer.kind == "megatron-distributed" and ck.source.layout.expert_tp == 1
-    live = _live_full(torch.load(runs / "src.pt.live")["live"])
+    live = _live_full(torch.load(runs / f"{src}.pt.live")["live"])
     seen = set()
     for name, tensors in live.items():
         for key, slot in SLOTS.items():

@@ -123,11 +123,15 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     # expert's local index j on EP rank e is global expert e * (experts per rank) + j.
     stacked_local = _stacked_local_experts(all_keys, matcher, args, ep, it_dir)
     per_ep = stacked_local or max(_local_expert_count(chunks, matcher) for chunks in models.values())  # a stage may be all dense
+    # with the optimizer carried, each weight is read twice: as the weight and to check its fp32 master
+    # (megatron_optim.master_matching_weight); memoised, a writer's load of a layer reads it once for both
+    once = _read_once if opts.optimizer and any("optimizer" in tree for tree in trees.values()) else lambda role, x: x
     # stored: one per tensor of the file (a legacy GroupedMLP fc stacks all local experts: role experts.*.<fc>),
     # what the optimizer's entries count; params: the stacked ones cut per expert, as the weights are used
     stored: Dict[Tuple[int, int, int], List[RankParam]] = {}
     for (t, p, e), chunks in models.items():
-        stored[(t, p, e)] = [RankParam(key, hit[0], None if hit[1] is None else offsets[(p, v)] + hit[1], value, v)
+        stored[(t, p, e)] = [RankParam(key, hit[0], None if hit[1] is None else offsets[(p, v)] + hit[1],
+                                       once(hit[0], value), v)
                              for v in sorted(chunks) for key, value in chunks[v].items()
                              for hit in [matcher.match(key)] if hit is not None and isinstance(value, LazyTensor)]
 
@@ -312,6 +316,14 @@ def _local_expert_count(chunks: Dict[int, Dict[str, object]], matcher: KeyMatche
     for v, layer, _ in locals_:
         per_layer[(v, layer)] += 1
     return max(per_layer.values(), default=0)
+
+
+def _read_once(role: str, value: LazyTensor) -> LazyTensor:
+    """value, memoised within a load_scope (the stacked GroupedMLP tensors stay stored tensors: their
+    per-expert cut reads byte ranges of them)."""
+    if role.startswith("experts.*."):
+        return value
+    return Derived(lambda x: x, [value], memo=True, shape=value.shape, dtype=value.dtype)
 
 
 def _stacked_local_experts(keys, matcher: KeyMatcher, args, ep: int, it_dir: Path) -> int:
