@@ -44,8 +44,8 @@ def read(path: Path, format_name: str) -> Optional[Checkpoint]:
         return None
     try:
         return _checkpoint(path, format_name, trees, iteration, release)
-    except NotQuick:
-        return None
+    except (NotQuick, LookupError, TypeError, AttributeError, ValueError):
+        return None  # structures the quick reader does not know: the full reader says what they are
 
 
 PER_PROCESS_ARGS = ("rank", "local_rank")  # args each process of one run sets to its own value
