@@ -323,3 +323,29 @@ def test_quick_inspect_of_megatron_deepspeed_pipeline_saves(tmp_path, monkeypatc
     next((tmp_path / "missing").glob("*/bf16_zero_pp_rank_0_mp_rank_03_optim_states.pt")).unlink()
     assert quick_inspect.quick_open(tmp_path / "missing", {}) is None
     assert "model weights" in json.loads(full_path(monkeypatch, "inspect", tmp_path / "missing", "--json"))["dialect"]
+
+
+@pytest.mark.parametrize("case", ["bf16_tp2_dp3", "zero2_fp16_dp4", "weights_only"])
+def test_quick_inspect_of_megatron_names_under_deepspeed_module(tmp_path, monkeypatch, case):
+    """Megatron-DeepSpeed --no-pipeline-parallel saves (Megatron names under `module`, documented layouts
+    written as tests/test_deepspeed.py does): BF16_Optimizer at TP 2 x DP 3 with the padding kept, ZeRO-2
+    at DP 4 with it stripped, and model states without shards (16-bit module weights) read quick, equal
+    to the full path."""
+    from test_deepspeed import _args, _legacy_module_tp, _rand_gpt, _write_zero12
+    t = _rand_gpt(h=8, heads=2, vocab=16)
+    tag = tmp_path / "global_step7"
+    tag.mkdir()
+    (tmp_path / "latest").write_text("global_step7")
+    tp, dp, prefix, stage, keep = {"bf16_tp2_dp3": (2, 3, "bf16_", None, True), "zero2_fp16_dp4": (1, 4, "", 2, False),
+                                   "weights_only": (2, 1, "", 1, False)}[case]
+    for mp in range(tp):
+        _write_zero12(tag, _legacy_module_tp(t, mp, tp, heads=2), mp, dp, prefix, stage, keep,
+                      {"args": _args(tp=tp), "iteration": 7, "checkpoint_version": 3.0})
+    if case == "weights_only":
+        for f in tag.glob("*optim_states.pt"):
+            f.unlink()
+    quick = quick_inspect.quick_open(tmp_path, {})
+    assert quick is not None and quick.source.dialect.startswith("megatron module")
+    assert torch_free("inspect", tmp_path, "--json") == full_path(monkeypatch, "inspect", tmp_path, "--json")
+    assert torch_free("inspect", tmp_path) == full_path(monkeypatch, "inspect", tmp_path)
+    assert (quick.optimizer is None) == (case == "weights_only")
