@@ -1,24 +1,26 @@
-"""DeepSpeed saves of Megatron-DeepSpeed pipeline models for inspect, without torch.
+"""DeepSpeed saves of Megatron models for inspect, without torch: Megatron-DeepSpeed pipelines
+(GPTModelPipe: mp_rank_XX_model_states.pt and layer_LL-model_TT-model_states.pt) and Megatron names
+under `module` (--no-pipeline-parallel), with ZeRO-1/2 or BF16_Optimizer shards
+([bf16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt) or none.
 
 What the full reader (formats/deepspeed.py, deepspeed_zero.py, deepspeed_optim.py) shows by default
-for a GPTModelPipe save (mp_rank_XX_model_states.pt, layer_LL-model_TT-model_states.pt and the ZeRO-1/2
-or BF16_Optimizer shards [bf16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt) follows from the pickles'
-structure alone (quick/torch_pickle.py):
-  - the weights are the fp32 masters: each parameter of param_shapes (its engine name and shape) placed
-    in the flat fp32 partitions of single_partition_of_fp32_groups by param_slice_mappings (or back to
-    back in older files), every placement checked as the full reader checks it;
+follows from the pickles' structure alone (quick/torch_pickle.py):
+  - the weights are the fp32 masters where every rank has its shards: each parameter of param_shapes
+    (its engine name and shape) placed in the flat fp32 partitions of single_partition_of_fp32_groups
+    by param_slice_mappings (or back to back in older files), every placement checked as the full
+    reader checks it; else the 16-bit weights of the layer files or of `module`;
   - pipe names <LL>.<key> / tied_modules.embed.<key> onto roles by formats/mds_pipeline.py's own
-    tables; the config from the stored args (megatron_args.config_from_args, with
-    universal_checkpoint_info), the canonical shapes from the config (quick/meta.py), every role the
-    config implies checked present;
+    tables, Megatron names by their dialect's key table (megatron_names.py); the config from the
+    stored args (megatron_args.config_from_args, with universal_checkpoint_info), the canonical shapes
+    from the config (quick/meta.py), every role the config implies checked present;
   - the optimizer: the Adam moments' flats checked against their partitions, the step (a 0-d tensor read
-    as a Scalar), each torch param group's canonical tensors by the group's weight-decay trait (every
-    parameter of its flats must have it: biases and 1-D norms in the group without weight decay), the
-    loss scaler's entries, the scheduler and the sample count.
+    as a Scalar), each torch param group's canonical tensors (all of them for a single group; else those
+    with the group's weight-decay trait, which every parameter of its flats must have: biases and 1-D
+    norms in the group without weight decay), the loss scaler's entries, the scheduler, the sample count.
 
-NotQuick (the full reader answers) for everything else: ZeRO-3, Megatron or Hugging Face names under
-`module`, frozen parameters, buffers or shared aliases, a missing optimizer shard, the 16-bit layer files
-as the only weights, elastic checkpoints, groups the trait does not tell apart, mixed dtypes, MoE.
+NotQuick (the full reader answers) for everything else: ZeRO-3, Hugging Face names, saves without
+args, frozen parameters, buffers or shared aliases, a missing optimizer shard or shards for some
+model-parallel ranks only, elastic checkpoints, groups the trait does not tell apart, mixed dtypes, MoE.
 """
 from __future__ import annotations
 
