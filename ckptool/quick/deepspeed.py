@@ -126,7 +126,8 @@ def _pipeline(tf: TagFiles, ranks: Dict[int, _Rank], weights: str):
     shards: Dict[Tuple[str, Optional[int]], List[TensorMeta]] = {}
     for (idx, key), parts in entries.items():
         copy = copies.get((idx, key))
-        if copy is not None and any(c is not None and p is not None and c.shape != p.shape for c, p in zip(copy, parts)):
+        if copy is not None and any(c is not None and p is not None and c.shape != p.shape
+                                    for c, p in zip(copy, parts)):
             raise NotQuick(f"the tied copy of {key} differs in shape")
         kind = kinds[idx]
         shards[(mds.role_of(kind, key), numbers[idx] if kind == "layer" else None)] = parts
@@ -339,7 +340,8 @@ def _moment_flats(osd: dict, key: str) -> List[TensorMeta]:
     for g, master in enumerate(masters):
         t = (state.get(g) or {}).get(key)
         pad = int(paddings[g]) if paddings and g < len(paddings) else 0
-        if not isinstance(t, TensorMeta) or len(t.shape) != 1 or t.shape[0] not in (master.shape[0], master.shape[0] + pad):
+        if not isinstance(t, TensorMeta) or len(t.shape) != 1 or \
+                t.shape[0] not in (master.shape[0], master.shape[0] + pad):
             raise NotQuick(f"group {g} {key} does not fit its partition")
         out.append(TensorMeta(master.shape, t.dtype))
     return out
@@ -385,6 +387,7 @@ def _groups(ranks: Dict[int, _Rank], tensors: Dict[str, TensorMeta]) -> List[Par
             for r in ranks.values():
                 if any((n.endswith("bias") or len(s) == 1) != trait for n, s in r.shapes[f].items()):
                     raise NotQuick("a parameter outside its group's trait")
-    return [ParamGroup([n for n, t in tensors.items() if g.get("params") and (n.endswith("bias") or len(t.shape) == 1) == trait],
+    return [ParamGroup([n for n, t in tensors.items()
+                        if g.get("params") and (n.endswith("bias") or len(t.shape) == 1) == trait],
                        {k: v for k, v in g.items() if k != "params"}) for trait, g in zip(traits, stored)]
 
