@@ -349,3 +349,43 @@ def test_quick_inspect_of_megatron_names_under_deepspeed_module(tmp_path, monkey
     assert torch_free("inspect", tmp_path, "--json") == full_path(monkeypatch, "inspect", tmp_path, "--json")
     assert torch_free("inspect", tmp_path) == full_path(monkeypatch, "inspect", tmp_path)
     assert (quick.optimizer is None) == (case == "weights_only")
+
+
+def test_quick_inspect_of_the_distributed_optimizer(megatron_dirs, tmp_path, monkeypatch):
+    """distrib_optim.pt beside the rank files: megatron-core's own save (TP 1 x DP 2) and ckptool's outputs
+    of the real training save (coalesced at TP2 PP2 DP 2; DP 4 with --overlap-grad-reduce buckets; the
+    2024-02 bucket-list form with virtual pipeline chunks) read quick, every buffer's sizes checked
+    against megatron-core's layout, equal to the full path; a buffer whose stated size is off is the full
+    reader's to refuse."""
+    import shutil
+    import ckptool
+    from test_dist import HAVE_MCORE
+    src = megatron_dirs["mlm_mcore_gpt2_torch_tp2pp2"]
+    ckptool.reshard(src, tmp_path / "coalesced", tp=2, pp=2, distributed_optimizer=True, dp=2)
+    ckptool.reshard(src, tmp_path / "buckets", tp=1, distributed_optimizer=True, dp=4, overlap_grad_reduce=True,
+                    ddp_bucket_size=20000)
+    ckptool.reshard(src, tmp_path / "bucket_list", tp=1, pp=2, vpp=2, distributed_optimizer=True,
+                    distrib_optim_era="2024-02")
+    dirs = ["coalesced", "buckets", "bucket_list"]
+    if HAVE_MCORE:
+        from test_resume import torchrun
+        torchrun(2, f"train {tmp_path}/mcore --tp 1 --dp 2 --distributed-optimizer --steps 2 --more 0 "
+                    f"--out {tmp_path}/mcore.pt")
+        dirs.append("mcore")
+    for name in dirs:
+        d = tmp_path / name
+        assert quick_inspect.quick_open(d, {}).optimizer.kind == "megatron-distributed", name
+        assert torch_free("inspect", d, "--json") == full_path(monkeypatch, "inspect", d, "--json"), name
+        assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d), name
+    # one rank's buffer stated at another size than it holds and than the layout gives
+    from ckptool.io.torchfile import load_torch_file, save_streaming
+    shutil.copytree(tmp_path / "coalesced", tmp_path / "off")
+    f = next((tmp_path / "off").glob("*/mp_rank_01_001/distrib_optim.pt"))
+    state = load_torch_file(f)
+    entry = next(iter(state[0].values()))
+    entry["numel_unpadded"] += 64
+    save_streaming(state, f.with_suffix(".tmp"))
+    f.with_suffix(".tmp").replace(f)
+    assert quick_inspect.quick_open(tmp_path / "off", {}) is None
+    r = CliRunner().invoke(main, ["inspect", str(tmp_path / "off")])
+    assert r.exit_code == 2 and "numel_unpadded" in r.output and "pass --no-optimizer" in r.output
