@@ -2,12 +2,12 @@
 structure (quick/torch_pickle.py), the config from the stored args as the full reader computes it
 (megatron_args.config_from_args), the dialect and layer layout from the keys (megatron_files.py,
 megatron_names.py), the canonical tensors' shapes from the config (quick/meta.py), and the
-non-distributed optimizer's state in the rank files as the training-state reader ties it (quick/optim.py).
+optimizer's state as the training-state reader ties it (quick/optim.py, quick/distopt.py).
 
 Covered: dense GPT models whose files store args: converted, released and from-hf checkpoints, and
-training saves with or without the (non-distributed) optimizer's state. Anything else returns None
-and the full reader answers: the distributed optimizer (distrib_optim.pt, optim.pt), optimizer groups
-the quick tie cannot decide (quick/optim.py), MoE/MLA, 2019 files without args, mixed dtypes, keys
+training saves with or without optimizer state (the rank files' own, or distrib_optim.pt beside them:
+quick/distopt.py). Anything else returns None and the full reader answers: the 2022-23 optim.pt,
+optimizer state the quick tie cannot decide (quick/optim.py), MoE/MLA, 2019 files without args, mixed dtypes, keys
 outside the dialect, or files that disagree with one another or with their args (the full reader has
 the error message for each).
 """
