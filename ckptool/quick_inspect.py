@@ -7,7 +7,8 @@ directory formats are torch-free) and gives that format's quick reader, if it ha
              optimizer's state (quick/megatron.py, quick/optim.py)
   torch_dist the DCP .metadata pickle, the common state's args and model-space optimizer state
              (quick/dist.py, quick/dist_optim.py)
-  deepspeed  Megatron-DeepSpeed pipeline saves: model states, ZeRO-1/2 shards, layer files (quick/deepspeed.py)
+  deepspeed  Megatron models under DeepSpeed (pipeline layer files or `module`), ZeRO-1/2 and BF16
+             shards (quick/deepspeed.py)
 Each returns a real Checkpoint whose tensors (and optimizer slots) are TensorMeta records (shape,
 dtype name, bytes), so inspect's describe() and text output are the same code on both paths, or None
 where only the full reader can say. Then, and for reading options (overrides, --true-vocab-size,

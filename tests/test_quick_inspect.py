@@ -250,8 +250,8 @@ def test_quick_inspect_of_megatron_core_training_saves_with_three_groups_and_fp3
         assert quick.optimizer.kind == kind and len(quick.optimizer.param_groups) == groups, name
         assert torch_free("inspect", d, "--json") == full_path(monkeypatch, "inspect", d, "--json"), name
         assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d), name
-    lr_mults = [g.hyper.get("lr_mult") for g in quick_inspect.quick_open(tmp_path / "groups", {}).optimizer.param_groups]
-    assert 0.5 in lr_mults
+    three = quick_inspect.quick_open(tmp_path / "groups", {}).optimizer.param_groups
+    assert 0.5 in [g.hyper.get("lr_mult") for g in three]
 
 
 def test_optimizer_state_the_quick_tie_cannot_decide_takes_the_full_path(megatron_dirs, tmp_path, monkeypatch):
@@ -323,3 +323,69 @@ def test_quick_inspect_of_megatron_deepspeed_pipeline_saves(tmp_path, monkeypatc
     next((tmp_path / "missing").glob("*/bf16_zero_pp_rank_0_mp_rank_03_optim_states.pt")).unlink()
     assert quick_inspect.quick_open(tmp_path / "missing", {}) is None
     assert "model weights" in json.loads(full_path(monkeypatch, "inspect", tmp_path / "missing", "--json"))["dialect"]
+
+
+@pytest.mark.parametrize("case", ["bf16_tp2_dp3", "zero2_fp16_dp4", "weights_only"])
+def test_quick_inspect_of_megatron_names_under_deepspeed_module(tmp_path, monkeypatch, case):
+    """Megatron-DeepSpeed --no-pipeline-parallel saves (Megatron names under `module`, documented layouts
+    written as tests/test_deepspeed.py does): BF16_Optimizer at TP 2 x DP 3 with the padding kept, ZeRO-2
+    at DP 4 with it stripped, and model states without shards (16-bit module weights) read quick, equal
+    to the full path."""
+    from test_deepspeed import _args, _legacy_module_tp, _rand_gpt, _write_zero12
+    t = _rand_gpt(h=8, heads=2, vocab=16)
+    tag = tmp_path / "global_step7"
+    tag.mkdir()
+    (tmp_path / "latest").write_text("global_step7")
+    tp, dp, prefix, stage, keep = {"bf16_tp2_dp3": (2, 3, "bf16_", None, True), "zero2_fp16_dp4": (1, 4, "", 2, False),
+                                   "weights_only": (2, 1, "", 1, False)}[case]
+    for mp in range(tp):
+        _write_zero12(tag, _legacy_module_tp(t, mp, tp, heads=2), mp, dp, prefix, stage, keep,
+                      {"args": _args(tp=tp), "iteration": 7, "checkpoint_version": 3.0})
+    if case == "weights_only":
+        for f in tag.glob("*optim_states.pt"):
+            f.unlink()
+    quick = quick_inspect.quick_open(tmp_path, {})
+    assert quick is not None and quick.source.dialect.startswith("megatron module")
+    assert torch_free("inspect", tmp_path, "--json") == full_path(monkeypatch, "inspect", tmp_path, "--json")
+    assert torch_free("inspect", tmp_path) == full_path(monkeypatch, "inspect", tmp_path)
+    assert (quick.optimizer is None) == (case == "weights_only")
+
+
+def test_quick_inspect_of_the_distributed_optimizer(megatron_dirs, tmp_path, monkeypatch):
+    """distrib_optim.pt beside the rank files: megatron-core's own save (TP 1 x DP 2) and ckptool's outputs
+    of the real training save (coalesced at TP2 PP2 DP 2; DP 4 with --overlap-grad-reduce buckets; the
+    2024-02 bucket-list form with virtual pipeline chunks) read quick, every buffer's sizes checked
+    against megatron-core's layout, equal to the full path; a buffer whose stated size is off is the full
+    reader's to refuse."""
+    import shutil
+    import ckptool
+    from test_dist import HAVE_MCORE
+    src = megatron_dirs["mlm_mcore_gpt2_torch_tp2pp2"]
+    ckptool.reshard(src, tmp_path / "coalesced", tp=2, pp=2, distributed_optimizer=True, dp=2)
+    ckptool.reshard(src, tmp_path / "buckets", tp=1, distributed_optimizer=True, dp=4, overlap_grad_reduce=True,
+                    ddp_bucket_size=20000)
+    ckptool.reshard(src, tmp_path / "bucket_list", tp=1, pp=2, vpp=2, distributed_optimizer=True,
+                    distrib_optim_era="2024-02")
+    dirs = ["coalesced", "buckets", "bucket_list"]
+    if HAVE_MCORE:
+        from test_resume import torchrun
+        torchrun(2, f"train {tmp_path}/mcore --tp 1 --dp 2 --distributed-optimizer --steps 2 --more 0 "
+                    f"--out {tmp_path}/mcore.pt")
+        dirs.append("mcore")
+    for name in dirs:
+        d = tmp_path / name
+        assert quick_inspect.quick_open(d, {}).optimizer.kind == "megatron-distributed", name
+        assert torch_free("inspect", d, "--json") == full_path(monkeypatch, "inspect", d, "--json"), name
+        assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d), name
+    # one rank's buffer stated at another size than it holds and than the layout gives
+    from ckptool.io.torchfile import load_torch_file, save_streaming
+    shutil.copytree(tmp_path / "coalesced", tmp_path / "off")
+    f = next((tmp_path / "off").glob("*/mp_rank_01_001/distrib_optim.pt"))
+    state = load_torch_file(f)
+    entry = next(iter(state[0].values()))
+    entry["numel_unpadded"] += 64
+    save_streaming(state, f.with_suffix(".tmp"))
+    f.with_suffix(".tmp").replace(f)
+    assert quick_inspect.quick_open(tmp_path / "off", {}) is None
+    r = CliRunner().invoke(main, ["inspect", str(tmp_path / "off")])
+    assert r.exit_code == 2 and "numel_unpadded" in r.output and "pass --no-optimizer" in r.output

@@ -1,24 +1,26 @@
-"""DeepSpeed saves of Megatron-DeepSpeed pipeline models for inspect, without torch.
+"""DeepSpeed saves of Megatron models for inspect, without torch: Megatron-DeepSpeed pipelines
+(GPTModelPipe: mp_rank_XX_model_states.pt and layer_LL-model_TT-model_states.pt) and Megatron names
+under `module` (--no-pipeline-parallel), with ZeRO-1/2 or BF16_Optimizer shards
+([bf16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt) or none.
 
 What the full reader (formats/deepspeed.py, deepspeed_zero.py, deepspeed_optim.py) shows by default
-for a GPTModelPipe save (mp_rank_XX_model_states.pt, layer_LL-model_TT-model_states.pt and the ZeRO-1/2
-or BF16_Optimizer shards [bf16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt) follows from the pickles'
-structure alone (quick/torch_pickle.py):
-  - the weights are the fp32 masters: each parameter of param_shapes (its engine name and shape) placed
-    in the flat fp32 partitions of single_partition_of_fp32_groups by param_slice_mappings (or back to
-    back in older files), every placement checked as the full reader checks it;
+follows from the pickles' structure alone (quick/torch_pickle.py):
+  - the weights are the fp32 masters where every rank has its shards: each parameter of param_shapes
+    (its engine name and shape) placed in the flat fp32 partitions of single_partition_of_fp32_groups
+    by param_slice_mappings (or back to back in older files), every placement checked as the full
+    reader checks it; else the 16-bit weights of the layer files or of `module`;
   - pipe names <LL>.<key> / tied_modules.embed.<key> onto roles by formats/mds_pipeline.py's own
-    tables; the config from the stored args (megatron_args.config_from_args, with
-    universal_checkpoint_info), the canonical shapes from the config (quick/meta.py), every role the
-    config implies checked present;
+    tables, Megatron names by their dialect's key table (megatron_names.py); the config from the
+    stored args (megatron_args.config_from_args, with universal_checkpoint_info), the canonical shapes
+    from the config (quick/meta.py), every role the config implies checked present;
   - the optimizer: the Adam moments' flats checked against their partitions, the step (a 0-d tensor read
-    as a Scalar), each torch param group's canonical tensors by the group's weight-decay trait (every
-    parameter of its flats must have it: biases and 1-D norms in the group without weight decay), the
-    loss scaler's entries, the scheduler and the sample count.
+    as a Scalar), each torch param group's canonical tensors (all of them for a single group; else those
+    with the group's weight-decay trait, which every parameter of its flats must have: biases and 1-D
+    norms in the group without weight decay), the loss scaler's entries, the scheduler, the sample count.
 
-NotQuick (the full reader answers) for everything else: ZeRO-3, Megatron or Hugging Face names under
-`module`, frozen parameters, buffers or shared aliases, a missing optimizer shard, the 16-bit layer files
-as the only weights, elastic checkpoints, groups the trait does not tell apart, mixed dtypes, MoE.
+NotQuick (the full reader answers) for everything else: ZeRO-3, Hugging Face names, saves without
+args, frozen parameters, buffers or shared aliases, a missing optimizer shard or shards for some
+model-parallel ranks only, elastic checkpoints, groups the trait does not tell apart, mixed dtypes, MoE.
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ from ..errors import CkptError
 from ..formats import megatron_args
 from ..formats import mds_pipeline as mds
 from ..formats.deepspeed_files import TagFiles, resolve_tag_dir, scan_tag_dir
+from ..formats.megatron_files import detect_dialect
+from ..formats.megatron_names import KeyMatcher, is_ignorable
 from ..state import Checkpoint, OptimizerState, ParamGroup, SourceInfo
 from .meta import TensorMeta, canonical_shapes
 from .torch_pickle import NotQuick, Scalar, load_torch_zip
@@ -66,23 +70,54 @@ def read(path: Path, format_name: str) -> Optional[Checkpoint]:
 
 def _checkpoint(path: Path, format_name: str) -> Checkpoint:
     tf = scan_tag_dir(resolve_tag_dir(Path(path)))
-    if tf.zero_model or not tf.model or not tf.layers:
-        raise NotQuick("not a ZeRO-1/2 pipeline save")
+    if tf.zero_model or not tf.model:
+        raise NotQuick("ZeRO-3, or no model states")
     mps = sorted(tf.model)
-    tp = max(t for _, t in tf.layers) + 1
-    if mps != list(range(len(mps))) or len(mps) % tp:
+    if mps != list(range(len(mps))):
         raise NotQuick("model-parallel ranks")
-    pp = len(mps) // tp
-    ranks = {mp: _rank(tf, mp) for mp in mps}
+    ranks = {mp: _rank(tf, mp, pipeline=bool(tf.layers)) for mp in mps}
     r0 = ranks[0]
     if all(r.osds for r in ranks.values()):
         weights = "master"  # the full reader's default where every rank has its shards
-        entries, copies = _pipe_entries(ranks, tp)
     elif not any(r.osds for r in ranks.values()):
         weights = "model"
-        entries, copies = _layer_entries(tf, tp), {}
     else:
         raise NotQuick("optimizer shards for some model-parallel ranks only")
+    args = r0.meta.get("args")
+    if args is None:
+        raise NotQuick("no args")  # the full reader's config then needs the shapes' arithmetic
+    shards, num_layers, layout, dialect = (_pipeline(tf, ranks, weights) if tf.layers else _module(ranks, weights))
+    for (role, layer), parts in shards.items():
+        if any(p is None for p in parts) or len({p.shape for p in parts}) != 1:
+            raise NotQuick(f"{role} of layer {layer} differs across TP ranks")
+    word = shards.get(("word", None))
+    if word is None:
+        raise NotQuick("no word embeddings")
+    cfg = megatron_args.config_from_args(args, sum(p.shape[0] for p in word),
+                                         {"universal_checkpoint_info": r0.meta.get("universal_checkpoint_info")})
+    shapes = canonical_shapes(cfg)
+    dtypes = {p.dtype for parts in shards.values() for p in parts}
+    if cfg.num_layers != num_layers or shapes is None or len(dtypes) != 1 or set(shards) != _roles(shapes):
+        raise NotQuick("the files do not hold the model the args describe")
+    dtype = dtypes.pop()
+    tensors = {n: TensorMeta(s, dtype) for n, s in shapes.items()}
+    if layout.stage_layers and sum(layout.stage_layers) != cfg.num_layers:
+        layout.stage_layers = None
+    layout.dp = max(1, len(r0.osds))
+    stage = "BF16_Optimizer" if r0.kind == "bf16_optimizer" else f"zero-{r0.stage}" if r0.stage else "no ZeRO"
+    info = SourceInfo(path=str(path), format=format_name, dialect=f"{dialect}, {stage}, {weights} weights ({dtype})",
+                      layout=layout, iteration=r0.meta.get("iteration", r0.meta.get("global_steps")),
+                      checkpoint_version=r0.meta.get("checkpoint_version"), args=args)
+    return Checkpoint(cfg, tensors, info, [], _optimizer(ranks, tensors) if weights == "master" else None)
+
+
+def _pipeline(tf: TagFiles, ranks: Dict[int, _Rank], weights: str):
+    """A GPTModelPipe save: (role, layer) -> [tensor per TP rank], layers, layout, dialect."""
+    tp = max(t for _, t in tf.layers) + 1
+    if len(ranks) % tp:
+        raise NotQuick("model-parallel ranks not a multiple of TP")
+    pp = len(ranks) // tp
+    entries, copies = _pipe_entries(ranks, tp) if weights == "master" else (_layer_entries(tf, tp), {})
     keys_by_idx: Dict[Optional[int], set] = defaultdict(set)
     for idx, key in entries:
         keys_by_idx[idx].add(key)
@@ -91,35 +126,62 @@ def _checkpoint(path: Path, format_name: str) -> Checkpoint:
     shards: Dict[Tuple[str, Optional[int]], List[TensorMeta]] = {}
     for (idx, key), parts in entries.items():
         copy = copies.get((idx, key))
-        if any(p is None for p in parts) or len({p.shape for p in parts}) != 1 or \
-                (copy is not None and any(c is not None and c.shape != p.shape for c, p in zip(copy, parts))):
-            raise NotQuick(f"{key} of layer {idx} differs across TP ranks or copies")
+        if copy is not None and any(c is not None and p is not None and c.shape != p.shape
+                                    for c, p in zip(copy, parts)):
+            raise NotQuick(f"the tied copy of {key} differs in shape")
         kind = kinds[idx]
         shards[(mds.role_of(kind, key), numbers[idx] if kind == "layer" else None)] = parts
-    word = shards.get(("word", None))
-    args = r0.meta.get("args")
-    if word is None or args is None:
-        raise NotQuick("no word embeddings or no args")
-    cfg = megatron_args.config_from_args(args, sum(p.shape[0] for p in word),
-                                         {"universal_checkpoint_info": r0.meta.get("universal_checkpoint_info")})
-    shapes = canonical_shapes(cfg)
-    dtypes = {p.dtype for parts in shards.values() for p in parts}
-    if cfg.num_layers != len(numbers) or shapes is None or len(dtypes) != 1 or set(shards) != _roles(shapes):
-        raise NotQuick("the files do not hold the model the args describe")
-    dtype = dtypes.pop()
-    tensors = {n: TensorMeta(s, dtype) for n, s in shapes.items()}
     counts = [len({mds.split_pipe_name(n)[0] for g in ranks[s * tp].shapes for n in g
                    if (mds.split_pipe_name(n) or (None,))[0] in numbers}) for s in range(pp)]
-    layout = Layout(tp=tp, pp=pp, stage_layers=None if len(set(counts)) <= 1 or sum(counts) != cfg.num_layers
-                    else counts)
-    layout.dp = max(1, len(r0.osds))
-    stage = "BF16_Optimizer" if r0.kind == "bf16_optimizer" else f"zero-{r0.stage}" if r0.stage else "no ZeRO"
-    dialect = (f"mds-pipeline (transformer layers from spec index {mds.first_layer_index(kinds)}, qkv grouped), "
-               f"{stage}, {weights} weights ({dtype})")
-    info = SourceInfo(path=str(path), format=format_name, dialect=dialect, layout=layout,
-                      iteration=r0.meta.get("iteration", r0.meta.get("global_steps")),
-                      checkpoint_version=r0.meta.get("checkpoint_version"), args=args)
-    return Checkpoint(cfg, tensors, info, [], _optimizer(ranks, tensors) if weights == "master" else None)
+    layout = Layout(tp=tp, pp=pp, stage_layers=None if len(set(counts)) <= 1 else counts)
+    return (shards, len(numbers), layout,
+            f"mds-pipeline (transformer layers from spec index {mds.first_layer_index(kinds)}, qkv grouped)")
+
+
+def _module(ranks: Dict[int, _Rank], weights: str):
+    """A Megatron model's parameters under `module` (Megatron-DeepSpeed --no-pipeline-parallel): its
+    dialect's key table, as formats/deepspeed.py's _read_megatron_module applies it."""
+    named = {mp: {_megatron_key(k): v for k, v in _named(r, weights).items()} for mp, r in ranks.items()}
+    if not named[0] or mds.is_pipe_names(named[0]):
+        raise NotQuick("no parameters, or pipe names without layer files")
+    dialect = detect_dialect(list(named[0]))
+    matcher = KeyMatcher(dialect)
+    if sum(1 for k in named[0] if matcher.match(k)) * 2 <= len(named[0]):
+        raise NotQuick("not a Megatron model's names (Hugging Face names: the full reader's tables)")
+    tp = len(named)
+    shards: Dict[Tuple[str, Optional[int]], list] = defaultdict(lambda: [None] * tp)
+    for t, keys in named.items():
+        for key, v in keys.items():
+            hit = matcher.match(key)
+            if hit is None:
+                if is_ignorable(key):
+                    continue
+                raise NotQuick(f"{key} is not part of a {dialect.name} GPT model")
+            if hit[0] != "head_copy":
+                shards[hit][t] = v
+    layers = [layer for _, layer in shards if layer is not None]
+    return dict(shards), (1 + max(layers)) if layers else 0, Layout(tp=tp, pp=1), f"megatron module ({dialect.name})"
+
+
+def _named(r: _Rank, weights: str) -> Dict[str, TensorMeta]:
+    """Engine parameter name -> tensor, as formats/deepspeed.named_weights gives them (this reader
+    leaves frozen parameters, buffers and aliases to the full one)."""
+    module = {k: v for k, v in r.meta["module"].items() if isinstance(v, TensorMeta)}
+    if weights == "model":
+        return module
+    out = dict(r.master)
+    out.update({k: v for k, v in module.items() if k not in out and math.prod(v.shape) > 0})  # ZeRO-1's frozen
+    return out
+
+
+def _megatron_key(name: str) -> str:
+    """formats/deepspeed.megatron_key: dotted names of a nested Megatron model -> megatron_names' paths."""
+    parts = name.split(".")
+    if parts[0] != "language_model":
+        return name
+    if parts[1] in ("embedding", "output_layer"):
+        return "/".join(parts)
+    return f"language_model/{parts[1]}/" + ".".join(parts[2:])
 
 
 def _roles(shapes: Dict[str, tuple]) -> set:
@@ -164,12 +226,13 @@ def _layer_entries(tf: TagFiles, tp: int) -> Dict[tuple, list]:
     return dict(entries)
 
 
-def _rank(tf: TagFiles, mp: int) -> _Rank:
+def _rank(tf: TagFiles, mp: int, pipeline: bool) -> _Rank:
     meta = load_torch_zip(tf.model[mp])
     if not isinstance(meta, dict) or "module" not in meta:
         raise NotQuick("no module entry")
-    if meta.get("module") or meta.get("frozen_param_shapes") or meta.get("buffer_names") or meta.get("shared_params"):
-        raise NotQuick("module weights, frozen parameters, buffers or aliases")
+    if meta.get("frozen_param_shapes") or meta.get("buffer_names") or meta.get("shared_params") or \
+            (meta.get("module") if pipeline else not isinstance(meta.get("module"), dict)):
+        raise NotQuick("frozen parameters, buffers or aliases; module weights in a pipeline save")
     paths = {d: p for (d, m), p in tf.optim.items() if m == mp}
     if not paths:  # the layer files' 16-bit weights are the only ones
         return _Rank(meta, {}, _param_shapes(meta), {}, None, "none")
@@ -277,7 +340,8 @@ def _moment_flats(osd: dict, key: str) -> List[TensorMeta]:
     for g, master in enumerate(masters):
         t = (state.get(g) or {}).get(key)
         pad = int(paddings[g]) if paddings and g < len(paddings) else 0
-        if not isinstance(t, TensorMeta) or len(t.shape) != 1 or t.shape[0] not in (master.shape[0], master.shape[0] + pad):
+        if not isinstance(t, TensorMeta) or len(t.shape) != 1 or \
+                t.shape[0] not in (master.shape[0], master.shape[0] + pad):
             raise NotQuick(f"group {g} {key} does not fit its partition")
         out.append(TensorMeta(master.shape, t.dtype))
     return out
@@ -313,6 +377,8 @@ def _groups(ranks: Dict[int, _Rank], tensors: Dict[str, TensorMeta]) -> List[Par
     listed = [f for g in stored for f in g.get("params", [])]
     if sorted(listed) != list(range(flats)):
         raise NotQuick("the param groups do not step the flats param_shapes describes")
+    if len(stored) == 1:  # every flat is its: every canonical tensor
+        return [ParamGroup(list(tensors), {k: v for k, v in stored[0].items() if k != "params"})]
     traits = [_no_decay(g) for g in stored]
     if len(set(t for t, g in zip(traits, stored) if g.get("params"))) != sum(1 for g in stored if g.get("params")):
         raise NotQuick("groups the weight-decay trait does not tell apart")
@@ -321,6 +387,7 @@ def _groups(ranks: Dict[int, _Rank], tensors: Dict[str, TensorMeta]) -> List[Par
             for r in ranks.values():
                 if any((n.endswith("bias") or len(s) == 1) != trait for n, s in r.shapes[f].items()):
                     raise NotQuick("a parameter outside its group's trait")
-    return [ParamGroup([n for n, t in tensors.items() if g.get("params") and (n.endswith("bias") or len(t.shape) == 1) == trait],
+    return [ParamGroup([n for n, t in tensors.items()
+                        if g.get("params") and (n.endswith("bias") or len(t.shape) == 1) == trait],
                        {k: v for k, v in g.items() if k != "params"}) for trait, g in zip(traits, stored)]
 

@@ -50,8 +50,8 @@ def read(path: Path, format_name: str) -> Optional[Checkpoint]:
         return None
     try:
         return _checkpoint(path, format_name, d, entries, common, iteration, release)
-    except NotQuick:
-        return None
+    except (NotQuick, LookupError, TypeError, AttributeError, ValueError):
+        return None  # structures the quick reader does not know: the full reader says what they are
 
 
 def _is(obj, name: str) -> bool:

@@ -2,12 +2,12 @@
 structure (quick/torch_pickle.py), the config from the stored args as the full reader computes it
 (megatron_args.config_from_args), the dialect and layer layout from the keys (megatron_files.py,
 megatron_names.py), the canonical tensors' shapes from the config (quick/meta.py), and the
-non-distributed optimizer's state in the rank files as the training-state reader ties it (quick/optim.py).
+optimizer's state as the training-state reader ties it (quick/optim.py, quick/distopt.py).
 
 Covered: dense GPT models whose files store args: converted, released and from-hf checkpoints, and
-training saves with or without the (non-distributed) optimizer's state. Anything else returns None
-and the full reader answers: the distributed optimizer (distrib_optim.pt, optim.pt), optimizer groups
-the quick tie cannot decide (quick/optim.py), MoE/MLA, 2019 files without args, mixed dtypes, keys
+training saves with or without optimizer state (the rank files' own, or distrib_optim.pt beside them:
+quick/distopt.py). Anything else returns None and the full reader answers: the 2022-23 optim.pt,
+optimizer state the quick tie cannot decide (quick/optim.py), MoE/MLA, 2019 files without args, mixed dtypes, keys
 outside the dialect, or files that disagree with one another or with their args (the full reader has
 the error message for each).
 """
@@ -28,24 +28,27 @@ from .optim import Param, training_state
 from .torch_pickle import NotQuick, load_torch_zip
 
 VERSIONS = (0.0, 1.0, 2.0, 3.0)  # checkpoint_version values the full reader accepts
-OPTIMIZER_FILES = ("distrib_optim.pt", "optim.pt")
+DISTRIB_FILE = "distrib_optim.pt"  # the distributed optimizer's state beside a rank file (quick/distopt.py)
+OPTIM_FILE = "optim.pt"  # the 2022-23 distributed optimizer's, one per data-parallel rank
 
 
 def read(path: Path, format_name: str) -> Optional[Checkpoint]:
     try:
         it_dir, iteration, release = resolve_iteration_dir(path)
         dirs = list_rank_dirs(it_dir)
-        if not dirs or any((d / f).exists() for d in it_dir.iterdir() for f in OPTIMIZER_FILES):
-            return None
+        if not dirs or any((d / OPTIM_FILE).exists() for d in it_dir.iterdir()):
+            return None  # the 2022-23 distributed optimizer's files: the full reader names what it drops
         trees = {_coordinates(d): load_torch_zip(model_file(d)) for d in dirs}
+        distrib = {_coordinates(d): load_torch_zip(d / DISTRIB_FILE) if (d / DISTRIB_FILE).is_file() else None
+                   for d in dirs}
     except (CkptError, NotQuick, OSError):
         return None
     if any(not isinstance(t, dict) or "model" not in t and not _chunk_keys(t) for t in trees.values()):
         return None
     try:
-        return _checkpoint(path, format_name, trees, iteration, release)
-    except NotQuick:
-        return None
+        return _checkpoint(path, format_name, trees, distrib, iteration, release)
+    except (NotQuick, LookupError, TypeError, AttributeError, ValueError):
+        return None  # structures the quick reader does not know: the full reader says what they are
 
 
 PER_PROCESS_ARGS = ("rank", "local_rank")  # args each process of one run sets to its own value
@@ -71,7 +74,7 @@ def _chunk_keys(tree: dict) -> Dict[int, str]:
     return {int(m.group(1)): k for k in tree for m in [re.match(r"^model(\d+)$", str(k))] if m}
 
 
-def _checkpoint(path: Path, format_name: str, trees, iteration, release) -> Optional[Checkpoint]:
+def _checkpoint(path: Path, format_name: str, trees, distrib, iteration, release) -> Optional[Checkpoint]:
     tp = max(t for t, _ in trees) + 1
     pp = max(p for _, p in trees) + 1
     first = trees[(0, 0)]
@@ -123,10 +126,10 @@ def _checkpoint(path: Path, format_name: str, trees, iteration, release) -> Opti
         return None
     dtype = dtypes.pop()
     weights = {n: TensorMeta(s, dtype) for n, s in shapes.items()}
-    params = {rk: [Param(k, matcher.match(k)[0], v.shape) for c in sorted(chunks) for k, v in chunks[c].items()
+    params = {rk: [Param(k, matcher.match(k)[0], v.shape, c) for c in sorted(chunks) for k, v in chunks[c].items()
                    if isinstance(v, TensorMeta) and matcher.match(k) is not None]
               for rk, chunks in models.items()}
-    optimizer = training_state(trees, params, args, weights)
+    optimizer = training_state(trees, params, args, weights, distrib, cfg.tied_embeddings)
     stages = [counts[(p, 0)] for p in range(pp)]
     layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None,
                     stage_layers=None if vpp > 1 or len(set(stages)) == 1 else stages)

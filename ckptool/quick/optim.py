@@ -17,9 +17,9 @@ masters are TensorMeta records; Adam's 0-d `step` tensors are read as Scalars):
   parameter and its canonical parts have the same traits: a fused QKV weight is 2-D as q, k and v
   are, a bias stays a bias).
 
-Anything this cannot decide the way the full reader does (groups told apart by sizes alone, lr_mult
-groups, chained optimizers, mixed slot dtypes, the distributed optimizer) raises NotQuick and the
-full reader answers. The trait rules are megatron_optim.GROUP_TRAITS restated without torch: the
+The distributed optimizer's ranks (distrib_optim.pt: quick/distopt.py) join their groups by the same
+traits. Anything this cannot decide the way the full reader does (groups told apart by sizes alone,
+lr_mult groups, chained optimizers, mixed slot dtypes) raises NotQuick and the full reader answers. The trait rules are megatron_optim.GROUP_TRAITS restated without torch: the
 tests compare both paths' output on real Megatron-LM saves.
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from ..state import OPTIMIZER_SLOTS, OptimizerState, ParamGroup
+from .distopt import rank_state
 from .meta import TensorMeta
 from .torch_pickle import NotQuick, Scalar
 
@@ -47,6 +48,7 @@ class Param:
     key: str
     role: str
     shape: Tuple[int, ...]
+    chunk: int = 0  # virtual-pipeline model chunk (each has its own grad buffer)
 
 
 @dataclass
@@ -75,15 +77,20 @@ def _group_traits(h: dict, decoupled_lr) -> Tuple[bool, bool]:
 
 
 def training_state(trees: Dict[tuple, dict], params: Dict[tuple, List[Param]], args,
-                   weights: Dict[str, TensorMeta]) -> Optional[OptimizerState]:
+                   weights: Dict[str, TensorMeta], distrib: Dict[tuple, object], tied: bool) -> Optional[OptimizerState]:
     """The OptimizerState the full reader would build (slots as TensorMeta of the weights' shapes), None
-    where no rank's optimizer ever stepped; NotQuick where only the full reader can say."""
+    where no rank's optimizer ever stepped; NotQuick where only the full reader can say. distrib: each
+    rank's distrib_optim.pt (quick/distopt.py), None where the rank has none."""
     if not any("optimizer" in t for t in trees.values()):
         return None
-    if getattr(args, "use_distributed_optimizer", False):
-        raise NotQuick("the distributed optimizer")
     decoupled_lr = getattr(args, "decoupled_lr", None)
-    per_rank = {rk: _rank(trees[rk], params[rk], decoupled_lr) for rk in sorted(trees)}
+    has_file = {distrib.get(rk) is not None for rk in trees}
+    distributed = has_file == {True} or bool(getattr(args, "use_distributed_optimizer", False))
+    if len(has_file) > 1 or distributed and has_file != {True}:
+        raise NotQuick("distrib_optim.pt beside some rank files only")  # the full reader's error
+    pp = max(p for _, p in trees) + 1
+    per_rank = {rk: _dist_rank(trees[rk], distrib[rk], params[rk], args, tied, pp, rk[1], decoupled_lr)
+                if distributed else _rank(trees[rk], params[rk], decoupled_lr) for rk in sorted(trees)}
     if all(r is None for r in per_rank.values()):
         return None
     if any(r is None for r in per_rank.values()):
@@ -97,7 +104,8 @@ def training_state(trees: Dict[tuple, dict], params: Dict[tuple, List[Param]], a
     names = _group_names(hypers, per_rank, weights, decoupled_lr)
     first = trees[min(trees)]
     slots = {s: {n: TensorMeta(t.shape, next(iter(dtypes[s]))) for n, t in weights.items()} for s in slot_names}
-    return OptimizerState(kind="megatron" if "master" in slots else "megatron-fp32", slots=slots, step=steps.pop(),
+    kind = "megatron-distributed" if distributed else "megatron" if "master" in slots else "megatron-fp32"
+    return OptimizerState(kind=kind, slots=slots, step=steps.pop(),
                           param_groups=[ParamGroup(n, h) for n, h in zip(names, hypers)],
                           grad_scaler=per_rank[min(per_rank)].scaler,
                           scheduler=first.get("opt_param_scheduler", first.get("lr_scheduler")),
@@ -151,6 +159,26 @@ def _rank(tree: dict, params: List[Param], decoupled_lr) -> Optional[_Rank]:
         raise NotQuick("parameters stepped differently")
     hypers = [{k: v for k, v in g.items() if k != "params"} for g in groups]
     return _Rank(group_of, hypers, steps.pop() if steps else None, scaler, dict(dtypes), single)
+
+
+def _dist_rank(tree: dict, state, params: List[Param], args, tied: bool, pp: int, pp_rank: int,
+               decoupled_lr) -> Optional[_Rank]:
+    """One rank's distributed optimizer (megatron_distopt.read_rank): its groups hold no parameter
+    lists, so each parameter joins the one group whose traits are its own (group_by_rule)."""
+    found = rank_state(tree, state, params, args, tied, pp, pp_rank)
+    if found is None:
+        return None
+    hypers, step, scaler, dtypes = found
+    if len(hypers) == 1:
+        return _Rank([0] * len(params), hypers, step, scaler, dtypes, True)
+    wanted = [_group_traits(h, decoupled_lr) for h in hypers]
+    group_of = []
+    for p in params:
+        fits = [g for g, t in enumerate(wanted) if t == _param_traits(p, decoupled_lr)]
+        if len(fits) != 1:
+            raise NotQuick("a parameter fits no group, or several")
+        group_of.append(fits[0])
+    return _Rank(group_of, hypers, step, scaler, dtypes, False)
 
 
 def _step(value) -> int:
