@@ -17,8 +17,8 @@ masters are TensorMeta records; Adam's 0-d `step` tensors are read as Scalars):
   parameter and its canonical parts have the same traits: a fused QKV weight is 2-D as q, k and v
   are, a bias stays a bias).
 
-The distributed optimizer's ranks (distrib_optim.pt: quick/megatron_distopt.py) join their groups by the same
-traits. Anything this cannot decide the way the full reader does (groups told apart by sizes alone,
+The distributed optimizer's ranks (distrib_optim.pt: quick/megatron_distopt.py) join their groups
+by the same traits. Anything this cannot decide the way the full reader does (groups told apart by sizes alone,
 lr_mult groups, chained optimizers, mixed slot dtypes) raises NotQuick and the full reader answers. The trait rules are megatron_optim.GROUP_TRAITS restated without torch: the
 tests compare both paths' output on real Megatron-LM saves.
 """
