@@ -2,14 +2,14 @@
 structure (quick/torch_pickle.py), the config from the stored args as the full reader computes it
 (megatron_args.config_from_args), the dialect and layer layout from the keys (megatron_files.py,
 megatron_names.py), the canonical tensors' shapes from the config (quick/meta.py), and the
-optimizer's state as the training-state reader ties it (quick/optim.py, quick/distopt.py).
+optimizer's state as the training-state reader ties it (quick/optim.py, quick/megatron_distopt.py).
 
 Covered: dense GPT models whose files store args: converted, released and from-hf checkpoints, and
-training saves with or without optimizer state (the rank files' own, or distrib_optim.pt beside them:
-quick/distopt.py). Anything else returns None and the full reader answers: the 2022-23 optim.pt,
-optimizer state the quick tie cannot decide (quick/optim.py), MoE/MLA, 2019 files without args, mixed dtypes, keys
-outside the dialect, or files that disagree with one another or with their args (the full reader has
-the error message for each).
+training saves with or without optimizer state (the rank files' own, or distrib_optim.pt beside
+them: quick/megatron_distopt.py). Anything else returns None and the full reader answers: the
+2022-23 optim.pt, optimizer state the quick tie cannot decide (quick/optim.py), MoE/MLA, 2019 files
+without args, mixed dtypes, keys outside the dialect, or files that disagree with one another or
+with their args (the full reader has the error message for each).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from .optim import Param, training_state
 from .torch_pickle import NotQuick, load_torch_zip
 
 VERSIONS = (0.0, 1.0, 2.0, 3.0)  # checkpoint_version values the full reader accepts
-DISTRIB_FILE = "distrib_optim.pt"  # the distributed optimizer's state beside a rank file (quick/distopt.py)
+DISTRIB_FILE = "distrib_optim.pt"  # the distributed optimizer's state beside a rank file (megatron_distopt.py)
 OPTIM_FILE = "optim.pt"  # the 2022-23 distributed optimizer's, one per data-parallel rank
 
 

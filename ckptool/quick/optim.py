@@ -17,10 +17,11 @@ masters are TensorMeta records; Adam's 0-d `step` tensors are read as Scalars):
   parameter and its canonical parts have the same traits: a fused QKV weight is 2-D as q, k and v
   are, a bias stays a bias).
 
-The distributed optimizer's ranks (distrib_optim.pt: quick/distopt.py) join their groups by the same
-traits. Anything this cannot decide the way the full reader does (groups told apart by sizes alone,
-lr_mult groups, chained optimizers, mixed slot dtypes) raises NotQuick and the full reader answers. The trait rules are megatron_optim.GROUP_TRAITS restated without torch: the
-tests compare both paths' output on real Megatron-LM saves.
+The distributed optimizer's ranks (distrib_optim.pt: quick/megatron_distopt.py) join their groups
+by the same traits. Anything this cannot decide the way the full reader does (groups told apart by
+sizes alone, lr_mult groups, chained optimizers, mixed slot dtypes) raises NotQuick and the full
+reader answers. The trait rules are megatron_optim.GROUP_TRAITS restated without torch: the tests
+compare both paths' output on real Megatron-LM saves.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from ..state import OPTIMIZER_SLOTS, OptimizerState, ParamGroup
-from .distopt import rank_state
+from .megatron_distopt import rank_state
 from .meta import TensorMeta
 from .torch_pickle import NotQuick, Scalar
 
@@ -77,10 +78,11 @@ def _group_traits(h: dict, decoupled_lr) -> Tuple[bool, bool]:
 
 
 def training_state(trees: Dict[tuple, dict], params: Dict[tuple, List[Param]], args,
-                   weights: Dict[str, TensorMeta], distrib: Dict[tuple, object], tied: bool) -> Optional[OptimizerState]:
+                   weights: Dict[str, TensorMeta], distrib: Dict[tuple, object],
+                   tied: bool) -> Optional[OptimizerState]:
     """The OptimizerState the full reader would build (slots as TensorMeta of the weights' shapes), None
     where no rank's optimizer ever stepped; NotQuick where only the full reader can say. distrib: each
-    rank's distrib_optim.pt (quick/distopt.py), None where the rank has none."""
+    rank's distrib_optim.pt (quick/megatron_distopt.py), None where the rank has none."""
     if not any("optimizer" in t for t in trees.values()):
         return None
     decoupled_lr = getattr(args, "decoupled_lr", None)
