@@ -5,6 +5,8 @@ of tensor-parallel shards); writers call .load() one layer at a time. Derived te
 merges, transposes) compute their shape on the meta device, so no transform needs shape
 bookkeeping of its own. Inside a `load_scope()` memoised nodes keep their value until the scope
 ends: that is how q, k and v share one read of a fused QKV while peak memory stays at one layer.
+A piece cut from a whole (a tensor-parallel rank's share, q of a fused QKV) declares where it sits in
+its `placement` (Placement), so writers and verify read that instead of re-deriving it.
 """
 from __future__ import annotations
 

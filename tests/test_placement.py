@@ -224,3 +224,24 @@ def test_replica_divergence_is_returned_and_printed(scripts_on_path, tmp_path):
     assert policy.report() is None
     policy.divergences.update(a=0.5, b=2.0)
     assert policy.report() == divergence_report({"a": 0.5, "b": 2.0}) and "is 2 (max abs diff) in b" in policy.report()
+
+
+def test_writers_return_a_typed_summary(scripts_on_path, tmp_path):
+    """write_megatron's WriteSummary: files, tensor records and bytes as written; fields and the format's own
+    details read by name as the dict it replaced was; a team's parts combine into one."""
+    import dataclasses
+    from ckptool.formats.megatron import write_megatron
+    from ckptool.summary import WriteSummary
+    g = torch.Generator().manual_seed(3)
+    src = _checkpoint(cfg_of(8, 2), lambda n, shape: Const(torch.randn(shape, generator=g)))
+    s = write_megatron(src, tmp_path / "tp2", Layout(tp=2), warn=lambda m: None)
+    assert isinstance(s, WriteSummary) and (s.format, s.files, s.optimizer, s.dialect) == ("torch", 2, None, "mcore")
+    files = sorted((tmp_path / "tp2").glob("*/mp_rank_*/model_optim_rng.pt"))
+    stored = [v for f in files for v in torch.load(f, weights_only=False)["model"].values() if isinstance(v, torch.Tensor)]
+    assert s.tensors == len(stored) and s.bytes == sum(v.numel() * v.element_size() for v in stored)
+    assert s["files"] == 2 and s["padded_vocab_size"] == 112 and s.get("optimizer") is None
+    with pytest.raises(KeyError):
+        s["architecture"]
+    hf = WriteSummary("hf", 1, 10, tensors=3, file_names=["a"], details={"architecture": "X"})
+    both = WriteSummary.combined([hf, dataclasses.replace(hf, bytes=5, tensors=0, file_names=["b"])])
+    assert (both.files, both.bytes, both.tensors, both.file_names, both["architecture"]) == (2, 15, 3, ["a", "b"], "X")

@@ -103,7 +103,7 @@ def rank_params(weights: Dict[str, LazyTensor], cfg: GPTConfig, tp: int, t: int,
 
     def add(role, layer, full, as_role=None):
         if full is not None:
-            out.append((as_role or role, layer, shard_role(full, role, cfg, tp)[t].shape))
+            out.append((as_role or role, layer, shard_role(full, role, cfg, tp, layer)[t].shape))
 
     if first:
         for role in HEAD:
