@@ -105,7 +105,7 @@ def _checkpoint(path: Path, format_name: str) -> Checkpoint:
         layout.stage_layers = None
     layout.dp = max(1, len(r0.osds))
     stage = "BF16_Optimizer" if r0.kind == "bf16_optimizer" else f"zero-{r0.stage}" if r0.stage else "no ZeRO"
-    info = SourceInfo(path=str(path), format=format_name, dialect=f"{dialect}, {stage}, {weights} weights ({dtype})",
+    info = SourceInfo(path=str(path), format=format_name, dialect=dialect, storage=f"{stage}, {weights} weights ({dtype})",
                       layout=layout, iteration=r0.meta.get("iteration", r0.meta.get("global_steps")),
                       checkpoint_version=r0.meta.get("checkpoint_version"), args=args)
     return Checkpoint(cfg, tensors, info, [], _optimizer(ranks, tensors) if weights == "master" else None)
