@@ -317,8 +317,8 @@ def test_quick_inspect_of_megatron_deepspeed_pipeline_saves(tmp_path, monkeypatc
         assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d), d
     quick = quick_inspect.quick_open(real, {})
     assert quick.optimizer.kind == "deepspeed-zero1" and quick.optimizer.step == 3
-    assert "master weights (float32)" in quick.source.dialect
-    assert "model weights" in quick_inspect.quick_open(tmp_path / "synthetic", {}).source.dialect
+    assert "master weights (float32)" in quick.source.storage
+    assert "model weights" in quick_inspect.quick_open(tmp_path / "synthetic", {}).source.storage
     shutil.copytree(real, tmp_path / "missing")
     next((tmp_path / "missing").glob("*/bf16_zero_pp_rank_0_mp_rank_03_optim_states.pt")).unlink()
     assert quick_inspect.quick_open(tmp_path / "missing", {}) is None
