@@ -322,7 +322,7 @@ def test_quick_inspect_of_megatron_deepspeed_pipeline_saves(tmp_path, monkeypatc
     shutil.copytree(real, tmp_path / "missing")
     next((tmp_path / "missing").glob("*/bf16_zero_pp_rank_0_mp_rank_03_optim_states.pt")).unlink()
     assert quick_inspect.quick_open(tmp_path / "missing", {}) is None
-    assert "model weights" in json.loads(full_path(monkeypatch, "inspect", tmp_path / "missing", "--json"))["dialect"]
+    assert "model weights" in json.loads(full_path(monkeypatch, "inspect", tmp_path / "missing", "--json"))["storage"]
 
 
 @pytest.mark.parametrize("case", ["bf16_tp2_dp3", "zero2_fp16_dp4", "weights_only"])
