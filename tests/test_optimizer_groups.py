@@ -238,7 +238,7 @@ def test_moe_optimizer_resumes_at_another_expert_layout(moe_runs, out, src):
 
 def test_moe_distributed_optimizer_target_needs_a_whole_expert_dp(moe_runs, tmp_path):
     """(MoE targets of the distributed optimizer are written and resumed in test_distopt_moe.py.)"""
-    with pytest.raises(CkptError, match=r"--dp 1: the expert-data-parallel size .* 1 x 1 / 2\) is not whole"):
+    with pytest.raises(CkptError, match=r"--dp 1: the expert-data-parallel size .* 1 x 1 / \(2 x 1\)\) is not whole"):
         api.reshard(moe_runs / "ep2", tmp_path / "d", tp=1, ep=2, distributed_optimizer=True, dp=1, warn=lambda m: None)
     assert not (tmp_path / "d").exists()
 
