@@ -21,7 +21,7 @@ import torch
 
 from ckptool import api
 from ckptool.errors import CkptError
-from ckptool.formats import megatron_optim
+from ckptool.formats import megatron_groups, megatron_optim
 from ckptool.formats.megatron import read_megatron
 from ckptool.formats.registry import open_checkpoint
 from ckptool.io.torchfile import load_torch_file
@@ -283,11 +283,11 @@ def test_target_groups_are_re_formed_by_megatron_cores_rule_at_the_target():
 def test_look_alike_groups_of_older_eras_stay_apart():
     """--weight-decay 0 before wd_mult existed: two groups with the same hyperparameters, tied by size."""
     hypers = [{"lr": 1e-3, "weight_decay": 0.0}, {"lr": 1e-3, "weight_decay": 0.0}]
-    canonical, local = megatron_optim.merge_groups({(0, 0, 0): hypers, (1, 0, 0): hypers}, "x")
+    canonical, local = megatron_groups.merge_groups({(0, 0, 0): hypers, (1, 0, 0): hypers}, "x")
     assert len(canonical) == 2 and local == {(0, 0, 0): [0, 1], (1, 0, 0): [0, 1]}
     # a dense group and its expert-parallel copy are one canonical group
     dense, expert = {"wd_mult": 1.0, "is_expert_parallel": False}, {"wd_mult": 1.0, "is_expert_parallel": True}
-    canonical, local = megatron_optim.merge_groups({(0, 0, 1): [dense, expert]}, "x")
+    canonical, local = megatron_groups.merge_groups({(0, 0, 1): [dense, expert]}, "x")
     assert canonical == [dense] and local == {(0, 0, 1): [0, 0]}
 
 

@@ -39,6 +39,7 @@ from . import megatron_args
 from . import hf as hf_format
 from .deepspeed_optim import optimizer_state, stepped
 from .deepspeed_zero import RankStates, find_files, looks_like_deepspeed, read_rank, param_shapes
+from .deepspeed_files import megatron_key
 from .megatron import config_for_shards, detect_dialect, flatten
 from ..summary import WriteSummary
 from .megatron_names import KeyMatcher, is_ignorable, qkv_to_grouped
@@ -297,16 +298,6 @@ def _tied_check(key, t, owner, copy, warnings):
 
 
 # --- Megatron names stored under `module` ---------------------------------------------------
-
-def megatron_key(name: str) -> str:
-    """Dotted parameter names of a nested Megatron model -> the '/' paths megatron_names uses."""
-    parts = name.split(".")
-    if parts[0] != "language_model":
-        return name
-    if parts[1] in ("embedding", "output_layer"):
-        return "/".join(parts)
-    return f"language_model/{parts[1]}/" + ".".join(parts[2:])
-
 
 def looks_megatron(named: Dict[str, LazyTensor]) -> bool:
     """Whether most parameter names are one Megatron dialect's (the module holds a Megatron model)."""

@@ -93,3 +93,13 @@ def looks_like_deepspeed(path: Path) -> bool:
     # A Megatron-LM iter_* directory never holds *_model_states.pt, so this cannot steal those.
     tf = scan_tag_dir(d)
     return bool(tf.model or tf.zero_model or tf.layers)
+
+
+def megatron_key(name: str) -> str:
+    """Dotted parameter names of a nested Megatron model -> the '/' paths megatron_names uses."""
+    parts = name.split(".")
+    if parts[0] != "language_model":
+        return name
+    if parts[1] in ("embedding", "output_layer"):
+        return "/".join(parts)
+    return f"language_model/{parts[1]}/" + ".".join(parts[2:])

@@ -32,7 +32,8 @@ from ..options import ReadOptions
 from ..roles import GLOBAL_ROLES
 from ..state import Checkpoint
 from . import mds_pipeline as mds
-from .deepspeed import megatron_key, named_weights
+from .deepspeed import named_weights
+from .deepspeed_files import megatron_key
 from .deepspeed_zero import find_files, read_rank
 from .megatron import detect_dialect, flatten
 from .megatron_names import KeyMatcher, qkv_to_grouped

@@ -40,7 +40,8 @@ from ..lazy import Const, Derived, LazyTensor
 from ..state import OPTIMIZER_SLOTS, OptimizerState, ParamGroup
 from ..roles import GLOBAL_ROLES
 from .megatron_distopt import group_by_rule
-from .megatron_optim import (CANONICAL_EXPERT, HINT, GroupRule, RankParam, chain_members, merge_groups,
+from .megatron_groups import merge_groups
+from .megatron_optim import (CANONICAL_EXPERT, HINT, GroupRule, RankParam, chain_members,
                              target_groups)
 
 PREFIX = "optimizer.state."
@@ -158,7 +159,7 @@ def tie_groups(hypers: List[List[dict]], weights: Dict[str, LazyTensor], rule: G
     """Canonical names per canonical group. The stored groups list no parameters, so each parameter
     joins the group whose traits (megatron_optim.GROUP_TRAITS: weight decay, --decoupled-lr) equal its
     own, within its optimizer of the chain (megatron_optim.chain_members); an expert optimizer's group
-    and its dense twin are one canonical group (megatron_optim.merge_groups), as the torch format reads them."""
+    and its dense twin are one canonical group (megatron_groups.merge_groups), as the torch format reads them."""
     params = canonical_params(weights)
     members = [list(range(len(params)))] if len(hypers) == 1 else chain_members(params, ep)
     flat = [h for part in hypers for h in part]

@@ -21,7 +21,7 @@ master is read).
 Groups beyond that pair are data too: megatron-core keys each group by (wd_mult, lr_mult,
 is_expert_parallel, is_decoupled_lr) and, since 0.16, by the config override that made it (max_lr /
 min_lr for --decoupled-lr); GROUP_TRAITS says how a parameter and a stored group each show a trait. A
-source's groups become canonical groups (one per group identity, GROUP_IDENTITY: expert-parallel and
+source's groups become canonical groups (one per group identity, megatron_groups.GROUP_IDENTITY: expert-parallel and
 dense copies of a group are one canonical group), each with the canonical names of its parameters; a
 target rank's groups are re-formed from them by the rule megatron-core applies at the target layout
 (target_groups). With expert parallelism (EP > 1) megatron-core runs a ChainedOptimizer: each rank file's
@@ -45,8 +45,8 @@ import torch
 from ..errors import CkptError
 from ..lazy import Const, Derived, LazyTensor
 from ..state import OPTIMIZER_SLOTS, ParamGroup
+from .megatron_groups import HINT
 
-HINT = "pass --no-optimizer to convert the weights only"
 
 # Where each era keeps the torch state, the fp32 masters and the loss scaler.
 MIXED_FORMS = (
@@ -61,7 +61,6 @@ EMBEDDING_OR_OUTPUT_ROLES = frozenset({"word", "output", "head_copy"})
 # What makes two stored groups the same canonical group (megatron-core's group key without
 # is_expert_parallel, which the target layout decides, plus the 0.16 override values); eras without
 # wd_mult tell their groups apart by weight_decay.
-GROUP_IDENTITY = ("wd_mult", "lr_mult", "is_decoupled_lr", "max_lr", "min_lr", "default_config")
 CANONICAL_EXPERT = re.compile(r"^layers\.\d+\.mlp\.experts\.\d+\.")  # state.py's expert names
 
 
@@ -141,11 +140,6 @@ def param_traits(param: "RankParam", rule: GroupRule) -> Tuple[bool, ...]:
 
 def group_traits(hyper: dict, rule: GroupRule) -> Tuple[bool, ...]:
     return tuple(of_group(hyper, rule) for _, _, of_group in GROUP_TRAITS)
-
-
-def group_identity(hyper: dict) -> tuple:
-    """Which canonical group a stored group is (see GROUP_IDENTITY)."""
-    return tuple(hyper.get(k) for k in GROUP_IDENTITY) + (None if "wd_mult" in hyper else hyper.get("weight_decay"),)
 
 
 @dataclass
@@ -334,32 +328,6 @@ def master_matching_weight(master: LazyTensor, param: RankParam, where: str,
         return m
 
     return Derived(checked, [master, param.weight], shape=master.shape, dtype=master.dtype)
-
-
-def merge_groups(per_rank: Dict[tuple, List[dict]], where: str) -> Tuple[List[dict], Dict[tuple, List[int]]]:
-    """The canonical groups of the whole model: one per group identity, in the order the ranks (in
-    order) list them, a dense group before its expert-parallel copy; and, per rank, the canonical index
-    of each of its groups. Copies of a group must agree on lr and weight_decay. Groups of one optimizer
-    that look the same (older eras with --weight-decay 0: two groups with weight_decay 0) stay apart,
-    by their position among their look-alikes."""
-    canonical: List[dict] = []
-    index: Dict[tuple, int] = {}
-    local: Dict[tuple, List[int]] = {}
-    for rk in sorted(per_rank):
-        local[rk] = []
-        seen: Dict[tuple, int] = defaultdict(int)
-        for h in per_rank[rk]:
-            same = (group_identity(h), h.get("is_expert_parallel"))
-            ident = same[0] + (seen[same],)
-            seen[same] += 1
-            if ident not in index:
-                index[ident] = len(canonical)
-                canonical.append(dict(h))
-            ref = canonical[index[ident]]
-            if {k: h.get(k) for k in ("lr", "weight_decay")} != {k: ref.get(k) for k in ("lr", "weight_decay")}:
-                raise CkptError(f"{where}: optimizer groups differ across ranks ({h} vs {ref})", HINT)
-            local[rk].append(index[ident])
-    return canonical, local
 
 
 # --- writing --------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from ..roles import canonical_names, global_role_tensor, layer_role_tensor
 from ..state import OPTIMIZER_SLOTS, PAD_FILL_BY_SLOT, WEIGHT, Checkpoint, OptimizerState, ParamGroup
 from ..vocab import resize_slot_vocab
 from . import megatron_distopt, megatron_optim
+from .megatron_groups import merge_groups
 from .megatron_optim import RankParam, role_shards
 
 
@@ -63,7 +64,7 @@ def read_training_state(trees, ranks, model_files, params, tp, args, cfg, canoni
         shards, _ = slot_shards({rk: [sl[slot] for sl in r.slots] for rk, r in per_rank.items()}, params, tp, grid, etp)
         slots[slot] = canonical(shards)
     where = str(next(iter(ranks.values())).parent)
-    hypers, local = megatron_optim.merge_groups({rk: r.hypers for rk, r in per_rank.items()}, where)
+    hypers, local = merge_groups({rk: r.hypers for rk, r in per_rank.items()}, where)
     names: List[List[str]] = [[] for _ in hypers]
     for rk, r in per_rank.items():
         for param, g in zip(params[rk], r.group_of):

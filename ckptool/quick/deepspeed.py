@@ -34,7 +34,7 @@ from ..config import Layout
 from ..errors import CkptError
 from ..formats import megatron_args
 from ..formats import mds_pipeline as mds
-from ..formats.deepspeed_files import TagFiles, resolve_tag_dir, scan_tag_dir
+from ..formats.deepspeed_files import TagFiles, megatron_key, resolve_tag_dir, scan_tag_dir
 from ..formats.megatron_files import detect_dialect
 from ..formats.megatron_names import KeyMatcher, is_ignorable
 from ..state import Checkpoint, OptimizerState, ParamGroup, SourceInfo
@@ -141,7 +141,7 @@ def _pipeline(tf: TagFiles, ranks: Dict[int, _Rank], weights: str):
 def _module(ranks: Dict[int, _Rank], weights: str):
     """A Megatron model's parameters under `module` (Megatron-DeepSpeed --no-pipeline-parallel): its
     dialect's key table, as formats/deepspeed.py's _read_megatron_module applies it."""
-    named = {mp: {_megatron_key(k): v for k, v in _named(r, weights).items()} for mp, r in ranks.items()}
+    named = {mp: {megatron_key(k): v for k, v in _named(r, weights).items()} for mp, r in ranks.items()}
     if not named[0] or mds.is_pipe_names(named[0]):
         raise NotQuick("no parameters, or pipe names without layer files")
     dialect = detect_dialect(list(named[0]))
@@ -172,16 +172,6 @@ def _named(r: _Rank, weights: str) -> Dict[str, TensorMeta]:
     out = dict(r.master)
     out.update({k: v for k, v in module.items() if k not in out and math.prod(v.shape) > 0})  # ZeRO-1's frozen
     return out
-
-
-def _megatron_key(name: str) -> str:
-    """formats/deepspeed.megatron_key: dotted names of a nested Megatron model -> megatron_names' paths."""
-    parts = name.split(".")
-    if parts[0] != "language_model":
-        return name
-    if parts[1] in ("embedding", "output_layer"):
-        return "/".join(parts)
-    return f"language_model/{parts[1]}/" + ".".join(parts[2:])
 
 
 def _roles(shapes: Dict[str, tuple]) -> set:

@@ -12,7 +12,7 @@ masters are TensorMeta records; Adam's 0-d `step` tensors are read as Scalars):
   or the single group that holds them all, and the group sizes must come out as stored;
 - every slot tensor (exp_avg, exp_avg_sq, fp32 master) has its parameter's shape, every parameter
   its state entry, and all parameters of all ranks the same step;
-- stored groups merge into canonical groups by megatron_optim.GROUP_IDENTITY, copies agreeing on lr
+- stored groups merge into canonical groups by megatron_groups.GROUP_IDENTITY, copies agreeing on lr
   and weight_decay; a canonical group's tensors are the canonical tensors with its traits (a
   parameter and its canonical parts have the same traits: a fused QKV weight is 2-D as q, k and v
   are, a bias stays a bias).
@@ -29,6 +29,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+from ..errors import CkptError
+from ..formats.megatron_groups import merge_groups
 from ..state import OPTIMIZER_SLOTS, OptimizerState, ParamGroup
 from .megatron_distopt import rank_state
 from .meta import TensorMeta
@@ -38,7 +40,6 @@ from .torch_pickle import NotQuick, Scalar
 MIXED_FORMS = (("optimizer", "fp32_from_fp16_params", "grad_scaler"),
                ("optimizer_state_dict", "fp32_from_fp16", "loss_scaler"))
 MOMENTS = ("exp_avg", "exp_avg_sq")
-GROUP_IDENTITY = ("wd_mult", "lr_mult", "is_decoupled_lr", "max_lr", "min_lr", "default_config")
 DECOUPLED_ROLES = frozenset({"word", "output", "head_copy"})  # parameters --decoupled-lr applies to
 DECOUPLED_NAMES = frozenset({"embed.word", "output.weight"})  # their canonical tensors
 
@@ -205,23 +206,11 @@ def _tie_by_traits(groups: List[dict], params: List[Param], counts: List[int], d
 
 
 def _canonical_groups(per_rank: Dict[tuple, _Rank]) -> List[dict]:
-    """megatron_optim.merge_groups: one group per identity, in the order the ranks list them."""
-    canonical: List[dict] = []
-    index: Dict[tuple, int] = {}
-    for rk in sorted(per_rank):
-        seen: Dict[tuple, int] = defaultdict(int)
-        for h in per_rank[rk].hypers:
-            same = (tuple(h.get(k) for k in GROUP_IDENTITY) + (None if "wd_mult" in h else h.get("weight_decay"),),
-                    h.get("is_expert_parallel"))
-            ident = same[0] + (seen[same],)
-            seen[same] += 1
-            if ident not in index:
-                index[ident] = len(canonical)
-                canonical.append(dict(h))
-            ref = canonical[index[ident]]
-            if (h.get("lr"), h.get("weight_decay")) != (ref.get("lr"), ref.get("weight_decay")):
-                raise NotQuick("groups differ across ranks")
-    return canonical
+    """The canonical groups by the full reader's rule (megatron_groups.merge_groups)."""
+    try:
+        return merge_groups({rk: r.hypers for rk, r in per_rank.items()}, "quick")[0]
+    except CkptError:
+        raise NotQuick("groups differ across ranks") from None
 
 
 def _group_names(hypers: List[dict], per_rank: Dict[tuple, _Rank], weights: Dict[str, TensorMeta],
