@@ -23,7 +23,8 @@ from typing import Any, Optional
 import torch
 
 from ..errors import CkptError
-from ..lazy import Const, LazyTensor
+from ..lazy import Const, Derived, LazyTensor
+from ..lazy import _scopes as lazy_scopes
 from . import chunked, profile, torchzip, writeback
 from .buffers import empty
 from .outdir import remember_digest
@@ -72,6 +73,7 @@ class StoredTensor(LazyTensor):
         self.storage, self.offset = storage, int(offset)
         self.shape, self.stride = torch.Size(size), tuple(stride)
         self.dtype = storage.dtype
+        self._shared: Optional["_SharedRead"] = None
 
     def _contiguous(self) -> bool:
         expected = 1
@@ -101,7 +103,40 @@ class StoredTensor(LazyTensor):
             row = self.numel // self.shape[0] if self.shape[0] else 0
             size = (length,) + tuple(self.shape[1:])
             return StoredTensor(self.storage, self.offset + start * row, size, self.stride)
-        return super().narrow(dim, start, length)
+        # A column block (a row-parallel weight cut for more tensor-parallel ranks) is strided in
+        # the file: every slice of this tensor comes from one shared read of it (_SharedRead)
+        if self._shared is None:
+            self._shared = _SharedRead(self)
+        self._shared.users += 1
+        return Derived(lambda t: t.narrow(dim, start, length), [self._shared])
+
+
+class _SharedRead(Derived):
+    """A stored tensor read once for all the slices cut from it within one load_scope (one layer of
+    a reshard): the value is kept until as many loads as there are slices have taken it, then
+    dropped, so TP2 -> TP4 reads each row-parallel shard once, not once per target rank, and holds it
+    only until its last slice is loaded (write_grouped loads sibling slices one after another).
+    Outside a scope every load reads (nothing would ever release the value)."""
+
+    def __init__(self, stored: "StoredTensor"):
+        super().__init__(None, [stored], memo=True, shape=stored.shape, dtype=stored.dtype)
+        self.users = 0
+
+    def _compute(self) -> torch.Tensor:
+        return self.parents[0].load()
+
+    def load(self) -> torch.Tensor:
+        scopes = lazy_scopes()
+        if not scopes:
+            return self._compute()
+        cache = scopes[-1]
+        entry = cache.get(id(self))
+        if entry is None:
+            entry = cache[id(self)] = [self, self._compute(), self.users]  # self: keeps id() unique
+        entry[2] -= 1
+        if entry[2] <= 0:  # the last slice: nothing else in this scope needs it
+            del cache[id(self)]
+        return entry[1]
 
 
 def _rebuild_lazy(storage, storage_offset, size, stride, *rest):
@@ -536,7 +571,7 @@ def write_grouped(writers: list, group_of, on_tensor=None) -> int:
         for key in sorted(groups, key=lambda k: (k is None, k)):
             with load_scope():
                 by_file: dict = {}
-                for w, ps in groups[key]:
+                for w, ps in _siblings_together(groups[key]):
                     by_file.setdefault(id(w), []).append((w, ps, w.prepare(ps)))
             with profile.stage("wait"):
                 total += sum(f.result() for f in in_flight)
@@ -548,3 +583,17 @@ def write_grouped(writers: list, group_of, on_tensor=None) -> int:
     for w in writers:
         w.finish()
     return total
+
+
+def _siblings_together(items: list) -> list:
+    """A group's (writer, tensor) pairs in loading order: round-robin over the files (each file's
+    own tensors stay in order), so the slices target ranks cut from one source tensor load one
+    after another and a shared read (_SharedRead) is held for a moment, not for a whole file."""
+    per_file: dict = {}
+    for w, ps in items:
+        per_file.setdefault(id(w), []).append((w, ps))
+    queues = list(per_file.values())
+    out = []
+    for i in range(max((len(q) for q in queues), default=0)):
+        out.extend(q[i] for q in queues if i < len(q))
+    return out
