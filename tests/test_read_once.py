@@ -68,3 +68,49 @@ def test_tp2_to_tp4_reads_each_source_byte_once(tmp_path, monkeypatch):
 
 def test_tp2_to_tp4_llama_reads_each_source_byte_once(tmp_path, monkeypatch):
     _check(tmp_path, monkeypatch, "llama")
+
+
+def _covered(ranges) -> dict:
+    """path -> merged [start, end) intervals."""
+    out: dict = {}
+    for path, off, n in sorted(ranges):
+        iv = out.setdefault(path, [])
+        if iv and off <= iv[-1][1]:
+            iv[-1][1] = max(iv[-1][1], off + n)
+        else:
+            iv.append([off, off + n])
+    return out
+
+
+def _record_spans(root: Path) -> dict:
+    spans: dict = {}
+    for p in root.rglob("*.pt"):
+        a = TorchArchive(p)
+        spans[str(p)] = sorted((start, start + size) for key, (start, size) in a.records.items()
+                               if key.startswith("data/") and size)
+        a.close()
+    return spans
+
+
+def test_the_next_layers_source_bytes_are_asked_for_ahead(tmp_path, monkeypatch):
+    """Reshard and to-hf hint every source tensor byte to the kernel (io/prefetch.py), a group ahead."""
+    from ckptool.io import prefetch
+    src = _tiny(tmp_path, "gpt2")
+    asked: list = []
+    real = prefetch.source_ranges
+    monkeypatch.setattr(prefetch, "source_ranges", lambda lazies: asked.extend(real(lazies)) or real([]))
+    monkeypatch.delenv("CKPTOOL_PREFETCH", raising=False)
+    monkeypatch.delenv("CKPTOOL_READAHEAD", raising=False)
+    from ckptool import api
+    for out, write in (("tp4", lambda d: write_layout(open_checkpoint(src), d, Layout(4, 1), warn=lambda m: None)),
+                       ("hf", lambda d: api.to_hf(src, d, max_shard_size="40KB", warn=lambda m: None))):
+        asked.clear()
+        write(tmp_path / out)
+        covered = _covered(asked)
+        for path, spans in _record_spans(src).items():
+            for start, end in spans:  # each record inside one hinted interval
+                assert any(a <= start and end <= b for a, b in covered.get(path, [])), (out, path, start, end)
+    monkeypatch.setenv("CKPTOOL_PREFETCH", "0")
+    asked.clear()
+    write_layout(open_checkpoint(src), tmp_path / "off", Layout(1, 1), warn=lambda m: None)
+    assert asked == []

@@ -23,9 +23,9 @@ from typing import Any, Optional
 import torch
 
 from ..errors import CkptError
-from ..lazy import Const, Derived, LazyTensor
+from ..lazy import Const, Derived, LazyTensor, _itemsize
 from ..lazy import _scopes as lazy_scopes
-from . import chunked, profile, torchzip, writeback
+from . import chunked, prefetch, profile, torchzip, writeback
 from .buffers import empty
 from .outdir import remember_digest
 from .safe_pickle import (UNSUPPORTED_TORCH_REBUILDS, SafeUnpickler, StandInPickler, check_rebuild_from_type,
@@ -91,6 +91,15 @@ class StoredTensor(LazyTensor):
         extent = 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride))
         flat = self.storage.read(self.offset, extent)
         return flat.as_strided(self.shape, self.stride).clone()
+
+    def file_ranges(self) -> list:
+        """[(path, offset, length)]: the bytes of the archive this tensor spans (io/prefetch.py)."""
+        rec = self.storage.archive.records.get(f"data/{self.storage.key}")
+        if rec is None or self.numel == 0:
+            return []
+        item = _itemsize(self.dtype)
+        extent = 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride))
+        return [(str(self.storage.archive.path), rec[0] + self.offset * item, extent * item)]
 
     def load_into(self, out: torch.Tensor) -> None:
         if self._contiguous() and out.is_contiguous() and out.dtype == self.dtype and self.numel:
@@ -566,20 +575,29 @@ def write_grouped(writers: list, group_of, on_tensor=None) -> int:
     # CRC32, sha256 and write() all release the GIL), one task per file so each file's records
     # stay in order; group g+1 is loaded meanwhile.
     workers = max(1, min(len(writers), 4))
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptool-writer") as pool:
-        in_flight: list = []
-        for key in sorted(groups, key=lambda k: (k is None, k)):
-            with load_scope():
-                by_file: dict = {}
-                for w, ps in _siblings_together(groups[key]):
-                    by_file.setdefault(id(w), []).append((w, ps, w.prepare(ps)))
-            with profile.stage("wait"):
-                total += sum(f.result() for f in in_flight)
-            if in_flight:
-                trim()
-            in_flight = [pool.submit(store, items) for items in by_file.values()]
-            del by_file
-        total += sum(f.result() for f in in_flight)
+    order = sorted(groups, key=lambda k: (k is None, k))
+    ahead, n = prefetch.prefetcher(), prefetch.groups_ahead()  # the next groups' source bytes, asked early
+    try:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptool-writer") as pool:
+            in_flight: list = []
+            for i, key in enumerate(order):
+                if ahead is not None:  # groups i+1 .. i+n asked for (all of them at the start)
+                    for k in (order[:n] if i == 0 else []) + order[i + n:i + n + 1]:
+                        ahead.ask(ps.lazy for _, ps in groups[k])
+                with load_scope():
+                    by_file: dict = {}
+                    for w, ps in _siblings_together(groups[key]):
+                        by_file.setdefault(id(w), []).append((w, ps, w.prepare(ps)))
+                with profile.stage("wait"):
+                    total += sum(f.result() for f in in_flight)
+                if in_flight:
+                    trim()
+                in_flight = [pool.submit(store, items) for items in by_file.values()]
+                del by_file
+            total += sum(f.result() for f in in_flight)
+    finally:
+        if ahead is not None:
+            ahead.close()
     for w in writers:
         w.finish()
     return total
