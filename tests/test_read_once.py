@@ -114,3 +114,15 @@ def test_the_next_layers_source_bytes_are_asked_for_ahead(tmp_path, monkeypatch)
     asked.clear()
     write_layout(open_checkpoint(src), tmp_path / "off", Layout(1, 1), warn=lambda m: None)
     assert asked == []
+
+
+def test_a_large_read_in_pieces_over_threads_gives_the_same_bytes(tmp_path, monkeypatch):
+    from ckptool.io import torchfile
+    t = torch.randn(3, 40_001)  # not a multiple of the piece
+    torch.save({"t": t, "small": torch.arange(5)}, tmp_path / "x.pt")
+    monkeypatch.setattr(torchfile, "READ_PIECE", 4096)
+    monkeypatch.setattr(torchfile, "READ_SPLIT", 8192)
+    assert len(torchfile._read_pieces(t.numel() * 4)) > 100
+    tree = torchfile.load_torch_file(tmp_path / "x.pt")
+    assert torch.equal(tree["t"].load(), t) and torch.equal(tree["small"].load(), torch.arange(5))
+    assert torch.equal(tree["t"].narrow(0, 1, 2).load(), t[1:])

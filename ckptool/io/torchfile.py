@@ -16,6 +16,7 @@ import collections
 import io
 import os
 import struct
+import threading
 import zipfile
 from pathlib import Path
 from typing import Any, Optional
@@ -148,6 +149,32 @@ class _SharedRead(Derived):
         return entry[1]
 
 
+# Reads of at least READ_SPLIT bytes go in READ_PIECE pieces over READ_THREADS threads
+# (CKPTOOL_READ_THREADS; 1 reads every tensor in one pread on the calling thread).
+READ_THREADS = max(1, int(os.environ.get("CKPTOOL_READ_THREADS", "4") or 4))
+READ_PIECE = 16 << 20
+READ_SPLIT = 2 * READ_PIECE
+_read_executor = None
+_READ_POOL_LOCK = threading.Lock()
+
+
+def _read_pieces(length: int) -> list:
+    """[(start, end)] of one read: itself when small or read serially, else READ_PIECE pieces."""
+    if READ_THREADS == 1 or length < READ_SPLIT:
+        return [(0, length)]
+    return [(a, min(a + READ_PIECE, length)) for a in range(0, length, READ_PIECE)]
+
+
+def _read_pool():
+    global _read_executor
+    if _read_executor is None:
+        from concurrent.futures import ThreadPoolExecutor
+        with _READ_POOL_LOCK:
+            if _read_executor is None:
+                _read_executor = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ckptool-read")
+    return _read_executor
+
+
 def _rebuild_lazy(storage, storage_offset, size, stride, *rest):
     if not isinstance(storage, StorageRef):
         raise CkptError("unexpected tensor storage in a torch file")
@@ -218,13 +245,25 @@ class TorchArchive:
     def _read_into(self, offset: int, view: memoryview) -> None:
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDONLY)
-        length, done = len(view), 0
+        length = len(view)
         with profile.stage("read", length):
-            while done < length:
-                chunk = os.preadv(self._fd, [view[done:]], offset + done)
-                if chunk <= 0:
-                    raise CkptError(f"{self.path}: unexpected end of file", "the file is truncated")
-                done += chunk
+            pieces = _read_pieces(length)
+            if len(pieces) == 1:
+                self._pread_all(offset, view)
+                return
+            # a large tensor in pieces on several threads: more reads in flight for the disk, and
+            # page-cache copies on several cores (pread releases the GIL)
+            futures = [_read_pool().submit(self._pread_all, offset + a, view[a:b]) for a, b in pieces]
+            for f in futures:
+                f.result()
+
+    def _pread_all(self, offset: int, view: memoryview) -> None:
+        length, done = len(view), 0
+        while done < length:
+            chunk = os.preadv(self._fd, [view[done:]], offset + done)
+            if chunk <= 0:
+                raise CkptError(f"{self.path}: unexpected end of file", "the file is truncated")
+            done += chunk
 
     def read_record(self, key: str, start: int = 0, length: Optional[int] = None) -> bytearray:
         rec = self.records.get(f"data/{key}")
