@@ -126,3 +126,24 @@ def test_a_large_read_in_pieces_over_threads_gives_the_same_bytes(tmp_path, monk
     tree = torchfile.load_torch_file(tmp_path / "x.pt")
     assert torch.equal(tree["t"].load(), t) and torch.equal(tree["small"].load(), torch.arange(5))
     assert torch.equal(tree["t"].narrow(0, 1, 2).load(), t[1:])
+
+
+def test_torch_dist_tensors_name_their_chunk_records(tmp_path):
+    """Read-ahead finds a torch_dist source's bytes too: every tensor chunk record is in some
+    tensor's ranges, and each tensor still loads as the source's."""
+    from ckptool.io import prefetch
+    from ckptool.io.dcp_io import DcpDir
+    src = _tiny(tmp_path, "gpt2")
+    write_layout(open_checkpoint(src), tmp_path / "dist", Layout(1, 1), fmt="torch_dist", warn=lambda m: None)
+    ckpt = open_checkpoint(tmp_path / "dist")
+    covered = _covered(prefetch.source_ranges(ckpt.tensors.values()))
+    (meta,) = list((tmp_path / "dist").rglob(".metadata"))
+    d = DcpDir(meta.parent)
+    tensor_records = [(str(d.path / info.relative_path), info.offset, info.length)
+                      for fqn in d.tensor_keys() for info in d.storage.get(fqn, {}).values()]
+    assert tensor_records
+    for path, off, n in tensor_records:
+        assert any(a <= off and off + n <= b for a, b in covered.get(path, [])), (path, off, n)
+    merged = open_checkpoint(src).tensors
+    for name, t in ckpt.tensors.items():
+        assert torch.equal(t.load(), merged[name].load()), name
