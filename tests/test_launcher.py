@@ -86,3 +86,49 @@ def test_a_failing_team_ends_with_the_ranks_status_through_either_path(tmp_path)
         lines = r.stderr.strip().splitlines()
         assert lines[-1] == f"error: {tmp_path / 'missing'}: no such file or directory", (how, r.stderr[-3000:])
         assert sum(line.startswith("error:") for line in lines) == 1, (how, r.stderr[-3000:])
+
+
+def _read_bytes(stderr: str) -> int:
+    """Source bytes the processes read, from their ckptool-profile lines (io/profile.py)."""
+    import json
+    total = 0
+    for line in stderr.splitlines():
+        if line.startswith("ckptool-profile "):
+            total += json.loads(line[len("ckptool-profile "):])["stages"].get("read", [0, 0])[1]
+    return total
+
+
+def test_a_team_reads_each_source_byte_once_in_all(tmp_path):
+    """TP2 -> TP4 by two ranks: each rank writes the two target files cut from one source shard
+    (convert.neighbours_together), so the ranks together read the source's sharded tensor bytes once,
+    as one process does (plus each rank's own reading of the files' headers)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from synthetic import write_synthetic
+    from ckptool.config import GPTConfig
+    src = tmp_path / "src"
+    write_synthetic(src, cfg=GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=8, ffn_hidden_size=256,
+                                       padded_vocab_size=512, vocab_size=500, vocab_size_source="test",
+                                       max_position_embeddings=64), tp=2, pp=1)
+    env = _env(CKPTOOL_PROFILE="1")
+    one = subprocess.run([sys.executable, "-m", "ckptool", "reshard", str(src), str(tmp_path / "one"), "--tp", "4"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    team = subprocess.run([sys.executable, "-m", "ckptool.torchrun", "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), "reshard", str(src), str(tmp_path / "team"), "--tp", "4"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert team.returncode == 0, team.stderr[-2000:]
+    assert _digests(tmp_path / "team") == _digests(tmp_path / "one")
+    from ckptool.io.torchfile import TorchArchive
+    tensor_bytes = 0
+    for p in src.rglob("*.pt"):
+        a = TorchArchive(p)
+        tensor_bytes += sum(n for key, (_, n) in a.records.items() if key.startswith("data/"))
+        a.close()
+    single = _read_bytes(one.stderr)
+    headers = single - tensor_bytes  # one process: every tensor byte once, and the files' headers
+    assert 0 < headers < tensor_bytes
+    # two ranks: the sharded tensor bytes once in all, the headers once each; both ranks read every
+    # copy of the replicated tensors (norms, biases, positions: the replica check), 7% of this tiny
+    # model's bytes. Round-robin files read the row-parallel weights twice: 1.3x the tensor bytes.
+    team_read = _read_bytes(team.stderr)
+    assert tensor_bytes + 2 * headers <= team_read < 1.1 * tensor_bytes + 2 * headers, (team_read, tensor_bytes)
