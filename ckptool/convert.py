@@ -44,13 +44,26 @@ def write_layout(ckpt: Checkpoint, dst, layout: Layout, fmt: Optional[str] = Non
         if owns is None:
             return writer(ckpt, tmp, layout, progress=progress, warn=warn, **kw)
         if target.shares_ranks:  # warnings once, from the rank that owns item 0
-            return writer(ckpt, tmp, layout, progress=progress, warn=warn if owns(0) else (lambda m: None),
-                          rank_filter=lambda t, p, e: owns((p * layout.ep + e) * layout.tp + t), **kw)
+            mine = neighbours_together(owns, layout.pp * layout.ep * layout.tp)
+            return writer(ckpt, tmp, layout, progress=progress, warn=warn if mine(0) else (lambda m: None),
+                          rank_filter=lambda t, p, e: mine((p * layout.ep + e) * layout.tp + t), **kw)
         if owns(0):  # a writer that cannot share: one rank writes it all
             return writer(ckpt, tmp, layout, progress=progress, warn=warn, **kw)
         return None
 
     return write_output(dst, [src], force, write, merge=WriteSummary.combined)
+
+
+def neighbours_together(owns: Callable[[int], bool], files: int) -> Callable[[int], bool]:
+    """A team rank's share of `files` target files as one run of neighbours (with 2 ranks and 4
+    files: 0-1, 2-3) instead of round-robin. Target files cut from one source shard are neighbours
+    (TP2 -> TP4: files 0 and 1 from source rank 0), so one rank reads each source shard and no source
+    byte is read by two ranks (its row-parallel weights would be, whole, by each). As even as
+    round-robin; file 0 stays with the rank that owns item 0."""
+    world = current_team().world
+    if world <= 1 or files <= 0:
+        return owns
+    return lambda i: owns(i * world // files)
 
 
 def refuse_moe(ckpt: Checkpoint, target: Format) -> None:

@@ -214,14 +214,27 @@ class DcpTensor(Region):
     def _at(self, offsets, sizes) -> "DcpTensor":
         return DcpTensor(self.dir, self.fqn, offsets, sizes, self.squeeze)
 
-    def load(self) -> torch.Tensor:
-        out = torch.empty(self.sizes, dtype=self.dtype)
-        covered = 0
+    def _chunks(self):
+        """The stored chunks that overlap this region, each with the overlap's [lo, hi) per dim."""
         for chunk in self.dir.entries[self.fqn].chunks:
             lo = [max(a, c) for a, c in zip(self.offsets, chunk.offsets)]
             hi = [min(a + s, c + cs) for a, s, c, cs in zip(self.offsets, self.sizes, chunk.offsets, chunk.sizes)]
-            if any(h <= l for l, h in zip(lo, hi)):
-                continue
+            if all(h > l for l, h in zip(lo, hi)):
+                yield chunk, lo, hi
+
+    def file_ranges(self) -> list:
+        """[(path, offset, length)] of the chunk records load() reads (io/prefetch.py)."""
+        out = []
+        for chunk, _, _ in self._chunks():
+            info = self.dir.storage.get(self.fqn, {}).get(tuple(chunk.offsets))
+            if info is not None:
+                out.append((str(self.dir.path / info.relative_path), info.offset, info.length))
+        return out
+
+    def load(self) -> torch.Tensor:
+        out = torch.empty(self.sizes, dtype=self.dtype)
+        covered = 0
+        for chunk, lo, hi in self._chunks():
             data = self.dir.read_chunk(self.fqn, chunk)
             src, dst = data, out
             for dim, (l, h) in enumerate(zip(lo, hi)):

@@ -23,8 +23,9 @@ import torch
 
 from ..errors import CkptError
 from ..lazy import Concat, Derived, LazyTensor, load_scope
-from . import profile, writeback
+from . import prefetch, profile, writeback
 from .chunked import PieceDigest
+from .prefetch import Prefetcher
 
 DTYPE_NAMES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -127,13 +128,14 @@ def _charge(lazy: LazyTensor) -> int:
 
 def write_safetensors_file(path: Path, items: Sequence[Item], metadata: Optional[Dict[str, str]] = None,
                            progress: Optional[Callable[[int], None]] = None,
-                           budget: Optional[ByteBudget] = None) -> int:
+                           budget: Optional[ByteBudget] = None, ahead: Optional[Prefetcher] = None) -> int:
     """Write one safetensors file, loading its tensors one at a time. Returns the data bytes.
 
     Loading tensor i+1 (reads, merges) overlaps writing tensor i on one writer thread (file
     writes and hashing release the GIL); at most two tensors are in memory. Data goes out in file
     order, so the file is hashed as written (its 64 MiB pieces on the checksum pool, beside the
-    write) and sealing the output need not read it back."""
+    write) and sealing the output need not read it back. ahead: the next groups' source bytes are
+    asked for there as each group starts (prefetch.py)."""
     from concurrent.futures import ThreadPoolExecutor
     from .memory import bound_heap
     from .outdir import remember_digest
@@ -168,6 +170,8 @@ def write_safetensors_file(path: Path, items: Sequence[Item], metadata: Optional
         if wb:
             wb.written(len(header))
         group, scope, in_flight = None, None, None
+        order = list(dict.fromkeys(g for _, _, g in items))  # this file's groups, in order
+        n = prefetch.groups_ahead()
         try:
             for (name, lazy, g), off in zip(items, offsets):
                 if g != group:  # tensors of one layer share fused reads inside one scope
@@ -175,6 +179,10 @@ def write_safetensors_file(path: Path, items: Sequence[Item], metadata: Optional
                         scope.__exit__(None, None, None)
                     scope, group = load_scope(), g
                     scope.__enter__()
+                    if ahead is not None:  # groups j+1 .. j+n asked for (all of them at the start)
+                        j = order.index(g)
+                        for k in (order[:n] if j == 0 else []) + order[j + n:j + n + 1]:
+                            ahead.ask(t for _, t, gg in items if gg == k)
                 charge = _charge(lazy)
                 if budget:
                     with profile.stage("wait"):
@@ -226,13 +234,19 @@ def write_sharded(out_dir: Path, items: Sequence[Item], max_bytes: int,
             with lock:
                 progress(n)
 
+    ahead = prefetch.prefetcher()
+
     def one(job) -> int:
         fname, shard = job
-        return write_safetensors_file(Path(out_dir) / fname, shard, {"format": "pt"}, report, budget)
+        return write_safetensors_file(Path(out_dir) / fname, shard, {"format": "pt"}, report, budget, ahead)
 
     from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(max(1, min(SHARD_THREADS, len(mine))), thread_name_prefix="ckptool-shard") as ex:
-        total = sum(ex.map(one, mine))
+    try:
+        with ThreadPoolExecutor(max(1, min(SHARD_THREADS, len(mine))), thread_name_prefix="ckptool-shard") as ex:
+            total = sum(ex.map(one, mine))
+    finally:
+        if ahead is not None:
+            ahead.close()
     if len(shards) > 1 and (owns is None or owns(0)):
         total_size = sum(t.nbytes for shard in shards for _, t, _ in shard)
         index = {"metadata": {"total_size": total_size},

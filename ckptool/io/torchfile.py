@@ -16,6 +16,7 @@ import collections
 import io
 import os
 import struct
+import threading
 import zipfile
 from pathlib import Path
 from typing import Any, Optional
@@ -23,8 +24,9 @@ from typing import Any, Optional
 import torch
 
 from ..errors import CkptError
-from ..lazy import Const, LazyTensor
-from . import chunked, profile, torchzip, writeback
+from ..lazy import Const, Derived, LazyTensor, _itemsize
+from ..lazy import _scopes as lazy_scopes
+from . import chunked, prefetch, profile, torchzip, writeback
 from .buffers import empty
 from .outdir import remember_digest
 from .safe_pickle import (UNSUPPORTED_TORCH_REBUILDS, SafeUnpickler, StandInPickler, check_rebuild_from_type,
@@ -72,6 +74,7 @@ class StoredTensor(LazyTensor):
         self.storage, self.offset = storage, int(offset)
         self.shape, self.stride = torch.Size(size), tuple(stride)
         self.dtype = storage.dtype
+        self._shared: Optional["_SharedRead"] = None
 
     def _contiguous(self) -> bool:
         expected = 1
@@ -90,6 +93,15 @@ class StoredTensor(LazyTensor):
         flat = self.storage.read(self.offset, extent)
         return flat.as_strided(self.shape, self.stride).clone()
 
+    def file_ranges(self) -> list:
+        """[(path, offset, length)]: the bytes of the archive this tensor spans (io/prefetch.py)."""
+        rec = self.storage.archive.records.get(f"data/{self.storage.key}")
+        if rec is None or self.numel == 0:
+            return []
+        item = _itemsize(self.dtype)
+        extent = 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride))
+        return [(str(self.storage.archive.path), rec[0] + self.offset * item, extent * item)]
+
     def load_into(self, out: torch.Tensor) -> None:
         if self._contiguous() and out.is_contiguous() and out.dtype == self.dtype and self.numel:
             self.storage.read_into(self.offset, out)  # straight from the file into out's memory
@@ -101,7 +113,66 @@ class StoredTensor(LazyTensor):
             row = self.numel // self.shape[0] if self.shape[0] else 0
             size = (length,) + tuple(self.shape[1:])
             return StoredTensor(self.storage, self.offset + start * row, size, self.stride)
-        return super().narrow(dim, start, length)
+        # A column block (a row-parallel weight cut for more tensor-parallel ranks) is strided in
+        # the file: every slice of this tensor comes from one shared read of it (_SharedRead)
+        if self._shared is None:
+            self._shared = _SharedRead(self)
+        self._shared.users += 1
+        return Derived(lambda t: t.narrow(dim, start, length), [self._shared])
+
+
+class _SharedRead(Derived):
+    """A stored tensor read once for all the slices cut from it within one load_scope (one layer of
+    a reshard): the value is kept until as many loads as there are slices have taken it, then
+    dropped, so TP2 -> TP4 reads each row-parallel shard once, not once per target rank, and holds it
+    only until its last slice is loaded (write_grouped loads sibling slices one after another).
+    Outside a scope every load reads (nothing would ever release the value)."""
+
+    def __init__(self, stored: "StoredTensor"):
+        super().__init__(None, [stored], memo=True, shape=stored.shape, dtype=stored.dtype)
+        self.users = 0
+
+    def _compute(self) -> torch.Tensor:
+        return self.parents[0].load()
+
+    def load(self) -> torch.Tensor:
+        scopes = lazy_scopes()
+        if not scopes:
+            return self._compute()
+        cache = scopes[-1]
+        entry = cache.get(id(self))
+        if entry is None:
+            entry = cache[id(self)] = [self, self._compute(), self.users]  # self: keeps id() unique
+        entry[2] -= 1
+        if entry[2] <= 0:  # the last slice: nothing else in this scope needs it
+            del cache[id(self)]
+        return entry[1]
+
+
+# Reads of at least READ_SPLIT bytes go in READ_PIECE pieces over READ_THREADS threads
+# (CKPTOOL_READ_THREADS; 1 reads every tensor in one pread on the calling thread).
+READ_THREADS = max(1, int(os.environ.get("CKPTOOL_READ_THREADS", "4") or 4))
+READ_PIECE = 16 << 20
+READ_SPLIT = 2 * READ_PIECE
+_read_executor = None
+_READ_POOL_LOCK = threading.Lock()
+
+
+def _read_pieces(length: int) -> list:
+    """[(start, end)] of one read: itself when small or read serially, else READ_PIECE pieces."""
+    if READ_THREADS == 1 or length < READ_SPLIT:
+        return [(0, length)]
+    return [(a, min(a + READ_PIECE, length)) for a in range(0, length, READ_PIECE)]
+
+
+def _read_pool():
+    global _read_executor
+    if _read_executor is None:
+        from concurrent.futures import ThreadPoolExecutor
+        with _READ_POOL_LOCK:
+            if _read_executor is None:
+                _read_executor = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ckptool-read")
+    return _read_executor
 
 
 def _rebuild_lazy(storage, storage_offset, size, stride, *rest):
@@ -174,13 +245,25 @@ class TorchArchive:
     def _read_into(self, offset: int, view: memoryview) -> None:
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDONLY)
-        length, done = len(view), 0
+        length = len(view)
         with profile.stage("read", length):
-            while done < length:
-                chunk = os.preadv(self._fd, [view[done:]], offset + done)
-                if chunk <= 0:
-                    raise CkptError(f"{self.path}: unexpected end of file", "the file is truncated")
-                done += chunk
+            pieces = _read_pieces(length)
+            if len(pieces) == 1:
+                self._pread_all(offset, view)
+                return
+            # a large tensor in pieces on several threads: more reads in flight for the disk, and
+            # page-cache copies on several cores (pread releases the GIL)
+            futures = [_read_pool().submit(self._pread_all, offset + a, view[a:b]) for a, b in pieces]
+            for f in futures:
+                f.result()
+
+    def _pread_all(self, offset: int, view: memoryview) -> None:
+        length, done = len(view), 0
+        while done < length:
+            chunk = os.preadv(self._fd, [view[done:]], offset + done)
+            if chunk <= 0:
+                raise CkptError(f"{self.path}: unexpected end of file", "the file is truncated")
+            done += chunk
 
     def read_record(self, key: str, start: int = 0, length: Optional[int] = None) -> bytearray:
         rec = self.records.get(f"data/{key}")
@@ -531,20 +614,43 @@ def write_grouped(writers: list, group_of, on_tensor=None) -> int:
     # CRC32, sha256 and write() all release the GIL), one task per file so each file's records
     # stay in order; group g+1 is loaded meanwhile.
     workers = max(1, min(len(writers), 4))
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptool-writer") as pool:
-        in_flight: list = []
-        for key in sorted(groups, key=lambda k: (k is None, k)):
-            with load_scope():
-                by_file: dict = {}
-                for w, ps in groups[key]:
-                    by_file.setdefault(id(w), []).append((w, ps, w.prepare(ps)))
-            with profile.stage("wait"):
-                total += sum(f.result() for f in in_flight)
-            if in_flight:
-                trim()
-            in_flight = [pool.submit(store, items) for items in by_file.values()]
-            del by_file
-        total += sum(f.result() for f in in_flight)
+    order = sorted(groups, key=lambda k: (k is None, k))
+    ahead, n = prefetch.prefetcher(), prefetch.groups_ahead()  # the next groups' source bytes, asked early
+    try:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptool-writer") as pool:
+            in_flight: list = []
+            for i, key in enumerate(order):
+                if ahead is not None:  # groups i+1 .. i+n asked for (all of them at the start)
+                    for k in (order[:n] if i == 0 else []) + order[i + n:i + n + 1]:
+                        ahead.ask(ps.lazy for _, ps in groups[k])
+                with load_scope():
+                    by_file: dict = {}
+                    for w, ps in _siblings_together(groups[key]):
+                        by_file.setdefault(id(w), []).append((w, ps, w.prepare(ps)))
+                with profile.stage("wait"):
+                    total += sum(f.result() for f in in_flight)
+                if in_flight:
+                    trim()
+                in_flight = [pool.submit(store, items) for items in by_file.values()]
+                del by_file
+            total += sum(f.result() for f in in_flight)
+    finally:
+        if ahead is not None:
+            ahead.close()
     for w in writers:
         w.finish()
     return total
+
+
+def _siblings_together(items: list) -> list:
+    """A group's (writer, tensor) pairs in loading order: round-robin over the files (each file's
+    own tensors stay in order), so the slices target ranks cut from one source tensor load one
+    after another and a shared read (_SharedRead) is held for a moment, not for a whole file."""
+    per_file: dict = {}
+    for w, ps in items:
+        per_file.setdefault(id(w), []).append((w, ps))
+    queues = list(per_file.values())
+    out = []
+    for i in range(max((len(q) for q in queues), default=0)):
+        out.extend(q[i] for q in queues if i < len(q))
+    return out
