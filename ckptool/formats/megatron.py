@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -51,8 +52,60 @@ def unflatten(flat: Dict[str, object]) -> dict:
 # --- reading --------------------------------------------------------------------------------
 
 def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
+    """Read a Megatron-LM torch-format checkpoint into the canonical state, as a list of steps: find the
+    rank files and check they are one save, name the model's keys (dialect), place the layers, collect each
+    rank's parameters, join their shards, derive the config, assemble the canonical tensors, then the
+    optimizer state."""
     opts = opts or ReadOptions()
-    it_dir, iteration, release = resolve_iteration_dir(Path(path), opts.iteration)
+    src = _open_rank_files(Path(path), opts)
+    models = _model_chunks(src.trees)
+    dialect, matcher, all_keys, version = _name_keys(models, src)
+    counts, offsets, num_layers = _layer_offsets(models, matcher, src.pp)
+    stacked_local, per_ep, stored, unstack, params = _rank_params(models, matcher, all_keys, offsets, src, opts)
+    shards, head_copy = _joined_shards(params, src)
+    cfg, warnings = _read_config(src, dialect, shards, num_layers, per_ep, version, opts)
+    if cfg.tied_embeddings and ("output", None) in shards:
+        # megatron-core keeps a synchronised copy of the tied embedding on the last stage
+        head_copy = shards[("output", None)][0]
+    policy = ReplicaPolicy(opts.replicas, warnings.append)
+    canonical = _canonical_assembler(cfg, src.tp, version, policy)
+    tensors = canonical(shards)
+    if not cfg.tied_embeddings and "output.weight" not in tensors and head_copy is not None:
+        tensors["output.weight"] = head_copy
+    optimizer = _read_optimizer(src, params, cfg, canonical, warnings, (stored, unstack) if stacked_local else None,
+                                opts)
+    info = _source_info(path, src, dialect, version, counts, len(models[(0, 0, 0)]), policy)
+    if optimizer is not None:
+        optimizer = optimizer.with_slots({slot: in_model_order(ts, cfg) for slot, ts in optimizer.slots.items()})
+    return Checkpoint(cfg, in_model_order(tensors, cfg), info, warnings, optimizer)
+
+
+@dataclass
+class _RankFiles:
+    """One save's rank files, loaded lazily, with the parallel sizes they were saved at."""
+    it_dir: Path
+    iteration: Optional[int]
+    release: bool
+    ranks: Dict[Tuple[int, int, int], Path]  # (tp, pp, ep) -> rank directory
+    trees: Dict[Tuple[int, int, int], dict]  # (tp, pp, ep) -> the loaded file
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    grid: Dict[Tuple[int, int], int]  # expert_grid
+    args: object
+    version: float
+
+    @property
+    def first(self) -> dict:
+        return self.trees[(0, 0, 0)]
+
+
+def _open_rank_files(path: Path, opts: ReadOptions) -> _RankFiles:
+    """Find the iteration's rank directories, load their files (lazily) and check they are one complete
+    save: every rank Megatron-LM writes is there, the files hold a model, their args agree, and the
+    checkpoint_version is one ckptool knows. Why first: every later step indexes the files by rank."""
+    it_dir, iteration, release = resolve_iteration_dir(path, opts.iteration)
     rank_dirs = list_rank_dirs(it_dir)
     loaded = {d: load_torch_file(model_file(d)) for d in rank_dirs}
     ranks = _rank_coordinates(rank_dirs, loaded[rank_dirs[0]])
@@ -69,9 +122,13 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     version = float(first.get("checkpoint_version", 0) or 0)
     if version not in (0.0, 1.0, 2.0, 3.0):
         raise CkptError(f"unknown checkpoint_version {version}", "ckptool reads versions 0, 1.0, 2.0 and 3.0")
+    return _RankFiles(it_dir, iteration, release, ranks, trees, tp, pp, ep, etp, grid, args, version)
 
-    # Per rank: {chunk: {key: value}}
-    models: Dict[Tuple[int, int], Dict[int, Dict[str, object]]] = {}
+
+def _model_chunks(trees) -> Dict[Tuple[int, int, int], Dict[int, Dict[str, object]]]:
+    """Per rank: {chunk: {flat key: value}}; `model`, or `model0`, `model1`, ... with virtual pipeline
+    parallelism (one per model chunk the rank holds)."""
+    models: Dict[Tuple[int, int, int], Dict[int, Dict[str, object]]] = {}
     for rk, tree in trees.items():
         chunks = {}
         if "model" in tree:
@@ -82,7 +139,14 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                 if m:
                     chunks[int(m.group(1))] = flatten(tree[k])
         models[rk] = chunks
-    vpp = len(models[(0, 0, 0)])
+    return models
+
+
+def _name_keys(models, src: _RankFiles) -> Tuple[Dialect, KeyMatcher, set, float]:
+    """(dialect, its key matcher, every key, the QKV version): the dialect from the key names; keys of
+    modules ckptool knows it does not convert are refused by name, the MTP layers by the args, and any
+    other key no role matches as not a GPT model, so nothing is silently dropped."""
+    version = src.version
     all_keys = {k for chunks in models.values() for c in chunks.values() for k in c}
     dialect = detect_dialect(all_keys)
     if dialect.qkv_version0_only:
@@ -93,17 +157,22 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     for key in unknown:  # modules ckptool knows it does not convert, by name
         refused = refused_module(key)
         if refused:
-            raise CkptError(f"{it_dir}: {refused[0]}: {sum(1 for k in unknown if refused_module(k) == refused)} "
+            raise CkptError(f"{src.it_dir}: {refused[0]}: {sum(1 for k in unknown if refused_module(k) == refused)} "
                             f"keys such as {key}", refused[1])
-    mtp = getattr(args, "mtp_num_layers", None)
-    require(not mtp, f"{it_dir}: the args say --mtp-num-layers {mtp}: multi-token prediction (MTP) layers",
+    mtp = getattr(src.args, "mtp_num_layers", None)
+    require(not mtp, f"{src.it_dir}: the args say --mtp-num-layers {mtp}: multi-token prediction (MTP) layers",
             REFUSED_KEYS[0][2])
     if unknown:
         raise CkptError(f"{len(unknown)} keys are not part of a {dialect.name} GPT model "
                         f"(e.g. {', '.join(unknown[:3])})",
                         "ckptool converts GPT models; other architectures are not supported")
+    return dialect, matcher, all_keys, version
 
-    # Layers per (pp, chunk) from the keys, then global offsets in Megatron's order (chunk-major).
+
+def _layer_offsets(models, matcher: KeyMatcher, pp: int):
+    """(layers per (pp, chunk), first global layer per (pp, chunk), number of layers): each file numbers its
+    layers from 0; counted from the keys, then offset in Megatron's order (chunk-major)."""
+    vpp = len(models[(0, 0, 0)])
     counts: Dict[Tuple[int, int], int] = {}
     for (t, p, _), chunks in models.items():
         for v, flat in chunks.items():
@@ -117,17 +186,20 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
         for p in range(pp):
             offsets[(p, v)] = first_layer
             first_layer += counts.get((p, v), 0)
-    num_layers = first_layer
+    return counts, offsets, first_layer
 
-    # Each rank's parameters in file order, which is the order Megatron built its optimizer from; an
-    # expert's local index j on EP rank e is global expert e * (experts per rank) + j.
-    stacked_local = _stacked_local_experts(all_keys, matcher, args, ep, it_dir)
+
+def _rank_params(models, matcher: KeyMatcher, all_keys, offsets, src: _RankFiles, opts: ReadOptions):
+    """(stacked local experts, experts per EP rank, stored, unstack, params): each rank's parameters in file
+    order, which is the order Megatron built its optimizer from. stored: one per tensor of the file (a
+    legacy GroupedMLP fc stacks all local experts: role experts.*.<fc>), what the optimizer's entries count;
+    params: the stacked ones cut per expert, as the weights are used; an expert's local index j on EP rank e
+    is global expert e * (experts per rank) + j; unstack cuts a stored parameter's optimizer slot the same way."""
+    stacked_local = _stacked_local_experts(all_keys, matcher, src.args, src.ep, src.it_dir)
     per_ep = stacked_local or max(_local_expert_count(chunks, matcher) for chunks in models.values())  # a stage may be all dense
     # with the optimizer carried, each weight is read twice: as the weight and to check its fp32 master
     # (megatron_optim.master_matching_weight); memoised, a writer's load of a layer reads it once for both
-    once = _read_once if opts.optimizer and any("optimizer" in tree for tree in trees.values()) else lambda role, x: x
-    # stored: one per tensor of the file (a legacy GroupedMLP fc stacks all local experts: role experts.*.<fc>),
-    # what the optimizer's entries count; params: the stacked ones cut per expert, as the weights are used
+    once = _read_once if opts.optimizer and any("optimizer" in tree for tree in src.trees.values()) else lambda role, x: x
     stored: Dict[Tuple[int, int, int], List[RankParam]] = {}
     for (t, p, e), chunks in models.items():
         stored[(t, p, e)] = [RankParam(key, hit[0], None if hit[1] is None else offsets[(p, v)] + hit[1],
@@ -141,28 +213,38 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                 for (role, piece), (_, cut) in zip(unstack_grouped(param.role, param.weight, stacked_local),
                                                    unstack_grouped(param.role, value, stacked_local))]
     params = {rk: [q for x in ps for q, _ in unstack(rk, x, x.weight)] for rk, ps in stored.items()}
-    shards, head_copy = _weight_shards(params, grid, tp, etp)
+    return stacked_local, per_ep, stored, unstack, params
+
+
+def _joined_shards(params, src: _RankFiles):
+    """({(role, layer): [shard per TP or expert-TP rank]}, the tied head's last-stage copy): every role
+    must be on every rank that cuts it, and the word embeddings must be there (first stage)."""
+    shards, head_copy = _weight_shards(params, src.grid, src.tp, src.etp)
     for (role, layer), parts in shards.items():
         if any(x is None for x in parts):
             raise CkptError(f"{role}{'' if layer is None else f' of layer {layer}'} is missing on some "
                             "tensor-parallel ranks", "the rank files do not belong to one checkpoint")
+    if shards.get(("word", None)) is None:
+        raise CkptError(f"{src.it_dir}: no word embeddings found", "the first pipeline stage is missing or not a GPT model")
+    return shards, head_copy
 
-    word = shards.get(("word", None))
-    if word is None:
-        raise CkptError(f"{it_dir}: no word embeddings found", "the first pipeline stage is missing or not a GPT model")
-    stored_rows = sum(p.shape[0] for p in word)
-    cfg = config_for_shards(args, dialect, shards, num_layers, tp, stored_rows, opts, version)
-    _check_experts(cfg, shards, per_ep, ep, it_dir)
+
+def _read_config(src: _RankFiles, dialect: Dialect, shards, num_layers: int, per_ep: int, version: float,
+                 opts: ReadOptions) -> Tuple[GPTConfig, List[str]]:
+    """(config, warnings so far): from the args (or shapes), checked against the experts the files hold;
+    a megatron-core dialect's config as megatron-core computes it (its note the first warning)."""
+    stored_rows = sum(p.shape[0] for p in shards[("word", None)])
+    cfg = config_for_shards(src.args, dialect, shards, num_layers, src.tp, stored_rows, opts, version)
+    _check_experts(cfg, shards, per_ep, src.ep, src.it_dir)
     layer_note = None
     if dialect.name.startswith("mcore"):
         cfg, layer_note = megatron_args.as_megatron_core_computes(cfg)
-    if cfg.tied_embeddings and ("output", None) in shards:
-        # megatron-core keeps a synchronised copy of the tied embedding on the last stage
-        head_copy = shards[("output", None)][0]
+    return cfg, [layer_note] if layer_note else []
 
-    warnings: List[str] = [layer_note] if layer_note else []
-    policy = ReplicaPolicy(opts.replicas, warnings.append)
 
+def _canonical_assembler(cfg: GPTConfig, tp: int, version: float, policy: ReplicaPolicy):
+    """role shards -> canonical tensors (roles.assemble), the weights' and the optimizer slots' alike: the
+    tied head's copy dropped, and QKV of checkpoint versions before 2 reordered to grouped per rank."""
     def canonical(role_shards) -> Dict[str, LazyTensor]:
         if cfg.tied_embeddings:
             role_shards.pop(("output", None), None)
@@ -173,30 +255,38 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                     role_shards[(role, layer)] = [
                         Derived(lambda x: qkv_to_grouped(x, version, heads_local, cfg.head_dim), [x]) for x in parts]
         return assemble(cfg, dict(role_shards), policy)
+    return canonical
 
-    tensors = canonical(shards)
-    if not cfg.tied_embeddings and "output.weight" not in tensors and head_copy is not None:
-        tensors["output.weight"] = head_copy
-    optimizer = None
+
+def _read_optimizer(src: _RankFiles, params, cfg: GPTConfig, canonical, warnings: List[str], stacked,
+                    opts: ReadOptions):
+    """The optimizer state when asked for and carried (megatron_training), else None; the 2022-23
+    distributed-optimizer form is dropped with a warning. stacked: (stored, unstack) of a legacy GroupedMLP."""
+    it_dir = src.it_dir
     if opts.optimizer and any(is_optimizer_only(d) for d in it_dir.iterdir() if d.is_dir() and RANK_DIR.match(d.name)):
         warnings.append("optimizer state dropped: the 2022-23 distributed-optimizer form (one optim.pt per "
                         "data-parallel rank) is not carried; the output holds the weights only")
     elif opts.optimizer:  # with expert TP != TP each file's expert optimizer holds its experts' grid shard
         # a legacy GroupedMLP's optimizer holds one entry per stacked fc: tied to the stored tensors, then
         # cut per expert by the weights' own cut
-        optimizer = megatron_training.read_training_state(
-            trees, ranks, {rk: model_file(d) for rk, d in ranks.items()}, params, tp, args, cfg, canonical, warnings,
-            grid, etp, (stored, unstack) if stacked_local else None)
-    layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, ep=ep, etp=etp if etp != tp else None,
+        return megatron_training.read_training_state(
+            src.trees, src.ranks, {rk: model_file(d) for rk, d in src.ranks.items()}, params, src.tp, src.args, cfg,
+            canonical, warnings, src.grid, src.etp, stacked)
+    return None
+
+
+def _source_info(path, src: _RankFiles, dialect: Dialect, version: float, counts, vpp: int,
+                 policy: ReplicaPolicy) -> SourceInfo:
+    """Where the state came from: the layout it was saved at (uneven first/last stages kept), the dialect,
+    iteration and version, so a write back can reproduce the source."""
+    pp = src.pp
+    layout = Layout(tp=src.tp, pp=pp, vpp=vpp if vpp > 1 else None, ep=src.ep, etp=src.etp if src.etp != src.tp else None,
                     stage_layers=None if vpp > 1 or len({counts[(p, 0)] for p in range(pp)}) == 1
                     else [counts[(p, 0)] for p in range(pp)])
-    info = SourceInfo(path=str(path), format="megatron", dialect=dialect.name, layout=layout,
-                      iteration=iteration if iteration is not None else first.get("iteration"),
-                      release=release, checkpoint_version=None if dialect.qkv_version0_only else version,
-                      args=args, extra={"replica_policy": policy})
-    if optimizer is not None:
-        optimizer = optimizer.with_slots({slot: in_model_order(ts, cfg) for slot, ts in optimizer.slots.items()})
-    return Checkpoint(cfg, in_model_order(tensors, cfg), info, warnings, optimizer)
+    return SourceInfo(path=str(path), format="megatron", dialect=dialect.name, layout=layout,
+                      iteration=src.iteration if src.iteration is not None else src.first.get("iteration"),
+                      release=src.release, checkpoint_version=None if dialect.qkv_version0_only else version,
+                      args=src.args, extra={"replica_policy": policy})
 
 
 def _rank_name(t: int, p: int, e: int, pp: int, ep: int) -> str:
