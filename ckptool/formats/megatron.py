@@ -635,6 +635,68 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
     Returns its WriteSummary (files, bytes, padded vocab, iteration dir, optimizer state carried). rank_filter(tp, pp, ep) lets a
     distributed run write only its share of the files.
     """
+    plan = _plan_target(ckpt, layout, dialect, dtype, checkpoint_version, release, divisible_by, pad_fill, iteration,
+                        warn, optimizer, distributed_optimizer, dp, overlap_grad_reduce, ddp_bucket_size,
+                        distrib_optim_era, moe_grouped_gemm)
+    it_dir = _make_iteration_dir(Path(out_dir), plan)
+    writers = []
+    distopt_writers = []  # distrib_optim.pt: flat tensors streamed after the grouped files
+    for p, t, e in _target_ranks(layout, rank_filter):
+        rank = _RankFile(plan, t, p, e)
+        top, param_state = rank.top_entries()
+        rank_name = _rank_name(t, p, e, layout.pp, layout.ep)
+        (it_dir / rank_name).mkdir(exist_ok=True)
+        writers.append(StreamingTorchWriter(it_dir / rank_name / "model_optim_rng.pt", top))
+        if param_state is not None:
+            distopt_writers.append(StreamingTorchWriter(it_dir / rank_name / megatron_distopt.FILE, param_state))
+    return _write_and_summarise(plan, writers, distopt_writers, progress)
+
+
+@dataclass
+class _Target:
+    """What every rank file of one write shares: the dialect and its keys, the output's config, version,
+    iteration, the (vocab-resized) tensors to cut, the training state and args to store."""
+    cfg: GPTConfig  # the source's
+    cfg_out: GPTConfig  # the output's: its padded vocabulary
+    d: Dialect
+    layout: Layout
+    dtype: Optional[torch.dtype]  # cast pieces to it (None: as stored)
+    version: Optional[float]  # checkpoint_version to store (None: the 2019 flat dialect has none)
+    qkv_version: float  # the QKV order written
+    release: bool
+    iteration: int
+    rows: int  # padded vocabulary rows
+    tensors: Dict[str, LazyTensor]
+    train: object  # megatron_training.TrainingTarget or None
+    distributed: object  # megatron_training.DistributedTarget or None
+    args: object
+    grouped: bool  # experts as the dialect's grouped-GEMM module
+    expert_keys: Dict[str, str]
+    chunks: list  # layout.chunks: (stage, chunk, first layer, count)
+    layer_roles: Tuple[str, ...]  # a layer's roles in the dialect's parameter order
+
+    @property
+    def it_name(self) -> str:
+        return "release" if self.release else f"iter_{self.iteration:07d}"
+
+    def shard(self, role: str, full: LazyTensor, t: int, names: Tuple[str, ...], cast: bool = True) -> Piece:
+        """File t's piece of a role tensor (or of one of its optimizer slots), declaring its placement
+        under names; its streaming group follows from that (_unit_of)."""
+        piece = rank_piece(full, role, self.cfg_out, self.layout, t, names=names)
+        if role.startswith("qkv.") and self.qkv_version < 2:
+            heads_local, qkv_version = self.cfg.num_attention_heads // self.layout.tp, self.qkv_version
+            piece = Piece(Derived(lambda x: qkv_from_grouped(x, qkv_version, heads_local, self.cfg.head_dim), [piece]),
+                          piece.placement)
+        if cast and self.dtype is not None and piece.dtype != self.dtype:
+            piece = piece.to(self.dtype)
+        return piece
+
+
+def _plan_target(ckpt: Checkpoint, layout: Layout, dialect, dtype, checkpoint_version, release, divisible_by,
+                 pad_fill, iteration, warn, optimizer, distributed_optimizer, dp, overlap_grad_reduce,
+                 ddp_bucket_size, distrib_optim_era, moe_grouped_gemm) -> _Target:
+    """Check the model fits the dialect and layout, then settle what every rank file shares (see _Target):
+    done once, before any file exists, so a refused write leaves nothing behind."""
     cfg = ckpt.config
     name = dialect or default_dialect(ckpt)
     if name not in DIALECTS:
@@ -650,14 +712,7 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
         require(len(mids) == 1, f"Megatron can only make the first and last stage different "
                 f"(--decoder-first/last-pipeline-num-layers); {list(layout.stage_layers)} varies in the middle",
                 "give the middle stages equal layer counts")
-    if d.name == "flat2019":
-        version = None
-    elif checkpoint_version is not None:
-        version = float(checkpoint_version)
-    elif ckpt.source.dialect == d.name and ckpt.source.checkpoint_version is not None:
-        version = float(ckpt.source.checkpoint_version)
-    else:
-        version = 3.0
+    version = _target_version(ckpt, d, checkpoint_version)
     qkv_version = 0.0 if version is None else version
     if qkv_version < 2 and cfg.num_query_groups != cfg.num_attention_heads:
         raise CkptError(f"checkpoint_version {version} predates grouped-query attention",
@@ -684,126 +739,166 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
     distributed = megatron_training.DistributedTarget.for_target(
         train, distributed_optimizer, dp, args, out_dtype, cfg, layout, overlap_grad_reduce, ddp_bucket_size,
         distrib_optim_era or megatron_distopt.CURRENT.since)
-    it_name = "release" if release else f"iter_{iteration:07d}"
-    it_dir = Path(out_dir) / it_name
-    it_dir.mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / TRACKER).write_text("release" if release else str(iteration))
-
-    writers = []
-    distopt_writers = []  # distrib_optim.pt: flat tensors streamed after the grouped files
-    heads_local = cfg.num_attention_heads // layout.tp
     layer_roles = d.param_order + tuple(r for r in LAYER_ROLES if r not in d.param_order)
+    return _Target(cfg, cfg_out, d, layout, dtype, version, qkv_version, release, iteration, rows, tensors, train,
+                   distributed, args, grouped, expert_keys, chunks, layer_roles)
 
-    def shard(role: str, full: LazyTensor, t: int, names: Tuple[str, ...], cast: bool = True) -> Piece:
-        """File t's piece of a role tensor (or of one of its optimizer slots), declaring its placement
-        under names; its streaming group follows from that (_unit_of)."""
-        piece = rank_piece(full, role, cfg_out, layout, t, names=names)
-        if role.startswith("qkv.") and qkv_version < 2:
-            piece = Piece(Derived(lambda x: qkv_from_grouped(x, qkv_version, heads_local, cfg.head_dim), [piece]),
-                          piece.placement)
-        if cast and dtype is not None and piece.dtype != dtype:
-            piece = piece.to(dtype)
-        return piece
 
-    last_pp = layout.pp - 1
-    vpp = layout.vpp or 1
+def _target_version(ckpt: Checkpoint, d: Dialect, asked: Optional[float]) -> Optional[float]:
+    """The checkpoint_version written: the one asked for, else the source's when writing its own dialect,
+    else 3.0 (today's); the 2019 flat dialect stores none."""
+    if d.name == "flat2019":
+        return None
+    if asked is not None:
+        return float(asked)
+    if ckpt.source.dialect == d.name and ckpt.source.checkpoint_version is not None:
+        return float(ckpt.source.checkpoint_version)
+    return 3.0
+
+
+def _make_iteration_dir(out_dir: Path, plan: _Target) -> Path:
+    """The iteration directory, and the tracker file Megatron-LM reads to find it."""
+    it_dir = out_dir / plan.it_name
+    it_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / TRACKER).write_text("release" if plan.release else str(plan.iteration))
+    return it_dir
+
+
+def _target_ranks(layout: Layout, rank_filter) -> List[Tuple[int, int, int]]:
+    """The (pp, tp, ep) of the rank files to write: the (TP, EP) pairs Megatron-LM's ranks load (expert_grid)
+    of every stage, in Megatron's order, those rank_filter keeps (a distributed run writes its share)."""
     grid = expert_grid(layout.tp, layout.ep, layout.expert_tp)  # the (TP, EP) pairs Megatron-LM's ranks load
-    for p, t, e in [(p, t, e) for p in range(layout.pp) for e in range(layout.ep) for t in range(layout.tp)
-                    if (t, e) in grid]:
-        stage_chunks = [c for c in chunks if c[0] == p]
-        if rank_filter and not rank_filter(t, p, e):
-            continue
-        file_obj: dict = {}
-        params: list = []  # (role, layer, slot -> full tensor, canonical names, key) in parameter order
-        param_chunks: list = []  # the model chunk of each
+    return [(p, t, e) for p in range(layout.pp) for e in range(layout.ep) for t in range(layout.tp)
+            if (t, e) in grid and not (rank_filter and not rank_filter(t, p, e))]
 
-        def put(flat, key, role, layer, full_of, names=None):
-            names = names or canonical_names(role, layer, cfg_out)
-            flat[key] = shard(role, full_of("weight"), t, names)
-            params.append((role, layer, full_of, names, key))
-            param_chunks.append(v)
 
-        for (_, v, first, count) in stage_chunks:
-            flat: Dict[str, object] = {}
-            if p == 0 and v == 0:
-                for role in ("word", "pos"):
-                    if global_role_tensor(tensors, role) is not None:
-                        put(flat, d.globals[role], role, None, megatron_training.global_slots(tensors, train, role))
-            for local in range(count):
-                g = first + local
-                prefix = d.layer_prefix.format(i=local)
-                moe_layer = cfg_out.is_moe_layer(g)
-                for role in layer_roles:
-                    if layer_role_tensor(tensors, cfg_out, g, role) is None:
-                        continue
-                    if role not in d.layer:
-                        raise CkptError(f"the {d.name} dialect has no place for {role} tensors",
-                                        "choose --dialect mcore")
-                    key = d.moe_layer.get(role, d.layer[role]) if moe_layer else d.layer[role]
-                    put(flat, prefix + key, role, g, megatron_training.layer_slots(tensors, train, cfg_out, g, role))
-                if moe_layer:
-                    experts = layout.local_experts(cfg_out.moe.num_experts, e)
-                    roles = moe_layer_roles(cfg_out, experts)
-                    if grouped:
-                        roles = _fc_major(roles)
-                    for role in roles:
-                        if layer_role_tensor(tensors, cfg_out, g, role) is not None:
-                            put(flat, prefix + _moe_key(d, expert_keys, role, experts.start), role, g,
-                                megatron_training.layer_slots(tensors, train, cfg_out, g, role))
-                    for extra in (d.grouped_extra_state if grouped else
-                                  [x.format(j=j) for j in range(len(experts)) for x in d.expert_extra_state]):
-                        flat[prefix + extra] = _extra_state_value(d)
-                    if cfg_out.moe.shared_ffn_hidden_size:
-                        for extra in d.shared_extra_state:
-                            flat[prefix + extra] = _extra_state_value(d)
-                for extra in d.extra_state:  # an MoE layer has no dense MLP, nor its extra state
-                    if not (moe_layer and extra.startswith("mlp.")):
-                        flat[prefix + extra] = _extra_state_value(d)
-            if p == last_pp and v == vpp - 1:
-                for role in ("final_norm.weight", "final_norm.bias"):
-                    if global_role_tensor(tensors, role) is not None:
-                        put(flat, d.globals[role], role, None, megatron_training.global_slots(tensors, train, role))
-                if not cfg.tied_embeddings:
-                    put(flat, d.globals["output"], "output", None, megatron_training.global_slots(tensors, train, "output"))
-                elif layout.pp > 1 and d.head_copy:  # a parameter of its own, kept in sync by Megatron; the tied
-                    # embedding's copy that is the last stage's output matrix, so it streams with the last stage
-                    put(flat, d.head_copy, "word", None, megatron_training.global_slots(tensors, train, "word"),
-                        HEAD_COPY_NAMES)
-                if (not cfg.tied_embeddings or layout.pp > 1):
-                    for extra in d.global_extra_state:
-                        flat[extra] = _extra_state_value(d)
-            model = unflatten(flat) if d.nested else flat
+class _RankFile:
+    """One rank file's content: its model chunks' entries (pieces declaring their placement, extra state)
+    and its parameters in Megatron's parameter order, which its optimizer state follows."""
+
+    def __init__(self, plan: _Target, t: int, p: int, e: int):
+        self.plan, self.t, self.p, self.e = plan, t, p, e
+        self.params: list = []  # (role, layer, slot -> full tensor, canonical names, key) in parameter order
+        self.param_chunks: list = []  # the model chunk of each
+
+    def top_entries(self) -> Tuple[dict, Optional[dict]]:
+        """(the file's top-level entries, its distrib_optim.pt content or None): args, version, iteration,
+        the model chunks, then the optimizer state of this rank's parameters."""
+        plan = self.plan
+        file_obj = {}
+        vpp = plan.layout.vpp or 1
+        for (_, v, first, count) in [c for c in plan.chunks if c[0] == self.p]:
+            flat = self.chunk_entries(v, first, count)
+            model = unflatten(flat) if plan.d.nested else flat
             file_obj["model" if vpp == 1 else f"model{v}"] = model
         top: dict = {}
-        if args is not None:
-            top["args"] = args
-        if version:  # version 0 checkpoints predate the key
-            top["checkpoint_version"] = version
-        top["iteration"] = iteration
+        if plan.args is not None:
+            top["args"] = plan.args
+        if plan.version:  # version 0 checkpoints predate the key
+            top["checkpoint_version"] = plan.version
+        top["iteration"] = plan.iteration
         top.update(file_obj)
         param_state = None
-        if distributed is not None:
-            entries, param_state = distributed.rank_entries(train, params, param_chunks, t, p, shard, cfg,
-                                                            layout.ep, e)
+        if plan.distributed is not None:
+            entries, param_state = plan.distributed.rank_entries(plan.train, self.params, self.param_chunks, self.t,
+                                                                 self.p, plan.shard, plan.cfg, plan.layout.ep, self.e)
             top.update(entries)
-        elif train is not None:
-            top.update(train.rank_entries(params, t, shard, cfg, layout.ep))
-        rank_name = _rank_name(t, p, e, layout.pp, layout.ep)
-        (it_dir / rank_name).mkdir(exist_ok=True)
-        writers.append(StreamingTorchWriter(it_dir / rank_name / "model_optim_rng.pt", top))
-        if param_state is not None:
-            distopt_writers.append(StreamingTorchWriter(it_dir / rank_name / megatron_distopt.FILE, param_state))
+        elif plan.train is not None:
+            top.update(plan.train.rank_entries(self.params, self.t, plan.shard, plan.cfg, plan.layout.ep))
+        return top, param_state
+
+    def put(self, flat, key, role, layer, full_of, v, names=None):
+        """Enter the rank's piece of a role under key, and record it as a parameter (for the optimizer)."""
+        names = names or canonical_names(role, layer, self.plan.cfg_out)
+        flat[key] = self.plan.shard(role, full_of("weight"), self.t, names)
+        self.params.append((role, layer, full_of, names, key))
+        self.param_chunks.append(v)
+
+    def chunk_entries(self, v: int, first: int, count: int) -> Dict[str, object]:
+        """Model chunk v's flat entries: the embeddings on the first stage's first chunk, its layers, the
+        final norm and head on the last stage's last chunk."""
+        plan, d, tensors, train = self.plan, self.plan.d, self.plan.tensors, self.plan.train
+        flat: Dict[str, object] = {}
+        if self.p == 0 and v == 0:
+            for role in ("word", "pos"):
+                if global_role_tensor(tensors, role) is not None:
+                    self.put(flat, d.globals[role], role, None, megatron_training.global_slots(tensors, train, role), v)
+        for local in range(count):
+            self.layer_entries(flat, v, first + local, d.layer_prefix.format(i=local))
+        if self.p == plan.layout.pp - 1 and v == (plan.layout.vpp or 1) - 1:
+            self.last_stage_entries(flat, v)
+        return flat
+
+    def layer_entries(self, flat: Dict[str, object], v: int, g: int, prefix: str) -> None:
+        """Global layer g's entries under prefix (its local name): its roles in parameter order, an MoE
+        layer's router / experts / shared expert, and the dialect's extra state."""
+        plan, d, tensors, train, cfg_out = self.plan, self.plan.d, self.plan.tensors, self.plan.train, self.plan.cfg_out
+        moe_layer = cfg_out.is_moe_layer(g)
+        for role in plan.layer_roles:
+            if layer_role_tensor(tensors, cfg_out, g, role) is None:
+                continue
+            if role not in d.layer:
+                raise CkptError(f"the {d.name} dialect has no place for {role} tensors",
+                                "choose --dialect mcore")
+            key = d.moe_layer.get(role, d.layer[role]) if moe_layer else d.layer[role]
+            self.put(flat, prefix + key, role, g, megatron_training.layer_slots(tensors, train, cfg_out, g, role), v)
+        if moe_layer:
+            self.moe_entries(flat, v, g, prefix)
+        for extra in d.extra_state:  # an MoE layer has no dense MLP, nor its extra state
+            if not (moe_layer and extra.startswith("mlp.")):
+                flat[prefix + extra] = _extra_state_value(d)
+
+    def moe_entries(self, flat: Dict[str, object], v: int, g: int, prefix: str) -> None:
+        """MoE layer g's router, this EP rank's experts under their local index (fc-major when grouped), the
+        shared expert, and their extra state."""
+        plan, d, tensors, train, cfg_out = self.plan, self.plan.d, self.plan.tensors, self.plan.train, self.plan.cfg_out
+        experts = plan.layout.local_experts(cfg_out.moe.num_experts, self.e)
+        roles = moe_layer_roles(cfg_out, experts)
+        if plan.grouped:
+            roles = _fc_major(roles)
+        for role in roles:
+            if layer_role_tensor(tensors, cfg_out, g, role) is not None:
+                self.put(flat, prefix + _moe_key(d, plan.expert_keys, role, experts.start), role, g,
+                         megatron_training.layer_slots(tensors, train, cfg_out, g, role), v)
+        for extra in (d.grouped_extra_state if plan.grouped else
+                      [x.format(j=j) for j in range(len(experts)) for x in d.expert_extra_state]):
+            flat[prefix + extra] = _extra_state_value(d)
+        if cfg_out.moe.shared_ffn_hidden_size:
+            for extra in d.shared_extra_state:
+                flat[prefix + extra] = _extra_state_value(d)
+
+    def last_stage_entries(self, flat: Dict[str, object], v: int) -> None:
+        """The final norm, the output head (or the tied embedding's last-stage copy) and their extra state."""
+        plan, d, tensors, train, cfg = self.plan, self.plan.d, self.plan.tensors, self.plan.train, self.plan.cfg
+        for role in ("final_norm.weight", "final_norm.bias"):
+            if global_role_tensor(tensors, role) is not None:
+                self.put(flat, d.globals[role], role, None, megatron_training.global_slots(tensors, train, role), v)
+        if not cfg.tied_embeddings:
+            self.put(flat, d.globals["output"], "output", None,
+                     megatron_training.global_slots(tensors, train, "output"), v)
+        elif plan.layout.pp > 1 and d.head_copy:  # a parameter of its own, kept in sync by Megatron; the tied
+            # embedding's copy that is the last stage's output matrix, so it streams with the last stage
+            self.put(flat, d.head_copy, "word", None, megatron_training.global_slots(tensors, train, "word"), v,
+                     HEAD_COPY_NAMES)
+        if (not cfg.tied_embeddings or plan.layout.pp > 1):
+            for extra in d.global_extra_state:
+                flat[extra] = _extra_state_value(d)
+
+
+def _write_and_summarise(plan: _Target, writers, distopt_writers, progress) -> WriteSummary:
+    """Stream every file's tensors, a layer (or an expert) at a time over all files (_unit_of), then the
+    distrib_optim.pt files a parameter at a time; return what was written."""
     tensors_written = sum(len(w.pending) for w in writers + distopt_writers)
-    total = write_grouped(writers, lambda lazy: _unit_of(lazy.placement, cfg.num_layers), progress)
+    total = write_grouped(writers, lambda lazy: _unit_of(lazy.placement, plan.cfg.num_layers), progress)
     total += megatron_distopt.write_files(distopt_writers, progress)  # streamed, a parameter at a time
     carried = None
-    if train is not None:
-        carried = train.describe()
-        if distributed is not None:
-            carried["distributed"] = distributed.describe()
+    if plan.train is not None:
+        carried = plan.train.describe()
+        if plan.distributed is not None:
+            carried["distributed"] = plan.distributed.describe()
     return WriteSummary("torch", len(writers) + len(distopt_writers), total, tensors=tensors_written,
-                        optimizer=carried, dialect=d.name, iteration_dir=it_name, padded_vocab_size=rows,
-                        checkpoint_version=version)
+                        optimizer=carried, dialect=plan.d.name, iteration_dir=plan.it_name, padded_vocab_size=plan.rows,
+                        checkpoint_version=plan.version)
 
 
 def rank_piece(full: LazyTensor, role: str, cfg: GPTConfig, layout: Layout, t: int, layer: Optional[int] = None,
