@@ -135,34 +135,48 @@ def assemble(cfg: GPTConfig, shards: Dict[Tuple[str, Optional[int]], List[LazyTe
         if layer is None:
             out[GLOBAL_ROLES[role]] = merged
             continue
-        prefix = f"layers.{layer}."
-        mlp, role = scope_of(role)
-        if role in LAYER_SIMPLE:
-            out[prefix + LAYER_SIMPLE[role].replace("mlp.", mlp, 1)] = merged
-        elif role.startswith("qkv."):
-            kind = role.split(".")[1]
-            if merged.shape[0] != qkv_rows(cfg):
-                raise CkptError(f"layer {layer}: fused QKV has {merged.shape[0]} rows, expected "
-                                f"{qkv_rows(cfg)} for {cfg.num_attention_heads} heads, "
-                                f"{cfg.num_query_groups} query groups, head size {cfg.head_dim}",
-                                "check --num-attention-heads / --num-query-groups")
-            names = tuple(f"{prefix}attn.{x}.{kind}" for x in "qkv")
-            for idx, name in enumerate(names):
-                piece = Derived(lambda t, i=idx: qkv_part(t, cfg, i), [merged])
-                out[name] = _declare_part(piece, merged, names, idx, qkv_blocks(cfg, idx))
-        elif role.startswith("fc1."):
-            kind = role.split(".")[1]
-            if cfg.gated:
-                half = merged.shape[0] // 2
-                names = (f"{prefix}{mlp}gate.{kind}", f"{prefix}{mlp}up.{kind}")
-                for idx, name in enumerate(names):
-                    out[name] = _declare_part(merged.narrow(0, idx * half, half), merged, names, idx,
-                                              ((idx * half, half),))
-            else:
-                out[f"{prefix}{mlp}up.{kind}"] = merged
+        mlp, base = scope_of(role)
+        if base in LAYER_SIMPLE:
+            out[f"layers.{layer}." + LAYER_SIMPLE[base].replace("mlp.", mlp, 1)] = merged
+        elif _fused(base) in _UNFUSE:  # the parts, in fused order, as the spec names them
+            out.update(_UNFUSE[_fused(base)](merged, cfg, layer, tuple(canonical_names(role, layer, cfg))))
         else:  # pragma: no cover - table and code disagree
-            raise CkptError(f"internal: no canonical mapping for role {role}")
+            raise CkptError(f"internal: no canonical mapping for role {base}")
     return out
+
+
+def _fused(base: str) -> Optional[str]:
+    """How a base role's tensor fuses its canonical parts (the spec's Role.fused), None when it does not."""
+    spec = GPT.roles.get(base)
+    return None if spec is None else spec.fused
+
+
+def _unfuse_qkv(merged: LazyTensor, cfg: GPTConfig, layer: int, names) -> Dict[str, LazyTensor]:
+    """A merged grouped QKV -> q, k, v, each declaring itself part of it (a writer re-fuses nothing)."""
+    if merged.shape[0] != qkv_rows(cfg):
+        raise CkptError(f"layer {layer}: fused QKV has {merged.shape[0]} rows, expected "
+                        f"{qkv_rows(cfg)} for {cfg.num_attention_heads} heads, "
+                        f"{cfg.num_query_groups} query groups, head size {cfg.head_dim}",
+                        "check --num-attention-heads / --num-query-groups")
+    out = {}
+    for idx, name in enumerate(names):
+        piece = Derived(lambda t, i=idx: qkv_part(t, cfg, i), [merged])
+        out[name] = _declare_part(piece, merged, names, idx, qkv_blocks(cfg, idx))
+    return out
+
+
+def _unfuse_halves(merged: LazyTensor, cfg: GPTConfig, layer: int, names) -> Dict[str, LazyTensor]:
+    """A merged fc1 -> [gate; up] halves of a gated MLP, each declaring itself part of it; up alone otherwise
+    (the spec's parts for the config say which)."""
+    if len(names) == 1:
+        return {names[0]: merged}
+    half = merged.shape[0] // len(names)
+    return {name: _declare_part(merged.narrow(0, idx * half, half), merged, names, idx, ((idx * half, half),))
+            for idx, name in enumerate(names)}
+
+
+# Role.fused -> how assemble() cuts a merged fused tensor into its canonical parts
+_UNFUSE = {"qkv": _unfuse_qkv, "halves": _unfuse_halves}
 
 
 def _declare_part(piece: LazyTensor, fused: LazyTensor, names, index: int, blocks) -> LazyTensor:
@@ -195,33 +209,43 @@ def _fused_whole(parts) -> Optional[LazyTensor]:
 def layer_role_tensor(tensors: Dict[str, LazyTensor], cfg: GPTConfig, layer: int,
                       role: str) -> Optional[LazyTensor]:
     """The merged (TP=1) fused tensor for one layer role, or None when the model lacks it."""
-    p = f"layers.{layer}."
+    scoped = role
     mlp, role = scope_of(role)
     if role in LAYER_SIMPLE:
-        return tensors.get(p + LAYER_SIMPLE[role].replace("mlp.", mlp, 1))
-    kind = role.split(".")[1]
-    if role.startswith("qkv."):
-        parts = [tensors.get(f"{p}attn.{x}.{kind}") for x in "qkv"]
-        if all(x is None for x in parts):
-            return None
-        if any(x is None for x in parts):
-            raise CkptError(f"layer {layer}: q, k and v {kind} must all be present or all absent")
-        same = _fused_whole(parts)
-        if same is not None and same.shape[0] == qkv_rows(cfg):
-            return same
-        return Derived(lambda q, k, v: fuse_qkv(q, k, v, cfg), parts, memo=True,
-                       shape=cat_shape([p.shape for p in parts]), dtype=parts[0].dtype)
-    if role.startswith("fc1."):
-        up = tensors.get(f"{p}{mlp}up.{kind}")
-        if cfg.gated:
-            gate = tensors.get(f"{p}{mlp}gate.{kind}")
-            if gate is None and up is None:
-                return None
-            if gate is None or up is None:
-                raise CkptError(f"layer {layer}: a gated MLP needs both gate and up {kind}")
-            return _fused_whole([gate, up]) or cat([gate, up], 0, memo=True)
-        return up
-    raise CkptError(f"internal: unknown role {role}")
+        return tensors.get(f"layers.{layer}." + LAYER_SIMPLE[role].replace("mlp.", mlp, 1))
+    if _fused(role) not in _FUSE:
+        raise CkptError(f"internal: unknown role {role}")
+    return _FUSE[_fused(role)](cfg, layer, role.split(".")[1],
+                               [tensors.get(n) for n in canonical_names(scoped, layer, cfg)])
+
+
+def _fuse_qkv(cfg: GPTConfig, layer: int, kind: str, parts) -> Optional[LazyTensor]:
+    """q, k, v -> the grouped QKV: the one they were cut from when they declare it, else fused (memoised)."""
+    if all(x is None for x in parts):
+        return None
+    if any(x is None for x in parts) or len(parts) != 3:  # (an MLA model has q alone)
+        raise CkptError(f"layer {layer}: q, k and v {kind} must all be present or all absent")
+    same = _fused_whole(parts)
+    if same is not None and same.shape[0] == qkv_rows(cfg):
+        return same
+    return Derived(lambda q, k, v: fuse_qkv(q, k, v, cfg), parts, memo=True,
+                   shape=cat_shape([p.shape for p in parts]), dtype=parts[0].dtype)
+
+
+def _fuse_halves(cfg: GPTConfig, layer: int, kind: str, parts) -> Optional[LazyTensor]:
+    """gate, up -> fc1 = [gate; up] of a gated MLP (the one they were cut from when they declare it); up
+    alone otherwise (the spec's parts for the config say which)."""
+    if len(parts) == 1:
+        return parts[0]
+    if all(x is None for x in parts):
+        return None
+    if any(x is None for x in parts):
+        raise CkptError(f"layer {layer}: a gated MLP needs both gate and up {kind}")
+    return _fused_whole(parts) or cat(parts, 0, memo=True)
+
+
+# Role.fused -> how a writer gets a fused role's merged tensor from its canonical parts
+_FUSE = {"qkv": _fuse_qkv, "halves": _fuse_halves}
 
 
 def canonical_names(role: str, layer: Optional[int], cfg: GPTConfig) -> List[str]:

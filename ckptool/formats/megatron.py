@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -51,8 +52,60 @@ def unflatten(flat: Dict[str, object]) -> dict:
 # --- reading --------------------------------------------------------------------------------
 
 def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
+    """Read a Megatron-LM torch-format checkpoint into the canonical state, as a list of steps: find the
+    rank files and check they are one save, name the model's keys (dialect), place the layers, collect each
+    rank's parameters, join their shards, derive the config, assemble the canonical tensors, then the
+    optimizer state."""
     opts = opts or ReadOptions()
-    it_dir, iteration, release = resolve_iteration_dir(Path(path), opts.iteration)
+    src = _open_rank_files(Path(path), opts)
+    models = _model_chunks(src.trees)
+    dialect, matcher, all_keys, version = _name_keys(models, src)
+    counts, offsets, num_layers = _layer_offsets(models, matcher, src.pp)
+    stacked_local, per_ep, stored, unstack, params = _rank_params(models, matcher, all_keys, offsets, src, opts)
+    shards, head_copy = _joined_shards(params, src)
+    cfg, warnings = _read_config(src, dialect, shards, num_layers, per_ep, version, opts)
+    if cfg.tied_embeddings and ("output", None) in shards:
+        # megatron-core keeps a synchronised copy of the tied embedding on the last stage
+        head_copy = shards[("output", None)][0]
+    policy = ReplicaPolicy(opts.replicas, warnings.append)
+    canonical = _canonical_assembler(cfg, src.tp, version, policy)
+    tensors = canonical(shards)
+    if not cfg.tied_embeddings and "output.weight" not in tensors and head_copy is not None:
+        tensors["output.weight"] = head_copy
+    optimizer = _read_optimizer(src, params, cfg, canonical, warnings, (stored, unstack) if stacked_local else None,
+                                opts)
+    info = _source_info(path, src, dialect, version, counts, len(models[(0, 0, 0)]), policy)
+    if optimizer is not None:
+        optimizer = optimizer.with_slots({slot: in_model_order(ts, cfg) for slot, ts in optimizer.slots.items()})
+    return Checkpoint(cfg, in_model_order(tensors, cfg), info, warnings, optimizer)
+
+
+@dataclass
+class _RankFiles:
+    """One save's rank files, loaded lazily, with the parallel sizes they were saved at."""
+    it_dir: Path
+    iteration: Optional[int]
+    release: bool
+    ranks: Dict[Tuple[int, int, int], Path]  # (tp, pp, ep) -> rank directory
+    trees: Dict[Tuple[int, int, int], dict]  # (tp, pp, ep) -> the loaded file
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    grid: Dict[Tuple[int, int], int]  # expert_grid
+    args: object
+    version: float
+
+    @property
+    def first(self) -> dict:
+        return self.trees[(0, 0, 0)]
+
+
+def _open_rank_files(path: Path, opts: ReadOptions) -> _RankFiles:
+    """Find the iteration's rank directories, load their files (lazily) and check they are one complete
+    save: every rank Megatron-LM writes is there, the files hold a model, their args agree, and the
+    checkpoint_version is one ckptool knows. Why first: every later step indexes the files by rank."""
+    it_dir, iteration, release = resolve_iteration_dir(path, opts.iteration)
     rank_dirs = list_rank_dirs(it_dir)
     loaded = {d: load_torch_file(model_file(d)) for d in rank_dirs}
     ranks = _rank_coordinates(rank_dirs, loaded[rank_dirs[0]])
@@ -69,9 +122,13 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     version = float(first.get("checkpoint_version", 0) or 0)
     if version not in (0.0, 1.0, 2.0, 3.0):
         raise CkptError(f"unknown checkpoint_version {version}", "ckptool reads versions 0, 1.0, 2.0 and 3.0")
+    return _RankFiles(it_dir, iteration, release, ranks, trees, tp, pp, ep, etp, grid, args, version)
 
-    # Per rank: {chunk: {key: value}}
-    models: Dict[Tuple[int, int], Dict[int, Dict[str, object]]] = {}
+
+def _model_chunks(trees) -> Dict[Tuple[int, int, int], Dict[int, Dict[str, object]]]:
+    """Per rank: {chunk: {flat key: value}}; `model`, or `model0`, `model1`, ... with virtual pipeline
+    parallelism (one per model chunk the rank holds)."""
+    models: Dict[Tuple[int, int, int], Dict[int, Dict[str, object]]] = {}
     for rk, tree in trees.items():
         chunks = {}
         if "model" in tree:
@@ -82,7 +139,14 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                 if m:
                     chunks[int(m.group(1))] = flatten(tree[k])
         models[rk] = chunks
-    vpp = len(models[(0, 0, 0)])
+    return models
+
+
+def _name_keys(models, src: _RankFiles) -> Tuple[Dialect, KeyMatcher, set, float]:
+    """(dialect, its key matcher, every key, the QKV version): the dialect from the key names; keys of
+    modules ckptool knows it does not convert are refused by name, the MTP layers by the args, and any
+    other key no role matches as not a GPT model, so nothing is silently dropped."""
+    version = src.version
     all_keys = {k for chunks in models.values() for c in chunks.values() for k in c}
     dialect = detect_dialect(all_keys)
     if dialect.qkv_version0_only:
@@ -93,17 +157,22 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     for key in unknown:  # modules ckptool knows it does not convert, by name
         refused = refused_module(key)
         if refused:
-            raise CkptError(f"{it_dir}: {refused[0]}: {sum(1 for k in unknown if refused_module(k) == refused)} "
+            raise CkptError(f"{src.it_dir}: {refused[0]}: {sum(1 for k in unknown if refused_module(k) == refused)} "
                             f"keys such as {key}", refused[1])
-    mtp = getattr(args, "mtp_num_layers", None)
-    require(not mtp, f"{it_dir}: the args say --mtp-num-layers {mtp}: multi-token prediction (MTP) layers",
+    mtp = getattr(src.args, "mtp_num_layers", None)
+    require(not mtp, f"{src.it_dir}: the args say --mtp-num-layers {mtp}: multi-token prediction (MTP) layers",
             REFUSED_KEYS[0][2])
     if unknown:
         raise CkptError(f"{len(unknown)} keys are not part of a {dialect.name} GPT model "
                         f"(e.g. {', '.join(unknown[:3])})",
                         "ckptool converts GPT models; other architectures are not supported")
+    return dialect, matcher, all_keys, version
 
-    # Layers per (pp, chunk) from the keys, then global offsets in Megatron's order (chunk-major).
+
+def _layer_offsets(models, matcher: KeyMatcher, pp: int):
+    """(layers per (pp, chunk), first global layer per (pp, chunk), number of layers): each file numbers its
+    layers from 0; counted from the keys, then offset in Megatron's order (chunk-major)."""
+    vpp = len(models[(0, 0, 0)])
     counts: Dict[Tuple[int, int], int] = {}
     for (t, p, _), chunks in models.items():
         for v, flat in chunks.items():
@@ -117,17 +186,20 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
         for p in range(pp):
             offsets[(p, v)] = first_layer
             first_layer += counts.get((p, v), 0)
-    num_layers = first_layer
+    return counts, offsets, first_layer
 
-    # Each rank's parameters in file order, which is the order Megatron built its optimizer from; an
-    # expert's local index j on EP rank e is global expert e * (experts per rank) + j.
-    stacked_local = _stacked_local_experts(all_keys, matcher, args, ep, it_dir)
+
+def _rank_params(models, matcher: KeyMatcher, all_keys, offsets, src: _RankFiles, opts: ReadOptions):
+    """(stacked local experts, experts per EP rank, stored, unstack, params): each rank's parameters in file
+    order, which is the order Megatron built its optimizer from. stored: one per tensor of the file (a
+    legacy GroupedMLP fc stacks all local experts: role experts.*.<fc>), what the optimizer's entries count;
+    params: the stacked ones cut per expert, as the weights are used; an expert's local index j on EP rank e
+    is global expert e * (experts per rank) + j; unstack cuts a stored parameter's optimizer slot the same way."""
+    stacked_local = _stacked_local_experts(all_keys, matcher, src.args, src.ep, src.it_dir)
     per_ep = stacked_local or max(_local_expert_count(chunks, matcher) for chunks in models.values())  # a stage may be all dense
     # with the optimizer carried, each weight is read twice: as the weight and to check its fp32 master
     # (megatron_optim.master_matching_weight); memoised, a writer's load of a layer reads it once for both
-    once = _read_once if opts.optimizer and any("optimizer" in tree for tree in trees.values()) else lambda role, x: x
-    # stored: one per tensor of the file (a legacy GroupedMLP fc stacks all local experts: role experts.*.<fc>),
-    # what the optimizer's entries count; params: the stacked ones cut per expert, as the weights are used
+    once = _read_once if opts.optimizer and any("optimizer" in tree for tree in src.trees.values()) else lambda role, x: x
     stored: Dict[Tuple[int, int, int], List[RankParam]] = {}
     for (t, p, e), chunks in models.items():
         stored[(t, p, e)] = [RankParam(key, hit[0], None if hit[1] is None else offsets[(p, v)] + hit[1],
@@ -141,28 +213,38 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                 for (role, piece), (_, cut) in zip(unstack_grouped(param.role, param.weight, stacked_local),
                                                    unstack_grouped(param.role, value, stacked_local))]
     params = {rk: [q for x in ps for q, _ in unstack(rk, x, x.weight)] for rk, ps in stored.items()}
-    shards, head_copy = _weight_shards(params, grid, tp, etp)
+    return stacked_local, per_ep, stored, unstack, params
+
+
+def _joined_shards(params, src: _RankFiles):
+    """({(role, layer): [shard per TP or expert-TP rank]}, the tied head's last-stage copy): every role
+    must be on every rank that cuts it, and the word embeddings must be there (first stage)."""
+    shards, head_copy = _weight_shards(params, src.grid, src.tp, src.etp)
     for (role, layer), parts in shards.items():
         if any(x is None for x in parts):
             raise CkptError(f"{role}{'' if layer is None else f' of layer {layer}'} is missing on some "
                             "tensor-parallel ranks", "the rank files do not belong to one checkpoint")
+    if shards.get(("word", None)) is None:
+        raise CkptError(f"{src.it_dir}: no word embeddings found", "the first pipeline stage is missing or not a GPT model")
+    return shards, head_copy
 
-    word = shards.get(("word", None))
-    if word is None:
-        raise CkptError(f"{it_dir}: no word embeddings found", "the first pipeline stage is missing or not a GPT model")
-    stored_rows = sum(p.shape[0] for p in word)
-    cfg = config_for_shards(args, dialect, shards, num_layers, tp, stored_rows, opts, version)
-    _check_experts(cfg, shards, per_ep, ep, it_dir)
+
+def _read_config(src: _RankFiles, dialect: Dialect, shards, num_layers: int, per_ep: int, version: float,
+                 opts: ReadOptions) -> Tuple[GPTConfig, List[str]]:
+    """(config, warnings so far): from the args (or shapes), checked against the experts the files hold;
+    a megatron-core dialect's config as megatron-core computes it (its note the first warning)."""
+    stored_rows = sum(p.shape[0] for p in shards[("word", None)])
+    cfg = config_for_shards(src.args, dialect, shards, num_layers, src.tp, stored_rows, opts, version)
+    _check_experts(cfg, shards, per_ep, src.ep, src.it_dir)
     layer_note = None
     if dialect.name.startswith("mcore"):
         cfg, layer_note = megatron_args.as_megatron_core_computes(cfg)
-    if cfg.tied_embeddings and ("output", None) in shards:
-        # megatron-core keeps a synchronised copy of the tied embedding on the last stage
-        head_copy = shards[("output", None)][0]
+    return cfg, [layer_note] if layer_note else []
 
-    warnings: List[str] = [layer_note] if layer_note else []
-    policy = ReplicaPolicy(opts.replicas, warnings.append)
 
+def _canonical_assembler(cfg: GPTConfig, tp: int, version: float, policy: ReplicaPolicy):
+    """role shards -> canonical tensors (roles.assemble), the weights' and the optimizer slots' alike: the
+    tied head's copy dropped, and QKV of checkpoint versions before 2 reordered to grouped per rank."""
     def canonical(role_shards) -> Dict[str, LazyTensor]:
         if cfg.tied_embeddings:
             role_shards.pop(("output", None), None)
@@ -173,30 +255,38 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                     role_shards[(role, layer)] = [
                         Derived(lambda x: qkv_to_grouped(x, version, heads_local, cfg.head_dim), [x]) for x in parts]
         return assemble(cfg, dict(role_shards), policy)
+    return canonical
 
-    tensors = canonical(shards)
-    if not cfg.tied_embeddings and "output.weight" not in tensors and head_copy is not None:
-        tensors["output.weight"] = head_copy
-    optimizer = None
+
+def _read_optimizer(src: _RankFiles, params, cfg: GPTConfig, canonical, warnings: List[str], stacked,
+                    opts: ReadOptions):
+    """The optimizer state when asked for and carried (megatron_training), else None; the 2022-23
+    distributed-optimizer form is dropped with a warning. stacked: (stored, unstack) of a legacy GroupedMLP."""
+    it_dir = src.it_dir
     if opts.optimizer and any(is_optimizer_only(d) for d in it_dir.iterdir() if d.is_dir() and RANK_DIR.match(d.name)):
         warnings.append("optimizer state dropped: the 2022-23 distributed-optimizer form (one optim.pt per "
                         "data-parallel rank) is not carried; the output holds the weights only")
     elif opts.optimizer:  # with expert TP != TP each file's expert optimizer holds its experts' grid shard
         # a legacy GroupedMLP's optimizer holds one entry per stacked fc: tied to the stored tensors, then
         # cut per expert by the weights' own cut
-        optimizer = megatron_training.read_training_state(
-            trees, ranks, {rk: model_file(d) for rk, d in ranks.items()}, params, tp, args, cfg, canonical, warnings,
-            grid, etp, (stored, unstack) if stacked_local else None)
-    layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, ep=ep, etp=etp if etp != tp else None,
+        return megatron_training.read_training_state(
+            src.trees, src.ranks, {rk: model_file(d) for rk, d in src.ranks.items()}, params, src.tp, src.args, cfg,
+            canonical, warnings, src.grid, src.etp, stacked)
+    return None
+
+
+def _source_info(path, src: _RankFiles, dialect: Dialect, version: float, counts, vpp: int,
+                 policy: ReplicaPolicy) -> SourceInfo:
+    """Where the state came from: the layout it was saved at (uneven first/last stages kept), the dialect,
+    iteration and version, so a write back can reproduce the source."""
+    pp = src.pp
+    layout = Layout(tp=src.tp, pp=pp, vpp=vpp if vpp > 1 else None, ep=src.ep, etp=src.etp if src.etp != src.tp else None,
                     stage_layers=None if vpp > 1 or len({counts[(p, 0)] for p in range(pp)}) == 1
                     else [counts[(p, 0)] for p in range(pp)])
-    info = SourceInfo(path=str(path), format="megatron", dialect=dialect.name, layout=layout,
-                      iteration=iteration if iteration is not None else first.get("iteration"),
-                      release=release, checkpoint_version=None if dialect.qkv_version0_only else version,
-                      args=args, extra={"replica_policy": policy})
-    if optimizer is not None:
-        optimizer = optimizer.with_slots({slot: in_model_order(ts, cfg) for slot, ts in optimizer.slots.items()})
-    return Checkpoint(cfg, in_model_order(tensors, cfg), info, warnings, optimizer)
+    return SourceInfo(path=str(path), format="megatron", dialect=dialect.name, layout=layout,
+                      iteration=src.iteration if src.iteration is not None else src.first.get("iteration"),
+                      release=src.release, checkpoint_version=None if dialect.qkv_version0_only else version,
+                      args=src.args, extra={"replica_policy": policy})
 
 
 def _rank_name(t: int, p: int, e: int, pp: int, ep: int) -> str:
@@ -545,6 +635,68 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
     Returns its WriteSummary (files, bytes, padded vocab, iteration dir, optimizer state carried). rank_filter(tp, pp, ep) lets a
     distributed run write only its share of the files.
     """
+    plan = _plan_target(ckpt, layout, dialect, dtype, checkpoint_version, release, divisible_by, pad_fill, iteration,
+                        warn, optimizer, distributed_optimizer, dp, overlap_grad_reduce, ddp_bucket_size,
+                        distrib_optim_era, moe_grouped_gemm)
+    it_dir = _make_iteration_dir(Path(out_dir), plan)
+    writers = []
+    distopt_writers = []  # distrib_optim.pt: flat tensors streamed after the grouped files
+    for p, t, e in _target_ranks(layout, rank_filter):
+        rank = _RankFile(plan, t, p, e)
+        top, param_state = rank.top_entries()
+        rank_name = _rank_name(t, p, e, layout.pp, layout.ep)
+        (it_dir / rank_name).mkdir(exist_ok=True)
+        writers.append(StreamingTorchWriter(it_dir / rank_name / "model_optim_rng.pt", top))
+        if param_state is not None:
+            distopt_writers.append(StreamingTorchWriter(it_dir / rank_name / megatron_distopt.FILE, param_state))
+    return _write_and_summarise(plan, writers, distopt_writers, progress)
+
+
+@dataclass
+class _Target:
+    """What every rank file of one write shares: the dialect and its keys, the output's config, version,
+    iteration, the (vocab-resized) tensors to cut, the training state and args to store."""
+    cfg: GPTConfig  # the source's
+    cfg_out: GPTConfig  # the output's: its padded vocabulary
+    d: Dialect
+    layout: Layout
+    dtype: Optional[torch.dtype]  # cast pieces to it (None: as stored)
+    version: Optional[float]  # checkpoint_version to store (None: the 2019 flat dialect has none)
+    qkv_version: float  # the QKV order written
+    release: bool
+    iteration: int
+    rows: int  # padded vocabulary rows
+    tensors: Dict[str, LazyTensor]
+    train: object  # megatron_training.TrainingTarget or None
+    distributed: object  # megatron_training.DistributedTarget or None
+    args: object
+    grouped: bool  # experts as the dialect's grouped-GEMM module
+    expert_keys: Dict[str, str]
+    chunks: list  # layout.chunks: (stage, chunk, first layer, count)
+    layer_roles: Tuple[str, ...]  # a layer's roles in the dialect's parameter order
+
+    @property
+    def it_name(self) -> str:
+        return "release" if self.release else f"iter_{self.iteration:07d}"
+
+    def shard(self, role: str, full: LazyTensor, t: int, names: Tuple[str, ...], cast: bool = True) -> Piece:
+        """File t's piece of a role tensor (or of one of its optimizer slots), declaring its placement
+        under names; its streaming group follows from that (_unit_of)."""
+        piece = rank_piece(full, role, self.cfg_out, self.layout, t, names=names)
+        if role.startswith("qkv.") and self.qkv_version < 2:
+            heads_local, qkv_version = self.cfg.num_attention_heads // self.layout.tp, self.qkv_version
+            piece = Piece(Derived(lambda x: qkv_from_grouped(x, qkv_version, heads_local, self.cfg.head_dim), [piece]),
+                          piece.placement)
+        if cast and self.dtype is not None and piece.dtype != self.dtype:
+            piece = piece.to(self.dtype)
+        return piece
+
+
+def _plan_target(ckpt: Checkpoint, layout: Layout, dialect, dtype, checkpoint_version, release, divisible_by,
+                 pad_fill, iteration, warn, optimizer, distributed_optimizer, dp, overlap_grad_reduce,
+                 ddp_bucket_size, distrib_optim_era, moe_grouped_gemm) -> _Target:
+    """Check the model fits the dialect and layout, then settle what every rank file shares (see _Target):
+    done once, before any file exists, so a refused write leaves nothing behind."""
     cfg = ckpt.config
     name = dialect or default_dialect(ckpt)
     if name not in DIALECTS:
@@ -560,14 +712,7 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
         require(len(mids) == 1, f"Megatron can only make the first and last stage different "
                 f"(--decoder-first/last-pipeline-num-layers); {list(layout.stage_layers)} varies in the middle",
                 "give the middle stages equal layer counts")
-    if d.name == "flat2019":
-        version = None
-    elif checkpoint_version is not None:
-        version = float(checkpoint_version)
-    elif ckpt.source.dialect == d.name and ckpt.source.checkpoint_version is not None:
-        version = float(ckpt.source.checkpoint_version)
-    else:
-        version = 3.0
+    version = _target_version(ckpt, d, checkpoint_version)
     qkv_version = 0.0 if version is None else version
     if qkv_version < 2 and cfg.num_query_groups != cfg.num_attention_heads:
         raise CkptError(f"checkpoint_version {version} predates grouped-query attention",
@@ -594,126 +739,166 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
     distributed = megatron_training.DistributedTarget.for_target(
         train, distributed_optimizer, dp, args, out_dtype, cfg, layout, overlap_grad_reduce, ddp_bucket_size,
         distrib_optim_era or megatron_distopt.CURRENT.since)
-    it_name = "release" if release else f"iter_{iteration:07d}"
-    it_dir = Path(out_dir) / it_name
-    it_dir.mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / TRACKER).write_text("release" if release else str(iteration))
-
-    writers = []
-    distopt_writers = []  # distrib_optim.pt: flat tensors streamed after the grouped files
-    heads_local = cfg.num_attention_heads // layout.tp
     layer_roles = d.param_order + tuple(r for r in LAYER_ROLES if r not in d.param_order)
+    return _Target(cfg, cfg_out, d, layout, dtype, version, qkv_version, release, iteration, rows, tensors, train,
+                   distributed, args, grouped, expert_keys, chunks, layer_roles)
 
-    def shard(role: str, full: LazyTensor, t: int, names: Tuple[str, ...], cast: bool = True) -> Piece:
-        """File t's piece of a role tensor (or of one of its optimizer slots), declaring its placement
-        under names; its streaming group follows from that (_unit_of)."""
-        piece = rank_piece(full, role, cfg_out, layout, t, names=names)
-        if role.startswith("qkv.") and qkv_version < 2:
-            piece = Piece(Derived(lambda x: qkv_from_grouped(x, qkv_version, heads_local, cfg.head_dim), [piece]),
-                          piece.placement)
-        if cast and dtype is not None and piece.dtype != dtype:
-            piece = piece.to(dtype)
-        return piece
 
-    last_pp = layout.pp - 1
-    vpp = layout.vpp or 1
+def _target_version(ckpt: Checkpoint, d: Dialect, asked: Optional[float]) -> Optional[float]:
+    """The checkpoint_version written: the one asked for, else the source's when writing its own dialect,
+    else 3.0 (today's); the 2019 flat dialect stores none."""
+    if d.name == "flat2019":
+        return None
+    if asked is not None:
+        return float(asked)
+    if ckpt.source.dialect == d.name and ckpt.source.checkpoint_version is not None:
+        return float(ckpt.source.checkpoint_version)
+    return 3.0
+
+
+def _make_iteration_dir(out_dir: Path, plan: _Target) -> Path:
+    """The iteration directory, and the tracker file Megatron-LM reads to find it."""
+    it_dir = out_dir / plan.it_name
+    it_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / TRACKER).write_text("release" if plan.release else str(plan.iteration))
+    return it_dir
+
+
+def _target_ranks(layout: Layout, rank_filter) -> List[Tuple[int, int, int]]:
+    """The (pp, tp, ep) of the rank files to write: the (TP, EP) pairs Megatron-LM's ranks load (expert_grid)
+    of every stage, in Megatron's order, those rank_filter keeps (a distributed run writes its share)."""
     grid = expert_grid(layout.tp, layout.ep, layout.expert_tp)  # the (TP, EP) pairs Megatron-LM's ranks load
-    for p, t, e in [(p, t, e) for p in range(layout.pp) for e in range(layout.ep) for t in range(layout.tp)
-                    if (t, e) in grid]:
-        stage_chunks = [c for c in chunks if c[0] == p]
-        if rank_filter and not rank_filter(t, p, e):
-            continue
-        file_obj: dict = {}
-        params: list = []  # (role, layer, slot -> full tensor, canonical names, key) in parameter order
-        param_chunks: list = []  # the model chunk of each
+    return [(p, t, e) for p in range(layout.pp) for e in range(layout.ep) for t in range(layout.tp)
+            if (t, e) in grid and not (rank_filter and not rank_filter(t, p, e))]
 
-        def put(flat, key, role, layer, full_of, names=None):
-            names = names or canonical_names(role, layer, cfg_out)
-            flat[key] = shard(role, full_of("weight"), t, names)
-            params.append((role, layer, full_of, names, key))
-            param_chunks.append(v)
 
-        for (_, v, first, count) in stage_chunks:
-            flat: Dict[str, object] = {}
-            if p == 0 and v == 0:
-                for role in ("word", "pos"):
-                    if global_role_tensor(tensors, role) is not None:
-                        put(flat, d.globals[role], role, None, megatron_training.global_slots(tensors, train, role))
-            for local in range(count):
-                g = first + local
-                prefix = d.layer_prefix.format(i=local)
-                moe_layer = cfg_out.is_moe_layer(g)
-                for role in layer_roles:
-                    if layer_role_tensor(tensors, cfg_out, g, role) is None:
-                        continue
-                    if role not in d.layer:
-                        raise CkptError(f"the {d.name} dialect has no place for {role} tensors",
-                                        "choose --dialect mcore")
-                    key = d.moe_layer.get(role, d.layer[role]) if moe_layer else d.layer[role]
-                    put(flat, prefix + key, role, g, megatron_training.layer_slots(tensors, train, cfg_out, g, role))
-                if moe_layer:
-                    experts = layout.local_experts(cfg_out.moe.num_experts, e)
-                    roles = moe_layer_roles(cfg_out, experts)
-                    if grouped:
-                        roles = _fc_major(roles)
-                    for role in roles:
-                        if layer_role_tensor(tensors, cfg_out, g, role) is not None:
-                            put(flat, prefix + _moe_key(d, expert_keys, role, experts.start), role, g,
-                                megatron_training.layer_slots(tensors, train, cfg_out, g, role))
-                    for extra in (d.grouped_extra_state if grouped else
-                                  [x.format(j=j) for j in range(len(experts)) for x in d.expert_extra_state]):
-                        flat[prefix + extra] = _extra_state_value(d)
-                    if cfg_out.moe.shared_ffn_hidden_size:
-                        for extra in d.shared_extra_state:
-                            flat[prefix + extra] = _extra_state_value(d)
-                for extra in d.extra_state:  # an MoE layer has no dense MLP, nor its extra state
-                    if not (moe_layer and extra.startswith("mlp.")):
-                        flat[prefix + extra] = _extra_state_value(d)
-            if p == last_pp and v == vpp - 1:
-                for role in ("final_norm.weight", "final_norm.bias"):
-                    if global_role_tensor(tensors, role) is not None:
-                        put(flat, d.globals[role], role, None, megatron_training.global_slots(tensors, train, role))
-                if not cfg.tied_embeddings:
-                    put(flat, d.globals["output"], "output", None, megatron_training.global_slots(tensors, train, "output"))
-                elif layout.pp > 1 and d.head_copy:  # a parameter of its own, kept in sync by Megatron; the tied
-                    # embedding's copy that is the last stage's output matrix, so it streams with the last stage
-                    put(flat, d.head_copy, "word", None, megatron_training.global_slots(tensors, train, "word"),
-                        HEAD_COPY_NAMES)
-                if (not cfg.tied_embeddings or layout.pp > 1):
-                    for extra in d.global_extra_state:
-                        flat[extra] = _extra_state_value(d)
-            model = unflatten(flat) if d.nested else flat
+class _RankFile:
+    """One rank file's content: its model chunks' entries (pieces declaring their placement, extra state)
+    and its parameters in Megatron's parameter order, which its optimizer state follows."""
+
+    def __init__(self, plan: _Target, t: int, p: int, e: int):
+        self.plan, self.t, self.p, self.e = plan, t, p, e
+        self.params: list = []  # (role, layer, slot -> full tensor, canonical names, key) in parameter order
+        self.param_chunks: list = []  # the model chunk of each
+
+    def top_entries(self) -> Tuple[dict, Optional[dict]]:
+        """(the file's top-level entries, its distrib_optim.pt content or None): args, version, iteration,
+        the model chunks, then the optimizer state of this rank's parameters."""
+        plan = self.plan
+        file_obj = {}
+        vpp = plan.layout.vpp or 1
+        for (_, v, first, count) in [c for c in plan.chunks if c[0] == self.p]:
+            flat = self.chunk_entries(v, first, count)
+            model = unflatten(flat) if plan.d.nested else flat
             file_obj["model" if vpp == 1 else f"model{v}"] = model
         top: dict = {}
-        if args is not None:
-            top["args"] = args
-        if version:  # version 0 checkpoints predate the key
-            top["checkpoint_version"] = version
-        top["iteration"] = iteration
+        if plan.args is not None:
+            top["args"] = plan.args
+        if plan.version:  # version 0 checkpoints predate the key
+            top["checkpoint_version"] = plan.version
+        top["iteration"] = plan.iteration
         top.update(file_obj)
         param_state = None
-        if distributed is not None:
-            entries, param_state = distributed.rank_entries(train, params, param_chunks, t, p, shard, cfg,
-                                                            layout.ep, e)
+        if plan.distributed is not None:
+            entries, param_state = plan.distributed.rank_entries(plan.train, self.params, self.param_chunks, self.t,
+                                                                 self.p, plan.shard, plan.cfg, plan.layout.ep, self.e)
             top.update(entries)
-        elif train is not None:
-            top.update(train.rank_entries(params, t, shard, cfg, layout.ep))
-        rank_name = _rank_name(t, p, e, layout.pp, layout.ep)
-        (it_dir / rank_name).mkdir(exist_ok=True)
-        writers.append(StreamingTorchWriter(it_dir / rank_name / "model_optim_rng.pt", top))
-        if param_state is not None:
-            distopt_writers.append(StreamingTorchWriter(it_dir / rank_name / megatron_distopt.FILE, param_state))
+        elif plan.train is not None:
+            top.update(plan.train.rank_entries(self.params, self.t, plan.shard, plan.cfg, plan.layout.ep))
+        return top, param_state
+
+    def put(self, flat, key, role, layer, full_of, v, names=None):
+        """Enter the rank's piece of a role under key, and record it as a parameter (for the optimizer)."""
+        names = names or canonical_names(role, layer, self.plan.cfg_out)
+        flat[key] = self.plan.shard(role, full_of("weight"), self.t, names)
+        self.params.append((role, layer, full_of, names, key))
+        self.param_chunks.append(v)
+
+    def chunk_entries(self, v: int, first: int, count: int) -> Dict[str, object]:
+        """Model chunk v's flat entries: the embeddings on the first stage's first chunk, its layers, the
+        final norm and head on the last stage's last chunk."""
+        plan, d, tensors, train = self.plan, self.plan.d, self.plan.tensors, self.plan.train
+        flat: Dict[str, object] = {}
+        if self.p == 0 and v == 0:
+            for role in ("word", "pos"):
+                if global_role_tensor(tensors, role) is not None:
+                    self.put(flat, d.globals[role], role, None, megatron_training.global_slots(tensors, train, role), v)
+        for local in range(count):
+            self.layer_entries(flat, v, first + local, d.layer_prefix.format(i=local))
+        if self.p == plan.layout.pp - 1 and v == (plan.layout.vpp or 1) - 1:
+            self.last_stage_entries(flat, v)
+        return flat
+
+    def layer_entries(self, flat: Dict[str, object], v: int, g: int, prefix: str) -> None:
+        """Global layer g's entries under prefix (its local name): its roles in parameter order, an MoE
+        layer's router / experts / shared expert, and the dialect's extra state."""
+        plan, d, tensors, train, cfg_out = self.plan, self.plan.d, self.plan.tensors, self.plan.train, self.plan.cfg_out
+        moe_layer = cfg_out.is_moe_layer(g)
+        for role in plan.layer_roles:
+            if layer_role_tensor(tensors, cfg_out, g, role) is None:
+                continue
+            if role not in d.layer:
+                raise CkptError(f"the {d.name} dialect has no place for {role} tensors",
+                                "choose --dialect mcore")
+            key = d.moe_layer.get(role, d.layer[role]) if moe_layer else d.layer[role]
+            self.put(flat, prefix + key, role, g, megatron_training.layer_slots(tensors, train, cfg_out, g, role), v)
+        if moe_layer:
+            self.moe_entries(flat, v, g, prefix)
+        for extra in d.extra_state:  # an MoE layer has no dense MLP, nor its extra state
+            if not (moe_layer and extra.startswith("mlp.")):
+                flat[prefix + extra] = _extra_state_value(d)
+
+    def moe_entries(self, flat: Dict[str, object], v: int, g: int, prefix: str) -> None:
+        """MoE layer g's router, this EP rank's experts under their local index (fc-major when grouped), the
+        shared expert, and their extra state."""
+        plan, d, tensors, train, cfg_out = self.plan, self.plan.d, self.plan.tensors, self.plan.train, self.plan.cfg_out
+        experts = plan.layout.local_experts(cfg_out.moe.num_experts, self.e)
+        roles = moe_layer_roles(cfg_out, experts)
+        if plan.grouped:
+            roles = _fc_major(roles)
+        for role in roles:
+            if layer_role_tensor(tensors, cfg_out, g, role) is not None:
+                self.put(flat, prefix + _moe_key(d, plan.expert_keys, role, experts.start), role, g,
+                         megatron_training.layer_slots(tensors, train, cfg_out, g, role), v)
+        for extra in (d.grouped_extra_state if plan.grouped else
+                      [x.format(j=j) for j in range(len(experts)) for x in d.expert_extra_state]):
+            flat[prefix + extra] = _extra_state_value(d)
+        if cfg_out.moe.shared_ffn_hidden_size:
+            for extra in d.shared_extra_state:
+                flat[prefix + extra] = _extra_state_value(d)
+
+    def last_stage_entries(self, flat: Dict[str, object], v: int) -> None:
+        """The final norm, the output head (or the tied embedding's last-stage copy) and their extra state."""
+        plan, d, tensors, train, cfg = self.plan, self.plan.d, self.plan.tensors, self.plan.train, self.plan.cfg
+        for role in ("final_norm.weight", "final_norm.bias"):
+            if global_role_tensor(tensors, role) is not None:
+                self.put(flat, d.globals[role], role, None, megatron_training.global_slots(tensors, train, role), v)
+        if not cfg.tied_embeddings:
+            self.put(flat, d.globals["output"], "output", None,
+                     megatron_training.global_slots(tensors, train, "output"), v)
+        elif plan.layout.pp > 1 and d.head_copy:  # a parameter of its own, kept in sync by Megatron; the tied
+            # embedding's copy that is the last stage's output matrix, so it streams with the last stage
+            self.put(flat, d.head_copy, "word", None, megatron_training.global_slots(tensors, train, "word"), v,
+                     HEAD_COPY_NAMES)
+        if (not cfg.tied_embeddings or plan.layout.pp > 1):
+            for extra in d.global_extra_state:
+                flat[extra] = _extra_state_value(d)
+
+
+def _write_and_summarise(plan: _Target, writers, distopt_writers, progress) -> WriteSummary:
+    """Stream every file's tensors, a layer (or an expert) at a time over all files (_unit_of), then the
+    distrib_optim.pt files a parameter at a time; return what was written."""
     tensors_written = sum(len(w.pending) for w in writers + distopt_writers)
-    total = write_grouped(writers, lambda lazy: _unit_of(lazy.placement, cfg.num_layers), progress)
+    total = write_grouped(writers, lambda lazy: _unit_of(lazy.placement, plan.cfg.num_layers), progress)
     total += megatron_distopt.write_files(distopt_writers, progress)  # streamed, a parameter at a time
     carried = None
-    if train is not None:
-        carried = train.describe()
-        if distributed is not None:
-            carried["distributed"] = distributed.describe()
+    if plan.train is not None:
+        carried = plan.train.describe()
+        if plan.distributed is not None:
+            carried["distributed"] = plan.distributed.describe()
     return WriteSummary("torch", len(writers) + len(distopt_writers), total, tensors=tensors_written,
-                        optimizer=carried, dialect=d.name, iteration_dir=it_name, padded_vocab_size=rows,
-                        checkpoint_version=version)
+                        optimizer=carried, dialect=plan.d.name, iteration_dir=plan.it_name, padded_vocab_size=plan.rows,
+                        checkpoint_version=plan.version)
 
 
 def rank_piece(full: LazyTensor, role: str, cfg: GPTConfig, layout: Layout, t: int, layer: Optional[int] = None,
