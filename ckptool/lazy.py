@@ -22,7 +22,7 @@ from .io import profile
 _local = threading.local()  # each thread its own stack of scopes (writers may load in parallel)
 
 
-def _scopes() -> list:
+def load_scopes() -> list:
     stack = getattr(_local, "scopes", None)
     if stack is None:
         stack = _local.scopes = []
@@ -32,11 +32,11 @@ def _scopes() -> list:
 @contextlib.contextmanager
 def load_scope():
     """Memoise loads of memo=True nodes until the block ends (writers wrap one layer in this)."""
-    _scopes().append({})
+    load_scopes().append({})
     try:
         yield
     finally:
-        _scopes().pop()
+        load_scopes().pop()
 
 
 class LazyTensor:
@@ -57,7 +57,7 @@ class LazyTensor:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * _itemsize(self.dtype)
+        return self.numel * itemsize(self.dtype)
 
     def narrow(self, dim: int, start: int, length: int) -> "LazyTensor":
         return derive(lambda t: t.narrow(dim, start, length), [self])
@@ -127,6 +127,11 @@ class Piece(LazyTensor):
         self.dtype = data.dtype
         self.placement = placement
 
+    @property
+    def parents(self) -> Tuple[LazyTensor]:
+        """What it reads (walked like a Derived's parents, e.g. by the read-ahead of io/prefetch.py)."""
+        return (self.data,)
+
     def load(self) -> torch.Tensor:
         return self.data.load()
 
@@ -140,7 +145,7 @@ class Piece(LazyTensor):
         return self if dtype == self.dtype else Piece(self.data.to(dtype), self.placement)
 
 
-def _itemsize(dtype: torch.dtype) -> int:
+def itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
@@ -175,7 +180,7 @@ class Derived(LazyTensor):
         self.dtype = dtype
 
     def load(self) -> torch.Tensor:
-        scopes = _scopes() if self.memo else None
+        scopes = load_scopes() if self.memo else None
         if scopes:
             cache = scopes[-1]
             hit = cache.get(id(self))

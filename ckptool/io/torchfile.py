@@ -24,8 +24,8 @@ from typing import Any, Optional
 import torch
 
 from ..errors import CkptError
-from ..lazy import Const, Derived, LazyTensor, _itemsize
-from ..lazy import _scopes as lazy_scopes
+from ..lazy import Const, Derived, LazyTensor, itemsize
+from ..lazy import load_scopes as lazy_scopes
 from . import chunked, prefetch, profile, torchzip, writeback
 from .buffers import empty
 from .outdir import remember_digest
@@ -98,7 +98,7 @@ class StoredTensor(LazyTensor):
         rec = self.storage.archive.records.get(f"data/{self.storage.key}")
         if rec is None or self.numel == 0:
             return []
-        item = _itemsize(self.dtype)
+        item = itemsize(self.dtype)
         extent = 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride))
         return [(str(self.storage.archive.path), rec[0] + self.offset * item, extent * item)]
 
