@@ -87,7 +87,7 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     dialect = detect_dialect(all_keys)
     if dialect.qkv_version0_only:
         version = 0.0
-    matcher = KeyMatcher(dialect)
+    matcher = KeyMatcher(dialect, mla=any(".linear_kv_down_proj." in k for k in all_keys))
     unknown = sorted(k for k in all_keys if matcher.match(k) is None and not is_ignorable(k)
                      and not (isinstance(_any_value(models, k), type(None))))
     for key in unknown:  # modules ckptool knows it does not convert, by name
@@ -496,6 +496,9 @@ def _check_dialect_fits(d: Dialect, cfg: GPTConfig, layout: Layout) -> None:
                         "choose --dialect legacy-norm or mcore")
     if cfg.qk_layernorm and not d.name.startswith("mcore"):
         raise CkptError("qk_layernorm exists only in megatron-core models", "choose --dialect mcore")
+    if cfg.mla is not None and d.name != "mcore":
+        raise CkptError(f"Multi-Latent Attention: the {d.name} dialect is not written for MLA models "
+                        "(mcore-te keeps the down projections whole and fuses the latent norms)", "choose --dialect mcore")
     if d.name.startswith("mcore"):
         megatron_args.refuse_what_megatron_core_ignores(cfg, "choose --dialect legacy or legacy-norm")
     if cfg.moe is None:
@@ -666,9 +669,12 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
                     if cfg_out.moe.shared_ffn_hidden_size:
                         for extra in d.shared_extra_state:
                             flat[prefix + extra] = _extra_state_value(d)
+                mla = cfg_out.mla is not None
                 for extra in d.extra_state:  # an MoE layer has no dense MLP, nor its extra state
-                    if not (moe_layer and extra.startswith("mlp.")):
+                    if not (moe_layer and extra.startswith("mlp.")) and not (mla and ".linear_qkv." in extra):
                         flat[prefix + extra] = _extra_state_value(d)
+                for extra in d.mla_extra_state if mla else ():  # MLA's linears in place of linear_qkv
+                    flat[prefix + extra] = _extra_state_value(d)
             if p == last_pp and v == vpp - 1:
                 for role in ("final_norm.weight", "final_norm.bias"):
                     if global_role_tensor(tensors, role) is not None:
