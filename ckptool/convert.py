@@ -75,6 +75,8 @@ def refuse_moe(ckpt: Checkpoint, target: Format) -> None:
         why = (f"Megatron {fmt} output of MLA models" if fmt != "torch"
                else "a direct q projection (no q_lora_rank)" if not mla.q_lora_rank
                else "YaRN RoPE scaling in Megatron output" if ckpt.config.rope_yarn is not None
+               else ("RoPE on halves (rope_interleave false): megatron-core's MLA rotates interleaved pairs, and "
+                     "Megatron output") if not ckpt.config.rotary_interleaved
                else (f"latent norm epsilon {mla.latent_norm_eps} != norm epsilon {ckpt.config.norm_eps} "
                      "(megatron-core uses one)") if mla.latent_norm_eps != ckpt.config.norm_eps else None)
         if why:

@@ -119,7 +119,9 @@ def config_from_args(args, stored_rows: int, extra: Optional[dict] = None) -> GP
         position_embedding=pos,
         rotary_base=float(_get(args, "rotary_base", default=10000)),
         rotary_percent=float(_get(args, "rotary_percent", default=1.0)),
-        rotary_interleaved=bool(_get(args, "rotary_interleaved", default=False)),
+        # megatron-core's MLA always rotates the rope part's interleaved pairs (rope_utils de-interleaves them first)
+        # and refuses --rotary-interleaved, which is about the GQA rotary embedding
+        rotary_interleaved=bool(_get(args, "rotary_interleaved", default=False)) or mla is not None,
         rope_scaling_factor=float(rope_scaling) if rope_scaling else None,
         normalization=norm,
         norm_eps=float(_get(args, "norm_epsilon", "layernorm_epsilon", default=1e-5)),
@@ -150,10 +152,10 @@ def mla_from_args(args) -> Optional[MLA]:
 
 def mla_args(mla: Optional[MLA]) -> Dict[str, Any]:
     """The MLA flags of a run that computes mla (the inverse of mla_from_args); megatron-core builds the latent
-    norms only under --qk-layernorm."""
+    norms only under --qk-layernorm, and rotates MLA's rope in interleaved pairs without --rotary-interleaved."""
     if mla is None:
         return {}
-    return dict(multi_latent_attention=True, qk_layernorm=True, q_lora_rank=mla.q_lora_rank,
+    return dict(multi_latent_attention=True, qk_layernorm=True, rotary_interleaved=False, q_lora_rank=mla.q_lora_rank,
                 kv_lora_rank=mla.kv_lora_rank, qk_head_dim=mla.qk_nope_head_dim,
                 qk_pos_emb_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim)
 
