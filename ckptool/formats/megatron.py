@@ -385,7 +385,7 @@ def _check_experts(cfg: GPTConfig, shards, per_ep: int, ep: int, it_dir: Path) -
     """The files hold exactly the experts the args describe, each MoE layer all of them, nothing else."""
     moe = cfg.moe
     held = {(layer, int(role.split(".")[1])) for role, layer in shards if role.startswith("experts.")}
-    if moe is None:
+    if moe is None or not moe.layers:  # (--num-experts with a --moe-layer-freq that leaves every layer dense)
         require(not held, f"{it_dir}: the files hold MoE experts but the args describe a dense model",
                 "the args are missing --num-experts; the checkpoint cannot be read as it is")
         return
