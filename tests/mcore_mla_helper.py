@@ -1,7 +1,7 @@
 """torchrun (gloo, CPU) helper: megatron-core 0.16's own GPTModel with Multi-Latent Attention (local spec,
 MLASelfAttention, --qk-layernorm for the latent norms) built from the args in a Megatron torch checkpoint
 ckptool wrote, loaded strictly (every parameter found, nothing left over), and its logits for TOKENS,
-gathered over TP, saved to --out. World size = TP (PP 1, dense MLP layers).
+gathered over TP, saved to --out with its parameter names in order. World size = TP (PP 1, dense MLP layers).
 
 megatron-core's MLA asks its core attention for k_channels != v_channels, which only Transformer Engine's
 DotProductAttention takes (TE does not install on this CPU machine): HeadDimsAttention below stands in for that
@@ -78,8 +78,8 @@ def main():
                      share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
     model.load_state_dict(sd["model"], strict=True)
     out = logits(model.eval())
-    if rank == 0:
-        torch.save(out, a.out)
+    if rank == 0:  # the logits, and the parameter order (what megatron-core's optimizer groups follow)
+        torch.save({"logits": out, "params": [n for n, _ in model.named_parameters()]}, a.out)
     dist.destroy_process_group()
 
 

@@ -61,7 +61,12 @@ def test_megatron_core_loads_our_mla_strictly_and_computes_transformers_logits(d
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     from mcore_dist_helper import TOKENS
-    got = torch.load(out)[..., :100]  # [b, s, padded vocab]
+    saved = torch.load(out)
+    got = saved["logits"][..., :100]  # [b, s, padded vocab]
+    ours = torch.load(tmp_path / "meg" / "iter_0000000" / "mp_rank_00" /
+                      "model_optim_rng.pt", weights_only=False)["model"]
+    layer0 = [k for k in ours if k.startswith("decoder.layers.0.") and not k.endswith("_extra_state")]
+    assert layer0 == [n for n in saved["params"] if n.startswith("decoder.layers.0.")]  # megatron-core's order
     want = hf_logits(model, TOKENS)
     assert got.shape == want.shape
     err = ((got - want).abs().max() / want.abs().max()).item()
