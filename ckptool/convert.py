@@ -70,9 +70,18 @@ def refuse_moe(ckpt: Checkpoint, target: Format) -> None:
     """Writers that know dense MLPs only (Format.writes_moe False) must never see an MoE model, or its
     experts would be left out of a complete-looking output."""
     moe, fmt = ckpt.config.moe, target.output
-    if ckpt.config.mla is not None:
-        raise CkptError(f"Multi-Latent Attention: Megatron {fmt} output of MLA models is not supported yet",
-                        "use to-hf for DeepSeek-style models")
+    mla = ckpt.config.mla
+    if mla is not None:  # megatron-core torch (local spec) holds MLA; the rest is refused by name
+        why = (f"Megatron {fmt} output of MLA models" if fmt != "torch"
+               else "a direct q projection (no q_lora_rank)" if not mla.q_lora_rank
+               else "YaRN RoPE scaling in Megatron output" if ckpt.config.rope_yarn is not None
+               else ("RoPE on halves (rope_interleave false): megatron-core's MLA rotates interleaved pairs, and "
+                     "Megatron output") if not ckpt.config.rotary_interleaved
+               else (f"latent norm epsilon {mla.latent_norm_eps} != norm epsilon {ckpt.config.norm_eps} "
+                     "(megatron-core uses one)") if mla.latent_norm_eps != ckpt.config.norm_eps else None)
+        if why:
+            raise CkptError(f"Multi-Latent Attention: {why} is not supported yet",
+                            "use to-hf for DeepSeek-style models, or --format torch (q_lora_rank, no YaRN)")
     if moe is not None and not target.writes_moe:
         raise CkptError(f"MoE layers ({moe.num_experts} experts, top-{moe.top_k}, in {len(moe.layers)} of "
                         f"{ckpt.config.num_layers} layers): Megatron {fmt} output of MoE models is not supported yet",

@@ -116,7 +116,8 @@ def test_each_canonical_tensor_sits_in_exactly_one_role(cfg):
 
 def test_every_role_key_round_trips_through_every_megatron_dialect():
     """A key a writer makes from a dialect's table is read back as the same role (layer-relative keys under
-    the dialect's layer prefix, experts with their local index), and no two roles share a key."""
+    the dialect's layer prefix, experts with their local index), and no two roles of one kind of model share a key
+    (megatron-core's q_layernorm is GQA's q norm or MLA's q latent norm: the matcher is told which model it reads)."""
     for d in megatron_names.DIALECTS.values():
         m = megatron_names.KeyMatcher(d)
         for role, key in d.globals.items():
@@ -124,7 +125,8 @@ def test_every_role_key_round_trips_through_every_megatron_dialect():
         layer = d.layer_prefix.format(i=5)
         for table in (d.layer, d.moe_layer):
             for role, key in table.items():
-                assert m.match(layer + key) == (role, 5), (d.name, key)
+                mm = megatron_names.KeyMatcher(d, mla=role.startswith("mla."))
+                assert mm.match(layer + key) == (role, 5), (d.name, key)
         for table in d.experts:
             for base, key in table.items():
                 assert m.match(layer + key.format(j=2)) == (f"experts.2.{base}", 5), (d.name, key)
@@ -132,7 +134,8 @@ def test_every_role_key_round_trips_through_every_megatron_dialect():
             assert m.match(layer + key) == (f"experts.*.{base}", 5)
         by_key = {}
         for role, key in list(d.layer.items()) + list(d.moe_layer.items()):
-            assert by_key.setdefault(key, role) == role, f"{d.name}: {key} names {role} and {by_key[key]}"
+            kind = (key, role.startswith("mla."))
+            assert by_key.setdefault(kind, role) == role, f"{d.name}: {key} names {role} and {by_key[kind]}"
 
 
 def test_every_role_key_round_trips_through_torch_dist_and_megatron_deepspeed_names():

@@ -151,7 +151,7 @@ def _name_keys(models, src: _RankFiles) -> Tuple[Dialect, KeyMatcher, set, float
     dialect = detect_dialect(all_keys)
     if dialect.qkv_version0_only:
         version = 0.0
-    matcher = KeyMatcher(dialect)
+    matcher = KeyMatcher(dialect, mla=any(".linear_kv_down_proj." in k for k in all_keys))
     unknown = sorted(k for k in all_keys if matcher.match(k) is None and not is_ignorable(k)
                      and not (isinstance(_any_value(models, k), type(None))))
     for key in unknown:  # modules ckptool knows it does not convert, by name
@@ -475,7 +475,7 @@ def _check_experts(cfg: GPTConfig, shards, per_ep: int, ep: int, it_dir: Path) -
     """The files hold exactly the experts the args describe, each MoE layer all of them, nothing else."""
     moe = cfg.moe
     held = {(layer, int(role.split(".")[1])) for role, layer in shards if role.startswith("experts.")}
-    if moe is None:
+    if moe is None or not moe.layers:  # (--num-experts with a --moe-layer-freq that leaves every layer dense)
         require(not held, f"{it_dir}: the files hold MoE experts but the args describe a dense model",
                 "the args are missing --num-experts; the checkpoint cannot be read as it is")
         return
@@ -586,6 +586,9 @@ def _check_dialect_fits(d: Dialect, cfg: GPTConfig, layout: Layout) -> None:
                         "choose --dialect legacy-norm or mcore")
     if cfg.qk_layernorm and not d.name.startswith("mcore"):
         raise CkptError("qk_layernorm exists only in megatron-core models", "choose --dialect mcore")
+    if cfg.mla is not None and d.name != "mcore":
+        raise CkptError(f"Multi-Latent Attention: the {d.name} dialect is not written for MLA models "
+                        "(mcore-te keeps the down projections whole and fuses the latent norms)", "choose --dialect mcore")
     if d.name.startswith("mcore"):
         megatron_args.refuse_what_megatron_core_ignores(cfg, "choose --dialect legacy or legacy-norm")
     if cfg.moe is None:
@@ -844,9 +847,12 @@ class _RankFile:
             self.put(flat, prefix + key, role, g, megatron_training.layer_slots(tensors, train, cfg_out, g, role), v)
         if moe_layer:
             self.moe_entries(flat, v, g, prefix)
+        mla = cfg_out.mla is not None
         for extra in d.extra_state:  # an MoE layer has no dense MLP, nor its extra state
-            if not (moe_layer and extra.startswith("mlp.")):
+            if not (moe_layer and extra.startswith("mlp.")) and not (mla and ".linear_qkv." in extra):
                 flat[prefix + extra] = _extra_state_value(d)
+        for extra in d.mla_extra_state if mla else ():  # MLA's linears in place of linear_qkv
+            flat[prefix + extra] = _extra_state_value(d)
 
     def moe_entries(self, flat: Dict[str, object], v: int, g: int, prefix: str) -> None:
         """MoE layer g's router, this EP rank's experts under their local index (fc-major when grouped), the

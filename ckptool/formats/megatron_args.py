@@ -11,7 +11,7 @@ import copy
 import math
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
-from ..config import MoE, GPTConfig, Layout, moe_layers_megatron
+from ..config import MLA, MoE, GPTConfig, Layout, moe_layers_megatron
 from ..errors import CkptError
 
 if TYPE_CHECKING:  # config_from_args runs without torch (quick inspect); args_for_target imports it
@@ -106,6 +106,7 @@ def config_from_args(args, stored_rows: int, extra: Optional[dict] = None) -> GP
     vocab, vsource = true_vocab_from_args(args, stored_rows, extra)
     if vocab is not None and vocab > stored_rows:
         vocab, vsource = None, "unknown"
+    mla = mla_from_args(args)
     rope_scaling = _get(args, "rope_scaling_factor") if _get(args, "use_rope_scaling", default=False) else None
     return GPTConfig(
         num_layers=int(num_layers), hidden_size=int(hidden), num_attention_heads=int(heads),
@@ -118,7 +119,9 @@ def config_from_args(args, stored_rows: int, extra: Optional[dict] = None) -> GP
         position_embedding=pos,
         rotary_base=float(_get(args, "rotary_base", default=10000)),
         rotary_percent=float(_get(args, "rotary_percent", default=1.0)),
-        rotary_interleaved=bool(_get(args, "rotary_interleaved", default=False)),
+        # megatron-core's MLA always rotates the rope part's interleaved pairs (rope_utils de-interleaves them first)
+        # and refuses --rotary-interleaved, which is about the GQA rotary embedding
+        rotary_interleaved=bool(_get(args, "rotary_interleaved", default=False)) or mla is not None,
         rope_scaling_factor=float(rope_scaling) if rope_scaling else None,
         normalization=norm,
         norm_eps=float(_get(args, "norm_epsilon", "layernorm_epsilon", default=1e-5)),
@@ -127,10 +130,34 @@ def config_from_args(args, stored_rows: int, extra: Optional[dict] = None) -> GP
         add_qkv_bias=bool(_get(args, "add_qkv_bias", default=False) or _get(args, "add_bias_linear", default=True)),
         tied_embeddings=not _get(args, "untie_embeddings_and_output_weights", default=False),
         apply_layernorm_1p=bool(_get(args, "apply_layernorm_1p", default=False)),
-        qk_layernorm=bool(_get(args, "qk_layernorm", default=False)),
+        # under MLA megatron-core's --qk-layernorm builds the latent norms (the spec's mla roles), not q/k norms
+        qk_layernorm=bool(_get(args, "qk_layernorm", default=False)) and mla is None,
+        mla=mla,
         post_layernorm_residual=bool(_get(args, "apply_residual_connection_post_layernorm", default=False)),
         moe=moe_from_args(args, int(num_layers), int(_get(args, "ffn_hidden_size", default=4 * hidden))),
     )
+
+
+def mla_from_args(args) -> Optional[MLA]:
+    """Multi-Latent Attention from megatron-core's flags (--multi-latent-attention); the latent norms use the
+    model's norm epsilon there."""
+    if not _get(args, "multi_latent_attention", default=False):
+        return None
+    q_lora = _get(args, "q_lora_rank")
+    return MLA(q_lora_rank=int(q_lora) if q_lora else None, kv_lora_rank=int(_get(args, "kv_lora_rank")),
+               qk_nope_head_dim=int(_get(args, "qk_head_dim")), qk_rope_head_dim=int(_get(args, "qk_pos_emb_head_dim")),
+               v_head_dim=int(_get(args, "v_head_dim")),
+               latent_norm_eps=float(_get(args, "norm_epsilon", "layernorm_epsilon", default=1e-5)))
+
+
+def mla_args(mla: Optional[MLA]) -> Dict[str, Any]:
+    """The MLA flags of a run that computes mla (the inverse of mla_from_args); megatron-core builds the latent
+    norms only under --qk-layernorm, and rotates MLA's rope in interleaved pairs without --rotary-interleaved."""
+    if mla is None:
+        return {}
+    return dict(multi_latent_attention=True, qk_layernorm=True, rotary_interleaved=False, q_lora_rank=mla.q_lora_rank,
+                kv_lora_rank=mla.kv_lora_rank, qk_head_dim=mla.qk_nope_head_dim,
+                qk_pos_emb_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim)
 
 
 def moe_from_args(args, num_layers: int, ffn: int) -> Optional[MoE]:
@@ -265,6 +292,7 @@ def args_for_target(source_args, cfg: GPTConfig, layout: Layout, padded_rows: in
         fp16=dtype == torch.float16, bf16=dtype == torch.bfloat16,
     )
     updates.update(moe_args(cfg.moe, cfg.num_layers, layout, grouped_gemm))
+    updates.update(mla_args(cfg.mla))
     # a dense run's args may still carry the expert sizes (Megatron-LM defaults them): keep them consistent
     if cfg.moe is None and getattr(args, "expert_tensor_parallel_size", None) is not None:
         updates["expert_tensor_parallel_size"] = layout.tp

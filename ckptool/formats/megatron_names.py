@@ -59,6 +59,8 @@ class Dialect:
     grouped_extra_state: Tuple[str, ...] = ()
     # read only: expert forms holding all local experts of a layer in one tensor per fc (legacy GroupedMLP)
     stacked_experts: Dict[str, str] = dataclasses.field(default_factory=dict)
+    # Multi-Latent Attention layers: the extra-state keys of its linears, in place of linear_qkv's
+    mla_extra_state: Tuple[str, ...] = ()
 
 
 def _rename(table: Dict[str, str], *pairs) -> Dict[str, str]:
@@ -127,8 +129,12 @@ _LEGACY_PARAM_ORDER = ("attn_norm.weight", "attn_norm.bias", "qkv.weight", "qkv.
                        "fc2.weight", "fc2.bias")
 _QK_NORMS = ("q_norm.weight", "q_norm.bias", "k_norm.weight", "k_norm.bias")
 _MLP = ("mlp_norm.weight", "mlp_norm.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
+# MLASelfAttention (megatron-core 0.16 multi_latent_attention.py) registers linear_proj, then its q / kv linears
+# and the latent norms last; an MLA model has no qkv roles, a GQA model none of these.
+_MLA_LINEARS = ("mla.q_down.weight", "mla.q_up.weight", "mla.kv_down.weight", "mla.kv_up.weight")
+_MLA_PARAMS = _MLA_LINEARS + ("mla.q_down_norm.weight", "mla.kv_down_norm.weight")
 _MCORE_PARAM_ORDER = (("attn_norm.weight", "attn_norm.bias", "proj.weight", "proj.bias", "qkv.weight", "qkv.bias")
-                      + _QK_NORMS + _MLP)
+                      + _MLA_PARAMS + _QK_NORMS + _MLP)
 _MCORE_TE_PARAM_ORDER = (("proj.weight", "proj.bias", "attn_norm.weight", "attn_norm.bias", "qkv.weight", "qkv.bias")
                          + _QK_NORMS + _MLP)
 
@@ -147,7 +153,7 @@ DIALECTS: Dict[str, Dialect] = {d.name: d for d in [
             global_extra_state=("output_layer._extra_state",), legacy_models=False,
             param_order=_MCORE_PARAM_ORDER, moe_layer=_MCORE_MOE_LAYER, experts=(_SEQUENTIAL_EXPERTS,),
             expert_extra_state=_SEQUENTIAL_EXPERT_EXTRA, shared_extra_state=_SHARED_EXTRA,
-            stacked_experts=_LEGACY_GROUPED_EXPERTS),
+            stacked_experts=_LEGACY_GROUPED_EXPERTS, mla_extra_state=_extra_state(MCORE, *_MLA_LINEARS)),
     Dialect("mcore-te", layer_prefix="decoder.layers.{i}.", **_era("mcore-te"), head_copy="output_layer.weight",
             extra_state=_MCORE_EXTRA + ("self_attention.core_attention._extra_state",),
             extra_state_value="empty_bytes", global_extra_state=("output_layer._extra_state",),
@@ -165,14 +171,19 @@ DIALECTS: Dict[str, Dialect] = {d.name: d for d in [
 class KeyMatcher:
     """Recognises a dialect's keys: key -> (role, local layer or None)."""
 
-    def __init__(self, dialect: Dialect):
+    def __init__(self, dialect: Dialect, mla: bool = False):
+        """mla: the checkpoint is of a Multi-Latent Attention model, whose latent q norm has the key that
+        q_norm has in a grouped-query model (self_attention.q_layernorm.weight): one key, the role by model."""
         self.dialect = dialect
         self.globals = {key: role for role, key in dialect.globals.items()}
         if dialect.head_copy:
             self.globals.setdefault(dialect.head_copy, "head_copy")
         prefix = re.escape(dialect.layer_prefix).replace(r"\{i\}", r"(\d+)")
         self.layer_re = re.compile("^" + prefix + "(.+)$")
-        self.layer = {suffix: role for role, suffix in dialect.layer.items()}
+        self.layer = {}
+        for role, suffix in dialect.layer.items():
+            if suffix not in self.layer or role.startswith("mla.") == mla:
+                self.layer[suffix] = role
         self.layer.update({suffix: role for role, suffix in dialect.moe_layer.items()})
         # expert keys: (regex of the layer-relative key, its group the local expert) -> base role
         self.experts = [(re.compile("^" + re.escape(key).replace(r"\{j\}", r"(\d+)") + "$"), base)

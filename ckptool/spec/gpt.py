@@ -19,9 +19,9 @@ TENSORS = (
     Tensor(L + "attn_norm.weight", role="attn_norm.weight"),
     Tensor(L + "attn_norm.bias", NORM_BIAS, role="attn_norm.bias"),
     # attention: grouped-query (gqa) or Multi-Latent (mla); attn.q is both GQA's q and MLA's without q_lora
-    Tensor(L + "attn.q_down.weight", ("mla_q_lora",)),
-    Tensor(L + "attn.q_down_norm.weight", ("mla_q_lora",)),
-    Tensor(L + "attn.q_up.weight", ("mla_q_lora",)),
+    Tensor(L + "attn.q_down.weight", ("mla_q_lora",), role="mla.q_down.weight"),
+    Tensor(L + "attn.q_down_norm.weight", ("mla_q_lora",), role="mla.q_down_norm.weight"),
+    Tensor(L + "attn.q_up.weight", ("mla_q_lora",), role="mla.q_up.weight"),
     Tensor(L + "attn.q.weight", ("q_proj",), role="qkv.weight", part="q"),
     Tensor(L + "attn.k.weight", ("gqa",), role="qkv.weight", part="k"),
     Tensor(L + "attn.v.weight", ("gqa",), role="qkv.weight", part="v"),
@@ -32,9 +32,9 @@ TENSORS = (
     Tensor(L + "attn.q_norm.bias", QK_NORM + NORM_BIAS, role="q_norm.bias"),
     Tensor(L + "attn.k_norm.weight", QK_NORM, role="k_norm.weight"),
     Tensor(L + "attn.k_norm.bias", QK_NORM + NORM_BIAS, role="k_norm.bias"),
-    Tensor(L + "attn.kv_down.weight", ("mla",)),
-    Tensor(L + "attn.kv_down_norm.weight", ("mla",)),
-    Tensor(L + "attn.kv_up.weight", ("mla",)),
+    Tensor(L + "attn.kv_down.weight", ("mla",), role="mla.kv_down.weight"),
+    Tensor(L + "attn.kv_down_norm.weight", ("mla",), role="mla.kv_down_norm.weight"),
+    Tensor(L + "attn.kv_up.weight", ("mla",), role="mla.kv_up.weight"),
     Tensor(L + "attn.out.weight", role="proj.weight"),
     Tensor(L + "attn.out.bias", ("gqa", "linear_bias"), role="proj.bias"),
     Tensor(L + "mlp_norm.weight", role="mlp_norm.weight"),
@@ -91,6 +91,19 @@ ROLES = (
     Role("q_norm.bias", "replicated", {MCORE: "self_attention.q_layernorm.bias"}),
     Role("k_norm.weight", "replicated", {MCORE: "self_attention.k_layernorm.weight"}),
     Role("k_norm.bias", "replicated", {MCORE: "self_attention.k_layernorm.bias"}),
+    # Multi-Latent Attention (megatron-core MLASelfAttention). Rows as Hugging Face's DeepSeek has them: kv_down
+    # [kv_lora_rank | rope], q_up per head [nope | rope], kv_up per head [k nope | v]. The local spec builds every
+    # MLA linear column-parallel, the down projections too (their outputs gathered in the forward), so their rows
+    # are TP-split; the TE spec keeps the down projections whole (TELinear 'duplicated') and fuses the latent
+    # norms into the up projections: that spec is refused by megatron.py (one rule per role here).
+    Role("mla.q_down.weight", "column", {MCORE: "self_attention.linear_q_down_proj.weight"}),
+    Role("mla.q_down_norm.weight", "replicated", {MCORE: "self_attention.q_layernorm.weight",
+                                                  TE: "self_attention.linear_q_up_proj.layer_norm_weight"}),
+    Role("mla.q_up.weight", "column", {MCORE: "self_attention.linear_q_up_proj.weight"}),
+    Role("mla.kv_down.weight", "column", {MCORE: "self_attention.linear_kv_down_proj.weight"}),
+    Role("mla.kv_down_norm.weight", "replicated", {MCORE: "self_attention.kv_layernorm.weight",
+                                                   TE: "self_attention.linear_kv_up_proj.layer_norm_weight"}),
+    Role("mla.kv_up.weight", "column", {MCORE: "self_attention.linear_kv_up_proj.weight"}),
     Role("proj.weight", "row", {LEGACY: "self_attention.dense.weight", MCORE: "self_attention.linear_proj.weight"}),
     Role("proj.bias", "replicated", {LEGACY: "self_attention.dense.bias", MCORE: "self_attention.linear_proj.bias"}),
     Role("mlp_norm.weight", "replicated", {LEGACY: "post_attention_layernorm.weight",

@@ -69,7 +69,7 @@ AXES: Dict[str, Callable[[object], int]] = {
 class Tensor:
     """One canonical tensor: `name` with its index axes ({layer}, {expert}), `when` the PREDICATES a
     config must satisfy for the model to have it, `role` the Megatron role (ROLES) holding it (None: no
-    Megatron form ckptool writes, e.g. MLA) and `part` its part of a fused role (q|k|v, gate|up)."""
+    Megatron form ckptool writes) and `part` its part of a fused role (q|k|v, gate|up)."""
     name: str
     when: Tuple[str, ...] = ()
     role: Optional[str] = None

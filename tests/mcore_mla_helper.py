@@ -1,0 +1,87 @@
+"""torchrun (gloo, CPU) helper: megatron-core 0.16's own GPTModel with Multi-Latent Attention (local spec,
+MLASelfAttention, --qk-layernorm for the latent norms) built from the args in a Megatron torch checkpoint
+ckptool wrote, loaded strictly (every parameter found, nothing left over), and its logits for TOKENS,
+gathered over TP, saved to --out with its parameter names in order. World size = TP (PP 1, dense MLP layers).
+
+megatron-core's MLA asks its core attention for k_channels != v_channels, which only Transformer Engine's
+DotProductAttention takes (TE does not install on this CPU machine): HeadDimsAttention below stands in for that
+one kernel (causal softmax(q k^T * softmax_scale) v); every projection, norm, rope split and rotation, and the
+TP layout are megatron-core's own.
+
+Usage: torchrun --nproc-per-node TP tests/mcore_mla_helper.py DIR --out FILE
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mcore_dist_helper import logits  # noqa: E402  (CPU shims: explicit causal mask, TP gather)
+
+# megatron-core 0.16's MLA tests isinstance(linear, TELinear); without Transformer Engine the name is None or a
+# placeholder object, which isinstance refuses. A class nothing is an instance of says what it means: no TE linear.
+from megatron.core.transformer import multi_latent_attention as _mla  # noqa: E402
+for _name in ("TELinear", "TEColumnParallelLinear"):
+    if not isinstance(getattr(_mla, _name, None), type):
+        setattr(_mla, _name, type(f"No{_name}", (), {}))
+
+
+class HeadDimsAttention(torch.nn.Module):
+    """softmax(q k^T * scale, causal) v per head, for q/k head size k_channels and v head size v_channels."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, softmax_scale=None, k_channels=None,
+                 v_channels=None, **unused):
+        super().__init__()
+        self.scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, **unused):
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [s, b, h, d] -> [b, h, s, d]
+        scores = (q @ k.transpose(-1, -2)) * self.scale
+        scores = scores.masked_fill(attention_mask, float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ v  # [b, h, s, dv]
+        return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("dir")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    dist.init_process_group("gloo")
+    tp = dist.get_world_size()
+    rank = dist.get_rank()
+    sd = torch.load(Path(a.dir) / "iter_0000000" / f"mp_rank_{rank:02d}" / "model_optim_rng.pt", weights_only=False)
+    args = sd["args"]
+    assert args.tensor_model_parallel_size == tp and args.multi_latent_attention
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    cfg = MLATransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size, tensor_model_parallel_size=tp, use_cpu_initialization=True,
+        q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
+        qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim, qk_layernorm=args.qk_layernorm,
+        rope_type="rope", rotary_base=args.rotary_base, rotary_interleaved=args.rotary_interleaved,
+        normalization=args.normalization, layernorm_epsilon=args.norm_epsilon, gated_linear_unit=args.swiglu,
+        activation_func=torch.nn.functional.silu, add_bias_linear=args.add_bias_linear, bias_activation_fusion=False,
+        hidden_dropout=0.0, attention_dropout=0.0, pipeline_dtype=torch.float32, apply_rope_fusion=False)
+    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization=args.normalization)
+    for layer in spec.layer_specs:
+        layer.submodules.self_attention.submodules.core_attention = HeadDimsAttention
+    model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+                     max_sequence_length=args.max_position_embeddings, position_embedding_type="rope",
+                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
+    model.load_state_dict(sd["model"], strict=True)
+    out = logits(model.eval())
+    if rank == 0:  # the logits, and the parameter order (what megatron-core's optimizer groups follow)
+        torch.save({"logits": out, "params": [n for n, _ in model.named_parameters()]}, a.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
