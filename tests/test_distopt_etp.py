@@ -21,6 +21,8 @@ from ckptool.errors import CkptError
 from ckptool.formats.megatron import read_megatron
 from ckptool.formats.megatron_distopt import chain_sources
 
+from test_optimizer_etp import mixtral_with_moments
+
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and \
     importlib.util.find_spec("megatron.core") is not None
 pytestmark = pytest.mark.skipif(not HAVE_MCORE, reason="megatron-core is not installed (test-only extra)")
@@ -151,24 +153,10 @@ def test_expert_parts_in_other_files_are_written_and_read_back(tmp_path):
     """TP4 ETP1 EP2 (beyond the helper's model; a tiny Mixtral with 4 KV heads and distinct random moments):
     ranks 2 and 3 are expert-DP rank 1, so files (2, 0) and (3, 1) hold [dense, None] and their experts'
     state is in (0, 0) and (1, 1), where ckptool writes it and reads it back bit for bit."""
-    import transformers
     from ckptool.config import Layout
     from ckptool.formats.megatron import write_megatron
-    from ckptool.formats.registry import open_checkpoint
     from ckptool.lazy import Const
-    from ckptool.state import OptimizerState, ParamGroup
-    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        vocab_size=128, hidden_size=32, num_attention_heads=4, num_key_value_heads=4, intermediate_size=48,
-        num_hidden_layers=1, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-        tie_word_embeddings=False))
-    model.save_pretrained(tmp_path / "hf")
-    ck = open_checkpoint(tmp_path / "hf")
-    gen = torch.Generator().manual_seed(0)
-    slots = {s: {n: Const(torch.randn(t.shape, generator=gen)) for n, t in ck.tensors.items()} for s in ("exp_avg", "exp_avg_sq")}
-    hyper = dict(lr=1e-3, lr_mult=1.0, is_expert_parallel=False)
-    groups = [ParamGroup([n for n, t in ck.tensors.items() if len(t.shape) > 1], dict(hyper, wd_mult=1.0, weight_decay=0.01)),
-              ParamGroup([n for n, t in ck.tensors.items() if len(t.shape) == 1], dict(hyper, wd_mult=0.0, weight_decay=0.0))]
-    ck.optimizer = OptimizerState("megatron-fp32", slots, step=3, param_groups=groups)
+    ck, slots = mixtral_with_moments(tmp_path)
     write_megatron(ck, tmp_path / "out", Layout(tp=4, ep=2, etp=1), distributed_optimizer=True, dp=1, warn=lambda m: None)
     it = tmp_path / "out" / "iter_0000000"
     held = {p.name: [x is not None for x in torch.load(p / "distrib_optim.pt", weights_only=False)] for p in it.iterdir()}

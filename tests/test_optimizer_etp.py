@@ -165,24 +165,9 @@ def test_expert_tp_2_of_tp_4_is_written_on_its_grid_and_reads_back(tmp_path, dia
     """TP4 ETP2 EP2 (a tiny Mixtral with 4 KV heads, distinct random moments): the writer cuts each expert's
     slots at expert-TP rank t % 2 into the grid's files only, the reader gathers them back bit for bit;
     SequentialMLP experts and TEGroupedMLP (--moe-grouped-gemm: fc-major parameter order) alike."""
-    import transformers
     from ckptool.config import Layout
     from ckptool.formats.megatron import write_megatron
-    from ckptool.formats.registry import open_checkpoint
-    from ckptool.lazy import Const
-    from ckptool.state import OptimizerState, ParamGroup
-    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        vocab_size=128, hidden_size=32, num_attention_heads=4, num_key_value_heads=4, intermediate_size=48,
-        num_hidden_layers=1, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-        tie_word_embeddings=False))
-    model.save_pretrained(tmp_path / "hf")
-    ck = open_checkpoint(tmp_path / "hf")
-    gen = torch.Generator().manual_seed(0)
-    slots = {s: {n: Const(torch.randn(t.shape, generator=gen)) for n, t in ck.tensors.items()} for s in ("exp_avg", "exp_avg_sq")}
-    hyper = dict(lr=1e-3, lr_mult=1.0, is_expert_parallel=False)
-    groups = [ParamGroup([n for n, t in ck.tensors.items() if len(t.shape) > 1], dict(hyper, wd_mult=1.0, weight_decay=0.01)),
-              ParamGroup([n for n, t in ck.tensors.items() if len(t.shape) == 1], dict(hyper, wd_mult=0.0, weight_decay=0.0))]
-    ck.optimizer = OptimizerState("megatron-fp32", slots, step=3, param_groups=groups)
+    ck, slots = mixtral_with_moments(tmp_path)
     write_megatron(ck, tmp_path / "out", Layout(tp=4, ep=2, etp=2), dialect=dialect, moe_grouped_gemm=grouped,
                    warn=lambda m: None)
     it = tmp_path / "out" / "iter_0000000"
@@ -198,3 +183,25 @@ def test_expert_tp_2_of_tp_4_is_written_on_its_grid_and_reads_back(tmp_path, dia
         for n, t in slots[slot].items():
             if n not in ("embed.word", "output.weight"):  # padded for TP4 on write
                 assert torch.equal(back.optimizer.slots[slot][n].load(), t.load()), (slot, n)
+
+
+def mixtral_with_moments(tmp_path):
+    """A tiny Mixtral (4 KV heads, 4 experts) built by transformers, with distinct random Adam moments and
+    Megatron's two weight-decay groups: (checkpoint, slots) for writing expert layouts beyond the helper's model."""
+    import transformers
+    from ckptool.formats.registry import open_checkpoint
+    from ckptool.lazy import Const
+    from ckptool.state import OptimizerState, ParamGroup
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=128, hidden_size=32, num_attention_heads=4, num_key_value_heads=4, intermediate_size=48,
+        num_hidden_layers=1, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        tie_word_embeddings=False))
+    model.save_pretrained(tmp_path / "hf")
+    ck = open_checkpoint(tmp_path / "hf")
+    gen = torch.Generator().manual_seed(0)
+    slots = {s: {n: Const(torch.randn(t.shape, generator=gen)) for n, t in ck.tensors.items()} for s in ("exp_avg", "exp_avg_sq")}
+    hyper = dict(lr=1e-3, lr_mult=1.0, is_expert_parallel=False)
+    groups = [ParamGroup([n for n, t in ck.tensors.items() if len(t.shape) > 1], dict(hyper, wd_mult=1.0, weight_decay=0.01)),
+              ParamGroup([n for n, t in ck.tensors.items() if len(t.shape) == 1], dict(hyper, wd_mult=0.0, weight_decay=0.0))]
+    ck.optimizer = OptimizerState("megatron-fp32", slots, step=3, param_groups=groups)
+    return ck, slots
