@@ -374,6 +374,21 @@ def _expect_pass(r, layout: str, max_err: float = 1e-4):
 
 
 @pytest.mark.parametrize("kind,tp,pp", LAYOUTS[1] + LAYOUTS[2] + LAYOUTS[4])
+
+def load_recording_chunk_reads(shards):
+    """({name: tensor} of every tensor of a rank's shards, [(fqn, chunk offsets)] of each torch_dist chunk
+    the loads read): which slices of the stored global tensors a rank really reads."""
+    from ckptool.io import dcp_io
+    reads = []
+    real = dcp_io.DcpDir.read_chunk
+    try:
+        dcp_io.DcpDir.read_chunk = lambda self, fqn, chunk: reads.append((fqn, tuple(chunk.offsets))) or real(
+            self, fqn, chunk)
+        loaded = {k: v.load() for k, v in shards.tensors.items()}
+    finally:
+        dcp_io.DcpDir.read_chunk = real
+    return loaded, reads
+
 def test_parallel_forward_matches_transformers(request, kind, tp, pp):
     results = request.getfixturevalue(f"batch{tp * pp}")
     text, rc = results[f"{kind}_{tp}_{pp}"]
@@ -439,19 +454,11 @@ def test_torch_dist_rank_reads_only_its_slices(models):
     # QKV and fc1 slices must be exactly its rows of the merged tensors.
     from ckptool.formats import dist as dist_format
     from ckptool.formats.megatron_ranks import read_rank_shards, slice_rank_shards
-    from ckptool.io import dcp_io
     ckpt = dist_format.read(torch_dist(models, "llama", 2, 1))
     shards = slice_rank_shards(ckpt, Layout(tp=2, pp=2), 1, 1)
     assert shards.chunks == [(2, 2)]
     assert not [k for k in shards.tensors if k.startswith(("layers.0.", "layers.1.", "embed."))]
-    reads = []
-    real = dcp_io.DcpDir.read_chunk
-    try:
-        dcp_io.DcpDir.read_chunk = lambda self, fqn, chunk: reads.append((fqn, tuple(chunk.offsets))) or real(
-            self, fqn, chunk)
-        loaded = {k: v.load() for k, v in shards.tensors.items()}
-    finally:
-        dcp_io.DcpDir.read_chunk = real
+    loaded, reads = load_recording_chunk_reads(shards)
     assert reads and all(off[0] in (2, 3) for fqn, off in reads if "decoder.layers." in fqn), reads
     assert not [fqn for fqn, _ in reads if "embedding" in fqn]
     # the same slices as the torch-format checkpoint written at TP2 PP2 holds in that rank's file

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from conftest import free_port
-from test_verify import _fake_torchrun, metric, verify_batch
+from test_verify import _fake_torchrun, load_recording_chunk_reads, metric, verify_batch
 
 from ckptool import api
 from ckptool.config import Layout
@@ -159,6 +159,17 @@ def runs2(moe):
 @pytest.mark.parametrize("case, layout, save", [
     ("tp2ep2_mcore", "TP2 PP1 EP2", "tp2ep2"), ("pp2ep2_mcore", "TP1 PP2 EP2", "pp2ep2"),
     ("qwen_mcore", "TP2 PP1 EP2", "qwen_tp2ep2"), ("ep4_mcore", "TP1 PP1 EP4", "tp2ep2")])
+
+def _failed_divergence(out: str, rc: int) -> str:
+    """The first_divergence line of a verify run that must have failed."""
+    assert rc == 1 and "result=FAIL" in out, out
+    return next(l for l in out.splitlines() if l.startswith("first_divergence="))
+
+
+def _named_pieces(line: str) -> str:
+    """What the MoE probe names in a first_divergence line: the pieces that differ and their files."""
+    return line.split("MoE pieces that differ", 1)[1]
+
 def test_expert_parallel_forward_reproduces_megatron_cores_logits(runs, moe, case, layout, save):
     out, rc = runs[case]
     assert rc == 0 and "result=PASS" in out, out
@@ -187,7 +198,7 @@ def test_a_corrupted_expert_is_caught_and_its_file_named(runs, moe):
     assert r.returncode == 1 and "result=FAIL" in r.stdout, r.stdout + r.stderr[-3000:]
     line = next(l for l in r.stdout.splitlines() if l.startswith("first_divergence="))
     assert line.startswith("first_divergence=layer 1 "), line  # transformers has no hidden state of the last layer
-    named = line.split("MoE pieces that differ", 1)[1]
+    named = _named_pieces(line)
     assert "expert 3 in mp_rank_01_001, local expert 1" in named and named.count(" in mp_rank_") == 1, line
     assert r.stderr.strip().splitlines()[-1] == "result=FAIL (see the report above)", r.stderr[-3000:]
     assert r.stderr.count("exitcode  : 1 ") == 4, r.stderr[-3000:]  # every rank: ckptool's "mismatch"
@@ -197,16 +208,14 @@ def test_a_corrupted_expert_is_caught_and_its_file_named(runs, moe):
 
 def test_a_changed_shared_expert_copy_is_named_with_its_file(runs):
     out, rc = runs["qwen_shared"]
-    assert rc == 1 and "result=FAIL" in out, out
-    line = next(l for l in out.splitlines() if l.startswith("first_divergence="))
-    named = line.split("MoE pieces that differ", 1)[1]
+    line = _failed_divergence(out, rc)
+    named = _named_pieces(line)
     assert "shared expert in mp_rank_01_000" in named and named.count(" in mp_rank_") == 1, line
 
 
 def test_a_divergence_outside_the_moe_pieces_says_so(runs):
     out, rc = runs["attn"]
-    assert rc == 1 and "result=FAIL" in out, out
-    line = next(l for l in out.splitlines() if l.startswith("first_divergence="))
+    line = _failed_divergence(out, rc)
     assert "layer 1: its router and experts compute what the reference's do" in line, line  # (no shared expert)
     assert "attention or norms" in line, line
 
@@ -285,11 +294,10 @@ def test_expert_tp_and_virtual_pipeline_forwards_match_transformers(runs, runs2,
 
 def test_a_swapped_expert_in_an_expert_tp_file_is_caught_and_named(runs2):
     out, rc = runs2["etp1_swapped"]
-    assert rc == 1 and "result=FAIL" in out, out
-    line = next(l for l in out.splitlines() if l.startswith("first_divergence="))
+    line = _failed_divergence(out, rc)
     assert line.startswith("first_divergence=layer 1 "), line
     assert "mp_rank_00_000, mp_rank_01_001" in line, line  # the stage's two files, in rank order
-    named = line.split("MoE pieces that differ", 1)[1]
+    named = _named_pieces(line)
     assert "expert 2 in mp_rank_01_001, local expert 0" in named, line
     assert "expert 3 in mp_rank_01_001, local expert 1" in named and named.count(" in mp_rank_") == 2, line
 
@@ -297,9 +305,8 @@ def test_a_swapped_expert_in_an_expert_tp_file_is_caught_and_named(runs2):
 def test_a_changed_expert_replica_is_caught_and_named(runs2):
     """TP2 ETP1 EP1: the two files are expert-data-parallel replicas; the one whose copy differs is named."""
     out, rc = runs2["etp1ep1_replica"]
-    assert rc == 1 and "result=FAIL" in out, out
-    line = next(l for l in out.splitlines() if l.startswith("first_divergence="))
-    named = line.split("MoE pieces that differ", 1)[1]
+    line = _failed_divergence(out, rc)
+    named = _named_pieces(line)
     assert "expert 1 in mp_rank_01, local expert 1" in named and named.count(" in mp_rank_") == 1, line
 
 
@@ -331,16 +338,8 @@ def test_a_torch_dist_rank_reads_only_its_slices_of_the_stacked_experts(moe):
     (the same model, saved both ways from one seed)."""
     from ckptool.formats import dist as dist_format
     from ckptool.formats.megatron_ranks import read_rank_shards, slice_rank_shards
-    from ckptool.io import dcp_io
     shards = slice_rank_shards(dist_format.read(moe / "dist"), Layout(tp=2, pp=1, ep=2), 1, 0, 1)
-    reads = []
-    real = dcp_io.DcpDir.read_chunk
-    try:
-        dcp_io.DcpDir.read_chunk = lambda self, fqn, chunk: reads.append((fqn, tuple(chunk.offsets))) or real(
-            self, fqn, chunk)
-        loaded = {k: v.load() for k, v in shards.tensors.items()}
-    finally:
-        dcp_io.DcpDir.read_chunk = real
+    loaded, reads = load_recording_chunk_reads(shards)
     experts = {(fqn.rsplit(".", 2)[1], off) for fqn, off in reads if ".experts." in fqn}
     assert experts == {(fc, (layer, e) + rest) for layer in (0, 1) for e in (2, 3)
                        for fc, rest in (("linear_fc1", (12, 0)), ("linear_fc1", (36, 0)), ("linear_fc2", (0, 12)))}
