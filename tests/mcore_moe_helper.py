@@ -285,18 +285,11 @@ def live_distributed(model, opt, ep) -> dict:
     """{(TP rank, global name): {"param", "exp_avg", "exp_avg_sq"}}: every DistributedOptimizer's fp32
     master and moments of each parameter, put together from each DP rank's shard at the ranges
     megatron-core's own range maps give (independent of ckptool's buffer layout)."""
+    from mcore_train_helper import shard_pieces  # (imported by training already: its CPU shims)
     names = {p: stacked_name(global_name(n, ep)) for n, p in model.named_parameters()}
     mine = {}
     for sub in opt.chained_optimizers:
-        for gbuf_range_maps in sub.gbuf_ranges:
-            for maps in gbuf_range_maps.values():
-                for bucket_map in maps:
-                    for param, ranges in bucket_map["param_map"].items():
-                        tensors = sub._get_main_param_and_optimizer_states(param)
-                        r = ranges["param"]
-                        mine[names[param]] = (param.numel(), tuple(param.shape), r.start, r.end,
-                                              {k: tensors[k].detach().float().clone()
-                                               for k in ("param", "exp_avg", "exp_avg_sq")})
+        mine.update(shard_pieces(sub, names))
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, (parallel_state.get_tensor_model_parallel_rank(), mine))
     out: dict = {}

@@ -278,6 +278,23 @@ def load(root: Path, model, opt, sched, weights_only: bool, distributed=False) -
     return state["iteration"]
 
 
+def shard_pieces(opt, names: dict) -> dict:
+    """{names[param]: (numel, shape, start, end, {"param", "exp_avg", "exp_avg_sq"})}: this DP rank's shard
+    of each parameter's fp32 master and moments in a DistributedOptimizer, at the ranges megatron-core's
+    own range maps give."""
+    out = {}
+    for gbuf_range_maps in opt.gbuf_ranges:
+        for maps in gbuf_range_maps.values():
+            for bucket_map in maps:
+                for param, ranges in bucket_map["param_map"].items():
+                    tensors = opt._get_main_param_and_optimizer_states(param)
+                    r = ranges["param"]
+                    out[names[param]] = (param.numel(), tuple(param.shape), r.start, r.end,
+                                         {k: tensors[k].detach().float().clone() for k in
+                                          ("param", "exp_avg", "exp_avg_sq")})
+    return out
+
+
 def live_state(model, opt) -> dict:
     """{(TP rank, PP rank): {parameter name: {"param", "exp_avg", "exp_avg_sq"}}}: the live distributed
     optimizer's fp32 master and moments of every parameter (decoder layers named by their global index),
@@ -291,15 +308,7 @@ def live_state(model, opt) -> dict:
         if parts[:2] == ["decoder", "layers"]:
             parts[2] = str(model.decoder.layers[int(parts[2])].layer_number - 1)
         names[p] = ".".join(parts)
-    for gbuf_range_maps in opt.gbuf_ranges:
-        for maps in gbuf_range_maps.values():
-            for bucket_map in maps:
-                for param, ranges in bucket_map["param_map"].items():
-                    tensors = opt._get_main_param_and_optimizer_states(param)
-                    r = ranges["param"]
-                    mine[names[param]] = (param.numel(), tuple(param.shape), r.start, r.end,
-                                          {k: tensors[k].detach().float().clone() for k in
-                                           ("param", "exp_avg", "exp_avg_sq")})
+    mine.update(shard_pieces(opt, names))
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, ((parallel_state.get_tensor_model_parallel_rank(),
                                     parallel_state.get_pipeline_model_parallel_rank()), mine))
