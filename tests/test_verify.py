@@ -373,8 +373,6 @@ def _expect_pass(r, layout: str, max_err: float = 1e-4):
     assert "result=PASS" in text
 
 
-@pytest.mark.parametrize("kind,tp,pp", LAYOUTS[1] + LAYOUTS[2] + LAYOUTS[4])
-
 def load_recording_chunk_reads(shards):
     """({name: tensor} of every tensor of a rank's shards, [(fqn, chunk offsets)] of each torch_dist chunk
     the loads read): which slices of the stored global tensors a rank really reads."""
@@ -389,6 +387,8 @@ def load_recording_chunk_reads(shards):
         dcp_io.DcpDir.read_chunk = real
     return loaded, reads
 
+
+@pytest.mark.parametrize("kind,tp,pp", LAYOUTS[1] + LAYOUTS[2] + LAYOUTS[4])
 def test_parallel_forward_matches_transformers(request, kind, tp, pp):
     results = request.getfixturevalue(f"batch{tp * pp}")
     text, rc = results[f"{kind}_{tp}_{pp}"]

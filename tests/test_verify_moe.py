@@ -156,10 +156,6 @@ def runs2(moe):
     return verify_batch(2, cases, moe / "runs2")
 
 
-@pytest.mark.parametrize("case, layout, save", [
-    ("tp2ep2_mcore", "TP2 PP1 EP2", "tp2ep2"), ("pp2ep2_mcore", "TP1 PP2 EP2", "pp2ep2"),
-    ("qwen_mcore", "TP2 PP1 EP2", "qwen_tp2ep2"), ("ep4_mcore", "TP1 PP1 EP4", "tp2ep2")])
-
 def _failed_divergence(out: str, rc: int) -> str:
     """The first_divergence line of a verify run that must have failed."""
     assert rc == 1 and "result=FAIL" in out, out
@@ -170,6 +166,10 @@ def _named_pieces(line: str) -> str:
     """What the MoE probe names in a first_divergence line: the pieces that differ and their files."""
     return line.split("MoE pieces that differ", 1)[1]
 
+
+@pytest.mark.parametrize("case, layout, save", [
+    ("tp2ep2_mcore", "TP2 PP1 EP2", "tp2ep2"), ("pp2ep2_mcore", "TP1 PP2 EP2", "pp2ep2"),
+    ("qwen_mcore", "TP2 PP1 EP2", "qwen_tp2ep2"), ("ep4_mcore", "TP1 PP1 EP4", "tp2ep2")])
 def test_expert_parallel_forward_reproduces_megatron_cores_logits(runs, moe, case, layout, save):
     out, rc = runs[case]
     assert rc == 0 and "result=PASS" in out, out
