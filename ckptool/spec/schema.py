@@ -8,7 +8,13 @@ A spec is two tables (spec/gpt.py is the one family ckptool converts):
            must satisfy for the model to have it (PREDICATES), and the Megatron role that holds it with
            its part of that role when the role is fused (q|k|v of QKV, gate|up of a gated fc1).
   ROLES    every Megatron role ONCE, in the order writers write a layer's roles, as a Role: its
-           tensor-parallel rule, how its parts are fused, and its key in each name column (COLUMNS).
+           tensor-parallel rule, how its parts are fused, its key in each name column (COLUMNS) and its
+           traits (TRAITS: what the frameworks treat specially about it, e.g. --decoupled-lr).
+
+and, beside them, what the frameworks' modules fix rather than the names: the order a layer's roles are
+registered in per name column (REGISTRATION) and an MoE layer's (MOE_REGISTRATION), and the prefix of a
+layer's keys per name column (LAYER_PREFIX). spec/__init__.py FAMILIES chooses a family's spec by the
+config (config.family).
 
 Formats name Megatron's fused roles, never the canonical parts, so format names live on the Role and a
 Tensor reaches them through its role. The format modules' tables (megatron_names dialects, dist.py,
@@ -35,6 +41,19 @@ LEGACY_GROUPED = "legacy-grouped"  # experts: legacy GroupedMLP, all local exper
 COLUMNS = (LEGACY, FLAT, MCORE, TE, TE_MOE, DIST, MDS, SEQUENTIAL, TE_GROUPED, LEGACY_GROUPED)
 # A column a Role does not list takes the name of its fallback column (the names that do not differ):
 FALLBACK = {TE: MCORE, DIST: TE, MDS: LEGACY}
+
+# --- traits of a Role: what frameworks single out about it, read by the optimizer and pipeline code ---------
+TRAITS = {
+    # megatron-core marks these parameters is_embedding_or_output_parameter; --decoupled-lr applies to them
+    "embedding_or_output": "the word embedding, the output layer, or the last stage's copy of a tied embedding",
+    # with tied embeddings and PP > 1 these hold one tensor, kept equal by an all-reduce of their gradients
+    "tied_embedding": "the word embedding or a copy of it that a tied output layer uses",
+    "first_stage": "a global the first pipeline stage holds (the others: the last stage)",
+    "linear": "a linear module's weight: the module carries an `_extra_state` beside it in megatron-core",
+}
+# The role of the last pipeline stage's copy of a tied word embedding (PP > 1). It holds no canonical tensor
+# (the embedding again), so it is a Role without Tensors: the views of canonical tensors never list it.
+HEAD_COPY = "head_copy"
 
 # --- config predicates: when a model has a tensor ---------------------------------------------
 # (cfg, layer) -> bool; layer is None for global tensors. A Tensor lists the ones that must all hold.
@@ -98,11 +117,13 @@ class Role:
     and a scoped role shards by its base role's rule. rule: the tensor-parallel rule (a sharding.Rule
     value; None for scoped roles). fused: how the parts sit in the tensor: "qkv" (grouped per query
     group) or "halves" ([gate; up] rows when the model is gated, the GATED rule then). names: column
-    (COLUMNS) -> key; a column missing here and in FALLBACK means the format has no such tensor."""
+    (COLUMNS) -> key; a column missing here and in FALLBACK means the format has no such tensor. traits:
+    names from TRAITS."""
     name: str
     rule: Optional[str] = None
     names: Mapping[str, str] = field(default_factory=dict)
     fused: Optional[str] = None
+    traits: Tuple[str, ...] = ()
 
     @property
     def base(self) -> str:
@@ -118,23 +139,44 @@ class Role:
 
     def key(self, column: str) -> Optional[str]:
         """This role's key in a name column, following FALLBACK; None when the column has none."""
-        while column is not None:
-            if column in self.names:
-                return self.names[column]
-            column = FALLBACK.get(column)
-        return None
+        return _key_by_column(self.names, column)
+
+
+def _key_by_column(table: Mapping[str, object], column: Optional[str]):
+    """table[column], following FALLBACK; None when neither the column nor its fallbacks are listed."""
+    while column is not None:
+        if column in table:
+            return table[column]
+        column = FALLBACK.get(column)
+    return None
 
 
 class Spec:
-    """A family's TENSORS and ROLES with the lookups the format views need."""
+    """A family's TENSORS and ROLES with the lookups the format views need.
 
-    def __init__(self, tensors: Tuple[Tensor, ...], roles: Tuple[Role, ...]):
+    registration: name column -> a layer's roles in the order the framework registers their parameters
+    (named_parameters() and state-dict order, the order its optimizer lists them in); moe_registration: the
+    same for an MoE layer's own roles (router, experts, shared expert), its expert roles where the experts
+    sit; layer_prefix: name column -> the prefix of a layer's keys, {i} the layer's index in the file. Both
+    per-column tables follow FALLBACK."""
+
+    def __init__(self, tensors: Tuple[Tensor, ...], roles: Tuple[Role, ...],
+                 registration: Optional[Mapping[str, Tuple[str, ...]]] = None,
+                 moe_registration: Tuple[str, ...] = (), layer_prefix: Optional[Mapping[str, str]] = None):
         self.tensors = tensors
         self.roles = {r.name: r for r in roles}
+        self.registration = dict(registration or {})
+        self.moe_registration = tuple(moe_registration)
+        self.layer_prefixes = dict(layer_prefix or {})
         names = [t.name for t in tensors]
         unknown = {t.role for t in tensors if t.role is not None} - set(self.roles)
         problems = [f"{t.name}: unknown predicate in {t.when}" for t in tensors if not set(t.when) <= set(PREDICATES)]
         problems += [f"{r.name}: unknown name column" for r in roles if not set(r.names) <= set(COLUMNS)]
+        problems += [f"{r.name}: unknown trait in {r.traits}" for r in roles if not set(r.traits) <= set(TRAITS)]
+        ordered = [r for order in self.registration.values() for r in order] + list(self.moe_registration)
+        problems += [f"registration order names role {r!r} the spec lacks" for r in ordered if r not in self.roles]
+        problems += [f"{c}: unknown name column" for c in list(self.registration) + list(self.layer_prefixes)
+                     if c not in COLUMNS]
         if unknown:
             problems.append(f"tensors name roles the spec lacks: {sorted(unknown)}")
         if len(self.roles) != len(roles):
@@ -169,6 +211,20 @@ class Spec:
             if kind == where:
                 out.append(r)
         return out
+
+    def with_trait(self, trait: str) -> Tuple[str, ...]:
+        """The roles with this trait (TRAITS), in ROLES order."""
+        if trait not in TRAITS:
+            raise KeyError(f"unknown role trait {trait!r}")
+        return tuple(r.name for r in self.roles.values() if trait in r.traits)
+
+    def registration_order(self, column: str) -> Tuple[str, ...]:
+        """A layer's roles in the order the framework of this name column registers them (FALLBACK applies)."""
+        return tuple(_key_by_column(self.registration, column) or ())
+
+    def layer_prefix(self, column: str) -> Optional[str]:
+        """The prefix of a layer's keys in this name column, {i} the layer index (FALLBACK applies)."""
+        return _key_by_column(self.layer_prefixes, column)
 
     def keys(self, where: str, column: str) -> Dict[str, str]:
         """role -> key in one column, for the roles of `where` that the column names."""
