@@ -277,7 +277,8 @@ def layer_role_tensor(tensors: Dict[str, LazyTensor], cfg: GPTConfig, layer: int
     fused = _fused(t.spec, role)
     if fused not in _FUSE:
         raise CkptError(f"internal: unknown role {role}")
-    return _FUSE[fused](cfg, layer, role.split(".")[1], [tensors.get(n) for n in canonical_names(scoped, layer, cfg)])
+    kind = role.partition(".")[2] or "tensors"  # weight / bias, for the messages
+    return _FUSE[fused](cfg, layer, kind, [tensors.get(n) for n in canonical_names(scoped, layer, cfg)])
 
 
 def _fuse_qkv(cfg: GPTConfig, layer: int, kind: str, parts) -> Optional[LazyTensor]:

@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # annotations only: the dialect tables are read without torch
 class Dialect:
     name: str
     globals: Dict[str, str]
-    layer_prefix: str
+    layer_prefix: Optional[str]  # None only while building: the spec has no layer keys in this dialect's column
     layer: Dict[str, str]
     head_copy: Optional[str] = None  # where the last stage keeps the tied embedding when PP > 1
     extra_state: Tuple[str, ...] = ()  # per-layer `_extra_state` keys the framework expects
@@ -101,11 +101,11 @@ class _Columns:
         (= named_parameters() and state-dict order, the order the optimizer groups list them in: megatron_optim.py)."""
         glob, layer, renames = ERAS[name]
         head_copy = self.spec.roles.get(HEAD_COPY)
-        head_key = head_copy.key(glob) if head_copy is not None else None
+        optional = dict(layer_prefix=self.spec.layer_prefix(glob),
+                        head_copy=head_copy.key(glob) if head_copy is not None else None)
         return dict(globals=_rename(self.spec.keys("global", glob), *renames),
                     layer=_rename(self.spec.keys("layer", layer), *renames),
-                    layer_prefix=_rename({"": self.spec.layer_prefix(glob)}, *renames)[""],
-                    head_copy=head_key and _rename({"": head_key}, *renames)[""],
+                    **{k: v and _rename({k: v}, *renames)[k] for k, v in optional.items()},
                     param_order=self.spec.registration_order(layer))
 
     def experts(self, column: str) -> Dict[str, str]:
@@ -156,7 +156,7 @@ def _build_dialects(c: _Columns) -> Dict[str, Dialect]:
     legacy_grouped = c.experts(LEGACY_GROUPED)
     shared_extra = c.extra_state(MCORE, c.linears("moe", MCORE))
     output_extra = c.extra_state(MCORE, c.linears("global", MCORE))
-    return {d.name: d for d in [
+    return {d.name: d for d in [  # (a family whose spec has no layer prefix for a dialect's column lacks it)
         Dialect("flat2019", **c.era("flat2019"), has_args=False, qkv_version0_only=True),
         Dialect("legacy-2020", **c.era("legacy-2020"), nested=True),
         Dialect("legacy", **c.era("legacy"), nested=True),
@@ -176,7 +176,7 @@ def _build_dialects(c: _Columns) -> Dict[str, Dialect]:
                 experts=(sequential, te_grouped), expert_extra_state=sequential_extra,
                 shared_extra_state=shared_extra, grouped_experts=te_grouped,
                 grouped_extra_state=c.extra_state(TE_GROUPED, expert_linears), stacked_experts=legacy_grouped),
-    ]}
+    ] if d.layer_prefix is not None}
 
 
 DIALECTS: Dict[str, Dialect] = dialects(GPT)  # the GPT family's, for the readers that detect a dialect by its keys
