@@ -170,3 +170,19 @@ def test_a_spec_with_a_bad_order_or_prefix_fails_when_it_is_built(bad, says):
 def test_a_role_with_an_unknown_trait_fails_when_it_is_built():
     with pytest.raises(ValueError, match="unknown trait"):
         Spec((Tensor("a", role="r"),), (Role("r", "replicated", traits=("shiny",)),))
+
+
+def test_match_inverts_expand():
+    """Spec.match (the quick DeepSpeed reader's name -> role) finds the Tensor, layer and expert expand made
+    the name from, for dense, MoE and MLA models."""
+    from ckptool.config import MLA, MoE
+    cfgs = [_gpt(), GPTConfig(**{**dataclasses.asdict(_gpt()), "activation": "swiglu", "num_layers": 3,
+                                 "moe": MoE(num_experts=12, top_k=2, ffn_hidden_size=4, layers=(1, 2),
+                                            shared_ffn_hidden_size=4, shared_gate=True)}),
+            GPTConfig(**{**dataclasses.asdict(_gpt()), "mla": MLA(q_lora_rank=4, kv_lora_rank=4, qk_nope_head_dim=2,
+                                                                  qk_rope_head_dim=2, v_head_dim=2)})]
+    for cfg in cfgs:
+        for name, t, layer, expert in GPT.expand(cfg):
+            assert GPT.match(name) == (t, layer, expert), name
+    for name in ("layers.x.attn.q.weight", "layers.1.attn.q.weight.extra", "embed", "layers.1.mlp.experts.up.weight"):
+        assert GPT.match(name) is None, name

@@ -26,15 +26,15 @@ from ..io.torchfile import StoredTensor, StreamingTorchWriter, load_torch_file, 
 from ..lazy import Const, Derived, LazyTensor, Piece, Placement
 from ..options import ReadOptions
 from ..roles import (assemble, canonical_names, global_role_tensor, layer_role_tensor, moe_layer_roles, scope_of, shard_role,
-                     LAYER_ROLES)
+                     tables_for)
 from ..sharding import ReplicaPolicy
 from ..state import Checkpoint, SourceInfo, in_model_order
 from ..summary import WriteSummary
 from ..vocab import resize_vocab, target_rows, with_true_vocab_size
 from . import megatron_args, megatron_distopt, megatron_training
 from .megatron_optim import RankParam, role_shards
-from .megatron_names import (DIALECTS, REFUSED_KEYS, Dialect, KeyMatcher, is_ignorable, qkv_from_grouped,
-                             qkv_to_grouped, refused_module, stacked_expert_block)
+from .megatron_names import (DIALECTS, REFUSED_KEYS, Dialect, KeyMatcher, dialects_for, is_ignorable,
+                             qkv_from_grouped, qkv_to_grouped, refused_module, stacked_expert_block)
 from .megatron_files import (ITER_DIR, MODEL_FILES, RANK_DIR, TRACKER, detect_dialect, flatten,  # noqa: F401
                              is_optimizer_only, looks_like_megatron, model_file, list_rank_dirs, resolve_iteration_dir)
 
@@ -699,52 +699,84 @@ def _plan_target(ckpt: Checkpoint, layout: Layout, dialect, dtype, checkpoint_ve
                  pad_fill, iteration, warn, optimizer, distributed_optimizer, dp, overlap_grad_reduce,
                  ddp_bucket_size, distrib_optim_era, moe_grouped_gemm) -> _Target:
     """Check the model fits the dialect and layout, then settle what every rank file shares (see _Target):
-    done once, before any file exists, so a refused write leaves nothing behind."""
+    done once, before any file exists, so a refused write leaves nothing behind. The steps, in order:
+    the dialect; whether the model and layout fit it; the checkpoint_version and iteration written; the
+    vocabulary padded for the target TP; the training state carried; the args; the distributed optimizer's
+    buffers; the keys of a layer's roles and experts."""
     cfg = ckpt.config
-    name = dialect or default_dialect(ckpt)
-    if name not in DIALECTS:
-        raise CkptError(f"unknown dialect {name!r}", f"choose one of {', '.join(DIALECTS)}")
-    d = DIALECTS[name]
-    check_tensor_parallel(cfg, layout.tp)
-    _check_dialect_fits(d, cfg, layout)
+    d = _target_dialect(ckpt, dialect)
+    _check_target_fits(d, cfg, layout)
     grouped = _grouped_gemm(ckpt, d, moe_grouped_gemm)
-    expert_keys = d.grouped_experts if grouped else (d.experts[0] if d.experts else {})
-    chunks = layout.chunks(cfg.num_layers)
-    if layout.stage_layers and layout.pp > 2:
-        mids = set(layout.stage_layers[1:-1])
-        require(len(mids) == 1, f"Megatron can only make the first and last stage different "
-                f"(--decoder-first/last-pipeline-num-layers); {list(layout.stage_layers)} varies in the middle",
-                "give the middle stages equal layer counts")
     version = _target_version(ckpt, d, checkpoint_version)
-    qkv_version = 0.0 if version is None else version
-    if qkv_version < 2 and cfg.num_query_groups != cfg.num_attention_heads:
-        raise CkptError(f"checkpoint_version {version} predates grouped-query attention",
-                        "write checkpoint_version 3.0")
-    if release is None:
-        release = d.name == "flat2019" or ckpt.source.release
+    qkv_version = _qkv_version(cfg, version)
+    release = release if release is not None else (d.name == "flat2019" or ckpt.source.release)
     iteration = iteration if iteration is not None else (ckpt.source.iteration or 0)
-
-    rows = target_rows(cfg, layout.tp, divisible_by, warn)
-    tensors = resize_vocab(ckpt.tensors, cfg, rows, pad_fill)
-    cfg_out = cfg.replace(padded_vocab_size=rows,
-                          make_vocab_size_divisible_by=divisible_by or cfg.make_vocab_size_divisible_by)
-    out_dtype = dtype
-    if out_dtype is None:
-        out_dtype = next(iter(tensors.values())).dtype
+    cfg_out, tensors = _padded_vocabulary(ckpt, layout, divisible_by, pad_fill, warn)
+    rows = cfg_out.padded_vocab_size
+    out_dtype = dtype if dtype is not None else next(iter(tensors.values())).dtype
     train = megatron_training.TrainingTarget.for_target(ckpt, tensors, cfg, rows, out_dtype) if optimizer else None
     if train is not None and train.weights_from_masters:
         tensors = train.slots["master"]  # fp32 training: the fp32 masters are the weights
     args = None
     if d.has_args:
-        args = megatron_args.args_for_target(ckpt.source.args,
-                                             cfg_out, layout, rows, out_dtype, d.legacy_models,
+        args = megatron_args.args_for_target(ckpt.source.args, cfg_out, layout, rows, out_dtype, d.legacy_models,
                                              d.transformer_impl, version or 3.0, iteration, grouped_gemm=grouped)
     distributed = megatron_training.DistributedTarget.for_target(
         train, distributed_optimizer, dp, args, out_dtype, cfg, layout, overlap_grad_reduce, ddp_bucket_size,
         distrib_optim_era or megatron_distopt.CURRENT.since)
-    layer_roles = d.param_order + tuple(r for r in LAYER_ROLES if r not in d.param_order)
     return _Target(cfg, cfg_out, d, layout, dtype, version, qkv_version, release, iteration, rows, tensors, train,
-                   distributed, args, grouped, expert_keys, chunks, layer_roles)
+                   distributed, args, grouped, expert_keys=_expert_keys(d, grouped),
+                   chunks=layout.chunks(cfg.num_layers), layer_roles=_layer_roles(d, cfg))
+
+
+def _target_dialect(ckpt: Checkpoint, asked: Optional[str]) -> Dialect:
+    """The dialect asked for, else the source's when it is a torch-format one, else mcore; of the model's family."""
+    dialects = dialects_for(ckpt.config)
+    name = asked or default_dialect(ckpt)
+    if name not in dialects:
+        raise CkptError(f"unknown dialect {name!r}", f"choose one of {', '.join(dialects)}")
+    return dialects[name]
+
+
+def _check_target_fits(d: Dialect, cfg: GPTConfig, layout: Layout) -> None:
+    """Refuse a model the dialect cannot hold or a layout Megatron cannot load, before any file exists."""
+    check_tensor_parallel(cfg, layout.tp)
+    _check_dialect_fits(d, cfg, layout)
+    layout.chunks(cfg.num_layers)  # the layers split over the stages and virtual chunks (refused where not)
+    if layout.stage_layers and layout.pp > 2:
+        mids = set(layout.stage_layers[1:-1])
+        require(len(mids) == 1, f"Megatron can only make the first and last stage different "
+                f"(--decoder-first/last-pipeline-num-layers); {list(layout.stage_layers)} varies in the middle",
+                "give the middle stages equal layer counts")
+
+
+def _qkv_version(cfg: GPTConfig, version: Optional[float]) -> float:
+    """The per-rank QKV order written (checkpoint_version's; the 2019 flat dialect's is version 0's)."""
+    qkv_version = 0.0 if version is None else version
+    if qkv_version < 2 and cfg.num_query_groups != cfg.num_attention_heads:
+        raise CkptError(f"checkpoint_version {version} predates grouped-query attention",
+                        "write checkpoint_version 3.0")
+    return qkv_version
+
+
+def _padded_vocabulary(ckpt: Checkpoint, layout: Layout, divisible_by, pad_fill, warn
+                       ) -> Tuple[GPTConfig, Dict[str, LazyTensor]]:
+    """The output's config and weights with the vocabulary padded as Megatron pads it for the target TP."""
+    cfg = ckpt.config
+    rows = target_rows(cfg, layout.tp, divisible_by, warn)
+    cfg_out = cfg.replace(padded_vocab_size=rows,
+                          make_vocab_size_divisible_by=divisible_by or cfg.make_vocab_size_divisible_by)
+    return cfg_out, resize_vocab(ckpt.tensors, cfg, rows, pad_fill)
+
+
+def _expert_keys(d: Dialect, grouped: bool) -> Dict[str, str]:
+    """The experts' keys written: the dialect's grouped-GEMM module's, else its first expert form's."""
+    return d.grouped_experts if grouped else (d.experts[0] if d.experts else {})
+
+
+def _layer_roles(d: Dialect, cfg: GPTConfig) -> Tuple[str, ...]:
+    """A layer's roles in the dialect's parameter order, the roles it does not order after them."""
+    return d.param_order + tuple(r for r in tables_for(cfg).layer_roles if r not in d.param_order)
 
 
 def _target_version(ckpt: Checkpoint, d: Dialect, asked: Optional[float]) -> Optional[float]:

@@ -22,6 +22,7 @@ mds_pipeline.py, roles.py) are views built from these two tables.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
@@ -168,6 +169,7 @@ class Spec:
         self.registration = dict(registration or {})
         self.moe_registration = tuple(moe_registration)
         self.layer_prefixes = dict(layer_prefix or {})
+        self._patterns = None  # match()'s regexes, compiled on first use
         names = [t.name for t in tensors]
         unknown = {t.role for t in tensors if t.role is not None} - set(self.roles)
         problems = [f"{t.name}: unknown predicate in {t.when}" for t in tensors if not set(t.when) <= set(PREDICATES)]
@@ -261,3 +263,19 @@ class Spec:
 
     def names(self, cfg) -> List[str]:
         return [name for name, _, _, _ in self.expand(cfg)]
+
+    def match(self, name: str) -> Optional[Tuple[Tensor, Optional[int], Optional[int]]]:
+        """(Tensor, layer, expert) of a canonical name (the inverse of expand, whatever the config), or None."""
+        if self._patterns is None:
+            self._patterns = [(re.compile("^" + re.escape(t.name).replace(r"\{layer\}", r"(?P<layer>\d+)")
+                                          .replace(r"\{expert\}", r"(?P<expert>\d+)") + "$"), t) for t in self.tensors]
+        for pattern, t in self._patterns:
+            m = pattern.match(name)
+            if m:
+                axes = m.groupdict()
+                return t, _int(axes.get("layer")), _int(axes.get("expert"))
+        return None
+
+
+def _int(value: Optional[str]) -> Optional[int]:
+    return None if value is None else int(value)
