@@ -5,10 +5,12 @@ same fused pieces under different names: one QKV matrix in grouped order, fc1 ho
 for gated MLPs, and so on. A format module only maps its names onto these roles; this module owns
 the maths shared by all of them:
 
-  ROLE_RULES   role -> tensor-parallel rule (the one sharding table, read from spec/gpt.py)
+  RoleTables   a family spec's role tables (tables_for(cfg) picks the config's family): role -> tensor-
+               parallel rule (the one sharding table), global / per-layer roles, the MoE layer's order;
+               ROLE_RULES, LAYER_ROLES, ... below are the GPT family's, and the trait sets from the spec
   fuse_*/unfuse_*  grouped QKV <-> q, k, v and [gate; up] <-> gate, up
   assemble()   per-rank role shards -> canonical lazy tensors (readers)
-  disassemble()  canonical tensors -> per-rank role shards for a target TP (writers)
+  layer_role_tensor(), shard_role()  canonical tensors -> a role's fused tensor -> per-rank shards (writers)
 
 Canonical names (state.py documents them): embed.word, embed.pos, layers.{i}.attn_norm.*,
 layers.{i}.attn.{q,k,v}.*, layers.{i}.attn.{q_norm,k_norm}.*, layers.{i}.attn.out.*,

@@ -25,8 +25,8 @@ from ..errors import CkptError, require
 from ..io.torchfile import StoredTensor, StreamingTorchWriter, load_torch_file, write_grouped
 from ..lazy import Const, Derived, LazyTensor, Piece, Placement
 from ..options import ReadOptions
-from ..roles import (assemble, canonical_names, global_role_tensor, layer_role_tensor, moe_layer_roles, scope_of, shard_role,
-                     tables_for)
+from ..roles import (FIRST_STAGE_ROLES, assemble, canonical_names, global_role_tensor, layer_role_tensor,
+                     moe_layer_roles, scope_of, shard_role, tables_for)
 from ..sharding import ReplicaPolicy
 from ..state import Checkpoint, SourceInfo, in_model_order
 from ..summary import WriteSummary
@@ -855,7 +855,7 @@ class _RankFile:
         plan, d, tensors, train = self.plan, self.plan.d, self.plan.tensors, self.plan.train
         flat: Dict[str, object] = {}
         if self.p == 0 and v == 0:
-            for role in ("word", "pos"):
+            for role in FIRST_STAGE_ROLES:  # the embeddings (a spec trait)
                 if global_role_tensor(tensors, role) is not None:
                     self.put(flat, d.globals[role], role, None, megatron_training.global_slots(tensors, train, role), v)
         for local in range(count):
