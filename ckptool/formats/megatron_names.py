@@ -2,8 +2,9 @@
 
 Each dialect maps roles (roles.py) to state-dict keys, read from the model-family spec (spec/gpt.py: each
 role's key, the layer prefix and the parameter registration order per name column; ERAS below: which
-columns a dialect reads, renamed how). dialects(spec) builds them for any family's spec; DIALECTS is GPT's. Nested state dicts (legacy
-`model['language_model'][...]`) are flattened with '/' between dict levels, so a key is a path:
+columns a dialect reads, renamed how). dialects(spec) builds them for any family's spec; DIALECTS is
+GPT's. Nested state dicts (legacy `model['language_model'][...]`) are flattened with '/' between dict
+levels, so a key is a path:
 'language_model/encoder/layers.{i}.input_norm.weight'. {i} is the layer index local to the file
 (pipeline stage / virtual chunk).
 
