@@ -46,8 +46,7 @@ from ..errors import CkptError
 from ..io.dcp_io import DcpDir
 from ..io.torchfile import load_torch_bytes
 from ..lazy import Const, LazyTensor, derive
-from ..roles import (FIRST_STAGE_ROLES, GLOBAL_ROLES, HEAD_COPY, LAST_STAGE_ROLES, LAYER_ROLES, TIED_EMBEDDING_ROLES,
-                     global_role_tensor, layer_role_tensor, shard_role)
+from ..roles import GLOBAL_ROLES, LAYER_ROLES, global_role_tensor, layer_role_tensor, shard_role
 from .megatron_names import DIALECTS
 from .megatron_distopt import CURRENT, buffer_layout, bucket_sizes
 from .megatron_optim import HINT
@@ -56,9 +55,9 @@ PREFIX = "optimizer.distributed.dp_group_idx_{mp}."
 FLAT, GATHERED = "dp_reshardable", "dp_zero_gather_scatter"
 STORED = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 DIALECT_OF_IMPL = {"local": "mcore", "transformer_engine": "mcore-te"}
-HEAD = FIRST_STAGE_ROLES  # globals of the first stage, then of the last, in registration order (spec traits)
-TAIL = LAST_STAGE_ROLES
-# HEAD_COPY (roles.py): the last stage's copy of a tied word embedding (PP > 1): laid out, not read
+HEAD = ("word", "pos")
+TAIL = ("final_norm.weight", "final_norm.bias", "output")
+HEAD_COPY = "head_copy"  # the last stage's copy of a tied word embedding (PP > 1): laid out, not read
 # args naming the first / last pipeline stage's layer counts (Megatron-LM's, and megatron-core's config)
 FIRST_STAGE_ARGS = ("decoder_first_pipeline_num_layers", "num_layers_in_first_pipeline_stage")
 LAST_STAGE_ARGS = ("decoder_last_pipeline_num_layers", "num_layers_in_last_pipeline_stage")
@@ -184,7 +183,7 @@ def _matching_layout(params, stored: Union[List[int], int], args, shared_embeddi
     runs whose size the args do not say (newer Megatron-LM derives it); the layout reproducing every
     stored size places every parameter as the run did, whichever size produced it."""
     numels = [math.prod(shape) for _, _, shape in params]
-    shared = [shared_embedding and role in TIED_EMBEDDING_ROLES for role, _, _ in params]
+    shared = [shared_embedding and role in ("word", HEAD_COPY) for role, _, _ in params]
     tried = []
     sizes = bucket_sizes(args, chunk, pp_rank, dp)
     if sizes != [None] and isinstance(stored, list) and len(stored) > 1:

@@ -54,7 +54,6 @@ import torch
 from ..errors import CkptError
 from ..io.torchfile import StoredTensor, load_torch_file
 from ..lazy import Derived, LazyTensor
-from ..roles import TIED_EMBEDDING_ROLES
 from . import megatron_optim
 from .megatron_optim import (HINT, GroupRule, RankOptimizer, RankParam, groups_by_traits,
                              master_matching_weight)
@@ -175,7 +174,7 @@ def is_shared_embedding(param: RankParam, tied: bool, pp: int) -> bool:
     """megatron-core marks the tied word embedding (first stage) and its head copy (last stage)
     shared_embedding when PP > 1; the distributed optimizer buckets each alone. The head copy reads as
     role head_copy in the legacy dialects, as output (output_layer.weight) in megatron-core's."""
-    return tied and pp > 1 and param.role in TIED_EMBEDDING_ROLES
+    return tied and pp > 1 and param.role in ("word", "head_copy", "output")
 
 
 # --- reading --------------------------------------------------------------------------------

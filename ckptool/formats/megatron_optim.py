@@ -44,7 +44,6 @@ import torch
 
 from ..errors import CkptError
 from ..lazy import Const, Derived, LazyTensor
-from ..spec import GPT
 from ..state import OPTIMIZER_SLOTS, ParamGroup
 from .megatron_groups import HINT
 
@@ -57,8 +56,8 @@ MIXED_FORMS = (
 MOMENTS = ("exp_avg", "exp_avg_sq")
 NO_WEIGHT_DECAY_KEYS = ("wd_mult", "weight_decay")  # a group with either at 0 holds biases and norms
 # megatron-core sets is_embedding_or_output_parameter on the word embedding and the output layer (the
-# last stage's copy of a tied embedding included): the parameters --decoupled-lr applies to (a spec trait)
-EMBEDDING_OR_OUTPUT_ROLES = frozenset(GPT.with_trait("embedding_or_output"))
+# last stage's copy of a tied embedding included): the parameters --decoupled-lr applies to
+EMBEDDING_OR_OUTPUT_ROLES = frozenset({"word", "output", "head_copy"})
 # What makes two stored groups the same canonical group (megatron-core's group key without
 # is_expert_parallel, which the target layout decides, plus the 0.16 override values); eras without
 # wd_mult tell their groups apart by weight_decay.

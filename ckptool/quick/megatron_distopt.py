@@ -15,15 +15,12 @@ from __future__ import annotations
 import math
 from typing import List, Optional, Sequence, Tuple
 
-from ..spec import GPT
 from .meta import TensorMeta
 from .torch_pickle import NotQuick
 
 KEYS = ("param", "exp_avg", "exp_avg_sq")
 SLOT_OF_KEY = {"param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 DEFAULT_BUCKET = 40_000_000
-# the tied word embedding and its last-stage copy (a spec trait): with PP > 1 each is bucketed alone
-TIED_EMBEDDING_ROLES = frozenset(GPT.with_trait("tied_embedding"))
 # megatron_distopt.ERAS, newest first: (parameter alignment, bucket-end multiple from the DP size, form)
 ERAS = ((64, lambda dp: math.lcm(dp, 128), "coalesced"), (1, lambda dp: math.lcm(dp, 128), "coalesced"),
         (1, lambda dp: dp, "coalesced"), (1, lambda dp: dp, "bucket-list"))
@@ -88,7 +85,7 @@ def rank_state(tree: dict, state, params, args, tied: bool, pp: int, pp_rank: in
         members = [p for p in params if p.chunk == chunk]
         want = _stored_sizes(entry, form)
         numels = [math.prod(p.shape) for p in members]
-        shared = [tied and pp > 1 and p.role in TIED_EMBEDDING_ROLES for p in members]
+        shared = [tied and pp > 1 and p.role in ("word", "head_copy", "output") for p in members]
         if not any(_fits(numels, shared, era, dp, size, want)
                    for era in ERAS if era[2] == form for size in bucket_sizes(args, chunk, pp_rank, dp)):
             raise NotQuick("no megatron-core buffer layout reproduces the stored sizes")

@@ -31,7 +31,6 @@ from typing import Dict, List, Optional, Tuple
 
 from ..errors import CkptError
 from ..formats.megatron_groups import merge_groups
-from ..spec import GPT
 from ..state import OPTIMIZER_SLOTS, OptimizerState, ParamGroup
 from .megatron_distopt import rank_state
 from .meta import TensorMeta
@@ -41,8 +40,8 @@ from .torch_pickle import NotQuick, Scalar
 MIXED_FORMS = (("optimizer", "fp32_from_fp16_params", "grad_scaler"),
                ("optimizer_state_dict", "fp32_from_fp16", "loss_scaler"))
 MOMENTS = ("exp_avg", "exp_avg_sq")
-DECOUPLED_ROLES = frozenset(GPT.with_trait("embedding_or_output"))  # parameters --decoupled-lr applies to
-DECOUPLED_NAMES = frozenset(t.name for t in GPT.tensors if t.role in DECOUPLED_ROLES)  # their canonical tensors
+DECOUPLED_ROLES = frozenset({"word", "output", "head_copy"})  # parameters --decoupled-lr applies to
+DECOUPLED_NAMES = frozenset({"embed.word", "output.weight"})  # their canonical tensors
 
 
 @dataclass(frozen=True)
