@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
 from ..spec import GPT
-from ..spec.schema import FLAT, LEGACY, LEGACY_GROUPED, MCORE, SEQUENTIAL, TE, TE_GROUPED, TE_MOE
+from ..spec.schema import FLAT, LEGACY, LEGACY_GROUPED, MCORE, SEQUENTIAL, TE, TE_GROUPED, TE_MLA, TE_MOE
 
 if TYPE_CHECKING:  # annotations only: the dialect tables are read without torch (quick inspect)
     import torch
@@ -59,8 +59,25 @@ class Dialect:
     grouped_extra_state: Tuple[str, ...] = ()
     # read only: expert forms holding all local experts of a layer in one tensor per fc (legacy GroupedMLP)
     stacked_experts: Dict[str, str] = dataclasses.field(default_factory=dict)
-    # Multi-Latent Attention layers: the extra-state keys of its linears, in place of linear_qkv's
-    mla_extra_state: Tuple[str, ...] = ()
+    # Multi-Latent Attention models: the extra-state keys of its linears (role -> key; a model has those of
+    # the roles it holds), in place of linear_qkv's; the keys that differ from `layer` in an MLA model (TE: the
+    # input norm stays a module of its own); the layer's parameter order when it differs from param_order
+    mla_extra_state: Dict[str, str] = dataclasses.field(default_factory=dict)
+    mla_layer: Dict[str, str] = dataclasses.field(default_factory=dict)
+    mla_param_order: Tuple[str, ...] = ()
+    # the spec column whose TP rules the dialect's modules follow (Role.rules; None: every role's own rule)
+    rule_column: Optional[str] = None
+
+    def layer_key(self, role: str, moe: bool = False, mla: bool = False) -> Optional[str]:
+        """A layer role's layer-relative key in an MoE layer (moe) of an MLA model (mla), or None."""
+        if moe and role in self.moe_layer:
+            return self.moe_layer[role]
+        if mla and role in self.mla_layer:
+            return self.mla_layer[role]
+        return self.layer.get(role)
+
+    def layer_param_order(self, mla: bool) -> Tuple[str, ...]:
+        return self.mla_param_order if mla and self.mla_param_order else self.param_order
 
 
 def _rename(table: Dict[str, str], *pairs) -> Dict[str, str]:
@@ -100,7 +117,12 @@ def _experts(column: str) -> Dict[str, str]:
 
 def _extra_state(column: str, *roles: str) -> Tuple[str, ...]:
     """The `_extra_state` keys of the linear modules holding these roles (one per module, beside its weight)."""
-    return tuple(GPT.roles[r].key(column).rsplit(".", 1)[0] + "._extra_state" for r in roles)
+    return tuple(_extra_state_of(column, *roles).values())
+
+
+def _extra_state_of(column: str, *roles: str) -> Dict[str, str]:
+    """role -> the `_extra_state` key of the linear module holding it."""
+    return {r: GPT.roles[r].key(column).rsplit(".", 1)[0] + "._extra_state" for r in roles}
 
 
 _LINEARS = ("proj.weight", "qkv.weight", "fc1.weight", "fc2.weight")  # megatron-core's registration order
@@ -129,14 +151,22 @@ _LEGACY_PARAM_ORDER = ("attn_norm.weight", "attn_norm.bias", "qkv.weight", "qkv.
                        "fc2.weight", "fc2.bias")
 _QK_NORMS = ("q_norm.weight", "q_norm.bias", "k_norm.weight", "k_norm.bias")
 _MLP = ("mlp_norm.weight", "mlp_norm.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
-# MLASelfAttention (megatron-core 0.16 multi_latent_attention.py) registers linear_proj, then its q / kv linears
-# and the latent norms last; an MLA model has no qkv roles, a GQA model none of these.
-_MLA_LINEARS = ("mla.q_down.weight", "mla.q_up.weight", "mla.kv_down.weight", "mla.kv_up.weight")
+# MLASelfAttention (megatron-core 0.16 multi_latent_attention.py) registers linear_proj, then its q linear(s)
+# (linear_q_proj, or linear_q_down_proj and linear_q_up_proj), the kv linears, and the latent norms last (local
+# spec; the TE spec's norms sit inside the up projections, registered before their weights); an MLA model has no
+# qkv roles, a GQA model none of these. The TE spec's MLA layer keeps input_layernorm as a module registered
+# before self_attention (TransformerLayer.__init__), so there the input norm comes first.
+_MLA_LINEARS = ("mla.q.weight", "mla.q_down.weight", "mla.q_up.weight", "mla.kv_down.weight", "mla.kv_up.weight")
 _MLA_PARAMS = _MLA_LINEARS + ("mla.q_down_norm.weight", "mla.kv_down_norm.weight")
 _MCORE_PARAM_ORDER = (("attn_norm.weight", "attn_norm.bias", "proj.weight", "proj.bias", "qkv.weight", "qkv.bias")
                       + _MLA_PARAMS + _QK_NORMS + _MLP)
 _MCORE_TE_PARAM_ORDER = (("proj.weight", "proj.bias", "attn_norm.weight", "attn_norm.bias", "qkv.weight", "qkv.bias")
                          + _QK_NORMS + _MLP)
+_MCORE_TE_MLA_PARAM_ORDER = ("attn_norm.weight", "attn_norm.bias", "proj.weight", "proj.bias", "mla.q.weight",
+                             "mla.q_down.weight", "mla.q_down_norm.weight", "mla.q_up.weight", "mla.kv_down.weight",
+                             "mla.kv_down_norm.weight", "mla.kv_up.weight") + _MLP
+# the keys of an MLA layer under Transformer Engine that differ from its GQA layer's (the input norm's)
+_TE_MLA_LAYER = {role: key for role, key in GPT.keys("layer", TE_MLA).items() if GPT.keys("layer", TE)[role] != key}
 
 
 DIALECTS: Dict[str, Dialect] = {d.name: d for d in [
@@ -153,7 +183,7 @@ DIALECTS: Dict[str, Dialect] = {d.name: d for d in [
             global_extra_state=("output_layer._extra_state",), legacy_models=False,
             param_order=_MCORE_PARAM_ORDER, moe_layer=_MCORE_MOE_LAYER, experts=(_SEQUENTIAL_EXPERTS,),
             expert_extra_state=_SEQUENTIAL_EXPERT_EXTRA, shared_extra_state=_SHARED_EXTRA,
-            stacked_experts=_LEGACY_GROUPED_EXPERTS, mla_extra_state=_extra_state(MCORE, *_MLA_LINEARS)),
+            stacked_experts=_LEGACY_GROUPED_EXPERTS, mla_extra_state=_extra_state_of(MCORE, *_MLA_LINEARS)),
     Dialect("mcore-te", layer_prefix="decoder.layers.{i}.", **_era("mcore-te"), head_copy="output_layer.weight",
             extra_state=_MCORE_EXTRA + ("self_attention.core_attention._extra_state",),
             extra_state_value="empty_bytes", global_extra_state=("output_layer._extra_state",),
@@ -164,8 +194,20 @@ DIALECTS: Dict[str, Dialect] = {d.name: d for d in [
             moe_layer=dict(GPT.keys("moe", TE), **GPT.keys("layer", TE_MOE)),
             experts=(_SEQUENTIAL_EXPERTS, _TE_GROUPED_EXPERTS), expert_extra_state=_SEQUENTIAL_EXPERT_EXTRA,
             shared_extra_state=_SHARED_EXTRA, grouped_experts=_TE_GROUPED_EXPERTS,
-            grouped_extra_state=_TE_GROUPED_EXTRA, stacked_experts=_LEGACY_GROUPED_EXPERTS),
+            grouped_extra_state=_TE_GROUPED_EXTRA, stacked_experts=_LEGACY_GROUPED_EXPERTS,
+            # MLA (get_gpt_layer_with_transformer_engine_spec; Transformer Engine itself does not run here): the
+            # input norm a module of its own, the latent norms inside the up projections, the down projections
+            # whole on every TP rank (the spec's TE rules)
+            mla_extra_state=_extra_state_of(TE_MLA, *_MLA_LINEARS), mla_layer=_TE_MLA_LAYER,
+            mla_param_order=_MCORE_TE_MLA_PARAM_ORDER, rule_column=TE_MLA),
 ]}
+
+
+def is_mla(keys) -> bool:
+    """Whether a Megatron (torch or torch_dist) checkpoint with these keys is of a Multi-Latent Attention model:
+    every MLA layer has a kv down projection, which no other model has. KeyMatcher's mla flag."""
+    return any(".linear_kv_down_proj." in k for k in keys)
+
 
 
 class KeyMatcher:
@@ -184,6 +226,8 @@ class KeyMatcher:
         for role, suffix in dialect.layer.items():
             if suffix not in self.layer or role.startswith("mla.") == mla:
                 self.layer[suffix] = role
+        if mla:
+            self.layer.update({suffix: role for role, suffix in dialect.mla_layer.items()})
         self.layer.update({suffix: role for role, suffix in dialect.moe_layer.items()})
         # expert keys: (regex of the layer-relative key, its group the local expert) -> base role
         self.experts = [(re.compile("^" + re.escape(key).replace(r"\{j\}", r"(\d+)") + "$"), base)

@@ -5,7 +5,7 @@ architecture in formats/hf_names.py: one HF architecture's names do not line up 
 """
 from __future__ import annotations
 
-from .schema import (DIST, FLAT, LEGACY, LEGACY_GROUPED, MCORE, MDS, SEQUENTIAL, TE, TE_GROUPED, TE_MOE,
+from .schema import (DIST, FLAT, LEGACY, LEGACY_GROUPED, MCORE, MDS, SEQUENTIAL, TE, TE_GROUPED, TE_MLA, TE_MOE,
                      Role, Spec, Tensor)
 
 L = "layers.{layer}."
@@ -18,11 +18,13 @@ TENSORS = (
     Tensor("embed.pos", ("learned_pos",), role="pos"),
     Tensor(L + "attn_norm.weight", role="attn_norm.weight"),
     Tensor(L + "attn_norm.bias", NORM_BIAS, role="attn_norm.bias"),
-    # attention: grouped-query (gqa) or Multi-Latent (mla); attn.q is both GQA's q and MLA's without q_lora
+    # attention: grouped-query (gqa) or Multi-Latent (mla); attn.q is both GQA's q (a part of the fused QKV) and
+    # MLA's direct q without a q latent (megatron-core's linear_q_proj): listed once per kind (schema.EXCLUSIVE)
     Tensor(L + "attn.q_down.weight", ("mla_q_lora",), role="mla.q_down.weight"),
     Tensor(L + "attn.q_down_norm.weight", ("mla_q_lora",), role="mla.q_down_norm.weight"),
     Tensor(L + "attn.q_up.weight", ("mla_q_lora",), role="mla.q_up.weight"),
-    Tensor(L + "attn.q.weight", ("q_proj",), role="qkv.weight", part="q"),
+    Tensor(L + "attn.q.weight", ("mla_q_direct",), role="mla.q.weight"),
+    Tensor(L + "attn.q.weight", ("gqa",), role="qkv.weight", part="q"),
     Tensor(L + "attn.k.weight", ("gqa",), role="qkv.weight", part="k"),
     Tensor(L + "attn.v.weight", ("gqa",), role="qkv.weight", part="v"),
     Tensor(L + "attn.q.bias", ("gqa", "qkv_bias"), role="qkv.bias", part="q"),
@@ -80,9 +82,10 @@ ROLES = (
                              MDS: "head/lm_head.weight"}),
     # layer roles: keys relative to the layer, in the order writers write them
     Role("attn_norm.weight", "replicated", {LEGACY: "input_layernorm.weight", MCORE: "input_layernorm.weight",
-                                            TE: "self_attention.linear_qkv.layer_norm_weight"}),
+                                            TE: "self_attention.linear_qkv.layer_norm_weight",
+                                            TE_MLA: "input_layernorm.weight"}),
     Role("attn_norm.bias", "replicated", {LEGACY: "input_layernorm.bias", MCORE: "input_layernorm.bias",
-                                          TE: "self_attention.linear_qkv.layer_norm_bias"}),
+                                          TE: "self_attention.linear_qkv.layer_norm_bias", TE_MLA: "input_layernorm.bias"}),
     Role("qkv.weight", "qkv", {LEGACY: "self_attention.query_key_value.weight",
                                MCORE: "self_attention.linear_qkv.weight"}, fused="qkv"),
     Role("qkv.bias", "qkv", {LEGACY: "self_attention.query_key_value.bias",
@@ -92,15 +95,21 @@ ROLES = (
     Role("k_norm.weight", "replicated", {MCORE: "self_attention.k_layernorm.weight"}),
     Role("k_norm.bias", "replicated", {MCORE: "self_attention.k_layernorm.bias"}),
     # Multi-Latent Attention (megatron-core MLASelfAttention). Rows as Hugging Face's DeepSeek has them: kv_down
-    # [kv_lora_rank | rope], q_up per head [nope | rope], kv_up per head [k nope | v]. The local spec builds every
-    # MLA linear column-parallel, the down projections too (their outputs gathered in the forward), so their rows
-    # are TP-split; the TE spec keeps the down projections whole (TELinear 'duplicated') and fuses the latent
-    # norms into the up projections: that spec is refused by megatron.py (one rule per role here).
-    Role("mla.q_down.weight", "column", {MCORE: "self_attention.linear_q_down_proj.weight"}),
+    # [kv_lora_rank | rope], q_up and q per head [nope | rope], kv_up per head [k nope | v]. The local spec
+    # (gpt_layer_specs.get_gpt_layer_local_spec) builds every MLA linear column-parallel, the down projections too
+    # (their outputs gathered in the forward), so their rows are TP-split. The TE spec
+    # (get_gpt_layer_with_transformer_engine_spec, with --qk-layernorm) builds the down projections as TELinear,
+    # which MLASelfAttention.__init__ makes parallel_mode 'duplicated' (whole on every TP rank: the TE rule), the up
+    # projections as TELayerNormColumnParallelLinear holding the latent norms (layer_norm_weight), and a separate
+    # input_layernorm (TENorm): there is no linear_qkv to fuse it into (the TE_MLA column).
+    Role("mla.q.weight", "column", {MCORE: "self_attention.linear_q_proj.weight"}),
+    Role("mla.q_down.weight", "column", {MCORE: "self_attention.linear_q_down_proj.weight"},
+         rules={TE: "replicated"}),
     Role("mla.q_down_norm.weight", "replicated", {MCORE: "self_attention.q_layernorm.weight",
                                                   TE: "self_attention.linear_q_up_proj.layer_norm_weight"}),
     Role("mla.q_up.weight", "column", {MCORE: "self_attention.linear_q_up_proj.weight"}),
-    Role("mla.kv_down.weight", "column", {MCORE: "self_attention.linear_kv_down_proj.weight"}),
+    Role("mla.kv_down.weight", "column", {MCORE: "self_attention.linear_kv_down_proj.weight"},
+         rules={TE: "replicated"}),
     Role("mla.kv_down_norm.weight", "replicated", {MCORE: "self_attention.kv_layernorm.weight",
                                                    TE: "self_attention.linear_kv_up_proj.layer_norm_weight"}),
     Role("mla.kv_up.weight", "column", {MCORE: "self_attention.linear_kv_up_proj.weight"}),
