@@ -136,10 +136,12 @@ def moe_layer_roles(cfg: GPTConfig, experts) -> List[str]:
     return roles + list(t.moe_shared)
 
 
-def rule_for(role: str, cfg: GPTConfig) -> Rule:
+def rule_for(role: str, cfg: GPTConfig, column: Optional[str] = None) -> Rule:
+    """A role's TP rule; column: the spec name column of the format, where its modules shard a role otherwise
+    (Role.rules: Transformer Engine keeps MLA's down projections whole)."""
     _, role = scope_of(role)
     t = tables_for(cfg)
-    rule = t.rules[role]
+    rule = t.rules[role] if column is None else Rule(t.spec.roles[role].rule_in(column))
     return Rule.GATED if cfg.gated and t.spec.roles[role].fused == "halves" else rule
 
 
@@ -186,13 +188,14 @@ def qkv_rows(cfg: GPTConfig) -> int:
 # --- readers: role shards -> canonical ------------------------------------------------------
 
 def assemble(cfg: GPTConfig, shards: Dict[Tuple[str, Optional[int]], List[LazyTensor]],
-             replicas: Optional[ReplicaPolicy] = None) -> Dict[str, LazyTensor]:
-    """Turn {(role, global_layer or None): [per-TP-rank lazy]} into canonical lazy tensors."""
+             replicas: Optional[ReplicaPolicy] = None, column: Optional[str] = None) -> Dict[str, LazyTensor]:
+    """Turn {(role, global_layer or None): [per-TP-rank lazy]} into canonical lazy tensors (column: the
+    format's spec name column, for its TP rules: rule_for)."""
     out: Dict[str, LazyTensor] = {}
     t = tables_for(cfg)
     for (role, layer), parts in shards.items():
         name = t.global_roles[role] if layer is None else f"layers.{layer}.{role}"
-        merged = merge_lazy(parts, rule_for(role, cfg), name, replicas)
+        merged = merge_lazy(parts, rule_for(role, cfg, column), name, replicas)
         if layer is None:
             out[t.global_roles[role]] = merged
             continue
@@ -275,6 +278,8 @@ def layer_role_tensor(tensors: Dict[str, LazyTensor], cfg: GPTConfig, layer: int
     mlp, role = scope_of(role)
     t = tables_for(cfg)
     if role in t.layer_simple:
+        if not t.spec.has_role(spec_role(scoped)[0], cfg, layer):  # MLA's direct q has GQA's q name
+            return None
         return tensors.get(f"layers.{layer}." + t.layer_simple[role].replace("mlp.", mlp, 1))
     fused = _fused(t.spec, role)
     if fused not in _FUSE:
@@ -326,7 +331,8 @@ def global_role_tensor(tensors: Dict[str, LazyTensor], role: str) -> Optional[La
 
 
 def shard_role(tensor: LazyTensor, role: str, cfg: GPTConfig, tp: int, layer: Optional[int] = None,
-               names: Optional[Tuple[str, ...]] = None) -> List[LazyTensor]:
+               names: Optional[Tuple[str, ...]] = None, column: Optional[str] = None) -> List[LazyTensor]:
     """The tp per-rank pieces of a role tensor (layer's, or a global one), each declaring its placement
-    under the role's canonical names (or `names` where the caller knows better: a head copy)."""
-    return split_lazy(tensor, rule_for(role, cfg), tp, names or canonical_names(role, layer, cfg))
+    under the role's canonical names (or `names` where the caller knows better: a head copy); column: the
+    format's spec name column, for its TP rules (rule_for)."""
+    return split_lazy(tensor, rule_for(role, cfg, column), tp, names or canonical_names(role, layer, cfg))

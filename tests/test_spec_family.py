@@ -16,7 +16,7 @@ from ckptool.formats import megatron_names
 from ckptool.lazy import Const
 from ckptool.sharding import Rule
 from ckptool.spec import GPT
-from ckptool.spec.schema import HEAD_COPY, LEGACY, MCORE, TE, TRAITS, Role, Spec, Tensor
+from ckptool.spec.schema import HEAD_COPY, LEGACY, MCORE, TE, TE_MLA, TRAITS, Role, Spec, Tensor
 
 # --- a toy family: an embedding, per layer a norm, a fused QKV and one column-parallel linear, no output layer
 L = "layers.{layer}."
@@ -142,12 +142,14 @@ def test_every_trait_names_known_roles_and_the_tied_roles_shard_alike():
         GPT.with_trait("embeding")
 
 
-@pytest.mark.parametrize("column", [LEGACY, MCORE, TE])
+@pytest.mark.parametrize("column", [LEGACY, MCORE, TE, TE_MLA])
 def test_a_registration_order_lists_each_role_the_column_names_once(column):
     order = GPT.registration_order(column)
-    named = {r for r, _ in GPT.keys("layer", column).items()}
+    named = set(GPT.keys("layer", column))
     assert len(order) == len(set(order)) and set(order) <= named
-    if column != TE:  # (megatron.py refuses MLA under Transformer Engine: TE's order lists no MLA roles yet)
+    if column == TE:  # Transformer Engine orders an MLA layer apart (TE_MLA): the two cover every role
+        order = order + GPT.registration_order(TE_MLA)
+    if column != TE_MLA:
         assert set(order) == named, sorted(named ^ set(order))
 
 
@@ -174,7 +176,7 @@ def test_a_role_with_an_unknown_trait_fails_when_it_is_built():
 
 def test_match_inverts_expand():
     """Spec.match (the quick DeepSpeed reader's name -> role) finds the Tensor, layer and expert expand made
-    the name from, for dense, MoE and MLA models."""
+    the name from, for dense, MoE and MLA models (MLA's direct q and GQA's q share a name: by the config)."""
     from ckptool.config import MLA, MoE
     cfgs = [_gpt(), GPTConfig(**{**dataclasses.asdict(_gpt()), "activation": "swiglu", "num_layers": 3,
                                  "moe": MoE(num_experts=12, top_k=2, ffn_hidden_size=4, layers=(1, 2),
@@ -183,6 +185,9 @@ def test_match_inverts_expand():
                                                                   qk_rope_head_dim=2, v_head_dim=2)})]
     for cfg in cfgs:
         for name, t, layer, expert in GPT.expand(cfg):
-            assert GPT.match(name) == (t, layer, expert), name
+            assert GPT.match(name, cfg) == (t, layer, expert), name
+    q = GPT.match("layers.0.attn.q.weight", cfgs[0])[0]  # one name, two kinds of q: the config picks
+    assert q.role == "qkv.weight" and GPT.match("layers.0.attn.q.weight", dataclasses.replace(
+        cfgs[2], mla=dataclasses.replace(cfgs[2].mla, q_lora_rank=None)))[0].role == "mla.q.weight"
     for name in ("layers.x.attn.q.weight", "layers.1.attn.q.weight.extra", "embed", "layers.1.mlp.experts.up.weight"):
         assert GPT.match(name) is None, name

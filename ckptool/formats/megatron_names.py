@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
 from ..spec import GPT, spec_for
-from ..spec.schema import FLAT, HEAD_COPY, LEGACY, LEGACY_GROUPED, MCORE, SEQUENTIAL, TE, TE_GROUPED, TE_MOE, Spec
+from ..spec.schema import (FLAT, HEAD_COPY, LEGACY, LEGACY_GROUPED, MCORE, SEQUENTIAL, TE, TE_GROUPED, TE_MLA, TE_MOE,
+                           Spec)
 
 if TYPE_CHECKING:  # annotations only: the dialect tables are read without torch (quick inspect)
     import torch
@@ -62,8 +63,25 @@ class Dialect:
     grouped_extra_state: Tuple[str, ...] = ()
     # read only: expert forms holding all local experts of a layer in one tensor per fc (legacy GroupedMLP)
     stacked_experts: Dict[str, str] = dataclasses.field(default_factory=dict)
-    # Multi-Latent Attention layers: the extra-state keys of its linears, in place of linear_qkv's
-    mla_extra_state: Tuple[str, ...] = ()
+    # Multi-Latent Attention models: the extra-state keys of its linears (role -> key; a model has those of
+    # the roles it holds), in place of linear_qkv's; the keys that differ from `layer` in an MLA model (TE: the
+    # input norm stays a module of its own); the layer's parameter order when it differs from param_order
+    mla_extra_state: Dict[str, str] = dataclasses.field(default_factory=dict)
+    mla_layer: Dict[str, str] = dataclasses.field(default_factory=dict)
+    mla_param_order: Tuple[str, ...] = ()
+    # the spec column whose TP rules the dialect's modules follow (Role.rules; None: every role's own rule)
+    rule_column: Optional[str] = None
+
+    def layer_key(self, role: str, moe: bool = False, mla: bool = False) -> Optional[str]:
+        """A layer role's layer-relative key in an MoE layer (moe) of an MLA model (mla), or None."""
+        if moe and role in self.moe_layer:
+            return self.moe_layer[role]
+        if mla and role in self.mla_layer:
+            return self.mla_layer[role]
+        return self.layer.get(role)
+
+    def layer_param_order(self, mla: bool) -> Tuple[str, ...]:
+        return self.mla_param_order if mla and self.mla_param_order else self.param_order
 
 
 def _rename(table: Dict[str, str], *pairs) -> Dict[str, str]:
@@ -115,7 +133,16 @@ class _Columns:
 
     def extra_state(self, column: str, roles) -> Tuple[str, ...]:
         """The `_extra_state` keys of the linear modules holding these roles (one per module, beside its weight)."""
-        return tuple(self.spec.roles[r].key(column).rsplit(".", 1)[0] + "._extra_state" for r in roles)
+        return tuple(self.extra_state_of(column, roles).values())
+
+    def extra_state_of(self, column: str, roles) -> Dict[str, str]:
+        """role -> the `_extra_state` key of the linear module holding it."""
+        return {r: self.spec.roles[r].key(column).rsplit(".", 1)[0] + "._extra_state" for r in roles}
+
+    def differing(self, where: str, column: str, base: str) -> Dict[str, str]:
+        """The keys of `where`'s roles in `column` that differ from their keys in `base`."""
+        base_keys = self.spec.keys(where, base)
+        return {role: key for role, key in self.spec.keys(where, column).items() if base_keys.get(role) != key}
 
     def linears(self, where: str, column: str, mla: bool = False) -> Tuple[str, ...]:
         """The roles of `where` (Spec.role_list) held by linear modules (trait "linear", which carry an
@@ -165,7 +192,7 @@ def _build_dialects(c: _Columns) -> Dict[str, Dialect]:
         Dialect("mcore", **c.era("mcore"), extra_state=mcore_extra, global_extra_state=output_extra,
                 legacy_models=False, moe_layer=c.spec.keys("moe", MCORE), experts=(sequential,),
                 expert_extra_state=sequential_extra, shared_extra_state=shared_extra, stacked_experts=legacy_grouped,
-                mla_extra_state=c.extra_state(MCORE, c.linears("layer", MCORE, mla=True))),
+                mla_extra_state=c.extra_state_of(MCORE, c.linears("layer", MCORE, mla=True))),
         Dialect("mcore-te", **c.era("mcore-te"),
                 extra_state=mcore_extra + ("self_attention.core_attention._extra_state",),
                 extra_state_value="empty_bytes", global_extra_state=output_extra,
@@ -176,11 +203,24 @@ def _build_dialects(c: _Columns) -> Dict[str, Dialect]:
                 moe_layer=dict(c.spec.keys("moe", TE), **c.spec.keys("layer", TE_MOE)),
                 experts=(sequential, te_grouped), expert_extra_state=sequential_extra,
                 shared_extra_state=shared_extra, grouped_experts=te_grouped,
-                grouped_extra_state=c.extra_state(TE_GROUPED, expert_linears), stacked_experts=legacy_grouped),
+                grouped_extra_state=c.extra_state(TE_GROUPED, expert_linears), stacked_experts=legacy_grouped,
+                # MLA (get_gpt_layer_with_transformer_engine_spec; Transformer Engine itself does not run here): the
+                # input norm a module of its own, the latent norms inside the up projections, the down projections
+                # whole on every TP rank (the spec's TE rules)
+                mla_extra_state=c.extra_state_of(TE_MLA, c.linears("layer", TE_MLA, mla=True)),
+                mla_layer=c.differing("layer", TE_MLA, TE), mla_param_order=c.spec.registration_order(TE_MLA),
+                rule_column=TE_MLA),
     ] if d.layer_prefix is not None}
 
 
 DIALECTS: Dict[str, Dialect] = dialects(GPT)  # the GPT family's, for the readers that detect a dialect by its keys
+
+
+def is_mla(keys) -> bool:
+    """Whether a Megatron (torch or torch_dist) checkpoint with these keys is of a Multi-Latent Attention model:
+    every MLA layer has a kv down projection, which no other model has. KeyMatcher's mla flag."""
+    return any(".linear_kv_down_proj." in k for k in keys)
+
 
 
 class KeyMatcher:
@@ -199,6 +239,8 @@ class KeyMatcher:
         for role, suffix in dialect.layer.items():
             if suffix not in self.layer or role.startswith("mla.") == mla:
                 self.layer[suffix] = role
+        if mla:
+            self.layer.update({suffix: role for role, suffix in dialect.mla_layer.items()})
         self.layer.update({suffix: role for role, suffix in dialect.moe_layer.items()})
         # expert keys: (regex of the layer-relative key, its group the local expert) -> base role
         self.experts = [(re.compile("^" + re.escape(key).replace(r"\{j\}", r"(\d+)") + "$"), base)

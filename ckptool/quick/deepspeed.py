@@ -93,7 +93,7 @@ def _checkpoint(path: Path, format_name: str) -> Checkpoint:
                                          {"universal_checkpoint_info": r0.meta.get("universal_checkpoint_info")})
     shapes = canonical_shapes(cfg)
     dtypes = {p.dtype for parts in shards.values() for p in parts}
-    if cfg.num_layers != num_layers or shapes is None or len(dtypes) != 1 or set(shards) != _roles(shapes):
+    if cfg.num_layers != num_layers or shapes is None or len(dtypes) != 1 or set(shards) != _roles(shapes, cfg):
         raise NotQuick("the files do not hold the model the args describe")
     dtype = dtypes.pop()
     tensors = {n: TensorMeta(s, dtype) for n, s in shapes.items()}
@@ -170,12 +170,12 @@ def _named(r: _Rank, weights: str) -> Dict[str, TensorMeta]:
     return out
 
 
-def _roles(shapes: Dict[str, tuple]) -> set:
+def _roles(shapes: Dict[str, tuple], cfg) -> set:
     """(role, layer) of every tensor the canonical names imply: the spec's role holding each, where the
     Megatron-DeepSpeed layer files name that role (the spec's "mds" column)."""
     out = set()
     for name in shapes:
-        hit = GPT.match(name)
+        hit = GPT.match(name, cfg)
         role = GPT.roles[hit[0].role] if hit is not None and hit[0].role is not None else None
         if role is None or role.is_expert or role.key(MDS) is None:
             raise NotQuick(f"{name} has no Megatron-DeepSpeed role")

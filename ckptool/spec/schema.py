@@ -34,14 +34,15 @@ FLAT = "flat"              # DeepSpeedExamples' 2019 Megatron-LM, flat global ke
 MCORE = "mcore"            # megatron-core GPTModel, local layer spec
 TE = "te"                  # megatron-core with Transformer Engine (norms fused into linear_qkv / linear_fc1)
 TE_MOE = "te-moe"          # the TE name inside an MoE layer, where there is no fc1 to fuse the norm into
+TE_MLA = "te-mla"          # the TE name inside a Multi-Latent Attention layer (no linear_qkv to fuse the input norm into)
 DIST = "dist"              # torch_dist (megatron-core sharded_state_dict): what ckptool writes
 MDS = "mds"                # Megatron-DeepSpeed pipeline layer files: "<file kind>/<key>" for globals
 SEQUENTIAL = "sequential"  # experts: SequentialMLP, {j} the expert's index local to its EP rank
 TE_GROUPED = "te-grouped"  # experts: TEGroupedMLP (--moe-grouped-gemm with Transformer Engine)
 LEGACY_GROUPED = "legacy-grouped"  # experts: legacy GroupedMLP, all local experts in one tensor (read only)
-COLUMNS = (LEGACY, FLAT, MCORE, TE, TE_MOE, DIST, MDS, SEQUENTIAL, TE_GROUPED, LEGACY_GROUPED)
-# A column a Role does not list takes the name of its fallback column (the names that do not differ):
-FALLBACK = {TE: MCORE, DIST: TE, MDS: LEGACY}
+COLUMNS = (LEGACY, FLAT, MCORE, TE, TE_MOE, TE_MLA, DIST, MDS, SEQUENTIAL, TE_GROUPED, LEGACY_GROUPED)
+# A column a Role does not list takes the name (and the TP rule, Role.rules) of its fallback column:
+FALLBACK = {TE: MCORE, TE_MLA: TE, DIST: TE, MDS: LEGACY}
 
 # --- traits of a Role: what frameworks single out about it, read by the optimizer and pipeline code ---------
 TRAITS = {
@@ -70,7 +71,7 @@ PREDICATES: Dict[str, Predicate] = {
     "gqa": lambda c, i: c.mla is None,                       # grouped-query attention (attn.q/k/v)
     "mla": lambda c, i: c.mla is not None,                   # Multi-Latent Attention
     "mla_q_lora": lambda c, i: c.mla is not None and bool(c.mla.q_lora_rank),
-    "q_proj": lambda c, i: c.mla is None or not c.mla.q_lora_rank,  # q projected straight from h
+    "mla_q_direct": lambda c, i: c.mla is not None and not c.mla.q_lora_rank,  # MLA's q projected straight from h
     "dense_mlp": lambda c, i: not c.is_moe_layer(i),
     "moe": lambda c, i: c.is_moe_layer(i),
     "router_bias": lambda c, i: c.moe.router_bias,
@@ -78,6 +79,9 @@ PREDICATES: Dict[str, Predicate] = {
     "shared_expert": lambda c, i: bool(c.moe.shared_ffn_hidden_size),
     "shared_gate": lambda c, i: c.moe.shared_gate,
 }
+# Predicates that never hold together. A canonical tensor may be listed once per side (attn.q is GQA's q, a part of
+# the fused QKV, or MLA's direct q, a role of its own): for any config at most one of the entries holds.
+EXCLUSIVE = (("gqa", "mla"), ("gqa", "mla_q_direct"))
 # index axes of a name pattern and how many values each takes for a config
 AXES: Dict[str, Callable[[object], int]] = {
     "layer": lambda c: c.num_layers,
@@ -118,12 +122,15 @@ class Role:
     and a scoped role shards by its base role's rule. rule: the tensor-parallel rule (a sharding.Rule
     value; None for scoped roles). fused: how the parts sit in the tensor: "qkv" (grouped per query
     group) or "halves" ([gate; up] rows when the model is gated, the GATED rule then). names: column
-    (COLUMNS) -> key; a column missing here and in FALLBACK means the format has no such tensor. traits:
+    (COLUMNS) -> key; a column missing here and in FALLBACK means the format has no such tensor.
+    rules: column -> the TP rule where a format's module shards the role otherwise than `rule` (Transformer
+    Engine keeps MLA's down projections whole on every rank); followed through FALLBACK like names. traits:
     names from TRAITS."""
     name: str
     rule: Optional[str] = None
     names: Mapping[str, str] = field(default_factory=dict)
     fused: Optional[str] = None
+    rules: Mapping[str, str] = field(default_factory=dict)
     traits: Tuple[str, ...] = ()
 
     @property
@@ -150,6 +157,11 @@ def _key_by_column(table: Mapping[str, object], column: Optional[str]):
             return table[column]
         column = FALLBACK.get(column)
     return None
+
+    def rule_in(self, column: Optional[str]) -> Optional[str]:
+        """This role's TP rule in a name column (Role.rules, following FALLBACK); `rule` elsewhere."""
+        rule = _key_by_column(self.rules, column)
+        return self.rule if rule is None else rule
 
 
 class Spec:
@@ -183,8 +195,12 @@ class Spec:
             problems.append(f"tensors name roles the spec lacks: {sorted(unknown)}")
         if len(self.roles) != len(roles):
             problems.append("a role listed twice")
-        if len(set(names)) != len(names):
-            problems.append("a canonical tensor listed twice")
+        for name in {n for n in names if names.count(n) > 1}:
+            whens = [set(t.when) for t in tensors if t.name == name]
+            if not all(any(a in w1 and b in w2 or b in w1 and a in w2 for a, b in EXCLUSIVE)
+                       for i, w1 in enumerate(whens) for w2 in whens[i + 1:]):
+                problems.append(f"{name} listed twice without exclusive predicates (EXCLUSIVE)")
+        problems += [f"{r.name}: a rule for an unknown name column" for r in roles if not set(r.rules) <= set(COLUMNS)]
         if problems:  # a mistake in the spec's data: fail at import, not in some writer later
             raise ValueError("; ".join(problems))
 
@@ -195,10 +211,17 @@ class Spec:
     def parts(self, role: str, cfg, layer: Optional[int] = None) -> List[Tensor]:
         """The canonical tensors a role's tensor holds for cfg, in fused order: the role's Tensors less those
         whose own predicates fail (beyond the ones all of them share, which say whether the role exists at
-        all): fc1 holds gate and up for a gated model, up alone otherwise."""
+        all): fc1 holds gate and up for a gated model, up alone otherwise. A role whose shared predicates
+        fail for a layer config holds none (qkv in an MLA model, whose direct q has the GQA q's name)."""
         ts = self.tensors_of(role)
         common = set.intersection(*(set(t.when) for t in ts)) if ts else set()
+        if layer is not None and not all(PREDICATES[p](cfg, layer) for p in common):
+            return []
         return [t for t in ts if all(PREDICATES[p](cfg, layer) for p in t.when if p not in common)]
+
+    def has_role(self, role: str, cfg, layer: Optional[int] = None) -> bool:
+        """Whether a model with cfg holds this role's tensor (in that layer): one of its tensors holds."""
+        return any(t.holds(cfg, layer) for t in self.tensors_of(role))
 
     def role_list(self, where: str) -> List[Role]:
         """Roles in ROLES order: "global" (no layer axis), "layer" (every layer of a dense model holds
@@ -264,8 +287,9 @@ class Spec:
     def names(self, cfg) -> List[str]:
         return [name for name, _, _, _ in self.expand(cfg)]
 
-    def match(self, name: str) -> Optional[Tuple[Tensor, Optional[int], Optional[int]]]:
-        """(Tensor, layer, expert) of a canonical name (the inverse of expand, whatever the config), or None."""
+    def match(self, name: str, cfg=None) -> Optional[Tuple[Tensor, Optional[int], Optional[int]]]:
+        """(Tensor, layer, expert) of a canonical name, or None: the inverse of expand(cfg). Without a config,
+        the first Tensor whose pattern fits (a name listed once per exclusive kind, like attn.q, needs cfg)."""
         if self._patterns is None:
             self._patterns = [(re.compile("^" + re.escape(t.name).replace(r"\{layer\}", r"(?P<layer>\d+)")
                                           .replace(r"\{expert\}", r"(?P<expert>\d+)") + "$"), t) for t in self.tensors]
@@ -273,7 +297,9 @@ class Spec:
             m = pattern.match(name)
             if m:
                 axes = m.groupdict()
-                return t, _int(axes.get("layer")), _int(axes.get("expert"))
+                layer = _int(axes.get("layer"))
+                if cfg is None or t.holds(cfg, layer):
+                    return t, layer, _int(axes.get("expert"))
         return None
 
 
