@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence, Tuple
+from typing import ClassVar, Iterable, Optional, Sequence, Tuple
 
 from .errors import CkptError, require
 
@@ -141,6 +141,9 @@ class GPTConfig:
     moe: Optional[MoE] = None  # None: a dense model
     mla: Optional[MLA] = None  # None: grouped-query attention (attn.q/k/v)
     rope_yarn: Optional[Yarn] = None  # YaRN scaling; ckptool reads it for MLA models only
+    # the model family (spec/__init__.py FAMILIES: which spec names this model's tensors); a class constant, not
+    # a field: every GPTConfig is a GPT, and a config of another family would be its own class
+    family: ClassVar[str] = "gpt"
 
     def __post_init__(self):
         if self.num_query_groups is None:

@@ -71,9 +71,8 @@ def refuse_moe(ckpt: Checkpoint, target: Format) -> None:
     experts would be left out of a complete-looking output."""
     moe, fmt = ckpt.config.moe, target.output
     mla = ckpt.config.mla
-    if mla is not None:  # megatron-core torch (local spec) holds MLA; the rest is refused by name
-        why = (f"Megatron {fmt} output of MLA models" if fmt != "torch"
-               else "a direct q projection (no q_lora_rank)" if not mla.q_lora_rank
+    if mla is not None:  # megatron-core torch and torch_dist hold MLA; the rest is refused by name
+        why = (f"Megatron {fmt} output of MLA models" if fmt not in ("torch", "torch_dist")
                else "YaRN RoPE scaling in Megatron output" if ckpt.config.rope_yarn is not None
                else ("RoPE on halves (rope_interleave false): megatron-core's MLA rotates interleaved pairs, and "
                      "Megatron output") if not ckpt.config.rotary_interleaved
@@ -81,7 +80,7 @@ def refuse_moe(ckpt: Checkpoint, target: Format) -> None:
                      "(megatron-core uses one)") if mla.latent_norm_eps != ckpt.config.norm_eps else None)
         if why:
             raise CkptError(f"Multi-Latent Attention: {why} is not supported yet",
-                            "use to-hf for DeepSeek-style models, or --format torch (q_lora_rank, no YaRN)")
+                            "use to-hf for DeepSeek-style models, or --format torch / torch_dist (no YaRN)")
     if moe is not None and not target.writes_moe:
         raise CkptError(f"MoE layers ({moe.num_experts} experts, top-{moe.top_k}, in {len(moe.layers)} of "
                         f"{ckpt.config.num_layers} layers): Megatron {fmt} output of MoE models is not supported yet",

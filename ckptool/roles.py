@@ -5,10 +5,12 @@ same fused pieces under different names: one QKV matrix in grouped order, fc1 ho
 for gated MLPs, and so on. A format module only maps its names onto these roles; this module owns
 the maths shared by all of them:
 
-  ROLE_RULES   role -> tensor-parallel rule (the one sharding table, read from spec/gpt.py)
+  RoleTables   a family spec's role tables (tables_for(cfg) picks the config's family): role -> tensor-
+               parallel rule (the one sharding table), global / per-layer roles, the MoE layer's order;
+               ROLE_RULES, LAYER_ROLES, ... below are the GPT family's, and the trait sets from the spec
   fuse_*/unfuse_*  grouped QKV <-> q, k, v and [gate; up] <-> gate, up
   assemble()   per-rank role shards -> canonical lazy tensors (readers)
-  disassemble()  canonical tensors -> per-rank role shards for a target TP (writers)
+  layer_role_tensor(), shard_role()  canonical tensors -> a role's fused tensor -> per-rank shards (writers)
 
 Canonical names (state.py documents them): embed.word, embed.pos, layers.{i}.attn_norm.*,
 layers.{i}.attn.{q,k,v}.*, layers.{i}.attn.{q_norm,k_norm}.*, layers.{i}.attn.out.*,
@@ -20,7 +22,9 @@ expert's fc2; a scoped role is sharded by its base role's rule (experts' TP is M
 """
 from __future__ import annotations
 
+import functools
 import re
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -29,31 +33,85 @@ from .config import GPTConfig
 from .errors import CkptError
 from .lazy import Derived, LazyTensor, Placement, cat, cat_shape
 from .sharding import ReplicaPolicy, Rule, merge_lazy, split_lazy
-from .spec import GPT
+from .spec import GPT, spec_for, schema
+from .spec.schema import Spec
 
-# The tables below are views of the model-family spec (spec/gpt.py), which lists each role and canonical tensor once.
-# role -> rule.  A role fused of halves (fc1) is GATED for SwiGLU models and COLUMN otherwise (see rule_for).
-ROLE_RULES: Dict[str, Rule] = {r.name: Rule(r.rule) for r in GPT.roles.values() if r.rule is not None}
+# The tables below are views of a model-family spec (spec/gpt.py lists each role and canonical tensor once),
+# built per spec (RoleTables) and chosen by the config (tables_for); the module-level names are the GPT
+# family's, for the callers that have no config at hand (format detection, the optimizer's role tables).
 
 # MLP scopes of MoE layers: role prefix (regex, its group the global expert) -> canonical prefix. The
 # unscoped roles are the dense MLP's, under "mlp.". Scoped roles use the MLP roles fc1/fc2 underneath.
 MLP_SCOPES = ((re.compile(r"^experts\.(\d+)\.(.+)$"), "mlp.experts.{}."),
               (re.compile(r"^shared\.()(.+)$"), "mlp.shared."))
-# roles an MoE layer holds in place of the dense MLP, in megatron-core's parameter order (experts between)
-MOE_ROUTER_ROLES = tuple(r.name for r in GPT.role_list("moe") if r.name.startswith("router."))
-MOE_EXPERT_ROLES = tuple(r.base for r in GPT.role_list("expert"))
-MOE_SHARED_ROLES = ("shared_gate.weight", "shared.fc1.weight", "shared.fc2.weight")  # gate_weight registered first
-
-# Global (non-layer) roles and their canonical names.
-GLOBAL_ROLES = {t.role: t.name for t in GPT.tensors if t.role is not None and not t.axes}
-
-# Per-layer roles that map one-to-one onto a canonical tensor (unscoped, unfused); "mlp." is the scope's prefix.
 _LAYER = "layers.{layer}."
-LAYER_SIMPLE = {t.role: t.name[len(_LAYER):] for t in GPT.tensors
-                if t.role is not None and t.axes == ("layer",) and t.part is None and GPT.roles[t.role].base == t.role}
 
-# The roles every layer of a dense model has (the MoE layer's own are MOE_*_ROLES), in the order writers write them.
-LAYER_ROLES = tuple(r.name for r in GPT.role_list("layer"))
+
+@dataclass(frozen=True)
+class RoleTables:
+    """One spec's role tables.
+
+    rules: role -> rule (a role fused of halves, fc1, is GATED for SwiGLU models and COLUMN otherwise: rule_for).
+    global_roles: global (non-layer) role -> canonical name. layer_simple: per-layer roles that map one-to-one
+    onto a canonical tensor (unscoped, unfused), canonical name relative to the layer ("mlp." the scope's
+    prefix). layer_roles: the roles every layer of a dense model has, in the order writers write them.
+    moe_router / moe_expert (base roles) / moe_shared: an MoE layer's own roles in the framework's registration
+    order (spec.moe_registration), the experts between. The trait sets: spec.with_trait of each schema.TRAITS."""
+    spec: Spec
+    rules: Dict[str, Rule]
+    global_roles: Dict[str, str]
+    layer_simple: Dict[str, str]
+    layer_roles: Tuple[str, ...]
+    moe_router: Tuple[str, ...]
+    moe_expert: Tuple[str, ...]
+    moe_shared: Tuple[str, ...]
+    tied_embedding: Optional[str]  # the canonical tensor the tied_embedding roles share
+
+    @classmethod
+    def of(cls, spec: Spec) -> "RoleTables":
+        experts = [i for i, r in enumerate(spec.moe_registration) if spec.roles[r].is_expert]
+        first, last = (experts[0], experts[-1] + 1) if experts else (len(spec.moe_registration),) * 2
+        return cls(
+            spec=spec,
+            rules={r.name: Rule(r.rule) for r in spec.roles.values() if r.rule is not None},
+            global_roles={t.role: t.name for t in spec.tensors if t.role is not None and not t.axes},
+            layer_simple={t.role: t.name[len(_LAYER):] for t in spec.tensors
+                          if t.role is not None and t.axes == ("layer",) and t.part is None
+                          and spec.roles[t.role].base == t.role},
+            layer_roles=tuple(r.name for r in spec.role_list("layer")),
+            moe_router=spec.moe_registration[:first],
+            moe_expert=tuple(spec.roles[r].base for r in spec.moe_registration[first:last]),
+            moe_shared=spec.moe_registration[last:],
+            tied_embedding=next((t.name for t in spec.tensors if t.role in spec.with_trait("tied_embedding")
+                                 and not t.axes), None))
+
+
+@functools.lru_cache(maxsize=None)
+def tables(spec: Spec) -> RoleTables:
+    return RoleTables.of(spec)
+
+
+def tables_for(cfg) -> RoleTables:
+    """The role tables of the family the config says (spec.FAMILIES)."""
+    return tables(spec_for(cfg))
+
+
+_GPT = tables(GPT)
+ROLE_RULES: Dict[str, Rule] = _GPT.rules
+MOE_ROUTER_ROLES = _GPT.moe_router
+MOE_EXPERT_ROLES = _GPT.moe_expert
+MOE_SHARED_ROLES = _GPT.moe_shared
+GLOBAL_ROLES = _GPT.global_roles
+LAYER_SIMPLE = _GPT.layer_simple
+LAYER_ROLES = _GPT.layer_roles
+# Roles the frameworks single out (the spec's role traits, schema.TRAITS): --decoupled-lr applies to the
+# embedding and output parameters; with tied embeddings and PP > 1 these hold one tensor between stages;
+# a global the first pipeline stage holds (the others sit on the last).
+HEAD_COPY = schema.HEAD_COPY
+EMBEDDING_OR_OUTPUT_ROLES = frozenset(GPT.with_trait("embedding_or_output"))
+TIED_EMBEDDING_ROLES = frozenset(GPT.with_trait("tied_embedding"))
+FIRST_STAGE_ROLES = GPT.with_trait("first_stage")
+LAST_STAGE_ROLES = tuple(r for r in GLOBAL_ROLES if r not in FIRST_STAGE_ROLES)
 
 
 def scope_of(role: str) -> Tuple[str, str]:
@@ -72,15 +130,19 @@ def expert_role(e: int, base: str) -> str:
 
 def moe_layer_roles(cfg: GPTConfig, experts) -> List[str]:
     """An MoE layer's roles after the attention and mlp_norm, for the given global experts, in order."""
-    roles = [r for r in MOE_ROUTER_ROLES]
-    roles += [expert_role(e, base) for e in experts for base in MOE_EXPERT_ROLES]
-    return roles + list(MOE_SHARED_ROLES)
+    t = tables_for(cfg)
+    roles = list(t.moe_router)
+    roles += [expert_role(e, base) for e in experts for base in t.moe_expert]
+    return roles + list(t.moe_shared)
 
 
-def rule_for(role: str, cfg: GPTConfig) -> Rule:
+def rule_for(role: str, cfg: GPTConfig, column: Optional[str] = None) -> Rule:
+    """A role's TP rule; column: the spec name column of the format, where its modules shard a role otherwise
+    (Role.rules: Transformer Engine keeps MLA's down projections whole)."""
     _, role = scope_of(role)
-    rule = ROLE_RULES[role]
-    return Rule.GATED if cfg.gated and GPT.roles[role].fused == "halves" else rule
+    t = tables_for(cfg)
+    rule = t.rules[role] if column is None else Rule(t.spec.roles[role].rule_in(column))
+    return Rule.GATED if cfg.gated and t.spec.roles[role].fused == "halves" else rule
 
 
 def spec_role(role: str) -> Tuple[str, Optional[int]]:
@@ -126,29 +188,32 @@ def qkv_rows(cfg: GPTConfig) -> int:
 # --- readers: role shards -> canonical ------------------------------------------------------
 
 def assemble(cfg: GPTConfig, shards: Dict[Tuple[str, Optional[int]], List[LazyTensor]],
-             replicas: Optional[ReplicaPolicy] = None) -> Dict[str, LazyTensor]:
-    """Turn {(role, global_layer or None): [per-TP-rank lazy]} into canonical lazy tensors."""
+             replicas: Optional[ReplicaPolicy] = None, column: Optional[str] = None) -> Dict[str, LazyTensor]:
+    """Turn {(role, global_layer or None): [per-TP-rank lazy]} into canonical lazy tensors (column: the
+    format's spec name column, for its TP rules: rule_for)."""
     out: Dict[str, LazyTensor] = {}
+    t = tables_for(cfg)
     for (role, layer), parts in shards.items():
-        name = GLOBAL_ROLES[role] if layer is None else f"layers.{layer}.{role}"
-        merged = merge_lazy(parts, rule_for(role, cfg), name, replicas)
+        name = t.global_roles[role] if layer is None else f"layers.{layer}.{role}"
+        merged = merge_lazy(parts, rule_for(role, cfg, column), name, replicas)
         if layer is None:
-            out[GLOBAL_ROLES[role]] = merged
+            out[t.global_roles[role]] = merged
             continue
         mlp, base = scope_of(role)
-        if base in LAYER_SIMPLE:
-            out[f"layers.{layer}." + LAYER_SIMPLE[base].replace("mlp.", mlp, 1)] = merged
-        elif _fused(base) in _UNFUSE:  # the parts, in fused order, as the spec names them
-            out.update(_UNFUSE[_fused(base)](merged, cfg, layer, tuple(canonical_names(role, layer, cfg))))
+        fused = _fused(t.spec, base)
+        if base in t.layer_simple:
+            out[f"layers.{layer}." + t.layer_simple[base].replace("mlp.", mlp, 1)] = merged
+        elif fused in _UNFUSE:  # the parts, in fused order, as the spec names them
+            out.update(_UNFUSE[fused](merged, cfg, layer, tuple(canonical_names(role, layer, cfg))))
         else:  # pragma: no cover - table and code disagree
             raise CkptError(f"internal: no canonical mapping for role {base}")
     return out
 
 
-def _fused(base: str) -> Optional[str]:
+def _fused(spec: Spec, base: str) -> Optional[str]:
     """How a base role's tensor fuses its canonical parts (the spec's Role.fused), None when it does not."""
-    spec = GPT.roles.get(base)
-    return None if spec is None else spec.fused
+    role = spec.roles.get(base)
+    return None if role is None else role.fused
 
 
 def _unfuse_qkv(merged: LazyTensor, cfg: GPTConfig, layer: int, names) -> Dict[str, LazyTensor]:
@@ -211,12 +276,16 @@ def layer_role_tensor(tensors: Dict[str, LazyTensor], cfg: GPTConfig, layer: int
     """The merged (TP=1) fused tensor for one layer role, or None when the model lacks it."""
     scoped = role
     mlp, role = scope_of(role)
-    if role in LAYER_SIMPLE:
-        return tensors.get(f"layers.{layer}." + LAYER_SIMPLE[role].replace("mlp.", mlp, 1))
-    if _fused(role) not in _FUSE:
+    t = tables_for(cfg)
+    if role in t.layer_simple:
+        if not t.spec.has_role(spec_role(scoped)[0], cfg, layer):  # MLA's direct q has GQA's q name
+            return None
+        return tensors.get(f"layers.{layer}." + t.layer_simple[role].replace("mlp.", mlp, 1))
+    fused = _fused(t.spec, role)
+    if fused not in _FUSE:
         raise CkptError(f"internal: unknown role {role}")
-    return _FUSE[_fused(role)](cfg, layer, role.split(".")[1],
-                               [tensors.get(n) for n in canonical_names(scoped, layer, cfg)])
+    kind = role.partition(".")[2] or "tensors"  # weight / bias, for the messages
+    return _FUSE[fused](cfg, layer, kind, [tensors.get(n) for n in canonical_names(scoped, layer, cfg)])
 
 
 def _fuse_qkv(cfg: GPTConfig, layer: int, kind: str, parts) -> Optional[LazyTensor]:
@@ -250,10 +319,11 @@ _FUSE = {"qkv": _fuse_qkv, "halves": _fuse_halves}
 
 def canonical_names(role: str, layer: Optional[int], cfg: GPTConfig) -> List[str]:
     """The canonical tensors a role's tensor holds (one, or the fused parts of QKV and gated fc1), from the spec."""
-    if layer is None:
-        return [GLOBAL_ROLES.get(role, "embed.word")]  # head_copy: the tied embedding again
+    t = tables_for(cfg)
+    if layer is None:  # a role without a tensor of its own (the head copy) holds the tied embedding again
+        return [t.global_roles.get(role) or t.tied_embedding]
     name, expert = spec_role(role)
-    return [t.format(layer, expert) for t in GPT.parts(name, cfg, layer)]
+    return [p.format(layer, expert) for p in t.spec.parts(name, cfg, layer)]
 
 
 def global_role_tensor(tensors: Dict[str, LazyTensor], role: str) -> Optional[LazyTensor]:
@@ -261,7 +331,8 @@ def global_role_tensor(tensors: Dict[str, LazyTensor], role: str) -> Optional[La
 
 
 def shard_role(tensor: LazyTensor, role: str, cfg: GPTConfig, tp: int, layer: Optional[int] = None,
-               names: Optional[Tuple[str, ...]] = None) -> List[LazyTensor]:
+               names: Optional[Tuple[str, ...]] = None, column: Optional[str] = None) -> List[LazyTensor]:
     """The tp per-rank pieces of a role tensor (layer's, or a global one), each declaring its placement
-    under the role's canonical names (or `names` where the caller knows better: a head copy)."""
-    return split_lazy(tensor, rule_for(role, cfg), tp, names or canonical_names(role, layer, cfg))
+    under the role's canonical names (or `names` where the caller knows better: a head copy); column: the
+    format's spec name column, for its TP rules (rule_for)."""
+    return split_lazy(tensor, rule_for(role, cfg, column), tp, names or canonical_names(role, layer, cfg))

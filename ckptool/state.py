@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 from .config import GPTConfig, Layout
-from .spec import GPT
+from .spec import spec_for
 
 if TYPE_CHECKING:  # annotations only: the state itself needs no torch (quick_inspect.py builds one without)
     from .lazy import LazyTensor
@@ -193,5 +193,6 @@ def in_model_order(tensors: Dict[str, LazyTensor], cfg: GPTConfig) -> Dict[str, 
 
 
 def expected_names(cfg: GPTConfig) -> List[str]:
-    """Every canonical tensor name a model with this config has, in streaming order (spec/gpt.py)."""
-    return GPT.names(cfg)
+    """Every canonical tensor name a model with this config has, in streaming order (its family's spec:
+    spec/gpt.py for a GPTConfig)."""
+    return spec_for(cfg).names(cfg)

@@ -1,6 +1,6 @@
 """Multi-Latent Attention (DeepSeek-V3) in the Megatron torch format (megatron-core, local spec): from-hf at
-TP1 / TP2 (PP2, EP2), reshard, to-hf: every tensor bit-exact, transformers' logits equal. The refusals that
-stay (torch_dist, a direct q, YaRN, the mcore-te dialect) are one line each, by name."""
+TP1 / TP2 (PP2, EP2), reshard, to-hf: every tensor bit-exact, transformers' logits equal; with a q latent and
+a direct q. The refusals that stay (YaRN, ds-universal, the legacy dialects) are one line each, by name."""
 from __future__ import annotations
 
 import subprocess
@@ -34,30 +34,41 @@ def deepseek(tmp_path_factory):
     return path, model
 
 
-@pytest.fixture(scope="module")
-def deepseek_dense(tmp_path_factory):
+def _dense_deepseek(tmp_path_factory, seed: int, q_lora_rank, name: str):
     """The same attention, every layer's MLP dense (megatron-core's MLA model then needs no MoE routing)."""
-    torch.manual_seed(29)
+    torch.manual_seed(seed)
     t = transformers
     model = randomise(t.DeepseekV3ForCausalLM(t.DeepseekV3Config(
         **dict(COMMON, num_key_value_heads=4), intermediate_size=64, num_hidden_layers=2, first_k_dense_replace=2,
-        kv_lora_rank=12, q_lora_rank=20, qk_rope_head_dim=8, v_head_dim=10, qk_nope_head_dim=6))).eval()
-    path = tmp_path_factory.mktemp("mla") / "deepseek_v3_dense"
+        kv_lora_rank=12, q_lora_rank=q_lora_rank, qk_rope_head_dim=8, v_head_dim=10, qk_nope_head_dim=6))).eval()
+    path = tmp_path_factory.mktemp("mla") / name
     model.save_pretrained(path)
     return path, model
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_megatron_core_loads_our_mla_strictly_and_computes_transformers_logits(deepseek_dense, tmp_path, tp):
+@pytest.fixture(scope="module")
+def deepseek_dense(tmp_path_factory):
+    return _dense_deepseek(tmp_path_factory, 29, 20, "deepseek_v3_dense")
+
+
+@pytest.fixture(scope="module")
+def deepseek_dense_direct_q(tmp_path_factory):
+    """No q latent (q_lora_rank None, as DeepSeek-V2-Lite): q straight from the input, megatron-core's linear_q_proj."""
+    return _dense_deepseek(tmp_path_factory, 31, None, "deepseek_v3_dense_direct_q")
+
+
+@pytest.mark.parametrize("kind, tp", [("deepseek_dense", 1), ("deepseek_dense", 2), ("deepseek_dense_direct_q", 2)])
+def test_megatron_core_loads_our_mla_strictly_and_computes_transformers_logits(request, tmp_path, kind, tp):
     """megatron-core's MLASelfAttention (local spec) loads our TP output with load_state_dict(strict=True) and its
     fp32 forward matches transformers' DeepseekV3 within 1e-5 relative: the names, TP rules and row orders
-    (q_up per head [nope | rope], kv_down [latent | rope], kv_up per head [k nope | v]) are megatron-core's."""
-    src, model = deepseek_dense
+    (q_up and a direct q per head [nope | rope], kv_down [latent | rope], kv_up per head [k nope | v]) are
+    megatron-core's, with a q latent and without one (linear_q_proj)."""
+    src, model = request.getfixturevalue(kind)
     cli("from-hf", src, tmp_path / "meg", "--tp", tp)
     out = tmp_path / "logits.pt"
     helper = Path(__file__).with_name("mcore_mla_helper.py")
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp),
-                          "--master-port", str(29600 + tp), str(helper), str(tmp_path / "meg"), "--out", str(out)],
+                          "--master-port", str(29600 + tp + 10 * (model.config.q_lora_rank is None)), str(helper), str(tmp_path / "meg"), "--out", str(out)],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     from mcore_dist_helper import TOKENS
@@ -67,6 +78,9 @@ def test_megatron_core_loads_our_mla_strictly_and_computes_transformers_logits(d
                       "model_optim_rng.pt", weights_only=False)["model"]
     layer0 = [k for k in ours if k.startswith("decoder.layers.0.") and not k.endswith("_extra_state")]
     assert layer0 == [n for n in saved["params"] if n.startswith("decoder.layers.0.")]  # megatron-core's order
+    direct = model.config.q_lora_rank is None
+    assert ("decoder.layers.0.self_attention.linear_q_proj.weight" in ours) == direct
+    assert ("decoder.layers.0.self_attention.linear_q_down_proj.weight" in ours) != direct
     want = hf_logits(model, TOKENS)
     assert got.shape == want.shape
     err = ((got - want).abs().max() / want.abs().max()).item()
@@ -74,7 +88,7 @@ def test_megatron_core_loads_our_mla_strictly_and_computes_transformers_logits(d
     # ckptool's own reads of it: an all-dense DeepSeek keeps --num-experts in its args (every layer dense by
     # --moe-layer-freq); the one-process verify runs MLA, the parallel verify refuses it by name
     assert "result=PASS" in cli("verify", tmp_path / "meg", "--reference", src)
-    if tp == 2:
+    if tp == 2 and not direct:
         res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                               "29611", "-m", "ckptool", "verify", str(tmp_path / "meg"), "--reference", str(src)],
                              capture_output=True, text=True, timeout=300)
@@ -125,9 +139,8 @@ def test_deepseek_mla_through_megatron_torch(deepseek, tmp_path, tp, more):
 
 
 @pytest.mark.parametrize("command, kind, more, says", [
-    ("reshard", "deepseek_v3", ("--format", "torch_dist"), "Megatron torch_dist output of MLA models"),
-    ("from-hf", "deepseek_v3", ("--dialect", "mcore-te"), "the mcore-te dialect is not written for MLA"),
-    ("from-hf", "deepseek_v3_direct_q", (), "a direct q projection"),
+    ("reshard", "deepseek_v3", ("--format", "ds-universal"), "Megatron ds-universal output of MLA models"),
+    ("from-hf", "deepseek_v3", ("--dialect", "legacy-norm"), "the legacy-norm dialect predates MLA"),
     ("from-hf", "deepseek_v3_yarn", (), "YaRN")])
 def test_mla_megatron_refusals_stay_named(family, tmp_path, command, kind, more, says):
     src, _ = family(kind)

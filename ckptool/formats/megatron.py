@@ -25,16 +25,16 @@ from ..errors import CkptError, require
 from ..io.torchfile import StoredTensor, StreamingTorchWriter, load_torch_file, write_grouped
 from ..lazy import Const, Derived, LazyTensor, Piece, Placement
 from ..options import ReadOptions
-from ..roles import (assemble, canonical_names, global_role_tensor, layer_role_tensor, moe_layer_roles, scope_of, shard_role,
-                     LAYER_ROLES)
+from ..roles import (FIRST_STAGE_ROLES, assemble, canonical_names, global_role_tensor, layer_role_tensor,
+                     moe_layer_roles, scope_of, shard_role, tables_for)
 from ..sharding import ReplicaPolicy
 from ..state import Checkpoint, SourceInfo, in_model_order
 from ..summary import WriteSummary
 from ..vocab import resize_vocab, target_rows, with_true_vocab_size
 from . import megatron_args, megatron_distopt, megatron_training
 from .megatron_optim import RankParam, role_shards
-from .megatron_names import (DIALECTS, REFUSED_KEYS, Dialect, KeyMatcher, is_ignorable, qkv_from_grouped,
-                             qkv_to_grouped, refused_module, stacked_expert_block)
+from .megatron_names import (DIALECTS, REFUSED_KEYS, Dialect, KeyMatcher, dialects_for, is_ignorable, is_mla,
+                             qkv_from_grouped, qkv_to_grouped, refused_module, stacked_expert_block)
 from .megatron_files import (ITER_DIR, MODEL_FILES, RANK_DIR, TRACKER, detect_dialect, flatten,  # noqa: F401
                              is_optimizer_only, looks_like_megatron, model_file, list_rank_dirs, resolve_iteration_dir)
 
@@ -68,7 +68,7 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
         # megatron-core keeps a synchronised copy of the tied embedding on the last stage
         head_copy = shards[("output", None)][0]
     policy = ReplicaPolicy(opts.replicas, warnings.append)
-    canonical = _canonical_assembler(cfg, src.tp, version, policy)
+    canonical = _canonical_assembler(cfg, src.tp, version, policy, dialect.rule_column)
     tensors = canonical(shards)
     if not cfg.tied_embeddings and "output.weight" not in tensors and head_copy is not None:
         tensors["output.weight"] = head_copy
@@ -151,7 +151,7 @@ def _name_keys(models, src: _RankFiles) -> Tuple[Dialect, KeyMatcher, set, float
     dialect = detect_dialect(all_keys)
     if dialect.qkv_version0_only:
         version = 0.0
-    matcher = KeyMatcher(dialect, mla=any(".linear_kv_down_proj." in k for k in all_keys))
+    matcher = KeyMatcher(dialect, mla=is_mla(all_keys))
     unknown = sorted(k for k in all_keys if matcher.match(k) is None and not is_ignorable(k)
                      and not (isinstance(_any_value(models, k), type(None))))
     for key in unknown:  # modules ckptool knows it does not convert, by name
@@ -242,9 +242,11 @@ def _read_config(src: _RankFiles, dialect: Dialect, shards, num_layers: int, per
     return cfg, [layer_note] if layer_note else []
 
 
-def _canonical_assembler(cfg: GPTConfig, tp: int, version: float, policy: ReplicaPolicy):
+def _canonical_assembler(cfg: GPTConfig, tp: int, version: float, policy: ReplicaPolicy,
+                         rule_column: Optional[str] = None):
     """role shards -> canonical tensors (roles.assemble), the weights' and the optimizer slots' alike: the
-    tied head's copy dropped, and QKV of checkpoint versions before 2 reordered to grouped per rank."""
+    tied head's copy dropped, and QKV of checkpoint versions before 2 reordered to grouped per rank;
+    rule_column: the dialect's (Dialect.rule_column), whose modules may shard a role otherwise."""
     def canonical(role_shards) -> Dict[str, LazyTensor]:
         if cfg.tied_embeddings:
             role_shards.pop(("output", None), None)
@@ -254,7 +256,7 @@ def _canonical_assembler(cfg: GPTConfig, tp: int, version: float, policy: Replic
                 if role.startswith("qkv."):
                     role_shards[(role, layer)] = [
                         Derived(lambda x: qkv_to_grouped(x, version, heads_local, cfg.head_dim), [x]) for x in parts]
-        return assemble(cfg, dict(role_shards), policy)
+        return assemble(cfg, dict(role_shards), policy, rule_column)
     return canonical
 
 
@@ -586,9 +588,9 @@ def _check_dialect_fits(d: Dialect, cfg: GPTConfig, layout: Layout) -> None:
                         "choose --dialect legacy-norm or mcore")
     if cfg.qk_layernorm and not d.name.startswith("mcore"):
         raise CkptError("qk_layernorm exists only in megatron-core models", "choose --dialect mcore")
-    if cfg.mla is not None and d.name != "mcore":
-        raise CkptError(f"Multi-Latent Attention: the {d.name} dialect is not written for MLA models "
-                        "(mcore-te keeps the down projections whole and fuses the latent norms)", "choose --dialect mcore")
+    if cfg.mla is not None and not d.name.startswith("mcore"):
+        raise CkptError(f"Multi-Latent Attention: the {d.name} dialect predates MLA models",
+                        "choose --dialect mcore or mcore-te")
     if d.name.startswith("mcore"):
         megatron_args.refuse_what_megatron_core_ignores(cfg, "choose --dialect legacy or legacy-norm")
     if cfg.moe is None:
@@ -685,7 +687,7 @@ class _Target:
     def shard(self, role: str, full: LazyTensor, t: int, names: Tuple[str, ...], cast: bool = True) -> Piece:
         """File t's piece of a role tensor (or of one of its optimizer slots), declaring its placement
         under names; its streaming group follows from that (_unit_of)."""
-        piece = rank_piece(full, role, self.cfg_out, self.layout, t, names=names)
+        piece = rank_piece(full, role, self.cfg_out, self.layout, t, names=names, column=self.d.rule_column)
         if role.startswith("qkv.") and self.qkv_version < 2:
             heads_local, qkv_version = self.cfg.num_attention_heads // self.layout.tp, self.qkv_version
             piece = Piece(Derived(lambda x: qkv_from_grouped(x, qkv_version, heads_local, self.cfg.head_dim), [piece]),
@@ -699,52 +701,86 @@ def _plan_target(ckpt: Checkpoint, layout: Layout, dialect, dtype, checkpoint_ve
                  pad_fill, iteration, warn, optimizer, distributed_optimizer, dp, overlap_grad_reduce,
                  ddp_bucket_size, distrib_optim_era, moe_grouped_gemm) -> _Target:
     """Check the model fits the dialect and layout, then settle what every rank file shares (see _Target):
-    done once, before any file exists, so a refused write leaves nothing behind."""
+    done once, before any file exists, so a refused write leaves nothing behind. The steps, in order:
+    the dialect; whether the model and layout fit it; the checkpoint_version and iteration written; the
+    vocabulary padded for the target TP; the training state carried; the args; the distributed optimizer's
+    buffers; the keys of a layer's roles and experts."""
     cfg = ckpt.config
-    name = dialect or default_dialect(ckpt)
-    if name not in DIALECTS:
-        raise CkptError(f"unknown dialect {name!r}", f"choose one of {', '.join(DIALECTS)}")
-    d = DIALECTS[name]
-    check_tensor_parallel(cfg, layout.tp)
-    _check_dialect_fits(d, cfg, layout)
+    d = _target_dialect(ckpt, dialect)
+    _check_target_fits(d, cfg, layout)
     grouped = _grouped_gemm(ckpt, d, moe_grouped_gemm)
-    expert_keys = d.grouped_experts if grouped else (d.experts[0] if d.experts else {})
-    chunks = layout.chunks(cfg.num_layers)
-    if layout.stage_layers and layout.pp > 2:
-        mids = set(layout.stage_layers[1:-1])
-        require(len(mids) == 1, f"Megatron can only make the first and last stage different "
-                f"(--decoder-first/last-pipeline-num-layers); {list(layout.stage_layers)} varies in the middle",
-                "give the middle stages equal layer counts")
     version = _target_version(ckpt, d, checkpoint_version)
-    qkv_version = 0.0 if version is None else version
-    if qkv_version < 2 and cfg.num_query_groups != cfg.num_attention_heads:
-        raise CkptError(f"checkpoint_version {version} predates grouped-query attention",
-                        "write checkpoint_version 3.0")
-    if release is None:
-        release = d.name == "flat2019" or ckpt.source.release
+    qkv_version = _qkv_version(cfg, version)
+    release = release if release is not None else (d.name == "flat2019" or ckpt.source.release)
     iteration = iteration if iteration is not None else (ckpt.source.iteration or 0)
-
-    rows = target_rows(cfg, layout.tp, divisible_by, warn)
-    tensors = resize_vocab(ckpt.tensors, cfg, rows, pad_fill)
-    cfg_out = cfg.replace(padded_vocab_size=rows,
-                          make_vocab_size_divisible_by=divisible_by or cfg.make_vocab_size_divisible_by)
-    out_dtype = dtype
-    if out_dtype is None:
-        out_dtype = next(iter(tensors.values())).dtype
+    cfg_out, tensors = _padded_vocabulary(ckpt, layout, divisible_by, pad_fill, warn)
+    rows = cfg_out.padded_vocab_size
+    out_dtype = dtype if dtype is not None else next(iter(tensors.values())).dtype
     train = megatron_training.TrainingTarget.for_target(ckpt, tensors, cfg, rows, out_dtype) if optimizer else None
     if train is not None and train.weights_from_masters:
         tensors = train.slots["master"]  # fp32 training: the fp32 masters are the weights
     args = None
     if d.has_args:
-        args = megatron_args.args_for_target(ckpt.source.args,
-                                             cfg_out, layout, rows, out_dtype, d.legacy_models,
+        args = megatron_args.args_for_target(ckpt.source.args, cfg_out, layout, rows, out_dtype, d.legacy_models,
                                              d.transformer_impl, version or 3.0, iteration, grouped_gemm=grouped)
     distributed = megatron_training.DistributedTarget.for_target(
         train, distributed_optimizer, dp, args, out_dtype, cfg, layout, overlap_grad_reduce, ddp_bucket_size,
         distrib_optim_era or megatron_distopt.CURRENT.since)
-    layer_roles = d.param_order + tuple(r for r in LAYER_ROLES if r not in d.param_order)
     return _Target(cfg, cfg_out, d, layout, dtype, version, qkv_version, release, iteration, rows, tensors, train,
-                   distributed, args, grouped, expert_keys, chunks, layer_roles)
+                   distributed, args, grouped, expert_keys=_expert_keys(d, grouped),
+                   chunks=layout.chunks(cfg.num_layers), layer_roles=_layer_roles(d, cfg))
+
+
+def _target_dialect(ckpt: Checkpoint, asked: Optional[str]) -> Dialect:
+    """The dialect asked for, else the source's when it is a torch-format one, else mcore; of the model's family."""
+    dialects = dialects_for(ckpt.config)
+    name = asked or default_dialect(ckpt)
+    if name not in dialects:
+        raise CkptError(f"unknown dialect {name!r}", f"choose one of {', '.join(dialects)}")
+    return dialects[name]
+
+
+def _check_target_fits(d: Dialect, cfg: GPTConfig, layout: Layout) -> None:
+    """Refuse a model the dialect cannot hold or a layout Megatron cannot load, before any file exists."""
+    check_tensor_parallel(cfg, layout.tp)
+    _check_dialect_fits(d, cfg, layout)
+    layout.chunks(cfg.num_layers)  # the layers split over the stages and virtual chunks (refused where not)
+    if layout.stage_layers and layout.pp > 2:
+        mids = set(layout.stage_layers[1:-1])
+        require(len(mids) == 1, f"Megatron can only make the first and last stage different "
+                f"(--decoder-first/last-pipeline-num-layers); {list(layout.stage_layers)} varies in the middle",
+                "give the middle stages equal layer counts")
+
+
+def _qkv_version(cfg: GPTConfig, version: Optional[float]) -> float:
+    """The per-rank QKV order written (checkpoint_version's; the 2019 flat dialect's is version 0's)."""
+    qkv_version = 0.0 if version is None else version
+    if qkv_version < 2 and cfg.num_query_groups != cfg.num_attention_heads:
+        raise CkptError(f"checkpoint_version {version} predates grouped-query attention",
+                        "write checkpoint_version 3.0")
+    return qkv_version
+
+
+def _padded_vocabulary(ckpt: Checkpoint, layout: Layout, divisible_by, pad_fill, warn
+                       ) -> Tuple[GPTConfig, Dict[str, LazyTensor]]:
+    """The output's config and weights with the vocabulary padded as Megatron pads it for the target TP."""
+    cfg = ckpt.config
+    rows = target_rows(cfg, layout.tp, divisible_by, warn)
+    cfg_out = cfg.replace(padded_vocab_size=rows,
+                          make_vocab_size_divisible_by=divisible_by or cfg.make_vocab_size_divisible_by)
+    return cfg_out, resize_vocab(ckpt.tensors, cfg, rows, pad_fill)
+
+
+def _expert_keys(d: Dialect, grouped: bool) -> Dict[str, str]:
+    """The experts' keys written: the dialect's grouped-GEMM module's, else its first expert form's."""
+    return d.grouped_experts if grouped else (d.experts[0] if d.experts else {})
+
+
+def _layer_roles(d: Dialect, cfg: GPTConfig) -> Tuple[str, ...]:
+    """A layer's roles in the dialect's parameter order (an MLA model's where it differs), the roles it does
+    not order after them."""
+    order = d.layer_param_order(cfg.mla is not None)
+    return order + tuple(r for r in tables_for(cfg).layer_roles if r not in order)
 
 
 def _target_version(ckpt: Checkpoint, d: Dialect, asked: Optional[float]) -> Optional[float]:
@@ -823,7 +859,7 @@ class _RankFile:
         plan, d, tensors, train = self.plan, self.plan.d, self.plan.tensors, self.plan.train
         flat: Dict[str, object] = {}
         if self.p == 0 and v == 0:
-            for role in ("word", "pos"):
+            for role in FIRST_STAGE_ROLES:  # the embeddings (a spec trait)
                 if global_role_tensor(tensors, role) is not None:
                     self.put(flat, d.globals[role], role, None, megatron_training.global_slots(tensors, train, role), v)
         for local in range(count):
@@ -837,22 +873,23 @@ class _RankFile:
         layer's router / experts / shared expert, and the dialect's extra state."""
         plan, d, tensors, train, cfg_out = self.plan, self.plan.d, self.plan.tensors, self.plan.train, self.plan.cfg_out
         moe_layer = cfg_out.is_moe_layer(g)
+        mla = cfg_out.mla is not None
         for role in plan.layer_roles:
             if layer_role_tensor(tensors, cfg_out, g, role) is None:
                 continue
-            if role not in d.layer:
+            key = d.layer_key(role, moe_layer, mla)
+            if key is None:
                 raise CkptError(f"the {d.name} dialect has no place for {role} tensors",
                                 "choose --dialect mcore")
-            key = d.moe_layer.get(role, d.layer[role]) if moe_layer else d.layer[role]
             self.put(flat, prefix + key, role, g, megatron_training.layer_slots(tensors, train, cfg_out, g, role), v)
         if moe_layer:
             self.moe_entries(flat, v, g, prefix)
-        mla = cfg_out.mla is not None
         for extra in d.extra_state:  # an MoE layer has no dense MLP, nor its extra state
             if not (moe_layer and extra.startswith("mlp.")) and not (mla and ".linear_qkv." in extra):
                 flat[prefix + extra] = _extra_state_value(d)
-        for extra in d.mla_extra_state if mla else ():  # MLA's linears in place of linear_qkv
-            flat[prefix + extra] = _extra_state_value(d)
+        for role, extra in d.mla_extra_state.items() if mla else ():  # MLA's linears in place of linear_qkv
+            if tables_for(cfg_out).spec.has_role(role, cfg_out, g):
+                flat[prefix + extra] = _extra_state_value(d)
 
     def moe_entries(self, flat: Dict[str, object], v: int, g: int, prefix: str) -> None:
         """MoE layer g's router, this EP rank's experts under their local index (fc-major when grouped), the
@@ -908,13 +945,13 @@ def _write_and_summarise(plan: _Target, writers, distopt_writers, progress) -> W
 
 
 def rank_piece(full: LazyTensor, role: str, cfg: GPTConfig, layout: Layout, t: int, layer: Optional[int] = None,
-               names: Optional[Tuple[str, ...]] = None) -> Piece:
+               names: Optional[Tuple[str, ...]] = None, column: Optional[str] = None) -> Piece:
     """TP rank t's piece of a merged role tensor, as its Megatron file holds it (write_megatron writes it,
     verify's rank view of a merged source computes with it): routed experts are cut over expert TP, file t
-    holding shard t % ETP; the rest over TP."""
+    holding shard t % ETP; the rest over TP; column: the dialect's Dialect.rule_column."""
     if role.startswith("experts."):
-        return shard_role(full, role, cfg, layout.expert_tp, layer, names)[t % layout.expert_tp]
-    return shard_role(full, role, cfg, layout.tp, layer, names)[t]
+        return shard_role(full, role, cfg, layout.expert_tp, layer, names, column)[t % layout.expert_tp]
+    return shard_role(full, role, cfg, layout.tp, layer, names, column)[t]
 
 
 def _moe_key(d: Dialect, expert_keys: Dict[str, str], role: str, first_expert: int) -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from ..errors import CkptError
-from .megatron_names import DIALECTS, Dialect, KeyMatcher, is_ignorable
+from .megatron_names import DIALECTS, Dialect, KeyMatcher, is_ignorable, is_mla
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILES = ("model_optim_rng.pt", "model_rng.pt")
@@ -117,8 +117,9 @@ def flatten(tree, prefix: str = "") -> Dict[str, object]:
 def detect_dialect(keys) -> Dialect:
     keys = [k for k in keys if not is_ignorable(k)]
     best, best_hits = None, -1
+    mla = is_mla(keys)
     for d in DIALECTS.values():
-        m = KeyMatcher(d)
+        m = KeyMatcher(d, mla=mla)
         hits = sum(1 for k in keys if m.match(k))
         if hits > best_hits:
             best, best_hits = d, hits

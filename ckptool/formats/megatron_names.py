@@ -1,8 +1,10 @@
 """Megatron's key names, one dialect per era, as data.
 
 Each dialect maps roles (roles.py) to state-dict keys, read from the model-family spec (spec/gpt.py: each
-role's key per name column; ERAS below: which columns a dialect reads, renamed how). Nested state dicts (legacy
-`model['language_model'][...]`) are flattened with '/' between dict levels, so a key is a path:
+role's key, the layer prefix and the parameter registration order per name column; ERAS below: which
+columns a dialect reads, renamed how). dialects(spec) builds them for any family's spec; DIALECTS is
+GPT's. Nested state dicts (legacy `model['language_model'][...]`) are flattened with '/' between dict
+levels, so a key is a path:
 'language_model/encoder/layers.{i}.input_norm.weight'. {i} is the layer index local to the file
 (pipeline stage / virtual chunk).
 
@@ -20,8 +22,9 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
-from ..spec import GPT
-from ..spec.schema import FLAT, LEGACY, LEGACY_GROUPED, MCORE, SEQUENTIAL, TE, TE_GROUPED, TE_MOE
+from ..spec import GPT, spec_for
+from ..spec.schema import (FLAT, HEAD_COPY, LEGACY, LEGACY_GROUPED, MCORE, SEQUENTIAL, TE, TE_GROUPED, TE_MLA, TE_MOE,
+                           Spec)
 
 if TYPE_CHECKING:  # annotations only: the dialect tables are read without torch (quick inspect)
     import torch
@@ -31,7 +34,7 @@ if TYPE_CHECKING:  # annotations only: the dialect tables are read without torch
 class Dialect:
     name: str
     globals: Dict[str, str]
-    layer_prefix: str
+    layer_prefix: Optional[str]  # None only while building: the spec has no layer keys in this dialect's column
     layer: Dict[str, str]
     head_copy: Optional[str] = None  # where the last stage keeps the tied embedding when PP > 1
     extra_state: Tuple[str, ...] = ()  # per-layer `_extra_state` keys the framework expects
@@ -43,7 +46,8 @@ class Dialect:
     legacy_models: bool = True
     transformer_impl: str = "local"
     # Per-layer roles in the order the framework registers the parameters (= named_parameters() and
-    # state-dict order), which is the order its optimizer groups list them in (megatron_optim.py).
+    # state-dict order), which is the order its optimizer groups list them in (megatron_optim.py): the spec's
+    # registration order of the dialect's layer column.
     param_order: Tuple[str, ...] = ()
     # MoE layers (megatron-core): the router / shared-expert roles' keys (layer-relative, like `layer`);
     # each local expert's fc1/fc2 keys, {j} the expert's index local to its expert-parallel rank (the
@@ -59,8 +63,25 @@ class Dialect:
     grouped_extra_state: Tuple[str, ...] = ()
     # read only: expert forms holding all local experts of a layer in one tensor per fc (legacy GroupedMLP)
     stacked_experts: Dict[str, str] = dataclasses.field(default_factory=dict)
-    # Multi-Latent Attention layers: the extra-state keys of its linears, in place of linear_qkv's
-    mla_extra_state: Tuple[str, ...] = ()
+    # Multi-Latent Attention models: the extra-state keys of its linears (role -> key; a model has those of
+    # the roles it holds), in place of linear_qkv's; the keys that differ from `layer` in an MLA model (TE: the
+    # input norm stays a module of its own); the layer's parameter order when it differs from param_order
+    mla_extra_state: Dict[str, str] = dataclasses.field(default_factory=dict)
+    mla_layer: Dict[str, str] = dataclasses.field(default_factory=dict)
+    mla_param_order: Tuple[str, ...] = ()
+    # the spec column whose TP rules the dialect's modules follow (Role.rules; None: every role's own rule)
+    rule_column: Optional[str] = None
+
+    def layer_key(self, role: str, moe: bool = False, mla: bool = False) -> Optional[str]:
+        """A layer role's layer-relative key in an MoE layer (moe) of an MLA model (mla), or None."""
+        if moe and role in self.moe_layer:
+            return self.moe_layer[role]
+        if mla and role in self.mla_layer:
+            return self.mla_layer[role]
+        return self.layer.get(role)
+
+    def layer_param_order(self, mla: bool) -> Tuple[str, ...]:
+        return self.mla_param_order if mla and self.mla_param_order else self.param_order
 
 
 def _rename(table: Dict[str, str], *pairs) -> Dict[str, str]:
@@ -87,85 +108,119 @@ ERAS = {  # dialect -> (globals column, layer column, renames)
 }
 
 
-def _era(name: str) -> Dict[str, object]:
-    glob, layer, renames = ERAS[name]
-    return dict(globals=_rename(GPT.keys("global", glob), *renames),
-                layer=_rename(GPT.keys("layer", layer), *renames))
+class _Columns:
+    """One spec's keys as the dialects read them (a view: nothing here names a role)."""
+
+    def __init__(self, spec: Spec):
+        self.spec = spec
+
+    def era(self, name: str) -> Dict[str, object]:
+        """A dialect's key tables from its columns (ERAS): globals, layer roles, the layer prefix, where the last
+        stage keeps a tied embedding (the spec's head-copy role) and the order a layer's roles are registered in
+        (= named_parameters() and state-dict order, the order the optimizer groups list them in: megatron_optim.py)."""
+        glob, layer, renames = ERAS[name]
+        head_copy = self.spec.roles.get(HEAD_COPY)
+        optional = dict(layer_prefix=self.spec.layer_prefix(glob),
+                        head_copy=head_copy.key(glob) if head_copy is not None else None)
+        return dict(globals=_rename(self.spec.keys("global", glob), *renames),
+                    layer=_rename(self.spec.keys("layer", layer), *renames),
+                    **{k: v and _rename({k: v}, *renames)[k] for k, v in optional.items()},
+                    param_order=self.spec.registration_order(layer))
+
+    def experts(self, column: str) -> Dict[str, str]:
+        """An expert module form's keys by base role (fc1.weight, fc2.weight)."""
+        return {self.spec.roles[role].base: key for role, key in self.spec.keys("expert", column).items()}
+
+    def extra_state(self, column: str, roles) -> Tuple[str, ...]:
+        """The `_extra_state` keys of the linear modules holding these roles (one per module, beside its weight)."""
+        return tuple(self.extra_state_of(column, roles).values())
+
+    def extra_state_of(self, column: str, roles) -> Dict[str, str]:
+        """role -> the `_extra_state` key of the linear module holding it."""
+        return {r: self.spec.roles[r].key(column).rsplit(".", 1)[0] + "._extra_state" for r in roles}
+
+    def differing(self, where: str, column: str, base: str) -> Dict[str, str]:
+        """The keys of `where`'s roles in `column` that differ from their keys in `base`."""
+        base_keys = self.spec.keys(where, base)
+        return {role: key for role, key in self.spec.keys(where, column).items() if base_keys.get(role) != key}
+
+    def linears(self, where: str, column: str, mla: bool = False) -> Tuple[str, ...]:
+        """The roles of `where` (Spec.role_list) held by linear modules (trait "linear", which carry an
+        `_extra_state`), in the column's registration order for layer roles (an MLA model's own apart)."""
+        linear = set(self.spec.with_trait("linear"))
+        if where == "layer":
+            order = self.spec.registration_order(column)
+            return tuple(r for r in order if r in linear and self.spec.roles[r].key(column) is not None
+                         and r.startswith("mla.") == mla)
+        return tuple(r.name for r in self.spec.role_list(where) if r.name in linear)
 
 
-def _experts(column: str) -> Dict[str, str]:
-    """An expert module form's keys by base role (fc1.weight, fc2.weight)."""
-    return {GPT.roles[role].base: key for role, key in GPT.keys("expert", column).items()}
+def dialects(spec: Spec) -> Dict[str, Dialect]:
+    """The Megatron dialects of one family's spec (cached per spec: the tables are built once)."""
+    if spec not in _DIALECTS_BY_SPEC:
+        _DIALECTS_BY_SPEC[spec] = _build_dialects(_Columns(spec))
+    return _DIALECTS_BY_SPEC[spec]
 
 
-def _extra_state(column: str, *roles: str) -> Tuple[str, ...]:
-    """The `_extra_state` keys of the linear modules holding these roles (one per module, beside its weight)."""
-    return tuple(GPT.roles[r].key(column).rsplit(".", 1)[0] + "._extra_state" for r in roles)
+def dialects_for(config) -> Dict[str, Dialect]:
+    """The Megatron dialects of the family the config says (spec.FAMILIES)."""
+    return dialects(spec_for(config))
 
 
-_LINEARS = ("proj.weight", "qkv.weight", "fc1.weight", "fc2.weight")  # megatron-core's registration order
-_EXPERT_LINEARS = ("experts.{expert}.fc1.weight", "experts.{expert}.fc2.weight")
-_MCORE_EXTRA = _extra_state(MCORE, *_LINEARS)
-# megatron-core MoE layers (local spec): TopKRouter, SequentialMLP experts, SharedExpertMLP.
-_MCORE_MOE_LAYER = GPT.keys("moe", MCORE)
-_SEQUENTIAL_EXPERTS = _experts(SEQUENTIAL)
-_SEQUENTIAL_EXPERT_EXTRA = _extra_state(SEQUENTIAL, *_EXPERT_LINEARS)
-# TEGroupedMLP (--moe-grouped-gemm with Transformer Engine): one TE GroupedLinear per fc, local expert j's
-# weight under `weight{j}`, each laid out as a linear layer's [out / TP, in] (fc1: [gate_r; up_r] when gated).
-_TE_GROUPED_EXPERTS = _experts(TE_GROUPED)
-_TE_GROUPED_EXTRA = _extra_state(TE_GROUPED, *_EXPERT_LINEARS)
-# The legacy GroupedMLP (--moe-grouped-gemm on the local spec, or --moe-use-legacy-grouped-gemm): one tensor per
-# fc for all local experts, laid out for grouped_gemm's kernels (stacked_expert_block below).
-_LEGACY_GROUPED_EXPERTS = _experts(LEGACY_GROUPED)
-_SHARED_EXTRA = _extra_state(MCORE, "shared.fc1.weight", "shared.fc2.weight")
+_DIALECTS_BY_SPEC: Dict[Spec, Dict[str, Dialect]] = {}
 
 
-# named_parameters() order of a layer. Legacy: norm, query_key_value, dense, norm, MLP. megatron-core
-# registers linear_proj before linear_qkv (Attention.__init__ runs before SelfAttention adds linear_qkv),
-# and Transformer Engine's LayerNormLinear registers layer_norm_weight/_bias before weight/bias (read in
-# TE's module/layernorm_linear.py; not run here: TE does not install on a CPU-only machine).
-_LEGACY_PARAM_ORDER = ("attn_norm.weight", "attn_norm.bias", "qkv.weight", "qkv.bias", "proj.weight",
-                       "proj.bias", "mlp_norm.weight", "mlp_norm.bias", "fc1.weight", "fc1.bias",
-                       "fc2.weight", "fc2.bias")
-_QK_NORMS = ("q_norm.weight", "q_norm.bias", "k_norm.weight", "k_norm.bias")
-_MLP = ("mlp_norm.weight", "mlp_norm.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
-# MLASelfAttention (megatron-core 0.16 multi_latent_attention.py) registers linear_proj, then its q / kv linears
-# and the latent norms last; an MLA model has no qkv roles, a GQA model none of these.
-_MLA_LINEARS = ("mla.q_down.weight", "mla.q_up.weight", "mla.kv_down.weight", "mla.kv_up.weight")
-_MLA_PARAMS = _MLA_LINEARS + ("mla.q_down_norm.weight", "mla.kv_down_norm.weight")
-_MCORE_PARAM_ORDER = (("attn_norm.weight", "attn_norm.bias", "proj.weight", "proj.bias", "qkv.weight", "qkv.bias")
-                      + _MLA_PARAMS + _QK_NORMS + _MLP)
-_MCORE_TE_PARAM_ORDER = (("proj.weight", "proj.bias", "attn_norm.weight", "attn_norm.bias", "qkv.weight", "qkv.bias")
-                         + _QK_NORMS + _MLP)
+def _build_dialects(c: _Columns) -> Dict[str, Dialect]:
+    mcore_extra = c.extra_state(MCORE, c.linears("layer", MCORE))
+    # megatron-core MoE layers (local spec): TopKRouter, SequentialMLP experts, SharedExpertMLP.
+    expert_linears = c.linears("expert", MCORE)
+    sequential = c.experts(SEQUENTIAL)
+    sequential_extra = c.extra_state(SEQUENTIAL, expert_linears)
+    # TEGroupedMLP (--moe-grouped-gemm with Transformer Engine): one TE GroupedLinear per fc, local expert j's
+    # weight under `weight{j}`, each laid out as a linear layer's [out / TP, in] (fc1: [gate_r; up_r] when gated).
+    te_grouped = c.experts(TE_GROUPED)
+    # The legacy GroupedMLP (--moe-grouped-gemm on the local spec, or --moe-use-legacy-grouped-gemm): one tensor
+    # per fc for all local experts, laid out for grouped_gemm's kernels (stacked_expert_block below).
+    legacy_grouped = c.experts(LEGACY_GROUPED)
+    shared_extra = c.extra_state(MCORE, c.linears("moe", MCORE))
+    output_extra = c.extra_state(MCORE, c.linears("global", MCORE))
+    return {d.name: d for d in [  # (a family whose spec has no layer prefix for a dialect's column lacks it)
+        Dialect("flat2019", **c.era("flat2019"), has_args=False, qkv_version0_only=True),
+        Dialect("legacy-2020", **c.era("legacy-2020"), nested=True),
+        Dialect("legacy", **c.era("legacy"), nested=True),
+        Dialect("legacy-norm", **c.era("legacy-norm"), nested=True),
+        Dialect("mcore", **c.era("mcore"), extra_state=mcore_extra, global_extra_state=output_extra,
+                legacy_models=False, moe_layer=c.spec.keys("moe", MCORE), experts=(sequential,),
+                expert_extra_state=sequential_extra, shared_extra_state=shared_extra, stacked_experts=legacy_grouped,
+                mla_extra_state=c.extra_state_of(MCORE, c.linears("layer", MCORE, mla=True))),
+        Dialect("mcore-te", **c.era("mcore-te"),
+                extra_state=mcore_extra + ("self_attention.core_attention._extra_state",),
+                extra_state_value="empty_bytes", global_extra_state=output_extra,
+                legacy_models=False, transformer_impl="transformer_engine",
+                # MoE layers keep a separate pre_mlp_layernorm (no fc1 to fuse it into); experts as SequentialMLP
+                # of TE linears, or TEGroupedMLP under --moe-grouped-gemm (layouts from megatron-core's
+                # experts.py; Transformer Engine itself does not run here), or legacy GroupedMLP (read only)
+                moe_layer=dict(c.spec.keys("moe", TE), **c.spec.keys("layer", TE_MOE)),
+                experts=(sequential, te_grouped), expert_extra_state=sequential_extra,
+                shared_extra_state=shared_extra, grouped_experts=te_grouped,
+                grouped_extra_state=c.extra_state(TE_GROUPED, expert_linears), stacked_experts=legacy_grouped,
+                # MLA (get_gpt_layer_with_transformer_engine_spec; Transformer Engine itself does not run here): the
+                # input norm a module of its own, the latent norms inside the up projections, the down projections
+                # whole on every TP rank (the spec's TE rules)
+                mla_extra_state=c.extra_state_of(TE_MLA, c.linears("layer", TE_MLA, mla=True)),
+                mla_layer=c.differing("layer", TE_MLA, TE), mla_param_order=c.spec.registration_order(TE_MLA),
+                rule_column=TE_MLA),
+    ] if d.layer_prefix is not None}
 
 
-DIALECTS: Dict[str, Dialect] = {d.name: d for d in [
-    Dialect("flat2019", layer_prefix="transformer.layers.{i}.", **_era("flat2019"),
-            has_args=False, qkv_version0_only=True, param_order=_LEGACY_PARAM_ORDER),
-    Dialect("legacy-2020", layer_prefix="language_model/transformer/layers.{i}.", **_era("legacy-2020"),
-            head_copy="word_embeddings_for_head/weight", nested=True, param_order=_LEGACY_PARAM_ORDER),
-    Dialect("legacy", layer_prefix="language_model/encoder/layers.{i}.", **_era("legacy"),
-            head_copy="word_embeddings_for_head/weight", nested=True, param_order=_LEGACY_PARAM_ORDER),
-    Dialect("legacy-norm", layer_prefix="language_model/encoder/layers.{i}.", **_era("legacy-norm"),
-            head_copy="word_embeddings_for_head/weight", nested=True, param_order=_LEGACY_PARAM_ORDER),
-    Dialect("mcore", layer_prefix="decoder.layers.{i}.", **_era("mcore"),
-            head_copy="output_layer.weight", extra_state=_MCORE_EXTRA,
-            global_extra_state=("output_layer._extra_state",), legacy_models=False,
-            param_order=_MCORE_PARAM_ORDER, moe_layer=_MCORE_MOE_LAYER, experts=(_SEQUENTIAL_EXPERTS,),
-            expert_extra_state=_SEQUENTIAL_EXPERT_EXTRA, shared_extra_state=_SHARED_EXTRA,
-            stacked_experts=_LEGACY_GROUPED_EXPERTS, mla_extra_state=_extra_state(MCORE, *_MLA_LINEARS)),
-    Dialect("mcore-te", layer_prefix="decoder.layers.{i}.", **_era("mcore-te"), head_copy="output_layer.weight",
-            extra_state=_MCORE_EXTRA + ("self_attention.core_attention._extra_state",),
-            extra_state_value="empty_bytes", global_extra_state=("output_layer._extra_state",),
-            legacy_models=False, transformer_impl="transformer_engine", param_order=_MCORE_TE_PARAM_ORDER,
-            # MoE layers keep a separate pre_mlp_layernorm (no fc1 to fuse it into); experts as SequentialMLP
-            # of TE linears, or TEGroupedMLP under --moe-grouped-gemm (layouts from megatron-core's
-            # experts.py; Transformer Engine itself does not run here), or legacy GroupedMLP (read only)
-            moe_layer=dict(GPT.keys("moe", TE), **GPT.keys("layer", TE_MOE)),
-            experts=(_SEQUENTIAL_EXPERTS, _TE_GROUPED_EXPERTS), expert_extra_state=_SEQUENTIAL_EXPERT_EXTRA,
-            shared_extra_state=_SHARED_EXTRA, grouped_experts=_TE_GROUPED_EXPERTS,
-            grouped_extra_state=_TE_GROUPED_EXTRA, stacked_experts=_LEGACY_GROUPED_EXPERTS),
-]}
+DIALECTS: Dict[str, Dialect] = dialects(GPT)  # the GPT family's, for the readers that detect a dialect by its keys
+
+
+def is_mla(keys) -> bool:
+    """Whether a Megatron (torch or torch_dist) checkpoint with these keys is of a Multi-Latent Attention model:
+    every MLA layer has a kv down projection, which no other model has. KeyMatcher's mla flag."""
+    return any(".linear_kv_down_proj." in k for k in keys)
+
 
 
 class KeyMatcher:
@@ -184,6 +239,8 @@ class KeyMatcher:
         for role, suffix in dialect.layer.items():
             if suffix not in self.layer or role.startswith("mla.") == mla:
                 self.layer[suffix] = role
+        if mla:
+            self.layer.update({suffix: role for role, suffix in dialect.mla_layer.items()})
         self.layer.update({suffix: role for role, suffix in dialect.moe_layer.items()})
         # expert keys: (regex of the layer-relative key, its group the local expert) -> base role
         self.experts = [(re.compile("^" + re.escape(key).replace(r"\{j\}", r"(\d+)") + "$"), base)

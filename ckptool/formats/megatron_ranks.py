@@ -35,7 +35,8 @@ from ..errors import CkptError
 from ..io.torchfile import load_torch_file
 from ..lazy import Derived, LazyTensor
 from ..options import ReadOptions
-from ..roles import GLOBAL_ROLES, LAYER_ROLES, expert_role, global_role_tensor, layer_role_tensor, moe_layer_roles
+from ..roles import (FIRST_STAGE_ROLES, GLOBAL_ROLES, LAYER_ROLES, expert_role, global_role_tensor, layer_role_tensor,
+                     moe_layer_roles)
 from ..state import Checkpoint
 from ..vocab import resize_vocab, target_rows
 from .megatron import model_file, flatten, rank_piece, read_megatron, resolve_iteration_dir, unstack_grouped
@@ -82,7 +83,7 @@ def read_rank_shards(path, tp_rank: int, pp_rank: int, opts: Optional[ReadOption
     experts = _local_experts(cfg, layout, ep_rank)
     tree = load_torch_file(file)
     dialect = DIALECTS[ckpt.source.dialect]
-    matcher = KeyMatcher(dialect)
+    matcher = KeyMatcher(dialect, mla=cfg.mla is not None)  # MLA: q_layernorm is the q latent norm
     chunks = [(first, count) for p, _, first, count in layout.chunks(cfg.num_layers) if p == pp_rank]
     models = [tree["model"]] if not layout.vpp else [tree[f"model{v}"] for v in range(layout.vpp)]
     version = 0.0 if dialect.qkv_version0_only else float(ckpt.source.checkpoint_version or 0)
@@ -128,7 +129,7 @@ def slice_rank_shards(ckpt: Checkpoint, layout: Layout, tp_rank: int, pp_rank: i
     out: Dict[str, LazyTensor] = {}
     last = pp_rank == layout.pp - 1
     for role, name in GLOBAL_ROLES.items():
-        wanted = {"word": pp_rank == 0, "pos": pp_rank == 0, "output": last}.get(role, last)
+        wanted = pp_rank == 0 if role in FIRST_STAGE_ROLES else last
         tensor = global_role_tensor(tensors, role)
         if role == "output" and tensor is None and last:
             tensor = global_role_tensor(tensors, "word")  # tied: the last stage's copy of the embedding

@@ -37,18 +37,14 @@ from ..formats import mds_pipeline as mds
 from ..formats.deepspeed_files import TagFiles, megatron_key, resolve_tag_dir, scan_tag_dir
 from ..formats.megatron_files import detect_dialect
 from ..formats.megatron_names import KeyMatcher, is_ignorable
+from ..spec import GPT
+from ..spec.schema import MDS
 from ..state import Checkpoint, OptimizerState, ParamGroup, SourceInfo
 from .meta import TensorMeta, canonical_shapes
 from .torch_pickle import NotQuick, Scalar, load_torch_zip
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 SCALER_KEYS = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")  # deepspeed_optim's grad_scaler
-# a canonical tensor's part (state.py names, `layers.N.<scope>.<part>.<kind>`) -> the Megatron-DeepSpeed
-# role (mds_pipeline tables) that holds it: what the config implies must be stored
-ROLE_OF_PART = {"attn_norm": "attn_norm", "mlp_norm": "mlp_norm", "q": "qkv", "k": "qkv", "v": "qkv",
-                "out": "proj", "gate": "fc1", "up": "fc1", "down": "fc2"}
-ROLE_OF_GLOBAL = {"embed.word": "word", "embed.pos": "pos", "final_norm.weight": "final_norm.weight",
-                  "final_norm.bias": "final_norm.bias", "output.weight": "output"}
 
 
 @dataclass
@@ -97,7 +93,7 @@ def _checkpoint(path: Path, format_name: str) -> Checkpoint:
                                          {"universal_checkpoint_info": r0.meta.get("universal_checkpoint_info")})
     shapes = canonical_shapes(cfg)
     dtypes = {p.dtype for parts in shards.values() for p in parts}
-    if cfg.num_layers != num_layers or shapes is None or len(dtypes) != 1 or set(shards) != _roles(shapes):
+    if cfg.num_layers != num_layers or shapes is None or len(dtypes) != 1 or set(shards) != _roles(shapes, cfg):
         raise NotQuick("the files do not hold the model the args describe")
     dtype = dtypes.pop()
     tensors = {n: TensorMeta(s, dtype) for n, s in shapes.items()}
@@ -174,17 +170,16 @@ def _named(r: _Rank, weights: str) -> Dict[str, TensorMeta]:
     return out
 
 
-def _roles(shapes: Dict[str, tuple]) -> set:
-    """(role, layer) of every tensor the canonical names imply."""
+def _roles(shapes: Dict[str, tuple], cfg) -> set:
+    """(role, layer) of every tensor the canonical names imply: the spec's role holding each, where the
+    Megatron-DeepSpeed layer files name that role (the spec's "mds" column)."""
     out = set()
     for name in shapes:
-        if name in ROLE_OF_GLOBAL:
-            out.add((ROLE_OF_GLOBAL[name], None))
-            continue
-        _, layer, *_, part, kind = name.split(".")
-        if part not in ROLE_OF_PART:
+        hit = GPT.match(name, cfg)
+        role = GPT.roles[hit[0].role] if hit is not None and hit[0].role is not None else None
+        if role is None or role.is_expert or role.key(MDS) is None:
             raise NotQuick(f"{name} has no Megatron-DeepSpeed role")
-        out.add((f"{ROLE_OF_PART[part]}.{kind}", int(layer)))
+        out.add((role.name, hit[1]))
     return out
 
 

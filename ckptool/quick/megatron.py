@@ -21,7 +21,7 @@ from ..config import Layout
 from ..errors import CkptError
 from ..formats import megatron_args
 from ..formats.megatron_files import RANK_DIR, detect_dialect, flatten, list_rank_dirs, model_file, resolve_iteration_dir
-from ..formats.megatron_names import KeyMatcher, is_ignorable
+from ..formats.megatron_names import KeyMatcher, is_ignorable, is_mla
 from ..state import Checkpoint, SourceInfo
 from .meta import TensorMeta, canonical_shapes
 from .optim import Param, training_state
@@ -97,7 +97,7 @@ def _checkpoint(path: Path, format_name: str, trees, distrib, iteration, release
         return None
     if dialect.qkv_version0_only:
         version = 0.0
-    matcher = KeyMatcher(dialect)
+    matcher = KeyMatcher(dialect, mla=is_mla(all_keys))  # MLA: q_layernorm is the q latent norm
     if version not in VERSIONS or any(matcher.match(k) is None and not is_ignorable(k) for k in all_keys):
         return None
     dtypes = {v.dtype for chunks in models.values() for c in chunks.values() for k, v in c.items()

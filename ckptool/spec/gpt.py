@@ -5,8 +5,8 @@ architecture in formats/hf_names.py: one HF architecture's names do not line up 
 """
 from __future__ import annotations
 
-from .schema import (DIST, FLAT, LEGACY, LEGACY_GROUPED, MCORE, MDS, SEQUENTIAL, TE, TE_GROUPED, TE_MOE,
-                     Role, Spec, Tensor)
+from .schema import (DIST, FLAT, HEAD_COPY, LEGACY, LEGACY_GROUPED, MCORE, MDS, SEQUENTIAL, TE, TE_GROUPED, TE_MLA,
+                     TE_MOE, Role, Spec, Tensor)
 
 L = "layers.{layer}."
 E = L + "mlp.experts.{expert}."
@@ -18,11 +18,13 @@ TENSORS = (
     Tensor("embed.pos", ("learned_pos",), role="pos"),
     Tensor(L + "attn_norm.weight", role="attn_norm.weight"),
     Tensor(L + "attn_norm.bias", NORM_BIAS, role="attn_norm.bias"),
-    # attention: grouped-query (gqa) or Multi-Latent (mla); attn.q is both GQA's q and MLA's without q_lora
+    # attention: grouped-query (gqa) or Multi-Latent (mla); attn.q is both GQA's q (a part of the fused QKV) and
+    # MLA's direct q without a q latent (megatron-core's linear_q_proj): listed once per kind (schema.EXCLUSIVE)
     Tensor(L + "attn.q_down.weight", ("mla_q_lora",), role="mla.q_down.weight"),
     Tensor(L + "attn.q_down_norm.weight", ("mla_q_lora",), role="mla.q_down_norm.weight"),
     Tensor(L + "attn.q_up.weight", ("mla_q_lora",), role="mla.q_up.weight"),
-    Tensor(L + "attn.q.weight", ("q_proj",), role="qkv.weight", part="q"),
+    Tensor(L + "attn.q.weight", ("mla_q_direct",), role="mla.q.weight"),
+    Tensor(L + "attn.q.weight", ("gqa",), role="qkv.weight", part="q"),
     Tensor(L + "attn.k.weight", ("gqa",), role="qkv.weight", part="k"),
     Tensor(L + "attn.v.weight", ("gqa",), role="qkv.weight", part="v"),
     Tensor(L + "attn.q.bias", ("gqa", "qkv_bias"), role="qkv.bias", part="q"),
@@ -63,13 +65,16 @@ TENSORS = (
 )
 
 _NESTED = "language_model/"
+# role traits (schema.TRAITS)
+EMBEDDING_OR_OUTPUT, TIED, FIRST, LINEAR = "embedding_or_output", "tied_embedding", "first_stage", "linear"
 ROLES = (
     # globals: whole keys
     Role("word", "vocab", {LEGACY: _NESTED + "embedding/word_embeddings/weight", FLAT: "word_embeddings.weight",
-                           MCORE: "embedding.word_embeddings.weight", MDS: "embed/word_embeddings.weight"}),
+                           MCORE: "embedding.word_embeddings.weight", MDS: "embed/word_embeddings.weight"},
+         traits=(EMBEDDING_OR_OUTPUT, TIED, FIRST)),
     Role("pos", "replicated", {LEGACY: _NESTED + "embedding/position_embeddings/weight",
                                FLAT: "position_embeddings.weight", MCORE: "embedding.position_embeddings.weight",
-                               MDS: "embed/position_embeddings.weight"}),
+                               MDS: "embed/position_embeddings.weight"}, traits=(FIRST,)),
     Role("final_norm.weight", "replicated", {LEGACY: _NESTED + "encoder/final_layernorm.weight",
                                              FLAT: "transformer.final_layernorm.weight",
                                              MCORE: "decoder.final_layernorm.weight", MDS: "final_norm/weight"}),
@@ -77,14 +82,19 @@ ROLES = (
                                            FLAT: "transformer.final_layernorm.bias",
                                            MCORE: "decoder.final_layernorm.bias", MDS: "final_norm/bias"}),
     Role("output", "vocab", {LEGACY: _NESTED + "output_layer/weight", MCORE: "output_layer.weight",
-                             MDS: "head/lm_head.weight"}),
+                             MDS: "head/lm_head.weight"}, traits=(EMBEDDING_OR_OUTPUT, TIED, LINEAR)),
+    # the last stage's copy of a tied embedding when PP > 1 (megatron-core names it as the output layer; the
+    # 2019 flat files keep none); no canonical tensor: it is the embedding again
+    Role(HEAD_COPY, "vocab", {LEGACY: "word_embeddings_for_head/weight", MCORE: "output_layer.weight"},
+         traits=(EMBEDDING_OR_OUTPUT, TIED)),
     # layer roles: keys relative to the layer, in the order writers write them
     Role("attn_norm.weight", "replicated", {LEGACY: "input_layernorm.weight", MCORE: "input_layernorm.weight",
-                                            TE: "self_attention.linear_qkv.layer_norm_weight"}),
+                                            TE: "self_attention.linear_qkv.layer_norm_weight",
+                                            TE_MLA: "input_layernorm.weight"}),
     Role("attn_norm.bias", "replicated", {LEGACY: "input_layernorm.bias", MCORE: "input_layernorm.bias",
-                                          TE: "self_attention.linear_qkv.layer_norm_bias"}),
+                                          TE: "self_attention.linear_qkv.layer_norm_bias", TE_MLA: "input_layernorm.bias"}),
     Role("qkv.weight", "qkv", {LEGACY: "self_attention.query_key_value.weight",
-                               MCORE: "self_attention.linear_qkv.weight"}, fused="qkv"),
+                               MCORE: "self_attention.linear_qkv.weight"}, fused="qkv", traits=(LINEAR,)),
     Role("qkv.bias", "qkv", {LEGACY: "self_attention.query_key_value.bias",
                              MCORE: "self_attention.linear_qkv.bias"}, fused="qkv"),
     Role("q_norm.weight", "replicated", {MCORE: "self_attention.q_layernorm.weight"}),
@@ -92,19 +102,26 @@ ROLES = (
     Role("k_norm.weight", "replicated", {MCORE: "self_attention.k_layernorm.weight"}),
     Role("k_norm.bias", "replicated", {MCORE: "self_attention.k_layernorm.bias"}),
     # Multi-Latent Attention (megatron-core MLASelfAttention). Rows as Hugging Face's DeepSeek has them: kv_down
-    # [kv_lora_rank | rope], q_up per head [nope | rope], kv_up per head [k nope | v]. The local spec builds every
-    # MLA linear column-parallel, the down projections too (their outputs gathered in the forward), so their rows
-    # are TP-split; the TE spec keeps the down projections whole (TELinear 'duplicated') and fuses the latent
-    # norms into the up projections: that spec is refused by megatron.py (one rule per role here).
-    Role("mla.q_down.weight", "column", {MCORE: "self_attention.linear_q_down_proj.weight"}),
+    # [kv_lora_rank | rope], q_up and q per head [nope | rope], kv_up per head [k nope | v]. The local spec
+    # (gpt_layer_specs.get_gpt_layer_local_spec) builds every MLA linear column-parallel, the down projections too
+    # (their outputs gathered in the forward), so their rows are TP-split. The TE spec
+    # (get_gpt_layer_with_transformer_engine_spec, with --qk-layernorm) builds the down projections as TELinear,
+    # which MLASelfAttention.__init__ makes parallel_mode 'duplicated' (whole on every TP rank: the TE rule), the up
+    # projections as TELayerNormColumnParallelLinear holding the latent norms (layer_norm_weight), and a separate
+    # input_layernorm (TENorm): there is no linear_qkv to fuse it into (the TE_MLA column).
+    Role("mla.q.weight", "column", {MCORE: "self_attention.linear_q_proj.weight"}, traits=(LINEAR,)),
+    Role("mla.q_down.weight", "column", {MCORE: "self_attention.linear_q_down_proj.weight"},
+         rules={TE: "replicated"}, traits=(LINEAR,)),
     Role("mla.q_down_norm.weight", "replicated", {MCORE: "self_attention.q_layernorm.weight",
                                                   TE: "self_attention.linear_q_up_proj.layer_norm_weight"}),
-    Role("mla.q_up.weight", "column", {MCORE: "self_attention.linear_q_up_proj.weight"}),
-    Role("mla.kv_down.weight", "column", {MCORE: "self_attention.linear_kv_down_proj.weight"}),
+    Role("mla.q_up.weight", "column", {MCORE: "self_attention.linear_q_up_proj.weight"}, traits=(LINEAR,)),
+    Role("mla.kv_down.weight", "column", {MCORE: "self_attention.linear_kv_down_proj.weight"},
+         rules={TE: "replicated"}, traits=(LINEAR,)),
     Role("mla.kv_down_norm.weight", "replicated", {MCORE: "self_attention.kv_layernorm.weight",
                                                    TE: "self_attention.linear_kv_up_proj.layer_norm_weight"}),
-    Role("mla.kv_up.weight", "column", {MCORE: "self_attention.linear_kv_up_proj.weight"}),
-    Role("proj.weight", "row", {LEGACY: "self_attention.dense.weight", MCORE: "self_attention.linear_proj.weight"}),
+    Role("mla.kv_up.weight", "column", {MCORE: "self_attention.linear_kv_up_proj.weight"}, traits=(LINEAR,)),
+    Role("proj.weight", "row", {LEGACY: "self_attention.dense.weight", MCORE: "self_attention.linear_proj.weight"},
+         traits=(LINEAR,)),
     Role("proj.bias", "replicated", {LEGACY: "self_attention.dense.bias", MCORE: "self_attention.linear_proj.bias"}),
     Role("mlp_norm.weight", "replicated", {LEGACY: "post_attention_layernorm.weight",
                                            MCORE: "pre_mlp_layernorm.weight",
@@ -113,25 +130,58 @@ ROLES = (
     Role("mlp_norm.bias", "replicated", {LEGACY: "post_attention_layernorm.bias", MCORE: "pre_mlp_layernorm.bias",
                                          TE: "mlp.linear_fc1.layer_norm_bias", TE_MOE: "pre_mlp_layernorm.bias"}),
     Role("fc1.weight", "column", {LEGACY: "mlp.dense_h_to_4h.weight", MCORE: "mlp.linear_fc1.weight"},
-         fused="halves"),
+         fused="halves", traits=(LINEAR,)),
     Role("fc1.bias", "column", {LEGACY: "mlp.dense_h_to_4h.bias", MCORE: "mlp.linear_fc1.bias"}, fused="halves"),
-    Role("fc2.weight", "row", {LEGACY: "mlp.dense_4h_to_h.weight", MCORE: "mlp.linear_fc2.weight"}),
+    Role("fc2.weight", "row", {LEGACY: "mlp.dense_4h_to_h.weight", MCORE: "mlp.linear_fc2.weight"}, traits=(LINEAR,)),
     Role("fc2.bias", "replicated", {LEGACY: "mlp.dense_4h_to_h.bias", MCORE: "mlp.linear_fc2.bias"}),
     # MoE layer roles (megatron-core only): TopKRouter, SharedExpertMLP
     Role("router.weight", "replicated", {MCORE: "mlp.router.weight"}),
     Role("router.bias", "replicated", {MCORE: "mlp.router.bias"}),
     Role("router.expert_bias", "replicated", {MCORE: "mlp.router.expert_bias"}),
-    Role("shared.fc1.weight", names={MCORE: "mlp.shared_experts.linear_fc1.weight"}, fused="halves"),
-    Role("shared.fc2.weight", names={MCORE: "mlp.shared_experts.linear_fc2.weight"}),
+    Role("shared.fc1.weight", names={MCORE: "mlp.shared_experts.linear_fc1.weight"}, fused="halves",
+         traits=(LINEAR,)),
+    Role("shared.fc2.weight", names={MCORE: "mlp.shared_experts.linear_fc2.weight"}, traits=(LINEAR,)),
     Role("shared_gate.weight", "replicated", {MCORE: "mlp.shared_experts.gate_weight"}),
     # experts, by module form; {j}: the expert's index local to its expert-parallel rank. torch_dist keeps a
     # layer's experts in one tensor with the global expert index as its leading axis.
-    Role("experts.{expert}.fc1.weight", fused="halves", names={
+    Role("experts.{expert}.fc1.weight", fused="halves", traits=(LINEAR,), names={
         SEQUENTIAL: "mlp.experts.local_experts.{j}.linear_fc1.weight", TE_GROUPED: "mlp.experts.linear_fc1.weight{j}",
         LEGACY_GROUPED: "mlp.experts.weight1", DIST: "mlp.experts.experts.linear_fc1.weight"}),
-    Role("experts.{expert}.fc2.weight", names={
+    Role("experts.{expert}.fc2.weight", traits=(LINEAR,), names={
         SEQUENTIAL: "mlp.experts.local_experts.{j}.linear_fc2.weight", TE_GROUPED: "mlp.experts.linear_fc2.weight{j}",
         LEGACY_GROUPED: "mlp.experts.weight2", DIST: "mlp.experts.experts.linear_fc2.weight"}),
 )
 
-GPT = Spec(TENSORS, ROLES)
+# A layer's keys: the layer prefix per name column ({i} the layer's index in its file), then the role's key. The
+# legacy eras rename it with their keys (megatron_names.ERAS); the 2019 flat files have their own.
+LAYER_PREFIX = {LEGACY: _NESTED + "encoder/layers.{i}.", FLAT: "transformer.layers.{i}.", MCORE: "decoder.layers.{i}."}
+
+# A layer's roles in the order each framework registers the parameters (named_parameters() and state-dict order,
+# which its optimizer's param groups follow: megatron_optim.py). Legacy: norm, query_key_value, dense, norm, MLP.
+# megatron-core registers linear_proj before linear_qkv (Attention.__init__ runs before SelfAttention adds
+# linear_qkv). MLASelfAttention (megatron-core 0.16 multi_latent_attention.py) registers linear_proj, then its q
+# linear(s) (linear_q_proj, or linear_q_down_proj and linear_q_up_proj), the kv linears, and the latent norms last
+# (local spec; the TE spec's norms sit inside the up projections, registered before their weights); an MLA model
+# has no qkv roles, a GQA model none of these. Transformer Engine's LayerNormLinear registers layer_norm_weight/
+# _bias before weight/bias (read in TE's module/layernorm_linear.py; not run here: TE does not install on a
+# CPU-only machine). The TE spec's MLA layer keeps input_layernorm as a module registered before self_attention
+# (TransformerLayer.__init__), so there the input norm comes first.
+_QK_NORMS = ("q_norm.weight", "q_norm.bias", "k_norm.weight", "k_norm.bias")
+_MLP = ("mlp_norm.weight", "mlp_norm.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
+_MLA = ("mla.q.weight", "mla.q_down.weight", "mla.q_up.weight", "mla.kv_down.weight", "mla.kv_up.weight",
+        "mla.q_down_norm.weight", "mla.kv_down_norm.weight")
+REGISTRATION = {
+    LEGACY: ("attn_norm.weight", "attn_norm.bias", "qkv.weight", "qkv.bias", "proj.weight", "proj.bias") + _MLP,
+    MCORE: ("attn_norm.weight", "attn_norm.bias", "proj.weight", "proj.bias", "qkv.weight", "qkv.bias") + _MLA
+    + _QK_NORMS + _MLP,
+    TE: ("proj.weight", "proj.bias", "attn_norm.weight", "attn_norm.bias", "qkv.weight", "qkv.bias") + _QK_NORMS + _MLP,
+    TE_MLA: ("attn_norm.weight", "attn_norm.bias", "proj.weight", "proj.bias", "mla.q.weight", "mla.q_down.weight",
+             "mla.q_down_norm.weight", "mla.q_up.weight", "mla.kv_down.weight", "mla.kv_down_norm.weight",
+             "mla.kv_up.weight") + _MLP,
+}
+# An MoE layer's own roles in megatron-core's order: TopKRouter, the experts, then SharedExpertMLP, which
+# registers its gate_weight before its linears.
+MOE_REGISTRATION = ("router.weight", "router.bias", "router.expert_bias", "experts.{expert}.fc1.weight",
+                    "experts.{expert}.fc2.weight", "shared_gate.weight", "shared.fc1.weight", "shared.fc2.weight")
+
+GPT = Spec(TENSORS, ROLES, REGISTRATION, MOE_REGISTRATION, LAYER_PREFIX)
