@@ -39,8 +39,8 @@ scheduler. This helper does exactly that with the training loop of tests/mcore_t
   "resume DIR --tp T --form F --more M --out FILE [--weights-only]"
         load DIR at TP T as Megatron-LM's load_checkpoint does (optimizer too unless --weights-only;
         form F says which optimizer the loading run uses) and train M steps on the batches that follow.
-  "moe-save DIR --tp T --ep E --form F --out FILE [--dtype bf16] [--moe-arch A]"
-  "moe-resume DIR --tp T --ep E --form F --out FILE [--weights-only]"
+  "moe-save DIR --tp T --ep E [--etp M] --form F --out FILE [--dtype bf16] [--moe-arch A]"
+  "moe-resume DIR --tp T --ep E [--etp M] --form F --out FILE [--weights-only]"
         mcore_moe_helper.py's MoE model (experts in a second, expert-parallel optimizer at EP > 1) with its
         optimizer in torch_dist, and resumed from it at another EP (run_moe below).
 FILE gets {"losses": [...], "params": {name: full fp32 tensor}} (params gathered at the end, TP 1 only).
@@ -491,8 +491,9 @@ def tp_gathered(model, live: dict) -> dict:
     for name in sorted({n for _, n in live}):
         a = axis[any_expert.sub("local_experts.*.", name)]
         out[name] = {}
-        for slot in live[(0, name)]:
-            parts = [live[(t, name)][slot] for t in range(tp)]
+        held = [t for t in range(tp) if (t, name) in live]  # at expert TP 1 an expert sits on one TP rank, whole
+        for slot in live[(held[0], name)]:
+            parts = [live[(t, name)][slot] for t in held]
             if tp == 1 or a < 0:
                 full = parts[0]
             elif name.endswith("linear_fc1.weight") and model.config.gated_linear_unit:
@@ -515,7 +516,7 @@ def run_moe(a):
     M.DTYPE["bf16"] = a.dtype == "bf16"
     distributed = a.form in DISTRIBUTED_FORMS
     M.DISTRIBUTED["on"] = distributed
-    model, cfg = M.build(a.tp, a.ep, a.pp)
+    model, cfg = M.build(a.tp, a.ep, a.pp, a.etp)
     ddp, opt = M.make_optimizer(model, cfg)  # before loading, as Megatron-LM's setup_model_and_optimizer
     root = Path(a.dir)
     d = root / "iter_0000007"
@@ -524,7 +525,7 @@ def run_moe(a):
         first = M.adam_step(ddp, opt, 5)
         model_sd = model.sharded_state_dict(prefix="", metadata=metadata)
         sd = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=False, metadata=metadata)}
-        args = M.run_args(cfg, a.tp, a.ep, a.pp)
+        args = M.run_args(cfg, a.tp, a.ep, a.pp, a.etp)
         args.ckpt_format, args.iteration, args.bf16, args.params_dtype = "torch_dist", 7, cfg.bf16, cfg.params_dtype
         args.use_distributed_optimizer = distributed
         args.dist_ckpt_optim_fully_reshardable = a.form == "fully_reshardable"
@@ -628,6 +629,7 @@ def main():
     ap.add_argument("--live")
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--moe-arch", default="mixtral")
+    ap.add_argument("--etp", type=int, help="moe-save / moe-resume: expert tensor-parallel size (default --tp)")
     ap.add_argument("--decoupled-lr", type=float)
     ap.add_argument("--lr-mult", type=float)
     ap.add_argument("--weights-only", action="store_true")
