@@ -125,9 +125,10 @@ def nd_flattened(sh, flat, offset_in_local: int):
 def save_nd_flattened(opt, param_state):
     """Replace fully_sharded_model_space's flattened_range ShardedTensors (and SwiGLU factories, whose
     0.16 build no longer splits a flattened range) by their N-D flattened storage; returns
-    {key: original global shape}."""
+    {key: original global shape}. opt: a DistributedOptimizer (or a chain of one)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
     inner = getattr(opt, "chained_optimizers", [opt])[0]
+    assert len(getattr(opt, "chained_optimizers", [opt])) == 1, "a chain: call it per optimizer"
     params = [p for maps in inner.gbuf_ranges for per_dtype in maps.values() for m in per_dtype
               for p in m["param_map"]]  # the order sharded_param_state_fs_model_space numbers them in
     shapes = {}
@@ -207,10 +208,8 @@ def group_overrides(config):
 def groups_told_apart_by_lr_bounds():
     """mcore_train_helper's fix (megatron-core 0.16 matches a loaded checkpoint's groups to its own by
     keys that do not tell the --decoupled-lr group from the default one; later releases add max_lr /
-    min_lr), applied also where distrib_optimizer.py imported the key tuple by value."""
-    from megatron.core.optimizer import distrib_optimizer, optimizer as mcore_optimizer
+    min_lr), in optimizer.py and distrib_optimizer.py alike."""
     T._groups_told_apart_by_lr_bounds()
-    distrib_optimizer.param_group_identifier_keys = mcore_optimizer.param_group_identifier_keys
 
 
 def content_metadata(form):
@@ -525,6 +524,12 @@ def run_moe(a):
         first = M.adam_step(ddp, opt, 5)
         model_sd = model.sharded_state_dict(prefix="", metadata=metadata)
         sd = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=False, metadata=metadata)}
+        shapes = {}
+        if a.form == ND_FLATTENED:  # stored as megatron-core 0.15 did (save below), each optimizer of the chain
+            subs = opt.chained_optimizers
+            states = [sd["optimizer"][n] for n in range(len(subs))] if len(subs) > 1 else [sd["optimizer"]]
+            for sub, state in zip(subs, states):
+                shapes.update(save_nd_flattened(sub, state["param_state"]))
         args = M.run_args(cfg, a.tp, a.ep, a.pp, a.etp)
         args.ckpt_format, args.iteration, args.bf16, args.params_dtype = "torch_dist", 7, cfg.bf16, cfg.params_dtype
         args.use_distributed_optimizer = distributed
@@ -535,6 +540,11 @@ def run_moe(a):
             d.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         dist_checkpointing.save(sd, str(d))
+        if shapes:
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, shapes)
+            if dist.get_rank() == 0:
+                as_pre_016_metadata(d, {k: v for part in every for k, v in part.items()})
         live = tp_gathered(model, moe_live(model, opt, a.ep, distributed))
         if dist.get_rank() == 0:
             (root / "latest_checkpointed_iteration.txt").write_text("7")

@@ -29,7 +29,10 @@ megatron-core builds it (megatron_distopt.buffer_layout; dp_reshardable exists o
     multiple of 64 elements;
   - cut into buckets with --overlap-grad-reduce (--ddp-bucket-size, else megatron-core's default) in
     model chunk 0 of the first pipeline stage only, and a bucket of its own for a PP > 1 tied
-    embedding copy.
+    embedding copy;
+  - an MoE layer's router, local experts and shared expert in its MLP's place (`registered`); at EP > 1
+    the experts in buffers of their own, of a second optimizer: megatron-core's [dense, expert] chain,
+    each one's keys prefixed chained_N. and its model-parallel ranks indexed on its own grid (`Part`).
 The layout is never trusted: it must reproduce the stored per_bucket_numel_unpadded of every rank,
 and every master is checked against its weight as it loads. Several dtypes per chunk (one buffer
 each) are refused.
