@@ -488,7 +488,8 @@ def tp_gathered(model, live: dict) -> dict:
     tp = parallel_state.get_tensor_model_parallel_world_size()
     out = {}
     for name in sorted({n for _, n in live}):
-        a = axis[any_expert.sub("local_experts.*.", name)]
+        a = axis.get(any_expert.sub("local_experts.*.", name), -1) if tp == 1 else \
+            axis[any_expert.sub("local_experts.*.", name)]  # (at PP > 1 a stage names its own parameters only)
         out[name] = {}
         held = [t for t in range(tp) if (t, name) in live]  # at expert TP 1 an expert sits on one TP rank, whole
         for slot in live[(held[0], name)]:
@@ -504,10 +505,49 @@ def tp_gathered(model, live: dict) -> dict:
     return out
 
 
+def _stateless_optimizer_state_dict() -> None:
+    """CPU shim: megatron-core 0.16 builds the expert optimizer on every rank, with empty groups on a
+    pipeline stage without MoE layers; without TE/Apex its state_dict() reads the step from the torch
+    state, which that optimizer never gets (an assertion). With TE/Apex the step comes from the groups
+    and is None there; do the same for an optimizer without state."""
+    if getattr(DistributedOptimizer.state_dict, "_stateless", False):
+        return
+    orig = DistributedOptimizer.state_dict
+
+    def state_dict(self):
+        if self.optimizer.state:
+            return orig(self)
+        inner = {k: v for k, v in self.optimizer.state_dict().items() if k != "state"}
+        for group in inner["param_groups"]:
+            del group["params"]
+        out = {"optimizer": inner}
+        if self.grad_scaler:
+            out["grad_scaler"] = self.grad_scaler.state_dict()
+        return out
+
+    state_dict._stateless = True
+    DistributedOptimizer.state_dict = state_dict
+
+
+def _pipeline_layer_names(M, cfg, pp: int) -> None:
+    """The live values under global layer numbers: a pipeline stage's TransformerBlock numbers its layers
+    from 0 (an even split)."""
+    import re
+    offset = parallel_state.get_pipeline_model_parallel_rank() * (cfg.num_layers // pp)
+    local = M.global_name
+
+    def global_name(name, ep):
+        return re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + offset}.",
+                      local(name, ep))
+
+    M.global_name = global_name
+
+
 def run_moe(a):
     """moe-save: one Adam step of mcore_moe_helper's MoE model (megatron-core's ChainedOptimizer [dense,
     expert] at EP > 1), saved as torch_dist in form F with the optimizer (iteration 7), FILE.live the live
-    values, FILE.losses the step's loss and the next two (seeds 6, 7). moe-resume: a fresh model and
+    values, FILE.losses the step's loss and the next two (seeds 6, 7; at PP > 1, which has no pipeline
+    schedule here, the step takes seeded random gradients instead and no losses follow). moe-resume: a fresh model and
     optimizer at this TP x EP load DIR as Megatron-LM's load_checkpoint does for torch_dist (optimizer
     too unless --weights-only, then reload_model_params as with --no-load-optim) and take those two steps."""
     import mcore_moe_helper as M
@@ -521,7 +561,13 @@ def run_moe(a):
     d = root / "iter_0000007"
     metadata = content_metadata(a.form)
     if a.mode == "moe-save":
-        first = M.adam_step(ddp, opt, 5)
+        if a.pp > 1:  # no pipeline schedule here: seeded random gradients and the real step (as save-vpp)
+            _pipeline_layer_names(M, cfg, a.pp)
+            _stateless_optimizer_state_dict()
+            synthetic_step([model], [ddp], opt, argparse.Namespace(step=lambda increment: None), 5)
+            first = None
+        else:
+            first = M.adam_step(ddp, opt, 5)
         model_sd = model.sharded_state_dict(prefix="", metadata=metadata)
         sd = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=False, metadata=metadata)}
         shapes = {}
@@ -572,7 +618,7 @@ def run_moe(a):
                         st["step"] = st["step"].clone()
         losses = {}
     model.train()
-    losses["next"] = [M.adam_step(ddp, opt, 6), M.adam_step(ddp, opt, 7)]
+    losses["next"] = [M.adam_step(ddp, opt, 6), M.adam_step(ddp, opt, 7)] if a.pp == 1 else []
     if dist.get_rank() == 0:
         torch.save(losses, a.out + ".losses")
     dist.barrier()

@@ -191,6 +191,19 @@ def _grid(part: Part, pp_rank: int, tp: int, etp: int, ep: int) -> List[Tuple[in
     return [(pp_rank * tp + t, t, 0) for t in range(tp)]
 
 
+def _stored_prefix(dcp: DcpDir, part: Part, mp: int) -> str:
+    """The key prefix of model-parallel rank mp's buffers of this optimizer. A rank without expert
+    parameters (a pipeline stage without MoE layers) builds no expert optimizer, and a chain of one
+    saves its optimizer unprefixed (ChainedOptimizer.sharded_state_dict): its dense buffers then sit
+    under the bare prefix."""
+    prefix = part.prefix + PREFIX.format(mp=mp)
+    if part.experts is False and not any(k.startswith(prefix) for k in dcp.entries):
+        bare = PREFIX.format(mp=mp)
+        if any(k.startswith(bare) for k in dcp.entries):
+            return bare
+    return prefix
+
+
 def read_shards(dcp: DcpDir, weights, cfg: GPTConfig, args, where: str, form: str = FLAT
                 ) -> Dict[str, Dict[Tuple[str, Optional[int]], List[LazyTensor]]]:
     """slot -> {(role, layer): [per TP rank lazy local tensor]} (experts: per expert-TP rank), for
@@ -212,7 +225,7 @@ def read_shards(dcp: DcpDir, weights, cfg: GPTConfig, args, where: str, form: st
         gbuf_of: Dict[str, int] = {}  # per model-parallel rank: its next grad buffer (one per chunk it has params in)
         for pp_rank, chunk, first_layer, count in sorted(chunks):
             for mp, t, e in _grid(part, pp_rank, tp, etp, ep):
-                prefix = part.prefix + PREFIX.format(mp=mp)
+                prefix = _stored_prefix(dcp, part, mp)
                 params = rank_params(weights, cfg, tp, t, impl, range(first_layer, first_layer + count),
                                      pp_rank == 0 and chunk == 0, pp_rank == pp - 1 and chunk == vpp - 1, pp,
                                      part, etp, ep, e)
@@ -252,11 +265,11 @@ def read_shards(dcp: DcpDir, weights, cfg: GPTConfig, args, where: str, form: st
                             raise CkptError(f"{where}: no {key}", HINT)
                         flat = dcp.lazy(key, (lay.start[i],), (math.prod(shape),))
                         out[slot].setdefault((role, layer), []).append(derive(lambda x, s=shape: x.view(s), [flat]))
-        for prefix in unpadded:
-            if prefix.startswith(part.prefix) and len(unpadded[prefix]) != gbuf_of.get(prefix, -1) + 1:
+        for prefix, last in gbuf_of.items():
+            if prefix in unpadded and len(unpadded[prefix]) != last + 1:
                 raise CkptError(f"{where}: {prefix}per_bucket_numel_unpadded lists {len(unpadded[prefix])} grad "
-                                f"buffer(s), this model {gbuf_of.get(prefix, -1) + 1} there (one per model chunk "
-                                "holding parameters of that optimizer)", HINT)
+                                f"buffer(s), this model {last + 1} there (one per model chunk holding parameters "
+                                "of that optimizer)", HINT)
     return out
 
 
