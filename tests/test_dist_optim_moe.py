@@ -47,11 +47,13 @@ SAVES = {"fr": ("--tp 1 --ep 2 --form fully_reshardable", 2), "plain": ("--tp 1 
          # PP 2 x EP 2, Qwen2-MoE-like: stage 0 (dense layer 0) has an expert optimizer with no buffers; the
          # helper steps on seeded random gradients (no pipeline schedule), so this save is checked, not resumed
          "dpr_pp2": ("--tp 1 --pp 2 --ep 2 --moe-arch qwen2moe --form dp_reshardable", 4),
+         # the deprecated dp_zero_gather_scatter: the same buffers gathered over DP, one object per rank and optimizer
+         "dz": ("--tp 1 --ep 2 --form dp_zero_gather_scatter", 2),
          # megatron-core <= 0.14's default (0.16 builds it, the helper stores it as 0.15 did): N-D flattened DP slices
          "fsms": ("--tp 1 --ep 2 --form fully_sharded_model_space", 2),
          # Qwen2-MoE-like: a dense layer 0, a shared expert with its gate, QKV biases (layers keyed by index)
          "qwen": ("--tp 1 --ep 2 --form fully_reshardable --moe-arch qwen2moe", 2)}
-LIVE_CHECKED = ("fr", "plain", "tp2", "dpr", "dpr_tp2", "dpr_etp1", "fsms", "dpr_pp2")  # test_distopt_moe.canonical_pieces knows the Mixtral-like names
+LIVE_CHECKED = ("fr", "plain", "tp2", "dpr", "dpr_tp2", "dpr_etp1", "fsms", "dpr_pp2", "dz")  # test_distopt_moe.canonical_pieces knows the Mixtral-like names
 
 
 def torchrun(nproc: int, *jobs: str, timeout: int = 900) -> None:
@@ -210,19 +212,33 @@ def test_dp_reshardable_moe_optimizer_is_the_chain_of_flat_buffers(saved):
 def test_dp_reshardable_moe_with_args_claiming_another_expert_grid_is_refused(saved, tmp_path):
     """args claiming expert TP 1 for a save at expert TP 2: the expert buffers recomputed for whole experts
     do not give the stored bucket sizes; refused in one line suggesting --no-optimizer."""
-    import shutil
     from ckptool.errors import CkptError
-    from ckptool.io.torchfile import save_streaming
-    dst = tmp_path / "src"
-    shutil.copytree(saved / "dpr_tp2", dst)
-    d = next(dst.glob("iter_*"))
-    common = load_torch_file(d / "common.pt")
-    common["args"].expert_tensor_parallel_size = 1
-    save_streaming(common, tmp_path / "common.pt")
-    os.replace(tmp_path / "common.pt", d / "common.pt")
     with pytest.raises(CkptError, match=r"chained_1\.optimizer\.distributed\.dp_group_idx_0\.gbuf_idx_0 holds "
                                         r"buckets of .*--no-optimizer"):
-        open_checkpoint(dst)
+        open_checkpoint(_with_args(saved / "dpr_tp2", tmp_path, expert_tensor_parallel_size=1))
+
+
+def test_dp_reshardable_legacy_grouped_mlp_is_dropped_by_name(saved, tmp_path):
+    """The legacy GroupedMLP (one parameter per fc for all local experts) is not laid out: dropped with a
+    warning naming it; the weights still read."""
+    ck = open_checkpoint(_with_args(saved / "dpr", tmp_path, moe_grouped_gemm=True))
+    assert ck.optimizer is None and any("optimizer state dropped" in w and "legacy GroupedMLP" in w
+                                        for w in ck.warnings), ck.warnings
+
+
+def _with_args(save: Path, tmp_path: Path, **changes) -> Path:
+    """A copy of a save whose stored args say otherwise."""
+    import shutil
+    from ckptool.io.torchfile import save_streaming
+    dst = tmp_path / "src"
+    shutil.copytree(save, dst)
+    d = next(dst.glob("iter_*"))
+    common = load_torch_file(d / "common.pt")
+    for k, v in changes.items():
+        setattr(common["args"], k, v)
+    save_streaming(common, tmp_path / "common.pt")
+    os.replace(tmp_path / "common.pt", d / "common.pt")
+    return dst
 
 
 def _dcp_keys(path: Path):

@@ -54,6 +54,7 @@ from ..roles import GLOBAL_ROLES, LAYER_ROLES, global_role_tensor, layer_role_te
 from .megatron_names import DIALECTS
 from .megatron_distopt import CURRENT, buffer_layout, bucket_sizes
 from .megatron_optim import HINT
+from .megatron import _fc_major as fc_major  # TEGroupedMLP's parameter order, as the torch-format writer uses it
 
 PREFIX = "optimizer.distributed.dp_group_idx_{mp}."
 FLAT, GATHERED = "dp_reshardable", "dp_zero_gather_scatter"
@@ -74,7 +75,17 @@ def unsupported(args) -> Optional[str]:
     """Why this run's buffer layout is not recomputed, or None."""
     if getattr(args, "transformer_impl", "transformer_engine") not in DIALECT_OF_IMPL:
         return f"transformer_impl {getattr(args, 'transformer_impl', None)!r}"
+    if getattr(args, "moe_grouped_gemm", False) and not grouped_linears(args):
+        return "the legacy GroupedMLP (--moe-grouped-gemm without Transformer Engine, or --moe-use-legacy-grouped-gemm)"
     return None
+
+
+def grouped_linears(args) -> bool:
+    """Whether the experts are TEGroupedMLP's grouped linears (--moe-grouped-gemm with Transformer Engine),
+    which register every local expert's fc1 before any fc2 (their weight0 .. weightN-1); SequentialMLP
+    registers expert by expert. The legacy GroupedMLP (one tensor per fc) is not laid out (unsupported)."""
+    return bool(getattr(args, "moe_grouped_gemm", False)) and not getattr(args, "moe_use_legacy_grouped_gemm", False) \
+        and getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine"
 
 
 def _arg(args, names) -> Optional[int]:
@@ -124,10 +135,11 @@ def parts(cfg: GPTConfig, ep: int) -> Tuple[Part, ...]:
 
 
 def registered(weights: Dict[str, LazyTensor], cfg: GPTConfig, impl: str, layers: range, first: bool, last: bool,
-               pp: int, experts: range) -> List[Tuple[str, Optional[int], LazyTensor]]:
+               pp: int, experts: range, grouped: bool = False) -> List[Tuple[str, Optional[int], LazyTensor]]:
     """(role, layer, full tensor) of a pipeline chunk's parameters in registration order (the dialect's
-    param_order within a layer; an MoE layer's router, its local experts (global indices `experts`) and
-    shared expert in its MLP's place, after the pre-MLP norm, as megatron-core's MoELayer registers them)."""
+    param_order within a layer; an MoE layer's router, its local experts (global indices `experts`; fc by
+    fc when `grouped`: grouped_linears) and shared expert in its MLP's place, after the pre-MLP norm, as
+    megatron-core's MoELayer registers them)."""
     order = DIALECTS[DIALECT_OF_IMPL[impl]].param_order
     out = []
 
@@ -143,7 +155,8 @@ def registered(weights: Dict[str, LazyTensor], cfg: GPTConfig, impl: str, layers
             if role in LAYER_ROLES:
                 add(role, i, layer_role_tensor(weights, cfg, i, role))
         if cfg.is_moe_layer(i):
-            for role in moe_layer_roles(cfg, experts):
+            roles = moe_layer_roles(cfg, experts)
+            for role in (fc_major(roles) if grouped and len(experts) else roles):
                 if role not in NOT_PARAMETERS:
                     add(role, i, layer_role_tensor(weights, cfg, i, role))
     if last:
@@ -161,11 +174,12 @@ def is_expert(role: str) -> bool:
 
 def rank_params(weights: Dict[str, LazyTensor], cfg: GPTConfig, tp: int, t: int, impl: str,
                 layers: range = None, first: bool = True, last: bool = True, pp: int = 1, part: Part = ONE[0],
-                etp: Optional[int] = None, ep: int = 1, e: int = 0) -> List[Tuple[str, Optional[int], torch.Size]]:
+                etp: Optional[int] = None, ep: int = 1, e: int = 0, grouped: bool = False
+                ) -> List[Tuple[str, Optional[int], torch.Size]]:
     """(role, layer, local shape) of one model-parallel rank's parameters in one optimizer `part`, in
     registration order: of the pipeline stage holding `layers` (first / last: whether it is the first /
     last stage), TP rank t; the experts (MoE) are cut by the expert grid instead: expert-TP rank t % ETP
-    of ETP, and only EP rank e's experts (EP ep)."""
+    of ETP, and only EP rank e's experts (EP ep); grouped: TEGroupedMLP's order (grouped_linears)."""
     etp = etp or tp
     experts = range(0)
     if cfg.moe is not None:
@@ -173,7 +187,7 @@ def rank_params(weights: Dict[str, LazyTensor], cfg: GPTConfig, tp: int, t: int,
         experts = range(e * local, (e + 1) * local)
     out = []
     for role, layer, full in registered(weights, cfg, impl, range(cfg.num_layers) if layers is None else layers,
-                                        first, last, pp, experts):
+                                        first, last, pp, experts, grouped):
         expert = is_expert(role)
         if part.experts is not None and expert != part.experts:
             continue
@@ -228,7 +242,7 @@ def read_shards(dcp: DcpDir, weights, cfg: GPTConfig, args, where: str, form: st
                 prefix = _stored_prefix(dcp, part, mp)
                 params = rank_params(weights, cfg, tp, t, impl, range(first_layer, first_layer + count),
                                      pp_rank == 0 and chunk == 0, pp_rank == pp - 1 and chunk == vpp - 1, pp,
-                                     part, etp, ep, e)
+                                     part, etp, ep, e, grouped_linears(args))
                 if not params:
                     continue  # no buffer (e.g. a chunk without MoE layers has no expert buffer)
                 gbuf = gbuf_of[prefix] = gbuf_of.get(prefix, -1) + 1
