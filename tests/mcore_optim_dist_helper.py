@@ -39,8 +39,8 @@ scheduler. This helper does exactly that with the training loop of tests/mcore_t
   "resume DIR --tp T --form F --more M --out FILE [--weights-only]"
         load DIR at TP T as Megatron-LM's load_checkpoint does (optimizer too unless --weights-only;
         form F says which optimizer the loading run uses) and train M steps on the batches that follow.
-  "moe-save DIR --tp T --ep E --form F --out FILE [--dtype bf16] [--moe-arch A]"
-  "moe-resume DIR --tp T --ep E --form F --out FILE [--weights-only]"
+  "moe-save DIR --tp T --ep E [--etp M] --form F --out FILE [--dtype bf16] [--moe-arch A]"
+  "moe-resume DIR --tp T --ep E [--etp M] --form F --out FILE [--weights-only]"
         mcore_moe_helper.py's MoE model (experts in a second, expert-parallel optimizer at EP > 1) with its
         optimizer in torch_dist, and resumed from it at another EP (run_moe below).
 FILE gets {"losses": [...], "params": {name: full fp32 tensor}} (params gathered at the end, TP 1 only).
@@ -125,9 +125,10 @@ def nd_flattened(sh, flat, offset_in_local: int):
 def save_nd_flattened(opt, param_state):
     """Replace fully_sharded_model_space's flattened_range ShardedTensors (and SwiGLU factories, whose
     0.16 build no longer splits a flattened range) by their N-D flattened storage; returns
-    {key: original global shape}."""
+    {key: original global shape}. opt: a DistributedOptimizer (or a chain of one)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
     inner = getattr(opt, "chained_optimizers", [opt])[0]
+    assert len(getattr(opt, "chained_optimizers", [opt])) == 1, "a chain: call it per optimizer"
     params = [p for maps in inner.gbuf_ranges for per_dtype in maps.values() for m in per_dtype
               for p in m["param_map"]]  # the order sharded_param_state_fs_model_space numbers them in
     shapes = {}
@@ -207,10 +208,8 @@ def group_overrides(config):
 def groups_told_apart_by_lr_bounds():
     """mcore_train_helper's fix (megatron-core 0.16 matches a loaded checkpoint's groups to its own by
     keys that do not tell the --decoupled-lr group from the default one; later releases add max_lr /
-    min_lr), applied also where distrib_optimizer.py imported the key tuple by value."""
-    from megatron.core.optimizer import distrib_optimizer, optimizer as mcore_optimizer
+    min_lr), in optimizer.py and distrib_optimizer.py alike."""
     T._groups_told_apart_by_lr_bounds()
-    distrib_optimizer.param_group_identifier_keys = mcore_optimizer.param_group_identifier_keys
 
 
 def content_metadata(form):
@@ -489,10 +488,12 @@ def tp_gathered(model, live: dict) -> dict:
     tp = parallel_state.get_tensor_model_parallel_world_size()
     out = {}
     for name in sorted({n for _, n in live}):
-        a = axis[any_expert.sub("local_experts.*.", name)]
+        a = axis.get(any_expert.sub("local_experts.*.", name), -1) if tp == 1 else \
+            axis[any_expert.sub("local_experts.*.", name)]  # (at PP > 1 a stage names its own parameters only)
         out[name] = {}
-        for slot in live[(0, name)]:
-            parts = [live[(t, name)][slot] for t in range(tp)]
+        held = [t for t in range(tp) if (t, name) in live]  # at expert TP 1 an expert sits on one TP rank, whole
+        for slot in live[(held[0], name)]:
+            parts = [live[(t, name)][slot] for t in held]
             if tp == 1 or a < 0:
                 full = parts[0]
             elif name.endswith("linear_fc1.weight") and model.config.gated_linear_unit:
@@ -504,10 +505,49 @@ def tp_gathered(model, live: dict) -> dict:
     return out
 
 
+def _stateless_optimizer_state_dict() -> None:
+    """CPU shim: megatron-core 0.16 builds the expert optimizer on every rank, with empty groups on a
+    pipeline stage without MoE layers; without TE/Apex its state_dict() reads the step from the torch
+    state, which that optimizer never gets (an assertion). With TE/Apex the step comes from the groups
+    and is None there; do the same for an optimizer without state."""
+    if getattr(DistributedOptimizer.state_dict, "_stateless", False):
+        return
+    orig = DistributedOptimizer.state_dict
+
+    def state_dict(self):
+        if self.optimizer.state:
+            return orig(self)
+        inner = {k: v for k, v in self.optimizer.state_dict().items() if k != "state"}
+        for group in inner["param_groups"]:
+            del group["params"]
+        out = {"optimizer": inner}
+        if self.grad_scaler:
+            out["grad_scaler"] = self.grad_scaler.state_dict()
+        return out
+
+    state_dict._stateless = True
+    DistributedOptimizer.state_dict = state_dict
+
+
+def _pipeline_layer_names(M, cfg, pp: int) -> None:
+    """The live values under global layer numbers: a pipeline stage's TransformerBlock numbers its layers
+    from 0 (an even split)."""
+    import re
+    offset = parallel_state.get_pipeline_model_parallel_rank() * (cfg.num_layers // pp)
+    local = M.global_name
+
+    def global_name(name, ep):
+        return re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + offset}.",
+                      local(name, ep))
+
+    M.global_name = global_name
+
+
 def run_moe(a):
     """moe-save: one Adam step of mcore_moe_helper's MoE model (megatron-core's ChainedOptimizer [dense,
     expert] at EP > 1), saved as torch_dist in form F with the optimizer (iteration 7), FILE.live the live
-    values, FILE.losses the step's loss and the next two (seeds 6, 7). moe-resume: a fresh model and
+    values, FILE.losses the step's loss and the next two (seeds 6, 7; at PP > 1, which has no pipeline
+    schedule here, the step takes seeded random gradients instead and no losses follow). moe-resume: a fresh model and
     optimizer at this TP x EP load DIR as Megatron-LM's load_checkpoint does for torch_dist (optimizer
     too unless --weights-only, then reload_model_params as with --no-load-optim) and take those two steps."""
     import mcore_moe_helper as M
@@ -515,16 +555,28 @@ def run_moe(a):
     M.DTYPE["bf16"] = a.dtype == "bf16"
     distributed = a.form in DISTRIBUTED_FORMS
     M.DISTRIBUTED["on"] = distributed
-    model, cfg = M.build(a.tp, a.ep, a.pp)
+    model, cfg = M.build(a.tp, a.ep, a.pp, a.etp)
     ddp, opt = M.make_optimizer(model, cfg)  # before loading, as Megatron-LM's setup_model_and_optimizer
     root = Path(a.dir)
     d = root / "iter_0000007"
     metadata = content_metadata(a.form)
     if a.mode == "moe-save":
-        first = M.adam_step(ddp, opt, 5)
+        if a.pp > 1:  # no pipeline schedule here: seeded random gradients and the real step (as save-vpp)
+            _pipeline_layer_names(M, cfg, a.pp)
+            _stateless_optimizer_state_dict()
+            synthetic_step([model], [ddp], opt, argparse.Namespace(step=lambda increment: None), 5)
+            first = None
+        else:
+            first = M.adam_step(ddp, opt, 5)
         model_sd = model.sharded_state_dict(prefix="", metadata=metadata)
         sd = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=False, metadata=metadata)}
-        args = M.run_args(cfg, a.tp, a.ep, a.pp)
+        shapes = {}
+        if a.form == ND_FLATTENED:  # stored as megatron-core 0.15 did (save below), each optimizer of the chain
+            subs = opt.chained_optimizers
+            states = [sd["optimizer"][n] for n in range(len(subs))] if len(subs) > 1 else [sd["optimizer"]]
+            for sub, state in zip(subs, states):
+                shapes.update(save_nd_flattened(sub, state["param_state"]))
+        args = M.run_args(cfg, a.tp, a.ep, a.pp, a.etp)
         args.ckpt_format, args.iteration, args.bf16, args.params_dtype = "torch_dist", 7, cfg.bf16, cfg.params_dtype
         args.use_distributed_optimizer = distributed
         args.dist_ckpt_optim_fully_reshardable = a.form == "fully_reshardable"
@@ -534,6 +586,11 @@ def run_moe(a):
             d.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         dist_checkpointing.save(sd, str(d))
+        if shapes:
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, shapes)
+            if dist.get_rank() == 0:
+                as_pre_016_metadata(d, {k: v for part in every for k, v in part.items()})
         live = tp_gathered(model, moe_live(model, opt, a.ep, distributed))
         if dist.get_rank() == 0:
             (root / "latest_checkpointed_iteration.txt").write_text("7")
@@ -561,7 +618,7 @@ def run_moe(a):
                         st["step"] = st["step"].clone()
         losses = {}
     model.train()
-    losses["next"] = [M.adam_step(ddp, opt, 6), M.adam_step(ddp, opt, 7)]
+    losses["next"] = [M.adam_step(ddp, opt, 6), M.adam_step(ddp, opt, 7)] if a.pp == 1 else []
     if dist.get_rank() == 0:
         torch.save(losses, a.out + ".losses")
     dist.barrier()
@@ -628,6 +685,7 @@ def main():
     ap.add_argument("--live")
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--moe-arch", default="mixtral")
+    ap.add_argument("--etp", type=int, help="moe-save / moe-resume: expert tensor-parallel size (default --tp)")
     ap.add_argument("--decoupled-lr", type=float)
     ap.add_argument("--lr-mult", type=float)
     ap.add_argument("--weights-only", action="store_true")

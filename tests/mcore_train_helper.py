@@ -45,7 +45,6 @@ tensors live, not the maths.
 """
 import argparse
 import contextlib
-import os
 import sys
 from pathlib import Path
 
@@ -121,10 +120,13 @@ def _groups_told_apart_by_lr_bounds():
     loaded state dict's groups to its own by (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr)
     alone: the decoupled and default groups collide and it cannot load its own checkpoint (the same
     error with or without ckptool). Later megatron-core adds the override keys to the match; so does
-    this helper, as that fix does."""
-    from megatron.core.optimizer import optimizer as mcore_optimizer
+    this helper, as that fix does: in optimizer.py, and in distrib_optimizer.py, which imported the
+    tuple by value (patching only the first left the distributed optimizer merging the two groups on
+    load: a ~1e-3 drift at the second resumed step)."""
+    from megatron.core.optimizer import distrib_optimizer, optimizer as mcore_optimizer
     if "max_lr" not in mcore_optimizer.param_group_identifier_keys:
         mcore_optimizer.param_group_identifier_keys += ("max_lr", "min_lr")
+    distrib_optimizer.param_group_identifier_keys = mcore_optimizer.param_group_identifier_keys
 
 
 if not torch.cuda.is_available():

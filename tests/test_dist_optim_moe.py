@@ -6,7 +6,10 @@ tensors of both sit under the one prefix `optimizer.state.<slot>.<model key>` (f
 non-distributed optimizer add no chained_N. prefix), the experts' under the stacked expert keys the
 weights use. ckptool reads the experts' masters and moments under their canonical names
 (tests/mcore_optim_dist_helper.py moe-save: one Adam step of mcore_moe_helper's Mixtral-like model, bf16
-with fp32 masters), each equal to the live optimizer's, at TP1 EP2 (both optimizer kinds) and TP2 EP2;
+with fp32 masters), each equal to the live optimizer's, at TP1 EP2 (both optimizer kinds) and TP2 EP2; and
+in the distributed optimizer's dp_reshardable form (Megatron-LM's default: flat per-bucket buffers, the
+chain's keys prefixed chained_0. / chained_1.) at TP1 EP2, TP2 EP2 and TP2 ETP1 EP2, and in the
+fully_sharded_model_space form (N-D flattened DP slices, stored as megatron-core 0.15 did) at TP1 EP2;
 it writes torch_dist for the target EP (one optimizer at EP 1, the chain at EP 2) and the torch format,
 and megatron-core resumes each with the very losses the source run took next (a weights-only resume is
 off by ~2e-2 at the second step, the first one the loaded moments move).
@@ -37,10 +40,20 @@ HELPER = REPO / "tests" / "mcore_optim_dist_helper.py"
 BF16 = "--dtype bf16"
 SAVES = {"fr": ("--tp 1 --ep 2 --form fully_reshardable", 2), "plain": ("--tp 1 --ep 2 --form plain", 2),
          "tp2": ("--tp 2 --ep 2 --form fully_reshardable", 4),
-         "dpr": ("--tp 1 --ep 2 --form dp_reshardable", 2),  # not carried: dropped with a warning
+         # dp_reshardable (Megatron-LM's default): flat buffers, the chain's keys prefixed chained_0. / chained_1.
+         "dpr": ("--tp 1 --ep 2 --form dp_reshardable", 2),
+         "dpr_tp2": ("--tp 2 --ep 2 --form dp_reshardable", 4),  # expert TP 2: expert buffers on a 2 x 2 grid
+         "dpr_etp1": ("--tp 2 --ep 2 --etp 1 --form dp_reshardable", 4),  # dense TP 2, whole experts
+         # PP 2 x EP 2, Qwen2-MoE-like: stage 0 (dense layer 0) has an expert optimizer with no buffers; the
+         # helper steps on seeded random gradients (no pipeline schedule), so this save is checked, not resumed
+         "dpr_pp2": ("--tp 1 --pp 2 --ep 2 --moe-arch qwen2moe --form dp_reshardable", 4),
+         # the deprecated dp_zero_gather_scatter: the same buffers gathered over DP, one object per rank and optimizer
+         "dz": ("--tp 1 --ep 2 --form dp_zero_gather_scatter", 2),
+         # megatron-core <= 0.14's default (0.16 builds it, the helper stores it as 0.15 did): N-D flattened DP slices
+         "fsms": ("--tp 1 --ep 2 --form fully_sharded_model_space", 2),
          # Qwen2-MoE-like: a dense layer 0, a shared expert with its gate, QKV biases (layers keyed by index)
          "qwen": ("--tp 1 --ep 2 --form fully_reshardable --moe-arch qwen2moe", 2)}
-LIVE_CHECKED = ("fr", "plain", "tp2")  # test_distopt_moe.canonical_pieces knows the Mixtral-like names
+LIVE_CHECKED = ("fr", "plain", "tp2", "dpr", "dpr_tp2", "dpr_etp1", "fsms", "dpr_pp2", "dz")  # test_distopt_moe.canonical_pieces knows the Mixtral-like names
 
 
 def torchrun(nproc: int, *jobs: str, timeout: int = 900) -> None:
@@ -75,6 +88,10 @@ def resumed(saved):
     write_layout(open_checkpoint(d / "fr_ep1"), d / "back_ep2", Layout(1, ep=2), fmt="torch_dist", warn=said.append)
     write_layout(open_checkpoint(d / "fr"), d / "torch_ep1", Layout(1, ep=1), fmt="torch", warn=said.append)
     write_layout(open_checkpoint(d / "qwen"), d / "qwen_ep1", Layout(1, ep=1), fmt="torch_dist", warn=said.append)
+    write_layout(open_checkpoint(d / "dpr"), d / "dpr_ep1", Layout(1, ep=1), fmt="torch_dist", warn=said.append)
+    write_layout(open_checkpoint(d / "fsms"), d / "fsms_ep1", Layout(1, ep=1), fmt="torch_dist", warn=said.append)
+    write_layout(open_checkpoint(d / "dpr_etp1"), d / "dpr_etp1_ep1", Layout(1, ep=1), fmt="torch_dist",
+                 warn=said.append)
     assert not said, said
     torchrun(2, f"moe-resume {d}/fr_ep1 --tp 1 --ep 1 --form fully_reshardable {BF16} --out {d}/r_fr_ep1.pt",
              f"moe-resume {d}/plain_ep1 --tp 1 --ep 1 --form plain {BF16} --out {d}/r_plain_ep1.pt",
@@ -84,15 +101,42 @@ def resumed(saved):
              f"moe-resume {d}/fr_ep1 --tp 1 --ep 1 --form fully_reshardable {BF16} --weights-only "
              f"--out {d}/r_weights_only.pt",
              f"moe-resume {d}/qwen_ep1 --tp 1 --ep 1 --form fully_reshardable --moe-arch qwen2moe {BF16} "
-             f"--out {d}/r_qwen_ep1.pt")
+             f"--out {d}/r_qwen_ep1.pt",
+             f"moe-resume {d}/dpr_ep1 --tp 1 --ep 1 --form dp_reshardable {BF16} --out {d}/r_dpr_ep1.pt",
+             f"moe-resume {d}/dpr_etp1_ep1 --tp 1 --ep 1 --form dp_reshardable {BF16} --out {d}/r_dpr_etp1_ep1.pt",
+             f"moe-resume {d}/dpr --tp 1 --ep 2 --form dp_reshardable {BF16} --out {d}/r_dpr_control.pt",
+             f"moe-resume {d}/fsms_ep1 --tp 1 --ep 1 --form fully_reshardable {BF16} --out {d}/r_fsms_ep1.pt")
     # the torch-format output, resumed as Megatron-LM's torch format loads (mcore_moe_helper.py resume)
     test_moe_megatron.torchrun([f"resume {d}/torch_ep1 --tp 1 --ep 1 {BF16} --out {d}/r_torch_ep1.pt"])
     return d
 
 
+# megatron-core names test_distopt_moe.canonical_pieces does not know (the Qwen2-MoE-like model's), layer-local
+QWEN_HALVES = {"mlp.linear_fc1.weight": "mlp.", "mlp.shared_experts.linear_fc1.weight": "mlp.shared."}
+QWEN_DIRECT = {"mlp.linear_fc2.weight": "mlp.down.weight", "mlp.shared_experts.linear_fc2.weight": "mlp.shared.down.weight",
+               "mlp.shared_experts.gate_weight": "mlp.shared_gate.weight"}
+
+
+def pieces(name: str, value: torch.Tensor, cfg) -> dict:
+    """{canonical name: the part of this megatron-core parameter's tensor it is} (global layer and expert)."""
+    from test_distopt_moe import canonical_pieces
+    from ckptool.roles import unfuse_qkv
+    if name.startswith("decoder.layers."):
+        _, _, layer, rest = name.split(".", 3)
+        pre = f"layers.{layer}."
+        if rest in QWEN_HALVES:
+            gate, up = value.chunk(2, dim=0)
+            return {pre + QWEN_HALVES[rest] + "gate.weight": gate, pre + QWEN_HALVES[rest] + "up.weight": up}
+        if rest in QWEN_DIRECT:
+            return {pre + QWEN_DIRECT[rest]: value}
+        if rest == "self_attention.linear_qkv.bias":
+            return dict(zip((pre + "attn.q.bias", pre + "attn.k.bias", pre + "attn.v.bias"), unfuse_qkv(value, cfg)))
+    return canonical_pieces(name, value, cfg)
+
+
 @pytest.mark.parametrize("name", LIVE_CHECKED)
 def test_expert_optimizer_state_equals_the_live_optimizers(saved, name):
-    from test_distopt_moe import SLOTS, canonical_pieces
+    from test_distopt_moe import SLOTS
     ck = open_checkpoint(saved / name)
     opt = ck.optimizer
     assert opt is not None and not ck.warnings, ck.warnings
@@ -100,7 +144,7 @@ def test_expert_optimizer_state_equals_the_live_optimizers(saved, name):
     seen = set()
     for name_, tensors in torch.load(saved / f"{name}.pt.live")["live"].items():
         for key, slot in SLOTS.items():
-            for canon, want in canonical_pieces(name_, tensors[key], ck.config).items():
+            for canon, want in pieces(name_, tensors[key], ck.config).items():
                 got = opt.slots[slot][canon].load()
                 want = want[:got.shape[0]] if canon in ("embed.word", "output.weight") else want  # vocab padding
                 assert got.dtype == torch.float32 and torch.equal(got, want.reshape(got.shape)), (name, canon, slot)
@@ -134,7 +178,8 @@ def test_written_chain_is_megatron_cores_for_the_target_ep(resumed, tmp_path):
 
 
 @pytest.mark.parametrize("run,src", [("r_fr_ep1", "fr"), ("r_plain_ep1", "plain"), ("r_tp2_ep1", "tp2"),
-                                     ("r_back_ep2", "fr"), ("r_torch_ep1", "fr"), ("r_qwen_ep1", "qwen")])
+                                     ("r_back_ep2", "fr"), ("r_torch_ep1", "fr"), ("r_qwen_ep1", "qwen"),
+                                     ("r_dpr_ep1", "dpr"), ("r_dpr_etp1_ep1", "dpr_etp1"), ("r_fsms_ep1", "fsms")])
 def test_moe_optimizer_resumes_at_another_expert_layout(resumed, run, src):
     """EP 2 -> EP 1 (both optimizer kinds; from TP2 too; the Qwen2-MoE-like model), EP 2 -> EP 1 -> EP 2,
     and into the torch format: the next two losses are the source run's; a fresh optimizer's second
@@ -143,19 +188,57 @@ def test_moe_optimizer_resumes_at_another_expert_layout(resumed, run, src):
     fresh = abs(_next(resumed / "r_weights_only.pt")[1] - _next(resumed / "fr.pt")[1])
     gap = max(abs(a - b) for a, b in zip(got, went_on))
     print(f"MoE torch_dist {src} -> {run}: losses {got} vs {went_on} (gap {gap:.1e}); weights-only {fresh:.2e}")
-    assert gap <= (2e-3 if src == "tp2" else 0.0) and fresh > 1e-3
+    assert gap <= (2e-3 if src in ("tp2", "dpr_etp1") else 0.0) and fresh > 1e-3
     assert _next(resumed / "r_control.pt") == _next(resumed / "fr.pt")
+    assert _next(resumed / "r_dpr_control.pt") == _next(resumed / "dpr.pt")  # megatron-core resuming its dp_reshardable save
 
 
-def test_dp_reshardable_moe_optimizer_is_dropped_by_name(saved):
-    """Megatron-LM's default distributed form for MoE (flat buffers; at EP 2 the chain's tensors prefixed
-    chained_0. / chained_1.): not laid out by ckptool, so dropped with a warning naming it; the weights
-    still read (and resharding them would write the weights only)."""
-    ck = open_checkpoint(saved / "dpr")
-    assert ck.optimizer is None
-    assert any("optimizer state dropped" in w and "dp_reshardable" in w and "MoE" in w for w in ck.warnings), ck.warnings
-    assert any(k.startswith("chained_1.optimizer.distributed.") for k in _dcp_keys(saved / "dpr"))
-    assert any(".mlp.experts.3." in n for n in ck.tensors)
+def test_dp_reshardable_moe_optimizer_is_the_chain_of_flat_buffers(saved):
+    """Megatron-LM's default distributed form for MoE: at EP 2 the chain's flat buffers under chained_0.
+    (dense, dp_group_idx = the TP x PP rank) and chained_1. (experts, dp_group_idx = the rank in the expert
+    TP x EP x PP group), each laid out by megatron-core's buffer rules; read with nothing dropped (the
+    values: test_expert_optimizer_state_equals_the_live_optimizers)."""
+    def groups(name):
+        return sorted({k.split(".gbuf_idx_")[0] for k in _dcp_keys(saved / name) if ".gbuf_idx_" in k})
+
+    assert groups("dpr_tp2") == [f"chained_0.optimizer.distributed.dp_group_idx_{i}" for i in range(2)] + \
+        [f"chained_1.optimizer.distributed.dp_group_idx_{i}" for i in range(4)]  # TP 2; expert TP 2 x EP 2
+    assert groups("dpr_etp1") == [f"chained_{n}.optimizer.distributed.dp_group_idx_{i}" for n in (0, 1) for i in range(2)]
+    for name in ("dpr", "dpr_tp2", "dpr_etp1"):
+        ck = open_checkpoint(saved / name)
+        assert not ck.warnings and ck.optimizer.kind == "megatron-core-dist (dp_reshardable)", (name, ck.warnings)
+
+
+def test_dp_reshardable_moe_with_args_claiming_another_expert_grid_is_refused(saved, tmp_path):
+    """args claiming expert TP 1 for a save at expert TP 2: the expert buffers recomputed for whole experts
+    do not give the stored bucket sizes; refused in one line suggesting --no-optimizer."""
+    from ckptool.errors import CkptError
+    with pytest.raises(CkptError, match=r"chained_1\.optimizer\.distributed\.dp_group_idx_0\.gbuf_idx_0 holds "
+                                        r"buckets of .*--no-optimizer"):
+        open_checkpoint(_with_args(saved / "dpr_tp2", tmp_path, expert_tensor_parallel_size=1))
+
+
+def test_dp_reshardable_legacy_grouped_mlp_is_dropped_by_name(saved, tmp_path):
+    """The legacy GroupedMLP (one parameter per fc for all local experts) is not laid out: dropped with a
+    warning naming it; the weights still read."""
+    ck = open_checkpoint(_with_args(saved / "dpr", tmp_path, moe_grouped_gemm=True))
+    assert ck.optimizer is None and any("optimizer state dropped" in w and "legacy GroupedMLP" in w
+                                        for w in ck.warnings), ck.warnings
+
+
+def _with_args(save: Path, tmp_path: Path, **changes) -> Path:
+    """A copy of a save whose stored args say otherwise."""
+    import shutil
+    from ckptool.io.torchfile import save_streaming
+    dst = tmp_path / "src"
+    shutil.copytree(save, dst)
+    d = next(dst.glob("iter_*"))
+    common = load_torch_file(d / "common.pt")
+    for k, v in changes.items():
+        setattr(common["args"], k, v)
+    save_streaming(common, tmp_path / "common.pt")
+    os.replace(tmp_path / "common.pt", d / "common.pt")
+    return dst
 
 
 def _dcp_keys(path: Path):

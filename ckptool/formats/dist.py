@@ -394,8 +394,6 @@ def _read_optimizer(dcp: DcpDir, common: dict, cfg: GPTConfig, tensors, policy, 
     if form in dist_optim.BUFFER_FORMS:
         why = dist_optim_buckets.unsupported(args)
         why = why and f"flat per-bucket buffers whose layout ckptool recomputes only without {why}"
-        if cfg.moe is not None:  # the router and experts in the buffers; at EP > 1 a chain prefixed chained_N.
-            why = "flat per-bucket buffers of an MoE model, whose router and expert buffers ckptool does not lay out"
     if why:
         warnings.append(f"optimizer state dropped: the distributed optimizer's {form} form ({why}) is not "
                         "carried yet; the output holds the weights only (re-save with "
@@ -404,11 +402,12 @@ def _read_optimizer(dcp: DcpDir, common: dict, cfg: GPTConfig, tensors, policy, 
     consumed = getattr(args, "consumed_train_samples", None)
     rule = GroupRule.from_args(args)
     if form in dist_optim.BUFFER_FORMS:
+        # MoE at EP > 1: the [dense, expert] chain, each optimizer's buffers under its chained_N. prefix
         flat = dist_optim_buckets.read_shards(dcp, tensors, cfg, args, where, form)
         by_stored = {dist_optim_buckets.STORED[slot]: shards for slot, shards in flat.items()}
-        scalars = dist_optim_buckets.read_scalars(dcp, common, where)
+        scalars = dist_optim_buckets.read_scalars(dcp, common, where, dist_optim_buckets.parts(cfg, ep))
         return dist_optim.read(scalars, form, lambda stored: in_model_order(assemble(cfg, by_stored[stored], policy), cfg),
-                               tensors, consumed, where, rule)
+                               tensors, consumed, where, rule, ep)
     if form not in dist_optim.STORED_SLOTS:
         raise CkptError(f"{where}: unknown optimizer form {form!r}", dist_optim.HINT)
     weight_shards, _ = _collect(dcp)

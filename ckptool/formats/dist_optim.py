@@ -22,7 +22,8 @@ Groups carry no parameter names: each canonical tensor joins the group whose tra
 the torch format's table (megatron_optim.GROUP_TRAITS: weight decay, --decoupled-lr); groups the traits
 cannot tell apart are refused. At EP > 1 megatron-core's ChainedOptimizer [dense, expert] stores its
 common entries as {0: ..., 1: ...}, the tensors of both under the one prefix above (no chained_N.
-prefix in the model-space forms); the experts (megatron_optim.chain_members) tie to the second.
+prefix in the model-space forms; the flat-buffer forms prefix each optimizer's per-rank keys chained_N.,
+dist_optim_buckets.Part); the experts (megatron_optim.chain_members) tie to the second.
 
 The writer emits the fully_reshardable form, which megatron-core loads at any TP/PP with the
 distributed optimizer, plus `fp32_param` entries that alias the same bytes (one copy on disk), so a

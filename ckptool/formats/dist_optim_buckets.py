@@ -29,7 +29,10 @@ megatron-core builds it (megatron_distopt.buffer_layout; dp_reshardable exists o
     multiple of 64 elements;
   - cut into buckets with --overlap-grad-reduce (--ddp-bucket-size, else megatron-core's default) in
     model chunk 0 of the first pipeline stage only, and a bucket of its own for a PP > 1 tied
-    embedding copy.
+    embedding copy;
+  - an MoE layer's router, local experts and shared expert in its MLP's place (`registered`); at EP > 1
+    the experts in buffers of their own, of a second optimizer: megatron-core's [dense, expert] chain,
+    each one's keys prefixed chained_N. and its model-parallel ranks indexed on its own grid (`Part`).
 The layout is never trusted: it must reproduce the stored per_bucket_numel_unpadded of every rank,
 and every master is checked against its weight as it loads. Several dtypes per chunk (one buffer
 each) are refused.
@@ -37,6 +40,7 @@ each) are refused.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
@@ -46,10 +50,11 @@ from ..errors import CkptError
 from ..io.dcp_io import DcpDir
 from ..io.torchfile import load_torch_bytes
 from ..lazy import Const, LazyTensor, derive
-from ..roles import GLOBAL_ROLES, LAYER_ROLES, global_role_tensor, layer_role_tensor, shard_role
+from ..roles import GLOBAL_ROLES, LAYER_ROLES, global_role_tensor, layer_role_tensor, moe_layer_roles, shard_role
 from .megatron_names import DIALECTS
 from .megatron_distopt import CURRENT, buffer_layout, bucket_sizes
 from .megatron_optim import HINT
+from .megatron import _fc_major as fc_major  # TEGroupedMLP's parameter order, as the torch-format writer uses it
 
 PREFIX = "optimizer.distributed.dp_group_idx_{mp}."
 FLAT, GATHERED = "dp_reshardable", "dp_zero_gather_scatter"
@@ -58,6 +63,9 @@ DIALECT_OF_IMPL = {"local": "mcore", "transformer_engine": "mcore-te"}
 HEAD = ("word", "pos")
 TAIL = ("final_norm.weight", "final_norm.bias", "output")
 HEAD_COPY = "head_copy"  # the last stage's copy of a tied word embedding (PP > 1): laid out, not read
+# roles that are module buffers, not parameters: in no grad buffer (the router's expert bias is updated by
+# its own rule, not by the optimizer)
+NOT_PARAMETERS = ("router.expert_bias",)
 # args naming the first / last pipeline stage's layer counts (Megatron-LM's, and megatron-core's config)
 FIRST_STAGE_ARGS = ("decoder_first_pipeline_num_layers", "num_layers_in_first_pipeline_stage")
 LAST_STAGE_ARGS = ("decoder_last_pipeline_num_layers", "num_layers_in_last_pipeline_stage")
@@ -67,7 +75,17 @@ def unsupported(args) -> Optional[str]:
     """Why this run's buffer layout is not recomputed, or None."""
     if getattr(args, "transformer_impl", "transformer_engine") not in DIALECT_OF_IMPL:
         return f"transformer_impl {getattr(args, 'transformer_impl', None)!r}"
+    if getattr(args, "moe_grouped_gemm", False) and not grouped_linears(args):
+        return "the legacy GroupedMLP (--moe-grouped-gemm without Transformer Engine, or --moe-use-legacy-grouped-gemm)"
     return None
+
+
+def grouped_linears(args) -> bool:
+    """Whether the experts are TEGroupedMLP's grouped linears (--moe-grouped-gemm with Transformer Engine),
+    which register every local expert's fc1 before any fc2 (their weight0 .. weightN-1); SequentialMLP
+    registers expert by expert. The legacy GroupedMLP (one tensor per fc) is not laid out (unsupported)."""
+    return bool(getattr(args, "moe_grouped_gemm", False)) and not getattr(args, "moe_use_legacy_grouped_gemm", False) \
+        and getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine"
 
 
 def _arg(args, names) -> Optional[int]:
@@ -93,25 +111,54 @@ def stage_layers(args, num_layers: int, pp: int, where: str) -> List[int]:
     return counts
 
 
-def rank_params(weights: Dict[str, LazyTensor], cfg: GPTConfig, tp: int, t: int, impl: str,
-                layers: range = None, first: bool = True, last: bool = True, pp: int = 1
-                ) -> List[Tuple[str, Optional[int], torch.Size]]:
-    """(role, layer, local shape) of one model-parallel rank's parameters in registration order: TP
-    rank t of the pipeline stage holding `layers` (first / last: whether it is the first / last stage)."""
+@dataclass(frozen=True)
+class Part:
+    """One optimizer of the run as the flat forms store it. At EP > 1 with experts megatron-core chains a
+    dense DistributedOptimizer (every parameter all-reduced over DP: all but the experts) and an expert one
+    (the experts' expert_parallel_buffers), and ChainedOptimizer.sharded_state_dict prefixes each one's
+    keys chained_N. (the flat forms are not fully reshardable, so chained_optim_avoid_prefix does not
+    apply). The two index their model-parallel groups differently (get_megatron_optimizer): the dense one
+    by the rank in the TP x PP group (pp x TP + tp), the expert one in the expert TP x EP x PP group
+    ((pp x EP + ep) x ETP + expert-TP rank)."""
+    prefix: str  # "" (one optimizer) or "chained_N."
+    experts: Optional[bool]  # None: every parameter (one optimizer); False: all but the experts; True: the experts
+
+
+ONE = (Part("", None),)
+CHAIN = (Part("chained_0.", False), Part("chained_1.", True))
+
+
+def parts(cfg: GPTConfig, ep: int) -> Tuple[Part, ...]:
+    """The optimizers of a run: megatron-core's [dense, expert] chain for an MoE model at EP > 1 (its
+    experts' `allreduce` attribute is False only then), else one."""
+    return CHAIN if cfg.moe is not None and ep > 1 else ONE
+
+
+def registered(weights: Dict[str, LazyTensor], cfg: GPTConfig, impl: str, layers: range, first: bool, last: bool,
+               pp: int, experts: range, grouped: bool = False) -> List[Tuple[str, Optional[int], LazyTensor]]:
+    """(role, layer, full tensor) of a pipeline chunk's parameters in registration order (the dialect's
+    param_order within a layer; an MoE layer's router, its local experts (global indices `experts`; fc by
+    fc when `grouped`: grouped_linears) and shared expert in its MLP's place, after the pre-MLP norm, as
+    megatron-core's MoELayer registers them)."""
     order = DIALECTS[DIALECT_OF_IMPL[impl]].param_order
     out = []
 
     def add(role, layer, full, as_role=None):
         if full is not None:
-            out.append((as_role or role, layer, shard_role(full, role, cfg, tp, layer)[t].shape))
+            out.append((as_role or role, layer, full))
 
     if first:
         for role in HEAD:
             add(role, None, global_role_tensor(weights, role))
-    for i in (range(cfg.num_layers) if layers is None else layers):
+    for i in layers:
         for role in order:
             if role in LAYER_ROLES:
                 add(role, i, layer_role_tensor(weights, cfg, i, role))
+        if cfg.is_moe_layer(i):
+            roles = moe_layer_roles(cfg, experts)
+            for role in (fc_major(roles) if grouped and len(experts) else roles):
+                if role not in NOT_PARAMETERS:
+                    add(role, i, layer_role_tensor(weights, cfg, i, role))
     if last:
         for role in TAIL:
             if role in GLOBAL_ROLES:
@@ -121,53 +168,122 @@ def rank_params(weights: Dict[str, LazyTensor], cfg: GPTConfig, tp: int, t: int,
     return out
 
 
+def is_expert(role: str) -> bool:
+    return role.startswith("experts.")
+
+
+def rank_params(weights: Dict[str, LazyTensor], cfg: GPTConfig, tp: int, t: int, impl: str,
+                layers: range = None, first: bool = True, last: bool = True, pp: int = 1, part: Part = ONE[0],
+                etp: Optional[int] = None, ep: int = 1, e: int = 0, grouped: bool = False
+                ) -> List[Tuple[str, Optional[int], torch.Size]]:
+    """(role, layer, local shape) of one model-parallel rank's parameters in one optimizer `part`, in
+    registration order: of the pipeline stage holding `layers` (first / last: whether it is the first /
+    last stage), TP rank t; the experts (MoE) are cut by the expert grid instead: expert-TP rank t % ETP
+    of ETP, and only EP rank e's experts (EP ep); grouped: TEGroupedMLP's order (grouped_linears)."""
+    etp = etp or tp
+    experts = range(0)
+    if cfg.moe is not None:
+        local = cfg.moe.num_experts // ep
+        experts = range(e * local, (e + 1) * local)
+    out = []
+    for role, layer, full in registered(weights, cfg, impl, range(cfg.num_layers) if layers is None else layers,
+                                        first, last, pp, experts, grouped):
+        expert = is_expert(role)
+        if part.experts is not None and expert != part.experts:
+            continue
+        size, rank = (etp, t % etp) if expert else (tp, t)
+        shard_as = "word" if role == HEAD_COPY else role
+        out.append((role, layer, shard_role(full, shard_as, cfg, size, layer)[rank].shape))
+    return out
+
+
+def _grid(part: Part, pp_rank: int, tp: int, etp: int, ep: int) -> List[Tuple[int, int, int]]:
+    """(dp_group_idx, TP (or expert-TP) rank, EP rank) of each model-parallel rank of a stage, in the
+    index the part's optimizer saves under (Part)."""
+    if part.experts:
+        return [((pp_rank * ep + e) * etp + s, s, e) for e in range(ep) for s in range(etp)]
+    return [(pp_rank * tp + t, t, 0) for t in range(tp)]
+
+
+def _stored_prefix(dcp: DcpDir, part: Part, mp: int) -> str:
+    """The key prefix of model-parallel rank mp's buffers of this optimizer. A rank without expert
+    parameters (a pipeline stage without MoE layers) builds no expert optimizer, and a chain of one
+    saves its optimizer unprefixed (ChainedOptimizer.sharded_state_dict): its dense buffers then sit
+    under the bare prefix."""
+    prefix = part.prefix + PREFIX.format(mp=mp)
+    if part.experts is False and not any(k.startswith(prefix) for k in dcp.entries):
+        bare = PREFIX.format(mp=mp)
+        if any(k.startswith(bare) for k in dcp.entries):
+            return bare
+    return prefix
+
+
 def read_shards(dcp: DcpDir, weights, cfg: GPTConfig, args, where: str, form: str = FLAT
                 ) -> Dict[str, Dict[Tuple[str, Optional[int]], List[LazyTensor]]]:
-    """slot -> {(role, layer): [per TP rank lazy local tensor]}, for roles.assemble(); form: FLAT or
-    GATHERED."""
+    """slot -> {(role, layer): [per TP rank lazy local tensor]} (experts: per expert-TP rank), for
+    roles.assemble(); form: FLAT or GATHERED."""
     tp = getattr(args, "tensor_model_parallel_size", None) or 1
     pp = getattr(args, "pipeline_model_parallel_size", None) or 1
     vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
     dp = int(getattr(args, "data_parallel_size", None) or 1)
+    ep = int(getattr(args, "expert_model_parallel_size", None) or 1) if cfg.moe is not None else 1
+    etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp) if cfg.moe is not None else tp
     impl = getattr(args, "transformer_impl", "transformer_engine")
     split = stage_layers(args, cfg.num_layers, pp, where) if vpp == 1 else None
     chunks = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, stage_layers=split).chunks(cfg.num_layers)
     out: Dict[str, Dict[Tuple[str, Optional[int]], List[LazyTensor]]] = {s: {} for s in STORED}
     unpadded: Dict[str, List[List[int]]] = {}  # per model-parallel rank: its buffers' bucket sizes
     gathered: Dict[str, Tuple[str, dict]] = {}  # per model-parallel rank: its gathered buffers (GATHERED)
-    for pp_rank, chunk, first_layer, count in sorted(chunks):
-        for t in range(tp):
-            mp = pp_rank * tp + t  # the rank's index in its model-parallel group (dp_group_idx)
-            prefix = PREFIX.format(mp=mp)
-            # one grad buffer per model chunk (gbuf_idx = the chunk), its parameters in turn
-            params = rank_params(weights, cfg, tp, t, impl, range(first_layer, first_layer + count),
-                                 pp_rank == 0 and chunk == 0, pp_rank == pp - 1 and chunk == vpp - 1, pp)
-            shared = cfg.tied_embeddings and pp > 1
-            if form == GATHERED:
-                if prefix not in gathered:
-                    gathered[prefix] = _gathered_state(dcp, prefix, where)
-                key, state = gathered[prefix]
-                _add_gathered(out, state, chunk, params, args, shared, pp_rank, dp, f"{where}: {key}")
-                continue
-            if prefix not in unpadded:
-                unpadded[prefix] = _stored_unpadded(dcp, prefix, vpp, where)
-            stored = unpadded[prefix][chunk]
-            lay = _matching_layout(params, stored, args, cfg.tied_embeddings and pp > 1, chunk, pp_rank, dp,
-                                   f"{where}: {prefix}gbuf_idx_{chunk}")
-            gbuf = f"{prefix}gbuf_idx_{chunk}."
-            buffers = [k for k in dcp.entries if k.startswith(gbuf) and k.endswith(".bucket_idx_0.param")]
-            if len(buffers) != 1:
-                raise CkptError(f"{where}: {gbuf[:-1]} has {len(buffers)} dtype buffers; one was expected", HINT)
-            base = buffers[0][:-len("bucket_idx_0.param")]
-            for slot, name in STORED.items():
-                for i, (role, layer, shape) in enumerate(params):
-                    if role == HEAD_COPY:
-                        continue
-                    key = f"{base}bucket_idx_{lay.bucket_of[i]}.{name}"
-                    if key not in dcp.entries:
-                        raise CkptError(f"{where}: no {key}", HINT)
-                    flat = dcp.lazy(key, (lay.start[i],), (math.prod(shape),))
-                    out[slot].setdefault((role, layer), []).append(derive(lambda x, s=shape: x.view(s), [flat]))
+    shared = cfg.tied_embeddings and pp > 1
+    for part in parts(cfg, ep):
+        gbuf_of: Dict[str, int] = {}  # per model-parallel rank: its next grad buffer (one per chunk it has params in)
+        for pp_rank, chunk, first_layer, count in sorted(chunks):
+            for mp, t, e in _grid(part, pp_rank, tp, etp, ep):
+                prefix = _stored_prefix(dcp, part, mp)
+                params = rank_params(weights, cfg, tp, t, impl, range(first_layer, first_layer + count),
+                                     pp_rank == 0 and chunk == 0, pp_rank == pp - 1 and chunk == vpp - 1, pp,
+                                     part, etp, ep, e, grouped_linears(args))
+                if not params:
+                    continue  # no buffer (e.g. a chunk without MoE layers has no expert buffer)
+                gbuf = gbuf_of[prefix] = gbuf_of.get(prefix, -1) + 1
+                # the pieces this rank contributes: an expert held by several dense TP ranks (EP 1, expert TP
+                # below TP) is taken from the first
+                keep = [role != HEAD_COPY and not (part.experts is None and is_expert(role) and t >= etp)
+                        for role, _, _ in params]
+                if form == GATHERED:
+                    if prefix not in gathered:
+                        gathered[prefix] = _gathered_state(dcp, prefix, where)
+                    key, state = gathered[prefix]
+                    _add_gathered(out, state, gbuf, chunk, params, keep, args, shared, pp_rank, dp, f"{where}: {key}")
+                    continue
+                if prefix not in unpadded:
+                    unpadded[prefix] = _stored_unpadded(dcp, prefix, where)
+                if gbuf >= len(unpadded[prefix]):
+                    raise CkptError(f"{where}: {prefix}per_bucket_numel_unpadded lists {len(unpadded[prefix])} grad "
+                                    f"buffer(s); this model has more there", HINT)
+                stored = unpadded[prefix][gbuf]
+                lay = _matching_layout(params, stored, args, shared, chunk, pp_rank, dp,
+                                       f"{where}: {prefix}gbuf_idx_{gbuf}")
+                gbuf_key = f"{prefix}gbuf_idx_{gbuf}."
+                buffers = [k for k in dcp.entries if k.startswith(gbuf_key) and k.endswith(".bucket_idx_0.param")]
+                if len(buffers) != 1:
+                    raise CkptError(f"{where}: {gbuf_key[:-1]} has {len(buffers)} dtype buffers; one was expected",
+                                    HINT)
+                base = buffers[0][:-len("bucket_idx_0.param")]
+                for slot, name in STORED.items():
+                    for i, (role, layer, shape) in enumerate(params):
+                        if not keep[i]:
+                            continue
+                        key = f"{base}bucket_idx_{lay.bucket_of[i]}.{name}"
+                        if key not in dcp.entries:
+                            raise CkptError(f"{where}: no {key}", HINT)
+                        flat = dcp.lazy(key, (lay.start[i],), (math.prod(shape),))
+                        out[slot].setdefault((role, layer), []).append(derive(lambda x, s=shape: x.view(s), [flat]))
+        for prefix, last in gbuf_of.items():
+            if prefix in unpadded and len(unpadded[prefix]) != last + 1:
+                raise CkptError(f"{where}: {prefix}per_bucket_numel_unpadded lists {len(unpadded[prefix])} grad "
+                                f"buffer(s), this model {last + 1} there (one per model chunk holding parameters "
+                                "of that optimizer)", HINT)
     return out
 
 
@@ -206,25 +322,27 @@ def _gathered_state(dcp: DcpDir, prefix: str, where: str) -> Tuple[str, dict]:
     return key, state[0] if isinstance(state, list) and len(state) == 1 else state
 
 
-def _add_gathered(out, state, chunk: int, params, args, shared: bool, pp_rank: int, dp: int, where: str) -> None:
-    """One model chunk's parameters cut out of the rank's DP-gathered buffers (GATHERED form)."""
-    entry = state.get(chunk) if isinstance(state, dict) and state.get("buckets_coalesced") is True else None
+def _add_gathered(out, state, gbuf: int, chunk: int, params, keep, args, shared: bool, pp_rank: int, dp: int,
+                  where: str) -> None:
+    """Grad buffer gbuf's parameters (model chunk `chunk`) cut out of the rank's DP-gathered buffers (GATHERED
+    form); keep[i]: whether parameter i is read from here."""
+    entry = state.get(gbuf) if isinstance(state, dict) and state.get("buckets_coalesced") is True else None
     entry = next(iter(entry.values())) if isinstance(entry, dict) and len(entry) == 1 else None
     total = entry.get("numel_unpadded") if isinstance(entry, dict) else None
     if not isinstance(total, int) or any(not isinstance(entry.get(n), torch.Tensor) or
                                          tuple(entry[n].shape) != (total,) for n in STORED.values()):
-        raise CkptError(f"{where} is not one coalesced buffer of one dtype for model chunk {chunk} "
+        raise CkptError(f"{where} is not one coalesced buffer of one dtype for grad buffer {gbuf} "
                         "(param, exp_avg, exp_avg_sq of numel_unpadded elements)", HINT)
-    lay = _matching_layout(params, total, args, shared, chunk, pp_rank, dp, f"{where} buffer {chunk}")
+    lay = _matching_layout(params, total, args, shared, chunk, pp_rank, dp, f"{where} buffer {gbuf}")
     for slot, name in STORED.items():
         for i, (role, layer, shape) in enumerate(params):
-            if role != HEAD_COPY:
+            if keep[i]:
                 start = lay.coalesced_offset(i)
                 value = entry[name][start:start + math.prod(shape)].view(shape)
                 out[slot].setdefault((role, layer), []).append(Const(value))
 
 
-def _stored_unpadded(dcp: DcpDir, prefix: str, buffers: int, where: str) -> List[List[int]]:
+def _stored_unpadded(dcp: DcpDir, prefix: str, where: str) -> List[List[int]]:
     """Per grad buffer, the unpadded size of each bucket."""
     key = next((k for k in dcp.entries if k.startswith(prefix + "per_bucket_numel_unpadded/")), None)
     if key is None:
@@ -238,23 +356,28 @@ def _stored_unpadded(dcp: DcpDir, prefix: str, buffers: int, where: str) -> List
             out.append([int(n) for n in sizes])
     except (TypeError, ValueError, AttributeError):
         out = None
-    if out is None or len(out) != buffers:
-        raise CkptError(f"{where}: {key} holds {obj!r}, not {buffers} grad buffer(s) (one per model chunk) of one "
-                        "dtype each", HINT)
+    if out is None:
+        raise CkptError(f"{where}: {key} holds {obj!r}, not grad buffers (one per model chunk) of one dtype each",
+                        HINT)
     return out
 
 
-def read_scalars(dcp: DcpDir, common: dict, where: str) -> dict:
+def read_scalars(dcp: DcpDir, common: dict, where: str, chain: Tuple[Part, ...] = ONE) -> dict:
     """A common state in the shape dist_optim.read_scalars expects: the non-tensor optimizer state
-    (param groups with their step, grad scaler) is a per-rank object here (dp_group_idx_0's; every
-    model-parallel rank holds the same groups)."""
-    entries = {}
-    for name in ("optimizer", "grad_scaler"):
-        key = next((k for k in dcp.entries if k.startswith(PREFIX.format(mp=0) + name + "/")), None)
-        if key is None:
-            continue
-        obj = load_torch_bytes(dcp.read_bytes(key), source=f"{where}:{key}")
-        entries[name] = obj[0] if isinstance(obj, list) and len(obj) == 1 else obj
-    if "optimizer" not in entries:
-        raise CkptError(f"{where}: no {PREFIX.format(mp=0)}optimizer object (the param groups)", HINT)
-    return dict(common, optimizer=entries)
+    (param groups with their step, grad scaler) is a per-rank object here (dp_group_idx_0's of each
+    optimizer of the chain; every model-parallel rank holds the same groups); a chain's entries go
+    under their index, as ChainedOptimizer keeps its common state."""
+    per_part = []
+    for part in chain:
+        entries = {}
+        head = part.prefix + PREFIX.format(mp=0)
+        for name in ("optimizer", "grad_scaler"):
+            key = next((k for k in dcp.entries if k.startswith(head + name + "/")), None)
+            if key is None:
+                continue
+            obj = load_torch_bytes(dcp.read_bytes(key), source=f"{where}:{key}")
+            entries[name] = obj[0] if isinstance(obj, list) and len(obj) == 1 else obj
+        if "optimizer" not in entries:
+            raise CkptError(f"{where}: no {head}optimizer object (the param groups)", HINT)
+        per_part.append(entries)
+    return dict(common, optimizer=per_part[0] if len(per_part) == 1 else dict(enumerate(per_part)))
