@@ -403,9 +403,10 @@ def main(argv=None) -> int:
     profiles = {} if args.profile else None
     if args.cache != "as-is" and not os.access("/proc/sys/vm/drop_caches", os.W_OK):
         ap.error(f"--cache {args.cache} drops the page cache: it needs root (/proc/sys/vm/drop_caches)")
-    # one untimed start first: the first ckptool process on a host fills the bytecode cache
-    # (io/startup.py), ~4 s that would otherwise fall on whichever step runs first
-    subprocess.run([sys.executable, "-m", "ckptool", "--help"], capture_output=True, env=_env())
+    # one untimed command first (inspect imports torch and the readers): the first ckptool process
+    # on a host fills the bytecode cache (io/startup.py), ~4 s that would otherwise fall on
+    # whichever step runs first
+    subprocess.run([sys.executable, "-m", "ckptool", "inspect", str(src)], capture_output=True, env=_env())
     rows = run_side_by_side(plan, main_steps, size, work, args.repeat, args.keep, profiles, args.cache, src)
     ds = deepspeed_rows(args, work) if "deepspeed" in steps else None
     if not args.keep and not args.reuse_src:
