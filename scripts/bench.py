@@ -403,10 +403,12 @@ def main(argv=None) -> int:
     profiles = {} if args.profile else None
     if args.cache != "as-is" and not os.access("/proc/sys/vm/drop_caches", os.W_OK):
         ap.error(f"--cache {args.cache} drops the page cache: it needs root (/proc/sys/vm/drop_caches)")
-    # one untimed command first (inspect imports torch and the readers): the first ckptool process
+    # one untimed start first (torch and the converters imported as the CLI would): the first ckptool process
     # on a host fills the bytecode cache (io/startup.py), ~4 s that would otherwise fall on
     # whichever step runs first
-    subprocess.run([sys.executable, "-m", "ckptool", "inspect", str(src)], capture_output=True, env=_env())
+    warm = ("from ckptool.io import startup; startup.use_own_bytecode_cache(); "
+            "import torch, ckptool.convert, ckptool.formats.megatron, ckptool.formats.hf_writer")
+    subprocess.run([sys.executable, "-c", warm], capture_output=True, env=_env())
     rows = run_side_by_side(plan, main_steps, size, work, args.repeat, args.keep, profiles, args.cache, src)
     ds = deepspeed_rows(args, work) if "deepspeed" in steps else None
     if not args.keep and not args.reuse_src:
