@@ -20,7 +20,8 @@ from ckptool.lazy import Const
 @pytest.fixture(params=[True, False], ids=["one-pass", "two-pass"])
 def small_pieces(monkeypatch, request):
     """Pieces of a few KiB, so small test data crosses many piece boundaries; every test using it
-    runs with the CRC taken in the hash's pass (the default) and in a pass of its own."""
+    runs with the CRC taken in the hash's pass (CKPTOOL_FUSED_SUMS=1) and in a pass of its own
+    (the default)."""
     monkeypatch.setattr(chunked, "PIECE", 1 << 14)
     monkeypatch.setattr(chunked, "CRC_PIECE", 1 << 12)
     monkeypatch.setattr(chunked, "_SMALL", 1 << 10)

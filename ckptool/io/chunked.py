@@ -13,12 +13,14 @@ sha256 per file; outdir.check_manifest verifies both.
 CRC32 (zip records) is computed per piece too and the pieces combined (crc32_combine below:
 CRC arithmetic over GF(2), so the result equals zlib.crc32 of the whole record).
 
-Both sums of a zip record are taken in one pass (PieceDigest.feed(view, crc=True)): one task per
-manifest piece the record overlaps walks it in BLOCK-sized steps, sha256 then CRC32 of each block,
-so the CRC reads a block the hash has just brought into the core's cache instead of reading the
-whole record from memory a second time, and a record costs one task per piece instead of one per
-piece plus one per CRC_PIECE. CKPTOOL_FUSED_SUMS=0 goes back to two separate passes (for A/B
-measurements; the bytes written are the same either way).
+With CKPTOOL_FUSED_SUMS=1 both sums of a zip record are taken in one pass instead
+(PieceDigest.feed(view, crc=True)): one task per manifest piece the record overlaps walks it in
+BLOCK-sized steps, sha256 then CRC32 of each block, so the CRC reads what the hash has just
+brought into the core's cache. It is not the default because it measured no faster
+(docs/benchmarks.md, session 8): on 16 cores, cold 12 GB sources, the walls were the same within
+the noise and the writers waited longer (a piece's two sums run one after the other on one core
+instead of side by side on two), and on the 2-core box a merge took the same CPU time. The bytes
+written are the same either way.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ PIECE = 64 << 20  # manifest digest piece: large enough that per-piece overhead 
 CRC_PIECE = 16 << 20  # CRC work unit: a 400 MiB record splits over 25 tasks
 _SMALL = 1 << 20  # below this, hashing inline beats a round trip through the pool
 BLOCK = 2 << 20  # fused pass: sha256 and CRC32 take turns over blocks this size (a core's L2)
-FUSED = os.environ.get("CKPTOOL_FUSED_SUMS", "1") != "0"
+FUSED = os.environ.get("CKPTOOL_FUSED_SUMS", "0") == "1"  # see the top: measured, not faster
 
 _pool: Optional[ThreadPoolExecutor] = None
 _pool_lock = threading.Lock()

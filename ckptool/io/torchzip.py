@@ -9,8 +9,8 @@ Here torch's writer still decides every byte of the layout, so the output stays 
 to what it writes itself: it runs as a dry run into LayoutSink, where tensor records are declared
 with write_record_metadata (it emits the headers and seeks over the data), and ArchiveOut writes
 the real file: the headers torch produced, then the tensor bytes straight from the tensor's
-memory, with their CRC32 and the manifest digest taken in one pass over each 64 MiB piece on the
-checksum pool (chunked.py) while write() runs. What the dry run could not know is patched in:
+memory, with their CRC32 in 16 MiB pieces and the manifest digest in 64 MiB pieces on the
+checksum pool (chunked.py; or both in one pass, CKPTOOL_FUSED_SUMS=1) while write() runs. What the dry run could not know is patched in:
 each tensor record's CRC32 in its data descriptor and central-directory entry, and the
 .data/serialization_id record, whose second half torch derives from the descriptors' CRCs (the
 first half, a hash of the record names, the dry run got right).
@@ -110,7 +110,7 @@ class _Output:
             self._write(memoryview(buf))
 
     def big(self, offset: int, view: memoryview) -> int:
-        """Write view at offset; returns its CRC32, taken in the hash's pass over it (chunked.py)."""
+        """Write view at offset; returns its CRC32 (taken beside the hash, or in its pass: chunked.py)."""
         self.flush()
         if offset != self.pos:
             raise CkptError(f"internal: archive record at {offset}, expected {self.pos}")
