@@ -20,7 +20,7 @@ Every step's output is fsynced (ckptool seals its output with fsync; the copy ru
 --cache cold (root) drops the page cache before every timed command, so copy and conversion both
 read the source from the disk (warm: read into the cache first; as-is, the default: sync only);
 --variants 'NAME:VAR=VALUE,...;NAME2:' runs every ckptool step once per environment (an A/B in one
-run); --launcher ckptool starts the torchrun steps with `python -m ckptool.torchrun`.
+run; the variants of a step share the copy before them each round, and take turns going first); --launcher ckptool starts the torchrun steps with `python -m ckptool.torchrun`.
 --profile runs the ckptool steps with CKPTOOL_PROFILE=1 and prints, for each, where the last
 round's time went stage by stage (ckptool/io/profile.py: thread-seconds per stage, summed over the
 processes of a torchrun step).
@@ -187,11 +187,13 @@ def run_side_by_side(plan: dict, steps: list, size: int, work: Path, repeat: int
     rss: dict = {s: 0 for s in steps}
     failed: dict = {}
     for rnd in range(repeat):
-        for step in steps:
+        last_copy = (None, None)  # (base step, copy result): variants of one step share one copy a round
+        for step in _round_order(plan, steps, rnd):
             label, cmd = plan[step][:2]
             if cmd is None or step in failed:
                 continue
-            pair = [("copy", copy_cmd)] if step != "copy" else []
+            base = plan[step][3] if len(plan[step]) > 3 else step
+            pair = [("copy", copy_cmd)] if step != "copy" and last_copy[0] != base else []
             pair.append((step, cmd))
             step_env = plan[step][2] if len(plan[step]) > 2 else None
             measured = {}
@@ -213,6 +215,10 @@ def run_side_by_side(plan: dict, steps: list, size: int, work: Path, repeat: int
             if step in failed:
                 print(f"  {step}: {failed[step]}", flush=True)
                 continue
+            if "copy" in measured:
+                last_copy = (base, measured["copy"])
+            elif step != "copy":
+                measured["copy"] = last_copy[1]
             r = measured[step]
             if profiles is not None:
                 profiles[step] = read_profiles(r["log"])
@@ -237,6 +243,21 @@ def run_side_by_side(plan: dict, steps: list, size: int, work: Path, repeat: int
             rows.append((label, f"{wall:.1f} s | {size / wall / 1e6:.0f} | {median(ratios[step]):.2f}x | "
                                 f"{rss[step] / 2**20:.0f} MiB"))
     return rows
+
+
+def _round_order(plan: dict, steps: list, rnd: int) -> list:
+    """Steps in their order, the variants of one step reversed in odd rounds: each variant runs
+    first after the shared copy as often as second, so neither always meets the state the other
+    left (write-back still under way, a warmer cache of the code)."""
+    out, i = [], 0
+    while i < len(steps):
+        base = plan[steps[i]][3] if len(plan[steps[i]]) > 3 else None
+        j = i + 1
+        while base is not None and j < len(steps) and len(plan[steps[j]]) > 3 and plan[steps[j]][3] == base:
+            j += 1
+        out.extend(reversed(steps[i:j]) if rnd % 2 else steps[i:j])
+        i = j
+    return out
 
 
 def print_table(rows):
@@ -283,8 +304,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", default=",".join(STEPS), help=f"comma list out of {','.join(STEPS)}")
     ap.add_argument("--nproc", type=int, default=2, help="processes for the torchrun steps")
     ap.add_argument("--repeat", type=int, default=3, help="rounds of (copy, step) pairs; medians reported")
-    ap.add_argument("--style", choices=("gpt2", "llama"), default="gpt2",
-                    help="synthetic source: GPT-2 style (to-hf transposes Conv1D) or Llama style (no transposes)")
+    ap.add_argument("--style", choices=("gpt2", "llama", "moe"), default="gpt2",
+                    help="synthetic source: GPT-2 style (to-hf transposes Conv1D), Llama style (no transposes) "
+                         "or moe (Llama style, every MLP 8 experts, top 2; written at TP2 PP2 EP2)")
     ap.add_argument("--optimizer", action="store_true",
                     help="the source also holds Megatron's training state (fp32 masters + Adam moments, 6x the "
                          "bf16 weights' bytes; --size-gb counts the weights), carried by merge and reshard; "
@@ -297,7 +319,7 @@ def main(argv=None) -> int:
     ap.add_argument("--launcher", choices=("torchrun", "ckptool"), default="torchrun",
                     help="torchrun steps start with `torchrun -m ckptool` or `python -m ckptool.torchrun`")
     ap.add_argument("--variants", default="",
-                    help="run each ckptool step once per variant, each with its own copy pair: "
+                    help="run each ckptool step once per variant, the variants of a step share one copy pair a round and take turns going first: "
                          "'NAME:VAR=VALUE,VAR=VALUE;NAME2:' (environment of the step's process)")
     ap.add_argument("--ds-ckpt", type=Path, default=None,
                     help="ZeRO checkpoint for the deepspeed step (default: write one with scripts/ds_zero_case.py)")
@@ -327,10 +349,12 @@ def main(argv=None) -> int:
     size = dir_bytes(src)
     # a layer streams with its optimizer slots: 2 bytes (bf16 weight) + 3 x 4 (fp32 master and moments)
     biggest_layer = largest_layer_bytes(cfg, itemsize=14 if args.optimizer else 2)
-    style = ("Llama-style" if cfg.gated else "GPT-2-style") + (" with optimizer state" if args.optimizer else "")
+    style = (("MoE Llama-style" if cfg.moe else "Llama-style") if cfg.gated else "GPT-2-style") + (
+        " with optimizer state" if args.optimizer else "")
+    grid = "TP2 PP2 EP2" if cfg.moe else "TP2 PP2"
     subprocess.run(["sync"])
     print(f"synthetic {style} checkpoint: {size / 1e9:.2f} GB, {cfg.num_layers} layers, hidden "
-          f"{cfg.hidden_size}, TP2 PP2 bf16, ready in {gen:.0f} s; largest layer "
+          f"{cfg.hidden_size}, {grid} bf16, ready in {gen:.0f} s; largest layer "
           f"{biggest_layer / 2**20:.0f} MiB", flush=True)
 
     py = [sys.executable, "-m", "ckptool"]
@@ -371,7 +395,7 @@ def main(argv=None) -> int:
             for name, env in variants:
                 key = f"{step} [{name}]"
                 plan[key] = (f"{plan[step][0]} [{name}: {','.join(f'{k}={v}' for k, v in env.items()) or 'defaults'}]",
-                             plan[step][1], env)
+                             plan[step][1], env, step)
                 expanded.append(key)
         main_steps = expanded
     if args.profile:
@@ -379,6 +403,12 @@ def main(argv=None) -> int:
     profiles = {} if args.profile else None
     if args.cache != "as-is" and not os.access("/proc/sys/vm/drop_caches", os.W_OK):
         ap.error(f"--cache {args.cache} drops the page cache: it needs root (/proc/sys/vm/drop_caches)")
+    # one untimed start first (torch and the converters imported as the CLI would): the first ckptool process
+    # on a host fills the bytecode cache (io/startup.py), ~4 s that would otherwise fall on
+    # whichever step runs first
+    warm = ("from ckptool.io import startup; startup.use_own_bytecode_cache(); "
+            "import torch, ckptool.convert, ckptool.formats.megatron, ckptool.formats.hf_writer")
+    subprocess.run([sys.executable, "-c", warm], capture_output=True, env=_env())
     rows = run_side_by_side(plan, main_steps, size, work, args.repeat, args.keep, profiles, args.cache, src)
     ds = deepspeed_rows(args, work) if "deepspeed" in steps else None
     if not args.keep and not args.reuse_src:
@@ -387,7 +417,7 @@ def main(argv=None) -> int:
     load = os.getloadavg()
     print()
     print(f"Checkpoint: {style}, {size / 1e9:.2f} GB ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-          f"TP2 PP2, bf16); largest layer {biggest_layer / 2**20:.0f} MiB (peak RSS bound 1 GiB + 2 x that = "
+          f"{grid}, bf16); largest layer {biggest_layer / 2**20:.0f} MiB (peak RSS bound 1 GiB + 2 x that = "
           f"{(2**30 + 2 * biggest_layer) / 2**20:.0f} MiB); {args.repeat} rounds; "
           f"{os.cpu_count()} CPUs, load average {load[0]:.1f} at the end; page cache before each command: "
           f"{args.cache}")

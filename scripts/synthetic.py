@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ckptool.config import GPTConfig, Layout
+from ckptool.config import GPTConfig, Layout, MoE
 from ckptool.formats.megatron import write_megatron
 from ckptool.lazy import Derived
 from ckptool.state import Checkpoint, OptimizerState, ParamGroup, SourceInfo, expected_names
@@ -41,7 +41,8 @@ def _random(name: str, shape, dtype) -> Derived:
     return Derived(make, [], memo=True, shape=shape, dtype=dtype)  # TP shards share one draw
 
 
-STYLES = ("gpt2", "llama")
+STYLES = ("gpt2", "llama", "moe")
+MOE_EXPERTS = 8  # the moe style: Mixtral's grid (8 experts, top 2, every layer), written at EP2
 
 
 def config_for_size(size_gb: float, style: str = "gpt2") -> GPTConfig:
@@ -50,8 +51,22 @@ def config_for_size(size_gb: float, style: str = "gpt2") -> GPTConfig:
     gpt2: learned positions, LayerNorm with bias, GELU, biases, tied embedding (to-hf must
     transpose every linear weight into Conv1D's [in, out]). llama: RoPE, RMSNorm, SwiGLU, no
     biases, grouped-query attention (4 query heads per KV head), untied output (to-hf copies every
-    weight as it is stored: no transposes)."""
+    weight as it is stored: no transposes). moe: the llama style with every MLP a Mixture of
+    MOE_EXPERTS experts (top 2) of a quarter of the dense FFN size each, so a layer holds twice
+    the dense layer's MLP bytes, in MOE_EXPERTS x 3 expert tensors plus the router."""
     hidden = 1024 if size_gb < 1 else 2048 if size_gb <= 8 else 4096
+    if style == "moe":
+        heads, groups, ffn = hidden // 128, hidden // 512, int(hidden * 8 / 3) // 256 * 256
+        expert_ffn = ffn // 4
+        per_layer = 2 * (hidden * hidden * (2 + 2 * groups / heads) + MOE_EXPERTS * 3 * hidden * expert_ffn
+                         + MOE_EXPERTS * hidden + 2 * hidden)
+        fixed = 2 * 2 * 32000 * hidden
+        layers = max(2, 2 * round((size_gb * 1e9 - fixed) / per_layer / 2))
+        return GPTConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                         num_query_groups=groups, ffn_hidden_size=expert_ffn, padded_vocab_size=32000,
+                         vocab_size=32000, vocab_size_source="synthetic", max_position_embeddings=4096,
+                         moe=MoE(num_experts=MOE_EXPERTS, top_k=2, ffn_hidden_size=expert_ffn,
+                                 layers=tuple(range(layers))), **LLAMA_STYLE)
     if style == "llama":
         heads, groups, ffn = hidden // 128, hidden // 512, int(hidden * 8 / 3) // 256 * 256
         per_layer = 2 * (hidden * hidden * (2 + 2 * groups / heads) + 3 * hidden * ffn + 2 * hidden)
@@ -73,11 +88,19 @@ def config_for_size(size_gb: float, style: str = "gpt2") -> GPTConfig:
 def synthetic_checkpoint(cfg: GPTConfig, dtype=torch.bfloat16, optimizer: bool = False) -> Checkpoint:
     """optimizer: also a training state as Megatron's bf16 mixed precision keeps it: fp32 masters that
     round to the weights, Adam moments (random, exp_avg_sq positive), step, two param groups, scheduler."""
-    tensors = {n: _random(n, canonical_shape(cfg, n), dtype) for n in expected_names(cfg)}
+    tensors = {n: _random(n, _shape(cfg, n), dtype) for n in expected_names(cfg)}
     ckpt = Checkpoint(cfg, tensors, SourceInfo(path="<synthetic>", format="synthetic", dialect="mcore"))
     if optimizer:
         ckpt.optimizer = _training_state(tensors)
     return ckpt
+
+
+def _shape(cfg: GPTConfig, name: str) -> tuple:
+    """canonical_shape, plus the MoE router ([experts, hidden]); an expert's gate/up/down take the
+    model's ffn_hidden_size, which the moe style sets to the expert size (every layer is MoE)."""
+    if name.endswith("router.weight"):
+        return (cfg.moe.num_experts, cfg.hidden_size)
+    return canonical_shape(cfg, name)
 
 
 def _training_state(tensors) -> OptimizerState:
@@ -102,7 +125,7 @@ def _training_state(tensors) -> OptimizerState:
 def largest_layer_bytes(cfg: GPTConfig, itemsize: int = 2) -> int:
     """Bytes of the largest unit a conversion holds at once: one transformer layer or the embedding."""
     layer = sum(itemsize * (1 if len(s) == 1 else s[0] * s[1])
-                for s in (canonical_shape(cfg, n) for n in expected_names(cfg) if n.startswith("layers.0.")))
+                for s in (_shape(cfg, n) for n in expected_names(cfg) if n.startswith("layers.0.")))
     return max(layer, itemsize * cfg.padded_vocab_size * cfg.hidden_size)
 
 
@@ -112,7 +135,8 @@ def write_synthetic(out: Path, size_gb: float = 0.0, tp: int = 2, pp: int = 2, d
     directory); optimizer adds the training state (fp32 master + 2 moments: 6x the bf16 weights' bytes)."""
     cfg = cfg or config_for_size(size_gb, style)
     Path(out).mkdir(parents=True, exist_ok=False)
-    write_megatron(synthetic_checkpoint(cfg, optimizer=optimizer), Path(out), Layout(tp=tp, pp=pp), dialect=dialect,
+    layout = Layout(tp=tp, pp=pp, ep=2 if cfg.moe else 1)
+    write_megatron(synthetic_checkpoint(cfg, optimizer=optimizer), Path(out), layout, dialect=dialect,
                    iteration=1000, warn=lambda m: None)
     return cfg
 

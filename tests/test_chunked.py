@@ -17,12 +17,16 @@ from ckptool.io import chunked, outdir, torchfile, torchzip
 from ckptool.lazy import Const
 
 
-@pytest.fixture
-def small_pieces(monkeypatch):
-    """Pieces of a few KiB, so small test data crosses many piece boundaries."""
+@pytest.fixture(params=[True, False], ids=["one-pass", "two-pass"])
+def small_pieces(monkeypatch, request):
+    """Pieces of a few KiB, so small test data crosses many piece boundaries; every test using it
+    runs with the CRC taken in the hash's pass (CKPTOOL_FUSED_SUMS=1) and in a pass of its own
+    (the default)."""
     monkeypatch.setattr(chunked, "PIECE", 1 << 14)
     monkeypatch.setattr(chunked, "CRC_PIECE", 1 << 12)
     monkeypatch.setattr(chunked, "_SMALL", 1 << 10)
+    monkeypatch.setattr(chunked, "BLOCK", 1 << 9)
+    monkeypatch.setattr(chunked, "FUSED", request.param)
 
 
 def _by_definition(data: bytes) -> str:
@@ -40,6 +44,38 @@ def test_crc32_pieces_combine_to_zlibs(small_pieces):
                                      len(data) - cut) == zlib.crc32(data)
         assert chunked.crc32_parallel(memoryview(data)) == zlib.crc32(data)
         assert chunked.crc32_finish(chunked.crc32_start(memoryview(data))) == zlib.crc32(data)
+
+
+def test_crc32_combine_is_associative_at_any_length():
+    """Lengths far past 4 GiB (records of a large checkpoint) cannot be checked against zlib of the
+    whole in a test, but the combine must agree however the parts are grouped."""
+    rng = random.Random(7)
+    for _ in range(200):
+        a, b, c = (rng.getrandbits(32) for _ in range(3))
+        lb, lc = rng.randrange(0, 1 << 40), rng.randrange(0, 1 << 40)
+        left = chunked.crc32_combine(chunked.crc32_combine(a, b, lb), c, lc)
+        right = chunked.crc32_combine(a, chunked.crc32_combine(b, c, lc), lb + lc)
+        assert left == right
+    # appending n zero bytes by the combine equals zlib over them (n up to 3 MiB here)
+    for n in (1, 63, 1 << 16, 3 << 20):
+        crc = zlib.crc32(b"head")
+        assert chunked.crc32_combine(crc, zlib.crc32(bytes(n)), n) == zlib.crc32(b"head" + bytes(n))
+
+
+def test_one_pass_sums_equal_separate_ones(small_pieces):
+    """feed(view, crc=True): the record's CRC32 from the hash's pass over it equals zlib.crc32 of
+    the record, and the file digest is unchanged, wherever the record starts within a piece."""
+    rng = random.Random(5)
+    for _ in range(40):
+        head = os.urandom(rng.randrange(0, 3 << 14))
+        record = os.urandom(rng.choice([0, 1, 700, rng.randrange(0, 7 << 14)]))
+        d = chunked.PieceDigest()
+        d.feed(head)
+        parts = d.feed(memoryview(record), crc=True)
+        d.settle()
+        assert chunked.crc32_finish(parts) == zlib.crc32(record)
+        assert sum(n for n, _ in parts) == len(record)
+        assert d.hexdigest() == _by_definition(head + record)
 
 
 def test_piece_digest_is_independent_of_how_the_bytes_arrive(small_pieces, tmp_path):

@@ -147,3 +147,31 @@ def test_torch_dist_tensors_name_their_chunk_records(tmp_path):
     merged = open_checkpoint(src).tensors
     for name, t in ckpt.tensors.items():
         assert torch.equal(t.load(), merged[name].load()), name
+
+
+def test_safetensors_sources_are_asked_for_ahead(tmp_path, monkeypatch):
+    """from-hf hints every safetensors entry's bytes (io/prefetch.py), and a row slice's range is
+    exactly the bytes it loads."""
+    from ckptool import api
+    from ckptool.formats.hf import read_entries
+    from ckptool.io import prefetch
+    from ckptool.io.safetensors_header import read_safetensors_header
+    api.to_hf(_tiny(tmp_path, "llama"), tmp_path / "hf", max_shard_size="40KB", warn=lambda m: None)
+    entry = read_entries(tmp_path / "hf")["model.layers.0.mlp.down_proj.weight"]
+    part = entry.narrow(0, 5, 7)
+    (path, off, n), = part.file_ranges()
+    with open(path, "rb") as f:
+        f.seek(off)
+        assert f.read(n) == part.load().contiguous().view(torch.uint8).numpy().tobytes()
+    asked: list = []
+    real = prefetch.source_ranges
+    monkeypatch.setattr(prefetch, "source_ranges", lambda lazies: asked.extend(real(lazies)) or real([]))
+    monkeypatch.delenv("CKPTOOL_PREFETCH", raising=False)
+    monkeypatch.delenv("CKPTOOL_READAHEAD", raising=False)
+    api.from_hf(tmp_path / "hf", tmp_path / "back", tp=2, warn=lambda m: None)
+    covered = _covered(asked)
+    files = sorted((tmp_path / "hf").glob("*.safetensors"))
+    assert len(files) > 1
+    for p in files:
+        for e in read_safetensors_header(p).tensors.values():
+            assert any(a <= e.start and e.end <= b for a, b in covered.get(str(p), [])), (p.name, e.name)

@@ -33,12 +33,23 @@ from .hf_names import FUSED_EXPERTS, MODEL_TYPES, expand
 # --- lazy tensors --------------------------------------------------------------------------
 
 class SafetensorsTensor(LazyTensor):
-    """One entry of a .safetensors file; narrow() on dim 0 reads only those rows."""
+    """One entry of a .safetensors file; narrow() on dim 0 reads only those rows.
 
-    def __init__(self, path: Path, key: str, shape, dtype: torch.dtype, rows=None):
-        self.path, self.key, self.rows = path, key, rows
+    start: the file offset of the entry's first byte (from the validated header), so read-ahead
+    (io/prefetch.py) can ask the kernel for the bytes a load will read."""
+
+    def __init__(self, path: Path, key: str, shape, dtype: torch.dtype, rows=None, start: Optional[int] = None):
+        self.path, self.key, self.rows, self.start = path, key, rows, start
         self.shape = torch.Size(shape)
         self.dtype = dtype
+
+    def file_ranges(self) -> list:
+        """[(path, offset, length)] of the bytes load() reads: the entry, or its rows."""
+        if self.start is None:
+            return []
+        row_bytes = self.nbytes // self.shape[0] if len(self.shape) and self.shape[0] else 0
+        first = self.rows[0] if self.rows else 0
+        return [(str(self.path), self.start + first * row_bytes, self.nbytes)]
 
     def load(self) -> torch.Tensor:
         from safetensors import safe_open
@@ -52,13 +63,13 @@ class SafetensorsTensor(LazyTensor):
             return super().narrow(dim, start, length)
         base = self.rows[0] if self.rows else 0
         return SafetensorsTensor(self.path, self.key, (length,) + tuple(self.shape[1:]), self.dtype,
-                                 (base + start, base + start + length))
+                                 (base + start, base + start + length), self.start)
 
 
 def _safetensors_entries(path: Path) -> Dict[str, LazyTensor]:
     # The header is validated (offsets tile the buffer, sizes match shapes) before anything is read.
     header = read_safetensors_header(path)
-    return {name: SafetensorsTensor(path, name, e.shape, e.dtype) for name, e in header.tensors.items()}
+    return {name: SafetensorsTensor(path, name, e.shape, e.dtype, start=e.start) for name, e in header.tensors.items()}
 
 
 def _bin_entries(path: Path) -> Dict[str, LazyTensor]:

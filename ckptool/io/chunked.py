@@ -12,12 +12,22 @@ sha256 per file; outdir.check_manifest verifies both.
 
 CRC32 (zip records) is computed per piece too and the pieces combined (crc32_combine below:
 CRC arithmetic over GF(2), so the result equals zlib.crc32 of the whole record).
+
+With CKPTOOL_FUSED_SUMS=1 both sums of a zip record are taken in one pass instead
+(PieceDigest.feed(view, crc=True)): one task per manifest piece the record overlaps walks it in
+BLOCK-sized steps, sha256 then CRC32 of each block, so the CRC reads what the hash has just
+brought into the core's cache. It is not the default because it measured no faster
+(docs/benchmarks.md, session 8): on 16 cores, cold 12 GB sources, the walls were the same within
+the noise and the writers waited longer (a piece's two sums run one after the other on one core
+instead of side by side on two), and on the 2-core box a merge took the same CPU time. The bytes
+written are the same either way.
 """
 from __future__ import annotations
 
 import hashlib
 import os
 import threading
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional
@@ -28,6 +38,8 @@ HASH_NAME = "sha256-64MiB-pieces"
 PIECE = 64 << 20  # manifest digest piece: large enough that per-piece overhead is nil
 CRC_PIECE = 16 << 20  # CRC work unit: a 400 MiB record splits over 25 tasks
 _SMALL = 1 << 20  # below this, hashing inline beats a round trip through the pool
+BLOCK = 2 << 20  # fused pass: sha256 and CRC32 take turns over blocks this size (a core's L2)
+FUSED = os.environ.get("CKPTOOL_FUSED_SUMS", "0") == "1"  # see the top: measured, not faster
 
 _pool: Optional[ThreadPoolExecutor] = None
 _pool_lock = threading.Lock()
@@ -117,17 +129,43 @@ def crc32_start(view: memoryview) -> list:
 
 
 def crc32_finish(started: list) -> int:
+    """The CRC of consecutive parts [(length, crc)], each crc an int, or a future of an int or of
+    a (digest, crc) pair (a whole piece summed in one pass)."""
     crc = 0
-    for length, f in started:
-        crc = crc32_combine(crc, f.result(), length)
+    for length, part in started:
+        value = part.result() if hasattr(part, "result") else part
+        crc = crc32_combine(crc, value[1] if isinstance(value, tuple) else value, length)
     return crc
 
 
 # --- the manifest digest ---------------------------------------------------------------------
 
-def _sha(view) -> bytes:
+def _sha(view) -> tuple:
     with profile.stage("hash", len(view)):
-        return hashlib.sha256(view).digest()
+        return hashlib.sha256(view).digest(), None
+
+
+def _sums(h, view) -> int:
+    """h.update(view) and zlib.crc32(view) in one pass over memory, block by block (see the top)."""
+    crc, n = 0, len(view)
+    clock, spent_hash, spent_crc = time.perf_counter, 0.0, 0.0
+    for at in range(0, n, BLOCK):
+        block = view[at:at + BLOCK]
+        t0 = clock()
+        h.update(block)
+        t1 = clock()
+        crc = zlib.crc32(block, crc)
+        spent_hash += t1 - t0
+        spent_crc += clock() - t1
+    profile.add("hash", spent_hash, n)  # leaf work on a pool thread: no enclosing stage to subtract
+    profile.add("crc32", spent_crc, n)
+    return crc
+
+
+def _piece_sums(view) -> tuple:
+    h = hashlib.sha256()
+    crc = _sums(h, view)
+    return h.digest(), crc
 
 
 class PieceDigest:
@@ -144,36 +182,48 @@ class PieceDigest:
         self._partial_job = None  # the last hashing job on the open piece
         self._pending: list = []  # jobs that may still read caller memory
 
-    def feed(self, view) -> None:
+    def feed(self, view, crc: bool = False) -> Optional[list]:
+        """Start hashing view. crc=True also takes view's CRC32 in the same pass and returns its
+        parts for crc32_finish (ready once settle() has returned)."""
         view = memoryview(view).cast("B")
         n, pos = len(view), 0
+        parts: list = []
         if self._partial is not None:  # finish the open piece first
             take = min(n, PIECE - self._partial_len)
-            self._extend_partial(view[:take])
+            parts.append((take, self._extend_partial(view[:take], crc)))
             pos = take
         while n - pos >= PIECE:
-            job = pool().submit(_sha, view[pos:pos + PIECE])
+            job = pool().submit(_piece_sums if crc else _sha, view[pos:pos + PIECE])
             self._pieces.append(job)
             self._pending.append(job)
+            parts.append((PIECE, job))
             pos += PIECE
         if pos < n:
-            self._extend_partial(view[pos:])
+            parts.append((n - pos, self._extend_partial(view[pos:], crc)))
+        return parts if crc else None
 
-    def _extend_partial(self, view) -> None:
+    def _extend_partial(self, view, crc: bool = False):
+        """Feed view to the open piece's hasher (opening one if none); with crc, returns view's
+        CRC32 (an int, or a future of one)."""
         if self._partial is None:
             self._partial, self._partial_len = hashlib.sha256(), 0
             self._pieces.append(self._partial)
         if self._partial_job is not None:
             self._partial_job.result()  # updates of one hasher go in order
             self._partial_job = None
+        out = None
         if len(view) >= _SMALL:
-            self._partial_job = pool().submit(_update, self._partial, view)
+            self._partial_job = pool().submit(_sums if crc else _update, self._partial, view)
             self._pending.append(self._partial_job)
+            out = self._partial_job
+        elif crc:
+            out = _sums(self._partial, view)
         else:
             self._partial.update(view)
         self._partial_len += len(view)
         if self._partial_len == PIECE:
             self._partial = None  # complete; its digest is read in hexdigest()
+        return out
 
     def settle(self) -> None:
         """Wait until no hashing job reads memory passed to feed()."""
@@ -184,7 +234,7 @@ class PieceDigest:
 
     def hexdigest(self) -> str:
         self.settle()
-        parts = [p.digest() if hasattr(p, "digest") else p.result() for p in self._pieces]
+        parts = [p.digest() if hasattr(p, "digest") else p.result()[0] for p in self._pieces]
         return hashlib.sha256(b"".join(parts)).hexdigest()
 
 

@@ -9,8 +9,8 @@ GROUPS_AHEAD groups ahead, so a source larger than memory is not pushed out befo
 CKPTOOL_PREFETCH=0 turns it off (as does CKPTOOL_READAHEAD=0); CKPTOOL_PREFETCH=N asks N groups ahead.
 
 A lazy tensor's source ranges are found by walking its parents down to stored tensors that know
-their bytes in a file (a `file_ranges()` method: torch archives, torch_dist chunk files); tensors
-computed from nothing, or read from formats without that method (safetensors sources), add nothing.
+their bytes in a file (a `file_ranges()` method: torch archives, torch_dist chunk files, safetensors
+entries); tensors computed from nothing, or read from formats without that method, add nothing.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ to what it writes itself: it runs as a dry run into LayoutSink, where tensor rec
 with write_record_metadata (it emits the headers and seeks over the data), and ArchiveOut writes
 the real file: the headers torch produced, then the tensor bytes straight from the tensor's
 memory, with their CRC32 in 16 MiB pieces and the manifest digest in 64 MiB pieces on the
-checksum pool (chunked.py) while write() runs. What the dry run could not know is patched in:
+checksum pool (chunked.py; or both in one pass, CKPTOOL_FUSED_SUMS=1) while write() runs. What the dry run could not know is patched in:
 each tensor record's CRC32 in its data descriptor and central-directory entry, and the
 .data/serialization_id record, whose second half torch derives from the descriptors' CRCs (the
 first half, a hash of the record names, the dry run got right).
@@ -109,17 +109,24 @@ class _Output:
             self.digest.feed(buf)
             self._write(memoryview(buf))
 
-    def big(self, offset: int, view: memoryview) -> None:
+    def big(self, offset: int, view: memoryview) -> int:
+        """Write view at offset; returns its CRC32 (taken beside the hash, or in its pass: chunked.py)."""
         self.flush()
         if offset != self.pos:
             raise CkptError(f"internal: archive record at {offset}, expected {self.pos}")
-        self.digest.feed(view)  # hashing runs on the pool while the bytes go to the file
+        if chunked.FUSED:
+            crc_parts = self.digest.feed(view, crc=True)  # runs on the pool while the bytes go to the file
+        else:  # two passes: CRC32 in CRC_PIECE pieces, then the hash
+            crc_parts = chunked.crc32_start(view)
+            self.digest.feed(view)
         try:
             for start in range(0, len(view), writeback.WINDOW):
                 self._write(view[start:start + writeback.WINDOW])
         finally:
             with profile.stage("wait"):
                 self.digest.settle()  # view's memory may be reused once this returns
+                crc = chunked.crc32_finish(crc_parts)
+        return crc
 
     def _write(self, view: memoryview) -> None:
         with profile.stage("write", len(view)):
@@ -188,10 +195,7 @@ class ArchiveOut:
                 continue
             if done + len(view) > nbytes:
                 raise CkptError(f"internal: more than the {nbytes} bytes planned for {name}")
-            started = chunked.crc32_start(view)  # beside the write, as write_record does
-            self._out.big(gap_at + done, view)
-            with profile.stage("wait"):
-                crc = chunked.crc32_combine(crc, chunked.crc32_finish(started), len(view))
+            crc = chunked.crc32_combine(crc, self._out.big(gap_at + done, view), len(view))
             done += len(view)
         if done != nbytes:
             raise CkptError(f"internal: {done} bytes came for {name}, {nbytes} planned")
