@@ -48,7 +48,8 @@ def _name(fmt, tp, pp, ep):
 
 # the megatron-core saves (run once per session: test_verify_moe saves the Mixtral one too)
 SAVES = declare_runs(HELPER, 4, {
-    **{f"{a}/src": f"save-dist {{out}} --tp 2 --ep 2 --arch {a} --out {{out}}.pt" for a in list(ARCHS) + ["grouped", "biased"]},
+    **{f"{a}/src": f"save-dist {{out}} --tp 2 --ep 2 --arch {a} --out {{out}}.pt"
+       for a in list(ARCHS) + ["grouped", "biased"]},
     **{f"{a}/single": f"save-dist {{out}} --tp 2 --ep 2 --arch {a} --singleton --out {{out}}.pt" for a in ARCHS},
     **{f"{a}/pp2": f"save-dist {{out}} --tp 1 --pp 2 --ep 2 --arch {a} --out {{out}}.pt" for a in ARCHS}})
 

@@ -55,7 +55,8 @@ ETP_OUTPUTS = [("tp2ep2etp1", "mixtral", (2, 1, 2, 1)), ("tp2ep1etp1", "mixtral"
 
 
 # the megatron-core saves (run once per session: test_verify_moe saves the same)
-SAVES = declare_runs(HELPER, 4, {**{f"{a}/src": f"save {{out}} --tp 2 --ep 2 --arch {a} --out {{out}}.pt" for a in ARCHS},
+SAVES = declare_runs(HELPER, 4, {**{f"{a}/src": f"save {{out}} --tp 2 --ep 2 --arch {a} --out {{out}}.pt"
+                                    for a in ARCHS},
                                  "etp/src": "save {out} --tp 2 --ep 2 --etp 1 --out {out}.pt"})
 
 

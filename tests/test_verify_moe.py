@@ -39,7 +39,8 @@ SAVES = {"tp2ep2": "--tp 2 --ep 2 --arch mixtral", "pp2ep2": "--pp 2 --ep 2",
          "grouped": "--tp 2 --ep 2 --arch grouped"}
 # the helper's jobs (run once per session: test_moe_megatron / test_moe_dist save some of the same)
 JOBS = declare_runs(HELPER, 4, {**{n: f"save {{out}} {a} --out {{out}}.pt" for n, a in SAVES.items()},
-                                "dist": "save-dist {out} --tp 2 --ep 2 --arch mixtral --out {out}.pt"})  # experts stacked
+                                # torch_dist: experts stacked
+                                "dist": "save-dist {out} --tp 2 --ep 2 --arch mixtral --out {out}.pt"})
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
