@@ -1,5 +1,6 @@
 """Shared test fixtures: the independent Megatron fixtures (scripts/make_fixtures.py) built once per
-session, and the real framework-written checkpoints from ../shared/real-checkpoints."""
+session, the real framework-written checkpoints from ../shared/real-checkpoints, and the megatron-core
+helper runs several test files start from (declare_runs / framework_runs: once per session)."""
 from __future__ import annotations
 
 import importlib.util
