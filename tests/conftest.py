@@ -84,7 +84,7 @@ def free_port() -> int:
 # torchrun launch; a job several files declare (the same text) runs once. Each file copies the results it
 # changes or writes beside into its own folder (copy_run): the shared results stay as written.
 
-_DECLARED: list = []  # (declaring test file, helper file name, helper path, nproc, job) in import order
+_DECLARED: list = []  # (declaring test file, helper file name, nproc, job) in import order
 _SELECTED: set = set()  # the test files of the session's selected tests (pytest_collection_finish)
 
 
@@ -92,7 +92,7 @@ def declare_runs(helper: Path, nproc: int, jobs: dict) -> dict:
     """Declare {name: job} of `helper` under torchrun with nproc processes (see FrameworkRuns for the
     job's text); returns jobs. Called at a test file's import."""
     file = str(Path(sys._getframe(1).f_globals["__file__"]).resolve())
-    _DECLARED.extend((file, Path(helper).name, Path(helper), nproc, job) for job in jobs.values())
+    _DECLARED.extend((file, Path(helper).name, nproc, job) for job in jobs.values())
     return jobs
 
 
@@ -111,10 +111,10 @@ class FrameworkRuns:
         self.root = root
         self.done: dict = {}  # (helper file name, nproc, job) -> stem
 
-    def __call__(self, helper: Path, nproc: int, jobs: dict, timeout: int = 900, env: dict | None = None) -> dict:
+    def __call__(self, helper: Path, nproc: int, jobs: dict, timeout: int = 900) -> dict:
         import subprocess
         keys = {name: (Path(helper).name, nproc, job) for name, job in jobs.items()}
-        declared = [(h, n, job) for file, h, _, n, job in _DECLARED if file in _SELECTED]
+        declared = [(h, n, job) for file, h, n, job in _DECLARED if file in _SELECTED]
         todo = {}
         for key in [k for k in declared if k[:2] == (Path(helper).name, nproc)] + list(keys.values()):
             if key not in self.done and key not in todo:
@@ -122,13 +122,16 @@ class FrameworkRuns:
         if todo:
             for stem in todo.values():
                 stem.parent.mkdir(parents=True)
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                   "--master-port", str(free_port()), str(helper), *(k[2].format(out=s) for k, s in todo.items())]
-            run_env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
-            # the timeout asked for is one file's; a launch may hold the jobs of several
-            r = subprocess.run(cmd, capture_output=True, text=True, env=run_env,
-                               timeout=timeout * max(1, len(todo) / max(1, len(keys))))
-            assert r.returncode == 0, f"{Path(helper).name} jobs {list(todo)}: " + r.stdout[-3000:] + r.stderr[-6000:]
+            run_env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+            for _ in range(2):  # a second try only when another process took the free port first
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+                       str(free_port()), str(helper), *(k[2].format(out=s) for k, s in todo.items())]
+                # the timeout asked for is one file's; a launch may hold the jobs of several
+                r = subprocess.run(cmd, capture_output=True, text=True, env=run_env,
+                                   timeout=timeout * max(1, len(todo) / max(1, len(keys))))
+                if r.returncode == 0 or "EADDRINUSE" not in r.stderr:
+                    break
+            assert r.returncode == 0, f"{Path(helper).name} {[k[2] for k in todo]}: " + r.stdout[-3000:] + r.stderr[-6000:]
             self.done.update(todo)
         return {name: self.done[key] for name, key in keys.items()}
 
