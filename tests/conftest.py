@@ -1,5 +1,6 @@
 """Shared test fixtures: the independent Megatron fixtures (scripts/make_fixtures.py) built once per
-session, and the real framework-written checkpoints from ../shared/real-checkpoints."""
+session, the real framework-written checkpoints from ../shared/real-checkpoints, and the megatron-core
+helper runs several test files start from (declare_runs / framework_runs: once per session)."""
 from __future__ import annotations
 
 import importlib.util
@@ -73,3 +74,83 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# --- framework runs shared by the whole session -------------------------------------------------------
+# Training and saving a tiny model with megatron-core under torchrun costs seconds per job and more per
+# launch (every rank imports torch and megatron-core). Test files declare the runs their fixtures start
+# from (declare_runs, at import); the first fixture that needs a run of some helper at some process count
+# runs every declared job of that helper and count, of every test file this session selected, in one
+# torchrun launch; a job several files declare (the same text) runs once. Each file copies the results it
+# changes or writes beside into its own folder (copy_run): the shared results stay as written.
+
+_DECLARED: list = []  # (declaring test file, helper file name, nproc, job) in import order
+_SELECTED: set = set()  # the test files of the session's selected tests (pytest_collection_finish)
+
+
+def declare_runs(helper: Path, nproc: int, jobs: dict) -> dict:
+    """Declare {name: job} of `helper` under torchrun with nproc processes (see FrameworkRuns for the
+    job's text); returns jobs. Called at a test file's import."""
+    file = str(Path(sys._getframe(1).f_globals["__file__"]).resolve())
+    _DECLARED.extend((file, Path(helper).name, nproc, job) for job in jobs.values())
+    return jobs
+
+
+def pytest_collection_finish(session):
+    _SELECTED.update(str(Path(str(item.fspath)).resolve()) for item in session.items)
+
+
+class FrameworkRuns:
+    """runs(helper, nproc, {name: job}) -> {name: stem}. A job is the helper's command line with `{out}`
+    where its output goes: every file or folder it writes is named `{out}...` (the checkpoint `{out}`, its
+    `{out}.pt`, `{out}_live`, `{out}_continued`...). The jobs asked for and the declared ones of the same
+    helper and process count not run yet run in one torchrun launch, in the order declared; the stem
+    returned is where `{out}` pointed."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.done: dict = {}  # (helper file name, nproc, job) -> stem
+
+    def __call__(self, helper: Path, nproc: int, jobs: dict, timeout: int = 900) -> dict:
+        import subprocess
+        keys = {name: (Path(helper).name, nproc, job) for name, job in jobs.items()}
+        declared = [(h, n, job) for file, h, n, job in _DECLARED if file in _SELECTED]
+        todo = {}
+        for key in [k for k in declared if k[:2] == (Path(helper).name, nproc)] + list(keys.values()):
+            if key not in self.done and key not in todo:
+                todo[key] = self.root / f"run{len(self.done) + len(todo)}" / "out"
+        if todo:
+            for stem in todo.values():
+                stem.parent.mkdir(parents=True)
+            run_env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+            for _ in range(2):  # a second try only when another process took the free port first
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+                       str(free_port()), str(helper), *(k[2].format(out=s) for k, s in todo.items())]
+                # the timeout asked for is one file's; a launch may hold the jobs of several
+                r = subprocess.run(cmd, capture_output=True, text=True, env=run_env,
+                                   timeout=timeout * max(1, len(todo) / max(1, len(keys))))
+                if r.returncode == 0 or "EADDRINUSE" not in r.stderr:
+                    break
+            assert r.returncode == 0, f"{Path(helper).name} {[k[2] for k in todo]}: " + r.stdout[-3000:] + r.stderr[-6000:]
+            self.done.update(todo)
+        return {name: self.done[key] for name, key in keys.items()}
+
+
+def copy_run(stem: Path, dest: Path) -> None:
+    """Copy everything a shared run wrote (`stem`, `stem.pt`, `stem_live`...) beside dest, named dest...:
+    the test file's own copy, which it may change or write beside."""
+    import shutil
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    for p in stem.parent.iterdir():
+        if p.name.startswith(stem.name):
+            target = dest.parent / (dest.name + p.name[len(stem.name):])
+            if p.is_dir():
+                shutil.copytree(p, target)
+            else:
+                shutil.copy2(p, target)
+
+
+@pytest.fixture(scope="session")
+def framework_runs(tmp_path_factory):
+    """The session's FrameworkRuns (see there)."""
+    return FrameworkRuns(tmp_path_factory.mktemp("framework_runs"))

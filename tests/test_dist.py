@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import free_port
+from conftest import copy_run, declare_runs, free_port
 from ckptool.config import GPTConfig, Layout
 from ckptool.convert import write_layout
 from ckptool.errors import CkptError
@@ -73,19 +73,24 @@ def assert_same_tensors(a: Checkpoint, b: Checkpoint):
 
 # --- checkpoints written by megatron-core ---------------------------------------------------
 
+# megatron-core's own torch_dist saves (name -> helper job; test_quick_inspect reads some of them too)
+MCORE_SAVES = declare_runs(HELPER, 2, {
+    "gpt2": "save {out} --tp 1 --arch gpt2 --with-args --out {out}.logits.pt",
+    "llama": "save {out} --tp 2 --arch llama --with-args --out {out}.logits.pt",
+    "bare": "save {out} --tp 2 --arch llama --out {out}.logits.pt",  # simple training loop: no args
+    # pipeline stages: 1+1 layers (tied embeddings: the last stage holds a copy), 2+1 layers
+    "gpt2_pp2": "save {out} --tp 1 --pp 2 --arch gpt2 --with-args --out {out}.logits.pt",
+    "llama_pp2": "save {out} --tp 1 --pp 2 --arch llama --with-args --out {out}.logits.pt",
+})
+
+
 @pytest.fixture(scope="module")
-def mcore(tmp_path_factory):
+def mcore(tmp_path_factory, framework_runs):
     if not HAVE_MCORE:
         pytest.skip("megatron-core is not installed (pip install megatron-core: test-only extra)")
     root = tmp_path_factory.mktemp("mcore")
-    torchrun_helper([
-        f"save {root}/gpt2 --tp 1 --arch gpt2 --with-args --out {root}/gpt2.logits.pt",
-        f"save {root}/llama --tp 2 --arch llama --with-args --out {root}/llama.logits.pt",
-        f"save {root}/bare --tp 2 --arch llama --out {root}/bare.logits.pt",  # simple training loop: no args
-        # pipeline stages: 1+1 layers (tied embeddings: the last stage holds a copy), 2+1 layers
-        f"save {root}/gpt2_pp2 --tp 1 --pp 2 --arch gpt2 --with-args --out {root}/gpt2_pp2.logits.pt",
-        f"save {root}/llama_pp2 --tp 1 --pp 2 --arch llama --with-args --out {root}/llama_pp2.logits.pt",
-    ])
+    for name, stem in framework_runs(HELPER, 2, MCORE_SAVES, timeout=240).items():
+        copy_run(stem, root / name)
     return root
 
 

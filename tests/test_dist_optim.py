@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import free_port, real_checkpoint
+from conftest import copy_run, declare_runs, free_port, real_checkpoint
 from ckptool.config import Layout
 from ckptool.convert import write_layout
 from ckptool.errors import CkptError
@@ -104,17 +104,22 @@ RESUMED_FORMS = {"fs": ("", 2), "fs_tp2": ("--arch llama", 1), "fs_pp2": ("", 1)
                  "dpr_pp2_llama": ("--arch llama", 2), "dpr_buckets": ("--arch llama", 2), "dz_pp2": ("", 2)}
 
 
+# every save of `trained`: name -> helper job (test_quick_inspect reads some of them too)
+SAVES = declare_runs(HELPER, 2, {"plain": "save {out} --tp 2 --form plain --live {out}_live --out {out}.pt",
+         "fr": "save {out} --tp 1 --form fully_reshardable --live {out}_live --out {out}.pt",
+         "dpr": "save {out} --tp 2 --arch llama --form dp_reshardable --live {out}_live --out {out}.pt",
+         "f32": "save {out} --tp 2 --form plain --dtype fp32 --live {out}_live --out {out}.pt",
+         **{name: f"{how.split(' ', 1)[0]} {{out}} {how.split(' ', 1)[1]} --live {{out}}_live --out {{out}}.pt"
+            for name, (how, _) in MORE_FORMS.items()}})
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, framework_runs):
     if not HAVE_MCORE:
         pytest.skip("megatron-core is not installed (pip install megatron-core: test-only extra)")
     root = tmp_path_factory.mktemp("dist_optim")
-    torchrun(f"save {root}/plain --tp 2 --form plain --live {root}/plain_live --out {root}/plain.pt",
-             f"save {root}/fr --tp 1 --form fully_reshardable --live {root}/fr_live --out {root}/fr.pt",
-             f"save {root}/dpr --tp 2 --arch llama --form dp_reshardable --live {root}/dpr_live --out {root}/dpr.pt",
-             f"save {root}/f32 --tp 2 --form plain --dtype fp32 --live {root}/f32_live --out {root}/f32.pt",
-             *(f"{how.split(' ', 1)[0]} {root}/{name} {how.split(' ', 1)[1]} --live {root}/{name}_live "
-               f"--out {root}/{name}.pt" for name, (how, _) in MORE_FORMS.items()))
+    for name, stem in framework_runs(HELPER, 2, SAVES, timeout=600).items():
+        copy_run(stem, root / name)
     return root
 
 

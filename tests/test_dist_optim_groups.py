@@ -21,7 +21,8 @@ import torch
 from ckptool.config import Layout
 from ckptool.convert import write_layout
 from ckptool.formats.registry import open_checkpoint
-from test_dist_optim import assert_slots_equal, live, losses, torchrun
+from conftest import copy_run, declare_runs
+from test_dist_optim import HELPER, assert_slots_equal, live, losses, torchrun
 
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and \
     importlib.util.find_spec("megatron.core") is not None
@@ -37,11 +38,16 @@ FORMS = {"plain": ("--tp 2 --form plain", "non-distributed"),
          "fs": ("--tp 1 --form fully_sharded_model_space", "fully_sharded_model_space")}
 
 
+# the saves (in one launch with test_dist_optim.py's)
+SAVES = declare_runs(HELPER, 2, {name: f"save {{out}} {how} {FLAGS} --live {{out}}_live --out {{out}}.pt"
+                                 for name, (how, _) in FORMS.items()})
+
+
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+def saved(tmp_path_factory, framework_runs):
     d = tmp_path_factory.mktemp("dist_groups")
-    torchrun(*(f"save {d}/{name} {how} {FLAGS} --live {d}/{name}_live --out {d}/{name}.pt"
-               for name, (how, _) in FORMS.items()))
+    for name, stem in framework_runs(HELPER, 2, SAVES, timeout=600).items():
+        copy_run(stem, d / name)
     return d
 
 

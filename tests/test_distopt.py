@@ -39,7 +39,8 @@ from ckptool.formats import megatron_distopt as D
 from ckptool.formats.megatron_names import DIALECTS, KeyMatcher
 from ckptool.formats.registry import open_checkpoint
 from ckptool.roles import global_role_tensor, layer_role_tensor
-from test_resume import LOSS_TOL, REPO, ckptool, losses, torchrun, weight_gap
+from conftest import copy_run, declare_runs
+from test_resume import HELPER, LOSS_TOL, REPO, ckptool, losses, torchrun, weight_gap
 
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and \
     importlib.util.find_spec("megatron.core") is not None
@@ -100,10 +101,15 @@ def test_buffer_layout_matches_megatron_core():
             setattr(m, n, saved[k])
 
 
+# megatron-core's DistributedOptimizer at TP1 x DP2 (test_quick_inspect reads it too: run once per session)
+TRAIN = f"train {{out}} --tp 1 --dp 2 {DIST} --steps {STEPS} --more {MORE} --out {{out}}.pt"
+declare_runs(HELPER, 2, {"a": TRAIN})
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, framework_runs):
     d = tmp_path_factory.mktemp("distopt")
-    torchrun(2, f"train {d}/a --tp 1 --dp 2 {DIST} --steps {STEPS} --more {MORE} --out {d}/a.pt")
+    copy_run(framework_runs(HELPER, 2, {"a": TRAIN}, timeout=300)["a"], d / "a")
     assert "non-distributed layout" in ckptool("reshard", d / "a", d / "b2", "--tp", "2").stdout
     ckptool("reshard", d / "a", d / "w2", "--tp", "2", "--no-optimizer")
     out = ckptool("reshard", d / "a", d / "c1", "--tp", "1", DIST, "--dp", "2").stdout

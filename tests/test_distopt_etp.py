@@ -21,7 +21,8 @@ from ckptool.errors import CkptError
 from ckptool.formats.megatron import read_megatron
 from ckptool.formats.megatron_distopt import chain_sources
 
-from test_optimizer_etp import mixtral_with_moments
+from conftest import copy_run, declare_runs
+from test_optimizer_etp import HELPER, mixtral_with_moments
 
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and \
     importlib.util.find_spec("megatron.core") is not None
@@ -40,11 +41,16 @@ def _torchrun(jobs):
     test_moe_megatron.torchrun(jobs, nproc=4, timeout=900)
 
 
+# the trainings (in one launch with the other files' megatron-core MoE saves at 4 processes)
+TRAINS = declare_runs(HELPER, 4, {"src": f"train {{out}} {GRID} {FLAGS} --out {{out}}.pt",
+                                  "ep1src": f"train {{out}} --tp 2 --ep 1 --etp 1 {FLAGS} --out {{out}}.pt"})
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, framework_runs):
     d = tmp_path_factory.mktemp("distopt_etp")
-    _torchrun([f"train {d / 'src'} {GRID} {FLAGS} --out {d / 'src.pt'}",
-               f"train {d / 'ep1src'} --tp 2 --ep 1 --etp 1 {FLAGS} --out {d / 'ep1src.pt'}"])
+    for name, stem in framework_runs(HELPER, 4, TRAINS).items():
+        copy_run(stem, d / name)
     said = []
     for name, (tp, ep, etp, dp) in TARGETS.items():
         api.reshard(d / "src", d / name, tp=tp, ep=ep, etp=etp, distributed_optimizer=True, dp=dp, warn=said.append)

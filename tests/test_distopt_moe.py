@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from ckptool.formats import megatron_optim
 from ckptool.formats.megatron import read_megatron
 from ckptool.lazy import Const
 from ckptool.roles import unfuse_qkv
+from conftest import copy_run, declare_runs
 
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and \
     importlib.util.find_spec("megatron.core") is not None
@@ -38,16 +40,23 @@ def _torchrun(jobs, nproc=2):
     test_moe_megatron.torchrun(jobs, nproc=nproc)
 
 
+HELPER = Path(__file__).resolve().parent / "mcore_moe_helper.py"
+FLAGS = "--tp 1 --dtype bf16 --distributed-optimizer"
+# the trainings (in one launch with the other files' megatron-core MoE trainings at 2 processes)
+TRAINS = declare_runs(HELPER, 2, {"ep1": f"train {{out}} --ep 1 {FLAGS} --out {{out}}.pt",
+                                  "ep2": f"train {{out}} --ep 2 {FLAGS} --out {{out}}.pt",
+                                  "qwen": f"train {{out}} --ep 2 --arch qwen2moe {FLAGS} --out {{out}}.pt"})
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, framework_runs):
     """bf16 with fp32 masters (megatron-core's fp32 DistributedOptimizer cannot load_parameter_state on CPU:
     its masters are views of the weights). ckptool writes EP 2 -> EP 1 and EP 1 -> EP 2, each at DP 2,
     and megatron-core resumes them, its own EP 2 save (control) and a weights-only one."""
     d = tmp_path_factory.mktemp("moe_distopt")
-    flags = "--tp 1 --dtype bf16 --distributed-optimizer"
-    _torchrun([f"train {d / 'ep1'} --ep 1 {flags} --out {d / 'ep1.pt'}",
-               f"train {d / 'ep2'} --ep 2 {flags} --out {d / 'ep2.pt'}",
-               f"train {d / 'qwen'} --ep 2 --arch qwen2moe {flags} --out {d / 'qwen.pt'}"])
+    flags = FLAGS
+    for name, stem in framework_runs(HELPER, 2, TRAINS).items():
+        copy_run(stem, d / name)
     said = []
     api.reshard(d / "ep2", d / "to_ep1", tp=1, ep=1, distributed_optimizer=True, dp=2, warn=said.append)
     api.reshard(d / "ep1", d / "to_ep2", tp=1, ep=2, distributed_optimizer=True, dp=2, warn=said.append)

@@ -26,7 +26,8 @@ from ckptool.formats import dist
 from ckptool.formats.megatron import read_megatron
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_moe_megatron import HAVE_MCORE, relative, torchrun  # noqa: E402  (one way to launch the helper)
+from test_moe_megatron import HAVE_MCORE, HELPER, relative, torchrun  # noqa: E402  (one way to launch the helper)
+from conftest import copy_run, declare_runs  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not HAVE_MCORE, reason="megatron-core is not installed (test-only extra)")
 
@@ -45,16 +46,21 @@ def _name(fmt, tp, pp, ep):
     return f"{fmt}_{tp}{pp}{ep}"
 
 
+# the megatron-core saves (run once per session: test_verify_moe saves the Mixtral one too)
+SAVES = declare_runs(HELPER, 4, {
+    **{f"{a}/src": f"save-dist {{out}} --tp 2 --ep 2 --arch {a} --out {{out}}.pt"
+       for a in list(ARCHS) + ["grouped", "biased"]},
+    **{f"{a}/single": f"save-dist {{out}} --tp 2 --ep 2 --arch {a} --singleton --out {{out}}.pt" for a in ARCHS},
+    **{f"{a}/pp2": f"save-dist {{out}} --tp 1 --pp 2 --ep 2 --arch {a} --out {{out}}.pt" for a in ARCHS}})
+
+
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
+def root(tmp_path_factory, framework_runs):
     """Per arch: the megatron-core save (src/), its logits and live parameters (src.pt), ckptool's OUTPUTS
     and megatron-core's logits after loading each (two torchrun launches in all)."""
     root = tmp_path_factory.mktemp("mcore_moe_dist")
-    torchrun([f"save-dist {root / a / 'src'} --tp 2 --ep 2 --arch {a} --out {root / a / 'src.pt'}"
-              for a in list(ARCHS) + ["grouped", "biased"]] +
-             [f"save-dist {root / a / 'single'} --tp 2 --ep 2 --arch {a} --singleton --out {root / a / 'single.pt'}"
-              for a in ARCHS] +
-             [f"save-dist {root / a / 'pp2'} --tp 1 --pp 2 --ep 2 --arch {a} --out {root / a / 'pp2.pt'}" for a in ARCHS])
+    for name, stem in framework_runs(HELPER, 4, SAVES, timeout=400).items():
+        copy_run(stem, root / name)
     # the per-expert (singleton) save of the all-MoE model back to megatron-core's default stacked form
     out = root / "mixtral" / "single_to_stacked"
     api.reshard(root / "mixtral" / "single", out, tp=1, ep=4, format="torch_dist", warn=lambda m: None)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import free_port
+from conftest import copy_run, declare_runs, free_port
 
 from ckptool import api
 from ckptool.errors import CkptError
@@ -54,13 +54,19 @@ ETP_OUTPUTS = [("tp2ep2etp1", "mixtral", (2, 1, 2, 1)), ("tp2ep1etp1", "mixtral"
                ("tp1ep4", "etp", (1, 1, 4, None))]
 
 
+# the megatron-core saves (run once per session: test_verify_moe saves the same)
+SAVES = declare_runs(HELPER, 4, {**{f"{a}/src": f"save {{out}} --tp 2 --ep 2 --arch {a} --out {{out}}.pt"
+                                    for a in ARCHS},
+                                 "etp/src": "save {out} --tp 2 --ep 2 --etp 1 --out {out}.pt"})
+
+
 @pytest.fixture(scope="module")
-def moe_root(tmp_path_factory):
-    """Per arch: the megatron-core TP2 EP2 save, ckptool's outputs at LAYOUTS, megatron-core's logits of
-    each (two torchrun launches in all)."""
+def moe_root(tmp_path_factory, framework_runs):
+    """Per arch: the megatron-core TP2 EP2 save (run once per session: test_verify_moe saves the same),
+    ckptool's outputs at LAYOUTS, megatron-core's logits of each (two torchrun launches in all)."""
     root = tmp_path_factory.mktemp("mcore_moe")
-    torchrun([f"save {root / a / 'src'} --tp 2 --ep 2 --arch {a} --out {root / a / 'src.pt'}" for a in ARCHS]
-             + [f"save {root / 'etp' / 'src'} --tp 2 --ep 2 --etp 1 --out {root / 'etp' / 'src.pt'}"])
+    for name, stem in framework_runs(HELPER, 4, SAVES, timeout=400).items():
+        copy_run(stem, root / name)
     jobs = []
     for name, src, (tp, pp, ep, etp) in ETP_OUTPUTS:  # expert TP != TP, both ways (mixtral)
         out = root / "etp" / name

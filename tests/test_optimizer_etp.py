@@ -12,6 +12,7 @@ megatron-core resumes its own save.
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from ckptool import api
 from ckptool.errors import CkptError
 from ckptool.formats.megatron import read_megatron
 from ckptool.io.torchfile import load_torch_file
+from conftest import copy_run, declare_runs
 
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and \
     importlib.util.find_spec("megatron.core") is not None
@@ -28,6 +30,13 @@ pytestmark = pytest.mark.skipif(not HAVE_MCORE, reason="megatron-core is not ins
 MOE_TOL = 1e-4  # fp32: a layout change only reorders float sums
 # target name -> (tp, ep, etp)
 TARGETS = {"tp2ep1etp1": (2, 1, 1), "tp1ep2": (1, 2, 1), "tp2ep2etp1": (2, 2, 1)}
+
+
+HELPER = Path(__file__).resolve().parent / "mcore_moe_helper.py"
+GRID = "--tp 2 --ep 2 --etp 1"
+# the trainings (in one launch with the other files' megatron-core MoE saves at 4 processes)
+TRAINS = declare_runs(HELPER, 4, {"src": f"train {{out}} {GRID} --out {{out}}.pt",
+                                  "bf16": f"train {{out}} {GRID} --dtype bf16 --out {{out}}.pt"})
 
 
 def _torchrun(jobs):
@@ -41,11 +50,11 @@ def _next_loss(path) -> float:
 
 
 @pytest.fixture(scope="module")
-def etp_run(tmp_path_factory):
+def etp_run(tmp_path_factory, framework_runs):
     d = tmp_path_factory.mktemp("etp_optim")
-    grid = "--tp 2 --ep 2 --etp 1"
-    _torchrun([f"train {d / 'src'} {grid} --out {d / 'src.pt'}",
-               f"train {d / 'bf16'} {grid} --dtype bf16 --out {d / 'bf16.pt'}"])
+    grid = GRID
+    for name, stem in framework_runs(HELPER, 4, TRAINS).items():
+        copy_run(stem, d / name)
     said = []
     for name, (tp, ep, etp) in TARGETS.items():
         api.reshard(d / "src", d / name, tp=tp, ep=ep, etp=etp, warn=said.append)

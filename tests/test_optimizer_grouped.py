@@ -14,12 +14,14 @@ writes no GroupedMLP) at EP 1 and EP 2, megatron-core resumes with the source ru
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
 
 from ckptool import api
 from ckptool.formats.megatron import read_megatron
+from conftest import copy_run, declare_runs
 
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and \
     importlib.util.find_spec("megatron.core") is not None
@@ -33,15 +35,21 @@ TARGETS = {"fp32_ep1": ("fp32", 1, None, "--ep 1"),
            "bf16_ep2": ("bf16", 2, 2, "--ep 2 --dtype bf16 --distributed-optimizer")}
 
 
+HELPER = Path(__file__).resolve().parent / "mcore_moe_helper.py"
+# the trainings (in one launch with the other files' megatron-core MoE trainings at 2 processes)
+TRAINS = declare_runs(HELPER, 2, {name: f"train {{out}} {flags} --out {{out}}.pt" for name, flags in SOURCES.items()})
+
+
 def _torchrun(jobs):
     import test_moe_megatron
     test_moe_megatron.torchrun(jobs, nproc=2, timeout=900)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, framework_runs):
     d = tmp_path_factory.mktemp("grouped_optim")
-    _torchrun([f"train {d / name} {flags} --out {d / name}.pt" for name, flags in SOURCES.items()])
+    for name, stem in framework_runs(HELPER, 2, TRAINS, timeout=900).items():
+        copy_run(stem, d / name)
     said = []
     for name, (src, ep, dp, _) in TARGETS.items():
         distributed = {} if dp is None else {"distributed_optimizer": True, "dp": dp}

@@ -26,6 +26,7 @@ from ckptool.formats.megatron import read_megatron
 from ckptool.formats.registry import open_checkpoint
 from ckptool.io.torchfile import load_torch_file
 from ckptool.lazy import Const
+from conftest import copy_run, declare_runs
 
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and \
     importlib.util.find_spec("megatron.core") is not None
@@ -45,12 +46,20 @@ def _test_resume():
 
 # --- 1. decoupled learning rate and lr_mult -------------------------------------------------------
 
+FLAGS = f"--arch llama --decoupled-lr {DECOUPLED} --lr-mult {LR_MULT}"
+# the trainings at TP2 and at TP1 x DP2 with the distributed optimizer (in one launch with the other files'
+# mcore_train_helper trainings at 2 processes; test_quick_inspect reads "a2" too)
+TRAINS = declare_runs(Path(__file__).resolve().parent / "mcore_train_helper.py", 2, {
+    "a2": f"train {{out}} --tp 2 --steps {STEPS} --more {MORE} {FLAGS} --out {{out}}.pt",
+    "a": f"train {{out}} --tp 1 --dp 2 --distributed-optimizer --steps {STEPS} --more {MORE} {FLAGS} --out {{out}}.pt"})
+
+
 @pytest.fixture(scope="module")
-def grouped(tmp_path_factory):
+def grouped(tmp_path_factory, framework_runs):
     R = _test_resume()
     d = tmp_path_factory.mktemp("groups")
-    flags = f"--arch llama --decoupled-lr {DECOUPLED} --lr-mult {LR_MULT}"
-    R.torchrun(2, f"train {d}/a2 --tp 2 --steps {STEPS} --more {MORE} {flags} --out {d}/a2.pt")
+    flags = FLAGS
+    copy_run(framework_runs(R.HELPER, 2, {"a2": TRAINS["a2"]})["a2"], d / "a2")
     R.ckptool("reshard", d / "a2", d / "b1", "--tp", "1")
     R.ckptool("reshard", d / "a2", d / "w1", "--tp", "1", "--no-optimizer")
     R.torchrun(1, f"resume {d}/b1 --tp 1 --more {MORE} {flags} --out {d}/b1.pt",
@@ -97,13 +106,13 @@ def test_decoupled_lr_run_resumes_after_reshard(grouped, out):
 
 
 @pytest.fixture(scope="module")
-def grouped_distributed(tmp_path_factory):
+def grouped_distributed(tmp_path_factory, framework_runs):
     """The same groups under megatron-core's DistributedOptimizer (TP1 x DP2, distrib_optim.pt): its
     saved groups list no parameters, so the traits alone place each parameter."""
     R = _test_resume()
     d = tmp_path_factory.mktemp("groups_distributed")
-    flags = f"--arch llama --decoupled-lr {DECOUPLED} --lr-mult {LR_MULT}"
-    R.torchrun(2, f"train {d}/a --tp 1 --dp 2 --distributed-optimizer --steps {STEPS} --more {MORE} {flags} --out {d}/a.pt")
+    flags = FLAGS
+    copy_run(framework_runs(R.HELPER, 2, {"a": TRAINS["a"]})["a"], d / "a")
     R.ckptool("reshard", d / "a", d / "b2", "--tp", "2")
     R.ckptool("reshard", d / "a", d / "c1", "--tp", "1", "--distributed-optimizer", "--dp", "2")
     R.torchrun(2, f"resume {d}/b2 --tp 2 --more {MORE} {flags} --out {d}/b2.pt",
@@ -151,6 +160,12 @@ def test_groups_no_rule_can_tell_apart_are_refused_naming_lr_mult():
 
 # --- 2. chained optimizers: MoE at EP > 1 ---------------------------------------------------------
 
+MOE_HELPER = Path(__file__).resolve().parent / "mcore_moe_helper.py"
+# the MoE trainings (in one launch with the other files' megatron-core MoE trainings at 2 processes)
+MOE_TRAINS = declare_runs(MOE_HELPER, 2, {"ep1": "train {out} --tp 1 --ep 1 --out {out}.pt",
+                                          "ep2": "train {out} --tp 1 --ep 2 --dtype bf16 --out {out}.pt"})
+
+
 def _moe_torchrun(jobs, nproc=2):
     import test_moe_megatron
     test_moe_megatron.torchrun(jobs, nproc=nproc)
@@ -164,10 +179,10 @@ def _next_loss(path: Path) -> float:
 
 
 @pytest.fixture(scope="module")
-def moe_runs(tmp_path_factory):
+def moe_runs(tmp_path_factory, framework_runs):
     d = tmp_path_factory.mktemp("moe_optim")
-    _moe_torchrun([f"train {d / 'ep1'} --tp 1 --ep 1 --out {d / 'ep1.pt'}",
-                   f"train {d / 'ep2'} --tp 1 --ep 2 --dtype bf16 --out {d / 'ep2.pt'}"])
+    for name, stem in framework_runs(MOE_HELPER, 2, MOE_TRAINS).items():
+        copy_run(stem, d / name)
     said = []
     api.reshard(d / "ep2", d / "to_ep1", tp=1, ep=1, warn=said.append)
     api.reshard(d / "ep1", d / "to_ep2", tp=1, ep=2, warn=said.append)

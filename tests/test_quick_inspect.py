@@ -10,7 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from conftest import ROOT, real_checkpoint
+from conftest import ROOT, copy_run, declare_runs, real_checkpoint
 from ckptool import quick_inspect
 from ckptool.cli import main
 from ckptool.commands import inspect_cmd
@@ -168,19 +168,18 @@ def test_damaged_megatron_and_torch_dist_files_take_the_full_path(megatron_dirs,
     assert r.exit_code == 2 and "refusing" in r.output and "pwned" not in r.output
 
 
-def test_quick_inspect_of_megatron_cores_own_torch_dist_save(tmp_path, monkeypatch):
+def test_quick_inspect_of_megatron_cores_own_torch_dist_save(framework_runs, monkeypatch):
     """A torch_dist checkpoint saved by megatron-core itself (dist_checkpointing under torchrun, args
     stored in the common state) reads the same both ways; a bare save without args is the full
-    reader's (its config needs flags)."""
-    from test_dist import HAVE_MCORE, torchrun_helper
+    reader's (its config needs flags). (test_dist.py's saves, run once per session: read only here.)"""
+    from test_dist import HAVE_MCORE, HELPER, MCORE_SAVES
     if not HAVE_MCORE:
         pytest.skip("megatron-core is not installed (pip install megatron-core: test-only extra)")
-    torchrun_helper([f"save {tmp_path}/gpt2 --tp 1 --pp 2 --arch gpt2 --with-args --out {tmp_path}/gpt2.pt",
-                     f"save {tmp_path}/bare --tp 2 --arch llama --out {tmp_path}/bare.pt"])
-    d = tmp_path / "gpt2"
+    saves = framework_runs(HELPER, 2, {n: MCORE_SAVES[n] for n in ("gpt2_pp2", "bare")}, timeout=240)
+    d = saves["gpt2_pp2"]
     assert torch_free("inspect", d, "--json") == full_path(monkeypatch, "inspect", d, "--json")
     assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d)
-    assert quick_inspect.quick_open(tmp_path / "bare", {}) is None
+    assert quick_inspect.quick_open(saves["bare"], {}) is None
 
 
 def test_help_imports_no_command_module_and_lists_their_own_lines():
@@ -199,24 +198,21 @@ def test_torchrun_launcher_finds_the_command_in_the_table():
         ["--nproc-per-node", "2"], ["verify", "out", "--reference", "src"])
 
 
-def test_quick_inspect_of_torch_dist_with_optimizer_state(megatron_dirs, tmp_path, monkeypatch):
+def test_quick_inspect_of_torch_dist_with_optimizer_state(megatron_dirs, framework_runs, tmp_path, monkeypatch):
     """torch_dist saves with optimizer state: megatron-core's own (non-distributed optimizer in bf16 and
     fp32, the distributed optimizer's fully_reshardable form) and ckptool's output of a real Megatron-LM
     training save read quick, equal to the full path; the flat per-bucket dp_reshardable form takes the
     full reader (its slots' placement is recomputed from the grad buffers)."""
     import ckptool
-    from test_dist_optim import HAVE_MCORE, torchrun
+    from test_dist_optim import HAVE_MCORE, HELPER, SAVES
     ckptool.merge(megatron_dirs["mlm_mcore_gpt2_torch_tp2pp2"], tmp_path / "ours", format="torch_dist")
     dirs = {"ours": (tmp_path / "ours", "megatron-core-dist (fully_reshardable)")}
-    if HAVE_MCORE:
-        torchrun(f"save {tmp_path}/plain --tp 2 --form plain --out {tmp_path}/plain.pt",
-                 f"save {tmp_path}/f32 --tp 2 --form plain --dtype fp32 --out {tmp_path}/f32.pt",
-                 f"save {tmp_path}/fr --tp 1 --form fully_reshardable --out {tmp_path}/fr.pt",
-                 f"save {tmp_path}/dpr --tp 2 --form dp_reshardable --out {tmp_path}/dpr.pt")
-        dirs.update(plain=(tmp_path / "plain", "megatron-core-dist (non-distributed)"),
-                    f32=(tmp_path / "f32", "megatron-core-dist (non-distributed)"),
-                    fr=(tmp_path / "fr", "megatron-core-dist (fully_reshardable)"),
-                    dpr=(tmp_path / "dpr", None))
+    if HAVE_MCORE:  # test_dist_optim.py's saves, run once per session: read only here
+        saves = framework_runs(HELPER, 2, {n: SAVES[n] for n in ("plain", "f32", "fr", "dpr")})
+        dirs.update(plain=(saves["plain"], "megatron-core-dist (non-distributed)"),
+                    f32=(saves["f32"], "megatron-core-dist (non-distributed)"),
+                    fr=(saves["fr"], "megatron-core-dist (fully_reshardable)"),
+                    dpr=(saves["dpr"], None))
     for name, (d, kind) in dirs.items():
         quick = quick_inspect.quick_open(d, {})
         full_json = full_path(monkeypatch, "inspect", d, "--json")
@@ -228,10 +224,16 @@ def test_quick_inspect_of_torch_dist_with_optimizer_state(megatron_dirs, tmp_pat
         assert torch_free("inspect", d, "--json") == full_json, name
         assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d), name
     if HAVE_MCORE:  # fp32 training: the weights are the masters, no slot of their own
-        assert quick_inspect.quick_open(tmp_path / "f32", {}).optimizer.slot_names() == ["exp_avg", "exp_avg_sq"]
+        assert quick_inspect.quick_open(saves["f32"], {}).optimizer.slot_names() == ["exp_avg", "exp_avg_sq"]
 
 
-def test_quick_inspect_of_megatron_core_training_saves_with_three_groups_and_fp32(tmp_path, monkeypatch):
+# an fp32 megatron-core training (run with the other files' mcore_train_helper trainings, in one launch)
+F32_TRAIN = declare_runs(ROOT / "tests" / "mcore_train_helper.py", 2,
+                         {"f32": "train {out} --tp 2 --steps 2 --more 0 --dtype fp32 --out {out}.pt"})
+
+
+def test_quick_inspect_of_megatron_core_training_saves_with_three_groups_and_fp32(framework_runs, tmp_path,
+                                                                                  monkeypatch):
     """megatron-core training saves in the torch format: --decoupled-lr with an lr_mult override (three
     groups, tied by their traits), its PP 3 reshard by ckptool (a middle stage lists the decoupled group
     empty), and fp32 training (no masters apart: kind megatron-fp32) read quick, equal to the full path."""
@@ -239,10 +241,10 @@ def test_quick_inspect_of_megatron_core_training_saves_with_three_groups_and_fp3
     if not HAVE_MCORE:
         pytest.skip("megatron-core is not installed (pip install megatron-core: test-only extra)")
     import ckptool
-    from test_resume import torchrun
-    torchrun(2, f"train {tmp_path}/groups --tp 2 --steps 2 --more 0 --arch llama --decoupled-lr 3e-3 --lr-mult 0.5 "
-                f"--out {tmp_path}/groups.pt",
-             f"train {tmp_path}/f32 --tp 2 --steps 2 --more 0 --dtype fp32 --out {tmp_path}/f32.pt")
+    from test_optimizer_groups import TRAINS  # its TP2 training with --decoupled-lr 3e-3 --lr-mult 0.5
+    runs = framework_runs(ROOT / "tests" / "mcore_train_helper.py", 2, {"groups": TRAINS["a2"], **F32_TRAIN})
+    for name, stem in runs.items():
+        copy_run(stem, tmp_path / name)
     ckptool.reshard(tmp_path / "groups", tmp_path / "pp3", tp=1, pp=3)
     for name, kind, groups in (("groups", "megatron", 3), ("pp3", "megatron", 3), ("f32", "megatron-fp32", 2)):
         d = tmp_path / name
@@ -351,7 +353,7 @@ def test_quick_inspect_of_megatron_names_under_deepspeed_module(tmp_path, monkey
     assert (quick.optimizer is None) == (case == "weights_only")
 
 
-def test_quick_inspect_of_the_distributed_optimizer(megatron_dirs, tmp_path, monkeypatch):
+def test_quick_inspect_of_the_distributed_optimizer(megatron_dirs, framework_runs, tmp_path, monkeypatch):
     """distrib_optim.pt beside the rank files: megatron-core's own save (TP 1 x DP 2) and ckptool's outputs
     of the real training save (coalesced at TP2 PP2 DP 2; DP 4 with --overlap-grad-reduce buckets; the
     2024-02 bucket-list form with virtual pipeline chunks) read quick, every buffer's sizes checked
@@ -367,10 +369,10 @@ def test_quick_inspect_of_the_distributed_optimizer(megatron_dirs, tmp_path, mon
     ckptool.reshard(src, tmp_path / "bucket_list", tp=1, pp=2, vpp=2, distributed_optimizer=True,
                     distrib_optim_era="2024-02")
     dirs = ["coalesced", "buckets", "bucket_list"]
-    if HAVE_MCORE:
-        from test_resume import torchrun
-        torchrun(2, f"train {tmp_path}/mcore --tp 1 --dp 2 --distributed-optimizer --steps 2 --more 0 "
-                    f"--out {tmp_path}/mcore.pt")
+    if HAVE_MCORE:  # test_distopt.py's training, run once per session
+        from test_distopt import TRAIN
+        from test_resume import HELPER
+        copy_run(framework_runs(HELPER, 2, {"mcore": TRAIN}, timeout=300)["mcore"], tmp_path / "mcore")
         dirs.append("mcore")
     for name in dirs:
         d = tmp_path / name

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import free_port
+from conftest import copy_run, declare_runs, free_port
 from ckptool.formats.registry import open_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,12 +63,15 @@ def weight_gap(a: Path, b: Path) -> float:
     return max((x.tensors[n].load().float() - y.tensors[n].load().float()).abs().max().item() for n in x.tensors)
 
 
+# the TP2 training (in one launch with the other files' mcore_train_helper trainings at 2 processes)
+TRAIN_TP2 = declare_runs(HELPER, 2, {"a2": f"train {{out}} --tp 2 --steps {STEPS} --more {MORE} --out {{out}}.pt"})
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, framework_runs):
     """TP2 -> TP1 and TP1 -> TP2, each carried and weights-only, plus the same-layout control."""
     d = tmp_path_factory.mktemp("resume")
-    torchrun(2, f"train {d}/a2 --tp 2 --steps {STEPS} --more {MORE} --out {d}/a2.pt",
-             f"resume {d}/a2 --tp 2 --more {MORE} --out {d}/a2_control.pt")
+    copy_run(framework_runs(HELPER, 2, TRAIN_TP2, timeout=300)["a2"], d / "a2")
     torchrun(1, f"train {d}/a1 --tp 1 --steps {STEPS} --more {MORE} --out {d}/a1.pt")
     out = ckptool("reshard", d / "a2", d / "b1", "--tp", "1").stdout
     assert "optimizer state carried" in out
@@ -78,7 +81,8 @@ def runs(tmp_path_factory):
     torchrun(1, f"resume {d}/b1 --tp 1 --more {MORE} --out {d}/b1.pt",
              f"resume {d}/w1 --tp 1 --more {MORE} --out {d}/w1.pt --weights-only")
     torchrun(2, f"resume {d}/b2 --tp 2 --more {MORE} --out {d}/b2.pt",
-             f"resume {d}/w2 --tp 2 --more {MORE} --out {d}/w2.pt --weights-only")
+             f"resume {d}/w2 --tp 2 --more {MORE} --out {d}/w2.pt --weights-only",
+             f"resume {d}/a2 --tp 2 --more {MORE} --out {d}/a2_control.pt")
     return d
 
 

@@ -16,13 +16,12 @@ import importlib.util
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import free_port
+from conftest import copy_run, declare_runs, free_port
 from test_verify import _fake_torchrun, load_recording_chunk_reads, metric, verify_batch
 
 from ckptool import api
@@ -35,8 +34,13 @@ HAVE_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util
 pytestmark = pytest.mark.skipif(not HAVE_MCORE, reason="megatron-core is not installed (test-only extra)")
 
 # name -> helper job arguments (all at 4 processes: megatron-core carves EP out of DP)
-SAVES = {"tp2ep2": "--tp 2 --ep 2", "pp2ep2": "--pp 2 --ep 2", "qwen_tp2ep2": "--tp 2 --ep 2 --arch qwen2moe",
-         "etp1": "--tp 2 --ep 2 --etp 1", "grouped": "--tp 2 --ep 2 --arch grouped"}
+SAVES = {"tp2ep2": "--tp 2 --ep 2 --arch mixtral", "pp2ep2": "--pp 2 --ep 2",
+         "qwen_tp2ep2": "--tp 2 --ep 2 --arch qwen2moe", "etp1": "--tp 2 --ep 2 --etp 1",
+         "grouped": "--tp 2 --ep 2 --arch grouped"}
+# the helper's jobs (run once per session: test_moe_megatron / test_moe_dist save some of the same)
+JOBS = declare_runs(HELPER, 4, {**{n: f"save {{out}} {a} --out {{out}}.pt" for n, a in SAVES.items()},
+                                # torch_dist: experts stacked
+                                "dist": "save-dist {out} --tp 2 --ep 2 --arch mixtral --out {out}.pt"})
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -44,17 +48,13 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    """The megatron-core saves (one launch), ckptool's TP1 EP4 and Qwen PP2 EP2 reshards, and the to-hf
-    of the TP2 EP2 source (the reference with weights, for locating a corrupted expert)."""
+def moe(tmp_path_factory, framework_runs):
+    """The megatron-core saves (run once per session: test_moe_megatron / test_moe_dist save the same),
+    ckptool's TP1 EP4 and Qwen PP2 EP2 reshards, and the to-hf of the TP2 EP2 source (the reference with
+    weights, for locating a corrupted expert)."""
     root = tmp_path_factory.mktemp("verify_moe")
-    jobs = [f"save {root / n} {a} --out {root / n}.pt" for n, a in SAVES.items()]
-    jobs.append(f"save-dist {root / 'dist'} --tp 2 --ep 2 --out {root / 'dist'}.pt")  # torch_dist: experts stacked
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
-           str(HELPER), *jobs]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO),
-                                                                      OMP_NUM_THREADS="1"), timeout=400)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    for name, stem in framework_runs(HELPER, 4, JOBS, timeout=400).items():
+        copy_run(stem, root / name)
     api.reshard(root / "tp2ep2", root / "tp1ep4", tp=1, ep=4, warn=lambda m: None)
     api.reshard(root / "qwen_tp2ep2", root / "qwen_pp2ep2", tp=1, pp=2, ep=2, warn=lambda m: None)
     api.to_hf(root / "tp2ep2", root / "hf", warn=lambda m: None)
