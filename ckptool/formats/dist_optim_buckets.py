@@ -48,7 +48,7 @@ from ..io.torchfile import load_torch_bytes
 from ..lazy import Const, LazyTensor, derive
 from ..roles import GLOBAL_ROLES, LAYER_ROLES, global_role_tensor, layer_role_tensor, shard_role
 from .megatron_names import DIALECTS
-from .megatron_distopt import CURRENT, buffer_layout, bucket_sizes
+from .megatron_buffers import CURRENT, buffer_layout, bucket_sizes
 from .megatron_optim import HINT
 
 PREFIX = "optimizer.distributed.dp_group_idx_{mp}."
