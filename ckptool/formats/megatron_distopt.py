@@ -60,6 +60,7 @@ from .megatron_optim import (HINT, GroupRule, RankOptimizer, RankParam, groups_b
                              master_matching_weight)
 
 FILE = "distrib_optim.pt"
+ERA_BY_SINCE, DEFAULT_BUCKET = megatron_buffers.ERA_BY_SINCE, megatron_buffers.DEFAULT_BUCKET  # (their old home)
 
 
 def buffer_key(era: Era, param_dtype: torch.dtype, grad_dtype: torch.dtype):

@@ -50,6 +50,9 @@ from .megatron_groups import (HINT, MIXED_FORMS, MOMENTS, NO_WEIGHT_DECAY_KEYS, 
                               traits_of)
 from . import megatron_groups
 
+# the trait table's names, as they were known here before it moved
+GROUP_TRAITS, EMBEDDING_OR_OUTPUT_ROLES = megatron_groups.GROUP_TRAITS, megatron_groups.EMBEDDING_OR_OUTPUT_ROLES
+group_traits = megatron_groups.group_traits
 CANONICAL_EXPERT = re.compile(r"^layers\.\d+\.mlp\.experts\.\d+\.")  # state.py's expert names
 
 
