@@ -201,9 +201,10 @@ def test_torchrun_launcher_finds_the_command_in_the_table():
 
 def test_quick_inspect_of_torch_dist_with_optimizer_state(megatron_dirs, tmp_path, monkeypatch):
     """torch_dist saves with optimizer state: megatron-core's own (non-distributed optimizer in bf16 and
-    fp32, the distributed optimizer's fully_reshardable form) and ckptool's output of a real Megatron-LM
-    training save read quick, equal to the full path; the flat per-bucket dp_reshardable form takes the
-    full reader (its slots' placement is recomputed from the grad buffers)."""
+    fp32, the distributed optimizer's fully_reshardable form, and its flat per-bucket dp_reshardable form
+    at TP 2 and at PP 2 with --overlap-grad-reduce buckets and the tied embedding's own buckets, every
+    rank's layout checked against its stored bucket sizes) and ckptool's output of a real Megatron-LM
+    training save read quick, equal to the full path."""
     import ckptool
     from test_dist_optim import HAVE_MCORE, torchrun
     ckptool.merge(megatron_dirs["mlm_mcore_gpt2_torch_tp2pp2"], tmp_path / "ours", format="torch_dist")
@@ -212,23 +213,38 @@ def test_quick_inspect_of_torch_dist_with_optimizer_state(megatron_dirs, tmp_pat
         torchrun(f"save {tmp_path}/plain --tp 2 --form plain --out {tmp_path}/plain.pt",
                  f"save {tmp_path}/f32 --tp 2 --form plain --dtype fp32 --out {tmp_path}/f32.pt",
                  f"save {tmp_path}/fr --tp 1 --form fully_reshardable --out {tmp_path}/fr.pt",
-                 f"save {tmp_path}/dpr --tp 2 --form dp_reshardable --out {tmp_path}/dpr.pt")
+                 f"save {tmp_path}/dpr --tp 2 --form dp_reshardable --out {tmp_path}/dpr.pt",
+                 f"save {tmp_path}/dpr_pp2 --pp 2 --bucket-size 1000 --form dp_reshardable --out {tmp_path}/dpr_pp2.pt")
         dirs.update(plain=(tmp_path / "plain", "megatron-core-dist (non-distributed)"),
                     f32=(tmp_path / "f32", "megatron-core-dist (non-distributed)"),
                     fr=(tmp_path / "fr", "megatron-core-dist (fully_reshardable)"),
-                    dpr=(tmp_path / "dpr", None))
+                    dpr=(tmp_path / "dpr", "megatron-core-dist (dp_reshardable)"),
+                    dpr_pp2=(tmp_path / "dpr_pp2", "megatron-core-dist (dp_reshardable)"))
     for name, (d, kind) in dirs.items():
         quick = quick_inspect.quick_open(d, {})
         full_json = full_path(monkeypatch, "inspect", d, "--json")
         assert json.loads(full_json)["optimizer"]["step"] > 0
-        if kind is None:
-            assert quick is None, name
-            continue
         assert quick.optimizer.kind == kind, name
         assert torch_free("inspect", d, "--json") == full_json, name
         assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d), name
     if HAVE_MCORE:  # fp32 training: the weights are the masters, no slot of their own
         assert quick_inspect.quick_open(tmp_path / "f32", {}).optimizer.slot_names() == ["exp_avg", "exp_avg_sq"]
+        # a rank's stored bucket sizes that no layout of the model reproduces: no quick answer
+        from ckptool.quick import dist as quick_dist, dist_buckets
+        read_objects = dist_buckets.object_reader
+
+        def off_by_64(keys, read_bytes):
+            objects = read_objects(keys, read_bytes)
+
+            def edited(prefix):
+                obj = objects(prefix)
+                if prefix == "optimizer.distributed.dp_group_idx_1.per_bucket_numel_unpadded/":
+                    sizes = obj[0][0]
+                    sizes.update({k: [n + 64 for n in v] for k, v in sizes.items()})
+                return obj
+            return edited
+        monkeypatch.setattr(quick_dist, "object_reader", off_by_64)
+        assert quick_inspect.quick_open(tmp_path / "dpr_pp2", {}) is None
 
 
 def test_quick_inspect_of_megatron_core_training_saves_with_three_groups_and_fp32(tmp_path, monkeypatch):

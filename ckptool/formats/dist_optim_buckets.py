@@ -48,19 +48,13 @@ from ..io.torchfile import load_torch_bytes
 from ..lazy import Const, LazyTensor, derive
 from ..roles import GLOBAL_ROLES, LAYER_ROLES, global_role_tensor, layer_role_tensor, shard_role
 from .megatron_names import DIALECTS
-from .megatron_buffers import CURRENT, buffer_layout, bucket_sizes
+from .megatron_buffers import (CURRENT, DIALECT_OF_IMPL, HEAD, HEAD_COPY, TAIL, buffer_layout, bucket_sizes,
+                               stage_layers)
 from .megatron_optim import HINT
 
 PREFIX = "optimizer.distributed.dp_group_idx_{mp}."
 FLAT, GATHERED = "dp_reshardable", "dp_zero_gather_scatter"
 STORED = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
-DIALECT_OF_IMPL = {"local": "mcore", "transformer_engine": "mcore-te"}
-HEAD = ("word", "pos")
-TAIL = ("final_norm.weight", "final_norm.bias", "output")
-HEAD_COPY = "head_copy"  # the last stage's copy of a tied word embedding (PP > 1): laid out, not read
-# args naming the first / last pipeline stage's layer counts (Megatron-LM's, and megatron-core's config)
-FIRST_STAGE_ARGS = ("decoder_first_pipeline_num_layers", "num_layers_in_first_pipeline_stage")
-LAST_STAGE_ARGS = ("decoder_last_pipeline_num_layers", "num_layers_in_last_pipeline_stage")
 
 
 def unsupported(args) -> Optional[str]:
@@ -68,29 +62,6 @@ def unsupported(args) -> Optional[str]:
     if getattr(args, "transformer_impl", "transformer_engine") not in DIALECT_OF_IMPL:
         return f"transformer_impl {getattr(args, 'transformer_impl', None)!r}"
     return None
-
-
-def _arg(args, names) -> Optional[int]:
-    return next((int(getattr(args, n)) for n in names if getattr(args, n, None)), None)
-
-
-def stage_layers(args, num_layers: int, pp: int, where: str) -> List[int]:
-    """Layers per pipeline stage: the args' first / last stage counts, the stages between them split
-    evenly."""
-    first, last = _arg(args, FIRST_STAGE_ARGS), _arg(args, LAST_STAGE_ARGS)
-    if pp == 1:
-        return [num_layers]
-    middle = pp - (first is not None) - (last is not None)
-    rest = num_layers - (first or 0) - (last or 0)
-    counts = None
-    if middle > 0 and rest >= 0 and rest % middle == 0:
-        counts = [first] * (first is not None) + [rest // middle] * middle + [last] * (last is not None)
-    elif middle == 0 and rest == 0:
-        counts = [first, last]
-    if counts is None:
-        raise CkptError(f"{where}: the args' pipeline split (first stage {first}, last stage {last} layers, the "
-                        f"others even) does not fit {num_layers} layers on {pp} stages", HINT)
-    return counts
 
 
 def rank_params(weights: Dict[str, LazyTensor], cfg: GPTConfig, tp: int, t: int, impl: str,

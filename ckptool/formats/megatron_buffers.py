@@ -5,7 +5,8 @@ Torch-free, so the quick inspect (quick/megatron_distopt.py) and the full reader
 lay buffers out by one set of rules; megatron_distopt.py's docstring says what they are and where
 megatron-core keeps them (megatron/core/distributed/param_and_grad_buffer.py). ERAS holds how each
 span of megatron-core versions aligns parameters, pads bucket ends and saves the buffers; buffer_layout
-lays one buffer out; bucket_sizes says which bucket sizes a run may have used.
+lays one buffer out; bucket_sizes says which bucket sizes a run may have used; stage_layers which
+layers each pipeline stage (and so its buffers) holds.
 """
 from __future__ import annotations
 
@@ -13,12 +14,25 @@ import math
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
+from ..errors import CkptError
+from .megatron_groups import HINT
+
 KEYS = ("param", "exp_avg", "exp_avg_sq")  # distrib_optim.pt's names for the master and the two moments
 SLOT_OF_KEY = {"param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 DEFAULT_BUCKET = 40_000_000  # megatron-core's default bucket size floor (max(40M, 1M x DP))
 # the tied word embedding (first stage) and its head copy (last stage; role head_copy in the legacy
 # dialects, output in megatron-core's): megatron-core marks them shared_embedding when PP > 1
 SHARED_EMBEDDING_ROLES = ("word", "head_copy", "output")
+# A torch_dist rank's parameters in its buffers (dist_optim_buckets.rank_params): the dialect of each
+# transformer_impl gives a layer's order; the first chunk leads with HEAD, the last ends with TAIL and,
+# tied at PP > 1, the head's copy of the word embedding (laid out, not read)
+DIALECT_OF_IMPL = {"local": "mcore", "transformer_engine": "mcore-te"}
+HEAD = ("word", "pos")
+TAIL = ("final_norm.weight", "final_norm.bias", "output")
+HEAD_COPY = "head_copy"
+# args naming the first / last pipeline stage's layer counts (Megatron-LM's, and megatron-core's config)
+FIRST_STAGE_ARGS = ("decoder_first_pipeline_num_layers", "num_layers_in_first_pipeline_stage")
+LAST_STAGE_ARGS = ("decoder_last_pipeline_num_layers", "num_layers_in_last_pipeline_stage")
 
 
 @dataclass(frozen=True)
@@ -117,3 +131,26 @@ def file_form(state: dict) -> Optional[str]:
     if "per_bucket_numel_unpadded" in state:
         return "bucket-list"
     return None
+
+
+def _arg(args, names) -> Optional[int]:
+    return next((int(getattr(args, n)) for n in names if getattr(args, n, None)), None)
+
+
+def stage_layers(args, num_layers: int, pp: int, where: str) -> List[int]:
+    """Layers per pipeline stage: the args' first / last stage counts, the stages between them split
+    evenly."""
+    first, last = _arg(args, FIRST_STAGE_ARGS), _arg(args, LAST_STAGE_ARGS)
+    if pp == 1:
+        return [num_layers]
+    middle = pp - (first is not None) - (last is not None)
+    rest = num_layers - (first or 0) - (last or 0)
+    counts = None
+    if middle > 0 and rest >= 0 and rest % middle == 0:
+        counts = [first] * (first is not None) + [rest // middle] * middle + [last] * (last is not None)
+    elif middle == 0 and rest == 0:
+        counts = [first, last]
+    if counts is None:
+        raise CkptError(f"{where}: the args' pipeline split (first stage {first}, last stage {last} layers, the "
+                        f"others even) does not fit {num_layers} layers on {pp} stages", HINT)
+    return counts
