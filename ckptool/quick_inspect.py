@@ -23,7 +23,6 @@ from typing import Optional
 from .errors import CkptError
 from .formats import registry
 from .options import ReadOptions, pop_read_options
-from .quick.meta import TensorMeta  # noqa: F401 (the records quick readers hold)
 from .state import Checkpoint
 
 
