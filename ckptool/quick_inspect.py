@@ -5,8 +5,8 @@ directory formats are torch-free) and gives that format's quick reader, if it ha
   hf         config.json + safetensors headers (quick/hf.py)
   megatron   the rank files' pickles read for structure, args -> config, the non-distributed
              optimizer's state (quick/megatron.py, quick/optim.py)
-  torch_dist the DCP .metadata pickle, the common state's args and model-space optimizer state
-             (quick/dist.py, quick/dist_optim.py)
+  torch_dist the DCP .metadata pickle, the common state's args, model-space optimizer state and the
+             flat dp_reshardable buckets (quick/dist.py, quick/dist_optim.py, quick/dist_buckets.py)
   deepspeed  Megatron models under DeepSpeed (pipeline layer files or `module`), ZeRO-1/2 and BF16
              shards (quick/deepspeed.py)
 Each returns a real Checkpoint whose tensors (and optimizer slots) are TensorMeta records (shape,
@@ -23,7 +23,6 @@ from typing import Optional
 from .errors import CkptError
 from .formats import registry
 from .options import ReadOptions, pop_read_options
-from .quick.meta import TensorMeta  # noqa: F401 (the records quick readers hold)
 from .state import Checkpoint
 
 

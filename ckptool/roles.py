@@ -136,6 +136,16 @@ def moe_layer_roles(cfg: GPTConfig, experts) -> List[str]:
     return roles + list(t.moe_shared)
 
 
+def fc_major(roles: List[str]) -> List[str]:
+    """An MoE layer's roles with the experts' fc by fc (every local expert's fc1, then every fc2), as a grouped
+    linear registers its weight0 .. weightN-1 (parameter order = optimizer order); the rest in place. The torch-format writer and the
+    dp_reshardable optimizer layout both order a grouped-GEMM layer by it."""
+    experts = [r for r in roles if r.startswith("experts.")]
+    first = roles.index(experts[0])
+    ordered = sorted(experts, key=lambda r: scope_of(r)[1])  # stable: local experts in order within each fc
+    return roles[:first] + ordered + [r for r in roles[first:] if not r.startswith("experts.")]
+
+
 def rule_for(role: str, cfg: GPTConfig, column: Optional[str] = None) -> Rule:
     """A role's TP rule; column: the spec name column of the format, where its modules shard a role otherwise
     (Role.rules: Transformer Engine keeps MLA's down projections whole)."""

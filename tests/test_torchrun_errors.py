@@ -43,6 +43,9 @@ def test_bad_input_is_reported_once_with_every_rank_exiting_2(tmp_path):
     assert statuses and set(statuses.values()) == {2}, out[-3000:]  # ckptool's "bad input"
     # torchrun's report carries ckptool's line (our error files) for every rank, never its traceback hint
     assert out.count(f"traceback : ckptool {line}") == 2 and "To enable traceback" not in out, out[-3000:]
+    # no rank printed a Python traceback: the one there is torchrun's own agent raising ChildFailedError
+    assert out.count("Traceback (most recent call last)") == 1, out[-3000:]
+    assert out.index("Traceback (most recent call last)") < out.index("ChildFailedError")
     # ... and ckptool's line comes after it: the last thing printed (stderr is a pipe here)
     assert r.stderr.strip().splitlines()[-1] == line, r.stderr[-3000:]
     assert r.stderr.index("ChildFailedError") < r.stderr.index(line)
@@ -142,3 +145,21 @@ def test_the_late_line_waits_for_torchrun_to_end(tmp_path):
         agent.wait()
         printer.wait(timeout=30)
     assert err.read_text() == "error: late\n"
+
+
+def test_the_error_file_is_the_form_torchruns_agent_reads(tmp_path, monkeypatch):
+    """The file a failing rank writes is read by torch's own ProcessFailure (the agent's parser) into
+    ckptool's line and a timestamp; its ChildFailedError report shows that line, not "<N/A>"."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    from ckptool import distributed
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    distributed._write_error_file("error: /data/missing: no such file or directory")
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(path))
+    assert failure.message["message"] == "error: /data/missing: no such file or directory"
+    assert failure.timestamp > 0
+    report = ChildFailedError("ckptool", {0: failure}).format_msg()
+    assert "traceback : ckptool error: /data/missing: no such file or directory" in report
+    assert "<N/A>" not in report and "To enable traceback" not in report
+    assert list(tmp_path.iterdir()) == [path]  # written whole through a renamed part file
+

@@ -50,25 +50,19 @@ from ..errors import CkptError
 from ..io.dcp_io import DcpDir
 from ..io.torchfile import load_torch_bytes
 from ..lazy import Const, LazyTensor, derive
-from ..roles import GLOBAL_ROLES, LAYER_ROLES, global_role_tensor, layer_role_tensor, moe_layer_roles, shard_role
+from ..roles import (GLOBAL_ROLES, LAYER_ROLES, fc_major, global_role_tensor, layer_role_tensor, moe_layer_roles,
+                     shard_role)
 from .megatron_names import DIALECTS
-from .megatron_distopt import CURRENT, buffer_layout, bucket_sizes
+from .megatron_buffers import (CURRENT, DIALECT_OF_IMPL, HEAD, HEAD_COPY, TAIL, buffer_layout, bucket_sizes,
+                               stage_layers)
 from .megatron_optim import HINT
-from .megatron import _fc_major as fc_major  # TEGroupedMLP's parameter order, as the torch-format writer uses it
 
 PREFIX = "optimizer.distributed.dp_group_idx_{mp}."
 FLAT, GATHERED = "dp_reshardable", "dp_zero_gather_scatter"
 STORED = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
-DIALECT_OF_IMPL = {"local": "mcore", "transformer_engine": "mcore-te"}
-HEAD = ("word", "pos")
-TAIL = ("final_norm.weight", "final_norm.bias", "output")
-HEAD_COPY = "head_copy"  # the last stage's copy of a tied word embedding (PP > 1): laid out, not read
 # roles that are module buffers, not parameters: in no grad buffer (the router's expert bias is updated by
 # its own rule, not by the optimizer)
 NOT_PARAMETERS = ("router.expert_bias",)
-# args naming the first / last pipeline stage's layer counts (Megatron-LM's, and megatron-core's config)
-FIRST_STAGE_ARGS = ("decoder_first_pipeline_num_layers", "num_layers_in_first_pipeline_stage")
-LAST_STAGE_ARGS = ("decoder_last_pipeline_num_layers", "num_layers_in_last_pipeline_stage")
 
 
 def unsupported(args) -> Optional[str]:
@@ -86,29 +80,6 @@ def grouped_linears(args) -> bool:
     registers expert by expert. The legacy GroupedMLP (one tensor per fc) is not laid out (unsupported)."""
     return bool(getattr(args, "moe_grouped_gemm", False)) and not getattr(args, "moe_use_legacy_grouped_gemm", False) \
         and getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine"
-
-
-def _arg(args, names) -> Optional[int]:
-    return next((int(getattr(args, n)) for n in names if getattr(args, n, None)), None)
-
-
-def stage_layers(args, num_layers: int, pp: int, where: str) -> List[int]:
-    """Layers per pipeline stage: the args' first / last stage counts, the stages between them split
-    evenly."""
-    first, last = _arg(args, FIRST_STAGE_ARGS), _arg(args, LAST_STAGE_ARGS)
-    if pp == 1:
-        return [num_layers]
-    middle = pp - (first is not None) - (last is not None)
-    rest = num_layers - (first or 0) - (last or 0)
-    counts = None
-    if middle > 0 and rest >= 0 and rest % middle == 0:
-        counts = [first] * (first is not None) + [rest // middle] * middle + [last] * (last is not None)
-    elif middle == 0 and rest == 0:
-        counts = [first, last]
-    if counts is None:
-        raise CkptError(f"{where}: the args' pipeline split (first stage {first}, last stage {last} layers, the "
-                        f"others even) does not fit {num_layers} layers on {pp} stages", HINT)
-    return counts
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from ..errors import CkptError, require
 from ..io.torchfile import StoredTensor, StreamingTorchWriter, load_torch_file, write_grouped
 from ..lazy import Const, Derived, LazyTensor, Piece, Placement
 from ..options import ReadOptions
-from ..roles import (FIRST_STAGE_ROLES, assemble, canonical_names, global_role_tensor, layer_role_tensor,
+from ..roles import (FIRST_STAGE_ROLES, assemble, canonical_names, fc_major, global_role_tensor, layer_role_tensor,
                      moe_layer_roles, scope_of, shard_role, tables_for)
 from ..sharding import ReplicaPolicy
 from ..state import Checkpoint, SourceInfo, in_model_order
@@ -898,7 +898,7 @@ class _RankFile:
         experts = plan.layout.local_experts(cfg_out.moe.num_experts, self.e)
         roles = moe_layer_roles(cfg_out, experts)
         if plan.grouped:
-            roles = _fc_major(roles)
+            roles = fc_major(roles)
         for role in roles:
             if layer_role_tensor(tensors, cfg_out, g, role) is not None:
                 self.put(flat, prefix + _moe_key(d, plan.expert_keys, role, experts.start), role, g,
@@ -987,15 +987,6 @@ def _write_unit(layer: int, expert: Optional[int]) -> Tuple[int, int]:
     writer holds one expert (all its ranks' pieces and optimizer slots) at a time, not a whole MoE layer,
     whose experts can be many GB (peak about two units in flight: torchfile.write_grouped)."""
     return (layer, 0) if expert is None else (layer, 1 + expert)
-
-
-def _fc_major(roles: List[str]) -> List[str]:
-    """An MoE layer's roles with the experts' fc by fc (every local expert's fc1, then every fc2), as a grouped
-    linear registers its weight0 .. weightN-1 (parameter order = optimizer order); the rest in place."""
-    experts = [r for r in roles if r.startswith("experts.")]
-    first = roles.index(experts[0])
-    ordered = sorted(experts, key=lambda r: scope_of(r)[1])  # stable: local experts in order within each fc
-    return roles[:first] + ordered + [r for r in roles[first:] if not r.startswith("experts.")]
 
 
 def _grouped_gemm(ckpt: Checkpoint, d: Dialect, asked: Optional[bool]) -> bool:

@@ -45,107 +45,22 @@ streamed into its zip record a parameter at a time, so no rank's buffer is ever 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from ..errors import CkptError
 from ..io.torchfile import StoredTensor, load_torch_file
 from ..lazy import Derived, LazyTensor
-from . import megatron_optim
+from . import megatron_buffers, megatron_optim
+# the layout rules are torch-free (megatron_buffers, shared with the quick inspect); their names stay here too
+from .megatron_buffers import CURRENT, ERAS, KEYS, SLOT_OF_KEY, BufferLayout, Era, bucket_sizes, buffer_layout
 from .megatron_optim import (HINT, GroupRule, RankOptimizer, RankParam, groups_by_traits,
                              master_matching_weight)
 
 FILE = "distrib_optim.pt"
-KEYS = ("param", "exp_avg", "exp_avg_sq")  # the file's names for the master and the two moments
-SLOT_OF_KEY = {"param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
-DEFAULT_BUCKET = 40_000_000  # megatron-core's default bucket size floor (max(40M, 1M x DP))
-
-
-@dataclass(frozen=True)
-class Era:
-    """How one span of megatron-core versions lays a grad buffer out and saves it."""
-    name: str
-    param_align: int  # each parameter starts at a multiple of this many elements (1: packed)
-    bucket_multiple: Callable[[int], int]  # bucket ends padded to a multiple of this (from the DP size)
-    form: str  # "coalesced" | "bucket-list"
-    since: str = ""  # the era's first month: how --distrib-optim-era names it
-
-
-ERAS = (  # newest first: a source is read by the first era whose layout matches its stored sizes
-    Era("megatron-core 2024-07 and later", 64, lambda dp: math.lcm(dp, 128), "coalesced", "2024-07"),
-    Era("megatron-core 2024-05..06", 1, lambda dp: math.lcm(dp, 128), "coalesced", "2024-05"),
-    Era("megatron-core 2024-04", 1, lambda dp: dp, "coalesced", "2024-04"),
-    Era("megatron-core 2024-02..03", 1, lambda dp: dp, "bucket-list", "2024-02"),
-)
-CURRENT = ERAS[0]
-ERA_BY_SINCE = {e.since: e for e in ERAS}
-
-
-@dataclass
-class BufferLayout:
-    """Where each parameter of one grad buffer sits. Parameter i (registration order) occupies
-    [start[i], start[i] + numel) of bucket bucket_of[i] (offsets from the bucket's start)."""
-    start: List[int]
-    bucket_of: List[int]
-    bucket_unpadded: List[int]
-    bucket_padded: List[int]
-
-    @property
-    def numel_unpadded(self) -> int:
-        return sum(self.bucket_unpadded)
-
-    def coalesced_offset(self, i: int) -> int:
-        """Parameter i's offset in the coalesced world tensors (every bucket's unpadded part in turn)."""
-        return sum(self.bucket_unpadded[:self.bucket_of[i]]) + self.start[i]
-
-    def padded_offset(self, i: int) -> int:
-        """Parameter i's offset in the whole padded buffer."""
-        return sum(self.bucket_padded[:self.bucket_of[i]]) + self.start[i]
-
-
-def buffer_layout(numels: Sequence[int], shared: Sequence[bool], era: Era, dp: int,
-                  bucket_size: Optional[int]) -> BufferLayout:
-    """megatron-core's layout of one grad buffer holding parameters of these sizes (registration order);
-    shared[i]: the parameter is a tied embedding copy across pipeline stages (a bucket of its own)."""
-    n = len(numels)
-    start, bucket_of = [0] * n, [0] * n
-    unpadded: List[int] = []
-    padded: List[int] = []
-    pos = 0  # next free element, relative to the current bucket's start
-    members = 0
-
-    def close(end: int) -> None:
-        nonlocal pos, members
-        unpadded.append(end)
-        padded.append(math.ceil(end / era.bucket_multiple(dp)) * era.bucket_multiple(dp))
-        pos, members = 0, 0
-
-    for i in reversed(range(n)):  # backprop order
-        pos = math.ceil(pos / era.param_align) * era.param_align
-        if shared[i] and members:
-            close(pos)  # the bucket so far ends at the (aligned) start this parameter would have had
-        start[i], bucket_of[i] = pos, len(unpadded)
-        pos += numels[i]
-        members += 1
-        if shared[i] or (bucket_size is not None and pos >= bucket_size):
-            close(pos)
-    if members:
-        close(pos)
-    return BufferLayout(start, bucket_of, unpadded, padded)
-
-
-def bucket_sizes(args, chunk: int, pp_rank: int, dp: int) -> List[Optional[int]]:
-    """The bucket sizes the run may have used for this chunk, most likely first (megatron-core cuts
-    buckets only with --overlap-grad-reduce, on pipeline stage 0, in model chunk 0)."""
-    if chunk > 0 or pp_rank > 0 or not getattr(args, "overlap_grad_reduce", False) \
-            or getattr(args, "overlap_param_gather_with_optimizer_step", False):
-        return [None]
-    given = getattr(args, "ddp_bucket_size", None)
-    # None last: a file written for a run without bucketing (ckptool's writer) under args that had it
-    return ([given] if given else [max(DEFAULT_BUCKET, 1_000_000 * dp), DEFAULT_BUCKET]) + [None]
+ERA_BY_SINCE, DEFAULT_BUCKET = megatron_buffers.ERA_BY_SINCE, megatron_buffers.DEFAULT_BUCKET  # (their old home)
 
 
 def buffer_key(era: Era, param_dtype: torch.dtype, grad_dtype: torch.dtype):
@@ -174,7 +89,7 @@ def is_shared_embedding(param: RankParam, tied: bool, pp: int) -> bool:
     """megatron-core marks the tied word embedding (first stage) and its head copy (last stage)
     shared_embedding when PP > 1; the distributed optimizer buckets each alone. The head copy reads as
     role head_copy in the legacy dialects, as output (output_layer.weight) in megatron-core's."""
-    return tied and pp > 1 and param.role in ("word", "head_copy", "output")
+    return megatron_buffers.is_shared_embedding(param.role, tied, pp)
 
 
 # --- reading --------------------------------------------------------------------------------
@@ -312,13 +227,12 @@ def _read_part(opt: dict, state, where_file: str, params: List[RankParam], args,
 def _form(state, where: str) -> str:
     if not isinstance(state, dict):
         raise CkptError(f"{where}: not a distributed-optimizer state (a {type(state).__name__})", HINT)
-    if state.get("buckets_coalesced") is True:
-        return "coalesced"
-    if "per_bucket_numel_unpadded" in state:
-        return "bucket-list"
-    raise CkptError(f"{where}: a distributed-optimizer form from before 2024-02 (no buckets_coalesced or "
-                    "per_bucket_numel_unpadded; megatron-core's pre-ParamAndGradBuffer layout) is not read; "
-                    "load it in Megatron with --ckpt-convert-update-legacy-dist-opt-format and save again", HINT)
+    form = megatron_buffers.file_form(state)
+    if form is None:
+        raise CkptError(f"{where}: a distributed-optimizer form from before 2024-02 (no buckets_coalesced or "
+                        "per_bucket_numel_unpadded; megatron-core's pre-ParamAndGradBuffer layout) is not read; "
+                        "load it in Megatron with --ckpt-convert-update-legacy-dist-opt-format and save again", HINT)
+    return form
 
 
 def _one_dtype(buffer_state, where: str) -> dict:
@@ -375,7 +289,7 @@ def flat_view(flat: LazyTensor, offset: int, shape: Tuple[int, ...]) -> LazyTens
 
 def group_by_rule(params: List[RankParam], hypers: List[dict], where: str, rule: GroupRule = GroupRule()) -> List[int]:
     """Each parameter's group: the distributed optimizer's saved groups hold no parameter lists, so
-    parameters are placed by megatron-core's group traits (megatron_optim.GROUP_TRAITS: weight decay,
+    parameters are placed by megatron-core's group traits (megatron_groups.GROUP_TRAITS: weight decay,
     --decoupled-lr), which must single out one group for each."""
     if len(hypers) == 1:
         return [0] * len(params)

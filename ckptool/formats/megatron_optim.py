@@ -20,7 +20,7 @@ master is read).
 
 Groups beyond that pair are data too: megatron-core keys each group by (wd_mult, lr_mult,
 is_expert_parallel, is_decoupled_lr) and, since 0.16, by the config override that made it (max_lr /
-min_lr for --decoupled-lr); GROUP_TRAITS says how a parameter and a stored group each show a trait. A
+min_lr for --decoupled-lr); megatron_groups.GROUP_TRAITS says how a parameter and a stored group each show a trait. A
 source's groups become canonical groups (one per group identity, megatron_groups.GROUP_IDENTITY: expert-parallel and
 dense copies of a group are one canonical group), each with the canonical names of its parameters; a
 target rank's groups are re-formed from them by the rule megatron-core applies at the target layout
@@ -45,22 +45,14 @@ import torch
 from ..errors import CkptError
 from ..lazy import Const, Derived, LazyTensor
 from ..state import OPTIMIZER_SLOTS, ParamGroup
-from .megatron_groups import HINT
+# The group rules are torch-free (megatron_groups, shared with the quick inspect); their names stay here too.
+from .megatron_groups import (HINT, MIXED_FORMS, MOMENTS, NO_WEIGHT_DECAY_KEYS, GroupRule, expert_parallel,
+                              traits_of)
+from . import megatron_groups
 
-
-# Where each era keeps the torch state, the fp32 masters and the loss scaler.
-MIXED_FORMS = (
-    ("optimizer", "fp32_from_fp16_params", "grad_scaler"),  # Megatron-LM 2020-11 .. today
-    ("optimizer_state_dict", "fp32_from_fp16", "loss_scaler"),  # 2019-2020 FP16_Optimizer
-)
-MOMENTS = ("exp_avg", "exp_avg_sq")
-NO_WEIGHT_DECAY_KEYS = ("wd_mult", "weight_decay")  # a group with either at 0 holds biases and norms
-# megatron-core sets is_embedding_or_output_parameter on the word embedding and the output layer (the
-# last stage's copy of a tied embedding included): the parameters --decoupled-lr applies to
-EMBEDDING_OR_OUTPUT_ROLES = frozenset({"word", "output", "head_copy"})
-# What makes two stored groups the same canonical group (megatron-core's group key without
-# is_expert_parallel, which the target layout decides, plus the 0.16 override values); eras without
-# wd_mult tell their groups apart by weight_decay.
+# the trait table's names, as they were known here before it moved
+GROUP_TRAITS, EMBEDDING_OR_OUTPUT_ROLES = megatron_groups.GROUP_TRAITS, megatron_groups.EMBEDDING_OR_OUTPUT_ROLES
+group_traits = megatron_groups.group_traits
 CANONICAL_EXPERT = re.compile(r"^layers\.\d+\.mlp\.experts\.\d+\.")  # state.py's expert names
 
 
@@ -92,54 +84,11 @@ def role_shards(values: Dict[Tuple[int, int], List[LazyTensor]], params: Dict[Tu
 
 def no_weight_decay(key: str, weight: LazyTensor) -> bool:
     """Megatron's default rule (all eras): biases and 1-D parameters (norms) get no weight decay."""
-    return key.endswith("bias") or len(weight.shape) == 1
-
-
-def expert_parallel(role: str, ep: int) -> bool:
-    """megatron-core's is_expert_parallel: expert weights are kept out of the data-parallel all-reduce
-    (allreduce=False), and so in the expert optimizer, only when expert parallelism is on (EP > 1)."""
-    return ep > 1 and role.startswith("experts.")
-
-
-@dataclass(frozen=True)
-class GroupRule:
-    """The run's settings the group traits depend on: --decoupled-lr (from the args), if any."""
-    decoupled_lr: Optional[float] = None
-
-    @classmethod
-    def from_args(cls, args) -> "GroupRule":
-        return cls(getattr(args, "decoupled_lr", None))
-
-
-def _group_no_wd(hyper: dict, rule: GroupRule) -> bool:
-    return hyper["wd_mult"] == 0 if "wd_mult" in hyper else hyper.get("weight_decay") == 0
-
-
-def _group_decoupled(hyper: dict, rule: GroupRule) -> bool:
-    # megatron-core < 0.16 flags the group; 0.16 gives it the override max_lr = --decoupled-lr (and so
-    # default_config False, which tells it apart even when --decoupled-lr equals --lr)
-    return bool(hyper.get("is_decoupled_lr")) or (
-        rule.decoupled_lr is not None and hyper.get("max_lr") == rule.decoupled_lr and hyper.get("default_config") is False)
-
-
-# Each trait of megatron-core's group key that a checkpoint lets ckptool decide: (for a parameter: key,
-# role, shape, rule; for a stored group: hyperparameters, rule). is_expert_parallel is not here: it picks
-# the optimizer of a chained pair, not a group within one. lr_mult has no rule a checkpoint records (a
-# run's own scale-lr condition or config override): a group with lr_mult != 1 is tied only where these
-# traits single it out.
-GROUP_TRAITS = (
-    ("no_weight_decay", lambda key, role, shape, rule: key.endswith("bias") or len(shape) == 1, _group_no_wd),
-    ("decoupled_lr", lambda key, role, shape, rule: rule.decoupled_lr is not None and role in EMBEDDING_OR_OUTPUT_ROLES,
-     _group_decoupled),
-)
+    return megatron_groups.no_weight_decay(key, weight.shape)
 
 
 def param_traits(param: "RankParam", rule: GroupRule) -> Tuple[bool, ...]:
-    return tuple(of_param(param.key, param.role, tuple(param.weight.shape), rule) for _, of_param, _ in GROUP_TRAITS)
-
-
-def group_traits(hyper: dict, rule: GroupRule) -> Tuple[bool, ...]:
-    return tuple(of_group(hyper, rule) for _, _, of_group in GROUP_TRAITS)
+    return traits_of(param.key, param.role, tuple(param.weight.shape), rule)
 
 
 @dataclass
@@ -283,15 +232,8 @@ def _tie_groups(groups: List[dict], params: List[RankParam], where: str, rule: G
 def groups_by_traits(params: List[RankParam], hypers: List[dict], rule: GroupRule,
                      counts: Optional[Sequence[int]] = None) -> Optional[List[int]]:
     """Each parameter's group: the one group (non-empty, where counts are known) whose traits equal its
-    own; None when a parameter fits no group or several."""
-    wanted = [group_traits(h, rule) for h in hypers]
-    out = []
-    for p in params:
-        fits = [g for g, t in enumerate(wanted) if t == param_traits(p, rule) and (counts is None or counts[g])]
-        if len(fits) != 1:
-            return None
-        out.append(fits[0])
-    return out
+    own (megatron_groups.groups_by_traits); None when a parameter fits no group or several."""
+    return megatron_groups.groups_by_traits([param_traits(p, rule) for p in params], hypers, rule, counts)
 
 
 def _tie_by_sizes(groups: List[dict], params: List[RankParam], counts: List[int]) -> Optional[List[List[int]]]:

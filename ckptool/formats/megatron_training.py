@@ -21,7 +21,7 @@ from ..lazy import LazyTensor
 from ..roles import canonical_names, global_role_tensor, layer_role_tensor
 from ..state import OPTIMIZER_SLOTS, PAD_FILL_BY_SLOT, WEIGHT, Checkpoint, OptimizerState, ParamGroup
 from ..vocab import resize_slot_vocab
-from . import megatron_distopt, megatron_optim
+from . import megatron_buffers, megatron_distopt, megatron_optim
 from .megatron_groups import merge_groups
 from .megatron_optim import RankParam, role_shards
 
@@ -238,12 +238,12 @@ class DistributedTarget:
             return None
         require(args is not None or not overlap_grad_reduce,
                 "--overlap-grad-reduce: this dialect writes no args to say so", "choose --dialect mcore")
-        require(era in megatron_distopt.ERA_BY_SINCE, f"--distrib-optim-era {era}: not a megatron-core era "
-                "ckptool knows", f"choose one of {', '.join(megatron_distopt.ERA_BY_SINCE)}")
+        require(era in megatron_buffers.ERA_BY_SINCE, f"--distrib-optim-era {era}: not a megatron-core era "
+                "ckptool knows", f"choose one of {', '.join(megatron_buffers.ERA_BY_SINCE)}")
         # Megatron-LM reduces bf16 grads in fp32 (--accumulate-allreduce-grads-in-fp32, on by default
         # with --bf16); the buffers' key holds the grad dtype
         fp32_grads = getattr(args, "accumulate_allreduce_grads_in_fp32", out_dtype == torch.bfloat16)
-        target = megatron_distopt.ERA_BY_SINCE[era]
+        target = megatron_buffers.ERA_BY_SINCE[era]
         key = megatron_distopt.buffer_key(target, out_dtype, torch.float32 if fp32_grads else out_dtype)
         return cls(dp, cfg.tied_embeddings, layout.pp, key, args, target, layout.tp, layout.expert_tp)
 

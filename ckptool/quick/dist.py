@@ -22,6 +22,7 @@ from ..errors import CkptError
 from ..formats import megatron_args
 from ..formats.dist_files import COMMON_FILE, COMMON_KEY, CONFIG_FILE, DCP_METADATA, locate
 from ..state import Checkpoint, SourceInfo
+from .dist_buckets import object_reader
 from .dist_optim import training_state
 from .meta import TensorMeta, canonical_shapes
 from ..io.standin import stands_for, state_of
@@ -45,12 +46,11 @@ def read(path: Path, format_name: str) -> Optional[Checkpoint]:
         common = _common_state(d, meta)
     except (CkptError, NotQuick, OSError, ValueError):
         return None
-    entries = getattr(meta, "state_dict_metadata", None)
     if not _sound_index(meta, d) or not isinstance(common, dict):
         return None
     try:
-        return _checkpoint(path, format_name, d, entries, common, iteration, release)
-    except (NotQuick, LookupError, TypeError, AttributeError, ValueError):
+        return _checkpoint(path, format_name, d, meta, common, iteration, release)
+    except (NotQuick, LookupError, TypeError, AttributeError, ValueError, OSError):
         return None  # structures the quick reader does not know: the full reader says what they are
 
 
@@ -114,16 +114,24 @@ def _common_state(d: Path, meta) -> Optional[dict]:
     if (d / COMMON_FILE).is_file():
         state = load_torch_zip(d / COMMON_FILE)
     else:
-        where = [v for k, v in getattr(meta, "storage_data", {}).items() if getattr(k, "fqn", None) == COMMON_KEY]
-        if len(where) != 1:
+        raw = _entry_bytes(d, meta, COMMON_KEY)
+        if raw is None:
             return {}
-        info = where[0]
-        with open(d / info.relative_path, "rb") as f:
-            f.seek(info.offset)
-            state = load_torch_zip(f.read(info.length))
+        state = load_torch_zip(raw)
         if isinstance(state, (list, tuple)) and len(state) == 1:
             state = state[0]
     return state if isinstance(state, dict) else {}
+
+
+def _entry_bytes(d: Path, meta, fqn: str) -> Optional[bytes]:
+    """A byte entry's bytes (a torch.save of the object), where the index stores it once; else None."""
+    where = [v for k, v in getattr(meta, "storage_data", {}).items() if getattr(k, "fqn", None) == fqn]
+    if len(where) != 1:
+        return None
+    info = where[0]
+    with open(d / info.relative_path, "rb") as f:
+        f.seek(info.offset)
+        return f.read(info.length)
 
 
 def _tensor(entry) -> Optional[TensorMeta]:
@@ -137,7 +145,8 @@ def _tensor(entry) -> Optional[TensorMeta]:
     return TensorMeta(size, str(dtype))
 
 
-def _checkpoint(path, format_name, d, entries, common, iteration, release) -> Optional[Checkpoint]:
+def _checkpoint(path, format_name, d, meta, common, iteration, release) -> Optional[Checkpoint]:
+    entries = meta.state_dict_metadata
     args = common.get("args")
     if args is None:
         return None
@@ -185,7 +194,9 @@ def _checkpoint(path, format_name, d, entries, common, iteration, release) -> Op
     canonical = {n: TensorMeta(s, dtype) for n, s in shapes.items()}
     stored_tensors = {k: _tensor(e) for k, e in entries.items() if _is(e, "TensorStorageMetadata")}
     head = prefix + HEAD if cfg.tied_embeddings and prefix + HEAD in weights else None
-    optimizer = training_state(common, stored_tensors, weights, canonical, args, head)
+    objects = object_reader([k for k, e in entries.items() if _is(e, "BytesStorageMetadata")],
+                            lambda key: _entry_bytes(d, meta, key))
+    optimizer = training_state(common, stored_tensors, weights, canonical, args, head, cfg, objects)
     return Checkpoint(cfg, canonical, info, [note] if note else [], optimizer)
 
 

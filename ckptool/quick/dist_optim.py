@@ -5,20 +5,25 @@ optimizer's fully_reshardable) keep one DCP tensor per parameter and slot under
 `optimizer.state.<stored slot>.<model key>`, with the weight's global shape: the DCP index gives every
 slot's shapes and dtypes, the common state the param groups, the step (`state.common_step` or each
 group's `step`, a plain number or a 0-d tensor read as a Scalar), the grad scaler and the scheduler.
-Groups are tied by Megatron's default rule, as the full reader ties them (one group, or one with and
-one without weight decay).
+Groups are tied as the full reader ties them: each canonical tensor joins the one group whose traits
+(megatron_groups.GROUP_TRAITS: weight decay, --decoupled-lr) are its own.
+
+The flat per-bucket dp_reshardable form (the default since megatron-core 0.15), where each parameter
+sits by the grad-buffer layout, is read by quick/dist_buckets.py: each rank's layout checked against
+its stored bucket sizes, as the full reader checks it.
 
 NotQuick (the full reader answers, with its warning or error) for chained optimizers, optimizer
-tensors without an optimizer entry, the flat per-bucket forms (dp_reshardable, the default since
-megatron-core 0.15, and dp_zero_gather_scatter: where each parameter sits is recomputed from the
-grad-buffer layout), the N-D flattened fully_sharded_model_space, other groups, and any slot that
-does not cover exactly the model's weights with their shapes in one dtype.
+tensors without an optimizer entry, the gathered dp_zero_gather_scatter form, the N-D flattened
+fully_sharded_model_space, groups the traits do not tell apart, and any slot that does not cover
+exactly the model's weights with their shapes in one dtype.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
+from ..formats.megatron_groups import GroupRule, canonical_traits, groups_by_traits
 from ..state import OptimizerState, ParamGroup
+from . import dist_buckets
 from .meta import TensorMeta
 from .torch_pickle import NotQuick, Scalar
 
@@ -30,14 +35,15 @@ STORED_SLOTS = {
     NON_DISTRIBUTED: {"master": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},
     "fully_reshardable": {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},
 }
-NO_WEIGHT_DECAY_KEYS = ("wd_mult", "weight_decay")
 
 
 def training_state(common: dict, stored: Dict[str, TensorMeta], model_keys: Dict[str, TensorMeta],
-                   weights: Dict[str, TensorMeta], args, tied_head: Optional[str]) -> Optional[OptimizerState]:
+                   weights: Dict[str, TensorMeta], args, tied_head: Optional[str], cfg=None,
+                   objects: Optional[Callable[[str], object]] = None) -> Optional[OptimizerState]:
     """stored: every DCP tensor entry (key -> TensorMeta); model_keys: the weights' DCP keys; weights:
     the canonical tensors; tied_head: the DCP key of a tied model's output-layer copy (not a slot of its
-    own). None where the checkpoint holds no optimizer state."""
+    own); cfg and objects (dist_buckets.object_reader) for the dp_reshardable form. None where the
+    checkpoint holds no optimizer state."""
     opt = common.get("optimizer")
     if not isinstance(opt, dict):
         if any(k.startswith(PREFIX) or ".optimizer." in k for k in stored):
@@ -46,6 +52,8 @@ def training_state(common: dict, stored: Dict[str, TensorMeta], model_keys: Dict
     if any(isinstance(k, int) for k in opt):
         raise NotQuick("a chained optimizer")
     form = opt.get("param_state_sharding_type") or NON_DISTRIBUTED
+    if form == dist_buckets.FORM and cfg is not None and objects is not None:
+        return _flat_buckets(common, stored, weights, args, cfg, objects)
     if form not in STORED_SLOTS:
         raise NotQuick(f"the {form} form")
     want = {k: t for k, t in model_keys.items() if k != tied_head}
@@ -67,8 +75,21 @@ def training_state(common: dict, stored: Dict[str, TensorMeta], model_keys: Dict
         raise NotQuick("no Adam moments")
     step, hypers = _scalars(opt)
     return OptimizerState(kind=f"megatron-core-dist ({form})", slots=slots, step=step,
-                          param_groups=_tie_groups(hypers, weights), grad_scaler=opt.get("grad_scaler"),
-                          scheduler=common.get("opt_param_scheduler"),
+                          param_groups=_tie_groups(hypers, weights, GroupRule.from_args(args)),
+                          grad_scaler=opt.get("grad_scaler"), scheduler=common.get("opt_param_scheduler"),
+                          consumed_samples=getattr(args, "consumed_train_samples", None))
+
+
+def _flat_buckets(common: dict, stored: Dict[str, TensorMeta], weights: Dict[str, TensorMeta], args, cfg,
+                  objects) -> OptimizerState:
+    """The dp_reshardable form (quick/dist_buckets.py): every slot of every weight in the flat buckets'
+    dtype, the groups and step from the per-rank optimizer object (dist_optim_buckets.read_scalars)."""
+    entry, dtype = dist_buckets.read(stored, objects, cfg, args, weights)
+    step, hypers = _scalars(entry)
+    slots = {slot: {n: TensorMeta(w.shape, dtype) for n, w in weights.items()} for slot in STORED_SLOTS[NON_DISTRIBUTED]}
+    return OptimizerState(kind=f"megatron-core-dist ({dist_buckets.FORM})", slots=slots, step=step,
+                          param_groups=_tie_groups(hypers, weights, GroupRule.from_args(args)),
+                          grad_scaler=entry.get("grad_scaler"), scheduler=common.get("opt_param_scheduler"),
                           consumed_samples=getattr(args, "consumed_train_samples", None))
 
 
@@ -96,12 +117,12 @@ def _scalars(opt: dict):
     return int(steps.pop()), [{k: v for k, v in g.items() if k not in ("params", "step")} for g in groups]
 
 
-def _tie_groups(hypers, weights: Dict[str, TensorMeta]):
-    """dist_optim.tie_groups: one group, or one with and one without weight decay (biases and 1-D)."""
+def _tie_groups(hypers, weights: Dict[str, TensorMeta], rule: GroupRule):
+    """dist_optim.tie_groups of one optimizer: one group holds everything; else each canonical tensor
+    joins the one group whose traits are its own."""
     if len(hypers) == 1:
         return [ParamGroup(list(weights), dict(hypers[0]))]
-    zero = [any(h.get(k) == 0 for k in NO_WEIGHT_DECAY_KEYS) for h in hypers]
-    if len(hypers) != 2 or sum(zero) != 1:
-        raise NotQuick("groups other than Megatron's default pair")
-    return [ParamGroup([n for n, w in weights.items() if (n.endswith("bias") or len(w.shape) == 1) == z], dict(h))
-            for h, z in zip(hypers, zero)]
+    group_of = groups_by_traits([canonical_traits(n, w.shape, rule) for n, w in weights.items()], hypers, rule)
+    if group_of is None:
+        raise NotQuick("groups the traits do not tell apart")  # the full reader's error
+    return [ParamGroup([n for n, g in zip(weights, group_of) if g == i], dict(h)) for i, h in enumerate(hypers)]

@@ -5,59 +5,19 @@ What the full reader (formats/megatron_distopt.py) ties, read here from shapes: 
 one fp32 flat buffer per model chunk and slot (coalesced since megatron-core 2024-04, a list of padded
 buckets before). Each parameter's place in a buffer follows from megatron-core's grad-buffer layout;
 the full reader takes the first era (and bucket size) whose layout reproduces the stored sizes and
-refuses a file none reproduces. The layout arithmetic is restated below from megatron_distopt (ERAS,
-buffer_layout, bucket_sizes), which imports torch: a restatement can only make this path stricter,
-since a layout it does not reproduce (an era added there, a rule changed) raises NotQuick and the full
-reader answers. Groups are placed by megatron-core's traits (quick/optim.py), as group_by_rule does.
+refuses a file none reproduces. The layout rules are the full reader's own (formats/megatron_buffers.py:
+ERAS, buffer_layout, bucket_sizes, torch-free); groups are placed by megatron-core's traits
+(formats/megatron_groups.py, via quick/optim.py), as group_by_rule does.
 """
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional
 
+from ..formats.megatron_buffers import (ERAS, KEYS, SLOT_OF_KEY, bucket_sizes, buffer_layout, file_form,
+                                        is_shared_embedding)
 from .meta import TensorMeta
 from .torch_pickle import NotQuick
-
-KEYS = ("param", "exp_avg", "exp_avg_sq")
-SLOT_OF_KEY = {"param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
-DEFAULT_BUCKET = 40_000_000
-# megatron_distopt.ERAS, newest first: (parameter alignment, bucket-end multiple from the DP size, form)
-ERAS = ((64, lambda dp: math.lcm(dp, 128), "coalesced"), (1, lambda dp: math.lcm(dp, 128), "coalesced"),
-        (1, lambda dp: dp, "coalesced"), (1, lambda dp: dp, "bucket-list"))
-
-
-def buffer_sizes(numels: Sequence[int], shared: Sequence[bool], align: int, multiple: int,
-                 bucket_size: Optional[int]) -> Tuple[List[int], List[int]]:
-    """(unpadded, padded) bucket sizes of one grad buffer (megatron_distopt.buffer_layout): parameters in
-    backprop order, each at an aligned start, a shared embedding in a bucket of its own."""
-    unpadded: List[int] = []
-    padded: List[int] = []
-    pos = members = 0
-    for i in reversed(range(len(numels))):
-        pos = math.ceil(pos / align) * align
-        if shared[i] and members:
-            unpadded.append(pos)
-            padded.append(math.ceil(pos / multiple) * multiple)
-            pos = members = 0
-        pos += numels[i]
-        members += 1
-        if shared[i] or (bucket_size is not None and pos >= bucket_size):
-            unpadded.append(pos)
-            padded.append(math.ceil(pos / multiple) * multiple)
-            pos = members = 0
-    if members:
-        unpadded.append(pos)
-        padded.append(math.ceil(pos / multiple) * multiple)
-    return unpadded, padded
-
-
-def bucket_sizes(args, chunk: int, pp_rank: int, dp: int) -> List[Optional[int]]:
-    """megatron_distopt.bucket_sizes: the bucket sizes the run may have used, most likely first."""
-    if chunk > 0 or pp_rank > 0 or not getattr(args, "overlap_grad_reduce", False) \
-            or getattr(args, "overlap_param_gather_with_optimizer_step", False):
-        return [None]
-    given = getattr(args, "ddp_bucket_size", None)
-    return ([given] if given else [max(DEFAULT_BUCKET, 1_000_000 * dp), DEFAULT_BUCKET]) + [None]
 
 
 def rank_state(tree: dict, state, params, args, tied: bool, pp: int, pp_rank: int):
@@ -68,8 +28,7 @@ def rank_state(tree: dict, state, params, args, tied: bool, pp: int, pp_rank: in
             and isinstance(opt["optimizer"].get("param_groups"), list)) or not isinstance(state, dict):
         raise NotQuick("not a distributed optimizer's state (or a chained one)")
     groups = opt["optimizer"]["param_groups"]
-    form = "coalesced" if state.get("buckets_coalesced") is True else \
-        "bucket-list" if "per_bucket_numel_unpadded" in state else None
+    form = file_form(state)
     if form is None or not all(isinstance(g, dict) for g in groups):
         raise NotQuick("a distributed-optimizer form from before 2024-02")
     chunks = sorted({p.chunk for p in params})
@@ -85,9 +44,9 @@ def rank_state(tree: dict, state, params, args, tied: bool, pp: int, pp_rank: in
         members = [p for p in params if p.chunk == chunk]
         want = _stored_sizes(entry, form)
         numels = [math.prod(p.shape) for p in members]
-        shared = [tied and pp > 1 and p.role in ("word", "head_copy", "output") for p in members]
+        shared = [is_shared_embedding(p.role, tied, pp) for p in members]
         if not any(_fits(numels, shared, era, dp, size, want)
-                   for era in ERAS if era[2] == form for size in bucket_sizes(args, chunk, pp_rank, dp)):
+                   for era in ERAS if era.form == form for size in bucket_sizes(args, chunk, pp_rank, dp)):
             raise NotQuick("no megatron-core buffer layout reproduces the stored sizes")
         for key, slot in SLOT_OF_KEY.items():
             flats = entry[key] if form == "bucket-list" else [entry[key]]
@@ -117,6 +76,5 @@ def _stored_sizes(entry: dict, form: str):
 
 
 def _fits(numels, shared, era, dp: int, bucket_size: Optional[int], want) -> bool:
-    align, multiple, form = era
-    unpadded, padded = buffer_sizes(numels, shared, align, multiple(dp), bucket_size)
-    return (sum(unpadded) if form == "coalesced" else padded) == want
+    layout = buffer_layout(numels, shared, era, dp, bucket_size)
+    return (layout.numel_unpadded if era.form == "coalesced" else layout.bucket_padded) == want

@@ -20,8 +20,8 @@ masters are TensorMeta records; Adam's 0-d `step` tensors are read as Scalars):
 The distributed optimizer's ranks (distrib_optim.pt: quick/megatron_distopt.py) join their groups
 by the same traits. Anything this cannot decide the way the full reader does (groups told apart by
 sizes alone, lr_mult groups, chained optimizers, mixed slot dtypes) raises NotQuick and the full
-reader answers. The trait rules are megatron_optim.GROUP_TRAITS restated without torch: the tests
-compare both paths' output on real Megatron-LM saves.
+reader answers. The trait rules are the full reader's own table (megatron_groups.GROUP_TRAITS,
+torch-free); the tests compare both paths' output on real Megatron-LM saves.
 """
 from __future__ import annotations
 
@@ -30,18 +30,13 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from ..errors import CkptError
-from ..formats.megatron_groups import merge_groups
+from ..formats.megatron_groups import (MIXED_FORMS, MOMENTS, GroupRule, canonical_traits, group_traits,
+                                       groups_by_traits, merge_groups, traits_of)
 from ..state import OPTIMIZER_SLOTS, OptimizerState, ParamGroup
 from .megatron_distopt import rank_state
 from .meta import TensorMeta
 from .torch_pickle import NotQuick, Scalar
 
-# where each era keeps the torch state, the fp32 masters and the loss scaler (megatron_optim.MIXED_FORMS)
-MIXED_FORMS = (("optimizer", "fp32_from_fp16_params", "grad_scaler"),
-               ("optimizer_state_dict", "fp32_from_fp16", "loss_scaler"))
-MOMENTS = ("exp_avg", "exp_avg_sq")
-DECOUPLED_ROLES = frozenset({"word", "output", "head_copy"})  # parameters --decoupled-lr applies to
-DECOUPLED_NAMES = frozenset({"embed.word", "output.weight"})  # their canonical tensors
 
 
 @dataclass(frozen=True)
@@ -63,19 +58,8 @@ class _Rank:
     single_group: bool
 
 
-def _param_traits(p: Param, decoupled_lr) -> Tuple[bool, bool]:
-    return (p.key.endswith("bias") or len(p.shape) == 1, decoupled_lr is not None and p.role in DECOUPLED_ROLES)
-
-
-def _name_traits(name: str, shape, decoupled_lr) -> Tuple[bool, bool]:
-    return (name.endswith(".bias") or len(shape) == 1, decoupled_lr is not None and name in DECOUPLED_NAMES)
-
-
-def _group_traits(h: dict, decoupled_lr) -> Tuple[bool, bool]:
-    no_wd = h["wd_mult"] == 0 if "wd_mult" in h else h.get("weight_decay") == 0
-    decoupled = bool(h.get("is_decoupled_lr")) or (
-        decoupled_lr is not None and h.get("max_lr") == decoupled_lr and h.get("default_config") is False)
-    return no_wd, decoupled
+def _traits(params: List[Param], rule: GroupRule) -> List[Tuple[bool, ...]]:
+    return [traits_of(p.key, p.role, p.shape, rule) for p in params]
 
 
 def training_state(trees: Dict[tuple, dict], params: Dict[tuple, List[Param]], args,
@@ -86,14 +70,14 @@ def training_state(trees: Dict[tuple, dict], params: Dict[tuple, List[Param]], a
     rank's distrib_optim.pt (quick/megatron_distopt.py), None where the rank has none."""
     if not any("optimizer" in t for t in trees.values()):
         return None
-    decoupled_lr = getattr(args, "decoupled_lr", None)
+    rule = GroupRule.from_args(args)
     has_file = {distrib.get(rk) is not None for rk in trees}
     distributed = has_file == {True} or bool(getattr(args, "use_distributed_optimizer", False))
     if len(has_file) > 1 or distributed and has_file != {True}:
         raise NotQuick("distrib_optim.pt beside some rank files only")  # the full reader's error
     pp = max(p for _, p in trees) + 1
-    per_rank = {rk: _dist_rank(trees[rk], distrib[rk], params[rk], args, tied, pp, rk[1], decoupled_lr)
-                if distributed else _rank(trees[rk], params[rk], decoupled_lr) for rk in sorted(trees)}
+    per_rank = {rk: _dist_rank(trees[rk], distrib[rk], params[rk], args, tied, pp, rk[1], rule)
+                if distributed else _rank(trees[rk], params[rk], rule) for rk in sorted(trees)}
     if all(r is None for r in per_rank.values()):
         return None
     if any(r is None for r in per_rank.values()):
@@ -104,7 +88,7 @@ def training_state(trees: Dict[tuple, dict], params: Dict[tuple, List[Param]], a
     if len(steps) != 1 or any(len(d) != 1 for d in dtypes.values()):
         raise NotQuick("ranks stepped differently, or a slot of several dtypes")
     hypers = _canonical_groups(per_rank)
-    names = _group_names(hypers, per_rank, weights, decoupled_lr)
+    names = _group_names(hypers, per_rank, weights, rule)
     first = trees[min(trees)]
     slots = {s: {n: TensorMeta(t.shape, next(iter(dtypes[s]))) for n, t in weights.items()} for s in slot_names}
     kind = "megatron-distributed" if distributed else "megatron" if "master" in slots else "megatron-fp32"
@@ -126,7 +110,7 @@ def _split_form(opt):
     raise NotQuick("unknown optimizer layout")
 
 
-def _rank(tree: dict, params: List[Param], decoupled_lr) -> Optional[_Rank]:
+def _rank(tree: dict, params: List[Param], rule: GroupRule) -> Optional[_Rank]:
     """One rank's optimizer tied to its parameters, as megatron_optim.read_rank ties it."""
     if tree.get("optimizer") is None:
         return None
@@ -138,7 +122,7 @@ def _rank(tree: dict, params: List[Param], decoupled_lr) -> Optional[_Rank]:
         return None  # never stepped
     counts = [len(g.get("params", ())) for g in groups]
     single = len(groups) == 1 and counts[0] == len(params)
-    members = [list(range(len(params)))] if single else _tie_by_traits(groups, params, counts, decoupled_lr)
+    members = [list(range(len(params)))] if single else _tie_by_traits(groups, params, counts, rule)
     if masters is not None and (not isinstance(masters, list) or len(masters) != len(groups)
                                 or any(len(m) != n for m, n in zip(masters, counts))):
         raise NotQuick("fp32 master groups do not match the optimizer's groups")
@@ -165,7 +149,7 @@ def _rank(tree: dict, params: List[Param], decoupled_lr) -> Optional[_Rank]:
 
 
 def _dist_rank(tree: dict, state, params: List[Param], args, tied: bool, pp: int, pp_rank: int,
-               decoupled_lr) -> Optional[_Rank]:
+               rule: GroupRule) -> Optional[_Rank]:
     """One rank's distributed optimizer (megatron_distopt.read_rank): its groups hold no parameter
     lists, so each parameter joins the one group whose traits are its own (group_by_rule)."""
     found = rank_state(tree, state, params, args, tied, pp, pp_rank)
@@ -174,13 +158,9 @@ def _dist_rank(tree: dict, state, params: List[Param], args, tied: bool, pp: int
     hypers, step, scaler, dtypes = found
     if len(hypers) == 1:
         return _Rank([0] * len(params), hypers, step, scaler, dtypes, True)
-    wanted = [_group_traits(h, decoupled_lr) for h in hypers]
-    group_of = []
-    for p in params:
-        fits = [g for g, t in enumerate(wanted) if t == _param_traits(p, decoupled_lr)]
-        if len(fits) != 1:
-            raise NotQuick("a parameter fits no group, or several")
-        group_of.append(fits[0])
+    group_of = groups_by_traits(_traits(params, rule), hypers, rule)
+    if group_of is None:
+        raise NotQuick("a parameter fits no group, or several")
     return _Rank(group_of, hypers, step, scaler, dtypes, False)
 
 
@@ -192,14 +172,13 @@ def _step(value) -> int:
     raise NotQuick("a step whose value is not in the pickle")
 
 
-def _tie_by_traits(groups: List[dict], params: List[Param], counts: List[int], decoupled_lr) -> List[List[int]]:
-    wanted = [_group_traits(h, decoupled_lr) for h in groups]
+def _tie_by_traits(groups: List[dict], params: List[Param], counts: List[int], rule: GroupRule) -> List[List[int]]:
+    group_of = groups_by_traits(_traits(params, rule), groups, rule, counts)
+    if group_of is None:
+        raise NotQuick("a parameter fits no stored group, or several")
     members: List[List[int]] = [[] for _ in groups]
-    for i, p in enumerate(params):
-        fits = [g for g, t in enumerate(wanted) if t == _param_traits(p, decoupled_lr) and counts[g]]
-        if len(fits) != 1:
-            raise NotQuick("a parameter fits no stored group, or several")
-        members[fits[0]].append(i)
+    for i, g in enumerate(group_of):
+        members[g].append(i)
     if [len(m) for m in members] != counts:
         raise NotQuick("groups not tied by their traits")  # sizes alone, or lr_mult groups: the full reader's
     return members
@@ -214,17 +193,17 @@ def _canonical_groups(per_rank: Dict[tuple, _Rank]) -> List[dict]:
 
 
 def _group_names(hypers: List[dict], per_rank: Dict[tuple, _Rank], weights: Dict[str, TensorMeta],
-                 decoupled_lr) -> List[List[str]]:
+                 rule: GroupRule) -> List[List[str]]:
     """The canonical tensors of each canonical group: all of them for a single group, else those whose
     traits are the group's (each canonical group's traits must be its own)."""
     if len(hypers) == 1:
         return [list(weights)]
-    traits = [_group_traits(h, decoupled_lr) for h in hypers]
+    traits = [group_traits(h, rule) for h in hypers]
     if len(set(traits)) != len(traits) or any(r.single_group for r in per_rank.values()):
         raise NotQuick("canonical groups not told apart by their traits")
     names: List[List[str]] = [[] for _ in hypers]
     for n, t in weights.items():
-        mine = _name_traits(n, t.shape, decoupled_lr)
+        mine = canonical_traits(n, t.shape, rule)
         if mine not in traits:
             raise NotQuick(f"{n} fits no group")
         names[traits.index(mine)].append(n)
