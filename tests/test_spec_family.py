@@ -191,3 +191,12 @@ def test_match_inverts_expand():
         cfgs[2], mla=dataclasses.replace(cfgs[2].mla, q_lora_rank=None)))[0].role == "mla.q.weight"
     for name in ("layers.x.attn.q.weight", "layers.1.attn.q.weight.extra", "embed", "layers.1.mlp.experts.up.weight"):
         assert GPT.match(name) is None, name
+
+
+def test_a_per_column_tp_rule_follows_the_fallback_columns():
+    """Role.rule_in: Transformer Engine's rule (MLA's down projections whole) holds in the TE MLA column, which
+    falls back to TE; the local spec's column keeps the role's own rule."""
+    role = GPT.roles["mla.kv_down.weight"]
+    assert (role.rule_in(TE), role.rule_in(TE_MLA), role.rule_in(MCORE), role.rule_in(None)) == (
+        "replicated", "replicated", "column", "column")
+    assert GPT.roles["word"].rule_in(TE_MLA) == "vocab"
