@@ -13,7 +13,7 @@ import torch
 
 from .config import GPTConfig, padded_vocab_size
 from .errors import CkptError, require
-from .lazy import Derived, LazyTensor
+from .lazy import Concat, Derived, LazyTensor
 
 PAD_FILLS = ("zero", "mean", "last")
 
@@ -62,20 +62,34 @@ def resize_rows(t: LazyTensor, rows: int, cfg: GPTConfig, fill: str = "zero",
     if fill not in PAD_FILLS:
         raise CkptError(f"unknown --pad-fill {fill!r}", "use zero, mean or last")
     real = cfg.vocab_size if cfg.vocab_size is not None else have
+    extra, tail = rows - have, tuple(t.shape[1:])
+    if fill == "zero":
+        pad = Derived(lambda: torch.zeros((extra,) + tail, dtype=t.dtype), [], shape=(extra,) + tail, dtype=t.dtype)
+    elif fill == "mean":  # every real row feeds the pad: one load of t, shared inside a scope
+        pad = Derived(lambda x: x[:real].float().mean(0, keepdim=True).to(x.dtype).expand(extra, *tail),
+                      [t], memo=True, shape=(extra,) + tail, dtype=t.dtype)
+    else:
+        pad = Derived(lambda x: x.expand(extra, *tail), [t.narrow(0, real - 1, 1)],
+                      shape=(extra,) + tail, dtype=t.dtype)
+    return PaddedRows(t, pad)
 
-    def grow(x: torch.Tensor) -> torch.Tensor:
-        extra = rows - have
-        if fill == "zero":
-            pad = x.new_zeros((extra,) + tuple(x.shape[1:]))
-        elif fill == "mean":
-            pad = x[:real].float().mean(0, keepdim=True).to(x.dtype).expand(extra, *x.shape[1:])
-        else:
-            pad = x[real - 1:real].expand(extra, *x.shape[1:])
-        return torch.cat([x, pad], dim=0)
 
-    # memo: the tensor-parallel ranks of a target each take a slice of the same padded tensor;
-    # computed once per layer scope instead of once per rank (reading the source once)
-    return Derived(grow, [t], memo=True, shape=(rows,) + tuple(t.shape[1:]), dtype=t.dtype)
+class PaddedRows(Concat):
+    """Rows of t followed by pad rows, whose row slices (a target rank's share of the vocabulary)
+    load only what they cover: a slice of t's rows is t's slice (a ranged read), one across the
+    end of t is t's tail plus the pad's head. Built whole and memoised before (the padded tensor
+    of every optimizer slot held at once while the ranks took their quarters), a TP2 -> TP4
+    reshard of a model with its optimizer state went over the RSS bound (docs/benchmarks.md)."""
+
+    def __init__(self, t: LazyTensor, pad: LazyTensor):
+        super().__init__([t, pad], dim=0, memo=True)  # memo: a whole load (TP1) is shared too
+
+    def narrow(self, dim: int, start: int, length: int) -> LazyTensor:
+        t, pad = self.parents
+        have = t.shape[0]
+        if dim != 0 or start >= have or start + length <= have:
+            return super().narrow(dim, start, length)  # inside one part: that part's slice
+        return Concat([t.narrow(0, start, have - start), pad.narrow(0, 0, start + length - have)])
 
 
 def resize_vocab(tensors: dict, cfg: GPTConfig, rows: int, fill: str = "zero") -> dict:
@@ -100,7 +114,7 @@ def resize_slot_vocab(slot: dict, weights: dict, cfg: GPTConfig, rows: int, fill
         if rows <= have:  # trimming (or nothing): the same cut as every other slot
             out[name] = resize_rows(out[name], rows, cfg, "zero", name)
             continue
-        out[name] = Derived(lambda m, w, have=have: torch.cat([m, w[have:].to(m.dtype)], dim=0),
-                            [out[name], weights[name]], shape=(rows,) + tuple(out[name].shape[1:]),
-                            dtype=out[name].dtype)
+        m, new_rows = out[name], weights[name].narrow(0, have, rows - have)
+        out[name] = PaddedRows(m, Derived(lambda w, dtype=m.dtype: w.to(dtype), [new_rows],
+                                          shape=new_rows.shape, dtype=m.dtype))
     return out

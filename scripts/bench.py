@@ -20,7 +20,8 @@ Every step's output is fsynced (ckptool seals its output with fsync; the copy ru
 --cache cold (root) drops the page cache before every timed command, so copy and conversion both
 read the source from the disk (warm: read into the cache first; as-is, the default: sync only);
 --variants 'NAME:VAR=VALUE,...;NAME2:' runs every ckptool step once per environment (an A/B in one
-run; the variants of a step share the copy before them each round, and take turns going first); --launcher ckptool starts the torchrun steps with `python -m ckptool.torchrun`.
+run; a step's variants share the copy before them each round and take turns going first);
+--launcher ckptool starts the torchrun steps with `python -m ckptool.torchrun`.
 --profile runs the ckptool steps with CKPTOOL_PROFILE=1 and prints, for each, where the last
 round's time went stage by stage (ckptool/io/profile.py: thread-seconds per stage, summed over the
 processes of a torchrun step).
@@ -319,8 +320,9 @@ def main(argv=None) -> int:
     ap.add_argument("--launcher", choices=("torchrun", "ckptool"), default="torchrun",
                     help="torchrun steps start with `torchrun -m ckptool` or `python -m ckptool.torchrun`")
     ap.add_argument("--variants", default="",
-                    help="run each ckptool step once per variant, the variants of a step share one copy pair a round and take turns going first: "
-                         "'NAME:VAR=VALUE,VAR=VALUE;NAME2:' (environment of the step's process)")
+                    help="run each ckptool step once per variant (the variants of a step share one copy a round "
+                         "and take turns going first): 'NAME:VAR=VALUE,VAR=VALUE;NAME2:' (environment of the "
+                         "step's process)")
     ap.add_argument("--ds-ckpt", type=Path, default=None,
                     help="ZeRO checkpoint for the deepspeed step (default: write one with scripts/ds_zero_case.py)")
     args = ap.parse_args(argv)
