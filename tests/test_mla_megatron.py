@@ -3,6 +3,8 @@ TP1 / TP2 (PP2, EP2), reshard, to-hf: every tensor bit-exact, transformers' logi
 stay (torch_dist, a direct q, YaRN, the mcore-te dialect) are one line each, by name."""
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,7 @@ import torch
 from test_moe import COMMON, _one_line_refusal, cli, family, hf_logits, randomise, saved_tensors, transformers  # noqa: F401
 
 from ckptool.formats.registry import open_checkpoint
+from conftest import free_port
 
 MLA_KEYS = ("linear_q_down_proj.weight", "q_layernorm.weight", "linear_q_up_proj.weight",
             "linear_kv_down_proj.weight", "kv_layernorm.weight", "linear_kv_up_proj.weight")
@@ -34,51 +37,87 @@ def deepseek(tmp_path_factory):
     return path, model
 
 
+# YaRN as DeepSeek-V3 has it (factor 40) with the correction range, mscales and original context moved off
+# megatron-core's defaults, so every one of them has to reach megatron-core through the args ckptool writes
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 512,
+        "beta_fast": 16.0, "beta_slow": 2.0, "mscale": 1.0, "mscale_all_dim": 0.8}
+DENSE_KINDS = {"rope": {}, "yarn": {"rope_parameters": YARN}, "halves": {"rope_interleave": False},
+               "yarn_halves": {"rope_parameters": YARN, "rope_interleave": False}}
+
+
 @pytest.fixture(scope="module")
 def deepseek_dense(tmp_path_factory):
-    """The same attention, every layer's MLP dense (megatron-core's MLA model then needs no MoE routing)."""
-    torch.manual_seed(29)
-    t = transformers
-    model = randomise(t.DeepseekV3ForCausalLM(t.DeepseekV3Config(
-        **dict(COMMON, num_key_value_heads=4), intermediate_size=64, num_hidden_layers=2, first_k_dense_replace=2,
-        kv_lora_rank=12, q_lora_rank=20, qk_rope_head_dim=8, v_head_dim=10, qk_nope_head_dim=6))).eval()
-    path = tmp_path_factory.mktemp("mla") / "deepseek_v3_dense"
-    model.save_pretrained(path)
-    return path, model
+    """kind -> (dir, model): the same attention, every layer's MLP dense (megatron-core's MLA model then needs no MoE
+    routing); plain RoPE, YaRN, RoPE on halves (rope_interleave false) or both."""
+    built = {}
+
+    def get(kind):
+        if kind not in built:
+            torch.manual_seed(29)
+            t = transformers
+            model = randomise(t.DeepseekV3ForCausalLM(t.DeepseekV3Config(
+                **dict(COMMON, num_key_value_heads=4), intermediate_size=64, num_hidden_layers=2,
+                first_k_dense_replace=2, kv_lora_rank=12, q_lora_rank=20, qk_rope_head_dim=8, v_head_dim=10,
+                qk_nope_head_dim=6, **DENSE_KINDS[kind]))).eval()
+            path = tmp_path_factory.mktemp("mla") / f"deepseek_v3_dense_{kind}"
+            model.save_pretrained(path)
+            built[kind] = path, model
+        return built[kind]
+    return get
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_megatron_core_loads_our_mla_strictly_and_computes_transformers_logits(deepseek_dense, tmp_path, tp):
-    """megatron-core's MLASelfAttention (local spec) loads our TP output with load_state_dict(strict=True) and its
-    fp32 forward matches transformers' DeepseekV3 within 1e-5 relative: the names, TP rules and row orders
-    (q_up per head [nope | rope], kv_down [latent | rope], kv_up per head [k nope | v]) are megatron-core's."""
-    src, model = deepseek_dense
-    cli("from-hf", src, tmp_path / "meg", "--tp", tp)
-    out = tmp_path / "logits.pt"
+def mcore_mla_logits(meg: Path, out: Path, tp: int) -> dict:
+    """megatron-core's own MLA GPTModel built from meg's args, loaded strictly: {logits, params} (mcore_mla_helper)."""
     helper = Path(__file__).with_name("mcore_mla_helper.py")
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp),
-                          "--master-port", str(29600 + tp), str(helper), str(tmp_path / "meg"), "--out", str(out)],
+                          "--master-port", str(free_port()), str(helper), str(meg), "--out", str(out)],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
+    return torch.load(out)
+
+
+def relative_error(got, want) -> float:
+    assert got.shape == want.shape
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.parametrize("kind, tp", [("rope", 1), ("rope", 2), ("yarn", 2), ("halves", 1)])
+def test_megatron_core_loads_our_mla_strictly_and_computes_transformers_logits(deepseek_dense, tmp_path, kind, tp):
+    """megatron-core's MLASelfAttention (local spec) loads our TP output with load_state_dict(strict=True) and its
+    fp32 forward matches transformers' DeepseekV3 within 1e-5 relative: the names, TP rules and row orders
+    (q_up per head [nope | rope], kv_down [latent | rope], kv_up per head [k nope | v]) are megatron-core's; YaRN is
+    megatron-core's YarnRotaryEmbedding from the args we write; a model rotating RoPE halves runs as megatron-core's
+    interleaved pairs with its rope rows reordered."""
+    src, model = deepseek_dense(kind)
+    cli("from-hf", src, tmp_path / "meg", "--tp", tp)
     from mcore_dist_helper import TOKENS
-    saved = torch.load(out)
+    saved = mcore_mla_logits(tmp_path / "meg", tmp_path / "logits.pt", tp)
     got = saved["logits"][..., :100]  # [b, s, padded vocab]
     ours = torch.load(tmp_path / "meg" / "iter_0000000" / "mp_rank_00" /
-                      "model_optim_rng.pt", weights_only=False)["model"]
-    layer0 = [k for k in ours if k.startswith("decoder.layers.0.") and not k.endswith("_extra_state")]
+                      "model_optim_rng.pt", weights_only=False)
+    layer0 = [k for k in ours["model"] if k.startswith("decoder.layers.0.") and not k.endswith("_extra_state")]
     assert layer0 == [n for n in saved["params"] if n.startswith("decoder.layers.0.")]  # megatron-core's order
     want = hf_logits(model, TOKENS)
-    assert got.shape == want.shape
-    err = ((got - want).abs().max() / want.abs().max()).item()
-    assert err < 1e-5, err
+    assert relative_error(got, want) < 1e-5
+    args, cfg = ours["args"], open_checkpoint(tmp_path / "meg").config
+    if kind == "yarn":
+        assert (args.rope_type, args.rotary_scaling_factor, args.mscale, args.mscale_all_dim) == ("yarn", 40.0, 1.0, 0.8)
+        assert (args.original_max_position_embeddings, args.beta_fast, args.beta_slow) == (512, 16.0, 2.0)
+        assert cfg.rope_yarn == open_checkpoint(src).config.rope_yarn  # read back as it was
+        plain = open_checkpoint(tmp_path / "meg")  # and it matters at this length: without it the logits move
+        plain = plain.with_tensors(plain.tensors, rope_yarn=None)
+        from ckptool.verify import reference
+        assert relative_error(reference.forward(plain, TOKENS)[..., :100], want) > 1e-2
+    else:
+        assert args.rope_type == "rope" and cfg.rope_yarn is None  # said, or megatron-core's MLA would take yarn
+    if kind == "halves":  # stored as interleaved pairs: to-hf says so, and computes the same
+        assert cfg.rotary_interleaved
+        cli("to-hf", tmp_path / "meg", tmp_path / "hf")
+        assert json.loads((tmp_path / "hf" / "config.json").read_text())["rope_interleave"] is True
+        assert relative_error(hf_logits(tmp_path / "hf", TOKENS), want) < 1e-5
     # ckptool's own reads of it: an all-dense DeepSeek keeps --num-experts in its args (every layer dense by
-    # --moe-layer-freq); the one-process verify runs MLA, the parallel verify refuses it by name
+    # --moe-layer-freq); the one-process verify runs MLA
     assert "result=PASS" in cli("verify", tmp_path / "meg", "--reference", src)
-    if tp == 2:
-        res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                              "29611", "-m", "ckptool", "verify", str(tmp_path / "meg"), "--reference", str(src)],
-                             capture_output=True, text=True, timeout=300)
-        assert res.returncode != 0 and "does not run Multi-Latent Attention yet" in res.stdout + res.stderr
 
 
 def _layer0(path, rank):
@@ -127,10 +166,50 @@ def test_deepseek_mla_through_megatron_torch(deepseek, tmp_path, tp, more):
 @pytest.mark.parametrize("command, kind, more, says", [
     ("reshard", "deepseek_v3", ("--format", "torch_dist"), "Megatron torch_dist output of MLA models"),
     ("from-hf", "deepseek_v3", ("--dialect", "mcore-te"), "the mcore-te dialect is not written for MLA"),
-    ("from-hf", "deepseek_v3_direct_q", (), "a direct q projection"),
-    ("from-hf", "deepseek_v3_yarn", (), "YaRN")])
+    ("from-hf", "deepseek_v3_direct_q", (), "a direct q projection")])
 def test_mla_megatron_refusals_stay_named(family, tmp_path, command, kind, more, says):
     src, _ = family(kind)
     out = tmp_path / "meg"
     _one_line_refusal(command, src, out, "--tp", 2, *more, says=["Multi-Latent Attention", says])
+    assert not out.exists()
+
+
+def test_deepseek_moe_with_yarn_through_megatron_torch(tmp_path):
+    """The MoE DeepSeek above with YaRN (mscale 0.7 / mscale_all_dim 1.0: cos/sin and the softmax both scaled) at TP2
+    PP2 EP2 and back: the YaRN settings survive the args, every tensor bit-exact, the same logits."""
+    torch.manual_seed(31)
+    t = transformers
+    model = randomise(t.DeepseekV3ForCausalLM(t.DeepseekV3Config(
+        **dict(COMMON, num_key_value_heads=4, rope_parameters=dict(YARN, factor=4.0, mscale=0.7, mscale_all_dim=1.0)),
+        intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2, n_shared_experts=1, n_routed_experts=4,
+        kv_lora_rank=12, q_lora_rank=20, qk_rope_head_dim=8, v_head_dim=10, qk_nope_head_dim=6, n_group=2,
+        topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True))).eval()
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    cli("from-hf", src, tmp_path / "meg", "--tp", 2, "--pp", 2, "--ep", 2)
+    args = torch.load(tmp_path / "meg" / "iter_0000000" / "mp_rank_00_000_000" / "model_optim_rng.pt",
+                      weights_only=False)["args"]
+    assert (args.rope_type, args.rotary_scaling_factor, args.mscale, args.mscale_all_dim) == ("yarn", 4.0, 0.7, 1.0)
+    assert open_checkpoint(tmp_path / "meg").config.rope_yarn == open_checkpoint(src).config.rope_yarn
+    cli("to-hf", tmp_path / "meg", tmp_path / "hf")
+    want, got = saved_tensors(src), saved_tensors(tmp_path / "hf")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert torch.equal(hf_logits(tmp_path / "hf"), hf_logits(model))
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"truncate": False}, "YaRN truncate=false: megatron-core's MLA always rounds the correction range"),
+    ({"attention_factor": 1.5}, "YaRN attention factor of 1.5: megatron-core's MLA multiplies cos/sin by mscale "
+                                "ratios only"),
+    ({"mscale": None}, "YaRN attention factor of 1.36889")])  # mscale_all_dim alone: transformers ignores it for cos/sin
+def test_yarn_megatron_core_cannot_compute_is_refused(deepseek_dense, tmp_path, change, says):
+    src, _ = deepseek_dense("yarn")
+    copy, out = tmp_path / "src", tmp_path / "meg"
+    shutil.copytree(src, copy)
+    conf = json.loads((copy / "config.json").read_text())
+    for key in ("rope_parameters", "rope_scaling"):
+        if conf.get(key):
+            conf[key].update(change)
+    (copy / "config.json").write_text(json.dumps(conf))
+    _one_line_refusal("from-hf", copy, out, "--tp", 2, says=["Multi-Latent Attention", says])
     assert not out.exists()

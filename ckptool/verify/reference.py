@@ -48,20 +48,8 @@ def rope_frequencies(cfg: GPTConfig, seq: int, device=None) -> Tuple[torch.Tenso
         inv = _yarn_scale(inv, cfg.rope_yarn, rot, cfg.rotary_base)
     pos = torch.arange(seq, dtype=torch.float64, device=device)
     ang = torch.outer(pos, inv)
-    gain = yarn_attention_factor(cfg.rope_yarn) if cfg.rope_yarn is not None else 1.0
+    gain = cfg.rope_yarn.attention_gain if cfg.rope_yarn is not None else 1.0
     return (ang.cos() * gain).float(), (ang.sin() * gain).float()
-
-
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def yarn_attention_factor(y) -> float:
-    if y.attention_factor is not None:
-        return y.attention_factor
-    if y.mscale and y.mscale_all_dim:
-        return _yarn_mscale(y.factor, y.mscale) / _yarn_mscale(y.factor, y.mscale_all_dim)
-    return _yarn_mscale(y.factor)
 
 
 def _yarn_scale(inv: torch.Tensor, y, dim: int, base: float) -> torch.Tensor:
@@ -156,9 +144,7 @@ def mla_attention(x: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig,
     q_rope = apply_rope(q_rope, *rope, cfg)
     k_rope = apply_rope(k_rope.view(b, 1, s, r), *rope, cfg).expand(b, nq, s, r)
     q, k = torch.cat([q_nope, q_rope], -1), torch.cat([k_nope, k_rope], -1)
-    scale = 1 / math.sqrt(nope + r)
-    if cfg.rope_yarn is not None and cfg.rope_yarn.mscale_all_dim:
-        scale *= _yarn_mscale(cfg.rope_yarn.factor, cfg.rope_yarn.mscale_all_dim) ** 2
+    scale = 1 / math.sqrt(nope + r) * (cfg.rope_yarn.softmax_gain if cfg.rope_yarn is not None else 1.0)
     scores = (q @ k.transpose(-1, -2)) * scale
     mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
     probs = torch.softmax(scores.float().masked_fill(mask, float("-inf")), dim=-1).to(v.dtype)
