@@ -288,7 +288,6 @@ def parallel_target(target, opts, tp, pp, world, vpp=None) -> ParallelTarget:
     if fmt == "megatron":
         meta = read_layout(target, opts)
         cfg, layout, ckpt = meta
-        _dense_only(ckpt, target)
         require(tp in (None, layout.tp) and pp in (None, layout.pp) and vpp in (None, layout.vpp),
                 f"{target} is stored at {layout.describe()}; a torch-format checkpoint runs at the layout of "
                 "its files", f"drop --tp/--pp/--vpp, or reshard it first: ckptool reshard {target} DST --tp N --pp M")
@@ -297,19 +296,11 @@ def parallel_target(target, opts, tp, pp, world, vpp=None) -> ParallelTarget:
                               lambda t, p, e=0: rank_dir_name(t, p, layout.pp, e, layout.ep), False)
     if fmt == "torch_dist":
         ckpt = dist_format.read(target, opts)  # metadata only: tensors are read per rank, sliced
-        _dense_only(ckpt, target)
         layout = dist_layout(ckpt, tp, pp, world, vpp)
         return ParallelTarget("torch_dist", ckpt, layout,
                               lambda t, p, e=0: slice_rank_shards(ckpt, layout, t, p, e), lambda t, p, e=0: None, True)
     raise CkptError(f"{target}: the parallel verify runs Megatron checkpoints (torch format mp_rank_* files "
                     "or torch_dist) and DeepSpeed saves", "run `ckptool verify` without torchrun for other formats")
-
-
-def _dense_only(ckpt, target) -> None:
-    """The parallel forward knows grouped-query attention, dense MLPs and (torch format) MoE layers: an
-    MLA model's latents would be missing from its per-rank views."""
-    require(not ckpt.config.mla, f"{target}: the parallel verify (under torchrun) does not run "
-            "Multi-Latent Attention yet", "run `ckptool verify` without torchrun")
 
 
 def deepspeed_target(target, opts, tp, pp, vpp) -> ParallelTarget:

@@ -82,7 +82,7 @@ def read_rank_shards(path, tp_rank: int, pp_rank: int, opts: Optional[ReadOption
     experts = _local_experts(cfg, layout, ep_rank)
     tree = load_torch_file(file)
     dialect = DIALECTS[ckpt.source.dialect]
-    matcher = KeyMatcher(dialect)
+    matcher = KeyMatcher(dialect, mla=cfg.mla is not None)  # MLA: q_layernorm is the q latent's norm
     chunks = [(first, count) for p, _, first, count in layout.chunks(cfg.num_layers) if p == pp_rank]
     models = [tree["model"]] if not layout.vpp else [tree[f"model{v}"] for v in range(layout.vpp)]
     version = 0.0 if dialect.qkv_version0_only else float(ckpt.source.checkpoint_version or 0)

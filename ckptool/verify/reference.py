@@ -120,7 +120,7 @@ def attention(x: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig,
     return F.linear(ctx, w[p + "attn.out.weight"], w.get(p + "attn.out.bias"))
 
 
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     var = x.float().pow(2).mean(-1, keepdim=True)
     return (x.float() * torch.rsqrt(var + eps)).to(x.dtype) * w
 
@@ -132,13 +132,13 @@ def mla_attention(x: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig,
     m, (b, s, _) = cfg.mla, x.shape
     nq, nope, r, vd = cfg.num_attention_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
     if m.q_lora_rank:
-        latent = _rms(F.linear(x, w[p + "attn.q_down.weight"]), w[p + "attn.q_down_norm.weight"], m.latent_norm_eps)
+        latent = rms_norm(F.linear(x, w[p + "attn.q_down.weight"]), w[p + "attn.q_down_norm.weight"], m.latent_norm_eps)
         q = F.linear(latent, w[p + "attn.q_up.weight"])
     else:
         q = F.linear(x, w[p + "attn.q.weight"])
     q_nope, q_rope = q.view(b, s, nq, nope + r).transpose(1, 2).split([nope, r], dim=-1)
     kv_latent, k_rope = F.linear(x, w[p + "attn.kv_down.weight"]).split([m.kv_lora_rank, r], dim=-1)
-    kv_latent = _rms(kv_latent, w[p + "attn.kv_down_norm.weight"], m.latent_norm_eps)
+    kv_latent = rms_norm(kv_latent, w[p + "attn.kv_down_norm.weight"], m.latent_norm_eps)
     kv = F.linear(kv_latent, w[p + "attn.kv_up.weight"]).view(b, s, nq, nope + vd).transpose(1, 2)
     k_nope, v = kv.split([nope, vd], dim=-1)
     q_rope = apply_rope(q_rope, *rope, cfg)
