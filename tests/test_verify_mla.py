@@ -13,12 +13,14 @@ import shutil
 import pytest
 import torch
 
-from test_mla_megatron import deepseek, deepseek_dense  # noqa: F401  (module fixtures)
+import test_mla_megatron
 from test_moe import hf_logits
 from test_verify import metric, verify_batch
 
 from ckptool import api
 from ckptool.verify import inputs
+
+deepseek, deepseek_dense = test_mla_megatron.deepseek, test_mla_megatron.deepseek_dense  # its module fixtures
 
 
 
@@ -29,7 +31,7 @@ def _scale(path, key: str, by: float = 1.5) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(deepseek, deepseek_dense, tmp_path_factory):  # noqa: F811
+def runs(deepseek, deepseek_dense, tmp_path_factory):
     root = tmp_path_factory.mktemp("verify_mla")
     moe_src, _ = deepseek
     quiet = dict(warn=lambda m: None)
