@@ -4,6 +4,7 @@ stay (torch_dist, a direct q, YaRN, the mcore-te dialect) are one line each, by 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -197,19 +198,39 @@ def test_deepseek_moe_with_yarn_through_megatron_torch(tmp_path):
     assert torch.equal(hf_logits(tmp_path / "hf"), hf_logits(model))
 
 
-@pytest.mark.parametrize("change, says", [
-    ({"truncate": False}, "YaRN truncate=false: megatron-core's MLA always rounds the correction range"),
-    ({"attention_factor": 1.5}, "YaRN attention factor of 1.5: megatron-core's MLA multiplies cos/sin by mscale "
-                                "ratios only"),
-    ({"mscale": None}, "YaRN attention factor of 1.36889")])  # mscale_all_dim alone: transformers ignores it for cos/sin
-def test_yarn_megatron_core_cannot_compute_is_refused(deepseek_dense, tmp_path, change, says):
-    src, _ = deepseek_dense("yarn")
-    copy, out = tmp_path / "src", tmp_path / "meg"
-    shutil.copytree(src, copy)
-    conf = json.loads((copy / "config.json").read_text())
+def _yarn_variant(src: Path, dst: Path, change: dict) -> Path:
+    """A copy of the HF model src whose YaRN settings are changed."""
+    shutil.copytree(src, dst)
+    conf = json.loads((dst / "config.json").read_text())
     for key in ("rope_parameters", "rope_scaling"):
         if conf.get(key):
             conf[key].update(change)
-    (copy / "config.json").write_text(json.dumps(conf))
-    _one_line_refusal("from-hf", copy, out, "--tp", 2, says=["Multi-Latent Attention", says])
-    assert not out.exists()
+    (dst / "config.json").write_text(json.dumps(conf))
+    return dst
+
+
+def test_yarn_megatron_core_cannot_compute_is_refused(deepseek_dense, tmp_path):
+    src = _yarn_variant(deepseek_dense("yarn")[0], tmp_path / "src", {"truncate": False})
+    _one_line_refusal("from-hf", src, tmp_path / "meg", "--tp", 2, says=[
+        "Multi-Latent Attention", "YaRN truncate=false: megatron-core's MLA always rounds the correction range"])
+    assert not (tmp_path / "meg").exists()
+
+
+@pytest.mark.parametrize("change, gain", [({"attention_factor": 1.5}, 1.5),
+                                          ({"mscale": None}, 1 + 0.1 * math.log(40))])
+def test_yarn_gains_megatron_core_reaches_through_mscale(deepseek_dense, tmp_path, change, gain):
+    """An explicit attention factor, or mscale_all_dim without mscale (transformers then takes the plain
+    correction 0.1 ln f + 1): megatron-core's gain is (0.1 mscale ln f + 1) / (0.1 mscale_all_dim ln f + 1), so
+    ckptool writes the mscale that gives transformers' gain; read back, the Megatron checkpoint computes the
+    transformers model's logits."""
+    src = _yarn_variant(deepseek_dense("yarn")[0], tmp_path / "src", change)
+    cli("from-hf", src, tmp_path / "meg")
+    args = torch.load(next((tmp_path / "meg").glob("*/mp_rank_00/model_optim_rng.pt")), weights_only=False)["args"]
+    f, m = args.rotary_scaling_factor, lambda ms: 0.1 * ms * math.log(args.rotary_scaling_factor) + 1
+    assert f == 40.0 and args.mscale_all_dim == 0.8 and abs(m(args.mscale) / m(0.8) - gain) < 1e-12
+    back = open_checkpoint(tmp_path / "meg")
+    assert abs(back.config.rope_yarn.attention_gain - gain) < 1e-12
+    from ckptool.verify import reference
+    from mcore_dist_helper import TOKENS
+    want = hf_logits(src, TOKENS)
+    assert relative_error(reference.forward(back, TOKENS)[..., :100], want) < 1e-5

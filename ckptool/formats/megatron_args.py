@@ -150,8 +150,9 @@ def mla_from_args(args) -> Optional[MLA]:
                latent_norm_eps=float(_get(args, "norm_epsilon", "layernorm_epsilon", default=1e-5)))
 
 
-def mla_args(mla: Optional[MLA], yarn: Optional[Yarn] = None) -> Dict[str, Any]:
-    """The MLA flags of a run that computes mla (the inverse of mla_from_args); megatron-core builds the latent
+def mla_args(mla: Optional[MLA], yarn: Optional[Yarn]) -> Dict[str, Any]:
+    """The MLA flags of a run that computes mla with yarn (the inverse of mla_from_args and yarn_from_args; yarn
+    has no default: leaving it out would write plain RoPE for a YaRN model); megatron-core builds the latent
     norms only under --qk-layernorm, and rotates MLA's rope in interleaved pairs without --rotary-interleaved."""
     if mla is None:
         return {}
@@ -209,14 +210,22 @@ def mla_rope_args(yarn: Optional[Yarn]) -> Dict[str, Any]:
     hint = "use to-hf (transformers computes it), or change the model's rope_scaling"
     require(yarn.truncate, "Multi-Latent Attention with YaRN truncate=false: megatron-core's MLA always rounds the "
             "correction range to whole dimensions", hint)
-    # transformers ignores mscale unless mscale_all_dim is set too; megatron-core always uses both
-    mscale = yarn.mscale if yarn.mscale and yarn.mscale_all_dim else 1.0
     mscale_all_dim = yarn.mscale_all_dim or 0.0
+    if yarn.attention_factor is None and yarn.mscale and yarn.mscale_all_dim:
+        mscale = yarn.mscale  # both take the ratio of the two mscales
+    elif yarn.attention_factor is None and not yarn.mscale_all_dim:
+        mscale = 1.0  # transformers takes the plain correction of the factor, ignoring mscale
+    elif yarn.factor > 1:
+        # an explicit attention factor, or mscale_all_dim without mscale (transformers: the plain correction):
+        # megatron-core's gain (0.1 mscale ln f + 1) / mscale_all_dim's correction is linear in mscale, so the
+        # mscale giving transformers' gain exists (exact up to rounding, about 1e-16)
+        mscale = (yarn.attention_gain * yarn_mscale(yarn.factor, mscale_all_dim) - 1) / (0.1 * math.log(yarn.factor))
+    else:
+        mscale = 1.0  # no stretch: megatron-core's gain is 1 whatever the mscales
     gain = _mcore_yarn_gain(yarn.factor, mscale, mscale_all_dim)
     require(math.isclose(gain, yarn.attention_gain, rel_tol=1e-12),
-            f"Multi-Latent Attention with a YaRN attention factor of {yarn.attention_gain:.6g}: megatron-core's MLA "
-            f"multiplies cos/sin by mscale ratios only, {gain:.6g} for mscale {mscale} / mscale_all_dim {mscale_all_dim}",
-            hint)
+            f"Multi-Latent Attention with a YaRN attention factor of {yarn.attention_gain:.6g} at factor {yarn.factor}: "
+            f"megatron-core's MLA multiplies cos/sin by {gain:.6g} there", hint)
     return dict(rope_type="yarn", rotary_scaling_factor=yarn.factor, mscale=mscale, mscale_all_dim=mscale_all_dim,
                 original_max_position_embeddings=yarn.original_max_position_embeddings, beta_fast=yarn.beta_fast,
                 beta_slow=yarn.beta_slow)
