@@ -1,6 +1,7 @@
 """Multi-Latent Attention (DeepSeek-V3) in the Megatron torch format (megatron-core, local spec): from-hf at
-TP1 / TP2 (PP2, EP2), reshard, to-hf: every tensor bit-exact, transformers' logits equal. The refusals that
-stay (torch_dist, a direct q, YaRN, the mcore-te dialect) are one line each, by name."""
+TP1 / TP2 (PP2, EP2), reshard, to-hf: every tensor bit-exact, transformers' logits equal; YaRN and rope_interleave
+false as megatron-core computes them (docs/fidelity.md). The refusals that stay (torch_dist, a direct q, the
+mcore-te dialect, YaRN without truncation) are one line each, by name."""
 from __future__ import annotations
 
 import json
