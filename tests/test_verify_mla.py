@@ -4,7 +4,8 @@ The tiny DeepSeek-V3 models of test_mla_megatron (built by transformers, weights
 from-hf at TP2 (YaRN; YaRN with RoPE on halves), PP2 and EP2 (the MoE one); every rank computes with its own
 file's slices of the column-parallel MLA linears and its copies of the latent norms (verify/parallel.py), and
 the logits must equal transformers' (fp32, relative 1e-5). A corrupted MLA tensor is caught: the first
-divergence names its layer and the files that hold it.
+divergence names its layer and the files that hold it, and at TP the probe (verify/mla_probe.py) the one
+tensor and file.
 """
 from __future__ import annotations
 
@@ -66,10 +67,13 @@ def test_parallel_verify_runs_mla_and_equals_transformers(runs, case, layout):
 
 
 @pytest.mark.parametrize("case, says", [
-    ("tp2_corrupt", ["first_divergence=layer 0 ", "mp_rank_00, mp_rank_01"]),
+    ("tp2_corrupt", ["first_divergence=layer 0 ", "pipeline stage 0: mp_rank_00, mp_rank_01",  # then the probe:
+                     "layer 0: attention tensors that differ from the reference's on the reference's values: "
+                     "linear_kv_up_proj in mp_rank_01 (relative diff"]),
     ("pp2_corrupt", ["first_divergence=layer 2 ", "pipeline stage 1: mp_rank_00_001", "attention or norms"])])
 def test_a_corrupted_mla_tensor_is_caught_and_named(runs, case, says):
     out, rc = runs[0][case]
     assert rc == 1 and "result=FAIL" in out, out
     line = next(l for l in out.splitlines() if l.startswith("first_divergence="))
     assert all(s in line for s in says), line
+    assert line.count("relative diff") == (case == "tp2_corrupt"), line  # the one planted tensor, nothing else

@@ -129,6 +129,12 @@ def mla_attention(x: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig,
                   rope: Tuple[torch.Tensor, torch.Tensor], p: str) -> torch.Tensor:
     """Multi-Latent Attention: per head q = [q_nope | q_rope], k = [k_nope | k_rope shared by all
     heads], v from the kv latent; only the rope parts rotate; scores scaled by 1/sqrt(nope + rope)."""
+    return F.linear(mla_context(x, w, cfg, rope, p), w[p + "attn.out.weight"])
+
+
+def mla_context(x: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig,
+                rope: Tuple[torch.Tensor, torch.Tensor], p: str) -> torch.Tensor:
+    """mla_attention before its output projection: every head's context [b, s, heads * v_head_dim]."""
     m, (b, s, _) = cfg.mla, x.shape
     nq, nope, r, vd = cfg.num_attention_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
     if m.q_lora_rank:
@@ -148,8 +154,7 @@ def mla_attention(x: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig,
     scores = (q @ k.transpose(-1, -2)) * scale
     mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
     probs = torch.softmax(scores.float().masked_fill(mask, float("-inf")), dim=-1).to(v.dtype)
-    ctx = (probs @ v).transpose(1, 2).reshape(b, s, nq * vd)
-    return F.linear(ctx, w[p + "attn.out.weight"])
+    return (probs @ v).transpose(1, 2).reshape(b, s, nq * vd)
 
 
 def mlp(x: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig, p: str) -> torch.Tensor:
