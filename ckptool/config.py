@@ -55,12 +55,17 @@ class MoE:
                 f"{self.num_experts} experts cannot be routed in {self.num_groups} groups, best {self.group_topk}")
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 when the factor does not stretch)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 @dataclass(frozen=True)
 class Yarn:
     """YaRN RoPE scaling (DeepSeek-V3): frequencies blended between interpolated (/ factor) and
     original by a linear ramp over the dimensions between the beta_fast and beta_slow rotation
-    counts; cos/sin times attention_factor; with mscale_all_dim, MLA's softmax scale times
-    (0.1 * mscale_all_dim * ln(factor) + 1)^2."""
+    counts; cos/sin times attention_gain; with mscale_all_dim, MLA's softmax scale times
+    softmax_gain. The fields and their defaults are Hugging Face's rope_scaling."""
     factor: float
     original_max_position_embeddings: int
     beta_fast: float = 32.0
@@ -69,6 +74,21 @@ class Yarn:
     mscale_all_dim: Optional[float] = None
     attention_factor: Optional[float] = None  # None: derived from factor, mscale, mscale_all_dim
     truncate: bool = True
+
+    @property
+    def attention_gain(self) -> float:
+        """What cos and sin are multiplied by: attention_factor, else (transformers' rule) the ratio of
+        the two mscales when both are set, else the plain correction of the factor."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+    @property
+    def softmax_gain(self) -> float:
+        """What MLA's softmax scale 1/sqrt(qk head dim) is multiplied by."""
+        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,10 @@ from typing import Callable, Optional
 from .config import Layout
 from .errors import CkptError, TeamError, exit_status_of, require
 from .distributed import Team, current_team
+from .formats.megatron_args import mla_rope_args
 from .formats.registry import Format, default_output, output_format
 from .io.outdir import adopt_digests, atomic_output_dir, known_digests, make_partial_dir, seal_partial_dir
+from .rope_order import as_interleaved_pairs
 from .state import PAD_FILL_BY_SLOT, Checkpoint
 from .summary import WriteSummary
 from .vocab import resize_slot_vocab, resize_vocab
@@ -26,6 +28,10 @@ def write_layout(ckpt: Checkpoint, dst, layout: Layout, fmt: Optional[str] = Non
     target = output_format(fmt) if fmt is not None else default_output(ckpt)
     fmt = target.output
     refuse_moe(ckpt, target)
+    if ckpt.config.mla is not None and not ckpt.config.rotary_interleaved:
+        ckpt = as_interleaved_pairs(ckpt)
+        warn("rope_interleave false: each head's rope rows of q and the shared rope rows of kv_down are reordered "
+             "into the interleaved pairs megatron-core's MLA rotates (same logits; to-hf writes rope_interleave true)")
     if fmt != "torch" and kw.pop("moe_grouped_gemm", None):
         raise CkptError(f"--moe-grouped-gemm chooses the experts' module in Megatron's torch format, not {fmt}",
                         "add --format torch")
@@ -73,14 +79,12 @@ def refuse_moe(ckpt: Checkpoint, target: Format) -> None:
     mla = ckpt.config.mla
     if mla is not None:  # megatron-core torch and torch_dist hold MLA; the rest is refused by name
         why = (f"Megatron {fmt} output of MLA models" if fmt not in ("torch", "torch_dist")
-               else "YaRN RoPE scaling in Megatron output" if ckpt.config.rope_yarn is not None
-               else ("RoPE on halves (rope_interleave false): megatron-core's MLA rotates interleaved pairs, and "
-                     "Megatron output") if not ckpt.config.rotary_interleaved
                else (f"latent norm epsilon {mla.latent_norm_eps} != norm epsilon {ckpt.config.norm_eps} "
                      "(megatron-core uses one)") if mla.latent_norm_eps != ckpt.config.norm_eps else None)
         if why:
             raise CkptError(f"Multi-Latent Attention: {why} is not supported yet",
-                            "use to-hf for DeepSeek-style models, or --format torch / torch_dist (no YaRN)")
+                            "use to-hf for DeepSeek-style models, or --format torch / torch_dist")
+        mla_rope_args(ckpt.config.rope_yarn)  # YaRN settings megatron-core cannot compute: refused before writing
     if moe is not None and not target.writes_moe:
         raise CkptError(f"MoE layers ({moe.num_experts} experts, top-{moe.top_k}, in {len(moe.layers)} of "
                         f"{ckpt.config.num_layers} layers): Megatron {fmt} output of MoE models is not supported yet",

@@ -9,7 +9,9 @@
 #   NPROC=4 OUT=/path/to/results bash scripts/gpu_moe_verify.sh          # 4 GPUs: also TP2 EP2, EP4, PP2 EP2, VPP2 EP2
 #   MOE_SIZE=tiny NPROC=2 bash scripts/gpu_moe_verify.sh                  # CPU smoke test (gloo)
 #
-# Env: MOE_FAMILIES (default "mixtral qwen3_moe"), MOE_SIZE (16x1024), NPROC (GPUs to use, default 2),
+#   MOE_FAMILIES=deepseek_v3 OUT=... bash scripts/gpu_moe_verify.sh     # DeepSeek-V3: MLA, YaRN, group routing
+#
+# Env: MOE_FAMILIES (default "mixtral qwen3_moe"; deepseek_v3 too), MOE_SIZE (16x1024), NPROC (GPUs to use, default 2),
 #      VERIFY_BATCH (4), VERIFY_SEQ (512; 16 for tiny), WORK (scratch), OUT (results).
 # Results: $OUT/results.txt, one line per run (case, ranks, rc, wall, forward, errors, result) and
 #          $OUT/<case>.log with each run's output.

@@ -3,6 +3,8 @@ MLASelfAttention, --qk-layernorm for the latent norms) built from the args in a 
 ckptool wrote, loaded strictly (every parameter found, nothing left over), and its logits for TOKENS,
 gathered over TP, saved to --out with its parameter names in order. World size = TP (PP 1, dense MLP layers).
 
+YaRN (--rope-type yarn) is megatron-core's YarnRotaryEmbedding, built from the checkpoint's args.
+
 megatron-core's MLA asks its core attention for k_channels != v_channels, which only Transformer Engine's
 DotProductAttention takes (TE does not install on this CPU machine): HeadDimsAttention below stands in for that
 one kernel (causal softmax(q k^T * softmax_scale) v); every projection, norm, rope split and rotation, and the
@@ -31,6 +33,12 @@ from megatron.core.transformer import multi_latent_attention as _mla  # noqa: E4
 for _name in ("TELinear", "TEColumnParallelLinear"):
     if not isinstance(getattr(_mla, _name, None), type):
         setattr(_mla, _name, type(f"No{_name}", (), {}))
+
+
+ROPE_FIELDS = ("rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings",
+               "beta_fast", "beta_slow")
+# (megatron-core 0.16's YarnRotaryEmbedding puts its frequencies on torch.cuda.current_device() in every forward:
+# mcore_dist_helper's CPU shims answer "cpu")
 
 
 class HeadDimsAttention(torch.nn.Module):
@@ -66,7 +74,10 @@ def main():
         ffn_hidden_size=args.ffn_hidden_size, tensor_model_parallel_size=tp, use_cpu_initialization=True,
         q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
         qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim, qk_layernorm=args.qk_layernorm,
-        rope_type="rope", rotary_base=args.rotary_base, rotary_interleaved=args.rotary_interleaved,
+        rotary_base=args.rotary_base, rotary_interleaved=args.rotary_interleaved,
+        # the rotary settings as Megatron-LM's core_transformer_config_from_args takes them: every args attribute
+        # named like an MLATransformerConfig field (--rope-type, --rotary-scaling-factor, --mscale, ...)
+        **{k: getattr(args, k) for k in ROPE_FIELDS if hasattr(args, k)},
         normalization=args.normalization, layernorm_epsilon=args.norm_epsilon, gated_linear_unit=args.swiglu,
         activation_func=torch.nn.functional.silu, add_bias_linear=args.add_bias_linear, bias_activation_fusion=False,
         hidden_dropout=0.0, attention_dropout=0.0, pipeline_dtype=torch.float32, apply_rope_fusion=False)

@@ -304,11 +304,10 @@ def _one_line_refusal(*args, says):
 
 
 @pytest.mark.parametrize("command, kind, says", [
-    (("merge",), "deepseek_v3_yarn", "Multi-Latent Attention: YaRN"),
     (("reshard", "--tp", "1", "--format", "ds-universal"), "deepseek_v3", "Multi-Latent Attention: Megatron"),
     (("merge", "--format", "ds-universal"), "mixtral", "MoE layers (4 experts, top-2")])
 def test_megatron_targets_refuse_moe_and_mla(family, tmp_path, command, kind, says):
-    """MLA has Megatron torch and torch_dist output only (no YaRN: tests/test_mla_megatron.py); MoE has the torch
+    """MLA has Megatron torch and torch_dist output only (tests/test_mla_megatron.py); MoE has the torch
     and torch_dist formats only (ds-universal is refused)."""
     src, _ = family(kind)
     out = tmp_path / "meg"

@@ -191,7 +191,7 @@ def run_parallel(target, ref, reference_logits, opts, dtype, tol, token_args, tp
             torch.cuda.synchronize(r.device)
         seconds = time.perf_counter() - start
         got = parallel.gather_to_rank0(logits, hidden, shards, r, tuple(tokens.shape))
-        ok, report, where, moe_probe = True, None, None, None
+        ok, report, where, layer_probe = True, None, None, None
         if r.rank == 0:
             click.echo(f"parallel forward: {layout.describe()}, {world} processes, {dtype}, "
                        f"tokens {tuple(tokens.shape)}, {target_kind.format} target")
@@ -204,10 +204,12 @@ def run_parallel(target, ref, reference_logits, opts, dtype, tol, token_args, tp
             tol, floor = _tolerance(tol, dtype, ref_logits, cols, recorded,
                                     lambda dt: _reference(ref, recorded, ckpt, tokens, dt, r.device, opts)[0])
             report = cmp.compare(logits, ref_logits.cpu(), cols, tol, hidden, ref_hidden, noise_floor=floor)
-            if cfg.moe is not None and report.first_divergence:
-                moe_probe = (_reference_weights(ref, recorded, ckpt, opts), ref_hidden)
+            if (cfg.moe is not None or _mla_at_tp(cfg, layout)) and report.first_divergence:
+                layer_probe = (_reference_weights(ref, recorded, ckpt, opts), ref_hidden)
         if cfg.moe is not None:  # every rank knows: all take part in the probe of a diverging MoE layer
-            _probe_moe_layer(moe_probe, report, where, shards, layout, r, dtype, tol, target_kind.files)
+            _probe_moe_layer(layer_probe, report, where, shards, layout, r, dtype, tol, target_kind.files)
+        if _mla_at_tp(cfg, layout):  # and of a diverging MLA layer's attention, whose tensors every TP file slices
+            _probe_mla_layer(layer_probe, report, where, shards, layout, r, dtype, tol, target_kind.files)
         if r.rank == 0:
             ok = _report(report, where)
         status = torch.tensor([1 if ok else 0], dtype=torch.int32, device=r.device)
@@ -231,15 +233,15 @@ def _reference_weights(ref, recorded, target_ckpt, opts):
     return open_checkpoint(ref, opts)
 
 
-def _probe_moe_layer(moe_probe, report, where, shards, layout, r, dtype, tol, files) -> None:
+def _probe_moe_layer(layer_probe, report, where, shards, layout, r, dtype, tol, files) -> None:
     """When the first divergence is an MoE layer and the reference has weights, find which rank files'
     router / experts / shared expert differ (verify/experts.py) and add that to the layer's `where`.
     Collective: every rank calls it; rank 0 decides whether there is a probe."""
     import torch.distributed as dist
     from ..verify import experts
     layer = -1
-    if r.rank == 0 and moe_probe is not None:
-        layer = experts.probe_layer(report.first_divergence, shards.config, *moe_probe)
+    if r.rank == 0 and layer_probe is not None:
+        layer = experts.probe_layer(report.first_divergence, shards.config, *layer_probe)
     box = [layer]
     dist.broadcast_object_list(box, src=0)
     layer = box[0]
@@ -248,7 +250,7 @@ def _probe_moe_layer(moe_probe, report, where, shards, layout, r, dtype, tol, fi
     stage = next(p for p, _, first, count in layout.chunks(shards.config.num_layers) if first <= layer < first + count)
     h = None
     if r.rank == 0:
-        ref_ckpt, ref_hidden = moe_probe
+        ref_ckpt, ref_hidden = layer_probe
         before = ref_hidden["embedding" if layer == 0 else f"layer {layer - 1}"]
         h = experts.moe_input(ref_ckpt, layer, before, dtype, r.device)
 
@@ -258,9 +260,55 @@ def _probe_moe_layer(moe_probe, report, where, shards, layout, r, dtype, tol, fi
     got = experts.probe(layer, h, shards, own_weights, r, dtype, stage)
     if r.rank == 0:
         file_of = (lambda t, e: files(t, stage, e)) if layout.ep > 1 else (lambda t, e: files(t, stage))
-        line = experts.diagnose(layer, got, moe_probe[0], h, layout, dtype, cmp.relative_tolerance(tol), file_of)
+        line = experts.diagnose(layer, got, layer_probe[0], h, layout, dtype, cmp.relative_tolerance(tol), file_of)
         name = report.first_divergence  # "layer i", or "layer i or the output layer (...)" without its hidden state
         where[name] = "; ".join(x for x in (where.get(f"layer {layer}"), f"layer {layer}: {line}") if x)
+
+
+def _mla_at_tp(cfg, layout) -> bool:
+    return cfg.mla is not None and layout.tp > 1
+
+
+def _probe_mla_layer(probe_of, report, where, shards, layout, r, dtype, tol, files) -> None:
+    """When the first divergence is a layer and the reference has weights, apply each rank file's attention
+    tensors to the reference's values of that layer (verify/mla_probe.py) and add the tensors that differ, with
+    their files, to the layer's `where`. Collective, like _probe_moe_layer."""
+    import torch.distributed as dist
+    from ..verify import mla_probe
+    cfg = shards.config
+    layer = _diverging_layer(report.first_divergence, *probe_of) if r.rank == 0 and probe_of is not None else -1
+    box = [layer]
+    dist.broadcast_object_list(box, src=0)
+    layer = box[0]
+    if layer < 0:
+        return
+    stage = next(p for p, _, first, count in layout.chunks(cfg.num_layers) if first <= layer < first + count)
+    vals = ref_w = None
+    if r.rank == 0:
+        ref_ckpt, ref_hidden = probe_of
+        before = ref_hidden["embedding" if layer == 0 else f"layer {layer - 1}"]
+        vals, ref_w = mla_probe.reference_values(ref_ckpt, layer, before, dtype, r.device)
+
+    def own_weights():
+        return {k: v.load().to(device=r.device, dtype=dtype) for k, v in shards.tensors.items()
+                if k.startswith(f"layers.{layer}.")}
+    got = mla_probe.probe(layer, vals, shards, own_weights, r, dtype, stage)
+    if r.rank == 0:
+        file_of = (lambda t, e: files(t, stage, e)) if layout.ep > 1 else (lambda t, e: files(t, stage))
+        line = mla_probe.diagnose(layer, got, vals, ref_w, cfg, layout.tp, cmp.relative_tolerance(tol), file_of)
+        name = report.first_divergence  # the MoE probe may have said something of it already
+        where[name] = "; ".join(x for x in (where.get(name, where.get(f"layer {layer}")), f"layer {layer}: {line}") if x)
+
+
+def _diverging_layer(first_divergence, ref_ckpt, ref_hidden) -> int:
+    """The first diverging layer when the reference has weights and that layer's input, else -1."""
+    if not first_divergence or not first_divergence.startswith("layer ") or ref_ckpt is None or not ref_hidden:
+        return -1
+    try:
+        i = int(first_divergence.split()[1])
+    except (IndexError, ValueError):
+        return -1
+    return i if ("embedding" if i == 0 else f"layer {i - 1}") in ref_hidden else -1
 
 
 class ParallelTarget:
@@ -288,7 +336,6 @@ def parallel_target(target, opts, tp, pp, world, vpp=None) -> ParallelTarget:
     if fmt == "megatron":
         meta = read_layout(target, opts)
         cfg, layout, ckpt = meta
-        _dense_only(ckpt, target)
         require(tp in (None, layout.tp) and pp in (None, layout.pp) and vpp in (None, layout.vpp),
                 f"{target} is stored at {layout.describe()}; a torch-format checkpoint runs at the layout of "
                 "its files", f"drop --tp/--pp/--vpp, or reshard it first: ckptool reshard {target} DST --tp N --pp M")
@@ -297,19 +344,11 @@ def parallel_target(target, opts, tp, pp, world, vpp=None) -> ParallelTarget:
                               lambda t, p, e=0: rank_dir_name(t, p, layout.pp, e, layout.ep), False)
     if fmt == "torch_dist":
         ckpt = dist_format.read(target, opts)  # metadata only: tensors are read per rank, sliced
-        _dense_only(ckpt, target)
         layout = dist_layout(ckpt, tp, pp, world, vpp)
         return ParallelTarget("torch_dist", ckpt, layout,
                               lambda t, p, e=0: slice_rank_shards(ckpt, layout, t, p, e), lambda t, p, e=0: None, True)
     raise CkptError(f"{target}: the parallel verify runs Megatron checkpoints (torch format mp_rank_* files "
                     "or torch_dist) and DeepSpeed saves", "run `ckptool verify` without torchrun for other formats")
-
-
-def _dense_only(ckpt, target) -> None:
-    """The parallel forward knows grouped-query attention, dense MLPs and (torch format) MoE layers: an
-    MLA model's latents would be missing from its per-rank views."""
-    require(not ckpt.config.mla, f"{target}: the parallel verify (under torchrun) does not run "
-            "Multi-Latent Attention yet", "run `ckptool verify` without torchrun")
 
 
 def deepspeed_target(target, opts, tp, pp, vpp) -> ParallelTarget:

@@ -90,7 +90,7 @@ def weight_files(path: Path):
 
 def _rope(conf: dict, model_type: str):
     """(theta, llama3 factor or None, Yarn or None) from rope_parameters (transformers 5) or
-    rope_theta/rope_scaling (4). YaRN is read for MLA models only (DeepSeek-V3; no Megatron output)."""
+    rope_theta/rope_scaling (4). YaRN is read for MLA models only (DeepSeek-V3; megatron-core computes it for MLA only)."""
     params = dict(conf.get("rope_parameters") or {})
     scaling = conf.get("rope_scaling") or {}
     theta = params.get("rope_theta", conf.get("rope_theta", 10000.0))

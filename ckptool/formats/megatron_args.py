@@ -11,8 +11,8 @@ import copy
 import math
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
-from ..config import MLA, MoE, GPTConfig, Layout, moe_layers_megatron
-from ..errors import CkptError
+from ..config import MLA, MoE, GPTConfig, Layout, Yarn, moe_layers_megatron, yarn_mscale
+from ..errors import CkptError, require
 
 if TYPE_CHECKING:  # config_from_args runs without torch (quick inspect); args_for_target imports it
     import torch
@@ -132,7 +132,7 @@ def config_from_args(args, stored_rows: int, extra: Optional[dict] = None) -> GP
         apply_layernorm_1p=bool(_get(args, "apply_layernorm_1p", default=False)),
         # under MLA megatron-core's --qk-layernorm builds the latent norms (the spec's mla roles), not q/k norms
         qk_layernorm=bool(_get(args, "qk_layernorm", default=False)) and mla is None,
-        mla=mla,
+        mla=mla, rope_yarn=yarn_from_args(args, mla),
         post_layernorm_residual=bool(_get(args, "apply_residual_connection_post_layernorm", default=False)),
         moe=moe_from_args(args, int(num_layers), int(_get(args, "ffn_hidden_size", default=4 * hidden))),
     )
@@ -150,14 +150,85 @@ def mla_from_args(args) -> Optional[MLA]:
                latent_norm_eps=float(_get(args, "norm_epsilon", "layernorm_epsilon", default=1e-5)))
 
 
-def mla_args(mla: Optional[MLA]) -> Dict[str, Any]:
-    """The MLA flags of a run that computes mla (the inverse of mla_from_args); megatron-core builds the latent
+def mla_args(mla: Optional[MLA], yarn: Optional[Yarn]) -> Dict[str, Any]:
+    """The MLA flags of a run that computes mla with yarn (the inverse of mla_from_args and yarn_from_args; yarn
+    has no default: leaving it out would write plain RoPE for a YaRN model); megatron-core builds the latent
     norms only under --qk-layernorm, and rotates MLA's rope in interleaved pairs without --rotary-interleaved."""
     if mla is None:
         return {}
     return dict(multi_latent_attention=True, qk_layernorm=True, rotary_interleaved=False, q_lora_rank=mla.q_lora_rank,
                 kv_lora_rank=mla.kv_lora_rank, qk_head_dim=mla.qk_nope_head_dim,
-                qk_pos_emb_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim)
+                qk_pos_emb_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim, **mla_rope_args(yarn))
+
+
+# megatron-core's MLA rotary (MLATransformerConfig; MultiLatentAttention builds RotaryEmbedding or
+# YarnRotaryEmbedding from it). --rope-type, --rotary-scaling-factor, --mscale and --mscale-all-dim are
+# Megatron-LM flags; original_max_position_embeddings / beta_fast / beta_slow are config fields without a
+# flag (Megatron-LM's core_transformer_config_from_args copies every args attribute named like a field):
+# their config defaults apply to a run that does not set them.
+MCORE_YARN_DEFAULTS = dict(original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0)
+
+
+def _mcore_yarn_gain(factor: float, mscale: float, mscale_all_dim: float) -> float:
+    """megatron-core's concentration factor on cos/sin: always the ratio of the two mscales (its flags
+    default to 1 and 0, so an unset --mscale-all-dim leaves the plain correction of the factor)."""
+    return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+
+
+def yarn_from_args(args, mla: Optional[MLA]) -> Optional[Yarn]:
+    """The YaRN scaling an MLA run computed (None: plain RoPE). megatron-core's MLATransformerConfig defaults
+    rope_type to yarn, and Megatron-LM leaves it there when --rope-type is not given; YaRN at factor 1 is
+    plain RoPE (the same frequencies, gains of 1). The softmax scale takes --mscale-all-dim under either
+    rope type, so plain RoPE with a stretched softmax is refused: no Hugging Face model computes it."""
+    if mla is None:
+        return None
+    rope_type = _get(args, "rope_type") or "yarn"
+    factor = float(_get(args, "rotary_scaling_factor", default=1.0))
+    mscale = float(_get(args, "mscale", default=1.0))
+    mscale_all_dim = float(_get(args, "mscale_all_dim", default=0.0))
+    if rope_type not in ("rope", "yarn"):
+        raise CkptError(f"Multi-Latent Attention with --rope-type {rope_type!r}", "megatron-core knows rope and yarn")
+    if rope_type == "rope" or factor == 1.0:
+        require(yarn_mscale(factor, mscale_all_dim) == 1.0,
+                f"Multi-Latent Attention with plain RoPE but --rotary-scaling-factor {factor} and --mscale-all-dim "
+                f"{mscale_all_dim}: megatron-core scales the softmax by {yarn_mscale(factor, mscale_all_dim) ** 2:.6g} "
+                "without YaRN frequencies", "no Hugging Face model computes that; such checkpoints are not supported")
+        return None
+    kept = {k: type(v)(_get(args, k, default=v)) for k, v in MCORE_YARN_DEFAULTS.items()}
+    yarn = Yarn(factor=factor, mscale=mscale, mscale_all_dim=mscale_all_dim or None, truncate=True, **kept)
+    gain = _mcore_yarn_gain(factor, mscale, mscale_all_dim)
+    if not math.isclose(yarn.attention_gain, gain, rel_tol=1e-12):  # e.g. --mscale without --mscale-all-dim
+        yarn = Yarn(factor=factor, mscale=mscale, mscale_all_dim=mscale_all_dim or None, attention_factor=gain,
+                    truncate=True, **kept)
+    return yarn
+
+
+def mla_rope_args(yarn: Optional[Yarn]) -> Dict[str, Any]:
+    """The rotary flags of an MLA run computing yarn (None: plain RoPE), refusing what megatron-core cannot."""
+    if yarn is None:  # named explicitly: an unset --rope-type means yarn to megatron-core's MLA
+        return dict(rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+    hint = "use to-hf (transformers computes it), or change the model's rope_scaling"
+    require(yarn.truncate, "Multi-Latent Attention with YaRN truncate=false: megatron-core's MLA always rounds the "
+            "correction range to whole dimensions", hint)
+    mscale_all_dim = yarn.mscale_all_dim or 0.0
+    if yarn.attention_factor is None and yarn.mscale and yarn.mscale_all_dim:
+        mscale = yarn.mscale  # both take the ratio of the two mscales
+    elif yarn.attention_factor is None and not yarn.mscale_all_dim:
+        mscale = 1.0  # transformers takes the plain correction of the factor, ignoring mscale
+    elif yarn.factor > 1:
+        # an explicit attention factor, or mscale_all_dim without mscale (transformers: the plain correction):
+        # megatron-core's gain (0.1 mscale ln f + 1) / mscale_all_dim's correction is linear in mscale, so the
+        # mscale giving transformers' gain exists (exact up to rounding, about 1e-16)
+        mscale = (yarn.attention_gain * yarn_mscale(yarn.factor, mscale_all_dim) - 1) / (0.1 * math.log(yarn.factor))
+    else:
+        mscale = 1.0  # no stretch: megatron-core's gain is 1 whatever the mscales
+    gain = _mcore_yarn_gain(yarn.factor, mscale, mscale_all_dim)
+    require(math.isclose(gain, yarn.attention_gain, rel_tol=1e-12),
+            f"Multi-Latent Attention with a YaRN attention factor of {yarn.attention_gain:.6g} at factor {yarn.factor}: "
+            f"megatron-core's MLA multiplies cos/sin by {gain:.6g} there", hint)
+    return dict(rope_type="yarn", rotary_scaling_factor=yarn.factor, mscale=mscale, mscale_all_dim=mscale_all_dim,
+                original_max_position_embeddings=yarn.original_max_position_embeddings, beta_fast=yarn.beta_fast,
+                beta_slow=yarn.beta_slow)
 
 
 def moe_from_args(args, num_layers: int, ffn: int) -> Optional[MoE]:
@@ -292,7 +363,7 @@ def args_for_target(source_args, cfg: GPTConfig, layout: Layout, padded_rows: in
         fp16=dtype == torch.float16, bf16=dtype == torch.bfloat16,
     )
     updates.update(moe_args(cfg.moe, cfg.num_layers, layout, grouped_gemm))
-    updates.update(mla_args(cfg.mla))
+    updates.update(mla_args(cfg.mla, cfg.rope_yarn))
     # a dense run's args may still carry the expert sizes (Megatron-LM defaults them): keep them consistent
     if cfg.moe is None and getattr(args, "expert_tensor_parallel_size", None) is not None:
         updates["expert_tensor_parallel_size"] = layout.tp

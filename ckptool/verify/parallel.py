@@ -11,6 +11,9 @@ replicated tensors that drifted apart in training give the same numbers here as 
 
   embedding      vocab-parallel: each rank looks up the tokens in its row block, zeros the rest,
                  all-reduce over TP; then positions (learned) are added
+  MLA            (Multi-Latent Attention) every linear column-parallel as megatron-core's local spec has
+                 it: the down projections' output blocks all-gathered and the latents normed whole, the up
+                 projections give the rank's heads; output projection row-parallel + all-reduce
   attention      fused QKV column-parallel (whole query groups per rank; when TP > groups every
                  rank all-gathers the grouped rows, keeps its group and then its share of the
                  query heads, as megatron-core does), core attention on the local heads,
@@ -44,7 +47,7 @@ import torch.nn.functional as F
 
 from ..config import GPTConfig
 from ..formats.megatron_ranks import RankShards
-from .reference import activation, apply_rope, norm, route, rope_frequencies
+from .reference import activation, apply_rope, norm, rms_norm, route, rope_frequencies
 
 
 # --- process groups -------------------------------------------------------------------------
@@ -205,6 +208,36 @@ def attention(x: torch.Tensor, w, p: str, cfg: GPTConfig, r: Ranks, rope) -> tor
     return out + w[p + "proj.bias"] if p + "proj.bias" in w else out
 
 
+def mla_attention(x: torch.Tensor, w, p: str, cfg: GPTConfig, r: Ranks, rope) -> torch.Tensor:
+    """megatron-core's MLASelfAttention as its local spec splits it: every MLA linear is column-parallel. Each
+    rank's block of the down projections' outputs (q latent, kv latent + the shared rope key) is all-gathered
+    over TP and RMS-normed whole; the up projections then give the rank's own heads, core attention runs on
+    them, and the output projection is row-parallel + all-reduce. A direct q (no q latent) is the spec's
+    qkv.weight role holding q rows only, column-parallel by heads."""
+    m, (b, s, _) = cfg.mla, x.shape
+    nope, rot, vd = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+    if m.q_lora_rank:
+        latent = all_gather_last(F.linear(x, w[p + "mla.q_down.weight"]), r)
+        q = F.linear(rms_norm(latent, w[p + "mla.q_down_norm.weight"], m.latent_norm_eps), w[p + "mla.q_up.weight"])
+    else:
+        q = F.linear(x, w[p + "qkv.weight"])
+    heads = q.shape[-1] // (nope + rot)  # this rank's
+    q_nope, q_rope = q.view(b, s, heads, nope + rot).transpose(1, 2).split([nope, rot], dim=-1)
+    kv_latent, k_rope = all_gather_last(F.linear(x, w[p + "mla.kv_down.weight"]), r).split([m.kv_lora_rank, rot], -1)
+    kv_latent = rms_norm(kv_latent, w[p + "mla.kv_down_norm.weight"], m.latent_norm_eps)
+    kv = F.linear(kv_latent, w[p + "mla.kv_up.weight"]).view(b, s, heads, nope + vd).transpose(1, 2)
+    k_nope, v = kv.split([nope, vd], dim=-1)
+    q_rope = apply_rope(q_rope, *rope, cfg)
+    k_rope = apply_rope(k_rope.reshape(b, 1, s, rot), *rope, cfg).expand(b, heads, s, rot)
+    q, k = torch.cat([q_nope, q_rope], -1), torch.cat([k_nope, k_rope], -1)
+    scale = (cfg.rope_yarn.softmax_gain if cfg.rope_yarn is not None else 1.0) / math.sqrt(nope + rot)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+    probs = torch.softmax(scores.float().masked_fill(mask, float("-inf")), dim=-1).to(v.dtype)
+    ctx = (probs @ v).transpose(1, 2).reshape(b, s, heads * vd)
+    return all_reduce(F.linear(ctx, w[p + "proj.weight"]), r)
+
+
 def mlp(x: torch.Tensor, w, p: str, cfg: GPTConfig, r: Ranks) -> torch.Tensor:
     h = F.linear(x, w[p + "fc1.weight"], w.get(p + "fc1.bias"))
     if cfg.gated:
@@ -282,7 +315,8 @@ def moe_mlp(x: torch.Tensor, w, p: str, cfg: GPTConfig, r: Ranks, experts: range
 def block(x: torch.Tensor, w, i: int, cfg: GPTConfig, r: Ranks, rope, experts: range = range(0)) -> torch.Tensor:
     p = f"layers.{i}."
     h = norm(x, w[p + "attn_norm.weight"], w.get(p + "attn_norm.bias"), cfg)
-    x = (h if cfg.post_layernorm_residual else x) + attention(h, w, p, cfg, r, rope)
+    x = (h if cfg.post_layernorm_residual else x) + (mla_attention if cfg.mla is not None else attention)(
+        h, w, p, cfg, r, rope)
     h = norm(x, w[p + "mlp_norm.weight"], w.get(p + "mlp_norm.bias"), cfg)
     ffn = moe_mlp(h, w, p, cfg, r, experts) if cfg.is_moe_layer(i) else mlp(h, w, p, cfg, r)
     return (h if cfg.post_layernorm_residual else x) + ffn

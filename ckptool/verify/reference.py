@@ -48,20 +48,8 @@ def rope_frequencies(cfg: GPTConfig, seq: int, device=None) -> Tuple[torch.Tenso
         inv = _yarn_scale(inv, cfg.rope_yarn, rot, cfg.rotary_base)
     pos = torch.arange(seq, dtype=torch.float64, device=device)
     ang = torch.outer(pos, inv)
-    gain = yarn_attention_factor(cfg.rope_yarn) if cfg.rope_yarn is not None else 1.0
+    gain = cfg.rope_yarn.attention_gain if cfg.rope_yarn is not None else 1.0
     return (ang.cos() * gain).float(), (ang.sin() * gain).float()
-
-
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def yarn_attention_factor(y) -> float:
-    if y.attention_factor is not None:
-        return y.attention_factor
-    if y.mscale and y.mscale_all_dim:
-        return _yarn_mscale(y.factor, y.mscale) / _yarn_mscale(y.factor, y.mscale_all_dim)
-    return _yarn_mscale(y.factor)
 
 
 def _yarn_scale(inv: torch.Tensor, y, dim: int, base: float) -> torch.Tensor:
@@ -132,7 +120,7 @@ def attention(x: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig,
     return F.linear(ctx, w[p + "attn.out.weight"], w.get(p + "attn.out.bias"))
 
 
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     var = x.float().pow(2).mean(-1, keepdim=True)
     return (x.float() * torch.rsqrt(var + eps)).to(x.dtype) * w
 
@@ -141,29 +129,32 @@ def mla_attention(x: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig,
                   rope: Tuple[torch.Tensor, torch.Tensor], p: str) -> torch.Tensor:
     """Multi-Latent Attention: per head q = [q_nope | q_rope], k = [k_nope | k_rope shared by all
     heads], v from the kv latent; only the rope parts rotate; scores scaled by 1/sqrt(nope + rope)."""
+    return F.linear(mla_context(x, w, cfg, rope, p), w[p + "attn.out.weight"])
+
+
+def mla_context(x: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig,
+                rope: Tuple[torch.Tensor, torch.Tensor], p: str) -> torch.Tensor:
+    """mla_attention before its output projection: every head's context [b, s, heads * v_head_dim]."""
     m, (b, s, _) = cfg.mla, x.shape
     nq, nope, r, vd = cfg.num_attention_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
     if m.q_lora_rank:
-        latent = _rms(F.linear(x, w[p + "attn.q_down.weight"]), w[p + "attn.q_down_norm.weight"], m.latent_norm_eps)
+        latent = rms_norm(F.linear(x, w[p + "attn.q_down.weight"]), w[p + "attn.q_down_norm.weight"], m.latent_norm_eps)
         q = F.linear(latent, w[p + "attn.q_up.weight"])
     else:
         q = F.linear(x, w[p + "attn.q.weight"])
     q_nope, q_rope = q.view(b, s, nq, nope + r).transpose(1, 2).split([nope, r], dim=-1)
     kv_latent, k_rope = F.linear(x, w[p + "attn.kv_down.weight"]).split([m.kv_lora_rank, r], dim=-1)
-    kv_latent = _rms(kv_latent, w[p + "attn.kv_down_norm.weight"], m.latent_norm_eps)
+    kv_latent = rms_norm(kv_latent, w[p + "attn.kv_down_norm.weight"], m.latent_norm_eps)
     kv = F.linear(kv_latent, w[p + "attn.kv_up.weight"]).view(b, s, nq, nope + vd).transpose(1, 2)
     k_nope, v = kv.split([nope, vd], dim=-1)
     q_rope = apply_rope(q_rope, *rope, cfg)
     k_rope = apply_rope(k_rope.view(b, 1, s, r), *rope, cfg).expand(b, nq, s, r)
     q, k = torch.cat([q_nope, q_rope], -1), torch.cat([k_nope, k_rope], -1)
-    scale = 1 / math.sqrt(nope + r)
-    if cfg.rope_yarn is not None and cfg.rope_yarn.mscale_all_dim:
-        scale *= _yarn_mscale(cfg.rope_yarn.factor, cfg.rope_yarn.mscale_all_dim) ** 2
+    scale = 1 / math.sqrt(nope + r) * (cfg.rope_yarn.softmax_gain if cfg.rope_yarn is not None else 1.0)
     scores = (q @ k.transpose(-1, -2)) * scale
     mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
     probs = torch.softmax(scores.float().masked_fill(mask, float("-inf")), dim=-1).to(v.dtype)
-    ctx = (probs @ v).transpose(1, 2).reshape(b, s, nq * vd)
-    return F.linear(ctx, w[p + "attn.out.weight"])
+    return (probs @ v).transpose(1, 2).reshape(b, s, nq * vd)
 
 
 def mlp(x: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig, p: str) -> torch.Tensor:
