@@ -249,3 +249,28 @@ def test_mla_in_the_te_dialect_and_in_torch_dist_with_either_names(request, tmp_
         assert sorted(got) == sorted(want)
         for k in want:
             assert torch.equal(got[k], want[k]), (name, k)
+
+
+@pytest.mark.parametrize("dialect", ["mcore", "mcore-te"])
+def test_every_reader_labels_the_q_latent_norm_of_an_mla_checkpoint(deepseek_dense, tmp_path, dialect):
+    """megatron-core's q_layernorm is GQA's q norm or, in an MLA model, the q latent norm: the verify rank reader
+    labels it (and the TE dialect's fused names) as the full reader does; the quick inspect matches keys with the
+    same MLA flag and leaves MLA models to the full reader (it knows dense GQA shapes only)."""
+    from ckptool.formats.megatron_ranks import read_rank_shards
+    from ckptool.quick import megatron as quick
+    src, _ = deepseek_dense
+    cli("from-hf", src, tmp_path / "meg", "--tp", 2, "--dialect", dialect)
+    full = open_checkpoint(tmp_path / "meg")
+    assert "layers.0.attn.q_down_norm.weight" in full.tensors and "layers.0.attn.q_norm.weight" not in full.tensors
+    for t in (0, 1):
+        shards = read_rank_shards(tmp_path / "meg", t, 0)
+        layer0 = sorted(n for n in shards.tensors if n.startswith("layers.0."))
+        assert layer0 == sorted(f"layers.0.{r}" for r in (
+            "attn_norm.weight", "mla.q_down.weight", "mla.q_down_norm.weight", "mla.q_up.weight",
+            "mla.kv_down.weight", "mla.kv_down_norm.weight", "mla.kv_up.weight", "proj.weight",
+            "mlp_norm.weight", "fc1.weight", "fc2.weight"))
+        norm = shards.tensors["layers.0.mla.q_down_norm.weight"].load()
+        assert torch.equal(norm, full.tensors["layers.0.attn.q_down_norm.weight"].load())
+        down = shards.tensors["layers.0.mla.kv_down.weight"].load()  # TE: whole on each rank; local: its rows
+        assert down.shape[0] == (12 + 8) // (1 if dialect == "mcore-te" else 2)
+    assert quick.read(tmp_path / "meg", "megatron") is None
