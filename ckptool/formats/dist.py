@@ -7,7 +7,8 @@ Megatron-LM #5160, as the byte entry `common_state/shard_0_1` (torch.save([state
 Tensors are stored with GLOBAL shapes, already TP-merged: QKV in grouped order, SwiGLU fc1 as
 [all gate; all up]. Homogeneous layers are stacked on a leading axis (`decoder.layers.<name>`,
 [L, ...]); other models use `decoder.layers.{i}.<name>`. Norms use Transformer-Engine names even
-for local layers. A plain DCP save of a model's sharded_state_dict (megatron-core's simple training
+for local layers, except in Multi-Latent Attention layers, which the local spec saves under their modules'
+own names (q_layernorm is then the q latent norm; MLA_WRITE_NAMES). A plain DCP save of a model's sharded_state_dict (megatron-core's simple training
 loop) has the same keys, possibly under `model.` / `model.module.`, and stores no args.
 
 MoE (megatron-core transformer/moe/experts.py, the same form for SequentialMLP, GroupedMLP and TEGroupedMLP):
