@@ -214,7 +214,11 @@ def assemble(cfg: GPTConfig, shards: Dict[Tuple[str, Optional[int]], List[LazyTe
         if base in t.layer_simple:
             out[f"layers.{layer}." + t.layer_simple[base].replace("mlp.", mlp, 1)] = merged
         elif fused in _UNFUSE:  # the parts, in fused order, as the spec names them
-            out.update(_UNFUSE[fused](merged, cfg, layer, tuple(canonical_names(role, layer, cfg))))
+            names = tuple(canonical_names(role, layer, cfg))
+            if not names:  # QKV in an MLA model, a dense fc1 in an MoE layer: the files and the config disagree
+                raise CkptError(f"layer {layer}: a {role} tensor is stored, which a model with this config does not have",
+                                "the checkpoint's args do not describe it (or pass the right flags)")
+            out.update(_UNFUSE[fused](merged, cfg, layer, names))
         else:  # pragma: no cover - table and code disagree
             raise CkptError(f"internal: no canonical mapping for role {base}")
     return out

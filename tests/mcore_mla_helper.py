@@ -5,12 +5,17 @@ gathered over TP, saved to --out with its parameter names in order. World size =
 
 YaRN (--rope-type yarn) is megatron-core's YarnRotaryEmbedding, built from the checkpoint's args.
 
+--save-dist DIR2: then megatron-core's own dist_checkpointing saves that model as torch_dist into DIR2 (with the
+args, ckpt_format torch_dist, as Megatron-LM's save does). --dist: DIR is a torch_dist checkpoint (tracker +
+iteration dir with common.pt) to build the model from its args and load with dist_checkpointing.load, then
+load_state_dict(strict=True) (every sharded tensor and extra-state object found, nothing left over).
+
 megatron-core's MLA asks its core attention for k_channels != v_channels, which only Transformer Engine's
 DotProductAttention takes (TE does not install on this CPU machine): HeadDimsAttention below stands in for that
 one kernel (causal softmax(q k^T * softmax_scale) v); every projection, norm, rope split and rotation, and the
 TP layout are megatron-core's own.
 
-Usage: torchrun --nproc-per-node TP tests/mcore_mla_helper.py DIR --out FILE
+Usage: torchrun --nproc-per-node TP tests/mcore_mla_helper.py DIR [--dist] [--save-dist DIR2] --out FILE
 """
 import argparse
 import sys
@@ -19,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state
+from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.transformer_config import MLATransformerConfig
@@ -60,14 +65,23 @@ class HeadDimsAttention(torch.nn.Module):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("dir")
+    ap.add_argument("--dist", action="store_true")
+    ap.add_argument("--save-dist")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dist.init_process_group("gloo")
     tp = dist.get_world_size()
     rank = dist.get_rank()
-    sd = torch.load(Path(a.dir) / "iter_0000000" / f"mp_rank_{rank:02d}" / "model_optim_rng.pt", weights_only=False)
-    args = sd["args"]
-    assert args.tensor_model_parallel_size == tp and args.multi_latent_attention
+    if a.dist:  # the run's args from the common state; the tensors below, resharded to this TP on load
+        it_dir = Path(a.dir) / f"iter_{int((Path(a.dir) / 'latest_checkpointed_iteration.txt').read_text()):07d}"
+        args = torch.load(it_dir / "common.pt", weights_only=False)["args"]
+        assert args.ckpt_format == "torch_dist" and args.transformer_impl == "local"
+    else:
+        sd = torch.load(Path(a.dir) / "iter_0000000" / f"mp_rank_{rank:02d}" / "model_optim_rng.pt",
+                        weights_only=False)
+        args = sd["args"]
+        assert args.tensor_model_parallel_size == tp
+    assert args.multi_latent_attention
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     cfg = MLATransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
@@ -87,8 +101,27 @@ def main():
     model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
                      max_sequence_length=args.max_position_embeddings, position_embedding_type="rope",
                      share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
+    if a.dist:
+        sharded = model.sharded_state_dict(prefix="")
+        loaded = dist_checkpointing.load(sharded, str(it_dir))  # raises on a tensor the files lack
+        for common in ("args", "checkpoint_version", "iteration"):  # the common state comes back merged in
+            loaded.pop(common)
+        sd = {"model": loaded}
     model.load_state_dict(sd["model"], strict=True)
     out = logits(model.eval())
+    if a.save_dist:  # as Megatron-LM saves --ckpt-format torch_dist: the model's sharded state and the run's args
+        target = Path(a.save_dist) / "iter_0000003"
+        if rank == 0:
+            target.mkdir(parents=True)
+        dist.barrier()
+        args.ckpt_format, args.transformer_impl = "torch_dist", "local"
+        # the run above is built without MoE settings: its args say so (an all-dense DeepSeek's from-hf args keep
+        # --num-experts with a --moe-layer-freq list, which would key the layers one by one)
+        args.num_experts, args.moe_layer_freq = None, 1
+        dist_checkpointing.save({**model.sharded_state_dict(prefix=""), "args": args, "checkpoint_version": 3.0,
+                                 "iteration": 3}, str(target))
+        if rank == 0:
+            (Path(a.save_dist) / "latest_checkpointed_iteration.txt").write_text("3")
     if rank == 0:  # the logits, and the parameter order (what megatron-core's optimizer groups follow)
         torch.save({"logits": out, "params": [n for n, _ in model.named_parameters()]}, a.out)
     dist.destroy_process_group()

@@ -1,5 +1,5 @@
-"""Multi-Latent Attention (DeepSeek-V3) in the Megatron torch format (megatron-core, local spec): from-hf at
-TP1 / TP2 (PP2, EP2), reshard, to-hf: every tensor bit-exact, transformers' logits equal; with a q latent and
+"""Multi-Latent Attention (DeepSeek-V2/V3) in Megatron's torch format (megatron-core local and Transformer-Engine
+names) and torch_dist: from-hf at TP1 / TP2 (PP2, EP2), reshard, to-hf: every tensor bit-exact, transformers' logits equal; with a q latent and
 a direct q; YaRN and rope_interleave false as megatron-core computes them (docs/fidelity.md). The refusals that
 stay (ds-universal, the legacy dialects, YaRN without truncation) are one line each, by name."""
 from __future__ import annotations
@@ -23,20 +23,30 @@ MLA_KEYS = ("linear_q_down_proj.weight", "q_layernorm.weight", "linear_q_up_proj
             "linear_kv_down_proj.weight", "kv_layernorm.weight", "linear_kv_up_proj.weight")
 
 
+def _moe_deepseek(tmp_path_factory, seed: int, q_lora_rank, layers: int, name: str):
+    torch.manual_seed(seed)
+    t = transformers
+    model = randomise(t.DeepseekV3ForCausalLM(t.DeepseekV3Config(
+        **dict(COMMON, num_key_value_heads=4), intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=layers, n_shared_experts=2, n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=12,
+        q_lora_rank=q_lora_rank, qk_rope_head_dim=8, v_head_dim=10, qk_nope_head_dim=6, n_group=4, topk_group=2,
+        num_experts_per_tok=4, first_k_dense_replace=1, norm_topk_prob=True))).eval()
+    path = tmp_path_factory.mktemp("mla") / name
+    model.save_pretrained(path)
+    return path, model
+
+
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
     """test_moe's tiny DeepSeek-V3 with routing Megatron computes too: top-4 over the best 2 of 4 groups (a group
     scored by its top 4/2 = 2 experts, as Hugging Face does); MLA with a q latent, layer 0 dense."""
-    torch.manual_seed(23)
-    t = transformers
-    model = randomise(t.DeepseekV3ForCausalLM(t.DeepseekV3Config(
-        **dict(COMMON, num_key_value_heads=4), intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=4,
-        n_shared_experts=2, n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=12, q_lora_rank=20,
-        qk_rope_head_dim=8, v_head_dim=10, qk_nope_head_dim=6, n_group=4, topk_group=2, num_experts_per_tok=4,
-        first_k_dense_replace=1, norm_topk_prob=True))).eval()
-    path = tmp_path_factory.mktemp("mla") / "deepseek_v3"
-    model.save_pretrained(path)
-    return path, model
+    return _moe_deepseek(tmp_path_factory, 23, 20, 4, "deepseek_v3")
+
+
+@pytest.fixture(scope="module")
+def deepseek_direct_q(tmp_path_factory):
+    """The same routing, MLA without a q latent, two layers (layer 1 MoE)."""
+    return _moe_deepseek(tmp_path_factory, 37, None, 2, "deepseek_v3_direct_q")
 
 
 # YaRN as DeepSeek-V3 has it (factor 40) with the correction range, mscales and original context moved off
@@ -69,12 +79,13 @@ def deepseek_dense(tmp_path_factory):
     return get
 
 
-def mcore_mla_logits(meg: Path, out: Path, tp: int) -> dict:
-    """megatron-core's own MLA GPTModel built from meg's args, loaded strictly: {logits, params} (mcore_mla_helper)."""
-    helper = Path(__file__).with_name("mcore_mla_helper.py")
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp),
-                          "--master-port", str(free_port()), str(helper), str(meg), "--out", str(out)],
-                         capture_output=True, text=True, timeout=300)
+def mcore_mla(tp: int, *args) -> dict:
+    """tests/mcore_mla_helper.py under torchrun at TP tp on args (the checkpoint first): megatron-core's own MLA
+    GPTModel built from its args and loaded strictly; what it saved ({logits, params})."""
+    out = Path(args[0]).parent / f"logits_{Path(args[0]).name}.pt"
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-port",
+                          str(free_port()), str(Path(__file__).with_name("mcore_mla_helper.py")), *map(str, args),
+                          "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     return torch.load(out)
 
@@ -94,7 +105,7 @@ def test_megatron_core_loads_our_mla_strictly_and_computes_transformers_logits(d
     src, model = deepseek_dense(kind)
     cli("from-hf", src, tmp_path / "meg", "--tp", tp)
     from mcore_dist_helper import TOKENS
-    saved = mcore_mla_logits(tmp_path / "meg", tmp_path / "logits.pt", tp)
+    saved = mcore_mla(tp, tmp_path / "meg")
     got = saved["logits"][..., :100]  # [b, s, padded vocab]
     ours = torch.load(tmp_path / "meg" / "iter_0000000" / "mp_rank_00" /
                       "model_optim_rng.pt", weights_only=False)
@@ -124,6 +135,31 @@ def test_megatron_core_loads_our_mla_strictly_and_computes_transformers_logits(d
     # ckptool's own reads of it: an all-dense DeepSeek keeps --num-experts in its args (every layer dense by
     # --moe-layer-freq); the one-process verify runs MLA
     assert "result=PASS" in cli("verify", tmp_path / "meg", "--reference", src)
+
+
+def test_torch_dist_mla_between_megatron_core_and_ckptool(deepseek_dense, tmp_path):
+    """megatron-core's own dist_checkpointing saves an MLA model at TP2 (local spec: its modules' own names,
+    q_layernorm the q latent norm, layers stacked); ckptool reads it bit-exact, writes it as torch_dist
+    again, and megatron-core loads ours at TP1 strictly and computes transformers' logits (1e-5)."""
+    from mcore_dist_helper import TOKENS
+    from ckptool.io.dcp_io import DcpDir
+    src, model = deepseek_dense("rope")
+    want = hf_logits(model, TOKENS)
+    cli("from-hf", src, tmp_path / "meg", "--tp", 2)
+    theirs = mcore_mla(2, tmp_path / "meg", "--save-dist", tmp_path / "mcore_dist")
+    keys = set(DcpDir(tmp_path / "mcore_dist" / "iter_0000003").entries)
+    assert {"decoder.layers.self_attention.q_layernorm.weight", "decoder.layers.input_layernorm.weight"} <= keys
+    read, ref = open_checkpoint(tmp_path / "mcore_dist"), open_checkpoint(tmp_path / "meg")
+    assert read.config.mla == ref.config.mla and sorted(read.tensors) == sorted(ref.tensors)
+    for name, t in ref.tensors.items():
+        assert torch.equal(read.tensors[name].load(), t.load()), name
+    cli("reshard", tmp_path / "mcore_dist", tmp_path / "ours", "--tp", 1, "--format", "torch_dist")
+    ours = set(DcpDir(tmp_path / "ours" / "iter_0000003").entries)
+    assert {k for k in keys if ".weight" in k} == {k for k in ours if ".weight" in k}
+    loaded = mcore_mla(1, tmp_path / "ours", "--dist")
+    for got in (theirs["logits"][..., :100], loaded["logits"][..., :100]):
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        assert err < 1e-5, err
 
 
 def _layer0(path, rank):
@@ -238,3 +274,85 @@ def test_yarn_gains_megatron_core_reaches_through_mscale(deepseek_dense, tmp_pat
     from mcore_dist_helper import TOKENS
     want = hf_logits(src, TOKENS)
     assert relative_error(reference.forward(back, TOKENS)[..., :100], want) < 1e-5
+
+
+def _models(path):
+    """{rank dir: the model's tensors} of a torch-format checkpoint (extra state left out)."""
+    return {d.name: {k: v for k, v in torch.load(d / "model_optim_rng.pt", weights_only=False)["model"].items()
+                     if not k.endswith("_extra_state")} for d in sorted((path / "iter_0000000").iterdir())}
+
+
+@pytest.mark.parametrize("kind", ["deepseek", "deepseek_direct_q"])
+def test_mla_in_the_te_dialect_and_in_torch_dist_with_either_names(request, tmp_path, kind):
+    """The mcore-te dialect's MLA layer, from megatron-core's TE spec (gpt_layer_specs
+    get_gpt_layer_with_transformer_engine_spec: input_layernorm a TENorm of its own, the up projections
+    TELayerNormColumnParallelLinear holding the latent norms; MLASelfAttention.__init__ makes the TELinear down
+    projections parallel_mode 'duplicated', whole on every TP rank). Transformer Engine does not install here, so
+    megatron-core never loads these files in a test: local -> te -> local is bit-exact file for file, and te output
+    goes to Hugging Face bit-exact. torch_dist is written with the local spec's names (--dialect mcore) or the TE
+    spec's (mcore-te) and read back bit-exact from either."""
+    src, _ = request.getfixturevalue(kind)
+    direct = kind.endswith("direct_q")
+    cli("from-hf", src, tmp_path / "local", "--tp", 2)
+    cli("reshard", tmp_path / "local", tmp_path / "te", "--tp", 2, "--dialect", "mcore-te")
+    cli("reshard", tmp_path / "te", tmp_path / "back", "--tp", 2, "--dialect", "mcore")
+    local, back, te = _models(tmp_path / "local"), _models(tmp_path / "back"), _models(tmp_path / "te")
+    assert list(local) == list(back) == list(te) == ["mp_rank_00", "mp_rank_01"]
+    for rank in local:
+        assert list(back[rank]) == list(local[rank])
+        assert all(torch.equal(back[rank][k], local[rank][k]) for k in local[rank])
+    pre = "decoder.layers.1.self_attention."
+    for rank in te:  # an MoE layer: the MLP norm stays pre_mlp_layernorm
+        names = [k[len("decoder.layers.1."):] for k in te[rank] if k.startswith("decoder.layers.1.")]
+        assert names[:2] == ["input_layernorm.weight", "self_attention.linear_proj.weight"]
+        assert "pre_mlp_layernorm.weight" in names and not any("layernorm.weight" in k for k in names
+                                                               if k.startswith("self_attention."))
+        kv_down = local["mp_rank_00"][pre + "linear_kv_down_proj.weight"]
+        assert torch.equal(te[rank][pre + "linear_kv_down_proj.weight"],  # whole on each rank
+                           torch.cat([local[r][pre + "linear_kv_down_proj.weight"] for r in local]))
+        assert kv_down.shape[0] * 2 == te[rank][pre + "linear_kv_down_proj.weight"].shape[0]
+        assert torch.equal(te[rank][pre + "linear_kv_up_proj.layer_norm_weight"], local[rank][pre + "kv_layernorm.weight"])
+        assert (pre + "linear_q_proj.weight" in te[rank]) == direct
+        assert (pre + "linear_q_up_proj.layer_norm_weight" in te[rank]) != direct
+        if not direct:
+            assert te[rank][pre + "linear_q_down_proj.weight"].shape == (20, 32)
+    want = saved_tensors(src)
+    outputs = [("te", tmp_path / "te")]
+    for dialect, key in (("mcore", "self_attention.kv_layernorm.weight"),
+                         ("mcore-te", "self_attention.linear_kv_up_proj.layer_norm_weight")):
+        cli("reshard", tmp_path / "te", tmp_path / dialect, "--tp", 1, "--format", "torch_dist", "--dialect", dialect)
+        from ckptool.io.dcp_io import DcpDir
+        keys = set(DcpDir(tmp_path / dialect / "iter_0000000").entries)
+        assert "decoder.layers.0." + key in keys and "decoder.layers.0.input_layernorm.weight" in keys
+        outputs.append((dialect, tmp_path / dialect))
+    for name, path in outputs:
+        cli("to-hf", path, tmp_path / f"hf_{name}")
+        got = saved_tensors(tmp_path / f"hf_{name}")
+        assert sorted(got) == sorted(want)
+        for k in want:
+            assert torch.equal(got[k], want[k]), (name, k)
+
+
+@pytest.mark.parametrize("dialect", ["mcore", "mcore-te"])
+def test_every_reader_labels_the_q_latent_norm_of_an_mla_checkpoint(deepseek_dense, tmp_path, dialect):
+    """megatron-core's q_layernorm is GQA's q norm or, in an MLA model, the q latent norm: the verify rank reader
+    labels it (and the TE dialect's fused names) as the full reader does; the quick inspect matches keys with the
+    same MLA flag and leaves MLA models to the full reader (it knows dense GQA shapes only)."""
+    from ckptool.formats.megatron_ranks import read_rank_shards
+    from ckptool.quick import megatron as quick
+    src, _ = deepseek_dense("rope")
+    cli("from-hf", src, tmp_path / "meg", "--tp", 2, "--dialect", dialect)
+    full = open_checkpoint(tmp_path / "meg")
+    assert "layers.0.attn.q_down_norm.weight" in full.tensors and "layers.0.attn.q_norm.weight" not in full.tensors
+    for t in (0, 1):
+        shards = read_rank_shards(tmp_path / "meg", t, 0)
+        layer0 = sorted(n for n in shards.tensors if n.startswith("layers.0."))
+        assert layer0 == sorted(f"layers.0.{r}" for r in (
+            "attn_norm.weight", "mla.q_down.weight", "mla.q_down_norm.weight", "mla.q_up.weight",
+            "mla.kv_down.weight", "mla.kv_down_norm.weight", "mla.kv_up.weight", "proj.weight",
+            "mlp_norm.weight", "fc1.weight", "fc2.weight"))
+        norm = shards.tensors["layers.0.mla.q_down_norm.weight"].load()
+        assert torch.equal(norm, full.tensors["layers.0.attn.q_down_norm.weight"].load())
+        down = shards.tensors["layers.0.mla.kv_down.weight"].load()  # TE: whole on each rank; local: its rows
+        assert down.shape[0] == (12 + 8) // (1 if dialect == "mcore-te" else 2)
+    assert quick.read(tmp_path / "meg", "megatron") is None

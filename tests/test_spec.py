@@ -100,13 +100,14 @@ def test_fused_roles_list_their_parts_in_fused_order():
         assert role.rule is not None or role.base != role.name, f"{role.name}: an unscoped role needs a rule"
 
 
-@pytest.mark.parametrize("cfg", [c for c in CONFIGS if c.mla is None][::4])
+@pytest.mark.parametrize("cfg", [c for c in CONFIGS if c.mla is None][::4] + [c for c in CONFIGS if c.mla is not None])
 def test_each_canonical_tensor_sits_in_exactly_one_role(cfg):
-    """Expanding the spec and asking each role which canonical tensors it holds give the same names, once."""
+    """Expanding the spec and asking each role which canonical tensors it holds give the same names, once (MLA's
+    direct q too, which has GQA's q name: a role of its own, and no QKV in an MLA model)."""
     held = {}
     expanded = []
     for name, t, layer, expert in GPT.expand(cfg):
-        assert t.role is not None, f"{name}: only MLA tensors have no Megatron role"
+        assert t.role is not None, f"{name}: every tensor has a Megatron role"
         role = t.role.format(expert=expert) if expert is not None else t.role
         held[(role, layer)] = roles.canonical_names(role, layer, cfg)
         expanded.append(name)
@@ -127,6 +128,8 @@ def test_every_role_key_round_trips_through_every_megatron_dialect():
             for role, key in table.items():
                 mm = megatron_names.KeyMatcher(d, mla=role.startswith("mla."))
                 assert mm.match(layer + key) == (role, 5), (d.name, key)
+        for role, key in d.mla_layer.items():  # an MLA layer's own names (TE: the input norm unfused)
+            assert megatron_names.KeyMatcher(d, mla=True).match(layer + key) == (role, 5), (d.name, key)
         for table in d.experts:
             for base, key in table.items():
                 assert m.match(layer + key.format(j=2)) == (f"experts.2.{base}", 5), (d.name, key)
@@ -145,6 +148,11 @@ def test_every_role_key_round_trips_through_torch_dist_and_megatron_deepspeed_na
         assert dist.LAYER_KEYS[key] == role
     for base, key in dist.EXPERT_WRITE_NAMES.items():
         assert dist.EXPERT_KEYS[key] == base
+    for impl, names in dist.MLA_WRITE_NAMES.items():  # an MLA model's keys, local or TE spec
+        for role, key in names.items():
+            assert dist.MLA_LAYER_KEYS[key] == role or role.startswith("q_norm."), (impl, key)  # GQA's, not MLA's
+    assert dist.MLA_LAYER_KEYS["self_attention.q_layernorm.weight"] == "mla.q_down_norm.weight"
+    assert dist.LAYER_KEYS["self_attention.q_layernorm.weight"] == "q_norm.weight"
     assert set(dist.GLOBAL_KEYS.values()) == set(roles.GLOBAL_ROLES)
     assert set(dist.WRITE_NAMES) == set(roles.LAYER_ROLES)
     for kind, table in (("embed", mds_pipeline.EMBED_KEYS), ("head", mds_pipeline.HEAD_KEYS),
@@ -169,8 +177,21 @@ def test_each_fixture_holds_exactly_the_names_its_config_expands_to(path):
     assert sorted(ckpt.tensors) == sorted(state.expected_names(ckpt.config))
 
 
+def test_a_role_shards_by_its_format_s_rule_where_the_spec_gives_one():
+    """Transformer Engine's MLA down projections are whole on every TP rank (TELinear 'duplicated'); the local
+    spec's are column-parallel; torch_dist, stored whole, follows TE's names and so its rules too."""
+    from ckptool.spec.schema import DIST, MCORE, TE, TE_MLA
+    down = GPT.roles["mla.kv_down.weight"]
+    assert [down.rule_in(c) for c in (None, MCORE, TE, TE_MLA, DIST)] == ["column", "column", "replicated",
+                                                                          "replicated", "replicated"]
+    assert GPT.roles["mla.kv_up.weight"].rule_in(TE_MLA) == "column"
+    assert megatron_names.DIALECTS["mcore-te"].rule_column == TE_MLA and megatron_names.DIALECTS["mcore"].rule_column is None
+
+
 @pytest.mark.parametrize("tensors, roles_, says", [
     ((Tensor("a", role="r"), Tensor("a", role="r")), (Role("r", "replicated"),), "listed twice"),
+    ((Tensor("a", ("mla",), role="r"), Tensor("a", ("moe",), role="r")), (Role("r", "replicated"),), "listed twice"),
+    ((), (Role("r", "replicated", rules={"megatron-9": "column"}),), "rule for an unknown name column"),
     ((Tensor("a", role="nope"),), (), "roles the spec lacks"),
     ((Tensor("a", ("no_such_predicate",)),), (), "unknown predicate"),
     ((), (Role("r", "replicated", {"megatron-9": "x"}),), "unknown name column"),

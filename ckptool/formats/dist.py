@@ -7,7 +7,8 @@ Megatron-LM #5160, as the byte entry `common_state/shard_0_1` (torch.save([state
 Tensors are stored with GLOBAL shapes, already TP-merged: QKV in grouped order, SwiGLU fc1 as
 [all gate; all up]. Homogeneous layers are stacked on a leading axis (`decoder.layers.<name>`,
 [L, ...]); other models use `decoder.layers.{i}.<name>`. Norms use Transformer-Engine names even
-for local layers. A plain DCP save of a model's sharded_state_dict (megatron-core's simple training
+for local layers, except in Multi-Latent Attention layers, which the local spec saves under their modules'
+own names (q_layernorm is then the q latent norm; MLA_WRITE_NAMES). A plain DCP save of a model's sharded_state_dict (megatron-core's simple training
 loop) has the same keys, possibly under `model.` / `model.module.`, and stores no args.
 
 MoE (megatron-core transformer/moe/experts.py, the same form for SequentialMLP, GroupedMLP and TEGroupedMLP):
@@ -41,7 +42,7 @@ from ..options import CONFIG_OVERRIDES, ReadOptions
 from ..roles import LAYER_ROLES, assemble, expert_role, global_role_tensor, layer_role_tensor
 from ..sharding import ReplicaPolicy
 from ..spec import GPT
-from ..spec.schema import DIST, MCORE, TE_MOE
+from ..spec.schema import DIST, MCORE, TE_MLA, TE_MOE
 from ..state import (OPTIMIZER_SLOTS, PAD_FILL_BY_SLOT, WEIGHT, Checkpoint, OptimizerState, SourceInfo,
                      expected_names, in_model_order)
 from ..summary import WriteSummary
@@ -49,6 +50,7 @@ from ..vocab import resize_slot_vocab, resize_vocab, target_rows, with_true_voca
 from . import dist_optim, dist_optim_buckets, dist_optim_flattened, megatron_args
 from .dist_files import COMMON_FILE, COMMON_KEY, CONFIG_FILE, locate, looks_like  # noqa: F401 (looks_like: the table's)
 from .megatron import TRACKER
+from .megatron_names import DIALECTS, is_mla
 from .megatron_optim import GroupRule
 
 FORMAT = "torch_dist"
@@ -71,6 +73,14 @@ EXPERT_KEYS = {v: k for k, v in EXPERT_WRITE_NAMES.items()}
 # name (sharded_state_dict_keys_map); the Transformer Engine spec keeps the module's own name (gpt_layer_specs.py;
 # not run here: no Transformer Engine). Both are read (LAYER_KEYS); the target args' transformer_impl picks.
 MOE_NORM_NAMES = {"transformer_engine": GPT.keys("layer", TE_MOE), "local": {}}
+# Multi-Latent Attention layers (megatron-core gpt_layer_specs.py) are saved under their modules' own names: the local
+# spec maps no keys for them (its q_layernorm / kv_layernorm / input_layernorm / pre_mlp_layernorm stay), the TE spec
+# keeps input_layernorm a module of its own and the latent norms inside the up projections (layer_norm_weight; not
+# run here: no Transformer Engine). The target args' transformer_impl picks the names written; an MLA model's keys
+# are read with MLA_LAYER_KEYS, where q_layernorm is the q latent norm (GQA's q norm elsewhere).
+MLA_WRITE_NAMES = {"local": GPT.keys("layer", MCORE), "transformer_engine": GPT.keys("layer", TE_MLA)}
+MLA_LAYER_KEYS = {**LAYER_KEYS, **{key: role for names in MLA_WRITE_NAMES.values() for role, key in names.items()
+                                   if role.startswith("mla.") or key not in LAYER_KEYS}}
 # Roles written in their stored dtype whatever --dtype says: megatron-core keeps the expert bias in float32
 # (router.py _maintain_float32_expert_bias), whatever the model's dtype.
 KEEP_STORED_DTYPE = ("router.expert_bias",)
@@ -94,8 +104,10 @@ def _modules(*roles: str) -> tuple:
     return tuple(GPT.roles[r].key(DIST).rsplit(".", 1)[0] for r in roles)
 
 
-# ShardedObjects megatron-core expects per layer (local spec: 4, TE spec adds core_attention, which holds no weight).
+# ShardedObjects megatron-core expects per layer (local spec: 4, TE spec adds core_attention, which holds no weight);
+# an MLA layer has its q / kv linears' (those of the roles it holds) in place of linear_qkv's.
 EXTRA_STATE = _modules("qkv.weight", "proj.weight", "fc1.weight", "fc2.weight") + ("self_attention.core_attention",)
+MLA_LINEARS = ("mla.q.weight", "mla.q_down.weight", "mla.q_up.weight", "mla.kv_down.weight", "mla.kv_up.weight")
 SHARED_EXTRA_STATE = _modules("shared.fc1.weight", "shared.fc2.weight")
 EXPERT_EXTRA_STATE = _modules("experts.{expert}.fc1.weight", "experts.{expert}.fc2.weight")  # one per expert
 # A ShardedObject is stored as torch.save([its data]); local layers' extra state is None. megatron-core
@@ -161,6 +173,7 @@ def _collect(dcp: DcpDir, slot_prefix: Optional[str] = None) -> Tuple[Dict[Tuple
     optimizer tensors stored under that prefix + the model key (dist_optim.py) instead of the weights."""
     keys = dcp.tensor_keys()
     prefix = _model_prefix(keys) if slot_prefix is None else slot_prefix
+    table = MLA_LAYER_KEYS if is_mla(keys) else LAYER_KEYS  # one key, q_layernorm, names a role by model
     shards: Dict[Tuple[str, Optional[int]], List[LazyTensor]] = {}
     unknown, stacked = [], False
     halves: Dict[Tuple[str, int], Dict[int, LazyTensor]] = {}
@@ -174,7 +187,7 @@ def _collect(dcp: DcpDir, slot_prefix: Optional[str] = None) -> Tuple[Dict[Tuple
             shards[(GLOBAL_KEYS[k], None)] = [dcp.lazy(key)]
             continue
         m = PER_LAYER.match(k)
-        role = _layer_role(m.group(2)) if m else None
+        role = _layer_role(m.group(2), table) if m else None
         if role:
             shards[(role, int(m.group(1)))] = [dcp.lazy(key)]
             continue
@@ -182,16 +195,16 @@ def _collect(dcp: DcpDir, slot_prefix: Optional[str] = None) -> Tuple[Dict[Tuple
             _add_experts(shards, dcp, key, EXPERT_KEYS[m.group(2)], [int(m.group(1))], stacked=False)
             continue
         half = GLU_HALVES.get(m.group(2)[-2:]) if m else None
-        role = _layer_role(m.group(2)[:-2]) if half is not None else None
+        role = _layer_role(m.group(2)[:-2], table) if half is not None else None
         if role and role.endswith("fc1.weight"):
             halves.setdefault((role, int(m.group(1))), {})[half] = dcp.lazy(key)
             continue
         m = STACKED.match(k)
-        if m and m.group(1) in LAYER_KEYS:
+        if m and m.group(1) in table:
             stacked = True
             size = tuple(dcp.entries[key].size)
             for i in _stored_layers(dcp, key):
-                shards[(LAYER_KEYS[m.group(1)], i)] = [dcp.lazy(key, (i,), (1,) + size[1:], squeeze=1)]
+                shards[(table[m.group(1)], i)] = [dcp.lazy(key, (i,), (1,) + size[1:], squeeze=1)]
             continue
         if m and m.group(1) in EXPERT_KEYS:
             stacked = True
@@ -207,10 +220,11 @@ def _collect(dcp: DcpDir, slot_prefix: Optional[str] = None) -> Tuple[Dict[Tuple
     return shards, stacked
 
 
-def _layer_role(name: str) -> Optional[str]:
-    """The role of a layer-relative stored name (one tensor, no expert axis), or None."""
-    if name in LAYER_KEYS:
-        return LAYER_KEYS[name]
+def _layer_role(name: str, table: Dict[str, str]) -> Optional[str]:
+    """The role of a layer-relative stored name (one tensor, no expert axis) in table (LAYER_KEYS, or
+    MLA_LAYER_KEYS for an MLA model), or None."""
+    if name in table:
+        return table[name]
     m = SINGLETON_EXPERT.match(name)
     return expert_role(int(m.group(1)), EXPERT_KEYS[f"mlp.experts.experts.{m.group(2)}"]) if m else None
 
@@ -240,12 +254,17 @@ def _refuse_unknown(keys: List[str]) -> None:
             raise CkptError(f"{what}: {len(hits)} tensors such as {hits[0]}, which ckptool does not read", hint)
     raise CkptError(f"{len(keys)} tensors are not part of a megatron-core GPT model "
                     f"(e.g. {', '.join(sorted(keys)[:3])})",
-                    "ckptool converts GPT models, dense or MoE (no MLA or hybrid layers in torch_dist)")
+                    "ckptool converts GPT models, dense or MoE, with grouped-query or Multi-Latent Attention "
+                    "(no hybrid layers)")
 
 
 def config_from_shapes(shards, num_layers: int, stored_rows: int, ov: dict, warn) -> GPTConfig:
     """No args stored (a bare dist_checkpointing.save): sizes from shapes, the rest from flags."""
     hidden = shards[("word", None)][0].shape[1]
+    if any(role.startswith("mla.") for role, _ in shards):
+        raise CkptError("a Multi-Latent Attention model that stores no args (a bare dist_checkpointing save): its "
+                        "head sizes (nope / rope / v) cannot be read from tensor shapes",
+                        "give --args-from A_CHECKPOINT_OF_THE_SAME_RUN")
     heads = ov.get("num_attention_heads")
     if not heads:
         raise CkptError("this checkpoint stores no args (a bare dist_checkpointing/DCP save), and the number "
@@ -437,14 +456,16 @@ def _global_fqn(role: str) -> str:
 def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Optional[torch.dtype] = None,
                      divisible_by: Optional[int] = None, pad_fill: str = "zero", iteration: Optional[int] = None,
                      progress: Optional[Callable[[int], None]] = None, warn=print, optimizer: bool = True,
-                     **_ignored) -> WriteSummary:
+                     dialect: Optional[str] = None, **_ignored) -> WriteSummary:
     """Write ckpt as a megatron-core torch_dist checkpoint (save dir: tracker + iter_XXXXXXX/).
 
     Tensors are full and stacked; `layout` only sets the args (and the vocab padding for its TP):
     megatron-core cuts the shards it needs at load time, whatever its TP/PP. With optimizer (the
     default) and a source holding optimizer state, every slot is written beside the weights in the
     fully_reshardable form (dist_optim.py), layer by layer, so it loads at any layout too (MoE: the
-    optimizer's common entry is the chain megatron-core builds at layout.ep).
+    optimizer's common entry is the chain megatron-core builds at layout.ep). dialect (mcore / mcore-te) sets
+    the target run's transformer_impl (default: the source run's, else Transformer Engine), which names the
+    norms of MoE layers and every tensor of an MLA layer (MOE_NORM_NAMES, MLA_WRITE_NAMES).
     """
     cfg = ckpt.config
     check_tensor_parallel(cfg, layout.tp)
@@ -464,12 +485,14 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
     out_dtype = dtype or next(iter(tensors.values())).dtype
     iteration = iteration if iteration is not None else (ckpt.source.iteration or 0)
     src_args = ckpt.source.args
-    args = megatron_args.args_for_target(src_args, cfg_out, layout, rows, out_dtype, False,
-                                         getattr(src_args, "transformer_impl", None) or "transformer_engine",
-                                         3.0, iteration)
+    impl = (DIALECTS[dialect].transformer_impl if dialect in DIALECTS and dialect.startswith("mcore")
+            else getattr(src_args, "transformer_impl", None) or "transformer_engine")
+    args = megatron_args.args_for_target(src_args, cfg_out, layout, rows, out_dtype, False, impl, 3.0, iteration)
     args.ckpt_format = "torch_dist"
     per_layer = _per_layer_keys(ckpt)
     moe_norm_names = MOE_NORM_NAMES.get(args.transformer_impl, {})
+    mla = cfg.mla is not None
+    layer_names = MLA_WRITE_NAMES.get(args.transformer_impl, MLA_WRITE_NAMES["transformer_engine"]) if mla else WRITE_NAMES
     if moe is not None and not per_layer:
         args.moe_layer_freq = 1  # every layer MoE, and megatron-core stacks layers only for an int frequency
     common = {"args": args, "checkpoint_version": 3.0, "iteration": iteration}
@@ -524,7 +547,7 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
         # stacked: one [L, ...] tensor per name, this layer at index i; per-layer: decoder.layers.{i}.<name>
         prefix, at, lead = ("decoder.layers.", (i,), (L,)) if not per_layer else (f"decoder.layers.{i}.", (), ())
         is_moe = cfg.is_moe_layer(i)
-        names = {**WRITE_NAMES, **MOE_WRITE_NAMES, **(moe_norm_names if is_moe else {})}
+        names = {**layer_names, **MOE_WRITE_NAMES, **(moe_norm_names if is_moe else {})}
         with load_scope():
             for role in LAYER_ROLES + (tuple(MOE_WRITE_NAMES) if is_moe else ()):
                 put_slots(prefix + names[role],
@@ -538,8 +561,9 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
                         put_slots(prefix + name, lambda ts, base=base, e=e: layer_role_tensor(
                             ts, cfg_out, i, expert_role(e, base)), at + (e,), lead + (E,))
         shard = f"{i}_{L}" if not per_layer else "0_1"
-        for name in EXTRA_STATE + (SHARED_EXTRA_STATE if is_moe and moe.shared_ffn_hidden_size else ()):
-            if not (is_moe and name.startswith("mlp.linear_fc")):
+        attention = _modules(*(r for r in MLA_LINEARS if GPT.has_role(r, cfg, i))) if mla else ()
+        for name in EXTRA_STATE + attention + (SHARED_EXTRA_STATE if is_moe and moe.shared_ffn_hidden_size else ()):
+            if not (is_moe and name.startswith("mlp.linear_fc")) and not (mla and ".linear_qkv" in name):
                 writer.add_bytes(f"{prefix}{name}._extra_state/shard_{shard}", NO_EXTRA_STATE)
         for name in EXPERT_EXTRA_STATE if is_moe else ():
             for e in range(moe.num_experts):
