@@ -1,7 +1,8 @@
 """Multi-Latent Attention (DeepSeek-V2/V3) in Megatron's torch format (megatron-core local and Transformer-Engine
-names) and torch_dist: from-hf at TP1 / TP2 (PP2, EP2), reshard, to-hf: every tensor bit-exact, transformers' logits equal; with a q latent and
-a direct q; YaRN and rope_interleave false as megatron-core computes them (docs/fidelity.md). The refusals that
-stay (ds-universal, the legacy dialects, YaRN without truncation) are one line each, by name."""
+names) and torch_dist: from-hf at TP1 / TP2 (PP2, EP2), reshard, to-hf: every tensor bit-exact, transformers' logits
+equal; with a q latent and a direct q; YaRN and rope_interleave false as megatron-core computes them
+(docs/fidelity.md). The refusals that stay (ds-universal, the legacy dialects, YaRN without truncation) are one line
+each, by name."""
 from __future__ import annotations
 
 import json
