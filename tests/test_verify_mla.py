@@ -1,8 +1,9 @@
 """`torchrun -m ckptool verify` on Multi-Latent Attention checkpoints (gloo, CPU, 2 processes).
 
 The tiny DeepSeek-V3 models of test_mla_megatron (built by transformers, weights off their init) are written by
-from-hf at TP2 (YaRN; YaRN with RoPE on halves), PP2 and EP2 (the MoE one); every rank computes with its own
-file's slices of the column-parallel MLA linears and its copies of the latent norms (verify/parallel.py), and
+from-hf at TP2 (YaRN; YaRN with RoPE on halves), PP2, EP2 and TP2 in the mcore-te dialect (the MoE one); every
+rank computes with its own file's slices of the column-parallel MLA linears (cut from the file's whole down
+projections in the mcore-te dialect) and its copies of the latent norms (verify/parallel.py), and
 the logits must equal transformers' (fp32, relative 1e-5). A corrupted MLA tensor is caught: the first
 divergence names its layer and the files that hold it, and at TP the probe (verify/mla_probe.py) the one
 tensor and file.
@@ -37,11 +38,13 @@ def runs(deepseek, deepseek_dense, tmp_path_factory):
     moe_src, _ = deepseek
     quiet = dict(warn=lambda m: None)
     refs = {"tp2_yarn": deepseek_dense("yarn")[0], "tp2_yarn_halves": deepseek_dense("yarn_halves")[0],
-            "pp2_moe": moe_src, "ep2_moe": moe_src}
+            "pp2_moe": moe_src, "ep2_moe": moe_src, "tp2_te_moe": moe_src}
     api.from_hf(refs["tp2_yarn"], root / "tp2_yarn", tp=2, **quiet)
     api.from_hf(refs["tp2_yarn_halves"], root / "tp2_yarn_halves", tp=2, **quiet)
     api.from_hf(moe_src, root / "pp2_moe", pp=2, **quiet)
     api.from_hf(moe_src, root / "ep2_moe", ep=2, **quiet)
+    # Transformer Engine's MLA layer: the down projections whole in every TP rank's file (TELinear duplicated)
+    api.from_hf(moe_src, root / "tp2_te_moe", tp=2, dialect="mcore-te", **quiet)
     # planted: layer 0's kv up projection in TP rank 1's file; layer 2's q up projection on pipeline stage 1
     # (transformers gives no hidden state of the last layer to compare, so the last layer is not the one)
     shutil.copytree(root / "tp2_yarn", root / "tp2_corrupt")
@@ -56,7 +59,8 @@ def runs(deepseek, deepseek_dense, tmp_path_factory):
 
 
 @pytest.mark.parametrize("case, layout", [("tp2_yarn", "TP2 PP1"), ("tp2_yarn_halves", "TP2 PP1"),
-                                          ("pp2_moe", "TP1 PP2"), ("ep2_moe", "TP1 PP1 EP2")])
+                                          ("pp2_moe", "TP1 PP2"), ("ep2_moe", "TP1 PP1 EP2"),
+                                          ("tp2_te_moe", "TP2 PP1")])
 def test_parallel_verify_runs_mla_and_equals_transformers(runs, case, layout):
     out, rc = runs[0][case]
     assert rc == 0 and "result=PASS" in out, out

@@ -36,7 +36,8 @@ from ..io.torchfile import load_torch_file
 from ..lazy import Derived, LazyTensor
 from ..options import ReadOptions
 from ..roles import (FIRST_STAGE_ROLES, GLOBAL_ROLES, LAYER_ROLES, expert_role, global_role_tensor, layer_role_tensor,
-                     moe_layer_roles)
+                     moe_layer_roles, rule_for)
+from ..sharding import Rule
 from ..state import Checkpoint
 from ..vocab import resize_vocab, target_rows
 from .megatron import model_file, flatten, rank_piece, read_megatron, resolve_iteration_dir, unstack_grouped
@@ -109,8 +110,22 @@ def read_rank_shards(path, tp_rank: int, pp_rank: int, opts: Optional[ReadOption
                     _, j, base = name.split(".", 2)
                     out[f"layers.{first + local}.{expert_role(experts.start + int(j), base)}"] = piece
                 continue
-            out[f"layers.{first + local}.{role}"] = value
+            out[f"layers.{first + local}.{role}"] = _as_local_spec_piece(value, role, cfg, layout, tp_rank,
+                                                                        first + local, dialect)
     return RankShards(cfg, layout, tp_rank, pp_rank, chunks, out, file, ep_rank, experts)
+
+
+def _as_local_spec_piece(value: LazyTensor, role: str, cfg: GPTConfig, layout: Layout, tp_rank: int, layer: int,
+                         dialect) -> LazyTensor:
+    """A rank file's tensor as the parallel forward computes with it, which is the split of the spec's own TP
+    rules (the local spec's): a role the dialect's modules keep whole on every TP rank (Transformer Engine's MLA
+    down projections, TELinear parallel_mode 'duplicated': Dialect.rule_column) is cut here as the local spec
+    cuts it; every other tensor is the file's own."""
+    if dialect.rule_column is None or layout.tp == 1:
+        return value
+    if rule_for(role, cfg, dialect.rule_column) != Rule.REPLICATED or rule_for(role, cfg) == Rule.REPLICATED:
+        return value
+    return rank_piece(value, role, cfg, layout, tp_rank, layer)
 
 
 def slice_rank_shards(ckpt: Checkpoint, layout: Layout, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> RankShards:
