@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import count_tensor_reads, free_port
+from conftest import DS_TRAIN_CASES, count_tensor_reads
 from ckptool.errors import CkptError
 from ckptool.formats import deepspeed as ds
 from ckptool.formats.registry import detect_format, open_checkpoint
@@ -41,28 +41,9 @@ except Exception:  # pragma: no cover - depends on the environment
     HAVE_DS = False
 needs_ds = pytest.mark.skipif(not HAVE_DS, reason="the deepspeed package cannot be imported")
 
-GPT2_CASES = ["gpt2-1-bf16", "gpt2-2-bf16", "gpt2-3-bf16", "gpt2-1-fp16", "gpt2-2-fp16", "gpt2-3-fp16"]
-BERT_CASES = ["bert-3-bf16", "bert-2-fp16"]
-LLAMA_CASES = ["llama-3-bf16"]
-
-
-@pytest.fixture(scope="session")
-def ds_cases(tmp_path_factory):
-    if not HAVE_DS:
-        pytest.skip("the deepspeed package cannot be imported")
-    # CKPTOOL_DS_CASES=DIR keeps the cases between runs while developing (built there once).
-    keep = os.environ.get("CKPTOOL_DS_CASES")
-    cases = GPT2_CASES + BERT_CASES + LLAMA_CASES
-    if keep and all((Path(keep) / c / "truth.pt").is_file() for c in cases):
-        return Path(keep)
-    out = Path(keep) if keep else tmp_path_factory.mktemp("ds_cases")
-    out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           str(REPO / "tests" / "ds_train_cases.py"), str(out), *cases]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return out
+GPT2_CASES = [c for c in DS_TRAIN_CASES if c.startswith("gpt2-")]  # the saves of conftest's ds_cases
+BERT_CASES = [c for c in DS_TRAIN_CASES if c.startswith("bert-")]
+LLAMA_CASES = [c for c in DS_TRAIN_CASES if c.startswith("llama-")]
 
 
 def _cli(*argv):
