@@ -1,7 +1,10 @@
-"""DeepSpeed saves of Megatron models for inspect, without torch: Megatron-DeepSpeed pipelines
-(GPTModelPipe: mp_rank_XX_model_states.pt and layer_LL-model_TT-model_states.pt) and Megatron names
-under `module` (--no-pipeline-parallel), with ZeRO-1/2 or BF16_Optimizer shards
-([bf16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt) or none.
+"""DeepSpeed saves for inspect, without torch: Megatron-DeepSpeed pipelines (GPTModelPipe:
+mp_rank_XX_model_states.pt and layer_LL-model_TT-model_states.pt) and Megatron names under `module`
+(--no-pipeline-parallel), with ZeRO-1/2 or BF16_Optimizer shards
+([bf16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt) or none; and Hugging Face models trained under
+DeepSpeed with ZeRO-1/2/3 or BF16_Optimizer (their names and groups: quick/deepspeed_hf.py). The
+ranks are read here for both: ZeRO-3's per-DP-rank model states and sub-group flats, frozen
+parameters (fragments or `module`), buffers and tied aliases, as formats/deepspeed_zero.py reads them.
 
 What the full reader (formats/deepspeed.py, deepspeed_zero.py, deepspeed_optim.py) shows by default
 follows from the pickles' structure alone (quick/torch_pickle.py):
@@ -18,9 +21,10 @@ follows from the pickles' structure alone (quick/torch_pickle.py):
     with the group's weight-decay trait, which every parameter of its flats must have: biases and 1-D
     norms in the group without weight decay), the loss scaler's entries, the scheduler, the sample count.
 
-NotQuick (the full reader answers) for everything else: ZeRO-3, Hugging Face names, saves without
-args, frozen parameters, buffers or shared aliases, a missing optimizer shard or shards for some
-model-parallel ranks only, elastic checkpoints, groups the trait does not tell apart, mixed dtypes, MoE.
+NotQuick (the full reader answers) for everything else: Megatron models under ZeRO-3 or with frozen
+parameters, buffers or shared aliases, saves without args, a missing optimizer shard or shards for
+some model-parallel ranks only, elastic checkpoints, groups the trait does not tell apart, mixed dtypes,
+MoE; HF models that are not GPTs, lack a config.json beside them, or sit at model-parallel ranks.
 """
 from __future__ import annotations
 

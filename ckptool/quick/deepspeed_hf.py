@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 from ..formats.deepspeed_files import find_hf_config
 from ..formats.hf_config import config_from_hf, gpt_model_type, with_full_names, word_embedding_key
@@ -84,7 +84,7 @@ def param_groups(tensors: Dict[str, TensorMeta], sources: Dict[str, str], shared
                        {k: v for k, v in g.items() if k != "params"}) for g in stored]
 
 
-def single_rank(named: Dict[int, dict]) -> Optional[dict]:
+def single_rank(named: Dict[int, dict]) -> dict:
     """The one model-parallel rank's names (the full reader reads HF models with data parallelism only)."""
     if len(named) != 1:
         raise NotQuick("Hugging Face names with model-parallel ranks")
