@@ -363,6 +363,47 @@ def _write_zero12(tag, params, mp, dp, prefix, zero_stage, keep_padding, extra_m
     torch.save(meta, tag / f"mp_rank_{mp:02d}_model_states.pt")
 
 
+def _write_zero3(tag, params, mp, ws, extra_meta):
+    """ZeRO-3 files for one MP rank, deepspeed.md 1.2/1.3: every parameter cut into ws equal slices
+    (the last zero-padded), rank r's slices back to back in its one flat; a model-states file per DP
+    rank with 0-numel placeholders in `module`; Adam moments x/4 and x*x of the masters."""
+    flats = [[] for _ in range(ws)]
+    for v in params.values():
+        x = v.float().reshape(-1)
+        pn = -(-x.numel() // ws)
+        x = torch.cat([x, torch.zeros(pn * ws - x.numel())])
+        for r in range(ws):
+            flats[r].append(x[r * pn:(r + 1) * pn])
+    for r in range(ws):
+        flat = torch.cat(flats[r])
+        osd = {"zero_stage": 3, "partition_count": ws, "fp32_flat_groups": [flat], "optimizer_state_dict": {
+            "state": {0: {"step": torch.tensor(7.0), "exp_avg": flat * 0.25, "exp_avg_sq": flat * flat}},
+            "param_groups": [{"lr": 1e-3, "weight_decay": 0.1, "params": [0]}]}}
+        torch.save({"optimizer_state_dict": osd}, tag / f"zero_pp_rank_{r}_mp_rank_{mp:02d}_optim_states.pt")
+        meta = {"module": {k: torch.empty(0, dtype=torch.bfloat16) for k in params}, "buffer_names": [],
+                "param_shapes": [{k: v.shape for k, v in params.items()}], "shared_params": {},
+                "frozen_param_shapes": {}, "frozen_param_fragments": {}, "dp_world_size": ws}
+        meta.update(extra_meta)
+        torch.save(meta, tag / f"zero_pp_rank_{r}_mp_rank_{mp:02d}_model_states.pt")
+
+
+def test_synthetic_zero3_tp2_megatron_names(tmp_path):
+    """Synthetic: ZeRO-3 at TP 2 x DP 3 of Megatron-DeepSpeed --no-pipeline-parallel names (odd sizes:
+    padded slices): the fp32 masters and moments are the parameters, exactly."""
+    t = _rand_gpt(h=8, heads=2, vocab=16)
+    tag = tmp_path / "global_step7"
+    tag.mkdir()
+    (tmp_path / "latest").write_text("global_step7")
+    for mp in range(2):
+        _write_zero3(tag, _legacy_module_tp(t, mp, 2, heads=2), mp, 3,
+                     {"args": _args(tp=2), "iteration": 7, "checkpoint_version": 3.0})
+    ckpt = open_checkpoint(tmp_path)
+    assert "zero-3, master weights" in ckpt.source.storage and ckpt.source.layout.dp == 3
+    _check_canonical(ckpt, t)
+    got = _load_all(ckpt.optimizer.slots["exp_avg"])
+    assert torch.equal(got["embed.word"], t["word"] * 0.25) and ckpt.optimizer.step == 7
+
+
 def test_synthetic_bf16_optimizer_tp2_megatron_names(tmp_path):
     """Synthetic: BF16_Optimizer shards (no zero_stage, padding kept), TP=2 (mp_rank_01), DP=3,
     Megatron-DeepSpeed --no-pipeline-parallel names, args in the model states."""

@@ -343,17 +343,25 @@ def test_quick_inspect_of_megatron_deepspeed_pipeline_saves(tmp_path, monkeypatc
     assert "model weights" in json.loads(full_path(monkeypatch, "inspect", tmp_path / "missing", "--json"))["storage"]
 
 
-@pytest.mark.parametrize("case", ["bf16_tp2_dp3", "zero2_fp16_dp4", "weights_only"])
+@pytest.mark.parametrize("case", ["bf16_tp2_dp3", "zero2_fp16_dp4", "weights_only", "zero3_tp2_dp3"])
 def test_quick_inspect_of_megatron_names_under_deepspeed_module(tmp_path, monkeypatch, case):
     """Megatron-DeepSpeed --no-pipeline-parallel saves (Megatron names under `module`, documented layouts
     written as tests/test_deepspeed.py does): BF16_Optimizer at TP 2 x DP 3 with the padding kept, ZeRO-2
-    at DP 4 with it stripped, and model states without shards (16-bit module weights) read quick, equal
-    to the full path."""
-    from test_deepspeed import _args, _legacy_module_tp, _rand_gpt, _write_zero12
+    at DP 4 with it stripped, model states without shards (16-bit module weights), and ZeRO-3 at TP 2 x
+    DP 3 (padded slices, a model-states file per DP rank) read quick, equal to the full path."""
+    from test_deepspeed import _args, _legacy_module_tp, _rand_gpt, _write_zero12, _write_zero3
     t = _rand_gpt(h=8, heads=2, vocab=16)
     tag = tmp_path / "global_step7"
     tag.mkdir()
     (tmp_path / "latest").write_text("global_step7")
+    if case == "zero3_tp2_dp3":
+        for mp in range(2):
+            _write_zero3(tag, _legacy_module_tp(t, mp, 2, heads=2), mp, 3,
+                         {"args": _args(tp=2), "iteration": 7, "checkpoint_version": 3.0})
+        assert quick_inspect.quick_open(tmp_path, {}).optimizer.kind == "deepspeed-zero3"
+        assert torch_free("inspect", tmp_path, "--json") == full_path(monkeypatch, "inspect", tmp_path, "--json")
+        assert torch_free("inspect", tmp_path) == full_path(monkeypatch, "inspect", tmp_path)
+        return
     tp, dp, prefix, stage, keep = {"bf16_tp2_dp3": (2, 3, "bf16_", None, True), "zero2_fp16_dp4": (1, 4, "", 2, False),
                                    "weights_only": (2, 1, "", 1, False)}[case]
     for mp in range(tp):

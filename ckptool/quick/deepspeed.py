@@ -1,6 +1,6 @@
 """DeepSpeed saves for inspect, without torch: Megatron-DeepSpeed pipelines (GPTModelPipe:
 mp_rank_XX_model_states.pt and layer_LL-model_TT-model_states.pt) and Megatron names under `module`
-(--no-pipeline-parallel), with ZeRO-1/2 or BF16_Optimizer shards
+(--no-pipeline-parallel), with ZeRO-1/2/3 or BF16_Optimizer shards
 ([bf16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt) or none; and Hugging Face models trained under
 DeepSpeed with ZeRO-1/2/3 or BF16_Optimizer (their names and groups: quick/deepspeed_hf.py). The
 ranks are read here for both: ZeRO-3's per-DP-rank model states and sub-group flats, frozen
@@ -21,8 +21,8 @@ follows from the pickles' structure alone (quick/torch_pickle.py):
     with the group's weight-decay trait, which every parameter of its flats must have: biases and 1-D
     norms in the group without weight decay), the loss scaler's entries, the scheduler, the sample count.
 
-NotQuick (the full reader answers) for everything else: Megatron models under ZeRO-3 or with frozen
-parameters, buffers or shared aliases, saves without args, a missing optimizer shard or shards for
+NotQuick (the full reader answers) for everything else: Megatron models with frozen parameters,
+buffers or shared aliases, saves without args, a missing optimizer shard or shards for
 some model-parallel ranks only, elastic checkpoints, groups the trait does not tell apart, mixed dtypes,
 MoE; HF models that are not GPTs, lack a config.json beside them, or sit at model-parallel ranks.
 """
@@ -91,9 +91,9 @@ def _checkpoint(path: Path, format_name: str) -> Checkpoint:
         named = {mp: _named(r, weights) for mp, r in ranks.items()}
         if not mds.is_pipe_names(named[0]) and not looks_megatron(named[0]):  # a Hugging Face model's names
             return _hf_checkpoint(path, format_name, tf, ranks, named, weights)
-    if any(r.kind == "zero3" or r.meta.get("frozen_param_shapes") or r.meta.get("buffer_names")
-           or r.meta.get("shared_params") for r in ranks.values()):
-        raise NotQuick("a Megatron model under ZeRO-3, or with frozen parameters, buffers or aliases")
+    if any(r.meta.get("frozen_param_shapes") or r.meta.get("buffer_names") or r.meta.get("shared_params")
+           for r in ranks.values()):
+        raise NotQuick("a Megatron model with frozen parameters, buffers or aliases")
     args = r0.meta.get("args")
     if args is None:
         raise NotQuick("no args")  # the full reader's config then needs the shapes' arithmetic
