@@ -103,6 +103,19 @@ def test_zero3_has_no_model_weights(ds_cases):
 
 @needs_ds
 @pytest.mark.deepspeed
+def test_zero3_without_its_optimizer_shards_is_refused_by_name(ds_cases, tmp_path):
+    """Neither weights is there: the placeholders are not read as a model (once an internal error)."""
+    shutil.copytree(ds_cases / "gpt2-3-bf16" / "ckpt", tmp_path / "ckpt")
+    for f in (tmp_path / "ckpt").glob("*/*optim_states.pt"):
+        f.unlink()
+    with pytest.raises(CkptError, match="no ZeRO optimizer shards and keeps no 16-bit module weights"):
+        open_checkpoint(tmp_path / "ckpt")
+    r = _cli("inspect", str(tmp_path / "ckpt"))
+    assert r.exit_code == 2 and "optim_states.pt files" in r.output
+
+
+@needs_ds
+@pytest.mark.deepspeed
 @pytest.mark.parametrize("case", ["gpt2-1-bf16", "gpt2-3-fp16"])
 def test_gpt2_logits_through_transformers(ds_cases, case, tmp_path):
     import transformers

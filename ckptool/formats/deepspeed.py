@@ -62,6 +62,9 @@ def _choose_weights(requested: Optional[str], ranks: Dict[int, RankStates], has_
     has_master = all(r.master for r in ranks.values())
     has_model = has_layers or all(_module_has_weights(r) for r in ranks.values())
     if requested is None:
+        if not has_master and not has_model:  # a ZeRO-3 save copied without its optimizer shards
+            raise CkptError("this checkpoint has no ZeRO optimizer shards and keeps no 16-bit module weights "
+                            "(ZeRO-3 saves 0-element placeholders)", "copy the *_optim_states.pt files of this step too")
         return "master" if has_master else "model"
     require(requested in WEIGHTS, f"unknown --weights {requested!r}", "choose master or model")
     if requested == "master" and not has_master:
