@@ -195,8 +195,8 @@ def ds_cases(tmp_path_factory):
 @pytest.fixture(scope="session")
 def ds_universal_saves(tmp_path_factory):
     """The folder holding DS_UNIVERSAL_CASES saved at DP 2: CASE/ckpt and CASE/truth.pt."""
-    # CKPTOOL_DS_UNIVERSAL=DIR keeps the saves between runs while developing (test_ds_universal.py
-    # writes its conversions and load reports beside them)
+    # CKPTOOL_DS_UNIVERSAL=DIR keeps the saves between runs while developing (for the readers of the saves:
+    # test_ds_universal.py converts into CASE/universal, so it wants a fresh DIR each time)
     keep = os.environ.get("CKPTOOL_DS_UNIVERSAL")
     if keep and all((Path(keep) / c / "truth.pt").is_file() for c in DS_UNIVERSAL_CASES):
         return Path(keep)
