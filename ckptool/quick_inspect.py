@@ -8,7 +8,8 @@ directory formats are torch-free) and gives that format's quick reader, if it ha
   torch_dist the DCP .metadata pickle, the common state's args, model-space optimizer state and the
              flat dp_reshardable buckets (quick/dist.py, quick/dist_optim.py, quick/dist_buckets.py)
   deepspeed  Megatron models under DeepSpeed (pipeline layer files or `module`), ZeRO-1/2 and BF16
-             shards (quick/deepspeed.py)
+             shards (quick/deepspeed.py); Hugging Face models under DeepSpeed, ZeRO-1/2/3 and BF16
+             (quick/deepspeed_hf.py)
 Each returns a real Checkpoint whose tensors (and optimizer slots) are TensorMeta records (shape,
 dtype name, bytes), so inspect's describe() and text output are the same code on both paths, or None
 where only the full reader can say. Then, and for reading options (overrides, --true-vocab-size,

@@ -154,3 +154,53 @@ def copy_run(stem: Path, dest: Path) -> None:
 def framework_runs(tmp_path_factory):
     """The session's FrameworkRuns (see there)."""
     return FrameworkRuns(tmp_path_factory.mktemp("framework_runs"))
+
+
+# --- real DeepSpeed runs shared by the session ----------------------------------------------------------
+# Two helpers train tiny Hugging Face models with the real deepspeed package on CPU (2 ranks, gloo), every
+# case in one torchrun launch; test_deepspeed.py, test_ds_universal.py and test_quick_inspect.py read the
+# same saves (read only: a file that changes one copies it first).
+DS_TRAIN_CASES = ["gpt2-1-bf16", "gpt2-2-bf16", "gpt2-3-bf16", "gpt2-1-fp16", "gpt2-2-fp16", "gpt2-3-fp16",
+                  "bert-3-bf16", "bert-2-fp16", "llama-3-bf16"]  # tests/ds_train_cases.py MODEL-STAGE-DTYPE
+# tests/ds_universal_cases.py: bf16opt runs BF16_Optimizer, 3s ZeRO-3 with small optimizer sub-groups
+DS_UNIVERSAL_CASES = ["gpt2-1-bf16", "gpt2-2-bf16", "gpt2-3-bf16", "gpt2-1-fp32", "gpt2-2-fp32", "gpt2-3-fp32",
+                      "gpt2-1-bf16opt", "llama-2-bf16", "gpt2-2-fp16", "gpt2-3s-bf16"]
+
+
+def ds_torchrun(nproc: int, helper: str, *argv) -> None:
+    """Run tests/HELPER under torchrun with DeepSpeed's CPU accelerator."""
+    import subprocess
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("the deepspeed package cannot be imported")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+           str(free_port()), str(ROOT / "tests" / helper), *argv]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+@pytest.fixture(scope="session")
+def ds_cases(tmp_path_factory):
+    """The folder holding DS_TRAIN_CASES: CASE/ckpt (the save, config.json beside it) and CASE/truth.pt."""
+    # CKPTOOL_DS_CASES=DIR keeps the cases between runs while developing (built there once).
+    keep = os.environ.get("CKPTOOL_DS_CASES")
+    if keep and all((Path(keep) / c / "truth.pt").is_file() for c in DS_TRAIN_CASES):
+        return Path(keep)
+    out = Path(keep) if keep else tmp_path_factory.mktemp("ds_cases")
+    out.mkdir(parents=True, exist_ok=True)
+    ds_torchrun(2, "ds_train_cases.py", str(out), *DS_TRAIN_CASES)
+    return out
+
+
+@pytest.fixture(scope="session")
+def ds_universal_saves(tmp_path_factory):
+    """The folder holding DS_UNIVERSAL_CASES saved at DP 2: CASE/ckpt and CASE/truth.pt."""
+    # CKPTOOL_DS_UNIVERSAL=DIR keeps the saves between runs while developing (for the readers of the saves:
+    # test_ds_universal.py converts into CASE/universal, so it wants a fresh DIR each time)
+    keep = os.environ.get("CKPTOOL_DS_UNIVERSAL")
+    if keep and all((Path(keep) / c / "truth.pt").is_file() for c in DS_UNIVERSAL_CASES):
+        return Path(keep)
+    out = Path(keep) if keep else tmp_path_factory.mktemp("ds_universal")
+    out.mkdir(parents=True, exist_ok=True)
+    ds_torchrun(2, "ds_universal_cases.py", "save", str(out), *DS_UNIVERSAL_CASES)
+    return out

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import count_tensor_reads, free_port
+from conftest import DS_TRAIN_CASES, count_tensor_reads
 from ckptool.errors import CkptError
 from ckptool.formats import deepspeed as ds
 from ckptool.formats.registry import detect_format, open_checkpoint
@@ -41,28 +41,9 @@ except Exception:  # pragma: no cover - depends on the environment
     HAVE_DS = False
 needs_ds = pytest.mark.skipif(not HAVE_DS, reason="the deepspeed package cannot be imported")
 
-GPT2_CASES = ["gpt2-1-bf16", "gpt2-2-bf16", "gpt2-3-bf16", "gpt2-1-fp16", "gpt2-2-fp16", "gpt2-3-fp16"]
-BERT_CASES = ["bert-3-bf16", "bert-2-fp16"]
-LLAMA_CASES = ["llama-3-bf16"]
-
-
-@pytest.fixture(scope="session")
-def ds_cases(tmp_path_factory):
-    if not HAVE_DS:
-        pytest.skip("the deepspeed package cannot be imported")
-    # CKPTOOL_DS_CASES=DIR keeps the cases between runs while developing (built there once).
-    keep = os.environ.get("CKPTOOL_DS_CASES")
-    cases = GPT2_CASES + BERT_CASES + LLAMA_CASES
-    if keep and all((Path(keep) / c / "truth.pt").is_file() for c in cases):
-        return Path(keep)
-    out = Path(keep) if keep else tmp_path_factory.mktemp("ds_cases")
-    out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           str(REPO / "tests" / "ds_train_cases.py"), str(out), *cases]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return out
+GPT2_CASES = [c for c in DS_TRAIN_CASES if c.startswith("gpt2-")]  # the saves of conftest's ds_cases
+BERT_CASES = [c for c in DS_TRAIN_CASES if c.startswith("bert-")]
+LLAMA_CASES = [c for c in DS_TRAIN_CASES if c.startswith("llama-")]
 
 
 def _cli(*argv):
@@ -118,6 +99,19 @@ def test_model_weights_are_the_16bit_copies(ds_cases, case):
 def test_zero3_has_no_model_weights(ds_cases):
     with pytest.raises(CkptError, match="ZeRO-3"):
         open_checkpoint(ds_cases / "gpt2-3-bf16" / "ckpt", ReadOptions(weights="model"))
+
+
+@needs_ds
+@pytest.mark.deepspeed
+def test_zero3_without_its_optimizer_shards_is_refused_by_name(ds_cases, tmp_path):
+    """Neither weights is there: the placeholders are not read as a model (once an internal error)."""
+    shutil.copytree(ds_cases / "gpt2-3-bf16" / "ckpt", tmp_path / "ckpt")
+    for f in (tmp_path / "ckpt").glob("*/*optim_states.pt"):
+        f.unlink()
+    with pytest.raises(CkptError, match="no ZeRO optimizer shards and keeps no 16-bit module weights"):
+        open_checkpoint(tmp_path / "ckpt")
+    r = _cli("inspect", str(tmp_path / "ckpt"))
+    assert r.exit_code == 2 and "optim_states.pt files" in r.output
 
 
 @needs_ds
@@ -380,6 +374,47 @@ def _write_zero12(tag, params, mp, dp, prefix, zero_stage, keep_padding, extra_m
             "frozen_param_shapes": None, "frozen_param_fragments": None, "dp_world_size": dp}
     meta.update(extra_meta)
     torch.save(meta, tag / f"mp_rank_{mp:02d}_model_states.pt")
+
+
+def _write_zero3(tag, params, mp, ws, extra_meta):
+    """ZeRO-3 files for one MP rank, deepspeed.md 1.2/1.3: every parameter cut into ws equal slices
+    (the last zero-padded), rank r's slices back to back in its one flat; a model-states file per DP
+    rank with 0-numel placeholders in `module`; Adam moments x/4 and x*x of the masters."""
+    flats = [[] for _ in range(ws)]
+    for v in params.values():
+        x = v.float().reshape(-1)
+        pn = -(-x.numel() // ws)
+        x = torch.cat([x, torch.zeros(pn * ws - x.numel())])
+        for r in range(ws):
+            flats[r].append(x[r * pn:(r + 1) * pn])
+    for r in range(ws):
+        flat = torch.cat(flats[r])
+        osd = {"zero_stage": 3, "partition_count": ws, "fp32_flat_groups": [flat], "optimizer_state_dict": {
+            "state": {0: {"step": torch.tensor(7.0), "exp_avg": flat * 0.25, "exp_avg_sq": flat * flat}},
+            "param_groups": [{"lr": 1e-3, "weight_decay": 0.1, "params": [0]}]}}
+        torch.save({"optimizer_state_dict": osd}, tag / f"zero_pp_rank_{r}_mp_rank_{mp:02d}_optim_states.pt")
+        meta = {"module": {k: torch.empty(0, dtype=torch.bfloat16) for k in params}, "buffer_names": [],
+                "param_shapes": [{k: v.shape for k, v in params.items()}], "shared_params": {},
+                "frozen_param_shapes": {}, "frozen_param_fragments": {}, "dp_world_size": ws}
+        meta.update(extra_meta)
+        torch.save(meta, tag / f"zero_pp_rank_{r}_mp_rank_{mp:02d}_model_states.pt")
+
+
+def test_synthetic_zero3_tp2_megatron_names(tmp_path):
+    """Synthetic: ZeRO-3 at TP 2 x DP 3 of Megatron-DeepSpeed --no-pipeline-parallel names (odd sizes:
+    padded slices): the fp32 masters and moments are the parameters, exactly."""
+    t = _rand_gpt(h=8, heads=2, vocab=16)
+    tag = tmp_path / "global_step7"
+    tag.mkdir()
+    (tmp_path / "latest").write_text("global_step7")
+    for mp in range(2):
+        _write_zero3(tag, _legacy_module_tp(t, mp, 2, heads=2), mp, 3,
+                     {"args": _args(tp=2), "iteration": 7, "checkpoint_version": 3.0})
+    ckpt = open_checkpoint(tmp_path)
+    assert "zero-3, master weights" in ckpt.source.storage and ckpt.source.layout.dp == 3
+    _check_canonical(ckpt, t)
+    got = _load_all(ckpt.optimizer.slots["exp_avg"])
+    assert torch.equal(got["embed.word"], t["word"] * 0.25) and ckpt.optimizer.step == 7
 
 
 def test_synthetic_bf16_optimizer_tp2_megatron_names(tmp_path):

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import count_tensor_reads, free_port
+from conftest import DS_UNIVERSAL_CASES, count_tensor_reads, free_port
 from ckptool.errors import CkptError
 from ckptool.formats.ds_universal import universal_params
 from ckptool.formats.registry import open_checkpoint
@@ -37,8 +37,7 @@ MDS = next((base / "mds_gpt2_pipe_tp2pp2_bf16_zero1" for base in (REPO.parent / 
 # fp16: DeepSpeed's DynamicLossScaler travels in zero/optimizer_state.pt (a stand-in written back)
 # 3s: ZeRO-3 with small optimizer sub-groups (several flat groups per rank; DeepSpeed's own converter
 # mishandled these before 0.18)
-CASES = ["gpt2-1-bf16", "gpt2-2-bf16", "gpt2-3-bf16", "gpt2-1-fp32", "gpt2-2-fp32", "gpt2-3-fp32",
-         "gpt2-1-bf16opt", "llama-2-bf16", "gpt2-2-fp16", "gpt2-3s-bf16"]
+CASES = DS_UNIVERSAL_CASES  # conftest's ds_universal_saves
 KINDS = {"1": "deepspeed-zero1", "2": "deepspeed-zero2", "3": "deepspeed-zero3", "3s": "deepspeed-zero3"}
 FROZEN = {"gpt2": "embed.pos", "llama": "layers.0.attn_norm.weight"}  # ds_train_cases.FROZEN, canonical
 LOAD_DP = (1, 3)
@@ -68,12 +67,12 @@ def _torchrun(n, *argv):
 
 
 @pytest.fixture(scope="session")
-def runs(tmp_path_factory):
-    """Every case saved at DP 2, converted by the CLI, then loaded at DP 1 and DP 3 (one launch each)."""
+def runs(ds_universal_saves):
+    """Every case saved at DP 2 (the session's saves), converted by the CLI, then loaded at DP 1 and DP 3
+    (one launch each)."""
     if not HAVE_DS:
         pytest.skip("the deepspeed package cannot be imported")
-    out = tmp_path_factory.mktemp("ds_universal")
-    _torchrun(2, "save", str(out), *CASES)
+    out = ds_universal_saves
     for case in CASES:
         res = _cli("merge", str(out / case / "ckpt"), str(out / case / "universal"), "--format", "ds-universal")
         assert res.exit_code == 0, res.output

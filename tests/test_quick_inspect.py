@@ -343,17 +343,25 @@ def test_quick_inspect_of_megatron_deepspeed_pipeline_saves(tmp_path, monkeypatc
     assert "model weights" in json.loads(full_path(monkeypatch, "inspect", tmp_path / "missing", "--json"))["storage"]
 
 
-@pytest.mark.parametrize("case", ["bf16_tp2_dp3", "zero2_fp16_dp4", "weights_only"])
+@pytest.mark.parametrize("case", ["bf16_tp2_dp3", "zero2_fp16_dp4", "weights_only", "zero3_tp2_dp3"])
 def test_quick_inspect_of_megatron_names_under_deepspeed_module(tmp_path, monkeypatch, case):
     """Megatron-DeepSpeed --no-pipeline-parallel saves (Megatron names under `module`, documented layouts
     written as tests/test_deepspeed.py does): BF16_Optimizer at TP 2 x DP 3 with the padding kept, ZeRO-2
-    at DP 4 with it stripped, and model states without shards (16-bit module weights) read quick, equal
-    to the full path."""
-    from test_deepspeed import _args, _legacy_module_tp, _rand_gpt, _write_zero12
+    at DP 4 with it stripped, model states without shards (16-bit module weights), and ZeRO-3 at TP 2 x
+    DP 3 (padded slices, a model-states file per DP rank) read quick, equal to the full path."""
+    from test_deepspeed import _args, _legacy_module_tp, _rand_gpt, _write_zero12, _write_zero3
     t = _rand_gpt(h=8, heads=2, vocab=16)
     tag = tmp_path / "global_step7"
     tag.mkdir()
     (tmp_path / "latest").write_text("global_step7")
+    if case == "zero3_tp2_dp3":
+        for mp in range(2):
+            _write_zero3(tag, _legacy_module_tp(t, mp, 2, heads=2), mp, 3,
+                         {"args": _args(tp=2), "iteration": 7, "checkpoint_version": 3.0})
+        assert quick_inspect.quick_open(tmp_path, {}).optimizer.kind == "deepspeed-zero3"
+        assert torch_free("inspect", tmp_path, "--json") == full_path(monkeypatch, "inspect", tmp_path, "--json")
+        assert torch_free("inspect", tmp_path) == full_path(monkeypatch, "inspect", tmp_path)
+        return
     tp, dp, prefix, stage, keep = {"bf16_tp2_dp3": (2, 3, "bf16_", None, True), "zero2_fp16_dp4": (1, 4, "", 2, False),
                                    "weights_only": (2, 1, "", 1, False)}[case]
     for mp in range(tp):
@@ -407,3 +415,64 @@ def test_quick_inspect_of_the_distributed_optimizer(megatron_dirs, framework_run
     assert quick_inspect.quick_open(tmp_path / "off", {}) is None
     r = CliRunner().invoke(main, ["inspect", str(tmp_path / "off")])
     assert r.exit_code == 2 and "numel_unpadded" in r.output and "pass --no-optimizer" in r.output
+
+
+# Hugging Face models trained under the real DeepSpeed engine (one frozen parameter each, GPT-2 tied with its
+# alias in shared_params): the session's saves of tests/ds_train_cases.py (conftest ds_cases: bf16 / fp16)
+# and tests/ds_universal_cases.py (ds_universal_saves: fp32, BF16_Optimizer, ZeRO-3 sub-groups), read only.
+QUICK_DS_HF = {"gpt2-1-bf16": "ds_cases", "gpt2-2-fp16": "ds_cases", "gpt2-3-bf16": "ds_cases",
+               "gpt2-3-fp16": "ds_cases", "llama-3-bf16": "ds_cases",
+               "gpt2-1-fp32": "ds_universal_saves", "gpt2-2-fp32": "ds_universal_saves",
+               "gpt2-3-fp32": "ds_universal_saves", "gpt2-1-bf16opt": "ds_universal_saves",
+               "gpt2-3s-bf16": "ds_universal_saves", "llama-2-bf16": "ds_universal_saves"}
+DS_KINDS = {"1": "deepspeed-zero1", "2": "deepspeed-zero2", "3": "deepspeed-zero3", "3s": "deepspeed-zero3"}
+
+
+@pytest.mark.parametrize("case", list(QUICK_DS_HF))
+def test_quick_inspect_of_hf_models_under_deepspeed(request, monkeypatch, case):
+    """ZeRO-1/2/3 and BF16_Optimizer runs of GPT-2 (tied) and Llama (GQA, SwiGLU, untied) in bf16, fp16 and
+    fp32: the config from config.json, the fp32 masters placed from param_shapes in the partitions (ZeRO-3:
+    each rank's slice of every parameter in its sub-group flats), the frozen parameter from its fragments
+    or `module` in 16 bits, the Adam state and groups read quick, equal to the full path."""
+    d = request.getfixturevalue(QUICK_DS_HF[case]) / case / "ckpt"
+    quick = quick_inspect.quick_open(d, {})
+    assert quick is not None and type(next(iter(quick.tensors.values()))).__name__ == "TensorMeta"
+    assert torch_free("inspect", d, "--json") == full_path(monkeypatch, "inspect", d, "--json")
+    assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d)
+    model, stage, dtype = case.split("-")
+    frozen = {"gpt2": "embed.pos", "llama": "layers.0.attn_norm.weight"}[model]  # ds_train_cases.FROZEN
+    assert quick.tensors[frozen].dtype == {"bf16": "bfloat16", "bf16opt": "bfloat16", "fp16": "float16"}.get(dtype, "float32")
+    assert quick.tensors["embed.word"].dtype == "float32"  # a master
+    opt = quick.optimizer
+    assert opt.kind == ("deepspeed-bf16" if dtype == "bf16opt" else DS_KINDS[stage]) and opt.step == 2
+    trainable = [n for n in quick.tensors if n != frozen]
+    assert [n for g in opt.param_groups for n in g.names] == trainable  # the frozen one in no group
+
+
+def test_hf_models_under_deepspeed_the_quick_path_does_not_cover(ds_cases, tmp_path, monkeypatch):
+    """What the full reader refuses or reads by other means gives no quick answer, and the full reader's
+    answer or error stands: a BERT run (not a GPT), a save without its config.json, a ZeRO-3 save whose
+    frozen parameter's fragments no longer hold it, --hf-config given."""
+    import shutil
+    from ckptool.io.torchfile import load_torch_file, save_streaming
+    from ckptool.lazy import Const
+    bert = ds_cases / "bert-3-bf16" / "ckpt"
+    assert quick_inspect.quick_open(bert, {}) is None
+    r = CliRunner().invoke(main, ["inspect", str(bert)])
+    assert r.exit_code == 2 and "not a GPT" in r.output
+    shutil.copytree(ds_cases / "gpt2-3-bf16" / "ckpt", tmp_path / "noconf")
+    (tmp_path / "noconf" / "config.json").unlink()
+    assert quick_inspect.quick_open(tmp_path / "noconf", {}) is None
+    r = CliRunner().invoke(main, ["inspect", str(tmp_path / "noconf")])
+    assert r.exit_code == 2 and "--hf-config" in r.output
+    assert quick_inspect.quick_open(tmp_path / "noconf", {"hf_config": str(ds_cases / "gpt2-3-bf16" / "ckpt")}) is None
+    assert "dialect hf gpt2" in full_path(monkeypatch, "inspect", tmp_path / "noconf", "--hf-config",
+                                          ds_cases / "gpt2-3-bf16" / "ckpt")
+    shutil.copytree(ds_cases / "gpt2-3-bf16" / "ckpt", tmp_path / "short")
+    for f in (tmp_path / "short").glob("*/zero_pp_rank_*_model_states.pt"):
+        tree = load_torch_file(f)
+        tree["frozen_param_fragments"]["transformer.wpe.weight"] = Const(torch.zeros(100, dtype=torch.bfloat16))
+        save_streaming(tree, f.with_suffix(".tmp"))
+        f.with_suffix(".tmp").replace(f)
+    assert quick_inspect.quick_open(tmp_path / "short", {}) is None
+    assert CliRunner().invoke(main, ["inspect", str(tmp_path / "short")]).exit_code != 0

@@ -19,7 +19,6 @@ names and counters the ds-universal writer needs are kept in source.extra.
 from __future__ import annotations
 
 import copy
-import json
 from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -39,7 +38,7 @@ from . import megatron_args
 from . import hf as hf_format
 from .deepspeed_optim import optimizer_state, stepped
 from .deepspeed_zero import RankStates, find_files, looks_like_deepspeed, read_rank, param_shapes
-from .deepspeed_files import megatron_key
+from .deepspeed_files import find_hf_config, looks_megatron, megatron_key  # noqa: F401 (this module's interface)
 from .megatron import config_for_shards, detect_dialect, flatten
 from ..summary import WriteSummary
 from .megatron_names import KeyMatcher, is_ignorable, qkv_to_grouped
@@ -63,6 +62,9 @@ def _choose_weights(requested: Optional[str], ranks: Dict[int, RankStates], has_
     has_master = all(r.master for r in ranks.values())
     has_model = has_layers or all(_module_has_weights(r) for r in ranks.values())
     if requested is None:
+        if not has_master and not has_model:  # a ZeRO-3 save copied without its optimizer shards
+            raise CkptError("this checkpoint has no ZeRO optimizer shards and keeps no 16-bit module weights "
+                            "(ZeRO-3 saves 0-element placeholders)", "copy the *_optim_states.pt files of this step too")
         return "master" if has_master else "model"
     require(requested in WEIGHTS, f"unknown --weights {requested!r}", "choose master or model")
     if requested == "master" and not has_master:
@@ -299,17 +301,6 @@ def _tied_check(key, t, owner, copy, warnings):
 
 # --- Megatron names stored under `module` ---------------------------------------------------
 
-def looks_megatron(named: Dict[str, LazyTensor]) -> bool:
-    """Whether most parameter names are one Megatron dialect's (the module holds a Megatron model)."""
-    keys = [megatron_key(k) for k in named]
-    try:
-        d = detect_dialect(keys)
-    except CkptError:
-        return False
-    m = KeyMatcher(d)
-    return sum(1 for k in keys if m.match(k)) * 2 > len(keys)
-
-
 def _read_megatron_module(named, r0, opts, policy):
     tp = len(named)
     flat = {mp: {megatron_key(k): v for k, v in (flatten(n) if any(isinstance(x, dict) for x in n.values()) else n).items()}
@@ -356,23 +347,6 @@ def _module_naming(r0: RankStates, matcher: KeyMatcher, dialect) -> dict:
 
 
 # --- Hugging Face names ---------------------------------------------------------------------
-
-def find_hf_config(tag_dir: Path, given: Optional[str]) -> Optional[dict]:
-    candidates = []
-    if given:
-        g = Path(given)
-        candidates.append(g / "config.json" if g.is_dir() else g)
-        if not candidates[0].is_file():
-            raise CkptError(f"--hf-config {given}: no config.json there", "pass a config.json or a directory holding one")
-    candidates += [tag_dir / "config.json", tag_dir.parent / "config.json"]
-    for c in candidates:
-        if c.is_file():
-            try:
-                return json.loads(c.read_text())
-            except ValueError as e:
-                raise CkptError(f"{c}: not valid JSON ({e})", "pass a Hugging Face config.json")
-    return None
-
 
 def _read_hf_gpt(tf, ranks, named, opts):
     require(len(named) == 1, f"{tf.tag_dir}: Hugging Face names with {len(named)} model-parallel ranks",

@@ -4,6 +4,7 @@ inspect ask here.
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,3 +104,36 @@ def megatron_key(name: str) -> str:
     if parts[1] in ("embedding", "output_layer"):
         return "/".join(parts)
     return f"language_model/{parts[1]}/" + ".".join(parts[2:])
+
+
+def find_hf_config(tag_dir: Path, given: Optional[str]) -> Optional[dict]:
+    """The config.json of a Hugging Face model trained under DeepSpeed: --hf-config, else beside the
+    tag directory or in the save directory above it (where save_pretrained put it)."""
+    candidates = []
+    if given:
+        g = Path(given)
+        candidates.append(g / "config.json" if g.is_dir() else g)
+        if not candidates[0].is_file():
+            raise CkptError(f"--hf-config {given}: no config.json there", "pass a config.json or a directory holding one")
+    candidates += [tag_dir / "config.json", tag_dir.parent / "config.json"]
+    for c in candidates:
+        if c.is_file():
+            try:
+                return json.loads(c.read_text())
+            except ValueError as e:
+                raise CkptError(f"{c}: not valid JSON ({e})", "pass a Hugging Face config.json")
+    return None
+
+
+def looks_megatron(names) -> bool:
+    """Whether most parameter names are one Megatron dialect's (the module holds a Megatron model),
+    else they are a Hugging Face model's (formats/deepspeed.py's third kind)."""
+    from .megatron_files import detect_dialect  # the name tables: only where a save's names are judged
+    from .megatron_names import KeyMatcher
+    keys = [megatron_key(k) for k in names]
+    try:
+        d = detect_dialect(keys)
+    except CkptError:
+        return False
+    m = KeyMatcher(d)
+    return sum(1 for k in keys if m.match(k)) * 2 > len(keys)

@@ -1,7 +1,10 @@
-"""DeepSpeed saves of Megatron models for inspect, without torch: Megatron-DeepSpeed pipelines
-(GPTModelPipe: mp_rank_XX_model_states.pt and layer_LL-model_TT-model_states.pt) and Megatron names
-under `module` (--no-pipeline-parallel), with ZeRO-1/2 or BF16_Optimizer shards
-([bf16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt) or none.
+"""DeepSpeed saves for inspect, without torch: Megatron-DeepSpeed pipelines (GPTModelPipe:
+mp_rank_XX_model_states.pt and layer_LL-model_TT-model_states.pt) and Megatron names under `module`
+(--no-pipeline-parallel), with ZeRO-1/2/3 or BF16_Optimizer shards
+([bf16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt) or none; and Hugging Face models trained under
+DeepSpeed with ZeRO-1/2/3 or BF16_Optimizer (their names and groups: quick/deepspeed_hf.py). The
+ranks are read here for both: ZeRO-3's per-DP-rank model states and sub-group flats, frozen
+parameters (fragments or `module`), buffers and tied aliases, as formats/deepspeed_zero.py reads them.
 
 What the full reader (formats/deepspeed.py, deepspeed_zero.py, deepspeed_optim.py) shows by default
 follows from the pickles' structure alone (quick/torch_pickle.py):
@@ -18,15 +21,16 @@ follows from the pickles' structure alone (quick/torch_pickle.py):
     with the group's weight-decay trait, which every parameter of its flats must have: biases and 1-D
     norms in the group without weight decay), the loss scaler's entries, the scheduler, the sample count.
 
-NotQuick (the full reader answers) for everything else: ZeRO-3, Hugging Face names, saves without
-args, frozen parameters, buffers or shared aliases, a missing optimizer shard or shards for some
-model-parallel ranks only, elastic checkpoints, groups the trait does not tell apart, mixed dtypes, MoE.
+NotQuick (the full reader answers) for everything else: Megatron models with frozen parameters,
+buffers or shared aliases, saves without args, a missing optimizer shard or shards for
+some model-parallel ranks only, elastic checkpoints, groups the trait does not tell apart, mixed dtypes,
+MoE; HF models that are not GPTs, lack a config.json beside them, or sit at model-parallel ranks.
 """
 from __future__ import annotations
 
 import math
 from collections import OrderedDict, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -34,12 +38,13 @@ from ..config import Layout
 from ..errors import CkptError
 from ..formats import megatron_args
 from ..formats import mds_pipeline as mds
-from ..formats.deepspeed_files import TagFiles, megatron_key, resolve_tag_dir, scan_tag_dir
+from ..formats.deepspeed_files import TagFiles, looks_megatron, megatron_key, resolve_tag_dir, scan_tag_dir
 from ..formats.megatron_files import detect_dialect
 from ..formats.megatron_names import KeyMatcher, is_ignorable
 from ..spec import GPT
 from ..spec.schema import MDS
-from ..state import Checkpoint, OptimizerState, ParamGroup, SourceInfo
+from ..state import Checkpoint, OptimizerState, ParamGroup, SourceInfo, in_model_order
+from . import deepspeed_hf
 from .meta import TensorMeta, canonical_shapes
 from .torch_pickle import NotQuick, Scalar, load_torch_zip
 
@@ -49,12 +54,17 @@ SCALER_KEYS = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")  # 
 
 @dataclass
 class _Rank:
+    """One model-parallel rank as formats/deepspeed_zero.RankStates holds it, tensors as TensorMeta."""
     meta: dict
     osds: Dict[int, dict]
     shapes: List["OrderedDict[str, tuple]"]
     master: Dict[str, TensorMeta]
     stage: Optional[int]  # None: no optimizer shards
-    kind: str  # "zero" | "bf16_optimizer" | "none"
+    kind: str  # "zero" | "bf16_optimizer" | "zero3" | "none"
+    module: Dict[str, TensorMeta] = field(default_factory=dict)  # the `module` state dict's tensors
+    frozen: Dict[str, TensorMeta] = field(default_factory=dict)  # frozen parameters (fragments)
+    buffers: Dict[str, TensorMeta] = field(default_factory=dict)
+    shared: Dict[str, str] = field(default_factory=dict)  # alias -> owner
 
 
 def read(path: Path, format_name: str) -> Optional[Checkpoint]:
@@ -66,11 +76,9 @@ def read(path: Path, format_name: str) -> Optional[Checkpoint]:
 
 def _checkpoint(path: Path, format_name: str) -> Checkpoint:
     tf = scan_tag_dir(resolve_tag_dir(Path(path)))
-    if tf.zero_model or not tf.model:
-        raise NotQuick("ZeRO-3, or no model states")
-    mps = sorted(tf.model)
-    if mps != list(range(len(mps))):
-        raise NotQuick("model-parallel ranks")
+    mps = tf.mp_ranks
+    if not mps or mps != list(range(len(mps))):
+        raise NotQuick("no model states, or model-parallel ranks missing")
     ranks = {mp: _rank(tf, mp, pipeline=bool(tf.layers)) for mp in mps}
     r0 = ranks[0]
     if all(r.osds for r in ranks.values()):
@@ -79,6 +87,13 @@ def _checkpoint(path: Path, format_name: str) -> Checkpoint:
         weights = "model"
     else:
         raise NotQuick("optimizer shards for some model-parallel ranks only")
+    if not tf.layers:
+        named = {mp: _named(r, weights) for mp, r in ranks.items()}
+        if not mds.is_pipe_names(named[0]) and not looks_megatron(named[0]):  # a Hugging Face model's names
+            return _hf_checkpoint(path, format_name, tf, ranks, named, weights)
+    if any(r.meta.get("frozen_param_shapes") or r.meta.get("buffer_names") or r.meta.get("shared_params")
+           for r in ranks.values()):
+        raise NotQuick("a Megatron model with frozen parameters, buffers or aliases")
     args = r0.meta.get("args")
     if args is None:
         raise NotQuick("no args")  # the full reader's config then needs the shapes' arithmetic
@@ -105,6 +120,34 @@ def _checkpoint(path: Path, format_name: str) -> Checkpoint:
                       layout=layout, iteration=r0.meta.get("iteration", r0.meta.get("global_steps")),
                       checkpoint_version=r0.meta.get("checkpoint_version"), args=args)
     return Checkpoint(cfg, tensors, info, [], _optimizer(ranks, tensors) if weights == "master" else None)
+
+
+def _hf_checkpoint(path: Path, format_name: str, tf: TagFiles, ranks: Dict[int, _Rank],
+                   named: Dict[int, Dict[str, TensorMeta]], weights: str) -> Checkpoint:
+    """A Hugging Face model trained under DeepSpeed (deepspeed._read_hf_gpt and the optimizer state
+    deepspeed_optim.py builds for it), from quick/deepspeed_hf.py's mapping."""
+    r0 = ranks[0]
+    names = deepspeed_hf.single_rank(named)
+    if weights == "model" and any(math.prod(t.shape) == 0 for t in names.values()):
+        raise NotQuick("ZeRO-3 placeholders and no optimizer shards")
+    cfg, tensors, model_type, sources = deepspeed_hf.canonical(names, tf.tag_dir)
+    dtype = next(iter(tensors.values())).dtype
+    stage = "BF16_Optimizer" if r0.kind == "bf16_optimizer" else f"zero-{r0.stage}" if r0.stage else "no ZeRO"
+    info = SourceInfo(path=str(path), format=format_name, dialect=f"hf {model_type}",
+                      storage=f"{stage}, {weights} weights ({dtype})", layout=Layout(tp=1, pp=1, dp=max(1, len(r0.osds))),
+                      iteration=r0.meta.get("iteration", r0.meta.get("global_steps")),
+                      checkpoint_version=r0.meta.get("checkpoint_version"), args=r0.meta.get("args"))
+    optimizer = None
+    if weights == "master" and _base(r0.osds[0]).get("state"):
+        slots = deepspeed_hf.slots(tensors, sources, r0.shared, {key: held_moments(r0, key) for key in MOMENTS})
+        stored = [g for g in _base(r0.osds[0]).get("param_groups") or [] if isinstance(g, dict)]
+        osd0 = r0.osds[0]
+        kind = {"bf16_optimizer": "deepspeed-bf16"}.get(r0.kind, f"deepspeed-zero{r0.stage}")
+        optimizer = OptimizerState(kind=kind, slots=slots, step=_step(r0),
+                                   param_groups=deepspeed_hf.param_groups(tensors, sources, r0.shared, r0.shapes, stored),
+                                   grad_scaler={k: osd0[k] for k in SCALER_KEYS if k in osd0} or None,
+                                   scheduler=r0.meta.get("lr_scheduler"), consumed_samples=r0.meta.get("global_samples"))
+    return Checkpoint(cfg, in_model_order(tensors, cfg), info, [], optimizer)
 
 
 def _pipeline(tf: TagFiles, ranks: Dict[int, _Rank], weights: str):
@@ -160,13 +203,18 @@ def _module(ranks: Dict[int, _Rank], weights: str):
 
 
 def _named(r: _Rank, weights: str) -> Dict[str, TensorMeta]:
-    """Engine parameter name -> tensor, as formats/deepspeed.named_weights gives them (this reader
-    leaves frozen parameters, buffers and aliases to the full one)."""
-    module = {k: v for k, v in r.meta["module"].items() if isinstance(v, TensorMeta)}
+    """Engine parameter name -> tensor, as formats/deepspeed.named_weights gives them: the masters,
+    then frozen parameters, buffers, what else `module` holds (ZeRO-1 keeps frozen parameters only
+    there) and the aliases of shared parameters."""
     if weights == "model":
-        return module
+        return dict(r.module)
     out = dict(r.master)
-    out.update({k: v for k, v in module.items() if k not in out and math.prod(v.shape) > 0})  # ZeRO-1's frozen
+    for more in (r.frozen, r.buffers):
+        out.update({k: v for k, v in more.items() if k not in out})
+    out.update({k: v for k, v in r.module.items() if k not in out and k not in r.shared and math.prod(v.shape) > 0})
+    for alias, owner in r.shared.items():
+        if owner in out and alias not in out:
+            out[alias] = out[owner]
     return out
 
 
@@ -212,15 +260,26 @@ def _layer_entries(tf: TagFiles, tp: int) -> Dict[tuple, list]:
 
 
 def _rank(tf: TagFiles, mp: int, pipeline: bool) -> _Rank:
-    meta = load_torch_zip(tf.model[mp])
+    """deepspeed_zero.read_rank on the pickles' structure: the model states (ZeRO-3: one file per DP
+    rank), frozen parameters, buffers and aliases, and the fp32 masters placed in their partitions."""
+    zero3_files = {d: p for (d, m), p in tf.zero_model.items() if m == mp}
+    if zero3_files:
+        metas = {d: load_torch_zip(p) for d, p in sorted(zero3_files.items())}
+    elif mp in tf.model:
+        metas = {0: load_torch_zip(tf.model[mp])}
+    else:
+        raise NotQuick(f"no model states for MP rank {mp}")
+    meta = metas[min(metas)]
     if not isinstance(meta, dict) or "module" not in meta:
         raise NotQuick("no module entry")
-    if meta.get("frozen_param_shapes") or meta.get("buffer_names") or meta.get("shared_params") or \
-            (meta.get("module") if pipeline else not isinstance(meta.get("module"), dict)):
-        raise NotQuick("frozen parameters, buffers or aliases; module weights in a pipeline save")
+    if meta.get("module") if pipeline else not isinstance(meta.get("module"), dict):
+        raise NotQuick("module weights in a pipeline save")
+    module = {k: v for k, v in (meta.get("module") or {}).items() if isinstance(v, TensorMeta)}
+    parts = dict(module=module, shared=dict(meta.get("shared_params") or {}),
+                 buffers={n: module[n] for n in (meta.get("buffer_names") or []) if n in module})
     paths = {d: p for (d, m), p in tf.optim.items() if m == mp}
-    if not paths:  # the layer files' 16-bit weights are the only ones
-        return _Rank(meta, {}, _param_shapes(meta), {}, None, "none")
+    if not paths:  # the layer files' or `module`'s 16-bit weights are the only ones
+        return _Rank(meta, {}, _param_shapes(meta), {}, None, "none", frozen=_frozen(meta, metas, None), **parts)
     osds = {}
     for d, p in sorted(paths.items()):
         tree = load_torch_zip(p)
@@ -234,15 +293,61 @@ def _rank(tf: TagFiles, mp: int, pipeline: bool) -> _Rank:
         raise NotQuick("an optimizer shard is missing")
     z = first.get("zero_stage")
     stage = None if z is None else int(getattr(z, "value", z))
-    if stage == 3 or "fp32_flat_groups" in first:
-        raise NotQuick("ZeRO-3")
     shapes = _param_shapes(meta)
+    if stage == 3 or "fp32_flat_groups" in first:
+        if type(count) is int and count != len(osds):
+            raise NotQuick("ZeRO-3 shards cut for another count of ranks")
+        master = _place_zero3([_flat_list(osds[d], "fp32_flat_groups") for d in sorted(osds)], shapes)
+        return _Rank(meta, osds, shapes, master, 3, "zero3", frozen=_frozen(meta, metas, 3), **parts)
     groups = [osds[d].get("single_partition_of_fp32_groups") for d in sorted(osds)]
     if any(not isinstance(g, list) or len(g) != len(shapes) for g in groups):
         raise NotQuick("param_shapes does not describe the fp32 partitions")
     mappings = [osds[d].get("param_slice_mappings") for d in sorted(osds)]
     master = _place(groups, mappings, shapes, check_tail=True)
-    return _Rank(meta, osds, shapes, master, stage or 1, "zero" if stage is not None else "bf16_optimizer")
+    return _Rank(meta, osds, shapes, master, stage or 1, "zero" if stage is not None else "bf16_optimizer",
+                 frozen=_frozen(meta, metas, stage or 1), **parts)
+
+
+def _flat_list(osd: dict, key: str) -> list:
+    flats = osd.get(key)
+    if not isinstance(flats, (list, tuple)) or not flats:
+        raise NotQuick(f"no {key}")
+    return list(flats)
+
+
+def _frozen(meta: dict, metas: Dict[int, dict], stage: Optional[int]) -> Dict[str, TensorMeta]:
+    """deepspeed_zero._frozen: a frozen parameter from the fragments every ZeRO-3 rank saves, or from
+    DP rank 0's whole fragment (ZeRO-1/2); neither: left to `module` (_named)."""
+    out = {}
+    for name, shape in (meta.get("frozen_param_shapes") or {}).items():
+        shape = tuple(int(x) for x in shape)
+        frags = [m.get("frozen_param_fragments", {}).get(name) for _, m in sorted(metas.items())]
+        if stage == 3 and all(f is not None for f in frags):
+            if any(not isinstance(f, TensorMeta) or len(f.shape) != 1 for f in frags) or len({f.dtype for f in frags}) != 1 \
+                    or sum(f.shape[0] for f in frags) < math.prod(shape):
+                raise NotQuick(f"the fragments of frozen {name} do not hold it")
+            out[name] = TensorMeta(shape, frags[0].dtype)
+        elif isinstance(frags[0], TensorMeta) and math.prod(frags[0].shape) == math.prod(shape):
+            out[name] = TensorMeta(shape, frags[0].dtype)
+    return out
+
+
+def _place_zero3(flats: List[list], shapes) -> Dict[str, TensorMeta]:
+    """deepspeed_zero._zero3_params on shapes: every parameter cut into ws equal (padded) slices, one
+    at the same offset in each rank's sub-group flats taken end to end, checked to fit every rank."""
+    every = [f for rank in flats for f in rank]
+    if any(not isinstance(f, TensorMeta) or len(f.shape) != 1 for f in every) or len({f.dtype for f in every}) != 1:
+        raise NotQuick("ZeRO-3 flats of several dtypes")
+    ws, dtype = len(flats), every[0].dtype
+    room = min(sum(f.shape[0] for f in rank) for rank in flats)
+    out, offset = {}, 0
+    for names in shapes:
+        for name, shape in names.items():
+            offset += -(-math.prod(shape) // ws)
+            if offset > room:
+                raise NotQuick(f"the ZeRO-3 partitions do not hold {name}")
+            out[name] = TensorMeta(shape, dtype)
+    return out
 
 
 def _param_shapes(meta) -> List["OrderedDict[str, tuple]"]:
@@ -285,8 +390,14 @@ def _place(groups: List[list], mappings: List[Optional[list]], shapes, check_tai
     return out
 
 
+def _zero3(osd: dict) -> bool:
+    z = osd.get("zero_stage")
+    return "fp32_flat_groups" in osd or (z is not None and int(getattr(z, "value", z)) == 3)
+
+
 def _base(osd: dict) -> dict:
-    base = osd.get("base_optimizer_state")
+    """The wrapped torch optimizer's state_dict (deepspeed_zero.base_optimizer)."""
+    base = osd.get("optimizer_state_dict") if _zero3(osd) else osd.get("base_optimizer_state")
     if isinstance(base, list) or osd.get("elastic_checkpoint"):
         raise NotQuick("an elastic checkpoint")  # the full reader refuses its moments when they are read
     return base if isinstance(base, dict) else {}
@@ -298,11 +409,7 @@ def _optimizer(ranks: Dict[int, _Rank], tensors: Dict[str, TensorMeta]) -> Optio
     r0 = ranks[0]
     dtypes: Dict[str, set] = {"master": {t.dtype for r in ranks.values() for t in r.master.values()}}
     for key in MOMENTS:
-        dtypes[key] = set()
-        for r in ranks.values():
-            flats = [_moment_flats(r.osds[d], key) for d in sorted(r.osds)]
-            mappings = [r.osds[d].get("param_slice_mappings") for d in sorted(r.osds)]
-            dtypes[key] |= {t.dtype for t in _place(flats, mappings, r.shapes, check_tail=False).values()}
+        dtypes[key] = {t.dtype for r in ranks.values() for t in held_moments(r, key).values()}
     if any(len(d) != 1 for d in dtypes.values()):
         raise NotQuick("a slot of several dtypes")
     slot_dtype = {s: next(iter(d)) for s, d in dtypes.items()}
@@ -315,10 +422,22 @@ def _optimizer(ranks: Dict[int, _Rank], tensors: Dict[str, TensorMeta]) -> Optio
                           consumed_samples=r0.meta.get("global_samples"))
 
 
+def held_moments(r: _Rank, key: str) -> Dict[str, TensorMeta]:
+    """Engine parameter name -> its Adam `key` moment, placed exactly like its fp32 master
+    (deepspeed_zero.rank_moments): the same partitions, offsets and slice mappings."""
+    flats = [_moment_flats(r.osds[d], key) for d in sorted(r.osds)]
+    if r.kind == "zero3":
+        return _place_zero3(flats, r.shapes)
+    return _place(flats, [r.osds[d].get("param_slice_mappings") for d in sorted(r.osds)], r.shapes, check_tail=False)
+
+
 def _moment_flats(osd: dict, key: str) -> List[TensorMeta]:
     """One DP rank's `key` flats, checked against its fp32 partitions (deepspeed_zero._moment_flats)."""
     state = _base(osd).get("state")
-    masters, paddings = osd["single_partition_of_fp32_groups"], osd.get("group_paddings")
+    if _zero3(osd):
+        masters, paddings = osd["fp32_flat_groups"], None
+    else:
+        masters, paddings = osd["single_partition_of_fp32_groups"], osd.get("group_paddings")
     if not isinstance(state, dict):
         raise NotQuick("no torch optimizer state")
     out = []

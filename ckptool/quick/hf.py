@@ -14,7 +14,7 @@ from typing import Dict, Optional
 from ..config import Layout
 from ..errors import CkptError
 from ..formats import hf_config
-from ..formats.hf_names import MODEL_TYPES, expand
+from ..formats.hf_names import MODEL_TYPES, canonical_names, expand
 from ..io.safetensors_header import read_safetensors_header
 from ..state import Checkpoint, SourceInfo, expected_names
 from .meta import TensorMeta
@@ -45,7 +45,7 @@ def _checkpoint(path: Path, format_name: str) -> Optional[Checkpoint]:
     entries = hf_config.with_full_names(entries, family)
     rows = entries[hf_config.word_embedding_key(family)].shape[0]
     cfg = hf_config.config_from_hf(conf, rows, model_type)
-    tensors = _canonical_shapes(entries, family, cfg)
+    tensors = canonical_shapes(entries, family, cfg)
     if tensors is None:
         return None
     ckpt = Checkpoint(cfg, tensors, SourceInfo(path=str(path), format=format_name, dialect=model_type,
@@ -55,9 +55,11 @@ def _checkpoint(path: Path, format_name: str) -> Optional[Checkpoint]:
     return ckpt
 
 
-def _canonical_shapes(entries: Dict[str, TensorMeta], family: str, cfg) -> Optional[Dict[str, TensorMeta]]:
+def canonical_shapes(entries: Dict[str, TensorMeta], family: str, cfg,
+                     sources: Optional[Dict[str, str]] = None) -> Optional[Dict[str, TensorMeta]]:
     """The hf_names table applied to shapes, as the reader applies it to tensors; None unless every
-    stored tensor maps and every canonical tensor of cfg is found (the reader's own checks)."""
+    stored tensor maps and every canonical tensor of cfg is found (the reader's own checks).
+    sources, if given, gets each canonical name's HF name (several share a fused one)."""
     tensors: Dict[str, TensorMeta] = {}
     used = set()
     for hf_name, (op, arg), _group in expand(family, cfg.num_layers, cfg.moe.num_experts if cfg.moe else 0):
@@ -65,6 +67,8 @@ def _canonical_shapes(entries: Dict[str, TensorMeta], family: str, cfg) -> Optio
         if t is None:
             continue
         used.add(hf_name)
+        if sources is not None:
+            sources.update((n, hf_name) for n in canonical_names((op, arg)))
         shape = t.shape[::-1] if op in ("T", "cat_T") else t.shape
         if op in ("copy", "T"):
             tensors[arg] = TensorMeta(shape, t.dtype)
