@@ -354,6 +354,11 @@ def test_every_reader_labels_the_q_latent_norm_of_an_mla_checkpoint(deepseek_den
             "mlp_norm.weight", "fc1.weight", "fc2.weight"))
         norm = shards.tensors["layers.0.mla.q_down_norm.weight"].load()
         assert torch.equal(norm, full.tensors["layers.0.attn.q_down_norm.weight"].load())
-        down = shards.tensors["layers.0.mla.kv_down.weight"].load()  # TE: whole on each rank; local: its rows
-        assert down.shape[0] == (12 + 8) // (1 if dialect == "mcore-te" else 2)
+        # TE files hold the down projections whole on each rank; the rank view the parallel forward computes with
+        # is the local spec's rows either way, cut from the whole tensor for TE
+        down = shards.tensors["layers.0.mla.kv_down.weight"].load()
+        assert torch.equal(down, full.tensors["layers.0.attn.kv_down.weight"].load().chunk(2)[t])
+        stored = torch.load(next((tmp_path / "meg").glob(f"*/mp_rank_0{t}/model_optim_rng.pt")), weights_only=False)
+        rows = stored["model"]["decoder.layers.0.self_attention.linear_kv_down_proj.weight"].shape[0]
+        assert rows == (12 + 8) // (1 if dialect == "mcore-te" else 2)
     assert quick.read(tmp_path / "meg", "megatron") is None
