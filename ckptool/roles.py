@@ -52,6 +52,19 @@ _LAYER = "layers.{layer}."
 LAYER_SIMPLE = {t.role: t.name[len(_LAYER):] for t in GPT.tensors
                 if t.role is not None and t.axes == ("layer",) and t.part is None and GPT.roles[t.role].base == t.role}
 
+# Roles that are module buffers, not parameters (spec trait "buffer": the router's expert bias): saved with
+# the weights, but no optimizer holds them, so they have no optimizer slot and no place in a grad buffer.
+BUFFER_ROLES = GPT.with_trait("buffer")
+_BUFFER_NAMES = re.compile("|".join(
+    "^" + re.escape(t.name).replace(r"\{layer\}", r"\d+").replace(r"\{expert\}", r"\d+") + "$"
+    for t in GPT.tensors if t.role in BUFFER_ROLES) or "(?!)")
+
+
+def is_parameter(name: str) -> bool:
+    """Whether a canonical tensor is a parameter (has optimizer slots), not a module buffer."""
+    return _BUFFER_NAMES.match(name) is None
+
+
 # The roles every layer of a dense model has (the MoE layer's own are MOE_*_ROLES), in the order writers write them.
 LAYER_ROLES = tuple(r.name for r in GPT.role_list("layer"))
 

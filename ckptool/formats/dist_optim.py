@@ -39,7 +39,7 @@ import torch
 from ..errors import CkptError
 from ..lazy import Const, Derived, LazyTensor
 from ..state import OPTIMIZER_SLOTS, OptimizerState, ParamGroup
-from ..roles import GLOBAL_ROLES
+from ..roles import GLOBAL_ROLES, is_parameter
 from .megatron_distopt import group_by_rule
 from .megatron_groups import merge_groups
 from .megatron_optim import (CANONICAL_EXPERT, HINT, GroupRule, RankParam, chain_members,
@@ -202,6 +202,7 @@ def read(common: dict, form: str, slot_tensors: Callable[[str], Dict[str, LazyTe
     chained optimizer's parts hold disjoint parameters under the same prefix). rule, ep: the source
     run's --decoupled-lr and expert-parallel size, which its groups and chain follow."""
     step, hypers, scaler = read_scalars(common, where)
+    weights = {n: w for n, w in weights.items() if is_parameter(n)}  # module buffers have no optimizer state
     slots = {}
     for slot, stored in STORED_SLOTS[form].items():
         tensors = slot_tensors(stored)

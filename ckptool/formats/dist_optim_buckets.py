@@ -50,7 +50,7 @@ from ..errors import CkptError
 from ..io.dcp_io import DcpDir
 from ..io.torchfile import load_torch_bytes
 from ..lazy import Const, LazyTensor, derive
-from ..roles import GLOBAL_ROLES, LAYER_ROLES, global_role_tensor, layer_role_tensor, moe_layer_roles, shard_role
+from ..roles import BUFFER_ROLES, GLOBAL_ROLES, LAYER_ROLES, global_role_tensor, layer_role_tensor, moe_layer_roles, shard_role
 from .megatron_names import DIALECTS
 from .megatron_distopt import CURRENT, buffer_layout, bucket_sizes
 from .megatron_optim import HINT
@@ -63,9 +63,8 @@ DIALECT_OF_IMPL = {"local": "mcore", "transformer_engine": "mcore-te"}
 HEAD = ("word", "pos")
 TAIL = ("final_norm.weight", "final_norm.bias", "output")
 HEAD_COPY = "head_copy"  # the last stage's copy of a tied word embedding (PP > 1): laid out, not read
-# roles that are module buffers, not parameters: in no grad buffer (the router's expert bias is updated by
-# its own rule, not by the optimizer)
-NOT_PARAMETERS = ("router.expert_bias",)
+# roles that are module buffers, not parameters (the spec's "buffer" trait): in no grad buffer
+NOT_PARAMETERS = BUFFER_ROLES
 # args naming the first / last pipeline stage's layer counts (Megatron-LM's, and megatron-core's config)
 FIRST_STAGE_ARGS = ("decoder_first_pipeline_num_layers", "num_layers_in_first_pipeline_stage")
 LAST_STAGE_ARGS = ("decoder_last_pipeline_num_layers", "num_layers_in_last_pipeline_stage")

@@ -120,7 +120,7 @@ ROLES = (
     # MoE layer roles (megatron-core only): TopKRouter, SharedExpertMLP
     Role("router.weight", "replicated", {MCORE: "mlp.router.weight"}),
     Role("router.bias", "replicated", {MCORE: "mlp.router.bias"}),
-    Role("router.expert_bias", "replicated", {MCORE: "mlp.router.expert_bias"}),
+    Role("router.expert_bias", "replicated", {MCORE: "mlp.router.expert_bias"}, traits=("buffer",)),
     Role("shared.fc1.weight", names={MCORE: "mlp.shared_experts.linear_fc1.weight"}, fused="halves"),
     Role("shared.fc2.weight", names={MCORE: "mlp.shared_experts.linear_fc2.weight"}),
     Role("shared_gate.weight", "replicated", {MCORE: "mlp.shared_experts.gate_weight"}),

@@ -36,6 +36,13 @@ COLUMNS = (LEGACY, FLAT, MCORE, TE, TE_MOE, DIST, MDS, SEQUENTIAL, TE_GROUPED, L
 # A column a Role does not list takes the name of its fallback column (the names that do not differ):
 FALLBACK = {TE: MCORE, DIST: TE, MDS: LEGACY}
 
+# --- traits of a Role: what frameworks single out about it ---------------------------------------
+TRAITS = {
+    # a module buffer saved with the weights (megatron-core's TopKRouter.expert_bias, updated by its own rule
+    # from the tokens each expert got): in no optimizer group and no grad buffer, so it has no optimizer slot
+    "buffer": "a module buffer, not a parameter: no optimizer state",
+}
+
 # --- config predicates: when a model has a tensor ---------------------------------------------
 # (cfg, layer) -> bool; layer is None for global tensors. A Tensor lists the ones that must all hold.
 Predicate = Callable[[object, Optional[int]], bool]
@@ -98,11 +105,13 @@ class Role:
     and a scoped role shards by its base role's rule. rule: the tensor-parallel rule (a sharding.Rule
     value; None for scoped roles). fused: how the parts sit in the tensor: "qkv" (grouped per query
     group) or "halves" ([gate; up] rows when the model is gated, the GATED rule then). names: column
-    (COLUMNS) -> key; a column missing here and in FALLBACK means the format has no such tensor."""
+    (COLUMNS) -> key; a column missing here and in FALLBACK means the format has no such tensor.
+    traits: names from TRAITS."""
     name: str
     rule: Optional[str] = None
     names: Mapping[str, str] = field(default_factory=dict)
     fused: Optional[str] = None
+    traits: Tuple[str, ...] = ()
 
     @property
     def base(self) -> str:
@@ -135,6 +144,7 @@ class Spec:
         unknown = {t.role for t in tensors if t.role is not None} - set(self.roles)
         problems = [f"{t.name}: unknown predicate in {t.when}" for t in tensors if not set(t.when) <= set(PREDICATES)]
         problems += [f"{r.name}: unknown name column" for r in roles if not set(r.names) <= set(COLUMNS)]
+        problems += [f"{r.name}: unknown trait in {r.traits}" for r in roles if not set(r.traits) <= set(TRAITS)]
         if unknown:
             problems.append(f"tensors name roles the spec lacks: {sorted(unknown)}")
         if len(self.roles) != len(roles):
@@ -169,6 +179,12 @@ class Spec:
             if kind == where:
                 out.append(r)
         return out
+
+    def with_trait(self, trait: str) -> Tuple[str, ...]:
+        """The roles with this trait (TRAITS), in ROLES order."""
+        if trait not in TRAITS:
+            raise KeyError(f"unknown role trait {trait!r}")
+        return tuple(r.name for r in self.roles.values() if trait in r.traits)
 
     def keys(self, where: str, column: str) -> Dict[str, str]:
         """role -> key in one column, for the roles of `where` that the column names."""
