@@ -12,7 +12,8 @@ global shape (stacked layers included), so the weights' key table reads them unc
   distributed, dp_reshardable (the default since 0.15)  flat per-bucket buffers (dist_optim_buckets.py)
   distributed, dp_zero_gather_scatter (deprecated)      per-rank object of DP-gathered buffers (same)
 
-each as `optimizer.state.<stored slot>.<model key>`. The scalars live in the common state: the param
+each as `optimizer.state.<stored slot>.<model key>`, for parameters only: a module buffer among the weights
+(the router's expert bias, roles.BUFFER_ROLES) has no optimizer state and no slot. The scalars live in the common state: the param
 groups (hyperparameters without their parameter lists), the step (`state.common_step` for the
 non-distributed optimizer, `step` in every group for the distributed one), the grad scaler, and beside
 the optimizer the LR scheduler (`opt_param_scheduler`) and `content_metadata`, which tells a loading
