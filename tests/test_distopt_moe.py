@@ -19,7 +19,7 @@ from ckptool.errors import CkptError
 from ckptool.formats import megatron_optim
 from ckptool.formats.megatron import read_megatron
 from ckptool.lazy import Const
-from ckptool.roles import unfuse_qkv
+from ckptool.roles import is_parameter, unfuse_qkv
 
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and \
     importlib.util.find_spec("megatron.core") is not None
@@ -47,17 +47,21 @@ def runs(tmp_path_factory):
     flags = "--tp 1 --dtype bf16 --distributed-optimizer"
     _torchrun([f"train {d / 'ep1'} --ep 1 {flags} --out {d / 'ep1.pt'}",
                f"train {d / 'ep2'} --ep 2 {flags} --out {d / 'ep2.pt'}",
-               f"train {d / 'qwen'} --ep 2 --arch qwen2moe {flags} --out {d / 'qwen.pt'}"])
+               f"train {d / 'qwen'} --ep 2 --arch qwen2moe {flags} --out {d / 'qwen.pt'}",
+               # sigmoid routing with an expert bias: a buffer among the weights, in no grad buffer
+               f"train {d / 'bias'} --ep 2 --arch biased {flags} --out {d / 'bias.pt'}"])
     said = []
     api.reshard(d / "ep2", d / "to_ep1", tp=1, ep=1, distributed_optimizer=True, dp=2, warn=said.append)
     api.reshard(d / "ep1", d / "to_ep2", tp=1, ep=2, distributed_optimizer=True, dp=2, warn=said.append)
     api.reshard(d / "qwen", d / "qwen_to_ep1", tp=1, ep=1, distributed_optimizer=True, dp=2, warn=said.append)
+    api.reshard(d / "bias", d / "bias_to_ep1", tp=1, ep=1, distributed_optimizer=True, dp=2, warn=said.append)
     assert not said, said
     _torchrun([f"resume {d / 'to_ep1'} --ep 1 {flags} --out {d / 'to_ep1.pt'}",
                f"resume {d / 'to_ep2'} --ep 2 {flags} --out {d / 'to_ep2.pt'}",
                f"resume {d / 'ep2'} --ep 2 {flags} --out {d / 'control.pt'}",
                f"resume {d / 'to_ep1'} --ep 1 {flags} --weights-only --out {d / 'fresh.pt'}",
-               f"resume {d / 'qwen_to_ep1'} --ep 1 --arch qwen2moe {flags} --out {d / 'qwen_to_ep1.pt'}"])
+               f"resume {d / 'qwen_to_ep1'} --ep 1 --arch qwen2moe {flags} --out {d / 'qwen_to_ep1.pt'}",
+               f"resume {d / 'bias_to_ep1'} --ep 1 --arch biased {flags} --out {d / 'bias_to_ep1.pt'}"])
     # DP 4 x EP 2 (expert DP 2: ranks 2 and 3 hold halves of their experts' state and write no file)
     api.reshard(d / "ep1", d / "to_dp4", tp=1, ep=2, distributed_optimizer=True, dp=4, warn=said.append)
     assert not said, said
@@ -85,7 +89,7 @@ def canonical_pieces(name: str, value: torch.Tensor, cfg) -> dict:
     return {expert + "down.weight": value}
 
 
-@pytest.mark.parametrize("src", ["ep1", "ep2", "dp4"])
+@pytest.mark.parametrize("src", ["ep1", "ep2", "dp4", "bias"])
 def test_every_master_and_moment_equals_the_live_optimizers(runs, src):
     ck = read_megatron(runs / src)
     assert not ck.warnings and ck.optimizer is not None and ck.optimizer.kind == "megatron-distributed"
@@ -99,7 +103,8 @@ def test_every_master_and_moment_equals_the_live_optimizers(runs, src):
                 want = want[:got.shape[0]] if canon in ("embed.word", "output.weight") else want  # vocab padding
                 assert torch.equal(got, want), (src, canon, slot)
                 seen.add(canon)
-    assert seen == set(ck.tensors) == set(ck.optimizer.slots["exp_avg"])
+    # every parameter; a module buffer (the router's expert bias) is a weight with no slot
+    assert seen == {n for n in ck.tensors if is_parameter(n)} == set(ck.optimizer.slots["exp_avg"])
     assert any(".mlp.experts.3." in n for n in seen)
     # the dense groups (weight decay, none) carry the experts in the weight-decay one, whatever the EP
     groups = {g.hyper["wd_mult"]: g.names for g in ck.optimizer.param_groups}
@@ -112,7 +117,7 @@ def _next(path):
 
 
 @pytest.mark.parametrize("out,src", [("to_ep1", "ep2"), ("to_ep2", "ep1"), ("to_dp4", "ep1"),
-                                     ("qwen_to_ep1", "qwen")])
+                                     ("qwen_to_ep1", "qwen"), ("bias_to_ep1", "bias")])
 def test_written_distrib_optim_resumes_at_another_expert_layout(runs, out, src):
     """megatron-core loads ckptool's distrib_optim.pt (load_state_dict + load_parameter_state) and takes
     the next two steps with the very losses the source run took; the second is the first that the
