@@ -112,6 +112,19 @@ EMBEDDING_OR_OUTPUT_ROLES = frozenset(GPT.with_trait("embedding_or_output"))
 TIED_EMBEDDING_ROLES = frozenset(GPT.with_trait("tied_embedding"))
 FIRST_STAGE_ROLES = GPT.with_trait("first_stage")
 LAST_STAGE_ROLES = tuple(r for r in GLOBAL_ROLES if r not in FIRST_STAGE_ROLES)
+# Roles that are module buffers, not parameters (spec trait "buffer": the router's expert bias): saved with
+# the weights, but no optimizer holds them, so they have no optimizer slot and no place in a grad buffer.
+BUFFER_ROLES = GPT.with_trait("buffer")
+_BUFFER_NAMES = re.compile("|".join(
+    "^" + re.escape(t.name).replace(r"\{layer\}", r"\d+").replace(r"\{expert\}", r"\d+") + "$"
+    for t in GPT.tensors if t.role in BUFFER_ROLES) or "(?!)")
+
+
+def is_parameter(name: str) -> bool:
+    """Whether a canonical tensor is a parameter (has optimizer slots), not a module buffer."""
+    return _BUFFER_NAMES.match(name) is None
+
+
 
 
 def scope_of(role: str) -> Tuple[str, str]:

@@ -36,7 +36,8 @@ GPTModel with MoE layers (local spec: SequentialMLP experts `mlp.experts.local_e
   "load-dist DIR --tp T --ep E [--pp P] --out FILE"   dist_checkpointing.load of DIR at this layout into a fresh
         model, then load_state_dict(strict=True) (every parameter found, nothing left over).
 
---arch biased: the Mixtral-like model with sigmoid routing and an expert bias (--moe-router-enable-expert-bias).
+--arch biased: the Mixtral-like model with sigmoid routing and an expert bias (--moe-router-enable-expert-bias), a
+module buffer each training step moves by its own rule (Megatron-LM's finalize_model_grads; rate 0.1).
 --arch grouped: the Mixtral-like model with megatron-core's legacy GroupedMLP experts (weight1 / weight2; the
 CUDA-only grouped_gemm kernel stood in for by its maths on CPU).
 Every mode writes the logits for TOKENS (megatron-core's own forward at that layout, gathered over TP) to FILE.
@@ -86,8 +87,10 @@ DISTRIBUTED = {"on": False}  # train / resume --distributed-optimizer
 # Mixtral-like with megatron-core's legacy GroupedMLP experts (--moe-grouped-gemm without Transformer Engine:
 # weight1 [h, local experts x fc1 rows], weight2 [local experts x ffn, h], run as one grouped GEMM)
 ARCHS["grouped"] = dict(moe_grouped_gemm=True)
-# Mixtral-like with sigmoid scores and an expert bias (a float32 buffer, set off zero here) steering the choice
-ARCHS["biased"] = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+# Mixtral-like with sigmoid scores and an expert bias (a float32 buffer, set off zero here) steering the choice;
+# each training step moves it by +-0.1 from the tokens each expert got (a rate high enough to change the routing)
+ARCHS["biased"] = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                       moe_router_bias_update_rate=0.1)
 
 
 def _cpu_grouped_gemm():
@@ -238,6 +241,11 @@ def adam_step(ddp, opt, seed: int) -> float:
     loss = ddp(tokens[:, :-1], pos, attention_mask=mask, labels=tokens[:, 1:]).float().mean()
     loss.backward()
     ddp.finish_grad_sync()
+    if ddp.config.moe_router_enable_expert_bias:  # the expert bias's own update (Megatron-LM's finalize_model_grads)
+        import importlib  # the module, not the function megatron.core.distributed re-exports under its name
+        fmg = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+        fmg._update_router_expert_bias([ddp], ddp.config)
+        fmg.reset_model_temporary_tensors(ddp.config, [ddp])
     assert opt.step()[0], "optimizer step skipped"
     return loss.item()
 

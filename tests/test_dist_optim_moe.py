@@ -12,7 +12,9 @@ chain's keys prefixed chained_0. / chained_1.) at TP1 EP2, TP2 EP2 and TP2 ETP1 
 fully_sharded_model_space form (N-D flattened DP slices, stored as megatron-core 0.15 did) at TP1 EP2;
 it writes torch_dist for the target EP (one optimizer at EP 1, the chain at EP 2) and the torch format,
 and megatron-core resumes each with the very losses the source run took next (a weights-only resume is
-off by ~2e-2 at the second step, the first one the loaded moments move).
+off by ~2e-2 at the second step, the first one the loaded moments move). With sigmoid routing and an expert
+bias (a module buffer in no optimizer) the parameters' state is read and resumed alike, the bias carried as a
+weight without slots.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from ckptool.config import Layout
 from ckptool.convert import write_layout
 from ckptool.formats.registry import open_checkpoint
 from ckptool.io.torchfile import load_torch_file
+from ckptool.roles import is_parameter
 
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and \
     importlib.util.find_spec("megatron.core") is not None
@@ -52,8 +55,11 @@ SAVES = {"fr": ("--tp 1 --ep 2 --form fully_reshardable", 2), "plain": ("--tp 1 
          # megatron-core <= 0.14's default (0.16 builds it, the helper stores it as 0.15 did): N-D flattened DP slices
          "fsms": ("--tp 1 --ep 2 --form fully_sharded_model_space", 2),
          # Qwen2-MoE-like: a dense layer 0, a shared expert with its gate, QKV biases (layers keyed by index)
-         "qwen": ("--tp 1 --ep 2 --form fully_reshardable --moe-arch qwen2moe", 2)}
-LIVE_CHECKED = ("fr", "plain", "tp2", "dpr", "dpr_tp2", "dpr_etp1", "fsms", "dpr_pp2", "dz")  # test_distopt_moe.canonical_pieces knows the Mixtral-like names
+         "qwen": ("--tp 1 --ep 2 --form fully_reshardable --moe-arch qwen2moe", 2),
+         # sigmoid routing with an expert bias (--moe-router-enable-expert-bias): a module buffer in no optimizer
+         "bias_fr": ("--tp 1 --ep 2 --form fully_reshardable --moe-arch biased", 2),
+         "bias_dpr": ("--tp 1 --ep 2 --form dp_reshardable --moe-arch biased", 2)}
+LIVE_CHECKED = ("fr", "plain", "tp2", "dpr", "dpr_tp2", "dpr_etp1", "fsms", "dpr_pp2", "dz", "bias_fr", "bias_dpr")  # test_distopt_moe.canonical_pieces knows the Mixtral-like names
 
 
 def torchrun(nproc: int, *jobs: str, timeout: int = 900) -> None:
@@ -92,6 +98,8 @@ def resumed(saved):
     write_layout(open_checkpoint(d / "fsms"), d / "fsms_ep1", Layout(1, ep=1), fmt="torch_dist", warn=said.append)
     write_layout(open_checkpoint(d / "dpr_etp1"), d / "dpr_etp1_ep1", Layout(1, ep=1), fmt="torch_dist",
                  warn=said.append)
+    for name in ("bias_fr", "bias_dpr"):
+        write_layout(open_checkpoint(d / name), d / f"{name}_ep1", Layout(1, ep=1), fmt="torch_dist", warn=said.append)
     assert not said, said
     torchrun(2, f"moe-resume {d}/fr_ep1 --tp 1 --ep 1 --form fully_reshardable {BF16} --out {d}/r_fr_ep1.pt",
              f"moe-resume {d}/plain_ep1 --tp 1 --ep 1 --form plain {BF16} --out {d}/r_plain_ep1.pt",
@@ -105,7 +113,10 @@ def resumed(saved):
              f"moe-resume {d}/dpr_ep1 --tp 1 --ep 1 --form dp_reshardable {BF16} --out {d}/r_dpr_ep1.pt",
              f"moe-resume {d}/dpr_etp1_ep1 --tp 1 --ep 1 --form dp_reshardable {BF16} --out {d}/r_dpr_etp1_ep1.pt",
              f"moe-resume {d}/dpr --tp 1 --ep 2 --form dp_reshardable {BF16} --out {d}/r_dpr_control.pt",
-             f"moe-resume {d}/fsms_ep1 --tp 1 --ep 1 --form fully_reshardable {BF16} --out {d}/r_fsms_ep1.pt")
+             f"moe-resume {d}/fsms_ep1 --tp 1 --ep 1 --form fully_reshardable {BF16} --out {d}/r_fsms_ep1.pt",
+             # (bias_dpr_ep1 is the same fully_reshardable output: read back, not resumed again)
+             f"moe-resume {d}/bias_fr_ep1 --tp 1 --ep 1 --form fully_reshardable --moe-arch biased {BF16} "
+             f"--out {d}/r_bias_fr_ep1.pt")
     # the torch-format output, resumed as Megatron-LM's torch format loads (mcore_moe_helper.py resume)
     test_moe_megatron.torchrun([f"resume {d}/torch_ep1 --tp 1 --ep 1 {BF16} --out {d}/r_torch_ep1.pt"])
     return d
@@ -149,7 +160,8 @@ def test_expert_optimizer_state_equals_the_live_optimizers(saved, name):
                 want = want[:got.shape[0]] if canon in ("embed.word", "output.weight") else want  # vocab padding
                 assert got.dtype == torch.float32 and torch.equal(got, want.reshape(got.shape)), (name, canon, slot)
                 seen.add(canon)
-    assert seen == set(ck.tensors) and any(".mlp.experts.3." in n for n in seen)
+    # every parameter; a module buffer (the router's expert bias) is a weight with no slot
+    assert seen == {n for n in ck.tensors if is_parameter(n)} and any(".mlp.experts.3." in n for n in seen)
     # the expert optimizer's group and its dense twin are one canonical group
     groups = {g.hyper["wd_mult"]: g.names for g in opt.param_groups}
     assert len(opt.param_groups) == 2 and "layers.1.mlp.experts.3.down.weight" in groups[1.0]
@@ -179,7 +191,8 @@ def test_written_chain_is_megatron_cores_for_the_target_ep(resumed, tmp_path):
 
 @pytest.mark.parametrize("run,src", [("r_fr_ep1", "fr"), ("r_plain_ep1", "plain"), ("r_tp2_ep1", "tp2"),
                                      ("r_back_ep2", "fr"), ("r_torch_ep1", "fr"), ("r_qwen_ep1", "qwen"),
-                                     ("r_dpr_ep1", "dpr"), ("r_dpr_etp1_ep1", "dpr_etp1"), ("r_fsms_ep1", "fsms")])
+                                     ("r_dpr_ep1", "dpr"), ("r_dpr_etp1_ep1", "dpr_etp1"), ("r_fsms_ep1", "fsms"),
+                                     ("r_bias_fr_ep1", "bias_fr")])
 def test_moe_optimizer_resumes_at_another_expert_layout(resumed, run, src):
     """EP 2 -> EP 1 (both optimizer kinds; from TP2 too; the Qwen2-MoE-like model), EP 2 -> EP 1 -> EP 2,
     and into the torch format: the next two losses are the source run's; a fresh optimizer's second
@@ -191,6 +204,23 @@ def test_moe_optimizer_resumes_at_another_expert_layout(resumed, run, src):
     assert gap <= (2e-3 if src in ("tp2", "dpr_etp1") else 0.0) and fresh > 1e-3
     assert _next(resumed / "r_control.pt") == _next(resumed / "fr.pt")
     assert _next(resumed / "r_dpr_control.pt") == _next(resumed / "dpr.pt")  # megatron-core resuming its dp_reshardable save
+
+
+@pytest.mark.parametrize("name", ["bias_fr", "bias_dpr"])
+def test_expert_bias_is_a_weight_without_optimizer_state(resumed, name):
+    """megatron-core's TopKRouter.expert_bias is a buffer: saved with the model, in no optimizer (no
+    optimizer.state.* key, no place in the flat buffers). ckptool reads it as a weight without slots, writes
+    no optimizer state for it at EP 1, and carries its values bit for bit."""
+    src, out = open_checkpoint(resumed / name), open_checkpoint(resumed / f"{name}_ep1")
+    biases = [n for n in src.tensors if n.endswith("router.expert_bias")]
+    assert biases == ["layers.0.mlp.router.expert_bias", "layers.1.mlp.router.expert_bias"]
+    for n in biases:
+        bias = src.tensors[n].load()
+        assert bias.dtype == torch.float32 and bias.abs().sum() > 0  # megatron-core keeps it fp32 in a bf16 model
+        assert torch.equal(out.tensors[n].load(), bias)
+        assert all(n not in slots for ck in (src, out) for slots in ck.optimizer.slots.values())
+        assert all(n not in g.names for ck in (src, out) for g in ck.optimizer.param_groups)
+    assert not [k for k in _dcp_keys(resumed / f"{name}_ep1") if k.startswith("optimizer.") and "expert_bias" in k]
 
 
 def test_dp_reshardable_moe_optimizer_is_the_chain_of_flat_buffers(saved):

@@ -20,7 +20,7 @@ from ckptool.errors import CkptError
 from ckptool.formats import megatron_optim
 from ckptool.formats.megatron import read_megatron
 from ckptool.lazy import Const
-from ckptool.roles import unfuse_qkv
+from ckptool.roles import is_parameter, unfuse_qkv
 from conftest import copy_run, declare_runs
 
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and \
@@ -45,7 +45,9 @@ FLAGS = "--tp 1 --dtype bf16 --distributed-optimizer"
 # the trainings (in one launch with the other files' megatron-core MoE trainings at 2 processes)
 TRAINS = declare_runs(HELPER, 2, {"ep1": f"train {{out}} --ep 1 {FLAGS} --out {{out}}.pt",
                                   "ep2": f"train {{out}} --ep 2 {FLAGS} --out {{out}}.pt",
-                                  "qwen": f"train {{out}} --ep 2 --arch qwen2moe {FLAGS} --out {{out}}.pt"})
+                                  "qwen": f"train {{out}} --ep 2 --arch qwen2moe {FLAGS} --out {{out}}.pt",
+                                  # sigmoid routing with an expert bias: a buffer among the weights, in no grad buffer
+                                  "bias": f"train {{out}} --ep 2 --arch biased {FLAGS} --out {{out}}.pt"})
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +63,14 @@ def runs(tmp_path_factory, framework_runs):
     api.reshard(d / "ep2", d / "to_ep1", tp=1, ep=1, distributed_optimizer=True, dp=2, warn=said.append)
     api.reshard(d / "ep1", d / "to_ep2", tp=1, ep=2, distributed_optimizer=True, dp=2, warn=said.append)
     api.reshard(d / "qwen", d / "qwen_to_ep1", tp=1, ep=1, distributed_optimizer=True, dp=2, warn=said.append)
+    api.reshard(d / "bias", d / "bias_to_ep1", tp=1, ep=1, distributed_optimizer=True, dp=2, warn=said.append)
     assert not said, said
     _torchrun([f"resume {d / 'to_ep1'} --ep 1 {flags} --out {d / 'to_ep1.pt'}",
                f"resume {d / 'to_ep2'} --ep 2 {flags} --out {d / 'to_ep2.pt'}",
                f"resume {d / 'ep2'} --ep 2 {flags} --out {d / 'control.pt'}",
                f"resume {d / 'to_ep1'} --ep 1 {flags} --weights-only --out {d / 'fresh.pt'}",
-               f"resume {d / 'qwen_to_ep1'} --ep 1 --arch qwen2moe {flags} --out {d / 'qwen_to_ep1.pt'}"])
+               f"resume {d / 'qwen_to_ep1'} --ep 1 --arch qwen2moe {flags} --out {d / 'qwen_to_ep1.pt'}",
+               f"resume {d / 'bias_to_ep1'} --ep 1 --arch biased {flags} --out {d / 'bias_to_ep1.pt'}"])
     # DP 4 x EP 2 (expert DP 2: ranks 2 and 3 hold halves of their experts' state and write no file)
     api.reshard(d / "ep1", d / "to_dp4", tp=1, ep=2, distributed_optimizer=True, dp=4, warn=said.append)
     assert not said, said
@@ -94,7 +98,7 @@ def canonical_pieces(name: str, value: torch.Tensor, cfg) -> dict:
     return {expert + "down.weight": value}
 
 
-@pytest.mark.parametrize("src", ["ep1", "ep2", "dp4"])
+@pytest.mark.parametrize("src", ["ep1", "ep2", "dp4", "bias"])
 def test_every_master_and_moment_equals_the_live_optimizers(runs, src):
     ck = read_megatron(runs / src)
     assert not ck.warnings and ck.optimizer is not None and ck.optimizer.kind == "megatron-distributed"
@@ -108,7 +112,8 @@ def test_every_master_and_moment_equals_the_live_optimizers(runs, src):
                 want = want[:got.shape[0]] if canon in ("embed.word", "output.weight") else want  # vocab padding
                 assert torch.equal(got, want), (src, canon, slot)
                 seen.add(canon)
-    assert seen == set(ck.tensors) == set(ck.optimizer.slots["exp_avg"])
+    # every parameter; a module buffer (the router's expert bias) is a weight with no slot
+    assert seen == {n for n in ck.tensors if is_parameter(n)} == set(ck.optimizer.slots["exp_avg"])
     assert any(".mlp.experts.3." in n for n in seen)
     # the dense groups (weight decay, none) carry the experts in the weight-decay one, whatever the EP
     groups = {g.hyper["wd_mult"]: g.names for g in ck.optimizer.param_groups}
@@ -121,7 +126,7 @@ def _next(path):
 
 
 @pytest.mark.parametrize("out,src", [("to_ep1", "ep2"), ("to_ep2", "ep1"), ("to_dp4", "ep1"),
-                                     ("qwen_to_ep1", "qwen")])
+                                     ("qwen_to_ep1", "qwen"), ("bias_to_ep1", "bias")])
 def test_written_distrib_optim_resumes_at_another_expert_layout(runs, out, src):
     """megatron-core loads ckptool's distrib_optim.pt (load_state_dict + load_parameter_state) and takes
     the next two steps with the very losses the source run took; the second is the first that the

@@ -57,6 +57,21 @@ def test_expected_names_follow_the_moe_config():
                    if ".mlp.router" not in n and ".mlp.experts." not in n)
 
 
+def test_expert_bias_is_the_spec_s_one_buffer():
+    """The router's expert bias is a module buffer (spec trait "buffer"): a canonical tensor with no optimizer
+    slot; every other canonical tensor of a DeepSeek-V3-like model is a parameter. An unknown trait is refused
+    when a spec is built."""
+    from ckptool.roles import BUFFER_ROLES, is_parameter
+    from ckptool.spec import GPT
+    from ckptool.spec.schema import Role, Spec
+    assert BUFFER_ROLES == GPT.with_trait("buffer") == ("router.expert_bias",)
+    cfg = _moe_cfg(shared_ffn_hidden_size=5, shared_gate=True, router_bias=True, expert_bias=True)
+    names = expected_names(cfg)
+    assert [n for n in names if not is_parameter(n)] == [n for n in names if n.endswith(".mlp.router.expert_bias")] != []
+    with pytest.raises(ValueError, match="unknown trait"):
+        Spec((), (Role("x", "replicated", traits=("bufer",)),))
+
+
 def test_moe_config_checks():
     with pytest.raises(CkptError, match="top-k 5"):
         _moe_cfg(top_k=5)

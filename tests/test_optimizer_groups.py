@@ -163,7 +163,10 @@ def test_groups_no_rule_can_tell_apart_are_refused_naming_lr_mult():
 MOE_HELPER = Path(__file__).resolve().parent / "mcore_moe_helper.py"
 # the MoE trainings (in one launch with the other files' megatron-core MoE trainings at 2 processes)
 MOE_TRAINS = declare_runs(MOE_HELPER, 2, {"ep1": "train {out} --tp 1 --ep 1 --out {out}.pt",
-                                          "ep2": "train {out} --tp 1 --ep 2 --dtype bf16 --out {out}.pt"})
+                                          "ep2": "train {out} --tp 1 --ep 2 --dtype bf16 --out {out}.pt",
+                                          # sigmoid routing with an expert bias (--moe-router-enable-expert-bias):
+                                          # a buffer, in no group
+                                          "bias": "train {out} --tp 1 --ep 2 --arch biased --dtype bf16 --out {out}.pt"})
 
 
 def _moe_torchrun(jobs, nproc=2):
@@ -187,10 +190,12 @@ def moe_runs(tmp_path_factory, framework_runs):
     api.reshard(d / "ep2", d / "to_ep1", tp=1, ep=1, warn=said.append)
     api.reshard(d / "ep1", d / "to_ep2", tp=1, ep=2, warn=said.append)
     api.reshard(d / "ep2", d / "to_tp2", tp=2, ep=1, warn=said.append)
+    api.reshard(d / "bias", d / "bias_to_ep1", tp=1, ep=1, warn=said.append)
     assert not [m for m in said if "optimizer" in m], said
     _moe_torchrun([f"resume {d / 'to_ep1'} --tp 1 --ep 1 --dtype bf16 --out {d / 'to_ep1.pt'}",
                    f"resume {d / 'to_ep2'} --tp 1 --ep 2 --out {d / 'to_ep2.pt'}",
-                   f"resume {d / 'to_ep1'} --tp 1 --ep 1 --dtype bf16 --out {d / 'fresh.pt'} --weights-only"])
+                   f"resume {d / 'to_ep1'} --tp 1 --ep 1 --dtype bf16 --out {d / 'fresh.pt'} --weights-only",
+                   f"resume {d / 'bias_to_ep1'} --tp 1 --ep 1 --arch biased --dtype bf16 --out {d / 'bias_to_ep1.pt'}"])
     return d
 
 
@@ -244,7 +249,34 @@ def test_chained_optimizer_is_written_per_expert_parallel_rank(moe_runs):
             assert all(torch.equal(t.load(), back.slots[slot][n].load()) for n, t in origin.slots[slot].items()), (out, slot)
 
 
-@pytest.mark.parametrize("out,src", [("to_ep1", "ep2"), ("to_ep2", "ep1")])
+def test_expert_bias_is_a_weight_in_no_optimizer_group(moe_runs):
+    """megatron-core's TopKRouter.expert_bias is a buffer: in the rank files' model state, in no param group.
+    The groups tie to the parameters alone (every moment equals the live optimizer's); the bias is a weight
+    without slots, written at EP 1 as the same values and again in no group (megatron-core's
+    load_state_dict matches group sizes: test_moe_optimizer_resumes_at_another_expert_layout)."""
+    ck, out = read_megatron(moe_runs / "bias"), read_megatron(moe_runs / "bias_to_ep1")
+    assert not ck.warnings and ck.optimizer.kind == "megatron"
+    live = {}
+    for _, moments in torch.load(moe_runs / "bias.pt.moments")["exp_avg"]:
+        live.update(moments)
+    ea = ck.optimizer.slots["exp_avg"]
+    for i in range(2):
+        assert torch.equal(ea[f"layers.{i}.mlp.router.weight"].load(), live[f"decoder.layers.{i}.mlp.router.weight"])
+        assert torch.equal(ea[f"layers.{i}.mlp.experts.3.down.weight"].load(),
+                           live[f"decoder.layers.{i}.mlp.experts.local_experts.3.linear_fc2.weight"])
+    biases = [n for n in ck.tensors if n.endswith("router.expert_bias")]
+    assert len(biases) == 2 and set(ea) == set(ck.tensors) - set(biases)
+    for n in biases:
+        assert ck.tensors[n].load().dtype == torch.float32 and torch.equal(out.tensors[n].load(), ck.tensors[n].load())
+        assert all(n not in g.names for o in (ck, out) for g in o.optimizer.param_groups)
+        assert all(n not in slots for slots in out.optimizer.slots.values())
+    rank = load_torch_file(moe_runs / "bias_to_ep1" / "iter_0000007" / "mp_rank_00" / "model_optim_rng.pt")
+    params = [k for k in rank["model"] if not k.endswith("_extra_state")]
+    assert sum(k.endswith("router.expert_bias") for k in params) == 2
+    assert sum(len(g["params"]) for g in rank["optimizer"]["optimizer"]["param_groups"]) == len(params) - 2
+
+
+@pytest.mark.parametrize("out,src", [("to_ep1", "ep2"), ("to_ep2", "ep1"), ("bias_to_ep1", "bias")])
 def test_moe_optimizer_resumes_at_another_expert_layout(moe_runs, out, src):
     went_on = _next_loss(moe_runs / f"{src}.pt")
     gap = abs(_next_loss(moe_runs / f"{out}.pt") - went_on)

@@ -12,7 +12,8 @@ global shape (stacked layers included), so the weights' key table reads them unc
   distributed, dp_reshardable (the default since 0.15)  flat per-bucket buffers (dist_optim_buckets.py)
   distributed, dp_zero_gather_scatter (deprecated)      per-rank object of DP-gathered buffers (same)
 
-each as `optimizer.state.<stored slot>.<model key>`. The scalars live in the common state: the param
+each as `optimizer.state.<stored slot>.<model key>`, for parameters only: a module buffer among the weights
+(the router's expert bias, roles.BUFFER_ROLES) has no optimizer state and no slot. The scalars live in the common state: the param
 groups (hyperparameters without their parameter lists), the step (`state.common_step` for the
 non-distributed optimizer, `step` in every group for the distributed one), the grad scaler, and beside
 the optimizer the LR scheduler (`opt_param_scheduler`) and `content_metadata`, which tells a loading
@@ -39,7 +40,7 @@ import torch
 from ..errors import CkptError
 from ..lazy import Const, Derived, LazyTensor
 from ..state import OPTIMIZER_SLOTS, OptimizerState, ParamGroup
-from ..roles import GLOBAL_ROLES
+from ..roles import GLOBAL_ROLES, is_parameter
 from .megatron_distopt import group_by_rule
 from .megatron_groups import merge_groups
 from .megatron_optim import (CANONICAL_EXPERT, HINT, GroupRule, RankParam, chain_members,
@@ -202,6 +203,7 @@ def read(common: dict, form: str, slot_tensors: Callable[[str], Dict[str, LazyTe
     chained optimizer's parts hold disjoint parameters under the same prefix). rule, ep: the source
     run's --decoupled-lr and expert-parallel size, which its groups and chain follow."""
     step, hypers, scaler = read_scalars(common, where)
+    weights = {n: w for n, w in weights.items() if is_parameter(n)}  # module buffers have no optimizer state
     slots = {}
     for slot, stored in STORED_SLOTS[form].items():
         tensors = slot_tensors(stored)

@@ -50,8 +50,8 @@ from ..errors import CkptError
 from ..io.dcp_io import DcpDir
 from ..io.torchfile import load_torch_bytes
 from ..lazy import Const, LazyTensor, derive
-from ..roles import (GLOBAL_ROLES, LAYER_ROLES, fc_major, global_role_tensor, layer_role_tensor, moe_layer_roles,
-                     shard_role)
+from ..roles import (BUFFER_ROLES, GLOBAL_ROLES, LAYER_ROLES, fc_major, global_role_tensor, layer_role_tensor,
+                     moe_layer_roles, shard_role)
 from .megatron_names import DIALECTS
 from .megatron_buffers import (CURRENT, DIALECT_OF_IMPL, HEAD, HEAD_COPY, TAIL, buffer_layout, bucket_sizes,
                                stage_layers)
@@ -60,9 +60,9 @@ from .megatron_optim import HINT
 PREFIX = "optimizer.distributed.dp_group_idx_{mp}."
 FLAT, GATHERED = "dp_reshardable", "dp_zero_gather_scatter"
 STORED = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
-# roles that are module buffers, not parameters: in no grad buffer (the router's expert bias is updated by
-# its own rule, not by the optimizer)
-NOT_PARAMETERS = ("router.expert_bias",)
+# roles that are module buffers, not parameters (the spec's "buffer" trait): in no grad buffer (the router's
+# expert bias is updated by its own rule, not by the optimizer)
+NOT_PARAMETERS = BUFFER_ROLES
 
 
 def unsupported(args) -> Optional[str]:

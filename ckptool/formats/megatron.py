@@ -25,8 +25,8 @@ from ..errors import CkptError, require
 from ..io.torchfile import StoredTensor, StreamingTorchWriter, load_torch_file, write_grouped
 from ..lazy import Const, Derived, LazyTensor, Piece, Placement
 from ..options import ReadOptions
-from ..roles import (FIRST_STAGE_ROLES, assemble, canonical_names, fc_major, global_role_tensor, layer_role_tensor,
-                     moe_layer_roles, scope_of, shard_role, tables_for)
+from ..roles import (BUFFER_ROLES, FIRST_STAGE_ROLES, assemble, canonical_names, fc_major, global_role_tensor,
+                     layer_role_tensor, moe_layer_roles, scope_of, shard_role, tables_for)
 from ..sharding import ReplicaPolicy
 from ..state import Checkpoint, SourceInfo, in_model_order
 from ..summary import WriteSummary
@@ -850,8 +850,9 @@ class _RankFile:
         """Enter the rank's piece of a role under key, and record it as a parameter (for the optimizer)."""
         names = names or canonical_names(role, layer, self.plan.cfg_out)
         flat[key] = self.plan.shard(role, full_of("weight"), self.t, names)
-        self.params.append((role, layer, full_of, names, key))
-        self.param_chunks.append(v)
+        if role not in BUFFER_ROLES:  # a module buffer (the router's expert bias) is in no optimizer group
+            self.params.append((role, layer, full_of, names, key))
+            self.param_chunks.append(v)
 
     def chunk_entries(self, v: int, first: int, count: int) -> Dict[str, object]:
         """Model chunk v's flat entries: the embeddings on the first stage's first chunk, its layers, the

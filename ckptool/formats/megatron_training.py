@@ -18,7 +18,7 @@ import torch
 from ..config import GPTConfig, Layout
 from ..errors import CkptError, require
 from ..lazy import LazyTensor
-from ..roles import canonical_names, global_role_tensor, layer_role_tensor
+from ..roles import BUFFER_ROLES, canonical_names, global_role_tensor, layer_role_tensor
 from ..state import OPTIMIZER_SLOTS, PAD_FILL_BY_SLOT, WEIGHT, Checkpoint, OptimizerState, ParamGroup
 from ..vocab import resize_slot_vocab
 from . import megatron_buffers, megatron_distopt, megatron_optim
@@ -44,6 +44,10 @@ def read_training_state(trees, ranks, model_files, params, tp, args, cfg, canoni
             warnings.append(f"optimizer state dropped: {why}; the output holds the weights only")
             return None
     pp = max(p for _, p, _ in ranks) + 1
+    # module buffers saved among the weights (the router's expert bias) are in no optimizer group
+    params = {rk: [p for p in ps if p.role not in BUFFER_ROLES] for rk, ps in params.items()}
+    if stacked:
+        stacked = ({rk: [p for p in ps if p.role not in BUFFER_ROLES] for rk, ps in stacked[0].items()}, stacked[1])
 
     def sources(rk):  # the files holding a chained distributed optimizer's [dense, expert] parts for rk
         return [model_files.get((t, rk[1], e)) for t, e in megatron_distopt.chain_sources(rk[0], rk[2], tp, ep, etp or tp)]

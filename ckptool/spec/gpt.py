@@ -137,7 +137,7 @@ ROLES = (
     # MoE layer roles (megatron-core only): TopKRouter, SharedExpertMLP
     Role("router.weight", "replicated", {MCORE: "mlp.router.weight"}),
     Role("router.bias", "replicated", {MCORE: "mlp.router.bias"}),
-    Role("router.expert_bias", "replicated", {MCORE: "mlp.router.expert_bias"}),
+    Role("router.expert_bias", "replicated", {MCORE: "mlp.router.expert_bias"}, traits=("buffer",)),
     Role("shared.fc1.weight", names={MCORE: "mlp.shared_experts.linear_fc1.weight"}, fused="halves",
          traits=(LINEAR,)),
     Role("shared.fc2.weight", names={MCORE: "mlp.shared_experts.linear_fc2.weight"}, traits=(LINEAR,)),

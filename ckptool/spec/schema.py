@@ -52,10 +52,14 @@ TRAITS = {
     "tied_embedding": "the word embedding or a copy of it that a tied output layer uses",
     "first_stage": "a global the first pipeline stage holds (the others: the last stage)",
     "linear": "a linear module's weight: the module carries an `_extra_state` beside it in megatron-core",
+    # a module buffer saved with the weights (megatron-core's TopKRouter.expert_bias, updated by its own rule
+    # from the tokens each expert got): in no optimizer group and no grad buffer, so it has no optimizer slot
+    "buffer": "a module buffer, not a parameter: no optimizer state",
 }
 # The role of the last pipeline stage's copy of a tied word embedding (PP > 1). It holds no canonical tensor
 # (the embedding again), so it is a Role without Tensors: the views of canonical tensors never list it.
 HEAD_COPY = "head_copy"
+
 
 # --- config predicates: when a model has a tensor ---------------------------------------------
 # (cfg, layer) -> bool; layer is None for global tensors. A Tensor lists the ones that must all hold.
