@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
 from ..errors import CkptError
+from ..spec import GPT, schema
 from .megatron_groups import HINT
 
 KEYS = ("param", "exp_avg", "exp_avg_sq")  # distrib_optim.pt's names for the master and the two moments
@@ -22,14 +23,15 @@ SLOT_OF_KEY = {"param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_s
 DEFAULT_BUCKET = 40_000_000  # megatron-core's default bucket size floor (max(40M, 1M x DP))
 # the tied word embedding (first stage) and its head copy (last stage; role head_copy in the legacy
 # dialects, output in megatron-core's): megatron-core marks them shared_embedding when PP > 1
-SHARED_EMBEDDING_ROLES = ("word", "head_copy", "output")
+SHARED_EMBEDDING_ROLES = GPT.with_trait("tied_embedding")  # the spec's role trait
 # A torch_dist rank's parameters in its buffers (dist_optim_buckets.rank_params): the dialect of each
 # transformer_impl gives a layer's order; the first chunk leads with HEAD, the last ends with TAIL and,
 # tied at PP > 1, the head's copy of the word embedding (laid out, not read)
 DIALECT_OF_IMPL = {"local": "mcore", "transformer_engine": "mcore-te"}
-HEAD = ("word", "pos")
-TAIL = ("final_norm.weight", "final_norm.bias", "output")
-HEAD_COPY = "head_copy"
+# (the spec's globals in its order: the first stage's by the first_stage trait, the rest the last stage's)
+HEAD = GPT.with_trait("first_stage")
+TAIL = tuple(t.role for t in GPT.tensors if t.role is not None and not t.axes and t.role not in HEAD)
+HEAD_COPY = schema.HEAD_COPY
 # args naming the first / last pipeline stage's layer counts (Megatron-LM's, and megatron-core's config)
 FIRST_STAGE_ARGS = ("decoder_first_pipeline_num_layers", "num_layers_in_first_pipeline_stage")
 LAST_STAGE_ARGS = ("decoder_last_pipeline_num_layers", "num_layers_in_last_pipeline_stage")

@@ -29,7 +29,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 NO_WEIGHT_DECAY_KEYS = ("wd_mult", "weight_decay")  # a group with either at 0 holds biases and norms
 # megatron-core sets is_embedding_or_output_parameter on the word embedding and the output layer (the
 # last stage's copy of a tied embedding included): the parameters --decoupled-lr applies to
-EMBEDDING_OR_OUTPUT_ROLES = frozenset({"word", "output", "head_copy"})
+EMBEDDING_OR_OUTPUT_ROLES = frozenset(GPT.with_trait("embedding_or_output"))  # the spec's role trait
 # the role of each canonical name outside the layers (the spec's table), so a canonical tensor shows
 # the traits its parameter had
 ROLE_OF_GLOBAL_NAME = {t.name: t.role for t in GPT.tensors if t.role is not None and not t.axes}
