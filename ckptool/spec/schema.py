@@ -149,6 +149,11 @@ class Role:
         """This role's key in a name column, following FALLBACK; None when the column has none."""
         return _key_by_column(self.names, column)
 
+    def rule_in(self, column: Optional[str]) -> Optional[str]:
+        """This role's TP rule in a name column (Role.rules, following FALLBACK); `rule` elsewhere."""
+        rule = _key_by_column(self.rules, column)
+        return self.rule if rule is None else rule
+
 
 def _key_by_column(table: Mapping[str, object], column: Optional[str]):
     """table[column], following FALLBACK; None when neither the column nor its fallbacks are listed."""
@@ -157,11 +162,6 @@ def _key_by_column(table: Mapping[str, object], column: Optional[str]):
             return table[column]
         column = FALLBACK.get(column)
     return None
-
-    def rule_in(self, column: Optional[str]) -> Optional[str]:
-        """This role's TP rule in a name column (Role.rules, following FALLBACK); `rule` elsewhere."""
-        rule = _key_by_column(self.rules, column)
-        return self.rule if rule is None else rule
 
 
 class Spec:
