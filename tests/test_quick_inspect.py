@@ -439,11 +439,23 @@ def moe_dirs(tmp_path_factory):
     ckptool.merge(dirs["mixtral_sequential"], dirs["mixtral_dist"], format="torch_dist")
     dirs["qwen2_moe_dist_ep2"] = root / "qwen2_moe_dist_ep2"
     ckptool.reshard(dirs["qwen2_moe_te_grouped"], dirs["qwen2_moe_dist_ep2"], tp=1, ep=2, format="torch_dist")
+    # the non-distributed optimizer's chained [dense, expert] entries (Adam moments, two weight-decay groups:
+    # test_optimizer_etp's Mixtral, its expert-TP layouts checked against megatron-core there)
+    from ckptool.config import Layout
+    from ckptool.formats.megatron import write_megatron
+    from test_optimizer_etp import mixtral_with_moments
+    ck, _ = mixtral_with_moments(root)
+    for name, layout, dialect in (("optim_sequential_tp2ep2", Layout(tp=2, ep=2), "mcore"),
+                                  ("optim_te_grouped_tp4ep2etp2", Layout(tp=4, ep=2, etp=2), "mcore-te")):
+        write_megatron(ck, root / name, layout, dialect=dialect, moe_grouped_gemm=dialect == "mcore-te",
+                       warn=lambda m: None)
+        dirs[name] = root / name
     return dirs
 
 
 QUICK_MOE = ["mixtral_sequential", "qwen2_moe_te_grouped", "qwen2_moe_etp1", "mixtral_pp2ep2",
-             "mixtral_legacy_grouped", "qwen2_moe_legacy_grouped_etp1", "mixtral_dist", "qwen2_moe_dist_ep2"]
+             "mixtral_legacy_grouped", "qwen2_moe_legacy_grouped_etp1", "mixtral_dist", "qwen2_moe_dist_ep2",
+             "optim_sequential_tp2ep2", "optim_te_grouped_tp4ep2etp2"]
 
 
 @pytest.mark.parametrize("kind", QUICK_MOE)
@@ -457,8 +469,10 @@ def test_quick_moe_inspect_equals_the_full_path_without_torch(moe_dirs, monkeypa
     assert doc["config"]["moe"]["num_experts"] in (4, 6) and doc["config"]["moe"]["top_k"] == 2
     assert doc["layout"]["ep"] == (1 if kind == "mixtral_dist" else 2)
     assert any(".mlp.experts.3.down.weight" in t["name"] for t in doc["tensors"])
-    if "etp1" in kind:
-        assert "ETP1" in torch_free("inspect", d, "--no-tensors")
+    if "etp" in kind:
+        assert f"ETP{kind[-1]}" in torch_free("inspect", d, "--no-tensors")
+    if kind.startswith("optim_"):  # the dense and expert optimizers' groups merged as the full reader merges them
+        assert doc["optimizer"]["step"] == 3 and [g["tensors"] for g in doc["optimizer"]["param_groups"]] == [19, 3]
     quick = quick_inspect.quick_open(d, {})
     assert type(next(iter(quick.tensors.values()))).__name__ == "TensorMeta"
 

@@ -126,13 +126,12 @@ def _checkpoint(path: Path, format_name: str, trees, distrib, iteration, release
         return None
     dtype = dtypes.pop()
     weights = {n: TensorMeta(s, dtype) for n, s in shapes.items()}
-    if cfg.moe is not None and (any("optimizer" in t for t in trees.values()) or any(distrib.values())):
-        return None  # chained [dense, expert] optimizers: the full reader ties them
-    params = {rk[:2]: [Param(k, matcher.match(k)[0], v.shape, c) for c in sorted(chunks)
-                       for k, v in chunks[c].items() if isinstance(v, TensorMeta) and matcher.match(k) is not None]
+    if cfg.moe is not None and any(distrib.values()):
+        return None  # the distributed optimizer's chained [dense, expert] buffers: the full reader ties them
+    params = {rk: [Param(k, matcher.match(k)[0], v.shape, c) for c in sorted(chunks) for k, v in chunks[c].items()
+                   if isinstance(v, TensorMeta) and matcher.match(k) is not None]
               for rk, chunks in models.items()}
-    optimizer = training_state({rk[:2]: t for rk, t in trees.items()}, params, args, weights,
-                               {rk[:2]: d for rk, d in distrib.items()}, cfg.tied_embeddings)
+    optimizer = training_state(trees, params, args, weights, distrib, cfg.tied_embeddings, ep)
     stages = [counts[(p, 0)] for p in range(pp)]
     layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, ep=ep, etp=etp if etp != tp else None,
                     stage_layers=None if vpp > 1 or len(set(stages)) == 1 else stages)
