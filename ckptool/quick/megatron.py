@@ -8,8 +8,8 @@ Covered: dense GPT models whose files store args: converted, released and from-h
 training saves with or without optimizer state (the rank files' own, or distrib_optim.pt beside
 them: quick/megatron_distopt.py); MoE models' weights at any TP / PP / EP / expert TP, in each expert
 module form (quick/megatron_experts.py). Anything else returns None and the full reader answers: the
-2022-23 optim.pt, optimizer state the quick tie cannot decide (quick/optim.py), MoE optimizer state
-(chained [dense, expert] optimizers), MLA, 2019 files without args, missing or stray rank directories, mixed dtypes, keys outside the dialect, or files that disagree with one another or
+2022-23 optim.pt, optimizer state the quick tie cannot decide (quick/optim.py), an MoE model's
+distrib_optim.pt (chained [dense, expert] buffers), MLA, 2019 files without args, missing or stray rank directories, mixed dtypes, keys outside the dialect, or files that disagree with one another or
 with their args (the full reader has the error message for each).
 """
 from __future__ import annotations

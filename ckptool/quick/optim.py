@@ -19,7 +19,7 @@ masters are TensorMeta records; Adam's 0-d `step` tensors are read as Scalars):
 
 The distributed optimizer's ranks (distrib_optim.pt: quick/megatron_distopt.py) join their groups
 by the same traits. Anything this cannot decide the way the full reader does (groups told apart by
-sizes alone, lr_mult groups, chained optimizers, mixed slot dtypes) raises NotQuick and the full
+sizes alone, lr_mult groups, chains other than megatron-core's [dense, expert] at EP > 1, mixed slot dtypes) raises NotQuick and the full
 reader answers. The trait rules are the full reader's own table (megatron_groups.GROUP_TRAITS,
 torch-free); the tests compare both paths' output on real Megatron-LM saves.
 """
