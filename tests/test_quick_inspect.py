@@ -450,12 +450,14 @@ def moe_dirs(tmp_path_factory):
         write_megatron(ck, root / name, layout, dialect=dialect, moe_grouped_gemm=dialect == "mcore-te",
                        warn=lambda m: None)
         dirs[name] = root / name
+    dirs["optim_dist_ep2"] = root / "optim_dist_ep2"  # torch_dist fully_reshardable, ChainedOptimizer {0: dense, 1: expert}
+    ckptool.reshard(dirs["optim_sequential_tp2ep2"], dirs["optim_dist_ep2"], tp=1, ep=2, format="torch_dist")
     return dirs
 
 
 QUICK_MOE = ["mixtral_sequential", "qwen2_moe_te_grouped", "qwen2_moe_etp1", "mixtral_pp2ep2",
              "mixtral_legacy_grouped", "qwen2_moe_legacy_grouped_etp1", "mixtral_dist", "qwen2_moe_dist_ep2",
-             "optim_sequential_tp2ep2", "optim_te_grouped_tp4ep2etp2"]
+             "optim_sequential_tp2ep2", "optim_te_grouped_tp4ep2etp2", "optim_dist_ep2"]
 
 
 @pytest.mark.parametrize("kind", QUICK_MOE)
