@@ -12,7 +12,11 @@ The flat per-bucket dp_reshardable form (the default since megatron-core 0.15), 
 sits by the grad-buffer layout, is read by quick/dist_buckets.py: each rank's layout checked against
 its stored bucket sizes, as the full reader checks it.
 
-NotQuick (the full reader answers, with its warning or error) for chained optimizers, optimizer
+A ChainedOptimizer's entries ({0: dense, 1: expert} of an MoE model at EP > 1, one tensor prefix for
+both) are tied per part as dist_optim.tie_groups ties them (_tie_chain).
+
+NotQuick (the full reader answers, with its warning or error) for other chains, a chain of flat
+buckets, optimizer
 tensors without an optimizer entry, the gathered dp_zero_gather_scatter form, the N-D flattened
 fully_sharded_model_space, groups the traits do not tell apart, and any slot that does not cover
 exactly the model's weights with their shapes in one dtype.
