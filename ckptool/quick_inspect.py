@@ -3,8 +3,9 @@
 The format table (formats/registry.py) names the format without torch (its looks_like functions of
 directory formats are torch-free) and gives that format's quick reader, if it has one:
   hf         config.json + safetensors headers (quick/hf.py)
-  megatron   the rank files' pickles read for structure, args -> config, the non-distributed
-             optimizer's state (quick/megatron.py, quick/optim.py)
+  megatron   the rank files' pickles read for structure, args -> config, MoE experts at any EP /
+             expert TP, the non-distributed optimizer's state (quick/megatron.py,
+             quick/megatron_experts.py, quick/optim.py)
   torch_dist the DCP .metadata pickle, the common state's args, model-space optimizer state and the
              flat dp_reshardable buckets (quick/dist.py, quick/dist_optim.py, quick/dist_buckets.py)
   deepspeed  Megatron models under DeepSpeed (pipeline layer files or `module`), ZeRO-1/2 and BF16

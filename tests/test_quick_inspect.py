@@ -476,3 +476,102 @@ def test_hf_models_under_deepspeed_the_quick_path_does_not_cover(ds_cases, tmp_p
         f.with_suffix(".tmp").replace(f)
     assert quick_inspect.quick_open(tmp_path / "short", {}) is None
     assert CliRunner().invoke(main, ["inspect", str(tmp_path / "short")]).exit_code != 0
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    """MoE checkpoints ckptool writes from tiny transformers Mixtral (every layer MoE) and Qwen2-MoE (a dense
+    first layer, a gated shared expert) models: the Megatron torch format at EP 2 in each expert module form
+    (SequentialMLP, TEGroupedMLP, the legacy GroupedMLP: its weight1 / weight2 as test_moe_megatron stacks
+    them), expert TP 1 below TP 2 (only mp_rank_00_000 and mp_rank_01_001 exist), PP 2 x EP 2 (rank dirs
+    mp_rank_TT_PPP_EEE), and torch_dist (experts stacked per layer) at EP 1 and EP 2."""
+    import ckptool
+    from test_moe import _build, randomise
+    from test_moe_megatron import _as_legacy_grouped
+    root = tmp_path_factory.mktemp("quick_moe")
+    dirs = {}
+    for kind in ("mixtral", "qwen2_moe"):
+        torch.manual_seed(3)
+        randomise(_build(kind)).save_pretrained(root / kind)
+    dirs["mixtral_sequential"] = root / "mixtral_sequential"
+    ckptool.from_hf(root / "mixtral", dirs["mixtral_sequential"], tp=2, ep=2)
+    dirs["qwen2_moe_te_grouped"] = root / "qwen2_moe_te_grouped"
+    ckptool.from_hf(root / "qwen2_moe", dirs["qwen2_moe_te_grouped"], tp=2, ep=2, dialect="mcore-te",
+                    moe_grouped_gemm=True)
+    dirs["qwen2_moe_etp1"] = root / "qwen2_moe_etp1"
+    ckptool.from_hf(root / "qwen2_moe", dirs["qwen2_moe_etp1"], tp=2, ep=2, etp=1)
+    dirs["mixtral_pp2ep2"] = root / "mixtral_pp2ep2"
+    ckptool.from_hf(root / "mixtral", dirs["mixtral_pp2ep2"], tp=1, pp=2, ep=2)
+    dirs["mixtral_legacy_grouped"] = _as_legacy_grouped(dirs["mixtral_sequential"], root / "mixtral_legacy_grouped")
+    dirs["qwen2_moe_legacy_grouped_etp1"] = _as_legacy_grouped(dirs["qwen2_moe_etp1"], root / "qwen2_legacy_etp1")
+    dirs["mixtral_dist"] = root / "mixtral_dist"
+    ckptool.merge(dirs["mixtral_sequential"], dirs["mixtral_dist"], format="torch_dist")
+    dirs["qwen2_moe_dist_ep2"] = root / "qwen2_moe_dist_ep2"
+    ckptool.reshard(dirs["qwen2_moe_te_grouped"], dirs["qwen2_moe_dist_ep2"], tp=1, ep=2, format="torch_dist")
+    # the non-distributed optimizer's chained [dense, expert] entries (Adam moments, two weight-decay groups:
+    # test_optimizer_etp's Mixtral, its expert-TP layouts checked against megatron-core there)
+    from ckptool.config import Layout
+    from ckptool.formats.megatron import write_megatron
+    from test_optimizer_etp import mixtral_with_moments
+    ck, _ = mixtral_with_moments(root)
+    for name, layout, dialect in (("optim_sequential_tp2ep2", Layout(tp=2, ep=2), "mcore"),
+                                  ("optim_te_grouped_tp4ep2etp2", Layout(tp=4, ep=2, etp=2), "mcore-te")):
+        write_megatron(ck, root / name, layout, dialect=dialect, moe_grouped_gemm=dialect == "mcore-te",
+                       warn=lambda m: None)
+        dirs[name] = root / name
+    dirs["optim_dist_ep2"] = root / "optim_dist_ep2"  # torch_dist fully_reshardable, ChainedOptimizer {0: dense, 1: expert}
+    ckptool.reshard(dirs["optim_sequential_tp2ep2"], dirs["optim_dist_ep2"], tp=1, ep=2, format="torch_dist")
+    return dirs
+
+
+QUICK_MOE = ["mixtral_sequential", "qwen2_moe_te_grouped", "qwen2_moe_etp1", "mixtral_pp2ep2",
+             "mixtral_legacy_grouped", "qwen2_moe_legacy_grouped_etp1", "mixtral_dist", "qwen2_moe_dist_ep2",
+             "optim_sequential_tp2ep2", "optim_te_grouped_tp4ep2etp2", "optim_dist_ep2"]
+
+
+@pytest.mark.parametrize("kind", QUICK_MOE)
+def test_quick_moe_inspect_equals_the_full_path_without_torch(moe_dirs, monkeypatch, kind):
+    """Experts, top-k, EP and expert TP as the full reader shows them, read without torch."""
+    d = moe_dirs[kind]
+    quick_json = torch_free("inspect", d, "--json")
+    assert quick_json == full_path(monkeypatch, "inspect", d, "--json")
+    assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d)
+    doc = json.loads(quick_json)
+    assert doc["config"]["moe"]["num_experts"] in (4, 6) and doc["config"]["moe"]["top_k"] == 2
+    assert doc["layout"]["ep"] == (1 if kind == "mixtral_dist" else 2)
+    assert any(".mlp.experts.3.down.weight" in t["name"] for t in doc["tensors"])
+    if "etp" in kind:
+        assert f"ETP{kind[-1]}" in torch_free("inspect", d, "--no-tensors")
+    if kind.startswith("optim_"):  # the dense and expert optimizers' groups merged as the full reader merges them
+        assert doc["optimizer"]["step"] == 3 and [g["tensors"] for g in doc["optimizer"]["param_groups"]] == [19, 3]
+    quick = quick_inspect.quick_open(d, {})
+    assert type(next(iter(quick.tensors.values()))).__name__ == "TensorMeta"
+
+
+def test_moe_files_the_quick_path_cannot_vouch_for_take_the_full_reader(moe_dirs, tmp_path, monkeypatch):
+    """A missing EP rank directory, args that claim other experts, or an expert's fc1 cut short: the quick
+    path says nothing (None) and the full reader gives its error; never a different answer."""
+    import shutil
+    from ckptool.io.torchfile import load_torch_file, save_streaming
+    from ckptool.lazy import Const
+    missing = tmp_path / "missing"
+    shutil.copytree(moe_dirs["mixtral_sequential"], missing)
+    shutil.rmtree(next(missing.glob("*/mp_rank_01_001")))
+    assert quick_inspect.quick_open(missing, {}) is None
+    r = CliRunner().invoke(main, ["inspect", str(missing)])
+    assert r.exit_code == 2 and "mp_rank_01_001" in r.output
+    for name, edit in (("experts", lambda t: setattr(t["args"], "num_experts", 8)),
+                       ("short", lambda t: t["model"].__setitem__(
+                           "decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight",
+                           Const(torch.zeros(8, t["model"]["decoder.layers.1.mlp.experts.local_experts.0"
+                                                            ".linear_fc1.weight"].shape[1]))))):
+        d = tmp_path / name
+        shutil.copytree(moe_dirs["mixtral_sequential"], d)
+        for f in d.glob("*/mp_rank_*/model_optim_rng.pt"):
+            tree = load_torch_file(f)
+            edit(tree)
+            save_streaming(tree, f.with_suffix(".tmp"))
+            f.with_suffix(".tmp").replace(f)
+        assert quick_inspect.quick_open(d, {}) is None, name
+        r = CliRunner().invoke(main, ["inspect", str(d)])
+        assert r.exit_code == 2, (name, r.output)

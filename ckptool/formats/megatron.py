@@ -11,7 +11,6 @@ is shared with every Megatron-family format (roles.py, sharding.py).
 """
 from __future__ import annotations
 
-import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from .megatron_optim import RankParam, role_shards
 from .megatron_names import (DIALECTS, REFUSED_KEYS, Dialect, KeyMatcher, dialects_for, is_ignorable, is_mla,
                              qkv_from_grouped, qkv_to_grouped, refused_module, stacked_expert_block)
 from .megatron_files import (ITER_DIR, MODEL_FILES, RANK_DIR, TRACKER, detect_dialect, flatten,  # noqa: F401
-                             is_optimizer_only, looks_like_megatron, model_file, list_rank_dirs, resolve_iteration_dir)
+                             etp_refusal, expert_grid, rank_coordinates, is_optimizer_only, looks_like_megatron, model_file, list_rank_dirs, resolve_iteration_dir)
 
 def unflatten(flat: Dict[str, object]) -> dict:
     out: dict = {}
@@ -108,7 +107,7 @@ def _open_rank_files(path: Path, opts: ReadOptions) -> _RankFiles:
     it_dir, iteration, release = resolve_iteration_dir(path, opts.iteration)
     rank_dirs = list_rank_dirs(it_dir)
     loaded = {d: load_torch_file(model_file(d)) for d in rank_dirs}
-    ranks = _rank_coordinates(rank_dirs, loaded[rank_dirs[0]])
+    ranks = rank_coordinates(rank_dirs, loaded[rank_dirs[0]])
     trees = {rk: loaded[d] for rk, d in ranks.items()}
     tp, pp, ep = _parallel_sizes(ranks, loaded[rank_dirs[0]], it_dir)
     etp = _expert_tp(loaded[rank_dirs[0]], tp, it_dir)
@@ -297,49 +296,6 @@ def _rank_name(t: int, p: int, e: int, pp: int, ep: int) -> str:
     return f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
 
 
-def _rank_coordinates(rank_dirs: List[Path], first_tree) -> Dict[Tuple[int, int, int], Path]:
-    """{(tp, pp, ep): dir}. mp_rank_TT_NNN is a pipeline rank unless the run's args say it was expert-
-    parallel without pipeline parallelism (the names alone cannot tell)."""
-    args = first_tree.get("args") if isinstance(first_tree, dict) else None
-    ep_only = (getattr(args, "expert_model_parallel_size", None) or 1) > 1 and \
-        (getattr(args, "pipeline_model_parallel_size", None) or 1) == 1
-    out = {}
-    for d in rank_dirs:
-        nums = [int(g) for g in RANK_DIR.match(d.name).groups() if g is not None]
-        if len(nums) == 3:
-            rk = tuple(nums)
-        elif len(nums) == 2:
-            rk = (nums[0], 0, nums[1]) if ep_only else (nums[0], nums[1], 0)
-        else:
-            rk = (nums[0], 0, 0)
-        out[rk] = d
-    return out
-
-
-def expert_grid(tp: int, ep: int, etp: int) -> Dict[Tuple[int, int], int]:
-    """{(TP rank, EP rank): expert-TP rank} of the rank directories of one pipeline stage.
-
-    In a stage, rank x (megatron-core's default order tp-cp-ep-dp-pp, parallel_state.RankGenerator) has
-    dense TP rank x % TP and, on the expert grid (tp-ep-dp with the expert TP size), expert-TP rank
-    x % ETP and EP rank (x // ETP) % EP. Megatron-LM names a rank's file by (TP rank, EP rank) only
-    (checkpointing.py get_checkpoint_name), saves from data-parallel rank 0 and expert-data-parallel rank 0
-    (save_checkpoint; before 2026-05 only the latter), and every rank loads the file of its (TP rank,
-    EP rank). So the pairs repeat with period lcm(TP, ETP x EP): with ETP = TP every (t, e) exists; with
-    ETP below TP only some do (TP2 ETP1 EP2: mp_rank_00_000 and mp_rank_01_001) and file (t, e) holds
-    EP rank e's experts cut at expert-TP rank t % ETP (ETP divides TP, so x % ETP = t % ETP)."""
-    require(tp % etp == 0, *_etp_refusal(tp, etp))
-    period = tp * ep * etp // math.gcd(tp, ep * etp)
-    return {(x % tp, (x // etp) % ep): x % etp for x in range(period)}
-
-
-def _etp_refusal(tp: int, etp: int) -> Tuple[str, str]:
-    if etp > tp and etp % tp == 0:
-        return (f"expert tensor parallelism {etp} above TP {tp} has no torch-format layout: ranks of different "
-                "expert-TP rank save to (and load from) the same mp_rank directory, which holds one of their shards",
-                f"choose --etp dividing --tp {tp}, or use the run's torch_dist checkpoint")
-    return (f"expert tensor parallelism {etp} does not divide TP {tp}", "choose an expert TP size that divides TP")
-
-
 def _parallel_sizes(ranks, first_tree, it_dir: Path) -> Tuple[int, int, int]:
     """(TP, PP, EP): the args' when they store them (a missing directory is then named), else the directories'."""
     tp, pp, ep = (max(rk[i] for rk in ranks) + 1 for i in range(3))
@@ -362,7 +318,7 @@ def _expert_tp(first_tree, tp: int, it_dir: Path) -> int:
     if not getattr(args, "num_experts", None):
         return tp  # dense: Megatron-LM's args carry an expert TP size whatever the model
     etp = getattr(args, "expert_tensor_parallel_size", None) or tp
-    msg, hint = _etp_refusal(tp, etp)
+    msg, hint = etp_refusal(tp, etp)
     require(tp % etp == 0, f"{it_dir}: {msg}", hint)
     return etp
 

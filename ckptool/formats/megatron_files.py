@@ -7,11 +7,12 @@ Directory facts (shared/reference/megatron.md section 1): see megatron.py.
 """
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from ..errors import CkptError
+from ..errors import CkptError, require
 from .megatron_names import DIALECTS, Dialect, KeyMatcher, is_ignorable, is_mla
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -128,3 +129,48 @@ def detect_dialect(keys) -> Dialect:
         raise CkptError(f"unrecognised Megatron model keys (e.g. {sample})",
                         "ckptool reads GPT models in the 2019, legacy and megatron-core dialects")
     return best
+
+
+# --- the rank grid (shared with quick/megatron.py) -------------------------------------------
+
+def rank_coordinates(rank_dirs: List[Path], first_tree) -> Dict[Tuple[int, int, int], Path]:
+    """{(tp, pp, ep): dir}. mp_rank_TT_NNN is a pipeline rank unless the run's args say it was expert-
+    parallel without pipeline parallelism (the names alone cannot tell)."""
+    args = first_tree.get("args") if isinstance(first_tree, dict) else None
+    ep_only = (getattr(args, "expert_model_parallel_size", None) or 1) > 1 and \
+        (getattr(args, "pipeline_model_parallel_size", None) or 1) == 1
+    out = {}
+    for d in rank_dirs:
+        nums = [int(g) for g in RANK_DIR.match(d.name).groups() if g is not None]
+        if len(nums) == 3:
+            rk = tuple(nums)
+        elif len(nums) == 2:
+            rk = (nums[0], 0, nums[1]) if ep_only else (nums[0], nums[1], 0)
+        else:
+            rk = (nums[0], 0, 0)
+        out[rk] = d
+    return out
+
+
+def expert_grid(tp: int, ep: int, etp: int) -> Dict[Tuple[int, int], int]:
+    """{(TP rank, EP rank): expert-TP rank} of the rank directories of one pipeline stage.
+
+    In a stage, rank x (megatron-core's default order tp-cp-ep-dp-pp, parallel_state.RankGenerator) has
+    dense TP rank x % TP and, on the expert grid (tp-ep-dp with the expert TP size), expert-TP rank
+    x % ETP and EP rank (x // ETP) % EP. Megatron-LM names a rank's file by (TP rank, EP rank) only
+    (checkpointing.py get_checkpoint_name), saves from data-parallel rank 0 and expert-data-parallel rank 0
+    (save_checkpoint; before 2026-05 only the latter), and every rank loads the file of its (TP rank,
+    EP rank). So the pairs repeat with period lcm(TP, ETP x EP): with ETP = TP every (t, e) exists; with
+    ETP below TP only some do (TP2 ETP1 EP2: mp_rank_00_000 and mp_rank_01_001) and file (t, e) holds
+    EP rank e's experts cut at expert-TP rank t % ETP (ETP divides TP, so x % ETP = t % ETP)."""
+    require(tp % etp == 0, *etp_refusal(tp, etp))
+    period = tp * ep * etp // math.gcd(tp, ep * etp)
+    return {(x % tp, (x // etp) % ep): x % etp for x in range(period)}
+
+
+def etp_refusal(tp: int, etp: int) -> Tuple[str, str]:
+    if etp > tp and etp % tp == 0:
+        return (f"expert tensor parallelism {etp} above TP {tp} has no torch-format layout: ranks of different "
+                "expert-TP rank save to (and load from) the same mp_rank directory, which holds one of their shards",
+                f"choose --etp dividing --tp {tp}, or use the run's torch_dist checkpoint")
+    return (f"expert tensor parallelism {etp} does not divide TP {tp}", "choose an expert TP size that divides TP")

@@ -108,6 +108,8 @@ def _checkpoint(path: Path, format_name: str) -> Checkpoint:
                                          {"universal_checkpoint_info": r0.meta.get("universal_checkpoint_info")})
     shapes = canonical_shapes(cfg)
     dtypes = {p.dtype for parts in shards.values() for p in parts}
+    if cfg.moe is not None:  # (meta.canonical_shapes now answers for MoE; DeepSpeed's expert files are not read here)
+        raise NotQuick("an MoE model")
     if cfg.num_layers != num_layers or shapes is None or len(dtypes) != 1 or set(shards) != _roles(shapes, cfg):
         raise NotQuick("the files do not hold the model the args describe")
     dtype = dtypes.pop()

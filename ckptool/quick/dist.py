@@ -4,9 +4,10 @@ quick/torch_pickle.py) gives every tensor's global shape and dtype, the common s
 the common_state byte entry) the run's args, and the args the config (megatron_args, as the full
 reader computes it); the canonical shapes follow from the config (quick/meta.py).
 
-Covered: dense GPT models with args, without optimizer state or with it in a model-space form
+Covered: dense and MoE GPT models with args (MoE experts stacked per layer or per model, EP from
+the args as the full reader takes it), without optimizer state or with it in a model-space form
 (quick/dist_optim.py). None (the full reader answers) for other optimizer forms (quick/dist_optim.py
-names them), bare saves without args, MoE/MLA, mixed dtypes, an unknown backend, or stored tensors
+names them), bare saves without args, MLA, mixed dtypes (megatron-core's float32 expert bias), an unknown backend, or stored tensors
 whose element count differs from the model the args describe (tensors the full reader would refuse as
 not part of a GPT model).
 """
@@ -187,8 +188,9 @@ def _checkpoint(path, format_name, d, meta, common, iteration, release) -> Optio
     dtype = next(iter(keys.values())).dtype
     tp = getattr(args, "tensor_model_parallel_size", None) or 1
     pp = getattr(args, "pipeline_model_parallel_size", None) or 1
+    ep = (getattr(args, "expert_model_parallel_size", None) or 1) if cfg.moe is not None else 1
     info = SourceInfo(path=str(path), format=format_name, dialect="mcore-dist" if stacked else "mcore-dist-per-layer",
-                      layout=Layout(tp=tp, pp=pp), release=release,
+                      layout=Layout(tp=tp, pp=pp, ep=ep), release=release,
                       iteration=iteration if iteration is not None else common.get("iteration"),
                       checkpoint_version=common.get("checkpoint_version"), args=args)
     canonical = {n: TensorMeta(s, dtype) for n, s in shapes.items()}

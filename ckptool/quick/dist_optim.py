@@ -12,16 +12,22 @@ The flat per-bucket dp_reshardable form (the default since megatron-core 0.15), 
 sits by the grad-buffer layout, is read by quick/dist_buckets.py: each rank's layout checked against
 its stored bucket sizes, as the full reader checks it.
 
-NotQuick (the full reader answers, with its warning or error) for chained optimizers, optimizer
+A ChainedOptimizer's entries ({0: dense, 1: expert} of an MoE model at EP > 1, one tensor prefix for
+both) are tied per part as dist_optim.tie_groups ties them (_tie_chain).
+
+NotQuick (the full reader answers, with its warning or error) for other chains, a chain of flat
+buckets, optimizer
 tensors without an optimizer entry, the gathered dp_zero_gather_scatter form, the N-D flattened
 fully_sharded_model_space, groups the traits do not tell apart, and any slot that does not cover
 exactly the model's weights with their shapes in one dtype.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
-from ..formats.megatron_groups import GroupRule, canonical_traits, groups_by_traits
+from ..errors import CkptError
+from ..formats.megatron_groups import GroupRule, canonical_traits, groups_by_traits, merge_groups
+from ..spec import spec_for
 from ..state import OptimizerState, ParamGroup
 from . import dist_buckets
 from .meta import TensorMeta
@@ -49,8 +55,11 @@ def training_state(common: dict, stored: Dict[str, TensorMeta], model_keys: Dict
         if any(k.startswith(PREFIX) or ".optimizer." in k for k in stored):
             raise NotQuick("optimizer tensors without an optimizer entry")  # the full reader's warning
         return None
-    if any(isinstance(k, int) for k in opt):
-        raise NotQuick("a chained optimizer")
+    chain = _chain(opt, args, cfg)
+    opt = chain[0]  # the dense optimizer's entry holds the form, the grad scaler
+    forms = {part.get("param_state_sharding_type") or NON_DISTRIBUTED for part in chain}
+    if len(chain) > 1 and (len(forms) != 1 or forms & {dist_buckets.FORM}):
+        raise NotQuick("a chained optimizer of several forms, or of flat buckets")  # the full reader ties those
     form = opt.get("param_state_sharding_type") or NON_DISTRIBUTED
     if form == dist_buckets.FORM and cfg is not None and objects is not None:
         return _flat_buckets(common, stored, weights, args, cfg, objects)
@@ -73,11 +82,55 @@ def training_state(common: dict, stored: Dict[str, TensorMeta], model_keys: Dict
         slots[slot] = {n: TensorMeta(w.shape, dtype) for n, w in weights.items()}
     if "exp_avg" not in slots or "exp_avg_sq" not in slots:
         raise NotQuick("no Adam moments")
-    step, hypers = _scalars(opt)
-    return OptimizerState(kind=f"megatron-core-dist ({form})", slots=slots, step=step,
-                          param_groups=_tie_groups(hypers, weights, GroupRule.from_args(args)),
+    scalars = [_scalars(part) for part in chain]
+    steps = {step for step, _ in scalars}
+    if len(steps) != 1:
+        raise NotQuick("the chained optimizers stepped differently")
+    rule = GroupRule.from_args(args)
+    groups = _tie_groups(scalars[0][1], weights, rule) if len(chain) == 1 else \
+        _tie_chain([h for _, h in scalars], weights, rule, cfg)
+    return OptimizerState(kind=f"megatron-core-dist ({form})", slots=slots, step=steps.pop(),
+                          param_groups=groups,
                           grad_scaler=opt.get("grad_scaler"), scheduler=common.get("opt_param_scheduler"),
                           consumed_samples=getattr(args, "consumed_train_samples", None))
+
+
+def _chain(opt: dict, args, cfg) -> list:
+    """[the one optimizer's entry], or a ChainedOptimizer's [dense, expert] entries (stored under 0 and 1)
+    of an MoE model at EP > 1, as dist_optim.parts / unsupported_chain take them."""
+    keys = sorted(k for k in opt if isinstance(k, int))
+    if not keys:
+        return [opt]
+    ep = getattr(args, "expert_model_parallel_size", None) or 1
+    if keys != [0, 1] or ep == 1 or cfg is None or cfg.moe is None or not all(isinstance(opt[k], dict) for k in keys):
+        raise NotQuick("a chained optimizer other than megatron-core's [dense, expert]")
+    return [opt[0], opt[1]]
+
+
+def _tie_chain(hypers: List[List[dict]], weights: Dict[str, TensorMeta], rule: GroupRule, cfg) -> List[ParamGroup]:
+    """dist_optim.tie_groups of a [dense, expert] chain: each canonical tensor joins the group of its own
+    optimizer (the experts the second: the spec names them) whose traits are its own; an expert group and
+    its dense twin are one canonical group (megatron_groups.merge_groups)."""
+    try:
+        canonical, local = merge_groups({(0,): [h for part in hypers for h in part]}, "quick")
+    except CkptError:
+        raise NotQuick("groups that do not merge") from None
+    spec = spec_for(cfg)
+    is_expert = {n: spec.match(n, cfg)[2] is not None for n in weights}
+    names: List[List[str]] = [[] for _ in canonical]
+    offset = 0
+    for n, part in enumerate(hypers):
+        if {h["is_expert_parallel"] for h in part if "is_expert_parallel" in h} - {n == 1}:
+            raise NotQuick("a chain out of megatron-core's order")  # the full reader's error
+        mine = [name for name in weights if is_expert[name] == (n == 1)]
+        group_of = groups_by_traits([canonical_traits(m, weights[m].shape, rule) for m in mine], part, rule) \
+            if mine and len(part) > 1 else [0] * len(mine)
+        if group_of is None or mine and not part:
+            raise NotQuick("a parameter fits no group, or several")
+        for m, g in zip(mine, group_of):
+            names[local[(0,)][offset + g]].append(m)
+        offset += len(part)
+    return [ParamGroup(ns, dict(h)) for ns, h in zip(names, canonical)]
 
 
 def _flat_buckets(common: dict, stored: Dict[str, TensorMeta], weights: Dict[str, TensorMeta], args, cfg,

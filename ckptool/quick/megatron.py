@@ -6,9 +6,10 @@ optimizer's state as the training-state reader ties it (quick/optim.py, quick/me
 
 Covered: dense GPT models whose files store args: converted, released and from-hf checkpoints, and
 training saves with or without optimizer state (the rank files' own, or distrib_optim.pt beside
-them: quick/megatron_distopt.py). Anything else returns None and the full reader answers: the
-2022-23 optim.pt, optimizer state the quick tie cannot decide (quick/optim.py), MoE/MLA, 2019 files
-without args, mixed dtypes, keys outside the dialect, or files that disagree with one another or
+them: quick/megatron_distopt.py); MoE models' weights at any TP / PP / EP / expert TP, in each expert
+module form (quick/megatron_experts.py). Anything else returns None and the full reader answers: the
+2022-23 optim.pt, optimizer state the quick tie cannot decide (quick/optim.py), an MoE model's
+distrib_optim.pt (chained [dense, expert] buffers), MLA, 2019 files without args, missing or stray rank directories, mixed dtypes, keys outside the dialect, or files that disagree with one another or
 with their args (the full reader has the error message for each).
 """
 from __future__ import annotations
@@ -20,9 +21,11 @@ from typing import Dict, List, Optional, Tuple
 from ..config import Layout
 from ..errors import CkptError
 from ..formats import megatron_args
-from ..formats.megatron_files import RANK_DIR, detect_dialect, flatten, list_rank_dirs, model_file, resolve_iteration_dir
+from ..formats.megatron_files import (detect_dialect, expert_grid, flatten, list_rank_dirs, model_file, rank_coordinates,
+                                      resolve_iteration_dir)
 from ..formats.megatron_names import KeyMatcher, is_ignorable, is_mla
 from ..state import Checkpoint, SourceInfo
+from . import megatron_experts as experts
 from .meta import TensorMeta, canonical_shapes
 from .optim import Param, training_state
 from .torch_pickle import NotQuick, load_torch_zip
@@ -38,9 +41,13 @@ def read(path: Path, format_name: str) -> Optional[Checkpoint]:
         dirs = list_rank_dirs(it_dir)
         if not dirs or any((d / OPTIM_FILE).exists() for d in it_dir.iterdir()):
             return None  # the 2022-23 distributed optimizer's files: the full reader names what it drops
-        trees = {_coordinates(d): load_torch_zip(model_file(d)) for d in dirs}
-        distrib = {_coordinates(d): load_torch_zip(d / DISTRIB_FILE) if (d / DISTRIB_FILE).is_file() else None
-                   for d in dirs}
+        loaded = {d: load_torch_zip(model_file(d)) for d in dirs}
+        if not isinstance(loaded[dirs[0]], dict):
+            return None
+        ranks = rank_coordinates(dirs, loaded[dirs[0]])  # (tp, pp, ep) as the full reader names them
+        trees = {rk: loaded[d] for rk, d in ranks.items()}
+        distrib = {rk: load_torch_zip(d / DISTRIB_FILE) if (d / DISTRIB_FILE).is_file() else None
+                   for rk, d in ranks.items()}
     except (CkptError, NotQuick, OSError):
         return None
     if any(not isinstance(t, dict) or "model" not in t and not _chunk_keys(t) for t in trees.values()):
@@ -63,30 +70,23 @@ def _plain_args(args) -> Optional[dict]:
             if type(v) in (int, float, str, bool, type(None)) and k not in PER_PROCESS_ARGS}
 
 
-def _coordinates(d: Path) -> Tuple[int, int]:
-    nums = [int(g) for g in RANK_DIR.match(d.name).groups() if g is not None]
-    if len(nums) == 3:
-        raise NotQuick("expert-parallel rank directories")
-    return nums[0], (nums[1] if len(nums) == 2 else 0)
-
-
 def _chunk_keys(tree: dict) -> Dict[int, str]:
     return {int(m.group(1)): k for k in tree for m in [re.match(r"^model(\d+)$", str(k))] if m}
 
 
 def _checkpoint(path: Path, format_name: str, trees, distrib, iteration, release) -> Optional[Checkpoint]:
-    tp = max(t for t, _ in trees) + 1
-    pp = max(p for _, p in trees) + 1
-    first = trees[(0, 0)]
-    args = first.get("args")
-    if len(trees) != tp * pp or args is None:
+    tp, pp, ep = (max(rk[i] for rk in trees) + 1 for i in range(3))
+    first = trees.get((0, 0, 0))
+    args = first.get("args") if first is not None else None
+    if args is None:
         return None
     if any(_plain_args(t.get("args")) != _plain_args(args) for t in trees.values()):
         return None  # ranks of different runs (the full reader names the differing arg)
     want = (getattr(args, "tensor_model_parallel_size", None), getattr(args, "pipeline_model_parallel_size", None) or 1,
-            getattr(args, "expert_model_parallel_size", None) or 1, getattr(args, "num_experts", None))
-    if want[:3] != (tp, pp, 1) or want[3]:
-        return None
+            getattr(args, "expert_model_parallel_size", None) or 1)
+    etp = (getattr(args, "expert_tensor_parallel_size", None) or tp) if getattr(args, "num_experts", None) else tp
+    if want != (tp, pp, ep) or etp < 1 or tp % etp or set(trees) != _saved_ranks(tp, pp, ep, etp):
+        return None  # missing or stray rank directories: the full reader names them
     version = float(first.get("checkpoint_version", 0) or 0)
     models = {rk: ({0: flatten(t["model"])} if "model" in t else
                    {v: flatten(t[k]) for v, k in _chunk_keys(t).items()}) for rk, t in trees.items()}
@@ -103,7 +103,7 @@ def _checkpoint(path: Path, format_name: str, trees, distrib, iteration, release
     dtypes = {v.dtype for chunks in models.values() for c in chunks.values() for k, v in c.items()
               if isinstance(v, TensorMeta) and matcher.match(k) is not None}
     counts = _layer_counts(models, matcher)
-    vpp = len(models[(0, 0)])
+    vpp = len(models[(0, 0, 0)])
     if len(dtypes) != 1 or counts is None or any(len(c) != vpp for c in models.values()):
         return None
     if not _same_across_tp(models, tp, pp):
@@ -115,7 +115,7 @@ def _checkpoint(path: Path, format_name: str, trees, distrib, iteration, release
         cfg = megatron_args.config_from_args(args, rows)
     except CkptError:
         return None
-    if cfg.num_layers != sum(counts.values()):
+    if cfg.num_layers != sum(counts.values()) or not experts.holds(models, matcher, cfg, counts, ep, etp):
         return None
     warnings: List[str] = []
     if dialect.name.startswith("mcore"):
@@ -126,12 +126,14 @@ def _checkpoint(path: Path, format_name: str, trees, distrib, iteration, release
         return None
     dtype = dtypes.pop()
     weights = {n: TensorMeta(s, dtype) for n, s in shapes.items()}
+    if cfg.moe is not None and any(distrib.values()):
+        return None  # the distributed optimizer's chained [dense, expert] buffers: the full reader ties them
     params = {rk: [Param(k, matcher.match(k)[0], v.shape, c) for c in sorted(chunks) for k, v in chunks[c].items()
                    if isinstance(v, TensorMeta) and matcher.match(k) is not None]
               for rk, chunks in models.items()}
-    optimizer = training_state(trees, params, args, weights, distrib, cfg.tied_embeddings)
+    optimizer = training_state(trees, params, args, weights, distrib, cfg.tied_embeddings, ep)
     stages = [counts[(p, 0)] for p in range(pp)]
-    layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None,
+    layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, ep=ep, etp=etp if etp != tp else None,
                     stage_layers=None if vpp > 1 or len(set(stages)) == 1 else stages)
     info = SourceInfo(path=str(path), format=format_name, dialect=dialect.name, layout=layout,
                       iteration=iteration if iteration is not None else first.get("iteration"), release=release,
@@ -139,12 +141,23 @@ def _checkpoint(path: Path, format_name: str, trees, distrib, iteration, release
     return Checkpoint(cfg, weights, info, warnings, optimizer)
 
 
+def _saved_ranks(tp: int, pp: int, ep: int, etp: int):
+    """The (tp, pp, ep) rank directories a complete save holds: every (TP, EP) pair of the expert grid
+    that Megatron-LM's saving ranks write (formats/megatron_files.expert_grid; the full reader's check)."""
+    pairs = {(x % tp, (x // etp) % ep) for x in range(max(tp, etp * ep))}
+    if pairs != set(expert_grid(tp, ep, etp)):
+        raise NotQuick("a grid whose later pairs some eras do not save")
+    return {(t, p, e) for p in range(pp) for t, e in pairs}
+
+
 def _same_across_tp(models, tp: int, pp: int) -> bool:
-    """Every TP rank of a stage holds the same keys with the same shapes."""
+    """Every tensor- and expert-parallel rank of a stage holds the same keys with the same shapes (expert
+    keys count experts locally; expert TP cuts them evenly)."""
     for p in range(pp):
-        first = models[(0, p)]
-        for t in range(1, tp):
-            other = models[(t, p)]
+        first = models[(0, p, 0)]
+        for (t, q, e), other in models.items():
+            if q != p:
+                continue
             if other.keys() != first.keys():
                 return False
             for v, flat in first.items():
@@ -157,7 +170,7 @@ def _same_across_tp(models, tp: int, pp: int) -> bool:
 def _layer_counts(models, matcher) -> Optional[Dict[Tuple[int, int], int]]:
     """Layers per (pipeline stage, virtual chunk), the same on every TP rank, as the full reader counts."""
     counts: Dict[Tuple[int, int], int] = {}
-    for (_, p), chunks in models.items():
+    for (_, p, _), chunks in models.items():
         for v, flat in chunks.items():
             idx = [m[1] for m in (matcher.match(k) for k in flat) if m and m[1] is not None]
             n = max(idx) + 1 if idx else 0
@@ -167,10 +180,12 @@ def _layer_counts(models, matcher) -> Optional[Dict[Tuple[int, int], int]]:
 
 
 def _word_rows(models, matcher, tp: int) -> Optional[int]:
-    """Stored vocabulary rows: the word embedding's rows summed over the TP ranks of the first stage."""
+    """Stored vocabulary rows: the word embedding's rows summed over the TP ranks of the first stage (each
+    TP rank's first file: with expert TP below TP not every (TP, EP) pair has one)."""
     rows = 0
     for t in range(tp):
-        words = [v for k, v in models[(t, 0)][0].items()
+        first = min(rk for rk in models if rk[:2] == (t, 0))
+        words = [v for k, v in models[first][0].items()
                  if isinstance(v, TensorMeta) and (matcher.match(k) or (None,))[0] == "word"]
         if len(words) != 1:
             return None

@@ -33,26 +33,37 @@ class TensorMeta:
 
 
 def canonical_shapes(cfg: GPTConfig) -> Optional[Dict[str, Tuple[int, ...]]]:
-    """Every canonical tensor of a dense model with cfg and its full shape, in expected_names order
-    (shapes as state.py documents them). None for MoE and MLA models, whose shapes the quick path
-    leaves to the full reader."""
-    if cfg.moe is not None or cfg.mla is not None:
+    """Every canonical tensor of a model with cfg and its full shape, in expected_names order (shapes as
+    state.py documents them: an MoE layer's router, routed experts and shared expert too). None for MLA
+    models, whose shapes the quick path leaves to the full reader."""
+    if cfg.mla is not None:
         return None
     h, hd = cfg.hidden_size, cfg.head_dim
-    q, kv, ffn = cfg.num_attention_heads * hd, cfg.num_query_groups * hd, cfg.ffn_hidden_size
+    q, kv = cfg.num_attention_heads * hd, cfg.num_query_groups * hd
+    # an MLP's intermediate size by its scope in the name: a dense layer's, a routed expert's, the shared expert's
+    ffn = {"mlp": cfg.ffn_hidden_size}
+    if cfg.moe is not None:
+        ffn.update(experts=cfg.moe.ffn_hidden_size, shared=cfg.moe.shared_ffn_hidden_size)
+        n = cfg.moe.num_experts
+        moe = {"router.weight": (n, h), "router.bias": (n,), "router.expert_bias": (n,), "shared_gate.weight": (1, h)}
     # what a name ends with -> (weight shape, bias shape)
     by_part = {"attn_norm": ((h,), (h,)), "mlp_norm": ((h,), (h,)), "final_norm": ((h,), (h,)),
                "q": ((q, h), (q,)), "k": ((kv, h), (kv,)), "v": ((kv, h), (kv,)),
-               "q_norm": ((hd,), (hd,)), "k_norm": ((hd,), (hd,)), "out": ((h, q), (h,)),
-               "gate": ((ffn, h), (ffn,)), "up": ((ffn, h), (ffn,)), "down": ((h, ffn), (h,))}
+               "q_norm": ((hd,), (hd,)), "k_norm": ((hd,), (hd,)), "out": ((h, q), (h,))}
     whole = {"embed.word": (cfg.padded_vocab_size, h), "embed.pos": (cfg.max_position_embeddings, h),
              "output.weight": (cfg.padded_vocab_size, h)}
     shapes = {}
     for name in expected_names(cfg):
+        parts = name.split(".")
         if name in whole:
             shapes[name] = whole[name]
-            continue
-        part, kind = name.split(".")[-2:]
-        weight, bias = by_part[part]
-        shapes[name] = weight if kind == "weight" else bias
+        elif cfg.moe is not None and ".".join(parts[-2:]) in moe and parts[-3] == "mlp":
+            shapes[name] = moe[".".join(parts[-2:])]
+        elif parts[-2] in ("gate", "up", "down"):
+            f = ffn[parts[3] if parts[3] in ("experts", "shared") else "mlp"]  # layers.{i}.mlp.<scope>...
+            shapes[name] = ((f, h), (f,)) if parts[-2] != "down" else ((h, f), (h,))
+            shapes[name] = shapes[name][parts[-1] != "weight"]
+        else:
+            weight, bias = by_part[parts[-2]]
+            shapes[name] = weight if parts[-1] == "weight" else bias
     return shapes

@@ -19,7 +19,7 @@ masters are TensorMeta records; Adam's 0-d `step` tensors are read as Scalars):
 
 The distributed optimizer's ranks (distrib_optim.pt: quick/megatron_distopt.py) join their groups
 by the same traits. Anything this cannot decide the way the full reader does (groups told apart by
-sizes alone, lr_mult groups, chained optimizers, mixed slot dtypes) raises NotQuick and the full
+sizes alone, lr_mult groups, chains other than megatron-core's [dense, expert] at EP > 1, mixed slot dtypes) raises NotQuick and the full
 reader answers. The trait rules are the full reader's own table (megatron_groups.GROUP_TRAITS,
 torch-free); the tests compare both paths' output on real Megatron-LM saves.
 """
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from ..errors import CkptError
-from ..formats.megatron_groups import (MIXED_FORMS, MOMENTS, GroupRule, canonical_traits, group_traits,
-                                       groups_by_traits, merge_groups, traits_of)
+from ..formats.megatron_groups import (MIXED_FORMS, MOMENTS, GroupRule, canonical_traits, expert_parallel,
+                                       group_traits, groups_by_traits, merge_groups, traits_of)
 from ..state import OPTIMIZER_SLOTS, OptimizerState, ParamGroup
 from .megatron_distopt import rank_state
 from .meta import TensorMeta
@@ -64,10 +64,12 @@ def _traits(params: List[Param], rule: GroupRule) -> List[Tuple[bool, ...]]:
 
 def training_state(trees: Dict[tuple, dict], params: Dict[tuple, List[Param]], args,
                    weights: Dict[str, TensorMeta], distrib: Dict[tuple, object],
-                   tied: bool) -> Optional[OptimizerState]:
+                   tied: bool, ep: int = 1) -> Optional[OptimizerState]:
     """The OptimizerState the full reader would build (slots as TensorMeta of the weights' shapes), None
-    where no rank's optimizer ever stepped; NotQuick where only the full reader can say. distrib: each
-    rank's distrib_optim.pt (quick/megatron_distopt.py), None where the rank has none."""
+    where no rank's optimizer ever stepped; NotQuick where only the full reader can say. trees, params,
+    distrib: per rank (tp, pp) or (tp, pp, ep); distrib: each rank's distrib_optim.pt
+    (quick/megatron_distopt.py), None where the rank has none; ep: the expert-parallel size (at EP > 1
+    an MoE rank's entry is megatron-core's chained [dense, expert] list)."""
     if not any("optimizer" in t for t in trees.values()):
         return None
     rule = GroupRule.from_args(args)
@@ -75,9 +77,9 @@ def training_state(trees: Dict[tuple, dict], params: Dict[tuple, List[Param]], a
     distributed = has_file == {True} or bool(getattr(args, "use_distributed_optimizer", False))
     if len(has_file) > 1 or distributed and has_file != {True}:
         raise NotQuick("distrib_optim.pt beside some rank files only")  # the full reader's error
-    pp = max(p for _, p in trees) + 1
+    pp = max(rk[1] for rk in trees) + 1
     per_rank = {rk: _dist_rank(trees[rk], distrib[rk], params[rk], args, tied, pp, rk[1], rule)
-                if distributed else _rank(trees[rk], params[rk], rule) for rk in sorted(trees)}
+                if distributed else _rank(trees[rk], params[rk], rule, ep) for rk in sorted(trees)}
     if all(r is None for r in per_rank.values()):
         return None
     if any(r is None for r in per_rank.values()):
@@ -110,18 +112,52 @@ def _split_form(opt):
     raise NotQuick("unknown optimizer layout")
 
 
-def _rank(tree: dict, params: List[Param], rule: GroupRule) -> Optional[_Rank]:
-    """One rank's optimizer tied to its parameters, as megatron_optim.read_rank ties it."""
-    if tree.get("optimizer") is None:
+def _rank(tree: dict, params: List[Param], rule: GroupRule, ep: int = 1) -> Optional[_Rank]:
+    """One rank's optimizer tied to its parameters, as megatron_optim.read_rank ties it: a chained
+    [dense, expert] optimizer (EP > 1) each part to its own parameters (megatron_optim.chain_members),
+    the dense part's groups first (megatron_optim.join_chain)."""
+    opt = tree.get("optimizer")
+    if opt is None:
         return None
-    torch_state, masters, scaler = _split_form(tree["optimizer"])
+    if not isinstance(opt, list):
+        return _rank_part(opt, params, rule)
+    if len(opt) != 2 or ep == 1:
+        raise NotQuick("a chain other than megatron-core's [dense, expert]")  # the full reader's warning
+    members = [[i for i, p in enumerate(params) if expert_parallel(p.role, ep) == is_expert] for is_expert in (False, True)]
+    # each part's groups tied by their traits even where a part has one group (the expert part often has:
+    # experts have no 1-D weights), so every canonical group's tensors are told apart by traits below
+    parts = [_rank_part(part, [params[i] for i in idx], rule, by_traits=True) for part, idx in zip(opt, members)]
+    if all(r is None for r in parts):
+        return None
+    if any(r is None and idx for r, idx in zip(parts, members)):
+        raise NotQuick("one optimizer of the chain stepped, the other not")  # the full reader's error
+    group_of, hypers, steps, dtypes = [0] * len(params), [], set(), defaultdict(set)
+    for r, idx in zip(parts, members):
+        if r is None:
+            continue
+        for j, i in enumerate(idx):
+            group_of[i] = len(hypers) + r.group_of[j]
+        hypers += r.hypers
+        steps |= {r.step} if r.step is not None else set()
+        for slot, ds in r.dtypes.items():
+            dtypes[slot] |= ds
+    if len(steps) > 1 or len({frozenset(r.dtypes) for r in parts if r is not None}) > 1:
+        raise NotQuick("the chained optimizers stepped differently or keep other slots")
+    return _Rank(group_of, hypers, steps.pop() if steps else None, parts[0].scaler if parts[0] else None,
+                 dict(dtypes), False)
+
+
+def _rank_part(opt, params: List[Param], rule: GroupRule, by_traits: bool = False) -> Optional[_Rank]:
+    """One optimizer's state dict tied to its parameters (megatron_optim._read_one); by_traits: a single
+    group too only where every parameter's traits are the group's."""
+    torch_state, masters, scaler = _split_form(opt)
     groups, state = torch_state.get("param_groups"), torch_state.get("state")
     if not isinstance(groups, list) or not isinstance(state, dict) or not all(isinstance(g, dict) for g in groups):
         raise NotQuick("optimizer state without param_groups/state")
     if not state:
         return None  # never stepped
     counts = [len(g.get("params", ())) for g in groups]
-    single = len(groups) == 1 and counts[0] == len(params)
+    single = not by_traits and len(groups) == 1 and counts[0] == len(params)
     members = [list(range(len(params)))] if single else _tie_by_traits(groups, params, counts, rule)
     if masters is not None and (not isinstance(masters, list) or len(masters) != len(groups)
                                 or any(len(m) != n for m, n in zip(masters, counts))):
