@@ -30,7 +30,7 @@ from ..errors import CkptError, NoCanonicalForm, require
 from ..io.torchfile import load_torch_file
 from ..lazy import Derived, LazyTensor
 from ..options import ReadOptions
-from ..roles import assemble
+from ..roles import HEAD_COPY, assemble
 from ..sharding import ReplicaPolicy
 from ..state import Checkpoint, SourceInfo, expected_names, in_model_order
 from ..vocab import with_true_vocab_size
@@ -316,7 +316,7 @@ def _read_megatron_module(named, r0, opts, policy):
                     continue
                 raise CkptError(f"key {key!r} is not part of a {dialect.name} GPT model", "ckptool converts GPT models")
             role, layer = hit
-            if role == "head_copy":
+            if role == HEAD_COPY:
                 continue
             shards[(role, layer)][t] = v
     num_layers = 1 + max(layer for (_, layer) in shards if layer is not None)
@@ -340,7 +340,7 @@ def _module_naming(r0: RankStates, matcher: KeyMatcher, dialect) -> dict:
     roles = {}
     for name in names:
         hit = matcher.match(megatron_key(name))
-        if hit is not None and hit[0] != "head_copy":
+        if hit is not None and hit[0] != HEAD_COPY:
             roles[hit] = name
     return {"scheme": "megatron-module", "roles": roles,
             "qkv_layout": "v0" if dialect.qkv_version0_only else "grouped"}

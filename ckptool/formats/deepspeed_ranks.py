@@ -29,7 +29,7 @@ from ..errors import CkptError
 from ..io.torchfile import load_torch_file
 from ..lazy import Derived, LazyTensor
 from ..options import ReadOptions
-from ..roles import GLOBAL_ROLES
+from ..roles import GLOBAL_ROLES, HEAD_COPY
 from ..state import Checkpoint
 from . import mds_pipeline as mds
 from .deepspeed import named_weights
@@ -143,7 +143,7 @@ class DeepSpeedRanks:
         out: Dict[str, LazyTensor] = {}
         for key, v in flat.items():
             hit = matcher.match(key)
-            if hit is None or not isinstance(v, LazyTensor) or hit[0] == "head_copy":
+            if hit is None or not isinstance(v, LazyTensor) or hit[0] == HEAD_COPY:
                 continue  # the merged read already refused keys that are not part of the model
             role, layer = hit
             if layer is None:

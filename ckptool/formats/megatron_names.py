@@ -232,7 +232,7 @@ class KeyMatcher:
         self.dialect = dialect
         self.globals = {key: role for role, key in dialect.globals.items()}
         if dialect.head_copy:
-            self.globals.setdefault(dialect.head_copy, "head_copy")
+            self.globals.setdefault(dialect.head_copy, HEAD_COPY)
         prefix = re.escape(dialect.layer_prefix).replace(r"\{i\}", r"(\d+)")
         self.layer_re = re.compile("^" + prefix + "(.+)$")
         self.layer = {}

@@ -43,6 +43,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import CkptError
+from ..spec.schema import HEAD_COPY
 from ..lazy import Const, Derived, LazyTensor
 from ..state import OPTIMIZER_SLOTS, ParamGroup
 # The group rules are torch-free (megatron_groups, shared with the quick inspect); their names stay here too.
@@ -75,7 +76,7 @@ def role_shards(values: Dict[Tuple[int, int], List[LazyTensor]], params: Dict[Tu
     for rk in sorted(params):  # expert-parallel ranks in order: the dense part is taken from EP rank 0
         t = rk[0]
         for param, value in zip(params[rk], values[rk]):
-            if param.role == "head_copy":
+            if param.role == HEAD_COPY:
                 head_copy = head_copy if head_copy is not None else value
             elif shards[(param.role, param.layer)][t] is None:
                 shards[(param.role, param.layer)][t] = value

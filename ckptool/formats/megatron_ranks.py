@@ -35,7 +35,7 @@ from ..errors import CkptError
 from ..io.torchfile import load_torch_file
 from ..lazy import Derived, LazyTensor
 from ..options import ReadOptions
-from ..roles import (FIRST_STAGE_ROLES, GLOBAL_ROLES, LAYER_ROLES, expert_role, global_role_tensor, layer_role_tensor,
+from ..roles import (FIRST_STAGE_ROLES, GLOBAL_ROLES, HEAD_COPY, LAYER_ROLES, expert_role, global_role_tensor, layer_role_tensor,
                      moe_layer_roles, rule_for)
 from ..sharding import Rule
 from ..state import Checkpoint
@@ -99,7 +99,7 @@ def read_rank_shards(path, tp_rank: int, pp_rank: int, opts: Optional[ReadOption
             role, local = hit
             if local is None:
                 # the last stage's copy of a tied embedding is its output matrix (what it multiplies by)
-                name = "output.weight" if role == "head_copy" else GLOBAL_ROLES[role]
+                name = "output.weight" if role == HEAD_COPY else GLOBAL_ROLES[role]
                 out[name] = value
                 continue
             if role.startswith("qkv.") and version < 2:

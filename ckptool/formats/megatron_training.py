@@ -18,7 +18,7 @@ import torch
 from ..config import GPTConfig, Layout
 from ..errors import CkptError, require
 from ..lazy import LazyTensor
-from ..roles import BUFFER_ROLES, canonical_names, global_role_tensor, layer_role_tensor
+from ..roles import BUFFER_ROLES, HEAD_COPY, canonical_names, global_role_tensor, layer_role_tensor
 from ..state import OPTIMIZER_SLOTS, PAD_FILL_BY_SLOT, WEIGHT, Checkpoint, OptimizerState, ParamGroup
 from ..vocab import resize_slot_vocab
 from . import megatron_buffers, megatron_distopt, megatron_optim
@@ -72,7 +72,7 @@ def read_training_state(trees, ranks, model_files, params, tp, args, cfg, canoni
     names: List[List[str]] = [[] for _ in hypers]
     for rk, r in per_rank.items():
         for param, g in zip(params[rk], r.group_of):
-            if param.role != "head_copy" and not (param.role == "output" and cfg.tied_embeddings):
+            if param.role != HEAD_COPY and not (param.role == "output" and cfg.tied_embeddings):
                 group = names[local[rk][g]]
                 group += [n for n in canonical_names(param.role, param.layer, cfg) if n not in group]
     steps = {r.step for r in per_rank.values()}

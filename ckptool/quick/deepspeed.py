@@ -42,7 +42,7 @@ from ..formats.deepspeed_files import TagFiles, looks_megatron, megatron_key, re
 from ..formats.megatron_files import detect_dialect
 from ..formats.megatron_names import KeyMatcher, is_ignorable
 from ..spec import GPT
-from ..spec.schema import MDS
+from ..spec.schema import HEAD_COPY, MDS
 from ..state import Checkpoint, OptimizerState, ParamGroup, SourceInfo, in_model_order
 from . import deepspeed_hf
 from .meta import TensorMeta, canonical_shapes
@@ -198,7 +198,7 @@ def _module(ranks: Dict[int, _Rank], weights: str):
                 if is_ignorable(key):
                     continue
                 raise NotQuick(f"{key} is not part of a {dialect.name} GPT model")
-            if hit[0] != "head_copy":
+            if hit[0] != HEAD_COPY:
                 shards[hit][t] = v
     layers = [layer for _, layer in shards if layer is not None]
     return dict(shards), (1 + max(layers)) if layers else 0, Layout(tp=tp, pp=1), f"megatron module ({dialect.name})"
