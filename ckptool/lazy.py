@@ -230,16 +230,22 @@ class Concat(Derived):
         return out
 
     def narrow(self, dim: int, start: int, length: int) -> LazyTensor:
-        # A slice inside one part (resharding TP2 to TP4) is that part's slice: a ranged read
-        # instead of merging every part first.
-        if dim == self.dim:
-            first = 0
-            for part in self.parents:
-                size = part.shape[dim]
-                if first <= start and start + length <= first + size:
-                    return part.narrow(dim, start - first, length)
-                first += size
-        return super().narrow(dim, start, length)
+        # A slice along the joined dim is the parts' slices it covers: inside one part (TP2 -> TP4)
+        # that part's slice, a ranged read; across a boundary (a vocabulary re-padded for TP4: rank
+        # 1's rows span both TP2 shards) the two slices joined, so the whole merged tensor is never
+        # built (and, memoised, held for the group's load) for a quarter of it: peak RSS.
+        if dim != self.dim or length <= 0:
+            return super().narrow(dim, start, length)
+        cuts, first = [], 0
+        for part in self.parents:
+            size = part.shape[dim]
+            lo, hi = max(start, first), min(start + length, first + size)
+            if lo < hi:
+                cuts.append(part.narrow(dim, lo - first, hi - lo))
+            first += size
+        if len(cuts) == 1:
+            return cuts[0]
+        return Concat(cuts, dim) if cuts else super().narrow(dim, start, length)
 
 
 def cat(parts: Sequence[LazyTensor], dim: int = 0, memo: bool = False) -> LazyTensor:

@@ -83,13 +83,7 @@ class PaddedRows(Concat):
 
     def __init__(self, t: LazyTensor, pad: LazyTensor):
         super().__init__([t, pad], dim=0, memo=True)  # memo: a whole load (TP1) is shared too
-
-    def narrow(self, dim: int, start: int, length: int) -> LazyTensor:
-        t, pad = self.parents
-        have = t.shape[0]
-        if dim != 0 or start >= have or start + length <= have:
-            return super().narrow(dim, start, length)  # inside one part: that part's slice
-        return Concat([t.narrow(0, start, have - start), pad.narrow(0, 0, start + length - have)])
+        # row slices: Concat.narrow cuts each part it covers (t's slice a ranged read, the pad's head)
 
 
 def resize_vocab(tensors: dict, cfg: GPTConfig, rows: int, fill: str = "zero") -> dict:

@@ -93,23 +93,36 @@ def _record_spans(root: Path) -> dict:
 
 
 def test_the_next_layers_source_bytes_are_asked_for_ahead(tmp_path, monkeypatch):
-    """Reshard and to-hf hint every source tensor byte to the kernel (io/prefetch.py), a group ahead."""
+    """Reshard and to-hf hint every source tensor byte they read to the kernel (io/prefetch.py), a
+    group ahead; reshard reads every record whole (to-hf not the embedding's padding rows)."""
     from ckptool.io import prefetch
     src = _tiny(tmp_path, "gpt2")
     asked: list = []
     real = prefetch.source_ranges
     monkeypatch.setattr(prefetch, "source_ranges", lambda lazies: asked.extend(real(lazies)) or real([]))
+    read: list = []
+    real_read = TorchArchive.read_record_into
+
+    def reading(self, key, start, out):
+        read.append((str(self.path), self.records[f"data/{key}"][0] + start, memoryview(out).nbytes))
+        return real_read(self, key, start, out)
+    monkeypatch.setattr(TorchArchive, "read_record_into", reading)
     monkeypatch.delenv("CKPTOOL_PREFETCH", raising=False)
     monkeypatch.delenv("CKPTOOL_READAHEAD", raising=False)
     from ckptool import api
     for out, write in (("tp4", lambda d: write_layout(open_checkpoint(src), d, Layout(4, 1), warn=lambda m: None)),
                        ("hf", lambda d: api.to_hf(src, d, max_shard_size="40KB", warn=lambda m: None))):
         asked.clear()
+        read.clear()
         write(tmp_path / out)
         covered = _covered(asked)
-        for path, spans in _record_spans(src).items():
-            for start, end in spans:  # each record inside one hinted interval
-                assert any(a <= start and end <= b for a, b in covered.get(path, [])), (out, path, start, end)
+        for path, start, n in read:  # each read inside one hinted interval
+            assert any(a <= start and start + n <= b for a, b in covered.get(path, [])), (out, path, start, n)
+        if out == "tp4":
+            for path, spans in _record_spans(src).items():
+                for start, end in spans:  # each record inside one hinted interval
+                    assert any(a <= start and end <= b for a, b in covered.get(path, [])), (out, path, start, end)
+        assert read
     monkeypatch.setenv("CKPTOOL_PREFETCH", "0")
     asked.clear()
     write_layout(open_checkpoint(src), tmp_path / "off", Layout(1, 1), warn=lambda m: None)

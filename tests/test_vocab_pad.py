@@ -64,3 +64,26 @@ def test_new_master_rows_come_from_the_padded_weight_slice_by_slice():
     assert torch.equal(whole[:104], m) and torch.equal(whole[104:], weights["embed.word"].load()[104:].float())
     for start in range(0, 128, 32):
         assert torch.equal(slot.narrow(0, start, 32).load(), whole[start:start + 32])
+
+
+def test_shares_across_the_source_shards_read_only_their_rows_and_hold_nothing_whole():
+    """The source embedding is itself a merge of TP shards (sharding.py: a memoised Concat). A TP4
+    share that spans two TP2 shards reads its rows from each, not both shards whole: built whole,
+    the merged tensor of every optimizer slot stayed memoised for the group's load (peak RSS over
+    the bound on the device, docs/benchmarks.md)."""
+    from ckptool.lazy import Concat, load_scope, load_scopes
+    src = torch.randn(104, 8, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    log: list = []
+    merged = Concat([CountedRows(src[:52], log), CountedRows(src[52:], log)], 0, memo=True)
+    padded = resize_rows(merged, 128, _cfg(101), "zero")
+    whole = torch.cat([src, torch.zeros(24, 8, dtype=src.dtype)])
+    with load_scope():
+        for start in range(0, 128, 32):  # rank 1 spans both shards, rank 3 the second and the pad
+            log.clear()
+            got = padded.narrow(0, start, 32).load()
+            assert torch.equal(got, whole[start:start + 32]), start
+            assert sum(log) == max(0, min(32, 104 - start)), (start, log)
+            assert all(v.numel() <= 32 * 8 for _, v in load_scopes()[-1].values()), start
+    # a share across two parts of any Concat is the same: both parts' slices, joined
+    log.clear()
+    assert torch.equal(merged.narrow(0, 40, 30).load(), src[40:70]) and sorted(log) == [12, 18]
