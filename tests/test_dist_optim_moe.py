@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from conftest import free_port
+from test_dist_optim import _copy_with_args  # a copy of a save whose stored args say otherwise
 from ckptool.config import Layout
 from ckptool.convert import write_layout
 from ckptool.formats.registry import open_checkpoint
@@ -245,30 +246,15 @@ def test_dp_reshardable_moe_with_args_claiming_another_expert_grid_is_refused(sa
     from ckptool.errors import CkptError
     with pytest.raises(CkptError, match=r"chained_1\.optimizer\.distributed\.dp_group_idx_0\.gbuf_idx_0 holds "
                                         r"buckets of .*--no-optimizer"):
-        open_checkpoint(_with_args(saved / "dpr_tp2", tmp_path, expert_tensor_parallel_size=1))
+        open_checkpoint(_copy_with_args(saved / "dpr_tp2", tmp_path, expert_tensor_parallel_size=1))
 
 
 def test_dp_reshardable_legacy_grouped_mlp_is_dropped_by_name(saved, tmp_path):
     """The legacy GroupedMLP (one parameter per fc for all local experts) is not laid out: dropped with a
     warning naming it; the weights still read."""
-    ck = open_checkpoint(_with_args(saved / "dpr", tmp_path, moe_grouped_gemm=True))
+    ck = open_checkpoint(_copy_with_args(saved / "dpr", tmp_path, moe_grouped_gemm=True))
     assert ck.optimizer is None and any("optimizer state dropped" in w and "legacy GroupedMLP" in w
                                         for w in ck.warnings), ck.warnings
-
-
-def _with_args(save: Path, tmp_path: Path, **changes) -> Path:
-    """A copy of a save whose stored args say otherwise."""
-    import shutil
-    from ckptool.io.torchfile import save_streaming
-    dst = tmp_path / "src"
-    shutil.copytree(save, dst)
-    d = next(dst.glob("iter_*"))
-    common = load_torch_file(d / "common.pt")
-    for k, v in changes.items():
-        setattr(common["args"], k, v)
-    save_streaming(common, tmp_path / "common.pt")
-    os.replace(tmp_path / "common.pt", d / "common.pt")
-    return dst
 
 
 def _dcp_keys(path: Path):

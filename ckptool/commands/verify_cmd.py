@@ -274,9 +274,9 @@ def _probe_mla_layer(probe_of, report, where, shards, layout, r, dtype, tol, fil
     tensors to the reference's values of that layer (verify/mla_probe.py) and add the tensors that differ, with
     their files, to the layer's `where`. Collective, like _probe_moe_layer."""
     import torch.distributed as dist
-    from ..verify import mla_probe
+    from ..verify import experts, mla_probe
     cfg = shards.config
-    layer = _diverging_layer(report.first_divergence, *probe_of) if r.rank == 0 and probe_of is not None else -1
+    layer = experts.diverging_layer(report.first_divergence, *probe_of) if r.rank == 0 and probe_of is not None else -1
     box = [layer]
     dist.broadcast_object_list(box, src=0)
     layer = box[0]
@@ -298,17 +298,6 @@ def _probe_mla_layer(probe_of, report, where, shards, layout, r, dtype, tol, fil
         line = mla_probe.diagnose(layer, got, vals, ref_w, cfg, layout.tp, cmp.relative_tolerance(tol), file_of)
         name = report.first_divergence  # the MoE probe may have said something of it already
         where[name] = "; ".join(x for x in (where.get(name, where.get(f"layer {layer}")), f"layer {layer}: {line}") if x)
-
-
-def _diverging_layer(first_divergence, ref_ckpt, ref_hidden) -> int:
-    """The first diverging layer when the reference has weights and that layer's input, else -1."""
-    if not first_divergence or not first_divergence.startswith("layer ") or ref_ckpt is None or not ref_hidden:
-        return -1
-    try:
-        i = int(first_divergence.split()[1])
-    except (IndexError, ValueError):
-        return -1
-    return i if ("embedding" if i == 0 else f"layer {i - 1}") in ref_hidden else -1
 
 
 class ParallelTarget:

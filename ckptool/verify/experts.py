@@ -24,18 +24,24 @@ from . import reference as ref_fwd
 from .parallel import Ranks, expert_partial
 
 
-def probe_layer(first_divergence: Optional[str], cfg: GPTConfig, ref_ckpt: Optional[Checkpoint],
-                ref_hidden: Optional[Dict[str, torch.Tensor]]) -> int:
-    """The MoE layer to probe (the first diverging layer, when it is one and the reference has weights
-    and the layer's input), else -1."""
+def diverging_layer(first_divergence: Optional[str], ref_ckpt: Optional[Checkpoint],
+                    ref_hidden: Optional[Dict[str, torch.Tensor]]) -> int:
+    """The first diverging layer when it is one and the reference has weights and that layer's input, else -1:
+    the layer a probe (this module's for experts, mla_probe's for attention) can apply the reference's values to."""
     if not first_divergence or not first_divergence.startswith("layer ") or ref_ckpt is None or not ref_hidden:
         return -1
     try:
         i = int(first_divergence.split()[1])
     except (IndexError, ValueError):
         return -1
-    before = "embedding" if i == 0 else f"layer {i - 1}"
-    return i if cfg.is_moe_layer(i) and before in ref_hidden else -1
+    return i if ("embedding" if i == 0 else f"layer {i - 1}") in ref_hidden else -1
+
+
+def probe_layer(first_divergence: Optional[str], cfg: GPTConfig, ref_ckpt: Optional[Checkpoint],
+                ref_hidden: Optional[Dict[str, torch.Tensor]]) -> int:
+    """The MoE layer to probe (diverging_layer, when it is an MoE layer), else -1."""
+    i = diverging_layer(first_divergence, ref_ckpt, ref_hidden)
+    return i if i >= 0 and cfg.is_moe_layer(i) else -1
 
 
 def moe_input(ref_ckpt: Checkpoint, i: int, x: torch.Tensor, dtype, device) -> torch.Tensor:
