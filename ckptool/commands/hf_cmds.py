@@ -87,8 +87,8 @@ def from_hf_cmd(src, dst, **kw):
 
     MoE models (Mixtral, Qwen-MoE) are written with megatron-core's SequentialMLP experts at --ep
     expert-parallel ranks; MLA models (DeepSeek-V2/V3, with a q latent or a direct q) as megatron-core's
-    MLASelfAttention (--dialect mcore: local spec, mcore-te: Transformer Engine spec; YaRN is refused: use
-    to-hf). The vocabulary is padded for --tp as Megatron would pad it; args are written so Megatron can
+    MLASelfAttention (--dialect mcore: local spec, mcore-te: Transformer Engine spec; YaRN as megatron-core's
+    YaRN args, rope_interleave false as its interleaved pairs). The vocabulary is padded for --tp as Megatron would pad it; args are written so Megatron can
     load the result (weights only: use --finetune or --no-load-optim --no-load-rng).
     """
     live, bar = LiveWarnings(), Progress("from-hf")
