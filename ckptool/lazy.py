@@ -234,8 +234,8 @@ class Concat(Derived):
         # that part's slice, a ranged read; across a boundary (a vocabulary re-padded for TP4: rank
         # 1's rows span both TP2 shards) the two slices joined, so the whole merged tensor is never
         # built (and, memoised, held for the group's load) for a quarter of it: peak RSS.
-        if dim != self.dim or length <= 0:
-            return super().narrow(dim, start, length)
+        if dim != self.dim or length <= 0 or start < 0 or start + length > self.shape[dim]:
+            return super().narrow(dim, start, length)  # (out of range: fails on load, as torch's narrow)
         cuts, first = [], 0
         for part in self.parents:
             size = part.shape[dim]

@@ -475,7 +475,8 @@ def test_hf_models_under_deepspeed_the_quick_path_does_not_cover(ds_cases, tmp_p
         save_streaming(tree, f.with_suffix(".tmp"))
         f.with_suffix(".tmp").replace(f)
     assert quick_inspect.quick_open(tmp_path / "short", {}) is None
-    assert CliRunner().invoke(main, ["inspect", str(tmp_path / "short")]).exit_code != 0
+    r = CliRunner().invoke(main, ["inspect", str(tmp_path / "short")])
+    assert r.exit_code == 2 and "frozen_param_fragments hold" in r.output, r.output
 
 
 @pytest.fixture(scope="module")

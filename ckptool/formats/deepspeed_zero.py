@@ -303,6 +303,11 @@ def _frozen(meta, metas, module, stage) -> Dict[str, LazyTensor]:
         numel = math.prod(shape)
         frags = [m.get("frozen_param_fragments", {}).get(name) for _, m in sorted(metas.items())]
         if stage == 3 and all(f is not None for f in frags):
+            have = sum(f.numel for f in frags)
+            if have < numel:  # each rank holds its padded share: together at least the parameter
+                raise CkptError(f"ZeRO-3 frozen parameter {name} {list(shape)}: the model-states files' "
+                                f"frozen_param_fragments hold {have} of its {numel} elements",
+                                "the save is incomplete or damaged: copy it again from the run")
             full = cat(frags)
             out[name] = reshape(full.narrow(0, 0, numel), shape)
         elif frags[0] is not None and frags[0].numel == numel:
