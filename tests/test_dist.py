@@ -11,7 +11,6 @@ import importlib.util
 import json
 import os
 import pickle
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -321,6 +320,56 @@ def test_reads_mcore_pp2_save_like_megatron_computes(mcore, arch, tmp_path):
 
 
 @needs_mcore
+def test_vpp_save_reports_the_runs_layout_and_stays_layout_free(framework_runs, tmp_path):
+    """megatron-core's torch_dist save of a PP2 x VPP2 run (test_dist_optim's dpr_vpp, shared): inspect, full
+    and torch-free, reports TP1 PP2 VPP2, the layout the run's args say (torch_dist itself stores global
+    tensors). Nothing then takes the save for VPP-cut files: a merge reads it whole into plain one-rank files,
+    and fix-vocab, which keeps the source's layout, writes the run's model0 / model1 chunks."""
+    import ckptool
+    from ckptool import quick_inspect
+    from test_dist_optim import HELPER as OPTIM_HELPER, SAVES
+    src = framework_runs(OPTIM_HELPER, 2, {"dpr_vpp": SAVES["dpr_vpp"]})["dpr_vpp"]
+    ckpt = open_checkpoint(src)
+    assert ckpt.source.args.virtual_pipeline_model_parallel_size == 2
+    assert ckpt.source.layout == Layout(tp=1, pp=2, vpp=2)
+    assert quick_inspect.quick_open(src, {}).source.layout == ckpt.source.layout
+    r = run_cli("inspect", src, "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["layout"]["vpp"] == 2, r.stderr
+    assert "layout      TP1 PP2 VPP2\n" in run_cli("inspect", src).stdout
+
+    ckptool.merge(src, tmp_path / "merged", format="torch", optimizer=False)
+    merged = open_checkpoint(tmp_path / "merged")
+    assert merged.source.layout == Layout(tp=1, pp=1)
+    assert_same_tensors(ckpt, merged)
+
+    ckptool.fix_vocab(src, tmp_path / "fixed", size=256, format="torch", optimizer=False)
+    fixed = open_checkpoint(tmp_path / "fixed")
+    assert fixed.source.layout == Layout(tp=1, pp=2, vpp=2)
+    stage0 = torch.load(next((tmp_path / "fixed").glob("iter_*/mp_rank_00_000/model_optim_rng.pt")), weights_only=False)
+    assert {"model0", "model1"} <= set(stage0) and "model" not in stage0
+    assert fixed.config.padded_vocab_size == 256
+    for name in ckpt.tensors:
+        a, b = ckpt.tensors[name].load(), fixed.tensors[name].load()
+        assert torch.equal(a, b[:a.shape[0]]), name
+
+
+@pytest.mark.parametrize("args, vpp", [
+    (dict(virtual_pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=2), 2),  # validated
+    (dict(virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None), None),
+    (dict(num_layers_per_virtual_pipeline_stage=2), 2),  # flags only: (8 layers / PP2) / 2
+    (dict(num_layers_per_virtual_pipeline_stage=1, account_for_embedding_in_pipeline_split=True,
+          account_for_loss_in_pipeline_split=True), 5),  # (8 + 2) / PP2 / 1
+    (dict(num_virtual_stages_per_pipeline_rank=4), 4),
+    (dict(virtual_pipeline_model_parallel_size=1), None),  # validate_args keeps 1 as None
+])
+def test_virtual_pipeline_size_from_args_of_each_era(args, vpp):
+    """megatron_args.virtual_pipeline_size: the size validate_args stored, else derived from the flags."""
+    import argparse
+    from ckptool.formats.megatron_args import virtual_pipeline_size
+    assert virtual_pipeline_size(argparse.Namespace(pipeline_model_parallel_size=2, **args), 8) == vpp
+
+
+@needs_mcore
 def test_bare_save_needs_flags_and_then_reads(mcore, tmp_path):
     bare = mcore / "bare"
     r = run_cli("inspect", bare)
@@ -382,7 +431,7 @@ def tiny_checkpoint(**kw) -> Checkpoint:
                     padded_vocab_size=128, vocab_size=100, max_position_embeddings=16, activation="swiglu",
                     normalization="rmsnorm", position_embedding="rope", add_bias_linear=False,
                     add_qkv_bias=False, tied_embeddings=False, make_vocab_size_divisible_by=64, **kw)
-    h, hd = cfg.hidden_size, cfg.head_dim
+    h = cfg.hidden_size
     g = torch.Generator().manual_seed(0)
 
     def shape(name):

@@ -50,7 +50,7 @@ def under_torchrun() -> bool:
                    "also the relative bound for per-layer hidden states.")
 @click.option("--tp", type=int, default=None,
               help="torch_dist targets under torchrun: tensor-parallel size to run (any works: the files hold "
-                   "global tensors). Default: the stored args' TP/PP, else TP = WORLD_SIZE, PP 1; with only one "
+                   "global tensors). Default: the stored args' TP/PP/VPP, else TP = WORLD_SIZE, PP 1; with only one "
                    "of --tp/--pp the other fills WORLD_SIZE. Torch-format targets run at their files' layout.")
 @click.option("--pp", type=int, default=None, help="torch_dist targets under torchrun: pipeline-parallel size (see --tp).")
 @click.option("--vpp", type=int, default=None,
@@ -356,7 +356,7 @@ def deepspeed_target(target, opts, tp, pp, vpp) -> ParallelTarget:
 
 def dist_layout(ckpt, tp, pp, world, vpp=None):
     """A torch_dist checkpoint holds global tensors, so any TP x PP (x VPP) can run it. Chosen in
-    order: --tp/--pp (one of them given: the other fills WORLD_SIZE), the TP/PP in the stored args,
+    order: --tp/--pp (one of them given: the other fills WORLD_SIZE), the TP/PP/VPP in the stored args,
     and for checkpoints without args TP = WORLD_SIZE, PP 1; --vpp splits each stage into chunks."""
     import dataclasses
     from ..config import Layout

@@ -361,8 +361,8 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     ep = (getattr(args, "expert_model_parallel_size", None) or 1) if cfg.moe is not None else 1
     info = SourceInfo(path=str(path), format=FORMAT,
                       dialect="mcore-dist" if stacked else "mcore-dist-per-layer",
-                      layout=Layout(tp=tp, pp=pp, ep=ep), release=release,
-                      iteration=iteration if iteration is not None else common.get("iteration"),
+                      layout=Layout(tp=tp, pp=pp, vpp=megatron_args.virtual_pipeline_size(args, cfg.num_layers), ep=ep),
+                      release=release, iteration=iteration if iteration is not None else common.get("iteration"),
                       checkpoint_version=common.get("checkpoint_version"), args=args,
                       extra={"replica_policy": policy, "plain_dcp": backend is None})
     optimizer = _read_optimizer(dcp, common, cfg, tensors, policy, args, str(d), warnings) if opts.optimizer else None

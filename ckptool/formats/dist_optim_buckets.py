@@ -52,6 +52,7 @@ from ..io.torchfile import load_torch_bytes
 from ..lazy import Const, LazyTensor, derive
 from ..roles import (BUFFER_ROLES, GLOBAL_ROLES, LAYER_ROLES, fc_major, global_role_tensor, layer_role_tensor,
                      moe_layer_roles, shard_role)
+from .megatron_args import virtual_pipeline_size
 from .megatron_names import DIALECTS
 from .megatron_buffers import (CURRENT, DIALECT_OF_IMPL, HEAD, HEAD_COPY, TAIL, buffer_layout, bucket_sizes,
                                stage_layers)
@@ -195,7 +196,7 @@ def read_shards(dcp: DcpDir, weights, cfg: GPTConfig, args, where: str, form: st
     roles.assemble(); form: FLAT or GATHERED."""
     tp = getattr(args, "tensor_model_parallel_size", None) or 1
     pp = getattr(args, "pipeline_model_parallel_size", None) or 1
-    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    vpp = virtual_pipeline_size(args, cfg.num_layers) or 1
     dp = int(getattr(args, "data_parallel_size", None) or 1)
     ep = int(getattr(args, "expert_model_parallel_size", None) or 1) if cfg.moe is not None else 1
     etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp) if cfg.moe is not None else tp

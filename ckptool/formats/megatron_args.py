@@ -65,6 +65,25 @@ NONNEGATIVE_INT_ARGS = ("max_position_embeddings", "seq_length", "vocab_size", "
 REAL_ARGS = ("norm_epsilon", "layernorm_epsilon", "rotary_base", "rotary_percent", "rope_scaling_factor")
 
 
+def virtual_pipeline_size(args, num_layers: int) -> Optional[int]:
+    """The run's virtual pipeline chunks per stage as its args say, None without interleaving.
+
+    Megatron-LM's validate_args stores the size it runs with as virtual_pipeline_model_parallel_size in
+    every era since interleaving exists (2021-02 dd88906: the flag itself; from dcef906 derived from
+    --num-layers-per-virtual-pipeline-stage, later also from --num-virtual-stages-per-pipeline-rank or
+    --pipeline-model-parallel-layout; a size of 1 becomes None). Args that never went through validate_args
+    keep only the flags: derived from them as validate_args does (layers per stage, counting the embedding
+    and the loss where account_for_*_in_pipeline_split says so, over layers per virtual stage)."""
+    vpp = _get(args, "virtual_pipeline_model_parallel_size", "num_virtual_stages_per_pipeline_rank")
+    per_chunk = _get(args, "num_layers_per_virtual_pipeline_stage")
+    if vpp is None and per_chunk:
+        pp = _get(args, "pipeline_model_parallel_size", default=1)
+        counted = num_layers + sum(bool(_get(args, f"account_for_{part}_in_pipeline_split", default=False))
+                                   for part in ("embedding", "loss"))
+        vpp = counted // pp // int(per_chunk)
+    return int(vpp) if vpp is not None and int(vpp) > 1 else None
+
+
 def check_arg_types(args) -> None:
     def bad(name, value, want):
         return CkptError(f"the checkpoint's args hold {name}={value!r}, not {want}",

@@ -190,7 +190,8 @@ def _checkpoint(path, format_name, d, meta, common, iteration, release) -> Optio
     pp = getattr(args, "pipeline_model_parallel_size", None) or 1
     ep = (getattr(args, "expert_model_parallel_size", None) or 1) if cfg.moe is not None else 1
     info = SourceInfo(path=str(path), format=format_name, dialect="mcore-dist" if stacked else "mcore-dist-per-layer",
-                      layout=Layout(tp=tp, pp=pp, ep=ep), release=release,
+                      layout=Layout(tp=tp, pp=pp, vpp=megatron_args.virtual_pipeline_size(args, cfg.num_layers), ep=ep),
+                      release=release,
                       iteration=iteration if iteration is not None else common.get("iteration"),
                       checkpoint_version=common.get("checkpoint_version"), args=args)
     canonical = {n: TensorMeta(s, dtype) for n, s in shapes.items()}
