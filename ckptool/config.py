@@ -180,6 +180,11 @@ class GPTConfig:
         require(self.num_attention_heads % self.num_query_groups == 0,
                 f"{self.num_attention_heads} attention heads cannot be split into "
                 f"{self.num_query_groups} query groups")
+        if self.moe is not None and not self.moe.layers:
+            # a model without MoE layers is a dense model (a DeepSeek whose first_k_dense_replace covers every
+            # layer, Megatron args whose --moe-layer-freq list is all zeros): one form for it, so every writer
+            # writes a dense model (megatron-core's builders take the MoE path whenever --num-experts is set)
+            self.moe = None
         if self.moe is not None:
             require(all(0 <= i < self.num_layers for i in self.moe.layers),
                     f"MoE layers {list(self.moe.layers)} fall outside the {self.num_layers} layers")

@@ -1,7 +1,8 @@
 """torchrun (gloo, CPU) helper: megatron-core 0.16's own GPTModel with Multi-Latent Attention (local spec,
 MLASelfAttention, --qk-layernorm for the latent norms) built from the args in a Megatron torch checkpoint
 ckptool wrote, loaded strictly (every parameter found, nothing left over), and its logits for TOKENS,
-gathered over TP, saved to --out with its parameter names in order. World size = TP (PP 1, dense MLP layers).
+gathered over TP, saved to --out with its parameter names in order and how many MoE layers megatron-core built
+from the args. World size = TP (PP 1, dense MLP layers).
 
 YaRN (--rope-type yarn) is megatron-core's YarnRotaryEmbedding, built from the checkpoint's args.
 
@@ -26,7 +27,8 @@ import torch.distributed as dist
 
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -94,9 +96,20 @@ def main():
         **{k: getattr(args, k) for k in ROPE_FIELDS if hasattr(args, k)},
         normalization=args.normalization, layernorm_epsilon=args.norm_epsilon, gated_linear_unit=args.swiglu,
         activation_func=torch.nn.functional.silu, add_bias_linear=args.add_bias_linear, bias_activation_fusion=False,
-        hidden_dropout=0.0, attention_dropout=0.0, pipeline_dtype=torch.float32, apply_rope_fusion=False)
-    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization=args.normalization)
-    for layer in spec.layer_specs:
+        hidden_dropout=0.0, attention_dropout=0.0, pipeline_dtype=torch.float32, apply_rope_fusion=False,
+        # the MoE settings as Megatron-LM takes them (--num-experts is the config's num_moe_experts)
+        num_moe_experts=getattr(args, "num_experts", None), moe_layer_freq=getattr(args, "moe_layer_freq", 1),
+        moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None))
+    # the layer spec as Megatron-LM's gpt_builders.py chooses it: the MoE block spec when --num-experts is set,
+    # else the one local layer spec every layer shares
+    if cfg.num_moe_experts:
+        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization=args.normalization)
+        layers = spec.layer_specs
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, multi_latent_attention=True,
+                                        normalization=args.normalization)
+        layers = [spec]
+    for layer in layers:
         layer.submodules.self_attention.submodules.core_attention = HeadDimsAttention
     model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
                      max_sequence_length=args.max_position_embeddings, position_embedding_type="rope",
@@ -115,15 +128,13 @@ def main():
             target.mkdir(parents=True)
         dist.barrier()
         args.ckpt_format, args.transformer_impl = "torch_dist", "local"
-        # the run above is built without MoE settings: its args say so (an all-dense DeepSeek's from-hf args keep
-        # --num-experts with a --moe-layer-freq list, which would key the layers one by one)
-        args.num_experts, args.moe_layer_freq = None, 1
         dist_checkpointing.save({**model.sharded_state_dict(prefix=""), "args": args, "checkpoint_version": 3.0,
                                  "iteration": 3}, str(target))
         if rank == 0:
             (Path(a.save_dist) / "latest_checkpointed_iteration.txt").write_text("3")
     if rank == 0:  # the logits, and the parameter order (what megatron-core's optimizer groups follow)
-        torch.save({"logits": out, "params": [n for n, _ in model.named_parameters()]}, a.out)
+        torch.save({"logits": out, "params": [n for n, _ in model.named_parameters()],
+                    "moe_layers": sum(isinstance(m, MoELayer) for m in model.modules())}, a.out)
     dist.destroy_process_group()
 
 

@@ -133,9 +133,41 @@ def test_megatron_core_loads_our_mla_strictly_and_computes_transformers_logits(d
         cli("to-hf", tmp_path / "meg", tmp_path / "hf")
         assert json.loads((tmp_path / "hf" / "config.json").read_text())["rope_interleave"] is True
         assert relative_error(hf_logits(tmp_path / "hf", TOKENS), want) < 1e-5
-    # ckptool's own reads of it: an all-dense DeepSeek keeps --num-experts in its args (every layer dense by
-    # --moe-layer-freq); the one-process verify runs MLA
+    # megatron-core built it from our args as a dense model (test_all_dense_deepseek_...); the one-process verify
+    # runs MLA
+    assert saved["moe_layers"] == 0
     assert "result=PASS" in cli("verify", tmp_path / "meg", "--reference", src)
+
+
+def test_all_dense_deepseek_is_written_as_a_dense_megatron_run(deepseek_dense, tmp_path):
+    """A DeepSeek-V3 whose first_k_dense_replace covers every layer is a dense MLA model: ckptool writes a dense
+    run's args (no --num-experts, --moe-layer-freq 1, no routing flags: Megatron-LM builds the MoE block spec
+    whenever --num-experts is set, and a --moe-layer-freq list keys torch_dist layers one by one) and torch_dist
+    with the layers stacked as a dense megatron-core model keys them. megatron-core builds the model from those
+    args as Megatron-LM does (no MoE layer), loads our torch format and our torch_dist strictly, and computes
+    transformers' logits (1e-5); to-hf gives a DeepseekV3 with every layer dense again."""
+    from mcore_dist_helper import TOKENS
+    from ckptool.io.dcp_io import DcpDir
+    src, model = deepseek_dense("rope")
+    assert model.config.first_k_dense_replace == model.config.num_hidden_layers
+    assert open_checkpoint(src).config.moe is None
+    cli("from-hf", src, tmp_path / "meg")
+    args = torch.load(tmp_path / "meg" / "iter_0000000" / "mp_rank_00" / "model_optim_rng.pt",
+                      weights_only=False)["args"]
+    assert getattr(args, "num_experts", None) is None and getattr(args, "moe_layer_freq", 1) == 1
+    assert not getattr(args, "moe_router_enable_expert_bias", False)
+    assert getattr(args, "expert_model_parallel_size", 1) == 1
+    cli("reshard", tmp_path / "meg", tmp_path / "dist", "--tp", 1, "--format", "torch_dist")
+    keys = set(DcpDir(tmp_path / "dist" / "iter_0000000").entries)
+    assert "decoder.layers.mlp.linear_fc1.weight" in keys and not any(k.startswith("decoder.layers.0.") for k in keys)
+    want = hf_logits(model, TOKENS)
+    for saved in (mcore_mla(1, tmp_path / "meg"), mcore_mla(1, tmp_path / "dist", "--dist")):
+        assert saved["moe_layers"] == 0
+        assert relative_error(saved["logits"][..., :100], want) < 1e-5
+    cli("to-hf", tmp_path / "meg", tmp_path / "hf")
+    conf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert conf["first_k_dense_replace"] == conf["num_hidden_layers"] == 2
+    assert relative_error(hf_logits(tmp_path / "hf", TOKENS), want) < 1e-5
 
 
 def test_torch_dist_mla_between_megatron_core_and_ckptool(deepseek_dense, tmp_path):

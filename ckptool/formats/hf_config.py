@@ -192,6 +192,9 @@ def moe_from_hf(conf: dict, model_type: str) -> Optional[MoE]:
     for key, allowed in MOE_REFUSED_VALUES.get(model_type, {}).items():
         require(conf.get(key, allowed[0]) in allowed, f"{model_type} {key}={conf.get(key)!r} is not supported",
                 f"ckptool converts {key} {' / '.join(map(str, allowed))} (what transformers computes)")
+    layers = MOE_LAYER_RULES[spec["layers"]](conf, conf["num_hidden_layers"])
+    if not layers:
+        return None  # every layer dense (DeepSeek's first_k_dense_replace covering them all): a dense model
     experts = next((conf[k] for k in MOE_EXPERT_KEYS if conf.get(k)), None)
     require(experts is not None, f"{model_type} config.json gives no number of experts "
             f"({' / '.join(MOE_EXPERT_KEYS)})")
@@ -199,7 +202,7 @@ def moe_from_hf(conf: dict, model_type: str) -> Optional[MoE]:
     shared = spec["shared"](conf) if "shared" in spec else 0
     groups = [conf.get(k) or 1 for k in spec["groups"]] if "groups" in spec else [1, 1]
     return MoE(num_experts=experts, top_k=conf.get("num_experts_per_tok", 2), ffn_hidden_size=conf[spec["ffn"]],
-               layers=MOE_LAYER_RULES[spec["layers"]](conf, conf["num_hidden_layers"]),
+               layers=layers,
                score_function=spec.get("score", "softmax"),
                topk_norm=bool(conf.get(norm, False)) if isinstance(norm, str) else norm,
                scaling_factor=float(conf.get(spec["scaling"], 1.0)) if "scaling" in spec else 1.0,

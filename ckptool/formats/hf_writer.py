@@ -54,19 +54,19 @@ MOE_ARCHITECTURES = {
 
 def _mla_architecture(cfg: GPTConfig) -> Tuple[str, str]:
     """DeepseekV3ForCausalLM: MLA, sigmoid group-limited routing with expert bias, ungated shared
-    experts (a whole number of expert-sized ones), the first layers dense."""
+    experts (a whole number of expert-sized ones), the first layers dense (all of them in a dense model:
+    first_k_dense_replace = num_hidden_layers)."""
     moe, arch = cfg.moe, "DeepseekV3ForCausalLM"
-    if moe is None:
-        raise _refuse("Multi-Latent Attention without MoE layers", f"and every {arch} has them")
-    for flag, present in (("--moe-router-score-function softmax", moe.score_function != "sigmoid"),
-                          ("no expert bias (--moe-router-enable-expert-bias)", not moe.expert_bias),
-                          ("a router bias", moe.router_bias), ("a shared-expert gate", moe.shared_gate),
-                          (f"a shared expert of {moe.shared_ffn_hidden_size} (not a multiple of the expert size "
-                           f"{moe.ffn_hidden_size})", moe.shared_ffn_hidden_size % moe.ffn_hidden_size != 0),
-                          (f"MoE layers {list(moe.layers)} (not all layers after the first dense ones)",
-                           moe.layers != tuple(range(cfg.num_layers - len(moe.layers), cfg.num_layers))),
-                          ("--qk-layernorm", cfg.qk_layernorm),
-                          ("linear biases", cfg.add_bias_linear or cfg.add_qkv_bias)):
+    routing = () if moe is None else (
+        ("--moe-router-score-function softmax", moe.score_function != "sigmoid"),
+        ("no expert bias (--moe-router-enable-expert-bias)", not moe.expert_bias),
+        ("a router bias", moe.router_bias), ("a shared-expert gate", moe.shared_gate),
+        (f"a shared expert of {moe.shared_ffn_hidden_size} (not a multiple of the expert size "
+         f"{moe.ffn_hidden_size})", moe.shared_ffn_hidden_size % moe.ffn_hidden_size != 0),
+        (f"MoE layers {list(moe.layers)} (not all layers after the first dense ones)",
+         moe.layers != tuple(range(cfg.num_layers - len(moe.layers), cfg.num_layers))))
+    for flag, present in routing + (("--qk-layernorm", cfg.qk_layernorm),
+                                    ("linear biases", cfg.add_bias_linear or cfg.add_qkv_bias)):
         if present:
             raise _refuse(flag, f"which {arch} does not compute")
     return "deepseek_v3", arch
@@ -275,16 +275,17 @@ FAMILY_FIELDS = {
 
 def _deepseek_fields(cfg: GPTConfig) -> dict:
     m, moe = cfg.mla, cfg.moe
+    # a dense model: every layer dense, no routing fields (transformers' defaults stand for a routing no layer runs)
+    routing = {"first_k_dense_replace": cfg.num_layers} if moe is None else {
+        "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+        "moe_intermediate_size": moe.ffn_hidden_size, "n_shared_experts": moe.shared_ffn_hidden_size // moe.ffn_hidden_size,
+        "routed_scaling_factor": moe.scaling_factor, "norm_topk_prob": moe.topk_norm,
+        "n_group": moe.num_groups, "topk_group": moe.group_topk, "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid", "first_k_dense_replace": cfg.num_layers - len(moe.layers)}
     return {"head_dim": m.qk_rope_head_dim, "q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank,
             "qk_nope_head_dim": m.qk_nope_head_dim, "qk_rope_head_dim": m.qk_rope_head_dim,
             "qk_head_dim": m.qk_head_dim, "v_head_dim": m.v_head_dim, "rope_interleave": cfg.rotary_interleaved,
-            "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
-            "moe_intermediate_size": moe.ffn_hidden_size,
-            "n_shared_experts": moe.shared_ffn_hidden_size // moe.ffn_hidden_size,
-            "routed_scaling_factor": moe.scaling_factor, "norm_topk_prob": moe.topk_norm,
-            "n_group": moe.num_groups, "topk_group": moe.group_topk, "topk_method": "noaux_tc",
-            "scoring_func": "sigmoid", "first_k_dense_replace": cfg.num_layers - len(moe.layers),
-            "num_nextn_predict_layers": 0, "attention_bias": False, **_yarn_fields(cfg)}
+            **routing, "num_nextn_predict_layers": 0, "attention_bias": False, **_yarn_fields(cfg)}
 
 
 def _yarn_fields(cfg: GPTConfig) -> dict:

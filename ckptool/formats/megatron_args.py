@@ -294,6 +294,20 @@ def moe_from_args(args, num_layers: int, ffn: int) -> Optional[MoE]:
                num_groups=groups, group_topk=group_topk)
 
 
+def dense_moe_args(layout: Layout) -> Dict[str, Any]:
+    """The flags moe_args writes, as a dense run at layout has them: megatron-core 0.16's TransformerConfig /
+    Megatron-LM's defaults (expert TP defaults to TP). A dense model's args must not keep --num-experts:
+    Megatron-LM builds the MoE block spec whenever it is set (gpt_builders.py) and counts MoE layers for its
+    aux-loss logs by --moe-layer-freq, and a --moe-layer-freq list keys the torch_dist layers one by one
+    (transformer_block.py) where a dense model's are stacked."""
+    return dict(num_experts=None, moe_router_topk=2, moe_ffn_hidden_size=None, moe_layer_freq=1,
+                moe_router_score_function="softmax", moe_router_pre_softmax=False,
+                moe_router_topk_scaling_factor=None, add_router_bias=False, moe_router_enable_expert_bias=False,
+                moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False, moe_router_num_groups=None,
+                moe_router_group_topk=None, moe_grouped_gemm=False, moe_use_legacy_grouped_gemm=False,
+                expert_model_parallel_size=1, expert_tensor_parallel_size=layout.tp)
+
+
 def moe_args(moe: Optional[MoE], num_layers: int, layout: Layout, grouped_gemm: bool = False) -> Dict[str, Any]:
     """The MoE flags of a run that computes moe (the inverse of moe_from_args), at layout's EP and expert TP;
     grouped_gemm: the run's experts are TEGroupedMLP (--moe-grouped-gemm), else SequentialMLP."""
@@ -381,13 +395,11 @@ def args_for_target(source_args, cfg: GPTConfig, layout: Layout, padded_rows: in
         ckpt_format="torch", params_dtype=dtype,
         fp16=dtype == torch.float16, bf16=dtype == torch.bfloat16,
     )
-    updates.update(moe_args(cfg.moe, cfg.num_layers, layout, grouped_gemm))
+    if cfg.moe is not None:
+        updates.update(moe_args(cfg.moe, cfg.num_layers, layout, grouped_gemm))
+    else:  # a dense run: the MoE flags the source's args carry (Megatron-LM stores them all) at their defaults
+        updates.update({k: v for k, v in dense_moe_args(layout).items() if getattr(args, k, None) is not None})
     updates.update(mla_args(cfg.mla, cfg.rope_yarn))
-    # a dense run's args may still carry the expert sizes (Megatron-LM defaults them): keep them consistent
-    if cfg.moe is None and getattr(args, "expert_tensor_parallel_size", None) is not None:
-        updates["expert_tensor_parallel_size"] = layout.tp
-    if cfg.moe is None and getattr(args, "expert_model_parallel_size", None) is not None:
-        updates["expert_model_parallel_size"] = 1
     if cfg.vocab_size is not None and getattr(args, "vocab_size", None) is None:
         updates["vocab_size"] = cfg.vocab_size
     if cfg.activation == "gelu_tanh":
