@@ -191,11 +191,17 @@ def moe_runs(tmp_path_factory, framework_runs):
     api.reshard(d / "ep1", d / "to_ep2", tp=1, ep=2, warn=said.append)
     api.reshard(d / "ep2", d / "to_tp2", tp=2, ep=1, warn=said.append)
     api.reshard(d / "bias", d / "bias_to_ep1", tp=1, ep=1, warn=said.append)
+    # the expert bias across tensor-parallel ranks: TP 2 (resumed below), TP 2 x EP 2 (4 ranks: files checked), and
+    # the TP 2 output merged back to one rank
+    api.reshard(d / "bias", d / "bias_to_tp2", tp=2, ep=1, warn=said.append)
+    api.reshard(d / "bias", d / "bias_to_tp2ep2", tp=2, ep=2, warn=said.append)
+    api.merge(d / "bias_to_tp2", d / "bias_merged", warn=said.append)
     assert not [m for m in said if "optimizer" in m], said
     _moe_torchrun([f"resume {d / 'to_ep1'} --tp 1 --ep 1 --dtype bf16 --out {d / 'to_ep1.pt'}",
                    f"resume {d / 'to_ep2'} --tp 1 --ep 2 --out {d / 'to_ep2.pt'}",
                    f"resume {d / 'to_ep1'} --tp 1 --ep 1 --dtype bf16 --out {d / 'fresh.pt'} --weights-only",
-                   f"resume {d / 'bias_to_ep1'} --tp 1 --ep 1 --arch biased --dtype bf16 --out {d / 'bias_to_ep1.pt'}"])
+                   f"resume {d / 'bias_to_ep1'} --tp 1 --ep 1 --arch biased --dtype bf16 --out {d / 'bias_to_ep1.pt'}",
+                   f"resume {d / 'bias_to_tp2'} --tp 2 --ep 1 --arch biased --dtype bf16 --out {d / 'bias_to_tp2.pt'}"])
     return d
 
 
@@ -276,7 +282,39 @@ def test_expert_bias_is_a_weight_in_no_optimizer_group(moe_runs):
     assert sum(len(g["params"]) for g in rank["optimizer"]["optimizer"]["param_groups"]) == len(params) - 2
 
 
-@pytest.mark.parametrize("out,src", [("to_ep1", "ep2"), ("to_ep2", "ep1"), ("bias_to_ep1", "bias")])
+def test_expert_bias_is_whole_on_every_tensor_parallel_rank(moe_runs):
+    """The expert bias is per expert, never cut over TP: resharded to TP 2 and TP 2 x EP 2, every rank file holds
+    the whole bias of each MoE layer, bit for bit, in no param group (megatron-core resumes the TP 2 files:
+    test_moe_optimizer_resumes_at_another_expert_layout); read back, and merged back to one rank, it is the
+    same values, a weight no optimizer slot or group holds, while every parameter keeps its moments."""
+    ck = read_megatron(moe_runs / "bias")
+    biases = {n: t.load() for n, t in ck.tensors.items() if n.endswith("router.expert_bias")}
+    assert len(biases) == 2 and all(b.dtype == torch.float32 and b.abs().sum() > 0 for b in biases.values())
+    for out, ranks in (("bias_to_tp2", ["mp_rank_00", "mp_rank_01"]),
+                       ("bias_to_tp2ep2", [f"mp_rank_0{t}_00{e}" for t in range(2) for e in range(2)])):
+        for rank in ranks:
+            sd = load_torch_file(moe_runs / out / "iter_0000007" / rank / "model_optim_rng.pt")
+            params = [k for k in sd["model"] if not k.endswith("_extra_state")]
+            for name, bias in biases.items():
+                stored = sd["model"][f"decoder.{name}"].load()
+                assert stored.dtype == torch.float32 and torch.equal(stored, bias), (out, rank, name)
+            chain = sd["optimizer"] if isinstance(sd["optimizer"], list) else [sd["optimizer"]]
+            grouped = sum(len(g["params"]) for part in chain for g in part["optimizer"]["param_groups"])
+            assert grouped == len(params) - len(biases), (out, rank)
+    ea = ck.optimizer.slots["exp_avg"]
+    for out in ("bias_to_tp2", "bias_to_tp2ep2", "bias_merged"):
+        back = read_megatron(moe_runs / out)
+        assert back.source.layout.tp == (1 if out == "bias_merged" else 2)
+        for name, bias in biases.items():
+            assert torch.equal(back.tensors[name].load(), bias), (out, name)
+            assert all(name not in slots for slots in back.optimizer.slots.values()), (out, name)
+            assert all(name not in g.names for g in back.optimizer.param_groups), (out, name)
+        assert set(back.optimizer.slots["exp_avg"]) == set(ea)
+        assert all(torch.equal(back.optimizer.slots["exp_avg"][n].load(), t.load()) for n, t in ea.items()), out
+
+
+@pytest.mark.parametrize("out,src", [("to_ep1", "ep2"), ("to_ep2", "ep1"), ("bias_to_ep1", "bias"),
+                                     ("bias_to_tp2", "bias")])
 def test_moe_optimizer_resumes_at_another_expert_layout(moe_runs, out, src):
     went_on = _next_loss(moe_runs / f"{src}.pt")
     gap = abs(_next_loss(moe_runs / f"{out}.pt") - went_on)
