@@ -361,6 +361,8 @@ def test_vpp_save_reports_the_runs_layout_and_stays_layout_free(framework_runs, 
           account_for_loss_in_pipeline_split=True), 5),  # (8 + 2) / PP2 / 1
     (dict(num_virtual_stages_per_pipeline_rank=4), 4),
     (dict(virtual_pipeline_model_parallel_size=1), None),  # validate_args keeps 1 as None
+    # validated args hold the size the run ran with, whatever flags they also keep
+    (dict(virtual_pipeline_model_parallel_size=None, num_virtual_stages_per_pipeline_rank=2), None),
 ])
 def test_virtual_pipeline_size_from_args_of_each_era(args, vpp):
     """megatron_args.virtual_pipeline_size: the size validate_args stored, else derived from the flags."""

@@ -2,7 +2,6 @@
 truth), every layout written, round trips bit-exact. Fixtures come from scripts/make_fixtures.py,
 which builds the files from the documented layouts without using ckptool."""
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -95,7 +94,7 @@ def test_reshard_roundtrip_bit_exact(fixture_dir, tmp_path, name, layout):
     the reference forward gives identical logits for the source and the resharded version."""
     d, case, src = _read(fixture_dir, name)
     tp, pp, vpp = layout
-    mid = write_layout(src, tmp_path / "mid", Layout(tp, pp, vpp), warn=lambda m: None)
+    write_layout(src, tmp_path / "mid", Layout(tp, pp, vpp), warn=lambda m: None)
     back_src = read_megatron(tmp_path / "mid", _opts(case))
     assert back_src.source.dialect == src.source.dialect
     assert back_src.source.checkpoint_version == src.source.checkpoint_version
@@ -167,6 +166,32 @@ def test_written_args_describe_the_new_layout(fixture_dir, tmp_path):
     assert type(a.model_type).__module__ == "megatron.core.enums"
     # the file loads with plain torch (as Megatron would) given the enum class
     assert (tmp_path / "out" / "latest_checkpointed_iteration.txt").read_text() == "10"
+
+
+@pytest.mark.parametrize("layout, vpp, first", [(Layout(1, 2), None, None), (Layout(1, 2, vpp=2), 2, None),
+                                                (Layout(1, 2, stage_layers=[3, 1]), None, 3)], ids=str)
+def test_written_args_say_the_pipeline_split_one_way(fixture_dir, tmp_path, layout, vpp, first):
+    """A source run's args may say its pipeline split in ways the target layout does not have (Megatron-LM's
+    --num-virtual-stages-per-pipeline-rank, --pipeline-model-parallel-layout, first / last stage sizes): the
+    written args say the target's split only (validate_args refuses two ways of saying the virtual pipeline;
+    stale stage sizes describe other files), and the run's VPP read from them is the target's."""
+    from ckptool.formats.megatron_args import virtual_pipeline_size
+    from ckptool.io.torchfile import load_torch_file
+    d, case, src = _read(fixture_dir, "llama_mcore_tp2pp2")
+    assert src.config.num_layers == 4
+    a = src.source.args
+    a.num_virtual_stages_per_pipeline_rank, a.virtual_pipeline_model_parallel_size = 2, 2
+    a.decoder_first_pipeline_num_layers, a.decoder_last_pipeline_num_layers = 1, 1
+    a.pipeline_model_parallel_layout = "Et|t|t|tL"
+    write_layout(src, tmp_path / "out", layout, warn=lambda m: None)
+    w = load_torch_file(next((tmp_path / "out").glob("iter_*/mp_rank_00_000/model_optim_rng.pt")))["args"]
+    said = [k for k in ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+                        "pipeline_model_parallel_layout") if getattr(w, k, None) is not None]
+    assert said == (["num_layers_per_virtual_pipeline_stage"] if vpp else [])
+    assert w.virtual_pipeline_model_parallel_size == virtual_pipeline_size(w, 4) == vpp
+    assert (w.decoder_first_pipeline_num_layers, w.decoder_last_pipeline_num_layers) == \
+        ((first, layout.stage_layers[-1]) if first else (None, None))
+    assert read_megatron(tmp_path / "out").source.layout == layout
 
 
 def test_open_checkpoint_detects_iteration_and_tracker(fixture_dir, tmp_path):

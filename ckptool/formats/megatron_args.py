@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from ..config import MLA, MoE, GPTConfig, Layout, Yarn, moe_layers_megatron, yarn_mscale
 from ..errors import CkptError, require
+from .megatron_buffers import FIRST_STAGE_ARGS, LAST_STAGE_ARGS
 
 if TYPE_CHECKING:  # config_from_args runs without torch (quick inspect); args_for_target imports it
     import torch
@@ -71,16 +72,20 @@ def virtual_pipeline_size(args, num_layers: int) -> Optional[int]:
     Megatron-LM's validate_args stores the size it runs with as virtual_pipeline_model_parallel_size in
     every era since interleaving exists (2021-02 dd88906: the flag itself; from dcef906 derived from
     --num-layers-per-virtual-pipeline-stage, later also from --num-virtual-stages-per-pipeline-rank or
-    --pipeline-model-parallel-layout; a size of 1 becomes None). Args that never went through validate_args
-    keep only the flags: derived from them as validate_args does (layers per stage, counting the embedding
-    and the loss where account_for_*_in_pipeline_split says so, over layers per virtual stage)."""
-    vpp = _get(args, "virtual_pipeline_model_parallel_size", "num_virtual_stages_per_pipeline_rank")
-    per_chunk = _get(args, "num_layers_per_virtual_pipeline_stage")
-    if vpp is None and per_chunk:
-        pp = _get(args, "pipeline_model_parallel_size", default=1)
-        counted = num_layers + sum(bool(_get(args, f"account_for_{part}_in_pipeline_split", default=False))
-                                   for part in ("embedding", "loss"))
-        vpp = counted // pp // int(per_chunk)
+    --pipeline-model-parallel-layout; a size of 1 becomes None): where the args hold it, it is the size the run
+    ran with. Args that never went through validate_args keep only the flags: derived from them as
+    validate_args does (layers per stage, counting the embedding and the loss where
+    account_for_*_in_pipeline_split says so, over layers per virtual stage)."""
+    if hasattr(args, "virtual_pipeline_model_parallel_size"):
+        vpp = args.virtual_pipeline_model_parallel_size
+    else:
+        vpp = _get(args, "num_virtual_stages_per_pipeline_rank")
+        per_chunk = _get(args, "num_layers_per_virtual_pipeline_stage")
+        if vpp is None and per_chunk:
+            pp = _get(args, "pipeline_model_parallel_size", default=1)
+            counted = num_layers + sum(bool(_get(args, f"account_for_{part}_in_pipeline_split", default=False))
+                                       for part in ("embedding", "loss"))
+            vpp = counted // pp // int(per_chunk)
     return int(vpp) if vpp is not None and int(vpp) > 1 else None
 
 
@@ -294,6 +299,12 @@ def moe_from_args(args, num_layers: int, ffn: int) -> Optional[MoE]:
                num_groups=groups, group_topk=group_topk)
 
 
+# How else a run's args may say its pipeline split (Megatron-LM arguments.py): args_for_target writes the target's
+# with num_layers_per_virtual_pipeline_stage and the first / last stage sizes, and clears these.
+PIPELINE_SPLIT_ARGS = ("num_virtual_stages_per_pipeline_rank", "pipeline_model_parallel_layout") + \
+    FIRST_STAGE_ARGS + LAST_STAGE_ARGS
+
+
 def dense_moe_args(layout: Layout) -> Dict[str, Any]:
     """The flags moe_args writes, as a dense run at layout has them: megatron-core 0.16's TransformerConfig /
     Megatron-LM's defaults (expert TP defaults to TP). A dense model's args must not keep --num-experts:
@@ -400,6 +411,12 @@ def args_for_target(source_args, cfg: GPTConfig, layout: Layout, padded_rows: in
     else:  # a dense run: the MoE flags the source's args carry (Megatron-LM stores them all) at their defaults
         updates.update({k: v for k, v in dense_moe_args(layout).items() if getattr(args, k, None) is not None})
     updates.update(mla_args(cfg.mla, cfg.rope_yarn))
+    # the pipeline said one way, this layout's: the source's other ways of saying it go (Megatron-LM's
+    # validate_args refuses args holding two ways of saying the virtual pipeline, and first / last stage sizes
+    # the layout does not have would describe other files); uneven stages are set again below
+    for k in PIPELINE_SPLIT_ARGS:
+        if getattr(args, k, None) is not None:
+            updates[k] = None
     if cfg.vocab_size is not None and getattr(args, "vocab_size", None) is None:
         updates["vocab_size"] = cfg.vocab_size
     if cfg.activation == "gelu_tanh":
