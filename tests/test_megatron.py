@@ -194,6 +194,24 @@ def test_written_args_say_the_pipeline_split_one_way(fixture_dir, tmp_path, layo
     assert read_megatron(tmp_path / "out").source.layout == layout
 
 
+@pytest.mark.parametrize("arg, value, flag", [
+    ("rotary_seq_len_interpolation_factor", 4, "--rotary-seq-len-interpolation-factor"),
+    ("no_rope_freq", 2, "--no-rope-freq"), ("window_size", (8, 0), "--window-size"), ("qk_l2_norm", True, "--qk-l2-norm")])
+def test_maths_ckptool_does_not_compute_goes_along_but_is_not_exported(fixture_dir, tmp_path, arg, value, flag):
+    """Megatron-LM 0.16 args that change a layer's maths ckptool does not compute (RoPE position interpolation,
+    layers without RoPE, sliding-window attention, L2-normalised q/k): a Megatron layout carries them in its args,
+    to-hf refuses by the flag's name and leaves nothing behind, where it would have written another model."""
+    from ckptool import api
+    from ckptool.errors import CkptError
+    d, case, src = _read(fixture_dir, "llama_mcore_tp2pp2")
+    setattr(src.source.args, arg, value)
+    write_layout(src, tmp_path / "out", Layout(1, 1), warn=lambda m: None)
+    assert getattr(read_megatron(tmp_path / "out").source.args, arg) == value
+    with pytest.raises(CkptError, match=f"cannot export to Hugging Face: the model uses {flag}"):
+        api.to_hf(tmp_path / "out", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
 def test_open_checkpoint_detects_iteration_and_tracker(fixture_dir, tmp_path):
     d = fixture_dir("gpt2_mcore_tp2pp1")
     ck = open_checkpoint(d / "checkpoint")

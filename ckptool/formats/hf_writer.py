@@ -26,7 +26,7 @@ from ..lazy import Const, Derived, LazyTensor, cat_shape
 from ..state import Checkpoint, expected_names
 from ..summary import WriteSummary, from_sharded
 from ..vocab import resize_vocab
-from . import hf_names
+from . import hf_names, megatron_args
 from .hf_names import expand
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -306,6 +306,9 @@ def write_hf(ckpt: Checkpoint, out_dir: Path, dtype: Optional[torch.dtype] = Non
     """owns(i) (torchrun): write only the safetensors shards i it owns; configs, index and
     tokenizer go with shard 0's owner."""
     cfg = ckpt.config
+    not_computed = megatron_args.maths_not_computed(ckpt.source.args)
+    if not_computed:
+        raise _refuse(", ".join(not_computed), "which ckptool's export does not compute")
     first = owns is None or owns(0)
     if not first:
         warn = lambda m: None  # noqa: E731 - the rank that owns shard 0 speaks for everyone

@@ -348,6 +348,22 @@ def moe_args(moe: Optional[MoE], num_layers: int, layout: Layout, grouped_gemm: 
                 expert_tensor_parallel_size=layout.expert_tp)
 
 
+# Megatron-LM (0.16) args that change what a layer computes and that ckptool's maths (the reference forward, to-hf)
+# does not have: (arg, whether its value sets it, the flag). Such runs still convert between Megatron layouts (the
+# tensors move as they are, the args go along); an export to a model that would compute otherwise is refused.
+NOT_COMPUTED_ARGS = (
+    ("rotary_seq_len_interpolation_factor", lambda v: v not in (None, 1), "--rotary-seq-len-interpolation-factor"),
+    ("no_rope_freq", bool, "--no-rope-freq"),  # layers without rotary embedding
+    ("window_size", lambda v: v is not None, "--window-size"),  # sliding-window attention
+    ("qk_l2_norm", bool, "--qk-l2-norm"),
+)
+
+
+def maths_not_computed(args) -> list:
+    """The flags of NOT_COMPUTED_ARGS these args set (none for args None)."""
+    return [flag for name, sets, flag in NOT_COMPUTED_ARGS if sets(getattr(args, name, None))]
+
+
 def as_megatron_core_computes(cfg: GPTConfig):
     """(cfg, note): the maths a run of megatron-core layers did with these args.
 
