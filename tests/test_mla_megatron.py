@@ -84,9 +84,12 @@ def mcore_mla(tp: int, *args) -> dict:
     """tests/mcore_mla_helper.py under torchrun at TP tp on args (the checkpoint first): megatron-core's own MLA
     GPTModel built from its args and loaded strictly; what it saved ({logits, params})."""
     out = Path(args[0]).parent / f"logits_{Path(args[0]).name}.pt"
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-port",
-                          str(free_port()), str(Path(__file__).with_name("mcore_mla_helper.py")), *map(str, args),
-                          "--out", str(out)], capture_output=True, text=True, timeout=300)
+    for _ in range(2):  # a second try only when another process took the free port first
+        res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp),
+                              "--master-port", str(free_port()), str(Path(__file__).with_name("mcore_mla_helper.py")),
+                              *map(str, args), "--out", str(out)], capture_output=True, text=True, timeout=300)
+        if res.returncode == 0 or "EADDRINUSE" not in res.stderr:
+            break
     assert res.returncode == 0, res.stderr[-3000:]
     return torch.load(out)
 
