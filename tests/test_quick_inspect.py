@@ -576,3 +576,65 @@ def test_moe_files_the_quick_path_cannot_vouch_for_take_the_full_reader(moe_dirs
         assert quick_inspect.quick_open(d, {}) is None, name
         r = CliRunner().invoke(main, ["inspect", str(d)])
         assert r.exit_code == 2, (name, r.output)
+
+
+@pytest.fixture(scope="module")
+def mla_dirs(tmp_path_factory):
+    """Multi-Latent Attention checkpoints ckptool writes from test_mla_megatron's tiny DeepSeek-V3 (MLA with a q
+    latent, a dense layer 0, MoE layers with a shared expert and an expert bias, routing Megatron computes) and its
+    direct-q variant: the Megatron torch format with the local spec's names (TP 2 x PP 2 (layers 1 + 3) x EP 2:
+    the latent projections column-parallel) and the TE spec's (mcore-te: the down projections whole on every
+    rank, the latent norms inside the up projections), and torch_dist with either names, in bf16 (the router's
+    expert bias kept in fp32 there, as megatron-core keeps it)."""
+    import ckptool
+    from test_mla_megatron import _moe_deepseek
+    root = tmp_path_factory.mktemp("quick_mla")
+    latent, _ = _moe_deepseek(tmp_path_factory, 23, 20, 4, "deepseek_v3")
+    direct, _ = _moe_deepseek(tmp_path_factory, 37, None, 2, "deepseek_v3_direct_q")
+    dirs = {k: root / k for k in ("mla_tp2pp2ep2", "mla_te_tp2ep2", "mla_direct_q_te", "mla_dist_ep2",
+                                  "mla_dist_te_bf16")}
+    ckptool.from_hf(latent, dirs["mla_tp2pp2ep2"], tp=2, pp=2, ep=2, pp_layers=[1, 3])
+    ckptool.from_hf(latent, dirs["mla_te_tp2ep2"], tp=2, ep=2, dialect="mcore-te")
+    ckptool.from_hf(direct, dirs["mla_direct_q_te"], tp=2, dialect="mcore-te")
+    ckptool.reshard(dirs["mla_tp2pp2ep2"], dirs["mla_dist_ep2"], tp=1, ep=2, format="torch_dist")
+    ckptool.reshard(dirs["mla_te_tp2ep2"], dirs["mla_dist_te_bf16"], tp=1, format="torch_dist", dialect="mcore-te",
+                    dtype=torch.bfloat16)
+    return dirs
+
+
+QUICK_MLA = ["mla_tp2pp2ep2", "mla_te_tp2ep2", "mla_direct_q_te", "mla_dist_ep2"]
+
+
+@pytest.mark.parametrize("kind", QUICK_MLA)
+def test_quick_mla_inspect_equals_the_full_path_without_torch(mla_dirs, monkeypatch, kind):
+    """MLA shapes from the args (q / kv latents, the rotary key part, the value head dim), in each dialect and in
+    torch_dist, MoE layers and all, read without torch as the full reader reads them."""
+    d = mla_dirs[kind]
+    quick_json = torch_free("inspect", d, "--json")
+    assert quick_json == full_path(monkeypatch, "inspect", d, "--json")
+    assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d)
+    doc = json.loads(quick_json)
+    assert doc["config"]["mla"]["kv_lora_rank"] == 12
+    tensors = {t["name"]: t for t in doc["tensors"]}
+    assert tensors["layers.0.attn.kv_down.weight"]["shape"] == [12 + 8, 32]
+    assert ("layers.0.attn.q.weight" in tensors) == ("direct_q" in kind)
+    if kind.endswith("bf16"):  # the expert bias stays fp32 beside bf16 weights
+        assert tensors["layers.1.mlp.router.expert_bias"]["dtype"] == "float32"
+        assert tensors["layers.1.mlp.router.weight"]["dtype"] == "bfloat16"
+    assert type(next(iter(quick_inspect.quick_open(d, {}).tensors.values()))).__name__ == "TensorMeta"
+
+
+def test_mla_files_that_disagree_with_their_args_take_the_full_reader(mla_dirs, tmp_path):
+    """Args claiming another kv latent rank than the files hold: the shapes the quick path would compute from the
+    args are not the stored ones, so it says nothing and the full reader answers."""
+    import shutil
+    from ckptool.io.torchfile import load_torch_file, save_streaming
+    d = tmp_path / "kv_lora"
+    shutil.copytree(mla_dirs["mla_te_tp2ep2"], d)
+    for f in d.glob("*/mp_rank_*/model_optim_rng.pt"):
+        tree = load_torch_file(f)
+        tree["args"].kv_lora_rank = 10
+        save_streaming(tree, f.with_suffix(".tmp"))
+        f.with_suffix(".tmp").replace(f)
+    assert quick_inspect.quick_open(mla_dirs["mla_te_tp2ep2"], {}) is not None
+    assert quick_inspect.quick_open(d, {}) is None

@@ -4,12 +4,13 @@ quick/torch_pickle.py) gives every tensor's global shape and dtype, the common s
 the common_state byte entry) the run's args, and the args the config (megatron_args, as the full
 reader computes it); the canonical shapes follow from the config (quick/meta.py).
 
-Covered: dense and MoE GPT models with args (MoE experts stacked per layer or per model, EP from
-the args as the full reader takes it), without optimizer state or with it in a model-space form
-(quick/dist_optim.py). None (the full reader answers) for other optimizer forms (quick/dist_optim.py
-names them), bare saves without args, MLA, mixed dtypes (megatron-core's float32 expert bias), an unknown backend, or stored tensors
-whose element count differs from the model the args describe (tensors the full reader would refuse as
-not part of a GPT model).
+Covered: dense, MoE and MLA (DeepSeek-V2/V3 style, with either the local or the TE spec's names)
+GPT models with args (MoE experts stacked per layer or per model, EP from the args as the full
+reader takes it), without optimizer state or with it in a model-space form (quick/dist_optim.py).
+None (the full reader answers) for other optimizer forms (quick/dist_optim.py names them), bare
+saves without args, mixed dtypes (megatron-core's float32 expert bias), an unknown backend, or
+stored tensors whose element count differs from the model the args describe (tensors the full
+reader would refuse as not part of a GPT model, or files whose MLA ranks differ from the args).
 """
 from __future__ import annotations
 
@@ -180,7 +181,7 @@ def _checkpoint(path, format_name, d, meta, common, iteration, release) -> Optio
         return None
     cfg, note = megatron_args.as_megatron_core_computes(cfg)  # torch_dist is always megatron-core
     shapes = canonical_shapes(cfg)
-    if shapes is None or cfg.num_layers != num_layers or (cfg.vocab_size or 0) > rows:
+    if cfg.num_layers != num_layers or (cfg.vocab_size or 0) > rows:
         return None
     stored = sum(_numel(t.shape) for k, t in keys.items() if not (cfg.tied_embeddings and k == HEAD))
     if stored != sum(_numel(s) for s in shapes.values()):

@@ -7,10 +7,15 @@ optimizer's state as the training-state reader ties it (quick/optim.py, quick/me
 Covered: dense GPT models whose files store args: converted, released and from-hf checkpoints, and
 training saves with or without optimizer state (the rank files' own, or distrib_optim.pt beside
 them: quick/megatron_distopt.py); MoE models' weights at any TP / PP / EP / expert TP, in each expert
-module form (quick/megatron_experts.py). Anything else returns None and the full reader answers: the
-2022-23 optim.pt, optimizer state the quick tie cannot decide (quick/optim.py), an MoE model's
-distrib_optim.pt (chained [dense, expert] buffers), MLA, 2019 files without args, missing or stray rank directories, mixed dtypes, keys outside the dialect, or files that disagree with one another or
-with their args (the full reader has the error message for each).
+module form (quick/megatron_experts.py); MLA models (DeepSeek-V2/V3 style, with a q latent or a
+direct q, MoE or dense) in the local spec's names (mcore: every latent projection column-parallel)
+and the TE spec's (mcore-te: the down projections whole on every rank, the latent norms inside the
+up projections). Every stored tensor must have the rank shape its role has in the model the args
+describe (meta.rank_shape, the experts by megatron_experts.holds). Anything else returns None and
+the full reader answers: the 2022-23 optim.pt, optimizer state the quick tie cannot decide
+(quick/optim.py), an MoE model's distrib_optim.pt (chained [dense, expert] buffers), 2019 files
+without args, missing or stray rank directories, mixed dtypes, keys outside the dialect, or files
+that disagree with one another or with their args (the full reader has the error message for each).
 """
 from __future__ import annotations
 
@@ -24,9 +29,10 @@ from ..formats import megatron_args
 from ..formats.megatron_files import (detect_dialect, expert_grid, flatten, list_rank_dirs, model_file, rank_coordinates,
                                       resolve_iteration_dir)
 from ..formats.megatron_names import KeyMatcher, is_ignorable, is_mla
+from ..spec.schema import HEAD_COPY
 from ..state import Checkpoint, SourceInfo
 from . import megatron_experts as experts
-from .meta import TensorMeta, canonical_shapes
+from .meta import TensorMeta, canonical_shapes, rank_shape
 from .optim import Param, training_state
 from .torch_pickle import NotQuick, load_torch_zip
 
@@ -122,8 +128,8 @@ def _checkpoint(path: Path, format_name: str, trees, distrib, iteration, release
         cfg, note = megatron_args.as_megatron_core_computes(cfg)
         warnings += [note] if note else []
     shapes = canonical_shapes(cfg)
-    if shapes is None:
-        return None
+    if not _shapes_hold(models, matcher, cfg, shapes, counts, tp, dialect.rule_column):
+        return None  # files that disagree with their args: the full reader reads what they hold, or refuses
     dtype = dtypes.pop()
     weights = {n: TensorMeta(s, dtype) for n, s in shapes.items()}
     if cfg.moe is not None and any(distrib.values()):
@@ -148,6 +154,23 @@ def _saved_ranks(tp: int, pp: int, ep: int, etp: int):
     if pairs != set(expert_grid(tp, ep, etp)):
         raise NotQuick("a grid whose later pairs some eras do not save")
     return {(t, p, e) for p in range(pp) for t, e in pairs}
+
+
+def _shapes_hold(models, matcher, cfg, shapes, counts, tp: int, column) -> bool:
+    """Every stored (non-expert) tensor has the shape its role's rank shard has in the model the args describe
+    (meta.rank_shape); the experts are megatron_experts.holds' to check."""
+    offsets = experts.layer_offsets(counts)
+    for (_, p, _), chunks in models.items():
+        for v, flat in chunks.items():
+            for key, value in flat.items():
+                hit = matcher.match(key) if isinstance(value, TensorMeta) else None
+                if hit is None or hit[0].startswith("experts."):
+                    continue
+                layer = None if hit[1] is None else offsets[(p, v)] + hit[1]
+                role = HEAD_COPY if hit[0] == "output" and cfg.tied_embeddings else hit[0]  # megatron-core's key
+                if value.shape != rank_shape(role, layer, cfg, shapes, tp, column):
+                    return False
+    return True
 
 
 def _same_across_tp(models, tp: int, pp: int) -> bool:

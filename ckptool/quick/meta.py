@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 from ..config import GPTConfig
+from ..spec import GPT, schema
 from ..state import expected_names
 
 ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2,
@@ -32,12 +33,10 @@ class TensorMeta:
         return n
 
 
-def canonical_shapes(cfg: GPTConfig) -> Optional[Dict[str, Tuple[int, ...]]]:
+def canonical_shapes(cfg: GPTConfig) -> Dict[str, Tuple[int, ...]]:
     """Every canonical tensor of a model with cfg and its full shape, in expected_names order (shapes as
-    state.py documents them: an MoE layer's router, routed experts and shared expert too). None for MLA
-    models, whose shapes the quick path leaves to the full reader."""
-    if cfg.mla is not None:
-        return None
+    state.py documents them: an MoE layer's router, routed experts and shared expert too, and an MLA
+    model's latent projections and norms in place of q/k/v)."""
     h, hd = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.num_query_groups * hd
     # an MLP's intermediate size by its scope in the name: a dense layer's, a routed expert's, the shared expert's
@@ -50,6 +49,13 @@ def canonical_shapes(cfg: GPTConfig) -> Optional[Dict[str, Tuple[int, ...]]]:
     by_part = {"attn_norm": ((h,), (h,)), "mlp_norm": ((h,), (h,)), "final_norm": ((h,), (h,)),
                "q": ((q, h), (q,)), "k": ((kv, h), (kv,)), "v": ((kv, h), (kv,)),
                "q_norm": ((hd,), (hd,)), "k_norm": ((hd,), (hd,)), "out": ((h, q), (h,))}
+    if cfg.mla is not None:  # Multi-Latent Attention (no biases): state.py's shapes, r the shared rotary key part
+        m, n = cfg.mla, cfg.num_attention_heads
+        ql, kvl, r = m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim
+        by_part.update(q=((n * m.qk_head_dim, h), None), q_down=((ql, h), None), q_down_norm=((ql,), None),
+                       q_up=((n * m.qk_head_dim, ql), None), kv_down=((kvl + r, h), None),
+                       kv_down_norm=((kvl,), None), kv_up=((n * (m.qk_nope_head_dim + m.v_head_dim), kvl), None),
+                       out=((h, n * m.v_head_dim), None))
     whole = {"embed.word": (cfg.padded_vocab_size, h), "embed.pos": (cfg.max_position_embeddings, h),
              "output.weight": (cfg.padded_vocab_size, h)}
     shapes = {}
@@ -67,3 +73,24 @@ def canonical_shapes(cfg: GPTConfig) -> Optional[Dict[str, Tuple[int, ...]]]:
             weight, bias = by_part[parts[-2]]
             shapes[name] = weight if parts[-1] == "weight" else bias
     return shapes
+
+
+def rank_shape(role: str, layer: Optional[int], cfg: GPTConfig, shapes: Dict[str, Tuple[int, ...]], tp: int,
+               column: Optional[str] = None) -> Optional[Tuple[int, ...]]:
+    """The shape one tensor-parallel rank stores of a (non-expert) Megatron role, from the canonical shapes: its
+    canonical parts stacked (a fused QKV or [gate; up]), then cut by the role's TP rule in the dialect's name
+    column (Role.rule_in: Transformer Engine keeps MLA's down projections whole). None where the model has no
+    such tensor or TP does not cut it evenly (the full reader's to report)."""
+    spec_role = GPT.roles[role]
+    names = [t.format(layer) for t in GPT.parts("word" if role == schema.HEAD_COPY else role, cfg, layer)]
+    if not names or any(n not in shapes for n in names):
+        return None
+    first = shapes[names[0]]
+    whole = (sum(shapes[n][0] for n in names),) + first[1:]
+    rule = GPT.roles[spec_role.base].rule_in(column) if spec_role.rule is None else spec_role.rule_in(column)
+    if rule == "replicated":
+        return whole
+    dim = 1 if rule == "row" else 0
+    if whole[dim] % tp:
+        return None
+    return whole[:dim] + (whole[dim] // tp,) + whole[dim + 1:]
