@@ -602,7 +602,7 @@ def mla_dirs(tmp_path_factory):
     return dirs
 
 
-QUICK_MLA = ["mla_tp2pp2ep2", "mla_te_tp2ep2", "mla_direct_q_te", "mla_dist_ep2"]
+QUICK_MLA = ["mla_tp2pp2ep2", "mla_te_tp2ep2", "mla_direct_q_te", "mla_dist_ep2", "mla_dist_te_bf16"]
 
 
 @pytest.mark.parametrize("kind", QUICK_MLA)
@@ -638,3 +638,29 @@ def test_mla_files_that_disagree_with_their_args_take_the_full_reader(mla_dirs, 
         f.with_suffix(".tmp").replace(f)
     assert quick_inspect.quick_open(mla_dirs["mla_te_tp2ep2"], {}) is not None
     assert quick_inspect.quick_open(d, {}) is None
+
+
+# megatron-core's own MoE torch_dist saves (tests/mcore_optim_dist_helper.py moe-save, bf16, EP 2: the optimizer a
+# ChainedOptimizer [dense, expert]); "biased": sigmoid routing with the router's expert bias, a buffer kept in fp32
+MCORE_MOE_DIST = declare_runs(ROOT / "tests" / "mcore_optim_dist_helper.py", 2, {
+    "bias_fr": "moe-save {out} --tp 1 --ep 2 --form fully_reshardable --moe-arch biased --dtype bf16 --out {out}.pt"})
+
+
+@pytest.mark.parametrize("name", list(MCORE_MOE_DIST))
+def test_quick_inspect_of_megatron_cores_moe_torch_dist_saves(framework_runs, monkeypatch, name):
+    """megatron-core's MoE saves read quick, equal to the full path: the expert bias in fp32 beside bf16 weights,
+    with no optimizer slot and in no group (a module buffer)."""
+    from test_dist import HAVE_MCORE
+    if not HAVE_MCORE:
+        pytest.skip("megatron-core is not installed (pip install megatron-core: test-only extra)")
+    d = framework_runs(ROOT / "tests" / "mcore_optim_dist_helper.py", 2, {name: MCORE_MOE_DIST[name]})[name]
+    quick_json = torch_free("inspect", d, "--json")
+    assert quick_json == full_path(monkeypatch, "inspect", d, "--json")
+    assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d)
+    quick = quick_inspect.quick_open(d, {})
+    assert quick.optimizer.step > 0
+    if "bias" in name:
+        bias = "layers.0.mlp.router.expert_bias"
+        assert quick.tensors[bias].dtype == "float32" and quick.tensors["layers.0.mlp.router.weight"].dtype == "bfloat16"
+        assert all(bias not in slots for slots in quick.optimizer.slots.values())
+        assert all(bias not in g.names for g in quick.optimizer.param_groups)

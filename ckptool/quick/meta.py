@@ -18,6 +18,11 @@ STORAGE_DTYPES = {"FloatStorage": "float32", "HalfStorage": "float16", "BFloat16
                   "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool"}
 
 
+# Roles that are module buffers, not parameters (the spec's "buffer" trait: the router's expert bias, which
+# megatron-core keeps in fp32 beside bf16 / fp16 weights): their own dtype, no optimizer state
+BUFFER_ROLES = GPT.with_trait("buffer")
+
+
 @dataclass(frozen=True)
 class TensorMeta:
     """What inspect shows of a tensor, without the tensor: describe() prints str(dtype), so the
@@ -94,3 +99,26 @@ def rank_shape(role: str, layer: Optional[int], cfg: GPTConfig, shapes: Dict[str
     if whole[dim] % tp:
         return None
     return whole[:dim] + (whole[dim] // tp,) + whole[dim + 1:]
+
+
+def is_buffer(name: str, cfg: GPTConfig) -> bool:
+    """Whether a canonical tensor is a module buffer (BUFFER_ROLES)."""
+    hit = GPT.match(name, cfg)
+    return hit is not None and hit[0].role in BUFFER_ROLES
+
+
+def canonical_meta(shapes: Dict[str, Tuple[int, ...]], cfg: GPTConfig, dtype: str,
+                   buffer_dtype: Optional[str]) -> Dict[str, TensorMeta]:
+    """The canonical tensors as TensorMeta: the weights' dtype, a module buffer's its own (buffer_dtype, as
+    stored; None: the weights')."""
+    return {n: TensorMeta(s, buffer_dtype if buffer_dtype and is_buffer(n, cfg) else dtype) for n, s in shapes.items()}
+
+
+def split_dtypes(dtypes_by_role: Dict[str, set]) -> Tuple[str, Optional[str]]:
+    """(the parameters' one dtype, the buffers' one dtype or None) from {role: dtypes stored}; ValueError where
+    either kind is stored in several dtypes (the quick readers then leave it to the full reader)."""
+    params = set().union(*(d for r, d in dtypes_by_role.items() if r not in BUFFER_ROLES))
+    buffers = set().union(*(d for r, d in dtypes_by_role.items() if r in BUFFER_ROLES))
+    if len(params) != 1 or len(buffers) > 1:
+        raise ValueError("tensors of several dtypes")
+    return params.pop(), buffers.pop() if buffers else None
