@@ -642,25 +642,38 @@ def test_mla_files_that_disagree_with_their_args_take_the_full_reader(mla_dirs, 
 
 # megatron-core's own MoE torch_dist saves (tests/mcore_optim_dist_helper.py moe-save, bf16, EP 2: the optimizer a
 # ChainedOptimizer [dense, expert]); "biased": sigmoid routing with the router's expert bias, a buffer kept in fp32
-MCORE_MOE_DIST = declare_runs(ROOT / "tests" / "mcore_optim_dist_helper.py", 2, {
-    "bias_fr": "moe-save {out} --tp 1 --ep 2 --form fully_reshardable --moe-arch biased --dtype bf16 --out {out}.pt"})
+# megatron-core's MoE saves as test_dist_optim_moe.py makes them (its SAVES, the same job lines): "bias": sigmoid
+# routing with the router's expert bias; dpr: dp_reshardable, the chain's flat buffers under chained_0. / chained_1.;
+# dpr_tp2: expert TP 2 x EP 2 (the expert buffers on their own grid); dpr_pp2: PP 2 with a dense stage 0 (its expert
+# optimizer has no buffers and no step), Qwen2-MoE-like (shared expert and its gate)
+from test_dist_optim_moe import BF16, SAVES as MOE_SAVES  # noqa: E402
+MCORE_MOE_DIST = {name: f"moe-save {{out}} {MOE_SAVES[name][0]} {BF16} --out {{out}}.pt"
+                  for name in ("bias_fr", "bias_dpr", "dpr_tp2", "dpr_pp2")}
+NPROC = {name: MOE_SAVES[name][1] for name in MCORE_MOE_DIST}
+for _n in (2, 4):
+    declare_runs(ROOT / "tests" / "mcore_optim_dist_helper.py", _n, {k: v for k, v in MCORE_MOE_DIST.items() if NPROC[k] == _n})
 
 
 @pytest.mark.parametrize("name", list(MCORE_MOE_DIST))
-def test_quick_inspect_of_megatron_cores_moe_torch_dist_saves(framework_runs, monkeypatch, name):
+def test_quick_inspect_of_megatron_cores_moe_torch_dist_saves(framework_runs, monkeypatch, tmp_path, name):
     """megatron-core's MoE saves read quick, equal to the full path: the expert bias in fp32 beside bf16 weights,
-    with no optimizer slot and in no group (a module buffer)."""
+    with no optimizer slot and in no group (a module buffer); the [dense, expert] chain's flat dp_reshardable
+    buffers, every rank's layout of both optimizers checked against its stored bucket sizes."""
     from test_dist import HAVE_MCORE
     if not HAVE_MCORE:
         pytest.skip("megatron-core is not installed (pip install megatron-core: test-only extra)")
-    d = framework_runs(ROOT / "tests" / "mcore_optim_dist_helper.py", 2, {name: MCORE_MOE_DIST[name]})[name]
+    d = framework_runs(ROOT / "tests" / "mcore_optim_dist_helper.py", NPROC[name], {name: MCORE_MOE_DIST[name]})[name]
     quick_json = torch_free("inspect", d, "--json")
     assert quick_json == full_path(monkeypatch, "inspect", d, "--json")
     assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d)
     quick = quick_inspect.quick_open(d, {})
     assert quick.optimizer.step > 0
+    assert quick.optimizer.kind == "megatron-core-dist (%s)" % ("dp_reshardable" if "dpr" in name else "fully_reshardable")
     if "bias" in name:
         bias = "layers.0.mlp.router.expert_bias"
         assert quick.tensors[bias].dtype == "float32" and quick.tensors["layers.0.mlp.router.weight"].dtype == "bfloat16"
         assert all(bias not in slots for slots in quick.optimizer.slots.values())
         assert all(bias not in g.names for g in quick.optimizer.param_groups)
+    if name == "dpr_tp2":  # args claiming whole experts (expert TP 1): no layout gives the expert buckets stored
+        from test_dist_optim import _copy_with_args
+        assert quick_inspect.quick_open(_copy_with_args(d, tmp_path, expert_tensor_parallel_size=1), {}) is None

@@ -2,6 +2,7 @@
 tensors' shapes a GPTConfig implies (state.py's table of names and shapes, as data)."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -80,14 +81,20 @@ def canonical_shapes(cfg: GPTConfig) -> Dict[str, Tuple[int, ...]]:
     return shapes
 
 
+EXPERT_ROLE = re.compile(r"^experts\.(\d+)\.(.+)$")
+
+
 def rank_shape(role: str, layer: Optional[int], cfg: GPTConfig, shapes: Dict[str, Tuple[int, ...]], tp: int,
                column: Optional[str] = None) -> Optional[Tuple[int, ...]]:
-    """The shape one tensor-parallel rank stores of a (non-expert) Megatron role, from the canonical shapes: its
+    """The shape one tensor-parallel rank stores of a Megatron role, from the canonical shapes: its
     canonical parts stacked (a fused QKV or [gate; up]), then cut by the role's TP rule in the dialect's name
-    column (Role.rule_in: Transformer Engine keeps MLA's down projections whole). None where the model has no
+    column (Role.rule_in: Transformer Engine keeps MLA's down projections whole); a routed expert's role
+    (experts.<global index>.fc1.weight) by its base role's rule, tp then the expert TP size. None where the model has no
     such tensor or TP does not cut it evenly (the full reader's to report)."""
-    spec_role = GPT.roles[role]
-    names = [t.format(layer) for t in GPT.parts("word" if role == schema.HEAD_COPY else role, cfg, layer)]
+    expert = EXPERT_ROLE.match(role)  # a routed expert's role names its global index
+    name, index = ("experts.{expert}." + expert.group(2), int(expert.group(1))) if expert else (role, None)
+    spec_role = GPT.roles[name]
+    names = [t.format(layer, index) for t in GPT.parts("word" if role == schema.HEAD_COPY else name, cfg, layer)]
     if not names or any(n not in shapes for n in names):
         return None
     first = shapes[names[0]]
