@@ -677,3 +677,43 @@ def test_quick_inspect_of_megatron_cores_moe_torch_dist_saves(framework_runs, mo
     if name == "dpr_tp2":  # args claiming whole experts (expert TP 1): no layout gives the expert buckets stored
         from test_dist_optim import _copy_with_args
         assert quick_inspect.quick_open(_copy_with_args(d, tmp_path, expert_tensor_parallel_size=1), {}) is None
+
+
+def test_quick_inspect_of_the_moe_distributed_optimizer(framework_runs, tmp_path, monkeypatch):
+    """distrib_optim.pt of MoE models at EP 2: megatron-core's [dense, expert] chain (each part in the file of its
+    optimizer's DP rank 0, the experts' buffers sharded over the expert-data-parallel size). megatron-core's own
+    trainings (test_distopt_moe.py's: Mixtral-like, with the router's fp32 expert bias, Qwen2-MoE-like) and
+    ckptool's outputs (EP 1 -> EP 2; expert TP 1 below TP 2, where a part sits in another file of the stage; the
+    Qwen2-MoE one at TP 2 x PP 2) read quick, every buffer checked against megatron-core's layout, equal to the
+    full path; an expert buffer stated at another size is the full reader's to refuse."""
+    import shutil
+    import ckptool
+    from test_dist import HAVE_MCORE
+    if not HAVE_MCORE:
+        pytest.skip("megatron-core is not installed (pip install megatron-core: test-only extra)")
+    from test_distopt_moe import HELPER, TRAINS
+    runs = framework_runs(HELPER, 2, {n: TRAINS[n] for n in ("ep1", "ep2", "bias", "qwen")})
+    for name, stem in runs.items():
+        copy_run(stem, tmp_path / name)
+    ckptool.reshard(tmp_path / "ep1", tmp_path / "to_ep2", tp=1, ep=2, distributed_optimizer=True, dp=2)
+    ckptool.reshard(tmp_path / "ep2", tmp_path / "etp1", tp=2, ep=2, etp=1, distributed_optimizer=True, dp=2)
+    ckptool.reshard(tmp_path / "qwen", tmp_path / "qwen_tp2pp2", tp=2, pp=2, ep=2, distributed_optimizer=True, dp=2)
+    for name in ("ep2", "bias", "qwen", "to_ep2", "etp1", "qwen_tp2pp2"):
+        d = tmp_path / name
+        quick = quick_inspect.quick_open(d, {})
+        assert quick.optimizer.kind == "megatron-distributed" and quick.source.layout.ep == 2, name
+        assert torch_free("inspect", d, "--json") == full_path(monkeypatch, "inspect", d, "--json"), name
+        assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d), name
+    assert quick_inspect.quick_open(tmp_path / "bias", {}).tensors["layers.0.mlp.router.expert_bias"].dtype == "float32"
+    # EP rank 1's expert buffer stated 64 elements longer than it holds and than the layout gives
+    from ckptool.io.torchfile import load_torch_file, save_streaming
+    shutil.copytree(tmp_path / "ep2", tmp_path / "off")
+    f = next((tmp_path / "off").glob("*/mp_rank_00_001/distrib_optim.pt"))
+    state = load_torch_file(f)
+    entry = next(iter(state[1][0].values()))
+    entry["numel_unpadded"] += 64
+    save_streaming(state, f.with_suffix(".tmp"))
+    f.with_suffix(".tmp").replace(f)
+    assert quick_inspect.quick_open(tmp_path / "off", {}) is None
+    r = CliRunner().invoke(main, ["inspect", str(tmp_path / "off")])
+    assert r.exit_code == 2 and "numel_unpadded" in r.output, r.output

@@ -276,3 +276,34 @@ def parse_unpadded(obj) -> List[List[int]]:
     except (TypeError, ValueError, AttributeError):
         raise ValueError("not grad buffers (one per model chunk) of one dtype each") from None
     return out
+
+
+# --- megatron-core's [dense, expert] chain in the torch format (distrib_optim.pt) ------------------------------
+
+def chain_sources(t: int, e: int, tp: int, ep: int, etp: int) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+    """(TP rank, EP rank) of the rank files whose distrib_optim.pt holds the chain's [dense, expert] parts
+    for the ranks of file (t, e) of a pipeline stage.
+
+    ChainedOptimizer.save_parameter_state saves each part on that optimizer's DP rank 0 only, into the
+    saving rank's own file. In a stage, rank x is dense TP rank x % TP, dense DP rank x // TP, expert-TP
+    rank x % ETP, EP rank (x // ETP) % EP, expert DP rank x // (ETP x EP) (megatron-core's rank order
+    tp-cp-ep-dp-pp, megatron.expert_grid). So TP rank t's dense state is saved by rank t, into file
+    (t, (t // ETP) % EP), and the experts of (expert-TP rank t % ETP, EP rank e) by rank t % ETP + ETP x e,
+    into file ((t % ETP + ETP x e) % TP, e). With ETP = TP: EP rank 0's file and the file itself."""
+    writer = t % etp + etp * e
+    return (t, (t // etp) % ep), (writer % tp, e)
+
+
+def data_parallel_size(args, expert: bool) -> int:
+    """The data-parallel size an optimizer of the run was sharded over: the dense one's, or (expert) the
+    expert-data-parallel size megatron-core derives for the same world (world / (expert TP x EP x PP))."""
+    dp = int(getattr(args, "data_parallel_size", 0) or 0)
+    if not expert or not dp:  # args without the DP size: 1 (it shapes only bucket padding, checked by size)
+        return dp or 1
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp)
+    ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+    if (dp * tp) % (etp * ep):
+        raise CkptError(f"the run's args give DP {dp} x TP {tp}, which expert TP {etp} x EP {ep} does not divide",
+                        HINT)
+    return dp * tp // (etp * ep)

@@ -6,15 +6,15 @@ optimizer's state as the training-state reader ties it (quick/optim.py, quick/me
 
 Covered: dense GPT models whose files store args: converted, released and from-hf checkpoints, and
 training saves with or without optimizer state (the rank files' own, or distrib_optim.pt beside
-them: quick/megatron_distopt.py); MoE models' weights at any TP / PP / EP / expert TP, in each expert
-module form (quick/megatron_experts.py); MLA models (DeepSeek-V2/V3 style, with a q latent or a
+them: quick/megatron_distopt.py, an MoE model's chained [dense, expert] buffers at EP > 1 too); MoE
+models' weights at any TP / PP / EP / expert TP, in each expert module form (quick/megatron_experts.py); MLA models (DeepSeek-V2/V3 style, with a q latent or a
 direct q, MoE or dense) in the local spec's names (mcore: every latent projection column-parallel)
 and the TE spec's (mcore-te: the down projections whole on every rank, the latent norms inside the
 up projections). Every stored tensor must have the rank shape its role has in the model the args
 describe (meta.rank_shape, the experts by megatron_experts.holds); a module buffer (the router's fp32
 expert bias) keeps its own dtype and joins no optimizer. Anything else returns None and
 the full reader answers: the 2022-23 optim.pt, optimizer state the quick tie cannot decide
-(quick/optim.py), an MoE model's distrib_optim.pt (chained [dense, expert] buffers), 2019 files
+(quick/optim.py) or whose buffers no layout reproduces (quick/megatron_distopt.py), 2019 files
 without args, missing or stray rank directories, parameters of several dtypes, keys outside the dialect, or files
 that disagree with one another or with their args (the full reader has the error message for each).
 """
@@ -137,15 +137,13 @@ def _checkpoint(path: Path, format_name: str, trees, distrib, iteration, release
     if not _shapes_hold(models, matcher, cfg, shapes, counts, tp, dialect.rule_column):
         return None  # files that disagree with their args: the full reader reads what they hold, or refuses
     weights = canonical_meta(shapes, cfg, dtype, buffer_dtype)
-    if cfg.moe is not None and any(distrib.values()):
-        return None  # the distributed optimizer's chained [dense, expert] buffers: the full reader ties them
     # the optimizer's parameters: a module buffer (the router's expert bias) is in no optimizer
     params = {rk: [Param(k, role, v.shape, c) for c in sorted(chunks) for k, v in chunks[c].items()
                    for role in [(matcher.match(k) or (None,))[0] if isinstance(v, TensorMeta) else None]
                    if role is not None and role not in BUFFER_ROLES]
               for rk, chunks in models.items()}
     trained = {n: t for n, t in weights.items() if not is_buffer(n, cfg)}
-    optimizer = training_state(trees, params, args, trained, distrib, cfg.tied_embeddings, ep)
+    optimizer = training_state(trees, params, args, trained, distrib, cfg.tied_embeddings, ep, etp)
     stages = [counts[(p, 0)] for p in range(pp)]
     layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, ep=ep, etp=etp if etp != tp else None,
                     stage_layers=None if vpp > 1 or len(set(stages)) == 1 else stages)
