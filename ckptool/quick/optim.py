@@ -18,7 +18,9 @@ masters are TensorMeta records; Adam's 0-d `step` tensors are read as Scalars):
   are, a bias stays a bias).
 
 The distributed optimizer's ranks (distrib_optim.pt: quick/megatron_distopt.py) join their groups
-by the same traits. Anything this cannot decide the way the full reader does (groups told apart by
+by the same traits; at EP > 1 megatron-core's [dense, expert] chain part by part (each part's members
+by their traits, as a chain in the rank files), a part saved in another file of the stage found where
+megatron_buffers.chain_sources says. Anything this cannot decide the way the full reader does (groups told apart by
 sizes alone, lr_mult groups, chains other than megatron-core's [dense, expert] at EP > 1, mixed slot dtypes) raises NotQuick and the full
 reader answers. The trait rules are the full reader's own table (megatron_groups.GROUP_TRAITS,
 torch-free); the tests compare both paths' output on real Megatron-LM saves.
