@@ -425,7 +425,9 @@ def _read_optimizer(dcp: DcpDir, common: dict, cfg: GPTConfig, tensors, policy, 
         flat = dist_optim_buckets.read_shards(dcp, tensors, cfg, args, where, form)
         by_stored = {dist_optim_buckets.STORED[slot]: shards for slot, shards in flat.items()}
         scalars = dist_optim_buckets.read_scalars(dcp, common, where, megatron_buffers.parts(cfg, ep))
-        return dist_optim.read(scalars, form, lambda stored: in_model_order(assemble(cfg, by_stored[stored], policy), cfg),
+        column = megatron_buffers.rule_column(getattr(args, "transformer_impl", "transformer_engine"))
+        return dist_optim.read(scalars, form,
+                               lambda stored: in_model_order(assemble(cfg, by_stored[stored], policy, column), cfg),
                                tensors, consumed, where, rule, ep)
     if form not in dist_optim.STORED_SLOTS:
         raise CkptError(f"{where}: unknown optimizer form {form!r}", dist_optim.HINT)

@@ -53,7 +53,7 @@ from ..io.torchfile import load_torch_bytes
 from ..lazy import Const, LazyTensor, derive
 from ..roles import global_role_tensor, layer_role_tensor, shard_role
 from .megatron_buffers import (CURRENT, FLAT_PREFIX, HEAD_COPY, ONE, Part, buffer_layout, bucket_sizes, grid,
-                               grouped_linears, is_expert, parse_unpadded, parts, registered_roles, stage_layers,
+                               grouped_linears, is_expert, parse_unpadded, parts, registered_roles, rule_column, stage_layers,
                                stored_prefix)
 from .megatron_optim import HINT
 
@@ -93,7 +93,7 @@ def rank_params(weights: Dict[str, LazyTensor], cfg: GPTConfig, tp: int, t: int,
             continue
         size, rank = (etp, t % etp) if expert else (tp, t)
         shard_as = "word" if role == HEAD_COPY else role
-        out.append((role, layer, shard_role(full, shard_as, cfg, size, layer)[rank].shape))
+        out.append((role, layer, shard_role(full, shard_as, cfg, size, layer, column=rule_column(impl))[rank].shape))
     return out
 
 

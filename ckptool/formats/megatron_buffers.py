@@ -33,6 +33,12 @@ SHARED_EMBEDDING_ROLES = GPT.with_trait("tied_embedding")  # the spec's role tra
 # transformer_impl gives a layer's order; the first chunk leads with HEAD, the last ends with TAIL and,
 # tied at PP > 1, the head's copy of the word embedding (laid out, not read)
 DIALECT_OF_IMPL = {"local": "mcore", "transformer_engine": "mcore-te"}
+
+
+def rule_column(impl: str) -> Optional[str]:
+    """The spec column whose TP rules the run's modules follow (Role.rules): Transformer Engine keeps MLA's
+    down projections whole on every TP rank, so its flat buffers hold them whole too."""
+    return DIALECTS[DIALECT_OF_IMPL[impl]].rule_column
 # (the spec's globals in its order: the first stage's by the first_stage trait, the rest the last stage's)
 HEAD = GPT.with_trait("first_stage")
 TAIL = tuple(t.role for t in GPT.tensors if t.role is not None and not t.axes and t.role not in HEAD)
@@ -242,7 +248,7 @@ def unsupported(args) -> Optional[str]:
 def registered_roles(cfg, impl: str, layers: range, first: bool, last: bool, pp: int, experts: range,
                      grouped: bool, holds: Callable[[str, Optional[int]], bool]) -> List[Tuple[str, Optional[int]]]:
     """(role, layer) of a pipeline chunk's parameters in registration order (the dialect's param_order within a
-    layer; an MoE layer's router, its local experts (global indices `experts`; fc by fc when `grouped`:
+    layer, its MLA layer's own order in an MLA model: Transformer Engine's MLA modules register otherwise; an MoE layer's router, its local experts (global indices `experts`; fc by fc when `grouped`:
     grouped_linears) and shared expert in its MLP's place, after the pre-MLP norm, as megatron-core's MoELayer
     registers them); first / last: the chunk holds HEAD / TAIL, and with tied embeddings at PP > 1 the head's
     copy of the word embedding (role HEAD_COPY). holds(role, layer): whether the model has that tensor."""
@@ -250,7 +256,7 @@ def registered_roles(cfg, impl: str, layers: range, first: bool, last: bool, pp:
     if first:
         out += [(role, None) for role in HEAD if holds(role, None)]
     for i in layers:
-        out += [(role, i) for role in DIALECTS[DIALECT_OF_IMPL[impl]].param_order
+        out += [(role, i) for role in DIALECTS[DIALECT_OF_IMPL[impl]].layer_param_order(cfg.mla is not None)
                 if role in LAYER_ROLES and holds(role, i)]
         if cfg.is_moe_layer(i):
             roles = GPT.moe_layer_roles(experts)

@@ -29,7 +29,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from ..config import GPTConfig, Layout
 from ..errors import CkptError
 from ..formats.megatron_buffers import (CURRENT, FLAT_PREFIX, HEAD_COPY, Part, bucket_sizes, buffer_layout, grid, grouped_linears,
-                                        is_expert, parse_unpadded, parts, registered_roles, stage_layers,
+                                        is_expert, parse_unpadded, parts, registered_roles, rule_column, stage_layers,
                                         stored_prefix, unsupported)
 from .meta import TensorMeta, rank_shape
 from .torch_pickle import NotQuick, load_torch_zip
@@ -133,7 +133,7 @@ def rank_params(weights: Dict[str, TensorMeta], cfg: GPTConfig, tp: int, t: int,
         expert = is_expert(role)
         if part.experts is not None and expert != part.experts:
             continue
-        shape = rank_shape(role, layer, cfg, shapes, etp if expert else tp)
+        shape = rank_shape(role, layer, cfg, shapes, etp if expert else tp, rule_column(impl))
         if shape is None:
             raise NotQuick(f"{role} does not split evenly")
         out.append((role, math.prod(shape)))
