@@ -33,6 +33,8 @@ class LazyGroup(click.Group):
 
     def main(self, args=None, *a, **kw):
         # before any command module imports torch: bytecode cache, read-ahead of the source (io/startup.py)
+        from .distributed import stop_with_the_team
+        stop_with_the_team()  # first: torchrun may stop this rank any moment once a peer has failed
         from .io import startup
         import sys
         startup.prepare(sys.argv[1:] if args is None else args)

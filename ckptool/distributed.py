@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
-from typing import Callable, NoReturn, Optional
+from typing import Callable, List, NoReturn, Optional
 
 
 @dataclass
@@ -109,8 +109,9 @@ def torchrun_rank() -> Optional[int]:
 def fail_as_team(line: str, status: int, reporter: int, say: Callable[[str], None],
                  tail: Optional[str] = None, agreed: bool = False) -> NoReturn:
     """End this rank of a failed torchrun command: the reporter rank says `line` and exits first with
-    `status`; the others exit with the same status without a word once torchrun stops them (or, after
-    REPORTER_GRACE_S, or AGREED_GRACE_S when the team agreed on the reporter, say it themselves). Every failing rank writes `line` to torchrun's error file
+    `status` (after giving its local peers PEER_WAIT_S to fail too); the others exit with the same status
+    without a word once torchrun stops them (or, after REPORTER_GRACE_S, or AGREED_GRACE_S when the team
+    agreed on the reporter, say it themselves). Every failing rank writes `line` to torchrun's error file
     (TORCHELASTIC_ERROR_FILE), so torchrun's report names ckptool's error for each rank instead of a
     traceback hint. Under plain torchrun, whose report would otherwise be the last thing printed, the
     reporter leaves `tail` (default: `line`) to be printed once torchrun has ended (say_after_torchrun)."""
@@ -121,10 +122,11 @@ def fail_as_team(line: str, status: int, reporter: int, say: Callable[[str], Non
         import signal
         import time
         signal.signal(signal.SIGTERM, lambda *_: os._exit(status))
-        _write_error_file(line)
+        _write_error_file(line, status)
         time.sleep(AGREED_GRACE_S if agreed else REPORTER_GRACE_S)
     else:
-        _write_error_file(line)
+        _write_error_file(line, status)
+        _wait_for_local_peers()
     tail = line if tail is None else tail
     if not (tail and say_after_torchrun(tail)):
         say(line)
@@ -133,22 +135,98 @@ def fail_as_team(line: str, status: int, reporter: int, say: Callable[[str], Non
     sys.exit(status)
 
 
-def _write_error_file(line: str) -> None:
-    """torchrun's agent shows the `py_callstack` of each failed rank's error file in its report."""
+def _write_error_file(line: str, status: Optional[int] = None) -> None:
+    """torchrun's agent shows the `py_callstack` of each failed rank's error file in its report. The
+    file also carries ckptool's exit status, for the ranks torchrun stops before they met the error
+    (stop_with_the_team)."""
     import json
     import time
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
+    extra = {"py_callstack": f"ckptool {line}", "timestamp": str(int(time.time()))}
+    if status is not None:
+        extra[_STATUS_KEY] = status
     # written whole or not at all: the agent fails on a partial file, and a rank may be stopped mid-write
     part = f"{path}.{os.getpid()}.part"
     try:
         with open(part, "w") as f:
-            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": f"ckptool {line}",
-                                                                  "timestamp": str(int(time.time()))}}}, f)
+            json.dump({"message": {"message": line, "extraInfo": extra}}, f)
         os.replace(part, path)
     except OSError:
         pass  # the report then carries torchrun's own hint; the error line is printed anyway
+
+
+# --- the ranks on this node, seen through torchrun's per-rank error files ---------------------------
+# torch.distributed.elastic gives each local rank <attempt dir>/<local_rank>/error.json (documented in
+# torch/distributed/elastic/multiprocessing/__init__.py). A rank that failed in ckptool has written its
+# file (with the status) before it waits for torchrun; so the files tell which peers have failed too.
+_STATUS_KEY = "ckptool_status"
+# How long the reporter waits for the other local ranks to fail too before it exits (and torchrun stops
+# them): a rank still starting up (imports, on a loaded machine) would otherwise be killed by SIGTERM
+# before it meets the same error, and end with -15 instead of ckptool's status.
+PEER_WAIT_S = 20.0
+
+
+def _peer_error_files() -> List[str]:
+    """The error-file paths of the other local ranks of this torchrun attempt ([] if unknown)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    local_rank = os.environ.get("LOCAL_RANK")
+    if not path or local_world <= 1 or local_rank is None:
+        return []
+    rank_dir = os.path.dirname(path)
+    if os.path.basename(rank_dir) != local_rank:
+        return []  # not torchrun's layout: nothing to learn from the neighbours
+    attempt = os.path.dirname(rank_dir)
+    name = os.path.basename(path)
+    return [os.path.join(attempt, str(r), name) for r in range(local_world) if str(r) != local_rank]
+
+
+def _peer_status(path: str) -> Optional[int]:
+    import json
+    try:
+        with open(path) as f:
+            status = json.load(f)["message"]["extraInfo"][_STATUS_KEY]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return status if isinstance(status, int) else None
+
+
+def _wait_for_local_peers() -> None:
+    """The reporter exits first, but not before the other local ranks that meet the error too have
+    said so in their error files (or PEER_WAIT_S passed): then torchrun's SIGTERM finds each of them
+    with ckptool's handler in place."""
+    import time
+    peers = _peer_error_files()
+    end = time.monotonic() + PEER_WAIT_S
+    while peers and time.monotonic() < end:
+        peers = [p for p in peers if _peer_status(p) is None]
+        if peers:
+            time.sleep(0.05)
+
+
+def stop_with_the_team() -> None:
+    """Under torchrun, make a SIGTERM from the agent end this rank with the status a failed peer left in
+    its error file: torchrun stops every rank once one fails, also those that never met the error
+    (waiting in a collective, or still starting). Any other SIGTERM (a user's, no ckptool failure
+    recorded) keeps its default effect. Installed first thing by the command line."""
+    if torchrun_rank() is None or "TORCHELASTIC_RUN_ID" not in os.environ or not _peer_error_files():
+        return
+    import signal
+
+    def stop(signum, frame):
+        for path in _peer_error_files():
+            status = _peer_status(path)
+            if status is not None:
+                os._exit(status)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    try:
+        signal.signal(signal.SIGTERM, stop)
+    except ValueError:
+        pass  # not the main thread (an embedding program): leave its signals alone
 
 
 # Run by a detached interpreter: wait until torchrun's agent (this rank's parent) has ended, then say the

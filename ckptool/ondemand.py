@@ -39,48 +39,42 @@ def _filled_first(base: type, names) -> dict:
 _READS = ("__getitem__", "__iter__", "__len__", "__contains__", "__repr__", "__eq__")
 
 
-class OnDemandDict(dict):
-    """A dict whose contents are part `index` of builder's result, loaded on first access."""
+class _OnDemand:
+    """What the dict and the list share: the part `index` of builder's result is added (`_add`, the
+    base type's own update/extend) the first time anything reads the container."""
+    _base: type
+    _add: Callable
 
     def __init__(self, builder: Builder, index: int):
-        super().__init__()
+        self._base.__init__(self)
         self._builder, self._index, self._filled = builder, index, False
 
     def _fill(self):
         if not self._filled:
             self._filled = True
-            dict.update(self, self._builder.get()[self._index])
+            self._add(self._builder.get()[self._index])
 
     __hash__ = None
 
     def __bool__(self):
         self._fill()
-        return dict.__len__(self) > 0
+        return self._base.__len__(self) > 0
+
+
+class OnDemandDict(_OnDemand, dict):
+    """A dict whose contents are part `index` of builder's result, loaded on first access."""
+    _base, _add = dict, dict.update
 
     def copy(self):
         self._fill()
         return dict(dict.items(self))
 
 
-class OnDemandList(list):
+class OnDemandList(_OnDemand, list):
     """A list whose items are part `index` of builder's result, loaded on first access."""
-
-    def __init__(self, builder: Builder, index: int):
-        super().__init__()
-        self._builder, self._index, self._filled = builder, index, False
-
-    def _fill(self):
-        if not self._filled:
-            self._filled = True
-            list.extend(self, self._builder.get()[self._index])
-
-    __hash__ = None
-
-    def __bool__(self):
-        self._fill()
-        return list.__len__(self) > 0
+    _base, _add = list, list.extend
 
 
 for _cls, _names in ((OnDemandDict, _READS + ("get", "keys", "values", "items")), (OnDemandList, _READS)):
-    for _name, _method in _filled_first(_cls.__mro__[1], _names).items():
+    for _name, _method in _filled_first(_cls._base, _names).items():
         setattr(_cls, _name, _method)

@@ -4,10 +4,12 @@ The format table (formats/registry.py) names the format without torch (its looks
 directory formats are torch-free) and gives that format's quick reader, if it has one:
   hf         config.json + safetensors headers (quick/hf.py)
   megatron   the rank files' pickles read for structure, args -> config, MoE experts at any EP /
-             expert TP, the non-distributed optimizer's state (quick/megatron.py,
-             quick/megatron_experts.py, quick/optim.py)
+             expert TP, MLA models, the optimizer's state in the rank files and distrib_optim.pt (an
+             MoE model's [dense, expert] chain too) (quick/megatron.py, quick/megatron_experts.py,
+             quick/optim.py, quick/megatron_distopt.py)
   torch_dist the DCP .metadata pickle, the common state's args, model-space optimizer state and the
-             flat dp_reshardable buckets (quick/dist.py, quick/dist_optim.py, quick/dist_buckets.py)
+             flat dp_reshardable buckets (MoE chains and MLA too) (quick/dist.py, quick/dist_optim.py,
+             quick/dist_buckets.py)
   deepspeed  Megatron models under DeepSpeed (pipeline layer files or `module`), ZeRO-1/2 and BF16
              shards (quick/deepspeed.py); Hugging Face models under DeepSpeed, ZeRO-1/2/3 and BF16
              (quick/deepspeed_hf.py)

@@ -142,21 +142,12 @@ def expert_role(e: int, base: str) -> str:
 
 
 def moe_layer_roles(cfg: GPTConfig, experts) -> List[str]:
-    """An MoE layer's roles after the attention and mlp_norm, for the given global experts, in order."""
-    t = tables_for(cfg)
-    roles = list(t.moe_router)
-    roles += [expert_role(e, base) for e in experts for base in t.moe_expert]
-    return roles + list(t.moe_shared)
+    """An MoE layer's roles after the attention and mlp_norm, for the given global experts, in order (the
+    family spec's, torch-free: Spec.moe_layer_roles)."""
+    return tables_for(cfg).spec.moe_layer_roles(experts)
 
 
-def fc_major(roles: List[str]) -> List[str]:
-    """An MoE layer's roles with the experts' fc by fc (every local expert's fc1, then every fc2), as a grouped
-    linear registers its weight0 .. weightN-1 (parameter order = optimizer order); the rest in place. The torch-format writer and the
-    dp_reshardable optimizer layout both order a grouped-GEMM layer by it."""
-    experts = [r for r in roles if r.startswith("experts.")]
-    first = roles.index(experts[0])
-    ordered = sorted(experts, key=lambda r: scope_of(r)[1])  # stable: local experts in order within each fc
-    return roles[:first] + ordered + [r for r in roles[first:] if not r.startswith("experts.")]
+fc_major = schema.fc_major  # an MoE layer's roles with the experts fc by fc (grouped linears; torch-free)
 
 
 def rule_for(role: str, cfg: GPTConfig, column: Optional[str] = None) -> Rule:

@@ -576,3 +576,144 @@ def test_moe_files_the_quick_path_cannot_vouch_for_take_the_full_reader(moe_dirs
         assert quick_inspect.quick_open(d, {}) is None, name
         r = CliRunner().invoke(main, ["inspect", str(d)])
         assert r.exit_code == 2, (name, r.output)
+
+
+@pytest.fixture(scope="module")
+def mla_dirs(tmp_path_factory):
+    """Multi-Latent Attention checkpoints ckptool writes from test_mla_megatron's tiny DeepSeek-V3 (MLA with a q
+    latent, a dense layer 0, MoE layers with a shared expert and an expert bias, routing Megatron computes) and its
+    direct-q variant: the Megatron torch format with the local spec's names (TP 2 x PP 2 (layers 1 + 3) x EP 2:
+    the latent projections column-parallel) and the TE spec's (mcore-te: the down projections whole on every
+    rank, the latent norms inside the up projections), and torch_dist with either names, in bf16 (the router's
+    expert bias kept in fp32 there, as megatron-core keeps it)."""
+    import ckptool
+    from test_mla_megatron import _moe_deepseek
+    root = tmp_path_factory.mktemp("quick_mla")
+    latent, _ = _moe_deepseek(tmp_path_factory, 23, 20, 4, "deepseek_v3")
+    direct, _ = _moe_deepseek(tmp_path_factory, 37, None, 2, "deepseek_v3_direct_q")
+    dirs = {k: root / k for k in ("mla_tp2pp2ep2", "mla_te_tp2ep2", "mla_direct_q_te", "mla_dist_ep2",
+                                  "mla_dist_te_bf16")}
+    ckptool.from_hf(latent, dirs["mla_tp2pp2ep2"], tp=2, pp=2, ep=2, pp_layers=[1, 3])
+    ckptool.from_hf(latent, dirs["mla_te_tp2ep2"], tp=2, ep=2, dialect="mcore-te")
+    ckptool.from_hf(direct, dirs["mla_direct_q_te"], tp=2, dialect="mcore-te")
+    ckptool.reshard(dirs["mla_tp2pp2ep2"], dirs["mla_dist_ep2"], tp=1, ep=2, format="torch_dist")
+    ckptool.reshard(dirs["mla_te_tp2ep2"], dirs["mla_dist_te_bf16"], tp=1, format="torch_dist", dialect="mcore-te",
+                    dtype=torch.bfloat16)
+    return dirs
+
+
+QUICK_MLA = ["mla_tp2pp2ep2", "mla_te_tp2ep2", "mla_direct_q_te", "mla_dist_ep2", "mla_dist_te_bf16"]
+
+
+@pytest.mark.parametrize("kind", QUICK_MLA)
+def test_quick_mla_inspect_equals_the_full_path_without_torch(mla_dirs, monkeypatch, kind):
+    """MLA shapes from the args (q / kv latents, the rotary key part, the value head dim), in each dialect and in
+    torch_dist, MoE layers and all, read without torch as the full reader reads them."""
+    d = mla_dirs[kind]
+    quick_json = torch_free("inspect", d, "--json")
+    assert quick_json == full_path(monkeypatch, "inspect", d, "--json")
+    assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d)
+    doc = json.loads(quick_json)
+    assert doc["config"]["mla"]["kv_lora_rank"] == 12
+    tensors = {t["name"]: t for t in doc["tensors"]}
+    assert tensors["layers.0.attn.kv_down.weight"]["shape"] == [12 + 8, 32]
+    assert ("layers.0.attn.q.weight" in tensors) == ("direct_q" in kind)
+    if kind.endswith("bf16"):  # the expert bias stays fp32 beside bf16 weights
+        assert tensors["layers.1.mlp.router.expert_bias"]["dtype"] == "float32"
+        assert tensors["layers.1.mlp.router.weight"]["dtype"] == "bfloat16"
+    assert type(next(iter(quick_inspect.quick_open(d, {}).tensors.values()))).__name__ == "TensorMeta"
+
+
+def test_mla_files_that_disagree_with_their_args_take_the_full_reader(mla_dirs, tmp_path):
+    """Args claiming another kv latent rank than the files hold: the shapes the quick path would compute from the
+    args are not the stored ones, so it says nothing and the full reader answers."""
+    import shutil
+    from ckptool.io.torchfile import load_torch_file, save_streaming
+    d = tmp_path / "kv_lora"
+    shutil.copytree(mla_dirs["mla_te_tp2ep2"], d)
+    for f in d.glob("*/mp_rank_*/model_optim_rng.pt"):
+        tree = load_torch_file(f)
+        tree["args"].kv_lora_rank = 10
+        save_streaming(tree, f.with_suffix(".tmp"))
+        f.with_suffix(".tmp").replace(f)
+    assert quick_inspect.quick_open(mla_dirs["mla_te_tp2ep2"], {}) is not None
+    assert quick_inspect.quick_open(d, {}) is None
+
+
+# megatron-core's own MoE torch_dist saves (tests/mcore_optim_dist_helper.py moe-save, bf16, EP 2: the optimizer a
+# ChainedOptimizer [dense, expert]); "biased": sigmoid routing with the router's expert bias, a buffer kept in fp32
+# megatron-core's MoE saves as test_dist_optim_moe.py makes them (its SAVES, the same job lines): "bias": sigmoid
+# routing with the router's expert bias; dpr: dp_reshardable, the chain's flat buffers under chained_0. / chained_1.;
+# dpr_tp2: expert TP 2 x EP 2 (the expert buffers on their own grid); dpr_pp2: PP 2 with a dense stage 0 (its expert
+# optimizer has no buffers and no step), Qwen2-MoE-like (shared expert and its gate)
+from test_dist_optim_moe import BF16, SAVES as MOE_SAVES  # noqa: E402
+MCORE_MOE_DIST = {name: f"moe-save {{out}} {MOE_SAVES[name][0]} {BF16} --out {{out}}.pt"
+                  for name in ("bias_fr", "bias_dpr", "dpr_tp2", "dpr_pp2")}
+NPROC = {name: MOE_SAVES[name][1] for name in MCORE_MOE_DIST}
+for _n in (2, 4):
+    declare_runs(ROOT / "tests" / "mcore_optim_dist_helper.py", _n, {k: v for k, v in MCORE_MOE_DIST.items() if NPROC[k] == _n})
+
+
+@pytest.mark.parametrize("name", list(MCORE_MOE_DIST))
+def test_quick_inspect_of_megatron_cores_moe_torch_dist_saves(framework_runs, monkeypatch, tmp_path, name):
+    """megatron-core's MoE saves read quick, equal to the full path: the expert bias in fp32 beside bf16 weights,
+    with no optimizer slot and in no group (a module buffer); the [dense, expert] chain's flat dp_reshardable
+    buffers, every rank's layout of both optimizers checked against its stored bucket sizes."""
+    from test_dist import HAVE_MCORE
+    if not HAVE_MCORE:
+        pytest.skip("megatron-core is not installed (pip install megatron-core: test-only extra)")
+    d = framework_runs(ROOT / "tests" / "mcore_optim_dist_helper.py", NPROC[name], {name: MCORE_MOE_DIST[name]})[name]
+    quick_json = torch_free("inspect", d, "--json")
+    assert quick_json == full_path(monkeypatch, "inspect", d, "--json")
+    assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d)
+    quick = quick_inspect.quick_open(d, {})
+    assert quick.optimizer.step > 0
+    assert quick.optimizer.kind == "megatron-core-dist (%s)" % ("dp_reshardable" if "dpr" in name else "fully_reshardable")
+    if "bias" in name:
+        bias = "layers.0.mlp.router.expert_bias"
+        assert quick.tensors[bias].dtype == "float32" and quick.tensors["layers.0.mlp.router.weight"].dtype == "bfloat16"
+        assert all(bias not in slots for slots in quick.optimizer.slots.values())
+        assert all(bias not in g.names for g in quick.optimizer.param_groups)
+    if name == "dpr_tp2":  # args claiming whole experts (expert TP 1): no layout gives the expert buckets stored
+        from test_dist_optim import _copy_with_args
+        assert quick_inspect.quick_open(_copy_with_args(d, tmp_path, expert_tensor_parallel_size=1), {}) is None
+
+
+def test_quick_inspect_of_the_moe_distributed_optimizer(framework_runs, tmp_path, monkeypatch):
+    """distrib_optim.pt of MoE models at EP 2: megatron-core's [dense, expert] chain (each part in the file of its
+    optimizer's DP rank 0, the experts' buffers sharded over the expert-data-parallel size). megatron-core's own
+    trainings (test_distopt_moe.py's: Mixtral-like, with the router's fp32 expert bias, Qwen2-MoE-like) and
+    ckptool's outputs (EP 1 -> EP 2; expert TP 1 below TP 2, where a part sits in another file of the stage; the
+    Qwen2-MoE one at TP 2 x PP 2) read quick, every buffer checked against megatron-core's layout, equal to the
+    full path; an expert buffer stated at another size is the full reader's to refuse."""
+    import shutil
+    import ckptool
+    from test_dist import HAVE_MCORE
+    if not HAVE_MCORE:
+        pytest.skip("megatron-core is not installed (pip install megatron-core: test-only extra)")
+    from test_distopt_moe import HELPER, TRAINS
+    runs = framework_runs(HELPER, 2, {n: TRAINS[n] for n in ("ep1", "ep2", "bias", "qwen")})
+    for name, stem in runs.items():
+        copy_run(stem, tmp_path / name)
+    ckptool.reshard(tmp_path / "ep1", tmp_path / "to_ep2", tp=1, ep=2, distributed_optimizer=True, dp=2)
+    ckptool.reshard(tmp_path / "ep2", tmp_path / "etp1", tp=2, ep=2, etp=1, distributed_optimizer=True, dp=2)
+    ckptool.reshard(tmp_path / "qwen", tmp_path / "qwen_tp2pp2", tp=2, pp=2, ep=2, distributed_optimizer=True, dp=2)
+    for name in ("ep2", "bias", "qwen", "to_ep2", "etp1", "qwen_tp2pp2"):
+        d = tmp_path / name
+        quick = quick_inspect.quick_open(d, {})
+        assert quick.optimizer.kind == "megatron-distributed" and quick.source.layout.ep == 2, name
+        assert torch_free("inspect", d, "--json") == full_path(monkeypatch, "inspect", d, "--json"), name
+        assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d), name
+    assert quick_inspect.quick_open(tmp_path / "bias", {}).tensors["layers.0.mlp.router.expert_bias"].dtype == "float32"
+    # EP rank 1's expert buffer stated 64 elements longer than it holds and than the layout gives
+    from ckptool.io.torchfile import load_torch_file, save_streaming
+    shutil.copytree(tmp_path / "ep2", tmp_path / "off")
+    f = next((tmp_path / "off").glob("*/mp_rank_00_001/distrib_optim.pt"))
+    state = load_torch_file(f)
+    entry = next(iter(state[1][0].values()))
+    entry["numel_unpadded"] += 64
+    save_streaming(state, f.with_suffix(".tmp"))
+    f.with_suffix(".tmp").replace(f)
+    assert quick_inspect.quick_open(tmp_path / "off", {}) is None
+    r = CliRunner().invoke(main, ["inspect", str(tmp_path / "off")])
+    assert r.exit_code == 2 and "numel_unpadded" in r.output, r.output

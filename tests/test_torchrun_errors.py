@@ -68,7 +68,11 @@ SCRIPT = """
 import os, sys, time
 from ckptool import distributed
 distributed.REPORTER_GRACE_S = {grace}
+distributed.PEER_WAIT_S = {peer_wait}
+if {as_cli}:
+    distributed.stop_with_the_team()  # what the command line does first
 rank = int(os.environ["RANK"])
+time.sleep({late}.get(rank, 0))  # a rank still starting up (imports on a loaded machine)
 if rank in {failing}:
     distributed.fail_as_team("error: seen by rank " + str(rank), 2, reporter={reporter},
                              say=lambda line: print(line, file=sys.stderr, flush=True))
@@ -80,7 +84,7 @@ def test_the_reporter_says_it_and_the_others_stay_silent(tmp_path):
     """The team agreed that rank 1 reports (the lowest rank whose share failed): rank 0 is silent and
     still exits with rank 1's status."""
     script = tmp_path / "fail.py"
-    script.write_text(SCRIPT.format(grace=30, failing=(0, 1), reporter=1))
+    script.write_text(SCRIPT.format(grace=30, failing=(0, 1), reporter=1, peer_wait=20, as_cli=False, late={}))
     r = _torchrun(str(script), timeout=120)
     out = r.stdout + r.stderr
     assert [line for line in out.splitlines() if line.startswith("error:")] == ["error: seen by rank 1"], out
@@ -91,11 +95,46 @@ def test_an_error_only_one_rank_found_is_still_said(tmp_path):
     """Rank 1 alone meets an error that rank 0 would report: rank 0 never exits, so after the grace
     period rank 1 says it itself (once)."""
     script = tmp_path / "fail.py"
-    script.write_text(SCRIPT.format(grace=2, failing=(1,), reporter=0))
+    script.write_text(SCRIPT.format(grace=2, failing=(1,), reporter=0, peer_wait=20, as_cli=False, late={}))
     r = _torchrun(str(script), timeout=120)
     out = r.stdout + r.stderr
     assert [line for line in out.splitlines() if line.startswith("error:")] == ["error: seen by rank 1"], out
     assert _rank_statuses(out).get(1) == 2, out[-3000:]
+
+
+def test_a_rank_late_to_the_error_is_not_killed_before_it(tmp_path):
+    """Rank 0 reports at once; rank 1 meets the same error 3 s later (still starting). The reporter
+    waits for its neighbour's error file before it exits, so torchrun's SIGTERM does not end rank 1
+    with -15 first (seen in CI on a loaded 2-core machine)."""
+    script = tmp_path / "fail.py"
+    script.write_text(SCRIPT.format(grace=30, failing=(0, 1), reporter=0, peer_wait=60, as_cli=False, late={1: 3}))
+    r = _torchrun(str(script), timeout=120)
+    out = r.stdout + r.stderr
+    assert [line for line in out.splitlines() if line.startswith("error:")] == ["error: seen by rank 0"], out
+    assert _rank_statuses(out) == {0: 2, 1: 2}, out[-3000:]
+
+
+def test_a_rank_that_never_met_the_error_ends_with_the_teams_status(tmp_path):
+    """Rank 1 waits elsewhere (a collective, say) and never fails itself: once the reporter exits,
+    torchrun stops it, and the handler the command line installs ends it with the status rank 0 left
+    in its error file, not -15."""
+    script = tmp_path / "fail.py"
+    script.write_text(SCRIPT.format(grace=30, failing=(0,), reporter=0, peer_wait=1, as_cli=True, late={}))
+    r = _torchrun(str(script), timeout=120)
+    out = r.stdout + r.stderr
+    assert [line for line in out.splitlines() if line.startswith("error:")] == ["error: seen by rank 0"], out
+    assert _rank_statuses(out) == {0: 2, 1: 2}, out[-3000:]
+
+
+def test_a_users_sigterm_keeps_its_meaning(tmp_path):
+    """With no failed peer on record, the command line's handler leaves a SIGTERM its default effect."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), WORLD_SIZE="2",
+               RANK="1", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", TORCHELASTIC_RUN_ID="x",
+               TORCHELASTIC_ERROR_FILE=str(tmp_path / "attempt_0" / "1" / "error.json"))
+    code = ("import os, signal; from ckptool import distributed; distributed.stop_with_the_team(); "
+            "os.kill(os.getpid(), signal.SIGTERM)")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == -15, r.stderr
 
 
 def test_the_launcher_ends_with_ckptools_line_and_status(tmp_path):

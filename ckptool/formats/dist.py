@@ -47,7 +47,7 @@ from ..state import (OPTIMIZER_SLOTS, PAD_FILL_BY_SLOT, WEIGHT, Checkpoint, Opti
                      expected_names, in_model_order)
 from ..summary import WriteSummary
 from ..vocab import resize_slot_vocab, resize_vocab, target_rows, with_true_vocab_size
-from . import dist_optim, dist_optim_buckets, dist_optim_flattened, megatron_args
+from . import dist_optim, dist_optim_buckets, dist_optim_flattened, megatron_args, megatron_buffers
 from .dist_files import COMMON_FILE, COMMON_KEY, CONFIG_FILE, locate, looks_like  # noqa: F401 (looks_like: the table's)
 from .megatron import TRACKER
 from .megatron_names import DIALECTS, is_mla
@@ -411,7 +411,7 @@ def _read_optimizer(dcp: DcpDir, common: dict, cfg: GPTConfig, tensors, policy, 
         return None
     why = dist_optim.NOT_MODEL_SPACE.get(form)
     if form in dist_optim.BUFFER_FORMS:
-        why = dist_optim_buckets.unsupported(args)
+        why = megatron_buffers.unsupported(args)
         why = why and f"flat per-bucket buffers whose layout ckptool recomputes only without {why}"
     if why:
         warnings.append(f"optimizer state dropped: the distributed optimizer's {form} form ({why}) is not "
@@ -424,8 +424,10 @@ def _read_optimizer(dcp: DcpDir, common: dict, cfg: GPTConfig, tensors, policy, 
         # MoE at EP > 1: the [dense, expert] chain, each optimizer's buffers under its chained_N. prefix
         flat = dist_optim_buckets.read_shards(dcp, tensors, cfg, args, where, form)
         by_stored = {dist_optim_buckets.STORED[slot]: shards for slot, shards in flat.items()}
-        scalars = dist_optim_buckets.read_scalars(dcp, common, where, dist_optim_buckets.parts(cfg, ep))
-        return dist_optim.read(scalars, form, lambda stored: in_model_order(assemble(cfg, by_stored[stored], policy), cfg),
+        scalars = dist_optim_buckets.read_scalars(dcp, common, where, megatron_buffers.parts(cfg, ep))
+        column = megatron_buffers.rule_column(getattr(args, "transformer_impl", "transformer_engine"))
+        return dist_optim.read(scalars, form,
+                               lambda stored: in_model_order(assemble(cfg, by_stored[stored], policy, column), cfg),
                                tensors, consumed, where, rule, ep)
     if form not in dist_optim.STORED_SLOTS:
         raise CkptError(f"{where}: unknown optimizer form {form!r}", dist_optim.HINT)

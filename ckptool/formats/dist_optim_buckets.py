@@ -17,8 +17,10 @@ the layout is chosen among the bucket sizes the run may have used by that total,
 decides. The object is read whole (one rank's three fp32 buffers in memory).
 
 Nothing names a parameter: where each one sits is the buffer layout, recomputed from the model as
-megatron-core builds it (megatron_distopt.buffer_layout; dp_reshardable exists only since megatron-core
-0.14, so the current era) for every model-parallel rank:
+megatron-core builds it (megatron_buffers.py, torch-free, which the quick inspect's check
+(quick/dist_buckets.py) shares: buffer_layout, the parameters in order (registered_roles), the optimizers
+and their rank grids (Part, grid), the stored sizes (parse_unpadded); dp_reshardable exists only since
+megatron-core 0.14, so the current era) for every model-parallel rank:
   - one grad buffer (gbuf_idx_K) per model chunk K: with virtual pipeline chunks, chunk K of stage p
     holds layer block K x PP + p (Layout.chunks); without, the stage's layers (an even split, or the
     args' --decoder-first/last-pipeline-num-layers);
@@ -40,7 +42,6 @@ each) are refused.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
@@ -50,98 +51,26 @@ from ..errors import CkptError
 from ..io.dcp_io import DcpDir
 from ..io.torchfile import load_torch_bytes
 from ..lazy import Const, LazyTensor, derive
-from ..roles import (BUFFER_ROLES, GLOBAL_ROLES, LAYER_ROLES, fc_major, global_role_tensor, layer_role_tensor,
-                     moe_layer_roles, shard_role)
+from ..roles import global_role_tensor, layer_role_tensor, shard_role
 from .megatron_args import virtual_pipeline_size
-from .megatron_names import DIALECTS
-from .megatron_buffers import (CURRENT, DIALECT_OF_IMPL, HEAD, HEAD_COPY, TAIL, buffer_layout, bucket_sizes,
-                               stage_layers)
+from .megatron_buffers import (CURRENT, FLAT_PREFIX, HEAD_COPY, ONE, Part, buffer_layout, bucket_sizes, grid,
+                               grouped_linears, is_expert, parse_unpadded, parts, registered_roles, rule_column, stage_layers,
+                               stored_prefix)
 from .megatron_optim import HINT
 
-PREFIX = "optimizer.distributed.dp_group_idx_{mp}."
+PREFIX = FLAT_PREFIX
 FLAT, GATHERED = "dp_reshardable", "dp_zero_gather_scatter"
 STORED = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
-# roles that are module buffers, not parameters (the spec's "buffer" trait): in no grad buffer (the router's
-# expert bias is updated by its own rule, not by the optimizer)
-NOT_PARAMETERS = BUFFER_ROLES
-
-
-def unsupported(args) -> Optional[str]:
-    """Why this run's buffer layout is not recomputed, or None."""
-    if getattr(args, "transformer_impl", "transformer_engine") not in DIALECT_OF_IMPL:
-        return f"transformer_impl {getattr(args, 'transformer_impl', None)!r}"
-    if getattr(args, "moe_grouped_gemm", False) and not grouped_linears(args):
-        return "the legacy GroupedMLP (--moe-grouped-gemm without Transformer Engine, or --moe-use-legacy-grouped-gemm)"
-    return None
-
-
-def grouped_linears(args) -> bool:
-    """Whether the experts are TEGroupedMLP's grouped linears (--moe-grouped-gemm with Transformer Engine),
-    which register every local expert's fc1 before any fc2 (their weight0 .. weightN-1); SequentialMLP
-    registers expert by expert. The legacy GroupedMLP (one tensor per fc) is not laid out (unsupported)."""
-    return bool(getattr(args, "moe_grouped_gemm", False)) and not getattr(args, "moe_use_legacy_grouped_gemm", False) \
-        and getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine"
-
-
-@dataclass(frozen=True)
-class Part:
-    """One optimizer of the run as the flat forms store it. At EP > 1 with experts megatron-core chains a
-    dense DistributedOptimizer (every parameter all-reduced over DP: all but the experts) and an expert one
-    (the experts' expert_parallel_buffers), and ChainedOptimizer.sharded_state_dict prefixes each one's
-    keys chained_N. (the flat forms are not fully reshardable, so chained_optim_avoid_prefix does not
-    apply). The two index their model-parallel groups differently (get_megatron_optimizer): the dense one
-    by the rank in the TP x PP group (pp x TP + tp), the expert one in the expert TP x EP x PP group
-    ((pp x EP + ep) x ETP + expert-TP rank)."""
-    prefix: str  # "" (one optimizer) or "chained_N."
-    experts: Optional[bool]  # None: every parameter (one optimizer); False: all but the experts; True: the experts
-
-
-ONE = (Part("", None),)
-CHAIN = (Part("chained_0.", False), Part("chained_1.", True))
-
-
-def parts(cfg: GPTConfig, ep: int) -> Tuple[Part, ...]:
-    """The optimizers of a run: megatron-core's [dense, expert] chain for an MoE model at EP > 1 (its
-    experts' `allreduce` attribute is False only then), else one."""
-    return CHAIN if cfg.moe is not None and ep > 1 else ONE
-
-
 def registered(weights: Dict[str, LazyTensor], cfg: GPTConfig, impl: str, layers: range, first: bool, last: bool,
                pp: int, experts: range, grouped: bool = False) -> List[Tuple[str, Optional[int], LazyTensor]]:
-    """(role, layer, full tensor) of a pipeline chunk's parameters in registration order (the dialect's
-    param_order within a layer; an MoE layer's router, its local experts (global indices `experts`; fc by
-    fc when `grouped`: grouped_linears) and shared expert in its MLP's place, after the pre-MLP norm, as
-    megatron-core's MoELayer registers them)."""
-    order = DIALECTS[DIALECT_OF_IMPL[impl]].param_order
-    out = []
-
-    def add(role, layer, full, as_role=None):
-        if full is not None:
-            out.append((as_role or role, layer, full))
-
-    if first:
-        for role in HEAD:
-            add(role, None, global_role_tensor(weights, role))
-    for i in layers:
-        for role in order:
-            if role in LAYER_ROLES:
-                add(role, i, layer_role_tensor(weights, cfg, i, role))
-        if cfg.is_moe_layer(i):
-            roles = moe_layer_roles(cfg, experts)
-            for role in (fc_major(roles) if grouped and len(experts) else roles):
-                if role not in NOT_PARAMETERS:
-                    add(role, i, layer_role_tensor(weights, cfg, i, role))
-    if last:
-        for role in TAIL:
-            if role in GLOBAL_ROLES:
-                add(role, None, global_role_tensor(weights, role))
-        if cfg.tied_embeddings and pp > 1:
-            add("word", None, global_role_tensor(weights, "word"), as_role=HEAD_COPY)
-    return out
-
-
-def is_expert(role: str) -> bool:
-    return role.startswith("experts.")
+    """(role, layer, full tensor) of a pipeline chunk's parameters in registration order
+    (megatron_buffers.registered_roles, torch-free: the quick inspect checks the same layout)."""
+    def tensor(role: str, layer: Optional[int]) -> Optional[LazyTensor]:
+        if layer is None:
+            return global_role_tensor(weights, "word" if role == HEAD_COPY else role)
+        return layer_role_tensor(weights, cfg, layer, role)
+    return [(role, layer, tensor(role, layer)) for role, layer in registered_roles(
+        cfg, impl, layers, first, last, pp, experts, grouped, lambda role, layer: tensor(role, layer) is not None)]
 
 
 def rank_params(weights: Dict[str, LazyTensor], cfg: GPTConfig, tp: int, t: int, impl: str,
@@ -165,29 +94,8 @@ def rank_params(weights: Dict[str, LazyTensor], cfg: GPTConfig, tp: int, t: int,
             continue
         size, rank = (etp, t % etp) if expert else (tp, t)
         shard_as = "word" if role == HEAD_COPY else role
-        out.append((role, layer, shard_role(full, shard_as, cfg, size, layer)[rank].shape))
+        out.append((role, layer, shard_role(full, shard_as, cfg, size, layer, column=rule_column(impl))[rank].shape))
     return out
-
-
-def _grid(part: Part, pp_rank: int, tp: int, etp: int, ep: int) -> List[Tuple[int, int, int]]:
-    """(dp_group_idx, TP (or expert-TP) rank, EP rank) of each model-parallel rank of a stage, in the
-    index the part's optimizer saves under (Part)."""
-    if part.experts:
-        return [((pp_rank * ep + e) * etp + s, s, e) for e in range(ep) for s in range(etp)]
-    return [(pp_rank * tp + t, t, 0) for t in range(tp)]
-
-
-def _stored_prefix(dcp: DcpDir, part: Part, mp: int) -> str:
-    """The key prefix of model-parallel rank mp's buffers of this optimizer. A rank without expert
-    parameters (a pipeline stage without MoE layers) builds no expert optimizer, and a chain of one
-    saves its optimizer unprefixed (ChainedOptimizer.sharded_state_dict): its dense buffers then sit
-    under the bare prefix."""
-    prefix = part.prefix + PREFIX.format(mp=mp)
-    if part.experts is False and not any(k.startswith(prefix) for k in dcp.entries):
-        bare = PREFIX.format(mp=mp)
-        if any(k.startswith(bare) for k in dcp.entries):
-            return bare
-    return prefix
 
 
 def read_shards(dcp: DcpDir, weights, cfg: GPTConfig, args, where: str, form: str = FLAT
@@ -210,8 +118,8 @@ def read_shards(dcp: DcpDir, weights, cfg: GPTConfig, args, where: str, form: st
     for part in parts(cfg, ep):
         gbuf_of: Dict[str, int] = {}  # per model-parallel rank: its next grad buffer (one per chunk it has params in)
         for pp_rank, chunk, first_layer, count in sorted(chunks):
-            for mp, t, e in _grid(part, pp_rank, tp, etp, ep):
-                prefix = _stored_prefix(dcp, part, mp)
+            for mp, t, e in grid(part, pp_rank, tp, etp, ep):
+                prefix = stored_prefix(dcp.entries, part, mp)
                 params = rank_params(weights, cfg, tp, t, impl, range(first_layer, first_layer + count),
                                      pp_rank == 0 and chunk == 0, pp_rank == pp - 1 and chunk == vpp - 1, pp,
                                      part, etp, ep, e, grouped_linears(args))
@@ -320,18 +228,10 @@ def _stored_unpadded(dcp: DcpDir, prefix: str, where: str) -> List[List[int]]:
     if key is None:
         raise CkptError(f"{where}: no {prefix}per_bucket_numel_unpadded", HINT)
     obj = load_torch_bytes(dcp.read_bytes(key), source=f"{where}:{key}")
-    try:  # [[{(param dtype, grad dtype): [numel per bucket]} per grad buffer]]
-        (per_buffer,) = obj
-        out = []
-        for per_dtype in per_buffer:
-            (sizes,) = per_dtype.values()
-            out.append([int(n) for n in sizes])
-    except (TypeError, ValueError, AttributeError):
-        out = None
-    if out is None:
-        raise CkptError(f"{where}: {key} holds {obj!r}, not grad buffers (one per model chunk) of one dtype each",
-                        HINT)
-    return out
+    try:
+        return parse_unpadded(obj)
+    except ValueError as e:
+        raise CkptError(f"{where}: {key} holds {obj!r}, {e}", HINT) from None
 
 
 def read_scalars(dcp: DcpDir, common: dict, where: str, chain: Tuple[Part, ...] = ONE) -> dict:

@@ -6,17 +6,22 @@ lay buffers out by one set of rules; megatron_distopt.py's docstring says what t
 megatron-core keeps them (megatron/core/distributed/param_and_grad_buffer.py). ERAS holds how each
 span of megatron-core versions aligns parameters, pads bucket ends and saves the buffers; buffer_layout
 lays one buffer out; bucket_sizes says which bucket sizes a run may have used; stage_layers which
-layers each pipeline stage (and so its buffers) holds.
+layers each pipeline stage (and so its buffers) holds. For torch_dist's flat forms (dist_optim_buckets.py,
+and quick/dist_buckets.py checking them without torch): which optimizers a run has (Part: one, or
+megatron-core's [dense, expert] chain), where each saves its model-parallel ranks (grid), which
+parameters each buffer holds in which order (registered_roles), and the stored bucket sizes
+(parse_unpadded).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from ..errors import CkptError
 from ..spec import GPT, schema
 from .megatron_groups import HINT
+from .megatron_names import DIALECTS
 
 KEYS = ("param", "exp_avg", "exp_avg_sq")  # distrib_optim.pt's names for the master and the two moments
 SLOT_OF_KEY = {"param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
@@ -28,6 +33,12 @@ SHARED_EMBEDDING_ROLES = GPT.with_trait("tied_embedding")  # the spec's role tra
 # transformer_impl gives a layer's order; the first chunk leads with HEAD, the last ends with TAIL and,
 # tied at PP > 1, the head's copy of the word embedding (laid out, not read)
 DIALECT_OF_IMPL = {"local": "mcore", "transformer_engine": "mcore-te"}
+
+
+def rule_column(impl: str) -> Optional[str]:
+    """The spec column whose TP rules the run's modules follow (Role.rules): Transformer Engine keeps MLA's
+    down projections whole on every TP rank, so its flat buffers hold them whole too."""
+    return DIALECTS[DIALECT_OF_IMPL[impl]].rule_column
 # (the spec's globals in its order: the first stage's by the first_stage trait, the rest the last stage's)
 HEAD = GPT.with_trait("first_stage")
 TAIL = tuple(t.role for t in GPT.tensors if t.role is not None and not t.axes and t.role not in HEAD)
@@ -156,3 +167,149 @@ def stage_layers(args, num_layers: int, pp: int, where: str) -> List[int]:
         raise CkptError(f"{where}: the args' pipeline split (first stage {first}, last stage {last} layers, the "
                         f"others even) does not fit {num_layers} layers on {pp} stages", HINT)
     return counts
+
+
+# --- the optimizers of a run and the parameters of each one's buffers (torch_dist's flat forms) -------------
+
+# roles that are module buffers, not parameters (the spec's "buffer" trait): in no grad buffer (the router's
+# expert bias is updated by its own rule, not by the optimizer)
+NOT_PARAMETERS = GPT.with_trait("buffer")
+LAYER_ROLES = tuple(r.name for r in GPT.role_list("layer"))
+
+
+@dataclass(frozen=True)
+class Part:
+    """One optimizer of the run as the flat forms store it. At EP > 1 with experts megatron-core chains a
+    dense DistributedOptimizer (every parameter all-reduced over DP: all but the experts) and an expert one
+    (the experts' expert_parallel_buffers), and ChainedOptimizer.sharded_state_dict prefixes each one's
+    keys chained_N. (the flat forms are not fully reshardable, so chained_optim_avoid_prefix does not
+    apply). The two index their model-parallel groups differently (get_megatron_optimizer): the dense one
+    by the rank in the TP x PP group (pp x TP + tp), the expert one in the expert TP x EP x PP group
+    ((pp x EP + ep) x ETP + expert-TP rank)."""
+    prefix: str  # "" (one optimizer) or "chained_N."
+    experts: Optional[bool]  # None: every parameter (one optimizer); False: all but the experts; True: the experts
+
+
+ONE = (Part("", None),)
+CHAIN = (Part("chained_0.", False), Part("chained_1.", True))
+
+
+def parts(cfg, ep: int) -> Tuple[Part, ...]:
+    """The optimizers of a run: megatron-core's [dense, expert] chain for an MoE model at EP > 1 (its
+    experts' `allreduce` attribute is False only then), else one."""
+    return CHAIN if cfg.moe is not None and ep > 1 else ONE
+
+
+def is_expert(role: str) -> bool:
+    return role.startswith("experts.")
+
+
+def grid(part: Part, pp_rank: int, tp: int, etp: int, ep: int) -> List[Tuple[int, int, int]]:
+    """(dp_group_idx, TP (or expert-TP) rank, EP rank) of each model-parallel rank of a stage, in the
+    index the part's optimizer saves under (Part)."""
+    if part.experts:
+        return [((pp_rank * ep + e) * etp + s, s, e) for e in range(ep) for s in range(etp)]
+    return [(pp_rank * tp + t, t, 0) for t in range(tp)]
+
+
+FLAT_PREFIX = "optimizer.distributed.dp_group_idx_{mp}."  # a model-parallel rank's buffers in torch_dist
+
+
+def stored_prefix(keys, part: Part, mp: int) -> str:
+    """The key prefix (among the DCP keys) of model-parallel rank mp's buffers of this optimizer. A rank
+    without expert parameters (a pipeline stage without MoE layers) builds no expert optimizer, and a chain
+    of one saves its optimizer unprefixed (ChainedOptimizer.sharded_state_dict): its dense buffers then sit
+    under the bare prefix."""
+    prefix = part.prefix + FLAT_PREFIX.format(mp=mp)
+    if part.experts is False and not any(k.startswith(prefix) for k in keys):
+        bare = FLAT_PREFIX.format(mp=mp)
+        if any(k.startswith(bare) for k in keys):
+            return bare
+    return prefix
+
+
+def grouped_linears(args) -> bool:
+    """Whether the experts are TEGroupedMLP's grouped linears (--moe-grouped-gemm with Transformer Engine),
+    which register every local expert's fc1 before any fc2 (their weight0 .. weightN-1); SequentialMLP
+    registers expert by expert. The legacy GroupedMLP (one tensor per fc) is not laid out (unsupported)."""
+    return bool(getattr(args, "moe_grouped_gemm", False)) and not getattr(args, "moe_use_legacy_grouped_gemm", False) \
+        and getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine"
+
+
+def unsupported(args) -> Optional[str]:
+    """Why this run's buffer layout is not recomputed, or None."""
+    if getattr(args, "transformer_impl", "transformer_engine") not in DIALECT_OF_IMPL:
+        return f"transformer_impl {getattr(args, 'transformer_impl', None)!r}"
+    if getattr(args, "moe_grouped_gemm", False) and not grouped_linears(args):
+        return "the legacy GroupedMLP (--moe-grouped-gemm without Transformer Engine, or --moe-use-legacy-grouped-gemm)"
+    return None
+
+
+def registered_roles(cfg, impl: str, layers: range, first: bool, last: bool, pp: int, experts: range,
+                     grouped: bool, holds: Callable[[str, Optional[int]], bool]) -> List[Tuple[str, Optional[int]]]:
+    """(role, layer) of a pipeline chunk's parameters in registration order (the dialect's param_order within a
+    layer, its MLA layer's own order in an MLA model: Transformer Engine's MLA modules register otherwise; an MoE layer's router, its local experts (global indices `experts`; fc by fc when `grouped`:
+    grouped_linears) and shared expert in its MLP's place, after the pre-MLP norm, as megatron-core's MoELayer
+    registers them); first / last: the chunk holds HEAD / TAIL, and with tied embeddings at PP > 1 the head's
+    copy of the word embedding (role HEAD_COPY). holds(role, layer): whether the model has that tensor."""
+    out: List[Tuple[str, Optional[int]]] = []
+    if first:
+        out += [(role, None) for role in HEAD if holds(role, None)]
+    for i in layers:
+        out += [(role, i) for role in DIALECTS[DIALECT_OF_IMPL[impl]].layer_param_order(cfg.mla is not None)
+                if role in LAYER_ROLES and holds(role, i)]
+        if cfg.is_moe_layer(i):
+            roles = GPT.moe_layer_roles(experts)
+            out += [(role, i) for role in (schema.fc_major(roles) if grouped and len(experts) else roles)
+                    if role not in NOT_PARAMETERS and holds(role, i)]
+    if last:
+        out += [(role, None) for role in TAIL if holds(role, None)]
+        if cfg.tied_embeddings and pp > 1 and holds("word", None):
+            out.append((HEAD_COPY, None))
+    return out
+
+
+def parse_unpadded(obj) -> List[List[int]]:
+    """A rank's stored per_bucket_numel_unpadded ([[{(param dtype, grad dtype): [numel per bucket]} per grad
+    buffer]]) as per grad buffer the bucket sizes; ValueError for any other shape or several dtypes per buffer
+    (the full reader's one-line error, the quick reader's fall-back)."""
+    try:
+        (per_buffer,) = obj
+        out = []
+        for per_dtype in per_buffer:
+            (sizes,) = per_dtype.values()
+            out.append([int(n) for n in sizes])
+    except (TypeError, ValueError, AttributeError):
+        raise ValueError("not grad buffers (one per model chunk) of one dtype each") from None
+    return out
+
+
+# --- megatron-core's [dense, expert] chain in the torch format (distrib_optim.pt) ------------------------------
+
+def chain_sources(t: int, e: int, tp: int, ep: int, etp: int) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+    """(TP rank, EP rank) of the rank files whose distrib_optim.pt holds the chain's [dense, expert] parts
+    for the ranks of file (t, e) of a pipeline stage.
+
+    ChainedOptimizer.save_parameter_state saves each part on that optimizer's DP rank 0 only, into the
+    saving rank's own file. In a stage, rank x is dense TP rank x % TP, dense DP rank x // TP, expert-TP
+    rank x % ETP, EP rank (x // ETP) % EP, expert DP rank x // (ETP x EP) (megatron-core's rank order
+    tp-cp-ep-dp-pp, megatron.expert_grid). So TP rank t's dense state is saved by rank t, into file
+    (t, (t // ETP) % EP), and the experts of (expert-TP rank t % ETP, EP rank e) by rank t % ETP + ETP x e,
+    into file ((t % ETP + ETP x e) % TP, e). With ETP = TP: EP rank 0's file and the file itself."""
+    writer = t % etp + etp * e
+    return (t, (t // etp) % ep), (writer % tp, e)
+
+
+def data_parallel_size(args, expert: bool) -> int:
+    """The data-parallel size an optimizer of the run was sharded over: the dense one's, or (expert) the
+    expert-data-parallel size megatron-core derives for the same world (world / (expert TP x EP x PP))."""
+    dp = int(getattr(args, "data_parallel_size", 0) or 0)
+    if not expert or not dp:  # args without the DP size: 1 (it shapes only bucket padding, checked by size)
+        return dp or 1
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp)
+    ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+    if (dp * tp) % (etp * ep):
+        raise CkptError(f"the run's args give DP {dp} x TP {tp}, which expert TP {etp} x EP {ep} does not divide",
+                        HINT)
+    return dp * tp // (etp * ep)

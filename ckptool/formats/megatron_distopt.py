@@ -55,12 +55,14 @@ from ..io.torchfile import StoredTensor, load_torch_file
 from ..lazy import Derived, LazyTensor
 from . import megatron_buffers, megatron_optim
 # the layout rules are torch-free (megatron_buffers, shared with the quick inspect); their names stay here too
-from .megatron_buffers import CURRENT, ERAS, KEYS, SLOT_OF_KEY, BufferLayout, Era, bucket_sizes, buffer_layout
+from .megatron_buffers import (CURRENT, ERAS, KEYS, SLOT_OF_KEY, BufferLayout, Era, bucket_sizes, buffer_layout,
+                               data_parallel_size)
 from .megatron_optim import (HINT, GroupRule, RankOptimizer, RankParam, groups_by_traits,
                              master_matching_weight)
 
 FILE = "distrib_optim.pt"
 ERA_BY_SINCE, DEFAULT_BUCKET = megatron_buffers.ERA_BY_SINCE, megatron_buffers.DEFAULT_BUCKET  # (their old home)
+chain_sources = megatron_buffers.chain_sources  # torch-free there (the quick inspect finds the chain's parts too)
 
 
 def buffer_key(era: Era, param_dtype: torch.dtype, grad_dtype: torch.dtype):
@@ -98,20 +100,6 @@ def uses_distributed_optimizer(rank_dir: Path, args) -> bool:
     return (rank_dir / FILE).is_file() or bool(getattr(args, "use_distributed_optimizer", False))
 
 
-def chain_sources(t: int, e: int, tp: int, ep: int, etp: int) -> Tuple[Tuple[int, int], Tuple[int, int]]:
-    """(TP rank, EP rank) of the rank files whose distrib_optim.pt holds the chain's [dense, expert] parts
-    for the ranks of file (t, e) of a pipeline stage.
-
-    ChainedOptimizer.save_parameter_state saves each part on that optimizer's DP rank 0 only, into the
-    saving rank's own file. In a stage, rank x is dense TP rank x % TP, dense DP rank x // TP, expert-TP
-    rank x % ETP, EP rank (x // ETP) % EP, expert DP rank x // (ETP x EP) (megatron-core's rank order
-    tp-cp-ep-dp-pp, megatron.expert_grid). So TP rank t's dense state is saved by rank t, into file
-    (t, (t // ETP) % EP), and the experts of (expert-TP rank t % ETP, EP rank e) by rank t % ETP + ETP x e,
-    into file ((t % ETP + ETP x e) % TP, e). With ETP = TP: EP rank 0's file and the file itself."""
-    writer = t % etp + etp * e
-    return (t, (t // etp) % ep), (writer % tp, e)
-
-
 def read_rank(tree: dict, rank_dir: Path, params: List[RankParam], args, tied: bool, pp: int, pp_rank: int,
               where: str, ep: int = 1, dense_dir: Optional[Path] = None,
               expert_dir: Optional[Path] = None) -> Optional[RankOptimizer]:
@@ -140,7 +128,7 @@ def read_rank(tree: dict, rank_dir: Path, params: List[RankParam], args, tied: b
                         f"{len(parts) if chained else 'single'} optimizer(s) of the rank file at EP {ep} (megatron-core "
                         "chains [dense, expert] at EP > 1)", HINT)
     if not chained:
-        return _read_part(parts[0], states, str(path), params, args, _dp(args, False), tied, pp, pp_rank, where)
+        return _read_part(parts[0], states, str(path), params, args, data_parallel_size(args, False), tied, pp, pp_rank, where)
     members = megatron_optim.chain_members(params, ep)
     states, files = list(states), [str(path), str(path)]
     for n, (kind, source_dir) in enumerate((("dense", dense_dir), ("expert", expert_dir))):
@@ -155,8 +143,8 @@ def read_rank(tree: dict, rank_dir: Path, params: List[RankParam], args, tied: b
         states[n], files[n] = other[n], str(source)
     # both optimizers' buffers are cut at one bucket size, its default from the dense DP size (megatron-core's
     # DDP); each pads its bucket ends for its own DP size
-    tied_parts = [_read_part(part, state, file, [params[i] for i in idx], args, _dp(args, n == 1), tied, pp, pp_rank,
-                             f"{where} (chained optimizer {n})", bucket_dp=_dp(args, False))
+    tied_parts = [_read_part(part, state, file, [params[i] for i in idx], args, data_parallel_size(args, n == 1), tied, pp, pp_rank,
+                             f"{where} (chained optimizer {n})", bucket_dp=data_parallel_size(args, False))
                   if idx or state is not None else None
                   for n, (part, state, file, idx) in enumerate(zip(parts, states, files, members))]
     return megatron_optim.join_chain(tied_parts, members, len(params), where)
@@ -167,21 +155,6 @@ def _load(path: Path):
         return load_torch_file(path)
     except CkptError as e:
         raise CkptError(f"{path} cannot be read: {e.message}", HINT) from None
-
-
-def _dp(args, expert: bool) -> int:
-    """The data-parallel size an optimizer of the run was sharded over: the dense one's, or (expert) the
-    expert-data-parallel size megatron-core derives for the same world (world / (expert TP x EP x PP))."""
-    dp = int(getattr(args, "data_parallel_size", 0) or 0)
-    if not expert or not dp:  # args without the DP size: 1 (it shapes only bucket padding, checked by size)
-        return dp or 1
-    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-    etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp)
-    ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
-    if (dp * tp) % (etp * ep):
-        raise CkptError(f"the run's args give DP {dp} x TP {tp}, which expert TP {etp} x EP {ep} does not divide",
-                        HINT)
-    return dp * tp // (etp * ep)
 
 
 def _read_part(opt: dict, state, where_file: str, params: List[RankParam], args, dp: int, tied: bool, pp: int,

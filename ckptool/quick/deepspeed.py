@@ -24,7 +24,7 @@ follows from the pickles' structure alone (quick/torch_pickle.py):
 NotQuick (the full reader answers) for everything else: Megatron models with frozen parameters,
 buffers or shared aliases, saves without args, a missing optimizer shard or shards for
 some model-parallel ranks only, elastic checkpoints, groups the trait does not tell apart, mixed dtypes,
-MoE; HF models that are not GPTs, lack a config.json beside them, or sit at model-parallel ranks.
+MoE or MLA models; HF models that are not GPTs, lack a config.json beside them, or sit at model-parallel ranks.
 """
 from __future__ import annotations
 
@@ -108,9 +108,9 @@ def _checkpoint(path: Path, format_name: str) -> Checkpoint:
                                          {"universal_checkpoint_info": r0.meta.get("universal_checkpoint_info")})
     shapes = canonical_shapes(cfg)
     dtypes = {p.dtype for parts in shards.values() for p in parts}
-    if cfg.moe is not None:  # (meta.canonical_shapes now answers for MoE; DeepSpeed's expert files are not read here)
-        raise NotQuick("an MoE model")
-    if cfg.num_layers != num_layers or shapes is None or len(dtypes) != 1 or set(shards) != _roles(shapes, cfg):
+    if cfg.moe is not None or cfg.mla is not None:  # (meta.canonical_shapes answers for both; DeepSpeed's expert
+        raise NotQuick("an MoE or MLA model")         # files and Megatron-DeepSpeed's MLA names are not read here)
+    if cfg.num_layers != num_layers or len(dtypes) != 1 or set(shards) != _roles(shapes, cfg):
         raise NotQuick("the files do not hold the model the args describe")
     dtype = dtypes.pop()
     tensors = {n: TensorMeta(s, dtype) for n, s in shapes.items()}

@@ -4,12 +4,15 @@ quick/torch_pickle.py) gives every tensor's global shape and dtype, the common s
 the common_state byte entry) the run's args, and the args the config (megatron_args, as the full
 reader computes it); the canonical shapes follow from the config (quick/meta.py).
 
-Covered: dense and MoE GPT models with args (MoE experts stacked per layer or per model, EP from
-the args as the full reader takes it), without optimizer state or with it in a model-space form
-(quick/dist_optim.py). None (the full reader answers) for other optimizer forms (quick/dist_optim.py
-names them), bare saves without args, MLA, mixed dtypes (megatron-core's float32 expert bias), an unknown backend, or stored tensors
-whose element count differs from the model the args describe (tensors the full reader would refuse as
-not part of a GPT model).
+Covered: dense, MoE and MLA (DeepSeek-V2/V3 style, with either the local or the TE spec's names)
+GPT models with args (MoE experts stacked per layer or per model, EP from the args as the full
+reader takes it), without optimizer state or with it in a model-space form (quick/dist_optim.py).
+A module buffer (the spec's "buffer" trait: the router's expert bias, which megatron-core keeps in
+fp32 beside bf16 / fp16 weights) keeps its own dtype and has no optimizer slot or group.
+None (the full reader answers) for other optimizer forms (quick/dist_optim.py names them), bare
+saves without args, parameters of several dtypes, an unknown backend, or
+stored tensors whose element count differs from the model the args describe (tensors the full
+reader would refuse as not part of a GPT model, or files whose MLA ranks differ from the args).
 """
 from __future__ import annotations
 
@@ -22,10 +25,12 @@ from ..config import Layout
 from ..errors import CkptError
 from ..formats import megatron_args
 from ..formats.dist_files import COMMON_FILE, COMMON_KEY, CONFIG_FILE, DCP_METADATA, locate
+from ..spec import GPT
+from ..spec.schema import MCORE
 from ..state import Checkpoint, SourceInfo
 from .dist_buckets import object_reader
 from .dist_optim import training_state
-from .meta import TensorMeta, canonical_shapes
+from .meta import BUFFER_ROLES, TensorMeta, canonical_meta, canonical_shapes, is_buffer, split_dtypes
 from ..io.standin import stands_for, state_of
 from .torch_pickle import NotQuick, load_torch_zip, loads
 
@@ -34,6 +39,8 @@ HEAD = "output_layer.weight"  # a tied model's synchronised copy of WORD, when s
 # DCP entries that are not model weights: Transformer Engine extra state, RNG and rerun state, the
 # common state, optimizer tensors (dist.py SKIP says the same for the full reader).
 NOT_WEIGHTS = re.compile(r"(_extra_state|^rng_state|^(chained_\d+\.)?optimizer\.|^common_state|rerun_state_machine)")
+# a module buffer's DCP key ends with its megatron-core key (stacked or per layer) -> its role
+BUFFER_KEYS = {"." + GPT.roles[r].key(MCORE): r for r in BUFFER_ROLES}
 STACKED = re.compile(r"^decoder\.layers\.([^0-9].*)$")
 PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -168,8 +175,12 @@ def _checkpoint(path, format_name, d, meta, common, iteration, release) -> Optio
     keys = {k[len(prefix):]: t for k, t in weights.items()}
     stacked = [t.shape[0] for k, t in keys.items() if STACKED.match(k)]
     per_layer = {int(m.group(1)) for k in keys for m in [PER_LAYER.match(k)] if m}
-    if stacked and per_layer or len(set(stacked)) > 1 or len({t.dtype for t in keys.values()}) != 1:
+    if stacked and per_layer or len(set(stacked)) > 1:
         return None
+    by_role: Dict[str, set] = {}  # a module buffer's role (by its key's ending) or "param" -> the dtypes stored
+    for k, t in keys.items():
+        by_role.setdefault(next((r for end, r in BUFFER_KEYS.items() if k.endswith(end)), "param"), set()).add(t.dtype)
+    dtype, buffer_dtype = split_dtypes(by_role)  # ValueError (None) for several
     num_layers = stacked[0] if stacked else (max(per_layer) + 1 if per_layer else 0)
     if not stacked and per_layer != set(range(num_layers)):
         return None
@@ -180,12 +191,11 @@ def _checkpoint(path, format_name, d, meta, common, iteration, release) -> Optio
         return None
     cfg, note = megatron_args.as_megatron_core_computes(cfg)  # torch_dist is always megatron-core
     shapes = canonical_shapes(cfg)
-    if shapes is None or cfg.num_layers != num_layers or (cfg.vocab_size or 0) > rows:
+    if cfg.num_layers != num_layers or (cfg.vocab_size or 0) > rows:
         return None
     stored = sum(_numel(t.shape) for k, t in keys.items() if not (cfg.tied_embeddings and k == HEAD))
     if stored != sum(_numel(s) for s in shapes.values()):
         return None  # tensors outside the model the args describe: the full reader names them
-    dtype = next(iter(keys.values())).dtype
     tp = getattr(args, "tensor_model_parallel_size", None) or 1
     pp = getattr(args, "pipeline_model_parallel_size", None) or 1
     ep = (getattr(args, "expert_model_parallel_size", None) or 1) if cfg.moe is not None else 1
@@ -194,12 +204,15 @@ def _checkpoint(path, format_name, d, meta, common, iteration, release) -> Optio
                       release=release,
                       iteration=iteration if iteration is not None else common.get("iteration"),
                       checkpoint_version=common.get("checkpoint_version"), args=args)
-    canonical = {n: TensorMeta(s, dtype) for n, s in shapes.items()}
+    canonical = canonical_meta(shapes, cfg, dtype, buffer_dtype)
     stored_tensors = {k: _tensor(e) for k, e in entries.items() if _is(e, "TensorStorageMetadata")}
     head = prefix + HEAD if cfg.tied_embeddings and prefix + HEAD in weights else None
     objects = object_reader([k for k, e in entries.items() if _is(e, "BytesStorageMetadata")],
                             lambda key: _entry_bytes(d, meta, key))
-    optimizer = training_state(common, stored_tensors, weights, canonical, args, head, cfg, objects)
+    # a module buffer (the router's expert bias) is in no optimizer: no slot, no group, no place in a buffer
+    params = {k: t for k, t in weights.items() if not k.endswith(tuple(BUFFER_KEYS))}
+    trained = {n: t for n, t in canonical.items() if not is_buffer(n, cfg)}
+    optimizer = training_state(common, stored_tensors, params, trained, args, head, cfg, objects)
     return Checkpoint(cfg, canonical, info, [note] if note else [], optimizer)
 
 

@@ -15,8 +15,10 @@ its stored bucket sizes, as the full reader checks it.
 A ChainedOptimizer's entries ({0: dense, 1: expert} of an MoE model at EP > 1, one tensor prefix for
 both) are tied per part as dist_optim.tie_groups ties them (_tie_chain).
 
-NotQuick (the full reader answers, with its warning or error) for other chains, a chain of flat
-buckets, optimizer
+A chain of flat buckets (dp_reshardable at EP > 1) is checked per optimizer by quick/dist_buckets.py and
+tied the same way.
+
+NotQuick (the full reader answers, with its warning or error) for other chains, optimizer
 tensors without an optimizer entry, the gathered dp_zero_gather_scatter form, the N-D flattened
 fully_sharded_model_space, groups the traits do not tell apart, and any slot that does not cover
 exactly the model's weights with their shapes in one dtype.
@@ -58,11 +60,11 @@ def training_state(common: dict, stored: Dict[str, TensorMeta], model_keys: Dict
     chain = _chain(opt, args, cfg)
     opt = chain[0]  # the dense optimizer's entry holds the form, the grad scaler
     forms = {part.get("param_state_sharding_type") or NON_DISTRIBUTED for part in chain}
-    if len(chain) > 1 and (len(forms) != 1 or forms & {dist_buckets.FORM}):
-        raise NotQuick("a chained optimizer of several forms, or of flat buckets")  # the full reader ties those
+    if len(forms) != 1:
+        raise NotQuick("a chained optimizer of several forms")  # the full reader's error
     form = opt.get("param_state_sharding_type") or NON_DISTRIBUTED
     if form == dist_buckets.FORM and cfg is not None and objects is not None:
-        return _flat_buckets(common, stored, weights, args, cfg, objects)
+        return _flat_buckets(common, stored, weights, args, cfg, objects, len(chain))
     if form not in STORED_SLOTS:
         raise NotQuick(f"the {form} form")
     want = {k: t for k, t in model_keys.items() if k != tied_head}
@@ -82,14 +84,10 @@ def training_state(common: dict, stored: Dict[str, TensorMeta], model_keys: Dict
         slots[slot] = {n: TensorMeta(w.shape, dtype) for n, w in weights.items()}
     if "exp_avg" not in slots or "exp_avg_sq" not in slots:
         raise NotQuick("no Adam moments")
-    scalars = [_scalars(part) for part in chain]
-    steps = {step for step, _ in scalars}
-    if len(steps) != 1:
-        raise NotQuick("the chained optimizers stepped differently")
+    step, hypers = _chain_scalars(chain)
     rule = GroupRule.from_args(args)
-    groups = _tie_groups(scalars[0][1], weights, rule) if len(chain) == 1 else \
-        _tie_chain([h for _, h in scalars], weights, rule, cfg)
-    return OptimizerState(kind=f"megatron-core-dist ({form})", slots=slots, step=steps.pop(),
+    groups = _tie_groups(hypers[0], weights, rule) if len(chain) == 1 else _tie_chain(hypers, weights, rule, cfg)
+    return OptimizerState(kind=f"megatron-core-dist ({form})", slots=slots, step=step,
                           param_groups=groups,
                           grad_scaler=opt.get("grad_scaler"), scheduler=common.get("opt_param_scheduler"),
                           consumed_samples=getattr(args, "consumed_train_samples", None))
@@ -134,15 +132,20 @@ def _tie_chain(hypers: List[List[dict]], weights: Dict[str, TensorMeta], rule: G
 
 
 def _flat_buckets(common: dict, stored: Dict[str, TensorMeta], weights: Dict[str, TensorMeta], args, cfg,
-                  objects) -> OptimizerState:
+                  objects, chained: int) -> OptimizerState:
     """The dp_reshardable form (quick/dist_buckets.py): every slot of every weight in the flat buckets'
-    dtype, the groups and step from the per-rank optimizer object (dist_optim_buckets.read_scalars)."""
-    entry, dtype = dist_buckets.read(stored, objects, cfg, args, weights)
-    step, hypers = _scalars(entry)
+    dtype, the groups and step from each optimizer's per-rank object (dist_optim_buckets.read_scalars), a
+    [dense, expert] chain's tied per part (_tie_chain)."""
+    entries, dtype = dist_buckets.read(stored, objects, cfg, args, weights)
+    if len(entries) != chained:
+        raise NotQuick("a chain the common state and the buffers count differently")  # the full reader's error
+    step, hypers = _chain_scalars(entries)
+    rule = GroupRule.from_args(args)
+    groups = _tie_groups(hypers[0], weights, rule) if len(entries) == 1 else _tie_chain(hypers, weights, rule, cfg)
     slots = {slot: {n: TensorMeta(w.shape, dtype) for n, w in weights.items()} for slot in STORED_SLOTS[NON_DISTRIBUTED]}
     return OptimizerState(kind=f"megatron-core-dist ({dist_buckets.FORM})", slots=slots, step=step,
-                          param_groups=_tie_groups(hypers, weights, GroupRule.from_args(args)),
-                          grad_scaler=entry.get("grad_scaler"), scheduler=common.get("opt_param_scheduler"),
+                          param_groups=groups, grad_scaler=entries[0].get("grad_scaler"),
+                          scheduler=common.get("opt_param_scheduler"),
                           consumed_samples=getattr(args, "consumed_train_samples", None))
 
 
@@ -156,18 +159,23 @@ def _number(v) -> Optional[float]:
     return float(v) if type(v) in (int, float) else None
 
 
-def _scalars(opt: dict):
-    """(step, group hyperparameters without 'params'/'step'), as dist_optim.read_scalars finds them."""
-    torch_state = opt["optimizer"] if isinstance(opt.get("optimizer"), dict) else opt
-    groups, state = torch_state.get("param_groups"), torch_state.get("state")
-    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
-        raise NotQuick("no param_groups")
-    steps = {_number(state["common_step"])} if isinstance(state, dict) and "common_step" in state else set()
-    steps |= {_number(g["step"]) for g in groups if g.get("step") is not None}
+def _chain_scalars(opts: List[dict]):
+    """(step, per optimizer its group hyperparameters) of a chain, as dist_optim.read_scalars takes them: the
+    steps of every optimizer together (one without parameters, an expert optimizer of a stage without MoE
+    layers, stores none), exactly one."""
+    steps, hypers = set(), []
+    for opt in opts:
+        torch_state = opt["optimizer"] if isinstance(opt.get("optimizer"), dict) else opt
+        groups, state = torch_state.get("param_groups"), torch_state.get("state")
+        if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+            raise NotQuick("no param_groups")
+        steps |= {_number(state["common_step"])} if isinstance(state, dict) and "common_step" in state else set()
+        steps |= {_number(g["step"]) for g in groups if g.get("step") is not None}
+        hypers.append([{k: v for k, v in g.items() if k not in ("params", "step")} for g in groups])
     steps.discard(None)
     if len(steps) != 1:
         raise NotQuick("no step count, or several")
-    return int(steps.pop()), [{k: v for k, v in g.items() if k not in ("params", "step")} for g in groups]
+    return int(steps.pop()), hypers
 
 
 def _tie_groups(hypers, weights: Dict[str, TensorMeta], rule: GroupRule):

@@ -6,11 +6,17 @@ optimizer's state as the training-state reader ties it (quick/optim.py, quick/me
 
 Covered: dense GPT models whose files store args: converted, released and from-hf checkpoints, and
 training saves with or without optimizer state (the rank files' own, or distrib_optim.pt beside
-them: quick/megatron_distopt.py); MoE models' weights at any TP / PP / EP / expert TP, in each expert
-module form (quick/megatron_experts.py). Anything else returns None and the full reader answers: the
-2022-23 optim.pt, optimizer state the quick tie cannot decide (quick/optim.py), an MoE model's
-distrib_optim.pt (chained [dense, expert] buffers), MLA, 2019 files without args, missing or stray rank directories, mixed dtypes, keys outside the dialect, or files that disagree with one another or
-with their args (the full reader has the error message for each).
+them: quick/megatron_distopt.py, an MoE model's chained [dense, expert] buffers at EP > 1 too); MoE
+models' weights at any TP / PP / EP / expert TP, in each expert module form (quick/megatron_experts.py); MLA models (DeepSeek-V2/V3 style, with a q latent or a
+direct q, MoE or dense) in the local spec's names (mcore: every latent projection column-parallel)
+and the TE spec's (mcore-te: the down projections whole on every rank, the latent norms inside the
+up projections). Every stored tensor must have the rank shape its role has in the model the args
+describe (meta.rank_shape, the experts by megatron_experts.holds); a module buffer (the router's fp32
+expert bias) keeps its own dtype and joins no optimizer. Anything else returns None and
+the full reader answers: the 2022-23 optim.pt, optimizer state the quick tie cannot decide
+(quick/optim.py) or whose buffers no layout reproduces (quick/megatron_distopt.py), 2019 files
+without args, missing or stray rank directories, parameters of several dtypes, keys outside the dialect, or files
+that disagree with one another or with their args (the full reader has the error message for each).
 """
 from __future__ import annotations
 
@@ -24,9 +30,10 @@ from ..formats import megatron_args
 from ..formats.megatron_files import (detect_dialect, expert_grid, flatten, list_rank_dirs, model_file, rank_coordinates,
                                       resolve_iteration_dir)
 from ..formats.megatron_names import KeyMatcher, is_ignorable, is_mla
+from ..spec.schema import HEAD_COPY
 from ..state import Checkpoint, SourceInfo
 from . import megatron_experts as experts
-from .meta import TensorMeta, canonical_shapes
+from .meta import BUFFER_ROLES, TensorMeta, canonical_meta, canonical_shapes, is_buffer, rank_shape, split_dtypes
 from .optim import Param, training_state
 from .torch_pickle import NotQuick, load_torch_zip
 
@@ -100,11 +107,16 @@ def _checkpoint(path: Path, format_name: str, trees, distrib, iteration, release
     matcher = KeyMatcher(dialect, mla=is_mla(all_keys))  # MLA: q_layernorm is the q latent norm
     if version not in VERSIONS or any(matcher.match(k) is None and not is_ignorable(k) for k in all_keys):
         return None
-    dtypes = {v.dtype for chunks in models.values() for c in chunks.values() for k, v in c.items()
-              if isinstance(v, TensorMeta) and matcher.match(k) is not None}
+    dtypes: Dict[str, set] = {}  # role -> the dtypes stored: the parameters' one, a module buffer's its own
+    for chunks in models.values():
+        for c in chunks.values():
+            for k, v in c.items():
+                if isinstance(v, TensorMeta) and matcher.match(k) is not None:
+                    dtypes.setdefault(matcher.match(k)[0], set()).add(v.dtype)
+    dtype, buffer_dtype = split_dtypes(dtypes)  # ValueError (None) for several
     counts = _layer_counts(models, matcher)
     vpp = len(models[(0, 0, 0)])
-    if len(dtypes) != 1 or counts is None or any(len(c) != vpp for c in models.values()):
+    if counts is None or any(len(c) != vpp for c in models.values()):
         return None
     if not _same_across_tp(models, tp, pp):
         return None  # Megatron splits evenly: a shard that differs is the full reader's error to report
@@ -122,16 +134,16 @@ def _checkpoint(path: Path, format_name: str, trees, distrib, iteration, release
         cfg, note = megatron_args.as_megatron_core_computes(cfg)
         warnings += [note] if note else []
     shapes = canonical_shapes(cfg)
-    if shapes is None:
-        return None
-    dtype = dtypes.pop()
-    weights = {n: TensorMeta(s, dtype) for n, s in shapes.items()}
-    if cfg.moe is not None and any(distrib.values()):
-        return None  # the distributed optimizer's chained [dense, expert] buffers: the full reader ties them
-    params = {rk: [Param(k, matcher.match(k)[0], v.shape, c) for c in sorted(chunks) for k, v in chunks[c].items()
-                   if isinstance(v, TensorMeta) and matcher.match(k) is not None]
+    if not _shapes_hold(models, matcher, cfg, shapes, counts, tp, dialect.rule_column):
+        return None  # files that disagree with their args: the full reader reads what they hold, or refuses
+    weights = canonical_meta(shapes, cfg, dtype, buffer_dtype)
+    # the optimizer's parameters: a module buffer (the router's expert bias) is in no optimizer
+    params = {rk: [Param(k, role, v.shape, c) for c in sorted(chunks) for k, v in chunks[c].items()
+                   for role in [(matcher.match(k) or (None,))[0] if isinstance(v, TensorMeta) else None]
+                   if role is not None and role not in BUFFER_ROLES]
               for rk, chunks in models.items()}
-    optimizer = training_state(trees, params, args, weights, distrib, cfg.tied_embeddings, ep)
+    trained = {n: t for n, t in weights.items() if not is_buffer(n, cfg)}
+    optimizer = training_state(trees, params, args, trained, distrib, cfg.tied_embeddings, ep, etp)
     stages = [counts[(p, 0)] for p in range(pp)]
     layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, ep=ep, etp=etp if etp != tp else None,
                     stage_layers=None if vpp > 1 or len(set(stages)) == 1 else stages)
@@ -148,6 +160,23 @@ def _saved_ranks(tp: int, pp: int, ep: int, etp: int):
     if pairs != set(expert_grid(tp, ep, etp)):
         raise NotQuick("a grid whose later pairs some eras do not save")
     return {(t, p, e) for p in range(pp) for t, e in pairs}
+
+
+def _shapes_hold(models, matcher, cfg, shapes, counts, tp: int, column) -> bool:
+    """Every stored (non-expert) tensor has the shape its role's rank shard has in the model the args describe
+    (meta.rank_shape); the experts are megatron_experts.holds' to check."""
+    offsets = experts.layer_offsets(counts)
+    for (_, p, _), chunks in models.items():
+        for v, flat in chunks.items():
+            for key, value in flat.items():
+                hit = matcher.match(key) if isinstance(value, TensorMeta) else None
+                if hit is None or hit[0].startswith("experts."):
+                    continue
+                layer = None if hit[1] is None else offsets[(p, v)] + hit[1]
+                role = HEAD_COPY if hit[0] == "output" and cfg.tied_embeddings else hit[0]  # megatron-core's key
+                if value.shape != rank_shape(role, layer, cfg, shapes, tp, column):
+                    return False
+    return True
 
 
 def _same_across_tp(models, tp: int, pp: int) -> bool:

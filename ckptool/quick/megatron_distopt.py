@@ -8,33 +8,81 @@ the full reader takes the first era (and bucket size) whose layout reproduces th
 refuses a file none reproduces. The layout rules are the full reader's own (formats/megatron_buffers.py:
 ERAS, buffer_layout, bucket_sizes, torch-free); groups are placed by megatron-core's traits
 (formats/megatron_groups.py, via quick/optim.py), as group_by_rule does.
+
+An MoE model at EP > 1 (megatron-core's [dense, expert] chain: the rank file's `optimizer` and
+distrib_optim.pt both lists of two) is checked per optimizer (chain_states): each part's buffers hold its
+own parameters (the experts the expert one's, sharded over the expert-data-parallel size), and a part
+saved only by that optimizer's DP rank 0 is found in the file megatron_buffers.chain_sources names, as
+the full reader finds it.
 """
 from __future__ import annotations
 
 import math
 from typing import Optional
 
-from ..formats.megatron_buffers import (ERAS, KEYS, SLOT_OF_KEY, bucket_sizes, buffer_layout, file_form,
-                                        is_shared_embedding)
+from ..errors import CkptError
+from ..formats.megatron_buffers import (ERAS, KEYS, SLOT_OF_KEY, bucket_sizes, buffer_layout, data_parallel_size,
+                                        file_form, is_shared_embedding)
 from .meta import TensorMeta
 from .torch_pickle import NotQuick
 
 
 def rank_state(tree: dict, state, params, args, tied: bool, pp: int, pp_rank: int):
-    """(hypers, step, grad scaler, slot dtypes) of one rank's distributed optimizer, every buffer's sizes
-    checked against its parameters' layout; None when it never stepped. params: quick/optim.Param."""
+    """(hypers, step, grad scaler, slot dtypes) of one rank's (single) distributed optimizer, every buffer's
+    sizes checked against its parameters' layout; None when it never stepped. params: quick/optim.Param."""
     opt = tree.get("optimizer")
-    if not (isinstance(opt, dict) and isinstance(opt.get("optimizer"), dict)
-            and isinstance(opt["optimizer"].get("param_groups"), list)) or not isinstance(state, dict):
-        raise NotQuick("not a distributed optimizer's state (or a chained one)")
+    if not _is_part(opt) or not isinstance(state, dict):
+        raise NotQuick("not a distributed optimizer's state")
+    return part_state(opt, state, params, args, tied, pp, pp_rank, dp_size(args, False))
+
+
+def chain_states(tree: dict, state, sources, params, members, args, tied: bool, pp: int, pp_rank: int, ep: int):
+    """Per optimizer of megatron-core's [dense, expert] chain (EP > 1), part_state of its parameters (members:
+    their indices in params), None for a part without parameters or state here (megatron_distopt.read_rank).
+    Each part is saved only by that optimizer's DP rank 0, into its own file: where this file's entry is None,
+    sources[n] (the distrib_optim.pt of the file megatron_buffers.chain_sources names) holds it."""
+    opt = tree.get("optimizer")
+    if not (isinstance(opt, list) and len(opt) == 2 and all(_is_part(o) for o in opt)) or ep == 1 \
+            or not (isinstance(state, list) and len(state) == 2):
+        raise NotQuick("not megatron-core's chained [dense, expert] distributed optimizer")  # the full reader's error
+    states = list(state)
+    for n, source in enumerate(sources):
+        if states[n] is None and members[n]:
+            if not (isinstance(source, list) and len(source) == 2 and source[n] is not None):
+                raise NotQuick("a part of the chain in no file")  # the full reader names the file
+            states[n] = source[n]
+    # both optimizers' buffers are cut at one bucket size, its default from the dense DP size; each pads its
+    # bucket ends for its own DP size (the expert-data-parallel one for the experts)
+    return [part_state(part, st, [params[i] for i in idx], args, tied, pp, pp_rank, dp_size(args, n == 1),
+                       dp_size(args, False)) if idx or st is not None else None
+            for n, (part, st, idx) in enumerate(zip(opt, states, members))]
+
+
+def dp_size(args, expert: bool) -> int:
+    try:
+        return data_parallel_size(args, expert)
+    except CkptError:
+        raise NotQuick("DP x TP that expert TP x EP does not divide") from None  # the full reader's error
+
+
+def _is_part(opt) -> bool:
+    return isinstance(opt, dict) and isinstance(opt.get("optimizer"), dict) \
+        and isinstance(opt["optimizer"].get("param_groups"), list)
+
+
+def part_state(opt: dict, state, params, args, tied: bool, pp: int, pp_rank: int, dp: int,
+               bucket_dp: Optional[int] = None):
+    """(hypers, step, grad scaler, slot dtypes) of one DistributedOptimizer (megatron_distopt._read_part): its
+    groups from the rank file's entry, its buffers (one per model chunk of its parameters) checked against
+    their layout; None when it never stepped. dp: the size it was sharded over; bucket_dp: the one its default
+    bucket size comes from."""
     groups = opt["optimizer"]["param_groups"]
-    form = file_form(state)
+    form = file_form(state) if isinstance(state, dict) else None
     if form is None or not all(isinstance(g, dict) for g in groups):
         raise NotQuick("a distributed-optimizer form from before 2024-02")
     chunks = sorted({p.chunk for p in params})
     if sorted(k for k in state if isinstance(k, int)) != list(range(len(chunks))):
         raise NotQuick("grad buffers do not match the model chunks")
-    dp = int(getattr(args, "data_parallel_size", 0) or 0) or 1
     dtypes = {slot: set() for slot in SLOT_OF_KEY.values()}
     for gbuf, chunk in enumerate(chunks):
         entry = state[gbuf]
@@ -45,8 +93,8 @@ def rank_state(tree: dict, state, params, args, tied: bool, pp: int, pp_rank: in
         want = _stored_sizes(entry, form)
         numels = [math.prod(p.shape) for p in members]
         shared = [is_shared_embedding(p.role, tied, pp) for p in members]
-        if not any(_fits(numels, shared, era, dp, size, want)
-                   for era in ERAS if era.form == form for size in bucket_sizes(args, chunk, pp_rank, dp)):
+        if not any(_fits(numels, shared, era, dp, size, want) for era in ERAS if era.form == form
+                   for size in bucket_sizes(args, chunk, pp_rank, bucket_dp or dp)):
             raise NotQuick("no megatron-core buffer layout reproduces the stored sizes")
         for key, slot in SLOT_OF_KEY.items():
             flats = entry[key] if form == "bucket-list" else [entry[key]]

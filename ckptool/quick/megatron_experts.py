@@ -23,7 +23,7 @@ MOE_ONLY = ("router.", "shared", "experts.")  # roles only an MoE layer has
 def holds(models, matcher, cfg, counts: Dict[Tuple[int, int], int], ep: int, etp: int) -> bool:
     """Whether the files (models: (tp, pp, ep) -> {chunk: {key: value}}) hold the experts cfg describes
     (and no dense MLP in an MoE layer, no MoE part in a dense one), cut at expert TP etp."""
-    offsets = _layer_offsets(counts)
+    offsets = layer_offsets(counts)
     roles: Dict[int, Set[str]] = {}  # global layer -> the roles held, expert index dropped
     held: Dict[str, Set[Tuple[int, int]]] = {}  # fc1 / fc2 -> {(global layer, global expert)}
     stacked: Dict[str, Set[int]] = {}  # fc1 / fc2 -> global layers of legacy GroupedMLP tensors
@@ -73,7 +73,7 @@ def holds(models, matcher, cfg, counts: Dict[Tuple[int, int], int], ep: int, etp
     return shapes == want
 
 
-def _layer_offsets(counts: Dict[Tuple[int, int], int]) -> Dict[Tuple[int, int], int]:
+def layer_offsets(counts: Dict[Tuple[int, int], int]) -> Dict[Tuple[int, int], int]:
     """First global layer per (pipeline stage, virtual chunk): Megatron's order, chunk-major."""
     pp = max(p for p, _ in counts) + 1
     vpp = max(v for _, v in counts) + 1

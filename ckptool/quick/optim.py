@@ -18,7 +18,9 @@ masters are TensorMeta records; Adam's 0-d `step` tensors are read as Scalars):
   are, a bias stays a bias).
 
 The distributed optimizer's ranks (distrib_optim.pt: quick/megatron_distopt.py) join their groups
-by the same traits. Anything this cannot decide the way the full reader does (groups told apart by
+by the same traits; at EP > 1 megatron-core's [dense, expert] chain part by part (each part's members
+by their traits, as a chain in the rank files), a part saved in another file of the stage found where
+megatron_buffers.chain_sources says. Anything this cannot decide the way the full reader does (groups told apart by
 sizes alone, lr_mult groups, chains other than megatron-core's [dense, expert] at EP > 1, mixed slot dtypes) raises NotQuick and the full
 reader answers. The trait rules are the full reader's own table (megatron_groups.GROUP_TRAITS,
 torch-free); the tests compare both paths' output on real Megatron-LM saves.
@@ -33,7 +35,8 @@ from ..errors import CkptError
 from ..formats.megatron_groups import (MIXED_FORMS, MOMENTS, GroupRule, canonical_traits, expert_parallel,
                                        group_traits, groups_by_traits, merge_groups, traits_of)
 from ..state import OPTIMIZER_SLOTS, OptimizerState, ParamGroup
-from .megatron_distopt import rank_state
+from ..formats.megatron_buffers import chain_sources
+from .megatron_distopt import chain_states, rank_state
 from .meta import TensorMeta
 from .torch_pickle import NotQuick, Scalar
 
@@ -64,12 +67,13 @@ def _traits(params: List[Param], rule: GroupRule) -> List[Tuple[bool, ...]]:
 
 def training_state(trees: Dict[tuple, dict], params: Dict[tuple, List[Param]], args,
                    weights: Dict[str, TensorMeta], distrib: Dict[tuple, object],
-                   tied: bool, ep: int = 1) -> Optional[OptimizerState]:
+                   tied: bool, ep: int = 1, etp: Optional[int] = None) -> Optional[OptimizerState]:
     """The OptimizerState the full reader would build (slots as TensorMeta of the weights' shapes), None
     where no rank's optimizer ever stepped; NotQuick where only the full reader can say. trees, params,
     distrib: per rank (tp, pp) or (tp, pp, ep); distrib: each rank's distrib_optim.pt
     (quick/megatron_distopt.py), None where the rank has none; ep: the expert-parallel size (at EP > 1
-    an MoE rank's entry is megatron-core's chained [dense, expert] list)."""
+    an MoE rank's entry is megatron-core's chained [dense, expert] list), etp the expert TP size (where a
+    chain's distributed parts are saved: megatron_buffers.chain_sources; default TP)."""
     if not any("optimizer" in t for t in trees.values()):
         return None
     rule = GroupRule.from_args(args)
@@ -77,8 +81,12 @@ def training_state(trees: Dict[tuple, dict], params: Dict[tuple, List[Param]], a
     distributed = has_file == {True} or bool(getattr(args, "use_distributed_optimizer", False))
     if len(has_file) > 1 or distributed and has_file != {True}:
         raise NotQuick("distrib_optim.pt beside some rank files only")  # the full reader's error
-    pp = max(rk[1] for rk in trees) + 1
-    per_rank = {rk: _dist_rank(trees[rk], distrib[rk], params[rk], args, tied, pp, rk[1], rule)
+    tp, pp = (max(rk[i] for rk in trees) + 1 for i in range(2))
+
+    def sources(rk) -> list:  # the files holding a chain's [dense, expert] distributed parts for rank rk
+        return [distrib.get((t, rk[1], e)) for t, e in chain_sources(rk[0], rk[2], tp, ep, etp or tp)]
+    per_rank = {rk: _dist_rank(trees[rk], distrib[rk], params[rk], args, tied, pp, rk[1], rule, ep,
+                               sources(rk) if len(rk) == 3 else [])
                 if distributed else _rank(trees[rk], params[rk], rule, ep) for rk in sorted(trees)}
     if all(r is None for r in per_rank.values()):
         return None
@@ -123,15 +131,26 @@ def _rank(tree: dict, params: List[Param], rule: GroupRule, ep: int = 1) -> Opti
         return _rank_part(opt, params, rule)
     if len(opt) != 2 or ep == 1:
         raise NotQuick("a chain other than megatron-core's [dense, expert]")  # the full reader's warning
-    members = [[i for i, p in enumerate(params) if expert_parallel(p.role, ep) == is_expert] for is_expert in (False, True)]
+    members = _chain_members(params, ep)
     # each part's groups tied by their traits even where a part has one group (the expert part often has:
     # experts have no 1-D weights), so every canonical group's tensors are told apart by traits below
-    parts = [_rank_part(part, [params[i] for i in idx], rule, by_traits=True) for part, idx in zip(opt, members)]
+    return _join_chain([_rank_part(part, [params[i] for i in idx], rule, by_traits=True)
+                        for part, idx in zip(opt, members)], members, len(params))
+
+
+def _chain_members(params: List[Param], ep: int) -> List[List[int]]:
+    """megatron_optim.chain_members: the parameters (indices) of the chain's dense and expert optimizers."""
+    return [[i for i, p in enumerate(params) if expert_parallel(p.role, ep) == is_expert] for is_expert in (False, True)]
+
+
+def _join_chain(parts: List[Optional[_Rank]], members: List[List[int]], n: int) -> Optional[_Rank]:
+    """One rank's _Rank from the chain's parts, each tied to its members (megatron_optim.join_chain): the dense
+    optimizer's groups first; None when none stepped."""
     if all(r is None for r in parts):
         return None
     if any(r is None and idx for r, idx in zip(parts, members)):
         raise NotQuick("one optimizer of the chain stepped, the other not")  # the full reader's error
-    group_of, hypers, steps, dtypes = [0] * len(params), [], set(), defaultdict(set)
+    group_of, hypers, steps, dtypes = [0] * n, [], set(), defaultdict(set)
     for r, idx in zip(parts, members):
         if r is None:
             continue
@@ -185,14 +204,24 @@ def _rank_part(opt, params: List[Param], rule: GroupRule, by_traits: bool = Fals
 
 
 def _dist_rank(tree: dict, state, params: List[Param], args, tied: bool, pp: int, pp_rank: int,
-               rule: GroupRule) -> Optional[_Rank]:
+               rule: GroupRule, ep: int = 1, sources: Optional[list] = None) -> Optional[_Rank]:
     """One rank's distributed optimizer (megatron_distopt.read_rank): its groups hold no parameter
-    lists, so each parameter joins the one group whose traits are its own (group_by_rule)."""
+    lists, so each parameter joins the one group whose traits are its own (group_by_rule); megatron-core's
+    [dense, expert] chain (EP > 1) part by part, each part's members by their traits even where it has one
+    group (as _rank ties a chain), then joined."""
+    if isinstance(tree.get("optimizer"), list):
+        members = _chain_members(params, ep)
+        found = chain_states(tree, state, sources or [None, None], params, members, args, tied, pp, pp_rank, ep)
+        return _join_chain([None if f is None else _tied(f, [params[i] for i in idx], rule, by_traits=True)
+                            for f, idx in zip(found, members)], members, len(params))
     found = rank_state(tree, state, params, args, tied, pp, pp_rank)
-    if found is None:
-        return None
+    return None if found is None else _tied(found, params, rule)
+
+
+def _tied(found, params: List[Param], rule: GroupRule, by_traits: bool = False) -> _Rank:
+    """A distributed optimizer's (hypers, step, scaler, dtypes) with each parameter in its group."""
     hypers, step, scaler, dtypes = found
-    if len(hypers) == 1:
+    if len(hypers) == 1 and not by_traits:
         return _Rank([0] * len(params), hypers, step, scaler, dtypes, True)
     group_of = groups_by_traits(_traits(params, rule), hypers, rule)
     if group_of is None:

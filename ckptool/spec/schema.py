@@ -159,6 +159,19 @@ class Role:
         return self.rule if rule is None else rule
 
 
+_EXPERT_ROLE = re.compile(r"^experts\.\d+\.(.+)$")
+
+
+def fc_major(roles: List[str]) -> List[str]:
+    """An MoE layer's roles (Spec.moe_layer_roles) with the experts' fc by fc (every local expert's fc1, then every
+    fc2), as a grouped linear registers its weight0 .. weightN-1 (parameter order = optimizer order); the rest in
+    place. The torch-format writer and the flat optimizer buffers' layout both order a grouped-GEMM layer by it."""
+    experts = [r for r in roles if _EXPERT_ROLE.match(r)]
+    first = roles.index(experts[0])
+    ordered = sorted(experts, key=lambda r: _EXPERT_ROLE.match(r).group(1))  # stable: local experts in order per fc
+    return roles[:first] + ordered + [r for r in roles[first:] if not _EXPERT_ROLE.match(r)]
+
+
 def _key_by_column(table: Mapping[str, object], column: Optional[str]):
     """table[column], following FALLBACK; None when neither the column nor its fallbacks are listed."""
     while column is not None:
@@ -246,6 +259,16 @@ class Spec:
         if trait not in TRAITS:
             raise KeyError(f"unknown role trait {trait!r}")
         return tuple(r.name for r in self.roles.values() if trait in r.traits)
+
+    def moe_layer_roles(self, experts) -> List[str]:
+        """An MoE layer's own roles (after the attention and mlp_norm) for the given global experts, in
+        moe_registration order: the router's, each expert's roles expert by expert, the shared expert's."""
+        expert = [self.roles[r].is_expert for r in self.moe_registration]
+        first = expert.index(True) if True in expert else len(expert)
+        last = len(expert) - expert[::-1].index(True) if True in expert else first
+        bases = [self.roles[r].base for r in self.moe_registration[first:last]]
+        return (list(self.moe_registration[:first]) + [f"experts.{e}.{b}" for e in experts for b in bases]
+                + list(self.moe_registration[last:]))
 
     def registration_order(self, column: str) -> Tuple[str, ...]:
         """A layer's roles in the order the framework of this name column registers them (FALLBACK applies)."""
