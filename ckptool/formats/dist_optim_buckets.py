@@ -46,16 +46,14 @@ from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
-from ..config import GPTConfig, Layout
+from ..config import GPTConfig
 from ..errors import CkptError
 from ..io.dcp_io import DcpDir
 from ..io.torchfile import load_torch_bytes
 from ..lazy import Const, LazyTensor, derive
 from ..roles import global_role_tensor, layer_role_tensor, shard_role
-from .megatron_args import virtual_pipeline_size
-from .megatron_buffers import (CURRENT, FLAT_PREFIX, HEAD_COPY, ONE, Part, buffer_layout, bucket_sizes, grid,
-                               grouped_linears, is_expert, parse_unpadded, parts, registered_roles, rule_column, stage_layers,
-                               stored_prefix)
+from .megatron_buffers import (CURRENT, FLAT_PREFIX, HEAD_COPY, ONE, FlatRun, Part, buffer_layout, bucket_sizes,
+                               is_expert, parse_unpadded, parts, registered_roles, rule_column, stored_prefix)
 from .megatron_optim import HINT
 
 PREFIX = FLAT_PREFIX
@@ -102,63 +100,54 @@ def read_shards(dcp: DcpDir, weights, cfg: GPTConfig, args, where: str, form: st
                 ) -> Dict[str, Dict[Tuple[str, Optional[int]], List[LazyTensor]]]:
     """slot -> {(role, layer): [per TP rank lazy local tensor]} (experts: per expert-TP rank), for
     roles.assemble(); form: FLAT or GATHERED."""
-    tp = getattr(args, "tensor_model_parallel_size", None) or 1
-    pp = getattr(args, "pipeline_model_parallel_size", None) or 1
-    vpp = virtual_pipeline_size(args, cfg.num_layers) or 1
-    dp = int(getattr(args, "data_parallel_size", None) or 1)
-    ep = int(getattr(args, "expert_model_parallel_size", None) or 1) if cfg.moe is not None else 1
-    etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp) if cfg.moe is not None else tp
-    impl = getattr(args, "transformer_impl", "transformer_engine")
-    split = stage_layers(args, cfg.num_layers, pp, where) if vpp == 1 else None
-    chunks = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, stage_layers=split).chunks(cfg.num_layers)
+    run = FlatRun.of(args, cfg, where)
     out: Dict[str, Dict[Tuple[str, Optional[int]], List[LazyTensor]]] = {s: {} for s in STORED}
     unpadded: Dict[str, List[List[int]]] = {}  # per model-parallel rank: its buffers' bucket sizes
     gathered: Dict[str, Tuple[str, dict]] = {}  # per model-parallel rank: its gathered buffers (GATHERED)
-    shared = cfg.tied_embeddings and pp > 1
-    for part in parts(cfg, ep):
+    shared = cfg.tied_embeddings and run.pp > 1
+    for part in parts(cfg, run.ep):
         gbuf_of: Dict[str, int] = {}  # per model-parallel rank: its next grad buffer (one per chunk it has params in)
-        for pp_rank, chunk, first_layer, count in sorted(chunks):
-            for mp, t, e in grid(part, pp_rank, tp, etp, ep):
-                prefix = stored_prefix(dcp.entries, part, mp)
-                params = rank_params(weights, cfg, tp, t, impl, range(first_layer, first_layer + count),
-                                     pp_rank == 0 and chunk == 0, pp_rank == pp - 1 and chunk == vpp - 1, pp,
-                                     part, etp, ep, e, grouped_linears(args))
-                if not params:
-                    continue  # no buffer (e.g. a chunk without MoE layers has no expert buffer)
-                gbuf = gbuf_of[prefix] = gbuf_of.get(prefix, -1) + 1
-                # the pieces this rank contributes: an expert held by several dense TP ranks (EP 1, expert TP
-                # below TP) is taken from the first
-                keep = [role != HEAD_COPY and not (part.experts is None and is_expert(role) and t >= etp)
-                        for role, _, _ in params]
-                if form == GATHERED:
-                    if prefix not in gathered:
-                        gathered[prefix] = _gathered_state(dcp, prefix, where)
-                    key, state = gathered[prefix]
-                    _add_gathered(out, state, gbuf, chunk, params, keep, args, shared, pp_rank, dp, f"{where}: {key}")
-                    continue
-                if prefix not in unpadded:
-                    unpadded[prefix] = _stored_unpadded(dcp, prefix, where)
-                if gbuf >= len(unpadded[prefix]):
-                    raise CkptError(f"{where}: {prefix}per_bucket_numel_unpadded lists {len(unpadded[prefix])} grad "
-                                    f"buffer(s); this model has more there", HINT)
-                stored = unpadded[prefix][gbuf]
-                lay = _matching_layout(params, stored, args, shared, chunk, pp_rank, dp,
-                                       f"{where}: {prefix}gbuf_idx_{gbuf}")
-                gbuf_key = f"{prefix}gbuf_idx_{gbuf}."
-                buffers = [k for k in dcp.entries if k.startswith(gbuf_key) and k.endswith(".bucket_idx_0.param")]
-                if len(buffers) != 1:
-                    raise CkptError(f"{where}: {gbuf_key[:-1]} has {len(buffers)} dtype buffers; one was expected",
-                                    HINT)
-                base = buffers[0][:-len("bucket_idx_0.param")]
-                for slot, name in STORED.items():
-                    for i, (role, layer, shape) in enumerate(params):
-                        if not keep[i]:
-                            continue
-                        key = f"{base}bucket_idx_{lay.bucket_of[i]}.{name}"
-                        if key not in dcp.entries:
-                            raise CkptError(f"{where}: no {key}", HINT)
-                        flat = dcp.lazy(key, (lay.start[i],), (math.prod(shape),))
-                        out[slot].setdefault((role, layer), []).append(derive(lambda x, s=shape: x.view(s), [flat]))
+        for r in run.buffer_ranks(part):
+            pp_rank, chunk, mp, t = r.pp_rank, r.chunk, r.mp, r.t
+            prefix = stored_prefix(dcp.entries, part, mp)
+            params = rank_params(weights, cfg, run.tp, t, run.impl, r.layers, r.first, r.last, run.pp, part,
+                                 run.etp, run.ep, r.e, run.grouped)
+            if not params:
+                continue  # no buffer (e.g. a chunk without MoE layers has no expert buffer)
+            gbuf = gbuf_of[prefix] = gbuf_of.get(prefix, -1) + 1
+            # the pieces this rank contributes: an expert held by several dense TP ranks (EP 1, expert TP
+            # below TP) is taken from the first
+            keep = [role != HEAD_COPY and not (part.experts is None and is_expert(role) and t >= run.etp)
+                    for role, _, _ in params]
+            if form == GATHERED:
+                if prefix not in gathered:
+                    gathered[prefix] = _gathered_state(dcp, prefix, where)
+                key, state = gathered[prefix]
+                _add_gathered(out, state, gbuf, chunk, params, keep, args, shared, pp_rank, run.dp, f"{where}: {key}")
+                continue
+            if prefix not in unpadded:
+                unpadded[prefix] = _stored_unpadded(dcp, prefix, where)
+            if gbuf >= len(unpadded[prefix]):
+                raise CkptError(f"{where}: {prefix}per_bucket_numel_unpadded lists {len(unpadded[prefix])} grad "
+                                f"buffer(s); this model has more there", HINT)
+            stored = unpadded[prefix][gbuf]
+            lay = _matching_layout(params, stored, args, shared, chunk, pp_rank, run.dp,
+                                   f"{where}: {prefix}gbuf_idx_{gbuf}")
+            gbuf_key = f"{prefix}gbuf_idx_{gbuf}."
+            buffers = [k for k in dcp.entries if k.startswith(gbuf_key) and k.endswith(".bucket_idx_0.param")]
+            if len(buffers) != 1:
+                raise CkptError(f"{where}: {gbuf_key[:-1]} has {len(buffers)} dtype buffers; one was expected",
+                                HINT)
+            base = buffers[0][:-len("bucket_idx_0.param")]
+            for slot, name in STORED.items():
+                for i, (role, layer, shape) in enumerate(params):
+                    if not keep[i]:
+                        continue
+                    key = f"{base}bucket_idx_{lay.bucket_of[i]}.{name}"
+                    if key not in dcp.entries:
+                        raise CkptError(f"{where}: no {key}", HINT)
+                    flat = dcp.lazy(key, (lay.start[i],), (math.prod(shape),))
+                    out[slot].setdefault((role, layer), []).append(derive(lambda x, s=shape: x.view(s), [flat]))
         for prefix, last in gbuf_of.items():
             if prefix in unpadded and len(unpadded[prefix]) != last + 1:
                 raise CkptError(f"{where}: {prefix}per_bucket_numel_unpadded lists {len(unpadded[prefix])} grad "

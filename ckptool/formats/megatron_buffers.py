@@ -200,6 +200,59 @@ def parts(cfg, ep: int) -> Tuple[Part, ...]:
     return CHAIN if cfg.moe is not None and ep > 1 else ONE
 
 
+@dataclass(frozen=True)
+class BufferRank:
+    """One model-parallel rank's grad buffer of one pipeline chunk in one optimizer part: its layers, whether
+    its chunk is the model's first / last, its save index mp (grid), TP (or expert-TP) rank t, EP rank e."""
+    pp_rank: int
+    chunk: int
+    layers: range
+    first: bool
+    last: bool
+    mp: int
+    t: int
+    e: int
+
+
+@dataclass(frozen=True)
+class FlatRun:
+    """The model-parallel grid a run's flat optimizer buffers (torch_dist dp_reshardable /
+    dp_zero_gather_scatter) are laid out on, as its args say: read by the full reader and quick inspect."""
+    tp: int
+    pp: int
+    vpp: int
+    dp: int
+    ep: int
+    etp: int
+    impl: str
+    grouped: bool  # TEGroupedMLP's fc-by-fc expert order (grouped_linears)
+    chunks: Tuple[Tuple[int, int, int, int], ...]  # (pp rank, chunk, first layer, count), sorted
+
+    @classmethod
+    def of(cls, args, cfg, where: str) -> "FlatRun":
+        """From the run's args (CkptError where its pipeline split does not fit the layers)."""
+        from ..config import Layout
+        from .megatron_args import virtual_pipeline_size  # (megatron_args imports this module)
+        tp = getattr(args, "tensor_model_parallel_size", None) or 1
+        pp = getattr(args, "pipeline_model_parallel_size", None) or 1
+        vpp = virtual_pipeline_size(args, cfg.num_layers) or 1
+        moe = cfg.moe is not None
+        split = stage_layers(args, cfg.num_layers, pp, where) if vpp == 1 else None
+        chunks = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, stage_layers=split).chunks(cfg.num_layers)
+        return cls(tp=tp, pp=pp, vpp=vpp, dp=int(getattr(args, "data_parallel_size", None) or 1),
+                   ep=int(getattr(args, "expert_model_parallel_size", None) or 1) if moe else 1,
+                   etp=int(getattr(args, "expert_tensor_parallel_size", None) or tp) if moe else tp,
+                   impl=getattr(args, "transformer_impl", "transformer_engine"), grouped=grouped_linears(args),
+                   chunks=tuple(sorted(chunks)))
+
+    def buffer_ranks(self, part: Part):
+        """Every model-parallel rank's buffer of each chunk in `part`, chunk by chunk in the save's order."""
+        for pp_rank, chunk, first_layer, count in self.chunks:
+            for mp, t, e in grid(part, pp_rank, self.tp, self.etp, self.ep):
+                yield BufferRank(pp_rank, chunk, range(first_layer, first_layer + count), pp_rank == 0 and chunk == 0,
+                                 pp_rank == self.pp - 1 and chunk == self.vpp - 1, mp, t, e)
+
+
 def is_expert(role: str) -> bool:
     return role.startswith("experts.")
 

@@ -26,11 +26,11 @@ from __future__ import annotations
 import math
 from typing import Callable, Dict, List, Optional, Tuple
 
-from ..config import GPTConfig, Layout
+from ..config import GPTConfig
 from ..errors import CkptError
-from ..formats.megatron_buffers import (CURRENT, FLAT_PREFIX, HEAD_COPY, Part, bucket_sizes, buffer_layout, grid, grouped_linears,
-                                        is_expert, parse_unpadded, parts, registered_roles, rule_column, stage_layers,
-                                        stored_prefix, unsupported)
+from ..formats.megatron_buffers import (CURRENT, FLAT_PREFIX, HEAD_COPY, FlatRun, Part, bucket_sizes, buffer_layout,
+                                        is_expert, parse_unpadded, parts, registered_roles, rule_column, stored_prefix,
+                                        unsupported)
 from .meta import TensorMeta, rank_shape
 from .torch_pickle import NotQuick, load_torch_zip
 
@@ -47,59 +47,50 @@ def read(stored: Dict[str, TensorMeta], objects: Callable[[str], Optional[object
     why = unsupported(args)
     if why:
         raise NotQuick(why)
-    tp = getattr(args, "tensor_model_parallel_size", None) or 1
-    pp = getattr(args, "pipeline_model_parallel_size", None) or 1
-    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
-    dp = int(getattr(args, "data_parallel_size", None) or 1)
-    ep = int(getattr(args, "expert_model_parallel_size", None) or 1) if cfg.moe is not None else 1
-    etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp) if cfg.moe is not None else tp
-    impl = getattr(args, "transformer_impl", "transformer_engine")
     try:
-        split = stage_layers(args, cfg.num_layers, pp, "quick") if vpp == 1 else None
-        chunks = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, stage_layers=split).chunks(cfg.num_layers)
+        run = FlatRun.of(args, cfg, "quick")
     except CkptError:
         raise NotQuick("a pipeline split that does not fit the layers") from None  # the full reader's error
-    shared_embedding = cfg.tied_embeddings and pp > 1
+    shared_embedding = cfg.tied_embeddings and run.pp > 1
     dtypes = set()
     unpadded: Dict[str, List[List[int]]] = {}  # per model-parallel rank: its buffers' bucket sizes
-    for part in parts(cfg, ep):
+    for part in parts(cfg, run.ep):
         gbuf_of: Dict[str, int] = {}  # per model-parallel rank: its next grad buffer
-        for pp_rank, chunk, first_layer, count in sorted(chunks):
-            for mp, t, e in grid(part, pp_rank, tp, etp, ep):
-                prefix = stored_prefix(stored, part, mp)
-                params = rank_params(weights, cfg, tp, t, impl, range(first_layer, first_layer + count),
-                                     pp_rank == 0 and chunk == 0, pp_rank == pp - 1 and chunk == vpp - 1, pp,
-                                     part, etp, ep, e, grouped_linears(args))
-                if not params:
-                    continue  # no buffer (a chunk without MoE layers has no expert buffer)
-                gbuf = gbuf_of[prefix] = gbuf_of.get(prefix, -1) + 1
-                if prefix not in unpadded:
-                    try:
-                        unpadded[prefix] = parse_unpadded(objects(prefix + "per_bucket_numel_unpadded/"))
-                    except ValueError:
-                        raise NotQuick("per_bucket_numel_unpadded of another shape") from None
-                if gbuf >= len(unpadded[prefix]):
-                    raise NotQuick("more grad buffers than stored")
-                shared = [shared_embedding and role in ("word", HEAD_COPY) for role, _ in params]
-                layout = _matching_layout([n for _, n in params], shared, unpadded[prefix][gbuf], args, chunk,
-                                          pp_rank, dp)
-                gbuf_key = f"{prefix}gbuf_idx_{gbuf}."
-                heads = [k for k in stored if k.startswith(gbuf_key) and k.endswith(".bucket_idx_0.param")]
-                if len(heads) != 1:
-                    raise NotQuick("not one dtype buffer per model chunk")
-                base = heads[0][:-len("bucket_idx_0.param")]
-                for b in sorted(set(layout.bucket_of)):
-                    for name in STORED:
-                        t_meta = stored.get(f"{base}bucket_idx_{b}.{name}")
-                        if t_meta is None:
-                            raise NotQuick("a bucket tensor is missing")  # the full reader names it
-                        dtypes.add(t_meta.dtype)
+        for r in run.buffer_ranks(part):
+            pp_rank, chunk = r.pp_rank, r.chunk
+            prefix = stored_prefix(stored, part, r.mp)
+            params = rank_params(weights, cfg, run.tp, r.t, run.impl, r.layers, r.first, r.last, run.pp, part,
+                                 run.etp, run.ep, r.e, run.grouped)
+            if not params:
+                continue  # no buffer (a chunk without MoE layers has no expert buffer)
+            gbuf = gbuf_of[prefix] = gbuf_of.get(prefix, -1) + 1
+            if prefix not in unpadded:
+                try:
+                    unpadded[prefix] = parse_unpadded(objects(prefix + "per_bucket_numel_unpadded/"))
+                except ValueError:
+                    raise NotQuick("per_bucket_numel_unpadded of another shape") from None
+            if gbuf >= len(unpadded[prefix]):
+                raise NotQuick("more grad buffers than stored")
+            shared = [shared_embedding and role in ("word", HEAD_COPY) for role, _ in params]
+            layout = _matching_layout([n for _, n in params], shared, unpadded[prefix][gbuf], args, chunk,
+                                      pp_rank, run.dp)
+            gbuf_key = f"{prefix}gbuf_idx_{gbuf}."
+            heads = [k for k in stored if k.startswith(gbuf_key) and k.endswith(".bucket_idx_0.param")]
+            if len(heads) != 1:
+                raise NotQuick("not one dtype buffer per model chunk")
+            base = heads[0][:-len("bucket_idx_0.param")]
+            for b in sorted(set(layout.bucket_of)):
+                for name in STORED:
+                    t_meta = stored.get(f"{base}bucket_idx_{b}.{name}")
+                    if t_meta is None:
+                        raise NotQuick("a bucket tensor is missing")  # the full reader names it
+                    dtypes.add(t_meta.dtype)
         if any(prefix in unpadded and len(unpadded[prefix]) != last + 1 for prefix, last in gbuf_of.items()):
             raise NotQuick("grad buffers do not match the model chunks")  # the full reader's error
     if len(dtypes) != 1:
         raise NotQuick("bucket tensors of several dtypes")
     entries = []
-    for part in parts(cfg, ep):  # dist_optim_buckets.read_scalars: each optimizer's dp_group_idx_0 objects
+    for part in parts(cfg, run.ep):  # dist_optim_buckets.read_scalars: each optimizer's dp_group_idx_0 objects
         head = part.prefix + PREFIX.format(mp=0)
         entry, scaler = (_one(objects(head + name + "/")) for name in ("optimizer", "grad_scaler"))
         if entry is None:
