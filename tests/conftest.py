@@ -69,11 +69,46 @@ def count_tensor_reads(monkeypatch) -> list:
 
 
 def free_port() -> int:
-    """A TCP port nobody listens on now, for a torchrun rendezvous (fixed ports collide between runs)."""
+    """A TCP port nobody listens on now. Racy: another process may bind it before the one it is given to
+    does; launches under torchrun use torchrun_cmd (no port chosen here), and a launcher that must be
+    given a port goes through run_launch (one more try when the port was taken)."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def torchrun_cmd(nproc: int, *argv) -> list:
+    """The command running argv (a script and its arguments, or -m MODULE ...) under torch's torchrun
+    with nproc processes on this host. --standalone: torch 2.13's agent binds its rendezvous store and
+    the store it shares with the workers (their MASTER_PORT) on port 0, so the kernel picks the port
+    while binding it and no other launch can take it first (a port chosen beforehand, as free_port
+    does, was taken now and then by a parallel launch: EADDRINUSE)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+            *map(str, argv)]
+
+
+PORT_TAKEN = ("EADDRINUSE", "Address already in use")  # how torch's TCPStore says a bind failed
+
+
+def run_launch(cmd: list, *, tries: int = 2, **kw):
+    """subprocess.run(cmd, capture_output=True, text=True, **kw), run once more when it failed only
+    because a port chosen for it was taken meanwhile (launchers that must be given a port)."""
+    import subprocess
+    for _ in range(tries):
+        r = subprocess.run(cmd, capture_output=True, text=True, **kw)
+        if r.returncode == 0 or not any(s in r.stdout + r.stderr for s in PORT_TAKEN):
+            break
+    return r
+
+
+def run_torchrun(nproc: int, *argv, env: dict | None = None, timeout: float = 600, **kw):
+    """torchrun_cmd(nproc, *argv) run to its end: the CompletedProcess (stdout, stderr as text). env:
+    the whole environment (default: this one with PYTHONPATH=the repository and OMP_NUM_THREADS=1)."""
+    import subprocess
+    if env is None:
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run(torchrun_cmd(nproc, *argv), capture_output=True, text=True, env=env, timeout=timeout, **kw)
 
 
 # --- framework runs shared by the whole session -------------------------------------------------------
@@ -112,7 +147,6 @@ class FrameworkRuns:
         self.done: dict = {}  # (helper file name, nproc, job) -> stem
 
     def __call__(self, helper: Path, nproc: int, jobs: dict, timeout: int = 900) -> dict:
-        import subprocess
         keys = {name: (Path(helper).name, nproc, job) for name, job in jobs.items()}
         declared = [(h, n, job) for file, h, n, job in _DECLARED if file in _SELECTED]
         todo = {}
@@ -122,15 +156,9 @@ class FrameworkRuns:
         if todo:
             for stem in todo.values():
                 stem.parent.mkdir(parents=True)
-            run_env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-            for _ in range(2):  # a second try only when another process took the free port first
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-                       str(free_port()), str(helper), *(k[2].format(out=s) for k, s in todo.items())]
-                # the timeout asked for is one file's; a launch may hold the jobs of several
-                r = subprocess.run(cmd, capture_output=True, text=True, env=run_env,
-                                   timeout=timeout * max(1, len(todo) / max(1, len(keys))))
-                if r.returncode == 0 or "EADDRINUSE" not in r.stderr:
-                    break
+            # the timeout asked for is one file's; a launch may hold the jobs of several
+            r = run_torchrun(nproc, helper, *(k[2].format(out=s) for k, s in todo.items()),
+                             timeout=timeout * max(1, len(todo) / max(1, len(keys))))
             assert r.returncode == 0, f"{Path(helper).name} {[k[2] for k in todo]}: " + r.stdout[-3000:] + r.stderr[-6000:]
             self.done.update(todo)
         return {name: self.done[key] for name, key in keys.items()}
@@ -169,13 +197,10 @@ DS_UNIVERSAL_CASES = ["gpt2-1-bf16", "gpt2-2-bf16", "gpt2-3-bf16", "gpt2-1-fp32"
 
 def ds_torchrun(nproc: int, helper: str, *argv) -> None:
     """Run tests/HELPER under torchrun with DeepSpeed's CPU accelerator."""
-    import subprocess
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("the deepspeed package cannot be imported")
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(free_port()), str(ROOT / "tests" / helper), *argv]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    res = run_torchrun(nproc, ROOT / "tests" / helper, *argv, env=env, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
 

@@ -11,15 +11,13 @@ import importlib.util
 import json
 import os
 import pickle
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import copy_run, declare_runs, free_port
+from conftest import copy_run, declare_runs, run_torchrun
 from ckptool.config import GPTConfig, Layout
 from ckptool.convert import write_layout
 from ckptool.errors import CkptError
@@ -57,10 +55,7 @@ def run_cli(*args):
 
 
 def torchrun_helper(jobs, timeout=240, nproc=2):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()),
-           str(HELPER), *jobs]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
+    r = run_torchrun(nproc, HELPER, *jobs, env=_env(), timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
 
 

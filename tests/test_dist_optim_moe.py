@@ -19,15 +19,12 @@ weight without slots.
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import free_port
+from conftest import run_torchrun
 from test_dist_optim import _copy_with_args  # a copy of a save whose stored args say otherwise
 from ckptool.config import Layout
 from ckptool.convert import write_layout
@@ -64,10 +61,7 @@ LIVE_CHECKED = ("fr", "plain", "tp2", "dpr", "dpr_tp2", "dpr_etp1", "fsms", "dpr
 
 
 def torchrun(nproc: int, *jobs: str, timeout: int = 900) -> None:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), str(HELPER), *jobs]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    r = run_torchrun(nproc, HELPER, *jobs, timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import copy_run, declare_runs, free_port
+from conftest import copy_run, declare_runs, run_torchrun
 from ckptool.formats.registry import open_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,10 +38,7 @@ LOSS_TOL = 2e-3
 
 
 def torchrun(nproc: int, *jobs: str, timeout: int = 300) -> None:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), str(HELPER), *jobs]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    r = run_torchrun(nproc, HELPER, *jobs, timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
 
 
