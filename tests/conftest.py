@@ -88,16 +88,19 @@ def torchrun_cmd(nproc: int, *argv) -> list:
             *map(str, argv)]
 
 
-PORT_TAKEN = ("EADDRINUSE", "Address already in use")  # how torch's TCPStore says a bind failed
+PORT_TAKEN = ("eaddrinuse", "address already in use")  # how a failed bind is said (torch's TCPStore), lowered
+FREE_PORT = "<free port>"  # in run_launch's cmd: a port free_port() picks afresh for each try
 
 
 def run_launch(cmd: list, *, tries: int = 2, **kw):
-    """subprocess.run(cmd, capture_output=True, text=True, **kw), run once more when it failed only
-    because a port chosen for it was taken meanwhile (launchers that must be given a port)."""
+    """subprocess.run(cmd, capture_output=True, text=True, **kw) for launchers that must be given a port
+    (FREE_PORT in cmd: free_port()'s pick), run again with another port when it failed only because the
+    port was taken meanwhile."""
     import subprocess
     for _ in range(tries):
-        r = subprocess.run(cmd, capture_output=True, text=True, **kw)
-        if r.returncode == 0 or not any(s in r.stdout + r.stderr for s in PORT_TAKEN):
+        port = str(free_port())
+        r = subprocess.run([port if a == FREE_PORT else a for a in cmd], capture_output=True, text=True, **kw)
+        if r.returncode == 0 or not any(s in (r.stdout + r.stderr).lower() for s in PORT_TAKEN):
             break
     return r
 
@@ -131,8 +134,12 @@ def declare_runs(helper: Path, nproc: int, jobs: dict) -> dict:
     return jobs
 
 
+_SELECTED_FIXTURES: set = set()  # every fixture a selected test uses (directly or through another)
+
+
 def pytest_collection_finish(session):
     _SELECTED.update(str(Path(str(item.fspath)).resolve()) for item in session.items)
+    _SELECTED_FIXTURES.update(name for item in session.items for name in getattr(item, "fixturenames", ()))
 
 
 class FrameworkRuns:
@@ -186,8 +193,8 @@ def framework_runs(tmp_path_factory):
 
 # --- real DeepSpeed runs shared by the session ----------------------------------------------------------
 # Two helpers train tiny Hugging Face models with the real deepspeed package on CPU (2 ranks, gloo), every
-# case in one torchrun launch; test_deepspeed.py, test_ds_universal.py and test_quick_inspect.py read the
-# same saves (read only: a file that changes one copies it first).
+# case of both in one torchrun launch (DsSaves); test_deepspeed.py, test_ds_universal.py and
+# test_quick_inspect.py read the same saves (read only: a file that changes one copies it first).
 DS_TRAIN_CASES = ["gpt2-1-bf16", "gpt2-2-bf16", "gpt2-3-bf16", "gpt2-1-fp16", "gpt2-2-fp16", "gpt2-3-fp16",
                   "bert-3-bf16", "bert-2-fp16", "llama-3-bf16"]  # tests/ds_train_cases.py MODEL-STAGE-DTYPE
 # tests/ds_universal_cases.py: bf16opt runs BF16_Optimizer, 3s ZeRO-3 with small optimizer sub-groups
@@ -204,28 +211,56 @@ def ds_torchrun(nproc: int, helper: str, *argv) -> None:
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
 
-@pytest.fixture(scope="session")
-def ds_cases(tmp_path_factory):
-    """The folder holding DS_TRAIN_CASES: CASE/ckpt (the save, config.json beside it) and CASE/truth.pt."""
-    # CKPTOOL_DS_CASES=DIR keeps the cases between runs while developing (built there once).
-    keep = os.environ.get("CKPTOOL_DS_CASES")
-    if keep and all((Path(keep) / c / "truth.pt").is_file() for c in DS_TRAIN_CASES):
-        return Path(keep)
-    out = Path(keep) if keep else tmp_path_factory.mktemp("ds_cases")
-    out.mkdir(parents=True, exist_ok=True)
-    ds_torchrun(2, "ds_train_cases.py", str(out), *DS_TRAIN_CASES)
-    return out
+class DsSaves:
+    """The session's real DeepSpeed saves by kind: "train" (DS_TRAIN_CASES, tests/ds_train_cases.py) and
+    "universal" (DS_UNIVERSAL_CASES, tests/ds_universal_cases.py save), each CASE/ckpt and CASE/truth.pt.
+    The first kind asked for is made together with the other when this session's tests use both (its
+    fixture among the selected tests' fixtures): one torchrun launch, one start of torch, deepspeed and
+    transformers in each rank, for both."""
+    # kind -> (its fixture, the env var keeping its folder between runs, cases, ds_universal_cases.py mode)
+    KINDS = {"train": ("ds_cases", "CKPTOOL_DS_CASES", DS_TRAIN_CASES, "train"),
+             "universal": ("ds_universal_saves", "CKPTOOL_DS_UNIVERSAL", DS_UNIVERSAL_CASES, "save")}
+
+    def __init__(self, tmp_path_factory):
+        self.tmp_path_factory = tmp_path_factory
+        self.done: dict = {}
+
+    def __call__(self, kind: str) -> Path:
+        if kind not in self.done:
+            todo = [kind] + [k for k, (fixture, *_) in self.KINDS.items()
+                             if k != kind and k not in self.done and fixture in _SELECTED_FIXTURES]
+            groups: list = []
+            for k in todo:
+                fixture, var, cases, mode = self.KINDS[k]
+                keep = os.environ.get(var)  # a folder kept between runs while developing (made there once)
+                if keep and all((Path(keep) / c / "truth.pt").is_file() for c in cases):
+                    self.done[k] = Path(keep)
+                    continue
+                out = Path(keep) if keep else self.tmp_path_factory.mktemp(fixture)
+                out.mkdir(parents=True, exist_ok=True)
+                groups += ["then", mode, str(out), *cases]
+                self.done[k] = out
+            if groups:
+                ds_torchrun(2, "ds_universal_cases.py", *groups[1:])
+        return self.done[kind]
 
 
 @pytest.fixture(scope="session")
-def ds_universal_saves(tmp_path_factory):
-    """The folder holding DS_UNIVERSAL_CASES saved at DP 2: CASE/ckpt and CASE/truth.pt."""
-    # CKPTOOL_DS_UNIVERSAL=DIR keeps the saves between runs while developing (for the readers of the saves:
-    # test_ds_universal.py converts into CASE/universal, so it wants a fresh DIR each time)
-    keep = os.environ.get("CKPTOOL_DS_UNIVERSAL")
-    if keep and all((Path(keep) / c / "truth.pt").is_file() for c in DS_UNIVERSAL_CASES):
-        return Path(keep)
-    out = Path(keep) if keep else tmp_path_factory.mktemp("ds_universal")
-    out.mkdir(parents=True, exist_ok=True)
-    ds_torchrun(2, "ds_universal_cases.py", "save", str(out), *DS_UNIVERSAL_CASES)
-    return out
+def ds_saves(tmp_path_factory):
+    """The session's DsSaves (see there)."""
+    return DsSaves(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def ds_cases(ds_saves):
+    """The folder holding DS_TRAIN_CASES: CASE/ckpt (the save, config.json beside it) and CASE/truth.pt.
+    CKPTOOL_DS_CASES=DIR keeps the cases between runs while developing (built there once)."""
+    return ds_saves("train")
+
+
+@pytest.fixture(scope="session")
+def ds_universal_saves(ds_saves):
+    """The folder holding DS_UNIVERSAL_CASES saved at DP 2: CASE/ckpt and CASE/truth.pt.
+    CKPTOOL_DS_UNIVERSAL=DIR keeps the saves between runs while developing (for the readers of the saves:
+    test_ds_universal.py converts into CASE/universal, so it wants a fresh DIR each time)."""
+    return ds_saves("universal")

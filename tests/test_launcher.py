@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, run_launch
+from conftest import FREE_PORT, run_launch
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "fixtures" / "gpt2_mcore_tp2pp2" / "checkpoint"
@@ -66,7 +66,7 @@ def test_a_team_of_three_writes_what_one_process_writes(tmp_path):
     r = subprocess.run([sys.executable, "-m", "ckptool", args[0], args[1], str(one), *args[2:]],
                        capture_output=True, text=True, env=_env(), timeout=300)
     assert r.returncode == 0, r.stderr
-    r = run_launch([sys.executable, "-c", LAUNCH, "--nproc-per-node", "3", "--master-port", str(free_port()),
+    r = run_launch([sys.executable, "-c", LAUNCH, "--nproc-per-node", "3", "--master-port", FREE_PORT,
                     args[0], args[1], str(team), *args[2:]], env=_env(), timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert r.stdout.count("reshard:") == 1  # rank 0 reports for the team
@@ -79,7 +79,7 @@ def test_a_failing_team_ends_with_the_ranks_status_through_either_path(tmp_path)
     """Bad input: the direct launch and torchrun's (CKPTOOL_LAUNCHER=torchrun) end alike."""
     for how in ("", "torchrun"):
         r = run_launch([sys.executable, "-m", "ckptool.torchrun", "--nproc-per-node", "2", "--master-port",
-                        str(free_port()), "merge", str(tmp_path / "missing"), str(tmp_path / "out")],
+                        FREE_PORT, "merge", str(tmp_path / "missing"), str(tmp_path / "out")],
                        env=_env(CKPTOOL_LAUNCHER=how), timeout=300)
         assert r.returncode == 2, (how, r.stderr[-3000:])
         lines = r.stderr.strip().splitlines()
@@ -113,7 +113,7 @@ def test_a_team_reads_each_source_byte_once_in_all(tmp_path):
                          capture_output=True, text=True, env=env, timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
     team = run_launch([sys.executable, "-m", "ckptool.torchrun", "--nproc-per-node", "2", "--master-port",
-                       str(free_port()), "reshard", str(src), str(tmp_path / "team"), "--tp", "4"], env=env, timeout=300)
+                       FREE_PORT, "reshard", str(src), str(tmp_path / "team"), "--tp", "4"], env=env, timeout=300)
     assert team.returncode == 0, team.stderr[-2000:]
     assert _digests(tmp_path / "team") == _digests(tmp_path / "one")
     from ckptool.io.torchfile import TorchArchive
