@@ -109,9 +109,17 @@ def run_torchrun(nproc: int, *argv, env: dict | None = None, timeout: float = 60
     """torchrun_cmd(nproc, *argv) run to its end: the CompletedProcess (stdout, stderr as text). env:
     the whole environment (default: this one with PYTHONPATH=the repository and OMP_NUM_THREADS=1)."""
     import subprocess
+    import time
     if env is None:
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run(torchrun_cmd(nproc, *argv), capture_output=True, text=True, env=env, timeout=timeout, **kw)
+    start = time.monotonic()
+    r = subprocess.run(torchrun_cmd(nproc, *argv), capture_output=True, text=True, env=env, timeout=timeout, **kw)
+    log = os.environ.get("CKPTOOL_TEST_LAUNCH_LOG")  # FILE: a line per launch, to see where the suite's time goes
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{time.monotonic() - start:.1f}s nproc={nproc} jobs={len(argv) - 1} "
+                    f"{os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]} {Path(str(argv[0])).name}\n")
+    return r
 
 
 # --- framework runs shared by the whole session -------------------------------------------------------
