@@ -390,7 +390,7 @@ def tiny_checkpoint(**kw) -> Checkpoint:
                     padded_vocab_size=128, vocab_size=100, max_position_embeddings=16, activation="swiglu",
                     normalization="rmsnorm", position_embedding="rope", add_bias_linear=False,
                     add_qkv_bias=False, tied_embeddings=False, make_vocab_size_divisible_by=64, **kw)
-    h, hd = cfg.hidden_size, cfg.head_dim
+    h = cfg.hidden_size
     g = torch.Generator().manual_seed(0)
 
     def shape(name):

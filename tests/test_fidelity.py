@@ -24,7 +24,6 @@ from click.testing import CliRunner
 
 from ckptool.cli import main
 from ckptool.formats.registry import open_checkpoint
-from ckptool.options import ReadOptions
 from ckptool.verify.reference import forward
 
 REPO = Path(__file__).resolve().parents[1]
