@@ -69,11 +69,57 @@ def count_tensor_reads(monkeypatch) -> list:
 
 
 def free_port() -> int:
-    """A TCP port nobody listens on now, for a torchrun rendezvous (fixed ports collide between runs)."""
+    """A TCP port nobody listens on now. Racy: another process may bind it before the one it is given to
+    does; launches under torchrun use torchrun_cmd (no port chosen here), and a launcher that must be
+    given a port goes through run_launch (one more try when the port was taken)."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def torchrun_cmd(nproc: int, *argv) -> list:
+    """The command running argv (a script and its arguments, or -m MODULE ...) under torch's torchrun
+    with nproc processes on this host. --standalone: torch 2.13's agent binds its rendezvous store and
+    the store it shares with the workers (their MASTER_PORT) on port 0, so the kernel picks the port
+    while binding it and no other launch can take it first (a port chosen beforehand, as free_port
+    does, was taken now and then by a parallel launch: EADDRINUSE)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+            *map(str, argv)]
+
+
+PORT_TAKEN = ("eaddrinuse", "address already in use")  # how a failed bind is said (torch's TCPStore), lowered
+FREE_PORT = "<free port>"  # in run_launch's cmd: a port free_port() picks afresh for each try
+
+
+def run_launch(cmd: list, *, tries: int = 2, **kw):
+    """subprocess.run(cmd, capture_output=True, text=True, **kw) for launchers that must be given a port
+    (FREE_PORT in cmd: free_port()'s pick), run again with another port when it failed only because the
+    port was taken meanwhile."""
+    import subprocess
+    for _ in range(tries):
+        port = str(free_port())
+        r = subprocess.run([port if a == FREE_PORT else a for a in cmd], capture_output=True, text=True, **kw)
+        if r.returncode == 0 or not any(s in (r.stdout + r.stderr).lower() for s in PORT_TAKEN):
+            break
+    return r
+
+
+def run_torchrun(nproc: int, *argv, env: dict | None = None, timeout: float = 600, **kw):
+    """torchrun_cmd(nproc, *argv) run to its end: the CompletedProcess (stdout, stderr as text). env:
+    the whole environment (default: this one with PYTHONPATH=the repository and OMP_NUM_THREADS=1)."""
+    import subprocess
+    import time
+    if env is None:
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    start = time.monotonic()
+    r = subprocess.run(torchrun_cmd(nproc, *argv), capture_output=True, text=True, env=env, timeout=timeout, **kw)
+    log = os.environ.get("CKPTOOL_TEST_LAUNCH_LOG")  # FILE: a line per launch, to see where the suite's time goes
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{time.monotonic() - start:.1f}s nproc={nproc} jobs={len(argv) - 1} "
+                    f"{os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]} {Path(str(argv[0])).name}\n")
+    return r
 
 
 # --- framework runs shared by the whole session -------------------------------------------------------
@@ -96,8 +142,12 @@ def declare_runs(helper: Path, nproc: int, jobs: dict) -> dict:
     return jobs
 
 
+_SELECTED_FIXTURES: set = set()  # every fixture a selected test uses (directly or through another)
+
+
 def pytest_collection_finish(session):
     _SELECTED.update(str(Path(str(item.fspath)).resolve()) for item in session.items)
+    _SELECTED_FIXTURES.update(name for item in session.items for name in getattr(item, "fixturenames", ()))
 
 
 class FrameworkRuns:
@@ -112,7 +162,6 @@ class FrameworkRuns:
         self.done: dict = {}  # (helper file name, nproc, job) -> stem
 
     def __call__(self, helper: Path, nproc: int, jobs: dict, timeout: int = 900) -> dict:
-        import subprocess
         keys = {name: (Path(helper).name, nproc, job) for name, job in jobs.items()}
         declared = [(h, n, job) for file, h, n, job in _DECLARED if file in _SELECTED]
         todo = {}
@@ -122,15 +171,9 @@ class FrameworkRuns:
         if todo:
             for stem in todo.values():
                 stem.parent.mkdir(parents=True)
-            run_env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-            for _ in range(2):  # a second try only when another process took the free port first
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-                       str(free_port()), str(helper), *(k[2].format(out=s) for k, s in todo.items())]
-                # the timeout asked for is one file's; a launch may hold the jobs of several
-                r = subprocess.run(cmd, capture_output=True, text=True, env=run_env,
-                                   timeout=timeout * max(1, len(todo) / max(1, len(keys))))
-                if r.returncode == 0 or "EADDRINUSE" not in r.stderr:
-                    break
+            # the timeout asked for is one file's; a launch may hold the jobs of several
+            r = run_torchrun(nproc, helper, *(k[2].format(out=s) for k, s in todo.items()),
+                             timeout=timeout * max(1, len(todo) / max(1, len(keys))))
             assert r.returncode == 0, f"{Path(helper).name} {[k[2] for k in todo]}: " + r.stdout[-3000:] + r.stderr[-6000:]
             self.done.update(todo)
         return {name: self.done[key] for name, key in keys.items()}
@@ -158,8 +201,8 @@ def framework_runs(tmp_path_factory):
 
 # --- real DeepSpeed runs shared by the session ----------------------------------------------------------
 # Two helpers train tiny Hugging Face models with the real deepspeed package on CPU (2 ranks, gloo), every
-# case in one torchrun launch; test_deepspeed.py, test_ds_universal.py and test_quick_inspect.py read the
-# same saves (read only: a file that changes one copies it first).
+# case of both in one torchrun launch (DsSaves); test_deepspeed.py, test_ds_universal.py and
+# test_quick_inspect.py read the same saves (read only: a file that changes one copies it first).
 DS_TRAIN_CASES = ["gpt2-1-bf16", "gpt2-2-bf16", "gpt2-3-bf16", "gpt2-1-fp16", "gpt2-2-fp16", "gpt2-3-fp16",
                   "bert-3-bf16", "bert-2-fp16", "llama-3-bf16"]  # tests/ds_train_cases.py MODEL-STAGE-DTYPE
 # tests/ds_universal_cases.py: bf16opt runs BF16_Optimizer, 3s ZeRO-3 with small optimizer sub-groups
@@ -169,38 +212,63 @@ DS_UNIVERSAL_CASES = ["gpt2-1-bf16", "gpt2-2-bf16", "gpt2-3-bf16", "gpt2-1-fp32"
 
 def ds_torchrun(nproc: int, helper: str, *argv) -> None:
     """Run tests/HELPER under torchrun with DeepSpeed's CPU accelerator."""
-    import subprocess
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("the deepspeed package cannot be imported")
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(free_port()), str(ROOT / "tests" / helper), *argv]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    res = run_torchrun(nproc, ROOT / "tests" / helper, *argv, env=env, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
 
-@pytest.fixture(scope="session")
-def ds_cases(tmp_path_factory):
-    """The folder holding DS_TRAIN_CASES: CASE/ckpt (the save, config.json beside it) and CASE/truth.pt."""
-    # CKPTOOL_DS_CASES=DIR keeps the cases between runs while developing (built there once).
-    keep = os.environ.get("CKPTOOL_DS_CASES")
-    if keep and all((Path(keep) / c / "truth.pt").is_file() for c in DS_TRAIN_CASES):
-        return Path(keep)
-    out = Path(keep) if keep else tmp_path_factory.mktemp("ds_cases")
-    out.mkdir(parents=True, exist_ok=True)
-    ds_torchrun(2, "ds_train_cases.py", str(out), *DS_TRAIN_CASES)
-    return out
+class DsSaves:
+    """The session's real DeepSpeed saves by kind: "train" (DS_TRAIN_CASES, tests/ds_train_cases.py) and
+    "universal" (DS_UNIVERSAL_CASES, tests/ds_universal_cases.py save), each CASE/ckpt and CASE/truth.pt.
+    The first kind asked for is made together with the other when this session's tests use both (its
+    fixture among the selected tests' fixtures): one torchrun launch, one start of torch, deepspeed and
+    transformers in each rank, for both."""
+    # kind -> (its fixture, the env var keeping its folder between runs, cases, ds_universal_cases.py mode)
+    KINDS = {"train": ("ds_cases", "CKPTOOL_DS_CASES", DS_TRAIN_CASES, "train"),
+             "universal": ("ds_universal_saves", "CKPTOOL_DS_UNIVERSAL", DS_UNIVERSAL_CASES, "save")}
+
+    def __init__(self, tmp_path_factory):
+        self.tmp_path_factory = tmp_path_factory
+        self.done: dict = {}
+
+    def __call__(self, kind: str) -> Path:
+        if kind not in self.done:
+            todo = [kind] + [k for k, (fixture, *_) in self.KINDS.items()
+                             if k != kind and k not in self.done and fixture in _SELECTED_FIXTURES]
+            groups: list = []
+            for k in todo:
+                fixture, var, cases, mode = self.KINDS[k]
+                keep = os.environ.get(var)  # a folder kept between runs while developing (made there once)
+                if keep and all((Path(keep) / c / "truth.pt").is_file() for c in cases):
+                    self.done[k] = Path(keep)
+                    continue
+                out = Path(keep) if keep else self.tmp_path_factory.mktemp(fixture)
+                out.mkdir(parents=True, exist_ok=True)
+                groups += ["then", mode, str(out), *cases]
+                self.done[k] = out
+            if groups:
+                ds_torchrun(2, "ds_universal_cases.py", *groups[1:])
+        return self.done[kind]
 
 
 @pytest.fixture(scope="session")
-def ds_universal_saves(tmp_path_factory):
-    """The folder holding DS_UNIVERSAL_CASES saved at DP 2: CASE/ckpt and CASE/truth.pt."""
-    # CKPTOOL_DS_UNIVERSAL=DIR keeps the saves between runs while developing (for the readers of the saves:
-    # test_ds_universal.py converts into CASE/universal, so it wants a fresh DIR each time)
-    keep = os.environ.get("CKPTOOL_DS_UNIVERSAL")
-    if keep and all((Path(keep) / c / "truth.pt").is_file() for c in DS_UNIVERSAL_CASES):
-        return Path(keep)
-    out = Path(keep) if keep else tmp_path_factory.mktemp("ds_universal")
-    out.mkdir(parents=True, exist_ok=True)
-    ds_torchrun(2, "ds_universal_cases.py", "save", str(out), *DS_UNIVERSAL_CASES)
-    return out
+def ds_saves(tmp_path_factory):
+    """The session's DsSaves (see there)."""
+    return DsSaves(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def ds_cases(ds_saves):
+    """The folder holding DS_TRAIN_CASES: CASE/ckpt (the save, config.json beside it) and CASE/truth.pt.
+    CKPTOOL_DS_CASES=DIR keeps the cases between runs while developing (built there once)."""
+    return ds_saves("train")
+
+
+@pytest.fixture(scope="session")
+def ds_universal_saves(ds_saves):
+    """The folder holding DS_UNIVERSAL_CASES saved at DP 2: CASE/ckpt and CASE/truth.pt.
+    CKPTOOL_DS_UNIVERSAL=DIR keeps the saves between runs while developing (for the readers of the saves:
+    test_ds_universal.py converts into CASE/universal, so it wants a fresh DIR each time)."""
+    return ds_saves("universal")

@@ -2,8 +2,9 @@
 
 Usage: DS_ACCELERATOR=cpu torchrun --nproc-per-node 2 tests/ds_train_cases.py OUT_DIR CASE [CASE ...]
 A case is MODEL-STAGE-DTYPE, e.g. gpt2-3-bf16 or bert-3-fp16. All cases run in one launch so the
-DeepSpeed import and process-group start are paid once. For each case OUT_DIR/CASE/ gets the
-checkpoint (ckpt/global_step2/...), the HF config (ckpt/config.json) and, from the live engine,
+DeepSpeed import and process-group start are paid once (tests/conftest.py runs these cases through
+ds_universal_cases.py's train mode, in the launch that makes the ds-universal saves too). For each
+case OUT_DIR/CASE/ gets the checkpoint (ckpt/global_step2/...), the HF config (ckpt/config.json) and, from the live engine,
 truth.pt = {name: fp32 master (safe_get_full_fp32_param), or the 16-bit value for frozen params}.
 """
 import os

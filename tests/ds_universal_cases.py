@@ -9,9 +9,12 @@
         OUT/CASE/universal, compares the same values with truth.pt and runs one more training step;
         rank 0 writes OUT/CASE/load_dpN.json: {"mismatch": [...], "compared": n, "step": ..., "moved": bool}.
         CASE:STAGE loads into an engine of ZeRO stage STAGE instead (OUT/CASE/load_dpN_zSTAGE.json).
+  train: DS_ACCELERATOR=cpu torchrun --nproc-per-node N tests/ds_universal_cases.py train OUT CASE...
+        tests/ds_train_cases.py's cases (its run_case), for a launch that makes both kinds of saves.
 A CASE is MODEL-STAGE-DTYPE with STAGE 1, 2, 3 or 3s (ZeRO-3 with small optimizer sub-groups) and
 DTYPE bf16, fp16, fp32 or bf16opt (bf16 with fp32 gradient accumulation,
-which at stage 1 runs DeepSpeed's BF16_Optimizer), e.g. gpt2-3-bf16. All cases share one launch.
+which at stage 1 runs DeepSpeed's BF16_Optimizer), e.g. gpt2-3-bf16. All cases share one launch; so do
+several groups `MODE OUT CASE...` joined by `then` (one start of torch, deepspeed and transformers).
 """
 import json
 import os
@@ -22,7 +25,7 @@ import deepspeed
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ds_train_cases import allow_cpu_fp16, build, skip_shm_build  # noqa: E402
+from ds_train_cases import allow_cpu_fp16, build, run_case, skip_shm_build  # noqa: E402
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -126,9 +129,16 @@ def main():
     allow_cpu_fp16()
     skip_shm_build()
     deepspeed.init_distributed(dist_backend="gloo")
-    mode, out_dir, cases = sys.argv[1], sys.argv[2], sys.argv[3:]
-    for case in cases:
-        (save_case if mode == "save" else load_case)(out_dir, case)
+    run = {"save": save_case, "load": load_case, "train": run_case}
+    group: list = []
+    for arg in sys.argv[1:] + ["then"]:
+        if arg != "then":
+            group.append(arg)
+            continue
+        mode, out_dir, *cases = group
+        for case in cases:
+            run[mode](out_dir, case)
+        group = []
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

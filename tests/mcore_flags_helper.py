@@ -26,7 +26,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron.core import parallel_state, tensor_parallel
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mcore_eager import import_megatron_core_eager  # noqa: E402
+import_megatron_core_eager()  # before megatron.core: its fused kernels uncompiled, a faster start
+from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.activations import squared_relu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

@@ -25,7 +25,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron.core import dist_checkpointing, parallel_state
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mcore_eager import import_megatron_core_eager  # noqa: E402
+import_megatron_core_eager()  # before megatron.core: its fused kernels uncompiled, a faster start
+from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.transformer.moe.moe_layer import MoELayer

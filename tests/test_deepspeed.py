@@ -12,14 +12,12 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import DS_TRAIN_CASES, count_tensor_reads
+from conftest import DS_TRAIN_CASES, count_tensor_reads, run_torchrun
 from ckptool.errors import CkptError
 from ckptool.formats import deepspeed as ds
 from ckptool.formats.registry import detect_format, open_checkpoint
@@ -765,9 +763,8 @@ def test_parallel_verify_under_torchrun_against_the_mds_checkpoint(tmp_path):
     assert res.exit_code == 0, res.output
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ckptool",
-           "verify", str(tmp_path / "tp2"), "--reference", str(src), "--weights", "model", "--seq-len", "8"]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    r = run_torchrun(2, "-m", "ckptool", "verify", tmp_path / "tp2", "--reference", src, "--weights", "model",
+                     "--seq-len", "8", env=env, cwd=REPO, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "TP2 PP1, 2 processes" in r.stdout and "result=PASS" in r.stdout
 

@@ -12,13 +12,12 @@ import json
 import os
 import pickle
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import copy_run, declare_runs, free_port
+from conftest import copy_run, declare_runs, run_torchrun
 from ckptool.config import GPTConfig, Layout
 from ckptool.convert import write_layout
 from ckptool.errors import CkptError
@@ -56,10 +55,7 @@ def run_cli(*args):
 
 
 def torchrun_helper(jobs, timeout=240, nproc=2):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()),
-           str(HELPER), *jobs]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
+    r = run_torchrun(nproc, HELPER, *jobs, env=_env(), timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
 
 
@@ -172,15 +168,25 @@ def test_round_trip_through_torch_tp2_pp2_is_bit_exact(mcore, ours, arch):
 
 
 @pytest.fixture(scope="module")
-def mcore_loads(ours, tmp_path_factory):
-    """megatron-core's dist_checkpointing.load of ckptool's torch_dist output (written for TP2 llama /
-    TP1 gpt2) at another TP, and at TP1 PP2: one torchrun start for all."""
+def mcore_two_process_loads(mcore, ours, tmp_path_factory):
+    """Every 2-process load of ckptool's outputs by megatron-core in one torchrun start (importing
+    megatron-core is the slow part): {"dist": mcore_loads' folder, "torch": mcore_torch_loads'}."""
     out = tmp_path_factory.mktemp("mcore_loads")
-    torchrun_helper([f"load {ours}/llama_dist --tp 1 --arch llama --out {out}/llama.pt",
-                     f"load {ours}/gpt2_dist --tp 2 --arch gpt2 --out {out}/gpt2.pt",
-                     f"load {ours}/llama_dist --tp 1 --pp 2 --arch llama --out {out}/llama_pp2.pt",
-                     f"load {ours}/gpt2_dist --tp 1 --pp 2 --arch gpt2 --out {out}/gpt2_pp2.pt"])
-    return out
+    jobs = [f"load {ours}/llama_dist --tp 1 --arch llama --out {out}/llama.pt",
+            f"load {ours}/gpt2_dist --tp 2 --arch gpt2 --out {out}/gpt2.pt",
+            f"load {ours}/llama_dist --tp 1 --pp 2 --arch llama --out {out}/llama_pp2.pt",
+            f"load {ours}/gpt2_dist --tp 1 --pp 2 --arch gpt2 --out {out}/gpt2_pp2.pt"]
+    root = tmp_path_factory.mktemp("mcore_torch")
+    jobs += _torch_format_load_jobs(mcore, root)
+    torchrun_helper(jobs)
+    return {"dist": out, "torch": root}
+
+
+@pytest.fixture(scope="module")
+def mcore_loads(mcore_two_process_loads):
+    """megatron-core's dist_checkpointing.load of ckptool's torch_dist output (written for TP2 llama /
+    TP1 gpt2) at another TP, and at TP1 PP2."""
+    return mcore_two_process_loads["dist"]
 
 
 @needs_mcore
@@ -240,14 +246,8 @@ def test_megatron_core_loads_our_torch_dist_at_pp2(mcore, ours, mcore_loads, arc
 TORCH_FORMAT_LOADS = (("llama", 2, 1), ("gpt2", 2, 1), ("llama", 1, 2), ("gpt2", 1, 2))
 
 
-@pytest.fixture(scope="module")
-def mcore_torch_loads(mcore, tmp_path_factory):
-    """`ckptool reshard --format torch` of megatron-core's own torch_dist saves (llama saved at TP2,
-    gpt2 at TP1), at TP2 and at TP1 PP2 (llama split 2+1, as megatron-core splits 3 layers), each
-    loaded by megatron-core under torchrun through the helper's load-torch mode: Megatron-LM's
-    load_checkpoint steps for the torch format (tracker, this rank's file, check_checkpoint_args,
-    load_state_dict strict)."""
-    root = tmp_path_factory.mktemp("mcore_torch")
+def _torch_format_load_jobs(mcore, root):
+    """The helper's load-torch jobs of mcore_torch_loads, their inputs written into root first."""
     jobs = []
     for arch, tp, pp in TORCH_FORMAT_LOADS:
         out = root / f"{arch}_tp{tp}pp{pp}"
@@ -255,8 +255,17 @@ def mcore_torch_loads(mcore, tmp_path_factory):
         r = run_cli("reshard", mcore / arch, out, "--tp", tp, "--pp", pp, "--format", "torch", *split)
         assert r.returncode == 0, r.stderr
         jobs.append(f"load-torch {out} --tp {tp} --pp {pp} --arch {arch} --out {root}/{out.name}.pt")
-    torchrun_helper(jobs)
-    return root
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def mcore_torch_loads(mcore_two_process_loads):
+    """`ckptool reshard --format torch` of megatron-core's own torch_dist saves (llama saved at TP2,
+    gpt2 at TP1), at TP2 and at TP1 PP2 (llama split 2+1, as megatron-core splits 3 layers), each
+    loaded by megatron-core under torchrun through the helper's load-torch mode: Megatron-LM's
+    load_checkpoint steps for the torch format (tracker, this rank's file, check_checkpoint_args,
+    load_state_dict strict). Run in mcore_two_process_loads' launch."""
+    return mcore_two_process_loads["torch"]
 
 
 @needs_mcore

@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import copy_run, declare_runs, free_port, real_checkpoint
+from conftest import copy_run, declare_runs, real_checkpoint, run_torchrun
 from ckptool.config import Layout
 from ckptool.convert import write_layout
 from ckptool.errors import CkptError
@@ -46,10 +44,7 @@ TORCH_CASES = ["mlm_mcore_gpt2_torch_tp2pp2", "mlm_legacy_gpt2_torch_tp2pp2"]
 
 
 def torchrun(*jobs: str, timeout: int = 600) -> None:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(free_port()), str(HELPER), *jobs]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    r = run_torchrun(2, HELPER, *jobs, timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
 
 

@@ -19,15 +19,12 @@ weight without slots.
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import free_port
+from conftest import copy_run, declare_runs, run_torchrun
 from test_dist_optim import _copy_with_args  # a copy of a save whose stored args say otherwise
 from ckptool.config import Layout
 from ckptool.convert import write_layout
@@ -64,10 +61,7 @@ LIVE_CHECKED = ("fr", "plain", "tp2", "dpr", "dpr_tp2", "dpr_etp1", "fsms", "dpr
 
 
 def torchrun(nproc: int, *jobs: str, timeout: int = 900) -> None:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), str(HELPER), *jobs]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    r = run_torchrun(nproc, HELPER, *jobs, timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
 
 
@@ -75,12 +69,19 @@ def _next(path: Path):
     return torch.load(str(path) + ".losses")["next"]
 
 
+# the saves as session framework runs (conftest.declare_runs): the 2-process ones join the launch of
+# test_dist_optim.py's and test_dist_optim_groups.py's saves (the same helper), one start instead of two
+SAVE_JOBS = {nproc: declare_runs(HELPER, nproc, {name: f"moe-save {{out}} {how} {BF16} --out {{out}}.pt"
+                                                 for name, (how, n) in SAVES.items() if n == nproc})
+             for nproc in (2, 4)}
+
+
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+def saved(tmp_path_factory, framework_runs):
     d = tmp_path_factory.mktemp("dist_moe")
-    for nproc in (2, 4):
-        torchrun(nproc, *(f"moe-save {d}/{name} {how} {BF16} --out {d}/{name}.pt"
-                          for name, (how, n) in SAVES.items() if n == nproc))
+    for nproc, jobs in SAVE_JOBS.items():
+        for name, stem in framework_runs(HELPER, nproc, jobs).items():
+            copy_run(stem, d / name)
     return d
 
 
@@ -119,11 +120,18 @@ def resumed(saved):
              f"moe-resume {d}/fsms_ep1 --tp 1 --ep 1 --form fully_reshardable {BF16} --out {d}/r_fsms_ep1.pt",
              # (bias_dpr_ep1 is the same fully_reshardable output: read back, not resumed again)
              f"moe-resume {d}/bias_fr_ep1 --tp 1 --ep 1 --form fully_reshardable --moe-arch biased {BF16} "
+<<<<<<< HEAD
              f"--out {d}/r_bias_fr_ep1.pt",
              f"moe-resume {d}/bias_fr_tp2 --tp 2 --ep 1 --form fully_reshardable --moe-arch biased {BF16} "
              f"--out {d}/r_bias_fr_tp2.pt")
     # the torch-format output, resumed as Megatron-LM's torch format loads (mcore_moe_helper.py resume)
     test_moe_megatron.torchrun([f"resume {d}/torch_ep1 --tp 1 --ep 1 {BF16} --out {d}/r_torch_ep1.pt"])
+=======
+             f"--out {d}/r_bias_fr_ep1.pt")
+    # the torch-format output, resumed as Megatron-LM's torch format loads (mcore_moe_helper.py resume), on
+    # the source run's 2 processes as the torch_dist resumes above (DP 2 at EP 1)
+    test_moe_megatron.torchrun([f"resume {d}/torch_ep1 --tp 1 --ep 1 {BF16} --out {d}/r_torch_ep1.pt"], nproc=2)
+>>>>>>> s9-suite
     return d
 
 

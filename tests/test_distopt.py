@@ -115,11 +115,30 @@ def runs(tmp_path_factory, framework_runs):
     out = ckptool("reshard", d / "a", d / "c1", "--tp", "1", DIST, "--dp", "2").stdout
     assert "distrib_optim.pt files for DP 2" in out
     ckptool("reshard", d / "a", d / "e2", "--tp", "2", DIST, "--dp", "1")
+    # test_bucketed_target_resumes_in_megatron_core's runs: ckptool's bucketed file resumed, and a bucketed
+    # megatron-core run of its own (in this launch: one start of megatron-core for both tests)
+    size = bucket_size(d / "a")[0]
+    ckptool("reshard", d / "a", d / "ob", "--tp", "1", DIST, "--dp", "2", "--overlap-grad-reduce",
+            "--ddp-bucket-size", str(size))
     torchrun(2, f"resume {d}/b2 --tp 2 --more {MORE} --out {d}/b2.pt",
              f"resume {d}/w2 --tp 2 --more {MORE} --out {d}/w2.pt --weights-only",
              f"resume {d}/c1 --tp 1 --dp 2 {DIST} --more {MORE} --out {d}/c1.pt",
-             f"resume {d}/e2 --tp 2 --dp 1 {DIST} --more {MORE} --out {d}/e2.pt")
+             f"resume {d}/e2 --tp 2 --dp 1 {DIST} --more {MORE} --out {d}/e2.pt",
+             f"train {d}/o --tp 1 --dp 2 {DIST} --ddp-bucket-size {size} --steps {STEPS} --more 0 --out {d}/o.pt",
+             f"resume {d}/ob --tp 1 --dp 2 {DIST} --ddp-bucket-size {size} --more {MORE} --out {d}/ob.pt")
     return d
+
+
+def bucket_size(run: Path) -> tuple:
+    """(bucket size, parameter sizes, unbucketed numel_unpadded) for the bucketed tests of the TP1 DP2 run:
+    a bucket size that moves parameters (a bucket ending off the 64-element alignment): the tiny model's
+    sizes are mostly multiples of 64, where the coalesced form would not show the buckets."""
+    model = torch.load(run / "iter_0000003/mp_rank_00/model_optim_rng.pt", weights_only=False)["model"]
+    numels = [p.numel() for k, p in model.items() if isinstance(p, torch.Tensor) and not k.endswith("_extra_state")]
+    unbucketed = D.buffer_layout(numels, [False] * len(numels), D.CURRENT, 2, None).numel_unpadded
+    size = next(b for b in range(1000, 10000, 100)
+                if D.buffer_layout(numels, [False] * len(numels), D.CURRENT, 2, b).numel_unpadded != unbucketed)
+    return size, numels, unbucketed
 
 
 def test_reader_equals_the_live_optimizer(runs):
@@ -367,31 +386,24 @@ def test_bucketed_target_resumes_in_megatron_core(runs, tmp_path):
     megatron-core 2024-02..03 is written and read back bit for bit too."""
     d = tmp_path
     rank = "iter_0000003/mp_rank_00"
-    model = torch.load(runs / "a" / rank / "model_optim_rng.pt", weights_only=False)["model"]
-    numels = [p.numel() for k, p in model.items() if isinstance(p, torch.Tensor) and not k.endswith("_extra_state")]
-    unbucketed = D.buffer_layout(numels, [False] * len(numels), D.CURRENT, 2, None).numel_unpadded
-    # a bucket size that moves parameters (a bucket ending off the 64-element alignment): the tiny
-    # model's sizes are mostly multiples of 64, where the coalesced form would not show the buckets
-    size = next(b for b in range(1000, 10000, 100)
-                if D.buffer_layout(numels, [False] * len(numels), D.CURRENT, 2, b).numel_unpadded != unbucketed)
+    size, numels, unbucketed = bucket_size(runs / "a")
     layout = D.buffer_layout(numels, [False] * len(numels), D.CURRENT, 2, size)
     assert len(layout.bucket_unpadded) >= 2
     bucket = ["--overlap-grad-reduce", "--ddp-bucket-size", str(size)]
-    ckptool("reshard", runs / "a", d / "ob", "--tp", "1", DIST, "--dp", "2", *bucket)
-    ours = torch.load(d / "ob" / rank / D.FILE, weights_only=False)
+    # runs/ob: `ckptool reshard runs/a --tp 1 --distributed-optimizer --dp 2 *bucket` (the runs fixture,
+    # which also resumed it and ran megatron-core's own bucketed run runs/o)
+    ours = torch.load(runs / "ob" / rank / D.FILE, weights_only=False)
     src = torch.load(runs / "a" / rank / D.FILE, weights_only=False)
-    args = torch.load(d / "ob" / rank / "model_optim_rng.pt", weights_only=False)["args"]
+    args = torch.load(runs / "ob" / rank / "model_optim_rng.pt", weights_only=False)["args"]
     assert args.overlap_grad_reduce is True and args.ddp_bucket_size == size
     assert next(iter(ours[0].values()))["numel_unpadded"] == layout.numel_unpadded != unbucketed
-    torchrun(2, f"train {d}/o --tp 1 --dp 2 {DIST} --ddp-bucket-size {size} --steps {STEPS} --more 0 --out {d}/o.pt",
-             f"resume {d}/ob --tp 1 --dp 2 {DIST} --ddp-bucket-size {size} --more {MORE} --out {d}/ob.pt")
     went_on = losses(runs / "a.pt")[STEPS:]
-    assert torch.equal(losses(d / "ob.pt"), went_on)
-    assert weight_gap(runs / "a_continued", d / "ob_resumed_tp1") == 0.0
-    assert_equals_live(open_checkpoint(d / "o"), torch.load(d / "o.pt", weights_only=False)["live"][(0, 0)])
-    back = open_checkpoint(d / "ob")
+    assert torch.equal(losses(runs / "ob.pt"), went_on)
+    assert weight_gap(runs / "a_continued", runs / "ob_resumed_tp1") == 0.0
+    assert_equals_live(open_checkpoint(runs / "o"), torch.load(runs / "o.pt", weights_only=False)["live"][(0, 0)])
+    back = open_checkpoint(runs / "ob")
     assert_same_slots(open_checkpoint(runs / "a"), back)
-    ckptool("reshard", d / "ob", d / "oa", "--tp", "1", DIST, "--dp", "2", "--no-overlap-grad-reduce")
+    ckptool("reshard", runs / "ob", d / "oa", "--tp", "1", DIST, "--dp", "2", "--no-overlap-grad-reduce")
     again = torch.load(d / "oa" / rank / D.FILE, weights_only=False)
     for key, value in next(iter(src[0].values())).items():
         mine = next(iter(again[0].values()))[key]

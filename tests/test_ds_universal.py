@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DS_UNIVERSAL_CASES, count_tensor_reads, free_port
+from conftest import DS_UNIVERSAL_CASES, count_tensor_reads, run_torchrun
 from ckptool.errors import CkptError
 from ckptool.formats.ds_universal import universal_params
 from ckptool.formats.registry import open_checkpoint
@@ -60,9 +60,7 @@ def _cli(*argv):
 
 def _torchrun(n, *argv):
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-port",
-           str(free_port()), str(REPO / "tests" / "ds_universal_cases.py"), *argv]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    res = run_torchrun(n, REPO / "tests" / "ds_universal_cases.py", *argv, env=env, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
 

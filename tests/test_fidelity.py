@@ -19,12 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import free_port
+from conftest import run_torchrun
 from click.testing import CliRunner
 
 from ckptool.cli import main
 from ckptool.formats.registry import open_checkpoint
-from ckptool.options import ReadOptions
 from ckptool.verify.reference import forward
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,9 +62,9 @@ def built(tmp_path_factory):
     if not HAVE_MCORE:
         pytest.skip("megatron-core is not installed (pip install megatron-core: test-only extra)")
     root = tmp_path_factory.mktemp("mcore_flags")
-    port = free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, str(REPO / "tests" / "mcore_flags_helper.py"), f"{root}:{port}", *FLAGS,
+    # port 0: the one process binds its store on a port the kernel picks (no port chosen beforehand to lose)
+    r = subprocess.run([sys.executable, str(REPO / "tests" / "mcore_flags_helper.py"), f"{root}:0", *FLAGS,
                         *COMBOS],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
@@ -343,9 +342,6 @@ def test_flags_through_tensor_parallel_verify(built, variant, tmp_path):
     tp2 = tmp_path / "tp2"
     write_layout(src, tp2, Layout(tp=2), warn=lambda m: None)
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    port = free_port()
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                        str(port), "-m", "ckptool", "verify", str(tp2), "--reference-logits",
-                        f"{built / variant / 'logits.pt'}:logits"], capture_output=True, text=True, env=env,
-                       cwd=REPO, timeout=240)
+    r = run_torchrun(2, "-m", "ckptool", "verify", tp2, "--reference-logits", f"{built / variant / 'logits.pt'}:logits",
+                     env=env, cwd=REPO, timeout=240)
     assert r.returncode == 0 and "result=PASS" in r.stdout and "2 processes" in r.stdout, r.stdout + r.stderr[-3000:]

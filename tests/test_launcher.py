@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port
+from conftest import FREE_PORT, run_launch
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "fixtures" / "gpt2_mcore_tp2pp2" / "checkpoint"
@@ -66,9 +66,8 @@ def test_a_team_of_three_writes_what_one_process_writes(tmp_path):
     r = subprocess.run([sys.executable, "-m", "ckptool", args[0], args[1], str(one), *args[2:]],
                        capture_output=True, text=True, env=_env(), timeout=300)
     assert r.returncode == 0, r.stderr
-    r = subprocess.run([sys.executable, "-c", LAUNCH, "--nproc-per-node", "3", "--master-port", str(free_port()),
-                        args[0], args[1], str(team), *args[2:]], capture_output=True, text=True, env=_env(),
-                       timeout=300)
+    r = run_launch([sys.executable, "-c", LAUNCH, "--nproc-per-node", "3", "--master-port", FREE_PORT,
+                    args[0], args[1], str(team), *args[2:]], env=_env(), timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert r.stdout.count("reshard:") == 1  # rank 0 reports for the team
     assert _digests(team) == _digests(one)
@@ -79,9 +78,9 @@ def test_a_team_of_three_writes_what_one_process_writes(tmp_path):
 def test_a_failing_team_ends_with_the_ranks_status_through_either_path(tmp_path):
     """Bad input: the direct launch and torchrun's (CKPTOOL_LAUNCHER=torchrun) end alike."""
     for how in ("", "torchrun"):
-        r = subprocess.run([sys.executable, "-m", "ckptool.torchrun", "--nproc-per-node", "2", "--master-port",
-                            str(free_port()), "merge", str(tmp_path / "missing"), str(tmp_path / "out")],
-                           capture_output=True, text=True, env=_env(CKPTOOL_LAUNCHER=how), timeout=300)
+        r = run_launch([sys.executable, "-m", "ckptool.torchrun", "--nproc-per-node", "2", "--master-port",
+                        FREE_PORT, "merge", str(tmp_path / "missing"), str(tmp_path / "out")],
+                       env=_env(CKPTOOL_LAUNCHER=how), timeout=300)
         assert r.returncode == 2, (how, r.stderr[-3000:])
         lines = r.stderr.strip().splitlines()
         assert lines[-1] == f"error: {tmp_path / 'missing'}: no such file or directory", (how, r.stderr[-3000:])
@@ -113,9 +112,8 @@ def test_a_team_reads_each_source_byte_once_in_all(tmp_path):
     one = subprocess.run([sys.executable, "-m", "ckptool", "reshard", str(src), str(tmp_path / "one"), "--tp", "4"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
-    team = subprocess.run([sys.executable, "-m", "ckptool.torchrun", "--nproc-per-node", "2", "--master-port",
-                           str(free_port()), "reshard", str(src), str(tmp_path / "team"), "--tp", "4"],
-                          capture_output=True, text=True, env=env, timeout=300)
+    team = run_launch([sys.executable, "-m", "ckptool.torchrun", "--nproc-per-node", "2", "--master-port",
+                       FREE_PORT, "reshard", str(src), str(tmp_path / "team"), "--tp", "4"], env=env, timeout=300)
     assert team.returncode == 0, team.stderr[-2000:]
     assert _digests(tmp_path / "team") == _digests(tmp_path / "one")
     from ckptool.io.torchfile import TorchArchive

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ import torch
 from test_moe import COMMON, _one_line_refusal, cli, family, hf_logits, randomise, saved_tensors, transformers  # noqa: F401
 
 from ckptool.formats.registry import open_checkpoint
-from conftest import free_port
+from conftest import run_torchrun
 
 MLA_KEYS = ("linear_q_down_proj.weight", "q_layernorm.weight", "linear_q_up_proj.weight",
             "linear_kv_down_proj.weight", "kv_layernorm.weight", "linear_kv_up_proj.weight")
@@ -84,12 +82,7 @@ def mcore_mla(tp: int, *args) -> dict:
     """tests/mcore_mla_helper.py under torchrun at TP tp on args (the checkpoint first): megatron-core's own MLA
     GPTModel built from its args and loaded strictly; what it saved ({logits, params})."""
     out = Path(args[0]).parent / f"logits_{Path(args[0]).name}.pt"
-    for _ in range(2):  # a second try only when another process took the free port first
-        res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp),
-                              "--master-port", str(free_port()), str(Path(__file__).with_name("mcore_mla_helper.py")),
-                              *map(str, args), "--out", str(out)], capture_output=True, text=True, timeout=300)
-        if res.returncode == 0 or "EADDRINUSE" not in res.stderr:
-            break
+    res = run_torchrun(tp, Path(__file__).with_name("mcore_mla_helper.py"), *args, "--out", out, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     return torch.load(out)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import copy_run, declare_runs, free_port
+from conftest import copy_run, declare_runs, run_torchrun
 
 from ckptool import api
 from ckptool.errors import CkptError
@@ -36,10 +36,7 @@ LAYOUTS = [(1, 1, 1), (1, 1, 4), (1, 2, 2), (2, 1, 2)]
 
 
 def torchrun(jobs, nproc=4, timeout=400):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), str(HELPER), *jobs]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    r = run_torchrun(nproc, HELPER, *jobs, timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
 
 

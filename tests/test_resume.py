@@ -13,15 +13,14 @@ moments and is visibly off. A same-layout resume is the control: it must reprodu
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
-import sys
+import traceback
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import copy_run, declare_runs, free_port
+from conftest import copy_run, declare_runs, run_torchrun
 from ckptool.formats.registry import open_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,17 +37,22 @@ LOSS_TOL = 2e-3
 
 
 def torchrun(nproc: int, *jobs: str, timeout: int = 300) -> None:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), str(HELPER), *jobs]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    r = run_torchrun(nproc, HELPER, *jobs, timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
 
 
 def ckptool(*args: str) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, "-m", "ckptool", *map(str, args)], capture_output=True, text=True,
-                       env=dict(os.environ, PYTHONPATH=str(REPO)))
-    assert r.returncode == 0, r.stdout + r.stderr
+    """`ckptool ARGS` in this process (click's runner: the CLI's own code and exit status, without a
+    Python and torch start per call); returncode, stdout and stderr like a subprocess."""
+    from click.testing import CliRunner
+    from ckptool.cli import main
+    try:
+        runner = CliRunner(mix_stderr=False)  # click < 8.2
+    except TypeError:
+        runner = CliRunner()  # click >= 8.2 keeps stderr apart already
+    res = runner.invoke(main, [str(a) for a in args])
+    r = subprocess.CompletedProcess(args, res.exit_code, res.stdout, res.stderr)
+    assert r.returncode == 0, r.stdout + r.stderr + "".join(traceback.format_exception(*res.exc_info))
     return r
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import run_torchrun
 from ckptool.config import GPTConfig, Layout
 from ckptool.formats.megatron import write_megatron
 from ckptool.lazy import Const
@@ -132,9 +133,7 @@ def torch_dist(models, kind: str, tp: int, pp: int) -> Path:
 def verify(nproc, *args):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    cmd = [sys.executable, *launcher, "-m", "ckptool", "verify", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    return run_torchrun(nproc, "-m", "ckptool", "verify", *args, env=env, cwd=ROOT, timeout=120)
 
 
 def verify_batch(nproc: int, cases: dict, tmp: Path) -> dict:
@@ -144,9 +143,7 @@ def verify_batch(nproc: int, cases: dict, tmp: Path) -> dict:
     spec.write_text(json.dumps({k: [str(a) for a in v] for k, v in cases.items()}))
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(ROOT / "tests" / "verify_batch.py"), str(spec), str(tmp)]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    r = run_torchrun(nproc, ROOT / "tests" / "verify_batch.py", spec, tmp, env=env, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = {}
     for name in cases:

@@ -16,14 +16,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import free_port, real_checkpoint
+from conftest import real_checkpoint, run_torchrun
 from test_deepspeed import HAVE_DS, _args, _legacy_module_tp, _rand_gpt, _write_zero12
 from test_verify import metric, verify_batch, verify_here
 
@@ -171,9 +169,7 @@ def mcore_tp_run(tmp_path_factory):
         pytest.skip("needs the deepspeed and megatron-core packages")
     out = tmp_path_factory.mktemp("ds_mcore_tp")
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
-           str(REPO / "tests" / "ds_mcore_tp_case.py"), str(out), "1", "3"]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    res = run_torchrun(4, REPO / "tests" / "ds_mcore_tp_case.py", out, "1", "3", env=env, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     cases = {f"zero{stage}_{w}": [out / f"zero{stage}" / "ckpt", "--weights", w, "--reference-logits",
                                   f"{out / f'zero{stage}' / 'reference.pt'}:logits_{w}"]
@@ -318,8 +314,8 @@ def test_hf_names_run_as_one_rank(tmp_path):
     params = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight" and not k.endswith(".attn.bias")}
     _write_zero12(tag, params, 0, 1, "bf16_", 1, False,
                   {"shared_params": {"lm_head.weight": "transformer.wte.weight"}})
-    env = {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port())}
+    # port 0: the world of one binds its store on a port the kernel picks while binding it
+    env = {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
     r = verify_here(tmp_path / "ds", "--reference", tmp_path / "hf", "--seq-len", 8, env=env)
     assert r.exit_code == 0, r.output
     assert "TP1 PP1, 1 processes" in r.output and "deepspeed (hf gpt2" in r.output

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import copy_run, declare_runs, free_port
+from conftest import copy_run, declare_runs
 from test_verify import _fake_torchrun, load_recording_chunk_reads, metric, verify_batch
 
 from ckptool import api
@@ -192,7 +192,7 @@ def test_a_corrupted_expert_is_caught_and_its_file_named(runs, moe):
     ckptool's result line comes after torchrun's report."""
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
-    r = subprocess.run(["torchrun", "--nproc-per-node", "4", "--master-port", str(free_port()), "-m", "ckptool",
+    r = subprocess.run(["torchrun", "--nproc-per-node", "4", "--standalone", "-m", "ckptool",
                         "verify", str(moe / "corrupt"), "--reference", str(moe / "hf")],
                        capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert r.returncode == 1 and "result=FAIL" in r.stdout, r.stdout + r.stderr[-3000:]
