@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port
+from conftest import FREE_PORT, run_launch
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "fixtures" / "gpt2_mcore_tp2pp2" / "checkpoint"
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchr
 def _torchrun(*args, timeout=300):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("WORLD_SIZE", None)
-    cmd = ["torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()), *args]
+    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", *args]  # port 0: no port for another launch to take
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
 
 
@@ -141,9 +141,8 @@ def test_the_launcher_ends_with_ckptools_line_and_status(tmp_path):
     """python -m ckptool.torchrun: the same launch, ending with ckptool's error line and its status."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("WORLD_SIZE", None)
-    r = subprocess.run([sys.executable, "-m", "ckptool.torchrun", "--nproc-per-node", "2", "--master-port",
-                        str(free_port()), "merge", str(tmp_path / "missing"), str(tmp_path / "out")],
-                       capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    r = run_launch([sys.executable, "-m", "ckptool.torchrun", "--nproc-per-node", "2", "--master-port", FREE_PORT,
+                    "merge", str(tmp_path / "missing"), str(tmp_path / "out")], env=env, timeout=300, cwd=ROOT)
     assert r.returncode == 2, r.stderr[-3000:]
     lines = r.stderr.strip().splitlines()
     assert lines[-1] == f"error: {tmp_path / 'missing'}: no such file or directory", r.stderr[-3000:]
