@@ -120,18 +120,12 @@ def resumed(saved):
              f"moe-resume {d}/fsms_ep1 --tp 1 --ep 1 --form fully_reshardable {BF16} --out {d}/r_fsms_ep1.pt",
              # (bias_dpr_ep1 is the same fully_reshardable output: read back, not resumed again)
              f"moe-resume {d}/bias_fr_ep1 --tp 1 --ep 1 --form fully_reshardable --moe-arch biased {BF16} "
-<<<<<<< HEAD
              f"--out {d}/r_bias_fr_ep1.pt",
              f"moe-resume {d}/bias_fr_tp2 --tp 2 --ep 1 --form fully_reshardable --moe-arch biased {BF16} "
              f"--out {d}/r_bias_fr_tp2.pt")
-    # the torch-format output, resumed as Megatron-LM's torch format loads (mcore_moe_helper.py resume)
-    test_moe_megatron.torchrun([f"resume {d}/torch_ep1 --tp 1 --ep 1 {BF16} --out {d}/r_torch_ep1.pt"])
-=======
-             f"--out {d}/r_bias_fr_ep1.pt")
     # the torch-format output, resumed as Megatron-LM's torch format loads (mcore_moe_helper.py resume), on
     # the source run's 2 processes as the torch_dist resumes above (DP 2 at EP 1)
     test_moe_megatron.torchrun([f"resume {d}/torch_ep1 --tp 1 --ep 1 {BF16} --out {d}/r_torch_ep1.pt"], nproc=2)
->>>>>>> s9-suite
     return d
 
 
