@@ -233,36 +233,50 @@ def _reference_weights(ref, recorded, target_ckpt, opts):
     return open_checkpoint(ref, opts)
 
 
-def _probe_moe_layer(layer_probe, report, where, shards, layout, r, dtype, tol, files) -> None:
-    """When the first divergence is an MoE layer and the reference has weights, find which rank files'
-    router / experts / shared expert differ (verify/experts.py) and add that to the layer's `where`.
-    Collective: every rank calls it; rank 0 decides whether there is a probe."""
+def _probe_layer(probe_of, report, where, shards, layout, r, dtype, files, choose, reference, probe, diagnose) -> None:
+    """When the first divergence is a layer `choose` picks (-1: none) and the reference has weights, apply
+    each rank file's tensors of that layer to the reference's values of it and add what differs, with its
+    files, to the layer's `where`. Collective: every rank calls it; rank 0 decides whether there is a probe.
+    The probe's parts: choose(first divergence, ref checkpoint, ref hidden states) -> layer;
+    reference(ref checkpoint, layer, the layer's input, dtype, device) -> values (rank 0); probe(layer,
+    values or None, shards, own weights, ranks, dtype, stage) -> per rank pieces (rank 0); diagnose(layer,
+    pieces, values, file_of) -> one line."""
     import torch.distributed as dist
-    from ..verify import experts
-    layer = -1
-    if r.rank == 0 and layer_probe is not None:
-        layer = experts.probe_layer(report.first_divergence, shards.config, *layer_probe)
+    layer = choose(report.first_divergence, *probe_of) if r.rank == 0 and probe_of is not None else -1
     box = [layer]
     dist.broadcast_object_list(box, src=0)
     layer = box[0]
     if layer < 0:
         return
     stage = next(p for p, _, first, count in layout.chunks(shards.config.num_layers) if first <= layer < first + count)
-    h = None
+    values = None
     if r.rank == 0:
-        ref_ckpt, ref_hidden = layer_probe
+        ref_ckpt, ref_hidden = probe_of
         before = ref_hidden["embedding" if layer == 0 else f"layer {layer - 1}"]
-        h = experts.moe_input(ref_ckpt, layer, before, dtype, r.device)
+        values = reference(ref_ckpt, layer, before, dtype, r.device)
 
     def own_weights():
         return {k: v.load().to(device=r.device, dtype=dtype) for k, v in shards.tensors.items()
                 if k.startswith(f"layers.{layer}.")}
-    got = experts.probe(layer, h, shards, own_weights, r, dtype, stage)
+    got = probe(layer, values, shards, own_weights, r, dtype, stage)
     if r.rank == 0:
         file_of = (lambda t, e: files(t, stage, e)) if layout.ep > 1 else (lambda t, e: files(t, stage))
-        line = experts.diagnose(layer, got, layer_probe[0], h, layout, dtype, cmp.relative_tolerance(tol), file_of)
-        name = report.first_divergence  # "layer i", or "layer i or the output layer (...)" without its hidden state
-        where[name] = "; ".join(x for x in (where.get(f"layer {layer}"), f"layer {layer}: {line}") if x)
+        line = diagnose(layer, got, values, file_of)
+        # the name: "layer i", or "layer i or the output layer (...)" without its hidden state, of which an
+        # earlier probe (MoE before MLA) may have said something already
+        name = report.first_divergence
+        where[name] = "; ".join(x for x in (where.get(name, where.get(f"layer {layer}")), f"layer {layer}: {line}") if x)
+
+
+def _probe_moe_layer(probe_of, report, where, shards, layout, r, dtype, tol, files) -> None:
+    """A diverging MoE layer: which rank files' router / experts / shared expert differ (verify/experts.py)."""
+    from ..verify import experts
+    cfg = shards.config  # (tol is rank 0's: the diagnosis runs there only)
+    _probe_layer(probe_of, report, where, shards, layout, r, dtype, files,
+                 choose=lambda first, ref_ckpt, hidden: experts.probe_layer(first, cfg, ref_ckpt, hidden),
+                 reference=experts.moe_input, probe=experts.probe,
+                 diagnose=lambda layer, got, h, file_of: experts.diagnose(layer, got, probe_of[0], h, layout, dtype,
+                                                                         cmp.relative_tolerance(tol), file_of))
 
 
 def _mla_at_tp(cfg, layout) -> bool:
@@ -270,34 +284,15 @@ def _mla_at_tp(cfg, layout) -> bool:
 
 
 def _probe_mla_layer(probe_of, report, where, shards, layout, r, dtype, tol, files) -> None:
-    """When the first divergence is a layer and the reference has weights, apply each rank file's attention
-    tensors to the reference's values of that layer (verify/mla_probe.py) and add the tensors that differ, with
-    their files, to the layer's `where`. Collective, like _probe_moe_layer."""
-    import torch.distributed as dist
+    """A diverging layer of an MLA model at TP: which attention tensors of which rank files differ
+    (verify/mla_probe.py; every TP file slices them)."""
     from ..verify import experts, mla_probe
-    cfg = shards.config
-    layer = experts.diverging_layer(report.first_divergence, *probe_of) if r.rank == 0 and probe_of is not None else -1
-    box = [layer]
-    dist.broadcast_object_list(box, src=0)
-    layer = box[0]
-    if layer < 0:
-        return
-    stage = next(p for p, _, first, count in layout.chunks(cfg.num_layers) if first <= layer < first + count)
-    vals = ref_w = None
-    if r.rank == 0:
-        ref_ckpt, ref_hidden = probe_of
-        before = ref_hidden["embedding" if layer == 0 else f"layer {layer - 1}"]
-        vals, ref_w = mla_probe.reference_values(ref_ckpt, layer, before, dtype, r.device)
-
-    def own_weights():
-        return {k: v.load().to(device=r.device, dtype=dtype) for k, v in shards.tensors.items()
-                if k.startswith(f"layers.{layer}.")}
-    got = mla_probe.probe(layer, vals, shards, own_weights, r, dtype, stage)
-    if r.rank == 0:
-        file_of = (lambda t, e: files(t, stage, e)) if layout.ep > 1 else (lambda t, e: files(t, stage))
-        line = mla_probe.diagnose(layer, got, vals, ref_w, cfg, layout.tp, cmp.relative_tolerance(tol), file_of)
-        name = report.first_divergence  # the MoE probe may have said something of it already
-        where[name] = "; ".join(x for x in (where.get(name, where.get(f"layer {layer}")), f"layer {layer}: {line}") if x)
+    cfg = shards.config  # (tol is rank 0's: the diagnosis runs there only)
+    _probe_layer(probe_of, report, where, shards, layout, r, dtype, files, choose=experts.diverging_layer,
+                 reference=mla_probe.reference_values,  # (values the ranks apply their tensors to, reference weights)
+                 probe=lambda layer, values, *rest: mla_probe.probe(layer, values and values[0], *rest),
+                 diagnose=lambda layer, got, values, file_of: mla_probe.diagnose(layer, got, *values, cfg, layout.tp,
+                                                                                cmp.relative_tolerance(tol), file_of))
 
 
 class ParallelTarget:
