@@ -37,6 +37,14 @@ def full_path(monkeypatch, *args) -> str:
     return r.output
 
 
+def quick_equals_full(monkeypatch, d, note=None) -> str:
+    """inspect of d without torch and through the full reader: the same --json and the same text; the JSON."""
+    quick_json = torch_free("inspect", d, "--json")
+    assert quick_json == full_path(monkeypatch, "inspect", d, "--json"), note
+    assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d), note
+    return quick_json
+
+
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     """The committed HF fixtures (GPT-2 tied, Llama GQA) and tiny transformers MoE/MLA models."""
@@ -117,9 +125,7 @@ QUICK_MEGATRON = ["gpt2_mcore", "llama_legacy_norm", "mlm_mcore_gpt2_torch_tp2pp
 @pytest.mark.parametrize("kind", QUICK_MEGATRON)
 def test_quick_megatron_inspect_equals_the_full_path_without_torch(megatron_dirs, monkeypatch, kind):
     d = megatron_dirs[kind]
-    quick_json = torch_free("inspect", d, "--json")
-    assert quick_json == full_path(monkeypatch, "inspect", d, "--json")
-    assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d)
+    quick_equals_full(monkeypatch, d)
     quick = quick_inspect.quick_open(d, {})
     assert type(next(iter(quick.tensors.values()))).__name__ == "TensorMeta"
     if kind.startswith("mlm_") and not kind.endswith("_weights"):  # the real runs' Adam state, read as shapes
@@ -177,8 +183,7 @@ def test_quick_inspect_of_megatron_cores_own_torch_dist_save(framework_runs, mon
         pytest.skip("megatron-core is not installed (pip install megatron-core: test-only extra)")
     saves = framework_runs(HELPER, 2, {n: MCORE_SAVES[n] for n in ("gpt2_pp2", "bare")}, timeout=240)
     d = saves["gpt2_pp2"]
-    assert torch_free("inspect", d, "--json") == full_path(monkeypatch, "inspect", d, "--json")
-    assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d)
+    quick_equals_full(monkeypatch, d)
     assert quick_inspect.quick_open(saves["bare"], {}) is None
 
 
@@ -266,8 +271,7 @@ def test_quick_inspect_of_megatron_core_training_saves_with_three_groups_and_fp3
         d = tmp_path / name
         quick = quick_inspect.quick_open(d, {})
         assert quick.optimizer.kind == kind and len(quick.optimizer.param_groups) == groups, name
-        assert torch_free("inspect", d, "--json") == full_path(monkeypatch, "inspect", d, "--json"), name
-        assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d), name
+        quick_equals_full(monkeypatch, d, name)
     three = quick_inspect.quick_open(tmp_path / "groups", {}).optimizer.param_groups
     assert 0.5 in [g.hyper.get("lr_mult") for g in three]
 
@@ -331,8 +335,7 @@ def test_quick_inspect_of_megatron_deepspeed_pipeline_saves(tmp_path, monkeypatc
     for d in (real, tmp_path / "synthetic"):
         quick = quick_inspect.quick_open(d, {})
         assert quick is not None, d
-        assert torch_free("inspect", d, "--json") == full_path(monkeypatch, "inspect", d, "--json"), d
-        assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d), d
+        quick_equals_full(monkeypatch, d, d)
     quick = quick_inspect.quick_open(real, {})
     assert quick.optimizer.kind == "deepspeed-zero1" and quick.optimizer.step == 3
     assert "master weights (float32)" in quick.source.storage
@@ -359,8 +362,7 @@ def test_quick_inspect_of_megatron_names_under_deepspeed_module(tmp_path, monkey
             _write_zero3(tag, _legacy_module_tp(t, mp, 2, heads=2), mp, 3,
                          {"args": _args(tp=2), "iteration": 7, "checkpoint_version": 3.0})
         assert quick_inspect.quick_open(tmp_path, {}).optimizer.kind == "deepspeed-zero3"
-        assert torch_free("inspect", tmp_path, "--json") == full_path(monkeypatch, "inspect", tmp_path, "--json")
-        assert torch_free("inspect", tmp_path) == full_path(monkeypatch, "inspect", tmp_path)
+        quick_equals_full(monkeypatch, tmp_path)
         return
     tp, dp, prefix, stage, keep = {"bf16_tp2_dp3": (2, 3, "bf16_", None, True), "zero2_fp16_dp4": (1, 4, "", 2, False),
                                    "weights_only": (2, 1, "", 1, False)}[case]
@@ -372,8 +374,7 @@ def test_quick_inspect_of_megatron_names_under_deepspeed_module(tmp_path, monkey
             f.unlink()
     quick = quick_inspect.quick_open(tmp_path, {})
     assert quick is not None and quick.source.dialect.startswith("megatron module")
-    assert torch_free("inspect", tmp_path, "--json") == full_path(monkeypatch, "inspect", tmp_path, "--json")
-    assert torch_free("inspect", tmp_path) == full_path(monkeypatch, "inspect", tmp_path)
+    quick_equals_full(monkeypatch, tmp_path)
     assert (quick.optimizer is None) == (case == "weights_only")
 
 
@@ -401,8 +402,7 @@ def test_quick_inspect_of_the_distributed_optimizer(megatron_dirs, framework_run
     for name in dirs:
         d = tmp_path / name
         assert quick_inspect.quick_open(d, {}).optimizer.kind == "megatron-distributed", name
-        assert torch_free("inspect", d, "--json") == full_path(monkeypatch, "inspect", d, "--json"), name
-        assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d), name
+        quick_equals_full(monkeypatch, d, name)
     # one rank's buffer stated at another size than it holds and than the layout gives
     from ckptool.io.torchfile import load_torch_file, save_streaming
     shutil.copytree(tmp_path / "coalesced", tmp_path / "off")
@@ -437,8 +437,7 @@ def test_quick_inspect_of_hf_models_under_deepspeed(request, monkeypatch, case):
     d = request.getfixturevalue(QUICK_DS_HF[case]) / case / "ckpt"
     quick = quick_inspect.quick_open(d, {})
     assert quick is not None and type(next(iter(quick.tensors.values()))).__name__ == "TensorMeta"
-    assert torch_free("inspect", d, "--json") == full_path(monkeypatch, "inspect", d, "--json")
-    assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d)
+    quick_equals_full(monkeypatch, d)
     model, stage, dtype = case.split("-")
     frozen = {"gpt2": "embed.pos", "llama": "layers.0.attn_norm.weight"}[model]  # ds_train_cases.FROZEN
     assert quick.tensors[frozen].dtype == {"bf16": "bfloat16", "bf16opt": "bfloat16", "fp16": "float16"}.get(dtype, "float32")
@@ -534,9 +533,7 @@ QUICK_MOE = ["mixtral_sequential", "qwen2_moe_te_grouped", "qwen2_moe_etp1", "mi
 def test_quick_moe_inspect_equals_the_full_path_without_torch(moe_dirs, monkeypatch, kind):
     """Experts, top-k, EP and expert TP as the full reader shows them, read without torch."""
     d = moe_dirs[kind]
-    quick_json = torch_free("inspect", d, "--json")
-    assert quick_json == full_path(monkeypatch, "inspect", d, "--json")
-    assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d)
+    quick_json = quick_equals_full(monkeypatch, d)
     doc = json.loads(quick_json)
     assert doc["config"]["moe"]["num_experts"] in (4, 6) and doc["config"]["moe"]["top_k"] == 2
     assert doc["layout"]["ep"] == (1 if kind == "mixtral_dist" else 2)
@@ -610,9 +607,7 @@ def test_quick_mla_inspect_equals_the_full_path_without_torch(mla_dirs, monkeypa
     """MLA shapes from the args (q / kv latents, the rotary key part, the value head dim), in each dialect and in
     torch_dist, MoE layers and all, read without torch as the full reader reads them."""
     d = mla_dirs[kind]
-    quick_json = torch_free("inspect", d, "--json")
-    assert quick_json == full_path(monkeypatch, "inspect", d, "--json")
-    assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d)
+    quick_json = quick_equals_full(monkeypatch, d)
     doc = json.loads(quick_json)
     assert doc["config"]["mla"]["kv_lora_rank"] == 12
     tensors = {t["name"]: t for t in doc["tensors"]}
@@ -663,9 +658,7 @@ def test_quick_inspect_of_megatron_cores_moe_torch_dist_saves(framework_runs, mo
     if not HAVE_MCORE:
         pytest.skip("megatron-core is not installed (pip install megatron-core: test-only extra)")
     d = framework_runs(ROOT / "tests" / "mcore_optim_dist_helper.py", NPROC[name], {name: MCORE_MOE_DIST[name]})[name]
-    quick_json = torch_free("inspect", d, "--json")
-    assert quick_json == full_path(monkeypatch, "inspect", d, "--json")
-    assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d)
+    quick_equals_full(monkeypatch, d)
     quick = quick_inspect.quick_open(d, {})
     assert quick.optimizer.step > 0
     assert quick.optimizer.kind == "megatron-core-dist (%s)" % ("dp_reshardable" if "dpr" in name else "fully_reshardable")
@@ -702,8 +695,7 @@ def test_quick_inspect_of_the_moe_distributed_optimizer(framework_runs, tmp_path
         d = tmp_path / name
         quick = quick_inspect.quick_open(d, {})
         assert quick.optimizer.kind == "megatron-distributed" and quick.source.layout.ep == 2, name
-        assert torch_free("inspect", d, "--json") == full_path(monkeypatch, "inspect", d, "--json"), name
-        assert torch_free("inspect", d) == full_path(monkeypatch, "inspect", d), name
+        quick_equals_full(monkeypatch, d, name)
     assert quick_inspect.quick_open(tmp_path / "bias", {}).tensors["layers.0.mlp.router.expert_bias"].dtype == "float32"
     # EP rank 1's expert buffer stated 64 elements longer than it holds and than the layout gives
     from ckptool.io.torchfile import load_torch_file, save_streaming
