@@ -60,7 +60,7 @@ MODELS = {
     "gpt2": "--ffn-hidden-size 1024".split(),
     "llama": LLAMA,
     "mixtral": LLAMA + """--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 704
- --moe-aux-loss-coeff 0.01 --moe-token-dispatcher-type alltoall""".split(),
+ --moe-aux-loss-coeff 0.01 --moe-token-dispatcher-type alltoall --sequence-parallel""".split(),
 }
 SAVE_STEP, LAST_STEP = 3, 5
 JOB_TIMEOUT_S = 240  # one job; a hung NCCL collective must not eat the call
@@ -93,6 +93,7 @@ class Driver:
         self.logs = work / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.jobs: List[Job] = []
+        self.verify_models = list(MODELS)
         base = {**os.environ, **ENV}
         pypath = base.get("PYTHONPATH", "")
         self.mlm_env = {**base, "PYTHONPATH": f"{mlm}:{pypath}".rstrip(":")}
@@ -140,7 +141,7 @@ class Driver:
         if layout.get("ep", 1) > 1:
             par += ["--expert-model-parallel-size", str(layout["ep"])]
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(NPROC),
-                script] + COMMON + ["--train-iters", str(LAST_STEP)] + MODELS[model] + par + extra
+                str(REPO / "scripts" / "mlm_torch_adam.py"), script] + COMMON + ["--train-iters", str(LAST_STEP)] + MODELS[model] + par + extra
         return Job(name, argv, self.mlm, {**self.mlm_env, **(env or {})}, phase, True, info)
 
     def ckptool(self, name: str, phase: str, args: List[str], info: dict, nproc: int = 0) -> Job:
@@ -192,13 +193,15 @@ class Driver:
         if probe.returncode != 0:
             raise SystemExit("Megatron-LM does not import")
 
-    def sources(self, families: List[str], repeats: bool) -> Dict[str, dict]:
-        """Every source job: name -> its settings (copy b: the same job again, for the noise)."""
+    def sources(self, families: List[str], repeats: bool, optims: List[str]) -> Dict[str, dict]:
+        """Every source job: name -> its settings (copy b: the same job again, for the noise). `optims`
+        picks the dense jobs; the MoE model always has its two (Adam in torch format, the
+        distributed optimizer in torch_dist)."""
         found = {}
         runs = (("torch", "a"), ("torch", "b"), ("torch_dist", "a")) if repeats else (("torch", "a"), ("torch_dist", "a"))
         for model in [m for m in ("gpt2", "llama") if m in families]:
-            for optim in ("adam", "distopt"):
-                for fmt, copy in runs:
+            for optim in [o for o in optims if o in OPTIMS]:
+                for fmt, copy in (runs if optim != "adamfp32" else (("torch", "a"),)):
                     found[f"{model}-{optim}-{fmt}-{copy}"] = dict(model=model, optim=optim, fmt=fmt, copy=copy,
                                                                   kind="dense")
         if "mixtral" in families:
@@ -210,7 +213,7 @@ class Driver:
         jobs = []
         for name, s in sources.items():
             extra = ["--save-interval", str(SAVE_STEP), "--save", str(self.work / "src" / name),
-                     "--ckpt-format", s["fmt"], "--bf16"] + optim_flags(s["optim"])
+                     "--ckpt-format", s["fmt"]] + optim_flags(s["optim"])
             jobs.append(self.megatron(f"train-{name}", "train", s["model"], SOURCE_LAYOUT[s["kind"]], extra, s))
         self.run(jobs)
 
@@ -249,7 +252,7 @@ class Driver:
     def resume(self, sources: Dict[str, dict], outputs: List[dict]) -> None:
         jobs = []
         for o in outputs:
-            extra = ["--load", o["dst"], "--no-load-rng", "--ckpt-format", o["fmt"], "--bf16"]
+            extra = ["--load", o["dst"], "--no-load-rng", "--ckpt-format", o["fmt"]]
             extra += optim_flags(o["optim"]) + (["--no-load-optim"] if o["mode"] == "weights" else [])
             jobs.append(self.megatron(f"resume-{o['source']}-{o['target']}-{o['mode']}", "resume", o["model"],
                                       o["layout"], extra, o))
@@ -257,8 +260,8 @@ class Driver:
         # torch_dist ones would show Megatron-LM reading its own files once more, nothing of ckptool).
         for name, s in sources.items():
             if s["copy"] == "a" and s["fmt"] == "torch" and self.trained(name):
-                extra = ["--load", str(self.work / "src" / name), "--no-load-rng", "--ckpt-format", s["fmt"],
-                         "--bf16"] + optim_flags(s["optim"])
+                extra = ["--load", str(self.work / "src" / name), "--ckpt-step", str(SAVE_STEP), "--no-load-rng",
+                         "--ckpt-format", s["fmt"]] + optim_flags(s["optim"])
                 info = dict(s, source=name, target="same", mode="control")
                 jobs.append(self.megatron(f"resume-{name}-same-control", "resume", s["model"],
                                           SOURCE_LAYOUT[s["kind"]], extra, info))
@@ -291,7 +294,7 @@ class Driver:
         jobs, seen = [], set()
         for o in outputs:
             key = (o["model"], o["fmt"], o["target"])
-            if o["mode"] != "optim" or key in seen:
+            if o["mode"] != "optim" or key in seen or o["model"] not in self.verify_models:
                 continue
             seen.add(key)
             lay = o["layout"]
@@ -336,16 +339,29 @@ print(f"class={type(model).__name__} vocab={got.shape[-1]} true_vocab={v} max_ab
 """
 
 
+# The optimizer settings a source job runs with: Adam (megatron's non-distributed optimizer), the
+# distributed optimizer, and Adam in an fp32 run (no --bf16), whose layout arithmetic rounds 2^16 times
+# finer: it tells a resumed run's layout noise from an error in the carried state.
+OPTIMS = {"adam": [], "distopt": ["--use-distributed-optimizer"], "adamfp32": []}
+
+
 def optim_flags(optim: str) -> List[str]:
-    return ["--use-distributed-optimizer"] if optim == "distopt" else []
+    """The optimizer's and the compute dtype's flags of a job."""
+    return OPTIMS[optim] + ([] if optim == "adamfp32" else ["--bf16"])
 
 
 def parse_losses(log: Path) -> Dict[int, float]:
-    found = {}
+    """Loss of each step from Megatron-LM's log lines. Megatron-LM logs a run's first iteration
+    without resetting its loss accumulators, so the line of the next iteration prints the mean of
+    both: that step's own loss is 2 x printed - first (to the 7 printed digits)."""
+    printed = []
     for line in log.read_text(errors="replace").splitlines():
         m = LOSS.search(line)
         if m:
-            found[int(m.group(1))] = float(m.group(2))
+            printed.append((int(m.group(1)), float(m.group(2))))
+    found = dict(printed)
+    if len(printed) >= 2 and printed[1][0] == printed[0][0] + 1:
+        found[printed[1][0]] = 2 * printed[1][1] - printed[0][1]
     return found
 
 
@@ -409,21 +425,24 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=400, help="start no job after this many seconds")
     ap.add_argument("--phases", default="train,convert,resume,logits,verify")
     ap.add_argument("--no-repeats", action="store_true", help="train each source job once (no noise runs)")
+    ap.add_argument("--optims", default="adam,distopt", help="comma list of adam, distopt")
+    ap.add_argument("--verify-models", default="gpt2,llama,mixtral", help="models whose outputs verify runs")
     a = ap.parse_args()
     started = time.time()
     if a.work.exists():
         shutil.rmtree(a.work)
     drv = Driver(a.megatron.resolve(), a.work.resolve(), a.out, a.gpu_jobs, a.cpu_jobs, started + a.budget_s)
+    drv.verify_models = a.verify_models.split(",")
     phases = a.phases.split(",")
     try:
         drv.setup()
-        sources = drv.sources(a.models.split(","), not a.no_repeats)
+        sources = drv.sources(a.models.split(","), not a.no_repeats, a.optims.split(","))
         drv.train(sources)
         outputs = drv.convert(sources) if "convert" in phases else []
-        if "resume" in phases:
-            drv.resume(sources, outputs)
         if "logits" in phases:
             drv.logits(sources)
+        if "resume" in phases:
+            drv.resume(sources, outputs)
         if "verify" in phases:
             drv.verify(outputs)
     finally:
