@@ -66,16 +66,73 @@ def ckptool_commands() -> set:
     return cmds
 
 
+def _disk_sectors() -> tuple:
+    """(sectors read, sectors written) so far over the whole disks (/proc/diskstats; partitions,
+    loop and ram devices left out so no byte counts twice)."""
+    disks = {d for d in os.listdir("/sys/block") if not d.startswith(("loop", "ram", "dm-", "md"))}
+    rd = wr = 0
+    with open("/proc/diskstats") as f:
+        for line in f:
+            x = line.split()
+            if len(x) > 9 and x[2] in disks:
+                rd += int(x[5])
+                wr += int(x[9])
+    return rd, wr
+
+
+class DiskTrace:
+    """Disk read and write throughput during one timed command, per PERIOD seconds (--disk-trace):
+    shows whether the disk is kept busy the whole time or idles while the converter computes."""
+    PERIOD = 0.5
+
+    def __init__(self):
+        import threading
+        self.samples: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        last = _disk_sectors()
+        while not self._stop.wait(self.PERIOD):
+            now = _disk_sectors()
+            self.samples.append(((now[0] - last[0]) * 512, (now[1] - last[1]) * 512))
+            last = now
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> str:
+        mb = lambda b: f"{b / self.PERIOD / 1e6:.0f}"
+        return (f"disk MB/s every {self.PERIOD} s, read: " + " ".join(mb(r) for r, _ in self.samples)
+                + "\n    write: " + " ".join(mb(w) for _, w in self.samples))
+
+
+TRACE_DISK = False
+
+
 def timed(cmd: list, log: Path, env: dict = None) -> dict:
-    """Run cmd under GNU time (or rusage when absent): wall seconds, peak RSS bytes, rc."""
+    """Run cmd under GNU time (or rusage when absent): wall seconds, peak RSS bytes, rc (and, with
+    TRACE_DISK, the disk's throughput over the run)."""
     stats = log.with_suffix(".time")
     if Path("/usr/bin/time").exists():
         full = ["/usr/bin/time", "-o", str(stats), "-f", "%e %M"] + cmd
     else:
         full = cmd
+    trace = DiskTrace() if TRACE_DISK else None
     start = time.perf_counter()
     with open(log, "w") as f:
-        rc = subprocess.run(full, stdout=f, stderr=subprocess.STDOUT, env=dict(_env(), **(env or {}))).returncode
+        if trace is not None:
+            trace.__enter__()
+        try:
+            rc = subprocess.run(full, stdout=f, stderr=subprocess.STDOUT, env=dict(_env(), **(env or {}))).returncode
+        finally:
+            if trace is not None:
+                trace.__exit__()
     wall = time.perf_counter() - start
     if stats.exists() and stats.read_text().split():
         last = stats.read_text().split("\n")[-2].split()
@@ -83,7 +140,7 @@ def timed(cmd: list, log: Path, env: dict = None) -> dict:
     else:
         import resource
         rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # max over all children so far
-    return {"wall": wall, "rss": rss, "rc": rc, "log": log}
+    return {"wall": wall, "rss": rss, "rc": rc, "log": log, "disk": trace.summary() if trace else None}
 
 
 def dir_bytes(d: Path) -> int:
@@ -232,6 +289,9 @@ def run_side_by_side(plan: dict, steps: list, size: int, work: Path, repeat: int
                 said.append("startup " + "/".join(f"{p['stages'].get('startup', [0])[0]:.1f}" for p in profs) + " s")
             print(f"  round {rnd + 1} {step}: {r['wall']:.1f} s, {ratios[step][-1]:.2f}x copy, "
                   f"{r['rss'] / 2**20:.0f} MiB" + (f" ({'; '.join(said)})" if said else ""), flush=True)
+            for name, _ in pair:
+                if measured[name].get("disk"):
+                    print(f"    {name}: {measured[name]['disk']}", flush=True)
     rows = []
     for step in steps:
         label, cmd = plan[step][:2]
@@ -323,6 +383,8 @@ def main(argv=None) -> int:
                     help="run each ckptool step once per variant (the variants of a step share one copy a round "
                          "and take turns going first): 'NAME:VAR=VALUE,VAR=VALUE;NAME2:' (environment of the "
                          "step's process)")
+    ap.add_argument("--disk-trace", action="store_true",
+                    help="print the disk's read and write MB/s every half second of each timed command")
     ap.add_argument("--ds-ckpt", type=Path, default=None,
                     help="ZeRO checkpoint for the deepspeed step (default: write one with scripts/ds_zero_case.py)")
     args = ap.parse_args(argv)
@@ -402,6 +464,8 @@ def main(argv=None) -> int:
         main_steps = expanded
     if args.profile:
         os.environ["CKPTOOL_PROFILE"] = "1"
+    global TRACE_DISK
+    TRACE_DISK = args.disk_trace
     profiles = {} if args.profile else None
     if args.cache != "as-is" and not os.access("/proc/sys/vm/drop_caches", os.W_OK):
         ap.error(f"--cache {args.cache} drops the page cache: it needs root (/proc/sys/vm/drop_caches)")
