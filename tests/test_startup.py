@@ -84,9 +84,9 @@ def test_readahead_stops_when_the_conversion_takes_over(tmp_path, monkeypatch):
     calls = []
     real = prefetch.pull
 
-    def pull_then_stop(fd, off, n, st=None):
+    def pull_then_stop(fd, off, n, st=None, piece=prefetch.PIECE):
         calls.append((off, n))
-        got = real(fd, off, n, st)
+        got = real(fd, off, n, st, piece)
         stop.set()  # the conversion started while the first piece was read
         return got
     stop.clear()

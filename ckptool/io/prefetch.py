@@ -37,14 +37,14 @@ HANDOVER = threading.Event()
 _devnull: Optional[int] = None
 
 
-def pull(fd: int, offset: int, length: int, stop: Optional[threading.Event] = None) -> int:
+def pull(fd: int, offset: int, length: int, stop: Optional[threading.Event] = None, piece: int = PIECE) -> int:
     """Bring bytes [offset, offset + length) of the open file fd into the page cache by reading them
     (see the module docstring); stops early at the end of the file or once stop is set. Returns the
-    bytes read."""
+    bytes read (at most piece bytes a call)."""
     global _devnull
     done, scratch = 0, None
     while done < length and not (stop is not None and stop.is_set()):
-        n = min(PIECE, length - done)
+        n = min(piece, length - done)
         got = 0
         if scratch is None:
             try:
@@ -52,7 +52,7 @@ def pull(fd: int, offset: int, length: int, stop: Optional[threading.Event] = No
                     _devnull = os.open(os.devnull, os.O_WRONLY)
                 got = os.sendfile(_devnull, fd, offset + done, n)
             except (OSError, AttributeError):  # no sendfile from this file system or platform
-                scratch = bytearray(PIECE)
+                scratch = bytearray(piece)
         if scratch is not None:
             got = os.preadv(fd, [memoryview(scratch)[:n]], offset + done)
         if got <= 0:
