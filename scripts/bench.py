@@ -210,16 +210,27 @@ def print_profiles(profiles: dict, plan: dict) -> None:
         f"{total(s, 'cpu_user'):.1f} + {total(s, 'cpu_sys'):.1f}" for s in steps) + " |")
 
 
-CACHE_MODES = ("as-is", "warm", "cold")
+CACHE_MODES = ("as-is", "warm", "cold", "cold-src")
 
 
 def settle(mode: str, src: Path) -> None:
     """The same start for every timed command: nothing dirty (the previous output's pages and, on a
     disk mounted with `discard`, the trims of its deletion are done: sync), and the source either
     left as the last command left it (as-is), read into the page cache (warm), or dropped from it
-    (cold: every byte comes from the disk; needs root, /proc/sys/vm/drop_caches)."""
+    (cold: every byte comes from the disk; needs root, /proc/sys/vm/drop_caches; cold-src: only the
+    source's files dropped, with posix_fadvise DONTNEED, for a shared box: torch's own files stay
+    cached)."""
     subprocess.run(["sync"])
     if mode == "as-is":
+        return
+    if mode == "cold-src":  # only the source's pages dropped (no root; other jobs' caches stay)
+        for p in sorted(src.rglob("*")):
+            if p.is_file():
+                fd = os.open(p, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
         return
     with open("/proc/sys/vm/drop_caches", "w") as f:  # clean pages only: sync ran just before
         f.write("3\n")
@@ -376,7 +387,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reuse-src", action="store_true", help="keep an existing OUT/src instead of regenerating")
     ap.add_argument("--cache", choices=CACHE_MODES, default="as-is",
                     help="the source's page-cache state before every timed command: as-is (what the last one "
-                         "left), warm (read in first) or cold (dropped; root only). Every mode syncs first")
+                         "left), warm (read in first), cold (dropped; root only) or cold-src (only the source's "
+                         "files dropped: no root, other jobs' caches kept). Every mode syncs first")
     ap.add_argument("--launcher", choices=("torchrun", "ckptool"), default="torchrun",
                     help="torchrun steps start with `torchrun -m ckptool` or `python -m ckptool.torchrun`")
     ap.add_argument("--variants", default="",
@@ -467,7 +479,7 @@ def main(argv=None) -> int:
     global TRACE_DISK
     TRACE_DISK = args.disk_trace
     profiles = {} if args.profile else None
-    if args.cache != "as-is" and not os.access("/proc/sys/vm/drop_caches", os.W_OK):
+    if args.cache in ("warm", "cold") and not os.access("/proc/sys/vm/drop_caches", os.W_OK):
         ap.error(f"--cache {args.cache} drops the page cache: it needs root (/proc/sys/vm/drop_caches)")
     # one untimed start first (torch and the converters imported as the CLI would): the first ckptool process
     # on a host fills the bytecode cache (io/startup.py), ~4 s that would otherwise fall on

@@ -93,3 +93,24 @@ def test_readahead_stops_when_the_conversion_takes_over(tmp_path, monkeypatch):
     monkeypatch.setattr(prefetch, "pull", pull_then_stop)
     assert startup.readahead([big], 1 << 40, stop) == 4 * prefetch.PIECE
     assert calls == [(0, 4 * prefetch.PIECE)]
+
+
+def test_startup_readahead_only_where_cores_are_spare(tmp_path, monkeypatch):
+    """On a host of fewer than MIN_CORES cores the import needs the CPU: no start-up read-ahead
+    there unless CKPTOOL_READAHEAD=1; CKPTOOL_READAHEAD=0 turns it off everywhere."""
+    src = _megatron_like(tmp_path)
+    argv = ["reshard", str(src), str(tmp_path / "out"), "--tp", "4"]
+    monkeypatch.delenv("CKPTOOL_READAHEAD", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: startup.MIN_CORES - 1)
+    assert startup.start_readahead(argv) is None
+    monkeypatch.setenv("CKPTOOL_READAHEAD", "1")
+    t = startup.start_readahead(argv)
+    assert t is not None
+    t.join(10)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.delenv("CKPTOOL_READAHEAD")
+    t = startup.start_readahead(argv)
+    assert t is not None
+    t.join(10)
+    monkeypatch.setenv("CKPTOOL_READAHEAD", "0")
+    assert startup.start_readahead(argv) is None

@@ -17,7 +17,8 @@ read. Two things shorten or use that time:
   available memory (and 8 GiB) in all, so a source larger than memory does not push out what the
   conversion needs; pages already cached cost nothing. It ends when the conversion starts its own
   read-ahead of the groups it converts next (prefetch.HANDOVER), so it never competes with reads
-  in the order the conversion needs them. CKPTOOL_READAHEAD=0 turns it off.
+  in the order the conversion needs them. Only on hosts of MIN_CORES cores or more (see
+  start_readahead()). CKPTOOL_READAHEAD=0 turns it off, CKPTOOL_READAHEAD=1 on everywhere.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ READAHEAD_CAP = 8 << 30
 # bytes a start-up read-ahead call reads, with the kernel's own read-ahead off for its files: at
 # most this much of the source is queued at the disk at any moment (see readahead())
 STARTUP_PIECE = 4 << 20
+MIN_CORES = 4  # fewer: no start-up read-ahead unless CKPTOOL_READAHEAD=1 (start_readahead())
 _WALK_LIMIT = 20000  # entries looked at: a wrong argument (a home directory) must not cost seconds
 
 
@@ -205,8 +207,12 @@ def readahead_cap() -> int:
 
 
 def start_readahead(argv: Sequence[str]) -> Optional[threading.Thread]:
-    """Read-ahead of the command's source on a daemon thread (returns it, or None)."""
-    if os.environ.get("CKPTOOL_READAHEAD", "") == "0":
+    """Read-ahead of the command's source on a daemon thread (returns it, or None). Only on hosts
+    with cores to spare (MIN_CORES): torch's import keeps a core busy, and on the 2-core box the
+    read-ahead's system time (page allocation, I/O completion) slowed the import by about as much
+    as the bytes it read saved later (session 10). CKPTOOL_READAHEAD=1 turns it on anywhere."""
+    choice = os.environ.get("CKPTOOL_READAHEAD", "")
+    if choice == "0" or (choice != "1" and (os.cpu_count() or 1) < MIN_CORES):
         return None
     src = source_argument(argv)
     if src is None:
