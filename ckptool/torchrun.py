@@ -64,6 +64,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args([*torchrun_opts, "-m", "ckptool", *command])
     from .distributed import LAUNCHER_ENV
     os.environ[LAUNCHER_ENV] = "1"  # the ranks say their line at once: this launcher ends with it
+    from .io import prefetch
+    prefetch.HANDOVER.set()  # the workers read ahead from here, each what it converts next
     _quiet_torchrun_failure_logs()
     try:
         run(args)

@@ -66,16 +66,73 @@ def ckptool_commands() -> set:
     return cmds
 
 
+def _disk_sectors() -> tuple:
+    """(sectors read, sectors written) so far over the whole disks (/proc/diskstats; partitions,
+    loop and ram devices left out so no byte counts twice)."""
+    disks = {d for d in os.listdir("/sys/block") if not d.startswith(("loop", "ram", "dm-", "md"))}
+    rd = wr = 0
+    with open("/proc/diskstats") as f:
+        for line in f:
+            x = line.split()
+            if len(x) > 9 and x[2] in disks:
+                rd += int(x[5])
+                wr += int(x[9])
+    return rd, wr
+
+
+class DiskTrace:
+    """Disk read and write throughput during one timed command, per PERIOD seconds (--disk-trace):
+    shows whether the disk is kept busy the whole time or idles while the converter computes."""
+    PERIOD = 0.5
+
+    def __init__(self):
+        import threading
+        self.samples: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        last = _disk_sectors()
+        while not self._stop.wait(self.PERIOD):
+            now = _disk_sectors()
+            self.samples.append(((now[0] - last[0]) * 512, (now[1] - last[1]) * 512))
+            last = now
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> str:
+        mb = lambda b: f"{b / self.PERIOD / 1e6:.0f}"
+        return (f"disk MB/s every {self.PERIOD} s, read: " + " ".join(mb(r) for r, _ in self.samples)
+                + "\n    write: " + " ".join(mb(w) for _, w in self.samples))
+
+
+TRACE_DISK = False
+
+
 def timed(cmd: list, log: Path, env: dict = None) -> dict:
-    """Run cmd under GNU time (or rusage when absent): wall seconds, peak RSS bytes, rc."""
+    """Run cmd under GNU time (or rusage when absent): wall seconds, peak RSS bytes, rc (and, with
+    TRACE_DISK, the disk's throughput over the run)."""
     stats = log.with_suffix(".time")
     if Path("/usr/bin/time").exists():
         full = ["/usr/bin/time", "-o", str(stats), "-f", "%e %M"] + cmd
     else:
         full = cmd
+    trace = DiskTrace() if TRACE_DISK else None
     start = time.perf_counter()
     with open(log, "w") as f:
-        rc = subprocess.run(full, stdout=f, stderr=subprocess.STDOUT, env=dict(_env(), **(env or {}))).returncode
+        if trace is not None:
+            trace.__enter__()
+        try:
+            rc = subprocess.run(full, stdout=f, stderr=subprocess.STDOUT, env=dict(_env(), **(env or {}))).returncode
+        finally:
+            if trace is not None:
+                trace.__exit__()
     wall = time.perf_counter() - start
     if stats.exists() and stats.read_text().split():
         last = stats.read_text().split("\n")[-2].split()
@@ -83,7 +140,7 @@ def timed(cmd: list, log: Path, env: dict = None) -> dict:
     else:
         import resource
         rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # max over all children so far
-    return {"wall": wall, "rss": rss, "rc": rc, "log": log}
+    return {"wall": wall, "rss": rss, "rc": rc, "log": log, "disk": trace.summary() if trace else None}
 
 
 def dir_bytes(d: Path) -> int:
@@ -153,16 +210,27 @@ def print_profiles(profiles: dict, plan: dict) -> None:
         f"{total(s, 'cpu_user'):.1f} + {total(s, 'cpu_sys'):.1f}" for s in steps) + " |")
 
 
-CACHE_MODES = ("as-is", "warm", "cold")
+CACHE_MODES = ("as-is", "warm", "cold", "cold-src")
 
 
 def settle(mode: str, src: Path) -> None:
     """The same start for every timed command: nothing dirty (the previous output's pages and, on a
     disk mounted with `discard`, the trims of its deletion are done: sync), and the source either
     left as the last command left it (as-is), read into the page cache (warm), or dropped from it
-    (cold: every byte comes from the disk; needs root, /proc/sys/vm/drop_caches)."""
+    (cold: every byte comes from the disk; needs root, /proc/sys/vm/drop_caches; cold-src: only the
+    source's files dropped, with posix_fadvise DONTNEED, for a shared box: torch's own files stay
+    cached)."""
     subprocess.run(["sync"])
     if mode == "as-is":
+        return
+    if mode == "cold-src":  # only the source's pages dropped (no root; other jobs' caches stay)
+        for p in sorted(src.rglob("*")):
+            if p.is_file():
+                fd = os.open(p, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
         return
     with open("/proc/sys/vm/drop_caches", "w") as f:  # clean pages only: sync ran just before
         f.write("3\n")
@@ -232,6 +300,9 @@ def run_side_by_side(plan: dict, steps: list, size: int, work: Path, repeat: int
                 said.append("startup " + "/".join(f"{p['stages'].get('startup', [0])[0]:.1f}" for p in profs) + " s")
             print(f"  round {rnd + 1} {step}: {r['wall']:.1f} s, {ratios[step][-1]:.2f}x copy, "
                   f"{r['rss'] / 2**20:.0f} MiB" + (f" ({'; '.join(said)})" if said else ""), flush=True)
+            for name, _ in pair:
+                if measured[name].get("disk"):
+                    print(f"    {name}: {measured[name]['disk']}", flush=True)
     rows = []
     for step in steps:
         label, cmd = plan[step][:2]
@@ -316,13 +387,16 @@ def main(argv=None) -> int:
     ap.add_argument("--reuse-src", action="store_true", help="keep an existing OUT/src instead of regenerating")
     ap.add_argument("--cache", choices=CACHE_MODES, default="as-is",
                     help="the source's page-cache state before every timed command: as-is (what the last one "
-                         "left), warm (read in first) or cold (dropped; root only). Every mode syncs first")
+                         "left), warm (read in first), cold (dropped; root only) or cold-src (only the source's "
+                         "files dropped: no root, other jobs' caches kept). Every mode syncs first")
     ap.add_argument("--launcher", choices=("torchrun", "ckptool"), default="torchrun",
                     help="torchrun steps start with `torchrun -m ckptool` or `python -m ckptool.torchrun`")
     ap.add_argument("--variants", default="",
                     help="run each ckptool step once per variant (the variants of a step share one copy a round "
                          "and take turns going first): 'NAME:VAR=VALUE,VAR=VALUE;NAME2:' (environment of the "
                          "step's process)")
+    ap.add_argument("--disk-trace", action="store_true",
+                    help="print the disk's read and write MB/s every half second of each timed command")
     ap.add_argument("--ds-ckpt", type=Path, default=None,
                     help="ZeRO checkpoint for the deepspeed step (default: write one with scripts/ds_zero_case.py)")
     args = ap.parse_args(argv)
@@ -402,8 +476,10 @@ def main(argv=None) -> int:
         main_steps = expanded
     if args.profile:
         os.environ["CKPTOOL_PROFILE"] = "1"
+    global TRACE_DISK
+    TRACE_DISK = args.disk_trace
     profiles = {} if args.profile else None
-    if args.cache != "as-is" and not os.access("/proc/sys/vm/drop_caches", os.W_OK):
+    if args.cache in ("warm", "cold") and not os.access("/proc/sys/vm/drop_caches", os.W_OK):
         ap.error(f"--cache {args.cache} drops the page cache: it needs root (/proc/sys/vm/drop_caches)")
     # one untimed start first (torch and the converters imported as the CLI would): the first ckptool process
     # on a host fills the bytecode cache (io/startup.py), ~4 s that would otherwise fall on

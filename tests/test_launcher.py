@@ -130,3 +130,21 @@ def test_a_team_reads_each_source_byte_once_in_all(tmp_path):
     # model's bytes. Round-robin files read the row-parallel weights twice: 1.3x the tensor bytes.
     team_read = _read_bytes(team.stderr)
     assert tensor_bytes + 2 * headers <= team_read < 1.1 * tensor_bytes + 2 * headers, (team_read, tensor_bytes)
+
+
+def test_torchruns_launcher_hands_its_readahead_to_the_workers(monkeypatch):
+    """Through torchrun's agent (CKPTOOL_LAUNCHER=torchrun), the launcher's start-up read-ahead of
+    the source ends when the workers start: from there each reads ahead what it converts next."""
+    import torch.distributed.run as tdr
+    from ckptool import torchrun
+    from ckptool.io import prefetch, startup
+    seen = []
+    monkeypatch.setenv("CKPTOOL_LAUNCHER", "torchrun")
+    monkeypatch.setattr(startup, "prepare", lambda argv: None)
+    monkeypatch.setattr(tdr, "run", lambda args: seen.append(prefetch.HANDOVER.is_set()))
+    monkeypatch.setattr(torchrun, "_quiet_torchrun_failure_logs", lambda: None)
+    monkeypatch.setattr(prefetch, "HANDOVER", __import__("threading").Event())
+    from ckptool.distributed import LAUNCHER_ENV
+    monkeypatch.setenv(LAUNCHER_ENV, "")  # main() sets it: restored after the test
+    assert torchrun.main(["--nproc-per-node", "2", "merge", str(FIXTURE), "/nonexistent/out"]) in (0, None)
+    assert seen == [True]

@@ -69,3 +69,48 @@ def test_bytecode_cache_only_where_the_interpreter_would_not_keep_one(tmp_path):
     import py_compile
     py_compile.compile(str(pkg / "__init__.py"), doraise=True)
     assert _child(code, PYTHONDONTWRITEBYTECODE="1", CKPTOOL_PYCACHE=str(tmp_path / "other")) == "None None True"
+
+
+def test_readahead_stops_when_the_conversion_takes_over(tmp_path, monkeypatch):
+    """The start-up read-ahead ends once its stop event is set (prefetch.HANDOVER: set when the
+    conversion starts its own read-ahead), between pieces, not after the whole cap."""
+    import threading
+    from ckptool.io import prefetch
+    big = tmp_path / "big"
+    big.write_bytes(os.urandom(3 * 4 * prefetch.PIECE))
+    stop = threading.Event()
+    stop.set()
+    assert startup.readahead([big], 1 << 40, stop) == 0
+    calls = []
+    real = prefetch.pull
+
+    def pull_then_stop(fd, off, n, st=None, piece=prefetch.PIECE):
+        calls.append((off, n))
+        got = real(fd, off, n, st, piece)
+        stop.set()  # the conversion started while the first piece was read
+        return got
+    stop.clear()
+    monkeypatch.setattr(prefetch, "pull", pull_then_stop)
+    assert startup.readahead([big], 1 << 40, stop) == 4 * prefetch.PIECE
+    assert calls == [(0, 4 * prefetch.PIECE)]
+
+
+def test_startup_readahead_only_where_cores_are_spare(tmp_path, monkeypatch):
+    """On a host of fewer than MIN_CORES cores the import needs the CPU: no start-up read-ahead
+    there unless CKPTOOL_READAHEAD=1; CKPTOOL_READAHEAD=0 turns it off everywhere."""
+    src = _megatron_like(tmp_path)
+    argv = ["reshard", str(src), str(tmp_path / "out"), "--tp", "4"]
+    monkeypatch.delenv("CKPTOOL_READAHEAD", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: startup.MIN_CORES - 1)
+    assert startup.start_readahead(argv) is None
+    monkeypatch.setenv("CKPTOOL_READAHEAD", "1")
+    t = startup.start_readahead(argv)
+    assert t is not None
+    t.join(10)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.delenv("CKPTOOL_READAHEAD")
+    t = startup.start_readahead(argv)
+    assert t is not None
+    t.join(10)
+    monkeypatch.setenv("CKPTOOL_READAHEAD", "0")
+    assert startup.start_readahead(argv) is None

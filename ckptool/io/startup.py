@@ -11,11 +11,14 @@ read. Two things shorten or use that time:
   bytecode under its own cache folder (sys.pycache_prefix: nothing is written beside any source;
   Python checks each entry against its source's mtime). CKPTOOL_PYCACHE=0 turns this off;
   CKPTOOL_PYCACHE=DIR picks the folder (default $XDG_CACHE_HOME/ckptool/pycache).
-- Read-ahead. A background thread asks the kernel (posix_fadvise WILLNEED) to start reading the
-  source's files while torch is imported, so the disk works during the import. Only the first
-  part of each file is asked for, at most a quarter of the available memory (and 8 GiB) in all, so
-  a source larger than memory does not push out what the conversion needs; pages already cached
-  cost nothing. CKPTOOL_READAHEAD=0 turns it off.
+- Read-ahead. A background thread reads the source's files into the page cache while torch is
+  imported, so the disk works during the import (prefetch.pull: the bytes are read, not hinted,
+  and thrown away). Only the first part of each file, the files in turn, at most a quarter of the
+  available memory (and 8 GiB) in all, so a source larger than memory does not push out what the
+  conversion needs; pages already cached cost nothing. It ends when the conversion starts its own
+  read-ahead of the groups it converts next (prefetch.HANDOVER), so it never competes with reads
+  in the order the conversion needs them. Only on hosts of MIN_CORES cores or more (see
+  start_readahead()). CKPTOOL_READAHEAD=0 turns it off, CKPTOOL_READAHEAD=1 on everywhere.
 """
 from __future__ import annotations
 
@@ -25,9 +28,15 @@ import threading
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+from . import prefetch
+
 # commands whose first path argument is a checkpoint that is read whole
 READING_COMMANDS = {"merge", "reshard", "fix-vocab", "to-hf", "from-hf"}
 READAHEAD_CAP = 8 << 30
+# bytes a start-up read-ahead call reads, with the kernel's own read-ahead off for its files: at
+# most this much of the source is queued at the disk at any moment (see readahead())
+STARTUP_PIECE = 4 << 20
+MIN_CORES = 4  # fewer: no start-up read-ahead unless CKPTOOL_READAHEAD=1 (start_readahead())
 _WALK_LIMIT = 20000  # entries looked at: a wrong argument (a home directory) must not cost seconds
 
 
@@ -131,10 +140,21 @@ def _available_memory() -> int:
     return 0
 
 
-def readahead(files: Sequence[Path], cap: int) -> int:
-    """Ask the kernel to read the first cap/len(files) bytes of each file (small files whole).
-    Returns the bytes asked for."""
-    if not hasattr(os, "posix_fadvise") or not files or cap <= 0:
+def readahead(files: Sequence[Path], cap: int, stop: Optional[threading.Event] = None) -> int:
+    """Read the first cap/len(files) bytes of each file into the page cache (small files whole),
+    the files in turn, a few pieces of each at a time, so every file's head arrives early; ends
+    once stop is set. Returns the bytes read.
+
+    Read, not hinted (posix_fadvise WILLNEED): the kernel caps a hint at one read-ahead window,
+    8 MiB of a 2 GiB share on the device machine (prefetch.py says more).
+
+    One STARTUP_PIECE at a time, the kernel's read-ahead off for these reads (POSIX_FADV_RANDOM on
+    this open file only): the import running beside it reads torch's libraries page fault by page
+    fault, each a small synchronous read that queues behind whatever the disk was given first.
+    With sendfile's usual read-ahead (8 MiB pieces and windows) in flight, the import took 6.8 s
+    instead of 2.1 s on the device machine (session 10): it waited behind 8 GiB of source reads.
+    With one 4 MiB read queued at a time, an import fault waits for a few milliseconds at most."""
+    if not files or cap <= 0:
         return 0
     sizes = []
     for p in files:
@@ -142,40 +162,66 @@ def readahead(files: Sequence[Path], cap: int) -> int:
             sizes.append((p, p.stat().st_size))
         except OSError:
             pass
-    asked, left = 0, cap
     # small files (configs, trackers, optimizer-less ranks) whole first, then equal shares of the rest
     sizes.sort(key=lambda x: x[1])
+    todo, left = [], cap
     for i, (p, size) in enumerate(sizes):
         share = min(size, left // (len(sizes) - i))
-        if share <= 0:
-            continue
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.posix_fadvise(fd, 0, share, os.POSIX_FADV_WILLNEED)
-            asked += share
+        if share > 0:
+            todo.append([p, 0, share])
             left -= share
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return asked
+    step = 4 * prefetch.PIECE
+    done = 0
+    while todo and not (stop is not None and stop.is_set()):
+        for item in list(todo):
+            p, at, share = item
+            n = min(step, share - at)
+            try:
+                fd = os.open(p, os.O_RDONLY)
+            except OSError:
+                todo.remove(item)
+                continue
+            try:
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                got = prefetch.pull(fd, at, n, stop, STARTUP_PIECE)
+            except OSError:
+                got = 0
+            finally:
+                os.close(fd)
+            done += got
+            item[1] += got
+            if got < n or item[1] >= share:
+                todo.remove(item)
+            if stop is not None and stop.is_set():
+                break
+    return done
+
+
+def readahead_cap() -> int:
+    """READAHEAD_CAP, or CKPTOOL_READAHEAD_CAP GiB (a knob for measuring how much helps)."""
+    try:
+        return int(float(os.environ["CKPTOOL_READAHEAD_CAP"]) * (1 << 30))
+    except (KeyError, ValueError):
+        return READAHEAD_CAP
 
 
 def start_readahead(argv: Sequence[str]) -> Optional[threading.Thread]:
-    """Read-ahead of the command's source on a daemon thread (returns it, or None)."""
-    if os.environ.get("CKPTOOL_READAHEAD", "") == "0":
+    """Read-ahead of the command's source on a daemon thread (returns it, or None). Only on hosts
+    with cores to spare (MIN_CORES): torch's import keeps a core busy, and on the 2-core box the
+    read-ahead's system time (page allocation, I/O completion) slowed the import by about as much
+    as the bytes it read saved later (session 10). CKPTOOL_READAHEAD=1 turns it on anywhere."""
+    choice = os.environ.get("CKPTOOL_READAHEAD", "")
+    if choice == "0" or (choice != "1" and (os.cpu_count() or 1) < MIN_CORES):
         return None
     src = source_argument(argv)
     if src is None:
         return None
-    cap = min(READAHEAD_CAP, _available_memory() // 4)
+    cap = min(readahead_cap(), _available_memory() // 4)
 
     def run() -> None:
         try:
-            readahead(files_to_read(src), cap)
+            readahead(files_to_read(src), cap, prefetch.HANDOVER)
         except OSError:
             pass  # only a hint: the conversion reads what it needs anyway
 
