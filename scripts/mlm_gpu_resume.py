@@ -7,7 +7,7 @@ here first) and ckptool importable from this repository. Every Megatron-LM run u
 local with the fusions off, so neither Transformer Engine nor apex is needed (docs/megatron-lm-gpu.md).
 
 What runs, in order (several Megatron-LM jobs share the 4 GPUs at once: one process per GPU each):
-  train    Megatron-LM trains each source job 5 steps at TP2 PP2 (MoE: TP2 EP2), saving at step 3:
+  train    Megatron-LM trains each source job 5 steps at TP2 PP2 (MoE: TP1 EP2), saving at step 3:
            GPT-2 style and Llama style, Adam and --use-distributed-optimizer, torch and torch_dist
            format, the torch-format job twice. Steps 4 and 5 of these runs are the reference; the
            repeats (and the torch_dist run, whose training is the same job) measure run-to-run noise.
@@ -60,11 +60,13 @@ MODELS = {
     "gpt2": "--ffn-hidden-size 1024".split(),
     "llama": LLAMA,
     "mixtral": LLAMA + """--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 704
- --moe-aux-loss-coeff 0.01 --moe-token-dispatcher-type alltoall --sequence-parallel""".split(),
+ --moe-aux-loss-coeff 0.01 --moe-token-dispatcher-type alltoall""".split(),
 }
 SAVE_STEP, LAST_STEP = 3, 5
 JOB_TIMEOUT_S = 240  # one job; a hung NCCL collective must not eat the call
-SOURCE_LAYOUT = {"dense": dict(tp=2, pp=2, ep=1), "moe": dict(tp=2, pp=1, ep=2)}
+# MoE trains at TP1: megatron-core's MoE layer wants sequence parallelism at TP > 1, which its torch
+# norms (no Transformer Engine or apex here) refuse (docs/megatron-lm-gpu.md).
+SOURCE_LAYOUT = {"dense": dict(tp=2, pp=2, ep=1), "moe": dict(tp=1, pp=1, ep=2)}
 # Where each source goes: name -> (tp, pp, ep, dp); dp = 4 / (tp * pp) for the dense part.
 TARGETS = {"dense": {"tp1pp4": (1, 4, 1, 1), "tp4pp1": (4, 1, 1, 1), "tp2pp1dp2": (2, 1, 1, 2)},
            "moe": {"tp1ep4": (1, 1, 4, 4)}}
@@ -274,8 +276,8 @@ class Driver:
             if s["kind"] != "moe" or s["fmt"] != "torch" or not self.trained(name):
                 continue
             out = self.work / f"logits-{name}.pt"
-            extra = ["--load", str(self.work / "src" / name), "--no-load-optim", "--no-load-rng",
-                     "--ckpt-format", "torch"]  # no --bf16: an fp32 model, the 16-bit weights upcast
+            extra = ["--load", str(self.work / "src" / name), "--ckpt-step", str(SAVE_STEP), "--no-load-optim",
+                     "--no-load-rng", "--ckpt-format", "torch"]  # no --bf16: an fp32 model, the 16-bit weights upcast
             jobs.append(self.megatron(f"logits-{name}", "logits", s["model"], SOURCE_LAYOUT["moe"], extra,
                                       dict(s, source=name, logits=str(out)),
                                       script=str(REPO / "scripts" / "mlm_logits.py"),
@@ -298,7 +300,8 @@ class Driver:
                 continue
             seen.add(key)
             lay = o["layout"]
-            nproc = lay["tp"] * lay["pp"] * lay["ep"] if o["kind"] == "dense" else NPROC
+            # torch format: a rank per file (TP x PP x EP); torch_dist runs at the stored TP x PP
+            nproc = lay["tp"] * lay["pp"] * (lay["ep"] if o["fmt"] == "torch" else 1)
             args = ["verify", o["dst"]]
             logits = self.work / f"logits-{o['source']}.pt"  # Megatron-LM's own, where computed
             if o["kind"] == "moe" and logits.exists():
