@@ -4,23 +4,28 @@
 
 Needs 4 GPUs (NCCL), a Megatron-LM checkout (run from source, unmodified; its dataset helper is built
 here first) and ckptool importable from this repository. Every Megatron-LM run uses --transformer-impl
-local with the fusions off, so neither Transformer Engine nor apex is needed (docs/megatron-lm-gpu.md).
+local with the fusions off, so neither Transformer Engine nor apex is needed, and goes through
+scripts/mlm_torch_adam.py, without which Megatron-LM's distributed optimizer cannot resume on torch's
+Adam (docs/megatron-lm-gpu.md has the figures of a run and what Megatron-LM needed).
 
 What runs, in order (several Megatron-LM jobs share the 4 GPUs at once: one process per GPU each):
-  train    Megatron-LM trains each source job 5 steps at TP2 PP2 (MoE: TP1 EP2), saving at step 3:
-           GPT-2 style and Llama style, Adam and --use-distributed-optimizer, torch and torch_dist
-           format, the torch-format job twice. Steps 4 and 5 of these runs are the reference; the
-           repeats (and the torch_dist run, whose training is the same job) measure run-to-run noise.
+  train    Megatron-LM trains each source job 5 steps, saving at step 3: GPT-2 style and Llama style
+           at TP2 PP2 with Adam (also in fp32: adamfp32) and with --use-distributed-optimizer, in
+           torch and torch_dist format, the torch-format job twice; a Mixtral-like MoE at TP1 EP2.
+           Steps 4 and 5 of these runs are the reference; the repeats (and the torch_dist run, whose
+           training is the same job) measure run-to-run noise.
   convert  ckptool reshards each step-3 checkpoint with its optimizer to TP1 PP4, TP4 PP1 and TP2 PP1
-           DP2 (MoE: TP1 EP4); weights-only reshards beside them; the MoE model also goes to-hf.
-  resume   Megatron-LM loads each output at its layout (--no-load-rng; weights-only: --no-load-optim)
-           and trains steps 4 and 5; controls resume the untouched step-3 checkpoints at TP2 PP2.
+           DP2 (MoE: TP1 EP4); weights-only reshards beside the Adam ones; the MoE model also to-hf.
   logits   Megatron-LM's own fp32 logits of the MoE step-3 checkpoint (scripts/mlm_logits.py) against
            transformers' logits of ckptool's to-hf output.
+  resume   Megatron-LM loads each output at its layout (--no-load-rng; weights-only: --no-load-optim)
+           and trains steps 4 and 5; controls resume the untouched step-3 checkpoints (torch format)
+           at their own layout.
   verify   `torchrun -m ckptool verify` with NCCL on every resharded output (the MoE one against
            Megatron-LM's logits too).
 Results: OUT/results.json (every job: command, exit status, wall seconds, losses by step),
-OUT/summary.md (the tables docs/megatron-lm-gpu.md quotes) and OUT/logs.tgz (every job's output).
+OUT/summary.md (gaps to the reference, noise, logits and verify lines) and OUT/logs.tgz (every
+job's output). A job not started before --budget-s has rc None.
 """
 from __future__ import annotations
 
@@ -428,7 +433,7 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=400, help="start no job after this many seconds")
     ap.add_argument("--phases", default="train,convert,resume,logits,verify")
     ap.add_argument("--no-repeats", action="store_true", help="train each source job once (no noise runs)")
-    ap.add_argument("--optims", default="adam,distopt", help="comma list of adam, distopt")
+    ap.add_argument("--optims", default="adam,distopt", help="dense jobs' optimizers: comma list of adam, distopt, adamfp32 (Adam in an fp32 run)")
     ap.add_argument("--verify-models", default="gpt2,llama,mixtral", help="models whose outputs verify runs")
     a = ap.parse_args()
     started = time.time()
