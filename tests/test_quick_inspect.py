@@ -114,12 +114,24 @@ def megatron_dirs(tmp_path_factory):
     ckptool.merge(dirs["mlm_mcore_gpt2_torch_tp2pp2_weights"], root / "dist_gpt2", format="torch_dist")
     ckptool.merge(dirs["llama_legacy_norm"], root / "dist_llama", format="torch_dist")
     dirs["dist_gpt2"], dirs["dist_llama"] = root / "dist_gpt2", root / "dist_llama"
+    # torch_dist of a run with an uneven pipeline split (the args' first / last stage layer counts)
+    ckptool.reshard(dirs["gpt2_mcore"], root / "dist_uneven", tp=1, pp=2, pp_layers="3,1", format="torch_dist",
+                    optimizer=False)
+    dirs["dist_uneven"] = root / "dist_uneven"
     return dirs
 
 
 QUICK_MEGATRON = ["gpt2_mcore", "llama_legacy_norm", "mlm_mcore_gpt2_torch_tp2pp2_weights",
-                  "mlm_legacy_gpt2_torch_tp2pp2_weights", "gpt2_mcore_vpp", "dist_gpt2", "dist_llama",
+                  "mlm_legacy_gpt2_torch_tp2pp2_weights", "gpt2_mcore_vpp", "dist_gpt2", "dist_llama", "dist_uneven",
                   "mlm_mcore_gpt2_torch_tp2pp2", "mlm_legacy_gpt2_torch_tp2pp2"]
+
+
+def test_torch_dist_inspect_reports_the_runs_uneven_pipeline_split(megatron_dirs, monkeypatch):
+    """torch_dist files hold global tensors: the split a run trained with is only in its args
+    (decoder_first/last_pipeline_num_layers), and inspect reports it, with and without torch."""
+    got = json.loads(quick_equals_full(monkeypatch, megatron_dirs["dist_uneven"]))
+    assert got["layout"]["stage_layers"] == [3, 1] and got["layout"]["pp"] == 2
+    assert "layers/stage 3,1" in torch_free("inspect", megatron_dirs["dist_uneven"])
 
 
 @pytest.mark.parametrize("kind", QUICK_MEGATRON)

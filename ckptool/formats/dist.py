@@ -356,12 +356,9 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     tensors = assemble(cfg, shards, policy)
     _check_complete(tensors, cfg, d)
     tensors = in_model_order(tensors, cfg)
-    tp = getattr(args, "tensor_model_parallel_size", None) or 1
-    pp = getattr(args, "pipeline_model_parallel_size", None) or 1
-    ep = (getattr(args, "expert_model_parallel_size", None) or 1) if cfg.moe is not None else 1
     info = SourceInfo(path=str(path), format=FORMAT,
                       dialect="mcore-dist" if stacked else "mcore-dist-per-layer",
-                      layout=Layout(tp=tp, pp=pp, vpp=megatron_args.virtual_pipeline_size(args, cfg.num_layers), ep=ep),
+                      layout=megatron_args.run_layout(args, cfg),
                       release=release, iteration=iteration if iteration is not None else common.get("iteration"),
                       checkpoint_version=common.get("checkpoint_version"), args=args,
                       extra={"replica_policy": policy, "plain_dcp": backend is None})

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from ..config import MLA, MoE, GPTConfig, Layout, Yarn, moe_layers_megatron, yarn_mscale
 from ..errors import CkptError, require
+from . import megatron_buffers
 from .megatron_buffers import FIRST_STAGE_ARGS, LAST_STAGE_ARGS
 
 if TYPE_CHECKING:  # config_from_args runs without torch (quick inspect); args_for_target imports it
@@ -64,6 +65,26 @@ POSITIVE_INT_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "num_qu
                      "ffn_hidden_size", "make_vocab_size_divisible_by")
 NONNEGATIVE_INT_ARGS = ("max_position_embeddings", "seq_length", "vocab_size", "padded_vocab_size")
 REAL_ARGS = ("norm_epsilon", "layernorm_epsilon", "rotary_base", "rotary_percent", "rope_scaling_factor")
+
+
+def run_layout(args, cfg: GPTConfig) -> Layout:
+    """The layout a torch_dist checkpoint's run trained at, from its args: TP, PP, its virtual pipeline
+    size, EP for MoE models, and an uneven pipeline split where the first / last stage args give one.
+    The files hold global tensors, so nothing is read by this layout: it is what inspect reports, what
+    verify runs by default, what fix-vocab keeps."""
+    tp = _get(args, "tensor_model_parallel_size", default=1) or 1
+    pp = _get(args, "pipeline_model_parallel_size", default=1) or 1
+    ep = (_get(args, "expert_model_parallel_size", default=1) or 1) if cfg.moe is not None else 1
+    vpp = virtual_pipeline_size(args, cfg.num_layers)
+    split = None
+    if pp > 1 and vpp is None:
+        try:
+            split = megatron_buffers.stage_layers(args, cfg.num_layers, pp, "")
+        except CkptError:  # args that do not fit the layers: the even split, as before they were read
+            split = None
+        if split is not None and len(set(split)) == 1:
+            split = None
+    return Layout(tp=int(tp), pp=int(pp), vpp=vpp, ep=int(ep), stage_layers=split)
 
 
 def virtual_pipeline_size(args, num_layers: int) -> Optional[int]:

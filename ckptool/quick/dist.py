@@ -21,7 +21,6 @@ import re
 from pathlib import Path
 from typing import Dict, Optional
 
-from ..config import Layout
 from ..errors import CkptError
 from ..formats import megatron_args
 from ..formats.dist_files import COMMON_FILE, COMMON_KEY, CONFIG_FILE, DCP_METADATA, locate
@@ -196,11 +195,8 @@ def _checkpoint(path, format_name, d, meta, common, iteration, release) -> Optio
     stored = sum(_numel(t.shape) for k, t in keys.items() if not (cfg.tied_embeddings and k == HEAD))
     if stored != sum(_numel(s) for s in shapes.values()):
         return None  # tensors outside the model the args describe: the full reader names them
-    tp = getattr(args, "tensor_model_parallel_size", None) or 1
-    pp = getattr(args, "pipeline_model_parallel_size", None) or 1
-    ep = (getattr(args, "expert_model_parallel_size", None) or 1) if cfg.moe is not None else 1
     info = SourceInfo(path=str(path), format=format_name, dialect="mcore-dist" if stacked else "mcore-dist-per-layer",
-                      layout=Layout(tp=tp, pp=pp, vpp=megatron_args.virtual_pipeline_size(args, cfg.num_layers), ep=ep),
+                      layout=megatron_args.run_layout(args, cfg),
                       release=release,
                       iteration=iteration if iteration is not None else common.get("iteration"),
                       checkpoint_version=common.get("checkpoint_version"), args=args)
