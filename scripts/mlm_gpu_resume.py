@@ -378,6 +378,9 @@ def fmt_losses(losses: Dict[int, float]) -> str:
 
 
 def summary(jobs: List[Job], seconds: float) -> str:
+    """OUT/summary.md: the jobs that failed; per source job, each resume's losses and gaps beside the
+    reference (its own steps 4 and 5); the noise between runs of the same training; the logits and
+    verify lines."""
     by = {j.name: j for j in jobs}
     lines = [f"# Megatron-LM resumes from ckptool's reshards ({seconds:.0f} s)", ""]
     failed = [j for j in jobs if j.rc not in (0,)]
@@ -409,7 +412,7 @@ def summary(jobs: List[Job], seconds: float) -> str:
         if j.phase in ("logits", "verify"):
             text = j.log.read_text(errors="replace").splitlines() if j.log and j.log.exists() else []
             keys = ("max_abs_error", "result", "top1_agreement", "mean_kl", "wrote ")
-            said = [ln.strip() for ln in text if ln.startswith(keys) or "max_abs_error=" in ln]
+            said = [ln.strip() for ln in text[1:] if ln.startswith(keys) or "max_abs_error=" in ln]  # [0]: the command
             lines.append(f"- {j.name}: rc {j.rc}, {j.wall} s: " + "; ".join(said[-6:]))
     return "\n".join(lines) + "\n"
 
