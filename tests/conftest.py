@@ -214,7 +214,7 @@ class FrameworkRuns:
                     self.followed[s] = (True, end.value)
                     del gens[s]
                     continue
-                except Exception as e:  # its own fixture raises it; the others go on
+                except (Exception, pytest.skip.Exception, pytest.fail.Exception) as e:  # its fixture raises it; the others go on
                     self.followed[s] = (False, e)
                     del gens[s]
                     continue
