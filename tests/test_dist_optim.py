@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import copy_run, declare_runs, real_checkpoint, run_torchrun, shared_followups
+from conftest import copy_run, declare_runs, real_checkpoint, shared_followups
 from ckptool.config import Layout
 from ckptool.convert import write_layout
 from ckptool.errors import CkptError
@@ -41,11 +41,6 @@ needs_mcore = pytest.mark.skipif(not HAVE_MCORE, reason="megatron-core is not in
 LOSS_TOL = 2e-3
 SLOTS = ["master", "exp_avg", "exp_avg_sq"]
 TORCH_CASES = ["mlm_mcore_gpt2_torch_tp2pp2", "mlm_legacy_gpt2_torch_tp2pp2"]
-
-
-def torchrun(*jobs: str, timeout: int = 600) -> None:
-    r = run_torchrun(2, HELPER, *jobs, timeout=timeout)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
 
 
 def losses(path: Path) -> torch.Tensor:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import copy_run, declare_runs, run_torchrun, shared_followups
+from conftest import copy_run, declare_runs, shared_followups
 
 from ckptool import api
 from ckptool.errors import CkptError
@@ -33,11 +33,6 @@ pytestmark = pytest.mark.skipif(not HAVE_MCORE, reason="megatron-core is not ins
 
 # (tp, pp, ep) layouts written by ckptool and loaded by megatron-core (4 processes: DP fills the rest)
 LAYOUTS = [(1, 1, 1), (1, 1, 4), (1, 2, 2), (2, 1, 2)]
-
-
-def torchrun(jobs, nproc=4, timeout=400):
-    r = run_torchrun(nproc, HELPER, *jobs, timeout=timeout)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
