@@ -145,9 +145,14 @@ def declare_runs(helper: Path, nproc: int, jobs: dict) -> dict:
 _SELECTED_FIXTURES: set = set()  # every fixture a selected test uses (directly or through another)
 
 
+_SELECTED_FILE_FIXTURES: set = set()  # (test file, fixture name) of every selected test's fixtures
+
+
 def pytest_collection_finish(session):
     _SELECTED.update(str(Path(str(item.fspath)).resolve()) for item in session.items)
     _SELECTED_FIXTURES.update(name for item in session.items for name in getattr(item, "fixturenames", ()))
+    _SELECTED_FILE_FIXTURES.update((str(Path(str(item.fspath)).resolve()), name)
+                                   for item in session.items for name in getattr(item, "fixturenames", ()))
 
 
 class FrameworkRuns:
@@ -160,6 +165,7 @@ class FrameworkRuns:
     def __init__(self, root: Path):
         self.root = root
         self.done: dict = {}  # (helper file name, nproc, job) -> stem
+        self.followed: dict = {}  # steps (see shared_followups) -> (True, its value) or (False, what failed)
 
     def __call__(self, helper: Path, nproc: int, jobs: dict, timeout: int = 900) -> dict:
         keys = {name: (Path(helper).name, nproc, job) for name, job in jobs.items()}
@@ -177,6 +183,77 @@ class FrameworkRuns:
             assert r.returncode == 0, f"{Path(helper).name} {[k[2] for k in todo]}: " + r.stdout[-3000:] + r.stderr[-6000:]
             self.done.update(todo)
         return {name: self.done[key] for name, key in keys.items()}
+
+
+    def followup(self, steps):
+        """The value of a shared_followups steps function (see there), run with the selected tests' other ones."""
+        if steps not in self.followed:
+            todo = [steps] + [s for file, fixture, s in _FOLLOWUPS
+                              if s is not steps and s not in self.followed and (file, fixture) in _SELECTED_FILE_FIXTURES]
+            gens = {}
+            for s in todo:
+                d = self.root / f"followup{len(self.followed)}_{s.__name__}"
+                d.mkdir()
+                gens[s] = s(self, d)
+                self.followed[s] = (False, RuntimeError(f"{s.__module__}.{s.__name__} did not finish"))
+            self._advance(gens)
+        ok, value = self.followed[steps]
+        if not ok:
+            raise value
+        return value
+
+    def _advance(self, gens: dict) -> None:
+        """Run the generators in rounds: each goes on to its next yield (or its end); the launches they asked
+        for run, every job of one helper at one process count in one torchrun launch; again until all ended."""
+        while gens:
+            asked: dict = {}  # (helper, nproc) -> [(steps, job)]
+            for s, g in list(gens.items()):
+                try:
+                    launches = next(g)
+                except StopIteration as end:
+                    self.followed[s] = (True, end.value)
+                    del gens[s]
+                    continue
+                except (Exception, pytest.skip.Exception, pytest.fail.Exception) as e:  # its fixture raises it; the others go on
+                    self.followed[s] = (False, e)
+                    del gens[s]
+                    continue
+                for helper, nproc, jobs in launches:
+                    asked.setdefault((Path(helper).resolve(), nproc), []).extend((s, job) for job in jobs)
+            for (helper, nproc), jobs in asked.items():
+                owners = list(dict.fromkeys(s for s, _ in jobs))
+                r = run_torchrun(nproc, helper, *(job for _, job in jobs), timeout=600 * len(owners))
+                if r.returncode != 0:
+                    why = AssertionError(f"{helper.name} {[job for _, job in jobs]}: " + r.stdout[-3000:] + r.stderr[-6000:])
+                    for s in owners:
+                        if s in gens:
+                            gens.pop(s).close()
+                            self.followed[s] = (False, why)
+
+
+# --- follow-up runs shared by the session ---------------------------------------------------------------
+# A test file's module fixture that starts from framework runs, converts them with ckptool and has the same
+# helpers load or resume the results (its own launch after the shared ones) declares those steps with
+# shared_followups: the first such fixture the session needs runs every selected file's steps together, so
+# one torchrun launch per helper and process count serves all of them, round after round.
+
+_FOLLOWUPS: list = []  # (declaring test file, fixture name, steps)
+
+
+def shared_followups(steps):
+    """Decorator: steps(framework_runs, folder) is a generator making a module fixture's value in its own fresh
+    folder. Each `yield [(helper, nproc, [job, ...]), ...]` asks for helper runs (the FrameworkRuns job text with
+    paths filled in) and resumes once they ran, beside every other selected file's steps' runs of the same helper
+    and process count (one launch); `return` gives the fixture's value. Returns the module-scoped fixture named as
+    steps is (its tests see that value, or the error its steps or launches met)."""
+    file = str(Path(sys._getframe(1).f_globals["__file__"]).resolve())
+    _FOLLOWUPS.append((file, steps.__name__, steps))
+
+    @pytest.fixture(scope="module", name=steps.__name__)
+    def fixture(framework_runs):
+        return framework_runs.followup(steps)
+    fixture.__doc__ = steps.__doc__
+    return fixture
 
 
 def copy_run(stem: Path, dest: Path) -> None:

@@ -2,7 +2,8 @@
 MLASelfAttention, --qk-layernorm for the latent norms) built from the args in a Megatron torch checkpoint
 ckptool wrote, loaded strictly (every parameter found, nothing left over), and its logits for TOKENS,
 gathered over TP, saved to --out with its parameter names in order and how many MoE layers megatron-core built
-from the args. World size = TP (PP 1, dense MLP layers).
+from the args. World size = TP x DP (PP 1, dense MLP layers; --tp, default the world size: at DP > 1 every DP rank
+loads the same files, as a Megatron-LM run at that DP does, and the first writes --out).
 
 YaRN (--rope-type yarn) is megatron-core's YarnRotaryEmbedding, built from the checkpoint's args.
 
@@ -16,7 +17,9 @@ DotProductAttention takes (TE does not install on this CPU machine): HeadDimsAtt
 one kernel (causal softmax(q k^T * softmax_scale) v); every projection, norm, rope split and rotation, and the
 TP layout are megatron-core's own.
 
-Usage: torchrun --nproc-per-node TP tests/mcore_mla_helper.py DIR [--dist] [--save-dist DIR2] --out FILE
+Usage: torchrun --nproc-per-node N tests/mcore_mla_helper.py JOB...: each argument one job
+'DIR [--tp T] [--dist] [--save-dist DIR2] --out FILE', run in turn in one gloo process group (one start of
+megatron-core for all: importing it is the slow part).
 """
 import argparse
 import sys
@@ -67,27 +70,22 @@ class HeadDimsAttention(torch.nn.Module):
         return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("dir")
-    ap.add_argument("--dist", action="store_true")
-    ap.add_argument("--save-dist")
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
-    dist.init_process_group("gloo")
-    tp = dist.get_world_size()
+def run_job(a) -> None:
+    """One job (see the module docstring) in the process group already started."""
+    tp = a.tp or dist.get_world_size()
     rank = dist.get_rank()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
     if a.dist:  # the run's args from the common state; the tensors below, resharded to this TP on load
         it_dir = Path(a.dir) / f"iter_{int((Path(a.dir) / 'latest_checkpointed_iteration.txt').read_text()):07d}"
         args = torch.load(it_dir / "common.pt", weights_only=False)["args"]
         assert args.ckpt_format == "torch_dist" and args.transformer_impl == "local"
     else:
-        sd = torch.load(Path(a.dir) / "iter_0000000" / f"mp_rank_{rank:02d}" / "model_optim_rng.pt",
+        sd = torch.load(Path(a.dir) / "iter_0000000" / f"mp_rank_{tp_rank:02d}" / "model_optim_rng.pt",
                         weights_only=False)
         args = sd["args"]
         assert args.tensor_model_parallel_size == tp
     assert args.multi_latent_attention
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     cfg = MLATransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         ffn_hidden_size=args.ffn_hidden_size, tensor_model_parallel_size=tp, use_cpu_initialization=True,
@@ -138,6 +136,21 @@ def main():
     if rank == 0:  # the logits, and the parameter order (what megatron-core's optimizer groups follow)
         torch.save({"logits": out, "params": [n for n, _ in model.named_parameters()],
                     "moe_layers": sum(isinstance(m, MoELayer) for m in model.modules())}, a.out)
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("dir")
+    ap.add_argument("--tp", type=int, help="tensor-parallel size (default: the world size)")
+    ap.add_argument("--dist", action="store_true")
+    ap.add_argument("--save-dist")
+    ap.add_argument("--out", required=True)
+    jobs = [ap.parse_args(job.split()) for job in sys.argv[1:]]
+    dist.init_process_group("gloo")
+    for job in jobs:
+        run_job(job)
     dist.destroy_process_group()
 
 

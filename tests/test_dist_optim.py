@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import copy_run, declare_runs, real_checkpoint, run_torchrun
+from conftest import copy_run, declare_runs, real_checkpoint, shared_followups
 from ckptool.config import Layout
 from ckptool.convert import write_layout
 from ckptool.errors import CkptError
@@ -41,11 +41,6 @@ needs_mcore = pytest.mark.skipif(not HAVE_MCORE, reason="megatron-core is not in
 LOSS_TOL = 2e-3
 SLOTS = ["master", "exp_avg", "exp_avg_sq"]
 TORCH_CASES = ["mlm_mcore_gpt2_torch_tp2pp2", "mlm_legacy_gpt2_torch_tp2pp2"]
-
-
-def torchrun(*jobs: str, timeout: int = 600) -> None:
-    r = run_torchrun(2, HELPER, *jobs, timeout=timeout)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
 
 
 def losses(path: Path) -> torch.Tensor:
@@ -108,20 +103,25 @@ SAVES = declare_runs(HELPER, 2, {"plain": "save {out} --tp 2 --form plain --live
             for name, (how, _) in MORE_FORMS.items()}})
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, framework_runs):
+def copy_saves(framework_runs, root: Path) -> Path:
+    """The session's SAVES, copied into root."""
     if not HAVE_MCORE:
         pytest.skip("megatron-core is not installed (pip install megatron-core: test-only extra)")
-    root = tmp_path_factory.mktemp("dist_optim")
     for name, stem in framework_runs(HELPER, 2, SAVES, timeout=600).items():
         copy_run(stem, root / name)
     return root
 
 
 @pytest.fixture(scope="module")
-def resumed(trained):
-    """ckptool's torch_dist outputs at another TP, loaded and trained on by megatron-core."""
-    r = trained
+def trained(tmp_path_factory, framework_runs):
+    return copy_saves(framework_runs, tmp_path_factory.mktemp("dist_optim"))
+
+
+@shared_followups
+def resumed(framework_runs, r):
+    """The saves (a copy of their own), ckptool's torch_dist outputs at another TP, loaded and trained on by
+    megatron-core (in one launch with the other files' 2-process follow-ups of the helper)."""
+    copy_saves(framework_runs, r)
     write_layout(open_checkpoint(r / "plain"), r / "plain_to_tp1", Layout(1), fmt="torch_dist", warn=print)
     write_layout(open_checkpoint(r / "fr"), r / "fr_to_tp2", Layout(2), fmt="torch_dist", warn=print)
     write_layout(open_checkpoint(r / "f32"), r / "f32_to_tp1", Layout(1), fmt="torch_dist", warn=print)
@@ -129,7 +129,8 @@ def resumed(trained):
     write_layout(open_checkpoint(r / "dpr_vpp"), r / "dpr_vpp_to_tp2", Layout(2), fmt="torch_dist", warn=print)
     for name, (_, tp) in RESUMED_FORMS.items():
         write_layout(open_checkpoint(r / name), r / f"{name}_to_tp{tp}", Layout(tp), fmt="torch_dist", warn=print)
-    torchrun(f"resume {r}/plain_to_tp1 --tp 1 --form plain --out {r}/r_plain_tp1.pt",
+    yield [(HELPER, 2, [
+             f"resume {r}/plain_to_tp1 --tp 1 --form plain --out {r}/r_plain_tp1.pt",
              f"resume {r}/plain_to_tp1 --tp 1 --form fully_reshardable --out {r}/r_plain_tp1_distopt.pt",
              f"resume {r}/plain_to_tp1 --tp 1 --form plain --weights-only --out {r}/r_weights_only.pt",
              f"resume {r}/fr_to_tp2 --tp 2 --form fully_reshardable --out {r}/r_fr_tp2.pt",
@@ -143,7 +144,7 @@ def resumed(trained):
              f"load {r}/plain_to_tp1 --tp 1 --pp 2 --form plain --live {r}/l_pp2_plain --out {r}/l1.pt",
              f"load {r}/dpr_vpp_to_tp2 --tp 2 --arch llama --layers 4 --form fully_reshardable --live {r}/l_vpp "
              f"--out {r}/l3.pt",
-             f"load {r}/fr_to_tp2 --tp 1 --pp 2 --form fully_reshardable --live {r}/l_pp2_fr --out {r}/l2.pt")
+             f"load {r}/fr_to_tp2 --tp 1 --pp 2 --form fully_reshardable --live {r}/l_pp2_fr --out {r}/l2.pt"])]
     return r
 
 

@@ -21,8 +21,8 @@ import torch
 from ckptool.config import Layout
 from ckptool.convert import write_layout
 from ckptool.formats.registry import open_checkpoint
-from conftest import copy_run, declare_runs
-from test_dist_optim import HELPER, assert_slots_equal, live, losses, torchrun
+from conftest import copy_run, declare_runs, shared_followups
+from test_dist_optim import HELPER, assert_slots_equal, live, losses
 
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and \
     importlib.util.find_spec("megatron.core") is not None
@@ -43,31 +43,38 @@ SAVES = declare_runs(HELPER, 2, {name: f"save {{out}} {how} {FLAGS} --live {{out
                                  for name, (how, _) in FORMS.items()})
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory, framework_runs):
-    d = tmp_path_factory.mktemp("dist_groups")
+def copy_saves(framework_runs, d: Path) -> Path:
+    """The session's SAVES, copied into d."""
     for name, stem in framework_runs(HELPER, 2, SAVES, timeout=600).items():
         copy_run(stem, d / name)
     return d
 
 
 @pytest.fixture(scope="module")
-def resumed(saved):
+def saved(tmp_path_factory, framework_runs):
+    return copy_saves(framework_runs, tmp_path_factory.mktemp("dist_groups"))
+
+
+@shared_followups
+def resumed(framework_runs, d):
+    """The saves (a copy of their own), ckptool's outputs at other layouts and megatron-core's resumes of them (in one
+    launch per helper and process count with the other files' follow-ups)."""
     import test_resume
-    d = saved
+    copy_saves(framework_runs, d)
     write_layout(open_checkpoint(d / "fr"), d / "fr_tp1", Layout(1), fmt="torch_dist", warn=print)
     write_layout(open_checkpoint(d / "dpr"), d / "dpr_pp2", Layout(1, 2, stage_layers=[2, 1]), fmt="torch_dist",
                  warn=print)
     write_layout(open_checkpoint(d / "plain"), d / "plain_tp1", Layout(1), fmt="torch_dist", warn=print)
     write_layout(open_checkpoint(d / "fr"), d / "fr_torch", Layout(1), fmt="torch", warn=print)
-    torchrun(f"resume {d}/fr_tp1 --tp 1 --form fully_reshardable {FLAGS} --out {d}/r_fr.pt",
+    yield [(HELPER, 2, [
+             f"resume {d}/fr_tp1 --tp 1 --form fully_reshardable {FLAGS} --out {d}/r_fr.pt",
              f"resume {d}/fr_tp1 --tp 1 --form plain {FLAGS} --out {d}/r_fr_plain.pt",
              f"resume {d}/fr_tp1 --tp 1 --form plain --weights-only {FLAGS} --out {d}/r_weights_only.pt",
              f"resume {d}/dpr_pp2 --tp 1 --pp 2 --form fully_reshardable {FLAGS} --out {d}/r_dpr_pp2.pt",
              f"resume {d}/plain_tp1 --tp 1 --form plain {FLAGS} --out {d}/r_plain.pt",
-             f"resume {d}/fr --tp 2 --form fully_reshardable {FLAGS} --out {d}/r_control.pt")
-    # the torch-format output, resumed as Megatron-LM's torch format loads (mcore_train_helper.py)
-    test_resume.torchrun(1, f"resume {d}/fr_torch --tp 1 --more 2 {FLAGS} --out {d}/r_fr_torch.pt")
+             f"resume {d}/fr --tp 2 --form fully_reshardable {FLAGS} --out {d}/r_control.pt"]),
+           # the torch-format output, resumed as Megatron-LM's torch format loads (mcore_train_helper.py)
+           (test_resume.HELPER, 1, [f"resume {d}/fr_torch --tp 1 --more 2 {FLAGS} --out {d}/r_fr_torch.pt"])]
     return d
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import copy_run, declare_runs, run_torchrun
+from conftest import copy_run, declare_runs, shared_followups
 from test_dist_optim import _copy_with_args  # a copy of a save whose stored args say otherwise
 from ckptool.config import Layout
 from ckptool.convert import write_layout
@@ -60,11 +60,6 @@ SAVES = {"fr": ("--tp 1 --ep 2 --form fully_reshardable", 2), "plain": ("--tp 1 
 LIVE_CHECKED = ("fr", "plain", "tp2", "dpr", "dpr_tp2", "dpr_etp1", "fsms", "dpr_pp2", "dz", "bias_fr", "bias_dpr")  # test_distopt_moe.canonical_pieces knows the Mixtral-like names
 
 
-def torchrun(nproc: int, *jobs: str, timeout: int = 900) -> None:
-    r = run_torchrun(nproc, HELPER, *jobs, timeout=timeout)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-
-
 def _next(path: Path):
     return torch.load(str(path) + ".losses")["next"]
 
@@ -76,9 +71,8 @@ SAVE_JOBS = {nproc: declare_runs(HELPER, nproc, {name: f"moe-save {{out}} {how} 
              for nproc in (2, 4)}
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory, framework_runs):
-    d = tmp_path_factory.mktemp("dist_moe")
+def copy_saves(framework_runs, d: Path) -> Path:
+    """The session's saves of SAVE_JOBS, copied into d."""
     for nproc, jobs in SAVE_JOBS.items():
         for name, stem in framework_runs(HELPER, nproc, jobs).items():
             copy_run(stem, d / name)
@@ -86,9 +80,17 @@ def saved(tmp_path_factory, framework_runs):
 
 
 @pytest.fixture(scope="module")
-def resumed(saved):
+def saved(tmp_path_factory, framework_runs):
+    return copy_saves(framework_runs, tmp_path_factory.mktemp("dist_moe"))
+
+
+@shared_followups
+def resumed(framework_runs, d):
+    """The saves (a copy of their own), ckptool's outputs at EP 1 / TP 2 / back at EP 2, megatron-core's resumes of
+    them and of its own saves (controls), in one launch per helper and process count with the other files'
+    follow-ups."""
     import test_moe_megatron
-    d = saved
+    copy_saves(framework_runs, d)
     said = []
     write_layout(open_checkpoint(d / "fr"), d / "fr_ep1", Layout(1, ep=1), fmt="torch_dist", warn=said.append)
     write_layout(open_checkpoint(d / "plain"), d / "plain_ep1", Layout(1, ep=1), fmt="torch_dist", warn=said.append)
@@ -105,7 +107,8 @@ def resumed(saved):
     # and at TP 2 (the expert bias is per expert: megatron-core's TP 2 model asks for it whole)
     write_layout(open_checkpoint(d / "bias_fr"), d / "bias_fr_tp2", Layout(2, ep=1), fmt="torch_dist", warn=said.append)
     assert not said, said
-    torchrun(2, f"moe-resume {d}/fr_ep1 --tp 1 --ep 1 --form fully_reshardable {BF16} --out {d}/r_fr_ep1.pt",
+    yield [(HELPER, 2, [
+             f"moe-resume {d}/fr_ep1 --tp 1 --ep 1 --form fully_reshardable {BF16} --out {d}/r_fr_ep1.pt",
              f"moe-resume {d}/plain_ep1 --tp 1 --ep 1 --form plain {BF16} --out {d}/r_plain_ep1.pt",
              f"moe-resume {d}/tp2_ep1 --tp 1 --ep 1 --form fully_reshardable {BF16} --out {d}/r_tp2_ep1.pt",
              f"moe-resume {d}/back_ep2 --tp 1 --ep 2 --form fully_reshardable {BF16} --out {d}/r_back_ep2.pt",
@@ -122,10 +125,10 @@ def resumed(saved):
              f"moe-resume {d}/bias_fr_ep1 --tp 1 --ep 1 --form fully_reshardable --moe-arch biased {BF16} "
              f"--out {d}/r_bias_fr_ep1.pt",
              f"moe-resume {d}/bias_fr_tp2 --tp 2 --ep 1 --form fully_reshardable --moe-arch biased {BF16} "
-             f"--out {d}/r_bias_fr_tp2.pt")
-    # the torch-format output, resumed as Megatron-LM's torch format loads (mcore_moe_helper.py resume), on
-    # the source run's 2 processes as the torch_dist resumes above (DP 2 at EP 1)
-    test_moe_megatron.torchrun([f"resume {d}/torch_ep1 --tp 1 --ep 1 {BF16} --out {d}/r_torch_ep1.pt"], nproc=2)
+             f"--out {d}/r_bias_fr_tp2.pt"]),
+           # the torch-format output, resumed as Megatron-LM's torch format loads (mcore_moe_helper.py resume), on
+           # the source run's 2 processes as the torch_dist resumes above (DP 2 at EP 1)
+           (test_moe_megatron.HELPER, 2, [f"resume {d}/torch_ep1 --tp 1 --ep 1 {BF16} --out {d}/r_torch_ep1.pt"])]
     return d
 
 

@@ -39,7 +39,7 @@ from ckptool.formats import megatron_distopt as D
 from ckptool.formats.megatron_names import DIALECTS, KeyMatcher
 from ckptool.formats.registry import open_checkpoint
 from ckptool.roles import global_role_tensor, layer_role_tensor
-from conftest import copy_run, declare_runs
+from conftest import copy_run, declare_runs, shared_followups
 from test_resume import HELPER, LOSS_TOL, REPO, ckptool, losses, torchrun, weight_gap
 
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and \
@@ -106,9 +106,10 @@ TRAIN = f"train {{out}} --tp 1 --dp 2 {DIST} --steps {STEPS} --more {MORE} --out
 declare_runs(HELPER, 2, {"a": TRAIN})
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, framework_runs):
-    d = tmp_path_factory.mktemp("distopt")
+@shared_followups
+def runs(framework_runs, d):
+    """The TP1 x DP2 training copied, ckptool's outputs from it, megatron-core's resumes of them (in one launch with
+    the other files' 2-process follow-ups of the helper)."""
     copy_run(framework_runs(HELPER, 2, {"a": TRAIN}, timeout=300)["a"], d / "a")
     assert "non-distributed layout" in ckptool("reshard", d / "a", d / "b2", "--tp", "2").stdout
     ckptool("reshard", d / "a", d / "w2", "--tp", "2", "--no-optimizer")
@@ -120,12 +121,13 @@ def runs(tmp_path_factory, framework_runs):
     size = bucket_size(d / "a")[0]
     ckptool("reshard", d / "a", d / "ob", "--tp", "1", DIST, "--dp", "2", "--overlap-grad-reduce",
             "--ddp-bucket-size", str(size))
-    torchrun(2, f"resume {d}/b2 --tp 2 --more {MORE} --out {d}/b2.pt",
-             f"resume {d}/w2 --tp 2 --more {MORE} --out {d}/w2.pt --weights-only",
-             f"resume {d}/c1 --tp 1 --dp 2 {DIST} --more {MORE} --out {d}/c1.pt",
-             f"resume {d}/e2 --tp 2 --dp 1 {DIST} --more {MORE} --out {d}/e2.pt",
-             f"train {d}/o --tp 1 --dp 2 {DIST} --ddp-bucket-size {size} --steps {STEPS} --more 0 --out {d}/o.pt",
-             f"resume {d}/ob --tp 1 --dp 2 {DIST} --ddp-bucket-size {size} --more {MORE} --out {d}/ob.pt")
+    yield [(HELPER, 2, [f"resume {d}/b2 --tp 2 --more {MORE} --out {d}/b2.pt",
+                        f"resume {d}/w2 --tp 2 --more {MORE} --out {d}/w2.pt --weights-only",
+                        f"resume {d}/c1 --tp 1 --dp 2 {DIST} --more {MORE} --out {d}/c1.pt",
+                        f"resume {d}/e2 --tp 2 --dp 1 {DIST} --more {MORE} --out {d}/e2.pt",
+                        f"train {d}/o --tp 1 --dp 2 {DIST} --ddp-bucket-size {size} --steps {STEPS} --more 0 "
+                        f"--out {d}/o.pt",
+                        f"resume {d}/ob --tp 1 --dp 2 {DIST} --ddp-bucket-size {size} --more {MORE} --out {d}/ob.pt"])]
     return d
 
 

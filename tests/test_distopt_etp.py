@@ -21,7 +21,7 @@ from ckptool.errors import CkptError
 from ckptool.formats.megatron import read_megatron
 from ckptool.formats.megatron_distopt import chain_sources
 
-from conftest import copy_run, declare_runs
+from conftest import copy_run, declare_runs, shared_followups
 from test_optimizer_etp import HELPER, mixtral_with_moments
 
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and \
@@ -36,29 +36,26 @@ TP_AXIS = {"self_attention.linear_proj.weight": 1, "self_attention.linear_qkv.we
            "embedding.word_embeddings.weight": 0, "output_layer.weight": 0}  # the others: replicated or whole
 
 
-def _torchrun(jobs):
-    import test_moe_megatron
-    test_moe_megatron.torchrun(jobs, nproc=4, timeout=900)
-
-
 # the trainings (in one launch with the other files' megatron-core MoE saves at 4 processes)
 TRAINS = declare_runs(HELPER, 4, {"src": f"train {{out}} {GRID} {FLAGS} --out {{out}}.pt",
                                   "ep1src": f"train {{out}} --tp 2 --ep 1 --etp 1 {FLAGS} --out {{out}}.pt"})
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, framework_runs):
-    d = tmp_path_factory.mktemp("distopt_etp")
+@shared_followups
+def runs(framework_runs, d):
+    """The trainings copied, ckptool's TARGETS of the TP2 ETP1 EP2 one, and megatron-core's resumes of each, of its
+    own save (control) and a weights-only one (the resumes in one launch with the other files' 4-process MoE
+    follow-ups)."""
     for name, stem in framework_runs(HELPER, 4, TRAINS).items():
         copy_run(stem, d / name)
     said = []
     for name, (tp, ep, etp, dp) in TARGETS.items():
         api.reshard(d / "src", d / name, tp=tp, ep=ep, etp=etp, distributed_optimizer=True, dp=dp, warn=said.append)
     assert not said, said
-    _torchrun([f"resume {d / name} --tp {tp} --ep {ep} --etp {etp} {FLAGS} --out {d / name}.pt"
-               for name, (tp, ep, etp, _) in TARGETS.items()]
-              + [f"resume {d / 'src'} {GRID} {FLAGS} --out {d / 'control.pt'}",
-                 f"resume {d / 'tp1ep2'} --tp 1 --ep 2 --etp 1 {FLAGS} --weights-only --out {d / 'fresh.pt'}"])
+    yield [(HELPER, 4, [f"resume {d / name} --tp {tp} --ep {ep} --etp {etp} {FLAGS} --out {d / name}.pt"
+                        for name, (tp, ep, etp, _) in TARGETS.items()]
+            + [f"resume {d / 'src'} {GRID} {FLAGS} --out {d / 'control.pt'}",
+               f"resume {d / 'tp1ep2'} --tp 1 --ep 2 --etp 1 {FLAGS} --weights-only --out {d / 'fresh.pt'}"])]
     return d
 
 

@@ -21,7 +21,7 @@ from ckptool.formats import megatron_optim
 from ckptool.formats.megatron import read_megatron
 from ckptool.lazy import Const
 from ckptool.roles import is_parameter, unfuse_qkv
-from conftest import copy_run, declare_runs
+from conftest import copy_run, declare_runs, shared_followups
 
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and \
     importlib.util.find_spec("megatron.core") is not None
@@ -35,11 +35,6 @@ GLOBAL = {"embedding.word_embeddings.weight": "embed.word", "output_layer.weight
           "decoder.final_layernorm.weight": "final_norm.weight"}
 
 
-def _torchrun(jobs, nproc=2):
-    import test_moe_megatron
-    test_moe_megatron.torchrun(jobs, nproc=nproc)
-
-
 HELPER = Path(__file__).resolve().parent / "mcore_moe_helper.py"
 FLAGS = "--tp 1 --dtype bf16 --distributed-optimizer"
 # the trainings (in one launch with the other files' megatron-core MoE trainings at 2 processes)
@@ -48,34 +43,34 @@ TRAINS = declare_runs(HELPER, 2, {"ep1": f"train {{out}} --ep 1 {FLAGS} --out {{
                                   "qwen": f"train {{out}} --ep 2 --arch qwen2moe {FLAGS} --out {{out}}.pt",
                                   # sigmoid routing with an expert bias: a buffer among the weights, in no grad buffer
                                   "bias": f"train {{out}} --ep 2 --arch biased {FLAGS} --out {{out}}.pt"})
+# DP 4 x EP 2 (expert DP 2: ranks 2 and 3 hold halves of their experts' state and write no file), in one launch with
+# the other files' megatron-core MoE runs at 4 processes
+TRAINS_DP4 = declare_runs(HELPER, 4, {"dp4": f"train {{out}} --ep 2 {FLAGS} --out {{out}}.pt"})
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, framework_runs):
+@shared_followups
+def runs(framework_runs, d):
     """bf16 with fp32 masters (megatron-core's fp32 DistributedOptimizer cannot load_parameter_state on CPU:
-    its masters are views of the weights). ckptool writes EP 2 -> EP 1 and EP 1 -> EP 2, each at DP 2,
-    and megatron-core resumes them, its own EP 2 save (control) and a weights-only one."""
-    d = tmp_path_factory.mktemp("moe_distopt")
+    its masters are views of the weights). ckptool writes EP 2 -> EP 1 and EP 1 -> EP 2, each at DP 2, and
+    EP 1 -> EP 2 at DP 4, and megatron-core resumes them, its own EP 2 save (control) and a weights-only one
+    (in one launch per process count with the other files' MoE follow-ups)."""
     flags = FLAGS
-    for name, stem in framework_runs(HELPER, 2, TRAINS).items():
+    for name, stem in {**framework_runs(HELPER, 2, TRAINS), **framework_runs(HELPER, 4, TRAINS_DP4)}.items():
         copy_run(stem, d / name)
     said = []
     api.reshard(d / "ep2", d / "to_ep1", tp=1, ep=1, distributed_optimizer=True, dp=2, warn=said.append)
     api.reshard(d / "ep1", d / "to_ep2", tp=1, ep=2, distributed_optimizer=True, dp=2, warn=said.append)
     api.reshard(d / "qwen", d / "qwen_to_ep1", tp=1, ep=1, distributed_optimizer=True, dp=2, warn=said.append)
     api.reshard(d / "bias", d / "bias_to_ep1", tp=1, ep=1, distributed_optimizer=True, dp=2, warn=said.append)
-    assert not said, said
-    _torchrun([f"resume {d / 'to_ep1'} --ep 1 {flags} --out {d / 'to_ep1.pt'}",
-               f"resume {d / 'to_ep2'} --ep 2 {flags} --out {d / 'to_ep2.pt'}",
-               f"resume {d / 'ep2'} --ep 2 {flags} --out {d / 'control.pt'}",
-               f"resume {d / 'to_ep1'} --ep 1 {flags} --weights-only --out {d / 'fresh.pt'}",
-               f"resume {d / 'qwen_to_ep1'} --ep 1 --arch qwen2moe {flags} --out {d / 'qwen_to_ep1.pt'}",
-               f"resume {d / 'bias_to_ep1'} --ep 1 --arch biased {flags} --out {d / 'bias_to_ep1.pt'}"])
-    # DP 4 x EP 2 (expert DP 2: ranks 2 and 3 hold halves of their experts' state and write no file)
     api.reshard(d / "ep1", d / "to_dp4", tp=1, ep=2, distributed_optimizer=True, dp=4, warn=said.append)
     assert not said, said
-    _torchrun([f"train {d / 'dp4'} --ep 2 {flags} --out {d / 'dp4.pt'}",
-               f"resume {d / 'to_dp4'} --ep 2 {flags} --out {d / 'to_dp4.pt'}"], nproc=4)
+    yield [(HELPER, 2, [f"resume {d / 'to_ep1'} --ep 1 {flags} --out {d / 'to_ep1.pt'}",
+                        f"resume {d / 'to_ep2'} --ep 2 {flags} --out {d / 'to_ep2.pt'}",
+                        f"resume {d / 'ep2'} --ep 2 {flags} --out {d / 'control.pt'}",
+                        f"resume {d / 'to_ep1'} --ep 1 {flags} --weights-only --out {d / 'fresh.pt'}",
+                        f"resume {d / 'qwen_to_ep1'} --ep 1 --arch qwen2moe {flags} --out {d / 'qwen_to_ep1.pt'}",
+                        f"resume {d / 'bias_to_ep1'} --ep 1 --arch biased {flags} --out {d / 'bias_to_ep1.pt'}"]),
+           (HELPER, 4, [f"resume {d / 'to_dp4'} --ep 2 {flags} --out {d / 'to_dp4.pt'}"])]
     return d
 
 

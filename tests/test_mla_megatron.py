@@ -78,13 +78,48 @@ def deepseek_dense(tmp_path_factory):
     return get
 
 
-def mcore_mla(tp: int, *args) -> dict:
-    """tests/mcore_mla_helper.py under torchrun at TP tp on args (the checkpoint first): megatron-core's own MLA
-    GPTModel built from its args and loaded strictly; what it saved ({logits, params})."""
-    out = Path(args[0]).parent / f"logits_{Path(args[0]).name}.pt"
-    res = run_torchrun(tp, Path(__file__).with_name("mcore_mla_helper.py"), *args, "--out", out, timeout=300)
+MLA_HELPER = Path(__file__).with_name("mcore_mla_helper.py")
+# test_megatron_core_loads_our_mla_strictly_...: (dense kind, TP of ckptool's from-hf output)
+LOADS = [("rope", 1), ("rope", 2), ("yarn", 2), ("halves", 1), ("direct_q", 2)]
+
+
+def mcore_mla(*jobs: str) -> None:
+    """tests/mcore_mla_helper.py's jobs ('DIR [--tp T] [--dist] [--save-dist DIR2] --out FILE': megatron-core's own
+    MLA GPTModel built from the checkpoint's args and loaded strictly; {logits, params, moe_layers} into FILE) in one
+    torchrun launch of 2 processes (a TP 1 job runs at DP 2: each rank loads the whole model)."""
+    res = run_torchrun(2, MLA_HELPER, *jobs, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def mla_runs(deepseek_dense, tmp_path_factory):
+    """ckptool's outputs the three megatron-core tests below load, and megatron-core's runs on them, in two launches
+    (each job's file NAME.pt beside its checkpoint): LOADS (NAME KIND_tpTP/meg), the all-dense model's torch format
+    and torch_dist (dense/meg, dense/dist, at TP 1), megatron-core's own TP 2 torch_dist save of the rope model
+    (mcore/mcore_dist, from mcore/meg), then ckptool's TP 1 torch_dist of that save (mcore/ours) loaded at TP 1
+    (the second launch: it starts from the first's save). Each test checks its own conversions' output here."""
+    d = tmp_path_factory.mktemp("mla_runs")
+    jobs = []
+    for kind, tp in LOADS:
+        out = d / f"{kind}_tp{tp}" / "meg"
+        cli("from-hf", deepseek_dense(kind)[0], out, "--tp", tp)
+        jobs.append(f"{out} --tp {tp} --out {out}.pt")
+    src = deepseek_dense("rope")[0]
+    cli("from-hf", src, d / "dense" / "meg")
+    cli("reshard", d / "dense" / "meg", d / "dense" / "dist", "--tp", 1, "--format", "torch_dist")
+    jobs += [f"{d / 'dense' / 'meg'} --tp 1 --out {d / 'dense' / 'meg'}.pt",
+             f"{d / 'dense' / 'dist'} --tp 1 --dist --out {d / 'dense' / 'dist'}.pt"]
+    cli("from-hf", src, d / "mcore" / "meg", "--tp", 2)
+    jobs.append(f"{d / 'mcore' / 'meg'} --tp 2 --save-dist {d / 'mcore' / 'mcore_dist'} --out {d / 'mcore' / 'meg'}.pt")
+    mcore_mla(*jobs)
+    cli("reshard", d / "mcore" / "mcore_dist", d / "mcore" / "ours", "--tp", 1, "--format", "torch_dist")
+    mcore_mla(f"{d / 'mcore' / 'ours'} --tp 1 --dist --out {d / 'mcore' / 'ours'}.pt")
+    return d
+
+
+def ran(path: Path) -> dict:
+    """What megatron-core's job on the checkpoint at path saved: {logits, params, moe_layers}."""
+    return torch.load(f"{path}.pt")
 
 
 def relative_error(got, want) -> float:
@@ -92,20 +127,20 @@ def relative_error(got, want) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
-@pytest.mark.parametrize("kind, tp", [("rope", 1), ("rope", 2), ("yarn", 2), ("halves", 1), ("direct_q", 2)])
-def test_megatron_core_loads_our_mla_strictly_and_computes_transformers_logits(deepseek_dense, tmp_path, kind, tp):
+@pytest.mark.parametrize("kind, tp", LOADS)
+def test_megatron_core_loads_our_mla_strictly_and_computes_transformers_logits(deepseek_dense, mla_runs, tmp_path, kind,
+                                                                               tp):
     """megatron-core's MLASelfAttention (local spec) loads our TP output with load_state_dict(strict=True) and its
     fp32 forward matches transformers' DeepseekV3 within 1e-5 relative: the names, TP rules and row orders
     (q_up per head [nope | rope], kv_down [latent | rope], kv_up per head [k nope | v]) are megatron-core's; YaRN is
     megatron-core's YarnRotaryEmbedding from the args we write; a model rotating RoPE halves runs as megatron-core's
     interleaved pairs with its rope rows reordered."""
     src, model = deepseek_dense(kind)
-    cli("from-hf", src, tmp_path / "meg", "--tp", tp)
+    meg = mla_runs / f"{kind}_tp{tp}" / "meg"  # ckptool's from-hf at TP tp (mla_runs)
     from mcore_dist_helper import TOKENS
-    saved = mcore_mla(tp, tmp_path / "meg")
+    saved = ran(meg)
     got = saved["logits"][..., :100]  # [b, s, padded vocab]
-    ours = torch.load(tmp_path / "meg" / "iter_0000000" / "mp_rank_00" /
-                      "model_optim_rng.pt", weights_only=False)
+    ours = torch.load(meg / "iter_0000000" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
     layer0 = [k for k in ours["model"] if k.startswith("decoder.layers.0.") and not k.endswith("_extra_state")]
     assert layer0 == [n for n in saved["params"] if n.startswith("decoder.layers.0.")]  # megatron-core's order
     direct = model.config.q_lora_rank is None
@@ -113,12 +148,12 @@ def test_megatron_core_loads_our_mla_strictly_and_computes_transformers_logits(d
     assert ("decoder.layers.0.self_attention.linear_q_down_proj.weight" in ours["model"]) != direct
     want = hf_logits(model, TOKENS)
     assert relative_error(got, want) < 1e-5
-    args, cfg = ours["args"], open_checkpoint(tmp_path / "meg").config
+    args, cfg = ours["args"], open_checkpoint(meg).config
     if kind == "yarn":
         assert (args.rope_type, args.rotary_scaling_factor, args.mscale, args.mscale_all_dim) == ("yarn", 40.0, 1.0, 0.8)
         assert (args.original_max_position_embeddings, args.beta_fast, args.beta_slow) == (512, 16.0, 2.0)
         assert cfg.rope_yarn == open_checkpoint(src).config.rope_yarn  # read back as it was
-        plain = open_checkpoint(tmp_path / "meg")  # and it matters at this length: without it the logits move
+        plain = open_checkpoint(meg)  # and it matters at this length: without it the logits move
         plain = plain.with_tensors(plain.tensors, rope_yarn=None)
         from ckptool.verify import reference
         assert relative_error(reference.forward(plain, TOKENS)[..., :100], want) > 1e-2
@@ -126,16 +161,16 @@ def test_megatron_core_loads_our_mla_strictly_and_computes_transformers_logits(d
         assert args.rope_type == "rope" and cfg.rope_yarn is None  # said, or megatron-core's MLA would take yarn
     if kind == "halves":  # stored as interleaved pairs: to-hf says so, and computes the same
         assert cfg.rotary_interleaved
-        cli("to-hf", tmp_path / "meg", tmp_path / "hf")
+        cli("to-hf", meg, tmp_path / "hf")
         assert json.loads((tmp_path / "hf" / "config.json").read_text())["rope_interleave"] is True
         assert relative_error(hf_logits(tmp_path / "hf", TOKENS), want) < 1e-5
     # megatron-core built it from our args as a dense model (test_all_dense_deepseek_...); the one-process verify
     # runs MLA
     assert saved["moe_layers"] == 0
-    assert "result=PASS" in cli("verify", tmp_path / "meg", "--reference", src)
+    assert "result=PASS" in cli("verify", meg, "--reference", src)
 
 
-def test_all_dense_deepseek_is_written_as_a_dense_megatron_run(deepseek_dense, tmp_path):
+def test_all_dense_deepseek_is_written_as_a_dense_megatron_run(deepseek_dense, mla_runs, tmp_path):
     """A DeepSeek-V3 whose first_k_dense_replace covers every layer is a dense MLA model: ckptool writes a dense
     run's args (no --num-experts, --moe-layer-freq 1, no routing flags: Megatron-LM builds the MoE block spec
     whenever --num-experts is set, and a --moe-layer-freq list keys torch_dist layers one by one) and torch_dist
@@ -147,26 +182,24 @@ def test_all_dense_deepseek_is_written_as_a_dense_megatron_run(deepseek_dense, t
     src, model = deepseek_dense("rope")
     assert model.config.first_k_dense_replace == model.config.num_hidden_layers
     assert open_checkpoint(src).config.moe is None
-    cli("from-hf", src, tmp_path / "meg")
-    args = torch.load(tmp_path / "meg" / "iter_0000000" / "mp_rank_00" / "model_optim_rng.pt",
-                      weights_only=False)["args"]
+    meg, dist = mla_runs / "dense" / "meg", mla_runs / "dense" / "dist"  # from-hf, reshard to torch_dist (mla_runs)
+    args = torch.load(meg / "iter_0000000" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)["args"]
     assert getattr(args, "num_experts", None) is None and getattr(args, "moe_layer_freq", 1) == 1
     assert not getattr(args, "moe_router_enable_expert_bias", False)
     assert getattr(args, "expert_model_parallel_size", 1) == 1
-    cli("reshard", tmp_path / "meg", tmp_path / "dist", "--tp", 1, "--format", "torch_dist")
-    keys = set(DcpDir(tmp_path / "dist" / "iter_0000000").entries)
+    keys = set(DcpDir(dist / "iter_0000000").entries)
     assert "decoder.layers.mlp.linear_fc1.weight" in keys and not any(k.startswith("decoder.layers.0.") for k in keys)
     want = hf_logits(model, TOKENS)
-    for saved in (mcore_mla(1, tmp_path / "meg"), mcore_mla(1, tmp_path / "dist", "--dist")):
+    for saved in (ran(meg), ran(dist)):
         assert saved["moe_layers"] == 0
         assert relative_error(saved["logits"][..., :100], want) < 1e-5
-    cli("to-hf", tmp_path / "meg", tmp_path / "hf")
+    cli("to-hf", meg, tmp_path / "hf")
     conf = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert conf["first_k_dense_replace"] == conf["num_hidden_layers"] == 2
     assert relative_error(hf_logits(tmp_path / "hf", TOKENS), want) < 1e-5
 
 
-def test_torch_dist_mla_between_megatron_core_and_ckptool(deepseek_dense, tmp_path):
+def test_torch_dist_mla_between_megatron_core_and_ckptool(deepseek_dense, mla_runs):
     """megatron-core's own dist_checkpointing saves an MLA model at TP2 (local spec: its modules' own names,
     q_layernorm the q latent norm, layers stacked); ckptool reads it bit-exact, writes it as torch_dist
     again, and megatron-core loads ours at TP1 strictly and computes transformers' logits (1e-5)."""
@@ -174,18 +207,17 @@ def test_torch_dist_mla_between_megatron_core_and_ckptool(deepseek_dense, tmp_pa
     from ckptool.io.dcp_io import DcpDir
     src, model = deepseek_dense("rope")
     want = hf_logits(model, TOKENS)
-    cli("from-hf", src, tmp_path / "meg", "--tp", 2)
-    theirs = mcore_mla(2, tmp_path / "meg", "--save-dist", tmp_path / "mcore_dist")
-    keys = set(DcpDir(tmp_path / "mcore_dist" / "iter_0000003").entries)
+    d = mla_runs / "mcore"  # ckptool's from-hf at TP 2 (meg), megatron-core's save of it, ckptool's reshard of that
+    theirs = ran(d / "meg")
+    keys = set(DcpDir(d / "mcore_dist" / "iter_0000003").entries)
     assert {"decoder.layers.self_attention.q_layernorm.weight", "decoder.layers.input_layernorm.weight"} <= keys
-    read, ref = open_checkpoint(tmp_path / "mcore_dist"), open_checkpoint(tmp_path / "meg")
+    read, ref = open_checkpoint(d / "mcore_dist"), open_checkpoint(d / "meg")
     assert read.config.mla == ref.config.mla and sorted(read.tensors) == sorted(ref.tensors)
     for name, t in ref.tensors.items():
         assert torch.equal(read.tensors[name].load(), t.load()), name
-    cli("reshard", tmp_path / "mcore_dist", tmp_path / "ours", "--tp", 1, "--format", "torch_dist")
-    ours = set(DcpDir(tmp_path / "ours" / "iter_0000003").entries)
+    ours = set(DcpDir(d / "ours" / "iter_0000003").entries)
     assert {k for k in keys if ".weight" in k} == {k for k in ours if ".weight" in k}
-    loaded = mcore_mla(1, tmp_path / "ours", "--dist")
+    loaded = ran(d / "ours")
     for got in (theirs["logits"][..., :100], loaded["logits"][..., :100]):
         err = ((got - want).abs().max() / want.abs().max()).item()
         assert err < 1e-5, err

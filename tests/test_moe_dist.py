@@ -26,8 +26,8 @@ from ckptool.formats import dist
 from ckptool.formats.megatron import read_megatron
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_moe_megatron import HAVE_MCORE, HELPER, relative, torchrun  # noqa: E402  (one way to launch the helper)
-from conftest import copy_run, declare_runs  # noqa: E402
+from test_moe_megatron import HAVE_MCORE, HELPER, relative  # noqa: E402
+from conftest import copy_run, declare_runs, shared_followups  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not HAVE_MCORE, reason="megatron-core is not installed (test-only extra)")
 
@@ -54,11 +54,11 @@ SAVES = declare_runs(HELPER, 4, {
     **{f"{a}/pp2": f"save-dist {{out}} --tp 1 --pp 2 --ep 2 --arch {a} --out {{out}}.pt" for a in ARCHS}})
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory, framework_runs):
+@shared_followups
+def root(framework_runs, root):
     """Per arch: the megatron-core save (src/), its logits and live parameters (src.pt), ckptool's OUTPUTS
-    and megatron-core's logits after loading each (two torchrun launches in all)."""
-    root = tmp_path_factory.mktemp("mcore_moe_dist")
+    and megatron-core's logits after loading each (the loads in one launch with the other files' 4-process MoE
+    follow-ups)."""
     for name, stem in framework_runs(HELPER, 4, SAVES, timeout=400).items():
         copy_run(stem, root / name)
     # the per-expert (singleton) save of the all-MoE model back to megatron-core's default stacked form
@@ -81,7 +81,7 @@ def root(tmp_path_factory, framework_runs):
             api.reshard(root / a / "src", out, tp=tp, pp=pp, ep=ep, format=fmt, warn=lambda m: None)
             mode = "load-dist" if fmt == "torch_dist" else "load-torch"
             jobs.append(f"{mode} {out} --tp {tp} --pp {pp} --ep {ep} --arch {a} --out {out}.pt")
-    torchrun(jobs)
+    yield [(HELPER, 4, jobs)]
     return root
 
 

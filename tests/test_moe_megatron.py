@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import copy_run, declare_runs, run_torchrun
+from conftest import copy_run, declare_runs, shared_followups
 
 from ckptool import api
 from ckptool.errors import CkptError
@@ -33,11 +33,6 @@ pytestmark = pytest.mark.skipif(not HAVE_MCORE, reason="megatron-core is not ins
 
 # (tp, pp, ep) layouts written by ckptool and loaded by megatron-core (4 processes: DP fills the rest)
 LAYOUTS = [(1, 1, 1), (1, 1, 4), (1, 2, 2), (2, 1, 2)]
-
-
-def torchrun(jobs, nproc=4, timeout=400):
-    r = run_torchrun(nproc, HELPER, *jobs, timeout=timeout)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -57,11 +52,11 @@ SAVES = declare_runs(HELPER, 4, {**{f"{a}/src": f"save {{out}} --tp 2 --ep 2 --a
                                  "etp/src": "save {out} --tp 2 --ep 2 --etp 1 --out {out}.pt"})
 
 
-@pytest.fixture(scope="module")
-def moe_root(tmp_path_factory, framework_runs):
+@shared_followups
+def moe_root(framework_runs, root):
     """Per arch: the megatron-core TP2 EP2 save (run once per session: test_verify_moe saves the same),
-    ckptool's outputs at LAYOUTS, megatron-core's logits of each (two torchrun launches in all)."""
-    root = tmp_path_factory.mktemp("mcore_moe")
+    ckptool's outputs at LAYOUTS, megatron-core's logits of each (the loads in one launch with the other files'
+    4-process MoE follow-ups)."""
     for name, stem in framework_runs(HELPER, 4, SAVES, timeout=400).items():
         copy_run(stem, root / name)
     jobs = []
@@ -78,7 +73,7 @@ def moe_root(tmp_path_factory, framework_runs):
             else:
                 api.reshard(d / "src", out, tp=tp, pp=pp, ep=ep, warn=lambda m: None)
             jobs.append(f"load-torch {out} --tp {tp} --pp {pp} --ep {ep} --arch {a} --out {d / f'out_{tp}{pp}{ep}.pt'}")
-    torchrun(jobs)
+    yield [(HELPER, 4, jobs)]
     return root
 
 

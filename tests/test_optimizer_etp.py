@@ -21,7 +21,7 @@ from ckptool import api
 from ckptool.errors import CkptError
 from ckptool.formats.megatron import read_megatron
 from ckptool.io.torchfile import load_torch_file
-from conftest import copy_run, declare_runs
+from conftest import copy_run, declare_runs, shared_followups
 
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and \
     importlib.util.find_spec("megatron.core") is not None
@@ -39,19 +39,15 @@ TRAINS = declare_runs(HELPER, 4, {"src": f"train {{out}} {GRID} --out {{out}}.pt
                                   "bf16": f"train {{out}} {GRID} --dtype bf16 --out {{out}}.pt"})
 
 
-def _torchrun(jobs):
-    import test_moe_megatron
-    test_moe_megatron.torchrun(jobs, nproc=4)
-
-
 def _next_loss(path) -> float:
     """The second step after the save: the first whose weights the loaded optimizer state moved."""
     return torch.load(str(path) + ".losses")["next"][1]
 
 
-@pytest.fixture(scope="module")
-def etp_run(tmp_path_factory, framework_runs):
-    d = tmp_path_factory.mktemp("etp_optim")
+@shared_followups
+def etp_run(framework_runs, d):
+    """The trainings copied, ckptool's TARGETS of the fp32 one and a same-layout copy of the bf16 one, and
+    megatron-core's resumes (in one launch with the other files' 4-process MoE follow-ups)."""
     grid = GRID
     for name, stem in framework_runs(HELPER, 4, TRAINS).items():
         copy_run(stem, d / name)
@@ -60,10 +56,11 @@ def etp_run(tmp_path_factory, framework_runs):
         api.reshard(d / "src", d / name, tp=tp, ep=ep, etp=etp, warn=said.append)
     api.reshard(d / "bf16", d / "bf16_same", tp=2, ep=2, etp=1, warn=said.append)
     assert not [m for m in said if "optimizer" in m], said
-    _torchrun([f"resume {d / name} --tp {tp} --ep {ep} --etp {etp} --out {d / name}.pt" for name, (tp, ep, etp) in TARGETS.items()]
-              + [f"resume {d / 'tp2ep1etp1'} --tp 2 --ep 1 --etp 1 --out {d / 'fresh.pt'} --weights-only",
-                 f"resume {d / 'bf16_same'} {grid} --dtype bf16 --out {d / 'bf16_same.pt'}",
-                 f"resume {d / 'bf16'} {grid} --dtype bf16 --out {d / 'bf16_control.pt'}"])
+    yield [(HELPER, 4, [f"resume {d / name} --tp {tp} --ep {ep} --etp {etp} --out {d / name}.pt"
+                        for name, (tp, ep, etp) in TARGETS.items()]
+            + [f"resume {d / 'tp2ep1etp1'} --tp 2 --ep 1 --etp 1 --out {d / 'fresh.pt'} --weights-only",
+               f"resume {d / 'bf16_same'} {grid} --dtype bf16 --out {d / 'bf16_same.pt'}",
+               f"resume {d / 'bf16'} {grid} --dtype bf16 --out {d / 'bf16_control.pt'}"])]
     return d
 
 

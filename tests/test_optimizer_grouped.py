@@ -21,7 +21,7 @@ import torch
 
 from ckptool import api
 from ckptool.formats.megatron import read_megatron
-from conftest import copy_run, declare_runs
+from conftest import copy_run, declare_runs, shared_followups
 
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and \
     importlib.util.find_spec("megatron.core") is not None
@@ -40,14 +40,10 @@ HELPER = Path(__file__).resolve().parent / "mcore_moe_helper.py"
 TRAINS = declare_runs(HELPER, 2, {name: f"train {{out}} {flags} --out {{out}}.pt" for name, flags in SOURCES.items()})
 
 
-def _torchrun(jobs):
-    import test_moe_megatron
-    test_moe_megatron.torchrun(jobs, nproc=2, timeout=900)
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, framework_runs):
-    d = tmp_path_factory.mktemp("grouped_optim")
+@shared_followups
+def runs(framework_runs, d):
+    """The trainings copied, ckptool's TARGETS and megatron-core's resumes of them (in one launch with the other
+    files' 2-process MoE follow-ups)."""
     for name, stem in framework_runs(HELPER, 2, TRAINS, timeout=900).items():
         copy_run(stem, d / name)
     said = []
@@ -55,10 +51,11 @@ def runs(tmp_path_factory, framework_runs):
         distributed = {} if dp is None else {"distributed_optimizer": True, "dp": dp}
         api.reshard(d / src, d / name, tp=1, ep=ep, warn=said.append, **distributed)
     assert not [m for m in said if "optimizer" in m], said
-    _torchrun([f"resume {d / name} --tp 1 {flags} --out {d / name}.pt" for name, (_, _, _, flags) in TARGETS.items()]
-              + [f"resume {d / 'fp32_ep1'} --tp 1 --ep 1 --weights-only --out {d / 'fresh.pt'}",
-                 f"resume {d / 'bf16_ep1'} --tp 1 {TARGETS['bf16_ep1'][3]} --weights-only --out {d / 'bf16_fresh.pt'}",
-                 f"resume {d / 'bf16'} {SOURCES['bf16']} --out {d / 'bf16_control.pt'}"])
+    yield [(HELPER, 2, [f"resume {d / name} --tp 1 {flags} --out {d / name}.pt"
+                        for name, (_, _, _, flags) in TARGETS.items()]
+            + [f"resume {d / 'fp32_ep1'} --tp 1 --ep 1 --weights-only --out {d / 'fresh.pt'}",
+               f"resume {d / 'bf16_ep1'} --tp 1 {TARGETS['bf16_ep1'][3]} --weights-only --out {d / 'bf16_fresh.pt'}",
+               f"resume {d / 'bf16'} {SOURCES['bf16']} --out {d / 'bf16_control.pt'}"])]
     return d
 
 

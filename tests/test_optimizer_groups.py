@@ -26,7 +26,7 @@ from ckptool.formats.megatron import read_megatron
 from ckptool.formats.registry import open_checkpoint
 from ckptool.io.torchfile import load_torch_file
 from ckptool.lazy import Const
-from conftest import copy_run, declare_runs
+from conftest import copy_run, declare_runs, shared_followups
 
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and \
     importlib.util.find_spec("megatron.core") is not None
@@ -54,20 +54,21 @@ TRAINS = declare_runs(Path(__file__).resolve().parent / "mcore_train_helper.py",
     "a": f"train {{out}} --tp 1 --dp 2 --distributed-optimizer --steps {STEPS} --more {MORE} {FLAGS} --out {{out}}.pt"})
 
 
-@pytest.fixture(scope="module")
-def grouped(tmp_path_factory, framework_runs):
+@shared_followups
+def grouped(framework_runs, d):
+    """The TP2 training copied, ckptool's TP1 (carried, weights only) and PP3 outputs, megatron-core's resumes (in
+    one launch per process count with the other files' follow-ups of the helper)."""
     R = _test_resume()
-    d = tmp_path_factory.mktemp("groups")
     flags = FLAGS
     copy_run(framework_runs(R.HELPER, 2, {"a2": TRAINS["a2"]})["a2"], d / "a2")
     R.ckptool("reshard", d / "a2", d / "b1", "--tp", "1")
     R.ckptool("reshard", d / "a2", d / "w1", "--tp", "1", "--no-optimizer")
-    R.torchrun(1, f"resume {d}/b1 --tp 1 --more {MORE} {flags} --out {d}/b1.pt",
-               f"resume {d}/w1 --tp 1 --more {MORE} {flags} --out {d}/w1.pt --weights-only")
     # PP 3 (one layer a stage): the middle stage holds neither embedding nor output, yet megatron-core
     # 0.16 lists the decoupled group there too, empty
     R.ckptool("reshard", d / "a2", d / "p3", "--tp", "1", "--pp", "3")
-    R.torchrun(3, f"resume {d}/p3 --tp 1 --pp 3 --more {MORE} {flags} --out {d}/p3.pt")
+    yield [(R.HELPER, 1, [f"resume {d}/b1 --tp 1 --more {MORE} {flags} --out {d}/b1.pt",
+                          f"resume {d}/w1 --tp 1 --more {MORE} {flags} --out {d}/w1.pt --weights-only"]),
+           (R.HELPER, 3, [f"resume {d}/p3 --tp 1 --pp 3 --more {MORE} {flags} --out {d}/p3.pt"])]
     return d
 
 
@@ -105,19 +106,20 @@ def test_decoupled_lr_run_resumes_after_reshard(grouped, out):
         assert [len(g["params"]) for g in middle["optimizer"]["optimizer"]["param_groups"]][2] == 0
 
 
-@pytest.fixture(scope="module")
-def grouped_distributed(tmp_path_factory, framework_runs):
+@shared_followups
+def grouped_distributed(framework_runs, d):
     """The same groups under megatron-core's DistributedOptimizer (TP1 x DP2, distrib_optim.pt): its
-    saved groups list no parameters, so the traits alone place each parameter."""
+    saved groups list no parameters, so the traits alone place each parameter (the resumes in one launch with
+    the other files' 2-process follow-ups of the helper)."""
     R = _test_resume()
-    d = tmp_path_factory.mktemp("groups_distributed")
     flags = FLAGS
     copy_run(framework_runs(R.HELPER, 2, {"a": TRAINS["a"]})["a"], d / "a")
     R.ckptool("reshard", d / "a", d / "b2", "--tp", "2")
     R.ckptool("reshard", d / "a", d / "c1", "--tp", "1", "--distributed-optimizer", "--dp", "2")
-    R.torchrun(2, f"resume {d}/b2 --tp 2 --more {MORE} {flags} --out {d}/b2.pt",
-               f"resume {d}/c1 --tp 1 --dp 2 --distributed-optimizer --more {MORE} {flags} --out {d}/c1.pt",
-               f"resume {d}/a --tp 1 --dp 2 --distributed-optimizer --more {MORE} {flags} --out {d}/control.pt")
+    yield [(R.HELPER, 2, [
+        f"resume {d}/b2 --tp 2 --more {MORE} {flags} --out {d}/b2.pt",
+        f"resume {d}/c1 --tp 1 --dp 2 --distributed-optimizer --more {MORE} {flags} --out {d}/c1.pt",
+        f"resume {d}/a --tp 1 --dp 2 --distributed-optimizer --more {MORE} {flags} --out {d}/control.pt"])]
     return d
 
 
@@ -169,11 +171,6 @@ MOE_TRAINS = declare_runs(MOE_HELPER, 2, {"ep1": "train {out} --tp 1 --ep 1 --ou
                                           "bias": "train {out} --tp 1 --ep 2 --arch biased --dtype bf16 --out {out}.pt"})
 
 
-def _moe_torchrun(jobs, nproc=2):
-    import test_moe_megatron
-    test_moe_megatron.torchrun(jobs, nproc=nproc)
-
-
 def _next_loss(path: Path) -> float:
     """The loss of the second step after the save: the first one whose weights the loaded optimizer
     state moved (the first step's loss depends on the weights alone)."""
@@ -181,9 +178,10 @@ def _next_loss(path: Path) -> float:
     return second
 
 
-@pytest.fixture(scope="module")
-def moe_runs(tmp_path_factory, framework_runs):
-    d = tmp_path_factory.mktemp("moe_optim")
+@shared_followups
+def moe_runs(framework_runs, d):
+    """The MoE trainings copied, ckptool's outputs at other EP / TP, megatron-core's resumes (in one launch with the
+    other files' 2-process MoE follow-ups)."""
     for name, stem in framework_runs(MOE_HELPER, 2, MOE_TRAINS).items():
         copy_run(stem, d / name)
     said = []
@@ -197,11 +195,12 @@ def moe_runs(tmp_path_factory, framework_runs):
     api.reshard(d / "bias", d / "bias_to_tp2ep2", tp=2, ep=2, warn=said.append)
     api.merge(d / "bias_to_tp2", d / "bias_merged", warn=said.append)
     assert not [m for m in said if "optimizer" in m], said
-    _moe_torchrun([f"resume {d / 'to_ep1'} --tp 1 --ep 1 --dtype bf16 --out {d / 'to_ep1.pt'}",
-                   f"resume {d / 'to_ep2'} --tp 1 --ep 2 --out {d / 'to_ep2.pt'}",
-                   f"resume {d / 'to_ep1'} --tp 1 --ep 1 --dtype bf16 --out {d / 'fresh.pt'} --weights-only",
-                   f"resume {d / 'bias_to_ep1'} --tp 1 --ep 1 --arch biased --dtype bf16 --out {d / 'bias_to_ep1.pt'}",
-                   f"resume {d / 'bias_to_tp2'} --tp 2 --ep 1 --arch biased --dtype bf16 --out {d / 'bias_to_tp2.pt'}"])
+    yield [(MOE_HELPER, 2, [
+        f"resume {d / 'to_ep1'} --tp 1 --ep 1 --dtype bf16 --out {d / 'to_ep1.pt'}",
+        f"resume {d / 'to_ep2'} --tp 1 --ep 2 --out {d / 'to_ep2.pt'}",
+        f"resume {d / 'to_ep1'} --tp 1 --ep 1 --dtype bf16 --out {d / 'fresh.pt'} --weights-only",
+        f"resume {d / 'bias_to_ep1'} --tp 1 --ep 1 --arch biased --dtype bf16 --out {d / 'bias_to_ep1.pt'}",
+        f"resume {d / 'bias_to_tp2'} --tp 2 --ep 1 --arch biased --dtype bf16 --out {d / 'bias_to_tp2.pt'}"])]
     return d
 
 

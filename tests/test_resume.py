@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import copy_run, declare_runs, run_torchrun
+from conftest import copy_run, declare_runs, run_torchrun, shared_followups
 from ckptool.formats.registry import open_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,24 +69,26 @@ def weight_gap(a: Path, b: Path) -> float:
 
 # the TP2 training (in one launch with the other files' mcore_train_helper trainings at 2 processes)
 TRAIN_TP2 = declare_runs(HELPER, 2, {"a2": f"train {{out}} --tp 2 --steps {STEPS} --more {MORE} --out {{out}}.pt"})
+# and the TP1 one (with the other files' one-process trainings of the helper, if any)
+TRAIN_TP1 = declare_runs(HELPER, 1, {"a1": f"train {{out}} --tp 1 --steps {STEPS} --more {MORE} --out {{out}}.pt"})
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, framework_runs):
-    """TP2 -> TP1 and TP1 -> TP2, each carried and weights-only, plus the same-layout control."""
-    d = tmp_path_factory.mktemp("resume")
+@shared_followups
+def runs(framework_runs, d):
+    """TP2 -> TP1 and TP1 -> TP2, each carried and weights-only, plus the same-layout control (the resumes in one
+    launch per process count with the other files' follow-ups of the helper)."""
     copy_run(framework_runs(HELPER, 2, TRAIN_TP2, timeout=300)["a2"], d / "a2")
-    torchrun(1, f"train {d}/a1 --tp 1 --steps {STEPS} --more {MORE} --out {d}/a1.pt")
+    copy_run(framework_runs(HELPER, 1, TRAIN_TP1, timeout=300)["a1"], d / "a1")
     out = ckptool("reshard", d / "a2", d / "b1", "--tp", "1").stdout
     assert "optimizer state carried" in out
     ckptool("reshard", d / "a2", d / "w1", "--tp", "1", "--no-optimizer")
     ckptool("reshard", d / "a1", d / "b2", "--tp", "2")
     ckptool("reshard", d / "a1", d / "w2", "--tp", "2", "--no-optimizer")
-    torchrun(1, f"resume {d}/b1 --tp 1 --more {MORE} --out {d}/b1.pt",
-             f"resume {d}/w1 --tp 1 --more {MORE} --out {d}/w1.pt --weights-only")
-    torchrun(2, f"resume {d}/b2 --tp 2 --more {MORE} --out {d}/b2.pt",
-             f"resume {d}/w2 --tp 2 --more {MORE} --out {d}/w2.pt --weights-only",
-             f"resume {d}/a2 --tp 2 --more {MORE} --out {d}/a2_control.pt")
+    yield [(HELPER, 1, [f"resume {d}/b1 --tp 1 --more {MORE} --out {d}/b1.pt",
+                        f"resume {d}/w1 --tp 1 --more {MORE} --out {d}/w1.pt --weights-only"]),
+           (HELPER, 2, [f"resume {d}/b2 --tp 2 --more {MORE} --out {d}/b2.pt",
+                        f"resume {d}/w2 --tp 2 --more {MORE} --out {d}/w2.pt --weights-only",
+                        f"resume {d}/a2 --tp 2 --more {MORE} --out {d}/a2_control.pt"])]
     return d
 
 

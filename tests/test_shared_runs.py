@@ -1,0 +1,93 @@
+"""conftest's shared follow-up phase (shared_followups / FrameworkRuns.followup) without starting anything:
+run_torchrun stood in by a recorder. The launches the suite's files share must be the ones asked for, grouped
+per helper and process count, round by round; one file's failure stays that file's."""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import conftest
+
+
+@pytest.fixture
+def launches(monkeypatch, tmp_path):
+    """[(nproc, helper file name, jobs)] of every launch from now on; a job containing "fail" makes its launch
+    fail. The declared and selected follow-ups: none but those a test adds (select)."""
+    seen: list = []
+
+    def fake_run_torchrun(nproc, helper, *jobs, **_kw):
+        seen.append((nproc, Path(helper).name, jobs))
+        rc = 1 if any("fail" in j for j in jobs) else 0
+        return subprocess.CompletedProcess([], rc, stdout="", stderr="rank 0 failed" if rc else "")
+    monkeypatch.setattr(conftest, "run_torchrun", fake_run_torchrun)
+    monkeypatch.setattr(conftest, "_FOLLOWUPS", [])
+    monkeypatch.setattr(conftest, "_SELECTED_FILE_FIXTURES", set())
+    return seen
+
+
+def select(*steps_functions):
+    for steps in steps_functions:
+        conftest._FOLLOWUPS.append(("file.py", steps.__name__, steps))
+        conftest._SELECTED_FILE_FIXTURES.add(("file.py", steps.__name__))
+
+
+def test_one_launch_per_helper_and_process_count_each_round(launches, tmp_path):
+    order = []
+
+    def a(runs, d):
+        order.append(("a", d.is_dir()))
+        yield [("h.py", 2, ["a1"]), ("h.py", 1, ["a2"]), ("g.py", 2, ["a3"])]
+        order.append("a after its launches")
+        yield [("h.py", 2, ["a4"])]
+        return "A"
+
+    def b(runs, d):
+        yield [("h.py", 2, ["b1", "b2"])]
+        return "B"
+
+    def unselected(runs, d):
+        yield [("h.py", 2, ["never"])]
+        return "U"
+    select(a, b)
+    conftest._FOLLOWUPS.append(("file.py", "unselected", unselected))
+    runs = conftest.FrameworkRuns(tmp_path)
+    assert runs.followup(b) == "B" and runs.followup(a) == "A"  # a ran with b's launches
+    assert launches == [(2, "h.py", ("b1", "b2", "a1")), (1, "h.py", ("a2",)), (2, "g.py", ("a3",)),
+                        (2, "h.py", ("a4",))]
+    assert order == [("a", True), "a after its launches"]
+    assert runs.followup(unselected) == "U" and launches[-1] == (2, "h.py", ("never",))  # asked for itself
+
+
+def test_a_failure_stays_with_the_steps_it_belongs_to(launches, tmp_path):
+    def broken(runs, d):
+        raise ValueError("broken before its launch")
+        yield
+
+    def failing(runs, d):
+        yield [("h.py", 2, ["fail here"])]
+        return "never"
+
+    def sharing(runs, d):  # in the failed launch too
+        yield [("h.py", 2, ["s1"])]
+        return "never"
+
+    def fine(runs, d):
+        yield [("h.py", 4, ["f1"])]
+        return "F"
+
+    def skipped(runs, d):
+        pytest.skip("not here")
+        yield
+    select(broken, failing, sharing, fine, skipped)
+    runs = conftest.FrameworkRuns(tmp_path)
+    assert runs.followup(fine) == "F"
+    with pytest.raises(ValueError, match="broken before its launch"):
+        runs.followup(broken)
+    for steps in (failing, sharing):
+        with pytest.raises(AssertionError, match="h.py .*fail here.*rank 0 failed"):
+            runs.followup(steps)
+    with pytest.raises(pytest.skip.Exception):
+        runs.followup(skipped)
+    assert sorted(launches) == [(2, "h.py", ("fail here", "s1")), (4, "h.py", ("f1",))]
