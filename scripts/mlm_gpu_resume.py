@@ -305,8 +305,7 @@ class Driver:
                 continue
             seen.add(key)
             lay = o["layout"]
-            # torch format: a rank per file (TP x PP x EP); torch_dist runs at the stored TP x PP
-            nproc = lay["tp"] * lay["pp"] * (lay["ep"] if o["fmt"] == "torch" else 1)
+            nproc = lay["tp"] * lay["pp"] * lay["ep"]  # verify's rule, torch format and torch_dist alike
             args = ["verify", o["dst"]]
             logits = self.work / f"logits-{o['source']}.pt"  # Megatron-LM's own, where computed
             if o["kind"] == "moe" and logits.exists():

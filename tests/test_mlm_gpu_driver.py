@@ -91,3 +91,17 @@ def test_resumes_load_without_rng_and_weights_only_without_optimizer(tmp_path, m
     assert control[control.index("--ckpt-step") + 1] == str(drv.SAVE_STEP)
     # every Megatron-LM run goes through the torch-Adam patches
     assert all(Path(argv[argv.index("--nproc-per-node") + 2]).name == "mlm_torch_adam.py" for argv in by.values())
+
+
+def test_verify_runs_each_output_on_tp_x_pp_x_ep_ranks(tmp_path, monkeypatch):
+    """`ckptool verify` under torchrun wants TP x PP x EP processes, for torch_dist MoE outputs too."""
+    d, sources = plan(tmp_path, ["adam"])
+    ran = []
+    monkeypatch.setattr(d, "run", lambda jobs: ran.extend(jobs))
+    outputs = [dict(sources["mixtral-distopt-torch_dist-a"], source="mixtral-distopt-torch_dist-a", target="tp1ep4",
+                    mode="optim", dst=str(tmp_path / "moe"), layout=dict(tp=1, pp=1, ep=4), dp=4),
+               dict(sources["gpt2-adam-torch_dist-a"], source="gpt2-adam-torch_dist-a", target="tp2pp1dp2",
+                    mode="optim", dst=str(tmp_path / "dense"), layout=dict(tp=2, pp=1, ep=1), dp=2)]
+    d.verify(outputs)
+    nproc = {j.name: int(j.argv[j.argv.index("--nproc-per-node") + 1]) for j in ran}
+    assert nproc == {"verify-mixtral-torch_dist-tp1ep4": 4, "verify-gpt2-torch_dist-tp2pp1dp2": 2}
