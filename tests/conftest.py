@@ -184,7 +184,6 @@ class FrameworkRuns:
             self.done.update(todo)
         return {name: self.done[key] for name, key in keys.items()}
 
-
     def followup(self, steps):
         """The value of a shared_followups steps function (see there), run with the selected tests' other ones."""
         if steps not in self.followed:
