@@ -122,11 +122,19 @@ def direct_options(opts: List[str]) -> Optional[tuple]:
     return nproc, found.get("addr", "127.0.0.1"), port
 
 
-def _free_port() -> int:
+def reserve_port():
+    """A free port, held for the launch: the returned socket stays bound until the ranks have ended.
+
+    A port that is picked and let go can be handed to another process (its own port-0 bind, an
+    outgoing connection) in the seconds before rank 0 has imported torch and bound its store to it.
+    While this socket holds the port the kernel hands it to no one else, yet rank 0's store can
+    still bind it: both sockets ask for SO_REUSEADDR (torch's store does, with or without libuv),
+    and Linux lets such sockets share a port as long as at most the store listens."""
     import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
 
 
 def _rank_env(rank: int, nproc: int, addr: str, port: int, error_file: str) -> dict:
@@ -162,7 +170,8 @@ def launch_direct(command: List[str], nproc: int, addr: str, port: Optional[int]
     import subprocess
     import tempfile
     import time
-    port = port or _free_port()
+    held = None if port else reserve_port()  # closed when the launch ends (finally below)
+    port = port or held.getsockname()[1]
     python = os.environ.get("PYTHON_EXEC", sys.executable)  # as torchrun picks the interpreter
     errors = tempfile.mkdtemp(prefix="ckptool-torchrun-")
     procs: list = []
@@ -216,6 +225,8 @@ def launch_direct(command: List[str], nproc: int, addr: str, port: Optional[int]
         return status
     finally:
         stop(signal.SIGKILL)
+        if held is not None:
+            held.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
         shutil.rmtree(errors, ignore_errors=True)

@@ -148,3 +148,30 @@ def test_torchruns_launcher_hands_its_readahead_to_the_workers(monkeypatch):
     monkeypatch.setenv(LAUNCHER_ENV, "")  # main() sets it: restored after the test
     assert torchrun.main(["--nproc-per-node", "2", "merge", str(FIXTURE), "/nonexistent/out"]) in (0, None)
     assert seen == [True]
+
+
+def test_the_direct_launch_holds_its_port_until_rank_0s_store_binds_it():
+    """The port the launch picks stays reserved: no other process's port-0 bind is handed it, and
+    torch's store (both backends) still binds and serves on it while the launcher holds it."""
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    from ckptool.torchrun import reserve_port
+    held = reserve_port()
+    port = held.getsockname()[1]
+    try:
+        others = set()
+        for _ in range(500):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                others.add(s.getsockname()[1])
+        assert port not in others
+        for libuv in (True, False):
+            store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=10), use_libuv=libuv)
+            store.set("k", "v")
+            assert store.get("k") == b"v"
+            del store
+    finally:
+        held.close()
