@@ -94,13 +94,14 @@ class Job:
 
 
 class Driver:
-    def __init__(self, mlm: Path, work: Path, out: Path, gpu_jobs: int, cpu_jobs: int, deadline: float):
+    def __init__(self, mlm: Path, work: Path, out: Path, gpu_jobs: int, cpu_jobs: int, deadline: float,
+                 verify_models: Optional[List[str]] = None):
         self.mlm, self.work, self.out = mlm, work, out
         self.gpu_jobs, self.cpu_jobs, self.deadline = gpu_jobs, cpu_jobs, deadline
         self.logs = work / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.jobs: List[Job] = []
-        self.verify_models = list(MODELS)
+        self.verify_models = verify_models or list(MODELS)
         base = {**os.environ, **ENV}
         pypath = base.get("PYTHONPATH", "")
         self.mlm_env = {**base, "PYTHONPATH": f"{mlm}:{pypath}".rstrip(":")}
@@ -147,14 +148,13 @@ class Driver:
                str(layout["pp"])]
         if layout.get("ep", 1) > 1:
             par += ["--expert-model-parallel-size", str(layout["ep"])]
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(NPROC),
-                str(REPO / "scripts" / "mlm_torch_adam.py"), script] + COMMON + ["--train-iters", str(LAST_STEP)] + MODELS[model] + par + extra
+        argv = torchrun(NPROC) + [str(REPO / "scripts" / "mlm_torch_adam.py"), script] + COMMON + \
+            ["--train-iters", str(LAST_STEP)] + MODELS[model] + par + extra
         return Job(name, argv, self.mlm, {**self.mlm_env, **(env or {})}, phase, True, info)
 
     def ckptool(self, name: str, phase: str, args: List[str], info: dict, nproc: int = 0) -> Job:
         """A ckptool command: in one process, or under torchrun with nproc ranks (NCCL on the GPUs)."""
-        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-        argv = (launch if nproc else [sys.executable]) + ["-m", "ckptool"] + args
+        argv = (torchrun(nproc) if nproc else [sys.executable]) + ["-m", "ckptool"] + args
         return Job(name, argv, REPO, self.ckpt_env, phase, bool(nproc), info)
 
     # ---- the phases ----------------------------------------------------------------------------
@@ -352,6 +352,11 @@ print(f"class={type(model).__name__} vocab={got.shape[-1]} true_vocab={v} max_ab
 OPTIMS = {"adam": [], "distopt": ["--use-distributed-optimizer"], "adamfp32": []}
 
 
+def torchrun(nproc: int) -> List[str]:
+    """The launch of nproc ranks on this host (torchrun binds its own rendezvous port)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+
+
 def optim_flags(optim: str) -> List[str]:
     """The optimizer's and the compute dtype's flags of a job."""
     return OPTIMS[optim] + ([] if optim == "adamfp32" else ["--bf16"])
@@ -441,8 +446,8 @@ def main() -> int:
     started = time.time()
     if a.work.exists():
         shutil.rmtree(a.work)
-    drv = Driver(a.megatron.resolve(), a.work.resolve(), a.out, a.gpu_jobs, a.cpu_jobs, started + a.budget_s)
-    drv.verify_models = a.verify_models.split(",")
+    drv = Driver(a.megatron.resolve(), a.work.resolve(), a.out, a.gpu_jobs, a.cpu_jobs, started + a.budget_s,
+                 a.verify_models.split(","))
     phases = a.phases.split(",")
     try:
         drv.setup()

@@ -4,7 +4,7 @@ this one is converted (pull(): read by a background thread, the bytes themselves
 Why: with a cold source a conversion reads one tensor at a time (a pread waits for the disk), and
 its CPU work (merges, transposes, checksums) leaves the disk idle in between. Start-up read-ahead
 (startup.py) covers the first part of each file; this covers the rest, one group (a layer) ahead
-of the loader. The hints fill the page cache only (reclaimable, not the process's memory), and only
+of the loader. The reads fill the page cache only (reclaimable, not the process's memory), and only
 GROUPS_AHEAD groups ahead, so a source larger than memory is not pushed out before it is used.
 CKPTOOL_PREFETCH=0 turns it off (as does CKPTOOL_READAHEAD=0); CKPTOOL_PREFETCH=N asks N groups ahead.
 
