@@ -29,6 +29,7 @@ processes of a torchrun step).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -125,14 +126,8 @@ def timed(cmd: list, log: Path, env: dict = None) -> dict:
         full = cmd
     trace = DiskTrace() if TRACE_DISK else None
     start = time.perf_counter()
-    with open(log, "w") as f:
-        if trace is not None:
-            trace.__enter__()
-        try:
-            rc = subprocess.run(full, stdout=f, stderr=subprocess.STDOUT, env=dict(_env(), **(env or {}))).returncode
-        finally:
-            if trace is not None:
-                trace.__exit__()
+    with open(log, "w") as f, (trace or contextlib.nullcontext()):
+        rc = subprocess.run(full, stdout=f, stderr=subprocess.STDOUT, env=dict(_env(), **(env or {}))).returncode
     wall = time.perf_counter() - start
     if stats.exists() and stats.read_text().split():
         last = stats.read_text().split("\n")[-2].split()
