@@ -196,6 +196,78 @@ class Derived(LazyTensor):
             return self.fn(*[p.load() for p in self.parents])
 
 
+class Memo(LazyTensor):
+    """data, loaded once per load_scope for all its users (a weight that is both written and checked
+    against its fp32 master: one read for both). Outside a scope every load reads.
+
+    Loaded into a slice of a larger tensor (a part of a merge), it goes straight from the source
+    into that slice and the scope keeps the slice, not a copy: no layer-sized temporary, no copy."""
+
+    def __init__(self, data: LazyTensor):
+        self.data, self.shape, self.dtype = data, data.shape, data.dtype
+
+    @property
+    def parents(self) -> Tuple[LazyTensor]:
+        return (self.data,)
+
+    def _cache(self) -> Optional[dict]:
+        scopes = load_scopes()
+        return scopes[-1] if scopes else None
+
+    def load(self) -> torch.Tensor:
+        cache = self._cache()
+        hit = cache.get(id(self)) if cache is not None else None
+        if hit is not None:
+            return hit[1]
+        value = self.data.load()
+        if cache is not None:
+            cache[id(self)] = (self, value)  # keep self alive so id() stays unique
+        return value
+
+    def load_into(self, out: torch.Tensor) -> None:
+        cache = self._cache()
+        hit = cache.get(id(self)) if cache is not None else None
+        if hit is not None:
+            out.copy_(hit[1])
+            return
+        self.data.load_into(out)
+        if cache is not None:
+            cache[id(self)] = (self, out)  # the slice: nothing writes into it again (writers only read)
+
+
+class Checked(LazyTensor):
+    """data, checked as it loads: check(value, *others) raises when value does not agree with the
+    others' values (an fp32 master that does not round to its stored weight). The check must be
+    elementwise, so a slice of a Checked is that slice checked against the same slices of the others:
+    a target that takes part of it (TP2 -> TP4) reads and checks only that part, and the parts all
+    targets take together check the whole once. load_into reads straight into out and checks it there."""
+
+    def __init__(self, data: LazyTensor, check: Callable, others: Sequence[LazyTensor]):
+        self.data, self.check, self.others = data, check, list(others)
+        self.shape, self.dtype = data.shape, data.dtype
+
+    @property
+    def parents(self) -> Tuple[LazyTensor, ...]:
+        return (self.data, *self.others)
+
+    def _checked(self, value: torch.Tensor) -> torch.Tensor:
+        others = [o.load() for o in self.others]
+        with profile.stage("check"):
+            self.check(value, *others)
+        return value
+
+    def load(self) -> torch.Tensor:
+        return self._checked(self.data.load())
+
+    def load_into(self, out: torch.Tensor) -> None:
+        self.data.load_into(out)
+        self._checked(out)
+
+    def narrow(self, dim: int, start: int, length: int) -> LazyTensor:
+        return Checked(self.data.narrow(dim, start, length), self.check,
+                       [o.narrow(dim, start, length) for o in self.others])
+
+
 def derive(fn: Callable, parents: Sequence[LazyTensor], memo: bool = False) -> Derived:
     return Derived(fn, parents, memo=memo)
 

@@ -38,7 +38,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import CkptError
-from ..lazy import Const, Derived, LazyTensor
+from ..lazy import Const, LazyTensor
+from ..masters import checked_master
 from ..state import OPTIMIZER_SLOTS, OptimizerState, ParamGroup
 from ..roles import GLOBAL_ROLES, is_parameter
 from .megatron_distopt import group_by_rule
@@ -185,14 +186,8 @@ def master_checked(master: LazyTensor, weight: LazyTensor, name: str, where: str
     """The fp32 master, checked as it loads: cast to the weight's dtype it equals the weight bit for bit."""
     if master.dtype == weight.dtype:
         return master
-
-    def checked(m: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if not torch.equal(m.to(w.dtype), w):
-            raise CkptError(f"{where}: the fp32 master of {name} does not round to its stored weight: the "
-                            "optimizer state belongs to another step or model", HINT)
-        return m
-
-    return Derived(checked, [master, weight], shape=master.shape, dtype=master.dtype)
+    return checked_master(master, weight, f"{where}: the fp32 master of {name} does not round to its stored "
+                          "weight: the optimizer state belongs to another step or model", HINT)
 
 
 def read(common: dict, form: str, slot_tensors: Callable[[str], Dict[str, LazyTensor]],

@@ -22,7 +22,7 @@ import torch
 from ..config import GPTConfig, Layout, check_tensor_parallel
 from ..errors import CkptError, require
 from ..io.torchfile import StoredTensor, StreamingTorchWriter, load_torch_file, write_grouped
-from ..lazy import Const, Derived, LazyTensor, Piece, Placement
+from ..lazy import Const, Derived, LazyTensor, Memo, Piece, Placement
 from ..options import ReadOptions
 from ..roles import (BUFFER_ROLES, FIRST_STAGE_ROLES, assemble, canonical_names, fc_major, global_role_tensor,
                      layer_role_tensor, moe_layer_roles, scope_of, shard_role, tables_for)
@@ -371,7 +371,7 @@ def _read_once(role: str, value: LazyTensor) -> LazyTensor:
     per-expert cut reads byte ranges of them)."""
     if role.startswith("experts.*."):
         return value
-    return Derived(lambda x: x, [value], memo=True, shape=value.shape, dtype=value.dtype)
+    return Memo(value)
 
 
 def _stacked_local_experts(keys, matcher: KeyMatcher, args, ep: int, it_dir: Path) -> int:

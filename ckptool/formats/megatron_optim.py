@@ -44,7 +44,8 @@ import torch
 
 from ..errors import CkptError
 from ..spec.schema import HEAD_COPY
-from ..lazy import Const, Derived, LazyTensor
+from ..lazy import Const, LazyTensor
+from ..masters import checked_master
 from ..state import OPTIMIZER_SLOTS, ParamGroup
 # The group rules are torch-free (megatron_groups, shared with the quick inspect); their names stay here too.
 from .megatron_groups import (HINT, MIXED_FORMS, MOMENTS, NO_WEIGHT_DECAY_KEYS, GroupRule, expert_parallel,
@@ -264,13 +265,8 @@ def master_matching_weight(master: LazyTensor, param: RankParam, where: str,
     """master, checked as it loads: cast to the weight's dtype it must equal the weight bit for bit
     (Megatron copies masters into the model after every step; in fp32 training they are the same
     values), or the tie is wrong (cause says how, in the message)."""
-    def checked(m: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if not torch.equal(m.to(w.dtype), w):
-            raise CkptError(f"{where}: the fp32 master of {param.key} does not round to its stored "
-                            f"weight: {cause}", HINT)
-        return m
-
-    return Derived(checked, [master, param.weight], shape=master.shape, dtype=master.dtype)
+    return checked_master(master, param.weight, f"{where}: the fp32 master of {param.key} does not round to "
+                          f"its stored weight: {cause}", HINT)
 
 
 # --- writing --------------------------------------------------------------------------------

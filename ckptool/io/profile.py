@@ -29,6 +29,7 @@ STAGES = {
     "read": "pread of source bytes into memory",
     "merge": "allocating merged tensors, interleaving tensor-parallel parts",
     "transform": "transposes, QKV reorders, dtype casts, concatenations",
+    "check": "fp32 optimizer masters checked against their model weights (cast and compare)",
     "prepare": "contiguous copies and compacting clones of tensors before they are written",
     "zip": "zip headers and records through torch's writer (its own CRC32 included when used)",
     "crc32": "CRC32 of zip records (ckptool's own, chunked over the cores)",
