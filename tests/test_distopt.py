@@ -349,11 +349,12 @@ def test_real_megatron_lm_state_through_distrib_optim(tmp_path, layout, dp, opti
 
 def test_flat_tensors_stream_a_parameter_at_a_time(monkeypatch):
     """A distrib_optim.pt flat tensor (FlatSlot) comes out in chunks equal to the whole tensor built at
-    once (each slot at its offset, zeros in the gaps); each parameter's slot is loaded only when the
-    writer reaches it and at most a chunk (or one large parameter) is out at a time: the rank's buffer
-    is never in memory whole."""
+    once (each slot at its offset, zeros in the gaps); the parameters' slots are loaded at most AHEAD
+    bytes (and a parameter or two) ahead of the writer, and at most a chunk (or one large parameter) is
+    out at a time: the rank's buffer is never in memory whole."""
     from ckptool.lazy import Const, Derived
     monkeypatch.setattr(D, "CHUNK", 1000)
+    monkeypatch.setattr(D, "AHEAD", 4000)  # bytes: one 1000-element fp32 slot
     rng = random.Random(5)
     loaded, out = [], []
 
@@ -370,8 +371,13 @@ def test_flat_tensors_stream_a_parameter_at_a_time(monkeypatch):
         pieces.append((off, lazy))
         whole[off:off + n] = t
     flat = D.FlatSlot(pieces, layout.numel_unpadded)
+    written = 0
     for chunk in flat.chunks():
         assert chunk.numel() <= max(1000, max(numels))
+        written += chunk.numel()
+        # slots loaded whose place the writer has not reached: within AHEAD and two slots
+        early = sum(4 * numels[i] for i in list(loaded) if pieces[i][0] >= written)
+        assert early <= D.AHEAD + 2 * 4 * max(numels), (early, written)
         out.append((len(loaded), chunk.clone()))
     assert torch.equal(torch.cat([c for _, c in out]), whole) and torch.equal(flat.load(), whole)
     assert sorted(loaded[:len(numels)]) == list(range(len(numels)))  # once each (flat.load() loads again)

@@ -51,6 +51,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import CkptError
+from ..io import prefetch
+from ..io.ahead import loaded_ahead
 from ..io.torchfile import StoredTensor, load_torch_file
 from ..lazy import Derived, LazyTensor
 from . import megatron_buffers, megatron_optim
@@ -277,6 +279,9 @@ def group_by_rule(params: List[RankParam], hypers: List[dict], where: str, rule:
 # --- writing --------------------------------------------------------------------------------
 
 CHUNK = 4 << 20  # elements (16 MiB of fp32) per piece a flat tensor is written in
+# loaded slots held ahead of the one being written (a larger one is still loaded, one at a time): the
+# loads overlap the writes; the flat pass runs after the layer-by-layer files, so nothing else is held
+AHEAD = 256 << 20
 
 
 def target_bucket_size(args, chunk: int, pp_rank: int, dp: int) -> Optional[int]:
@@ -288,48 +293,56 @@ def target_bucket_size(args, chunk: int, pp_rank: int, dp: int) -> Optional[int]
 class FlatSlot(LazyTensor):
     """One flat fp32 tensor of distrib_optim.pt (a buffer's, or one bucket's in the bucket-list form):
     each parameter's slot at its offset, zeros in the gaps (alignment, bucket ends) as megatron-core
-    leaves them. chunks() produces it in order, loading one parameter's slot at a time, so writing it
-    holds one slot and one CHUNK in memory, never the rank's whole buffer."""
+    leaves them. chunks() produces it in order, loading the parameters' slots a few ahead of the one
+    being written (io/ahead.py: at most AHEAD bytes beside it), so writing it holds a few slots and one
+    CHUNK in memory, never the rank's whole buffer."""
 
     def __init__(self, pieces: List[Tuple[int, LazyTensor]], numel: int):
         self.pieces = sorted(pieces, key=lambda p: p[0])
         self.shape, self.dtype = torch.Size([numel]), torch.float32
 
-    def chunks(self):
+    def chunks(self, ahead=None):
         """The tensor's elements in order, in pieces; a yielded piece's memory is reused once the
-        next one is asked for (the staging buffer for small parameters and gaps)."""
+        next one is asked for (the staging buffer for small parameters and gaps). ahead: a
+        prefetch.Prefetcher asked for each parameter's source bytes before it loads."""
         stage = torch.zeros(max(1, min(CHUNK, self.numel)), dtype=torch.float32)
         used = cursor = 0
-        for offset, piece in self.pieces + [(self.numel, None)]:
-            if offset < cursor:
-                raise CkptError(f"internal: distrib_optim.pt pieces overlap at element {offset}")
-            gap = offset - cursor
-            while gap:  # zeros: the staging buffer is zeroed whenever it is reused
-                take = min(gap, len(stage) - used)
-                used, gap = used + take, gap - take
-                if used == len(stage):
-                    yield stage
-                    stage.zero_()
-                    used = 0
-            if piece is None:
-                break
-            n = piece.numel
-            if n >= len(stage):  # a large parameter goes out from its own memory
-                if used:
-                    yield stage[:used]
-                    stage.zero_()
-                    used = 0
-                yield piece.load().reshape(-1).to(torch.float32)
-            else:
-                if used + n > len(stage):
-                    yield stage[:used]
-                    stage.zero_()
-                    used = 0
-                stage[used:used + n] = piece.load().reshape(-1)
-                used += n
-            cursor = offset + n
-        if used:
-            yield stage[:used]
+        loaded = loaded_ahead([piece for _, piece in self.pieces], AHEAD, ahead)
+        try:
+            for offset, piece in self.pieces + [(self.numel, None)]:
+                if offset < cursor:
+                    raise CkptError(f"internal: distrib_optim.pt pieces overlap at element {offset}")
+                gap = offset - cursor
+                while gap:  # zeros: the staging buffer is zeroed whenever it is reused
+                    take = min(gap, len(stage) - used)
+                    used, gap = used + take, gap - take
+                    if used == len(stage):
+                        yield stage
+                        stage.zero_()
+                        used = 0
+                if piece is None:
+                    break
+                n = piece.numel
+                value = next(loaded).reshape(-1)
+                if n >= len(stage):  # a large parameter goes out from its own memory
+                    if used:
+                        yield stage[:used]
+                        stage.zero_()
+                        used = 0
+                    yield value.to(torch.float32)
+                else:
+                    if used + n > len(stage):
+                        yield stage[:used]
+                        stage.zero_()
+                        used = 0
+                    stage[used:used + n] = value
+                    used += n
+                del value
+                cursor = offset + n
+            if used:
+                yield stage[:used]
+        finally:
+            loaded.close()
 
     def load(self) -> torch.Tensor:
         parts = [c.clone() for c in self.chunks()]
@@ -376,16 +389,22 @@ def rank_files(entries: List[Tuple[int, int, Dict[str, LazyTensor], bool]], dp: 
 
 def write_files(writers: list, on_bytes=None) -> int:
     """Write distrib_optim.pt files (StreamingTorchWriters over rank_files' state): each flat tensor
-    streamed from its FlatSlot's chunks, one file after another. Returns the bytes written."""
+    streamed from its FlatSlot's chunks (loaded ahead of the writes, their source bytes read ahead),
+    one file after another. Returns the bytes written."""
     total = 0
-    for w in writers:
-        for ps in w.pending:
-            if isinstance(ps.lazy, FlatSlot):
-                total += w.write_chunks(ps, ps.lazy.chunks(), on_bytes)
-            else:
-                n = w.write(ps)
-                total += n
-                if on_bytes:
-                    on_bytes(n)
-        w.finish()
+    ahead = prefetch.prefetcher() if writers else None
+    try:
+        for w in writers:
+            for ps in w.pending:
+                if isinstance(ps.lazy, FlatSlot):
+                    total += w.write_chunks(ps, ps.lazy.chunks(ahead), on_bytes)
+                else:
+                    n = w.write(ps)
+                    total += n
+                    if on_bytes:
+                        on_bytes(n)
+            w.finish()
+    finally:
+        if ahead is not None:
+            ahead.close()
     return total

@@ -68,7 +68,9 @@ class Writeback:
         # start this window's write-back; once more than LAG windows are on their way, wait for
         # the oldest (by now mostly done) and drop it: write() never meets a full dirty limit,
         # and the disk always has LAG windows queued (one was too few to keep a fast disk busy)
-        if not self._call(self.started, self.pos - self.started, _WRITE):
+        with profile.stage("writeback"):  # starting it can block too, on a full device queue
+            started = self._call(self.started, self.pos - self.started, _WRITE)
+        if not started:
             return
         self.windows.append(self.pos)
         self.started = self.pos
