@@ -38,6 +38,23 @@ def test_the_pool_stays_under_its_limit(monkeypatch):
     assert all(t.shape == (1 << 20,) for t in live)  # over the limit: plain torch memory
 
 
+def test_a_writer_lets_the_pool_hold_its_groups_then_it_shrinks_back(monkeypatch):
+    """sized_for: while a writer runs, the pool keeps (and hands out again) what its groups in flight
+    need beyond POOL_LIMIT, so each group's tensors land on the memory of the group before; afterwards
+    the free buffers beyond the limit are closed."""
+    monkeypatch.setattr(buffers, "_pool", [])  # an empty pool: what earlier tests left is not counted
+    monkeypatch.setattr(buffers, "POOL_LIMIT", 8 << 20)
+    with buffers.sized_for(24 << 20):
+        first = [buffers.empty((1 << 20,), torch.float32) for _ in range(4)]  # 4 x 4 MiB, all pooled
+        assert _held() == 16 << 20
+        ptrs = {t.data_ptr() for t in first}
+        del first
+        again = [buffers.empty((1 << 20,), torch.float32) for _ in range(4)]
+        assert {t.data_ptr() for t in again} == ptrs  # the same memory, no fresh pages
+        del again
+    assert _held() <= buffers.POOL_LIMIT
+
+
 def test_concat_reads_shards_into_place_and_slices_within_a_shard(tmp_path):
     parts = [torch.randn(300, 700), torch.randn(300, 700)]
     torch.save({"a": parts[0], "b": parts[1]}, tmp_path / "f.pt")

@@ -8,10 +8,15 @@ copies. This pool hands a buffer back out once no tensor uses it any more (CPyth
 counts say so: a tensor made by torch.frombuffer holds a reference to its buffer until it dies).
 
 The pool holds at most POOL_LIMIT bytes, so resident memory stays at about what two layers in
-flight need. Small tensors (< MIN_BYTES) come from torch's allocator as usual.
+flight need; a writer whose layers are larger (a layer with its optimizer slots is 7x its bf16
+weights) lets it hold what its two groups in flight need while it runs (`sized_for`): past the limit every
+allocation is fresh memory again, measured on the 2-core box as a third of a merge's wall time
+(8.1 GB with optimizer state, groups of 1376 MiB: 34.6 s with the 512 MiB pool, 24.3 s with 3000 MiB).
+Small tensors (< MIN_BYTES) come from torch's allocator as usual.
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
 import sys
 import threading
@@ -23,6 +28,11 @@ POOL_LIMIT = 512 << 20  # never more than this held for reuse (the RSS budget is
 
 _lock = threading.Lock()
 _pool: list = []  # mmap objects; free when only the pool refers to them
+_raised = 0  # what a running writer lets the pool hold beyond POOL_LIMIT (sized_for)
+
+
+def _limit() -> int:
+    return max(POOL_LIMIT, _raised)
 
 
 def _refcounts(bufs: list) -> list:
@@ -60,16 +70,9 @@ def _take(nbytes: int):
         fits = [buf for buf in _free(_pool) if nbytes <= len(buf) <= 2 * nbytes]
         if fits:
             return min(fits, key=len)
-        held = sum(len(b) for b in _pool)
-        if held + nbytes > POOL_LIMIT:  # make room: drop free buffers, largest first
-            for buf in sorted(_free(_pool), key=len, reverse=True):
-                if held + nbytes <= POOL_LIMIT:
-                    break
-                _pool.remove(buf)
-                held -= len(buf)
-                buf.close()
-            if held + nbytes > POOL_LIMIT:
-                return None
+        limit = _limit()
+        if _drop_free(limit - nbytes) + nbytes > limit:  # no room, even with the free ones dropped
+            return None
         buf = mmap.mmap(-1, nbytes)
         if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer, larger faults the first time round
             try:
@@ -78,6 +81,36 @@ def _take(nbytes: int):
                 pass
         _pool.append(buf)
         return buf
+
+
+def _drop_free(limit: int) -> int:
+    """Close free buffers, largest first, until the pool holds at most limit bytes (or none is free);
+    returns what it holds then. Call with _lock held."""
+    held = sum(len(b) for b in _pool)
+    for buf in sorted(_free(_pool), key=len, reverse=True):
+        if held <= limit:
+            break
+        _pool.remove(buf)
+        held -= len(buf)
+        buf.close()
+    return held
+
+
+@contextlib.contextmanager
+def sized_for(nbytes: int):
+    """Let the pool hold nbytes (never less than POOL_LIMIT) while the block runs: a writer holding at
+    most nbytes of tensors at once (two groups in flight) reuses their memory group after group.
+    Resident memory stays within what those groups need anyway (pooled or not, they are in memory);
+    on exit the free buffers beyond the usual limit are dropped."""
+    global _raised
+    with _lock:
+        before, _raised = _raised, max(_raised, int(nbytes))
+    try:
+        yield
+    finally:
+        with _lock:
+            _raised = before
+            _drop_free(_limit())
 
 
 def held_bytes() -> int:

@@ -26,7 +26,7 @@ import torch
 from ..errors import CkptError
 from ..lazy import Const, Derived, LazyTensor, itemsize
 from ..lazy import load_scopes as lazy_scopes
-from . import chunked, prefetch, profile, torchzip, writeback
+from . import buffers, chunked, prefetch, profile, torchzip, writeback
 from .buffers import empty
 from .outdir import remember_digest
 from .safe_pickle import (UNSUPPORTED_TORCH_REBUILDS, SafeUnpickler, StandInPickler, check_rebuild_from_type,
@@ -615,9 +615,12 @@ def write_grouped(writers: list, group_of, on_tensor=None) -> int:
     # stay in order; group g+1 is loaded meanwhile.
     workers = max(1, min(len(writers), 4))
     order = sorted(groups, key=lambda k: (k is None, k))
+    sizes = [sum(ps.lazy.nbytes for _, ps in groups[k]) for k in order]
+    in_flight_peak = max([a + b for a, b in zip(sizes, sizes[1:])] + sizes[:1], default=0)  # a group and the next
     ahead, n = prefetch.prefetcher(), prefetch.groups_ahead()  # the next groups' source bytes, asked early
-    try:
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptool-writer") as pool:
+    try:  # two groups in flight: their memory recycled from group to group (io/buffers.py)
+        with buffers.sized_for(in_flight_peak), \
+                ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptool-writer") as pool:
             in_flight: list = []
             for i, key in enumerate(order):
                 if ahead is not None:  # groups i+1 .. i+n asked for (all of them at the start)
