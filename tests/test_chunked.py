@@ -78,6 +78,40 @@ def test_one_pass_sums_equal_separate_ones(small_pieces):
         assert d.hexdigest() == _by_definition(head + record)
 
 
+def test_a_record_across_a_piece_boundary_does_not_wait_for_the_first_pieces_hash(small_pieces, monkeypatch):
+    """feed() of bytes that end the open piece and begin the next hands both hashes to the pool and
+    returns: the next piece's hasher does not wait for the first's (that wait, on the writing thread,
+    serialised the hashing of streamed records: distrib_optim.pt's flat tensors, 16 MiB at a time).
+    The pool here runs nothing until told, so a feed() that waited would never return."""
+    import threading
+    from concurrent.futures import Future
+
+    held: list = []
+
+    class HeldPool:  # jobs run only when the test says so
+        def submit(self, fn, *args):
+            fut = Future()
+            held.append((fut, fn, args))
+            return fut
+
+    monkeypatch.setattr(chunked, "pool", lambda: HeldPool())
+    piece = chunked.PIECE
+    data = os.urandom(3 * piece + 3000)  # the second feed: the open piece's end, two pieces, a tail
+    d = chunked.PieceDigest()
+    d.feed(data[:piece // 2 + 5000])  # opens a piece with a job on its hasher
+    for fut, fn, args in held:  # that job done (the writer settles before its next record)
+        fut.set_result(fn(*args))
+    held.clear()
+    d.settle()
+    fed = threading.Thread(target=d.feed, args=(memoryview(data)[piece // 2 + 5000:],), daemon=True)
+    fed.start()
+    fed.join(5)
+    assert not fed.is_alive(), "feed() waited for a hash the pool had not run"
+    for fut, fn, args in held:  # in submission order: one hasher's updates stay in order
+        fut.set_result(fn(*args))
+    assert d.hexdigest() == _by_definition(data)
+
+
 def test_piece_digest_is_independent_of_how_the_bytes_arrive(small_pieces, tmp_path):
     rng = random.Random(1)
     for _ in range(30):

@@ -222,7 +222,10 @@ class PieceDigest:
             self._partial.update(view)
         self._partial_len += len(view)
         if self._partial_len == PIECE:
-            self._partial = None  # complete; its digest is read in hexdigest()
+            # complete; its digest is read in hexdigest(). Its last job is in _pending (settle waits
+            # for it); the next piece's hasher need not wait for it: a record that ends one piece
+            # and begins the next used to wait here, on the calling thread, for the first hash
+            self._partial = self._partial_job = None
         return out
 
     def settle(self) -> None:
