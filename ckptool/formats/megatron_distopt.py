@@ -51,7 +51,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import CkptError
-from ..io import prefetch
+from ..io import buffers, prefetch
 from ..io.ahead import loaded_ahead
 from ..io.torchfile import StoredTensor, load_torch_file
 from ..lazy import Derived, LazyTensor
@@ -391,20 +391,29 @@ def write_files(writers: list, on_bytes=None) -> int:
     """Write distrib_optim.pt files (StreamingTorchWriters over rank_files' state): each flat tensor
     streamed from its FlatSlot's chunks (loaded ahead of the writes, their source bytes read ahead),
     one file after another. Returns the bytes written."""
-    total = 0
     ahead = prefetch.prefetcher() if writers else None
-    try:
-        for w in writers:
-            for ps in w.pending:
-                if isinstance(ps.lazy, FlatSlot):
-                    total += w.write_chunks(ps, ps.lazy.chunks(ahead), on_bytes)
-                else:
-                    n = w.write(ps)
-                    total += n
-                    if on_bytes:
-                        on_bytes(n)
-            w.finish()
+    largest = max((piece.nbytes for w in writers for ps in w.pending if isinstance(ps.lazy, FlatSlot)
+                   for _, piece in ps.lazy.pieces), default=0)
+    try:  # loaded_ahead holds at most AHEAD, or the slot being written and the next: recycled memory
+        with buffers.sized_for(max(AHEAD, 2 * largest)):
+            total = _write_all(writers, ahead, on_bytes)
     finally:
         if ahead is not None:
             ahead.close()
+    return total
+
+
+def _write_all(writers: list, ahead, on_bytes) -> int:
+    """write_files' work, each file in turn."""
+    total = 0
+    for w in writers:
+        for ps in w.pending:
+            if isinstance(ps.lazy, FlatSlot):
+                total += w.write_chunks(ps, ps.lazy.chunks(ahead), on_bytes)
+            else:
+                n = w.write(ps)
+                total += n
+                if on_bytes:
+                    on_bytes(n)
+        w.finish()
     return total
