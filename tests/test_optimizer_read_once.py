@@ -1,4 +1,4 @@
-"""The fp32 master check reads no weight twice. Each master, cast to the model dtype, must equal its stored
+"""The fp32 master check reads no weight twice, and a finer TP target no master twice. Each master, cast to the model dtype, must equal its stored
 16-bit weight (megatron_optim.master_matching_weight), and the weight is also what the writer writes: the
 reader memoises each weight (megatron._read_once), so a writer's load of a layer reads it once for both.
 On the real Megatron-LM checkpoints, a merge carrying the optimizer reads no byte range of the source
@@ -46,3 +46,16 @@ def test_carrying_the_optimizer_reads_each_weight_once(case, tmp_path, monkeypat
     total = sum(length * n for (_, _, length), n in once.items())
     print(f"{case}: {total} bytes read once; without the memo {again} more")
     assert again > total // 10
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_finer_tensor_parallel_target_reads_each_master_once(case, tmp_path, monkeypatch):
+    """TP2 -> TP4: each target rank takes half of a source rank's master and checks it against the same
+    half of the weight (lazy.Checked cut like the tensor it checks), so no byte range of the source is
+    read twice; checking each whole source master once per target rank re-read them (26% of the bytes
+    of the real mcore checkpoint)."""
+    src = REAL / case / "checkpoint"
+    if not src.is_dir():
+        pytest.skip(f"{src} is not on this machine")
+    reads = _reads(monkeypatch, lambda: api.reshard(src, tmp_path / "tp4", tp=4, warn=lambda m: None))
+    assert sum(reads.values()) > 0 and [k for k, n in reads.items() if n > 1] == []
