@@ -1,9 +1,9 @@
 """The fp32 master check reads no weight twice, and a finer TP target no master twice. Each master, cast
-to the model dtype, must equal its stored 16-bit weight (megatron_optim.master_matching_weight), and the weight is also what the writer writes: the
-reader memoises each weight (megatron._read_once), so a writer's load of a layer reads it once for both.
-On the real Megatron-LM checkpoints, a merge carrying the optimizer reads no byte range of the source
-twice; without the memo it re-reads the 16-bit weights (~1/7 of the bytes a mixed-precision optimizer
-conversion reads)."""
+to the model dtype, must equal its stored 16-bit weight (megatron_optim.master_matching_weight), and the
+weight is also what the writer writes: the reader memoises each weight (megatron._read_once), so a
+writer's load of a layer reads it once for both. On the real Megatron-LM checkpoints, a merge carrying
+the optimizer reads no byte range of the source twice; without the memo it re-reads the 16-bit weights
+(~1/7 of the bytes a mixed-precision optimizer conversion reads)."""
 from __future__ import annotations
 
 from collections import Counter
