@@ -232,7 +232,9 @@ class Memo(LazyTensor):
             return
         self.data.load_into(out)
         if cache is not None:
-            cache[id(self)] = (self, out)  # the slice: nothing writes into it again (writers only read)
+            # the slice itself: callers load into memory they do not refill (Concat's fresh result, which
+            # writers only read), so it holds these values for as long as the scope lasts
+            cache[id(self)] = (self, out)
 
 
 class Checked(LazyTensor):
