@@ -10,7 +10,7 @@ import inspect
 
 import click
 
-from . import __version__
+from . import __version__, quick_exit
 from .errors import exit_status_table
 import importlib
 
@@ -38,7 +38,12 @@ class LazyGroup(click.Group):
         from .io import startup
         import sys
         startup.prepare(sys.argv[1:] if args is None else args)
-        return super().main(args, *a, **kw)
+        if args is not None or not quick_exit.owns_process():
+            return super().main(args, *a, **kw)  # called in-process (tests, a script): a normal return
+        try:
+            return super().main(args, *a, **kw)
+        except SystemExit as done:  # click ends every standalone run this way, success included
+            quick_exit.end_process(done.code)
 
     def list_commands(self, ctx):
         return sorted(COMMANDS)

@@ -169,8 +169,7 @@ def run_args(cfg, tp, ep, pp, etp=None):
         rotary_percent=1.0, num_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=MOE_FFN,
         moe_layer_freq=1, moe_router_pre_softmax=False, moe_router_score_function="softmax",
         moe_router_topk_scaling_factor=None, moe_shared_expert_intermediate_size=None,
-        moe_grouped_gemm=False, moe_router_enable_expert_bias=False, moe_token_dispatcher_type="allgather",
-        add_router_bias=False)
+        moe_grouped_gemm=False, moe_router_enable_expert_bias=False, moe_token_dispatcher_type="allgather")
     for k, v in ARCHS[ARCH["name"]].items():
         setattr(args, k, v)
     return args

@@ -313,7 +313,9 @@ def moe_from_args(args, num_layers: int, ffn: int) -> Optional[MoE]:
                layers=moe_layers_megatron(num_layers, _get(args, "moe_layer_freq", default=1)),
                score_function=score, topk_norm=topk_norm,
                scaling_factor=float(_get(args, "moe_router_topk_scaling_factor", default=1.0)),
-               router_bias=bool(_get(args, "add_router_bias", default=False)),
+               # megatron-core's TopKRouter has a bias exactly when every linear has one (--add-bias-linear;
+               # there is no router-only flag); such MoE runs are refused by their expert biases' keys
+               router_bias=bool(_get(args, "add_bias_linear", default=False)),
                expert_bias=bool(_get(args, "moe_router_enable_expert_bias", default=False)),
                shared_ffn_hidden_size=int(_get(args, "moe_shared_expert_intermediate_size", default=0) or 0),
                shared_gate=bool(_get(args, "moe_shared_expert_gate", default=False)),
@@ -334,7 +336,7 @@ def dense_moe_args(layout: Layout) -> Dict[str, Any]:
     (transformer_block.py) where a dense model's are stacked."""
     return dict(num_experts=None, moe_router_topk=2, moe_ffn_hidden_size=None, moe_layer_freq=1,
                 moe_router_score_function="softmax", moe_router_pre_softmax=False,
-                moe_router_topk_scaling_factor=None, add_router_bias=False, moe_router_enable_expert_bias=False,
+                moe_router_topk_scaling_factor=None, moe_router_enable_expert_bias=False,
                 moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False, moe_router_num_groups=None,
                 moe_router_group_topk=None, moe_grouped_gemm=False, moe_use_legacy_grouped_gemm=False,
                 expert_model_parallel_size=1, expert_tensor_parallel_size=layout.tp)
@@ -360,7 +362,7 @@ def moe_args(moe: Optional[MoE], num_layers: int, layout: Layout, grouped_gemm: 
                 moe_layer_freq=[int(i in layers) for i in range(num_layers)],
                 moe_router_score_function=moe.score_function, moe_router_pre_softmax=pre_softmax,
                 moe_router_topk_scaling_factor=None if moe.scaling_factor == 1.0 else moe.scaling_factor,
-                add_router_bias=moe.router_bias, moe_router_enable_expert_bias=moe.expert_bias,
+                moe_router_enable_expert_bias=moe.expert_bias,
                 moe_shared_expert_intermediate_size=moe.shared_ffn_hidden_size or None,
                 moe_shared_expert_gate=moe.shared_gate,
                 moe_router_num_groups=moe.num_groups if moe.num_groups > 1 else None,
