@@ -14,6 +14,7 @@ from .errors import CkptError
 from .io.buffers import empty
 from .lazy import Checked, LazyTensor
 
+
 def rounds_to(master: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether master cast to weight's dtype equals weight bit for bit (shapes must match). The cast
     goes into recycled memory (io/buffers.py): a fresh weight-sized tensor per parameter costs a page

@@ -25,8 +25,9 @@ def loaded_ahead(lazies: Sequence[LazyTensor], limit: int, ahead: Optional[Prefe
                  ) -> Iterator[torch.Tensor]:
     """Each lazy's load(), in order, loaded up to `limit` bytes ahead on a background thread; ahead
     (optional) is asked for each tensor's source bytes as the one before it starts loading. A load's
-    error is raised here, where its tensor would have come; closing the iterator early stops the thread."""
-    done = collections.deque()  # loaded, not yet taken: (tensor or None, error or None)
+    error is raised here, where its tensor would have come; closing the iterator early stops the
+    thread."""
+    done = collections.deque()  # loaded, not yet taken: (bytes, tensor or None, error or None)
     cond = threading.Condition()
     state = {"held": 0, "stop": False}
 
