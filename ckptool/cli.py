@@ -38,11 +38,11 @@ class LazyGroup(click.Group):
         from .io import startup
         import sys
         startup.prepare(sys.argv[1:] if args is None else args)
-        if args is not None or not quick_exit.owns_process():
-            return super().main(args, *a, **kw)  # called in-process (tests, a script): a normal return
         try:
             return super().main(args, *a, **kw)
         except SystemExit as done:  # click ends every standalone run this way, success included
+            if args is not None or not quick_exit.owns_process():
+                raise  # called in-process (tests, a script): the caller decides what an exit means
             quick_exit.end_process(done.code)
 
     def list_commands(self, ctx):

@@ -29,6 +29,19 @@ def load_scopes() -> list:
     return stack
 
 
+def memoised(node, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """node's value, computed once in the innermost load scope and kept there for its other users;
+    outside a scope every call computes (nothing would ever release the value)."""
+    scopes = load_scopes()
+    if not scopes:
+        return compute()
+    cache = scopes[-1]
+    hit = cache.get(id(node))
+    if hit is None:
+        hit = cache[id(node)] = (node, compute())  # node kept alive so id() stays unique
+    return hit[1]
+
+
 @contextlib.contextmanager
 def load_scope():
     """Memoise loads of memo=True nodes until the block ends (writers wrap one layer in this)."""
@@ -180,16 +193,7 @@ class Derived(LazyTensor):
         self.dtype = dtype
 
     def load(self) -> torch.Tensor:
-        scopes = load_scopes() if self.memo else None
-        if scopes:
-            cache = scopes[-1]
-            hit = cache.get(id(self))
-            if hit is not None:
-                return hit[1]
-            value = self._compute()
-            cache[id(self)] = (self, value)  # keep self alive so id() stays unique
-            return value
-        return self._compute()
+        return memoised(self, self._compute) if self.memo else self._compute()
 
     def _compute(self) -> torch.Tensor:
         with profile.stage("transform"):
@@ -210,22 +214,12 @@ class Memo(LazyTensor):
     def parents(self) -> Tuple[LazyTensor]:
         return (self.data,)
 
-    def _cache(self) -> Optional[dict]:
-        scopes = load_scopes()
-        return scopes[-1] if scopes else None
-
     def load(self) -> torch.Tensor:
-        cache = self._cache()
-        hit = cache.get(id(self)) if cache is not None else None
-        if hit is not None:
-            return hit[1]
-        value = self.data.load()
-        if cache is not None:
-            cache[id(self)] = (self, value)  # keep self alive so id() stays unique
-        return value
+        return memoised(self, self.data.load)
 
     def load_into(self, out: torch.Tensor) -> None:
-        cache = self._cache()
+        scopes = load_scopes()
+        cache = scopes[-1] if scopes else None
         hit = cache.get(id(self)) if cache is not None else None
         if hit is not None:
             out.copy_(hit[1])
