@@ -51,7 +51,7 @@ OPTIMIZER_STEPS = ("merge-distopt",)
 
 def _env():
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 

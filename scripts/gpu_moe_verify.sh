@@ -17,7 +17,7 @@
 #          $OUT/<case>.log with each run's output.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 FAMILIES="${MOE_FAMILIES:-mixtral qwen3_moe}"
 SIZE="${MOE_SIZE:-16x1024}"

@@ -15,7 +15,7 @@
 # plus $OUT/<case>.log with each run's full output.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 # NVLink multicast off (the device machines' rule); harmless on CPU.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODELS="${VERIFY_MODELS:-1b llama-1b}"

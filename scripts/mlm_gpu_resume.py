@@ -105,7 +105,7 @@ class Driver:
         base = {**os.environ, **ENV}
         pypath = base.get("PYTHONPATH", "")
         self.mlm_env = {**base, "PYTHONPATH": f"{mlm}:{pypath}".rstrip(":")}
-        self.ckpt_env = {**base, "PYTHONPATH": f"{REPO}:{pypath}".rstrip(":")}
+        self.ckpt_env = {**base, "PYTHONPATH": f"{REPO / 'src'}:{pypath}".rstrip(":")}
 
     # ---- running -------------------------------------------------------------------------------
     def run(self, jobs: List[Job]) -> None:

@@ -111,7 +111,7 @@ def run_torchrun(nproc: int, *argv, env: dict | None = None, timeout: float = 60
     import subprocess
     import time
     if env is None:
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
     start = time.monotonic()
     r = subprocess.run(torchrun_cmd(nproc, *argv), capture_output=True, text=True, env=env, timeout=timeout, **kw)
     log = os.environ.get("CKPTOOL_TEST_LAUNCH_LOG")  # FILE: a line per launch, to see where the suite's time goes
@@ -290,7 +290,7 @@ def ds_torchrun(nproc: int, helper: str, *argv) -> None:
     """Run tests/HELPER under torchrun with DeepSpeed's CPU accelerator."""
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("the deepspeed package cannot be imported")
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
     res = run_torchrun(nproc, ROOT / "tests" / helper, *argv, env=env, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 

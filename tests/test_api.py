@@ -23,7 +23,7 @@ def test_import_is_cheap_and_the_api_loads_on_first_use():
             "ckptool.open; assert 'torch' in sys.modules; print(sorted(ckptool.__all__)); "
             # ckptool.verify is also the subpackage ckptool/verify/: importing a module of it keeps it callable
             "import ckptool.verify.compare; assert callable(ckptool.verify) and ckptool.verify.compare")
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     for name in ("open", "merge", "reshard", "fix_vocab", "to_hf", "from_hf", "verify", "CkptError"):

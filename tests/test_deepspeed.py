@@ -761,7 +761,7 @@ def test_parallel_verify_under_torchrun_against_the_mds_checkpoint(tmp_path):
     src = MDS / "checkpoint"
     res = _cli("reshard", str(src), str(tmp_path / "tp2"), "--tp", "2", "--pp", "1", "--weights", "model")
     assert res.exit_code == 0, res.output
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1")
     env.pop("CUDA_VISIBLE_DEVICES", None)
     r = run_torchrun(2, "-m", "ckptool", "verify", tmp_path / "tp2", "--reference", src, "--weights", "model",
                      "--seq-len", "8", env=env, cwd=REPO, timeout=300)

@@ -38,7 +38,7 @@ needs_mcore = pytest.mark.skipif(not HAVE_MCORE, reason="megatron-core is not in
 
 
 def _env():
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1")
     return env
 
 

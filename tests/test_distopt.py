@@ -302,7 +302,7 @@ def test_corrupt_or_missing_distrib_optim_is_refused(runs, tmp_path):
     f.unlink()
     _refused(bad, "distrib_optim.pt", "missing")
     r = subprocess.run([sys.executable, "-m", "ckptool", "reshard", str(bad), str(tmp_path / "o"), "--tp", "2"],
-                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO / "src")))
     assert r.returncode == 2 and not (tmp_path / "o").exists()
     assert r.stderr.count("error:") == 1 and "--no-optimizer" in r.stderr, r.stderr
     ckptool("reshard", bad, tmp_path / "weights", "--tp", "2", "--no-optimizer")  # the hint works

@@ -59,7 +59,7 @@ def _cli(*argv):
 
 
 def _torchrun(n, *argv):
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"))
     res = run_torchrun(n, REPO / "tests" / "ds_universal_cases.py", *argv, env=env, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 

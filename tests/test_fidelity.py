@@ -62,7 +62,7 @@ def built(tmp_path_factory):
     if not HAVE_MCORE:
         pytest.skip("megatron-core is not installed (pip install megatron-core: test-only extra)")
     root = tmp_path_factory.mktemp("mcore_flags")
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1")
     # port 0: the one process binds its store on a port the kernel picks (no port chosen beforehand to lose)
     r = subprocess.run([sys.executable, str(REPO / "tests" / "mcore_flags_helper.py"), f"{root}:0", *FLAGS,
                         *COMBOS],
@@ -341,7 +341,7 @@ def test_flags_through_tensor_parallel_verify(built, variant, tmp_path):
         assert getattr(src.config, field) == value, flag
     tp2 = tmp_path / "tp2"
     write_layout(src, tp2, Layout(tp=2), warn=lambda m: None)
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1")
     r = run_torchrun(2, "-m", "ckptool", "verify", tp2, "--reference-logits", f"{built / variant / 'logits.pt'}:logits",
                      env=env, cwd=REPO, timeout=240)
     assert r.returncode == 0 and "result=PASS" in r.stdout and "2 processes" in r.stdout, r.stdout + r.stderr[-3000:]

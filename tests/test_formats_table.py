@@ -15,7 +15,7 @@ from ckptool.errors import CkptError, NoCanonicalForm
 from ckptool.formats import registry
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE = ROOT / "ckptool"
+PACKAGE = ROOT / "src" / "ckptool"
 GPT2 = ROOT / "fixtures" / "gpt2_mcore_tp2pp2"
 REAL = ROOT / "fixtures" / "real"
 
@@ -48,7 +48,7 @@ def test_naming_a_directorys_format_imports_no_torch():
             f"for ref in {refs!r}: registry.resolve(ref)\n"
             f"print(registry.detect_format({str(GPT2 / 'checkpoint')!r}))\n"
             "assert 'torch' not in sys.modules, 'torch was imported'")
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "megatron", r.stderr
 

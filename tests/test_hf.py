@@ -267,7 +267,7 @@ def test_unrepresentable_flags_are_refused(models, tmp_path, change, flag):
 
 
 def test_console_entry_point(models, tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
     meg, back = tmp_path / "meg", tmp_path / "back"
     for args in (["from-hf", models["gpt2"][0], meg, "--tp", "2"], ["to-hf", meg, back]):
         res = subprocess.run([sys.executable, "-m", "ckptool", *map(str, args)], env=env, cwd=REPO,

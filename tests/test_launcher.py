@@ -17,7 +17,7 @@ FIXTURE = ROOT / "fixtures" / "gpt2_mcore_tp2pp2" / "checkpoint"
 
 
 def _env(**extra):
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
     env.pop("WORLD_SIZE", None)
     return env
 

@@ -530,7 +530,7 @@ def test_the_writer_streams_an_moe_layer_expert_by_expert(tmp_path):
     """A layer's experts can be many GB (issue 16, Memory): the torch writer's unit of work is one expert (all its
     ranks' pieces), so peak RSS grows by about two experts in flight, not by the layer. Measured against the
     same write with a whole layer per unit (8 experts of 6 MiB: the layer's experts are 48 MiB)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
     got = {}
     for unit in ("expert", "layer"):

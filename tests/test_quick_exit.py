@@ -26,7 +26,7 @@ quick_exit.end_process({code})
 
 
 def run_probe(code: str):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     return subprocess.run([sys.executable, "-c", PROBE.format(code=code)], capture_output=True, text=True,
                           env=env, timeout=120)
 
@@ -45,13 +45,13 @@ def test_normal_exit_would_have_run_the_finalizer():
     # tell a skipped teardown from a finalizer that never runs
     done = subprocess.run([sys.executable, "-c", PROBE.format(code="0").replace(
         "quick_exit.end_process(0)", "sys.exit(0)")], capture_output=True, text=True,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+        env=dict(os.environ, PYTHONPATH=str(ROOT / "src")), timeout=120)
     assert done.returncode == 0 and "teardown ran" in done.stdout
 
 
 def ckptool(*args, **env):
     return subprocess.run([sys.executable, "-m", "ckptool", *args], capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT), **env), timeout=300)
+                          env=dict(os.environ, PYTHONPATH=str(ROOT / "src"), **env), timeout=300)
 
 
 def test_python_m_ckptool_statuses_and_atexit_output(tmp_path):

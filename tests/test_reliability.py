@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "fixtures" / "gpt2_mcore_tp2pp2" / "checkpoint"
 LLAMA = REPO / "fixtures" / "llama_legacy_norm_tp2pp1" / "checkpoint"
 ITER = "iter_0000010"
-ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+ENV = {**os.environ, "PYTHONPATH": str(REPO / "src")}
 
 
 # --- helpers ----------------------------------------------------------------------------------

@@ -109,7 +109,7 @@ def test_cli_refuses_planted_checkpoint(tmp_path, marker, name, cmd, via):
             "fix-vocab": ["fix-vocab", str(src), str(dst), "--size", "1024"]}[cmd]
     if via == "subprocess":
         r = subprocess.run([sys.executable, "-m", "ckptool", *argv], capture_output=True, text=True,
-                           cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+                           cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
         code, stderr = r.returncode, r.stderr
     else:
         from click.testing import CliRunner

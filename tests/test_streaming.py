@@ -24,7 +24,7 @@ LAYER_BYTES = 2 * 12 * HIDDEN * HIDDEN  # bf16 weights of one layer: ~25 MiB; th
 
 def _env():
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("WORLD_SIZE", None)
     return env
 

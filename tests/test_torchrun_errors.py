@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchr
 
 
 def _torchrun(*args, timeout=300):
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("WORLD_SIZE", None)
     cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", *args]  # port 0: no port for another launch to take
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
@@ -128,7 +128,7 @@ def test_a_rank_that_never_met_the_error_ends_with_the_teams_status(tmp_path):
 
 def test_a_users_sigterm_keeps_its_meaning(tmp_path):
     """With no failed peer on record, the command line's handler leaves a SIGTERM its default effect."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), WORLD_SIZE="2",
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""), WORLD_SIZE="2",
                RANK="1", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", TORCHELASTIC_RUN_ID="x",
                TORCHELASTIC_ERROR_FILE=str(tmp_path / "attempt_0" / "1" / "error.json"))
     code = ("import os, signal; from ckptool import distributed; distributed.stop_with_the_team(); "
@@ -139,7 +139,7 @@ def test_a_users_sigterm_keeps_its_meaning(tmp_path):
 
 def test_the_launcher_ends_with_ckptools_line_and_status(tmp_path):
     """python -m ckptool.torchrun: the same launch, ending with ckptool's error line and its status."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("WORLD_SIZE", None)
     r = run_launch([sys.executable, "-m", "ckptool.torchrun", "--nproc-per-node", "2", "--master-port", FREE_PORT,
                     "merge", str(tmp_path / "missing"), str(tmp_path / "out")], env=env, timeout=300, cwd=ROOT)

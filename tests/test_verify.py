@@ -125,13 +125,13 @@ def torch_dist(models, kind: str, tp: int, pp: int) -> Path:
         src = megatron(models, kind, 1, 1)
         r = subprocess.run([sys.executable, "-m", "ckptool", "reshard", str(src), str(out), "--format", "torch_dist",
                             "--tp", str(tp), "--pp", str(pp)], capture_output=True, text=True,
-                           env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT, timeout=120)
+                           env=dict(os.environ, PYTHONPATH=str(ROOT / "src")), cwd=ROOT, timeout=120)
         assert r.returncode == 0, r.stdout + r.stderr
     return out
 
 
 def verify(nproc, *args):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
     env.pop("CUDA_VISIBLE_DEVICES", None)
     return run_torchrun(nproc, "-m", "ckptool", "verify", *args, env=env, cwd=ROOT, timeout=120)
 
@@ -141,7 +141,7 @@ def verify_batch(nproc: int, cases: dict, tmp: Path) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
     spec = tmp / "cases.json"
     spec.write_text(json.dumps({k: [str(a) for a in v] for k, v in cases.items()}))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
     env.pop("CUDA_VISIBLE_DEVICES", None)
     r = run_torchrun(nproc, ROOT / "tests" / "verify_batch.py", spec, tmp, env=env, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

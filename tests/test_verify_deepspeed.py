@@ -168,7 +168,7 @@ def mcore_tp_run(tmp_path_factory):
     if not (HAVE_DS and HAVE_MCORE):
         pytest.skip("needs the deepspeed and megatron-core packages")
     out = tmp_path_factory.mktemp("ds_mcore_tp")
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"))
     res = run_torchrun(4, REPO / "tests" / "ds_mcore_tp_case.py", out, "1", "3", env=env, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     cases = {f"zero{stage}_{w}": [out / f"zero{stage}" / "ckpt", "--weights", w, "--reference-logits",

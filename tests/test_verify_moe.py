@@ -190,7 +190,7 @@ def test_a_corrupted_expert_is_caught_and_its_file_named(runs, moe):
     """Under plain `torchrun -m ckptool verify` (the entry point itself): the divergence names the layer
     and the one rank file holding the corrupted expert; every rank exits 1 and, stderr being a pipe,
     ckptool's result line comes after torchrun's report."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
     r = subprocess.run(["torchrun", "--nproc-per-node", "4", "--standalone", "-m", "ckptool",
                         "verify", str(moe / "corrupt"), "--reference", str(moe / "hf")],
