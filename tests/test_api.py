@@ -26,7 +26,7 @@ def test_import_is_cheap_and_the_api_loads_on_first_use():
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
-    for name in ("open", "merge", "reshard", "fix_vocab", "to_hf", "from_hf", "verify", "CkptError"):
+    for name in ("open", "inspect", "merge", "reshard", "fix_vocab", "to_hf", "from_hf", "verify", "CkptError"):
         assert name in r.stdout
 
 
@@ -151,3 +151,40 @@ def test_exit_statuses_are_documented_where_users_look():
         assert f"| {status.code} | {status.meaning} |" in readme
     r = CliRunner().invoke(main, ["merge", "/nonexistent-ckptool-source", "/tmp/unused-ckptool-out"])
     assert r.exit_code == ckptool.EXIT["bad_input"] and r.output.startswith("error:")
+
+
+REAL_MDS = ROOT / "fixtures" / "real" / "mds_gpt2_pipe_tp2pp2_bf16_zero1" / "checkpoint"
+
+
+def test_warn_is_told_the_readers_warnings_too(tmp_path):
+    """The real Megatron-DeepSpeed run's reader warns (its tied position embeddings' copies, its drifted
+    replicas): the warn callback hears every warning the result lists, the reader's included, each once."""
+    heard = []
+    result = ckptool.merge(REAL_MDS, tmp_path / "merged", warn=heard.append, optimizer=False)
+    assert result.checkpoint.warnings, "the real Megatron-DeepSpeed source is expected to carry reader warnings"
+    assert set(result.checkpoint.warnings) <= set(heard)
+    assert sorted(heard) == sorted(result.warnings) and len(heard) == len(set(heard))
+    heard_hf = []
+    result = ckptool.to_hf(REAL_MDS, tmp_path / "hf", warn=heard_hf.append)
+    assert set(result.checkpoint.warnings) <= set(heard_hf) and sorted(heard_hf) == sorted(result.warnings)
+
+
+def test_inspect_is_a_function_returning_the_json_document():
+    doc = ckptool.inspect(SRC)
+    assert doc["format"] == "megatron" and doc["dialect"] == "mcore"
+    assert (doc["layout"]["tp"], doc["layout"]["pp"]) == (2, 2)
+    assert doc["config"]["vocab_size"] == 1001 and doc["config"]["padded_vocab_size"] == 1024
+    assert "embed.word" in {t["name"] for t in doc["tensors"]}
+    # the same document the command prints
+    from click.testing import CliRunner
+    from ckptool.cli import main
+    import json
+    out = CliRunner().invoke(main, ["inspect", str(SRC), "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output) == doc
+    # reading options go through, as for open(); an unknown one is a TypeError
+    assert ckptool.inspect(SRC, true_vocab_size=1000)["config"]["vocab_size"] == 1000
+    with pytest.raises(TypeError):
+        ckptool.inspect(SRC, true_vocab=1000)
+    with pytest.raises(ckptool.CkptError):
+        ckptool.inspect(ROOT / "no-such-checkpoint")

@@ -82,7 +82,7 @@ def test_decoupled_lr_and_lr_mult_groups_are_tied_by_name(grouped):
     default = by_key[(1.0, 1.0, 1e-2)].names
     assert "layers.0.attn.q.weight" in default and "embed.word" not in default
     # inspect --json shows each group's learning-rate bounds and multiplier
-    from ckptool.commands.inspect_cmd import describe_optimizer
+    from ckptool.describe import describe_optimizer
     shown = describe_optimizer(open_checkpoint(grouped / "a2"))["param_groups"]
     assert [(g["tensors"], g["lr_mult"], g["max_lr"]) for g in shown] == \
         [(len(g.names), g.hyper["lr_mult"], g.hyper["max_lr"]) for g in opt.param_groups]

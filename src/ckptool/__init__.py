@@ -1,14 +1,14 @@
 """ckptool: one canonical GPT state between Megatron, DeepSpeed and Hugging Face checkpoints.
 
 The Python API (ckptool/api.py) is loaded on first use, so `import ckptool` stays cheap (no torch):
-ckptool.open, merge, reshard, fix_vocab, to_hf, from_hf, verify; errors in ckptool.errors (CkptError).
+ckptool.open, inspect, merge, reshard, fix_vocab, to_hf, from_hf, verify; errors in ckptool.errors (CkptError).
 """
 import sys
 import types
 
 __version__ = "0.1.0"
 
-_API = ("open", "merge", "reshard", "fix_vocab", "to_hf", "from_hf", "ConversionResult", "VerifyResult")
+_API = ("open", "inspect", "merge", "reshard", "fix_vocab", "to_hf", "from_hf", "ConversionResult", "VerifyResult")
 _ERRORS = ("CkptError", "TeamError", "EXIT", "EXIT_STATUSES")
 __all__ = list(_API + _ERRORS) + ["verify"]
 

@@ -110,6 +110,19 @@ def open(path: Union[str, Path], **read_options) -> Checkpoint:  # noqa: A001 (c
     return open_checkpoint(path, _parse_read_options(**read_options))
 
 
+def inspect(path: Union[str, Path], **read_options) -> dict:
+    """What `ckptool inspect PATH --json` prints, as a dict (schema in docs/inspect-json.md): format,
+    dialect, layout, config, vocabulary, tensors, optimizer state and warnings. Nothing is converted
+    and no tensor is read. Where the format's metadata says everything (and no reading option is
+    given) it is read without loading any tensor bytes (quick_inspect.py); otherwise through open().
+    read_options as for open(); raises CkptError as open() does."""
+    from .describe import describe
+    from .quick_inspect import quick_open
+    _parse_read_options(**read_options)  # an unknown option is a TypeError on either path
+    ckpt = quick_open(path, read_options)
+    return describe(ckpt if ckpt is not None else open(path, **read_options))
+
+
 # --- Megatron outputs: merge, reshard, fix_vocab ---------------------------------------------------
 def merge(src, dst, *, format: Optional[str] = None, dialect: Optional[str] = None,  # noqa: A002
           release: Optional[bool] = None, dtype=None, make_vocab_size_divisible_by: Optional[int] = None,
@@ -239,9 +252,11 @@ def _write_megatron_family(command, src, dst, ckpt: Checkpoint, layout: Layout, 
     write_options["divisible_by"] = write_options.pop("make_vocab_size_divisible_by", None)
     write_options["dtype"] = _dtype(write_options.get("dtype"))
     warnings: List[str] = []
+    told = _tell_reader_warnings(ckpt, warn, told=set())
     summary = write_layout(ckpt, dst, layout, fmt=fmt, force=force, progress=_bytes_progress(progress, ckpt),
                            warn=_collecting(warnings, warn), **write_options)
     summary.warnings = list(warnings)  # what the write warned about (the reader's follow)
+    _tell_reader_warnings(ckpt, warn, told | set(warnings))
     warnings += [w for w in ckpt.warnings if w not in warnings]
     return ConversionResult(command, str(src), str(dst), summary, ckpt, layout, warnings=warnings,
                             replica_divergences=replica_divergences(ckpt),
@@ -275,8 +290,10 @@ def to_hf(src, dst, *, dtype=None, max_shard_size: str = "5GB", tokenizer: Optio
         return write_hf(ckpt, tmp, dtype=torch_dtype, max_shard_size=max_shard_size, tokenizer=tokenizer,
                         progress=bar, warn=_collecting(warnings, warn), owns=owns)
 
+    told = _tell_reader_warnings(ckpt, warn, told=set())
     summary = write_output(dst, [Path(src)], force, write_into, merge=WriteSummary.combined)
     summary.warnings = list(warnings)
+    _tell_reader_warnings(ckpt, warn, told | set(warnings))
     warnings += [w for w in ckpt.warnings if w not in warnings]
     return ConversionResult("to-hf", str(src), str(dst), summary, ckpt, warnings=warnings,
                             replica_divergences=replica_divergences(ckpt),
@@ -433,10 +450,25 @@ def _collecting(into: List[str], warn: Optional[Warn]) -> Warn:
     return record
 
 
+def _tell_reader_warnings(ckpt: Checkpoint, warn: Optional[Warn], told: set) -> set:
+    """Pass the reader's warnings that warn has not been told yet (those given when the source was
+    opened, then those the read added while the write loaded tensors) to warn; returns what it has
+    been told. Under torchrun only the rank that reports for the team tells them: every rank read the
+    same source, so the others would repeat its lines."""
+    from .distributed import current_team
+    leader = current_team().leader
+    for message in ckpt.warnings:
+        if message not in told:
+            told.add(message)
+            if warn is not None and leader:
+                warn(message)
+    return told
+
+
 def _no_leftovers(what: str, kw: dict) -> None:
     if kw:
         raise TypeError(f"unknown {what}: {', '.join(sorted(kw))}")
 
 
-__all__ = ["open", "merge", "reshard", "fix_vocab", "to_hf", "from_hf", "verify", "ConversionResult",
+__all__ = ["open", "inspect", "merge", "reshard", "fix_vocab", "to_hf", "from_hf", "verify", "ConversionResult",
            "VerifyResult"]
