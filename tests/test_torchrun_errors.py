@@ -1,6 +1,6 @@
 """Errors under real torchrun (2 ranks, gloo, CPU): an error every rank finds is printed once, every
 rank exits with the same status, and torchrun's own report names ckptool's error. torchrun itself
-always exits 1 when a rank fails and always prints its ChildFailedError report (README: "Errors
+always exits 1 when a rank fails and always prints its ChildFailedError report (docs/errors.md: "Errors
 under torchrun")."""
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ with ckptool's words and status.
 
 Plain `torchrun -m ckptool ...` works, but when a rank fails torchrun logs the failure, prints a Python
 traceback and its ChildFailedError report, and exits 1 whatever the ranks' statuses were; nothing a rank
-does changes that (README: "Errors under torchrun"). This launcher runs the same elastic launch through
+does changes that (docs/errors.md: "Errors under torchrun"). This launcher runs the same elastic launch through
 torch.distributed.run and, when a rank fails, ends instead with the status of the rank that failed
 first (2 for bad input, 1 for a verify mismatch, ...): that rank has already printed ckptool's error
 line, so nothing follows it. A rank that died without a word (a signal, a crash) gets one line here.
