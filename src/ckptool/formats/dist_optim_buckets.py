@@ -51,51 +51,13 @@ from ..errors import CkptError
 from ..io.dcp_io import DcpDir
 from ..io.torchfile import load_torch_bytes
 from ..lazy import Const, LazyTensor, derive
-from ..roles import global_role_tensor, layer_role_tensor, shard_role
-from .megatron_buffers import (CURRENT, FLAT_PREFIX, HEAD_COPY, ONE, FlatRun, Part, buffer_layout, bucket_sizes,
-                               is_expert, parse_unpadded, parts, registered_roles, rule_column, stored_prefix)
+from .megatron_buffers import (FLAT_PREFIX, HEAD_COPY, ONE, FlatRun, Part, is_expert, matching_layout, parse_unpadded,
+                               parts, rank_param_shapes, stored_prefix)
 from .megatron_optim import HINT
 
 PREFIX = FLAT_PREFIX
 FLAT, GATHERED = "dp_reshardable", "dp_zero_gather_scatter"
 STORED = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
-def registered(weights: Dict[str, LazyTensor], cfg: GPTConfig, impl: str, layers: range, first: bool, last: bool,
-               pp: int, experts: range, grouped: bool = False) -> List[Tuple[str, Optional[int], LazyTensor]]:
-    """(role, layer, full tensor) of a pipeline chunk's parameters in registration order
-    (megatron_buffers.registered_roles, torch-free: the quick inspect checks the same layout)."""
-    def tensor(role: str, layer: Optional[int]) -> Optional[LazyTensor]:
-        if layer is None:
-            return global_role_tensor(weights, "word" if role == HEAD_COPY else role)
-        return layer_role_tensor(weights, cfg, layer, role)
-    return [(role, layer, tensor(role, layer)) for role, layer in registered_roles(
-        cfg, impl, layers, first, last, pp, experts, grouped, lambda role, layer: tensor(role, layer) is not None)]
-
-
-def rank_params(weights: Dict[str, LazyTensor], cfg: GPTConfig, tp: int, t: int, impl: str,
-                layers: range = None, first: bool = True, last: bool = True, pp: int = 1, part: Part = ONE[0],
-                etp: Optional[int] = None, ep: int = 1, e: int = 0, grouped: bool = False
-                ) -> List[Tuple[str, Optional[int], torch.Size]]:
-    """(role, layer, local shape) of one model-parallel rank's parameters in one optimizer `part`, in
-    registration order: of the pipeline stage holding `layers` (first / last: whether it is the first /
-    last stage), TP rank t; the experts (MoE) are cut by the expert grid instead: expert-TP rank t % ETP
-    of ETP, and only EP rank e's experts (EP ep); grouped: TEGroupedMLP's order (grouped_linears)."""
-    etp = etp or tp
-    experts = range(0)
-    if cfg.moe is not None:
-        local = cfg.moe.num_experts // ep
-        experts = range(e * local, (e + 1) * local)
-    out = []
-    for role, layer, full in registered(weights, cfg, impl, range(cfg.num_layers) if layers is None else layers,
-                                        first, last, pp, experts, grouped):
-        expert = is_expert(role)
-        if part.experts is not None and expert != part.experts:
-            continue
-        size, rank = (etp, t % etp) if expert else (tp, t)
-        shard_as = "word" if role == HEAD_COPY else role
-        out.append((role, layer, shard_role(full, shard_as, cfg, size, layer, column=rule_column(impl))[rank].shape))
-    return out
-
-
 def read_shards(dcp: DcpDir, weights, cfg: GPTConfig, args, where: str, form: str = FLAT
                 ) -> Dict[str, Dict[Tuple[str, Optional[int]], List[LazyTensor]]]:
     """slot -> {(role, layer): [per TP rank lazy local tensor]} (experts: per expert-TP rank), for
@@ -105,13 +67,16 @@ def read_shards(dcp: DcpDir, weights, cfg: GPTConfig, args, where: str, form: st
     unpadded: Dict[str, List[List[int]]] = {}  # per model-parallel rank: its buffers' bucket sizes
     gathered: Dict[str, Tuple[str, dict]] = {}  # per model-parallel rank: its gathered buffers (GATHERED)
     shared = cfg.tied_embeddings and run.pp > 1
+    shapes = {n: tuple(w.shape) for n, w in weights.items()}
     for part in parts(cfg, run.ep):
         gbuf_of: Dict[str, int] = {}  # per model-parallel rank: its next grad buffer (one per chunk it has params in)
         for r in run.buffer_ranks(part):
             pp_rank, chunk, mp, t = r.pp_rank, r.chunk, r.mp, r.t
             prefix = stored_prefix(dcp.entries, part, mp)
-            params = rank_params(weights, cfg, run.tp, t, run.impl, r.layers, r.first, r.last, run.pp, part,
-                                 run.etp, run.ep, r.e, run.grouped)
+            params = rank_param_shapes(shapes, cfg, run, r, part)
+            if params is None:
+                raise CkptError(f"{where}: a parameter of TP rank {t} does not split evenly over the run's "
+                                "tensor-parallel size", HINT)
             if not params:
                 continue  # no buffer (e.g. a chunk without MoE layers has no expert buffer)
             gbuf = gbuf_of[prefix] = gbuf_of.get(prefix, -1) + 1
@@ -158,28 +123,15 @@ def read_shards(dcp: DcpDir, weights, cfg: GPTConfig, args, where: str, form: st
 
 def _matching_layout(params, stored: Union[List[int], int], args, shared_embedding: bool, chunk: int, pp_rank: int,
                      dp: int, where: str):
-    """The buffer layout (of the bucket sizes the run may have used) that reproduces the buffer's stored
-    per_bucket_numel_unpadded (or, GATHERED, its total numel_unpadded). shared_embedding: the word embedding and its head copy (tied, PP > 1)
-    each get a bucket of their own.
-
-    Besides the args' bucket size (or megatron-core's default), each stored bucket size is tried as
-    the bucket size: a bucket closes at the first parameter end reaching the bucket size, so the
-    smallest end of a bucket closed that way is itself a bucket size giving the same cuts. This reads
-    runs whose size the args do not say (newer Megatron-LM derives it); the layout reproducing every
-    stored size places every parameter as the run did, whichever size produced it."""
+    """megatron_buffers.matching_layout for a rank's (role, layer, shape) params, or the one-line error.
+    shared_embedding: the word embedding and its head copy (tied, PP > 1) each get a bucket of their own."""
     numels = [math.prod(shape) for _, _, shape in params]
     shared = [shared_embedding and role in ("word", HEAD_COPY) for role, _, _ in params]
-    tried = []
-    sizes = bucket_sizes(args, chunk, pp_rank, dp)
-    if sizes != [None] and isinstance(stored, list) and len(stored) > 1:
-        sizes = sizes[:-1] + sorted(set(stored) - set(sizes)) + [None]
-    for size in sizes:
-        lay = buffer_layout(numels, shared, CURRENT, dp, size)
-        if lay.bucket_unpadded == stored or lay.numel_unpadded == stored:  # per bucket, or the total
-            return lay
-        tried.append(f"{lay.bucket_unpadded} (bucket size {size})")
-    raise CkptError(f"{where} holds buckets of {stored} elements, megatron-core's layout for this model gives "
-                    f"{'; '.join(tried)}: the model, its args or the layout era differ", HINT)
+    lay, tried = matching_layout(numels, shared, stored, args, chunk, pp_rank, dp)
+    if lay is None:
+        raise CkptError(f"{where} holds buckets of {stored} elements, megatron-core's layout for this model gives "
+                        f"{'; '.join(tried)}: the model, its args or the layout era differ", HINT)
+    return lay
 
 
 def _gathered_state(dcp: DcpDir, prefix: str, where: str) -> Tuple[str, dict]:

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import CkptError
 from ..spec import GPT, schema
+from ..quick.meta import rank_shape  # torch-free: a role's shape on its rank, shared with the quick inspect
 from .megatron_groups import HINT
 from .megatron_names import DIALECTS
 
@@ -320,6 +321,75 @@ def registered_roles(cfg, impl: str, layers: range, first: bool, last: bool, pp:
         if cfg.tied_embeddings and pp > 1 and holds("word", None):
             out.append((HEAD_COPY, None))
     return out
+
+
+def rank_param_shapes(shapes: Dict[str, Tuple[int, ...]], cfg, run: "FlatRun", r: BufferRank,
+                      part: Part) -> Optional[List[Tuple[str, Optional[int], Tuple[int, ...]]]]:
+    """(role, layer, shape on its rank) of buffer rank r's parameters in optimizer `part`, in registration
+    order (registered_roles), from the canonical shapes: a role's rank shape by its TP rule (quick.meta.rank_shape:
+    a routed expert's over the expert TP size, EP rank r.e holding its own experts; the dialect's rule column,
+    so Transformer Engine's MLA down projections stay whole). The full reader and the quick inspect both
+    lay a torch_dist buffer out from this list. None where a role does not split evenly (each caller says so
+    its own way)."""
+    experts = range(0)
+    if cfg.moe is not None:
+        local = cfg.moe.num_experts // run.ep
+        experts = range(r.e * local, (r.e + 1) * local)
+
+    def holds(role: str, layer: Optional[int]) -> bool:
+        return rank_shape(role, layer, cfg, shapes, 1) is not None
+
+    out = []
+    for role, layer in registered_roles(cfg, run.impl, r.layers, r.first, r.last, run.pp, experts, run.grouped,
+                                        holds):
+        expert = is_expert(role)
+        if part.experts is not None and expert != part.experts:
+            continue
+        shape = rank_shape(role, layer, cfg, shapes, run.etp if expert else run.tp, rule_column(run.impl))
+        if shape is None:
+            return None
+        out.append((role, layer, shape))
+    return out
+
+
+def matching_layout(numels: List[int], shared: List[bool], stored, args, chunk: int, pp_rank: int,
+                    dp: int) -> Tuple[Optional[BufferLayout], List[str]]:
+    """The buffer layout (of the bucket sizes the run may have used) that reproduces a torch_dist buffer's
+    stored per_bucket_numel_unpadded (a list), or its total numel_unpadded (an int, the gathered form); with
+    the layouts tried, for the caller's message. shared[i]: parameter i is bucketed alone.
+
+    Besides the args' bucket size (or megatron-core's default), each stored bucket size is tried as the
+    bucket size: a bucket closes at the first parameter end reaching the bucket size, so the smallest end
+    of a bucket closed that way is itself a bucket size giving the same cuts. This reads runs whose size
+    the args do not say (newer Megatron-LM derives it); the layout reproducing every stored size places
+    every parameter as the run did, whichever size produced it."""
+    tried = []
+    sizes = bucket_sizes(args, chunk, pp_rank, dp)
+    if sizes != [None] and isinstance(stored, list) and len(stored) > 1:
+        sizes = sizes[:-1] + sorted(set(stored) - set(sizes)) + [None]
+    for size in sizes:
+        lay = buffer_layout(numels, shared, CURRENT, dp, size)
+        if lay.bucket_unpadded == stored or lay.numel_unpadded == stored:  # per bucket, or the total
+            return lay, tried
+        tried.append(f"{lay.bucket_unpadded} (bucket size {size})")
+    return None, tried
+
+
+def era_layout(numels: List[int], shared: List[bool], form: str, want, args, chunk: int, pp_rank: int, dp: int,
+               bucket_dp: Optional[int] = None) -> Tuple[Optional[Tuple[BufferLayout, Era]], List[str]]:
+    """The first era of distrib_optim.pt's `form` (and bucket size) whose layout of these parameters reproduces
+    the stored sizes `want` (coalesced: the total numel_unpadded; bucket-list: each padded bucket's size), with
+    the layouts tried for the caller's message. dp: the size the buffer was sharded over; bucket_dp: the one its
+    default bucket size comes from. The full reader (megatron_distopt) and the quick inspect both ask this."""
+    tried = []
+    for era in (e for e in ERAS if e.form == form):
+        for size in bucket_sizes(args, chunk, pp_rank, bucket_dp or dp):
+            layout = buffer_layout(numels, shared, era, dp, size)
+            got = layout.numel_unpadded if form == "coalesced" else layout.bucket_padded
+            if got == want:
+                return (layout, era), tried
+            tried.append(f"{era.name}: {got}")
+    return None, tried
 
 
 def parse_unpadded(obj) -> List[List[int]]:

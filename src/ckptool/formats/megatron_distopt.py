@@ -57,8 +57,8 @@ from ..io.torchfile import StoredTensor, load_torch_file
 from ..lazy import Derived, LazyTensor
 from . import megatron_buffers, megatron_optim
 # the layout rules are torch-free (megatron_buffers, shared with the quick inspect); their names stay here too
-from .megatron_buffers import (CURRENT, ERAS, KEYS, SLOT_OF_KEY, BufferLayout, Era, bucket_sizes, buffer_layout,
-                               data_parallel_size)
+from .megatron_buffers import (CURRENT, KEYS, SLOT_OF_KEY, BufferLayout, Era, bucket_sizes, buffer_layout,
+                               data_parallel_size, era_layout)
 from .megatron_optim import (HINT, GroupRule, RankOptimizer, RankParam, groups_by_traits,
                              master_matching_weight)
 
@@ -238,17 +238,12 @@ def _matching_layout(params: List[RankParam], entry: dict, form: str, args, chun
         if len({tuple(v) for v in sizes.values()}) != 1:
             raise CkptError(f"{where}: the buckets of {', '.join(KEYS)} differ in size ({sizes})", HINT)
         want = sizes["param"]
-    tried = []
-    for era in (e for e in ERAS if e.form == form):
-        for size in bucket_sizes(args, chunk, pp_rank, bucket_dp or dp):
-            layout = buffer_layout(numels, shared, era, dp, size)
-            got = layout.numel_unpadded if form == "coalesced" else layout.bucket_padded
-            if got == want:
-                return layout, era
-            tried.append(f"{era.name}: {got}")
-    raise CkptError(f"{where}: stored numel_unpadded {want} matches no megatron-core buffer layout of "
-                    f"this model ({'; '.join(tried)}): the file does not belong to these weights or comes "
-                    "from a version ckptool does not know", HINT)
+    match, tried = era_layout(numels, shared, form, want, args, chunk, pp_rank, dp, bucket_dp)
+    if match is None:
+        raise CkptError(f"{where}: stored numel_unpadded {want} matches no megatron-core buffer layout of "
+                        f"this model ({'; '.join(tried)}): the file does not belong to these weights or comes "
+                        "from a version ckptool does not know", HINT)
+    return match
 
 
 def flat_view(flat: LazyTensor, offset: int, shape: Tuple[int, ...]) -> LazyTensor:

@@ -225,7 +225,7 @@ class DistributedTarget:
                    ) -> Optional["DistributedTarget"]:
         """overlap_grad_reduce / ddp_bucket_size: the target run's where given (else the source run's, as
         its args carry them), written into args and followed by the layout; era: the target's
-        megatron-core (megatron_distopt.ERAS by `since`), which decides the file's form."""
+        megatron-core (megatron_buffers.ERAS by `since`), which decides the file's form."""
         require(dp >= 1, f"--dp {dp}: the data-parallel size is at least 1")
         require(not (wanted and train is not None and cfg.moe is not None
                      and (dp * layout.tp) % (layout.ep * layout.expert_tp)),

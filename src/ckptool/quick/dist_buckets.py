@@ -28,10 +28,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from ..config import GPTConfig
 from ..errors import CkptError
-from ..formats.megatron_buffers import (CURRENT, FLAT_PREFIX, HEAD_COPY, FlatRun, Part, bucket_sizes, buffer_layout,
-                                        is_expert, parse_unpadded, parts, registered_roles, rule_column, stored_prefix,
-                                        unsupported)
-from .meta import TensorMeta, rank_shape
+from ..formats.megatron_buffers import (FLAT_PREFIX, HEAD_COPY, FlatRun, matching_layout, parse_unpadded, parts,
+                                        rank_param_shapes, stored_prefix, unsupported)
+from .meta import TensorMeta
 from .torch_pickle import NotQuick, load_torch_zip
 
 FORM = "dp_reshardable"
@@ -52,6 +51,7 @@ def read(stored: Dict[str, TensorMeta], objects: Callable[[str], Optional[object
     except CkptError:
         raise NotQuick("a pipeline split that does not fit the layers") from None  # the full reader's error
     shared_embedding = cfg.tied_embeddings and run.pp > 1
+    shapes = {n: tuple(w.shape) for n, w in weights.items()}
     dtypes = set()
     unpadded: Dict[str, List[List[int]]] = {}  # per model-parallel rank: its buffers' bucket sizes
     for part in parts(cfg, run.ep):
@@ -59,8 +59,9 @@ def read(stored: Dict[str, TensorMeta], objects: Callable[[str], Optional[object
         for r in run.buffer_ranks(part):
             pp_rank, chunk = r.pp_rank, r.chunk
             prefix = stored_prefix(stored, part, r.mp)
-            params = rank_params(weights, cfg, run.tp, r.t, run.impl, r.layers, r.first, r.last, run.pp, part,
-                                 run.etp, run.ep, r.e, run.grouped)
+            params = rank_param_shapes(shapes, cfg, run, r, part)
+            if params is None:
+                raise NotQuick("a parameter does not split evenly")  # the full reader's error
             if not params:
                 continue  # no buffer (a chunk without MoE layers has no expert buffer)
             gbuf = gbuf_of[prefix] = gbuf_of.get(prefix, -1) + 1
@@ -71,9 +72,11 @@ def read(stored: Dict[str, TensorMeta], objects: Callable[[str], Optional[object
                     raise NotQuick("per_bucket_numel_unpadded of another shape") from None
             if gbuf >= len(unpadded[prefix]):
                 raise NotQuick("more grad buffers than stored")
-            shared = [shared_embedding and role in ("word", HEAD_COPY) for role, _ in params]
-            layout = _matching_layout([n for _, n in params], shared, unpadded[prefix][gbuf], args, chunk,
-                                      pp_rank, run.dp)
+            shared = [shared_embedding and role in ("word", HEAD_COPY) for role, _, _ in params]
+            layout, _ = matching_layout([math.prod(shape) for _, _, shape in params], shared, unpadded[prefix][gbuf],
+                                        args, chunk, pp_rank, run.dp)
+            if layout is None:
+                raise NotQuick("no megatron-core layout reproduces the stored bucket sizes")
             gbuf_key = f"{prefix}gbuf_idx_{gbuf}."
             heads = [k for k in stored if k.startswith(gbuf_key) and k.endswith(".bucket_idx_0.param")]
             if len(heads) != 1:
@@ -102,46 +105,6 @@ def read(stored: Dict[str, TensorMeta], objects: Callable[[str], Optional[object
 def _one(obj):
     """A per-rank object as dist_optim_buckets.read_scalars takes it: torch.save([obj]) is obj."""
     return obj[0] if isinstance(obj, list) and len(obj) == 1 else obj
-
-
-def rank_params(weights: Dict[str, TensorMeta], cfg: GPTConfig, tp: int, t: int, impl: str, layers: range,
-                first: bool, last: bool, pp: int, part: Part, etp: int, ep: int, e: int,
-                grouped: bool) -> List[Tuple[str, int]]:
-    """(role, numel on its rank) of one model-parallel rank's parameters in one optimizer `part`, in
-    registration order (dist_optim_buckets.rank_params, by sizes: meta.rank_shape over TP, a routed expert's
-    over the expert TP size, EP rank e holding its own experts)."""
-    shapes = {n: w.shape for n, w in weights.items()}
-    experts = range(0)
-    if cfg.moe is not None:
-        local = cfg.moe.num_experts // ep
-        experts = range(e * local, (e + 1) * local)
-    out: List[Tuple[str, int]] = []
-
-    def holds(role: str, layer: Optional[int]) -> bool:
-        return rank_shape(role, layer, cfg, shapes, 1) is not None
-
-    for role, layer in registered_roles(cfg, impl, layers, first, last, pp, experts, grouped, holds):
-        expert = is_expert(role)
-        if part.experts is not None and expert != part.experts:
-            continue
-        shape = rank_shape(role, layer, cfg, shapes, etp if expert else tp, rule_column(impl))
-        if shape is None:
-            raise NotQuick(f"{role} does not split evenly")
-        out.append((role, math.prod(shape)))
-    return out
-
-
-def _matching_layout(numels: List[int], shared: List[bool], stored: List[int], args, chunk: int, pp_rank: int,
-                     dp: int):
-    """dist_optim_buckets._matching_layout: the args' bucket sizes, then each stored bucket size."""
-    sizes = bucket_sizes(args, chunk, pp_rank, dp)
-    if sizes != [None] and len(stored) > 1:
-        sizes = sizes[:-1] + sorted(set(stored) - set(sizes)) + [None]
-    for size in sizes:
-        layout = buffer_layout(numels, shared, CURRENT, dp, size)
-        if layout.bucket_unpadded == stored:
-            return layout
-    raise NotQuick("no megatron-core layout reproduces the stored bucket sizes")
 
 
 def object_reader(keys: List[str], read_bytes: Callable[[str], Optional[bytes]]) -> Callable[[str], Optional[object]]:

@@ -6,7 +6,7 @@ one fp32 flat buffer per model chunk and slot (coalesced since megatron-core 202
 buckets before). Each parameter's place in a buffer follows from megatron-core's grad-buffer layout;
 the full reader takes the first era (and bucket size) whose layout reproduces the stored sizes and
 refuses a file none reproduces. The layout rules are the full reader's own (formats/megatron_buffers.py:
-ERAS, buffer_layout, bucket_sizes, torch-free); groups are placed by megatron-core's traits
+ERAS, buffer_layout, bucket_sizes, era_layout, torch-free); groups are placed by megatron-core's traits
 (formats/megatron_groups.py, via quick/optim.py), as group_by_rule does.
 
 An MoE model at EP > 1 (megatron-core's [dense, expert] chain: the rank file's `optimizer` and
@@ -21,8 +21,8 @@ import math
 from typing import Optional
 
 from ..errors import CkptError
-from ..formats.megatron_buffers import (ERAS, KEYS, SLOT_OF_KEY, bucket_sizes, buffer_layout, data_parallel_size,
-                                        file_form, is_shared_embedding)
+from ..formats.megatron_buffers import (KEYS, SLOT_OF_KEY, data_parallel_size, era_layout, file_form,
+                                        is_shared_embedding)
 from .meta import TensorMeta
 from .torch_pickle import NotQuick
 
@@ -93,8 +93,7 @@ def part_state(opt: dict, state, params, args, tied: bool, pp: int, pp_rank: int
         want = _stored_sizes(entry, form)
         numels = [math.prod(p.shape) for p in members]
         shared = [is_shared_embedding(p.role, tied, pp) for p in members]
-        if not any(_fits(numels, shared, era, dp, size, want) for era in ERAS if era.form == form
-                   for size in bucket_sizes(args, chunk, pp_rank, bucket_dp or dp)):
+        if era_layout(numels, shared, form, want, args, chunk, pp_rank, dp, bucket_dp)[0] is None:
             raise NotQuick("no megatron-core buffer layout reproduces the stored sizes")
         for key, slot in SLOT_OF_KEY.items():
             flats = entry[key] if form == "bucket-list" else [entry[key]]
@@ -121,8 +120,3 @@ def _stored_sizes(entry: dict, form: str):
     if len({tuple(v) for v in sizes.values()}) != 1 or None in sizes["param"]:
         raise NotQuick("buckets of different sizes")
     return sizes["param"]
-
-
-def _fits(numels, shared, era, dp: int, bucket_size: Optional[int], want) -> bool:
-    layout = buffer_layout(numels, shared, era, dp, bucket_size)
-    return (layout.numel_unpadded if era.form == "coalesced" else layout.bucket_padded) == want
