@@ -32,8 +32,12 @@ def cli(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
-def refused_in_one_line(result, words: str, out: Path) -> None:
-    """Exit 2, one `error:` line with words in it, and nothing at all beside where the output would go."""
+def refused_in_one_line(tmp_path: Path, command: str, src: Path, *options, words: str) -> None:
+    """`ckptool COMMAND SRC OUT OPTIONS`: exit 2, one `error:` line with words in it, and nothing at all beside
+    where the output would go."""
+    out = tmp_path / "empty" / "out"
+    out.parent.mkdir()
+    result = cli(command, src, out, *options)
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], result.stderr
@@ -42,30 +46,22 @@ def refused_in_one_line(result, words: str, out: Path) -> None:
 
 @pytest.mark.parametrize("option, value, words", BAD + [("--dp", "0", "--dp 0: the data-parallel size is at least 1")])
 def test_reshard_refuses_a_size_below_one_by_name(tmp_path, option, value, words):
-    out = tmp_path / "empty" / "out"
-    out.parent.mkdir()
-    refused_in_one_line(cli("reshard", SRC, out, option, value), words, out)
+    refused_in_one_line(tmp_path, "reshard", SRC, option, value, words=words)
 
 
 def test_reshard_refuses_an_empty_stage_beside_the_right_stage_count(tmp_path):
-    out = tmp_path / "empty" / "out"
-    out.parent.mkdir()
-    refused_in_one_line(cli("reshard", SRC, out, "--tp", 2, "--pp", 2, "--pp-layers", "4,0"),
-                        "--pp-layers 4,0: every pipeline stage needs at least 1 layer", out)
+    refused_in_one_line(tmp_path, "reshard", SRC, "--tp", 2, "--pp", 2, "--pp-layers", "4,0",
+                        words="--pp-layers 4,0: every pipeline stage needs at least 1 layer")
 
 
 @pytest.mark.parametrize("option, value, words", BAD)
 def test_from_hf_refuses_a_size_below_one_by_name(tmp_path, option, value, words):
-    out = tmp_path / "empty" / "out"
-    out.parent.mkdir()
-    refused_in_one_line(cli("from-hf", HF, out, option, value), words, out)
+    refused_in_one_line(tmp_path, "from-hf", HF, option, value, words=words)
 
 
 def test_merge_and_verify_refuse_their_sizes_by_name(tmp_path):
-    out = tmp_path / "empty" / "out"
-    out.parent.mkdir()
-    refused_in_one_line(cli("merge", SRC, out, "--distributed-optimizer", "--dp", 0),
-                        "--dp 0: the data-parallel size is at least 1", out)
+    refused_in_one_line(tmp_path, "merge", SRC, "--distributed-optimizer", "--dp", 0,
+                        words="--dp 0: the data-parallel size is at least 1")
     r = cli("verify", SRC, "--tp", 0)
     assert r.exit_code == 2 and r.stderr.strip().splitlines() == [
         "error: --tp 0: the tensor-parallel size is at least 1 (give --tp 1 or more)"], r.output
