@@ -119,7 +119,8 @@ def test_the_sources_virtual_pipeline_split_and_expert_tp_are_kept_only_where_th
     vpp2 = Layout(tp=2, pp=2, vpp=2)
     assert LayoutRequest.of(tp=1).completed(vpp2, 12) == (Layout(tp=1, pp=2, vpp=2), "PP, VPP kept from the source")
     assert LayoutRequest.of(pp=4).completed(vpp2, 12) == (
-        Layout(tp=2, pp=4), "TP kept from the source; the source's VPP2 not kept: 12 layers do not split into PP4 x VPP2")
+        Layout(tp=2, pp=4),
+        "TP kept from the source; the source's VPP2 not kept: 12 layers do not split into PP4 x VPP2")
     assert LayoutRequest.of(pp=4).completed(vpp2, 8)[0] == Layout(tp=2, pp=4, vpp=2)  # 8 layers do
     assert LayoutRequest.of(pp=1).completed(vpp2, 12)[0] == Layout(tp=2, pp=1)
     assert LayoutRequest.of(vpp=1).completed(vpp2, 12)[0] == Layout(tp=2, pp=2)  # --vpp 1: no virtual pipeline

@@ -151,7 +151,8 @@ def _expert_form(moe_grouped_gemm: Optional[bool]) -> dict:
 
 
 def reshard(src, dst, *, tp: Optional[int] = None, pp: Optional[int] = None, vpp: Optional[int] = None,
-            ep: Optional[int] = None, etp: Optional[int] = None, pp_layers: Union[str, Sequence[int], None] = None, format: Optional[str] = None,  # noqa: A002
+            ep: Optional[int] = None, etp: Optional[int] = None, pp_layers: Union[str, Sequence[int], None] = None,
+            format: Optional[str] = None,  # noqa: A002
             dialect: Optional[str] = None, release: Optional[bool] = None, dtype=None,
             make_vocab_size_divisible_by: Optional[int] = None, pad_fill: str = "zero", optimizer: bool = True,
             distributed_optimizer: bool = False, dp: Optional[int] = None, overlap_grad_reduce: Optional[bool] = None,

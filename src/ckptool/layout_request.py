@@ -29,7 +29,8 @@ def check_sizes(**sizes: Optional[int]) -> None:
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int):
-            raise CkptError(f"--{name} {value!r}: the {SIZE_OPTIONS[name]} is a whole number", f"give --{name} 1 or more")
+            raise CkptError(f"--{name} {value!r}: the {SIZE_OPTIONS[name]} is a whole number",
+                            f"give --{name} 1 or more")
         if value < 1:
             raise CkptError(f"--{name} {value}: the {SIZE_OPTIONS[name]} is at least 1", f"give --{name} 1 or more")
 

@@ -116,7 +116,8 @@ def merge_cmd(src, dst, **kw):
                    "its layers still split into PP x VPP, else none).")
 @click.option("--ep", type=int, default=None,
               help="Target expert-parallel size (MoE models; default: the source's): EP rank r holds experts "
-                   "r*E/EP .. (r+1)*E/EP-1 (torch format); torch_dist stores every expert once, so --ep only sets the args.")
+                   "r*E/EP .. (r+1)*E/EP-1 (torch format); torch_dist stores every expert once, so --ep only "
+                   "sets the args.")
 @click.option("--etp", type=int, default=None,
               help="Target expert tensor-parallel size (MoE models, torch format; must divide --tp; default: the "
                    "source's where it divides --tp, else --tp).")
