@@ -22,6 +22,6 @@ OMP_NUM_THREADS=1 python3 -m torch.distributed.run --standalone --nproc-per-node
     -m ckptool verify "$OUT/tp4" --reference "$SRC" 2>&1 | grep -v "^\*\|OMP_NUM_THREADS"
 REAL=fixtures/real/mlm_mcore_gpt2_torch_tp2pp2/checkpoint
 echo; echo "== reshard $REAL (written by Megatron-LM, with its optimizer state) -> $OUT/mlm_tp1 (TP1 PP1)"
-ckptool reshard "$REAL" "$OUT/mlm_tp1" --tp 1
+ckptool reshard "$REAL" "$OUT/mlm_tp1" --tp 1 --pp 1
 ckptool inspect "$OUT/mlm_tp1" --no-tensors | grep -E "^(layout|optimizer)"
 echo; echo "outputs are in $OUT"

@@ -255,7 +255,7 @@ def test_deepseek_mla_through_megatron_torch(deepseek, tmp_path, tp, more):
     assert conf.q_lora_rank == 20
     back = open_checkpoint(tmp_path / "a")
     assert back.config.mla == open_checkpoint(src).config.mla and not back.config.qk_layernorm
-    cli("reshard", tmp_path / "a", tmp_path / "b", "--tp", 2 if tp == 1 else 1)
+    cli("reshard", tmp_path / "a", tmp_path / "b", "--tp", 2 if tp == 1 else 1, "--pp", 1, "--ep", 1)
     cli("to-hf", tmp_path / "b", tmp_path / "hf")
     # megatron-core's MLA always rotates interleaved pairs (DeepSeek's rope_interleave): no flag says so
     assert not args.rotary_interleaved and open_checkpoint(tmp_path / "a").config.rotary_interleaved

@@ -236,7 +236,7 @@ def test_qwen3_dense_through_megatron_layouts(family, tmp_path):
     cli("from-hf", src, tmp_path / "meg", "--tp", 2, "--pp", 2)
     meg = open_checkpoint(tmp_path / "meg")
     assert meg.config.qk_layernorm and meg.source.layout.tp == 2
-    cli("reshard", tmp_path / "meg", tmp_path / "re", "--tp", 1)
+    cli("reshard", tmp_path / "meg", tmp_path / "re", "--tp", 1, "--pp", 1)
     cli("to-hf", tmp_path / "re", tmp_path / "out")
     a, b = saved_tensors(src), saved_tensors(tmp_path / "out")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
@@ -337,7 +337,7 @@ def test_hf_moe_through_expert_parallel_megatron_layouts(family, tmp_path, kind,
     cli("from-hf", src, tmp_path / "a", "--tp", 2, "--pp", 2, "--ep", ep1, *(["--vpp", vpp] if vpp > 1 else []))
     ranks = sorted(p.name for p in (tmp_path / "a" / "iter_0000000").iterdir())
     assert len(ranks) == 4 * ep1 and ranks[-1] == f"mp_rank_01_001_{ep1 - 1:03d}"
-    cli("reshard", tmp_path / "a", tmp_path / "b", "--tp", 1, "--ep", ep2)
+    cli("reshard", tmp_path / "a", tmp_path / "b", "--tp", 1, "--pp", 1, "--ep", ep2)
     assert open_checkpoint(tmp_path / "b").source.layout.describe() == f"TP1 PP1 EP{ep2}"
     cli("to-hf", tmp_path / "b", tmp_path / "hf")
     want, got = saved_tensors(src), saved_tensors(tmp_path / "hf")

@@ -42,7 +42,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 ARCHS = ("mixtral", "qwen2moe")  # the helper's two models (see mcore_moe_helper.ARCHS)
 # ckptool outputs with expert TP != TP or from the ETP1 save: (name, source, (tp, pp, ep, etp or None = tp))
 ETP_OUTPUTS = [("tp2ep2etp1", "mixtral", (2, 1, 2, 1)), ("tp2ep1etp1", "mixtral", (2, 1, 1, 1)),
-               ("tp2pp2ep2etp1", "mixtral", (2, 2, 2, 1)), ("tp2ep2", "etp", (2, 1, 2, None)),
+               ("tp2pp2ep2etp1", "mixtral", (2, 2, 2, 1)), ("tp2ep2", "etp", (2, 1, 2, 2)),
                ("tp1ep4", "etp", (1, 1, 4, None))]
 
 
@@ -363,7 +363,7 @@ def test_te_grouped_experts_are_read_by_their_documented_layout(moe, tmp_path):
     # the default keeps the source's form; --no-moe-grouped-gemm writes SequentialMLP of TE linears
     for grouped, key in ((None, "mlp.experts.linear_fc2.weight0"), (False, "mlp.experts.local_experts.0.linear_fc2.weight")):
         out = tmp_path / f"te_{grouped}"
-        api.reshard(dst, out, tp=1, moe_grouped_gemm=grouped, warn=lambda m: None)
+        api.reshard(dst, out, tp=1, ep=1, moe_grouped_gemm=grouped, warn=lambda m: None)
         model = torch.load(next(out.glob("iter_*/mp_rank_00/model_optim_rng.pt")), weights_only=False)["model"]
         assert f"decoder.layers.0.{key}" in model and "decoder.layers.0.pre_mlp_layernorm.weight" in model
         back = read_megatron(out)

@@ -38,10 +38,10 @@ def test_carrying_the_optimizer_reads_each_weight_once(case, tmp_path, monkeypat
     src = REAL / case / "checkpoint"
     if not src.is_dir():
         pytest.skip(f"{src} is not on this machine")
-    once = _reads(monkeypatch, lambda: api.reshard(src, tmp_path / "once", tp=1, warn=lambda m: None))
+    once = _reads(monkeypatch, lambda: api.reshard(src, tmp_path / "once", tp=1, pp=1, warn=lambda m: None))
     assert sum(once.values()) > 0 and [k for k, n in once.items() if n > 1] == []
     monkeypatch.setattr(megatron, "_read_once", lambda role, value: value)  # the check reads its own weight
-    twice = _reads(monkeypatch, lambda: api.reshard(src, tmp_path / "twice", tp=1, warn=lambda m: None))
+    twice = _reads(monkeypatch, lambda: api.reshard(src, tmp_path / "twice", tp=1, pp=1, warn=lambda m: None))
     again = sum(length * (n - 1) for (_, _, length), n in twice.items())
     total = sum(length * n for (_, _, length), n in once.items())
     print(f"{case}: {total} bytes read once; without the memo {again} more")
@@ -57,5 +57,5 @@ def test_a_finer_tensor_parallel_target_reads_each_master_once(case, tmp_path, m
     src = REAL / case / "checkpoint"
     if not src.is_dir():
         pytest.skip(f"{src} is not on this machine")
-    reads = _reads(monkeypatch, lambda: api.reshard(src, tmp_path / "tp4", tp=4, warn=lambda m: None))
+    reads = _reads(monkeypatch, lambda: api.reshard(src, tmp_path / "tp4", tp=4, pp=1, warn=lambda m: None))
     assert sum(reads.values()) > 0 and [k for k, n in reads.items() if n > 1] == []

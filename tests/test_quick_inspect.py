@@ -401,7 +401,7 @@ def test_quick_inspect_of_the_distributed_optimizer(megatron_dirs, framework_run
     from test_dist import HAVE_MCORE
     src = megatron_dirs["mlm_mcore_gpt2_torch_tp2pp2"]
     ckptool.reshard(src, tmp_path / "coalesced", tp=2, pp=2, distributed_optimizer=True, dp=2)
-    ckptool.reshard(src, tmp_path / "buckets", tp=1, distributed_optimizer=True, dp=4, overlap_grad_reduce=True,
+    ckptool.reshard(src, tmp_path / "buckets", tp=1, pp=1, distributed_optimizer=True, dp=4, overlap_grad_reduce=True,
                     ddp_bucket_size=20000)
     ckptool.reshard(src, tmp_path / "bucket_list", tp=1, pp=2, vpp=2, distributed_optimizer=True,
                     distrib_optim_era="2024-02")
@@ -605,8 +605,8 @@ def mla_dirs(tmp_path_factory):
     ckptool.from_hf(latent, dirs["mla_tp2pp2ep2"], tp=2, pp=2, ep=2, pp_layers=[1, 3])
     ckptool.from_hf(latent, dirs["mla_te_tp2ep2"], tp=2, ep=2, dialect="mcore-te")
     ckptool.from_hf(direct, dirs["mla_direct_q_te"], tp=2, dialect="mcore-te")
-    ckptool.reshard(dirs["mla_tp2pp2ep2"], dirs["mla_dist_ep2"], tp=1, ep=2, format="torch_dist")
-    ckptool.reshard(dirs["mla_te_tp2ep2"], dirs["mla_dist_te_bf16"], tp=1, format="torch_dist", dialect="mcore-te",
+    ckptool.reshard(dirs["mla_tp2pp2ep2"], dirs["mla_dist_ep2"], tp=1, pp=1, ep=2, format="torch_dist")
+    ckptool.reshard(dirs["mla_te_tp2ep2"], dirs["mla_dist_te_bf16"], tp=1, ep=1, format="torch_dist", dialect="mcore-te",
                     dtype=torch.bfloat16)
     return dirs
 

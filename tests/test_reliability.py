@@ -229,7 +229,7 @@ def _tp_not_dividing_heads(src, tmp):
 
 
 def _tp_zero(src, tmp):
-    return ["reshard", src, "DST", "--tp", 0], ["--tp must be at least 1"]
+    return ["reshard", src, "DST", "--tp", 0], ["--tp 0: the tensor-parallel size is at least 1"]
 
 
 def _uneven_pp(src, tmp):

@@ -22,9 +22,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from .config import Layout, parse_stage_layers
+from .config import Layout
 from .errors import CkptError, NoCanonicalForm, require
 from .formats import registry
+from .layout_request import LayoutRequest, check_sizes
 from .options import ReadOptions, pop_read_options
 from .state import Checkpoint
 from .summary import WriteSummary
@@ -57,6 +58,8 @@ class ConversionResult:
     leader: bool = True  # False on the torchrun ranks that do not report for the team
     # tensor-parallel replicas that differed in the source: name -> largest abs difference (sharding.ReplicaPolicy)
     replica_divergences: Dict[str, float] = field(default_factory=dict)
+    # reshard: which layout options were kept from the source ("PP kept from the source"; "as given")
+    layout_note: str = ""
 
     def __getitem__(self, key: str) -> Any:
         return self.summary[key]
@@ -160,8 +163,9 @@ def _expert_form(moe_grouped_gemm: Optional[bool]) -> dict:
     return {} if moe_grouped_gemm is None else {"moe_grouped_gemm": moe_grouped_gemm}
 
 
-def reshard(src, dst, *, tp: int, pp: int = 1, vpp: Optional[int] = None, ep: int = 1, etp: Optional[int] = None,
-            pp_layers: Union[str, Sequence[int], None] = None, format: Optional[str] = None,  # noqa: A002
+def reshard(src, dst, *, tp: Optional[int] = None, pp: Optional[int] = None, vpp: Optional[int] = None,
+            ep: Optional[int] = None, etp: Optional[int] = None, pp_layers: Union[str, Sequence[int], None] = None,
+            format: Optional[str] = None,  # noqa: A002
             dialect: Optional[str] = None, release: Optional[bool] = None, dtype=None,
             make_vocab_size_divisible_by: Optional[int] = None, pad_fill: str = "zero", optimizer: bool = True,
             distributed_optimizer: bool = False, dp: Optional[int] = None, overlap_grad_reduce: Optional[bool] = None,
@@ -170,18 +174,24 @@ def reshard(src, dst, *, tp: int, pp: int = 1, vpp: Optional[int] = None, ep: in
             moe_grouped_gemm: Optional[bool] = None, **read_options) -> ConversionResult:
     """Rewrite any checkpoint ckptool reads at Megatron's layout for tp / pp (/ vpp), as
     `ckptool reshard SRC DST --tp N`. pp_layers: layers per pipeline stage ("3,5" or [3, 5]) for an
-    uneven split; vpp below 2 means no virtual pipeline; ep: expert-parallel ranks of an MoE model's
-    experts (torch format); etp: their expert tensor-parallel size (default tp; it must divide tp).
-    Other options as for merge()."""
-    layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp is not None and vpp >= 2 else None,
-                    stage_layers=_stage_layers(pp_layers), ep=ep, etp=etp)
+    uneven split; vpp 1 means no virtual pipeline; ep: expert-parallel ranks of an MoE model's
+    experts (torch format); etp: their expert tensor-parallel size (it must divide tp).
+    Each of them left out (None) keeps the source's value (pp: the number of pp_layers stages when those
+    are given; vpp, etp and the source's uneven split only where they still fit); with none given the
+    checkpoint is rewritten at its own layout. Every size is at least 1 and every stage holds a layer
+    (CkptError naming the option, before anything is read or written). result.layout_note says what was
+    kept. Other options as for merge()."""
+    request = LayoutRequest.of(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, pp_layers=pp_layers)
+    training = _training_state_options(optimizer, distributed_optimizer, dp, overlap_grad_reduce,
+                                       ddp_bucket_size, distrib_optim_era)
     ckpt = _open_source(src, optimizer, read_options)
-    return _write_megatron_family("reshard", src, dst, ckpt, layout, force, progress, warn,
-                                  format=format, dialect=dialect, release=release, dtype=dtype,
-                                  make_vocab_size_divisible_by=make_vocab_size_divisible_by, pad_fill=pad_fill,
-                                  **_training_state_options(optimizer, distributed_optimizer, dp, overlap_grad_reduce,
-                                                            ddp_bucket_size, distrib_optim_era),
-                                  **_expert_form(moe_grouped_gemm))
+    layout, note = request.completed(ckpt.source.layout, ckpt.config.num_layers)
+    result = _write_megatron_family("reshard", src, dst, ckpt, layout, force, progress, warn,
+                                    format=format, dialect=dialect, release=release, dtype=dtype,
+                                    make_vocab_size_divisible_by=make_vocab_size_divisible_by, pad_fill=pad_fill,
+                                    **training, **_expert_form(moe_grouped_gemm))
+    result.layout_note = note
+    return result
 
 
 def fix_vocab(src, dst, *, size: Optional[int] = None, multiple: Optional[int] = None,
@@ -225,6 +235,7 @@ def _training_state_options(optimizer: bool, distributed_optimizer: bool, dp: Op
                             overlap_grad_reduce: Optional[bool] = None, ddp_bucket_size: Optional[int] = None,
                             distrib_optim_era: Optional[str] = None) -> dict:
     """The writers' keywords for the optimizer state: carried or not, and in which Megatron layout."""
+    check_sizes(dp=dp)
     for given, name in ((dp, "--dp"), (overlap_grad_reduce, "--overlap-grad-reduce"),
                         (ddp_bucket_size, "--ddp-bucket-size"), (distrib_optim_era, "--distrib-optim-era")):
         require(given is None or distributed_optimizer, f"{name} shapes the distributed optimizer's files",
@@ -322,8 +333,10 @@ def from_hf(src, dst, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep
     """Convert a Hugging Face GPT-2 / Llama / Mistral / Qwen2 / Qwen3 directory into a Megatron torch-format
     checkpoint at tp / pp (/ vpp, pp_layers; ep and etp for MoE models), as `ckptool from-hf`. The vocabulary is padded for tp
     as Megatron pads it (make_vocab_size_divisible_by, default 128); true_vocab_size overrides
-    config.json's vocab_size. Other options as for merge()."""
+    config.json's vocab_size. Every size is at least 1 and every stage holds a layer (CkptError naming the
+    option). Other options as for merge()."""
     from .formats.registry import source_format
+    layout = LayoutRequest.of(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, pp_layers=pp_layers).as_given()
     try:
         fmt = source_format(src)
     except CkptError:
@@ -333,8 +346,6 @@ def from_hf(src, dst, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep
                         + (f" but a {fmt.name} checkpoint" if fmt is not None else ""),
                         "expected a directory with config.json and model.safetensors or pytorch_model.bin")
     ckpt = fmt.read(src, ReadOptions(true_vocab_size=true_vocab_size))
-    layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp and vpp > 1 else None, stage_layers=_stage_layers(pp_layers), ep=ep,
-                    etp=etp)
     return _write_megatron_family("from-hf", src, dst, ckpt, layout, force, progress, warn, format="torch",
                                   dialect=dialect, dtype=dtype, pad_fill=pad_fill,
                                   make_vocab_size_divisible_by=make_vocab_size_divisible_by,
@@ -360,6 +371,7 @@ def verify(target=None, *, reference=None, reference_logits: Optional[str] = Non
     Returns VerifyResult (ok, report lines); the lines are also printed unless quiet. A mismatch is
     ok=False, not an exception; bad input raises CkptError."""
     from .commands import verify_cmd as v
+    check_sizes(tp=tp, pp=pp, vpp=vpp)
     with _ReportLines(echo=not quiet) as report:
         if files is not None:
             ok = v.verify_files(Path(files))
@@ -427,12 +439,6 @@ def _dtype(value) -> Optional[torch.dtype]:
         return value
     require(value in DTYPES, f"unknown dtype {value!r}", f"choose one of {', '.join(sorted(DTYPES))}")
     return DTYPES[value]
-
-
-def _stage_layers(value) -> Optional[list]:
-    if value is None or isinstance(value, str):
-        return parse_stage_layers(value)
-    return [int(x) for x in value]
 
 
 def _bytes_progress(progress: Optional[Progress], ckpt: Checkpoint) -> Optional[Callable[[int], None]]:

@@ -22,6 +22,7 @@ def _run(convert, verb: str, src, dst, **kw) -> None:
     s, vocab = result.summary, result.checkpoint.config.vocab_size
     report_conversion(result, [
         conversion_line(result, f"{s.format} {s.dialect or ''}, {result.layout.describe()}"),
+        *([f"  layout: {result.layout.describe()} ({result.layout_note})"] if result.layout_note else []),
         f"  {s.files} files, {human_bytes(s.bytes)} of tensors, vocab "
         f"{vocab if vocab is not None else 'unknown'} padded to {s.padded_vocab_size}, {s.iteration_dir}",
         *_training_state_lines(s, result.checkpoint, kw.get("optimizer", True))],
@@ -60,7 +61,7 @@ def megatron_output_options(fn):
                       help="Carry the optimizer state (fp32 masters, Adam moments, step, param groups, LR "
                            "scheduler) when the source has it and the target format holds it, so training "
                            "resumes on the new layout; --no-optimizer writes the weights only.")(fn)
-    fn = click.option("--dp", type=click.IntRange(min=1), default=None,
+    fn = click.option("--dp", type=int, default=None,  # at least 1: checked with the other sizes (layout_request)
                       help="With --distributed-optimizer: the data-parallel size the resuming run will use "
                            "(default 1).")(fn)
     fn = click.option("--distrib-optim-era", type=click.Choice(list(ERA_BY_SINCE)), default=None,
@@ -107,19 +108,25 @@ def merge_cmd(src, dst, **kw):
 @click.command("reshard")
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
-@click.option("--tp", type=int, required=True, help="Target tensor-parallel size.")
-@click.option("--pp", type=int, default=1, show_default=True, help="Target pipeline-parallel size.")
-@click.option("--vpp", type=int, default=None, help="Virtual pipeline chunks per stage (interleaved schedule).")
-@click.option("--ep", type=int, default=1, show_default=True,
-              help="Target expert-parallel size (MoE models): EP rank r holds experts r*E/EP .. (r+1)*E/EP-1 (torch format); "
-                   "torch_dist stores every expert once, so --ep only sets the args.")
+@click.option("--tp", type=int, default=None, help="Target tensor-parallel size (default: the source's).")
+@click.option("--pp", type=int, default=None,
+              help="Target pipeline-parallel size (default: the source's; with --pp-layers, its number of stages).")
+@click.option("--vpp", type=int, default=None,
+              help="Virtual pipeline chunks per stage (interleaved schedule; 1: none; default: the source's where "
+                   "its layers still split into PP x VPP, else none).")
+@click.option("--ep", type=int, default=None,
+              help="Target expert-parallel size (MoE models; default: the source's): EP rank r holds experts "
+                   "r*E/EP .. (r+1)*E/EP-1 (torch format); torch_dist stores every expert once, so --ep only "
+                   "sets the args.")
 @click.option("--etp", type=int, default=None,
-              help="Target expert tensor-parallel size (MoE models, torch format; default --tp; must divide --tp).")
+              help="Target expert tensor-parallel size (MoE models, torch format; must divide --tp; default: the "
+                   "source's where it divides --tp, else --tp).")
 @click.option("--moe-grouped-gemm/--no-moe-grouped-gemm", default=None,
               help="MoE experts for a run with --moe-grouped-gemm (torch format, --dialect mcore-te: TEGroupedMLP); "
                    "default: as the source when it has that dialect, else SequentialMLP.")
 @click.option("--pp-layers", default=None,
-              help="Layers per pipeline stage, comma separated (e.g. 3,5), for an uneven split.")
+              help="Layers per pipeline stage, comma separated (e.g. 3,5), for an uneven split (default: the "
+                   "source's split where PP keeps its stage count and there is no VPP, else an even split).")
 @megatron_output_options
 @output_options
 @source_options
@@ -128,10 +135,13 @@ def reshard_cmd(src, dst, tp, pp, vpp, pp_layers, ep, etp, **kw):
     """Rewrite a checkpoint for any tensor/pipeline(/virtual pipeline/expert) layout.
 
     Reads any layout and dialect ckptool knows, writes Megatron's layout for --tp/--pp/--vpp with
-    args and checkpoint_version that Megatron itself accepts. Layers are split evenly across
-    stages; an uneven split needs --pp-layers. MoE models (torch format, mcore dialect) spread
-    their experts over --ep expert-parallel ranks, cut over --etp expert tensor-parallel ranks (default --tp);
-    with --format torch_dist megatron-core loads the stacked experts at any EP.
+    args and checkpoint_version that Megatron itself accepts. Each layout option left out keeps the
+    source's value (the report's "layout:" line says which); with none given the checkpoint is
+    rewritten at its own layout. Every size is at least 1. Layers are split evenly across
+    stages; an uneven split needs --pp-layers (each stage at least 1 layer). MoE models (torch
+    format, mcore dialect) spread their experts over --ep expert-parallel ranks, cut over --etp
+    expert tensor-parallel ranks; with --format torch_dist megatron-core loads the stacked experts
+    at any EP.
     """
     _run(api.reshard, "reshard", src, dst, tp=tp, pp=pp, vpp=vpp, pp_layers=pp_layers, ep=ep, etp=etp, **kw)
 
