@@ -31,13 +31,14 @@ HAVE_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util
 DRIFT = 0.0625  # added to TP rank 1's copy of transformer layer 1's input layer norm
 
 
-def mds_drift_model(mds: Path, dst: Path) -> Path:
-    """TP rank 1's 16-bit layer file of transformer layer 1 (spec index 3, stage 0) drifted."""
+def mds_drift_model(mds: Path, dst: Path, tp_ranks=(1,)) -> Path:
+    """The TP ranks' 16-bit layer files of transformer layer 1 (spec index 3, stage 0) drifted."""
     shutil.copytree(mds / "checkpoint", dst)
-    f = dst / "global_step3" / "layer_03-model_01-model_states.pt"
-    sd = torch.load(f)
-    sd["input_layernorm.weight"] = sd["input_layernorm.weight"] + DRIFT
-    torch.save(sd, f)
+    for t in tp_ranks:
+        f = dst / "global_step3" / f"layer_03-model_{t:02d}-model_states.pt"
+        sd = torch.load(f)
+        sd["input_layernorm.weight"] = sd["input_layernorm.weight"] + DRIFT
+        torch.save(sd, f)
     return dst
 
 
@@ -131,6 +132,41 @@ def test_mds_master_weights_are_one_bf16_rounding_from_the_framework_logits(batc
     text, rc = batch["mds_master_recorded"]
     assert rc == 1 and "result=FAIL" in text, text  # the framework computed with the 16-bit weights
     assert 1e-4 < metric(text, "max_abs_error") < 1e-2
+    # the FAIL says which check failed and points at the weights the framework ran (mds_model passes)
+    assert "failed_check=logits max_abs_error" in text and "> tolerance 0.0001" in text, text
+    assert _hint(text).count("\n") == 0 and "rerun with --weights model" in _hint(text), text
+
+
+def _hint(text: str) -> str:
+    return "\n".join(line for line in text.splitlines() if line.startswith("hint:"))
+
+
+def test_a_fail_from_the_fp32_masters_hints_at_the_16bit_weights(mds):
+    """One process: the masters are one bf16 rounding from the logits Megatron-DeepSpeed computed; the
+    hint names --weights model and why, and with it the framework's logits are reproduced."""
+    recorded = f"{mds / 'reference_logits.pt'}:logits_fp32"
+    r = verify_here(mds / "checkpoint", "--reference-logits", recorded)
+    assert r.exit_code == 1 and "result=FAIL" in r.output, r.output
+    hint = _hint(r.output)
+    assert hint.count("\n") == 0 and "fp32 master weights" in hint and "16-bit module weights" in hint, r.output
+    assert "rerun with --weights model" in hint
+    r = verify_here(mds / "checkpoint", "--weights", "model", "--reference-logits", recorded)
+    assert r.exit_code == 0 and metric(r.stdout, "max_abs_error") < 1e-6 and "hint:" not in r.output, r.output
+
+
+def test_a_fail_within_the_logits_tolerance_names_the_check_that_failed(mds, tmp_path):
+    """Both TP copies of layer 1's input norm drifted: at --tolerance 0.01 the logits pass (3.3e-3) but
+    layer 1's hidden state parts from the original's by 1.3e-2 relative; the report says that check
+    failed, with its value and bound. No weights hint: the 16-bit weights are the ones compared."""
+    drifted = mds_drift_model(mds, tmp_path / "drift", tp_ranks=(0, 1))
+    r = verify_here(drifted, "--weights", "model", "--reference", mds / "checkpoint", "--tolerance", "0.01")
+    assert r.exit_code == 1 and "result=FAIL" in r.output, r.output
+    assert metric(r.stdout, "max_abs_error") < metric(r.stdout, "tolerance")
+    checks = [line for line in r.stdout.splitlines() if line.startswith("failed_check=")]
+    assert len(checks) == 1, r.output
+    assert checks[0].startswith("failed_check=per-layer check: layer 1 hidden state relative diff 0.013"), checks
+    assert "> 0.01 (the logits are within the tolerance: max_abs_error 0.0033" in checks[0], checks
+    assert "hint:" not in r.output
 
 
 @pytest.mark.parametrize("case,files", [

@@ -54,13 +54,21 @@ def looks_like(path) -> bool:
 
 # --- which weights --------------------------------------------------------------------------
 
+def available_weights(ranks: Dict[int, RankStates], has_layers: bool) -> Tuple[str, ...]:
+    """The --weights choices this save holds: master (every rank's optimizer shards), model (layer files
+    or real module weights; ZeRO-3 keeps 0-element placeholders)."""
+    has_master = all(r.master for r in ranks.values())
+    has_model = has_layers or all(_module_has_weights(r) for r in ranks.values())
+    return tuple(w for w, held in zip(WEIGHTS, (has_master, has_model)) if held)
+
+
 def _choose_weights(requested: Optional[str], ranks: Dict[int, RankStates], has_layers: bool) -> str:
     missing = next((r.missing_shard for r in ranks.values() if r.missing_shard), None)
     if missing and requested != "model":
         raise CkptError(missing, "copy the complete global_step directory, or pass --weights model "
                         "(the 16-bit module weights) with --no-optimizer")
-    has_master = all(r.master for r in ranks.values())
-    has_model = has_layers or all(_module_has_weights(r) for r in ranks.values())
+    held = available_weights(ranks, has_layers)
+    has_master, has_model = "master" in held, "model" in held
     if requested is None:
         if not has_master and not has_model:  # a ZeRO-3 save copied without its optimizer shards
             raise CkptError("this checkpoint has no ZeRO optimizer shards and keeps no 16-bit module weights "
@@ -128,6 +136,7 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                       layout=layout, iteration=r0.meta.get("iteration", r0.meta.get("global_steps")),
                       checkpoint_version=r0.meta.get("checkpoint_version"), args=args,
                       extra={"replica_policy": policy, "weights": weights, "zero_stage": r0.zero_stage,
+                             "weights_held": available_weights(ranks, bool(tf.layers)),  # verify's FAIL hint
                              "optimizer": r0.optimizer_kind, "tag_dir": str(tf.tag_dir),
                              # pipeline saves: spec index -> embed | layer | final_norm | head (deepspeed_ranks.py)
                              "pipe_kinds": (naming or {}).get("kinds") if tf.layers else None,
