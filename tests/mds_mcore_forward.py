@@ -16,7 +16,6 @@ Megatron-DeepSpeed's recorded logits_fp32 (tests/test_verify_deepspeed.py).
 
 Each OUT.pt holds `tokens` (TOKENS.pt's) and `logits` [B, S, padded vocab] (fp32 compute from the 16-bit weights).
 """
-import contextlib
 import sys
 from pathlib import Path
 
@@ -24,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import mcore_dist_helper  # noqa: E402,F401  (megatron-core imported eagerly, its CPU shims in place)
-from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+import mcore_dist_helper as H  # noqa: E402  (megatron-core imported eagerly, its CPU shims in place)
+from megatron.core import parallel_state  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
@@ -72,25 +71,6 @@ def own_tensors(step: Path, t: int, p: int) -> dict:
     return out
 
 
-def forward(model, tokens: torch.Tensor):
-    """This stage's part of the forward; the logits gathered over TP on the last stage, else None."""
-    b, s = tokens.shape
-    pos = torch.arange(s).unsqueeze(0).expand(b, s)
-    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)  # True = masked
-    if not parallel_state.is_pipeline_first_stage():
-        hidden = torch.empty(s, b, HIDDEN)  # [s, b, h]
-        dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
-        model.set_input_tensor(hidden)
-    out = model(tokens, pos, attention_mask=mask)
-    if not parallel_state.is_pipeline_last_stage():
-        dist.send(out.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
-        return None
-    group = parallel_state.get_tensor_model_parallel_group()
-    parts = [torch.empty_like(out) for _ in range(TP)]
-    dist.all_gather(parts, out.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
-
-
 def run(step: Path, tokens: torch.Tensor, out_file: str) -> None:
     t, p = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
     model = stage_model()
@@ -100,7 +80,7 @@ def run(step: Path, tokens: torch.Tensor, out_file: str) -> None:
         assert set(params) == set(values), sorted(set(params) ^ set(values))
         for name, param in params.items():
             param.copy_(values[name].float())
-        logits = forward(model, tokens)
+        logits = H.logits(model, tokens)
     if logits is not None and t == 0:
         torch.save({"tokens": tokens, "logits": logits.float()}, out_file)
     dist.barrier()
@@ -109,7 +89,6 @@ def run(step: Path, tokens: torch.Tensor, out_file: str) -> None:
 def main(tokens_file: str, *jobs: str) -> None:
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP)
-    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # no dropout: exact
     tokens = torch.load(tokens_file)["tokens"]
     for step, out_file in zip(jobs[::2], jobs[1::2]):
         run(Path(step), tokens, out_file)
