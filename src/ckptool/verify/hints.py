@@ -1,9 +1,10 @@
 """Hints a FAILed verify adds about how a side was read (Report.hints, printed before result=FAIL)."""
 from __future__ import annotations
 
-from typing import List
+from typing import TYPE_CHECKING, List
 
-from ..state import Checkpoint
+if TYPE_CHECKING:  # torch-free at import: the command imports this module before it needs torch
+    from ..state import Checkpoint
 
 
 def weights_hint(ckpt: Checkpoint, reference_is_own_merge: bool) -> List[str]:
