@@ -83,20 +83,22 @@ def build(arch, tp, pp=1):
     return model, cfg
 
 
-def logits(model):
+def logits(model, tokens=TOKENS):
+    """The model's logits for tokens [b, s], gathered over TP, on the last stage (None on the others)."""
     # attention dropout forks the CUDA RNG tracker; dropout is 0 here, so a no-op fork is exact
     import contextlib
     from megatron.core import tensor_parallel
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
-    pos = torch.arange(SEQ).unsqueeze(0).expand(2, SEQ)
+    b, s = tokens.shape
+    pos = torch.arange(s).unsqueeze(0).expand(b, s)
     with torch.no_grad():
         # explicit causal mask (True = masked): the default one is built on a CUDA device
-        mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+        mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
         if not parallel_state.is_pipeline_first_stage():
-            hidden = torch.empty(SEQ, TOKENS.shape[0], model.config.hidden_size)  # [s, b, h]
+            hidden = torch.empty(s, b, model.config.hidden_size)  # [s, b, h]
             dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
             model.set_input_tensor(hidden)
-        out = model(TOKENS, pos, attention_mask=mask)
+        out = model(tokens, pos, attention_mask=mask)
         if not parallel_state.is_pipeline_last_stage():
             dist.send(out.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
             return None

@@ -232,6 +232,20 @@ def test_real_mds_merge_keeps_logits(tmp_path):
     assert _rel(logits[..., :1001], ref["logits_fp32"][..., :1001]) < 1e-4
 
 
+@needs_ds
+def test_real_mds_merge_says_once_that_the_stale_tied_position_copy_is_unused(tmp_path):
+    """The last stage's optimizer holds a stale copy of the position embeddings (master, exp_avg and
+    exp_avg_sq, on both TP ranks): one warning line for all of them, saying which copy is kept and that
+    the stale one takes no part in the forward (DeepSpeed ties only word_embeddings_weight)."""
+    res = _cli("merge", str(MDS / "checkpoint"), str(tmp_path / "m"))
+    assert res.exit_code == 0, res.output
+    lines = [line for line in res.output.splitlines() if "tied position_embeddings.weight" in line]
+    assert len(lines) == 1, res.output
+    line = lines[0]
+    assert "TP ranks 0, 1" in line and "using the first stage's" in line and "not used by the forward" in line
+    assert all(part in line for part in ("master 0.0909,", "exp_avg 0.", "exp_avg_sq 1.")), line
+
+
 @pytest.fixture
 def mds_copy(tmp_path):
     if not MDS.is_dir():

@@ -31,13 +31,36 @@ HAVE_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util
 DRIFT = 0.0625  # added to TP rank 1's copy of transformer layer 1's input layer norm
 
 
-def mds_drift_model(mds: Path, dst: Path) -> Path:
-    """TP rank 1's 16-bit layer file of transformer layer 1 (spec index 3, stage 0) drifted."""
+def mds_drift_model(mds: Path, dst: Path, tp_ranks=(1,)) -> Path:
+    """The TP ranks' 16-bit layer files of transformer layer 1 (spec index 3, stage 0) drifted."""
     shutil.copytree(mds / "checkpoint", dst)
-    f = dst / "global_step3" / "layer_03-model_01-model_states.pt"
-    sd = torch.load(f)
-    sd["input_layernorm.weight"] = sd["input_layernorm.weight"] + DRIFT
-    torch.save(sd, f)
+    for t in tp_ranks:
+        f = dst / "global_step3" / f"layer_03-model_{t:02d}-model_states.pt"
+        sd = torch.load(f)
+        sd["input_layernorm.weight"] = sd["input_layernorm.weight"] + DRIFT
+        torch.save(sd, f)
+    return dst
+
+
+# the keys of Megatron-DeepSpeed layer files that every TP rank holds whole (universal_checkpoint_info's
+# TP_REPLICATED_PARAMETER_PATTERNS): norms, row-parallel biases, positions; `weight`/`bias` are the final norm's
+TP_REPLICATED = ("input_layernorm.weight", "input_layernorm.bias", "post_attention_layernorm.weight",
+                 "post_attention_layernorm.bias", "self_attention.dense.bias", "mlp.dense_4h_to_h.bias",
+                 "position_embeddings.weight", "weight", "bias")
+
+
+def mds_drift_everywhere(mds: Path, dst: Path) -> Path:
+    """Every TP-replicated tensor of every 16-bit layer file drifted, differently on each TP rank (seeded
+    noise of 0.05): positions on the first stage, every layer's norms and row-parallel biases, the final norm."""
+    shutil.copytree(mds / "checkpoint", dst)
+    for f in sorted((dst / "global_step3").glob("layer_*-model_*-model_states.pt")):
+        idx, t = int(f.name[6:8]), int(f.name[15:17])
+        sd = torch.load(f)
+        g = torch.Generator().manual_seed(100 * idx + t)
+        for key in TP_REPLICATED:
+            if key in sd:
+                sd[key] = (sd[key].float() + 0.05 * torch.randn(sd[key].shape, generator=g)).to(sd[key].dtype)
+        torch.save(sd, f)
     return dst
 
 
@@ -77,9 +100,27 @@ def mds():
 
 
 @pytest.fixture(scope="module")
-def batch(mds, tmp_path_factory):
+def mcore_forward(mds, tmp_path_factory):
+    """megatron-core's TP2 PP2 forward (tests/mds_mcore_forward.py, one launch) of the real checkpoint and of
+    its copy drifted everywhere, each rank on its own copies: (folder with real.pt and drift.pt, the copy)."""
+    if not HAVE_MCORE:
+        pytest.skip("needs the megatron-core package")
+    tmp = tmp_path_factory.mktemp("mds_mcore")
+    drifted = mds_drift_everywhere(mds, tmp / "drift_all")
+    res = run_torchrun(4, REPO / "tests" / "mds_mcore_forward.py", mds / "reference_logits.pt",
+                       mds / "checkpoint" / "global_step3", tmp / "real.pt", drifted / "global_step3", tmp / "drift.pt")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return tmp, drifted
+
+
+@pytest.fixture(scope="module")
+def batch(mds, tmp_path_factory, request):
     tmp = tmp_path_factory.mktemp("verify_ds")
     recorded = f"{mds / 'reference_logits.pt'}"
+    drift_all = {}
+    if HAVE_MCORE:  # the framework's forward of the copy drifted everywhere, from megatron-core
+        forward_dir, drifted = request.getfixturevalue("mcore_forward")
+        drift_all["mds_drift_all"] = [drifted, "--weights", "model", "--reference-logits", f"{forward_dir / 'drift.pt'}:logits"]
     cases = {
         "mds_model": [mds / "checkpoint", "--weights", "model", "--reference-logits", recorded + ":logits_fp32"],
         "mds_model_bf16": [mds / "checkpoint", "--weights", "model", "--dtype", "bf16",
@@ -91,6 +132,7 @@ def batch(mds, tmp_path_factory):
         "zero_tp4_master": [synthetic_zero_tp4(tmp / "zero_tp4"), "--seq-len", 8],
         "zero_tp4_model": [tmp / "zero_tp4", "--weights", "model", "--seq-len", 8],
         "zero_tp4_drift": [synthetic_zero_tp4(tmp / "zero_tp4_drift", drift=True), "--seq-len", 8],
+        **drift_all,
     }
     return verify_batch(4, cases, tmp / "out")
 
@@ -131,6 +173,41 @@ def test_mds_master_weights_are_one_bf16_rounding_from_the_framework_logits(batc
     text, rc = batch["mds_master_recorded"]
     assert rc == 1 and "result=FAIL" in text, text  # the framework computed with the 16-bit weights
     assert 1e-4 < metric(text, "max_abs_error") < 1e-2
+    # the FAIL says which check failed and points at the weights the framework ran (mds_model passes)
+    assert "failed_check=logits max_abs_error" in text and "> tolerance 0.0001" in text, text
+    assert _hint(text).count("\n") == 0 and "rerun with --weights model" in _hint(text), text
+
+
+def _hint(text: str) -> str:
+    return "\n".join(line for line in text.splitlines() if line.startswith("hint:"))
+
+
+def test_a_fail_from_the_fp32_masters_hints_at_the_16bit_weights(mds):
+    """One process: the masters are one bf16 rounding from the logits Megatron-DeepSpeed computed; the
+    hint names --weights model and why, and with it the framework's logits are reproduced."""
+    recorded = f"{mds / 'reference_logits.pt'}:logits_fp32"
+    r = verify_here(mds / "checkpoint", "--reference-logits", recorded)
+    assert r.exit_code == 1 and "result=FAIL" in r.output, r.output
+    hint = _hint(r.output)
+    assert hint.count("\n") == 0 and "fp32 master weights" in hint and "16-bit module weights" in hint, r.output
+    assert "rerun with --weights model" in hint
+    r = verify_here(mds / "checkpoint", "--weights", "model", "--reference-logits", recorded)
+    assert r.exit_code == 0 and metric(r.stdout, "max_abs_error") < 1e-6 and "hint:" not in r.output, r.output
+
+
+def test_a_fail_within_the_logits_tolerance_names_the_check_that_failed(mds, tmp_path):
+    """Both TP copies of layer 1's input norm drifted: at --tolerance 0.01 the logits pass (3.3e-3) but
+    layer 1's hidden state parts from the original's by 1.3e-2 relative; the report says that check
+    failed, with its value and bound. No weights hint: the 16-bit weights are the ones compared."""
+    drifted = mds_drift_model(mds, tmp_path / "drift", tp_ranks=(0, 1))
+    r = verify_here(drifted, "--weights", "model", "--reference", mds / "checkpoint", "--tolerance", "0.01")
+    assert r.exit_code == 1 and "result=FAIL" in r.output, r.output
+    assert metric(r.stdout, "max_abs_error") < metric(r.stdout, "tolerance")
+    checks = [line for line in r.stdout.splitlines() if line.startswith("failed_check=")]
+    assert len(checks) == 1, r.output
+    assert checks[0].startswith("failed_check=per-layer check: layer 1 hidden state relative diff 0.013"), checks
+    assert "> 0.01 (the logits are within the tolerance: max_abs_error 0.0033" in checks[0], checks
+    assert "hint:" not in r.output
 
 
 @pytest.mark.parametrize("case,files", [
@@ -143,6 +220,28 @@ def test_mds_drifted_replica_is_computed_with_as_the_framework_did(batch, case, 
     assert rc == 1, text
     assert f"first_divergence=layer 1 [pipeline stage 0: {files}]" in text, text
     assert "replicas differ" in text  # the merged read says so too
+
+
+def test_megatron_core_computes_what_megatron_deepspeed_computed(mds, mcore_forward):
+    # the oracle of the next test, checked against the framework: on the unmodified checkpoint megatron-core's
+    # TP2 PP2 forward (each rank on its own layer files) gives Megatron-DeepSpeed's recorded fp32 logits
+    got = torch.load(mcore_forward[0] / "real.pt")["logits"][..., :1001]
+    want = torch.load(mds / "reference_logits.pt")["logits_fp32"][..., :1001]
+    assert (got - want).abs().max().item() < 1e-6
+
+
+def test_mds_drifted_everywhere_is_computed_as_the_framework_did(batch, mcore_forward):
+    """Every replicated tensor differs per TP rank (positions on the first stage, norms and row-parallel biases
+    of every layer, the final norm; the last stage's tied output is the first stage's word rows, as DeepSpeed
+    broadcasts them on load): the parallel verify on the source's own TP2 PP2 layout reproduces the framework's
+    forward with each rank's own copies; the merged one-process view (rank 0's copies) does not."""
+    text, rc = batch["mds_drift_all"]
+    assert rc == 0 and "result=PASS" in text, text
+    assert "TP2 PP2, 4 processes" in text and metric(text, "max_abs_error") <= 1e-4
+    forward_dir, drifted = mcore_forward
+    single = verify_here(drifted, "--weights", "model", "--reference-logits", f"{forward_dir / 'drift.pt'}:logits")
+    assert single.exit_code == 1 and metric(single.stdout, "max_abs_error") > 1e-2, single.output
+    assert "tensor-parallel replicas differ" in single.output
 
 
 def test_zero_run_of_a_megatron_model_with_tp(batch):

@@ -17,6 +17,7 @@ import torch
 
 from ..errors import EXIT, CkptError, require
 from ..verify import compare as cmp
+from ..verify import hints
 from ..verify import inputs
 from .common import print_warnings, reports_errors, source_options
 
@@ -157,7 +158,9 @@ def run_single(target, ref, reference_logits, opts, dtype, tol, token_args) -> b
     cols = cmp.true_columns(logits.shape[-1], cfg.vocab_size, ref_logits.shape[-1], ref_vocab)
     tol, floor = _tolerance(tol, dtype, ref_logits, cols, recorded,
                             lambda dt: _reference(ref, recorded, ckpt, tokens, dt, "cpu", opts)[0])
-    ok = _report(cmp.compare(logits, ref_logits, cols, tol, hidden, ref_hidden, noise_floor=floor))
+    report = cmp.compare(logits, ref_logits, cols, tol, hidden, ref_hidden, noise_floor=floor)
+    report.hints += hints.weights_hint(ckpt, ref is None and recorded is None)
+    ok = _report(report)
     layout = ckpt.source.layout
     n = layout.pp * _ranks_per_stage(layout)
     if n > 1:
@@ -204,6 +207,7 @@ def run_parallel(target, ref, reference_logits, opts, dtype, tol, token_args, tp
             tol, floor = _tolerance(tol, dtype, ref_logits, cols, recorded,
                                     lambda dt: _reference(ref, recorded, ckpt, tokens, dt, r.device, opts)[0])
             report = cmp.compare(logits, ref_logits.cpu(), cols, tol, hidden, ref_hidden, noise_floor=floor)
+            report.hints += hints.weights_hint(ckpt, ref is None and recorded is None)
             if (cfg.moe is not None or _mla_at_tp(cfg, layout)) and report.first_divergence:
                 layer_probe = (_reference_weights(ref, recorded, ckpt, opts), ref_hidden)
         if cfg.moe is not None:  # every rank knows: all take part in the probe of a diverging MoE layer

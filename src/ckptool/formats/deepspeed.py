@@ -23,7 +23,6 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-import torch
 
 from ..config import Layout
 from ..errors import CkptError, NoCanonicalForm, require
@@ -37,6 +36,7 @@ from ..vocab import with_true_vocab_size
 from . import megatron_args
 from . import hf as hf_format
 from .deepspeed_optim import optimizer_state, stepped
+from .deepspeed_tied import TiedCopies
 from .deepspeed_zero import RankStates, find_files, looks_like_deepspeed, read_rank, param_shapes
 from .deepspeed_files import find_hf_config, looks_megatron, megatron_key  # noqa: F401 (this module's interface)
 from .megatron import config_for_shards, detect_dialect, flatten
@@ -54,13 +54,21 @@ def looks_like(path) -> bool:
 
 # --- which weights --------------------------------------------------------------------------
 
+def available_weights(ranks: Dict[int, RankStates], has_layers: bool) -> Tuple[str, ...]:
+    """The --weights choices this save holds: master (every rank's optimizer shards), model (layer files
+    or real module weights; ZeRO-3 keeps 0-element placeholders)."""
+    has_master = all(r.master for r in ranks.values())
+    has_model = has_layers or all(_module_has_weights(r) for r in ranks.values())
+    return tuple(w for w, held in zip(WEIGHTS, (has_master, has_model)) if held)
+
+
 def _choose_weights(requested: Optional[str], ranks: Dict[int, RankStates], has_layers: bool) -> str:
     missing = next((r.missing_shard for r in ranks.values() if r.missing_shard), None)
     if missing and requested != "model":
         raise CkptError(missing, "copy the complete global_step directory, or pass --weights model "
                         "(the 16-bit module weights) with --no-optimizer")
-    has_master = all(r.master for r in ranks.values())
-    has_model = has_layers or all(_module_has_weights(r) for r in ranks.values())
+    held = available_weights(ranks, has_layers)
+    has_master, has_model = "master" in held, "model" in held
     if requested is None:
         if not has_master and not has_model:  # a ZeRO-3 save copied without its optimizer shards
             raise CkptError("this checkpoint has no ZeRO optimizer shards and keeps no 16-bit module weights "
@@ -112,10 +120,11 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     tf, ranks, weights = _open(path, opts)
     warnings: List[str] = []
     policy = ReplicaPolicy(opts.replicas, warnings.append)
+    tied = TiedCopies(warnings)  # one line per tied tensor, for the weights and every optimizer slot
     r0 = ranks[0]
     # A pipeline's 16-bit weights live in its layer files; everything else is named per MP rank.
     named = None if tf.layers and weights == "model" else {mp: named_weights(r, weights) for mp, r in ranks.items()}
-    cfg, tensors, layout, dialect, naming = _canonical(tf, ranks, named, opts, policy, warnings)
+    cfg, tensors, layout, dialect, naming = _canonical(tf, ranks, named, opts, policy, warnings, tied)
     layout.dp = r0.dp
     args = _args_with_true_vocab(r0.meta.get("args"), cfg)
     stage = f"zero-{r0.zero_stage}" if r0.zero_stage else "no ZeRO"
@@ -127,6 +136,7 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                       layout=layout, iteration=r0.meta.get("iteration", r0.meta.get("global_steps")),
                       checkpoint_version=r0.meta.get("checkpoint_version"), args=args,
                       extra={"replica_policy": policy, "weights": weights, "zero_stage": r0.zero_stage,
+                             "weights_held": available_weights(ranks, bool(tf.layers)),  # verify's FAIL hint
                              "optimizer": r0.optimizer_kind, "tag_dir": str(tf.tag_dir),
                              # pipeline saves: spec index -> embed | layer | final_norm | head (deepspeed_ranks.py)
                              "pipe_kinds": (naming or {}).get("kinds") if tf.layers else None,
@@ -141,7 +151,8 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     ckpt = Checkpoint(cfg, tensors, info, warnings)
     wanted = getattr(opts, "optimizer", True)  # --no-optimizer: leave it unread
     if wanted and (all(r.osds and stepped(r) for r in ranks.values()) or any(r.missing_shard for r in ranks.values())):
-        ckpt.optimizer = optimizer_state(tf, ranks, opts, cfg, warnings, canonical=_canonical,
+        ckpt.optimizer = optimizer_state(tf, ranks, opts, cfg, warnings,
+                                         canonical=lambda *a: _canonical(*a, tied),
                                          named_weights=named_weights)
     return ckpt
 
@@ -151,12 +162,13 @@ ENGINE_STATE_KEYS = ("global_steps", "global_samples", "skipped_steps", "dp_worl
                      "lr_scheduler", "ds_version", "ds_config", "iteration", "checkpoint_version", "tokens")
 
 
-def _canonical(tf, ranks, named, opts, policy, warnings):
+def _canonical(tf, ranks, named, opts, policy, warnings, tied: TiedCopies):
     """(cfg, canonical tensors, layout, dialect, naming) from one name -> tensor dict per MP rank
     (named; None: a pipeline's layer files). Weights and every optimizer slot go through here, so
-    a slot's canonical names and shapes are the weights' by construction."""
+    a slot's canonical names and shapes are the weights' by construction; warnings is an optimizer
+    slot's sink (deepspeed_optim._SlotWarnings, which names the slot) or the checkpoint's list."""
     if tf.layers:
-        return _read_pipeline(tf, ranks, named, opts, policy, warnings)
+        return _read_pipeline(tf, ranks, named, opts, policy, warnings, tied)
     if mds.is_pipe_names(named[0]):
         raise CkptError(f"{tf.tag_dir}: pipeline parameter names but no layer_* files",
                         "copy the layer_*-model_states.pt files of this step too")
@@ -192,7 +204,7 @@ def _gpt_config(args, rows: int, meta: dict, opts: ReadOptions, num_layers: int)
     return cfg
 
 
-def _read_pipeline(tf, ranks, named, opts, policy, warnings):
+def _read_pipeline(tf, ranks, named, opts, policy, warnings, tied: TiedCopies):
     tp = max(t for _, t in tf.layers) + 1
     nmp = len(ranks)
     require(nmp % tp == 0, f"{tf.tag_dir}: {nmp} model-parallel ranks is not a multiple of TP {tp}",
@@ -233,7 +245,8 @@ def _read_pipeline(tf, ranks, named, opts, policy, warnings):
         kind = kinds[idx]
         role = mds.role_of(kind, key)
         if (idx, key) in copies:
-            parts = [_tied_check(key, t, a, b, warnings) for t, (a, b) in enumerate(zip(parts, copies[(idx, key)]))]
+            slot = getattr(warnings, "slot", None)
+            parts = [tied.checked(key, t, a, b, slot) for t, (a, b) in enumerate(zip(parts, copies[(idx, key)]))]
         shards[(role, numbers[idx] if kind == "layer" else None)] = parts
     word = shards.get(("word", None))
     require(word is not None, f"{tf.tag_dir}: no word embeddings found", "the embedding layer file is missing")
@@ -281,22 +294,6 @@ def _pipe_naming(ranks: Dict[int, RankStates], qkv_layout: str) -> dict:
             kind = kinds[idx]
             roles[(mds.role_of(kind, key), numbers[idx] if kind == "layer" else None)] = name
     return {"scheme": "mds-pipe", "roles": roles, "qkv_layout": qkv_layout}
-
-
-def _tied_check(key, t, owner, copy, warnings):
-    """Keep the first stage's tied tensor; say if the last stage's copy disagrees (deepspeed.md 8)."""
-    if copy is None:
-        return owner
-
-    def check(a, b):
-        if not torch.equal(a, b):
-            diff = (a.float() - b.float()).abs().max().item()
-            msg = (f"tied {key} (TP rank {t}): the last pipeline stage's copy differs from the first "
-                   f"stage's (max abs diff {diff:.3g}); using the first stage's")
-            if msg not in warnings:
-                warnings.append(msg)
-        return a
-    return Derived(check, [owner, copy], memo=True, shape=owner.shape, dtype=owner.dtype)
 
 
 # --- Megatron names stored under `module` ---------------------------------------------------

@@ -32,10 +32,26 @@ class Report:
     hidden: List[tuple] = field(default_factory=list)  # (name, max abs diff, relative diff)
     first_divergence: Optional[str] = None
     noise_floor: Optional[float] = None  # the reference's own 16-bit error, when measured
+    hints: List[str] = field(default_factory=list)  # lines a FAIL adds about how the sides were read
 
     @property
     def ok(self) -> bool:
         return self.max_abs_error <= self.tolerance and self.first_divergence is None
+
+    def failed_checks(self) -> List[str]:
+        """Each check that failed, its value against its threshold: the logits' max abs error, and the
+        per-layer check (relative diff of the first diverging hidden state), which fails on its own when
+        a layer parts ways by more than its bound while the logits stay within the tolerance."""
+        out = []
+        if self.max_abs_error > self.tolerance:
+            out.append(f"logits max_abs_error {self.max_abs_error:.6g} > tolerance {self.tolerance:.3g}")
+        layer = next(((n, rel) for n, _, rel in self.hidden if n == self.first_divergence), None)
+        if layer is not None:
+            within = "" if out else (f" (the logits are within the tolerance: max_abs_error "
+                                     f"{self.max_abs_error:.6g} <= {self.tolerance:.3g})")
+            out.append(f"per-layer check: {layer[0]} hidden state relative diff {layer[1]:.6g} > "
+                       f"{relative_tolerance(self.tolerance):.3g}{within}")
+        return out
 
     def lines(self, where: Optional[Dict[str, str]] = None) -> List[str]:
         out = [f"compared {self.columns} vocabulary columns",
@@ -50,6 +66,8 @@ class Report:
         if self.first_divergence:
             extra = f" [{where[self.first_divergence]}]" if where and self.first_divergence in where else ""
             out.append(f"first_divergence={self.first_divergence}{extra}")
+        if not self.ok:
+            out += [f"failed_check={check}" for check in self.failed_checks()] + self.hints
         out.append("result=PASS" if self.ok else "result=FAIL")
         return out
 
