@@ -73,10 +73,7 @@ def read_shards(dcp: DcpDir, weights, cfg: GPTConfig, args, where: str, form: st
         for r in run.buffer_ranks(part):
             pp_rank, chunk, mp, t = r.pp_rank, r.chunk, r.mp, r.t
             prefix = stored_prefix(dcp.entries, part, mp)
-            params = rank_param_shapes(shapes, cfg, run, r, part)
-            if params is None:
-                raise CkptError(f"{where}: a parameter of TP rank {t} does not split evenly over the run's "
-                                "tensor-parallel size", HINT)
+            params = _rank_params(shapes, cfg, run, r, part, where)
             if not params:
                 continue  # no buffer (e.g. a chunk without MoE layers has no expert buffer)
             gbuf = gbuf_of[prefix] = gbuf_of.get(prefix, -1) + 1
@@ -119,6 +116,15 @@ def read_shards(dcp: DcpDir, weights, cfg: GPTConfig, args, where: str, form: st
                                 f"buffer(s), this model {last + 1} there (one per model chunk holding parameters "
                                 "of that optimizer)", HINT)
     return out
+
+
+def _rank_params(shapes, cfg: GPTConfig, run: FlatRun, r, part: Part, where: str):
+    """megatron_buffers.rank_param_shapes, or the one-line error where a parameter does not split evenly."""
+    params = rank_param_shapes(shapes, cfg, run, r, part)
+    if params is None:
+        raise CkptError(f"{where}: a parameter of TP rank {r.t} does not split evenly over the run's "
+                        "tensor-parallel size", HINT)
+    return params
 
 
 def _matching_layout(params, stored: Union[List[int], int], args, shared_embedding: bool, chunk: int, pp_rank: int,

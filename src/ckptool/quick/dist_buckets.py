@@ -57,7 +57,6 @@ def read(stored: Dict[str, TensorMeta], objects: Callable[[str], Optional[object
     for part in parts(cfg, run.ep):
         gbuf_of: Dict[str, int] = {}  # per model-parallel rank: its next grad buffer
         for r in run.buffer_ranks(part):
-            pp_rank, chunk = r.pp_rank, r.chunk
             prefix = stored_prefix(stored, part, r.mp)
             params = rank_param_shapes(shapes, cfg, run, r, part)
             if params is None:
@@ -72,22 +71,8 @@ def read(stored: Dict[str, TensorMeta], objects: Callable[[str], Optional[object
                     raise NotQuick("per_bucket_numel_unpadded of another shape") from None
             if gbuf >= len(unpadded[prefix]):
                 raise NotQuick("more grad buffers than stored")
-            shared = [shared_embedding and role in ("word", HEAD_COPY) for role, _, _ in params]
-            layout, _ = matching_layout([math.prod(shape) for _, _, shape in params], shared, unpadded[prefix][gbuf],
-                                        args, chunk, pp_rank, run.dp)
-            if layout is None:
-                raise NotQuick("no megatron-core layout reproduces the stored bucket sizes")
-            gbuf_key = f"{prefix}gbuf_idx_{gbuf}."
-            heads = [k for k in stored if k.startswith(gbuf_key) and k.endswith(".bucket_idx_0.param")]
-            if len(heads) != 1:
-                raise NotQuick("not one dtype buffer per model chunk")
-            base = heads[0][:-len("bucket_idx_0.param")]
-            for b in sorted(set(layout.bucket_of)):
-                for name in STORED:
-                    t_meta = stored.get(f"{base}bucket_idx_{b}.{name}")
-                    if t_meta is None:
-                        raise NotQuick("a bucket tensor is missing")  # the full reader names it
-                    dtypes.add(t_meta.dtype)
+            layout = _layout(params, shared_embedding, unpadded[prefix][gbuf], args, r, run.dp)
+            dtypes |= _bucket_dtypes(stored, f"{prefix}gbuf_idx_{gbuf}.", layout)
         if any(prefix in unpadded and len(unpadded[prefix]) != last + 1 for prefix, last in gbuf_of.items()):
             raise NotQuick("grad buffers do not match the model chunks")  # the full reader's error
     if len(dtypes) != 1:
@@ -100,6 +85,33 @@ def read(stored: Dict[str, TensorMeta], objects: Callable[[str], Optional[object
             raise NotQuick("no param groups object")  # the full reader's error
         entries.append({"optimizer": entry, **({"grad_scaler": scaler} if scaler is not None else {})})
     return entries, dtypes.pop()
+
+
+def _layout(params, shared_embedding: bool, stored_sizes: List[int], args, r, dp: int):
+    """The layout megatron_buffers.matching_layout finds for a rank's params (NotQuick where none does)."""
+    shared = [shared_embedding and role in ("word", HEAD_COPY) for role, _, _ in params]
+    layout, _ = matching_layout([math.prod(shape) for _, _, shape in params], shared, stored_sizes, args, r.chunk,
+                                r.pp_rank, dp)
+    if layout is None:
+        raise NotQuick("no megatron-core layout reproduces the stored bucket sizes")
+    return layout
+
+
+def _bucket_dtypes(stored: Dict[str, TensorMeta], gbuf_key: str, layout) -> set:
+    """The dtypes of one grad buffer's bucket tensors (NotQuick where one is missing, or the buffer is not one
+    dtype's)."""
+    heads = [k for k in stored if k.startswith(gbuf_key) and k.endswith(".bucket_idx_0.param")]
+    if len(heads) != 1:
+        raise NotQuick("not one dtype buffer per model chunk")
+    base = heads[0][:-len("bucket_idx_0.param")]
+    dtypes = set()
+    for b in sorted(set(layout.bucket_of)):
+        for name in STORED:
+            t_meta = stored.get(f"{base}bucket_idx_{b}.{name}")
+            if t_meta is None:
+                raise NotQuick("a bucket tensor is missing")  # the full reader names it
+            dtypes.add(t_meta.dtype)
+    return dtypes
 
 
 def _one(obj):
