@@ -31,49 +31,7 @@ def inspect_cmd(path, as_json, tensors, **kw):
     if as_json:
         click.echo(json.dumps(doc, indent=1))
         return
-    c = doc["config"]
-    lay = ckpt.source.layout
-    click.echo(f"path        {doc['path']}")
-    click.echo(f"format      {doc['format']}  dialect {doc['dialect'] or '-'}"
-               + (f"  storage {doc['storage']}" if doc["storage"] else "")
-               + (f"  checkpoint_version {doc['checkpoint_version']}" if doc["checkpoint_version"] is not None else ""))
-    click.echo(f"iteration   {'release' if doc['release'] else doc['iteration']}")
-    click.echo(f"layout      {lay.describe()}" + (f" DP{lay.dp}" if lay.dp > 1 else ""))
-    click.echo(f"model       {c['num_layers']} layers, hidden {c['hidden_size']}, {c['num_attention_heads']} heads "
-               f"({c['num_query_groups']} query groups, head dim {c['head_dim']}), ffn {c['ffn_hidden_size']}")
-    click.echo(f"            {c['normalization']} eps {c['norm_eps']}, {c['activation']}, "
-               f"{c['position_embedding']} positions (max {c['max_position_embeddings']}), "
-               f"{'tied' if c['tied_embeddings'] else 'untied'} embeddings, "
-               f"{'biases' if c['add_bias_linear'] else 'no biases'}")
-    if c["moe"]:
-        m = c["moe"]
-        shared = f", shared expert ffn {m['shared_ffn_hidden_size']}" + (" (gated)" if m["shared_gate"] else "")
-        extra = "".join(text for text, on in (
-            (f" from the best {m['group_topk']} of {m['num_groups']} groups", m["num_groups"] > 1),
-            (f" x {m['scaling_factor']}", m["scaling_factor"] != 1.0), (" with expert bias", m["expert_bias"])) if on)
-        click.echo(f"experts     {m['num_experts']} per MoE layer, top-{m['top_k']} {m['score_function']}"
-                   f"{' renormalised' if m['topk_norm'] else ''}{extra}, expert ffn {m['ffn_hidden_size']}"
-                   f"{shared if m['shared_ffn_hidden_size'] else ''}; MoE layers {m['layers']}")
-    if c["mla"]:
-        m = c["mla"]
-        click.echo(f"attention   Multi-Latent: q latent {m['q_lora_rank'] or '- (direct q)'}, kv latent "
-                   f"{m['kv_lora_rank']}, head qk {m['qk_nope_head_dim']}+{m['qk_rope_head_dim']} (nope+rope), "
-                   f"v {m['v_head_dim']}" + (f"; YaRN factor {c['rope_yarn']['factor']}" if c["rope_yarn"] else ""))
-    click.echo(f"vocab       true {c['vocab_size'] if c['vocab_size'] is not None else 'unknown'} "
-               f"(from {doc['vocab_size_source']}), stored rows {c['padded_vocab_size']}")
-    click.echo(f"size        {len(doc['tensors'])} tensors, {human_bytes(doc['total_bytes'])}")
-    o = doc["optimizer"]
-    if o is None:
-        click.echo("optimizer   none (weights only)")
-    else:
-        max_lrs = {g.get("max_lr") for g in o["param_groups"]}  # shown where groups differ (--decoupled-lr)
-        groups = ", ".join(f"{g['tensors']} tensors wd {g.get('weight_decay', '?')}"
-                           + (f" wd_mult {g['wd_mult']}" if g.get("wd_mult", 1) != 1 else "")  # megatron-core's
-                           + (f" lr_mult {g['lr_mult']}" if g.get("lr_mult", 1) != 1 else "")  # per-group factors
-                           + (f" max_lr {g['max_lr']}" if len(max_lrs) > 1 else "") for g in o["param_groups"])
-        click.echo(f"optimizer   {o['kind']}, step {o['step']}, {' + '.join(o['slots'])} "
-                   f"({'/'.join(sorted({d for ds in o['dtypes'].values() for d in ds}))}), "
-                   f"{human_bytes(o['bytes'])}; groups: {groups or 'none'}")
+    click.echo("\n".join(_summary_lines(doc, ckpt.source.layout)))
     if tensors:
         width = max(len(t["name"]) for t in doc["tensors"])
         for t in doc["tensors"]:
@@ -82,3 +40,58 @@ def inspect_cmd(path, as_json, tensors, **kw):
     policy = ckpt.source.extra.get("replica_policy")  # replicas compared so far (as tensors load)
     if policy is not None and policy.report():
         click.echo(policy.report())
+
+
+def _summary_lines(doc: dict, lay) -> list:
+    """inspect's text form, before the tensor list: what the checkpoint is, one fact per line."""
+    c = doc["config"]
+    lines = [
+        f"path        {doc['path']}",
+        f"format      {doc['format']}  dialect {doc['dialect'] or '-'}"
+        + (f"  storage {doc['storage']}" if doc["storage"] else "")
+        + (f"  checkpoint_version {doc['checkpoint_version']}" if doc["checkpoint_version"] is not None else ""),
+        f"iteration   {'release' if doc['release'] else doc['iteration']}",
+        f"layout      {lay.describe()}" + (f" DP{lay.dp}" if lay.dp > 1 else ""),
+        f"model       {c['num_layers']} layers, hidden {c['hidden_size']}, {c['num_attention_heads']} heads "
+        f"({c['num_query_groups']} query groups, head dim {c['head_dim']}), ffn {c['ffn_hidden_size']}",
+        f"            {c['normalization']} eps {c['norm_eps']}, {c['activation']}, "
+        f"{c['position_embedding']} positions (max {c['max_position_embeddings']}), "
+        f"{'tied' if c['tied_embeddings'] else 'untied'} embeddings, "
+        f"{'biases' if c['add_bias_linear'] else 'no biases'}",
+    ]
+    lines += [_experts_line(c["moe"])] if c["moe"] else []
+    lines += [_mla_line(c["mla"], c["rope_yarn"])] if c["mla"] else []
+    lines += [f"vocab       true {c['vocab_size'] if c['vocab_size'] is not None else 'unknown'} "
+              f"(from {doc['vocab_size_source']}), stored rows {c['padded_vocab_size']}",
+              f"size        {len(doc['tensors'])} tensors, {human_bytes(doc['total_bytes'])}",
+              _optimizer_line(doc["optimizer"])]
+    return lines
+
+
+def _experts_line(m: dict) -> str:
+    shared = f", shared expert ffn {m['shared_ffn_hidden_size']}" + (" (gated)" if m["shared_gate"] else "")
+    extra = "".join(text for text, on in (
+        (f" from the best {m['group_topk']} of {m['num_groups']} groups", m["num_groups"] > 1),
+        (f" x {m['scaling_factor']}", m["scaling_factor"] != 1.0), (" with expert bias", m["expert_bias"])) if on)
+    return (f"experts     {m['num_experts']} per MoE layer, top-{m['top_k']} {m['score_function']}"
+            f"{' renormalised' if m['topk_norm'] else ''}{extra}, expert ffn {m['ffn_hidden_size']}"
+            f"{shared if m['shared_ffn_hidden_size'] else ''}; MoE layers {m['layers']}")
+
+
+def _mla_line(m: dict, yarn) -> str:
+    return (f"attention   Multi-Latent: q latent {m['q_lora_rank'] or '- (direct q)'}, kv latent "
+            f"{m['kv_lora_rank']}, head qk {m['qk_nope_head_dim']}+{m['qk_rope_head_dim']} (nope+rope), "
+            f"v {m['v_head_dim']}" + (f"; YaRN factor {yarn['factor']}" if yarn else ""))
+
+
+def _optimizer_line(o) -> str:
+    if o is None:
+        return "optimizer   none (weights only)"
+    max_lrs = {g.get("max_lr") for g in o["param_groups"]}  # shown where groups differ (--decoupled-lr)
+    groups = ", ".join(f"{g['tensors']} tensors wd {g.get('weight_decay', '?')}"
+                       + (f" wd_mult {g['wd_mult']}" if g.get("wd_mult", 1) != 1 else "")  # megatron-core's
+                       + (f" lr_mult {g['lr_mult']}" if g.get("lr_mult", 1) != 1 else "")  # per-group factors
+                       + (f" max_lr {g['max_lr']}" if len(max_lrs) > 1 else "") for g in o["param_groups"])
+    return (f"optimizer   {o['kind']}, step {o['step']}, {' + '.join(o['slots'])} "
+            f"({'/'.join(sorted({d for ds in o['dtypes'].values() for d in ds}))}), "
+            f"{human_bytes(o['bytes'])}; groups: {groups or 'none'}")

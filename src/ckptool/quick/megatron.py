@@ -82,21 +82,67 @@ def _chunk_keys(tree: dict) -> Dict[int, str]:
 
 
 def _checkpoint(path: Path, format_name: str, trees, distrib, iteration, release) -> Optional[Checkpoint]:
+    grid = _grid(trees)
+    if grid is None:
+        return None
+    args, tp, pp, ep, etp = grid
+    first = trees[(0, 0, 0)]
+    models = {rk: ({0: flatten(t["model"])} if "model" in t else
+                   {v: flatten(t[k]) for v, k in _chunk_keys(t).items()}) for rk, t in trees.items()}
+    keys = _matched_keys(models, float(first.get("checkpoint_version", 0) or 0))
+    if keys is None:
+        return None
+    dialect, matcher, version = keys
+    dtype, buffer_dtype = split_dtypes(_stored_dtypes(models, matcher))  # ValueError (None) for several
+    counts = _layer_counts(models, matcher)
+    vpp = len(models[(0, 0, 0)])
+    if counts is None or any(len(c) != vpp for c in models.values()):
+        return None
+    if not _same_across_tp(models, tp, pp):
+        return None  # Megatron splits evenly: a shard that differs is the full reader's error to report
+    cfg = _config(args, _word_rows(models, matcher, tp))
+    if cfg is None or cfg.num_layers != sum(counts.values()) or not experts.holds(models, matcher, cfg, counts, ep, etp):
+        return None
+    warnings: List[str] = []
+    if dialect.name.startswith("mcore"):
+        cfg, note = megatron_args.as_megatron_core_computes(cfg)
+        warnings += [note] if note else []
+    shapes = canonical_shapes(cfg)
+    if not _shapes_hold(models, matcher, cfg, shapes, counts, tp, dialect.rule_column):
+        return None  # files that disagree with their args: the full reader reads what they hold, or refuses
+    weights = canonical_meta(shapes, cfg, dtype, buffer_dtype)
+    trained = {n: t for n, t in weights.items() if not is_buffer(n, cfg)}
+    optimizer = training_state(trees, _optimizer_params(models, matcher), args, trained, distrib, cfg.tied_embeddings,
+                               ep, etp)
+    stages = [counts[(p, 0)] for p in range(pp)]
+    layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, ep=ep, etp=etp if etp != tp else None,
+                    stage_layers=None if vpp > 1 or len(set(stages)) == 1 else stages)
+    info = SourceInfo(path=str(path), format=format_name, dialect=dialect.name, layout=layout,
+                      iteration=iteration if iteration is not None else first.get("iteration"), release=release,
+                      checkpoint_version=None if dialect.qkv_version0_only else version, args=args)
+    return Checkpoint(cfg, weights, info, warnings, optimizer)
+
+
+def _grid(trees):
+    """(args, tp, pp, ep, expert tp) of a save whose rank directories are one run's complete grid, as its
+    args say; None otherwise (missing or stray directories, ranks of different runs: the full reader names
+    what differs)."""
     tp, pp, ep = (max(rk[i] for rk in trees) + 1 for i in range(3))
     first = trees.get((0, 0, 0))
     args = first.get("args") if first is not None else None
-    if args is None:
+    if args is None or any(_plain_args(t.get("args")) != _plain_args(args) for t in trees.values()):
         return None
-    if any(_plain_args(t.get("args")) != _plain_args(args) for t in trees.values()):
-        return None  # ranks of different runs (the full reader names the differing arg)
     want = (getattr(args, "tensor_model_parallel_size", None), getattr(args, "pipeline_model_parallel_size", None) or 1,
             getattr(args, "expert_model_parallel_size", None) or 1)
     etp = (getattr(args, "expert_tensor_parallel_size", None) or tp) if getattr(args, "num_experts", None) else tp
     if want != (tp, pp, ep) or etp < 1 or tp % etp or set(trees) != _saved_ranks(tp, pp, ep, etp):
-        return None  # missing or stray rank directories: the full reader names them
-    version = float(first.get("checkpoint_version", 0) or 0)
-    models = {rk: ({0: flatten(t["model"])} if "model" in t else
-                   {v: flatten(t[k]) for v, k in _chunk_keys(t).items()}) for rk, t in trees.items()}
+        return None
+    return args, tp, pp, ep, etp
+
+
+def _matched_keys(models, version: float):
+    """(dialect, key matcher, checkpoint_version) when every key of every rank is one the dialect knows (or
+    may be ignored) and the QKV ordering is one ckptool reads; None otherwise."""
     all_keys = {k for chunks in models.values() for c in chunks.values() for k in c}
     try:
         dialect = detect_dialect(all_keys)
@@ -107,50 +153,37 @@ def _checkpoint(path: Path, format_name: str, trees, distrib, iteration, release
     matcher = KeyMatcher(dialect, mla=is_mla(all_keys))  # MLA: q_layernorm is the q latent norm
     if version not in VERSIONS or any(matcher.match(k) is None and not is_ignorable(k) for k in all_keys):
         return None
-    dtypes: Dict[str, set] = {}  # role -> the dtypes stored: the parameters' one, a module buffer's its own
+    return dialect, matcher, version
+
+
+def _stored_dtypes(models, matcher) -> Dict[str, set]:
+    """role -> the dtypes stored: the parameters' one, a module buffer's its own."""
+    dtypes: Dict[str, set] = {}
     for chunks in models.values():
         for c in chunks.values():
             for k, v in c.items():
                 if isinstance(v, TensorMeta) and matcher.match(k) is not None:
                     dtypes.setdefault(matcher.match(k)[0], set()).add(v.dtype)
-    dtype, buffer_dtype = split_dtypes(dtypes)  # ValueError (None) for several
-    counts = _layer_counts(models, matcher)
-    vpp = len(models[(0, 0, 0)])
-    if counts is None or any(len(c) != vpp for c in models.values()):
-        return None
-    if not _same_across_tp(models, tp, pp):
-        return None  # Megatron splits evenly: a shard that differs is the full reader's error to report
-    rows = _word_rows(models, matcher, tp)
+    return dtypes
+
+
+def _config(args, rows):
+    """The GPTConfig the args give for `rows` stored vocabulary rows; None where they give none."""
     if rows is None:
         return None
     try:
-        cfg = megatron_args.config_from_args(args, rows)
+        return megatron_args.config_from_args(args, rows)
     except CkptError:
         return None
-    if cfg.num_layers != sum(counts.values()) or not experts.holds(models, matcher, cfg, counts, ep, etp):
-        return None
-    warnings: List[str] = []
-    if dialect.name.startswith("mcore"):
-        cfg, note = megatron_args.as_megatron_core_computes(cfg)
-        warnings += [note] if note else []
-    shapes = canonical_shapes(cfg)
-    if not _shapes_hold(models, matcher, cfg, shapes, counts, tp, dialect.rule_column):
-        return None  # files that disagree with their args: the full reader reads what they hold, or refuses
-    weights = canonical_meta(shapes, cfg, dtype, buffer_dtype)
-    # the optimizer's parameters: a module buffer (the router's expert bias) is in no optimizer
-    params = {rk: [Param(k, role, v.shape, c) for c in sorted(chunks) for k, v in chunks[c].items()
-                   for role in [(matcher.match(k) or (None,))[0] if isinstance(v, TensorMeta) else None]
-                   if role is not None and role not in BUFFER_ROLES]
-              for rk, chunks in models.items()}
-    trained = {n: t for n, t in weights.items() if not is_buffer(n, cfg)}
-    optimizer = training_state(trees, params, args, trained, distrib, cfg.tied_embeddings, ep, etp)
-    stages = [counts[(p, 0)] for p in range(pp)]
-    layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, ep=ep, etp=etp if etp != tp else None,
-                    stage_layers=None if vpp > 1 or len(set(stages)) == 1 else stages)
-    info = SourceInfo(path=str(path), format=format_name, dialect=dialect.name, layout=layout,
-                      iteration=iteration if iteration is not None else first.get("iteration"), release=release,
-                      checkpoint_version=None if dialect.qkv_version0_only else version, args=args)
-    return Checkpoint(cfg, weights, info, warnings, optimizer)
+
+
+def _optimizer_params(models, matcher):
+    """Per rank, the optimizer's parameters in file order: a module buffer (the router's expert bias) is in
+    no optimizer."""
+    return {rk: [Param(k, role, v.shape, c) for c in sorted(chunks) for k, v in chunks[c].items()
+                 for role in [(matcher.match(k) or (None,))[0] if isinstance(v, TensorMeta) else None]
+                 if role is not None and role not in BUFFER_ROLES]
+            for rk, chunks in models.items()}
 
 
 def _saved_ranks(tp: int, pp: int, ep: int, etp: int):
