@@ -140,71 +140,109 @@ def write_safetensors_file(path: Path, items: Sequence[Item], metadata: Optional
     from .memory import bound_heap
     from .outdir import remember_digest
     bound_heap()
-    header, offsets = _header(items, metadata or {"format": "pt"})
-    total = sum(t.nbytes for _, t, _ in items)
+    header, _ = _header(items, metadata or {"format": "pt"})
     digest = PieceDigest()
     digest.feed(header)
-
-    def store(f, t: torch.Tensor, nbytes: int, charge: int) -> None:
-        data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-        digest.feed(data)  # hashed on the pool while the bytes go to the file
-        try:
-            for start in range(0, len(data), writeback.WINDOW):
-                piece = data[start:start + writeback.WINDOW]
-                with profile.stage("write", len(piece)):
-                    f.write(piece)
-                if wb:
-                    wb.written(len(piece))
-        finally:
-            with profile.stage("wait"):
-                digest.settle()  # t's memory may be reused once this returns
-            del data, t
-            if budget:
-                budget.give(charge)
-        if progress:
-            progress(nbytes)
-
     with open(path, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="ckptool-st-writer") as pool:
-        f.write(header)
-        wb = writeback.for_file(f)  # dirty pages go to disk as we go (writeback.py)
-        if wb:
-            wb.written(len(header))
-        group, scope, in_flight = None, None, None
-        order = list(dict.fromkeys(g for _, _, g in items))  # this file's groups, in order
-        n = prefetch.groups_ahead()
-        try:
-            for (name, lazy, g), off in zip(items, offsets):
-                if g != group:  # tensors of one layer share fused reads inside one scope
-                    if scope is not None:
-                        scope.__exit__(None, None, None)
-                    scope, group = load_scope(), g
-                    scope.__enter__()
-                    if ahead is not None:  # groups j+1 .. j+n asked for (all of them at the start)
-                        j = order.index(g)
-                        for k in (order[:n] if j == 0 else []) + order[j + n:j + n + 1]:
-                            ahead.ask(t for _, t, gg in items if gg == k)
+        out = _TensorSink(f, digest, progress, budget)
+        out.write_header(header)
+        in_flight = None
+        with _GroupScopes(items, ahead) as scopes:
+            for name, lazy, g in items:
+                scopes.enter(g)  # tensors of one layer share fused reads inside one scope
                 charge = _charge(lazy)
                 if budget:
                     with profile.stage("wait"):
                         budget.take(charge)
-                t = lazy.load()
-                if tuple(t.shape) != tuple(lazy.shape) or t.dtype != lazy.dtype:
-                    raise CkptError(f"internal: {name} loaded as {tuple(t.shape)} {t.dtype}, "
-                                    f"planned as {tuple(lazy.shape)} {lazy.dtype}")
-                with profile.stage("prepare"):
-                    t = t.detach().contiguous()
+                t = _loaded(name, lazy)
                 if in_flight is not None:
                     with profile.stage("wait"):
                         in_flight.result()
-                in_flight = pool.submit(store, f, t, lazy.nbytes, charge)
+                in_flight = pool.submit(out.store, t, lazy.nbytes, charge)
                 del t
             if in_flight is not None:
                 in_flight.result()
-        finally:
-            if scope is not None:
-                scope.__exit__(None, None, None)
     remember_digest(Path(path), digest.hexdigest())
-    return total
+    return sum(t.nbytes for _, t, _ in items)
+
+
+def _loaded(name: str, lazy: LazyTensor) -> torch.Tensor:
+    """lazy's tensor, contiguous, checked against the shape and dtype its header entry planned."""
+    t = lazy.load()
+    if tuple(t.shape) != tuple(lazy.shape) or t.dtype != lazy.dtype:
+        raise CkptError(f"internal: {name} loaded as {tuple(t.shape)} {t.dtype}, "
+                        f"planned as {tuple(lazy.shape)} {lazy.dtype}")
+    with profile.stage("prepare"):
+        return t.detach().contiguous()
+
+
+class _TensorSink:
+    """One file's data written in order (on the writer thread): hashed on the pool while the bytes go
+    to the file, dirty pages written back as it goes (writeback.py), the byte budget given back once a
+    tensor's memory may be reused."""
+
+    def __init__(self, f, digest: PieceDigest, progress, budget: Optional[ByteBudget]):
+        self.f, self.digest, self.progress, self.budget = f, digest, progress, budget
+        self.wb = writeback.for_file(f)
+
+    def write_header(self, header: bytes) -> None:
+        self.f.write(header)
+        if self.wb:
+            self.wb.written(len(header))
+
+    def store(self, t: torch.Tensor, nbytes: int, charge: int) -> None:
+        data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        self.digest.feed(data)  # hashed on the pool while the bytes go to the file
+        try:
+            for start in range(0, len(data), writeback.WINDOW):
+                piece = data[start:start + writeback.WINDOW]
+                with profile.stage("write", len(piece)):
+                    self.f.write(piece)
+                if self.wb:
+                    self.wb.written(len(piece))
+        finally:
+            with profile.stage("wait"):
+                self.digest.settle()  # t's memory may be reused once this returns
+            del data, t
+            if self.budget:
+                self.budget.give(charge)
+        if self.progress:
+            self.progress(nbytes)
+
+
+class _GroupScopes:
+    """One load scope per group of items (a layer's tensors share fused reads inside it), entered as the
+    writer reaches the group's first tensor; with a Prefetcher, the next groups' source bytes are asked
+    for as each group starts (all of the first prefetch.groups_ahead() at the start)."""
+
+    def __init__(self, items: Sequence[Item], ahead: Optional[Prefetcher]):
+        self.items, self.ahead = items, ahead
+        self.order = list(dict.fromkeys(g for _, _, g in items))  # this file's groups, in order
+        self.n = prefetch.groups_ahead()
+        self.group, self.scope = None, None
+
+    def enter(self, g) -> None:
+        if g == self.group:
+            return
+        self._leave()
+        self.scope, self.group = load_scope(), g
+        self.scope.__enter__()
+        if self.ahead is not None:  # groups j+1 .. j+n asked for (all of them at the start)
+            j, n = self.order.index(g), self.n
+            for k in (self.order[:n] if j == 0 else []) + self.order[j + n:j + n + 1]:
+                self.ahead.ask(t for _, t, gg in self.items if gg == k)
+
+    def _leave(self) -> None:
+        if self.scope is not None:
+            self.scope.__exit__(None, None, None)
+            self.scope = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._leave()
+        return False
 
 
 def write_sharded(out_dir: Path, items: Sequence[Item], max_bytes: int,
