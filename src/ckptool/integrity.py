@@ -19,6 +19,7 @@ the checksum pool of io/chunked.py).
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import struct
@@ -225,6 +226,21 @@ def crc32_of_range(fd: int, offset: int, length: int) -> int:
     return crc
 
 
+def blob_problem(data) -> Optional[str]:
+    """What is wrong with a torch.save blob held in memory (a DCP tensor chunk), by its records'
+    CRC-32s (summed over the cores); None when it is whole."""
+    try:
+        records = zip_records(io.BytesIO(data), 0, len(data))
+    except CkptError as e:
+        return str(e)
+    view = memoryview(data)
+    for rec in records:
+        got = chunked.crc32_parallel(view[rec.start:rec.start + rec.size])
+        if got != rec.crc:
+            return f"record {rec.name}'s bytes' CRC-32 is {got:08x}, the blob's zip directory says {rec.crc:08x}"
+    return None
+
+
 def _pread(fd: int, offset: int, length: int) -> bytes:
     data = os.pread(fd, length, offset)
     while len(data) < length:
@@ -310,7 +326,6 @@ class _LocatingUnpickler(torch_pickle.MetaUnpickler):
 def tensor_names(f: Path) -> Optional[Dict[str, List[str]]]:
     """{storage key: [dotted paths of the tensors on it]} of a torch zip file; None when its data.pkl
     cannot be read (it may be what is damaged)."""
-    import io
     try:
         with zipfile.ZipFile(f) as z:
             pkl = [n for n in z.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
