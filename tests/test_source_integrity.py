@@ -197,3 +197,22 @@ def test_verify_files_imports_no_torch(damaged):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("piece", [4096, 1 << 30])  # a checked read in many pieces over threads, and in one
+def test_checked_reads_in_pieces_sum_to_the_record_crc(tmp_path, monkeypatch, piece):
+    import torch
+    from ckptool.errors import CkptError
+    from ckptool.io import torchfile
+    monkeypatch.setattr(torchfile, "CRC_READ_PIECE", piece)
+    t = torch.randn(3, 40_001)  # not a multiple of the piece
+    f = tmp_path / "x.pt"
+    torch.save({"t": t, "small": torch.arange(5)}, f)
+    assert torch.equal(torchfile.load_torch_file(f)["t"].load(), t)
+    start, size = record_data_span(f, "x/data/0")
+    flip_byte(f, start + size - 5)  # in the last, short piece
+    tree = torchfile.load_torch_file(f)
+    assert torch.equal(tree["small"].load(), torch.arange(5))  # another record: still read
+    with pytest.raises(CkptError, match=r"x\.pt: tensor t \(record x/data/0\) is corrupt"):
+        tree["t"].load()
+    assert tree["t"].narrow(0, 0, 1).load().shape == (1, 40_001)  # a part of a record is not checked
