@@ -16,7 +16,11 @@ import sys
 import zipfile
 from pathlib import Path
 
+import tempfile
+
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from conftest import ROOT, real_checkpoint
 
@@ -216,3 +220,45 @@ def test_checked_reads_in_pieces_sum_to_the_record_crc(tmp_path, monkeypatch, pi
     with pytest.raises(CkptError, match=r"x\.pt: tensor t \(record x/data/0\) is corrupt"):
         tree["t"].load()
     assert tree["t"].narrow(0, 0, 1).load().shape == (1, 40_001)  # a part of a record is not checked
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 255)), min_size=1, max_size=6),
+       st.floats(0, 1) | st.none())
+def test_verify_files_on_damaged_bytes_reports_and_never_crashes(flips, cut):
+    """Any bytes changed or cut anywhere in a torch file (headers, directory, pickle, data): the check
+    reports problems as lines or passes, and raises nothing."""
+    from ckptool.integrity import check_checkpoint
+    original = _small_file()
+    data = bytearray(original)
+    for at, value in flips:
+        data[int(at * len(data))] = value
+    in_a_record = any(data[i] != original[i] for a, b in _record_spans() for i in range(a, b))
+    if cut is not None:
+        data = data[:int(cut * len(data))]
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "x.pt"
+        f.write_bytes(bytes(data))
+        found = check_checkpoint(f)
+    assert all(isinstance(p, str) and "\n" not in p for p in found.problems)
+    if in_a_record or cut is not None and len(data) < len(original):
+        assert found.problems  # a changed byte of any record's data, or a cut file, never passes
+
+
+def _record_spans() -> list:
+    f = io.BytesIO(_small_file())
+    names = zipfile.ZipFile(f).namelist()
+    return [(a, a + n) for a, n in (record_data_span(_small_file(), m) for m in names)]
+
+
+_SMALL: list = []
+
+
+def _small_file() -> bytes:
+    if not _SMALL:
+        import io as io_
+        import torch
+        buf = io_.BytesIO()
+        torch.save({"w": torch.arange(300, dtype=torch.float32), "b": torch.ones(7)}, buf)
+        _SMALL.append(buf.getvalue())
+    return _SMALL[0]

@@ -47,6 +47,7 @@ LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
 LOCAL_HEADER = 30  # bytes of a zip local file header before its name and extra field
 DATA_DESCRIPTOR = 0x08  # general-purpose flag: the CRC follows the data, the local header has none
 INLINE_CRC = 1 << 20  # records below this are summed on the calling thread
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")  # names torch files go by
 
 
 @dataclass
@@ -114,6 +115,8 @@ def check_checkpoint(path: Path) -> Findings:
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
     for f in files:
         kind = _kind(f)
+        if kind is None and (f == path or f.suffix in TORCH_SUFFIXES):
+            kind = "unknown"  # named as a checkpoint file, yet none ckptool knows: damaged where it says what it is
         if kind is not None:
             found.files += 1
             KINDS[kind](f, found)
@@ -136,13 +139,17 @@ def _kind(f: Path) -> Optional[str]:
         return "safetensors"
     if f.name.endswith(".safetensors.index.json"):
         return "safetensors_index"
-    with open(f, "rb") as fh:
-        head = fh.read(len(LEGACY_MAGIC))
+    head = _head(f, len(LEGACY_MAGIC))
     if head.startswith(ZIP_MAGIC):
         return "torch_zip"
     if head == LEGACY_MAGIC:
         return "legacy"
     return None
+
+
+def _head(f: Path, n: int) -> bytes:
+    with open(f, "rb") as fh:
+        return fh.read(n)
 
 
 # --- torch zip archives: every record's CRC-32 -------------------------------------------------------
@@ -190,12 +197,15 @@ def zip_records(fh, base: int = 0, length: Optional[int] = None) -> List[ZipReco
     window = _Window(fh, base, length)
     try:
         infos = zipfile.ZipFile(window).infolist()
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError, struct.error, OSError) as e:
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, ValueError, EOFError, struct.error,
+            OverflowError, OSError) as e:  # a damaged directory fails in many ways inside zipfile
         raise CkptError(f"not a readable zip archive ({e})") from None
     out = []
     for info in infos:
         if info.compress_type != zipfile.ZIP_STORED:
             raise CkptError(f"record {info.filename} is compressed (torch never compresses)")
+        if not 0 <= info.header_offset <= length - LOCAL_HEADER:
+            raise CkptError(f"record {info.filename}: its local header would lie outside the file")
         window.seek(info.header_offset)
         header = window.read(LOCAL_HEADER)
         if len(header) < LOCAL_HEADER or header[:4] != ZIP_MAGIC:
@@ -598,7 +608,13 @@ def check_legacy(f: Path, found: Findings) -> None:
     found.unverified.append(str(f))
 
 
+def check_unknown(f: Path, found: Findings) -> None:
+    found.problems.append(f"{f}: neither a torch file (zip or legacy) nor a safetensors or DCP file "
+                          f"({f.stat().st_size} bytes beginning {_head(f, 4)!r})")
+
+
 KINDS: Dict[str, Callable[[Path, Findings], None]] = {
     "torch_zip": check_torch_zip, "legacy": check_legacy, "safetensors": check_safetensors,
     "safetensors_index": check_safetensors_index, "dcp": check_dcp, "orphan_distcp": check_orphan_distcp,
+    "unknown": check_unknown,
 }
