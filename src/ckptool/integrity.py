@@ -40,6 +40,7 @@ from .io.outdir import MANIFEST, check_manifest
 from .io.safetensors_header import read_safetensors_header
 from .io.standin import StandIn, state_of
 from .quick import torch_pickle
+from .quick.meta import TensorMeta
 
 ZIP_MAGIC = b"PK\x03\x04"
 # a legacy torch.save file begins with the pickled magic number 0x1950a86a20f9469cfc6c (protocol 2)
@@ -90,8 +91,9 @@ def verify_files(path: Path) -> bool:
         click.echo(f"result=FAIL ({n} problem{'s' * (n > 1)} in {path}; checked {found.summary()})")
         return False
     if not found.files - len(found.unverified):
-        click.echo(f"result=FAIL (nothing in {path} carries a checksum ckptool can check: "
-                   f"{len(found.unverified)} legacy torch files, no checkpoint files otherwise)")
+        what = ("only legacy torch files, which carry no checksum" if found.unverified
+                else "no checkpoint file ckptool knows (torch, safetensors, DCP)")
+        click.echo(f"result=FAIL (nothing in {path} could be verified: {what})")
         return False
     note = f"; {len(found.unverified)} legacy torch files not verified" if found.unverified else ""
     click.echo(f"result=PASS (checked {found.summary()}{note})")
@@ -299,7 +301,8 @@ def what_record_holds(record: str, names: Optional[Dict[str, List[str]]]) -> str
         return f"record {record}"
     held = (names or {}).get(tail[len("data/"):])
     if not held:
-        return f"record {record} (a tensor storage{'' if names else '; data.pkl is unreadable, so which tensor is unknown'})"
+        unknown = "" if names else "; data.pkl is unreadable, so which tensor is unknown"
+        return f"record {record} (a tensor storage{unknown})"
     more = f" (and {len(held) - 3} more)" if len(held) > 3 else ""
     return f"tensor {', '.join(held[:3])}{more} (record {record})"
 
@@ -526,27 +529,26 @@ def _meta_tree(f: Path):
 
 
 def _check_partitions(d: Path, tf, mp: int, dps: List[int], found: Findings) -> None:
-    """ZeRO-1/2 and BF16_Optimizer: each group's flat fp32 partition the same size on every DP rank,
-    Adam's moments that size too, and the partitions less their padding exactly the group's parameters
-    (param_shapes of the rank's model states). ZeRO-3 (fp32_flat_groups): same size on every rank."""
+    """ZeRO-1/2 and BF16_Optimizer: Adam's moments the size of their flat fp32 partition, and the
+    partitions of each group, over the data-parallel ranks, exactly the group's parameters (param_shapes
+    of the rank's model states). DeepSpeed pads a group to split it evenly and records each rank's
+    padding (group_paddings); newer versions store the last partition without it, older ones with it,
+    so either total is whole. ZeRO-3 (fp32_flat_groups): the moments only."""
     states = {dp: _meta_tree(tf.optim[(dp, mp)]) for dp in dps}
     osds = {dp: s.get("optimizer_state_dict") for dp, s in states.items() if isinstance(s, dict)}
     if len(osds) != len(dps) or not all(isinstance(o, dict) for o in osds.values()):
         return
     key = "single_partition_of_fp32_groups" if "single_partition_of_fp32_groups" in osds[dps[0]] else "fp32_flat_groups"
     flats = {dp: o.get(key) for dp, o in osds.items()}
-    if not all(isinstance(v, list) for v in flats.values()):
+    if not all(isinstance(v, list) for v in flats.values()) or len({len(v) for v in flats.values()}) != 1:
         return
     sizes = {dp: [_numel(t) for t in v] for dp, v in flats.items()}
-    if len({tuple(s) for s in sizes.values()}) > 1:
-        found.problems.append(f"{d}: model-parallel rank {mp:02d}'s {key} differ in size across data-parallel "
-                              f"ranks ({sizes})")
-        return
     for dp, o in osds.items():
         _check_moments(tf.optim[(dp, mp)], o, sizes[dp], found)
     model = tf.model.get(mp)
     if key == "single_partition_of_fp32_groups" and model is not None:
-        _check_group_sizes(tf.optim[(dps[0], mp)], model, osds, sizes[dps[0]], found)
+        totals = [sum(s[i] for s in sizes.values()) for i in range(len(sizes[dps[0]]))]
+        _check_group_sizes(d / f"mp_rank_{mp:02d}", model, osds, totals, found)
 
 
 def _numel(t) -> int:
@@ -561,28 +563,36 @@ def _prod(shape) -> int:
 
 
 def _check_moments(f: Path, osd: dict, sizes: List[int], found: Findings) -> None:
-    state = (osd.get("base_optimizer_state") or {}).get("state") if isinstance(osd.get("base_optimizer_state"), dict) else None
-    for i, slots in (state or {}).items():
-        if not isinstance(slots, dict) or not isinstance(i, int) or i >= len(sizes):
+    """Each group's Adam moments the size of its fp32 partition (with this rank's padding, which newer
+    DeepSpeed keeps in the moments but not in the stored partition)."""
+    base, pads = osd.get("base_optimizer_state"), osd.get("group_paddings")
+    state = base.get("state") if isinstance(base, dict) else None
+    if not isinstance(state, dict):  # (ZeRO-3 keeps a list per sub-group: not checked here)
+        return
+    for i, slots in state.items():
+        if not isinstance(slots, dict) or not isinstance(i, int) or not 0 <= i < len(sizes):
             continue
+        pad = pads[i] if isinstance(pads, list) and i < len(pads) and isinstance(pads[i], int) else 0
         for name, t in slots.items():
-            if isinstance(t, torch_pickle.TensorMeta) and t.shape and _numel(t) != sizes[i]:
+            if isinstance(t, TensorMeta) and t.shape and _numel(t) not in (sizes[i], sizes[i] + pad):
                 found.problems.append(f"{f}: group {i}'s {name} holds {_numel(t)} values, its partition {sizes[i]}")
 
 
-def _check_group_sizes(f: Path, model: Path, osds: Dict[int, dict], sizes: List[int], found: Findings) -> None:
+def _check_group_sizes(where: Path, model: Path, osds: Dict[int, dict], totals: List[int], found: Findings) -> None:
     tree = _meta_tree(model)
     shapes = tree.get("param_shapes") if isinstance(tree, dict) else None
-    if not isinstance(shapes, list) or len(shapes) != len(sizes):
+    if not isinstance(shapes, list) or len(shapes) != len(totals):
         return
+    pads = [o.get("group_paddings") for o in osds.values()]
     for i, group in enumerate(shapes):
+        if not isinstance(group, dict) or not all(isinstance(s, tuple) for s in group.values()):
+            return
         need = sum(_prod(s) for s in group.values())
-        pads = [o.get("group_paddings") for o in osds.values()]
-        padding = sum(p[i] for p in pads if isinstance(p, list) and i < len(p))
-        have = sizes[i] * len(osds) - padding
-        if have != need:
-            found.problems.append(f"{f}: parameter group {i}'s partitions hold {have} values without padding, "
-                                  f"its {len(group)} parameters in {model.name} need {need}")
+        padding = sum(p[i] for p in pads if isinstance(p, list) and i < len(p) and isinstance(p[i], int))
+        if need not in (totals[i], totals[i] - padding):
+            found.problems.append(f"{where}: parameter group {i}'s fp32 partitions hold {totals[i]} values "
+                                  f"(padding {padding}) over {len(osds)} data-parallel ranks, its {len(group)} "
+                                  f"parameters in {model.name} need {need}")
 
 
 def check_megatron_grid(d: Path, found: Findings) -> None:
