@@ -364,8 +364,9 @@ def verify(target=None, *, reference=None, reference_logits: Optional[str] = Non
     """Check that `target` computes what the reference computes, as `ckptool verify`.
 
     reference: another checkpoint or Hugging Face directory (default: the target's own merged state);
-    reference_logits: "FILE[:KEY]" of recorded tokens and logits; files: instead, check an output
-    directory against its manifest. tokens/tokenizer/batch/seq_len/seed choose the input, dtype
+    reference_logits: "FILE[:KEY]" of recorded tokens and logits; files: instead, check that a
+    checkpoint's files are whole (an output directory against its manifest, any other checkpoint by its
+    format's CRCs and sizes: integrity.py). tokens/tokenizer/batch/seq_len/seed choose the input, dtype
     ("fp32", "bf16", "fp16") the compute dtype, tolerance the largest max-abs logits error that
     passes. Under torchrun the forward runs tensor/pipeline-parallel (tp/pp/vpp for torch_dist).
     Returns VerifyResult (ok, report lines); the lines are also printed unless quiet. A mismatch is

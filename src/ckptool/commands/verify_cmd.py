@@ -3,7 +3,7 @@
 Under torchrun (WORLD_SIZE = TP * PP of the target; with expert parallelism see verify/parallel.py)
 every rank loads its own shard and the model runs tensor-, pipeline- (and expert-) parallel as the
 framework ran it (verify/parallel.py). Without torchrun the merged target runs in one process.
-`--files DST` checks an output directory's manifest instead.
+`--files DST` checks that DST's files are whole instead (integrity.py).
 """
 from __future__ import annotations
 
@@ -37,7 +37,9 @@ def under_torchrun() -> bool:
               help="A .pt/.safetensors with `tokens` [B,S] and logits [B,S,V] under KEY (default `logits`) "
                    "recorded from the training framework; verify runs those tokens.")
 @click.option("--files", "files_dir", default=None, metavar="DST",
-              help="Instead: check a ckptool output directory against its manifest.")
+              help="Instead: check that DST's files are whole: a ckptool output directory against its "
+                   "manifest, any other checkpoint by its format's own checks (torch zip records' CRC-32, "
+                   "safetensors headers, DCP index against its .distcp files, DeepSpeed/Megatron rank files).")
 @click.option("--tokens", default=None, help='Token ids "1,2,3;4,5,6", a file of them, or a text file with --tokenizer.')
 @click.option("--tokenizer", default=None, metavar="DIR", help="Tokenizer directory for a text --tokens file.")
 @click.option("--batch", type=int, default=2, show_default=True, help="Rows of random tokens.")
@@ -81,6 +83,7 @@ def verify_cmd(target, ref, reference_logits, files_dir, tokens, tokenizer, batc
       torchrun --nproc-per-node 2 -m ckptool verify dist_ckpt --pp 2 --vpp 2  # ... interleaved
       ckptool verify out --reference hf_model_dir                             # one process
       ckptool verify --files out                                              # manifest check
+      ckptool verify --files ckpts/run1                                       # CRCs, sizes, rank files
     """
     from ..api import verify
     result = verify(target, reference=ref, reference_logits=reference_logits, files=files_dir or None,
@@ -94,17 +97,10 @@ def verify_cmd(target, ref, reference_logits, files_dir, tokens, tokenizer, batc
 
 
 def verify_files(dst: Path) -> bool:
-    """Check an output directory against its manifest, printing each problem; True when it holds."""
-    from ..io.outdir import check_manifest
-    require(dst.is_dir(), f"{dst}: not a directory")
-    problems = check_manifest(dst)
-    for p in problems:
-        click.echo(f"  {p}")
-    if problems:
-        click.echo(f"result=FAIL ({len(problems)} problem{'s' if len(problems) > 1 else ''} in {dst})")
-        return False
-    click.echo(f"result=PASS (every file in {dst} matches its manifest)")
-    return True
+    """Check the files of DST against its manifest, or by its format's own checksums and sizes
+    (integrity.py, torch-free), printing each problem; True when they hold."""
+    from ..integrity import verify_files as check
+    return check(dst)
 
 
 def _tokens_for(reference_logits, token_args, vocab):

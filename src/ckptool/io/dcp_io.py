@@ -18,9 +18,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import CkptError
+from ..integrity import blob_problem
 from ..lazy import LazyTensor
 from .safe_pickle import safe_loads
-from .torchfile import load_torch_bytes
+from .torchfile import CHECK_CRC, load_torch_bytes
 
 
 class _LazyDcp:
@@ -168,7 +169,15 @@ class DcpDir:
         return self._read(fqn, None)
 
     def read_chunk(self, fqn: str, chunk: _dcp.ChunkStorageMetadata) -> torch.Tensor:
-        t = load_torch_bytes(self._read(fqn, tuple(chunk.offsets)), source=f"{self.path.name}:{fqn}")
+        data = self._read(fqn, tuple(chunk.offsets))
+        if CHECK_CRC:  # the blob is read whole: its records' CRCs cost one pass over memory
+            problem = blob_problem(data)
+            if problem:
+                info = self.storage[fqn][tuple(chunk.offsets)]
+                raise CkptError(f"{self.path / info.relative_path}: {fqn} chunk at {tuple(chunk.offsets)} is "
+                                f"corrupt: {problem}", "the file was damaged after it was written; copy the "
+                                "checkpoint again (CKPTOOL_CRC=0 skips this check)")
+        t = load_torch_bytes(data, source=f"{self.path.name}:{fqn}")
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(chunk.sizes):
             raise CkptError(f"{fqn}: chunk at {tuple(chunk.offsets)} holds "
                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}, "
