@@ -284,6 +284,9 @@ DS_TRAIN_CASES = ["gpt2-1-bf16", "gpt2-2-bf16", "gpt2-3-bf16", "gpt2-1-fp16", "g
 # tests/ds_universal_cases.py: bf16opt runs BF16_Optimizer, 3s ZeRO-3 with small optimizer sub-groups
 DS_UNIVERSAL_CASES = ["gpt2-1-bf16", "gpt2-2-bf16", "gpt2-3-bf16", "gpt2-1-fp32", "gpt2-2-fp32", "gpt2-3-fp32",
                       "gpt2-1-bf16opt", "llama-2-bf16", "gpt2-2-fp16", "gpt2-3s-bf16"]
+# runs with no canonical GPT form (a module of its own without config.json, a Hugging Face BERT), saved
+# in the same launch: ds-universal writes them under the engine's own parameter names
+DS_UNIVERSAL_OWN_NAME_CASES = ["plain-1-fp32", "plain-3-bf16", "bert-2-bf16"]
 
 
 def ds_torchrun(nproc: int, helper: str, *argv) -> None:
@@ -303,7 +306,8 @@ class DsSaves:
     transformers in each rank, for both."""
     # kind -> (its fixture, the env var keeping its folder between runs, cases, ds_universal_cases.py mode)
     KINDS = {"train": ("ds_cases", "CKPTOOL_DS_CASES", DS_TRAIN_CASES, "train"),
-             "universal": ("ds_universal_saves", "CKPTOOL_DS_UNIVERSAL", DS_UNIVERSAL_CASES, "save")}
+             "universal": ("ds_universal_saves", "CKPTOOL_DS_UNIVERSAL",
+                           DS_UNIVERSAL_CASES + DS_UNIVERSAL_OWN_NAME_CASES, "save")}
 
     def __init__(self, tmp_path_factory):
         self.tmp_path_factory = tmp_path_factory
@@ -344,7 +348,7 @@ def ds_cases(ds_saves):
 
 @pytest.fixture(scope="session")
 def ds_universal_saves(ds_saves):
-    """The folder holding DS_UNIVERSAL_CASES saved at DP 2: CASE/ckpt and CASE/truth.pt.
+    """The folder holding DS_UNIVERSAL_CASES and DS_UNIVERSAL_OWN_NAME_CASES saved at DP 2: CASE/ckpt and CASE/truth.pt.
     CKPTOOL_DS_UNIVERSAL=DIR keeps the saves between runs while developing (for the readers of the saves:
     test_ds_universal.py converts into CASE/universal, so it wants a fresh DIR each time)."""
     return ds_saves("universal")

@@ -9,6 +9,7 @@ truth.pt = {name: fp32 master (safe_get_full_fp32_param), or the 16-bit value fo
 """
 import os
 import sys
+from types import SimpleNamespace
 
 import torch
 import deepspeed
@@ -24,17 +25,40 @@ BERT = dict(hidden_size=63, num_attention_heads=7, num_hidden_layers=2, intermed
 LLAMA = dict(hidden_size=56, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
              intermediate_size=97, vocab_size=1001, max_position_embeddings=32, tie_word_embeddings=False)
 FROZEN = {"gpt2": "transformer.wpe.weight", "bert": "bert.embeddings.token_type_embeddings.weight",
-          "llama": "model.layers.0.input_layernorm.weight"}
+          "llama": "model.layers.0.input_layernorm.weight", "plain": "shift"}
+
+
+class PlainLM(torch.nn.Module):
+    """A model of its own (no transformers class, no config.json): a tied head, a persistent buffer, a
+    frozen parameter and odd sizes (ZeRO pads every partition). Called like the HF models."""
+
+    def __init__(self, vocab=1001, hidden=37, inner=53):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.mix = torch.nn.Sequential(torch.nn.Linear(hidden, inner), torch.nn.GELU(), torch.nn.Linear(inner, hidden))
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.shift = torch.nn.Parameter(0.1 * torch.randn(hidden))
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, input_ids, labels):
+        h = self.embed(input_ids) + self.shift
+        h = self.norm(h + self.scale * self.mix(h))
+        logits = self.head(h).float()
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        return SimpleNamespace(loss=loss)
+
+
+MODELS = {"gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2)),
+          "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)),
+          "bert": lambda: transformers.BertForMaskedLM(transformers.BertConfig(**BERT)),
+          "plain": PlainLM}
 
 
 def build(model_name):
     torch.manual_seed(0)
-    if model_name == "gpt2":
-        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2))
-    elif model_name == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
-    else:
-        model = transformers.BertForMaskedLM(transformers.BertConfig(**BERT))
+    model = MODELS[model_name]()
     model.get_parameter(FROZEN[model_name]).requires_grad_(False)
     return model
 

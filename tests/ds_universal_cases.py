@@ -3,15 +3,19 @@
   save: DS_ACCELERATOR=cpu torchrun --nproc-per-node 2 tests/ds_universal_cases.py save OUT CASE...
         trains each case 2 steps at DP 2 and saves OUT/CASE/ckpt; OUT/CASE/truth.pt holds, from the
         live engine, every trainable parameter's fp32 master and Adam moments
-        (safe_get_full_fp32_param / safe_get_full_optimizer_state) and the optimizer step.
+        (safe_get_full_fp32_param / safe_get_full_optimizer_state), each frozen parameter's value and the
+        optimizer step.
   load: DS_ACCELERATOR=cpu torchrun --nproc-per-node N tests/ds_universal_cases.py load OUT CASE...
         builds a fresh engine (same model, stage and dtype) with checkpoint.load_universal, loads
-        OUT/CASE/universal, compares the same values with truth.pt and runs one more training step;
-        rank 0 writes OUT/CASE/load_dpN.json: {"mismatch": [...], "compared": n, "step": ..., "moved": bool}.
+        OUT/CASE/universal, compares the same values with truth.pt and runs one more training step on a
+        batch every rank shares, as the saving run did after its save (truth.pt "next_step": the loss of
+        that step and of the same batch after it); rank 0 writes OUT/CASE/load_dpN.json: {"mismatch":
+        [...], "compared": n, "step": ..., "moved": bool, "next_step": [loss, after], "truth_next_step": ...}.
         CASE:STAGE loads into an engine of ZeRO stage STAGE instead (OUT/CASE/load_dpN_zSTAGE.json).
   train: DS_ACCELERATOR=cpu torchrun --nproc-per-node N tests/ds_universal_cases.py train OUT CASE...
         tests/ds_train_cases.py's cases (its run_case), for a launch that makes both kinds of saves.
-A CASE is MODEL-STAGE-DTYPE with STAGE 1, 2, 3 or 3s (ZeRO-3 with small optimizer sub-groups) and
+A CASE is MODEL-STAGE-DTYPE (MODEL: ds_train_cases.MODELS; "plain" is a module of its own, saved
+without a config.json) with STAGE 1, 2, 3 or 3s (ZeRO-3 with small optimizer sub-groups) and
 DTYPE bf16, fp16, fp32 or bf16opt (bf16 with fp32 gradient accumulation,
 which at stage 1 runs DeepSpeed's BF16_Optimizer), e.g. gpt2-3-bf16. All cases share one launch; so do
 several groups `MODE OUT CASE...` joined by `then` (one start of torch, deepspeed and transformers).
@@ -78,20 +82,47 @@ def snapshot(engine, moments=True):
     return out
 
 
+def frozen_values(engine):
+    """name -> the full value of each frozen parameter (gathered under ZeRO-3: a collective)."""
+    out = {}
+    for name, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            with deepspeed.zero.GatheredParameters([p]):
+                out[name] = p.detach().clone().cpu()
+    return out
+
+
 def optimizer_step(engine):
     opt = engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer") else engine.optimizer
     steps = [s["step"] for s in opt.state.values() if "step" in s]
     return float(steps[0]) if steps else None
 
 
+def next_step(engine):
+    """One training step on a batch every rank shares (so any DP size computes the same gradient):
+    (the loss that step computed, the loss of the same batch after it)."""
+    ids = torch.randint(0, 1001, (2, 12), generator=torch.Generator().manual_seed(11))
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+    with torch.no_grad():
+        after = engine(input_ids=ids, labels=ids).loss
+    return float(loss), float(after)
+
+
 def save_case(out_dir, case):
     engine = engine_for(case)
     train(engine, 2, seed=1)
     engine.save_checkpoint(os.path.join(out_dir, case, "ckpt"))
-    truth = snapshot(engine)
+    truth, frozen = snapshot(engine), frozen_values(engine)
+    step = optimizer_step(engine)
+    losses = next_step(engine)  # the un-converted run's next step, for the resumed engines to match
     if torch.distributed.get_rank() == 0:
-        torch.save({"params": truth, "step": optimizer_step(engine)}, os.path.join(out_dir, case, "truth.pt"))
-        engine.module.config.save_pretrained(os.path.join(out_dir, case, "ckpt"))
+        torch.save({"params": truth, "frozen": frozen, "step": step, "next_step": losses},
+                   os.path.join(out_dir, case, "truth.pt"))
+        config = getattr(engine.module, "config", None)  # a model of its own (plain) has none
+        if config is not None:
+            config.save_pretrained(os.path.join(out_dir, case, "ckpt"))
     torch.distributed.barrier()
 
 
@@ -112,7 +143,7 @@ def load_case(out_dir, spec):
                 mismatch.append(f"{name}/{key}")
     step = optimizer_step(engine)
     before = {n: s["fp32"] for n, s in got.items()}
-    train(engine, 1, seed=7)
+    losses = next_step(engine)
     after = snapshot(engine)
     moved = all(not torch.equal(before[n], after[n]["fp32"]) for n in before)
     finite = all(torch.isfinite(after[n]["fp32"]).all() for n in after)
@@ -121,7 +152,8 @@ def load_case(out_dir, spec):
         with open(os.path.join(out_dir, case, f"load_dp{ws}{'_z' + stage if stage else ''}.json"), "w") as f:
             json.dump({"mismatch": mismatch, "compared": sum(len(s) for s in truth["params"].values()),
                        "equal_before_load": int(equal_before), "step": step, "truth_step": truth["step"], "moved": moved, "finite": bool(finite),
-                       "global_steps": engine.global_steps}, f)
+                       "global_steps": engine.global_steps, "next_step": losses,
+                       "truth_next_step": truth["next_step"]}, f)
     torch.distributed.barrier()
 
 

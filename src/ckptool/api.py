@@ -45,7 +45,7 @@ class ConversionResult:
     bytes, the optimizer state carried, the warnings of the write; padded_vocab_size, dialect, iteration_dir
     for Megatron outputs; architecture, vocab_size, dtype, ... for Hugging Face ones in its details);
     `result["files"]` reads it directly. `checkpoint` is the canonical state that
-    was written (None for the BERT and DeepSpeed-HF exports, which bypass it); `warnings` everything
+    was written (None for the exports of sources without one, which bypass it); `warnings` everything
     ckptool warned about, in order."""
     command: str
     src: str
@@ -53,7 +53,9 @@ class ConversionResult:
     summary: WriteSummary
     checkpoint: Optional[Checkpoint] = None
     layout: Optional[Layout] = None
-    kind: str = "gpt"  # to_hf: "gpt", "bert" (DeepLearningExamples) or "deepspeed-hf" (model's own names)
+    # "gpt" (the canonical state), or an export's source: "bert" (DeepLearningExamples), "deepspeed-hf"
+    # (a non-GPT Hugging Face model), "deepspeed-module" (names of its own, no config.json)
+    kind: str = "gpt"
     warnings: List[str] = field(default_factory=list)
     leader: bool = True  # False on the torchrun ranks that do not report for the team
     # tensor-parallel replicas that differed in the source: name -> largest abs difference (sharding.ReplicaPolicy)
@@ -148,14 +150,58 @@ def merge(src, dst, *, format: Optional[str] = None, dialect: Optional[str] = No
     (torch format, mcore-te dialect: TEGroupedMLP; default: as the source when it is that dialect,
     else SequentialMLP).
     progress(bytes, total) and warn(message) are called as the write goes on.
+    A source with no canonical GPT form (a DeepSpeed run of a non-GPT Hugging Face model or of any
+    other module) is written where its reader can write the format asked for: format="ds-universal"
+    under the engine's own parameter names (ConversionResult.checkpoint is None, kind the source's).
     read_options as for open(). Returns the ConversionResult; raises CkptError."""
-    ckpt = _open_source(src, optimizer, read_options)
-    return _write_megatron_family("merge", src, dst, ckpt, Layout(1, 1), force, progress, warn,
-                                  format=format, dialect=dialect, release=release, dtype=dtype,
-                                  make_vocab_size_divisible_by=make_vocab_size_divisible_by, pad_fill=pad_fill,
-                                  **_training_state_options(optimizer, distributed_optimizer, dp, overlap_grad_reduce,
-                                                            ddp_bucket_size, distrib_optim_era),
-                                  **_expert_form(moe_grouped_gemm))
+    return _layout_conversion("merge", src, dst, lambda ckpt: (Layout(1, 1), None), force, progress, warn, read_options,
+                              format=format, dialect=dialect, release=release, dtype=dtype,
+                              make_vocab_size_divisible_by=make_vocab_size_divisible_by, pad_fill=pad_fill,
+                              **_training_state_options(optimizer, distributed_optimizer, dp, overlap_grad_reduce,
+                                                        ddp_bucket_size, distrib_optim_era),
+                              **_expert_form(moe_grouped_gemm))
+
+
+def _layout_conversion(command, src, dst, target: Callable, force, progress, warn, read_options: dict,
+                       **write_options) -> ConversionResult:
+    """Open src and write it at target(ckpt) -> (layout, note on what was kept from the source) (merge,
+    reshard); a source with no canonical form goes to its reader's export for the target format instead
+    (_export_layout; target(None))."""
+    try:
+        ckpt = _open_source(src, write_options["optimizer"], read_options)
+    except NoCanonicalForm as source:
+        layout, note = target(None)
+        result = _export_layout(command, source, src, dst, layout, force, progress, warn, **write_options)
+    else:
+        layout, note = target(ckpt)
+        result = _write_megatron_family(command, src, dst, ckpt, layout, force, progress, warn, **write_options)
+    result.layout_note = note or ""
+    return result
+
+
+def _export_layout(command, source: NoCanonicalForm, src, dst, layout: Layout, force, progress, warn,
+                   **write_options) -> ConversionResult:
+    """Write a source that has no canonical form with its reader's export for the --format asked for
+    (the format table's entry finds it, Format.exporter); without one, the source's own error stands."""
+    from .convert import write_output
+    from .distributed import current_team
+    fmt = write_options.pop("format", None)
+    if fmt is None:  # the default output is the source's own Megatron format, which it has not
+        raise source
+    export = registry.output_format(fmt).exporter(source)
+    write_options["dtype"] = _dtype(write_options.get("dtype"))
+    warnings: List[str] = []
+    bar = (lambda n: progress(n, None)) if progress is not None else None  # total unknown before reading
+
+    def write_into(tmp, owns):  # one rank writes it all: the export cannot share its files
+        if owns is None or owns(0):
+            return export(tmp, layout=layout, progress=bar, warn=_collecting(warnings, warn), **write_options)
+        return None
+
+    summary = write_output(dst, [Path(src)], force, write_into, merge=WriteSummary.combined)
+    summary.warnings = list(warnings)
+    return ConversionResult(command, str(src), str(dst), summary, layout=layout, kind=source.kind,
+                            warnings=warnings, leader=current_team().leader)
 
 
 def _expert_form(moe_grouped_gemm: Optional[bool]) -> dict:
@@ -184,14 +230,16 @@ def reshard(src, dst, *, tp: Optional[int] = None, pp: Optional[int] = None, vpp
     request = LayoutRequest.of(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, pp_layers=pp_layers)
     training = _training_state_options(optimizer, distributed_optimizer, dp, overlap_grad_reduce,
                                        ddp_bucket_size, distrib_optim_era)
-    ckpt = _open_source(src, optimizer, read_options)
-    layout, note = request.completed(ckpt.source.layout, ckpt.config.num_layers)
-    result = _write_megatron_family("reshard", src, dst, ckpt, layout, force, progress, warn,
-                                    format=format, dialect=dialect, release=release, dtype=dtype,
-                                    make_vocab_size_divisible_by=make_vocab_size_divisible_by, pad_fill=pad_fill,
-                                    **training, **_expert_form(moe_grouped_gemm))
-    result.layout_note = note
-    return result
+
+    def target(ckpt: Optional[Checkpoint]):  # a source without a canonical form has one data-parallel rank
+        if ckpt is None:
+            return request.completed(Layout(1, 1), 0)
+        return request.completed(ckpt.source.layout, ckpt.config.num_layers)
+
+    return _layout_conversion("reshard", src, dst, target, force, progress, warn, read_options,
+                              format=format, dialect=dialect, release=release, dtype=dtype,
+                              make_vocab_size_divisible_by=make_vocab_size_divisible_by, pad_fill=pad_fill,
+                              **training, **_expert_form(moe_grouped_gemm))
 
 
 def fix_vocab(src, dst, *, size: Optional[int] = None, multiple: Optional[int] = None,
@@ -318,8 +366,9 @@ def _export_to_hf(source: NoCanonicalForm, src, dst, dtype, max_shard_size, toke
     from .formats.hf_writer import copy_tokenizer
     from .io.outdir import atomic_output_dir
     bar = (lambda n: progress(n, None)) if progress is not None else None  # total unknown before reading
+    export = registry.BY_NAME["hf"].exporter(source)
     with atomic_output_dir(dst, sources=[Path(src)], force=force) as tmp:
-        summary = source.export(tmp, dtype=dtype, max_shard_size=max_shard_size, progress=bar)
+        summary = export(tmp, dtype=dtype, max_shard_size=max_shard_size, progress=bar)
         if tokenizer:
             copy_tokenizer(tokenizer, tmp)
     return ConversionResult("to-hf", str(src), str(dst), summary, kind=source.kind)

@@ -7,6 +7,7 @@ bug (EXIT["internal"]).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Dict
 
 
 class CkptError(Exception):
@@ -36,15 +37,17 @@ class TeamError(CkptError):
 
 class NoCanonicalForm(CkptError):
     """A checkpoint ckptool recognises but cannot read into the canonical GPT state (a
-    DeepLearningExamples BERT file, a DeepSpeed run of a non-GPT Hugging Face model). Every command
-    reports it as the error it is; `to-hf` instead calls export(out_dir, dtype=, max_shard_size=,
-    progress=) -> summary, which writes it as a Hugging Face directory under the model's own names,
-    from the files the reader already opened. `kind` names the export in the API's result."""
+    DeepLearningExamples BERT file, a DeepSpeed run of a non-GPT Hugging Face model or of any other
+    module). Every command reports it as the error it is, except where its reader can still write the
+    output asked for from the files it opened: exports maps a format's name in the format table
+    (formats/registry.py: "hf", "ds-universal") to export(out_dir, **the writer's options) -> summary,
+    which registry.Format.exporter finds for the target (to-hf's Hugging Face directory, merge
+    --format ds-universal's universal checkpoint). `kind` names the source in the API's result."""
 
-    def __init__(self, message: str, hint: str, kind: str, export):
+    def __init__(self, message: str, hint: str, kind: str, exports: Dict[str, Callable]):
         super().__init__(message, hint)
         self.kind = kind
-        self.export = export
+        self.exports = dict(exports)
 
 
 def require(condition: bool, message: str, hint: str = "") -> None:

@@ -19,7 +19,11 @@ def _run(convert, verb: str, src, dst, **kw) -> None:
         result = convert(src, dst, progress=bar, warn=live, **kw)
     finally:
         bar.close()
-    s, vocab = result.summary, result.checkpoint.config.vocab_size
+    s = result.summary
+    if result.checkpoint is None:  # a source with no canonical form, written by its reader's export
+        report_conversion(result, _export_lines(result), live)
+        return
+    vocab = result.checkpoint.config.vocab_size
     report_conversion(result, [
         conversion_line(result, f"{s.format} {s.dialect or ''}, {result.layout.describe()}"),
         *([f"  layout: {result.layout.describe()} ({result.layout_note})"] if result.layout_note else []),
@@ -27,6 +31,15 @@ def _run(convert, verb: str, src, dst, **kw) -> None:
         f"{vocab if vocab is not None else 'unknown'} padded to {s.padded_vocab_size}, {s.iteration_dir}",
         *_training_state_lines(s, result.checkpoint, kw.get("optimizer", True))],
         live)
+
+
+def _export_lines(result) -> list:
+    s = result.summary
+    lines = [f"{result.command}: {result.src} ({result.kind}) -> {result.dst} ({s.format} {s.dialect or ''})",
+             f"  {s.files} files, {human_bytes(s.bytes)} of tensors, {s.iteration_dir}"]
+    if s.optimizer:
+        lines.append(f"  optimizer state carried (step {s.optimizer['step']}, {s.optimizer['groups']} param groups)")
+    return lines
 
 
 MEGATRON_OUTPUTS = ("torch", "torch_dist")  # the outputs Megatron resumes from (ds-universal is DeepSpeed's)
@@ -100,7 +113,9 @@ def merge_cmd(src, dst, **kw):
 
     SRC is any checkpoint ckptool reads; DST (a new directory) gets a Megatron checkpoint in the
     source's dialect with the vocabulary padding redone for one rank. Same as
-    `ckptool reshard SRC DST --tp 1 --pp 1`.
+    `ckptool reshard SRC DST --tp 1 --pp 1`. With --format ds-universal DST gets a DeepSpeed universal
+    checkpoint, also from DeepSpeed runs ckptool cannot reshard (a non-GPT Hugging Face model, any
+    other module, a save without config.json), under the engine's own parameter names.
     """
     _run(api.merge, "merge", src, dst, **kw)
 

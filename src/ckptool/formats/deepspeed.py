@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -37,7 +38,10 @@ from . import megatron_args
 from . import hf as hf_format
 from .deepspeed_optim import optimizer_state, stepped
 from .deepspeed_tied import TiedCopies
-from .deepspeed_zero import RankStates, find_files, looks_like_deepspeed, read_rank, param_shapes
+from .deepspeed_universal import engine_universal
+from .ds_universal import export_universal
+from .registry import ways_out
+from .deepspeed_zero import RankStates, engine_state, find_files, looks_like_deepspeed, read_rank, param_shapes
 from .deepspeed_files import find_hf_config, looks_megatron, megatron_key  # noqa: F401 (this module's interface)
 from .megatron import config_for_shards, detect_dialect, flatten
 from ..summary import WriteSummary
@@ -141,7 +145,7 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                              # pipeline saves: spec index -> embed | layer | final_norm | head (deepspeed_ranks.py)
                              "pipe_kinds": (naming or {}).get("kinds") if tf.layers else None,
                              "universal_checkpoint_info": r0.meta.get("universal_checkpoint_info"),
-                             "engine_state": {k: r0.meta.get(k) for k in ENGINE_STATE_KEYS},
+                             "engine_state": engine_state(r0.meta),
                              "param_names": naming})
     tensors = in_model_order(tensors, cfg)
     missing = [n for n in expected_names(cfg) if n not in tensors]
@@ -155,11 +159,6 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                                          canonical=lambda *a: _canonical(*a, tied),
                                          named_weights=named_weights)
     return ckpt
-
-
-# model-states keys a DeepSpeed engine reads back besides the weights (kept for ds-universal output)
-ENGINE_STATE_KEYS = ("global_steps", "global_samples", "skipped_steps", "dp_world_size", "mp_world_size",
-                     "lr_scheduler", "ds_version", "ds_config", "iteration", "checkpoint_version", "tokens")
 
 
 def _canonical(tf, ranks, named, opts, policy, warnings, tied: TiedCopies):
@@ -350,17 +349,21 @@ def _read_hf_gpt(tf, ranks, named, opts):
             "ckptool reads HF models trained with data parallelism (ZeRO) only")
     hf = find_hf_config(tf.tag_dir, opts.hf_config)
     sample = ", ".join(list(named[0])[:3])
+    # No GPT to read: the files opened here can still be written under the model's own names
+    # (NoCanonicalForm's exports: to-hf needs the config.json, a universal checkpoint does not)
+    universal = partial(export_universal, lambda warn: engine_universal(tf, ranks, named_weights, warn))
     if hf is None:
-        raise CkptError(f"{tf.tag_dir}: the parameter names ({sample}, ...) are not Megatron's and no "
-                        "config.json sits beside the checkpoint", "give --hf-config PATH (the model's config.json)")
+        raise NoCanonicalForm(f"{tf.tag_dir}: the parameter names ({sample}, ...) are not Megatron's and no "
+                              "config.json sits beside the checkpoint",
+                              f"give --hf-config PATH (the model's config.json), or use {ways_out(['ds-universal'])}",
+                              kind="deepspeed-module", exports={"ds-universal": universal})
     mt = hf_format.gpt_model_type(hf)
     if mt is None:
         model_type = str(hf.get("model_type"))
-        # to-hf exports it from the files opened here (deepspeed_hf_export.py): no second open
         export = lambda out_dir, **kw: _export_hf(hf, _own_names(ranks[0], named[0], hf), out_dir, model_type, **kw)  # noqa: E731
+        exports = {"hf": export, "ds-universal": universal}
         raise NoCanonicalForm(f"{tf.tag_dir} holds a Hugging Face {model_type} model, which is not a GPT "
-                              "ckptool can reshard", "use `ckptool to-hf SRC DST` to consolidate it into a Hugging Face model",
-                              kind="deepspeed-hf", export=export)
+                              "ckptool can reshard", f"use {ways_out(exports)}", kind="deepspeed-hf", exports=exports)
     n = {k[len("module."):] if k.startswith("module.") else k: v for k, v in named[0].items()}
     cfg, tensors = hf_format.to_canonical(n, hf, mt, opts, tf.tag_dir)
     return cfg, tensors, Layout(tp=1, pp=1), f"hf {mt}", {"scheme": "hf", "model_type": mt, "hf_config": hf}

@@ -112,16 +112,28 @@ def _param_groups(tf, ranks: Dict[int, RankStates], opts, canonical: Callable, n
     for name, t in traced.items():
         for f in sorted(_reaches(t, owners)):
             by_flat[f].append(name)
-    flats = len(param_shapes(ranks[0].meta))
-    stored = [g for g in base_optimizer(ranks[0]).get("param_groups") or [] if isinstance(g, dict)]
+    return [ParamGroup([n for f in g.get("params", []) for n in by_flat.get(f, [])], hyperparameters(g))
+            for g in stored_groups(ranks[0])]
+
+
+def stored_groups(r0: RankStates) -> List[dict]:
+    """The torch optimizer's param groups as stored, each listing the flats it steps (its "params"):
+    ZeRO-1/2 and BF16 give each group one flat ([g]); ZeRO-3 lists its sub-group flats ([0, 1, ..]).
+    Checked against the flats the model states describe (param_shapes)."""
+    flats = len(param_shapes(r0.meta))
+    stored = [g for g in base_optimizer(r0).get("param_groups") or [] if isinstance(g, dict)]
     if not stored:
         stored = [{"params": [f]} for f in range(flats)]
     listed = [f for g in stored for f in g.get("params", [])]
     if sorted(listed) != list(range(flats)):
-        raise CkptError(f"{tf.tag_dir}: the optimizer's param groups step flats {sorted(listed)} but the model "
+        raise CkptError(f"{r0.tag_dir}: the optimizer's param groups step flats {sorted(listed)} but the model "
                         f"states describe {flats}", NO_OPTIMIZER_HINT)
-    return [ParamGroup([n for f in g.get("params", []) for n in by_flat.get(f, [])],
-                       {k: v for k, v in g.items() if k != "params"}) for g in stored]
+    return stored
+
+
+def hyperparameters(group: dict) -> dict:
+    """A stored param group's hyperparameters (all but the flats it lists)."""
+    return {k: v for k, v in group.items() if k != "params"}
 
 
 def stepped(r: RankStates) -> bool:
@@ -133,7 +145,8 @@ def stepped(r: RankStates) -> bool:
     return bool(base_optimizer(r).get("state"))
 
 
-def _step(r0: RankStates) -> Optional[int]:
+def optimizer_step(r0: RankStates) -> Optional[int]:
+    """The torch optimizer's step as DP rank 0 stored it (None where it keeps none)."""
     state = base_optimizer(r0).get("state")
     first = state.get(0) if isinstance(state, dict) else None
     step = first.get("step") if isinstance(first, dict) else None
@@ -174,8 +187,16 @@ def optimizer_state(tf, ranks: Dict[int, RankStates], opts: ReadOptions, cfg, wa
 
     builder = Builder(build)
     kind = {"bf16_optimizer": "deepspeed-bf16"}.get(r0.optimizer_kind, f"deepspeed-zero{r0.zero_stage}")
-    osd0 = r0.osds.get(0) or {}
-    scaler = {k: osd0[k] for k in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad") if k in osd0}
-    return OptimizerState(kind=kind, slots=OnDemandDict(builder, 0), step=_step(r0) if r0.osds else None,
-                          param_groups=OnDemandList(builder, 1), grad_scaler=scaler or None,
+    return OptimizerState(kind=kind, slots=OnDemandDict(builder, 0), step=optimizer_step(r0) if r0.osds else None,
+                          param_groups=OnDemandList(builder, 1), grad_scaler=scaler_state(r0) or None,
                           scheduler=r0.meta.get("lr_scheduler"), consumed_samples=r0.meta.get("global_samples"))
+
+
+# what a ZeRO optimizer shard keeps beside the partitions that a resumed engine reads back
+SCALER_KEYS = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")
+
+
+def scaler_state(r0: RankStates) -> dict:
+    """The loss scaler and clip_grad DP rank 0's optimizer shard keeps."""
+    osd0 = r0.osds.get(0) or {}
+    return {k: osd0[k] for k in SCALER_KEYS if k in osd0}

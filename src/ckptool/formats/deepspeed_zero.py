@@ -78,6 +78,16 @@ class RankStates:
     missing_shard: Optional[str] = None  # "<file> is missing ..." when some DP rank's shard is absent
 
 
+# model-states keys a DeepSpeed engine reads back besides the weights (kept for ds-universal output)
+ENGINE_STATE_KEYS = ("global_steps", "global_samples", "skipped_steps", "dp_world_size", "mp_world_size",
+                     "lr_scheduler", "ds_version", "ds_config", "iteration", "checkpoint_version", "tokens")
+
+
+def engine_state(meta: dict) -> dict:
+    """The engine counters and client state of a model-states dict (None where it keeps none)."""
+    return {k: meta.get(k) for k in ENGINE_STATE_KEYS}
+
+
 def param_shapes(meta) -> List["OrderedDict[str, tuple]"]:
     """The engine's parameter names and shapes per optimizer param group, in group order."""
     ps = meta.get("param_shapes")

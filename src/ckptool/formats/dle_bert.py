@@ -72,7 +72,7 @@ def read(path: Path, opts) -> None:
                              progress=progress)
     raise NoCanonicalForm(f"{path} is a DeepLearningExamples BERT checkpoint, not a GPT ckptool can reshard",
                           "use `ckptool to-hf SRC DST --hf-config bert_config.json` to export it as BertForPreTraining",
-                          kind="bert", export=export)
+                          kind="bert", exports={"hf": export})
 
 
 def hf_name(dle: str) -> str:

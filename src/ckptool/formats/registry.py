@@ -14,10 +14,15 @@ torch (the quick inspect relies on it). Each entry may have:
                                            writes it (to-hf) or nothing does
   carries_optimizer, shares_ranks, writes_moe   what that layout writer can do (see Format)
   quick_read(path) -> Checkpoint | None    metadata only, without torch, for inspect (quick/)
+  command                                  the command line that writes the format (for hints)
 
 A source with no canonical GPT form (a DeepLearningExamples BERT file, a DeepSpeed run of a non-GPT
-Hugging Face model) is still claimed here; its reader raises errors.NoCanonicalForm, which every
-command reports and to-hf turns into a Hugging Face directory (api.to_hf).
+Hugging Face model or of any other module) is still claimed here; its reader raises
+errors.NoCanonicalForm, whose exports are keyed by the names of this table's formats it can still be
+written as. A command that writes a format asks that format's entry for the export
+(Format.exporter: to-hf's Hugging Face directory, merge --format ds-universal's universal checkpoint
+from the engine's own names); where there is none the source's error stands, its hint naming the
+commands that do write it (ways_out).
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Tuple
 
-from ..errors import CkptError
+from ..errors import CkptError, NoCanonicalForm
 from ..options import ReadOptions
 from ..state import Checkpoint
 
@@ -50,6 +55,7 @@ class Format:
     shares_ranks: bool = False  # the writer takes rank_filter(tp, pp, ep): torchrun ranks share one output
     writes_moe: bool = False  # the writer places MoE routers and experts (others would drop them)
     quick_ref: Optional[str] = None  # torch-free metadata reader for inspect (quick_inspect.py)
+    command: Optional[str] = None  # the command line that writes this format, for hints
 
     def looks_like(self, path) -> bool:
         fn = resolve(self.looks_like_ref)
@@ -67,6 +73,14 @@ class Format:
         fn = resolve(self.quick_ref)
         return fn(Path(path), self.name) if fn is not None else None
 
+    def exporter(self, source: NoCanonicalForm) -> Callable:
+        """The export that writes this format from a source with no canonical form (its reader's);
+        the source's own error where its reader has none for this format."""
+        export = source.exports.get(self.name)
+        if export is None:
+            raise source
+        return export
+
     @property
     def write(self) -> Callable:
         fn = resolve(self.write_ref)
@@ -81,16 +95,16 @@ class Format:
 FORMATS: Tuple[Format, ...] = (
     Format("torch_dist", "ckptool.formats.dist_files:looks_like", "ckptool.formats.dist:read",
            "ckptool.formats.dist:write_torch_dist", output="torch_dist", carries_optimizer=True,
-           writes_moe=True, quick_ref="ckptool.quick.dist:read"),
+           writes_moe=True, quick_ref="ckptool.quick.dist:read", command="ckptool merge SRC DST --format torch_dist"),
     Format("deepspeed", "ckptool.formats.deepspeed_files:looks_like_deepspeed", "ckptool.formats.deepspeed:read",
            quick_ref="ckptool.quick.deepspeed:read"),
     Format("hf", "ckptool.formats.hf_config:looks_like", "ckptool.formats.hf:read",
-           "ckptool.formats.hf_writer:write_hf", quick_ref="ckptool.quick.hf:read"),
+           "ckptool.formats.hf_writer:write_hf", quick_ref="ckptool.quick.hf:read", command="ckptool to-hf SRC DST"),
     Format("megatron", "ckptool.formats.megatron_files:looks_like_megatron", "ckptool.formats.megatron:read_megatron",
            "ckptool.formats.megatron:write_megatron", output="torch", carries_optimizer=True, shares_ranks=True,
-           writes_moe=True, quick_ref="ckptool.quick.megatron:read"),
+           writes_moe=True, quick_ref="ckptool.quick.megatron:read", command="ckptool merge SRC DST --format torch"),
     Format("ds-universal", write_ref="ckptool.formats.ds_universal:write_ds_universal", output="ds-universal",
-           carries_optimizer=True),
+           carries_optimizer=True, command="ckptool merge SRC DST --format ds-universal"),
     Format("dle-bert", "ckptool.formats.dle_bert:looks_like", "ckptool.formats.dle_bert:read"),
 )
 BY_NAME = {f.name: f for f in FORMATS}
@@ -112,6 +126,11 @@ def source_format(path) -> Format:
     raise CkptError(f"{path}: not a checkpoint ckptool recognises",
                     "expected a Megatron save dir (mp_rank_*), a torch_dist/DCP dir, a DeepSpeed "
                     "global_step dir or a Hugging Face model dir")
+
+
+def ways_out(exports) -> str:
+    """The commands that write the formats named (a NoCanonicalForm's exports), for its hint."""
+    return " or ".join(f"`{BY_NAME[name].command}`" for name in exports)
 
 
 def detect_format(path) -> str:
