@@ -224,3 +224,33 @@ def test_memo_index_bomb_is_refused_before_allocating(tmp_path):
     grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     assert grown_kib < 512 * 1024, f"peak memory grew by {grown_kib} KiB"
     assert safe_loads(plain).num_layers == 2  # an ordinary pickle still loads
+
+
+class _SignalsByName(pickle.Pickler):
+    """Pickles a signal as Python 3.10 and early 3.11 (Debian 12's 3.11.2) do: by its global name."""
+
+    def reducer_override(self, obj):
+        return obj.name if isinstance(obj, __import__("signal").Signals) else NotImplemented
+
+
+def test_a_signal_pickled_by_its_name_loads(tmp_path):
+    """Megatron's args.exit_signal saved by such a Python (or ckptool's own output written there, as the
+    demo on Debian 12 found) reads on the full path and in the torch-free inspect; the signal module's
+    other names (its functions) are still refused."""
+    import signal
+    import types
+    from ckptool import api
+    from ckptool.quick_inspect import quick_open
+    assert safe_loads(b"\x80\x02csignal\nSIGTERM\nq\x00.") is signal.SIGTERM
+    with pytest.raises(UnsafePickleError, match="signal.signal"):
+        safe_loads(b"\x80\x02csignal\nsignal\nq\x00.")
+    ckpt_dir = tmp_path / "ckpt"
+    shutil.copytree(FIXTURE, ckpt_dir)
+    for f in ckpt_dir.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
+        state = torch.load(f, weights_only=False)
+        state["args"].exit_signal = signal.SIGTERM
+        torch.save(state, f, pickle_module=types.SimpleNamespace(Pickler=_SignalsByName, __name__="pickle"))
+        assert b"csignal\nSIGTERM\n" in f.read_bytes()  # the zip stores data.pkl uncompressed
+    assert api.open(ckpt_dir).source.args.exit_signal is signal.SIGTERM
+    quick = quick_open(ckpt_dir, {})
+    assert quick is not None and quick.source.args.exit_signal is signal.SIGTERM

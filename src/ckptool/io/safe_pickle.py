@@ -31,6 +31,7 @@ import torch
 
 from ..errors import CkptError
 from .standin import FRAMEWORK_PACKAGES, StandIn, is_framework_module, standin_class  # noqa: F401 (torch-free home)
+from .standin import signal_member
 
 
 class UnsafePickleError(CkptError):
@@ -257,7 +258,7 @@ class SafeUnpickler(pickle.Unpickler):
         hooks = self.torch_hooks or {}
         if (module, name) in hooks:
             return hooks[(module, name)]
-        found = _SAFE_GLOBALS.get((module, name))
+        found = _SAFE_GLOBALS.get((module, name), signal_member(module, name))
         if found is not None:
             return found
         if module == "torch._utils" and name in _TORCH_REBUILDS:

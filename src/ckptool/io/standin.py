@@ -10,6 +10,7 @@ ckptool's output sees its own enums again.
 from __future__ import annotations
 
 import copyreg
+import signal
 from typing import Any, Tuple
 
 # Top-level packages whose classes become inert stand-ins (new enums appear with every release,
@@ -102,3 +103,12 @@ def stands_for(obj) -> Tuple[str, str]:
 def state_of(obj) -> Any:
     """The state a StandIn was given by the pickle (its __setstate__ argument), or None."""
     return obj.__dict__.get("_ckptool_state") if isinstance(obj, StandIn) else None
+
+
+def signal_member(module: str, name: str):
+    """A signal as a pickle may name it: Python 3.10 and early 3.11 (Debian 12's 3.11.2) pickle
+    signal.SIGTERM by its global name, not as signal.Signals(15), so Megatron args saved there
+    (exit_signal) hold `signal SIGTERM`. The member, or None for any other name (signal.signal, ...)."""
+    if module == "signal" and name in signal.Signals.__members__:
+        return signal.Signals[name]
+    return None

@@ -22,7 +22,7 @@ import zipfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from ..io.standin import FRAMEWORK_PACKAGES, StandIn, standin_class
+from ..io.standin import FRAMEWORK_PACKAGES, StandIn, signal_member, standin_class
 from .meta import ITEMSIZE, STORAGE_DTYPES, TensorMeta
 
 
@@ -105,8 +105,9 @@ RECORDED_PACKAGES = ("torch", "numpy") + FRAMEWORK_PACKAGES
 
 class MetaUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in SAFE:
-            return SAFE[(module, name)]
+        found = SAFE.get((module, name), signal_member(module, name))
+        if found is not None:
+            return found
         if module == "torch._utils" and name in TORCH_REBUILDS:
             return TORCH_REBUILDS[name]
         if module == "torch._tensor" and name == "_rebuild_from_type_v2":
