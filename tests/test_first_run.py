@@ -34,18 +34,27 @@ if os.environ.get("FAKE_NO_ENSUREPIP"):  # Debian's python3 without the python3-
 CHOOSE = 'set -euo pipefail; cd "$1"; source scripts/_python.sh; echo "PY=$PY"; echo "python=$(command -v python)"'
 
 
+def base_python() -> Path:
+    """The interpreter this one runs on: itself, or the one its virtual environment was made from (as
+    when the suite runs under scripts/test.sh in the .venv it made)."""
+    base = Path(sys.base_prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    return base if base.exists() else Path(sys.executable)
+
+
 @pytest.fixture
 def box(tmp_path):
-    """A PATH whose python3 is this interpreter, a sitecustomize, a marker directory, a venv location."""
-    bin_dir, site, stdlib = tmp_path / "bin", tmp_path / "site", tmp_path / "stdlib"
-    for d in (bin_dir, site, stdlib):
+    """A PATH whose python3 is the base interpreter, a sitecustomize, a stdlib directory with the marker
+    and one without (the interpreter's own may have one, as Debian's does), a venv location."""
+    bin_dir, site, stdlib, plain = (tmp_path / d for d in ("bin", "site", "stdlib", "plain"))
+    for d in (bin_dir, site, stdlib, plain):
         d.mkdir()
-    (bin_dir / "python3").symlink_to(sys.executable)
+    (bin_dir / "python3").symlink_to(base_python())
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
     (stdlib / "EXTERNALLY-MANAGED").write_text("[externally-managed]\nError=use a virtual environment\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "CKPTOOL_VENV", "FAKE_STDLIB")}
-    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", PYTHONPATH=str(site), CKPTOOL_VENV=str(tmp_path / "venv"))
-    return {"env": env, "stdlib": stdlib, "venv": tmp_path / "venv", "python3": bin_dir / "python3"}
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "CKPTOOL_VENV")}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", PYTHONPATH=str(site), CKPTOOL_VENV=str(tmp_path / "venv"),
+               FAKE_STDLIB=str(plain))
+    return {"env": env, "stdlib": stdlib, "venv": tmp_path / "venv"}
 
 
 def choose(env, **extra):
@@ -62,7 +71,7 @@ def is_venv(python) -> bool:
 
 
 def test_a_python_pip_may_install_into_is_used_as_before(box):
-    rc, chosen, said = choose(box["env"])  # no marker: CI's pyenv python
+    rc, chosen, said = choose(box["env"])  # no marker (CI's pyenv python)
     assert (rc, chosen["PY"], said) == (0, "python3", [])
     assert not box["venv"].exists()
 
@@ -70,7 +79,7 @@ def test_a_python_pip_may_install_into_is_used_as_before(box):
 def test_an_externally_managed_python_gets_a_venv_made_once_then_reused(box):
     env = dict(box["env"], FAKE_STDLIB=str(box["stdlib"]))
     # a half-made venv (what `python3 -m venv` leaves on Debian without python3-venv): no pip in it
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(box["venv"])], check=True, timeout=120)
+    subprocess.run([str(base_python()), "-m", "venv", "--without-pip", str(box["venv"])], check=True, timeout=120)
     rc, chosen, said = choose(env)
     venv_python = str(box["venv"] / "bin" / "python")
     assert rc == 0, said
