@@ -25,7 +25,6 @@ if TYPE_CHECKING:  # annotations only
     from ..verify import compare as cmp
 
 
-
 def under_torchrun() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
