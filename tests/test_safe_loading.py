@@ -224,3 +224,50 @@ def test_memo_index_bomb_is_refused_before_allocating(tmp_path):
     grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     assert grown_kib < 512 * 1024, f"peak memory grew by {grown_kib} KiB"
     assert safe_loads(plain).num_layers == 2  # an ordinary pickle still loads
+
+
+
+class _Python311Early(pickle.Pickler):
+    """Pickles enums as Python 3.11's early releases (Debian 12's 3.11.2) do: a signal by its global
+    name (signal.SIGTERM, as 3.10 does too), any other member as getattr(its class, its name)."""
+
+    def reducer_override(self, obj):
+        import enum
+        import signal
+        if isinstance(obj, signal.Signals):
+            return obj.name
+        return (getattr, (type(obj), obj.name)) if isinstance(obj, enum.Enum) else NotImplemented
+
+
+def test_enums_pickled_by_name_load_and_write_back(tmp_path):
+    """Megatron's args (exit_signal, model_type) saved by such a Python, or ckptool's output written there
+    (the demo on Debian 12 refused to inspect its own reshard), read on the full path and in the torch-free
+    inspect, and a merge writes the members back as they were named; getattr of anything but an enum's
+    member, and the signal module's other names, are still refused."""
+    import signal
+    import types
+    from ckptool import api
+    from ckptool.io.standin import StandIn
+    from ckptool.quick_inspect import quick_open
+    ModelType = pytest.importorskip("megatron.core.enums").ModelType  # the test-mcore extra
+    assert safe_loads(b"\x80\x02csignal\nSIGTERM\nq\x00.") is signal.SIGTERM
+    with pytest.raises(UnsafePickleError, match="signal.signal"):
+        safe_loads(b"\x80\x02csignal\nsignal\nq\x00.")
+    with pytest.raises(UnsafePickleError, match="getattr.*'fromkeys'"):
+        safe_loads(pickle.dumps(Reduce(getattr, collections.OrderedDict, "fromkeys"), protocol=2))
+    ckpt_dir = tmp_path / "ckpt"
+    shutil.copytree(FIXTURE, ckpt_dir)
+    for f in ckpt_dir.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
+        state = torch.load(f, weights_only=False)
+        state["args"].exit_signal, state["args"].model_type = signal.SIGTERM, ModelType.encoder_or_decoder
+        torch.save(state, f, pickle_module=types.SimpleNamespace(Pickler=_Python311Early, __name__="pickle"))
+        data = f.read_bytes()  # the zip stores data.pkl uncompressed
+        assert b"csignal\nSIGTERM\n" in data and b"getattr" in data and b"encoder_or_decoder" in data
+    for ckpt in (api.open(ckpt_dir), quick_open(ckpt_dir, {})):
+        args = ckpt.source.args
+        assert args.exit_signal is signal.SIGTERM and isinstance(args.model_type, StandIn)
+        assert repr(args.model_type).endswith("ModelType.encoder_or_decoder>")
+    api.merge(ckpt_dir, tmp_path / "merged")
+    (out,) = (tmp_path / "merged").glob("iter_*/mp_rank_00/model_optim_rng.pt")
+    assert torch.load(out, weights_only=False)["args"].model_type is ModelType.encoder_or_decoder
+    assert api.open(tmp_path / "merged").source.args.exit_signal is signal.SIGTERM

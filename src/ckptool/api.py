@@ -18,9 +18,7 @@ import io
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Union
 
 from .config import Layout
 from .errors import CkptError, NoCanonicalForm, require
@@ -30,8 +28,13 @@ from .options import ReadOptions, pop_read_options
 from .state import Checkpoint
 from .summary import WriteSummary
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
-          "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+if TYPE_CHECKING:  # annotations only: see DTYPES
+    import torch
+
+# dtype names -> torch's names for them. Names, not torch dtypes: this module imports no torch at its
+# top, so a command that fails on its input (a source path that does not exist) answers at once.
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
+          "float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 PAD_FILLS = ("zero", "mean", "last")
 OUTPUT_FORMATS = registry.OUTPUT_FORMATS
 
@@ -333,14 +336,14 @@ def to_hf(src, dst, *, dtype=None, max_shard_size: str = "5GB", tokenizer: Optio
     BertForPreTraining (kind "bert"); a DeepSpeed run of another Hugging Face model keeps the model's
     own names (kind "deepspeed-hf"). max_shard_size: largest safetensors file ("5GB", "500MiB");
     tokenizer: a directory whose tokenizer files are copied into dst. read_options as for open()."""
-    from .convert import write_output
     from .distributed import current_team
     from .formats.registry import BY_NAME, open_checkpoint
-    torch_dtype = _dtype(dtype)
     try:
         ckpt = open_checkpoint(src, _parse_read_options(**read_options))
     except NoCanonicalForm as source:  # no GPT state, but the reader can export what it opened
-        return _export_to_hf(source, src, dst, torch_dtype, max_shard_size, tokenizer, force, progress)
+        return _export_to_hf(source, src, dst, _dtype(dtype), max_shard_size, tokenizer, force, progress)
+    from .convert import write_output  # imports torch: after the source was found (see DTYPES)
+    torch_dtype = _dtype(dtype)
     write_hf = BY_NAME["hf"].write
     warnings: List[str] = []
     bar = _bytes_progress(progress, ckpt)
@@ -431,7 +434,8 @@ def verify(target=None, *, reference=None, reference_logits: Optional[str] = Non
             require(dtype in COMPUTE_DTYPES, f"unknown compute dtype {dtype!r}",
                     f"choose one of {', '.join(COMPUTE_DTYPES)}")
             opts = _parse_read_options(**read_options)
-            compute = v.COMPUTE_DTYPES[dtype]
+            registry.source_format(target)  # a missing or unknown target: its error before torch's import
+            compute = _dtype(dtype)
             token_args = (tokens, tokenizer, batch, seq_len, seed)
             if v.under_torchrun():
                 ok = v.run_parallel(target, reference, reference_logits, opts, compute, tolerance, token_args,
@@ -485,10 +489,14 @@ class _ReportLines(io.TextIOBase):
 
 # --- small helpers --------------------------------------------------------------------------------
 def _dtype(value) -> Optional[torch.dtype]:
-    if value is None or isinstance(value, torch.dtype):
+    """The torch dtype a name (DTYPES) or a torch.dtype means; None for None."""
+    if value is None:
+        return None
+    import torch  # first needed here: see DTYPES
+    if isinstance(value, torch.dtype):
         return value
     require(value in DTYPES, f"unknown dtype {value!r}", f"choose one of {', '.join(sorted(DTYPES))}")
-    return DTYPES[value]
+    return getattr(torch, DTYPES[value])
 
 
 def _bytes_progress(progress: Optional[Progress], ckpt: Checkpoint) -> Optional[Callable[[int], None]]:

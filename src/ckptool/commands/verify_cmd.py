@@ -11,17 +11,19 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
-import torch
 
+# torch, and ckptool.verify's compare and inputs (which import it), are imported by the functions that
+# run a forward: `--files` and the errors about the input answer without paying torch's import.
+from ..api import COMPUTE_DTYPES
 from ..errors import EXIT, CkptError, require
-from ..verify import compare as cmp
-from ..verify import hints
-from ..verify import inputs
+from ..verify import hints  # torch-free: a FAIL's hints
 from .common import print_warnings, reports_errors, source_options
 
-COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+if TYPE_CHECKING:  # annotations only
+    from ..verify import compare as cmp
 
 
 def under_torchrun() -> bool:
@@ -104,6 +106,7 @@ def verify_files(dst: Path) -> bool:
 
 
 def _tokens_for(reference_logits, token_args, vocab):
+    from ..verify import inputs
     if reference_logits:
         return inputs.load_reference_logits(reference_logits)
     return inputs.make_tokens(*token_args, vocab=vocab), None
@@ -111,6 +114,7 @@ def _tokens_for(reference_logits, token_args, vocab):
 
 def _reference(ref, recorded, target_ckpt, tokens, dtype, device, opts):
     """(logits, hidden or None, true vocab or None) of whatever the target is compared with."""
+    from ..verify import inputs
     if recorded is not None:
         return recorded, None, None
     if ref is None:
@@ -128,6 +132,8 @@ def _tolerance(given, dtype, ref_logits, cols, recorded, reference_in):
     16-bit compute also NOISE_MARGIN x the reference's own 16-bit error (the reference run again in
     fp32): rounding error grows with depth and logit scale, so a fixed bound that suits a 4-layer
     model fails an exact conversion of a 1B one, while a wrong tensor moves logits by far more."""
+    import torch
+    from ..verify import compare as cmp
     if given is not None:
         return given, None
     base = cmp.DEFAULT_TOLERANCE[dtype]
@@ -145,6 +151,8 @@ def _report(report: cmp.Report, where=None) -> bool:
 
 def run_single(target, ref, reference_logits, opts, dtype, tol, token_args) -> bool:
     from ..formats.registry import open_checkpoint
+    from ..verify import compare as cmp
+    from ..verify import inputs
     ckpt = open_checkpoint(target, opts)
     cfg = ckpt.config
     tokens, recorded = _tokens_for(reference_logits, token_args, cfg.true_or_padded_vocab)
@@ -167,7 +175,9 @@ def run_single(target, ref, reference_logits, opts, dtype, tol, token_args) -> b
 
 def run_parallel(target, ref, reference_logits, opts, dtype, tol, token_args, tp=None, pp=None,
                  vpp=None) -> bool:
+    import torch
     import torch.distributed as dist
+    from ..verify import compare as cmp
     from ..verify import parallel
 
     world = int(os.environ["WORLD_SIZE"])
@@ -270,6 +280,7 @@ def _probe_layer(probe_of, report, where, shards, layout, r, dtype, files, choos
 
 def _probe_moe_layer(probe_of, report, where, shards, layout, r, dtype, tol, files) -> None:
     """A diverging MoE layer: which rank files' router / experts / shared expert differ (verify/experts.py)."""
+    from ..verify import compare as cmp
     from ..verify import experts
     cfg = shards.config  # (tol is rank 0's: the diagnosis runs there only)
     _probe_layer(probe_of, report, where, shards, layout, r, dtype, files,
@@ -286,6 +297,7 @@ def _mla_at_tp(cfg, layout) -> bool:
 def _probe_mla_layer(probe_of, report, where, shards, layout, r, dtype, tol, files) -> None:
     """A diverging layer of an MLA model at TP: which attention tensors of which rank files differ
     (verify/mla_probe.py; every TP file slices them)."""
+    from ..verify import compare as cmp
     from ..verify import experts, mla_probe
     cfg = shards.config  # (tol is rank 0's: the diagnosis runs there only)
     _probe_layer(probe_of, report, where, shards, layout, r, dtype, files, choose=experts.diverging_layer,

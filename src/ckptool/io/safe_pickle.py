@@ -4,7 +4,9 @@ Every pickle ckptool opens (torch files, DeepSpeed states, DCP metadata and byte
 through SafeUnpickler. What may load:
   * tensors, storages, dtypes, torch.Size and the torch rebuild helpers (see _TORCH_NAMES);
   * plain containers and a short list of harmless stdlib types (argparse.Namespace, OrderedDict,
-    enums Megatron keeps in args such as signal.Signals, pathlib paths, ...);
+    enums Megatron keeps in args such as signal.Signals, pathlib paths, ...), and enum members as
+    older Pythons name them (signal.SIGTERM; getattr(EnumClass, "member") of Python 3.11's early
+    releases, for an enum class only: standin.enum_member);
   * torch.distributed.checkpoint metadata dataclasses (data only);
   * any class from a training framework's namespace (megatron.*, deepspeed.*, apex.*, ...), which
     becomes an inert StandIn (io/standin.py) that keeps its constructor arguments and state and runs nothing.
@@ -31,6 +33,7 @@ import torch
 
 from ..errors import CkptError
 from .standin import FRAMEWORK_PACKAGES, StandIn, is_framework_module, standin_class  # noqa: F401 (torch-free home)
+from .standin import enum_member, signal_member
 
 
 class UnsafePickleError(CkptError):
@@ -257,9 +260,11 @@ class SafeUnpickler(pickle.Unpickler):
         hooks = self.torch_hooks or {}
         if (module, name) in hooks:
             return hooks[(module, name)]
-        found = _SAFE_GLOBALS.get((module, name))
+        found = _SAFE_GLOBALS.get((module, name), signal_member(module, name))
         if found is not None:
             return found
+        if (module, name) == ("builtins", "getattr"):
+            return self._enum_member
         if module == "torch._utils" and name in _TORCH_REBUILDS:
             return getattr(torch._utils, name)
         if module == "torch._tensor" and name == "_rebuild_from_type_v2":
@@ -289,6 +294,15 @@ class SafeUnpickler(pickle.Unpickler):
         raise UnsafePickleError(
             f"{self.source}: refusing to load {module}.{name} from a pickle (it could run code)",
             "the file is not a plain checkpoint; if you trust it, re-save it with plain tensors")
+
+    def _enum_member(self, cls, name):
+        """getattr as a pickle calls it: only for an enum member by name (standin.enum_member)."""
+        member = enum_member(cls, name)
+        if member is None:
+            raise UnsafePickleError(f"{self.source}: refusing to load getattr({getattr(cls, '__name__', cls)!r}, "
+                                    f"{name!r}) from a pickle (only an enum's members load by name)",
+                                    "the file is not a plain checkpoint; if you trust it, re-save it with plain tensors")
+        return member
 
 
 def safe_loads(data: bytes, source: str = "pickle") -> Any:

@@ -10,6 +10,8 @@ ckptool's output sees its own enums again.
 from __future__ import annotations
 
 import copyreg
+import enum
+import signal
 from typing import Any, Tuple
 
 # Top-level packages whose classes become inert stand-ins (new enums appear with every release,
@@ -26,6 +28,7 @@ class StandIn:
 
     _ckptool_module = ""
     _ckptool_name = ""
+    _BUILT_BY = ("_ckptool_args", "_ckptool_state", "_ckptool_member")  # what equality compares
 
     def __new__(cls, *args, **kwargs):
         obj = object.__new__(cls)
@@ -48,6 +51,9 @@ class StandIn:
 
     def __reduce_ex__(self, protocol):
         cls = type(self)
+        member = self.__dict__.get("_ckptool_member")
+        if member is not None:  # an enum member the pickle named (enum_member): written back alike
+            return (getattr, (cls, member))
         state = self.__dict__.get("_ckptool_state")
         args = tuple(self.__dict__.get("_ckptool_args", ()))
         if not self.__dict__.get("_ckptool_called") and protocol >= 2:
@@ -62,18 +68,17 @@ class StandIn:
 
     def __repr__(self) -> str:
         args = ", ".join(repr(a) for a in self.__dict__.get("_ckptool_args", ()))
-        return f"<{self._ckptool_module}.{self._ckptool_name}({args})>"
+        member = self.__dict__.get("_ckptool_member")
+        return f"<{self._ckptool_module}.{self._ckptool_name}" + (f".{member}>" if member else f"({args})>")
 
     # Equal when built alike: the same arguments and state (a frozen dataclass of DCP's metadata, a
     # MetadataIndex, is a dict key in its index and must stay as many keys as it was written with).
     def __eq__(self, other):
         return other is self or (isinstance(other, StandIn) and type(other) is type(self)
-                and other.__dict__.get("_ckptool_args") == self.__dict__.get("_ckptool_args")
-                and other.__dict__.get("_ckptool_state") == self.__dict__.get("_ckptool_state"))
+                and all(other.__dict__.get(k) == self.__dict__.get(k) for k in self._BUILT_BY))
 
     def __hash__(self):  # the state is set before a pickle uses the object as a key (BUILD precedes SETITEMS)
-        return hash((self._ckptool_module, self._ckptool_name, repr(self.__dict__.get("_ckptool_args")),
-                     repr(self.__dict__.get("_ckptool_state"))))
+        return hash((self._ckptool_module, self._ckptool_name, *(repr(self.__dict__.get(k)) for k in self._BUILT_BY)))
 
 
 _standin_classes: dict = {}
@@ -102,3 +107,28 @@ def stands_for(obj) -> Tuple[str, str]:
 def state_of(obj) -> Any:
     """The state a StandIn was given by the pickle (its __setstate__ argument), or None."""
     return obj.__dict__.get("_ckptool_state") if isinstance(obj, StandIn) else None
+
+
+def signal_member(module: str, name: str):
+    """A signal as a pickle may name it: Python 3.10 and early 3.11 (Debian 12's 3.11.2) pickle
+    signal.SIGTERM by its global name, not as signal.Signals(15), so Megatron args saved there
+    (exit_signal) hold `signal SIGTERM`. The member, or None for any other name (signal.signal, ...)."""
+    if module == "signal" and name in signal.Signals.__members__:
+        return signal.Signals[name]
+    return None
+
+
+def enum_member(cls, name):
+    """An enum member as Python 3.11's early releases (Debian 12's 3.11.2) pickle it, getattr(its
+    class, its name) (Megatron's args.model_type, attention_backend, ...): for a framework class's
+    StandIn an inert member that pickles back the same way, for an enum class the unpickler allows
+    (signal.Signals, DCP's) the member; None for anything else (getattr could reach any attribute)."""
+    if not isinstance(name, str) or not isinstance(cls, type):
+        return None
+    if issubclass(cls, StandIn) and cls is not StandIn:
+        member = cls.__new__(cls)
+        member.__dict__["_ckptool_member"] = name
+        return member
+    if issubclass(cls, enum.Enum) and name in cls.__members__:
+        return cls[name]
+    return None

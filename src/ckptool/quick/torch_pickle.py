@@ -22,7 +22,7 @@ import zipfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from ..io.standin import FRAMEWORK_PACKAGES, StandIn, standin_class
+from ..io.standin import FRAMEWORK_PACKAGES, StandIn, enum_member, signal_member, standin_class
 from .meta import ITEMSIZE, STORAGE_DTYPES, TensorMeta
 
 
@@ -103,10 +103,21 @@ TORCH_REBUILDS = {"_rebuild_tensor": _rebuild_tensor, "_rebuild_tensor_v2": _reb
 RECORDED_PACKAGES = ("torch", "numpy") + FRAMEWORK_PACKAGES
 
 
+def _enum_member(cls, name):
+    """getattr as a pickle calls it: an enum member by name (standin.enum_member), else the full reader's."""
+    member = enum_member(cls, name)
+    if member is None:
+        raise NotQuick(f"getattr({cls!r:.40}, {name!r:.40}) in a pickle")
+    return member
+
+
 class MetaUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in SAFE:
-            return SAFE[(module, name)]
+        found = SAFE.get((module, name), signal_member(module, name))
+        if found is not None:
+            return found
+        if name == "getattr" and module in ("builtins", "__builtin__"):
+            return _enum_member
         if module == "torch._utils" and name in TORCH_REBUILDS:
             return TORCH_REBUILDS[name]
         if module == "torch._tensor" and name == "_rebuild_from_type_v2":
