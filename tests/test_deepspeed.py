@@ -833,7 +833,7 @@ def test_export_reads_each_master_byte_once_in_parameter_sized_reads(ds_cases, c
     sizes = {k: v.nbytes for k, v in named.items()}
     reads.clear()
     (tmp_path / "hf").mkdir()
-    deepspeed_hf_export.write_hf_consolidated(src, tmp_path / "hf", ReadOptions())
+    deepspeed_hf_export.write_hf_state(*ds.consolidate_hf_state(src, ReadOptions()), tmp_path / "hf")
     shards = sum(p.stat().st_size for p in (src / "global_step2").glob("*optim_states.pt"))
     ws = 2
     assert sum(reads) <= sum(sizes.values()) + 4 * ws * len(sizes)  # at most one padding element per rank

@@ -37,6 +37,7 @@ from ..vocab import with_true_vocab_size
 from . import megatron_args
 from . import hf as hf_format
 from .deepspeed_optim import optimizer_state, stepped
+from .deepspeed_hf_export import write_hf_state
 from .deepspeed_tied import TiedCopies
 from .deepspeed_universal import engine_universal
 from .ds_universal import export_universal
@@ -396,7 +397,6 @@ def _own_names(r: RankStates, named: Dict[str, LazyTensor], hf: dict) -> Dict[st
 
 
 def _export_hf(hf: dict, named: Dict[str, LazyTensor], out_dir, model_type: str, **kw) -> WriteSummary:
-    from .deepspeed_hf_export import write_hf_state
     summary = write_hf_state(hf, named, out_dir, **kw)
     summary.details["model_type"] = model_type
     return summary

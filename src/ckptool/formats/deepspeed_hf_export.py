@@ -5,7 +5,8 @@ command works on them). Other architectures (a ZeRO-3 BertForMaskedLM run, say) 
 form; `ckptool to-hf` still consolidates them: the engine's parameter names are already the
 model's HF names, so the ZeRO partitions are reassembled and written as safetensors, one tensor
 at a time, next to the run's own config.json. The DeepSpeed reader, finding such a model, raises
-errors.NoCanonicalForm whose export calls write_hf_state on the files it opened.
+errors.NoCanonicalForm whose export calls write_hf_state on the files it opened (its
+consolidate_hf_state gives the same from a path).
 """
 from __future__ import annotations
 
@@ -19,16 +20,7 @@ from ..errors import CkptError
 from ..io.safetensors_writer import Item, parse_size, write_sharded
 from ..lazy import LazyTensor
 from ..summary import WriteSummary, from_sharded
-from ..options import ReadOptions
-from . import deepspeed as ds
 from .hf_writer import config_dtype
-
-
-def write_hf_consolidated(path, out_dir: Path, opts: ReadOptions, dtype: Optional[torch.dtype] = None,
-                          max_shard_size="5GB", progress: Optional[Callable[[int], None]] = None) -> WriteSummary:
-    """Open the DeepSpeed run at path and write it (write_hf_state)."""
-    hf, named = ds.consolidate_hf_state(path, opts)
-    return write_hf_state(hf, named, out_dir, dtype=dtype, max_shard_size=max_shard_size, progress=progress)
 
 
 def write_hf_state(hf: dict, named: Dict[str, LazyTensor], out_dir: Path, dtype: Optional[torch.dtype] = None,

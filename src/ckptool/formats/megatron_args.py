@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 from ..config import MLA, MoE, GPTConfig, Layout, Yarn, moe_layers_megatron, yarn_mscale
 from ..errors import CkptError, require
 from . import megatron_buffers
-from .megatron_buffers import FIRST_STAGE_ARGS, LAST_STAGE_ARGS
+from .megatron_buffers import FIRST_STAGE_ARGS, LAST_STAGE_ARGS, virtual_pipeline_size  # noqa: F401 (also this module's interface)
 
 if TYPE_CHECKING:  # config_from_args runs without torch (quick inspect); args_for_target imports it
     import torch
@@ -85,29 +85,6 @@ def run_layout(args, cfg: GPTConfig) -> Layout:
         if split is not None and len(set(split)) == 1:
             split = None
     return Layout(tp=int(tp), pp=int(pp), vpp=vpp, ep=int(ep), stage_layers=split)
-
-
-def virtual_pipeline_size(args, num_layers: int) -> Optional[int]:
-    """The run's virtual pipeline chunks per stage as its args say, None without interleaving.
-
-    Megatron-LM's validate_args stores the size it runs with as virtual_pipeline_model_parallel_size in
-    every era since interleaving exists (2021-02 dd88906: the flag itself; from dcef906 derived from
-    --num-layers-per-virtual-pipeline-stage, later also from --num-virtual-stages-per-pipeline-rank or
-    --pipeline-model-parallel-layout; a size of 1 becomes None): where the args hold it, it is the size the run
-    ran with. Args that never went through validate_args keep only the flags: derived from them as
-    validate_args does (layers per stage, counting the embedding and the loss where
-    account_for_*_in_pipeline_split says so, over layers per virtual stage)."""
-    if hasattr(args, "virtual_pipeline_model_parallel_size"):
-        vpp = args.virtual_pipeline_model_parallel_size
-    else:
-        vpp = _get(args, "num_virtual_stages_per_pipeline_rank")
-        per_chunk = _get(args, "num_layers_per_virtual_pipeline_stage")
-        if vpp is None and per_chunk:
-            pp = _get(args, "pipeline_model_parallel_size", default=1)
-            counted = num_layers + sum(bool(_get(args, f"account_for_{part}_in_pipeline_split", default=False))
-                                       for part in ("embedding", "loss"))
-            vpp = counted // pp // int(per_chunk)
-    return int(vpp) if vpp is not None and int(vpp) > 1 else None
 
 
 def check_arg_types(args) -> None:

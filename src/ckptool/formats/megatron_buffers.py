@@ -151,6 +151,34 @@ def _arg(args, names) -> Optional[int]:
     return next((int(getattr(args, n)) for n in names if getattr(args, n, None)), None)
 
 
+def virtual_pipeline_size(args, num_layers: int) -> Optional[int]:
+    """The run's virtual pipeline chunks per stage as its args say, None without interleaving.
+
+    Megatron-LM's validate_args stores the size it runs with as virtual_pipeline_model_parallel_size in
+    every era since interleaving exists (2021-02 dd88906: the flag itself; from dcef906 derived from
+    --num-layers-per-virtual-pipeline-stage, later also from --num-virtual-stages-per-pipeline-rank or
+    --pipeline-model-parallel-layout; a size of 1 becomes None): where the args hold it, it is the size the run
+    ran with. Args that never went through validate_args keep only the flags: derived from them as
+    validate_args does (layers per stage, counting the embedding and the loss where
+    account_for_*_in_pipeline_split says so, over layers per virtual stage)."""
+    if hasattr(args, "virtual_pipeline_model_parallel_size"):
+        vpp = args.virtual_pipeline_model_parallel_size
+    else:
+        vpp = _first_given(args, "num_virtual_stages_per_pipeline_rank")
+        per_chunk = _first_given(args, "num_layers_per_virtual_pipeline_stage")
+        if vpp is None and per_chunk:
+            pp = _first_given(args, "pipeline_model_parallel_size", default=1)
+            counted = num_layers + sum(bool(_first_given(args, f"account_for_{part}_in_pipeline_split", default=False))
+                                       for part in ("embedding", "loss"))
+            vpp = counted // pp // int(per_chunk)
+    return int(vpp) if vpp is not None and int(vpp) > 1 else None
+
+
+def _first_given(args, name: str, default=None):
+    value = getattr(args, name, None)
+    return default if value is None else value
+
+
 def stage_layers(args, num_layers: int, pp: int, where: str) -> List[int]:
     """Layers per pipeline stage: the args' first / last stage counts, the stages between them split
     evenly."""
@@ -233,7 +261,6 @@ class FlatRun:
     def of(cls, args, cfg, where: str) -> "FlatRun":
         """From the run's args (CkptError where its pipeline split does not fit the layers)."""
         from ..config import Layout
-        from .megatron_args import virtual_pipeline_size  # (megatron_args imports this module)
         tp = getattr(args, "tensor_model_parallel_size", None) or 1
         pp = getattr(args, "pipeline_model_parallel_size", None) or 1
         vpp = virtual_pipeline_size(args, cfg.num_layers) or 1
