@@ -47,12 +47,22 @@ def test_a_missing_source_is_one_line_and_exit_2_without_torch(case, tmp_path):
 
 
 def test_verify_files_reads_a_manifest_without_torch(tmp_path):
-    """The manifest check itself (a directory ckptool did not write) imports no torch either."""
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "weights.bin").write_bytes(b"x")
-    r = probe(["verify", "--files", str(tmp_path / "out")], tmp_path)
+    """The manifest check itself imports no torch either: a manifest (written as ckptool writes one,
+    plain sha256 form) whose file changed afterwards FAILs naming it, and one that holds PASSes."""
+    import hashlib
+    import json
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "weights.bin").write_bytes(b"x")
+    entry = {"path": "weights.bin", "size": 1, "sha256": hashlib.sha256(b"x").hexdigest()}
+    (out / "ckptool-manifest.json").write_text(json.dumps({"tool": "ckptool", "files": [entry]}))
+    r = probe(["verify", "--files", str(out)], tmp_path)
+    assert r.returncode == 0 and "result=PASS" in r.stdout, (r.stdout, r.stderr)
+    assert r.stdout.splitlines()[-1] == "torch not imported", r.stdout
+    (out / "weights.bin").write_bytes(b"y")
+    r = probe(["verify", "--files", str(out)], tmp_path)
     assert r.returncode == 1, (r.stdout, r.stderr)
-    assert "result=FAIL" in r.stdout and "ckptool-manifest.json" in r.stdout
+    assert "result=FAIL" in r.stdout and "weights.bin: sha256 differs" in r.stdout
     assert r.stdout.splitlines()[-1] == "torch not imported", r.stdout
 
 
