@@ -209,17 +209,21 @@ def _wait_for_local_peers() -> None:
 def stop_with_the_team() -> None:
     """Under torchrun, make a SIGTERM from the agent end this rank with the status a failed peer left in
     its error file: torchrun stops every rank once one fails, also those that never met the error
-    (waiting in a collective, or still starting). Any other SIGTERM (a user's, no ckptool failure
-    recorded) keeps its default effect. Installed first thing by the command line."""
+    (waiting in a collective, or still starting). Any other SIGTERM (a user's or a scheduler's, no
+    ckptool failure recorded) does what it did before: stopping.py's clean-up, or the default.
+    Installed first thing by the command line."""
     if torchrun_rank() is None or "TORCHELASTIC_RUN_ID" not in os.environ or not _peer_error_files():
         return
     import signal
+    before = signal.getsignal(signal.SIGTERM)
 
     def stop(signum, frame):
         for path in _peer_error_files():
             status = _peer_status(path)
             if status is not None:
                 os._exit(status)
+        if callable(before):
+            return before(signum, frame)
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 
