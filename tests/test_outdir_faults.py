@@ -48,8 +48,9 @@ def ckptool(*argv) -> list:
     return [sys.executable, "-m", "ckptool", *map(str, argv)]
 
 
-def start_frozen_mid_write(argv: list, dst: Path) -> subprocess.Popen:
-    """Start a writing run and freeze it (SIGSTOP) once its partial output holds bytes."""
+def start_frozen_mid_write(argv: list, dst: Path, freeze=lambda pid: [pid]) -> subprocess.Popen:
+    """Start a writing run and freeze it (SIGSTOP to freeze(its pid): the processes that write) once its
+    partial output holds bytes."""
     earlier = set(beside(dst))  # a killed run's leftovers
     p = subprocess.Popen(argv, env=ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
@@ -57,18 +58,21 @@ def start_frozen_mid_write(argv: list, dst: Path) -> subprocess.Popen:
         partial = next((dst.parent / n for n in beside(dst)
                         if n not in earlier and "." not in n.split(PARTIAL_TAG)[1]), None)
         if partial is not None and any(f.is_file() and f.stat().st_size for f in partial.rglob("*")):
-            p.send_signal(signal.SIGSTOP)
+            for pid in freeze(p.pid):
+                os.kill(pid, signal.SIGSTOP)
             break
         time.sleep(0.002)
     assert p.poll() is None, f"the run ended before it was caught writing: {p.communicate()}"
     return p
 
 
-def resume(p: subprocess.Popen, *signals) -> tuple:
-    """Send signals to a frozen run, let it go on, and wait for it: (status, stdout, stderr)."""
+def resume(p: subprocess.Popen, *signals, freeze=None) -> tuple:
+    """Send signals to a frozen run, let it go on (SIGCONT to freeze: the pids frozen, default the run),
+    and wait for it: (status, stdout, stderr)."""
     for sig in signals:
         p.send_signal(sig)
-    p.send_signal(signal.SIGCONT)
+    for pid in freeze or [p.pid]:
+        os.kill(pid, signal.SIGCONT)
     out, err = p.communicate(timeout=300)
     return p.returncode, out, err
 
@@ -192,3 +196,53 @@ def test_leftover_of_a_swap_cut_short_is_put_back(tmp_path):
     r = CliRunner().invoke(main, ["merge", str(FIXTURE), str(dst)])
     assert r.exit_code == 2 and "already exists" in r.stderr
     assert tree_hashes(dst) == old and beside(dst) == []
+
+
+# --- under torchrun: the team's partial output belongs to rank 0 -------------------------------------
+
+def ranks_of(launcher: int) -> list:
+    """The pids of the ckptool ranks a launcher started: its children running `-m ckptool` (both
+    launchers start the ranks themselves)."""
+    ranks = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == launcher and \
+                    b"\0-m\0ckptool\0" in (stat.parent / "cmdline").read_bytes():
+                ranks.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            pass
+    return ranks
+
+
+def pending(pid: int, sig: int) -> bool:
+    """Whether sig waits to be delivered to pid (sent to the process or its group: ShdPnd)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("ShdPnd:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+LAUNCHERS = {"ckptool.torchrun": ["--nproc-per-node", "2"],
+             "torch.distributed.run": ["--standalone", "--nproc-per-node", "2", "-m", "ckptool"]}  # standalone: port 0
+
+
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_sigterm_to_a_torchrun_team_leaves_nothing(big, tmp_path, launcher):
+    """A scheduler's SIGTERM to the launcher reaches every rank (the launcher passes it on); rank 0, which
+    holds the lock on the team's partial output, removes it; the line is said once. The ranks are frozen
+    mid-write until the launcher's SIGTERM is pending at each."""
+    dst = tmp_path / "out"
+    argv = [sys.executable, "-m", launcher, *LAUNCHERS[launcher], "reshard", big, dst, "--tp", 2, "--pp", 2]
+    p = start_frozen_mid_write([str(a) for a in argv], dst, freeze=ranks_of)
+    ranks = ranks_of(p.pid)
+    assert len(ranks) == 2 and beside(dst) and not dst.exists()
+    p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while not all(pending(r, signal.SIGTERM) for r in ranks) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    status, out, err = resume(p, freeze=ranks)
+    line = f"terminated (SIGTERM): nothing was written to {dst}"
+    assert err.count(line) == 1, (status, err[-3000:])
+    assert not dst.exists() and beside(dst) == [], err[-3000:]
+    if launcher == "ckptool.torchrun":
+        assert status == 143 and err.strip().splitlines()[-1] == line, err[-3000:]

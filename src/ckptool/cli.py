@@ -43,6 +43,7 @@ class LazyGroup(click.Group):
         try:
             return super().main(args, *a, **kw)
         except SystemExit as done:  # click ends every standalone run this way, success included
+            stopping.uninstall()
             if args is not None or not quick_exit.owns_process():
                 raise  # called in-process (tests, a script): the caller decides what an exit means
             quick_exit.end_process(done.code)

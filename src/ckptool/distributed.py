@@ -135,6 +135,17 @@ def fail_as_team(line: str, status: int, reporter: int, say: Callable[[str], Non
     sys.exit(status)
 
 
+def stop_as_team(line: str, status: int, say: Callable[[str], None]) -> NoReturn:
+    """End this rank of a command stopped by a signal: torchrun's agent (or ckptool's launcher) sends it
+    to every rank, so each ends at once, without the barrier of a normal exit (a peer may still wait in
+    a collective); rank 0, which held the partial output, says the line."""
+    global _ABANDONED
+    _ABANDONED = True
+    if not torchrun_rank():
+        say(line)
+    sys.exit(status)
+
+
 def _write_error_file(line: str, status: Optional[int] = None) -> None:
     """torchrun's agent shows the `py_callstack` of each failed rank's error file in its report. The
     file also carries ckptool's exit status, for the ranks torchrun stops before they met the error

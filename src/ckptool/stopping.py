@@ -39,16 +39,21 @@ def stop_words(error: BaseException) -> str:
     return STOP_SIGNALS.get(signal_of(error), f"stopped ({signal.Signals(signal_of(error)).name})")
 
 
-# While a step that must not be cut in two runs (deferred()), a signal waits here until it ends.
+# While a step that must not be cut in two runs (deferred()), a signal waits here until it ends. Only the
+# first signal raises: once the process is stopping, a second Ctrl-C must not cut its clean-up short.
 _deferring = 0
 _pending: Optional[int] = None
+_stopping = False
 
 
 def _on_signal(signum, _frame) -> None:
-    global _pending
+    global _pending, _stopping
+    if _stopping:
+        return
     if _deferring:
         _pending = _pending or signum
         return
+    _stopping = True
     raise Stopped(signum)
 
 
@@ -62,17 +67,39 @@ def install() -> None:
             signal.signal(signum, _on_signal)
 
 
+def uninstall() -> None:
+    """The command is over (its output complete or removed): a signal now simply ends the process, as
+    it would any program, instead of raising into the atexit handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in STOP_SIGNALS:
+        if signal.getsignal(signum) is _on_signal:
+            signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+
+
 @contextlib.contextmanager
 def deferred():
     """Run the block whole: a stop signal that arrives meanwhile is raised (as Stopped) when it ends.
     For the steps that must not be cut in two: the renames that swap an old DST for the new one, and
     the clean-up after a failure."""
-    global _deferring, _pending
+    global _deferring, _pending, _stopping
     _deferring += 1
     try:
         yield
     finally:
         _deferring -= 1
-        if not _deferring and _pending is not None:
-            signum, _pending = _pending, None
+        if not _deferring and _pending is not None and not _stopping:
+            signum, _pending, _stopping = _pending, None, True
             raise Stopped(signum)
+
+
+def surely(clean_up) -> None:
+    """Run clean_up whole even when the signal that stops the process is raised as it starts (before its
+    own deferred() takes hold): then it runs again, and the signal goes on."""
+    try:
+        with deferred():
+            clean_up()
+    except KeyboardInterrupt:
+        with deferred():
+            clean_up()
+        raise

@@ -148,11 +148,11 @@ def error_line(e: BaseException) -> str:
 
 
 def _fail(line: str, status: int, reporter: int, agreed: bool = False, stopped: bool = False) -> None:
-    from ..distributed import fail_as_team, torchrun_rank
-    rank = torchrun_rank()
-    if rank is None or stopped:  # a signal stops every rank at once (torchrun's agent sends it to each)
-        if not rank:
-            _say(line)
+    from ..distributed import fail_as_team, stop_as_team, torchrun_rank
+    if stopped:
+        stop_as_team(line, status, _say)
+    if torchrun_rank() is None:
+        _say(line)
         sys.exit(status)
     fail_as_team(line, status, reporter, _say, agreed=agreed)
 

@@ -234,15 +234,18 @@ class PartialDir:
             self.sealed = True
 
     def release(self) -> None:
-        """Remove all this run made beside DST except DST itself; let the lock go."""
+        """Remove all this run made beside DST except DST itself; let the lock go. Whole, whatever signal
+        comes meanwhile (stopping.surely)."""
+        stopping.surely(self._release)
+
+    def _release(self) -> None:
         if self.lock_fd is None:
             return
-        with stopping.deferred():  # a second Ctrl-C must not cut the clean-up short
-            if not self.sealed:
-                shutil.rmtree(self.path, ignore_errors=True)
-            _settle_old(self.dst, self.old)
-            writer_lock.release(self.lock_fd, self.lock)
-            self.lock_fd = None
+        if not self.sealed:
+            shutil.rmtree(self.path, ignore_errors=True)
+        _settle_old(self.dst, self.old)
+        writer_lock.release(self.lock_fd, self.lock)
+        self.lock_fd = None
 
 
 # DST -> its PartialDir while this process writes it (sealed or not): what a stopped command reports

@@ -12,6 +12,7 @@ it was being claimed), and the claimant then simply tries again under a new name
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import socket
@@ -20,17 +21,40 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 
+# flock's errors on a file system that has no locks (some network and FUSE mounts): there every partial
+# output is taken for a leftover, as before runs had locks, rather than refusing to write at all
+NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+
+
+def _lock(fd: int) -> bool:
+    """flock(fd) without waiting: False when another process holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as e:
+        if e.errno not in NO_LOCKS:
+            raise
+    return True
+
+
 def claim(path: Path) -> Optional[int]:
     """A new lock file at path, flocked by this process: its descriptor (keep it open while the run
     lives), or None when another run took it away while it was being claimed (try another name)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.write(fd, owner_text().encode())
-        if os.stat(path).st_ino == os.fstat(fd).st_ino:
-            return fd
-    except (BlockingIOError, FileNotFoundError):
-        pass  # a run clearing leftovers has it (or has removed it already)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    except FileExistsError:
+        return None
+    try:
+        if _lock(fd):
+            os.write(fd, owner_text().encode())
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+    except FileNotFoundError:
+        pass  # a run clearing leftovers has removed it already
+    except BaseException:
+        os.close(fd)
+        raise
     os.close(fd)
     return None
 
@@ -50,12 +74,7 @@ def if_abandoned(path: Path) -> Iterator[Optional[str]]:
         yield None
         return
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield _read_owner(fd)
-            return
-        yield None
+        yield None if _lock(fd) else _read_owner(fd)
     finally:
         os.close(fd)
 
