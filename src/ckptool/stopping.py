@@ -43,7 +43,7 @@ def stop_words(error: BaseException) -> str:
 # first signal raises: once the process is stopping, a second Ctrl-C must not cut its clean-up short.
 _deferring = 0
 _pending: Optional[int] = None
-_stopping = False
+_stopping: Optional[int] = None  # the signal that is stopping the process, once one has been raised
 
 
 def _on_signal(signum, _frame) -> None:
@@ -53,8 +53,18 @@ def _on_signal(signum, _frame) -> None:
     if _deferring:
         _pending = _pending or signum
         return
-    _stopping = True
+    _stopping = signum
     raise Stopped(signum)
+
+
+def as_stop(error: BaseException) -> BaseException:
+    """The error a command ends with, seen in the light of a stop signal raised earlier: the signal, when
+    the error came after it. Under torchrun a peer that stopped breaks this rank's collective (gloo:
+    "Connection closed by peer"), and a Stopped raised inside a callback from C++ can come back as
+    such an error: either way the signal is what ended the command."""
+    if _stopping and not isinstance(error, KeyboardInterrupt):
+        return Stopped(_stopping)
+    return error
 
 
 def install() -> None:
@@ -89,7 +99,7 @@ def deferred():
     finally:
         _deferring -= 1
         if not _deferring and _pending is not None and not _stopping:
-            signum, _pending, _stopping = _pending, None, True
+            signum, _pending, _stopping = _pending, None, _pending
             raise Stopped(signum)
 
 

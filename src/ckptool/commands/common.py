@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from ..errors import EXIT, CkptError, TeamError, exit_status_of
 from ..options import CHOICES, ReadOptions, pop_read_options
-from ..stopping import stop_words
+from ..stopping import as_stop, stop_words
 
 
 def source_options(fn: Callable) -> Callable:
@@ -128,10 +128,18 @@ def reports_errors(fn: Callable) -> Callable:
         except (KeyboardInterrupt, Exception) as e:
             if debug and not isinstance(e, KeyboardInterrupt):
                 traceback.print_exc()
-            _fail(error_line(e), exit_status_of(e), getattr(e, "reporter", 0), isinstance(e, TeamError),
-                  stopped=isinstance(e, KeyboardInterrupt))
+            try:
+                _end_with(as_stop(e))
+            except KeyboardInterrupt as stop:  # a stop signal's handler ran only while the error was said
+                _end_with(stop)
 
     return wrapper
+
+
+def _end_with(e: BaseException) -> None:
+    """Say e's one line and exit with its status (as the team, under torchrun)."""
+    _fail(error_line(e), exit_status_of(e), getattr(e, "reporter", 0), isinstance(e, TeamError),
+          stopped=isinstance(e, KeyboardInterrupt))
 
 
 def error_line(e: BaseException) -> str:
