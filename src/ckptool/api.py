@@ -367,13 +367,14 @@ def _export_to_hf(source: NoCanonicalForm, src, dst, dtype, max_shard_size, toke
     """to-hf of a source without a canonical form (a DeepLearningExamples BERT file, a DeepSpeed run of
     another Hugging Face model): its reader's export writes it under the model's own names."""
     from .formats.hf_writer import copy_tokenizer
-    from .io.outdir import atomic_output_dir
+    from .io.outdir import partial_output
     bar = (lambda n: progress(n, None)) if progress is not None else None  # total unknown before reading
     export = registry.BY_NAME["hf"].exporter(source)
-    with atomic_output_dir(dst, sources=[Path(src)], force=force) as tmp:
-        summary = export(tmp, dtype=dtype, max_shard_size=max_shard_size, progress=bar)
+    with partial_output(dst, sources=[Path(src)], force=force) as part:
+        summary = export(part.path, dtype=dtype, max_shard_size=max_shard_size, progress=bar)
         if tokenizer:
-            copy_tokenizer(tokenizer, tmp)
+            copy_tokenizer(tokenizer, part.path)
+    summary.replaced = part.replaced
     return ConversionResult("to-hf", str(src), str(dst), summary, kind=source.kind)
 
 

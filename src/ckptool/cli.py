@@ -10,7 +10,7 @@ import inspect
 
 import click
 
-from . import __version__, quick_exit
+from . import __version__, quick_exit, stopping
 from .errors import exit_status_table
 import importlib
 
@@ -34,6 +34,8 @@ class LazyGroup(click.Group):
     def main(self, args=None, *a, **kw):
         # before any command module imports torch: bytecode cache, read-ahead of the source (io/startup.py)
         from .distributed import stop_with_the_team
+        if args is None:  # this process's own command line: SIGTERM and SIGHUP clean up as Ctrl-C does
+            stopping.install()
         stop_with_the_team()  # first: torchrun may stop this rank any moment once a peer has failed
         from .io import startup
         import sys
@@ -41,6 +43,7 @@ class LazyGroup(click.Group):
         try:
             return super().main(args, *a, **kw)
         except SystemExit as done:  # click ends every standalone run this way, success included
+            stopping.uninstall()
             if args is not None or not quick_exit.owns_process():
                 raise  # called in-process (tests, a script): the caller decides what an exit means
             quick_exit.end_process(done.code)

@@ -11,7 +11,7 @@ from .errors import CkptError, TeamError, exit_status_of, require
 from .distributed import Team, current_team
 from .formats.megatron_args import mla_rope_args
 from .formats.registry import Format, default_output, output_format
-from .io.outdir import adopt_digests, atomic_output_dir, known_digests, make_partial_dir, seal_partial_dir
+from .io.outdir import PartialDir, adopt_digests, known_digests, partial_output
 from .rope_order import as_interleaved_pairs
 from .state import PAD_FILL_BY_SLOT, Checkpoint
 from .summary import WriteSummary
@@ -96,25 +96,55 @@ def write_output(dst, sources, force: bool, write: Callable, merge: Callable[[li
 
     Alone, owns is None: write everything. Under torchrun every rank calls write with owns(i) ->
     bool, its round-robin share of the work items 0, 1, 2... (files); owns(0)'s rank also writes
-    whatever exists once (configs, indexes). merge combines the ranks' non-None summaries."""
+    whatever exists once (configs, indexes). merge combines the ranks' non-None summaries. The
+    summary's `replaced` says what an old dst held when force replaced it."""
     team = current_team()
     if not team.distributed:
-        with atomic_output_dir(dst, sources=sources, force=force) as tmp:
-            return write(tmp, None)
+        with partial_output(dst, sources=sources, force=force) as part:
+            summary = write(part.path, None)
+        return _with_replaced(summary, part)
     return _write_as_team(team, dst, sources, force, write, merge)
 
 
+def _with_replaced(summary, part: Optional[PartialDir]):
+    if part is not None and part.replaced is not None and hasattr(summary, "replaced"):
+        summary.replaced = part.replaced
+    return summary
+
+
 def _write_as_team(team: Team, dst, sources, force: bool, write: Callable, merge: Callable) -> dict:
-    """torchrun: rank 0 makes the temporary dir, every rank writes its share of the files,
-    rank 0 seals the output once all report success. Every rank sees the same outcome."""
-    import shutil
-    tmp, error = None, None
+    """torchrun: rank 0 claims the partial output (the run's lock is rank 0's: the other ranks write
+    into the directory it broadcasts), every rank writes its share of the files, rank 0 seals the
+    output once all report success. Every rank sees the same outcome. Whatever ends rank 0 (an
+    error, a signal from torchrun's agent), its partial output goes with it (PartialDir.release)."""
+    part, error = None, None
     if team.leader:
         try:
-            tmp = make_partial_dir(dst, sources, force)
+            part = PartialDir.claim(dst, sources, force)
         except CkptError as e:
             error = e
-    tmp, message = team.broadcast((tmp, None if error is None else str(error)))
+    try:
+        total = _write_shares(team, part, error, write, merge)
+        sealed = None
+        if team.leader:
+            try:
+                part.seal()
+            except Exception as e:
+                sealed = str(e)
+        sealed = team.broadcast(sealed)  # nobody returns before the output is in place
+        if sealed:
+            raise CkptError(f"could not finish {dst}: {sealed}")
+    finally:
+        if part is not None:
+            part.release()
+    return _with_replaced(total, part)
+
+
+def _write_shares(team: Team, part: Optional[PartialDir], error: Optional[CkptError], write: Callable,
+                  merge: Callable):
+    """Every rank writes its share into the leader's partial output; the merged summary, or the
+    first failure raised on every rank (by the failing rank as itself, by the others as TeamError)."""
+    tmp, message = team.broadcast((part and part.path, None if error is None else str(error)))
     if message is not None:
         raise error if error is not None else CkptError(message)
     summary, failure = None, None
@@ -127,28 +157,16 @@ def _write_as_team(team: Team, dst, sources, force: bool, write: Callable, merge
     results = team.gather((summary, report, known_digests(tmp) if failure is None else {}))
     failed = [(rank, r) for rank, (_, r, _) in enumerate(results) if r is not None]
     if failed:
-        if team.leader:
-            shutil.rmtree(tmp, ignore_errors=True)
         reporter, (message, status) = failed[0]  # the lowest failing rank says it, for every rank
         if failure is not None and reporter == team.rank:
             failure.reporter = reporter  # read by the CLI's error report (commands/common.py)
             raise failure
         raise TeamError(f"distributed conversion failed on another rank ({message})" if failure is None
                         else str(failure), reporter=reporter, status=status)
-    total = merge([s for s, _, _ in results if s])
-    sealed = None
     if team.leader:
         for _, _, digests in results:
             adopt_digests(digests)
-        try:
-            seal_partial_dir(tmp, dst)
-        except Exception as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            sealed = str(e)
-    sealed = team.broadcast(sealed)  # nobody returns before the output is in place
-    if sealed:
-        raise CkptError(f"could not finish {dst}: {sealed}")
-    return total
+    return merge([s for s, _, _ in results if s])
 
 
 def fix_vocab(ckpt: Checkpoint, size: Optional[int] = None, multiple: Optional[int] = None,

@@ -135,6 +135,17 @@ def fail_as_team(line: str, status: int, reporter: int, say: Callable[[str], Non
     sys.exit(status)
 
 
+def stop_as_team(line: str, status: int, say: Callable[[str], None]) -> NoReturn:
+    """End this rank of a command stopped by a signal: torchrun's agent (or ckptool's launcher) sends it
+    to every rank, so each ends at once, without the barrier of a normal exit (a peer may still wait in
+    a collective); rank 0, which held the partial output, says the line."""
+    global _ABANDONED
+    _ABANDONED = True
+    if not torchrun_rank():
+        say(line)
+    sys.exit(status)
+
+
 def _write_error_file(line: str, status: Optional[int] = None) -> None:
     """torchrun's agent shows the `py_callstack` of each failed rank's error file in its report. The
     file also carries ckptool's exit status, for the ranks torchrun stops before they met the error
@@ -209,17 +220,21 @@ def _wait_for_local_peers() -> None:
 def stop_with_the_team() -> None:
     """Under torchrun, make a SIGTERM from the agent end this rank with the status a failed peer left in
     its error file: torchrun stops every rank once one fails, also those that never met the error
-    (waiting in a collective, or still starting). Any other SIGTERM (a user's, no ckptool failure
-    recorded) keeps its default effect. Installed first thing by the command line."""
+    (waiting in a collective, or still starting). Any other SIGTERM (a user's or a scheduler's, no
+    ckptool failure recorded) does what it did before: stopping.py's clean-up, or the default.
+    Installed first thing by the command line."""
     if torchrun_rank() is None or "TORCHELASTIC_RUN_ID" not in os.environ or not _peer_error_files():
         return
     import signal
+    before = signal.getsignal(signal.SIGTERM)
 
     def stop(signum, frame):
         for path in _peer_error_files():
             status = _peer_status(path)
             if status is not None:
                 os._exit(status)
+        if callable(before):
+            return before(signum, frame)
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 

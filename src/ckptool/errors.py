@@ -71,7 +71,10 @@ EXIT_STATUSES = (
     ExitStatus(2, "bad_input", "bad input or request: the one `error:` line says what and what to do "
                                "(also files that cannot be read or written)"),
     ExitStatus(3, "internal", "internal error: a bug in ckptool (rerun with `ckptool --debug` and report it)"),
+    ExitStatus(129, "hung_up", "hung up (SIGHUP: the terminal closed): nothing was written to the output"),
     ExitStatus(130, "interrupted", "interrupted (Ctrl-C): nothing was written to the output"),
+    ExitStatus(143, "terminated", "terminated (SIGTERM: `timeout`, Slurm, Kubernetes): nothing was written "
+                                  "to the output, and a DST that --force would have replaced is left as it was"),
     ExitStatus(141, "broken_pipe", "the reader of stdout went away (e.g. `| head`)"),
 )
 EXIT = {s.name: s.code for s in EXIT_STATUSES}
@@ -83,8 +86,8 @@ def exit_status_of(error: BaseException) -> int:
         return error.status
     if isinstance(error, (CkptError, OSError)):
         return EXIT["bad_input"]
-    if isinstance(error, KeyboardInterrupt):
-        return EXIT["interrupted"]
+    if isinstance(error, KeyboardInterrupt):  # Ctrl-C, or stopping.Stopped for SIGTERM and SIGHUP
+        return 128 + getattr(error, "signum", 2)  # as a shell shows a signal (SIGINT is 2)
     return EXIT["internal"]
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 
 @dataclass
@@ -27,6 +27,7 @@ class WriteSummary:
     checkpoint_version: Optional[float] = None  # Megatron outputs
     file_names: List[str] = field(default_factory=list)  # where the writer lists them (safetensors shards)
     details: Dict[str, Any] = field(default_factory=dict)  # the format's own facts (hf: architecture, dtype, ...)
+    replaced: Optional[Tuple[int, int]] = None  # (files, bytes) the output held before --force replaced it
 
     def __getitem__(self, key: str) -> Any:
         if key in self.details:

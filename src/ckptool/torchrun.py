@@ -185,11 +185,12 @@ def launch_direct(command: List[str], nproc: int, addr: str, port: Optional[int]
                 except (ProcessLookupError, PermissionError):
                     pass
 
-    def on_signal(signum, _frame):  # Ctrl-C or a scheduler's SIGTERM: pass it on, then end as it says
-        stopping.append(signum)
+    def on_signal(signum, _frame):  # Ctrl-C, a scheduler's SIGTERM, a closed terminal's SIGHUP: pass it
+        stopping.append(signum)    # on (each rank removes what it wrote), then end as it says
         stop(signal.Signals(signum))
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+                if s != signal.SIGHUP or signal.getsignal(s) != signal.SIG_IGN}  # nohup: SIGHUP stays ignored
     try:
         for rank in range(nproc):
             procs.append(subprocess.Popen([python, "-u", "-m", "ckptool", *command],

@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from ..errors import EXIT, CkptError, TeamError, exit_status_of
 from ..options import CHOICES, ReadOptions, pop_read_options
+from ..stopping import as_stop, stop_words
 
 
 def source_options(fn: Callable) -> Callable:
@@ -127,9 +128,18 @@ def reports_errors(fn: Callable) -> Callable:
         except (KeyboardInterrupt, Exception) as e:
             if debug and not isinstance(e, KeyboardInterrupt):
                 traceback.print_exc()
-            _fail(error_line(e), exit_status_of(e), getattr(e, "reporter", 0), isinstance(e, TeamError))
+            try:
+                _end_with(as_stop(e))
+            except KeyboardInterrupt as stop:  # a stop signal's handler ran only while the error was said
+                _end_with(stop)
 
     return wrapper
+
+
+def _end_with(e: BaseException) -> None:
+    """Say e's one line and exit with its status (as the team, under torchrun)."""
+    _fail(error_line(e), exit_status_of(e), getattr(e, "reporter", 0), isinstance(e, TeamError),
+          stopped=isinstance(e, KeyboardInterrupt))
 
 
 def error_line(e: BaseException) -> str:
@@ -139,18 +149,27 @@ def error_line(e: BaseException) -> str:
     if isinstance(e, OSError):
         from ..io.outdir import translate_os_error
         return f"error: {translate_os_error(e, getattr(e, 'filename', '') or 'the output')}"
-    if isinstance(e, KeyboardInterrupt):
-        return "interrupted: nothing was written to the output"
+    if isinstance(e, KeyboardInterrupt):  # Ctrl-C, SIGTERM, SIGHUP (stopping.py)
+        from ..io.outdir import stop_outcome
+        return f"{stop_words(e)}: {stop_outcome()}"
     return f"internal error: {type(e).__name__}: {e} (rerun with `ckptool --debug ...` and report it)"
 
 
-def _fail(line: str, status: int, reporter: int, agreed: bool = False) -> None:
-    from ..distributed import fail_as_team, torchrun_rank
-    say = lambda text: click.echo(text, err=True)  # noqa: E731
+def _fail(line: str, status: int, reporter: int, agreed: bool = False, stopped: bool = False) -> None:
+    from ..distributed import fail_as_team, stop_as_team, torchrun_rank
+    if stopped:
+        stop_as_team(line, status, _say)
     if torchrun_rank() is None:
-        say(line)
+        _say(line)
         sys.exit(status)
-    fail_as_team(line, status, reporter, say, agreed=agreed)
+    fail_as_team(line, status, reporter, _say, agreed=agreed)
+
+
+def _say(line: str) -> None:
+    try:
+        click.echo(line, err=True)
+    except OSError:
+        pass  # stderr is gone (SIGHUP: the terminal closed); the status still says what happened
 
 
 def _quiet_broken_pipe() -> None:
@@ -189,6 +208,9 @@ def report_conversion(result, lines: list, live: LiveWarnings) -> None:
         return
     for line in lines:
         click.echo(line)
+    replaced = getattr(result.summary, "replaced", None)
+    if replaced:  # --force: say what the old output held, now gone
+        click.echo(f"  replaced {result.dst}: {replaced[0]} files, {replaced[1]} bytes ({human_bytes(replaced[1])})")
     if result.replica_divergences:  # the source's replicas that differed (ReplicaPolicy)
         from ..sharding import divergence_report
         click.echo(f"  {divergence_report(result.replica_divergences)}")
