@@ -1,5 +1,6 @@
 """Same numbers before and after a change to verify: run a set of `ckptool verify` checks with two source
-trees and compare what they print, line by line (the forward's wall time left out).
+trees and compare what they print, line by line (the forward's wall time left out), and the tensors verify compared (target and reference
+logits and hidden states, saved as compare() receives them), bit for bit.
 
     git worktree add /tmp/base 4fa851d
     OMP_NUM_THREADS=1 python scripts/same_verify.py --base /tmp/base/src [--this SRC] [--work DIR] [--keep-base]
@@ -9,7 +10,7 @@ ground truth (also in bf16, where the tolerance follows the noise floor), of the
 against the framework's logits, and of tiny transformers-built MoE (Qwen3-MoE, at EP2) and MLA (DeepSeek-V3:
 YaRN, group routing, at TP2) models written by from-hf, each also with one planted wrong tensor so the probes
 of a diverging MoE / MLA layer run (verify/experts.py, verify/mla_probe.py). The cases are built once, with
-this tree, under --work. Exit status 1 when any printed report differs.
+this tree, under --work. Exit status 1 when any printed report or compared tensor differs.
 """
 from __future__ import annotations
 
@@ -65,10 +66,34 @@ def build(work: Path) -> dict:
     return {k: {name: [str(a) for a in args] for name, args in v.items()} for k, v in cases.items()}
 
 
-def run_in_process(cases_file: str, out_dir: str) -> None:
-    """Each case as the real command in this process (no torchrun); OUT_DIR/NAME.txt as tests/verify_batch.py."""
+def _dump_compared(out_dir: str):
+    """Wrap verify's compare so that each call also saves what it compared (target and reference logits and
+    hidden states) to OUT_DIR/NAME.pt, NAME set per case: the numbers behind the printed report, bit for bit."""
+    import torch
+    from ckptool.verify import compare as cmp
+    plain, current = cmp.compare, {}
+
+    def compare(logits, ref_logits, *args, **kw):
+        hidden, ref_hidden = (args[2:4] if len(args) >= 4 else (kw.get("hidden"), kw.get("ref_hidden")))
+        torch.save({"logits": logits, "ref_logits": ref_logits, "hidden": hidden, "ref_hidden": ref_hidden},
+                   Path(out_dir, f"{current['name']}.pt"))
+        return plain(logits, ref_logits, *args, **kw)
+    cmp.compare = compare
+    return current
+
+
+def run_cases(cases_file: str, out_dir: str, torchrun: bool) -> None:
+    """Each case as the real command (ckptool.cli) in this process, its output and exit status in
+    OUT_DIR/NAME.txt (as tests/verify_batch.py does; under torchrun the ranks join one process group once)."""
+    import torch.distributed as dist
+    from ckptool import distributed
     from ckptool.cli import main
+    current = _dump_compared(out_dir)
+    if torchrun:  # a failed case must not stop the other ranks: they go on to the next case at once
+        distributed.REPORTER_GRACE_S = distributed.AGREED_GRACE_S = 0.0
+        dist.init_process_group("gloo")
     for name, args in json.loads(Path(cases_file).read_text()).items():
+        current["name"] = name
         out = io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             try:
@@ -76,7 +101,10 @@ def run_in_process(cases_file: str, out_dir: str) -> None:
                 rc = 0
             except SystemExit as e:
                 rc = e.code if isinstance(e.code, int) else 1
-        Path(out_dir, f"{name}.txt").write_text(f"{out.getvalue()}rc={rc}\n")
+        if not torchrun or dist.get_rank() == 0:
+            Path(out_dir, f"{name}.txt").write_text(f"{out.getvalue()}rc={rc}\n")
+    if torchrun:
+        dist.destroy_process_group()
 
 
 def run_all(src: Path, cases: dict, out: Path) -> None:
@@ -88,16 +116,47 @@ def run_all(src: Path, cases: dict, out: Path) -> None:
         spec = out / f"{kind}.json"
         spec.write_text(json.dumps(group))
         if kind == "single":
-            cmd = [sys.executable, __file__, "--in-process", spec, where]
+            cmd = [sys.executable, __file__, "--run-cases", spec, where]
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(kind),
-                   "--master-port", str(29500 + kind),
-                   ROOT / "tests" / "verify_batch.py", spec, where]
+                   "--master-port", str(29000 + os.getpid() % 1000), __file__, "--run-cases", spec, where, "torchrun"]
         subprocess.run([str(c) for c in cmd], env=env, check=True, cwd=ROOT, capture_output=True)
 
 
 def report(text: str) -> list:
     return [line for line in text.splitlines() if not line.startswith("forward_seconds=")]
+
+
+def same_tensors(a, b) -> bool:
+    """a and b equal bit for bit (tensors, or dicts / lists / tuples of them, or None)."""
+    import torch
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype \
+            and a.shape == b.shape and bool(torch.equal(a, b))
+    if isinstance(a, dict) or isinstance(b, dict):
+        return isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys() \
+            and all(same_tensors(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same_tensors(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def compare_case(runs: dict, kind, name: str) -> bool:
+    """Print whether the case's report and compared tensors are the same in both runs; True when they are."""
+    import torch
+    before, after = (report((runs[n] / str(kind) / f"{name}.txt").read_text()) for n in ("base", "this"))
+    dumps = [runs[n] / str(kind) / f"{name}.pt" for n in ("base", "this")]
+    tensors = [torch.load(d, weights_only=False) if d.exists() else None for d in dumps]
+    same_lines, same_numbers = before == after, same_tensors(*tensors)
+    verdict = next((x for x in after if x.startswith("result=")), after[-1] if after else "?")
+    print(f"{'same' if same_lines and same_numbers else 'DIFFERENT'}  {kind}/{name}: {len(after)} lines "
+          f"({'same' if same_lines else 'different'}), compared tensors "
+          f"{'bit-identical' if same_numbers else 'DIFFERENT'}{'' if tensors[1] is not None else ' (none)'}, {verdict}")
+    if not same_lines:
+        for x, y in zip(before + [""] * len(after), after + [""] * len(before)):
+            if x != y:
+                print(f"    base: {x}\n    this: {y}")
+    return same_lines and same_numbers
 
 
 def main() -> int:
@@ -106,10 +165,10 @@ def main() -> int:
     ap.add_argument("--this", type=Path, default=ROOT / "src", help="the src/ directory of the changed tree")
     ap.add_argument("--work", type=Path, default=Path("/tmp/same_verify"))
     ap.add_argument("--keep-base", action="store_true", help="reuse the base's reports of an earlier run")
-    ap.add_argument("--in-process", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--run-cases", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if a.in_process:
-        run_in_process(*a.in_process)
+    if a.run_cases:
+        run_cases(a.run_cases[0], a.run_cases[1], len(a.run_cases) > 2)
         return 0
     a.work.mkdir(parents=True, exist_ok=True)
     cases = build(a.work)
@@ -119,18 +178,7 @@ def main() -> int:
             continue
         shutil.rmtree(out, ignore_errors=True)
         run_all(a.base if name == "base" else a.this, cases, out)
-    differ = 0
-    for kind, group in cases.items():
-        for name in group:
-            before, after = (report((runs[n] / str(kind) / f"{name}.txt").read_text()) for n in ("base", "this"))
-            same = before == after
-            differ += not same
-            verdict = next((x for x in after if x.startswith("result=")), after[-1] if after else "?")
-            print(f"{'same' if same else 'DIFFERENT'}  {kind}/{name}: {len(after)} lines, {verdict}")
-            if not same:
-                for x, y in zip(before + [""] * len(after), after + [""] * len(before)):
-                    if x != y:
-                        print(f"    base: {x}\n    this: {y}")
+    differ = sum(not compare_case(runs, kind, name) for kind, group in cases.items() for name in group)
     print(f"{differ} of {sum(len(g) for g in cases.values())} reports differ")
     return 1 if differ else 0
 
