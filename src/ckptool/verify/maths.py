@@ -290,10 +290,13 @@ def head(x: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig, ctx) -> to
 class OneProcess:
     """The context of the reference forward: the canonical tensors whole, nothing to combine."""
     tp, tp_rank, edp, edp_rank = 1, 0, 1, 0
-    names = {"attn_norm": "attn_norm.weight", "q_norm": "attn.q_norm.", "k_norm": "attn.k_norm.", "attn_out": "attn.out.", "mla_out": "attn.out.weight",
-             "q_down": "attn.q_down.weight", "q_down_norm": "attn.q_down_norm.weight", "q_up": "attn.q_up.weight",
-             "q": "attn.q.weight", "kv_down": "attn.kv_down.weight", "kv_down_norm": "attn.kv_down_norm.weight",
-             "kv_up": "attn.kv_up.weight", "mlp": "mlp.", "mlp_out": "down."}
+    # maths' roles -> the canonical tensor names under a layer's prefix ("layers.i."); a name ending in "."
+    # takes weight / bias; "mlp" is the prefix of a layer's MLP (its router, experts, shared expert)
+    names = {"attn_norm": "attn_norm.weight", "q_norm": "attn.q_norm.", "k_norm": "attn.k_norm.",
+             "attn_out": "attn.out.", "q": "attn.q.weight", "q_down": "attn.q_down.weight",
+             "q_down_norm": "attn.q_down_norm.weight", "q_up": "attn.q_up.weight", "kv_down": "attn.kv_down.weight",
+             "kv_down_norm": "attn.kv_down_norm.weight", "kv_up": "attn.kv_up.weight", "mla_out": "attn.out.weight",
+             "mlp": "mlp.", "mlp_out": "down."}
 
     @staticmethod
     def all_reduce(x: torch.Tensor) -> torch.Tensor:

@@ -76,10 +76,11 @@ class Ranks:
     edp_rank: int = 0
 
     # the parallel context of maths.py: this rank's file's tensors and how their partial results combine
-    names = {"attn_norm": "attn_norm.weight", "q_norm": "q_norm.", "k_norm": "k_norm.", "attn_out": "proj.", "mla_out": "proj.weight",
-             "q_down": "mla.q_down.weight", "q_down_norm": "mla.q_down_norm.weight", "q_up": "mla.q_up.weight",
-             "q": "qkv.weight", "kv_down": "mla.kv_down.weight", "kv_down_norm": "mla.kv_down_norm.weight",
-             "kv_up": "mla.kv_up.weight", "mlp": "", "mlp_out": "fc2."}
+    names = {  # maths' roles -> the rank file's tensor names under a layer's prefix (see maths.OneProcess)
+        "attn_norm": "attn_norm.weight", "q_norm": "q_norm.", "k_norm": "k_norm.", "attn_out": "proj.",
+        "q": "qkv.weight", "q_down": "mla.q_down.weight", "q_down_norm": "mla.q_down_norm.weight",
+        "q_up": "mla.q_up.weight", "kv_down": "mla.kv_down.weight", "kv_down_norm": "mla.kv_down_norm.weight",
+        "kv_up": "mla.kv_up.weight", "mla_out": "proj.weight", "mlp": "", "mlp_out": "fc2."}
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp > 1:
