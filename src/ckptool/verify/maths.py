@@ -196,7 +196,7 @@ def mlp_partial(x: torch.Tensor, w: Dict[str, torch.Tensor], p: str, cfg: GPTCon
     return out + w[bias] if bias in w and adds_bias else out
 
 
-def route(x: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig, p: str) -> Tuple[torch.Tensor, torch.Tensor]:
+def route(x: torch.Tensor, w: Dict[str, torch.Tensor], p: str, cfg: GPTConfig) -> Tuple[torch.Tensor, torch.Tensor]:
     """(expert index [tokens, k], weight [tokens, k]) for flat tokens x: scores in fp32, chosen by
     score (+ expert bias, which steers the choice only), renormalised and scaled as cfg.moe says."""
     moe = cfg.moe
@@ -223,7 +223,7 @@ def moe_mlp(x: torch.Tensor, w: Dict[str, torch.Tensor], p: str, cfg: GPTConfig,
     over the processes (ctx.sum_experts); each keeps its own tokens."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
-    chosen, weights = route(flat, w, cfg, p)
+    chosen, weights = route(flat, w, p, cfg)
     every, start = ctx.gather_tokens(flat)
     every_chosen, _ = ctx.gather_tokens(chosen)
     every_weights, _ = ctx.gather_tokens(weights)
