@@ -79,6 +79,34 @@ def test_verify_returns_a_failure_rather_than_raising(tmp_path):
     assert not verdict.ok and "result=FAIL" in verdict.lines
 
 
+def test_verify_reports_through_a_callback_and_leaves_stdout_alone(capsys):
+    """The report comes back as lines (and to on_line as each is written), without the API swapping
+    sys.stdout to capture what something printed; not quiet, the same lines are printed."""
+    seen, stdout_seen = [], set()
+
+    def on_line(line):
+        seen.append(line)
+        stdout_seen.add(id(sys.stdout))
+    recorded = f"{CASE / 'expected.pt'}:logits"
+    verdict = ckptool.verify(SRC, reference_logits=recorded, quiet=True, on_line=on_line)
+    assert verdict.ok and seen == verdict.lines and "result=PASS" in seen
+    assert stdout_seen == {id(sys.stdout)}
+    assert capsys.readouterr().out == ""
+    loud = ckptool.verify(SRC, reference_logits=recorded)
+    assert capsys.readouterr().out.splitlines() == loud.lines == verdict.lines
+
+
+def test_the_api_runs_verify_without_the_cli_and_the_command_imports_without_torch(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    api_only = ("import sys, ckptool; v = ckptool.verify(files=sys.argv[1], quiet=True); assert not v.ok; "
+                "assert not [m for m in sys.modules if m.startswith('ckptool.commands')], 'the API imported the CLI'")
+    command = "import sys, ckptool.commands.verify_cmd; assert 'torch' not in sys.modules, 'verify_cmd pulled in torch'"
+    for code in (api_only, command):
+        r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr
+
+
 def test_errors_are_ckpt_errors_and_nothing_is_written(tmp_path):
     with pytest.raises(ckptool.CkptError, match="no such file"):
         ckptool.merge(tmp_path / "missing", tmp_path / "out")

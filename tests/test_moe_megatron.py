@@ -302,7 +302,7 @@ def test_legacy_grouped_mlp_save_reads_as_the_same_model(moe, tmp_path):
 def test_verify_routes_the_expert_parallel_output_and_torchrun_runs_it_at_its_ep(moe, tmp_path):
     from click.testing import CliRunner
     from ckptool.cli import main
-    from ckptool.commands.verify_cmd import parallel_target
+    from ckptool.verify.targets import parallel_target
     from ckptool.options import ReadOptions
     api.to_hf(moe / "src", tmp_path / "hf", warn=lambda m: None)
     res = CliRunner().invoke(main, ["verify", str(moe / "out_114"), "--reference", str(tmp_path / "hf")])

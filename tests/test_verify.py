@@ -435,7 +435,7 @@ def test_torch_dist_target_with_virtual_pipeline(batch2):
 
 
 def test_torch_dist_vpp_needs_a_pipeline_and_even_chunks(models):
-    from ckptool.commands.verify_cmd import dist_layout
+    from ckptool.verify.targets import dist_layout
     from ckptool.errors import CkptError
     from ckptool.formats import dist as dist_format
     ckpt = dist_format.read(torch_dist(models, "gpt2", 1, 1))  # 4 layers
@@ -477,7 +477,7 @@ def test_16bit_compute(batch2, case, dtype, tol):
 
 
 def test_16bit_tolerance_follows_the_noise_floor():
-    from ckptool.commands.verify_cmd import _tolerance
+    from ckptool.verify.run import _tolerance
     ref16, ref32 = torch.zeros(1, 2, 5), torch.full((1, 2, 5), 0.5)
     assert _tolerance(None, torch.bfloat16, ref16, 5, None, lambda dt: ref32) == (1.5, 0.5)  # 3x the floor
     assert _tolerance(None, torch.bfloat16, ref32, 5, None, lambda dt: ref32) == (0.1, 0.0)  # the default

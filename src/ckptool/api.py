@@ -14,7 +14,6 @@ result (`.leader` is True on the rank that reports for the team).
 """
 from __future__ import annotations
 
-import io
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,9 +23,11 @@ from .config import Layout
 from .errors import CkptError, NoCanonicalForm, require
 from .formats import registry
 from .layout_request import LayoutRequest, check_sizes
+from .integrity import verify_files
 from .options import ReadOptions, pop_read_options
 from .state import Checkpoint
 from .summary import WriteSummary
+from .verify.request import Request, check_request
 
 if TYPE_CHECKING:  # annotations only: see DTYPES
     import torch
@@ -406,13 +407,11 @@ def from_hf(src, dst, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep
 
 
 # --- verify ---------------------------------------------------------------------------------------
-COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
-
-
 def verify(target=None, *, reference=None, reference_logits: Optional[str] = None, files=None,
            tokens: Optional[str] = None, tokenizer: Optional[str] = None, batch: int = 2, seq_len: int = 16,
            seed: int = 0, dtype: str = "fp32", tolerance: Optional[float] = None, tp: Optional[int] = None,
            pp: Optional[int] = None, vpp: Optional[int] = None, quiet: bool = False,
+           on_line: Optional[Callable[[str], None]] = None, warn: Optional[Warn] = None,
            **read_options) -> VerifyResult:
     """Check that `target` computes what the reference computes, as `ckptool verify`.
 
@@ -422,70 +421,40 @@ def verify(target=None, *, reference=None, reference_logits: Optional[str] = Non
     format's CRCs and sizes: integrity.py). tokens/tokenizer/batch/seq_len/seed choose the input, dtype
     ("fp32", "bf16", "fp16") the compute dtype, tolerance the largest max-abs logits error that
     passes. Under torchrun the forward runs tensor/pipeline-parallel (tp/pp/vpp for torch_dist).
-    Returns VerifyResult (ok, report lines); the lines are also printed unless quiet. A mismatch is
-    ok=False, not an exception; bad input raises CkptError."""
-    from .commands import verify_cmd as v
+    Returns VerifyResult (ok, report lines); each line is also printed as it comes unless quiet, and
+    passed to on_line(line) when given. warn(message) is told how a checkpoint was read (default: a
+    `warning:` line on stderr). A mismatch is ok=False, not an exception; bad input raises CkptError."""
     check_sizes(tp=tp, pp=pp, vpp=vpp)
-    with _ReportLines(echo=not quiet) as report:
-        if files is not None:
-            ok = v.verify_files(Path(files))
-        else:
-            require(target is not None, "give the checkpoint to verify", "ckptool verify TARGET [--reference REF]")
-            require(not (reference and reference_logits), "give --reference or --reference-logits, not both")
-            require(dtype in COMPUTE_DTYPES, f"unknown compute dtype {dtype!r}",
-                    f"choose one of {', '.join(COMPUTE_DTYPES)}")
-            opts = _parse_read_options(**read_options)
-            registry.source_format(target)  # a missing or unknown target: its error before torch's import
-            compute = _dtype(dtype)
-            token_args = (tokens, tokenizer, batch, seq_len, seed)
-            if v.under_torchrun():
-                ok = v.run_parallel(target, reference, reference_logits, opts, compute, tolerance, token_args,
-                                    tp, pp, vpp)
-            else:
-                ok = v.run_single(target, reference, reference_logits, opts, compute, tolerance, token_args)
-    return VerifyResult(bool(ok), report.lines())
+    say = _each(on_line, None if quiet else _print_line)
+    if files is not None:
+        lines: List[str] = []
+        ok = verify_files(Path(files), _each(lines.append, say))  # torch-free (integrity.py)
+        return VerifyResult(ok, lines)
+    opts = _parse_read_options(**read_options)
+    check_request(target, reference, reference_logits, dtype)  # torch-free: a bad request answers at once
+    from .verify import run as verify_run  # imports torch: only once a forward will run
+    request = Request(target, reference, reference_logits, opts, dtype, tolerance,
+                      (tokens, tokenizer, batch, seq_len, seed), tp, pp, vpp)
+    outcome = verify_run.verify(request, say, warn or _print_warning)
+    return VerifyResult(outcome.ok, outcome.lines)
 
 
-class _ReportLines(io.TextIOBase):
-    """Collect what the command functions print on stdout (click.echo writes to sys.stdout), passing it
-    through unless echo is False."""
+def _print_line(line: str) -> None:
+    print(line, flush=True)
 
-    def __init__(self, echo: bool):
-        super().__init__()
-        self.echo, self.parts = echo, []
 
-    @property
-    def encoding(self) -> str:
-        return getattr(self.out, "encoding", None) or "utf-8"
+def _print_warning(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
-    @property
-    def errors(self) -> str:
-        return getattr(self.out, "errors", None) or "strict"
 
-    def writable(self) -> bool:
-        return True
+def _each(*calls: Optional[Callable[[str], None]]) -> Callable[[str], None]:
+    """One callback that passes its line to every one of calls given."""
+    given = [c for c in calls if c is not None]
 
-    def write(self, text: str) -> int:
-        if not isinstance(text, str):  # click probes with b"" to tell text streams from binary ones
-            raise TypeError("a text stream")
-        self.parts.append(text)
-        if self.echo:
-            self.out.write(text)
-        return len(text)
-
-    def flush(self) -> None:
-        self.out.flush()
-
-    def lines(self) -> List[str]:
-        return "".join(self.parts).splitlines()
-
-    def __enter__(self):
-        self.out, sys.stdout = sys.stdout, self
-        return self
-
-    def __exit__(self, *exc):
-        sys.stdout = self.out
-        return False
+    def say(line: str) -> None:
+        for call in given:
+            call(line)
+    return say
 
 
 # --- small helpers --------------------------------------------------------------------------------

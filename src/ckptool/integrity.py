@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-import click
 
 from .errors import CkptError, require
 from .formats.deepspeed_files import has_states, scan_tag_dir
@@ -75,39 +74,40 @@ class Findings:
 
 # --- the command ---------------------------------------------------------------------------------
 
-def verify_files(path: Path) -> bool:
-    """Check PATH (a directory or one file), print each problem and the result; True when it holds."""
+def verify_files(path: Path, say: Callable[[str], None]) -> bool:
+    """Check PATH (a directory or one file): each problem, then the result, go to say(line); True when
+    it holds."""
     path = Path(path)
     require(path.exists(), f"{path}: no such file or directory")
     if path.is_dir() and (path / MANIFEST).is_file():
-        return _report_manifest(path)
+        return _report_manifest(path, say)
     found = check_checkpoint(path)
     for p in found.problems:
-        click.echo(f"  {p}")
+        say(f"  {p}")
     for f in found.unverified:
-        click.echo(f"  {f}: legacy (pre-1.6) torch file: no checksum in this format, not verified")
+        say(f"  {f}: legacy (pre-1.6) torch file: no checksum in this format, not verified")
     if found.problems:
         n = len(found.problems)
-        click.echo(f"result=FAIL ({n} problem{'s' * (n > 1)} in {path}; checked {found.summary()})")
+        say(f"result=FAIL ({n} problem{'s' * (n > 1)} in {path}; checked {found.summary()})")
         return False
     if not found.files - len(found.unverified):
         what = ("only legacy torch files, which carry no checksum" if found.unverified
                 else "no checkpoint file ckptool knows (torch, safetensors, DCP)")
-        click.echo(f"result=FAIL (nothing in {path} could be verified: {what})")
+        say(f"result=FAIL (nothing in {path} could be verified: {what})")
         return False
     note = f"; {len(found.unverified)} legacy torch files not verified" if found.unverified else ""
-    click.echo(f"result=PASS (checked {found.summary()}{note})")
+    say(f"result=PASS (checked {found.summary()}{note})")
     return True
 
 
-def _report_manifest(root: Path) -> bool:
+def _report_manifest(root: Path, say: Callable[[str], None]) -> bool:
     problems = check_manifest(root)
     for p in problems:
-        click.echo(f"  {p}")
+        say(f"  {p}")
     if problems:
-        click.echo(f"result=FAIL ({len(problems)} problem{'s' if len(problems) > 1 else ''} in {root})")
+        say(f"result=FAIL ({len(problems)} problem{'s' if len(problems) > 1 else ''} in {root})")
         return False
-    click.echo(f"result=PASS (every file in {root} matches its manifest)")
+    say(f"result=PASS (every file in {root} matches its manifest)")
     return True
 
 

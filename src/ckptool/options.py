@@ -45,6 +45,7 @@ CHOICES = {
     "qkv_layout": ("grouped", "split"),
     "activation": ("gelu", "gelu_tanh", "swiglu", "squared_relu"),
     "normalization": ("layernorm", "rmsnorm"),
+    "compute_dtype": ("fp32", "bf16", "fp16"),  # verify's --dtype (verify/run.COMPUTE_DTYPES)
 }
 
 

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from ..config import GPTConfig
 from ..lazy import load_scope
 from ..state import Checkpoint
-from . import reference as ref_fwd
-from .parallel import Ranks, expert_partial
+from .maths import ONE_PROCESS, attention_part, mlp_partial, rope_frequencies
+from .parallel import Ranks
 
 
 def diverging_layer(first_divergence: Optional[str], ref_ckpt: Optional[Checkpoint],
@@ -50,12 +50,8 @@ def moe_input(ref_ckpt: Checkpoint, i: int, x: torch.Tensor, dtype, device) -> t
     with load_scope():
         w = {k: v.load().to(device=device, dtype=dtype) for k, v in ref_ckpt.layer_tensors(i).items()}
     x = x.to(device=device, dtype=dtype)
-    p = f"layers.{i}."
-    rope = ref_fwd.rope_frequencies(cfg, x.shape[1], device) if cfg.position_embedding == "rope" else None
-    h = ref_fwd.norm(x, w[p + "attn_norm.weight"], w.get(p + "attn_norm.bias"), cfg)
-    a = (ref_fwd.mla_attention if cfg.mla is not None else ref_fwd.attention)(h, w, cfg, rope, p)
-    x = (h if cfg.post_layernorm_residual else x) + a
-    h = ref_fwd.norm(x, w[p + "mlp_norm.weight"], w.get(p + "mlp_norm.bias"), cfg)
+    rope = rope_frequencies(cfg, x.shape[1], device) if cfg.position_embedding == "rope" else None
+    _, h = attention_part(x, w, i, cfg, rope, ONE_PROCESS)
     return h.reshape(-1, h.shape[-1])
 
 
@@ -65,9 +61,9 @@ def rank_pieces(h: torch.Tensor, w, i: int, cfg: GPTConfig, r: Ranks, experts: r
     p = f"layers.{i}."
     out = {"router": F.linear(h, w[p + "router.weight"], w.get(p + "router.bias")).float()}
     for e in experts:
-        out[f"expert {e}"] = expert_partial(h, w, f"{p}experts.{e}.", cfg, r.etp_rank == 0).float()
+        out[f"expert {e}"] = r.expert_out(h, w, f"{p}experts.{e}.", cfg).float()
     if cfg.moe.shared_ffn_hidden_size:
-        out["shared expert"] = expert_partial(h, w, p + "shared.", cfg, r.tp_rank == 0).float()  # a TP-partial MLP
+        out["shared expert"] = mlp_partial(h, w, p + "shared.", cfg, r, r.tp_rank == 0).float()  # a TP-partial MLP
         if cfg.moe.shared_gate:
             out["shared expert gate"] = F.linear(h, w[p + "shared_gate.weight"]).float()
     return out
@@ -100,13 +96,11 @@ def reference_pieces(cfg: GPTConfig, w: Dict[str, torch.Tensor], i: int, h: torc
 def _tp_share(h, w, q: str, cfg: GPTConfig, tp: int, t: int) -> torch.Tensor:
     """Rank t of tp's partial output of the MLP whose canonical tensors are q + {gate,up,down}.*: its block
     of the intermediate features (rows of gate/up, columns of down); the down bias on rank 0 only."""
-    def rows(name):
-        x = w.get(q + name)
-        return None if x is None else x.chunk(tp, 0)[t]
-    up = F.linear(h, rows("up.weight"), rows("up.bias"))
-    act = F.silu(F.linear(h, rows("gate.weight"), rows("gate.bias"))) * up if cfg.gated else ref_fwd.activation(up, cfg)
-    out = F.linear(act, w[q + "down.weight"].chunk(tp, 1)[t])
-    return out + w[q + "down.bias"] if q + "down.bias" in w and t == 0 else out
+    cut = {q + n: w[q + n].chunk(tp, 0)[t] for n in ("gate.weight", "gate.bias", "up.weight", "up.bias") if q + n in w}
+    cut[q + "down.weight"] = w[q + "down.weight"].chunk(tp, 1)[t]
+    if q + "down.bias" in w:
+        cut[q + "down.bias"] = w[q + "down.bias"]
+    return mlp_partial(h, cut, q, cfg, ONE_PROCESS, t == 0)
 
 
 def probe(layer: int, h: Optional[torch.Tensor], shards, w_loader, r: Ranks, dtype, stage_of_layer: int):

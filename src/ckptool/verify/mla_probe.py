@@ -22,19 +22,21 @@ import torch.nn.functional as F
 from ..config import GPTConfig
 from ..lazy import load_scope
 from ..state import Checkpoint
-from . import reference as ref_fwd
+from .maths import ONE_PROCESS, mla_context, mla_latents, norm, rms_norm, rope_frequencies
+from .parallel import Ranks
 
-# piece -> (megatron-core module, canonical tensor of the reference, rank-shard role, what it is applied to,
-#           how TP cuts it: "rows" (column-parallel), "cols" (row-parallel) or None (replicated))
+# piece (megatron-core's module) -> (the tensor's key in maths' names tables: ONE_PROCESS.names gives the
+# reference's canonical name, Ranks.names a rank file's; what it is applied to; how TP cuts it: "rows"
+# (column-parallel), "cols" (row-parallel) or None (replicated))
 PIECES = {
-    "input_layernorm": ("attn_norm.weight", "attn_norm.weight", "x", None),
-    "linear_q_down_proj": ("attn.q_down.weight", "mla.q_down.weight", "h", "rows"),
-    "q_layernorm": ("attn.q_down_norm.weight", "mla.q_down_norm.weight", "q_latent", None),
-    "linear_q_up_proj": ("attn.q_up.weight", "mla.q_up.weight", "q_normed", "rows"),
-    "linear_kv_down_proj": ("attn.kv_down.weight", "mla.kv_down.weight", "h", "rows"),
-    "kv_layernorm": ("attn.kv_down_norm.weight", "mla.kv_down_norm.weight", "kv_latent", None),
-    "linear_kv_up_proj": ("attn.kv_up.weight", "mla.kv_up.weight", "kv_normed", "rows"),
-    "linear_proj": ("attn.out.weight", "proj.weight", "context", "cols"),
+    "input_layernorm": ("attn_norm", "x", None),
+    "linear_q_down_proj": ("q_down", "h", "rows"),
+    "q_layernorm": ("q_down_norm", "q_latent", None),
+    "linear_q_up_proj": ("q_up", "q_normed", "rows"),
+    "linear_kv_down_proj": ("kv_down", "h", "rows"),
+    "kv_layernorm": ("kv_down_norm", "kv_latent", None),
+    "linear_kv_up_proj": ("kv_up", "kv_normed", "rows"),
+    "linear_proj": ("mla_out", "context", "cols"),
 }
 
 
@@ -43,27 +45,23 @@ def reference_values(ref_ckpt: Checkpoint, i: int, x: torch.Tensor, dtype, devic
     cfg, p = ref_ckpt.config, f"layers.{i}."
     with load_scope():
         w = {k: v.load().to(device=device, dtype=dtype) for k, v in ref_ckpt.layer_tensors(i).items()}
-    m, x = cfg.mla, x.to(device=device, dtype=dtype)
-    rope = ref_fwd.rope_frequencies(cfg, x.shape[1], device)
-    h = ref_fwd.norm(x, w[p + "attn_norm.weight"], w.get(p + "attn_norm.bias"), cfg)
-    vals = {"x": x, "h": h, "context": ref_fwd.mla_context(h, w, cfg, rope, p)}
-    if m.q_lora_rank:
-        vals["q_latent"] = F.linear(h, w[p + "attn.q_down.weight"])
-        vals["q_normed"] = ref_fwd.rms_norm(vals["q_latent"], w[p + "attn.q_down_norm.weight"], m.latent_norm_eps)
-    latent = F.linear(h, w[p + "attn.kv_down.weight"])[..., : m.kv_lora_rank]
-    vals["kv_latent"] = latent
-    vals["kv_normed"] = ref_fwd.rms_norm(latent, w[p + "attn.kv_down_norm.weight"], m.latent_norm_eps)
+    x = x.to(device=device, dtype=dtype)
+    rope = rope_frequencies(cfg, x.shape[1], device)
+    h = norm(x, w[p + "attn_norm.weight"], w.get(p + "attn_norm.bias"), cfg)
+    latents = mla_latents(h, w, p, cfg, ONE_PROCESS)
+    vals = {"x": x, "h": h, "context": mla_context(h, w, p, cfg, rope, ONE_PROCESS, latents), **latents}
+    del vals["k_rope"]  # no piece is applied to it: the kv up projection takes the kv latent only
     return vals, w
 
 
 def _apply(piece: str, weight: torch.Tensor, vals, cfg: GPTConfig, tp: int, t: int, whole: bool) -> torch.Tensor:
     """piece's output from weight (the whole reference tensor when `whole`, else a rank's own slice)."""
-    _, _, on, cut = PIECES[piece]
+    _, on, cut = PIECES[piece]
     x = vals[on]
     if piece == "input_layernorm":
-        return ref_fwd.norm(x, weight, None, cfg)
+        return norm(x, weight, None, cfg)
     if piece in ("q_layernorm", "kv_layernorm"):
-        return ref_fwd.rms_norm(x, weight, cfg.mla.latent_norm_eps)
+        return rms_norm(x, weight, cfg.mla.latent_norm_eps)
     if whole and cut == "rows":
         weight = weight.chunk(tp, 0)[t]
     if cut == "cols":
@@ -75,8 +73,8 @@ def _apply(piece: str, weight: torch.Tensor, vals, cfg: GPTConfig, tp: int, t: i
 
 def rank_pieces(vals, w, i: int, cfg: GPTConfig, tp: int, t: int) -> Dict[str, torch.Tensor]:
     p = f"layers.{i}."
-    return {piece: _apply(piece, w[p + role], vals, cfg, tp, t, False).float()
-            for piece, (_, role, on, _) in PIECES.items() if on in vals and p + role in w}
+    return {piece: _apply(piece, w[p + Ranks.names[key]], vals, cfg, tp, t, False).float()
+            for piece, (key, on, _) in PIECES.items() if on in vals and p + Ranks.names[key] in w}
 
 
 def probe(layer: int, vals, shards, w_loader, r, dtype, stage_of_layer: int):
@@ -101,7 +99,7 @@ def diagnose(layer: int, got: Dict[Tuple[int, int], Dict[str, torch.Tensor]], va
     p, bad = f"layers.{layer}.", []
     for (t, e), pieces in sorted(got.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         for piece, value in pieces.items():
-            ref = _apply(piece, ref_w[p + PIECES[piece][0]], vals, cfg, tp, t, True).float().to(value.device)
+            ref = _apply(piece, ref_w[p + ONE_PROCESS.names[PIECES[piece][0]]], vals, cfg, tp, t, True).float().to(value.device)
             scale = max(ref.abs().max().item(), 1e-6)
             diff = (value - ref).abs().max().item()
             if diff / scale > tolerance:

@@ -32,7 +32,8 @@ replicated tensors that drifted apart in training give the same numbers here as 
   pipeline       the hidden state goes stage to stage with send/recv between equal TP ranks;
                  with virtual chunks it goes round all stages once per chunk (interleaved order)
 
-Afterwards the per-layer hidden states and the logits are sent to rank 0 for comparison.
+Afterwards the per-layer hidden states and the logits are sent to rank 0 for comparison. The maths is
+maths.py's; Ranks is its parallel context (this rank's tensors, the collectives over its groups).
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ import torch.nn.functional as F
 
 from ..config import GPTConfig
 from ..formats.megatron_ranks import RankShards
-from .reference import activation, apply_rope, norm, rms_norm, route, rope_frequencies
+from .maths import block, embed, head, mlp_partial, rope_frequencies
 
 
 # --- process groups -------------------------------------------------------------------------
@@ -73,6 +74,52 @@ class Ranks:
     etp_rank: int = 0
     edp: int = 1  # expert-data-parallel replicas per stage (ranks holding the same expert shard)
     edp_rank: int = 0
+
+    # the parallel context of maths.py: this rank's file's tensors and how their partial results combine
+    names = {  # maths' roles -> the rank file's tensor names under a layer's prefix (see maths.OneProcess)
+        "attn_norm": "attn_norm.weight", "q_norm": "q_norm.", "k_norm": "k_norm.", "attn_out": "proj.",
+        "q": "qkv.weight", "q_down": "mla.q_down.weight", "q_down_norm": "mla.q_down_norm.weight",
+        "q_up": "mla.q_up.weight", "kv_down": "mla.kv_down.weight", "kv_down_norm": "mla.kv_down_norm.weight",
+        "kv_up": "mla.kv_up.weight", "mla_out": "proj.weight", "mlp": "", "mlp_out": "fc2."}
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp > 1:
+            dist.all_reduce(x, group=self.tp_group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.tp)]
+        dist.all_gather(parts, x.contiguous(), group=self.tp_group)
+        return torch.cat(parts, dim=-1)
+
+    def qkv(self, x: torch.Tensor, w, p: str, cfg: GPTConfig):
+        """The fused QKV column-parallel: this rank's q heads and k, v groups, [b, heads, s, hd] each."""
+        qkv = F.linear(x, w[p + "qkv.weight"], w.get(p + "qkv.bias"))
+        return tuple(t.transpose(1, 2) for t in split_qkv(qkv, cfg, self))
+
+    def fc1(self, x: torch.Tensor, w, p: str, cfg: GPTConfig):
+        """(gate or None, up): fc1 column-parallel, [gate_r; up_r] per rank for SwiGLU."""
+        h = F.linear(x, w[p + "fc1.weight"], w.get(p + "fc1.bias"))
+        return h.chunk(2, dim=-1) if cfg.gated else (None, h)
+
+    def row_out(self, h: torch.Tensor, w, name: str) -> torch.Tensor:
+        """Row-parallel: the partial sums all-reduced over TP, then the bias."""
+        out = self.all_reduce(F.linear(h, w[name + "weight"]))
+        return out + w[name + "bias"] if name + "bias" in w else out
+
+    def expert_out(self, x: torch.Tensor, w, p: str, cfg: GPTConfig) -> torch.Tensor:
+        """A routed expert's expert-TP partial output; its fc2 bias is added by expert-TP rank 0."""
+        return mlp_partial(x, w, p, cfg, self, self.etp_rank == 0)
+
+    def gather_tokens(self, x: torch.Tensor) -> Tuple[torch.Tensor, int]:
+        return gather_dp(x, self)
+
+    def sum_experts(self, out: torch.Tensor) -> torch.Tensor:
+        """The expert outputs summed over the stage's ranks (each ran its own experts' share)."""
+        dist.all_reduce(out, group=self.stage_group)
+        return out
 
     def global_rank(self, tp_rank: int, pp_rank: int, dp_rank: Optional[int] = None) -> int:
         """megatron-core's default order (tp-cp-ep-dp-pp for the dense part): TP fastest, then the data-
@@ -134,34 +181,6 @@ def batch_rows(batch: int, dp: int, dp_rank: int) -> range:
     return range(start, start + per + (dp_rank < extra))
 
 
-def all_reduce(x: torch.Tensor, r: Ranks) -> torch.Tensor:
-    if r.tp > 1:
-        dist.all_reduce(x, group=r.tp_group)
-    return x
-
-
-def all_gather_last(x: torch.Tensor, r: Ranks) -> torch.Tensor:
-    if r.tp == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(r.tp)]
-    dist.all_gather(parts, x.contiguous(), group=r.tp_group)
-    return torch.cat(parts, dim=-1)
-
-
-# --- the model, one rank's share ------------------------------------------------------------
-
-def embed(tokens: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig, r: Ranks) -> torch.Tensor:
-    word = w["embed.word"]
-    rows = word.shape[0]
-    local = tokens - r.tp_rank * rows
-    outside = (local < 0) | (local >= rows)
-    x = F.embedding(local.masked_fill(outside, 0), word)
-    x = all_reduce(x.masked_fill(outside.unsqueeze(-1), 0), r)
-    if cfg.position_embedding == "learned":
-        x = x + w["embed.pos"][: tokens.shape[1]]
-    return x
-
-
 def split_qkv(qkv: torch.Tensor, cfg: GPTConfig, r: Ranks):
     """This rank's [b, s, rows] QKV activations -> q [b, s, heads_r, hd], k and v [b, s, groups_r, hd]."""
     b, s, _ = qkv.shape
@@ -170,7 +189,7 @@ def split_qkv(qkv: torch.Tensor, cfg: GPTConfig, r: Ranks):
     if ng < r.tp:
         # a rank holds part of one group: gather all groups, keep ours, later our share of its heads
         ranks_per_group = r.tp // ng
-        qkv = all_gather_last(qkv, r)
+        qkv = r.all_gather_last(qkv)
         size = qkv.shape[-1] // ng
         group = r.tp_rank // ranks_per_group
         qkv = qkv[..., group * size:(group + 1) * size]
@@ -185,68 +204,6 @@ def split_qkv(qkv: torch.Tensor, cfg: GPTConfig, r: Ranks):
         j = r.tp_rank % ranks_per_group
         q = q[:, :, j * heads_r:(j + 1) * heads_r]
     return q, k, v
-
-
-def attention(x: torch.Tensor, w, p: str, cfg: GPTConfig, r: Ranks, rope) -> torch.Tensor:
-    b, s, _ = x.shape
-    qkv = F.linear(x, w[p + "qkv.weight"], w.get(p + "qkv.bias"))
-    q, k, v = (t.transpose(1, 2) for t in split_qkv(qkv, cfg, r))  # [b, heads, s, hd]
-    if cfg.qk_layernorm:
-        q = norm(q, w[p + "q_norm.weight"], w.get(p + "q_norm.bias"), cfg)
-        k = norm(k, w[p + "k_norm.weight"], w.get(p + "k_norm.bias"), cfg)
-    if rope is not None:
-        q, k = apply_rope(q, *rope, cfg), apply_rope(k, *rope, cfg)
-    if k.shape[1] != q.shape[1]:
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    scores = (q @ k.transpose(-1, -2)) / math.sqrt(cfg.head_dim)
-    mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
-    probs = torch.softmax(scores.float().masked_fill(mask, float("-inf")), dim=-1).to(v.dtype)
-    ctx = (probs @ v).transpose(1, 2)
-    ctx = ctx.reshape(b, s, ctx.shape[2] * ctx.shape[3])  # sizes given: a data-parallel rank may have no rows
-    out = all_reduce(F.linear(ctx, w[p + "proj.weight"]), r)
-    return out + w[p + "proj.bias"] if p + "proj.bias" in w else out
-
-
-def mla_attention(x: torch.Tensor, w, p: str, cfg: GPTConfig, r: Ranks, rope) -> torch.Tensor:
-    """megatron-core's MLASelfAttention as its local spec splits it: every MLA linear is column-parallel. Each
-    rank's block of the down projections' outputs (q latent, kv latent + the shared rope key) is all-gathered
-    over TP and RMS-normed whole; the up projections then give the rank's own heads, core attention runs on
-    them, and the output projection is row-parallel + all-reduce. A direct q (no q latent) is the spec's
-    qkv.weight role holding q rows only, column-parallel by heads."""
-    m, (b, s, _) = cfg.mla, x.shape
-    nope, rot, vd = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
-    if m.q_lora_rank:
-        latent = all_gather_last(F.linear(x, w[p + "mla.q_down.weight"]), r)
-        q = F.linear(rms_norm(latent, w[p + "mla.q_down_norm.weight"], m.latent_norm_eps), w[p + "mla.q_up.weight"])
-    else:
-        q = F.linear(x, w[p + "qkv.weight"])
-    heads = q.shape[-1] // (nope + rot)  # this rank's
-    q_nope, q_rope = q.view(b, s, heads, nope + rot).transpose(1, 2).split([nope, rot], dim=-1)
-    kv_latent, k_rope = all_gather_last(F.linear(x, w[p + "mla.kv_down.weight"]), r).split([m.kv_lora_rank, rot], -1)
-    kv_latent = rms_norm(kv_latent, w[p + "mla.kv_down_norm.weight"], m.latent_norm_eps)
-    kv = F.linear(kv_latent, w[p + "mla.kv_up.weight"]).view(b, s, heads, nope + vd).transpose(1, 2)
-    k_nope, v = kv.split([nope, vd], dim=-1)
-    q_rope = apply_rope(q_rope, *rope, cfg)
-    k_rope = apply_rope(k_rope.reshape(b, 1, s, rot), *rope, cfg).expand(b, heads, s, rot)
-    q, k = torch.cat([q_nope, q_rope], -1), torch.cat([k_nope, k_rope], -1)
-    scale = (cfg.rope_yarn.softmax_gain if cfg.rope_yarn is not None else 1.0) / math.sqrt(nope + rot)
-    scores = (q @ k.transpose(-1, -2)) * scale
-    mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
-    probs = torch.softmax(scores.float().masked_fill(mask, float("-inf")), dim=-1).to(v.dtype)
-    ctx = (probs @ v).transpose(1, 2).reshape(b, s, heads * vd)
-    return all_reduce(F.linear(ctx, w[p + "proj.weight"]), r)
-
-
-def mlp(x: torch.Tensor, w, p: str, cfg: GPTConfig, r: Ranks) -> torch.Tensor:
-    h = F.linear(x, w[p + "fc1.weight"], w.get(p + "fc1.bias"))
-    if cfg.gated:
-        gate, up = h.chunk(2, dim=-1)  # this rank's [gate_r; up_r]
-        h = F.silu(gate) * up
-    else:
-        h = activation(h, cfg)
-    out = all_reduce(F.linear(h, w[p + "fc2.weight"]), r)
-    return out + w[p + "fc2.bias"] if p + "fc2.bias" in w else out
 
 
 def gather_dp(x: torch.Tensor, r: Ranks) -> Tuple[torch.Tensor, int]:
@@ -264,68 +221,6 @@ def gather_dp(x: torch.Tensor, r: Ranks) -> Tuple[torch.Tensor, int]:
     parts = [torch.empty_like(padded) for _ in range(r.dp)]
     dist.all_gather(parts, padded, group=r.dp_group)
     return torch.cat([p[:n] for p, n in zip(parts, counts)]), sum(counts[: r.dp_rank])
-
-
-def expert_partial(x: torch.Tensor, w, p: str, cfg: GPTConfig, adds_bias: bool) -> torch.Tensor:
-    """One expert's MLP on this rank: its fc1 rows ([gate_r; up_r] when gated) and fc2 columns, so the
-    output is this rank's partial sum. The fc2 bias, replicated, is counted once: by the rank that says
-    adds_bias (expert-TP rank 0 for routed experts, TP rank 0 for the shared expert)."""
-    h = F.linear(x, w[p + "fc1.weight"], w.get(p + "fc1.bias"))
-    if cfg.gated:
-        gate, up = h.chunk(2, dim=-1)
-        h = F.silu(gate) * up
-    else:
-        h = activation(h, cfg)
-    out = F.linear(h, w[p + "fc2.weight"])
-    return out + w[p + "fc2.bias"] if p + "fc2.bias" in w and adds_bias else out
-
-
-def moe_mlp(x: torch.Tensor, w, p: str, cfg: GPTConfig, r: Ranks, experts: range) -> torch.Tensor:
-    """Dropless MoE, all-gather dispatch: every rank routes its own tokens (the router is replicated);
-    the data-parallel ranks of this stage all-gather tokens, choices and weights; each rank runs its
-    experts (its expert-TP share of each) on the tokens routed to them, weighted, where expert-data-
-    parallel replicas of the same shard take every edp-th of those tokens; the partial outputs are
-    summed over the stage's ranks and each rank keeps its own tokens. Then the shared expert,
-    tensor-parallel like a dense MLP, on the rank's own tokens."""
-    shape = x.shape
-    flat = x.reshape(-1, shape[-1])
-    chosen, weights = route(flat, w, cfg, p)
-    every, start = gather_dp(flat, r)
-    every_chosen, _ = gather_dp(chosen, r)
-    every_weights, _ = gather_dp(weights, r)
-    out = torch.zeros_like(every)
-    for e in experts:
-        token, slot = torch.where(every_chosen == e)
-        if r.edp > 1:  # the replicas split the work: each (token, slot) is computed once in the stage
-            token, slot = token[r.edp_rank::r.edp], slot[r.edp_rank::r.edp]
-        if token.numel():
-            y = expert_partial(every[token], w, f"{p}experts.{e}.", cfg, r.etp_rank == 0)
-            y = y * every_weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
-    dist.all_reduce(out, group=r.stage_group)
-    out = out[start:start + flat.shape[0]]
-    if cfg.moe.shared_ffn_hidden_size:
-        shared = mlp(flat, w, p + "shared.", cfg, r)
-        if cfg.moe.shared_gate:
-            shared = torch.sigmoid(F.linear(flat, w[p + "shared_gate.weight"])) * shared
-        out = out + shared
-    return out.reshape(shape)
-
-
-def block(x: torch.Tensor, w, i: int, cfg: GPTConfig, r: Ranks, rope, experts: range = range(0)) -> torch.Tensor:
-    p = f"layers.{i}."
-    h = norm(x, w[p + "attn_norm.weight"], w.get(p + "attn_norm.bias"), cfg)
-    x = (h if cfg.post_layernorm_residual else x) + (mla_attention if cfg.mla is not None else attention)(
-        h, w, p, cfg, r, rope)
-    h = norm(x, w[p + "mlp_norm.weight"], w.get(p + "mlp_norm.bias"), cfg)
-    ffn = moe_mlp(h, w, p, cfg, r, experts) if cfg.is_moe_layer(i) else mlp(h, w, p, cfg, r)
-    return (h if cfg.post_layernorm_residual else x) + ffn
-
-
-def head(x: torch.Tensor, w, cfg: GPTConfig, r: Ranks) -> torch.Tensor:
-    x = norm(x, w["final_norm.weight"], w.get("final_norm.bias"), cfg)
-    out_w = w["output.weight"] if "output.weight" in w else w["embed.word"]  # tied, one stage
-    return all_gather_last(F.linear(x, out_w), r).float()
 
 
 # --- the pipeline ---------------------------------------------------------------------------
@@ -358,7 +253,7 @@ def stage_forward(tokens: torch.Tensor, shards: RankShards, r: Ranks, dtype: tor
             if b:  # a data-parallel rank without rows (batch < DP) still joins every layer's collectives
                 dist.recv(x, src=prev)
         for i in range(first, first + count):
-            x = block(x, w, i, cfg, r, rope, shards.experts)
+            x = block(x, w, i, cfg, rope, r, shards.experts)
             hidden.append((f"layer {i}", x))
         if r.pp_rank == r.pp - 1 and v == last_chunk:
             return head(x, w, cfg, r), hidden
