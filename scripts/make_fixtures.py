@@ -521,6 +521,10 @@ def make_args(spec, model_type):
     a.update(
         padded_vocab_size=padded_vocab(spec["vocab_size"], tp), vocab_size=spec["vocab_size"],
         make_vocab_size_divisible_by=VOCAB_DIVISOR, tokenizer_type="NullTokenizer", vocab_file=None,
+        # Megatron-LM's NullTokenizer has exactly vocab_size tokens only from c9dfe34 (2026-04-22) on, and the args of
+        # such runs hold the two fields that commit added (older runs' NullTokenizer had vocab_size + 1): vocab_size
+        # here is the true vocabulary, so the args say the current era in every dialect
+        null_tokenizer_eod_id=None, null_tokenizer_pad_id=-1,
         merge_file=None, layernorm_epsilon=1e-5, hidden_dropout=0.1, attention_dropout=0.1,
         apply_residual_connection_post_layernorm=False, openai_gelu=False, onnx_safe=None, bias_gelu_fusion=False,
         init_method_std=0.02, seed=1234, fp16=dt == torch.float16, params_dtype=dt, iteration=0,
@@ -689,6 +693,9 @@ def _notes(spec):
     if spec["dtype"] != "float32":
         notes.append(f"stored as {spec['dtype']}; the ground truth weights were rounded to {spec['dtype']} first, "
                      "so upcasting the stored tensors reproduces hf/ exactly (hf/ is saved in float32).")
+    if d != "flat2019":
+        notes.append("NullTokenizer args of Megatron-LM c9dfe34 (2026-04-22) or later (null_tokenizer_eod_id, "
+                     "null_tokenizer_pad_id): vocab_size is the true vocab (older NullTokenizers had one more token).")
     notes.append("padded vocab rows are seeded random values (0.02*randn), not zeros; expected logits cover only "
                  "the true vocab.")
     return notes

@@ -41,6 +41,13 @@ def fixture_dir(tmp_path_factory, make_fixtures):
     return get
 
 
+# The true vocabulary of each real run (Megatron-LM's tokenizer, not the case notes): both ran NullTokenizer with
+# --vocab-size 1001; the legacy run's Megatron-LM (67f3515c, 2026-01) predates c9dfe34, whose NullTokenizer had the
+# end-of-document token 1001 beyond it (its mock data ends every document with it: a trained row).
+REAL_TRUE_VOCAB = {"mlm_mcore_gpt2_torch_tp2pp2": 1001, "mlm_legacy_gpt2_torch_tp2pp2": 1002,
+                   "mds_gpt2_pipe_tp2pp2_bf16_zero1": 1001}
+
+
 def real_checkpoint(case: str) -> Path:
     for base in REAL_CANDIDATES:
         if (base / case / "checkpoint").is_dir():

@@ -143,6 +143,8 @@ def megatron_args(arch, cfg, tp, pp=1):
         vocab_size=VOCAB, padded_vocab_size=PADDED, make_vocab_size_divisible_by=64,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, ckpt_format="torch_dist",
         use_legacy_models=False, transformer_impl="local", tokenizer_type="NullTokenizer",
+        # the NullTokenizer of Megatron-LM c9dfe34 (2026-04) on: vocab_size tokens, no EOD beyond them
+        null_tokenizer_eod_id=None, null_tokenizer_pad_id=-1,
         bias_gelu_fusion=False, openai_gelu=False, rotary_base=10000, rotary_percent=1.0)
 
 

@@ -114,6 +114,8 @@ def megatron_args(variant, cfg):
                 norm_epsilon=1e-5, vocab_size=VOCAB, padded_vocab_size=PADDED, make_vocab_size_divisible_by=128,
                 tensor_model_parallel_size=1, pipeline_model_parallel_size=1, ckpt_format="torch",
                 use_legacy_models=False, transformer_impl="local", tokenizer_type="NullTokenizer",
+                # the NullTokenizer of Megatron-LM c9dfe34 (2026-04) on: vocab_size tokens, no EOD beyond them
+                null_tokenizer_eod_id=None, null_tokenizer_pad_id=-1,
                 # Megatron-LM's parser defaults (arguments.py): fused bias-gelu on, the rest off
                 bias_gelu_fusion=True, openai_gelu=False, squared_relu=False, apply_layernorm_1p=False,
                 qk_layernorm=False, add_qkv_bias=False, rotary_base=10000, rotary_percent=1.0,

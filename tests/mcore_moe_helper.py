@@ -165,7 +165,9 @@ def run_args(cfg, tp, ep, pp, etp=None):
         vocab_size=VOCAB, padded_vocab_size=PADDED, make_vocab_size_divisible_by=64,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp or tp, ckpt_format="torch", use_legacy_models=False, transformer_impl="local",
-        tokenizer_type="NullTokenizer", bias_gelu_fusion=False, openai_gelu=False, rotary_base=10000,
+        tokenizer_type="NullTokenizer",
+        # the NullTokenizer of Megatron-LM c9dfe34 (2026-04) on: vocab_size tokens, no EOD beyond them
+        null_tokenizer_eod_id=None, null_tokenizer_pad_id=-1, bias_gelu_fusion=False, openai_gelu=False, rotary_base=10000,
         rotary_percent=1.0, num_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=MOE_FFN,
         moe_layer_freq=1, moe_router_pre_softmax=False, moe_router_score_function="softmax",
         moe_router_topk_scaling_factor=None, moe_shared_expert_intermediate_size=None,

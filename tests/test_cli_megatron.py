@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, real_checkpoint
+from conftest import REAL_TRUE_VOCAB, ROOT, real_checkpoint
 from ckptool.formats.megatron import read_megatron
 from ckptool.io.outdir import check_manifest
 from ckptool.options import ReadOptions
@@ -111,7 +111,7 @@ def test_real_checkpoints_match_framework_logits(case, tmp_path):
     base = real_checkpoint(case)
     ref = torch.load(base / "reference_logits.pt")
     ck = read_megatron(base / "checkpoint")
-    assert ck.config.vocab_size == 1001 and ck.config.padded_vocab_size == 1024
+    assert ck.config.vocab_size == REAL_TRUE_VOCAB[case] and ck.config.padded_vocab_size == 1024
     want = ref["logits_fp32"]
     rel = lambda got: ((got - want).abs().max() / want.abs().max()).item()
     assert rel(forward(ck, ref["tokens"])) < 1e-4

@@ -28,6 +28,7 @@ from ckptool.formats.registry import open_checkpoint
 from ckptool.io.safetensors_header import read_safetensors_header
 from ckptool.lazy import Const
 from ckptool.verify import reference
+from conftest import REAL_TRUE_VOCAB
 
 transformers = pytest.importorskip("transformers")
 from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,  # noqa: E402
@@ -224,11 +225,11 @@ def test_real_megatron_checkpoint_to_hf(tmp_path, name):
     out = tmp_path / "hf"
     cli("to-hf", case / "checkpoint", out, "--dtype", "fp32")
     got = hf_logits(out, ref["tokens"])
-    want = ref["logits_fp32"][..., :1001].float()
+    want = ref["logits_fp32"][..., :REAL_TRUE_VOCAB[name]].float()
     assert got.shape == want.shape
     assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-4
     conf = json.loads((out / "config.json").read_text())
-    assert conf["vocab_size"] == 1001 and conf["activation_function"] == "gelu"
+    assert conf["vocab_size"] == REAL_TRUE_VOCAB[name] and conf["activation_function"] == "gelu"
 
 
 def test_interleaved_rotary_and_layernorm_1p_are_converted(models, tmp_path):

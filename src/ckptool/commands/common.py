@@ -21,7 +21,8 @@ def source_options(fn: Callable) -> Callable:
         click.option("--iteration", type=int, default=None,
                      help="Read iter_XXXXXXX of this iteration instead of the tracker's (Megatron)."),
         click.option("--true-vocab-size", type=int, default=None,
-                     help="The real vocabulary size; rows beyond it are padding. Overrides what the checkpoint says."),
+                     help="The real vocabulary size; rows beyond it are padding. Overrides what the checkpoint says; "
+                          "Megatron outputs' args say it too."),
         click.option("--replicas", type=click.Choice(CHOICES["replicas"]), default="first",
                      show_default=True,
                      help="Tensors that should be identical on every TP rank but differ: take rank 0's copy, "

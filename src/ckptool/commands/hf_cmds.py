@@ -80,7 +80,8 @@ def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, force, **kw):
 @click.option("--pad-fill", type=click.Choice(api.PAD_FILLS), default="zero", show_default=True,
               help="How vocabulary padding rows are filled.")
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
-@click.option("--true-vocab-size", type=int, default=None, help="Override config.json's vocab_size.")
+@click.option("--true-vocab-size", type=int, default=None,
+              help="Override config.json's vocab_size (written into the output's args).")
 @reports_errors
 def from_hf_cmd(src, dst, **kw):
     """Convert a Hugging Face GPT-2 / Llama / Mistral / Qwen2 / Qwen3 directory into a Megatron checkpoint.
@@ -89,7 +90,9 @@ def from_hf_cmd(src, dst, **kw):
     expert-parallel ranks; MLA models (DeepSeek-V2/V3, with a q latent or a direct q) as megatron-core's
     MLASelfAttention (--dialect mcore: local spec, mcore-te: Transformer Engine spec; YaRN as megatron-core's
     YaRN args, rope_interleave false as its interleaved pairs). The vocabulary is padded for --tp as Megatron would pad it; args are written so Megatron can
-    load the result (weights only: use --finetune or --no-load-optim --no-load-rng).
+    load the result (weights only: use --finetune or --no-load-optim --no-load-rng) and Megatron-LM's validate_args
+    accepts them through --use-checkpoint-args: seq_length = max_position_embeddings, a NullTokenizer of the model's
+    vocabulary (give yours with --no-use-tokenizer-model-from-checkpoint-args), batch sizes 1.
     """
     live, bar = LiveWarnings(), Progress("from-hf")
     try:

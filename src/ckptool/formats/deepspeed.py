@@ -178,15 +178,20 @@ def _canonical(tf, ranks, named, opts, policy, warnings, tied: TiedCopies):
 
 
 def _args_with_true_vocab(args, cfg):
-    """A copy of args whose vocab_size is the true vocabulary, so written checkpoints keep it.
+    """A copy of args that say the true vocabulary, so written checkpoints keep it.
 
     Megatron-DeepSpeed's NullTokenizer adds an end-of-document token: args.vocab_size 1000 means
-    1001 real rows (universal_checkpoint_info.original_vocab_size). Writers copy args.vocab_size,
-    and a later reader of the output would trim a real row."""
-    if args is None or cfg.vocab_size is None or getattr(args, "vocab_size", None) in (None, cfg.vocab_size):
+    1001 real rows (universal_checkpoint_info.original_vocab_size); such args already say 1001
+    (megatron_args.vocab_args counts the old NullTokenizer's EOD). Writers copy the args, and a later
+    reader of the output would trim a real row where they said less."""
+    if args is None or cfg.vocab_size is None:
+        return args
+    updates = megatron_args.vocab_args(args, cfg.vocab_size)
+    if all(getattr(args, k, None) == v for k, v in updates.items()):
         return args
     fixed = copy.copy(args)
-    fixed.vocab_size = cfg.vocab_size
+    for k, v in updates.items():
+        setattr(fixed, k, v)
     return fixed
 
 

@@ -22,6 +22,18 @@ if TYPE_CHECKING:  # config_from_args runs without torch (quick inspect); args_f
 # Tokenizers whose vocabulary size is fixed by the tokenizer itself.
 TOKENIZER_VOCAB = {"GPT2BPETokenizer": 50257}
 
+# Megatron-LM's NullTokenizer had --vocab-size + 1 tokens, its end-of-document id being --vocab-size (megatron/core/
+# tokenizers/text/libraries/null_tokenizer.py, and _NullTokenizer of megatron/training/tokenizer/tokenizer.py until
+# 3257093930 removed that system on 2026-02-09), until Megatron-LM c9dfe34 (2026-04-22, "Enable NullTokenizer for
+# pretraining to reduce I/O access", #4057): from there it has exactly --vocab-size tokens, EOD --vocab-size - 1.
+# The same commit added --null-tokenizer-eod-id and --null-tokenizer-pad-id (default -1) to arguments.py, and a run
+# pickles every parser field into its args: args holding null_tokenizer_pad_id come from c9dfe34 or later, args
+# without it from an older run, whose EOD row is a real (trained) row. Megatron-DeepSpeed's NullTokenizer is the old
+# one (its runs store universal_checkpoint_info.original_vocab_size = vocab_size + 1 as well).
+NULL_TOKENIZER_ERA_FIELD = "null_tokenizer_pad_id"
+# What a Megatron-LM run at or after c9dfe34 pickles for a NullTokenizer left at its defaults.
+CURRENT_NULL_TOKENIZER = dict(tokenizer_type="NullTokenizer", null_tokenizer_eod_id=None, null_tokenizer_pad_id=-1)
+
 
 def _get(args, *names, default=None):
     for n in names:
@@ -54,9 +66,33 @@ def true_vocab_from_args(args, stored_rows: int, extra: Optional[dict] = None):
     if tok in TOKENIZER_VOCAB:
         return TOKENIZER_VOCAB[tok], f"tokenizer_type {tok}"
     v = _get(args, "vocab_size")
+    if v and tokenizer_tokens_beyond_vocab_size(args):
+        return int(v) + 1, "args.vocab_size + the EOD row of a NullTokenizer before Megatron-LM c9dfe34"
     if v:
         return int(v), "args.vocab_size"
     return None, "unknown"
+
+
+def tokenizer_tokens_beyond_vocab_size(args) -> int:
+    """Tokens the run's tokenizer had beyond its --vocab-size: the EOD of a NullTokenizer older than Megatron-LM
+    c9dfe34, told apart by the args field that commit introduced (see NULL_TOKENIZER_ERA_FIELD)."""
+    old_null = _get(args, "tokenizer_type") == "NullTokenizer" and not hasattr(args, NULL_TOKENIZER_ERA_FIELD)
+    return 1 if old_null else 0
+
+
+def vocab_args(args, true_vocab: Optional[int]) -> Dict[str, Any]:
+    """The args updates after which true_vocab_from_args reads true_vocab from args (None: no update): --vocab-size
+    in the terms of the run's tokenizer (an old-era NullTokenizer counts its EOD beyond it), and for args naming no
+    tokenizer (a source without Megatron args) the current NullTokenizer of that size, a neutral choice that
+    Megatron-LM pads to the same rows (a run with --use-checkpoint-args takes it unless given
+    --no-use-tokenizer-model-from-checkpoint-args and its own tokenizer). A tokenizer of fixed size
+    (TOKENIZER_VOCAB) cannot be told another true vocabulary: left as it is."""
+    if true_vocab is None or _get(args, "tokenizer_type") in TOKENIZER_VOCAB:
+        return {}
+    updates: Dict[str, Any] = {} if _get(args, "tokenizer_type") else dict(CURRENT_NULL_TOKENIZER)
+    told = argparse.Namespace(**{**vars(args), **updates}) if args is not None else argparse.Namespace(**updates)
+    updates["vocab_size"] = true_vocab - tokenizer_tokens_beyond_vocab_size(told)
+    return updates
 
 
 # Fields read as sizes or real numbers: a damaged or hand-edited args must give a clear error,
@@ -386,6 +422,34 @@ def refuse_what_megatron_core_ignores(cfg: GPTConfig, hint: str) -> None:
                         "layers ignore", hint)
 
 
+# The fields Megatron-LM's validate_args needs and has no default for, that a run resuming with --use-checkpoint-args
+# and tools/checkpoint's loaders (loader_base.py parse_megatron_args) take from the checkpoint's args (Megatron-LM
+# d98e8a64, 2026-08-22; the files' line numbers there). tests/test_megatron_args_out.py checks written args hold each.
+VALIDATE_ARGS_REQUIRED = (
+    ("num_layers", "megatron/training/arguments.py:1304-1316 (required_args; copied by checkpointing.py:2272)"),
+    ("hidden_size", "megatron/training/arguments.py:1314-1316 (required_args; checkpointing.py:2273)"),
+    ("num_attention_heads", "megatron/training/arguments.py:1314-1316 (required_args; checkpointing.py:2276)"),
+    ("max_position_embeddings", "megatron/training/arguments.py:1314-1316 (required_args; checkpointing.py:2280)"),
+    ("seq_length", "megatron/training/arguments.py:1346-1351 (else encoder_seq_length, which load_args_from_checkpoint "
+                   "does not copy: checkpointing.py:2275 copies seq_length only)"),
+    ("tokenizer_type", "tools/checkpoint/loader_base.py:121 ensure_required_arguments (checkpointing.py:2347 copies "
+                       "it under the default --use-tokenizer-model-from-checkpoint-args)"),
+    ("fp16", "tools/checkpoint/loader_base.py:65 copies checkpoint_args.fp16 without a default; validate_args "
+             "derives params_dtype from it"),
+    ("bf16", "tools/checkpoint/loader_base.py:66 copies checkpoint_args.bf16 without a default"),
+)
+
+
+def run_args_missing(args, cfg: GPTConfig) -> Dict[str, Any]:
+    """What a Megatron-LM run records and args lack (a source without Megatron args: from-hf; args older than a field),
+    so validate_args accepts the written args (VALIDATE_ARGS_REQUIRED). From the model where it says it: the sequence
+    length is its position range (max_position_embeddings, which validate_args requires >= seq_length); the batch
+    sizes a run records are the neutral 1 (a run gives its own: load_args_from_checkpoint does not copy them)."""
+    seq = getattr(args, "seq_length", None) or cfg.max_position_embeddings or None
+    wanted = dict(seq_length=seq, encoder_seq_length=seq, micro_batch_size=1, global_batch_size=1)
+    return {k: v for k, v in wanted.items() if getattr(args, k, None) is None and v is not None}
+
+
 def args_for_target(source_args, cfg: GPTConfig, layout: Layout, padded_rows: int,
                     dtype: torch.dtype, legacy_models: bool, transformer_impl: str,
                     checkpoint_version: float, iteration: Optional[int], grouped_gemm: bool = False) -> argparse.Namespace:
@@ -433,8 +497,8 @@ def args_for_target(source_args, cfg: GPTConfig, layout: Layout, padded_rows: in
     for k in PIPELINE_SPLIT_ARGS:
         if getattr(args, k, None) is not None:
             updates[k] = None
-    if cfg.vocab_size is not None and getattr(args, "vocab_size", None) is None:
-        updates["vocab_size"] = cfg.vocab_size
+    updates.update(vocab_args(args, cfg.vocab_size))
+    updates.update(run_args_missing(args, cfg))
     if cfg.activation == "gelu_tanh":
         # Keep the source's way of asking for tanh GeLU; default to openai_gelu.
         if not (getattr(args, "bias_gelu_fusion", False) and cfg.add_bias_linear):
