@@ -19,10 +19,13 @@ names absent from the files. MoE tables carry an `{e}` axis (the global expert i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Tuple
 
 from ..config import GPTConfig
 from ..errors import CkptError
+
+if TYPE_CHECKING:  # moe.py imports this module
+    from .moe import MoeKeys
 
 Entry = Tuple[str, object]
 
@@ -125,7 +128,7 @@ class Family:
     qkv_bias_only: bool = False  # biases on q, k and v only (Qwen2; Qwen2-MoE's config qkv_bias, default on)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     mla: Optional[Callable[[dict, str], object]] = None  # Multi-Latent Attention's sizes from config.json (DeepSeek-V3); YaRN read with it
-    moe: Optional[object] = None  # moe.MoeKeys: where config.json keeps the routing facts
+    moe: Optional["MoeKeys"] = None  # where config.json keeps the routing facts
     zero_biases: bool = False  # the class always has linear biases: a bias-free model exports zero ones
     sliding_window_default: bool = False  # config.json's use_sliding_window when it does not say
     spec: str = "gpt"  # the canonical tensors' spec (spec/__init__.py FAMILIES)
