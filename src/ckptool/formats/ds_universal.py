@@ -44,7 +44,8 @@ from ..roles import canonical_names, global_role_tensor, layer_role_tensor, rule
 from ..sharding import Rule
 from ..state import OPTIMIZER_SLOTS, Checkpoint
 from ..summary import WriteSummary
-from . import hf_names
+from .. import families
+from ..families.family import canonical_names as hf_canonical_names
 from .hf_writer import materialise
 
 FORMAT = "ds-universal"
@@ -96,16 +97,16 @@ def engine_counters(engine_state: Optional[dict]) -> dict:
 # --- engine names per source scheme -----------------------------------------------------------
 
 def _hf_params(ckpt: Checkpoint, naming: dict, slots: Dict[str, Dict[str, LazyTensor]]) -> List[Param]:
-    """HF module names through the one HF table (hf_names), applied to every slot alike."""
-    family = hf_names.MODEL_TYPES[naming["model_type"]][0]
+    """HF module names through the model family's one name table (families/), applied to every slot alike."""
+    names = families.for_model_type(naming["model_type"]).names
     out = []
-    for hf_name, entry, _group in hf_names.expand(family, ckpt.config.num_layers):
+    for hf_name, entry, _group in names.expand(ckpt.config.num_layers):
         if hf_name == "lm_head.weight" and ckpt.config.tied_embeddings:
             continue
         made = {slot: materialise(entry, tensors) for slot, tensors in slots.items()}
         if any(t is None for t in made.values()):
             continue
-        out.append(Param(hf_name, made, list(hf_names.canonical_names(entry))))
+        out.append(Param(hf_name, made, list(hf_canonical_names(entry))))
     return out
 
 

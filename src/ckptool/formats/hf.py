@@ -5,7 +5,8 @@ qwen2_moe, qwen3_moe or deepseek_v3, and weights in safetensors or torch .bin fi
 *.index.json) or not. Experts are read per expert (the Hub names) or fused 3-D (transformers >= 5's state_dict);
 DeepSeek's block-FP8 weights are dequantized to bf16. Tensors stay lazy: safetensors
 entries are read with safe_open when loaded; .bin files go through the safe lazy torch loader, never
-plain torch.load. Names are mapped with the tables in hf_names.py; the writer is hf_writer.py.
+plain torch.load. Names, config.json and fused experts come from the model's family record
+(families/); the writer is hf_writer.py.
 """
 from __future__ import annotations
 
@@ -15,19 +16,19 @@ from typing import Dict, Optional
 
 import torch
 
+from .. import families
 from ..config import GPTConfig, Layout
 from ..errors import require
+from ..families.family import Family
 from ..io.safetensors_header import read_safetensors_header
 from ..io.torchfile import load_torch_file
 from ..lazy import Derived, LazyTensor
 from ..options import ReadOptions
 from ..state import Checkpoint, SourceInfo, expected_names
 from ..vocab import with_true_vocab_size
-from . import hf_names
 from .hf_config import (  # noqa: F401 (looks_like, gpt_model_type, has_weights: this reader's interface)
-    FORMAT, IGNORED_SUFFIXES, config_from_hf, gpt_model_type, has_weights, looks_like, part_rows,
-    read_supported_config, source_warnings, weight_files, with_full_names, word_embedding_key)
-from .hf_names import FUSED_EXPERTS, MODEL_TYPES, expand
+    FORMAT, IGNORED_SUFFIXES, gpt_model_type, has_weights, looks_like, part_rows, read_supported_config,
+    source_warnings, weight_files)
 
 
 # --- lazy tensors --------------------------------------------------------------------------
@@ -91,21 +92,21 @@ def read_entries(path: Path) -> Dict[str, LazyTensor]:
 
 def to_canonical(entries: Dict[str, LazyTensor], conf: dict, model_type: str, opts: ReadOptions, path):
     """(GPTConfig, {canonical name: lazy}) from HF-named tensors; also used for DeepSpeed runs of HF models."""
-    family = MODEL_TYPES[model_type][0]
-    entries = with_full_names(entries, family)
-    word_key = word_embedding_key(family)
+    family = families.for_model_type(model_type)
+    entries = family.names.with_full_names(entries)
+    word_key = family.names.word_embedding
     require(word_key in entries, f"{path}: no {word_key} in the weight files")
-    cfg = with_true_vocab_size(config_from_hf(conf, entries[word_key].shape[0], model_type),
+    cfg = with_true_vocab_size(family.read_config(conf, entries[word_key].shape[0]),
                                opts.true_vocab_size, entries[word_key].shape[0])
     if opts.overrides.get("activation"):
         cfg = cfg.replace(activation=opts.overrides["activation"])
 
     entries = dequantize_fp8(entries, conf, path)
-    if family in FUSED_EXPERTS:
+    if family.fused_experts:
         entries = unfuse_experts(entries, family, cfg)
     tensors: Dict[str, LazyTensor] = {}
     used = set()
-    for hf_name, (op, arg), _group in expand(family, cfg.num_layers, cfg.moe.num_experts if cfg.moe else 0):
+    for hf_name, (op, arg), _group in family.names.expand(cfg.num_layers, cfg.moe.num_experts if cfg.moe else 0):
         if hf_name not in entries:
             continue
         t = entries[hf_name]
@@ -192,14 +193,13 @@ def dequantize_fp8(entries: Dict[str, LazyTensor], conf: dict, path) -> Dict[str
     return out
 
 
-def unfuse_experts(entries: Dict[str, LazyTensor], family: str, cfg: GPTConfig) -> Dict[str, LazyTensor]:
+def unfuse_experts(entries: Dict[str, LazyTensor], family: Family, cfg: GPTConfig) -> Dict[str, LazyTensor]:
     """transformers' fused 3-D expert tensors -> the per-expert Hub names (lazy; expert e reads only
     its own rows of a safetensors entry)."""
-    _, _, _, prefix = hf_names.FAMILIES[family]
     out = dict(entries)
     for i in cfg.moe.layers if cfg.moe else ():
-        p = prefix.format(i=i)
-        for suffix, (op, arg) in FUSED_EXPERTS[family].items():
+        p = family.names.layer_prefix.format(i=i)
+        for suffix, (op, arg) in family.fused_experts.items():
             t = out.pop(p + suffix, None)
             if t is None:
                 continue
@@ -223,11 +223,11 @@ def unfuse_experts(entries: Dict[str, LazyTensor], family: str, cfg: GPTConfig) 
 def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     opts = opts or ReadOptions()
     path = Path(path)
-    conf, model_type = read_supported_config(path)
-    cfg, tensors = to_canonical(read_entries(path), conf, model_type, opts, path)
+    conf, family = read_supported_config(path)
+    cfg, tensors = to_canonical(read_entries(path), conf, family.model_type, opts, path)
     ckpt = Checkpoint(cfg, tensors, SourceInfo(
-        path=str(path), format=FORMAT, dialect=model_type, layout=Layout(1, 1),
+        path=str(path), format=FORMAT, dialect=family.model_type, layout=Layout(1, 1),
         extra={"hf_config": conf}))
-    for w in source_warnings(conf, model_type):
+    for w in source_warnings(conf, family):
         ckpt.warn(w)
     return ckpt

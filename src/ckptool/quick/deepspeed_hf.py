@@ -1,7 +1,7 @@
 """Hugging Face models trained under DeepSpeed (formats/deepspeed.py's third kind) for inspect, without
 torch: the engine's parameter names are the model's own, so the config comes from the config.json
 beside the save (deepspeed_files.find_hf_config) and the canonical tensors from the HF name table
-(formats/hf_names.py) applied to shapes (quick/hf.canonical_shapes), as formats/hf.to_canonical
+(the model's family record, families/) applied to shapes (quick/hf.canonical_shapes), as formats/hf.to_canonical
 applies it to tensors.
 
 The optimizer follows formats/deepspeed_optim.py on the same mapping: the master slot is every
@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 from ..formats.deepspeed_files import find_hf_config
-from ..formats.hf_config import config_from_hf, gpt_model_type, with_full_names, word_embedding_key
-from ..formats.hf_names import MODEL_TYPES
+from .. import families
 from ..state import ParamGroup
 from .hf import COMPUTED_DTYPES, canonical_shapes
 from .meta import TensorMeta
@@ -36,21 +35,20 @@ def canonical(named: Dict[str, TensorMeta], tag_dir: Path) -> Tuple[object, Dict
     hf = find_hf_config(tag_dir, None)
     if hf is None:
         raise NotQuick("no config.json beside the checkpoint")
-    model_type = gpt_model_type(hf)
-    if model_type is None:
+    family = families.of_hf_config(hf)
+    if family is None:
         raise NotQuick("not a GPT ckptool reshards")  # the full reader says so (to-hf consolidates it)
-    family = MODEL_TYPES[model_type][0]
     own = {(k[len("module."):] if k.startswith("module.") else k): k for k in named}
-    full = with_full_names(own, family)  # HF name -> engine name
+    full = family.names.with_full_names(own)  # HF name -> engine name
     entries = {hf_name: named[engine] for hf_name, engine in full.items()}
     if any(t.dtype in COMPUTED_DTYPES for t in entries.values()):
         raise NotQuick("FP8 tensors")
-    cfg = config_from_hf(hf, entries[word_embedding_key(family)].shape[0], model_type)
+    cfg = family.read_config(hf, entries[family.names.word_embedding].shape[0])
     hf_of: Dict[str, str] = {}
     tensors = canonical_shapes(entries, family, cfg, hf_of)
     if tensors is None:
         raise NotQuick("the names or shapes do not match config.json")
-    return cfg, tensors, model_type, {n: full[h] for n, h in hf_of.items()}
+    return cfg, tensors, family.model_type, {n: full[h] for n, h in hf_of.items()}
 
 
 def slots(tensors: Dict[str, TensorMeta], sources: Dict[str, str], shared: Dict[str, str],

@@ -1,7 +1,7 @@
 """Hugging Face model directories for inspect, without torch: config.json gives the GPTConfig
-(formats/hf_config.py, the reader's own code) and the safetensors headers every tensor's name, shape
-and dtype (io/safetensors_header.py, the reader's own parser); the HF name table
-(formats/hf_names.py) maps them to canonical names as the reader does, on shapes alone.
+(its family's record, families/, as the reader reads it) and the safetensors headers every tensor's
+name, shape and dtype (io/safetensors_header.py, the reader's own parser); the family's name table
+maps them to canonical names as the reader does, on shapes alone.
 
 None (the full reader answers) for pytorch_model.bin weights, FP8 or fused-expert tensors (their
 canonical form needs the reader's arithmetic), or files that do not match config.json.
@@ -13,8 +13,8 @@ from typing import Dict, Optional
 
 from ..config import Layout
 from ..errors import CkptError
+from ..families.family import Family, canonical_names
 from ..formats import hf_config
-from ..formats.hf_names import MODEL_TYPES, canonical_names, expand
 from ..io.safetensors_header import read_safetensors_header
 from ..state import Checkpoint, SourceInfo, expected_names
 from .meta import TensorMeta
@@ -31,8 +31,7 @@ def read(path: Path, format_name: str) -> Optional[Checkpoint]:
 
 
 def _checkpoint(path: Path, format_name: str) -> Optional[Checkpoint]:
-    conf, model_type = hf_config.read_supported_config(path)
-    family = MODEL_TYPES[model_type][0]
+    conf, family = hf_config.read_supported_config(path)
     files = hf_config.weight_files(path)
     if any(f.suffix != ".safetensors" for f in files):
         return None  # .bin files are torch pickles
@@ -42,27 +41,26 @@ def _checkpoint(path: Path, format_name: str) -> Optional[Checkpoint]:
             entries[name] = TensorMeta(e.shape, e.dtype_name)
     if any(t.dtype in COMPUTED_DTYPES for t in entries.values()):
         return None
-    entries = hf_config.with_full_names(entries, family)
-    rows = entries[hf_config.word_embedding_key(family)].shape[0]
-    cfg = hf_config.config_from_hf(conf, rows, model_type)
+    entries = family.names.with_full_names(entries)
+    cfg = family.read_config(conf, entries[family.names.word_embedding].shape[0])
     tensors = canonical_shapes(entries, family, cfg)
     if tensors is None:
         return None
-    ckpt = Checkpoint(cfg, tensors, SourceInfo(path=str(path), format=format_name, dialect=model_type,
+    ckpt = Checkpoint(cfg, tensors, SourceInfo(path=str(path), format=format_name, dialect=family.model_type,
                                                layout=Layout(1, 1), extra={"hf_config": conf}))
-    for w in hf_config.source_warnings(conf, model_type):
+    for w in hf_config.source_warnings(conf, family):
         ckpt.warn(w)
     return ckpt
 
 
-def canonical_shapes(entries: Dict[str, TensorMeta], family: str, cfg,
+def canonical_shapes(entries: Dict[str, TensorMeta], family: Family, cfg,
                      sources: Optional[Dict[str, str]] = None) -> Optional[Dict[str, TensorMeta]]:
-    """The hf_names table applied to shapes, as the reader applies it to tensors; None unless every
+    """The family's name table applied to shapes, as the reader applies it to tensors; None unless every
     stored tensor maps and every canonical tensor of cfg is found (the reader's own checks).
     sources, if given, gets each canonical name's HF name (several share a fused one)."""
     tensors: Dict[str, TensorMeta] = {}
     used = set()
-    for hf_name, (op, arg), _group in expand(family, cfg.num_layers, cfg.moe.num_experts if cfg.moe else 0):
+    for hf_name, (op, arg), _group in family.names.expand(cfg.num_layers, cfg.moe.num_experts if cfg.moe else 0):
         t = entries.get(hf_name)
         if t is None:
             continue

@@ -1,7 +1,7 @@
 """The GPT family (GPT-2, Llama, Mistral, Qwen, Mixtral, Qwen-MoE, DeepSeek-V3) as data: every canonical
 tensor once (TENSORS) and every Megatron role once with its key in each format (ROLES). schema.py says
 what the fields mean; docs/design.md "Adding a tensor, a bias or a family" how to extend it. Hugging Face names stay per
-architecture in formats/hf_names.py: one HF architecture's names do not line up with Megatron's roles.
+architecture in families/ (one module per HF family): one HF architecture's names do not line up with Megatron's roles.
 """
 from __future__ import annotations
 
