@@ -7,7 +7,8 @@ Prints: lines (all, and code lines: not blank, not comment-only), modules, the l
 functions with more than 10 parameters outside the public API (api.py's public functions and the
 click commands, whose parameters are the options), import cycles among ckptool's modules (every
 import counts, module-level or inside a function: a cycle through a function-local import is still
-a cycle in what depends on what), and how many imports sit inside functions. Repeated blocks are
+a cycle in what depends on what; imports under `if TYPE_CHECKING:` are annotations only and do not
+count), and how many imports sit inside functions. Repeated blocks are
 the `duplicates` tool's to count (`duplicates --most 200 --repo src`), not this script's.
 """
 from __future__ import annotations
@@ -39,11 +40,16 @@ def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
 
 def _imports(module: str, is_package: bool, tree: ast.AST, known: set):
     """(imported ckptool module, inside a function?) for each import statement."""
-    inside = set()
+    inside, typing_only = set(), set()
+    for node in ast.walk(tree):  # `if TYPE_CHECKING:` imports are for annotations: no dependency at run time
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            typing_only.update(id(n) for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom)))
     for fn in ast.walk(tree):
         if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             inside.update(id(n) for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom)))
     for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
