@@ -212,18 +212,7 @@ def launch_direct(command: List[str], nproc: int, addr: str, port: Optional[int]
             return 128 + stopping[0]
         if first is None:
             first = next(((r, p.returncode) for r, p in enumerate(procs) if p.returncode), None)
-        if first is None:
-            return 0
-        rank, status = first
-        said = _said(os.path.join(errors, f"{rank}.json"))
-        if status < 0:
-            if not said:
-                print(f"ckptool: rank {rank} was killed by {signal.Signals(-status).name}", file=sys.stderr)
-            return 128 - status  # as a shell reports a signal
-        if not said:
-            print(f"ckptool: rank {rank} exited with status {status} without a message "
-                  "(rerun with `ckptool --debug`)", file=sys.stderr)
-        return status
+        return 0 if first is None else _team_status(*first, errors)
     finally:
         stop(signal.SIGKILL)
         if held is not None:
@@ -231,6 +220,21 @@ def launch_direct(command: List[str], nproc: int, addr: str, port: Optional[int]
         for s, handler in previous.items():
             signal.signal(s, handler)
         shutil.rmtree(errors, ignore_errors=True)
+
+
+def _team_status(rank: int, status: int, errors: str) -> int:
+    """The launch's status when `rank` failed first with `status`: the rank's own (128 + N for a rank killed
+    by signal N, as a shell reports it), with one line for a rank that died without saying why."""
+    import signal
+    said = _said(os.path.join(errors, f"{rank}.json"))
+    if status < 0:
+        if not said:
+            print(f"ckptool: rank {rank} was killed by {signal.Signals(-status).name}", file=sys.stderr)
+        return 128 - status
+    if not said:
+        print(f"ckptool: rank {rank} exited with status {status} without a message "
+              "(rerun with `ckptool --debug`)", file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

@@ -215,27 +215,7 @@ def _read_pipeline(tf, ranks, named, opts, policy, warnings, tied: TiedCopies):
     require(nmp % tp == 0, f"{tf.tag_dir}: {nmp} model-parallel ranks is not a multiple of TP {tp}",
             "the checkpoint is incomplete")
     pp = nmp // tp
-    # entries[(idx, key)] = [per TP]; copies = later pipeline stages' copies of tied tensors
-    entries: Dict[Tuple[Optional[int], str], List[Optional[LazyTensor]]] = defaultdict(lambda: [None] * tp)
-    copies: Dict[Tuple[Optional[int], str], List[Optional[LazyTensor]]] = defaultdict(lambda: [None] * tp)
-    if named is None:
-        for (idx, t), p in sorted(tf.layers.items()):
-            tree = load_torch_file(p)
-            if not isinstance(tree, dict):
-                raise CkptError(f"{p.name}: not a layer state dict", "the file is damaged")
-            for key, v in tree.items():
-                if isinstance(v, LazyTensor):
-                    entries[(idx, key)][t] = v
-    else:
-        for mp, r in sorted(ranks.items()):
-            stage, t = divmod(mp, tp)
-            for name, v in named[mp].items():
-                hit = mds.split_pipe_name(name)
-                if hit is None:
-                    raise CkptError(f"unexpected parameter {name!r} in a pipeline checkpoint",
-                                    "ckptool converts Megatron-DeepSpeed GPT models")
-                target = entries if entries[hit][t] is None else copies
-                target[hit][t] = v
+    entries, copies = _pipe_entries(tf, ranks, named, tp)
     # The tied embedding's layer file index: its master name has none.
     keys_by_idx: Dict[Optional[int], set] = defaultdict(set)
     for (idx, key) in entries:
@@ -264,18 +244,50 @@ def _read_pipeline(tf, ranks, named, opts, policy, warnings, tied: TiedCopies):
         if k[0].startswith("qkv."):
             shards[k] = mds.regroup_qkv(shards[k], cfg, layout_name)
     tensors = assemble(cfg, shards, policy)
+    stage_layers = _stage_layers(ranks, tp, pp, numbers)
+    layout = Layout(tp=tp, pp=pp, stage_layers=None if len(set(stage_layers)) <= 1 or sum(stage_layers) != cfg.num_layers
+                    else stage_layers)
+    first = mds.first_layer_index(kinds)
+    return (cfg, tensors, layout, f"mds-pipeline (transformer layers from spec index {first}, qkv {layout_name})",
+            dict(_pipe_naming(ranks, layout_name), kinds=kinds))
+
+
+def _pipe_entries(tf, ranks, named, tp: int):
+    """(entries, copies): (layer file index, key) -> [per TP rank] of a pipeline run's tensors, from its
+    layer files (named None) or the optimizer's per-rank names; copies holds later pipeline stages' copies
+    of the tied tensors (a name met twice on one TP rank)."""
+    entries: Dict[Tuple[Optional[int], str], List[Optional[LazyTensor]]] = defaultdict(lambda: [None] * tp)
+    copies: Dict[Tuple[Optional[int], str], List[Optional[LazyTensor]]] = defaultdict(lambda: [None] * tp)
+    if named is None:
+        for (idx, t), p in sorted(tf.layers.items()):
+            tree = load_torch_file(p)
+            if not isinstance(tree, dict):
+                raise CkptError(f"{p.name}: not a layer state dict", "the file is damaged")
+            for key, v in tree.items():
+                if isinstance(v, LazyTensor):
+                    entries[(idx, key)][t] = v
+    else:
+        for mp, r in sorted(ranks.items()):
+            stage, t = divmod(mp, tp)
+            for name, v in named[mp].items():
+                hit = mds.split_pipe_name(name)
+                if hit is None:
+                    raise CkptError(f"unexpected parameter {name!r} in a pipeline checkpoint",
+                                    "ckptool converts Megatron-DeepSpeed GPT models")
+                target = entries if entries[hit][t] is None else copies
+                target[hit][t] = v
+    return entries, copies
+
+
+def _stage_layers(ranks, tp: int, pp: int, numbers) -> List[int]:
+    """Transformer layers per pipeline stage, from the names each stage's optimizer holds (param_shapes)."""
     counts = defaultdict(int)
     for mp, r in ranks.items():
         if mp % tp == 0:
             names = [n for g in (r.meta.get("param_shapes") or []) for n in g]
             counts[mp // tp] = len({mds.split_pipe_name(n)[0] for n in names
                                    if (mds.split_pipe_name(n) or (None,))[0] in numbers})
-    stage_layers = [counts[s] for s in range(pp)]
-    layout = Layout(tp=tp, pp=pp, stage_layers=None if len(set(stage_layers)) <= 1 or sum(stage_layers) != cfg.num_layers
-                    else stage_layers)
-    first = mds.first_layer_index(kinds)
-    return (cfg, tensors, layout, f"mds-pipeline (transformer layers from spec index {first}, qkv {layout_name})",
-            dict(_pipe_naming(ranks, layout_name), kinds=kinds))
+    return [counts[s] for s in range(pp)]
 
 
 def _pipe_naming(ranks: Dict[int, RankStates], qkv_layout: str) -> dict:

@@ -644,15 +644,6 @@ def write_grouped(writers: list, group_of, on_tensor=None) -> int:
             groups.setdefault(group_of(ps.lazy), []).append((w, ps))
     total = 0
 
-    def store(items):  # one file's share of a group, in order
-        n = 0
-        for w, ps, t in items:
-            k = w.write_prepared(ps, t)
-            n += k
-            if on_tensor:
-                on_tensor(k)
-        return n
-
     # Files are independent: each group's files are written in parallel (torch's archive writer,
     # CRC32, sha256 and write() all release the GIL), one task per file so each file's records
     # stay in order; group g+1 is loaded meanwhile.
@@ -677,7 +668,7 @@ def write_grouped(writers: list, group_of, on_tensor=None) -> int:
                     total += sum(f.result() for f in in_flight)
                 if in_flight:
                     trim()
-                in_flight = [pool.submit(store, items) for items in by_file.values()]
+                in_flight = [pool.submit(_store, items, on_tensor) for items in by_file.values()]
                 del by_file
             total += sum(f.result() for f in in_flight)
     finally:
@@ -686,6 +677,17 @@ def write_grouped(writers: list, group_of, on_tensor=None) -> int:
     for w in writers:
         w.finish()
     return total
+
+
+def _store(items, on_tensor) -> int:
+    """One file's share of a group, written in order (on a writer thread); its bytes."""
+    n = 0
+    for w, ps, t in items:
+        k = w.write_prepared(ps, t)
+        n += k
+        if on_tensor:
+            on_tensor(k)
+    return n
 
 
 def _siblings_together(items: list) -> list:
