@@ -28,10 +28,10 @@ from .formats import registry
 from .options import ReadOptions, pop_read_options
 from .state import Checkpoint
 from .summary import WriteSummary
+from .write_options import (DTYPE_NAMES, PAD_FILLS, WriteOptions, build_write_options,  # noqa: F401 (PAD_FILLS: the CLI's)
+                            refuse_unwritable)
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
-          "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-PAD_FILLS = ("zero", "mean", "last")
+DTYPES = {name: getattr(torch, dtype) for name, dtype in DTYPE_NAMES.items()}  # --dtype's choices
 OUTPUT_FORMATS = registry.OUTPUT_FORMATS
 
 Progress = Callable[[int, Optional[int]], None]  # progress(bytes just written, total bytes or None)
@@ -147,17 +147,12 @@ def merge(src, dst, *, format: Optional[str] = None, dialect: Optional[str] = No
     progress(bytes, total) and warn(message) are called as the write goes on.
     read_options as for open(). Returns the ConversionResult; raises CkptError."""
     ckpt = _open_source(src, optimizer, read_options)
-    return _write_megatron_family("merge", src, dst, ckpt, Layout(1, 1), force, progress, warn,
-                                  format=format, dialect=dialect, release=release, dtype=dtype,
-                                  make_vocab_size_divisible_by=make_vocab_size_divisible_by, pad_fill=pad_fill,
-                                  **_training_state_options(optimizer, distributed_optimizer, dp, overlap_grad_reduce,
-                                                            ddp_bucket_size, distrib_optim_era),
-                                  **_expert_form(moe_grouped_gemm))
-
-
-def _expert_form(moe_grouped_gemm: Optional[bool]) -> dict:
-    """The writer option for the experts' module form, only when the caller chose one."""
-    return {} if moe_grouped_gemm is None else {"moe_grouped_gemm": moe_grouped_gemm}
+    opts = build_write_options(
+        format=format, dialect=dialect, release=release, dtype=dtype, pad_fill=pad_fill, optimizer=optimizer,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by, distributed_optimizer=distributed_optimizer,
+        dp=dp, overlap_grad_reduce=overlap_grad_reduce, ddp_bucket_size=ddp_bucket_size,
+        distrib_optim_era=distrib_optim_era, moe_grouped_gemm=moe_grouped_gemm)
+    return _write_megatron_family("merge", src, dst, ckpt, Layout(1, 1), opts, force, progress, warn)
 
 
 def reshard(src, dst, *, tp: int, pp: int = 1, vpp: Optional[int] = None, ep: int = 1, etp: Optional[int] = None,
@@ -176,12 +171,12 @@ def reshard(src, dst, *, tp: int, pp: int = 1, vpp: Optional[int] = None, ep: in
     layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp is not None and vpp >= 2 else None,
                     stage_layers=_stage_layers(pp_layers), ep=ep, etp=etp)
     ckpt = _open_source(src, optimizer, read_options)
-    return _write_megatron_family("reshard", src, dst, ckpt, layout, force, progress, warn,
-                                  format=format, dialect=dialect, release=release, dtype=dtype,
-                                  make_vocab_size_divisible_by=make_vocab_size_divisible_by, pad_fill=pad_fill,
-                                  **_training_state_options(optimizer, distributed_optimizer, dp, overlap_grad_reduce,
-                                                            ddp_bucket_size, distrib_optim_era),
-                                  **_expert_form(moe_grouped_gemm))
+    opts = build_write_options(
+        format=format, dialect=dialect, release=release, dtype=dtype, pad_fill=pad_fill, optimizer=optimizer,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by, distributed_optimizer=distributed_optimizer,
+        dp=dp, overlap_grad_reduce=overlap_grad_reduce, ddp_bucket_size=ddp_bucket_size,
+        distrib_optim_era=distrib_optim_era, moe_grouped_gemm=moe_grouped_gemm)
+    return _write_megatron_family("reshard", src, dst, ckpt, layout, opts, force, progress, warn)
 
 
 def fix_vocab(src, dst, *, size: Optional[int] = None, multiple: Optional[int] = None,
@@ -205,12 +200,15 @@ def fix_vocab(src, dst, *, size: Optional[int] = None, multiple: Optional[int] =
         raise CkptError(f"{rows} rows cannot be split evenly across the checkpoint's {lay.tp} TP ranks",
                         f"choose a size that is a multiple of {lay.tp}")
     layout = Layout(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, stage_layers=lay.stage_layers, ep=lay.ep, etp=lay.etp)
-    # Megatron pads the true vocabulary to a multiple of divisible_by x TP: rows / TP gives `rows`.
-    return _write_megatron_family("fix-vocab", src, dst, fixed, layout, force, progress, warn,
-                                  format=format, dialect=dialect, release=release, dtype=dtype,
-                                  make_vocab_size_divisible_by=rows // lay.tp, pad_fill=pad_fill,
-                                  **_training_state_options(optimizer, distributed_optimizer, dp, overlap_grad_reduce,
-                                                            ddp_bucket_size, distrib_optim_era))
+    # Megatron pads the true vocabulary to a multiple of divisible_by x TP: rows / TP gives `rows`. The fixed
+    # checkpoint's own padding rule says so (not an option the user gave, which a target might not honour).
+    fixed = Checkpoint(fixed.config.replace(make_vocab_size_divisible_by=rows // lay.tp), fixed.tensors,
+                       fixed.source, fixed.warnings, fixed.optimizer)
+    opts = build_write_options(
+        format=format, dialect=dialect, release=release, dtype=dtype, pad_fill=pad_fill, optimizer=optimizer,
+        distributed_optimizer=distributed_optimizer, dp=dp, overlap_grad_reduce=overlap_grad_reduce,
+        ddp_bucket_size=ddp_bucket_size, distrib_optim_era=distrib_optim_era)
+    return _write_megatron_family("fix-vocab", src, dst, fixed, layout, opts, force, progress, warn)
 
 
 def _open_source(src, optimizer: bool, read_options: dict) -> Checkpoint:
@@ -221,40 +219,15 @@ def _open_source(src, optimizer: bool, read_options: dict) -> Checkpoint:
     return open_checkpoint(src, opts)
 
 
-def _training_state_options(optimizer: bool, distributed_optimizer: bool, dp: Optional[int],
-                            overlap_grad_reduce: Optional[bool] = None, ddp_bucket_size: Optional[int] = None,
-                            distrib_optim_era: Optional[str] = None) -> dict:
-    """The writers' keywords for the optimizer state: carried or not, and in which Megatron layout."""
-    for given, name in ((dp, "--dp"), (overlap_grad_reduce, "--overlap-grad-reduce"),
-                        (ddp_bucket_size, "--ddp-bucket-size"), (distrib_optim_era, "--distrib-optim-era")):
-        require(given is None or distributed_optimizer, f"{name} shapes the distributed optimizer's files",
-                "give it with --distributed-optimizer")
-    require(ddp_bucket_size is None or overlap_grad_reduce, "--ddp-bucket-size: Megatron buckets only with "
-            "--overlap-grad-reduce", "add --overlap-grad-reduce")
-    out = {"optimizer": optimizer}
-    if distributed_optimizer:
-        out.update(distributed_optimizer=True, dp=dp or 1, overlap_grad_reduce=overlap_grad_reduce,
-                   ddp_bucket_size=ddp_bucket_size, distrib_optim_era=distrib_optim_era)
-    return out
-
-
-def _write_megatron_family(command, src, dst, ckpt: Checkpoint, layout: Layout, force, progress, warn,
-                           **write_options) -> ConversionResult:
-    """Write ckpt at layout (convert.write_layout) and report. write_options are the output options
-    by their API names; new ones pass straight through to the writers."""
+def _write_megatron_family(command, src, dst, ckpt: Checkpoint, layout: Layout, opts: WriteOptions, force, progress,
+                           warn) -> ConversionResult:
+    """Write ckpt at layout as opts say (convert.write_layout) and report."""
     from .convert import write_layout
     from .distributed import current_team
-    fmt = write_options.pop("format", None)
-    require(fmt is None or fmt in OUTPUT_FORMATS, f"unknown output format {fmt!r}",
-            f"choose one of {', '.join(OUTPUT_FORMATS)}")
-    require(write_options.get("pad_fill") in PAD_FILLS, f"unknown pad_fill {write_options.get('pad_fill')!r}",
-            f"choose one of {', '.join(PAD_FILLS)}")
-    write_options["divisible_by"] = write_options.pop("make_vocab_size_divisible_by", None)
-    write_options["dtype"] = _dtype(write_options.get("dtype"))
     warnings: List[str] = []
     told = _tell_reader_warnings(ckpt, warn, told=set())
-    summary = write_layout(ckpt, dst, layout, fmt=fmt, force=force, progress=_bytes_progress(progress, ckpt),
-                           warn=_collecting(warnings, warn), **write_options)
+    summary = write_layout(ckpt, dst, layout, opts, force=force, progress=_bytes_progress(progress, ckpt),
+                           warn=_collecting(warnings, warn))
     summary.warnings = list(warnings)  # what the write warned about (the reader's follow)
     _tell_reader_warnings(ckpt, warn, told | set(warnings))
     warnings += [w for w in ckpt.warnings if w not in warnings]
@@ -277,18 +250,18 @@ def to_hf(src, dst, *, dtype=None, max_shard_size: str = "5GB", tokenizer: Optio
     from .convert import write_output
     from .distributed import current_team
     from .formats.registry import BY_NAME, open_checkpoint
-    torch_dtype = _dtype(dtype)
+    opts = build_write_options(dtype=dtype, max_shard_size=max_shard_size, tokenizer=tokenizer)
     try:
         ckpt = open_checkpoint(src, _parse_read_options(**read_options))
     except NoCanonicalForm as source:  # no GPT state, but the reader can export what it opened
-        return _export_to_hf(source, src, dst, torch_dtype, max_shard_size, tokenizer, force, progress)
+        return _export_to_hf(source, src, dst, opts.dtype, max_shard_size, tokenizer, force, progress)
+    refuse_unwritable(ckpt, BY_NAME["hf"], opts)
     write_hf = BY_NAME["hf"].write
     warnings: List[str] = []
     bar = _bytes_progress(progress, ckpt)
 
     def write_into(tmp, owns):  # under torchrun, owns(i) picks this rank's safetensors shards
-        return write_hf(ckpt, tmp, dtype=torch_dtype, max_shard_size=max_shard_size, tokenizer=tokenizer,
-                        progress=bar, warn=_collecting(warnings, warn), owns=owns)
+        return write_hf(ckpt, tmp, opts, progress=bar, warn=_collecting(warnings, warn), owns=owns)
 
     told = _tell_reader_warnings(ckpt, warn, told=set())
     summary = write_output(dst, [Path(src)], force, write_into, merge=WriteSummary.combined)
@@ -335,10 +308,10 @@ def from_hf(src, dst, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep
     ckpt = fmt.read(src, ReadOptions(true_vocab_size=true_vocab_size))
     layout = Layout(tp=tp, pp=pp, vpp=vpp if vpp and vpp > 1 else None, stage_layers=_stage_layers(pp_layers), ep=ep,
                     etp=etp)
-    return _write_megatron_family("from-hf", src, dst, ckpt, layout, force, progress, warn, format="torch",
-                                  dialect=dialect, dtype=dtype, pad_fill=pad_fill,
-                                  make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                                  **_expert_form(moe_grouped_gemm))
+    opts = build_write_options(format="torch", dialect=dialect, dtype=dtype, pad_fill=pad_fill,
+                               make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                               moe_grouped_gemm=moe_grouped_gemm)
+    return _write_megatron_family("from-hf", src, dst, ckpt, layout, opts, force, progress, warn)
 
 
 # --- verify ---------------------------------------------------------------------------------------
@@ -422,13 +395,6 @@ class _ReportLines(io.TextIOBase):
 
 
 # --- small helpers --------------------------------------------------------------------------------
-def _dtype(value) -> Optional[torch.dtype]:
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    require(value in DTYPES, f"unknown dtype {value!r}", f"choose one of {', '.join(sorted(DTYPES))}")
-    return DTYPES[value]
-
-
 def _stage_layers(value) -> Optional[list]:
     if value is None or isinstance(value, str):
         return parse_stage_layers(value)

@@ -39,6 +39,7 @@ from ..roles import canonical_names, global_role_tensor, layer_role_tensor, rule
 from ..sharding import Rule
 from ..state import OPTIMIZER_SLOTS, Checkpoint
 from ..summary import WriteSummary
+from ..write_options import WriteOptions
 from . import hf_names
 from .hf_writer import materialise
 
@@ -156,11 +157,11 @@ def _groups_of(ckpt: Checkpoint) -> Dict[str, int]:
     return out
 
 
-def write_ds_universal(ckpt: Checkpoint, out_dir: Path, layout: Layout, progress=None, warn=print,
-                       dtype: Optional[torch.dtype] = None, dialect: Optional[str] = None, optimizer: bool = True,
-                       **_ignored) -> WriteSummary:
-    opt = ckpt.optimizer
-    require(optimizer, "--format ds-universal is the training state itself; it cannot be written --no-optimizer",
+def write_ds_universal(ckpt: Checkpoint, out_dir: Path, layout: Layout, opts: WriteOptions = WriteOptions(),
+                       progress=None, warn=print) -> WriteSummary:
+    # of opts, only dtype and optimizer apply (registry.DS_UNIVERSAL_HONOURS; the others are refused before)
+    opt, dtype = ckpt.optimizer, opts.dtype
+    require(opts.optimizer, "--format ds-universal is the training state itself; it cannot be written --no-optimizer",
             "drop --no-optimizer, or write --format torch for the weights only")
     require(opt is not None, "--format ds-universal writes the training state, and this source holds no "
             "optimizer state", "convert a DeepSpeed checkpoint that has its *_optim_states.pt shards")
@@ -169,8 +170,6 @@ def write_ds_universal(ckpt: Checkpoint, out_dir: Path, layout: Layout, progress
             "use `ckptool merge SRC DST --format ds-universal`")
     require(dtype is None or dtype == torch.float32, "--format ds-universal stores fp32 masters and moments",
             "leave --dtype out")
-    require(dialect is None, "--dialect names Megatron key dialects; a universal checkpoint keeps the source's "
-            "parameter names", "leave --dialect out")
     params, naming = universal_params(ckpt)
     out_dir = Path(out_dir)
     es = {**ENGINE_DEFAULTS, **{k: v for k, v in (ckpt.source.extra.get("engine_state") or {}).items()

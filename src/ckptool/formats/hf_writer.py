@@ -26,6 +26,7 @@ from ..lazy import Const, Derived, LazyTensor, cat_shape
 from ..state import Checkpoint, expected_names
 from ..summary import WriteSummary, from_sharded
 from ..vocab import resize_vocab
+from ..write_options import WriteOptions
 from . import hf_names, megatron_args
 from .hf_names import expand
 
@@ -300,12 +301,13 @@ def _yarn_fields(cfg: GPTConfig) -> dict:
 
 # --- the writer ----------------------------------------------------------------------------
 
-def write_hf(ckpt: Checkpoint, out_dir: Path, dtype: Optional[torch.dtype] = None, max_shard_size="5GB",
-             tokenizer: Optional[str] = None, progress: Optional[Callable[[int], None]] = None,
-             warn: Callable[[str], None] = print, owns: Optional[Callable[[int], bool]] = None) -> WriteSummary:
-    """owns(i) (torchrun): write only the safetensors shards i it owns; configs, index and
-    tokenizer go with shard 0's owner."""
-    cfg = ckpt.config
+def write_hf(ckpt: Checkpoint, out_dir: Path, opts: WriteOptions = WriteOptions(),
+             progress: Optional[Callable[[int], None]] = None, warn: Callable[[str], None] = print,
+             owns: Optional[Callable[[int], bool]] = None) -> WriteSummary:
+    """Export ckpt as a Hugging Face model directory, as opts say (dtype, max_shard_size, tokenizer: the
+    options the format table says it honours). owns(i) (torchrun): write only the safetensors shards i it
+    owns; configs, index and tokenizer go with shard 0's owner."""
+    cfg, dtype, tokenizer = ckpt.config, opts.dtype, opts.tokenizer
     not_computed = megatron_args.maths_not_computed(ckpt.source.args)
     if not_computed:
         raise _refuse(", ".join(not_computed), "which ckptool's export does not compute")
@@ -313,7 +315,7 @@ def write_hf(ckpt: Checkpoint, out_dir: Path, dtype: Optional[torch.dtype] = Non
     if not first:
         warn = lambda m: None  # noqa: E731 - the rank that owns shard 0 speaks for everyone
     model_type, arch = choose_architecture(cfg)
-    max_bytes = parse_size(max_shard_size)
+    max_bytes = parse_size(opts.max_shard_size)
     vocab = cfg.vocab_size
     if vocab is None:
         vocab = cfg.padded_vocab_size
