@@ -2,9 +2,10 @@
 record (ReadOptions' counterpart, options.py), built once by the API and handed to the writers whole.
 
 Which of these options a target format honours, and what it can hold, is the format table's
-(formats/registry.py Format.honours / holds); registry.refuse_unwritable checks a record against it
+(formats/registry.py Format.honours / holds); refuse_unwritable (below) checks a record against it
 before anything is written. A field at its default (None for most: "not given") is never refused.
-torch-free on purpose, like the table: dtypes are kept by name until a writer asks (WriteOptions.dtype).
+Importable without torch, like the table: only build_write_options imports it, to turn a --dtype name
+into a torch.dtype.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from .state import Checkpoint
 # --dtype names -> torch dtype names (torch.<name>)
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
                "float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
-PAD_FILLS = ("zero", "mean", "last")
+PAD_FILLS = ("zero", "mean", "last")  # vocab.PAD_FILLS's, here without importing torch
 
 
 @dataclass(frozen=True)
