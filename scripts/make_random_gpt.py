@@ -18,6 +18,7 @@ from ckptool.config import GPTConfig, Layout
 from ckptool.formats.megatron import write_megatron
 from ckptool.lazy import Const
 from ckptool.state import Checkpoint, SourceInfo, expected_names
+from ckptool.write_options import WriteOptions
 
 # name -> GPTConfig keyword arguments. gpt2-1b: GPT-2 style (LayerNorm, tanh GeLU, learned positions,
 # biases, tied embeddings), 1.1B parameters. llama-1b: Llama style (RMSNorm, SwiGLU, RoPE, GQA 16 heads
@@ -90,7 +91,7 @@ def main():
         tp, pp = (int(x) for x in spec.split("x"))
         start = time.perf_counter()
         out = a.out / f"tp{tp}pp{pp}"
-        info = write_megatron(ckpt, out, Layout(tp=tp, pp=pp), dialect="mcore", warn=lambda m: None)
+        info = write_megatron(ckpt, out, Layout(tp=tp, pp=pp), WriteOptions(dialect="mcore"), warn=lambda m: None)
         print(f"wrote={out} files={info['files']} bytes={info['bytes']} "
               f"write_seconds={time.perf_counter() - start:.1f}", flush=True)
 

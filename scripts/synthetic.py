@@ -16,6 +16,7 @@ from ckptool.config import GPTConfig, Layout, MoE
 from ckptool.formats.megatron import write_megatron
 from ckptool.lazy import Derived
 from ckptool.state import Checkpoint, OptimizerState, ParamGroup, SourceInfo, expected_names
+from ckptool.write_options import WriteOptions
 from make_random_gpt import LLAMA_STYLE, canonical_shape
 
 VOCAB = 50257  # GPT-2's tokenizer; padded to 50304 for TP <= 2 with divisor 128
@@ -136,8 +137,8 @@ def write_synthetic(out: Path, size_gb: float = 0.0, tp: int = 2, pp: int = 2, d
     cfg = cfg or config_for_size(size_gb, style)
     Path(out).mkdir(parents=True, exist_ok=False)
     layout = Layout(tp=tp, pp=pp, ep=2 if cfg.moe else 1)
-    write_megatron(synthetic_checkpoint(cfg, optimizer=optimizer), Path(out), layout, dialect=dialect,
-                   iteration=1000, warn=lambda m: None)
+    write_megatron(synthetic_checkpoint(cfg, optimizer=optimizer), Path(out), layout,
+                   WriteOptions(dialect=dialect, iteration=1000), warn=lambda m: None)
     return cfg
 
 

@@ -28,6 +28,7 @@ from ckptool.lazy import Const
 from ckptool.options import ReadOptions
 from ckptool.state import Checkpoint, SourceInfo, expected_names
 from ckptool.verify.reference import forward
+from ckptool.write_options import WriteOptions
 
 REPO = Path(__file__).resolve().parents[1]
 HELPER = REPO / "tests" / "mcore_dist_helper.py"
@@ -95,9 +96,11 @@ def ours(mcore, tmp_path_factory):
     root = tmp_path_factory.mktemp("ours")
     for arch, stages in (("gpt2", None), ("llama", [2, 1])):
         src = open_checkpoint(mcore / arch)
-        write_layout(src, root / f"{arch}_torch", Layout(tp=2, pp=2, stage_layers=stages), fmt="torch", warn=print)
+        write_layout(src, root / f"{arch}_torch", Layout(tp=2, pp=2, stage_layers=stages),
+                     WriteOptions(format="torch"), warn=print)
         mid = open_checkpoint(root / f"{arch}_torch")
-        write_layout(mid, root / f"{arch}_dist", Layout(tp=2 if arch == "llama" else 1), fmt="torch_dist",
+        write_layout(mid, root / f"{arch}_dist", Layout(tp=2 if arch == "llama" else 1),
+                     WriteOptions(format="torch_dist"),
                      warn=print)
     return root
 
@@ -324,7 +327,7 @@ def test_reads_mcore_pp2_save_like_megatron_computes(mcore, arch, tmp_path):
     torch.testing.assert_close(forward(ckpt, ref["tokens"]), ref["logits"], atol=1e-6, rtol=0)
     # and on to the torch format at TP2 PP2 and back: the same tensors
     write_layout(ckpt, tmp_path / "torch", Layout(tp=2, pp=2, stage_layers=[2, 1] if arch == "llama" else None),
-                 fmt="torch", warn=print)
+                 WriteOptions(format="torch"), warn=print)
     assert_same_tensors(ckpt, open_checkpoint(tmp_path / "torch"))
 
 
@@ -459,7 +462,7 @@ def tiny_checkpoint(**kw) -> Checkpoint:
 def written(tmp_path):
     src = tiny_checkpoint()
     out = tmp_path / "dist"
-    write_layout(src, out, Layout(tp=2), fmt="torch_dist", warn=print)
+    write_layout(src, out, Layout(tp=2), WriteOptions(format="torch_dist"), warn=print)
     return src, out
 
 

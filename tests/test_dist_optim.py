@@ -31,6 +31,7 @@ from ckptool.formats.registry import open_checkpoint
 from ckptool.io.dcp_io import DcpDir
 from ckptool.lazy import Const
 from ckptool.state import Checkpoint, OptimizerState
+from ckptool.write_options import WriteOptions
 
 REPO = Path(__file__).resolve().parents[1]
 HELPER = REPO / "tests" / "mcore_optim_dist_helper.py"
@@ -122,13 +123,16 @@ def resumed(framework_runs, r):
     """The saves (a copy of their own), ckptool's torch_dist outputs at another TP, loaded and trained on by
     megatron-core (in one launch with the other files' 2-process follow-ups of the helper)."""
     copy_saves(framework_runs, r)
-    write_layout(open_checkpoint(r / "plain"), r / "plain_to_tp1", Layout(1), fmt="torch_dist", warn=print)
-    write_layout(open_checkpoint(r / "fr"), r / "fr_to_tp2", Layout(2), fmt="torch_dist", warn=print)
-    write_layout(open_checkpoint(r / "f32"), r / "f32_to_tp1", Layout(1), fmt="torch_dist", warn=print)
-    write_layout(open_checkpoint(r / "dpr"), r / "dpr_to_tp1", Layout(1), fmt="torch_dist", warn=print)
-    write_layout(open_checkpoint(r / "dpr_vpp"), r / "dpr_vpp_to_tp2", Layout(2), fmt="torch_dist", warn=print)
+    write_layout(open_checkpoint(r / "plain"), r / "plain_to_tp1", Layout(1),
+                 WriteOptions(format="torch_dist"), warn=print)
+    write_layout(open_checkpoint(r / "fr"), r / "fr_to_tp2", Layout(2), WriteOptions(format="torch_dist"), warn=print)
+    write_layout(open_checkpoint(r / "f32"), r / "f32_to_tp1", Layout(1), WriteOptions(format="torch_dist"), warn=print)
+    write_layout(open_checkpoint(r / "dpr"), r / "dpr_to_tp1", Layout(1), WriteOptions(format="torch_dist"), warn=print)
+    write_layout(open_checkpoint(r / "dpr_vpp"), r / "dpr_vpp_to_tp2", Layout(2),
+                 WriteOptions(format="torch_dist"), warn=print)
     for name, (_, tp) in RESUMED_FORMS.items():
-        write_layout(open_checkpoint(r / name), r / f"{name}_to_tp{tp}", Layout(tp), fmt="torch_dist", warn=print)
+        write_layout(open_checkpoint(r / name), r / f"{name}_to_tp{tp}", Layout(tp),
+                     WriteOptions(format="torch_dist"), warn=print)
     yield [(HELPER, 2, [
              f"resume {r}/plain_to_tp1 --tp 1 --form plain --out {r}/r_plain_tp1.pt",
              f"resume {r}/plain_to_tp1 --tp 1 --form fully_reshardable --out {r}/r_plain_tp1_distopt.pt",
@@ -231,7 +235,7 @@ def test_other_distributed_forms_reshard_into_the_torch_format(trained, tmp_path
     what ckptool reads back equals the source's optimizer state bit for bit."""
     src = open_checkpoint(trained / name)
     kw = dict(distributed_optimizer=True, dp=2) if distributed else {}
-    write_layout(src, tmp_path / "out", layout, fmt="torch", warn=print, **kw)
+    write_layout(src, tmp_path / "out", layout, WriteOptions(format="torch", **kw), warn=print)
     out = open_checkpoint(tmp_path / "out")
     assert out.optimizer.step == 3 and not out.warnings, out.warnings
     assert (tmp_path / "out" / "iter_0000003" / ("mp_rank_00" + ("_000" if layout.pp > 1 else "")) /
@@ -340,19 +344,19 @@ def test_torch_to_torch_dist_and_back_is_bit_exact(tmp_path, case):
     from test_optimizer import _assert_rank_files_equal, assert_same_training_state
     src_dir = real_checkpoint(case) / "checkpoint"
     src = open_checkpoint(src_dir)
-    summary = write_layout(src, tmp_path / "dist", Layout(1), fmt="torch_dist", warn=lambda m: None)
+    summary = write_layout(src, tmp_path / "dist", Layout(1), WriteOptions(format="torch_dist"), warn=lambda m: None)
     assert summary["optimizer"]["kind"] == "fully_reshardable" and summary["optimizer"]["step"] == 3
     mid = open_checkpoint(tmp_path / "dist")
     assert_same_training_state(src, mid)
     assert [set(g.names) for g in mid.optimizer.param_groups] == [set(g.names) for g in src.optimizer.param_groups]
-    write_layout(mid, tmp_path / "back", src.source.layout, fmt="torch", dialect=src.source.dialect,
+    write_layout(mid, tmp_path / "back", src.source.layout, WriteOptions(format="torch", dialect=src.source.dialect),
                  warn=lambda m: None)
     _assert_rank_files_equal(src_dir / "iter_0000003", tmp_path / "back" / "iter_0000003")
 
 
 def test_master_aliases_share_bytes_and_megatron_core_keys_are_written(tmp_path):
     src = open_checkpoint(real_checkpoint(TORCH_CASES[0]) / "checkpoint")
-    write_layout(src, tmp_path / "dist", Layout(2), fmt="torch_dist", warn=lambda m: None)
+    write_layout(src, tmp_path / "dist", Layout(2), WriteOptions(format="torch_dist"), warn=lambda m: None)
     dcp = DcpDir(tmp_path / "dist" / "iter_0000003")
     key = "decoder.layers.self_attention.linear_qkv.weight"
     for stored in ("param", "fp32_param", "exp_avg", "exp_avg_sq"):
@@ -367,7 +371,8 @@ def test_master_aliases_share_bytes_and_megatron_core_keys_are_written(tmp_path)
 
 def test_fp32_target_takes_its_weights_from_the_masters(tmp_path):
     src = open_checkpoint(real_checkpoint(TORCH_CASES[0]) / "checkpoint")
-    write_layout(src, tmp_path / "dist", Layout(1), fmt="torch_dist", dtype=torch.float32, warn=lambda m: None)
+    write_layout(src, tmp_path / "dist", Layout(1),
+                 WriteOptions(format="torch_dist", dtype=torch.float32), warn=lambda m: None)
     out = open_checkpoint(tmp_path / "dist")
     for name, master in src.optimizer.slots["master"].items():
         assert torch.equal(out.tensors[name].load(), master.load()), name
@@ -383,7 +388,8 @@ def test_a_master_that_does_not_match_its_weight_is_refused(tmp_path):
     bad = slots["master"]["layers.1.mlp.up.weight"].load().clone()
     bad[0, 0] += 1.0
     slots["master"]["layers.1.mlp.up.weight"] = Const(bad)
-    write_layout(_with_optimizer(src, slots), tmp_path / "dist", Layout(1), fmt="torch_dist", warn=lambda m: None)
+    write_layout(_with_optimizer(src, slots), tmp_path / "dist", Layout(1),
+                 WriteOptions(format="torch_dist"), warn=lambda m: None)
     ckpt = open_checkpoint(tmp_path / "dist")
     with pytest.raises(CkptError, match=r"fp32 master of layers\.1\.mlp\.up\.weight does not round.*--no-optimizer"):
         ckpt.optimizer.slots["master"]["layers.1.mlp.up.weight"].load()
@@ -438,7 +444,7 @@ def test_a_chained_optimizer_is_dropped_by_name(tmp_path):
     import pickle
     from ckptool.io.torchfile import load_torch_file, save_streaming
     src = open_checkpoint(real_checkpoint(TORCH_CASES[0]) / "checkpoint")
-    write_layout(src, tmp_path / "dist", Layout(1), fmt="torch_dist", warn=lambda m: None)
+    write_layout(src, tmp_path / "dist", Layout(1), WriteOptions(format="torch_dist"), warn=lambda m: None)
     d = tmp_path / "dist" / "iter_0000003"
     common = load_torch_file(d / "common.pt")
     common["optimizer"] = {0: common["optimizer"], 1: common["optimizer"]}
@@ -461,7 +467,7 @@ def test_no_optimizer_leaves_a_broken_optimizer_unread(tmp_path):
     is not read at all, and the weights convert."""
     from ckptool.options import ReadOptions
     src = open_checkpoint(real_checkpoint(TORCH_CASES[0]) / "checkpoint")
-    write_layout(src, tmp_path / "dist", Layout(1), fmt="torch_dist", warn=lambda m: None)
+    write_layout(src, tmp_path / "dist", Layout(1), WriteOptions(format="torch_dist"), warn=lambda m: None)
     d = tmp_path / "dist" / "iter_0000003"
     from ckptool.io.torchfile import load_torch_file, save_streaming
     common = load_torch_file(d / "common.pt")

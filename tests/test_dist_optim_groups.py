@@ -21,6 +21,7 @@ import torch
 from ckptool.config import Layout
 from ckptool.convert import write_layout
 from ckptool.formats.registry import open_checkpoint
+from ckptool.write_options import WriteOptions
 from conftest import copy_run, declare_runs, shared_followups
 from test_dist_optim import HELPER, assert_slots_equal, live, losses
 
@@ -61,11 +62,13 @@ def resumed(framework_runs, d):
     launch per helper and process count with the other files' follow-ups)."""
     import test_resume
     copy_saves(framework_runs, d)
-    write_layout(open_checkpoint(d / "fr"), d / "fr_tp1", Layout(1), fmt="torch_dist", warn=print)
-    write_layout(open_checkpoint(d / "dpr"), d / "dpr_pp2", Layout(1, 2, stage_layers=[2, 1]), fmt="torch_dist",
+    write_layout(open_checkpoint(d / "fr"), d / "fr_tp1", Layout(1), WriteOptions(format="torch_dist"), warn=print)
+    write_layout(open_checkpoint(d / "dpr"), d / "dpr_pp2", Layout(1, 2, stage_layers=[2, 1]),
+                 WriteOptions(format="torch_dist"),
                  warn=print)
-    write_layout(open_checkpoint(d / "plain"), d / "plain_tp1", Layout(1), fmt="torch_dist", warn=print)
-    write_layout(open_checkpoint(d / "fr"), d / "fr_torch", Layout(1), fmt="torch", warn=print)
+    write_layout(open_checkpoint(d / "plain"), d / "plain_tp1", Layout(1),
+                 WriteOptions(format="torch_dist"), warn=print)
+    write_layout(open_checkpoint(d / "fr"), d / "fr_torch", Layout(1), WriteOptions(format="torch"), warn=print)
     yield [(HELPER, 2, [
              f"resume {d}/fr_tp1 --tp 1 --form fully_reshardable {FLAGS} --out {d}/r_fr.pt",
              f"resume {d}/fr_tp1 --tp 1 --form plain {FLAGS} --out {d}/r_fr_plain.pt",
@@ -103,7 +106,8 @@ def test_written_groups_are_the_sources(resumed, tmp_path):
     assert sorted(sorted(g.names) for g in back.param_groups) == sorted(sorted(g.names) for g in src.optimizer.param_groups)
     assert_slots_equal(src, lambda slot: back.slots[slot])
     # torch format (its rank files' groups tied by the torch reader) -> torch_dist: the same again
-    write_layout(open_checkpoint(resumed / "fr_torch"), tmp_path / "again", Layout(2), fmt="torch_dist", warn=print)
+    write_layout(open_checkpoint(resumed / "fr_torch"), tmp_path / "again", Layout(2),
+                 WriteOptions(format="torch_dist"), warn=print)
     again = open_checkpoint(tmp_path / "again").optimizer
     assert sorted((sorted(g.names), g.hyper["max_lr"]) for g in again.param_groups) == \
         sorted((sorted(g.names), g.hyper["max_lr"]) for g in src.optimizer.param_groups)

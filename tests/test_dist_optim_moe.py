@@ -31,6 +31,7 @@ from ckptool.convert import write_layout
 from ckptool.formats.registry import open_checkpoint
 from ckptool.io.torchfile import load_torch_file
 from ckptool.roles import is_parameter
+from ckptool.write_options import WriteOptions
 
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and \
     importlib.util.find_spec("megatron.core") is not None
@@ -92,20 +93,31 @@ def resumed(framework_runs, d):
     import test_moe_megatron
     copy_saves(framework_runs, d)
     said = []
-    write_layout(open_checkpoint(d / "fr"), d / "fr_ep1", Layout(1, ep=1), fmt="torch_dist", warn=said.append)
-    write_layout(open_checkpoint(d / "plain"), d / "plain_ep1", Layout(1, ep=1), fmt="torch_dist", warn=said.append)
-    write_layout(open_checkpoint(d / "tp2"), d / "tp2_ep1", Layout(1, ep=1), fmt="torch_dist", warn=said.append)
-    write_layout(open_checkpoint(d / "fr_ep1"), d / "back_ep2", Layout(1, ep=2), fmt="torch_dist", warn=said.append)
-    write_layout(open_checkpoint(d / "fr"), d / "torch_ep1", Layout(1, ep=1), fmt="torch", warn=said.append)
-    write_layout(open_checkpoint(d / "qwen"), d / "qwen_ep1", Layout(1, ep=1), fmt="torch_dist", warn=said.append)
-    write_layout(open_checkpoint(d / "dpr"), d / "dpr_ep1", Layout(1, ep=1), fmt="torch_dist", warn=said.append)
-    write_layout(open_checkpoint(d / "fsms"), d / "fsms_ep1", Layout(1, ep=1), fmt="torch_dist", warn=said.append)
-    write_layout(open_checkpoint(d / "dpr_etp1"), d / "dpr_etp1_ep1", Layout(1, ep=1), fmt="torch_dist",
+    write_layout(open_checkpoint(d / "fr"), d / "fr_ep1", Layout(1, ep=1),
+                 WriteOptions(format="torch_dist"), warn=said.append)
+    write_layout(open_checkpoint(d / "plain"), d / "plain_ep1", Layout(1, ep=1),
+                 WriteOptions(format="torch_dist"), warn=said.append)
+    write_layout(open_checkpoint(d / "tp2"), d / "tp2_ep1", Layout(1, ep=1),
+                 WriteOptions(format="torch_dist"), warn=said.append)
+    write_layout(open_checkpoint(d / "fr_ep1"), d / "back_ep2", Layout(1, ep=2),
+                 WriteOptions(format="torch_dist"), warn=said.append)
+    write_layout(open_checkpoint(d / "fr"), d / "torch_ep1", Layout(1, ep=1),
+                 WriteOptions(format="torch"), warn=said.append)
+    write_layout(open_checkpoint(d / "qwen"), d / "qwen_ep1", Layout(1, ep=1),
+                 WriteOptions(format="torch_dist"), warn=said.append)
+    write_layout(open_checkpoint(d / "dpr"), d / "dpr_ep1", Layout(1, ep=1),
+                 WriteOptions(format="torch_dist"), warn=said.append)
+    write_layout(open_checkpoint(d / "fsms"), d / "fsms_ep1", Layout(1, ep=1),
+                 WriteOptions(format="torch_dist"), warn=said.append)
+    write_layout(open_checkpoint(d / "dpr_etp1"), d / "dpr_etp1_ep1", Layout(1, ep=1),
+                 WriteOptions(format="torch_dist"),
                  warn=said.append)
     for name in ("bias_fr", "bias_dpr"):
-        write_layout(open_checkpoint(d / name), d / f"{name}_ep1", Layout(1, ep=1), fmt="torch_dist", warn=said.append)
+        write_layout(open_checkpoint(d / name), d / f"{name}_ep1", Layout(1, ep=1),
+                     WriteOptions(format="torch_dist"), warn=said.append)
     # and at TP 2 (the expert bias is per expert: megatron-core's TP 2 model asks for it whole)
-    write_layout(open_checkpoint(d / "bias_fr"), d / "bias_fr_tp2", Layout(2, ep=1), fmt="torch_dist", warn=said.append)
+    write_layout(open_checkpoint(d / "bias_fr"), d / "bias_fr_tp2", Layout(2, ep=1),
+                 WriteOptions(format="torch_dist"), warn=said.append)
     assert not said, said
     yield [(HELPER, 2, [
              f"moe-resume {d}/fr_ep1 --tp 1 --ep 1 --form fully_reshardable {BF16} --out {d}/r_fr_ep1.pt",
@@ -190,7 +202,8 @@ def test_written_chain_is_megatron_cores_for_the_target_ep(resumed, tmp_path):
     assert groups(d / "back_ep2") == groups(d / "fr") == [[(1.0, False), (0.0, False)], [(1.0, True)]]
     assert groups(d / "fr_ep1") == [[(1.0, False), (0.0, False)]]
     # the torch-format output (its rank files tied by the torch reader) back into torch_dist at EP 2
-    write_layout(open_checkpoint(d / "torch_ep1"), tmp_path / "again", Layout(1, ep=2), fmt="torch_dist", warn=print)
+    write_layout(open_checkpoint(d / "torch_ep1"), tmp_path / "again", Layout(1, ep=2),
+                 WriteOptions(format="torch_dist"), warn=print)
     assert groups(tmp_path / "again") == groups(d / "fr")
     src = open_checkpoint(d / "fr").optimizer
     for out in ("back_ep2", "fr_ep1", "torch_ep1", tmp_path / "again"):

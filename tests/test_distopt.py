@@ -39,6 +39,7 @@ from ckptool.formats import megatron_distopt as D
 from ckptool.formats.megatron_names import DIALECTS, KeyMatcher
 from ckptool.formats.registry import open_checkpoint
 from ckptool.roles import global_role_tensor, layer_role_tensor
+from ckptool.write_options import WriteOptions
 from conftest import copy_run, declare_runs, shared_followups
 from test_resume import HELPER, LOSS_TOL, REPO, ckptool, losses, torchrun, weight_gap
 
@@ -329,8 +330,8 @@ def test_real_megatron_lm_state_through_distrib_optim(tmp_path, layout, dp, opti
     from test_optimizer import CASES, _assert_rank_files_equal, assert_same_training_state
     src_dir = real_checkpoint(CASES[0]) / "checkpoint"
     src = open_checkpoint(src_dir)
-    summary = write_layout(src, tmp_path / "dist", layout, warn=lambda m: None, distributed_optimizer=True, dp=dp,
-                           **options)
+    summary = write_layout(src, tmp_path / "dist", layout,
+                           WriteOptions(distributed_optimizer=True, dp=dp, **options), warn=lambda m: None)
     bucketing = {"bucket_size": 3000, "era": options["distrib_optim_era"]} if options else {}
     assert summary["optimizer"]["distributed"] == {"dp": dp, **bucketing}
     rank_dirs = sorted((tmp_path / "dist" / "iter_0000003").iterdir())

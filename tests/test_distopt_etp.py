@@ -20,6 +20,7 @@ from ckptool import api
 from ckptool.errors import CkptError
 from ckptool.formats.megatron import read_megatron
 from ckptool.formats.megatron_distopt import chain_sources
+from ckptool.write_options import WriteOptions
 
 from conftest import copy_run, declare_runs, shared_followups
 from test_optimizer_etp import HELPER, mixtral_with_moments
@@ -160,7 +161,8 @@ def test_expert_parts_in_other_files_are_written_and_read_back(tmp_path):
     from ckptool.formats.megatron import write_megatron
     from ckptool.lazy import Const
     ck, slots = mixtral_with_moments(tmp_path)
-    write_megatron(ck, tmp_path / "out", Layout(tp=4, ep=2, etp=1), distributed_optimizer=True, dp=1, warn=lambda m: None)
+    write_megatron(ck, tmp_path / "out", Layout(tp=4, ep=2, etp=1),
+                   WriteOptions(distributed_optimizer=True, dp=1), warn=lambda m: None)
     it = tmp_path / "out" / "iter_0000000"
     held = {p.name: [x is not None for x in torch.load(p / "distrib_optim.pt", weights_only=False)] for p in it.iterdir()}
     assert held == {"mp_rank_00_000": [True, True], "mp_rank_01_001": [True, True],

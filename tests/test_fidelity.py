@@ -25,6 +25,7 @@ from click.testing import CliRunner
 from ckptool.cli import main
 from ckptool.formats.registry import open_checkpoint
 from ckptool.verify.reference import forward
+from ckptool.write_options import WriteOptions
 
 REPO = Path(__file__).resolve().parents[1]
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and \
@@ -319,9 +320,10 @@ def test_post_layernorm_residual_written_only_where_megatron_honours_it(built, t
     for fmt, dialect in (("torch", "mcore"), ("torch_dist", None)):
         with pytest.raises(CkptError, match="apply-residual-connection-post-layernorm"):
             kw = {"dialect": dialect} if dialect else {}
-            write_layout(post, tmp_path / fmt, Layout(tp=1), fmt=fmt, warn=lambda m: None, **kw)
+            write_layout(post, tmp_path / fmt, Layout(tp=1), WriteOptions(format=fmt, **kw), warn=lambda m: None)
         assert not (tmp_path / fmt).exists()
-    write_layout(post, tmp_path / "legacy", Layout(tp=2), fmt="torch", dialect="legacy", warn=lambda m: None)
+    write_layout(post, tmp_path / "legacy", Layout(tp=2),
+                 WriteOptions(format="torch", dialect="legacy"), warn=lambda m: None)
     back = open_checkpoint(tmp_path / "legacy")
     assert back.source.dialect == "legacy" and back.config.post_layernorm_residual
     tokens = torch.load(built / "post_ln_residual" / "logits.pt")["tokens"]

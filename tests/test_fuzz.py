@@ -29,6 +29,7 @@ from ckptool.io.safe_pickle import safe_loads
 from ckptool.io.safetensors_header import DTYPES, parse_safetensors_header
 from ckptool.io.torchfile import load_torch_file
 from ckptool.lazy import LazyTensor
+from ckptool.write_options import WriteOptions
 
 REPO = Path(__file__).resolve().parents[1]
 RANK_FILE = REPO / "fixtures" / "gpt2_mcore_tp2pp2" / "checkpoint" / "iter_0000010" / "mp_rank_00_000" / "model_optim_rng.pt"
@@ -215,7 +216,8 @@ def dist_dir(tmp_path_factory):
     from ckptool.convert import write_layout
     from ckptool.formats.registry import open_checkpoint
     out = tmp_path_factory.mktemp("dist") / "ck"
-    write_layout(open_checkpoint(RANK_FILE.parents[2]), out, Layout(tp=1), fmt="torch_dist", warn=lambda m: None)
+    write_layout(open_checkpoint(RANK_FILE.parents[2]), out, Layout(tp=1),
+                 WriteOptions(format="torch_dist"), warn=lambda m: None)
     d = next(p.parent for p in out.rglob(".metadata"))
     assert (d / "metadata.json").is_file()
     return d

@@ -12,6 +12,7 @@ from ckptool.formats.megatron import read_megatron
 from ckptool.formats.registry import open_checkpoint
 from ckptool.options import ReadOptions
 from ckptool.verify.reference import forward
+from ckptool.write_options import WriteOptions
 
 ALL_FIXTURES = [
     "gpt2_flat2019_tp1", "gpt2_flat2019_tp2", "gpt2_legacy_v0_tp1pp1", "gpt2_legacy_v0_tp2pp1",
@@ -123,8 +124,8 @@ def test_dialect_is_kept_and_files_match_source(fixture_dir, tmp_path, name):
     """Writing in the source's dialect and layout reproduces every model tensor of every rank file."""
     d, case, src = _read(fixture_dir, name)
     lay = src.source.layout
-    write_layout(src, tmp_path / "out", Layout(lay.tp, lay.pp, lay.vpp), warn=lambda m: None,
-                 release=False)
+    write_layout(src, tmp_path / "out", Layout(lay.tp, lay.pp, lay.vpp),
+                 WriteOptions(release=False), warn=lambda m: None)
     out = read_megatron(tmp_path / "out", _opts(case))
     assert out.source.dialect == src.source.dialect
     assert out.source.checkpoint_version == src.source.checkpoint_version
@@ -147,7 +148,7 @@ def test_dialect_is_kept_and_files_match_source(fixture_dir, tmp_path, name):
 @pytest.mark.parametrize("target", ["mcore", "mcore-te", "legacy-norm"])
 def test_dialect_conversion_keeps_logits(fixture_dir, tmp_path, target):
     d, case, src = _read(fixture_dir, "llama_legacy_norm_tp2pp1")
-    write_layout(src, tmp_path / "out", Layout(2, 2), dialect=target, warn=lambda m: None)
+    write_layout(src, tmp_path / "out", Layout(2, 2), WriteOptions(dialect=target), warn=lambda m: None)
     out = read_megatron(tmp_path / "out")
     assert out.source.dialect == target
     _tensors_equal(src, out)

@@ -24,6 +24,7 @@ from ckptool import api
 from ckptool.errors import CkptError
 from ckptool.formats import dist
 from ckptool.formats.megatron import read_megatron
+from ckptool.write_options import WriteOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_moe_megatron import HAVE_MCORE, HELPER, relative  # noqa: E402
@@ -308,7 +309,7 @@ def test_moe_optimizer_state_is_written_as_the_target_eps_chain(root, tmp_path):
         "megatron", {"exp_avg": moments, "exp_avg_sq": moments}, step=1,
         param_groups=[ParamGroup(list(ck.tensors), {"lr": 1e-3, "weight_decay": 0.01, "wd_mult": 1.0})]))
     said = []
-    write_layout(ck, tmp_path / "out", Layout(tp=1, ep=2), fmt="torch_dist", warn=said.append)
+    write_layout(ck, tmp_path / "out", Layout(tp=1, ep=2), WriteOptions(format="torch_dist"), warn=said.append)
     assert not [m for m in said if "optimizer" in m], said
     keys = _metadata(tmp_path / "out")
     assert any(k.startswith("optimizer.state.exp_avg.") and "experts" in k for k in keys)

@@ -22,6 +22,7 @@ from ckptool.convert import fix_vocab, write_layout
 from ckptool.errors import CkptError
 from ckptool.formats.registry import open_checkpoint
 from ckptool.io.torchfile import load_torch_file
+from ckptool.write_options import WriteOptions
 
 CASES = ["mlm_mcore_gpt2_torch_tp2pp2", "mlm_legacy_gpt2_torch_tp2pp2"]
 LAYOUTS = [Layout(1, 1), Layout(4, 1), Layout(1, 2), Layout(2, 2, vpp=2)]
@@ -92,7 +93,8 @@ def _assert_rank_files_equal(a_dir: Path, b_dir: Path):
 def test_new_vocabulary_rows_get_zero_moments_and_master_equal_weight(tmp_path):
     src = open_checkpoint(real_checkpoint(CASES[0]) / "checkpoint")
     # 1001 true rows; divisible by 160 at TP1 pads to 1120: 96 rows beyond the source's 1024.
-    write_layout(src, tmp_path / "out", Layout(1, 1), divisible_by=160, pad_fill="mean", warn=lambda m: None)
+    write_layout(src, tmp_path / "out", Layout(1, 1),
+                 WriteOptions(divisible_by=160, pad_fill="mean"), warn=lambda m: None)
     out = open_checkpoint(tmp_path / "out")
     word, opt = out.tensors["embed.word"].load(), out.optimizer
     assert word.shape[0] == 1120

@@ -21,6 +21,7 @@ from ckptool import api
 from ckptool.errors import CkptError
 from ckptool.formats.megatron import read_megatron
 from ckptool.io.torchfile import load_torch_file
+from ckptool.write_options import WriteOptions
 from conftest import copy_run, declare_runs, shared_followups
 
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and \
@@ -174,7 +175,8 @@ def test_expert_tp_2_of_tp_4_is_written_on_its_grid_and_reads_back(tmp_path, dia
     from ckptool.config import Layout
     from ckptool.formats.megatron import write_megatron
     ck, slots = mixtral_with_moments(tmp_path)
-    write_megatron(ck, tmp_path / "out", Layout(tp=4, ep=2, etp=2), dialect=dialect, moe_grouped_gemm=grouped,
+    write_megatron(ck, tmp_path / "out", Layout(tp=4, ep=2, etp=2),
+                   WriteOptions(dialect=dialect, moe_grouped_gemm=grouped),
                    warn=lambda m: None)
     it = tmp_path / "out" / "iter_0000000"
     assert sorted(p.name for p in it.iterdir()) == ["mp_rank_00_000", "mp_rank_01_000", "mp_rank_02_001", "mp_rank_03_001"]

@@ -10,6 +10,7 @@ from ckptool.lazy import Const, LazyTensor, load_scope
 from ckptool.roles import assemble, fuse_qkv, layer_role_tensor, qkv_blocks, shard_role
 from ckptool.sharding import Rule, split, split_lazy
 from ckptool.state import Checkpoint, SourceInfo, expected_names
+from ckptool.write_options import WriteOptions
 
 
 def blocks_of(piece) -> torch.Tensor:
@@ -157,7 +158,7 @@ def test_verify_rank_view_of_a_torch_dist_source_is_the_writers_rank_file(script
     cfg = cfg_of(8, 2)
     g = torch.Generator().manual_seed(1)
     src = _checkpoint(cfg, lambda n, shape: Const(torch.randn(shape, generator=g)))
-    write_layout(src, tmp_path / "dist", Layout(tp=1), fmt="torch_dist", warn=lambda m: None)
+    write_layout(src, tmp_path / "dist", Layout(tp=1), WriteOptions(format="torch_dist"), warn=lambda m: None)
     merged = dist_format.read(tmp_path / "dist")
     layout = Layout(tp=4, pp=2)
     write_megatron(merged, tmp_path / "tp4", layout, warn=lambda m: None)

@@ -14,6 +14,7 @@ from conftest import ROOT, copy_run, declare_runs, real_checkpoint
 from ckptool import quick_inspect
 from ckptool.cli import main
 from ckptool.commands import inspect_cmd
+from ckptool.write_options import WriteOptions
 
 # Runs `ckptool ARGS...` in a fresh interpreter and fails unless torch stayed unimported.
 NO_TORCH = ("import sys\nfrom ckptool.cli import main\n"
@@ -528,7 +529,7 @@ def moe_dirs(tmp_path_factory):
     ck, _ = mixtral_with_moments(root)
     for name, layout, dialect in (("optim_sequential_tp2ep2", Layout(tp=2, ep=2), "mcore"),
                                   ("optim_te_grouped_tp4ep2etp2", Layout(tp=4, ep=2, etp=2), "mcore-te")):
-        write_megatron(ck, root / name, layout, dialect=dialect, moe_grouped_gemm=dialect == "mcore-te",
+        write_megatron(ck, root / name, layout, WriteOptions(dialect=dialect, moe_grouped_gemm=dialect == "mcore-te"),
                        warn=lambda m: None)
         dirs[name] = root / name
     dirs["optim_dist_ep2"] = root / "optim_dist_ep2"  # torch_dist fully_reshardable, ChainedOptimizer {0: dense, 1: expert}

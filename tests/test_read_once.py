@@ -16,6 +16,7 @@ from ckptool.config import GPTConfig, Layout  # noqa: E402
 from ckptool.convert import write_layout  # noqa: E402
 from ckptool.formats.registry import open_checkpoint  # noqa: E402
 from ckptool.io.torchfile import TorchArchive  # noqa: E402
+from ckptool.write_options import WriteOptions
 from synthetic import write_synthetic  # noqa: E402
 
 
@@ -147,7 +148,8 @@ def test_torch_dist_tensors_name_their_chunk_records(tmp_path):
     from ckptool.io import prefetch
     from ckptool.io.dcp_io import DcpDir
     src = _tiny(tmp_path, "gpt2")
-    write_layout(open_checkpoint(src), tmp_path / "dist", Layout(1, 1), fmt="torch_dist", warn=lambda m: None)
+    write_layout(open_checkpoint(src), tmp_path / "dist", Layout(1, 1),
+                 WriteOptions(format="torch_dist"), warn=lambda m: None)
     ckpt = open_checkpoint(tmp_path / "dist")
     covered = _covered(prefetch.source_ranges(ckpt.tensors.values()))
     (meta,) = list((tmp_path / "dist").rglob(".metadata"))

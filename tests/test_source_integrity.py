@@ -152,9 +152,10 @@ def dcp_dir(tmp_path_factory):
     from ckptool.config import Layout
     from ckptool.convert import write_layout
     from ckptool.formats.registry import open_checkpoint
+    from ckptool.write_options import WriteOptions
     out = tmp_path_factory.mktemp("dcp") / "dist"
-    write_layout(open_checkpoint(str(real_checkpoint(MCORE) / "checkpoint")), out, Layout(tp=1), fmt="torch_dist",
-                 warn=lambda m: None)
+    write_layout(open_checkpoint(str(real_checkpoint(MCORE) / "checkpoint")), out, Layout(tp=1),
+                 WriteOptions(format="torch_dist"), warn=lambda m: None)
     (out / "ckptool-manifest.json").unlink()
     return out
 

@@ -30,6 +30,7 @@ from ckptool.config import GPTConfig, Layout
 from ckptool.formats.megatron import write_megatron
 from ckptool.lazy import Const
 from ckptool.state import Checkpoint, SourceInfo
+from ckptool.write_options import WriteOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL_CASES = ["mlm_mcore_gpt2_torch_tp2pp2", "mlm_legacy_gpt2_torch_tp2pp2"]
@@ -108,7 +109,7 @@ def models(tmp_path_factory):
 def megatron(models, kind: str, tp: int, pp: int) -> Path:
     out = models["tmp"] / f"{kind}_tp{tp}pp{pp}"
     if not out.exists():
-        write_megatron(models[kind][0], out, Layout(tp=tp, pp=pp), dialect="mcore", warn=lambda m: None)
+        write_megatron(models[kind][0], out, Layout(tp=tp, pp=pp), WriteOptions(dialect="mcore"), warn=lambda m: None)
     return out
 
 
@@ -254,7 +255,8 @@ def gpt2_vpp(models) -> Path:
     """GPT-2 at TP1 PP2 VPP2 written by ckptool: stage 0 holds layers 0 and 2, stage 1 layers 1 and 3."""
     out = models["tmp"] / "gpt2_tp1pp2vpp2"
     if not out.exists():
-        write_megatron(models["gpt2"][0], out, Layout(tp=1, pp=2, vpp=2), dialect="mcore", warn=lambda m: None)
+        write_megatron(models["gpt2"][0], out, Layout(tp=1, pp=2, vpp=2),
+                       WriteOptions(dialect="mcore"), warn=lambda m: None)
     return out
 
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from .config import Layout
-from .errors import CkptError, NoCanonicalForm, require
+from .errors import CkptError, NoCanonicalForm
 from .formats import registry
 from .layout_request import LayoutRequest, check_sizes
 from .integrity import verify_files
@@ -29,14 +29,12 @@ from .state import Checkpoint
 from .summary import WriteSummary
 from .verify.request import Request, check_request
 
-if TYPE_CHECKING:  # annotations only: see DTYPES
-    import torch
+from .write_options import (DTYPE_NAMES, PAD_FILLS, WriteOptions, build_write_options,  # noqa: F401 (PAD_FILLS: the CLI's)
+                            refuse_unhonoured, refuse_unwritable)
 
 # dtype names -> torch's names for them. Names, not torch dtypes: this module imports no torch at its
 # top, so a command that fails on its input (a source path that does not exist) answers at once.
-DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
-          "float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
-PAD_FILLS = ("zero", "mean", "last")
+DTYPES = DTYPE_NAMES
 OUTPUT_FORMATS = registry.OUTPUT_FORMATS
 
 Progress = Callable[[int, Optional[int]], None]  # progress(bytes just written, total bytes or None)
@@ -158,59 +156,55 @@ def merge(src, dst, *, format: Optional[str] = None, dialect: Optional[str] = No
     other module) is written where its reader can write the format asked for: format="ds-universal"
     under the engine's own parameter names (ConversionResult.checkpoint is None, kind the source's).
     read_options as for open(). Returns the ConversionResult; raises CkptError."""
-    return _layout_conversion("merge", src, dst, lambda ckpt: (Layout(1, 1), None), force, progress, warn, read_options,
-                              format=format, dialect=dialect, release=release, dtype=dtype,
-                              make_vocab_size_divisible_by=make_vocab_size_divisible_by, pad_fill=pad_fill,
-                              **_training_state_options(optimizer, distributed_optimizer, dp, overlap_grad_reduce,
-                                                        ddp_bucket_size, distrib_optim_era),
-                              **_expert_form(moe_grouped_gemm))
+    opts = build_write_options(
+        format=format, dialect=dialect, release=release, dtype=dtype, pad_fill=pad_fill, optimizer=optimizer,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by, distributed_optimizer=distributed_optimizer,
+        dp=dp, overlap_grad_reduce=overlap_grad_reduce, ddp_bucket_size=ddp_bucket_size,
+        distrib_optim_era=distrib_optim_era, moe_grouped_gemm=moe_grouped_gemm)
+    return _layout_conversion("merge", src, dst, lambda ckpt: (Layout(1, 1), None), opts, force, progress, warn,
+                              read_options)
 
 
-def _layout_conversion(command, src, dst, target: Callable, force, progress, warn, read_options: dict,
-                       **write_options) -> ConversionResult:
+def _layout_conversion(command, src, dst, target: Callable, opts: WriteOptions, force, progress, warn,
+                       read_options: dict) -> ConversionResult:
     """Open src and write it at target(ckpt) -> (layout, note on what was kept from the source) (merge,
     reshard); a source with no canonical form goes to its reader's export for the target format instead
     (_export_layout; target(None))."""
     try:
-        ckpt = _open_source(src, write_options["optimizer"], read_options)
+        ckpt = _open_source(src, opts.optimizer, read_options)
     except NoCanonicalForm as source:
         layout, note = target(None)
-        result = _export_layout(command, source, src, dst, layout, force, progress, warn, **write_options)
+        result = _export_layout(command, source, src, dst, layout, opts, force, progress, warn)
     else:
         layout, note = target(ckpt)
-        result = _write_megatron_family(command, src, dst, ckpt, layout, force, progress, warn, **write_options)
+        result = _write_megatron_family(command, src, dst, ckpt, layout, opts, force, progress, warn)
     result.layout_note = note or ""
     return result
 
 
-def _export_layout(command, source: NoCanonicalForm, src, dst, layout: Layout, force, progress, warn,
-                   **write_options) -> ConversionResult:
+def _export_layout(command, source: NoCanonicalForm, src, dst, layout: Layout, opts: WriteOptions, force,
+                   progress, warn) -> ConversionResult:
     """Write a source that has no canonical form with its reader's export for the --format asked for
     (the format table's entry finds it, Format.exporter); without one, the source's own error stands."""
     from .convert import write_output
     from .distributed import current_team
-    fmt = write_options.pop("format", None)
-    if fmt is None:  # the default output is the source's own Megatron format, which it has not
+    if opts.format is None:  # the default output is the source's own Megatron format, which it has not
         raise source
-    export = registry.output_format(fmt).exporter(source)
-    write_options["dtype"] = _dtype(write_options.get("dtype"))
+    target = registry.output_format(opts.format)
+    export = target.exporter(source)
+    refuse_unhonoured(target, opts)  # no canonical state: the options' half of the table's check
     warnings: List[str] = []
     bar = (lambda n: progress(n, None)) if progress is not None else None  # total unknown before reading
 
     def write_into(tmp, owns):  # one rank writes it all: the export cannot share its files
         if owns is None or owns(0):
-            return export(tmp, layout=layout, progress=bar, warn=_collecting(warnings, warn), **write_options)
+            return export(tmp, layout=layout, opts=opts, progress=bar, warn=_collecting(warnings, warn))
         return None
 
     summary = write_output(dst, [Path(src)], force, write_into, merge=WriteSummary.combined)
     summary.warnings = list(warnings)
     return ConversionResult(command, str(src), str(dst), summary, layout=layout, kind=source.kind,
                             warnings=warnings, leader=current_team().leader)
-
-
-def _expert_form(moe_grouped_gemm: Optional[bool]) -> dict:
-    """The writer option for the experts' module form, only when the caller chose one."""
-    return {} if moe_grouped_gemm is None else {"moe_grouped_gemm": moe_grouped_gemm}
 
 
 def reshard(src, dst, *, tp: Optional[int] = None, pp: Optional[int] = None, vpp: Optional[int] = None,
@@ -232,18 +226,18 @@ def reshard(src, dst, *, tp: Optional[int] = None, pp: Optional[int] = None, vpp
     (CkptError naming the option, before anything is read or written). result.layout_note says what was
     kept. Other options as for merge()."""
     request = LayoutRequest.of(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, pp_layers=pp_layers)
-    training = _training_state_options(optimizer, distributed_optimizer, dp, overlap_grad_reduce,
-                                       ddp_bucket_size, distrib_optim_era)
+    opts = build_write_options(
+        format=format, dialect=dialect, release=release, dtype=dtype, pad_fill=pad_fill, optimizer=optimizer,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by, distributed_optimizer=distributed_optimizer,
+        dp=dp, overlap_grad_reduce=overlap_grad_reduce, ddp_bucket_size=ddp_bucket_size,
+        distrib_optim_era=distrib_optim_era, moe_grouped_gemm=moe_grouped_gemm)
 
     def target(ckpt: Optional[Checkpoint]):  # a source without a canonical form has one data-parallel rank
         if ckpt is None:
             return request.completed(Layout(1, 1), 0)
         return request.completed(ckpt.source.layout, ckpt.config.num_layers)
 
-    return _layout_conversion("reshard", src, dst, target, force, progress, warn, read_options,
-                              format=format, dialect=dialect, release=release, dtype=dtype,
-                              make_vocab_size_divisible_by=make_vocab_size_divisible_by, pad_fill=pad_fill,
-                              **training, **_expert_form(moe_grouped_gemm))
+    return _layout_conversion("reshard", src, dst, target, opts, force, progress, warn, read_options)
 
 
 def fix_vocab(src, dst, *, size: Optional[int] = None, multiple: Optional[int] = None,
@@ -267,12 +261,15 @@ def fix_vocab(src, dst, *, size: Optional[int] = None, multiple: Optional[int] =
         raise CkptError(f"{rows} rows cannot be split evenly across the checkpoint's {lay.tp} TP ranks",
                         f"choose a size that is a multiple of {lay.tp}")
     layout = Layout(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, stage_layers=lay.stage_layers, ep=lay.ep, etp=lay.etp)
-    # Megatron pads the true vocabulary to a multiple of divisible_by x TP: rows / TP gives `rows`.
-    return _write_megatron_family("fix-vocab", src, dst, fixed, layout, force, progress, warn,
-                                  format=format, dialect=dialect, release=release, dtype=dtype,
-                                  make_vocab_size_divisible_by=rows // lay.tp, pad_fill=pad_fill,
-                                  **_training_state_options(optimizer, distributed_optimizer, dp, overlap_grad_reduce,
-                                                            ddp_bucket_size, distrib_optim_era))
+    # Megatron pads the true vocabulary to a multiple of divisible_by x TP: rows / TP gives `rows`. The fixed
+    # checkpoint's own padding rule says so (not an option the user gave, which a target might not honour).
+    fixed = Checkpoint(fixed.config.replace(make_vocab_size_divisible_by=rows // lay.tp), fixed.tensors,
+                       fixed.source, fixed.warnings, fixed.optimizer)
+    opts = build_write_options(
+        format=format, dialect=dialect, release=release, dtype=dtype, pad_fill=pad_fill, optimizer=optimizer,
+        distributed_optimizer=distributed_optimizer, dp=dp, overlap_grad_reduce=overlap_grad_reduce,
+        ddp_bucket_size=ddp_bucket_size, distrib_optim_era=distrib_optim_era)
+    return _write_megatron_family("fix-vocab", src, dst, fixed, layout, opts, force, progress, warn)
 
 
 def _open_source(src, optimizer: bool, read_options: dict) -> Checkpoint:
@@ -283,41 +280,15 @@ def _open_source(src, optimizer: bool, read_options: dict) -> Checkpoint:
     return open_checkpoint(src, opts)
 
 
-def _training_state_options(optimizer: bool, distributed_optimizer: bool, dp: Optional[int],
-                            overlap_grad_reduce: Optional[bool] = None, ddp_bucket_size: Optional[int] = None,
-                            distrib_optim_era: Optional[str] = None) -> dict:
-    """The writers' keywords for the optimizer state: carried or not, and in which Megatron layout."""
-    check_sizes(dp=dp)
-    for given, name in ((dp, "--dp"), (overlap_grad_reduce, "--overlap-grad-reduce"),
-                        (ddp_bucket_size, "--ddp-bucket-size"), (distrib_optim_era, "--distrib-optim-era")):
-        require(given is None or distributed_optimizer, f"{name} shapes the distributed optimizer's files",
-                "give it with --distributed-optimizer")
-    require(ddp_bucket_size is None or overlap_grad_reduce, "--ddp-bucket-size: Megatron buckets only with "
-            "--overlap-grad-reduce", "add --overlap-grad-reduce")
-    out = {"optimizer": optimizer}
-    if distributed_optimizer:
-        out.update(distributed_optimizer=True, dp=dp or 1, overlap_grad_reduce=overlap_grad_reduce,
-                   ddp_bucket_size=ddp_bucket_size, distrib_optim_era=distrib_optim_era)
-    return out
-
-
-def _write_megatron_family(command, src, dst, ckpt: Checkpoint, layout: Layout, force, progress, warn,
-                           **write_options) -> ConversionResult:
-    """Write ckpt at layout (convert.write_layout) and report. write_options are the output options
-    by their API names; new ones pass straight through to the writers."""
+def _write_megatron_family(command, src, dst, ckpt: Checkpoint, layout: Layout, opts: WriteOptions, force, progress,
+                           warn) -> ConversionResult:
+    """Write ckpt at layout as opts say (convert.write_layout) and report."""
     from .convert import write_layout
     from .distributed import current_team
-    fmt = write_options.pop("format", None)
-    require(fmt is None or fmt in OUTPUT_FORMATS, f"unknown output format {fmt!r}",
-            f"choose one of {', '.join(OUTPUT_FORMATS)}")
-    require(write_options.get("pad_fill") in PAD_FILLS, f"unknown pad_fill {write_options.get('pad_fill')!r}",
-            f"choose one of {', '.join(PAD_FILLS)}")
-    write_options["divisible_by"] = write_options.pop("make_vocab_size_divisible_by", None)
-    write_options["dtype"] = _dtype(write_options.get("dtype"))
     warnings: List[str] = []
     told = _tell_reader_warnings(ckpt, warn, told=set())
-    summary = write_layout(ckpt, dst, layout, fmt=fmt, force=force, progress=_bytes_progress(progress, ckpt),
-                           warn=_collecting(warnings, warn), **write_options)
+    summary = write_layout(ckpt, dst, layout, opts, force=force, progress=_bytes_progress(progress, ckpt),
+                           warn=_collecting(warnings, warn))
     summary.warnings = list(warnings)  # what the write warned about (the reader's follow)
     _tell_reader_warnings(ckpt, warn, told | set(warnings))
     warnings += [w for w in ckpt.warnings if w not in warnings]
@@ -339,19 +310,19 @@ def to_hf(src, dst, *, dtype=None, max_shard_size: str = "5GB", tokenizer: Optio
     tokenizer: a directory whose tokenizer files are copied into dst. read_options as for open()."""
     from .distributed import current_team
     from .formats.registry import BY_NAME, open_checkpoint
+    opts = build_write_options(dtype=dtype, max_shard_size=max_shard_size, tokenizer=tokenizer)
     try:
         ckpt = open_checkpoint(src, _parse_read_options(**read_options))
     except NoCanonicalForm as source:  # no GPT state, but the reader can export what it opened
-        return _export_to_hf(source, src, dst, _dtype(dtype), max_shard_size, tokenizer, force, progress)
+        return _export_to_hf(source, src, dst, opts.dtype, max_shard_size, tokenizer, force, progress)
+    refuse_unwritable(ckpt, BY_NAME["hf"], opts)
     from .convert import write_output  # imports torch: after the source was found (see DTYPES)
-    torch_dtype = _dtype(dtype)
     write_hf = BY_NAME["hf"].write
     warnings: List[str] = []
     bar = _bytes_progress(progress, ckpt)
 
     def write_into(tmp, owns):  # under torchrun, owns(i) picks this rank's safetensors shards
-        return write_hf(ckpt, tmp, dtype=torch_dtype, max_shard_size=max_shard_size, tokenizer=tokenizer,
-                        progress=bar, warn=_collecting(warnings, warn), owns=owns)
+        return write_hf(ckpt, tmp, opts, progress=bar, warn=_collecting(warnings, warn), owns=owns)
 
     told = _tell_reader_warnings(ckpt, warn, told=set())
     summary = write_output(dst, [Path(src)], force, write_into, merge=WriteSummary.combined)
@@ -400,10 +371,10 @@ def from_hf(src, dst, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep
                         + (f" but a {fmt.name} checkpoint" if fmt is not None else ""),
                         "expected a directory with config.json and model.safetensors or pytorch_model.bin")
     ckpt = fmt.read(src, ReadOptions(true_vocab_size=true_vocab_size))
-    return _write_megatron_family("from-hf", src, dst, ckpt, layout, force, progress, warn, format="torch",
-                                  dialect=dialect, dtype=dtype, pad_fill=pad_fill,
-                                  make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                                  **_expert_form(moe_grouped_gemm))
+    opts = build_write_options(format="torch", dialect=dialect, dtype=dtype, pad_fill=pad_fill,
+                               make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                               moe_grouped_gemm=moe_grouped_gemm)
+    return _write_megatron_family("from-hf", src, dst, ckpt, layout, opts, force, progress, warn)
 
 
 # --- verify ---------------------------------------------------------------------------------------
@@ -458,17 +429,6 @@ def _each(*calls: Optional[Callable[[str], None]]) -> Callable[[str], None]:
 
 
 # --- small helpers --------------------------------------------------------------------------------
-def _dtype(value) -> Optional[torch.dtype]:
-    """The torch dtype a name (DTYPES) or a torch.dtype means; None for None."""
-    if value is None:
-        return None
-    import torch  # first needed here: see DTYPES
-    if isinstance(value, torch.dtype):
-        return value
-    require(value in DTYPES, f"unknown dtype {value!r}", f"choose one of {', '.join(sorted(DTYPES))}")
-    return getattr(torch, DTYPES[value])
-
-
 def _bytes_progress(progress: Optional[Progress], ckpt: Checkpoint) -> Optional[Callable[[int], None]]:
     if progress is None:
         return None

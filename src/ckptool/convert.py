@@ -10,37 +10,32 @@ from .config import Layout
 from .errors import CkptError, TeamError, exit_status_of, require
 from .distributed import Team, current_team
 from .formats.megatron_args import mla_rope_args
-from .formats.registry import Format, default_output, output_format
+from .formats.registry import default_output, output_format
 from .io.outdir import PartialDir, adopt_digests, known_digests, partial_output
 from .rope_order import as_interleaved_pairs
 from .state import PAD_FILL_BY_SLOT, Checkpoint
 from .summary import WriteSummary
 from .vocab import resize_slot_vocab, resize_vocab
+from .write_options import WriteOptions, refuse_unwritable
 
-def write_layout(ckpt: Checkpoint, dst, layout: Layout, fmt: Optional[str] = None, force: bool = False,
-                 progress: Optional[Callable[[int], None]] = None, warn: Callable[[str], None] = print,
-                 optimizer: bool = True, **kw) -> WriteSummary:
-    """Write ckpt at layout into dst (atomically). fmt: torch | torch_dist | ds-universal (default: the
-    source's Megatron format).
+def write_layout(ckpt: Checkpoint, dst, layout: Layout, opts: WriteOptions = WriteOptions(), force: bool = False,
+                 progress: Optional[Callable[[int], None]] = None, warn: Callable[[str], None] = print) -> WriteSummary:
+    """Write ckpt at layout into dst (atomically) as opts say. opts.format: torch | torch_dist | ds-universal
+    (default: the source's Megatron format).
 
-    optimizer: carry the source's optimizer state where the target format holds one (the default);
-    False writes the weights only. Dropping state the user did not ask to drop is warned about."""
-    target = output_format(fmt) if fmt is not None else default_output(ckpt)
+    What the target cannot hold or honour is refused first (write_options.refuse_unwritable, the format
+    table's check). opts.optimizer: carry the source's optimizer state where the target format holds one
+    (the default); False writes the weights only. Dropping state the user did not ask to drop is warned about."""
+    target = output_format(opts.format) if opts.format is not None else default_output(ckpt)
     fmt = target.output
-    refuse_moe(ckpt, target)
+    refuse_unwritable(ckpt, target, opts)
+    if ckpt.config.mla is not None:
+        refuse_mla_megatron_core_cannot_compute(ckpt)
     if ckpt.config.mla is not None and not ckpt.config.rotary_interleaved:
         ckpt = as_interleaved_pairs(ckpt)
         warn("rope_interleave false: each head's rope rows of q and the shared rope rows of kv_down are reordered "
              "into the interleaved pairs megatron-core's MLA rotates (same logits; to-hf writes rope_interleave true)")
-    if fmt != "torch" and kw.pop("moe_grouped_gemm", None):
-        raise CkptError(f"--moe-grouped-gemm chooses the experts' module in Megatron's torch format, not {fmt}",
-                        "add --format torch")
-    if kw.get("distributed_optimizer") and fmt != "torch":
-        raise CkptError(f"--distributed-optimizer writes Megatron's torch format (distrib_optim.pt), not {fmt}",
-                        "add --format torch")
-    if target.carries_optimizer:
-        kw["optimizer"] = optimizer
-    elif optimizer and ckpt.optimizer is not None:
+    if not target.carries_optimizer and opts.optimizer and ckpt.optimizer is not None:
         warn(f"optimizer state dropped: the {fmt} writer holds the weights only "
              "(--no-optimizer says so explicitly; --format torch carries it)")
     src = Path(ckpt.source.path)
@@ -48,13 +43,13 @@ def write_layout(ckpt: Checkpoint, dst, layout: Layout, fmt: Optional[str] = Non
 
     def write(tmp: Path, owns) -> WriteSummary:
         if owns is None:
-            return writer(ckpt, tmp, layout, progress=progress, warn=warn, **kw)
+            return writer(ckpt, tmp, layout, opts, progress=progress, warn=warn)
         if target.shares_ranks:  # warnings once, from the rank that owns item 0
             mine = neighbours_together(owns, layout.pp * layout.ep * layout.tp)
-            return writer(ckpt, tmp, layout, progress=progress, warn=warn if mine(0) else (lambda m: None),
-                          rank_filter=lambda t, p, e: mine((p * layout.ep + e) * layout.tp + t), **kw)
+            return writer(ckpt, tmp, layout, opts, progress=progress, warn=warn if mine(0) else (lambda m: None),
+                          rank_filter=lambda t, p, e: mine((p * layout.ep + e) * layout.tp + t))
         if owns(0):  # a writer that cannot share: one rank writes it all
-            return writer(ckpt, tmp, layout, progress=progress, warn=warn, **kw)
+            return writer(ckpt, tmp, layout, opts, progress=progress, warn=warn)
         return None
 
     return write_output(dst, [src], force, write, merge=WriteSummary.combined)
@@ -72,23 +67,15 @@ def neighbours_together(owns: Callable[[int], bool], files: int) -> Callable[[in
     return lambda i: owns(i * world // files)
 
 
-def refuse_moe(ckpt: Checkpoint, target: Format) -> None:
-    """Writers that know dense MLPs only (Format.writes_moe False) must never see an MoE model, or its
-    experts would be left out of a complete-looking output."""
-    moe, fmt = ckpt.config.moe, target.output
+def refuse_mla_megatron_core_cannot_compute(ckpt: Checkpoint) -> None:
+    """An MLA model megatron-core (the Megatron targets that hold MLA) cannot compute as its source did is
+    refused before writing: one norm epsilon for the latent norms and the rest, YaRN settings it knows."""
     mla = ckpt.config.mla
-    if mla is not None:  # megatron-core torch and torch_dist hold MLA; the rest is refused by name
-        why = (f"Megatron {fmt} output of MLA models" if fmt not in ("torch", "torch_dist")
-               else (f"latent norm epsilon {mla.latent_norm_eps} != norm epsilon {ckpt.config.norm_eps} "
-                     "(megatron-core uses one)") if mla.latent_norm_eps != ckpt.config.norm_eps else None)
-        if why:
-            raise CkptError(f"Multi-Latent Attention: {why} is not supported yet",
-                            "use to-hf for DeepSeek-style models, or --format torch / torch_dist")
-        mla_rope_args(ckpt.config.rope_yarn)  # YaRN settings megatron-core cannot compute: refused before writing
-    if moe is not None and not target.writes_moe:
-        raise CkptError(f"MoE layers ({moe.num_experts} experts, top-{moe.top_k}, in {len(moe.layers)} of "
-                        f"{ckpt.config.num_layers} layers): Megatron {fmt} output of MoE models is not supported yet",
-                        "write --format torch (expert parallelism with --ep), or use to-hf")
+    if mla.latent_norm_eps != ckpt.config.norm_eps:
+        raise CkptError(f"Multi-Latent Attention: latent norm epsilon {mla.latent_norm_eps} != norm epsilon "
+                        f"{ckpt.config.norm_eps} (megatron-core uses one) is not supported yet",
+                        "use to-hf for DeepSeek-style models, or --format torch / torch_dist")
+    mla_rope_args(ckpt.config.rope_yarn)
 
 
 def write_output(dst, sources, force: bool, write: Callable, merge: Callable[[list], dict]) -> dict:

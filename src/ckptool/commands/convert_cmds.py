@@ -7,6 +7,7 @@ import click
 from .. import api
 from ..summary import WriteSummary
 from ..formats.megatron_buffers import ERA_BY_SINCE
+from ..formats.registry import BY_OUTPUT
 from ..formats.megatron_names import DIALECTS
 from .common import (LiveWarnings, Progress, conversion_line, human_bytes, output_options, report_conversion,
                      reports_errors, source_options)
@@ -42,12 +43,10 @@ def _export_lines(result) -> list:
     return lines
 
 
-MEGATRON_OUTPUTS = ("torch", "torch_dist")  # the outputs Megatron resumes from (ds-universal is DeepSpeed's)
-
-
 def _training_state_lines(summary: WriteSummary, ckpt, optimizer: bool) -> list:
-    """What a Megatron output holds beside the weights, and how Megatron resumes from it."""
-    if summary.format not in MEGATRON_OUTPUTS:
+    """What a Megatron output holds beside the weights, and how Megatron resumes from it (for the outputs
+    the format table says a Megatron-LM run resumes from; ds-universal is DeepSpeed's)."""
+    if not BY_OUTPUT[summary.format].megatron_run:
         return []
     carried = summary.optimizer
     if carried:

@@ -43,13 +43,13 @@ from ..roles import LAYER_ROLES, assemble, expert_role, global_role_tensor, laye
 from ..sharding import ReplicaPolicy
 from ..spec import GPT
 from ..spec.schema import DIST, MCORE, TE_MLA, TE_MOE
-from ..state import (OPTIMIZER_SLOTS, PAD_FILL_BY_SLOT, WEIGHT, Checkpoint, OptimizerState, SourceInfo,
-                     expected_names, in_model_order)
+from ..state import WEIGHT, Checkpoint, OptimizerState, SourceInfo, expected_names, in_model_order
 from ..summary import WriteSummary
-from ..vocab import resize_slot_vocab, resize_vocab, target_rows, with_true_vocab_size
+from ..vocab import with_true_vocab_size
+from ..write_options import WriteOptions
 from . import dist_optim, dist_optim_buckets, dist_optim_flattened, megatron_args, megatron_buffers
 from .dist_files import COMMON_FILE, COMMON_KEY, CONFIG_FILE, locate, looks_like  # noqa: F401 (looks_like: the table's)
-from .megatron import TRACKER
+from .megatron import TRACKER, MegatronArgs, MegatronPlan, plan_megatron
 from .megatron_names import DIALECTS, is_mla
 from .megatron_optim import GroupRule
 
@@ -452,21 +452,39 @@ def _global_fqn(role: str) -> str:
     return {v: k for k, v in GLOBAL_KEYS.items()}[role]
 
 
-def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Optional[torch.dtype] = None,
-                     divisible_by: Optional[int] = None, pad_fill: str = "zero", iteration: Optional[int] = None,
-                     progress: Optional[Callable[[int], None]] = None, warn=print, optimizer: bool = True,
-                     dialect: Optional[str] = None, **_ignored) -> WriteSummary:
-    """Write ckpt as a megatron-core torch_dist checkpoint (save dir: tracker + iter_XXXXXXX/).
+def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, opts: WriteOptions = WriteOptions(),
+                     progress: Optional[Callable[[int], None]] = None, warn=print) -> WriteSummary:
+    """Write ckpt as a megatron-core torch_dist checkpoint (save dir: tracker + iter_XXXXXXX/), as opts say.
 
     Tensors are full and stacked; `layout` only sets the args (and the vocab padding for its TP):
-    megatron-core cuts the shards it needs at load time, whatever its TP/PP. With optimizer (the
+    megatron-core cuts the shards it needs at load time, whatever its TP/PP. With opts.optimizer (the
     default) and a source holding optimizer state, every slot is written beside the weights in the
     fully_reshardable form (dist_optim.py), layer by layer, so it loads at any layout too (MoE: the
-    optimizer's common entry is the chain megatron-core builds at layout.ep). dialect (mcore / mcore-te) sets
+    optimizer's common entry is the chain megatron-core builds at layout.ep). opts.dialect (mcore / mcore-te) sets
     the target run's transformer_impl (default: the source run's, else Transformer Engine), which names the
-    norms of MoE layers and every tensor of an MLA layer (MOE_NORM_NAMES, MLA_WRITE_NAMES).
+    norms of MoE layers and every tensor of an MLA layer (MOE_NORM_NAMES, MLA_WRITE_NAMES). The iteration,
+    vocabulary, dtype, training state and args are settled as for the torch format (megatron.plan_megatron).
     """
-    cfg = ckpt.config
+    _check_target_fits(ckpt.config, layout)
+    plan = plan_megatron(ckpt, layout, opts, warn, MegatronArgs(True, False, _transformer_impl(ckpt, opts.dialect), 3.0),
+                         hint=dist_optim.HINT)
+    it_dir = Path(out_dir) / f"iter_{plan.iteration:07d}"
+    out = _DistWrite(DcpWriter(it_dir), ckpt, layout, plan, opts.dtype, progress)
+    out.common.update({"args": plan.args, "checkpoint_version": 3.0, "iteration": plan.iteration})
+    out.write_model()
+    _finish(out, it_dir, Path(out_dir), plan.iteration)
+    carried = None
+    if out.slots:
+        opt = ckpt.optimizer
+        carried = {"kind": dist_optim.WRITE_FORM, "step": opt.step, "slots": sorted(out.slots),
+                   "groups": len(opt.param_groups)}
+    return WriteSummary("torch_dist", 1, out.bytes, tensors=out.chunks, optimizer=carried,
+                        dialect="torch_dist", iteration_dir=it_dir.name, padded_vocab_size=plan.rows,
+                        checkpoint_version=3.0)
+
+
+def _check_target_fits(cfg: GPTConfig, layout: Layout) -> None:
+    """Refuse a model megatron-core cannot load at layout (the args describe it), before anything is written."""
     check_tensor_parallel(cfg, layout.tp)
     moe = cfg.moe
     if moe is not None:
@@ -477,120 +495,129 @@ def write_torch_dist(ckpt: Checkpoint, out_dir: Path, layout: Layout, dtype: Opt
     megatron_args.refuse_what_megatron_core_ignores(cfg, "torch_dist is always megatron-core: write --format "
                                                     "torch --dialect legacy")
     layout.chunks(cfg.num_layers)  # validates the pipeline split the args will describe
-    rows = target_rows(cfg, layout.tp, divisible_by, warn)
-    tensors = resize_vocab(ckpt.tensors, cfg, rows, pad_fill)
-    cfg_out = cfg.replace(padded_vocab_size=rows,
-                          make_vocab_size_divisible_by=divisible_by or cfg.make_vocab_size_divisible_by)
-    out_dtype = dtype or next(iter(tensors.values())).dtype
-    iteration = iteration if iteration is not None else (ckpt.source.iteration or 0)
-    src_args = ckpt.source.args
-    impl = (DIALECTS[dialect].transformer_impl if dialect in DIALECTS and dialect.startswith("mcore")
-            else getattr(src_args, "transformer_impl", None) or "transformer_engine")
-    args = megatron_args.args_for_target(src_args, cfg_out, layout, rows, out_dtype, False, impl, 3.0, iteration)
-    args.ckpt_format = "torch_dist"
-    per_layer = _per_layer_keys(ckpt)
-    moe_norm_names = MOE_NORM_NAMES.get(args.transformer_impl, {})
-    mla = cfg.mla is not None
-    layer_names = MLA_WRITE_NAMES.get(args.transformer_impl, MLA_WRITE_NAMES["transformer_engine"]) if mla else WRITE_NAMES
-    if moe is not None and not per_layer:
-        args.moe_layer_freq = 1  # every layer MoE, and megatron-core stacks layers only for an int frequency
-    common = {"args": args, "checkpoint_version": 3.0, "iteration": iteration}
-    slots = _target_slots(ckpt, tensors, cfg, rows) if optimizer else {}
-    mixed = out_dtype in (torch.float16, torch.bfloat16)
-    if slots:
-        common.update(dist_optim.common_entries(ckpt.optimizer, mixed=mixed, ep=layout.ep if moe is not None else 1))
-        args.dist_ckpt_optim_fully_reshardable = True
-        if not mixed and "master" in ckpt.optimizer.slots:
-            tensors = slots["master"]  # fp32 training: the fp32 masters are the weights
 
-    it_dir = Path(out_dir) / f"iter_{iteration:07d}"
-    writer = DcpWriter(it_dir)
-    tensor_bytes = [0, 0]  # bytes, chunks
 
-    def put(fqn: str, t: torch.Tensor, global_shape, offsets, cast: bool = True) -> None:
-        if dtype is not None and cast:
-            t = t.to(dtype)
-        writer.declare(fqn, global_shape, t.dtype)
-        writer.add_chunk(fqn, t, offsets)
-        tensor_bytes[0] += t.numel() * t.element_size()
-        tensor_bytes[1] += 1
-        if progress:
-            progress(t.numel() * t.element_size())
+def _transformer_impl(ckpt: Checkpoint, dialect: Optional[str]) -> str:
+    """The target run's transformer_impl: a megatron-core dialect's, else the source run's, else Transformer Engine."""
+    if dialect in DIALECTS and dialect.startswith("mcore"):
+        return DIALECTS[dialect].transformer_impl
+    return getattr(ckpt.source.args, "transformer_impl", None) or "transformer_engine"
 
-    def put_slots(model_key: str, full_of: Callable, at: Tuple[int, ...] = (), lead: Tuple[int, ...] = (),
+
+class _DistWrite:
+    """One torch_dist write: the DCP writer, the weights and optimizer slots to put (megatron.MegatronPlan),
+    the common state, and the bytes and chunks written so far."""
+
+    def __init__(self, writer: DcpWriter, ckpt: Checkpoint, layout: Layout, plan: MegatronPlan,
+                 dtype: Optional[torch.dtype], progress):
+        self.writer, self.ckpt, self.layout, self.plan = writer, ckpt, layout, plan
+        self.dtype, self.progress = dtype, progress
+        self.cfg, self.tensors, self.args = ckpt.config, plan.tensors, plan.args
+        self.args.ckpt_format = "torch_dist"
+        self.per_layer = _per_layer_keys(ckpt)
+        if self.cfg.moe is not None and not self.per_layer:
+            self.args.moe_layer_freq = 1  # every layer MoE, and megatron-core stacks layers only for an int frequency
+        self.common: dict = {}
+        self.slots = plan.train.slots if plan.train is not None else {}
+        self.bytes = self.chunks = 0
+
+    def put(self, fqn: str, t: torch.Tensor, global_shape, offsets, cast: bool = True) -> None:
+        if self.dtype is not None and cast:
+            t = t.to(self.dtype)
+        self.writer.declare(fqn, global_shape, t.dtype)
+        self.writer.add_chunk(fqn, t, offsets)
+        self.bytes += t.numel() * t.element_size()
+        self.chunks += 1
+        if self.progress:
+            self.progress(t.numel() * t.element_size())
+
+    def put_slots(self, model_key: str, full_of: Callable, at: Tuple[int, ...] = (), lead: Tuple[int, ...] = (),
                   cast: bool = True) -> None:
         """The weight (WEIGHT slot) and every optimizer slot of one parameter: its chunk at index `at` of the
         leading axes `lead` (layer and/or expert) the stored tensor has before the parameter's own."""
-        for slot in (WEIGHT,) + tuple(slots):
-            full = full_of(tensors if slot == WEIGHT else slots[slot])
+        for slot in (WEIGHT,) + tuple(self.slots):
+            full = full_of(self.tensors if slot == WEIGHT else self.slots[slot])
             if full is None:
                 continue
             t = full.load()
             t = t.reshape((1,) * len(lead) + tuple(t.shape))
             shape, offsets = tuple(lead) + tuple(t.shape[len(lead):]), tuple(at) + (0,) * (t.dim() - len(at))
             if slot == WEIGHT:
-                put(model_key, t, shape, offsets, cast)
+                self.put(model_key, t, shape, offsets, cast)
                 continue
             first, *aliases = dist_optim.stored_keys(slot, model_key)
-            put(first, t, shape, offsets, cast=False)
+            self.put(first, t, shape, offsets, cast=False)
             for alias in aliases:
-                writer.alias(alias, first)
+                self.writer.alias(alias, first)
 
-    def put_global(role: str) -> None:
-        put_slots(_global_fqn(role), lambda ts: global_role_tensor(ts, role))
+    def put_global(self, role: str) -> None:
+        self.put_slots(_global_fqn(role), lambda ts: global_role_tensor(ts, role))
 
-    L = cfg.num_layers
-    put_global("word")
-    put_global("pos")
-    for i in range(L):
+    def write_model(self) -> None:
+        """The optimizer's common entries, then every tensor in megatron-core's order: embeddings, layers, head."""
+        if self.slots:
+            opt, mixed = self.ckpt.optimizer, self.plan.train.mixed
+            self.common.update(dist_optim.common_entries(opt, mixed=mixed, ep=self.layout.ep if self.cfg.moe is not None else 1))
+            self.args.dist_ckpt_optim_fully_reshardable = True
+        self.put_global("word")
+        self.put_global("pos")
+        for i in range(self.cfg.num_layers):
+            self.write_layer(i)
+        self.put_global("final_norm.weight")
+        self.put_global("final_norm.bias")
+        if not self.cfg.tied_embeddings:
+            self.put_global("output")
+
+    def write_layer(self, i: int) -> None:
+        """Layer i's weights and slots, and the extra-state objects megatron-core asks for at load."""
+        cfg, moe, L = self.cfg, self.cfg.moe, self.cfg.num_layers
         # stacked: one [L, ...] tensor per name, this layer at index i; per-layer: decoder.layers.{i}.<name>
-        prefix, at, lead = ("decoder.layers.", (i,), (L,)) if not per_layer else (f"decoder.layers.{i}.", (), ())
+        prefix, at, lead = ("decoder.layers.", (i,), (L,)) if not self.per_layer else (f"decoder.layers.{i}.", (), ())
         is_moe = cfg.is_moe_layer(i)
-        names = {**layer_names, **MOE_WRITE_NAMES, **(moe_norm_names if is_moe else {})}
+        mla = cfg.mla is not None
+        impl = self.args.transformer_impl
+        layer_names = MLA_WRITE_NAMES.get(impl, MLA_WRITE_NAMES["transformer_engine"]) if mla else WRITE_NAMES
+        names = {**layer_names, **MOE_WRITE_NAMES, **(MOE_NORM_NAMES.get(impl, {}) if is_moe else {})}
         with load_scope():
             for role in LAYER_ROLES + (tuple(MOE_WRITE_NAMES) if is_moe else ()):
-                put_slots(prefix + names[role],
-                          lambda ts, role=role: layer_role_tensor(ts, cfg_out, i, role), at, lead,
-                          cast=role not in KEEP_STORED_DTYPE)
+                self.put_slots(prefix + names[role],
+                               lambda ts, role=role: layer_role_tensor(ts, self.plan.cfg_out, i, role), at, lead,
+                               cast=role not in KEEP_STORED_DTYPE)
         if is_moe:
             E = moe.num_experts
             for e in range(E):
                 with load_scope():  # one expert at a time: a layer's experts can be many GB
                     for base, name in EXPERT_WRITE_NAMES.items():
-                        put_slots(prefix + name, lambda ts, base=base, e=e: layer_role_tensor(
-                            ts, cfg_out, i, expert_role(e, base)), at + (e,), lead + (E,))
-        shard = f"{i}_{L}" if not per_layer else "0_1"
+                        self.put_slots(prefix + name, lambda ts, base=base, e=e: layer_role_tensor(
+                            ts, self.plan.cfg_out, i, expert_role(e, base)), at + (e,), lead + (E,))
+        self.write_extra_state(i, prefix, is_moe, mla)
+
+    def write_extra_state(self, i: int, prefix: str, is_moe: bool, mla: bool) -> None:
+        cfg, moe, L = self.cfg, self.cfg.moe, self.cfg.num_layers
+        shard = f"{i}_{L}" if not self.per_layer else "0_1"
         attention = _modules(*(r for r in MLA_LINEARS if GPT.has_role(r, cfg, i))) if mla else ()
         for name in EXTRA_STATE + attention + (SHARED_EXTRA_STATE if is_moe and moe.shared_ffn_hidden_size else ()):
             if not (is_moe and name.startswith("mlp.linear_fc")) and not (mla and ".linear_qkv" in name):
-                writer.add_bytes(f"{prefix}{name}._extra_state/shard_{shard}", NO_EXTRA_STATE)
+                self.writer.add_bytes(f"{prefix}{name}._extra_state/shard_{shard}", NO_EXTRA_STATE)
         for name in EXPERT_EXTRA_STATE if is_moe else ():
             for e in range(moe.num_experts):
-                where = f"{i}.{e}_{L}.{moe.num_experts}" if not per_layer else f"{e}_{moe.num_experts}"
-                writer.add_bytes(f"{prefix}{name}._extra_state/shard_{where}", NO_EXTRA_STATE)
-    put_global("final_norm.weight")
-    put_global("final_norm.bias")
-    if not cfg.tied_embeddings:
-        put_global("output")
+                where = f"{i}.{e}_{L}.{moe.num_experts}" if not self.per_layer else f"{e}_{moe.num_experts}"
+                self.writer.add_bytes(f"{prefix}{name}._extra_state/shard_{where}", NO_EXTRA_STATE)
 
+
+def _finish(out: _DistWrite, it_dir: Path, out_dir: Path, iteration: int) -> None:
+    """The common state, the DCP index, metadata.json and the tracker."""
     # Common state twice: common.pt for older readers, the common_state entry for newer ones.
     # Written by our streaming pickler so StandIn enums from a source's args keep their names.
-    save_streaming(common, it_dir / "common.pt")
+    save_streaming(out.common, it_dir / "common.pt")
     blob = it_dir / ".common_state.tmp"
-    save_streaming([common], blob)
-    writer.add_bytes(COMMON_KEY, blob.read_bytes())
+    save_streaming([out.common], blob)
+    out.writer.add_bytes(COMMON_KEY, blob.read_bytes())
     blob.unlink()
-    writer.finish()
+    out.writer.finish()
     (it_dir / CONFIG_FILE).write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                                                   "common_backend": "torch", "common_backend_version": 1}))
-    (Path(out_dir) / TRACKER).write_text(str(iteration))
-    carried = None
-    if slots:
-        opt = ckpt.optimizer
-        carried = {"kind": dist_optim.WRITE_FORM, "step": opt.step, "slots": sorted(slots),
-                   "groups": len(opt.param_groups)}
-    return WriteSummary("torch_dist", 1, tensor_bytes[0], tensors=tensor_bytes[1], optimizer=carried,
-                        dialect="torch_dist", iteration_dir=it_dir.name, padded_vocab_size=rows, checkpoint_version=3.0)
+    (out_dir / TRACKER).write_text(str(iteration))
 
 
 def _per_layer_keys(ckpt: Checkpoint) -> bool:
@@ -605,21 +632,3 @@ def _per_layer_keys(ckpt: Checkpoint) -> bool:
         return True
     freq = getattr(ckpt.source.args, "moe_layer_freq", 1)  # args: only sources that store Megatron's carry them
     return not isinstance(freq, int)
-
-
-def _target_slots(ckpt: Checkpoint, weights, cfg: GPTConfig, rows: int) -> Dict[str, Dict[str, LazyTensor]]:
-    """Every optimizer slot re-padded like the weights (new rows: zero moments, master = weight); a
-    source trained in fp32 has no separate masters: its weights are."""
-    opt = ckpt.optimizer
-    if opt is None:
-        return {}
-    require(opt.step is not None, f"{ckpt.source.path}: the optimizer state has no step count", dist_optim.HINT)
-    out = {}
-    for slot in OPTIMIZER_SLOTS:
-        source = opt.slots.get(slot)
-        if source is None and slot == "master":
-            source = {n: w.to(torch.float32) for n, w in ckpt.tensors.items()}
-        if source is None:
-            raise CkptError(f"{ckpt.source.path}: the optimizer state has no {slot}", dist_optim.HINT)
-        out[slot] = resize_slot_vocab(source, weights, cfg, rows, PAD_FILL_BY_SLOT[slot])
-    return out

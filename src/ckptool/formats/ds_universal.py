@@ -46,6 +46,7 @@ from ..state import OPTIMIZER_SLOTS, Checkpoint
 from ..summary import WriteSummary
 from .. import families
 from ..families.family import canonical_names as hf_canonical_names
+from ..write_options import WriteOptions
 from .hf_writer import materialise
 
 FORMAT = "ds-universal"
@@ -211,37 +212,33 @@ def from_checkpoint(ckpt: Checkpoint) -> Universal:
 
 # --- writing ----------------------------------------------------------------------------------
 
-def check_request(layout: Layout, dtype: Optional[torch.dtype] = None, dialect: Optional[str] = None,
-                  optimizer: bool = True, distributed_optimizer: bool = False, **_ignored) -> None:
-    """Refuse the output options a universal folder cannot honour (before anything is read or written)."""
-    require(optimizer, "--format ds-universal is the training state itself; it cannot be written --no-optimizer",
+def check_request(layout: Layout, opts: WriteOptions) -> None:
+    """Refuse what a universal folder cannot be, beyond the options the format table says it does not honour
+    (write_options.refuse_unhonoured: --dialect, --release, --pad-fill, ... refused by name before): before
+    anything is read or written."""
+    require(opts.optimizer, "--format ds-universal is the training state itself; it cannot be written --no-optimizer",
             "drop --no-optimizer, or write --format torch for the weights only")
     require(layout.tp == 1 and layout.pp == 1 and not layout.vpp,
             "--format ds-universal has no layout of its own (the engine re-splits it at load)",
             "use `ckptool merge SRC DST --format ds-universal`")
-    require(dtype is None or dtype == torch.float32, "--format ds-universal stores fp32 masters and moments",
+    require(opts.dtype is None or opts.dtype == torch.float32, "--format ds-universal stores fp32 masters and moments",
             "leave --dtype out")
-    require(dialect is None, "--dialect names Megatron key dialects; a universal checkpoint keeps the source's "
-            "parameter names", "leave --dialect out")
-    require(not distributed_optimizer, "--distributed-optimizer writes Megatron's distrib_optim.pt, not ds-universal",
-            "leave --distributed-optimizer out")
 
 
-def write_ds_universal(ckpt: Checkpoint, out_dir: Path, layout: Layout, progress=None, warn=print,
-                       dtype: Optional[torch.dtype] = None, dialect: Optional[str] = None, optimizer: bool = True,
-                       **_ignored) -> WriteSummary:
+def write_ds_universal(ckpt: Checkpoint, out_dir: Path, layout: Layout, opts: WriteOptions = WriteOptions(),
+                       progress=None, warn=print) -> WriteSummary:
     """The format table's writer: a canonical DeepSpeed source's training state as a universal folder."""
-    check_request(layout, dtype, dialect, optimizer)
+    check_request(layout, opts)
     require(ckpt.optimizer is not None, "--format ds-universal writes the training state, and this source holds "
             "no optimizer state", "convert a DeepSpeed checkpoint that has its *_optim_states.pt shards")
     return write_universal(from_checkpoint(ckpt), out_dir, progress)
 
 
 def export_universal(make: Callable[[Callable[[str], None]], Universal], out_dir: Path, layout: Layout,
-                     progress=None, warn=print, **request) -> WriteSummary:
+                     opts: WriteOptions = WriteOptions(), progress=None, warn=print) -> WriteSummary:
     """The export a reader attaches to errors.NoCanonicalForm for this format: make(warn) builds the
     Universal from the files the reader opened, after the request is checked."""
-    check_request(layout, **request)
+    check_request(layout, opts)
     return write_universal(make(warn), out_dir, progress)
 
 

@@ -28,6 +28,7 @@ from ..lazy import Const, Derived, LazyTensor, cat_shape
 from ..state import Checkpoint, expected_names
 from ..summary import WriteSummary, from_sharded
 from ..vocab import resize_vocab
+from ..write_options import WriteOptions
 from . import megatron_args
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -108,12 +109,13 @@ def hf_config(cfg: GPTConfig, family: Family, vocab: int, dtype: torch.dtype, id
 
 # --- the writer ----------------------------------------------------------------------------
 
-def write_hf(ckpt: Checkpoint, out_dir: Path, dtype: Optional[torch.dtype] = None, max_shard_size="5GB",
-             tokenizer: Optional[str] = None, progress: Optional[Callable[[int], None]] = None,
-             warn: Callable[[str], None] = print, owns: Optional[Callable[[int], bool]] = None) -> WriteSummary:
-    """owns(i) (torchrun): write only the safetensors shards i it owns; configs, index and
-    tokenizer go with shard 0's owner."""
-    cfg = ckpt.config
+def write_hf(ckpt: Checkpoint, out_dir: Path, opts: WriteOptions = WriteOptions(),
+             progress: Optional[Callable[[int], None]] = None, warn: Callable[[str], None] = print,
+             owns: Optional[Callable[[int], bool]] = None) -> WriteSummary:
+    """Export ckpt as a Hugging Face model directory, as opts say (dtype, max_shard_size, tokenizer: the
+    options the format table says it honours). owns(i) (torchrun): write only the safetensors shards i it
+    owns; configs, index and tokenizer go with shard 0's owner."""
+    cfg, dtype, tokenizer = ckpt.config, opts.dtype, opts.tokenizer
     not_computed = megatron_args.maths_not_computed(ckpt.source.args)
     if not_computed:
         raise refuse_export(", ".join(not_computed), "which ckptool's export does not compute")
@@ -122,7 +124,7 @@ def write_hf(ckpt: Checkpoint, out_dir: Path, dtype: Optional[torch.dtype] = Non
         warn = lambda m: None  # noqa: E731 - the rank that owns shard 0 speaks for everyone
     family = families.for_config(cfg)
     arch = family.architecture
-    max_bytes = parse_size(max_shard_size)
+    max_bytes = parse_size(opts.max_shard_size)
     vocab = cfg.vocab_size
     if vocab is None:
         vocab = cfg.padded_vocab_size

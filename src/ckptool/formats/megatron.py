@@ -30,7 +30,8 @@ from ..sharding import ReplicaPolicy
 from ..state import Checkpoint, SourceInfo, in_model_order
 from ..summary import WriteSummary
 from ..vocab import resize_vocab, target_rows, with_true_vocab_size
-from . import megatron_args, megatron_distopt, megatron_training
+from ..write_options import WriteOptions
+from . import megatron_args, megatron_distopt, megatron_optim, megatron_training
 from .megatron_optim import RankParam, role_shards
 from .megatron_names import (DIALECTS, REFUSED_KEYS, Dialect, KeyMatcher, dialects_for, is_ignorable, is_mla,
                              qkv_from_grouped, qkv_to_grouped, refused_module, stacked_expert_block)
@@ -567,28 +568,23 @@ def _check_dialect_fits(d: Dialect, cfg: GPTConfig, layout: Layout) -> None:
                 f"choose a {flag} size that divides it (expert TP defaults to TP)")
 
 
-def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Optional[str] = None,
-                   dtype: Optional[torch.dtype] = None, checkpoint_version: Optional[float] = None,
-                   release: Optional[bool] = None, divisible_by: Optional[int] = None,
-                   pad_fill: str = "zero", iteration: Optional[int] = None,
+def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, opts: WriteOptions = WriteOptions(),
                    progress: Optional[Callable[[int], None]] = None, warn=print,
-                   rank_filter: Optional[Callable[[int, int, int], bool]] = None, optimizer: bool = True,
-                   distributed_optimizer: bool = False, dp: int = 1, overlap_grad_reduce: Optional[bool] = None,
-                   ddp_bucket_size: Optional[int] = None, distrib_optim_era: Optional[str] = None,
-                   moe_grouped_gemm: Optional[bool] = None) -> WriteSummary:
-    """Write ckpt as a Megatron torch-format checkpoint with the given layout into out_dir.
+                   rank_filter: Optional[Callable[[int, int, int], bool]] = None) -> WriteSummary:
+    """Write ckpt as a Megatron torch-format checkpoint with the given layout into out_dir, as opts say
+    (dialect, dtype, checkpoint_version, release, divisible_by, pad_fill, iteration, the training state).
 
-    With optimizer (the default) and a source holding optimizer state, each rank file also holds
+    With opts.optimizer (the default) and a source holding optimizer state, each rank file also holds
     that rank's optimizer state in the non-distributed layout and the LR scheduler (megatron_optim.py);
-    with distributed_optimizer, a distrib_optim.pt beside each rank file holds it instead, laid out for
-    a run at data-parallel size dp (megatron_distopt.py), bucketed as a run with overlap_grad_reduce /
+    with opts.distributed_optimizer, a distrib_optim.pt beside each rank file holds it instead, laid out for
+    a run at data-parallel size opts.dp (megatron_distopt.py), bucketed as a run with overlap_grad_reduce /
     ddp_bucket_size does (default: as the source run's args say), in the form of distrib_optim_era's
     megatron-core (default: today's).
 
     MoE models are written at layout.ep expert-parallel ranks and expert TP layout.expert_tp: one file per
     (TP, PP, EP) rank in mp_rank_TT[_PPP][_EEE], holding the dense part and that EP rank's experts under
     their local index, cut at expert-TP rank TT % ETP; with expert TP below TP only the (TP, EP) pairs
-    Megatron-LM's ranks load exist (expert_grid), as Megatron-LM saves them. moe_grouped_gemm: the target
+    Megatron-LM's ranks load exist (expert_grid), as Megatron-LM saves them. opts.moe_grouped_gemm: the target
     run uses --moe-grouped-gemm, so the experts are written as the dialect's grouped module (mcore-te:
     TEGroupedMLP) and the args say so; None keeps the source's choice where the dialect is the source's.
     Tensors stream one layer at a time, an MoE layer's routed experts one expert at a time (_write_unit).
@@ -596,9 +592,7 @@ def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, dialect: Opt
     Returns its WriteSummary (files, bytes, padded vocab, iteration dir, optimizer state carried). rank_filter(tp, pp, ep) lets a
     distributed run write only its share of the files.
     """
-    plan = _plan_target(ckpt, layout, dialect, dtype, checkpoint_version, release, divisible_by, pad_fill, iteration,
-                        warn, optimizer, distributed_optimizer, dp, overlap_grad_reduce, ddp_bucket_size,
-                        distrib_optim_era, moe_grouped_gemm)
+    plan = _plan_target(ckpt, layout, opts, warn)
     it_dir = _make_iteration_dir(Path(out_dir), plan)
     writers = []
     distopt_writers = []  # distrib_optim.pt: flat tensors streamed after the grouped files
@@ -653,38 +647,75 @@ class _Target:
         return piece
 
 
-def _plan_target(ckpt: Checkpoint, layout: Layout, dialect, dtype, checkpoint_version, release, divisible_by,
-                 pad_fill, iteration, warn, optimizer, distributed_optimizer, dp, overlap_grad_reduce,
-                 ddp_bucket_size, distrib_optim_era, moe_grouped_gemm) -> _Target:
+def _plan_target(ckpt: Checkpoint, layout: Layout, opts: WriteOptions, warn) -> _Target:
     """Check the model fits the dialect and layout, then settle what every rank file shares (see _Target):
     done once, before any file exists, so a refused write leaves nothing behind. The steps, in order:
-    the dialect; whether the model and layout fit it; the checkpoint_version and iteration written; the
-    vocabulary padded for the target TP; the training state carried; the args; the distributed optimizer's
-    buffers; the keys of a layer's roles and experts."""
+    the dialect; whether the model and layout fit it; the checkpoint_version written; what every Megatron
+    target shares (plan_megatron: iteration, vocabulary padded for the target TP, training state, args);
+    the distributed optimizer's buffers; the keys of a layer's roles and experts."""
     cfg = ckpt.config
-    d = _target_dialect(ckpt, dialect)
+    d = _target_dialect(ckpt, opts.dialect)
     _check_target_fits(d, cfg, layout)
-    grouped = _grouped_gemm(ckpt, d, moe_grouped_gemm)
-    version = _target_version(ckpt, d, checkpoint_version)
+    grouped = _grouped_gemm(ckpt, d, opts.moe_grouped_gemm)
+    version = _target_version(ckpt, d, opts.checkpoint_version)
     qkv_version = _qkv_version(cfg, version)
-    release = release if release is not None else (d.name == "flat2019" or ckpt.source.release)
-    iteration = iteration if iteration is not None else (ckpt.source.iteration or 0)
-    cfg_out, tensors = _padded_vocabulary(ckpt, layout, divisible_by, pad_fill, warn)
+    release = opts.release if opts.release is not None else (d.name == "flat2019" or ckpt.source.release)
+    shared = plan_megatron(ckpt, layout, opts, warn, MegatronArgs(d.has_args, d.legacy_models, d.transformer_impl,
+                                                                  version or 3.0, grouped))
+    distributed = megatron_training.DistributedTarget.for_target(
+        shared.train, opts.distributed_optimizer, opts.dp or 1, shared.args, shared.out_dtype, cfg, layout,
+        opts.overlap_grad_reduce, opts.ddp_bucket_size, opts.distrib_optim_era or megatron_distopt.CURRENT.since)
+    return _Target(cfg, shared.cfg_out, d, layout, opts.dtype, version, qkv_version, release, shared.iteration,
+                   shared.rows, shared.tensors, shared.train, distributed, shared.args, grouped,
+                   expert_keys=_expert_keys(d, grouped), chunks=layout.chunks(cfg.num_layers),
+                   layer_roles=_layer_roles(d, cfg))
+
+
+@dataclass(frozen=True)
+class MegatronArgs:
+    """How a Megatron target's args are written (megatron_args.args_for_target): whether at all (the 2019
+    flat dialect stores none), for legacy models or megatron-core with which transformer_impl, at which
+    checkpoint_version, with grouped-GEMM experts."""
+    stored: bool
+    legacy_models: bool
+    transformer_impl: Optional[str]
+    version: float
+    grouped_gemm: bool = False
+
+
+@dataclass
+class MegatronPlan:
+    """What every Megatron target (torch: _plan_target, torch_dist: dist.write_torch_dist) settles the same
+    way before writing: the iteration, the vocabulary padded for the target TP (the output's config and
+    weights), the dtype written, the training state carried and the args stored."""
+    cfg_out: GPTConfig
+    rows: int  # padded vocabulary rows
+    tensors: Dict[str, LazyTensor]  # the weights to write (the fp32 masters when training was fp32)
+    out_dtype: torch.dtype
+    iteration: int
+    train: Optional[megatron_training.TrainingTarget]
+    args: object  # None where MegatronArgs.stored is False
+
+
+def plan_megatron(ckpt: Checkpoint, layout: Layout, opts: WriteOptions, warn, how: MegatronArgs,
+                  hint: str = megatron_optim.HINT) -> MegatronPlan:
+    """The steps every Megatron writer takes in this order: the iteration (opts', else the source's), the
+    vocabulary re-padded for layout.tp (opts.divisible_by, opts.pad_fill), the dtype written, the training
+    state when opts.optimizer (its fp32 masters become the weights of an fp32 run), the args `how` says.
+    hint: what to do when the source's optimizer state is incomplete (the format's own advice)."""
+    iteration = opts.iteration if opts.iteration is not None else (ckpt.source.iteration or 0)
+    cfg_out, tensors = _padded_vocabulary(ckpt, layout, opts.divisible_by, opts.pad_fill, warn)
     rows = cfg_out.padded_vocab_size
-    out_dtype = dtype if dtype is not None else next(iter(tensors.values())).dtype
-    train = megatron_training.TrainingTarget.for_target(ckpt, tensors, cfg, rows, out_dtype) if optimizer else None
+    out_dtype = opts.dtype if opts.dtype is not None else next(iter(tensors.values())).dtype
+    train = (megatron_training.TrainingTarget.for_target(ckpt, tensors, ckpt.config, rows, out_dtype, hint)
+             if opts.optimizer else None)
     if train is not None and train.weights_from_masters:
         tensors = train.slots["master"]  # fp32 training: the fp32 masters are the weights
     args = None
-    if d.has_args:
-        args = megatron_args.args_for_target(ckpt.source.args, cfg_out, layout, rows, out_dtype, d.legacy_models,
-                                             d.transformer_impl, version or 3.0, iteration, grouped_gemm=grouped)
-    distributed = megatron_training.DistributedTarget.for_target(
-        train, distributed_optimizer, dp, args, out_dtype, cfg, layout, overlap_grad_reduce, ddp_bucket_size,
-        distrib_optim_era or megatron_distopt.CURRENT.since)
-    return _Target(cfg, cfg_out, d, layout, dtype, version, qkv_version, release, iteration, rows, tensors, train,
-                   distributed, args, grouped, expert_keys=_expert_keys(d, grouped),
-                   chunks=layout.chunks(cfg.num_layers), layer_roles=_layer_roles(d, cfg))
+    if how.stored:
+        args = megatron_args.args_for_target(ckpt.source.args, cfg_out, layout, rows, out_dtype, how.legacy_models,
+                                             how.transformer_impl, how.version, iteration, grouped_gemm=how.grouped_gemm)
+    return MegatronPlan(cfg_out, rows, tensors, out_dtype, iteration, train, args)
 
 
 def _target_dialect(ckpt: Checkpoint, asked: Optional[str]) -> Dialect:

@@ -157,19 +157,20 @@ class TrainingTarget:
 
     @classmethod
     def for_target(cls, ckpt: Checkpoint, weights: Dict[str, LazyTensor], cfg: GPTConfig, rows: int,
-                   out_dtype: torch.dtype) -> Optional["TrainingTarget"]:
+                   out_dtype: torch.dtype, hint: str = megatron_optim.HINT) -> Optional["TrainingTarget"]:
+        """The source's slots re-padded for `rows` (new rows: zero moments, master = weight); None without
+        optimizer state. hint: the target format's advice when the state is incomplete."""
         opt = ckpt.optimizer
         if opt is None:
             return None
-        require(opt.step is not None, f"{ckpt.source.path}: the optimizer state has no step count",
-                megatron_optim.HINT)
+        require(opt.step is not None, f"{ckpt.source.path}: the optimizer state has no step count", hint)
         slots = {}
         for slot in ("master", "exp_avg", "exp_avg_sq"):
             source = opt.slots.get(slot)
             if source is None and slot == "master":  # fp32 training: the weights were the masters
                 source = {n: w.to(torch.float32) for n, w in ckpt.tensors.items()}
             if source is None:
-                raise CkptError(f"{ckpt.source.path}: the optimizer state has no {slot}", megatron_optim.HINT)
+                raise CkptError(f"{ckpt.source.path}: the optimizer state has no {slot}", hint)
             slots[slot] = resize_slot_vocab(source, weights, cfg, rows, PAD_FILL_BY_SLOT[slot])
         return cls(opt, slots, mixed=out_dtype in (torch.float16, torch.bfloat16))
 

@@ -8,11 +8,19 @@ torch (the quick inspect relies on it). Each entry may have:
 
   looks_like(path) -> bool                 claims a path (asked in table order; see ORDER below)
   read(path, ReadOptions) -> Checkpoint    the canonical state, lazily
-  write(ckpt, out_dir, ...) -> summary     the format's writer (keyword options are its own)
+  write(ckpt, out_dir, layout, WriteOptions, progress=, warn=) -> summary   the format's writer, handed the
+                                           options whole (hf's takes no layout)
   output                                   the name `--format` gives the writer of merge / reshard /
                                            fix-vocab (Megatron layouts), None where another command
                                            writes it (to-hf) or nothing does
-  carries_optimizer, shares_ranks, writes_moe   what that layout writer can do (see Format)
+  shares_ranks                             the layout writer lets torchrun ranks share one output
+  honours                                  the write options (write_options.WriteOptions fields) its writer
+                                           acts on; one given for a format that does not is refused by
+                                           name before anything is written (write_options.refuse_unwritable)
+  holds                                    what of a checkpoint its writer can hold (CONTENTS: MoE layers,
+                                           Multi-Latent Attention, optimizer state); MoE or MLA it cannot
+                                           hold is refused, optimizer state it cannot hold dropped with a warning
+  megatron_run                             Megatron-LM resumes training from what its writer writes
   quick_read(path) -> Checkpoint | None    metadata only, without torch, for inspect (quick/)
   command                                  the command line that writes the format (for hints)
 
@@ -29,7 +37,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Tuple
+from typing import Callable, FrozenSet, Optional, Tuple
 
 from ..errors import CkptError, NoCanonicalForm
 from ..options import ReadOptions
@@ -51,11 +59,30 @@ class Format:
     read_ref: Optional[str] = None
     write_ref: Optional[str] = None
     output: Optional[str] = None  # `--format` name of its Megatron-layout writer
-    carries_optimizer: bool = False  # the writer takes optimizer=True/False and writes the state
     shares_ranks: bool = False  # the writer takes rank_filter(tp, pp, ep): torchrun ranks share one output
-    writes_moe: bool = False  # the writer places MoE routers and experts (others would drop them)
+    honours: FrozenSet[str] = frozenset()  # WriteOptions fields its writer acts on
+    holds: FrozenSet[str] = frozenset()  # CONTENTS its writer writes (the rest is refused or dropped)
+    megatron_run: bool = False  # a Megatron-LM training run resumes from its output
     quick_ref: Optional[str] = None  # torch-free metadata reader for inspect (quick_inspect.py)
     command: Optional[str] = None  # the command line that writes this format, for hints
+
+    @property
+    def reads(self) -> bool:
+        return self.read_ref is not None
+
+    @property
+    def writes(self) -> bool:
+        return self.write_ref is not None
+
+    @property
+    def carries_optimizer(self) -> bool:
+        """The writer takes WriteOptions.optimizer and writes the source's optimizer state."""
+        return "optimizer" in self.holds
+
+    @property
+    def writes_moe(self) -> bool:
+        """The writer places MoE routers and experts (others would drop them)."""
+        return "moe" in self.holds
 
     def looks_like(self, path) -> bool:
         fn = resolve(self.looks_like_ref)
@@ -89,22 +116,40 @@ class Format:
         return fn
 
 
+# What a checkpoint may hold that not every writer can (Format.holds).
+CONTENTS = ("moe", "mla", "optimizer")
+# The write options (write_options.WriteOptions fields) each writer acts on (Format.honours).
+_VOCABULARY = frozenset({"divisible_by", "pad_fill"})  # re-padding the vocabulary for the target TP
+_DISTRIBUTED_OPTIMIZER = frozenset({"distributed_optimizer", "dp", "overlap_grad_reduce", "ddp_bucket_size",
+                                    "distrib_optim_era"})
+TORCH_DIST_HONOURS = frozenset({"format", "dialect", "dtype", "iteration", "optimizer"}) | _VOCABULARY
+MEGATRON_HONOURS = (TORCH_DIST_HONOURS | _DISTRIBUTED_OPTIMIZER
+                    | frozenset({"release", "checkpoint_version", "moe_grouped_gemm"}))
+# a universal checkpoint is fp32 training state at the source's names, vocabulary and layout: its writer
+# checks the values of these two itself (fp32 only, the optimizer state required)
+DS_UNIVERSAL_HONOURS = frozenset({"format", "dtype", "optimizer"})
+HF_HONOURS = frozenset({"dtype", "max_shard_size", "tokenizer"})
+
 # Order matters: a torch_dist iteration directory also has Megatron's tracker file, and a DeepSpeed
 # save directory may have one too, so the more specific formats are asked first. The BERT file
 # check opens the file, so it comes last (every other format is a directory).
 FORMATS: Tuple[Format, ...] = (
     Format("torch_dist", "ckptool.formats.dist_files:looks_like", "ckptool.formats.dist:read",
-           "ckptool.formats.dist:write_torch_dist", output="torch_dist", carries_optimizer=True,
-           writes_moe=True, quick_ref="ckptool.quick.dist:read", command="ckptool merge SRC DST --format torch_dist"),
+           "ckptool.formats.dist:write_torch_dist", output="torch_dist", honours=TORCH_DIST_HONOURS,
+           holds=frozenset({"moe", "mla", "optimizer"}), megatron_run=True, quick_ref="ckptool.quick.dist:read",
+           command="ckptool merge SRC DST --format torch_dist"),
     Format("deepspeed", "ckptool.formats.deepspeed_files:looks_like_deepspeed", "ckptool.formats.deepspeed:read",
            quick_ref="ckptool.quick.deepspeed:read"),
     Format("hf", "ckptool.formats.hf_config:looks_like", "ckptool.formats.hf:read",
-           "ckptool.formats.hf_writer:write_hf", quick_ref="ckptool.quick.hf:read", command="ckptool to-hf SRC DST"),
+           "ckptool.formats.hf_writer:write_hf", honours=HF_HONOURS, holds=frozenset({"moe", "mla"}),
+           quick_ref="ckptool.quick.hf:read", command="ckptool to-hf SRC DST"),
     Format("megatron", "ckptool.formats.megatron_files:looks_like_megatron", "ckptool.formats.megatron:read_megatron",
-           "ckptool.formats.megatron:write_megatron", output="torch", carries_optimizer=True, shares_ranks=True,
-           writes_moe=True, quick_ref="ckptool.quick.megatron:read", command="ckptool merge SRC DST --format torch"),
+           "ckptool.formats.megatron:write_megatron", output="torch", shares_ranks=True,
+           honours=MEGATRON_HONOURS, holds=frozenset({"moe", "mla", "optimizer"}), megatron_run=True,
+           quick_ref="ckptool.quick.megatron:read", command="ckptool merge SRC DST --format torch"),
     Format("ds-universal", write_ref="ckptool.formats.ds_universal:write_ds_universal", output="ds-universal",
-           carries_optimizer=True, command="ckptool merge SRC DST --format ds-universal"),
+           honours=DS_UNIVERSAL_HONOURS, holds=frozenset({"optimizer"}),
+           command="ckptool merge SRC DST --format ds-universal"),
     Format("dle-bert", "ckptool.formats.dle_bert:looks_like", "ckptool.formats.dle_bert:read"),
 )
 BY_NAME = {f.name: f for f in FORMATS}
