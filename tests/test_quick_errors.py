@@ -72,7 +72,8 @@ def test_the_api_imports_no_torch_until_it_reads():
             "from ckptool.commands import convert_cmds, hf_cmds, inspect_cmd, verify_cmd\n"
             "assert 'torch' not in sys.modules, 'torch imported at import time'\n"
             "ckpt = ckptool.api.open(sys.argv[1])\n"
-            "print(ckpt.config.num_layers, ckptool.api._dtype('bf16'))\n")
+            "from ckptool.write_options import as_dtype\n"
+            "print(ckpt.config.num_layers, as_dtype('bf16'))\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     r = subprocess.run([sys.executable, "-c", code, str(ROOT / "fixtures/gpt2_mcore_tp2pp2/checkpoint")],
                        capture_output=True, text=True, env=env, timeout=300)

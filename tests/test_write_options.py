@@ -19,7 +19,8 @@ from ckptool.config import Layout
 from ckptool.convert import write_layout
 from ckptool.errors import CkptError
 from ckptool.formats import registry
-from ckptool.write_options import (REFUSED_CONTENTS, WriteOptions, build_write_options, flag, refuse_unwritable)
+from ckptool.write_options import (REFUSED_CONTENTS, WriteOptions, build_write_options, flag, refuse_unwritable,
+                                   with_torch_dtype)
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "fixtures" / "real" / "mlm_mcore_gpt2_torch_tp2pp2" / "checkpoint"  # dense, with optimizer state
@@ -53,7 +54,8 @@ def test_the_apis_defaults_are_not_given():
 
 def test_the_record_is_built_once_with_the_apis_names_and_checked():
     opts = build_write_options(make_vocab_size_divisible_by=64, dtype="bf16", format="torch_dist")
-    assert (opts.divisible_by, opts.dtype, opts.format) == (64, torch.bfloat16, "torch_dist")
+    assert (opts.divisible_by, opts.dtype, opts.format) == (64, "bf16", "torch_dist")
+    assert with_torch_dtype(opts).dtype == torch.bfloat16  # for the writers, once the source is open
     with pytest.raises(TypeError, match="unknown write options: frobnicate"):
         build_write_options(frobnicate=1)
     with pytest.raises(TypeError, match="divisible_by"):  # the record's name is not the API's

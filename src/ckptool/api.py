@@ -30,7 +30,7 @@ from .summary import WriteSummary
 from .verify.request import Request, check_request
 
 from .write_options import (DTYPE_NAMES, PAD_FILLS, WriteOptions, build_write_options,  # noqa: F401 (PAD_FILLS: the CLI's)
-                            refuse_unhonoured, refuse_unwritable)
+                            refuse_unhonoured, refuse_unwritable, with_torch_dtype)
 
 # dtype names -> torch's names for them. Names, not torch dtypes: this module imports no torch at its
 # top, so a command that fails on its input (a source path that does not exist) answers at once.
@@ -193,6 +193,7 @@ def _export_layout(command, source: NoCanonicalForm, src, dst, layout: Layout, o
     target = registry.output_format(opts.format)
     export = target.exporter(source)
     refuse_unhonoured(target, opts)  # no canonical state: the options' half of the table's check
+    opts = with_torch_dtype(opts)
     warnings: List[str] = []
     bar = (lambda n: progress(n, None)) if progress is not None else None  # total unknown before reading
 
@@ -285,6 +286,7 @@ def _write_megatron_family(command, src, dst, ckpt: Checkpoint, layout: Layout, 
     """Write ckpt at layout as opts say (convert.write_layout) and report."""
     from .convert import write_layout
     from .distributed import current_team
+    opts = with_torch_dtype(opts)
     warnings: List[str] = []
     told = _tell_reader_warnings(ckpt, warn, told=set())
     summary = write_layout(ckpt, dst, layout, opts, force=force, progress=_bytes_progress(progress, ckpt),
@@ -314,8 +316,10 @@ def to_hf(src, dst, *, dtype=None, max_shard_size: str = "5GB", tokenizer: Optio
     try:
         ckpt = open_checkpoint(src, _parse_read_options(**read_options))
     except NoCanonicalForm as source:  # no GPT state, but the reader can export what it opened
-        return _export_to_hf(source, src, dst, opts.dtype, max_shard_size, tokenizer, force, progress)
+        return _export_to_hf(source, src, dst, with_torch_dtype(opts).dtype, max_shard_size, tokenizer, force,
+                             progress)
     refuse_unwritable(ckpt, BY_NAME["hf"], opts)
+    opts = with_torch_dtype(opts)
     from .convert import write_output  # imports torch: after the source was found (see DTYPES)
     write_hf = BY_NAME["hf"].write
     warnings: List[str] = []

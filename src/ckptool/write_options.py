@@ -4,8 +4,8 @@ record (ReadOptions' counterpart, options.py), built once by the API and handed 
 Which of these options a target format honours, and what it can hold, is the format table's
 (formats/registry.py Format.honours / holds); refuse_unwritable (below) checks a record against it
 before anything is written. A field at its default (None for most: "not given") is never refused.
-Importable without torch, like the table: only build_write_options imports it, to turn a --dtype name
-into a torch.dtype.
+Importable without torch, like the table: only with_torch_dtype imports it, to turn a --dtype name into a
+torch.dtype once the source is open.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class WriteOptions:
     format: Optional[str] = None  # --format of merge / reshard / fix-vocab (None: the source's; registry.default_output)
     dialect: Optional[str] = None  # Megatron key names (None: the source's, else mcore)
     release: Optional[bool] = None  # under release/ (None: as the source, and for the 2019 dialect)
-    dtype: Any = None  # a torch.dtype, or None: as stored
+    dtype: Any = None  # a --dtype name or a torch.dtype (writers get a torch.dtype: with_torch_dtype), None: as stored
     divisible_by: Optional[int] = None  # --make-vocab-size-divisible-by (None: the source's)
     pad_fill: str = "zero"  # new vocabulary rows
     iteration: Optional[int] = None  # the iteration written (None: the source's)
@@ -100,6 +100,12 @@ def build_write_options(**kw) -> WriteOptions:
     opts = WriteOptions(**{API_NAMES.get(k, k): v for k, v in kw.items()})
     check_sizes(dp=opts.dp)
     _check(opts)
+    return opts
+
+
+def with_torch_dtype(opts: WriteOptions) -> WriteOptions:
+    """opts with its dtype as a torch.dtype, for the writers: the API turns the name into one once the source
+    is open, so a command that fails on its input answers without importing torch."""
     return opts.replace(dtype=as_dtype(opts.dtype))
 
 
@@ -113,6 +119,8 @@ def _check(opts: WriteOptions) -> None:
     require(opts.format is None or opts.format in OUTPUT_FORMATS, f"unknown output format {opts.format!r}",
             f"choose one of {', '.join(OUTPUT_FORMATS)}")
     require(opts.pad_fill in PAD_FILLS, f"unknown pad_fill {opts.pad_fill!r}", f"choose one of {', '.join(PAD_FILLS)}")
+    require(opts.dtype is None or not isinstance(opts.dtype, str) or opts.dtype in DTYPE_NAMES,
+            f"unknown dtype {opts.dtype!r}", f"choose one of {', '.join(sorted(DTYPE_NAMES))}")
 
 
 def as_dtype(value):
