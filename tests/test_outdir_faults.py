@@ -48,6 +48,26 @@ def ckptool(*argv) -> list:
     return [sys.executable, "-m", "ckptool", *map(str, argv)]
 
 
+_FROZEN: list = []  # (run, pids frozen) of the test now running: ended at its teardown, whatever it asserted
+
+
+@pytest.fixture(autouse=True)
+def _no_frozen_leftovers():
+    """A test that fails between freezing a run and resuming it must not leave stopped processes behind."""
+    yield
+    while _FROZEN:
+        p, pids = _FROZEN.pop()
+        for pid in pids:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def start_frozen_mid_write(argv: list, dst: Path, freeze=lambda pid: [pid]) -> subprocess.Popen:
     """Start a writing run and freeze it (SIGSTOP to freeze(its pid): the processes that write) once its
     partial output holds bytes."""
@@ -58,7 +78,9 @@ def start_frozen_mid_write(argv: list, dst: Path, freeze=lambda pid: [pid]) -> s
         partial = next((dst.parent / n for n in beside(dst)
                         if n not in earlier and "." not in n.split(PARTIAL_TAG)[1]), None)
         if partial is not None and any(f.is_file() and f.stat().st_size for f in partial.rglob("*")):
-            for pid in freeze(p.pid):
+            pids = freeze(p.pid)
+            _FROZEN.append((p, pids))
+            for pid in pids:
                 os.kill(pid, signal.SIGSTOP)
             break
         time.sleep(0.002)
