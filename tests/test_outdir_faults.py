@@ -96,6 +96,7 @@ def resume(p: subprocess.Popen, *signals, freeze=None) -> tuple:
     for pid in freeze or [p.pid]:
         os.kill(pid, signal.SIGCONT)
     out, err = p.communicate(timeout=300)
+    _FROZEN[:] = [(q, pids) for q, pids in _FROZEN if q is not p]  # resumed and ended: nothing to clean
     return p.returncode, out, err
 
 
