@@ -499,6 +499,16 @@ def args_for_target(source_args, cfg: GPTConfig, layout: Layout, padded_rows: in
             updates[k] = None
     updates.update(vocab_args(args, cfg.vocab_size))
     updates.update(run_args_missing(args, cfg))
+    updates.update(_written_ways(args, cfg, layout, checkpoint_version, iteration))
+    for k, v in updates.items():
+        setattr(args, k, v)
+    return args
+
+
+def _written_ways(args, cfg: GPTConfig, layout: Layout, checkpoint_version: float, iteration: Optional[int]) -> dict:
+    """The args that say a fact one of several ways (tanh GeLU, RoPE scaling, uneven stages, the pre-3.0
+    model-parallel size) as the target says it, and the iteration."""
+    updates: Dict[str, Any] = {}
     if cfg.activation == "gelu_tanh":
         # Keep the source's way of asking for tanh GeLU; default to openai_gelu.
         if not (getattr(args, "bias_gelu_fusion", False) and cfg.add_bias_linear):
@@ -514,6 +524,4 @@ def args_for_target(source_args, cfg: GPTConfig, layout: Layout, padded_rows: in
         updates["model_parallel_size"] = layout.tp
     if iteration is not None:
         updates["iteration"] = iteration
-    for k, v in updates.items():
-        setattr(args, k, v)
-    return args
+    return updates
