@@ -24,9 +24,9 @@ def _reads(monkeypatch, fn) -> Counter:
     seen: Counter = Counter()
     read_into = torchfile.TorchArchive._read_into
 
-    def counted(self, offset, view):
+    def counted(self, offset, view, **kw):  # kw: the reader's own options (crc: check the record as read)
         seen[(str(self.path), offset, len(view))] += 1
-        return read_into(self, offset, view)
+        return read_into(self, offset, view, **kw)
     monkeypatch.setattr(torchfile.TorchArchive, "_read_into", counted)
     fn()
     monkeypatch.setattr(torchfile.TorchArchive, "_read_into", read_into)
