@@ -93,31 +93,17 @@ def resumed(framework_runs, d):
     import test_moe_megatron
     copy_saves(framework_runs, d)
     said = []
-    write_layout(open_checkpoint(d / "fr"), d / "fr_ep1", Layout(1, ep=1),
-                 WriteOptions(format="torch_dist"), warn=said.append)
-    write_layout(open_checkpoint(d / "plain"), d / "plain_ep1", Layout(1, ep=1),
-                 WriteOptions(format="torch_dist"), warn=said.append)
-    write_layout(open_checkpoint(d / "tp2"), d / "tp2_ep1", Layout(1, ep=1),
-                 WriteOptions(format="torch_dist"), warn=said.append)
-    write_layout(open_checkpoint(d / "fr_ep1"), d / "back_ep2", Layout(1, ep=2),
-                 WriteOptions(format="torch_dist"), warn=said.append)
-    write_layout(open_checkpoint(d / "fr"), d / "torch_ep1", Layout(1, ep=1),
-                 WriteOptions(format="torch"), warn=said.append)
-    write_layout(open_checkpoint(d / "qwen"), d / "qwen_ep1", Layout(1, ep=1),
-                 WriteOptions(format="torch_dist"), warn=said.append)
-    write_layout(open_checkpoint(d / "dpr"), d / "dpr_ep1", Layout(1, ep=1),
-                 WriteOptions(format="torch_dist"), warn=said.append)
-    write_layout(open_checkpoint(d / "fsms"), d / "fsms_ep1", Layout(1, ep=1),
-                 WriteOptions(format="torch_dist"), warn=said.append)
-    write_layout(open_checkpoint(d / "dpr_etp1"), d / "dpr_etp1_ep1", Layout(1, ep=1),
-                 WriteOptions(format="torch_dist"),
-                 warn=said.append)
-    for name in ("bias_fr", "bias_dpr"):
-        write_layout(open_checkpoint(d / name), d / f"{name}_ep1", Layout(1, ep=1),
-                     WriteOptions(format="torch_dist"), warn=said.append)
-    # and at TP 2 (the expert bias is per expert: megatron-core's TP 2 model asks for it whole)
-    write_layout(open_checkpoint(d / "bias_fr"), d / "bias_fr_tp2", Layout(2, ep=1),
-                 WriteOptions(format="torch_dist"), warn=said.append)
+    # (source, output, TP, EP, format): every conversion the resumes below start from
+    for name, out, tp, ep, fmt in (("fr", "fr_ep1", 1, 1, "torch_dist"), ("plain", "plain_ep1", 1, 1, "torch_dist"),
+                                   ("tp2", "tp2_ep1", 1, 1, "torch_dist"), ("fr_ep1", "back_ep2", 1, 2, "torch_dist"),
+                                   ("fr", "torch_ep1", 1, 1, "torch"), ("qwen", "qwen_ep1", 1, 1, "torch_dist"),
+                                   ("dpr", "dpr_ep1", 1, 1, "torch_dist"), ("fsms", "fsms_ep1", 1, 1, "torch_dist"),
+                                   ("dpr_etp1", "dpr_etp1_ep1", 1, 1, "torch_dist"),
+                                   ("bias_fr", "bias_fr_ep1", 1, 1, "torch_dist"),
+                                   ("bias_dpr", "bias_dpr_ep1", 1, 1, "torch_dist"),
+                                   # and at TP 2 (the expert bias is per expert: megatron-core's TP 2 model asks for it whole)
+                                   ("bias_fr", "bias_fr_tp2", 2, 1, "torch_dist")):
+        write_layout(open_checkpoint(d / name), d / out, Layout(tp, ep=ep), WriteOptions(format=fmt), warn=said.append)
     assert not said, said
     yield [(HELPER, 2, [
              f"moe-resume {d}/fr_ep1 --tp 1 --ep 1 --form fully_reshardable {BF16} --out {d}/r_fr_ep1.pt",
