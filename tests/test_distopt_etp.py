@@ -187,4 +187,5 @@ def test_expert_parts_in_other_files_are_written_and_read_back(tmp_path):
     expert = megatron_optim.RankParam("w", "experts.0.fc2.weight", 0, Const(torch.zeros(2)))
     with pytest.raises(CkptError, match=r"mp_rank_02_000/distrib_optim\.pt: no expert optimizer state here nor in "
                                         r".*mp_rank_00_000/distrib_optim\.pt"):
-        megatron_distopt.read_rank(tree, rank, [expert], tree["args"], False, 1, 0, "x", 2, rank, it / "mp_rank_00_000")
+        megatron_distopt.read_rank(tree, rank, [expert], megatron_distopt.RankRun(tree["args"], False, 1, 0), "x", 2, rank,
+                                   it / "mp_rank_00_000")

@@ -185,7 +185,8 @@ def test_missing_dense_state_is_refused_naming_ep_rank_0s_file(runs, tmp_path):
     with pytest.raises(CkptError, match=r"mp_rank_00_001/distrib_optim\.pt: no dense optimizer state here nor in "
                                         r".*mp_rank_00_000/distrib_optim\.pt"):
         megatron_distopt.read_rank(tree, rank1, [megatron_optim.RankParam("w", "attn_norm.weight", 0, Const(torch.zeros(2)))],
-                                   tree["args"], False, 1, 0, "x", 2, bad / "iter_0000007" / "mp_rank_00_000")
+                                   megatron_distopt.RankRun(tree["args"], False, 1, 0), "x", 2,
+                                   bad / "iter_0000007" / "mp_rank_00_000")
     # a chain's file beside a single optimizer's groups (or the reverse) is refused, never mis-tied
     torch.save(state[1], f)
     with pytest.raises(CkptError, match=r"mp_rank_00_000.*distrib_optim\.pt: one optimizer state"):

@@ -85,7 +85,7 @@ def read_shards(dcp: DcpDir, weights, cfg: GPTConfig, args, where: str, form: st
                 if prefix not in gathered:
                     gathered[prefix] = _gathered_state(dcp, prefix, where)
                 key, state = gathered[prefix]
-                _add_gathered(out, state, gbuf, chunk, params, keep, args, shared, pp_rank, run.dp, f"{where}: {key}")
+                _add_gathered(out, state, gbuf, r, params, keep, args, shared, run.dp, f"{where}: {key}")
                 continue
             if prefix not in unpadded:
                 unpadded[prefix] = _stored_unpadded(dcp, prefix, where)
@@ -149,10 +149,9 @@ def _gathered_state(dcp: DcpDir, prefix: str, where: str) -> Tuple[str, dict]:
     return key, state[0] if isinstance(state, list) and len(state) == 1 else state
 
 
-def _add_gathered(out, state, gbuf: int, chunk: int, params, keep, args, shared: bool, pp_rank: int, dp: int,
-                  where: str) -> None:
-    """Grad buffer gbuf's parameters (model chunk `chunk`) cut out of the rank's DP-gathered buffers (GATHERED
-    form); keep[i]: whether parameter i is read from here."""
+def _add_gathered(out, state, gbuf: int, r, params, keep, args, shared: bool, dp: int, where: str) -> None:
+    """Grad buffer gbuf's parameters (buffer rank r's model chunk) cut out of the rank's DP-gathered buffers
+    (GATHERED form); keep[i]: whether parameter i is read from here."""
     entry = state.get(gbuf) if isinstance(state, dict) and state.get("buckets_coalesced") is True else None
     entry = next(iter(entry.values())) if isinstance(entry, dict) and len(entry) == 1 else None
     total = entry.get("numel_unpadded") if isinstance(entry, dict) else None
@@ -160,7 +159,7 @@ def _add_gathered(out, state, gbuf: int, chunk: int, params, keep, args, shared:
                                          tuple(entry[n].shape) != (total,) for n in STORED.values()):
         raise CkptError(f"{where} is not one coalesced buffer of one dtype for grad buffer {gbuf} "
                         "(param, exp_avg, exp_avg_sq of numel_unpadded elements)", HINT)
-    lay = _matching_layout(params, total, args, shared, chunk, pp_rank, dp, f"{where} buffer {gbuf}")
+    lay = _matching_layout(params, total, args, shared, r.chunk, r.pp_rank, dp, f"{where} buffer {gbuf}")
     for slot, name in STORED.items():
         for i, (role, layer, shape) in enumerate(params):
             if keep[i]:

@@ -45,8 +45,9 @@ streamed into its zip record a parameter at a time, so no rank's buffer is ever 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -102,9 +103,18 @@ def uses_distributed_optimizer(rank_dir: Path, args) -> bool:
     return (rank_dir / FILE).is_file() or bool(getattr(args, "use_distributed_optimizer", False))
 
 
-def read_rank(tree: dict, rank_dir: Path, params: List[RankParam], args, tied: bool, pp: int, pp_rank: int,
-              where: str, ep: int = 1, dense_dir: Optional[Path] = None,
-              expert_dir: Optional[Path] = None) -> Optional[RankOptimizer]:
+@dataclass(frozen=True)
+class RankRun:
+    """What lays out one model-parallel rank's grad buffers besides its parameters: the run's args (bucket
+    sizes, data-parallel sizes), whether its embeddings are tied, its pipeline size and this rank's stage."""
+    args: Any
+    tied: bool
+    pp: int
+    pp_rank: int
+
+
+def read_rank(tree: dict, rank_dir: Path, params: List[RankParam], run: RankRun, where: str, ep: int = 1,
+              dense_dir: Optional[Path] = None, expert_dir: Optional[Path] = None) -> Optional[RankOptimizer]:
     """One (TP, PP, EP) rank's distributed-optimizer state tied to its parameters (params in file order,
     each with its model chunk); None when the optimizer never stepped.
 
@@ -130,7 +140,7 @@ def read_rank(tree: dict, rank_dir: Path, params: List[RankParam], args, tied: b
                         f"{len(parts) if chained else 'single'} optimizer(s) of the rank file at EP {ep} (megatron-core "
                         "chains [dense, expert] at EP > 1)", HINT)
     if not chained:
-        return _read_part(parts[0], states, str(path), params, args, data_parallel_size(args, False), tied, pp, pp_rank, where)
+        return _read_part(parts[0], states, str(path), params, run, data_parallel_size(run.args, False), where)
     members = megatron_optim.chain_members(params, ep)
     states, files = list(states), [str(path), str(path)]
     for n, (kind, source_dir) in enumerate((("dense", dense_dir), ("expert", expert_dir))):
@@ -145,8 +155,8 @@ def read_rank(tree: dict, rank_dir: Path, params: List[RankParam], args, tied: b
         states[n], files[n] = other[n], str(source)
     # both optimizers' buffers are cut at one bucket size, its default from the dense DP size (megatron-core's
     # DDP); each pads its bucket ends for its own DP size
-    tied_parts = [_read_part(part, state, file, [params[i] for i in idx], args, data_parallel_size(args, n == 1), tied, pp, pp_rank,
-                             f"{where} (chained optimizer {n})", bucket_dp=data_parallel_size(args, False))
+    tied_parts = [_read_part(part, state, file, [params[i] for i in idx], run, data_parallel_size(run.args, n == 1),
+                             f"{where} (chained optimizer {n})", bucket_dp=data_parallel_size(run.args, False))
                   if idx or state is not None else None
                   for n, (part, state, file, idx) in enumerate(zip(parts, states, files, members))]
     return megatron_optim.join_chain(tied_parts, members, len(params), where)
@@ -159,8 +169,8 @@ def _load(path: Path):
         raise CkptError(f"{path} cannot be read: {e.message}", HINT) from None
 
 
-def _read_part(opt: dict, state, where_file: str, params: List[RankParam], args, dp: int, tied: bool, pp: int,
-               pp_rank: int, where: str, bucket_dp: Optional[int] = None) -> Optional[RankOptimizer]:
+def _read_part(opt: dict, state, where_file: str, params: List[RankParam], run: RankRun, dp: int, where: str,
+               bucket_dp: Optional[int] = None) -> Optional[RankOptimizer]:
     """One DistributedOptimizer's state (its groups from the rank file, its buffers from distrib_optim.pt)
     tied to its parameters; dp: the size it was sharded over, bucket_dp: the one the default bucket size
     comes from (the dense DP size; default dp)."""
@@ -175,8 +185,8 @@ def _read_part(opt: dict, state, where_file: str, params: List[RankParam], args,
     for gbuf, chunk in zip(buffers, chunks):
         members = [i for i, p in enumerate(params) if p.chunk == chunk]
         entry = _one_dtype(state[gbuf], f"{where_file} buffer {gbuf}")
-        layout, _ = _matching_layout([params[i] for i in members], entry, form, args, chunk, pp_rank, dp,
-                                       tied, pp, f"{where_file} buffer {gbuf}", bucket_dp or dp)
+        layout, _ = _matching_layout([params[i] for i in members], entry, form, run, chunk, dp,
+                                       f"{where_file} buffer {gbuf}", bucket_dp or dp)
         for j, i in enumerate(members):
             shape = tuple(params[i].weight.shape)
             for key in KEYS:
@@ -195,7 +205,7 @@ def _read_part(opt: dict, state, where_file: str, params: List[RankParam], args,
     step = int(steps.pop()) if steps else None
     if step == 0:
         return None
-    return RankOptimizer(slots, group_by_rule(params, hypers, where, GroupRule.from_args(args)), hypers, step,
+    return RankOptimizer(slots, group_by_rule(params, hypers, where, GroupRule.from_args(run.args)), hypers, step,
                          opt.get("grad_scaler"))
 
 
@@ -220,11 +230,11 @@ def _one_dtype(buffer_state, where: str) -> dict:
     return entry
 
 
-def _matching_layout(params: List[RankParam], entry: dict, form: str, args, chunk: int, pp_rank: int, dp: int,
-                     tied: bool, pp: int, where: str, bucket_dp: Optional[int] = None) -> Tuple[BufferLayout, Era]:
+def _matching_layout(params: List[RankParam], entry: dict, form: str, run: RankRun, chunk: int, dp: int, where: str,
+                     bucket_dp: Optional[int] = None) -> Tuple[BufferLayout, Era]:
     """The first era (and bucket size) whose layout reproduces the stored sizes."""
     numels = [p.weight.numel for p in params]
-    shared = [is_shared_embedding(p, tied, pp) for p in params]
+    shared = [is_shared_embedding(p, run.tied, run.pp) for p in params]
     if form == "coalesced":
         stored = entry.get("numel_unpadded")
         for key in KEYS:
@@ -238,7 +248,7 @@ def _matching_layout(params: List[RankParam], entry: dict, form: str, args, chun
         if len({tuple(v) for v in sizes.values()}) != 1:
             raise CkptError(f"{where}: the buckets of {', '.join(KEYS)} differ in size ({sizes})", HINT)
         want = sizes["param"]
-    match, tried = era_layout(numels, shared, form, want, args, chunk, pp_rank, dp, bucket_dp)
+    match, tried = era_layout(numels, shared, form, want, run.args, chunk, run.pp_rank, dp, bucket_dp)
     if match is None:
         raise CkptError(f"{where}: stored numel_unpadded {want} matches no megatron-core buffer layout of "
                         f"this model ({'; '.join(tried)}): the file does not belong to these weights or comes "

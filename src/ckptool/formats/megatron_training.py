@@ -127,8 +127,9 @@ def _read_rank(tree, model_file: Path, params: List[RankParam], args, cfg: GPTCo
     or the rank file's own 'optimizer' entry (a chained [dense, expert] list at EP > 1)."""
     where, rank_dir = str(model_file), model_file.parent
     if megatron_distopt.uses_distributed_optimizer(rank_dir, args):
-        return megatron_distopt.read_rank(tree, rank_dir, params, args, cfg.tied_embeddings, pp, pp_rank, where,
-                                          ep, *(f.parent if f is not None else None for f in (dense_file, expert_file)))
+        run = megatron_distopt.RankRun(args, cfg.tied_embeddings, pp, pp_rank)
+        return megatron_distopt.read_rank(tree, rank_dir, params, run, where, ep,
+                                          *(f.parent if f is not None else None for f in (dense_file, expert_file)))
     return megatron_optim.read_rank(tree, params, where, megatron_optim.GroupRule.from_args(args), ep)
 
 
