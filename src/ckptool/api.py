@@ -22,13 +22,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 from .config import Layout
 from .errors import CkptError, NoCanonicalForm
 from .formats import registry
-from .layout_request import LayoutRequest, check_sizes
 from .integrity import verify_files
+from .layout_request import LayoutRequest, check_sizes
 from .options import ReadOptions, pop_read_options
 from .state import Checkpoint
 from .summary import WriteSummary
 from .verify.request import Request, check_request
-
 from .write_options import (DTYPE_NAMES, PAD_FILLS, WriteOptions, build_write_options,  # noqa: F401 (PAD_FILLS: the CLI's)
                             refuse_unhonoured, refuse_unwritable, with_torch_dtype)
 
