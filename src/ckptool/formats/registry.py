@@ -23,6 +23,8 @@ torch (the quick inspect relies on it). Each entry may have:
   megatron_run                             Megatron-LM resumes training from what its writer writes
   quick_read(path) -> Checkpoint | None    metadata only, without torch, for inspect (quick/)
   command                                  the command line that writes the format (for hints)
+  parallel_ref                             how verify under torchrun gives each rank its own shard of a
+                                           checkpoint of this format (verify/targets.py), None: not run in parallel
 
 A source with no canonical GPT form (a DeepLearningExamples BERT file, a DeepSpeed run of a non-GPT
 Hugging Face model or of any other module) is still claimed here; its reader raises
@@ -65,6 +67,9 @@ class Format:
     megatron_run: bool = False  # a Megatron-LM training run resumes from its output
     quick_ref: Optional[str] = None  # torch-free metadata reader for inspect (quick_inspect.py)
     command: Optional[str] = None  # the command line that writes this format, for hints
+    # verify under torchrun: how each rank gets its own shard of a checkpoint of this format
+    # (target, read options, --tp, --pp, world size, --vpp) -> verify.targets.ParallelTarget; None: not run in parallel
+    parallel_ref: Optional[str] = None
 
     @property
     def reads(self) -> bool:
@@ -137,16 +142,17 @@ FORMATS: Tuple[Format, ...] = (
     Format("torch_dist", "ckptool.formats.dist_files:looks_like", "ckptool.formats.dist:read",
            "ckptool.formats.dist:write_torch_dist", output="torch_dist", honours=TORCH_DIST_HONOURS,
            holds=frozenset({"moe", "mla", "optimizer"}), megatron_run=True, quick_ref="ckptool.quick.dist:read",
-           command="ckptool merge SRC DST --format torch_dist"),
+           command="ckptool merge SRC DST --format torch_dist", parallel_ref="ckptool.verify.targets:dist_target"),
     Format("deepspeed", "ckptool.formats.deepspeed_files:looks_like_deepspeed", "ckptool.formats.deepspeed:read",
-           quick_ref="ckptool.quick.deepspeed:read"),
+           quick_ref="ckptool.quick.deepspeed:read", parallel_ref="ckptool.verify.targets:deepspeed_target"),
     Format("hf", "ckptool.formats.hf_config:looks_like", "ckptool.formats.hf:read",
            "ckptool.formats.hf_writer:write_hf", honours=HF_HONOURS, holds=frozenset({"moe", "mla"}),
            quick_ref="ckptool.quick.hf:read", command="ckptool to-hf SRC DST"),
     Format("megatron", "ckptool.formats.megatron_files:looks_like_megatron", "ckptool.formats.megatron:read_megatron",
            "ckptool.formats.megatron:write_megatron", output="torch", shares_ranks=True,
            honours=MEGATRON_HONOURS, holds=frozenset({"moe", "mla", "optimizer"}), megatron_run=True,
-           quick_ref="ckptool.quick.megatron:read", command="ckptool merge SRC DST --format torch"),
+           quick_ref="ckptool.quick.megatron:read", command="ckptool merge SRC DST --format torch",
+           parallel_ref="ckptool.verify.targets:megatron_target"),
     Format("ds-universal", write_ref="ckptool.formats.ds_universal:write_ds_universal", output="ds-universal",
            honours=DS_UNIVERSAL_HONOURS, holds=frozenset({"optimizer"}),
            command="ckptool merge SRC DST --format ds-universal"),

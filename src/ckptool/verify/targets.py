@@ -13,7 +13,7 @@ from ..formats import deepspeed as ds_format
 from ..formats import dist as dist_format
 from ..formats.deepspeed_ranks import DeepSpeedRanks
 from ..formats.megatron_ranks import rank_dir_name, read_layout, read_rank_shards, slice_rank_shards
-from ..formats.registry import detect_format
+from ..formats.registry import resolve, source_format
 from .parallel import ranks_per_stage
 
 
@@ -32,28 +32,35 @@ class ParallelTarget:
 
 
 def parallel_target(target, opts, tp, pp, world, vpp=None) -> ParallelTarget:
-    fmt = detect_format(target)  # the format table decides, as for every command
-    if fmt == "deepspeed":
-        return deepspeed_target(target, opts, tp, pp, vpp)
-    if fmt == "megatron":
-        meta = read_layout(target, opts)
-        cfg, layout, ckpt = meta
-        require(tp in (None, layout.tp) and pp in (None, layout.pp) and vpp in (None, layout.vpp),
-                f"{target} is stored at {layout.describe()}; a torch-format checkpoint runs at the layout of "
-                "its files", f"drop --tp/--pp/--vpp, or reshard it first: ckptool reshard {target} DST --tp N --pp M")
-        return ParallelTarget("megatron torch", ckpt, layout,
-                              lambda t, p, e=0: read_rank_shards(target, t, p, opts, meta, e),
-                              lambda t, p, e=0: rank_dir_name(t, p, layout.pp, e, layout.ep), False)
-    if fmt == "torch_dist":
-        ckpt = dist_format.read(target, opts)  # metadata only: tensors are read per rank, sliced
-        layout = dist_layout(ckpt, tp, pp, world, vpp)
-        return ParallelTarget("torch_dist", ckpt, layout,
-                              lambda t, p, e=0: slice_rank_shards(ckpt, layout, t, p, e), lambda t, p, e=0: None, True)
-    raise CkptError(f"{target}: the parallel verify runs Megatron checkpoints (torch format mp_rank_* files "
-                    "or torch_dist) and DeepSpeed saves", "run `ckptool verify` without torchrun for other formats")
+    """The target's ParallelTarget, built as its entry in the format table says (Format.parallel_ref)."""
+    build = resolve(source_format(target).parallel_ref)  # the format table decides, as for every command
+    if build is None:
+        raise CkptError(f"{target}: the parallel verify runs Megatron checkpoints (torch format mp_rank_* files "
+                        "or torch_dist) and DeepSpeed saves", "run `ckptool verify` without torchrun for other formats")
+    return build(target, opts, tp, pp, world, vpp)
 
 
-def deepspeed_target(target, opts, tp, pp, vpp) -> ParallelTarget:
+def megatron_target(target, opts, tp, pp, world, vpp) -> ParallelTarget:
+    """A torch-format checkpoint runs at the layout of its files, each rank on its own rank file."""
+    meta = read_layout(target, opts)
+    cfg, layout, ckpt = meta
+    require(tp in (None, layout.tp) and pp in (None, layout.pp) and vpp in (None, layout.vpp),
+            f"{target} is stored at {layout.describe()}; a torch-format checkpoint runs at the layout of "
+            "its files", f"drop --tp/--pp/--vpp, or reshard it first: ckptool reshard {target} DST --tp N --pp M")
+    return ParallelTarget("megatron torch", ckpt, layout,
+                          lambda t, p, e=0: read_rank_shards(target, t, p, opts, meta, e),
+                          lambda t, p, e=0: rank_dir_name(t, p, layout.pp, e, layout.ep), False)
+
+
+def dist_target(target, opts, tp, pp, world, vpp) -> ParallelTarget:
+    """A torch_dist checkpoint holds global tensors: any layout runs it, each rank slicing its shard."""
+    ckpt = dist_format.read(target, opts)  # metadata only: tensors are read per rank, sliced
+    layout = dist_layout(ckpt, tp, pp, world, vpp)
+    return ParallelTarget("torch_dist", ckpt, layout,
+                          lambda t, p, e=0: slice_rank_shards(ckpt, layout, t, p, e), lambda t, p, e=0: None, True)
+
+
+def deepspeed_target(target, opts, tp, pp, world, vpp) -> ParallelTarget:
     """A DeepSpeed save runs at the layout of its files, each rank on its own files
     (formats/deepspeed_ranks.py); the merged read supplies the architecture and the reference."""
     ckpt = ds_format.read(target, opts)  # metadata and lazy tensors: no tensor bytes read here
