@@ -38,7 +38,7 @@ import torch
 
 from ..config import Layout
 from ..errors import CkptError, require
-from ..io.torchfile import StreamingTorchWriter
+from ..io.torchfile import save_streaming
 from ..lazy import LazyTensor, load_scope
 from ..roles import canonical_names, global_role_tensor, layer_role_tensor, rule_for
 from ..sharding import Rule
@@ -244,12 +244,7 @@ def export_universal(make: Callable[[Callable[[str], None]], Universal], out_dir
 
 def _save(path: Path, obj) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
-    w = StreamingTorchWriter(path, obj)
-    n = 0
-    for ps in w.pending:
-        n += w.write(ps)
-    w.finish()
-    return n
+    return save_streaming(obj, path)
 
 
 def _write_param(zero: Path, p: Param, step: int, progress) -> Tuple[int, int, int]:

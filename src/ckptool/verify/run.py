@@ -21,7 +21,7 @@ from ..formats.registry import open_checkpoint
 from . import compare as cmp
 from . import hints, inputs, parallel
 from .probes import RankRun, mla_at_tp, probe_mla_layer, probe_moe_layer
-from .request import Request, check_request
+from .request import Request
 from .targets import ParallelTarget, parallel_target, stage_ranks, where_held
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -60,8 +60,8 @@ def under_torchrun() -> bool:
 
 
 def verify(req: Request, say: Optional[Say], warn: Say) -> Outcome:
-    """Run the check: the parallel forward under torchrun, else the one-process one."""
-    check_request(req.target, req.reference, req.reference_logits, req.dtype)  # for callers other than the API
+    """Run the check: the parallel forward under torchrun, else the one-process one. The request was checked
+    by its maker (api.verify: request.check_request, torch-free, before this module was imported)."""
     out = Lines(say, warn)
     ok, report = (run_parallel if under_torchrun() else run_single)(req, out)
     return Outcome(bool(ok), out.lines, report)
