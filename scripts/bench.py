@@ -480,7 +480,7 @@ def main(argv=None) -> int:
     # on a host fills the bytecode cache (io/startup.py), ~4 s that would otherwise fall on
     # whichever step runs first
     warm = ("from ckptool.io import startup; startup.use_own_bytecode_cache(); "
-            "import torch, ckptool.convert, ckptool.formats.megatron, ckptool.formats.hf_writer")
+            "import torch, ckptool.convert, ckptool.formats.megatron.checkpoint, ckptool.formats.hf.writer")
     subprocess.run([sys.executable, "-c", warm], capture_output=True, env=_env())
     rows = run_side_by_side(plan, main_steps, size, work, args.repeat, args.keep, profiles, args.cache, src)
     ds = deepspeed_rows(args, work) if "deepspeed" in steps else None

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ckptool.config import GPTConfig, Layout
-from ckptool.formats.megatron import write_megatron
+from ckptool.formats.megatron.checkpoint import write_megatron
 from ckptool.lazy import Const
 from ckptool.state import Checkpoint, SourceInfo, expected_names
 from ckptool.write_options import WriteOptions

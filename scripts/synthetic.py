@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ckptool.config import GPTConfig, Layout, MoE
-from ckptool.formats.megatron import write_megatron
+from ckptool.formats.megatron.checkpoint import write_megatron
 from ckptool.lazy import Derived
 from ckptool.state import Checkpoint, OptimizerState, ParamGroup, SourceInfo, expected_names
 from ckptool.write_options import WriteOptions

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import REAL_TRUE_VOCAB, ROOT, real_checkpoint
-from ckptool.formats.megatron import read_megatron
+from ckptool.formats.megatron.checkpoint import read_megatron
 from ckptool.io.outdir import check_manifest
 from ckptool.options import ReadOptions
 from ckptool.verify.reference import forward

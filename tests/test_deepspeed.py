@@ -19,7 +19,7 @@ import torch
 
 from conftest import DS_TRAIN_CASES, count_tensor_reads, run_torchrun
 from ckptool.errors import CkptError
-from ckptool.formats import deepspeed as ds
+from ckptool.formats.deepspeed import checkpoint as ds
 from ckptool.formats.registry import detect_format, open_checkpoint
 from ckptool.lazy import load_scope
 from ckptool.options import ReadOptions
@@ -826,7 +826,7 @@ def test_export_reads_each_master_byte_once_in_parameter_sized_reads(ds_cases, c
     """Streaming, measured: consolidating a ZeRO-3 (parameters cut across ranks) or ZeRO-1 (flat
     groups) run reads every fp32 master once, never more than one parameter at a time, and never the
     Adam moments that make up most of each optimizer shard. So memory stays near one parameter."""
-    from ckptool.formats import deepspeed_hf_export
+    from ckptool.formats.deepspeed import hf_export as deepspeed_hf_export
     reads = count_tensor_reads(monkeypatch)  # bytes of every tensor-data read
     src = ds_cases / case / "ckpt"
     _, named = ds.consolidate_hf_state(src)

@@ -21,7 +21,7 @@ from conftest import copy_run, declare_runs, run_torchrun
 from ckptool.config import GPTConfig, Layout
 from ckptool.convert import write_layout
 from ckptool.errors import CkptError
-from ckptool.formats import dist
+from ckptool.formats.dcp import torch_dist as dist
 from ckptool.formats.registry import detect_format, open_checkpoint
 from ckptool.io import dcp_io
 from ckptool.lazy import Const
@@ -379,7 +379,7 @@ def test_vpp_save_reports_the_runs_layout_and_stays_layout_free(framework_runs, 
 def test_virtual_pipeline_size_from_args_of_each_era(args, vpp):
     """megatron_args.virtual_pipeline_size: the size validate_args stored, else derived from the flags."""
     import argparse
-    from ckptool.formats.megatron_args import virtual_pipeline_size
+    from ckptool.formats.megatron.args import virtual_pipeline_size
     assert virtual_pipeline_size(argparse.Namespace(pipeline_model_parallel_size=2, **args), 8) == vpp
 
 
@@ -538,7 +538,7 @@ def test_code_in_metadata_pickle_is_refused(written):
 
 
 def test_megatron_reader_does_not_claim_torch_dist(written):
-    from ckptool.formats.megatron import looks_like_megatron
+    from ckptool.formats.megatron.checkpoint import looks_like_megatron
     _, out = written
     assert not looks_like_megatron(out)
     assert dist.looks_like(out) and dist.looks_like(out / "iter_0000003")

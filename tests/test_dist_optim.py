@@ -26,7 +26,7 @@ from conftest import copy_run, declare_runs, real_checkpoint, shared_followups
 from ckptool.config import Layout
 from ckptool.convert import write_layout
 from ckptool.errors import CkptError
-from ckptool.formats import dist_optim
+from ckptool.formats.dcp import optim as dist_optim
 from ckptool.formats.registry import open_checkpoint
 from ckptool.io.dcp_io import DcpDir
 from ckptool.lazy import Const
@@ -398,7 +398,7 @@ def test_a_master_that_does_not_match_its_weight_is_refused(tmp_path):
 def test_unexpected_param_groups_are_refused():
     """A group no trait singles out (lr_mult 2 on weights, by a run's own condition) is refused, never
     guessed; the groups the traits tell apart are tied (tests/test_dist_optim_groups.py: real runs)."""
-    from ckptool.formats.megatron_optim import GroupRule
+    from ckptool.formats.megatron.optim import GroupRule
     weights = {"a.weight": Const(torch.zeros(2, 2)), "a.bias": Const(torch.zeros(2))}
     hypers = [{"wd_mult": 1.0, "lr_mult": 1.0}, {"wd_mult": 0.0, "lr_mult": 1.0}, {"wd_mult": 1.0, "lr_mult": 2.0}]
     with pytest.raises(CkptError, match="here: 3 optimizer groups that megatron-core's group traits.*--no-optimizer"):
@@ -411,7 +411,7 @@ def test_a_chain_is_tied_per_optimizer_and_a_swapped_one_is_refused():
     """megatron-core's [dense, expert] chain at EP 2: the experts tie to the second optimizer's group,
     which is one canonical group with its dense twin; written back at EP 2 the chain is re-formed, at EP 1
     one optimizer. Swapped, the is_expert_parallel flags disagree with the chain's order: refused."""
-    from ckptool.formats.megatron_optim import GroupRule
+    from ckptool.formats.megatron.optim import GroupRule
     weights = {"layers.0.attn.q.weight": Const(torch.zeros(2, 2)), "layers.0.attn_norm.weight": Const(torch.zeros(2)),
                "layers.0.mlp.experts.1.down.weight": Const(torch.zeros(2, 2))}
     dense = [{"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False},

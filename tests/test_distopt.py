@@ -35,8 +35,8 @@ import torch
 from ckptool.config import Layout
 from ckptool.convert import write_layout
 from ckptool.errors import CkptError
-from ckptool.formats import megatron_distopt as D
-from ckptool.formats.megatron_names import DIALECTS, KeyMatcher
+from ckptool.formats.megatron import distopt as D
+from ckptool.formats.megatron.names import DIALECTS, KeyMatcher
 from ckptool.formats.registry import open_checkpoint
 from ckptool.roles import global_role_tensor, layer_role_tensor
 from ckptool.write_options import WriteOptions

@@ -18,8 +18,8 @@ import torch
 
 from ckptool import api
 from ckptool.errors import CkptError
-from ckptool.formats.megatron import read_megatron
-from ckptool.formats.megatron_distopt import chain_sources
+from ckptool.formats.megatron.checkpoint import read_megatron
+from ckptool.formats.megatron.distopt import chain_sources
 from ckptool.write_options import WriteOptions
 
 from conftest import copy_run, declare_runs, shared_followups
@@ -158,7 +158,7 @@ def test_expert_parts_in_other_files_are_written_and_read_back(tmp_path):
     ranks 2 and 3 are expert-DP rank 1, so files (2, 0) and (3, 1) hold [dense, None] and their experts'
     state is in (0, 0) and (1, 1), where ckptool writes it and reads it back bit for bit."""
     from ckptool.config import Layout
-    from ckptool.formats.megatron import write_megatron
+    from ckptool.formats.megatron.checkpoint import write_megatron
     from ckptool.lazy import Const
     ck, slots = mixtral_with_moments(tmp_path)
     write_megatron(ck, tmp_path / "out", Layout(tp=4, ep=2, etp=1),
@@ -181,7 +181,7 @@ def test_expert_parts_in_other_files_are_written_and_read_back(tmp_path):
     with pytest.raises(CkptError, match=r"mp_rank_00_000/distrib_optim\.pt: no expert optimizer state here \(the file "
                                         r"of the expert optimizer's DP rank 0"):
         read_megatron(tmp_path / "out")
-    from ckptool.formats import megatron_distopt, megatron_optim
+    from ckptool.formats.megatron import distopt as megatron_distopt, optim as megatron_optim
     rank = it / "mp_rank_02_000"
     tree = torch.load(rank / "model_optim_rng.pt", weights_only=False)
     expert = megatron_optim.RankParam("w", "experts.0.fc2.weight", 0, Const(torch.zeros(2)))

@@ -17,8 +17,8 @@ import torch
 
 from ckptool import api
 from ckptool.errors import CkptError
-from ckptool.formats import megatron_optim
-from ckptool.formats.megatron import read_megatron
+from ckptool.formats.megatron import optim as megatron_optim
+from ckptool.formats.megatron.checkpoint import read_megatron
 from ckptool.lazy import Const
 from ckptool.roles import is_parameter, unfuse_qkv
 from conftest import copy_run, declare_runs, shared_followups
@@ -179,7 +179,7 @@ def test_missing_dense_state_is_refused_naming_ep_rank_0s_file(runs, tmp_path):
                                         r"the dense optimizer's DP rank 0"):
         read_megatron(bad)
     # EP rank 1's file points at EP rank 0's for the dense part
-    from ckptool.formats import megatron_distopt
+    from ckptool.formats.megatron import distopt as megatron_distopt
     rank1 = bad / "iter_0000007" / "mp_rank_00_001"
     tree = torch.load(rank1 / "model_optim_rng.pt", weights_only=False)
     with pytest.raises(CkptError, match=r"mp_rank_00_001/distrib_optim\.pt: no dense optimizer state here nor in "

@@ -25,7 +25,7 @@ import torch
 
 from conftest import DS_UNIVERSAL_CASES, DS_UNIVERSAL_OWN_NAME_CASES, count_tensor_reads, run_torchrun
 from ckptool.errors import CkptError
-from ckptool.formats.ds_universal import universal_params
+from ckptool.formats.deepspeed.universal import universal_params
 from ckptool.formats.registry import open_checkpoint
 from ckptool.lazy import load_scope
 from ckptool.options import ReadOptions
@@ -344,7 +344,7 @@ def test_universal_writer_reads_each_optimizer_byte_once_in_parameter_sized_read
                                                                                  monkeypatch):
     """Streaming, measured: writing ds-universal reads every master and moment element once (plus
     ZeRO-3's per-rank padding), one parameter at a time, so memory stays near one parameter."""
-    from ckptool.formats.ds_universal import write_ds_universal
+    from ckptool.formats.deepspeed.universal import write_ds_universal
     from ckptool.config import Layout
     ckpt = open_checkpoint(str(runs / case / "ckpt"))
     opt = ckpt.optimizer

@@ -78,5 +78,5 @@ def test_each_table_names_a_canonical_tensor_once(family):
 
 
 def test_families_import_without_torch():
-    code = "import sys, ckptool.families, ckptool.formats.hf_config; assert 'torch' not in sys.modules"
+    code = "import sys, ckptool.families, ckptool.formats.hf.config; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -152,7 +152,7 @@ def test_real_mds_true_vocab_is_one_more_than_args(real_mds_case):
 def test_gpt2_bpe_tokenizer_implies_the_vocab():
     """Megatron-LM args of a GPT-2 BPE run (vocab_size unset: the tokenizer decides it)."""
     import argparse
-    from ckptool.formats.megatron_args import config_from_args
+    from ckptool.formats.megatron.args import config_from_args
     args = argparse.Namespace(num_layers=2, hidden_size=32, num_attention_heads=4, tokenizer_type="GPT2BPETokenizer",
                               vocab_file="gpt2-vocab.json", merge_file="gpt2-merges.txt", vocab_size=None,
                               padded_vocab_size=50304, make_vocab_size_divisible_by=128)

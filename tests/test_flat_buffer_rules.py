@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ckptool.config import MLA, GPTConfig, MoE
-from ckptool.formats.megatron_buffers import HEAD_COPY, ONE, FlatRun, is_expert, rank_param_shapes, rule_column
+from ckptool.formats.megatron.buffers import HEAD_COPY, ONE, FlatRun, is_expert, rank_param_shapes, rule_column
 from ckptool.lazy import Const
 from ckptool.quick.meta import canonical_shapes
 from ckptool.roles import global_role_tensor, layer_role_tensor, shard_role

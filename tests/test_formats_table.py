@@ -140,7 +140,7 @@ def test_to_hf_of_a_deepspeed_run_of_another_hf_model_reads_its_files_once(tmp_p
     shards) is named by the table, read once, and exported by the reader's NoCanonicalForm."""
     import json
     from safetensors.torch import load_file
-    from ckptool.formats import deepspeed_zero
+    from ckptool.formats.deepspeed import zero as deepspeed_zero
     run = tmp_path / "run"
     (run / "global_step1").mkdir(parents=True)
     (run / "latest").write_text("global_step1")

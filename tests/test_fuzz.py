@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptool.errors import CkptError
-from ckptool.formats import megatron_args
-from ckptool.formats.megatron import resolve_iteration_dir
+from ckptool.formats.megatron import args as megatron_args
+from ckptool.formats.megatron.checkpoint import resolve_iteration_dir
 from ckptool.io.safe_pickle import safe_loads
 from ckptool.io.safetensors_header import DTYPES, parse_safetensors_header
 from ckptool.io.torchfile import load_torch_file
@@ -224,7 +224,7 @@ def dist_dir(tmp_path_factory):
 
 
 def _read_all_dist(d: Path):
-    from ckptool.formats import dist
+    from ckptool.formats.dcp import torch_dist as dist
     ckpt = dist.read(d)
     for t in ckpt.tensors.values():
         x = t.load()

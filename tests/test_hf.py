@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 
 from ckptool.cli import main
 from ckptool.errors import CkptError
-from ckptool.formats import hf as hf_reader
-from ckptool.formats.hf_writer import write_hf, _rotate_half_order
+from ckptool.formats.hf import reader as hf_reader
+from ckptool.formats.hf.writer import write_hf, _rotate_half_order
 from ckptool.formats.registry import open_checkpoint
 from ckptool.io.safetensors_header import read_safetensors_header
 from ckptool.lazy import Const

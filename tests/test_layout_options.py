@@ -11,7 +11,7 @@ import ckptool
 from ckptool.cli import main
 from ckptool.config import Layout
 from ckptool.errors import CkptError
-from ckptool.formats.megatron import read_megatron
+from ckptool.formats.megatron.checkpoint import read_megatron
 
 REPO = Path(__file__).resolve().parent.parent
 SRC = REPO / "fixtures" / "gpt2_mcore_tp2pp2" / "checkpoint"  # TP2 PP2, 4 layers

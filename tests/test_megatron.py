@@ -8,7 +8,7 @@ import torch
 
 from ckptool.config import Layout
 from ckptool.convert import write_layout
-from ckptool.formats.megatron import read_megatron
+from ckptool.formats.megatron.checkpoint import read_megatron
 from ckptool.formats.registry import open_checkpoint
 from ckptool.options import ReadOptions
 from ckptool.verify.reference import forward
@@ -130,7 +130,7 @@ def test_dialect_is_kept_and_files_match_source(fixture_dir, tmp_path, name):
     assert out.source.dialect == src.source.dialect
     assert out.source.checkpoint_version == src.source.checkpoint_version
     from ckptool.io.torchfile import load_torch_file
-    from ckptool.formats.megatron import flatten
+    from ckptool.formats.megatron.checkpoint import flatten
     src_files = sorted((d / "checkpoint").rglob("model_optim_rng.pt"))
     out_files = sorted((tmp_path / "out").rglob("model_optim_rng.pt"))
     assert [f.parent.name for f in src_files] == [f.parent.name for f in out_files]
@@ -176,7 +176,7 @@ def test_written_args_say_the_pipeline_split_one_way(fixture_dir, tmp_path, layo
     --num-virtual-stages-per-pipeline-rank, --pipeline-model-parallel-layout, first / last stage sizes): the
     written args say the target's split only (validate_args refuses two ways of saying the virtual pipeline;
     stale stage sizes describe other files), and the run's VPP read from them is the target's."""
-    from ckptool.formats.megatron_args import virtual_pipeline_size
+    from ckptool.formats.megatron.args import virtual_pipeline_size
     from ckptool.io.torchfile import load_torch_file
     d, case, src = _read(fixture_dir, "llama_mcore_tp2pp2")
     assert src.config.num_layers == 4

@@ -19,7 +19,7 @@ import torch
 
 import ckptool
 from conftest import REAL_TRUE_VOCAB, ROOT, real_checkpoint
-from ckptool.formats.megatron_args import VALIDATE_ARGS_REQUIRED, config_from_args
+from ckptool.formats.megatron.args import VALIDATE_ARGS_REQUIRED, config_from_args
 from ckptool.io.torchfile import load_torch_file
 
 transformers = pytest.importorskip("transformers")

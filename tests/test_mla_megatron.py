@@ -399,8 +399,8 @@ def test_every_reader_labels_the_q_latent_norm_of_an_mla_checkpoint(deepseek_den
     """megatron-core's q_layernorm is GQA's q norm or, in an MLA model, the q latent norm: the verify rank reader
     labels it (and the TE dialect's fused names) as the full reader does; the quick inspect matches keys with the
     same MLA flag and gives the full reader's shapes (tests/test_quick_inspect.py compares the whole output)."""
-    from ckptool.formats.megatron_ranks import read_rank_shards
-    from ckptool.quick import megatron as quick
+    from ckptool.formats.megatron.ranks import read_rank_shards
+    from ckptool.formats.megatron import quick
     src, _ = deepseek_dense("rope")
     cli("from-hf", src, tmp_path / "meg", "--tp", 2, "--dialect", dialect)
     full = open_checkpoint(tmp_path / "meg")

@@ -90,7 +90,7 @@ from click.testing import CliRunner  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from ckptool.cli import main  # noqa: E402
-from ckptool.formats import hf as hf_reader  # noqa: E402
+from ckptool.formats.hf import reader as hf_reader  # noqa: E402
 from ckptool.formats.registry import open_checkpoint  # noqa: E402
 from ckptool.verify import reference  # noqa: E402
 
@@ -397,7 +397,7 @@ def test_unsupported_moe_families_are_refused_by_name(family, tmp_path, conf, sa
 ])
 def test_routing_no_hf_class_computes_is_refused(family, tmp_path, change, says):
     import dataclasses
-    from ckptool.formats.hf_writer import write_hf
+    from ckptool.formats.hf.writer import write_hf
     ckpt = open_checkpoint(family("mixtral")[0])
     moe = dataclasses.replace(ckpt.config.moe, **change)
     tensors = {k: v for k, v in ckpt.tensors.items()

@@ -22,8 +22,8 @@ import torch
 
 from ckptool import api
 from ckptool.errors import CkptError
-from ckptool.formats import dist
-from ckptool.formats.megatron import read_megatron
+from ckptool.formats.dcp import torch_dist as dist
+from ckptool.formats.megatron.checkpoint import read_megatron
 from ckptool.write_options import WriteOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

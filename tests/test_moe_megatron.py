@@ -24,7 +24,7 @@ from conftest import copy_run, declare_runs, shared_followups
 
 from ckptool import api
 from ckptool.errors import CkptError
-from ckptool.formats.megatron import read_megatron
+from ckptool.formats.megatron.checkpoint import read_megatron
 
 REPO = Path(__file__).resolve().parents[1]
 HELPER = REPO / "tests" / "mcore_moe_helper.py"
@@ -207,8 +207,8 @@ def test_legacy_grouped_mlp_layout_is_megatron_cores(monkeypatch):
     from types import SimpleNamespace
     from megatron.core.transformer.moe import experts as mcore_experts
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from ckptool.formats.megatron import unstack_grouped
-    from ckptool.formats.megatron_names import stack_expert_weights
+    from ckptool.formats.megatron.checkpoint import unstack_grouped
+    from ckptool.formats.megatron.names import stack_expert_weights
     from ckptool.lazy import Const
     monkeypatch.setattr(mcore_experts.gg, "assert_grouped_gemm_is_available", lambda: None)
     hidden, ffn, experts, tp, ep = 8, 6, 4, 2, 2
@@ -247,7 +247,7 @@ def test_legacy_grouped_mlp_layout_is_megatron_cores(monkeypatch):
 def _as_legacy_grouped(src: Path, dst: Path) -> Path:
     """megatron-core's SequentialMLP save with each rank's local experts stacked as GroupedMLP keeps them
     (weight1 / weight2, the layout pinned to megatron-core's by the test above)."""
-    from ckptool.formats.megatron_names import stack_expert_weights
+    from ckptool.formats.megatron.names import stack_expert_weights
     shutil.copytree(src, dst)
     for f in dst.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
         state = torch.load(f, weights_only=False)
@@ -399,7 +399,7 @@ def test_reads_the_expert_tp_save_of_megatron_core(moe_root):
 
 @pytest.mark.parametrize("name, source, layout", ETP_OUTPUTS, ids=[o[0] for o in ETP_OUTPUTS])
 def test_megatron_core_loads_expert_tp_layouts_strictly_with_the_same_logits(moe_root, name, source, layout):
-    from ckptool.formats.megatron import expert_grid
+    from ckptool.formats.megatron.checkpoint import expert_grid
     tp, pp, ep, etp = layout
     out = moe_root / "etp" / name
     names = sorted(p.name for p in (out / "iter_0000007").iterdir())
@@ -503,7 +503,7 @@ from make_random_gpt import canonical_shape
 from ckptool.config import GPTConfig, Layout, MoE
 from ckptool.state import Checkpoint, SourceInfo, expected_names
 from ckptool.convert import write_layout
-import ckptool.formats.megatron as megatron
+import ckptool.formats.megatron.checkpoint as megatron
 if sys.argv[2] == "layer":
     megatron._write_unit = lambda layer, role: (layer, 0)
 H, F, E = 512, 2048, 8
@@ -564,7 +564,7 @@ def test_expert_grid_is_megatron_cores_rank_layout(tp, cp, ep, etp, pp, world):
     loads a file ckptool writes, whose experts are that rank's expert-TP shard; every file Megatron-LM
     saves lies on the grid with one expert shard, and covers what the reader requires."""
     from megatron.core.parallel_state import RankGenerator
-    from ckptool.formats.megatron import _check_rank_dirs, _rank_name, expert_grid
+    from ckptool.formats.megatron.checkpoint import _check_rank_dirs, _rank_name, expert_grid
     order = "tp-cp-ep-dp-pp"
     dense = RankGenerator(tp=tp, ep=1, dp=world // (tp * cp * pp), pp=pp, cp=cp, order=order)
     expert = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order=order)

@@ -19,7 +19,7 @@ import torch
 
 from ckptool import api
 from ckptool.errors import CkptError
-from ckptool.formats.megatron import read_megatron
+from ckptool.formats.megatron.checkpoint import read_megatron
 from ckptool.io.torchfile import load_torch_file
 from ckptool.write_options import WriteOptions
 from conftest import copy_run, declare_runs, shared_followups
@@ -139,7 +139,7 @@ def test_expert_tp_pipeline_target_reads_back_and_a_missing_distrib_optim_is_ref
     back = read_megatron(tmp_path / "pp2").optimizer
     for slot in ("exp_avg", "exp_avg_sq"):
         assert all(torch.equal(x.load(), back.slots[slot][n].load()) for n, x in src.slots[slot].items()), slot
-    from ckptool.formats import megatron_distopt
+    from ckptool.formats.megatron import distopt as megatron_distopt
     monkeypatch.setattr(megatron_distopt, "uses_distributed_optimizer", lambda *a: True)
     with pytest.raises(CkptError, match=r"mp_rank_00/model_optim_rng\.pt: the run used the distributed optimizer but "
                                         r".*mp_rank_00/distrib_optim\.pt is missing"):
@@ -149,9 +149,9 @@ def test_expert_tp_pipeline_target_reads_back_and_a_missing_distrib_optim_is_ref
 def test_slot_shards_follow_the_expert_grid_at_expert_tp_above_one():
     """TP4 ETP2 EP2: Megatron-LM saves files (0, 0), (1, 0), (2, 1), (3, 1); EP rank 1's experts are cut at
     expert-TP ranks 0 and 1 in files (2, 1) and (3, 1), and each slot is gathered from there."""
-    from ckptool.formats.megatron import expert_grid
-    from ckptool.formats.megatron_optim import RankParam
-    from ckptool.formats.megatron_training import slot_shards
+    from ckptool.formats.megatron.checkpoint import expert_grid
+    from ckptool.formats.megatron.optim import RankParam
+    from ckptool.formats.megatron.training import slot_shards
     from ckptool.lazy import Const
     grid = expert_grid(4, 2, 2)
     assert sorted(grid) == [(0, 0), (1, 0), (2, 1), (3, 1)]
@@ -173,7 +173,7 @@ def test_expert_tp_2_of_tp_4_is_written_on_its_grid_and_reads_back(tmp_path, dia
     slots at expert-TP rank t % 2 into the grid's files only, the reader gathers them back bit for bit;
     SequentialMLP experts and TEGroupedMLP (--moe-grouped-gemm: fc-major parameter order) alike."""
     from ckptool.config import Layout
-    from ckptool.formats.megatron import write_megatron
+    from ckptool.formats.megatron.checkpoint import write_megatron
     ck, slots = mixtral_with_moments(tmp_path)
     write_megatron(ck, tmp_path / "out", Layout(tp=4, ep=2, etp=2),
                    WriteOptions(dialect=dialect, moe_grouped_gemm=grouped),

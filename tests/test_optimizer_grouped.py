@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ckptool import api
-from ckptool.formats.megatron import read_megatron
+from ckptool.formats.megatron.checkpoint import read_megatron
 from conftest import copy_run, declare_runs, shared_followups
 
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and \

@@ -21,8 +21,8 @@ import torch
 
 from ckptool import api
 from ckptool.errors import CkptError
-from ckptool.formats import megatron_groups, megatron_optim
-from ckptool.formats.megatron import read_megatron
+from ckptool.formats.megatron import groups as megatron_groups, optim as megatron_optim
+from ckptool.formats.megatron.checkpoint import read_megatron
 from ckptool.formats.registry import open_checkpoint
 from ckptool.io.torchfile import load_torch_file
 from ckptool.lazy import Const

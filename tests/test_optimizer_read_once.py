@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ckptool import api
-from ckptool.formats import megatron
+from ckptool.formats.megatron import checkpoint as megatron
 from ckptool.io import torchfile
 
 REAL = Path("/work/shared/real-checkpoints")

@@ -126,7 +126,7 @@ def test_a_gated_fc1_rank_slice_reads_only_its_rows(scripts_on_path, fused):
     """verify's rank view (slice_rank_shards) of a merged source: TP rank r's fc1 is [gate_r; up_r], read as
     two narrows (a quarter of gate and of up at TP 4), not the whole fc1 per rank; with gate and up parts of
     one stored fused fc1 (a TP1 Megatron source) it reads that tensor's two row ranges."""
-    from ckptool.formats.megatron_ranks import slice_rank_shards
+    from ckptool.formats.megatron.ranks import slice_rank_shards
     cfg = cfg_of(8, 2)
     log: list = []
     g = torch.Generator().manual_seed(0)
@@ -152,9 +152,9 @@ def test_verify_rank_view_of_a_torch_dist_source_is_the_writers_rank_file(script
     row-parallel tensors: what verify computes with on each rank of a torch_dist source (slice_rank_shards)
     is what write_megatron puts in that rank's file, bit for bit, and each piece's declared blocks are its data."""
     from ckptool.convert import write_layout
-    from ckptool.formats import dist as dist_format
-    from ckptool.formats.megatron import write_megatron
-    from ckptool.formats.megatron_ranks import read_rank_shards, slice_rank_shards
+    from ckptool.formats.dcp import torch_dist as dist_format
+    from ckptool.formats.megatron.checkpoint import write_megatron
+    from ckptool.formats.megatron.ranks import read_rank_shards, slice_rank_shards
     cfg = cfg_of(8, 2)
     g = torch.Generator().manual_seed(1)
     src = _checkpoint(cfg, lambda n, shape: Const(torch.randn(shape, generator=g)))
@@ -180,7 +180,7 @@ def test_verify_rank_view_of_a_torch_dist_source_is_the_writers_rank_file(script
 
 
 def test_megatron_writer_streams_by_declared_names():
-    from ckptool.formats.megatron import HEAD_COPY_NAMES, _unit_of
+    from ckptool.formats.megatron.checkpoint import HEAD_COPY_NAMES, _unit_of
     cfg = cfg_of()
     whole = Const(torch.zeros(4, 4))
 
@@ -201,7 +201,7 @@ def test_replica_divergence_is_returned_and_printed(scripts_on_path, tmp_path):
     from click.testing import CliRunner
     import ckptool
     from ckptool.cli import main
-    from ckptool.formats.megatron import write_megatron
+    from ckptool.formats.megatron.checkpoint import write_megatron
     from ckptool.sharding import ReplicaPolicy, divergence_report
     g = torch.Generator().manual_seed(2)
     src = _checkpoint(cfg_of(8, 2), lambda n, shape: Const(torch.randn(shape, generator=g)))
@@ -231,7 +231,7 @@ def test_writers_return_a_typed_summary(scripts_on_path, tmp_path):
     """write_megatron's WriteSummary: files, tensor records and bytes as written; fields and the format's own
     details read by name as the dict it replaced was; a team's parts combine into one."""
     import dataclasses
-    from ckptool.formats.megatron import write_megatron
+    from ckptool.formats.megatron.checkpoint import write_megatron
     from ckptool.summary import WriteSummary
     g = torch.Generator().manual_seed(3)
     src = _checkpoint(cfg_of(8, 2), lambda n, shape: Const(torch.randn(shape, generator=g)))

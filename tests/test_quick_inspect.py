@@ -244,7 +244,7 @@ def test_quick_inspect_of_torch_dist_with_optimizer_state(megatron_dirs, framewo
     if HAVE_MCORE:  # fp32 training: the weights are the masters, no slot of their own
         assert quick_inspect.quick_open(saves["f32"], {}).optimizer.slot_names() == ["exp_avg", "exp_avg_sq"]
         # a rank's stored bucket sizes that no layout of the model reproduces: no quick answer
-        from ckptool.quick import dist as quick_dist, dist_buckets
+        from ckptool.formats.dcp import quick as quick_dist, quick_buckets as dist_buckets
         read_objects = dist_buckets.object_reader
 
         def off_by_64(keys, read_bytes):
@@ -524,7 +524,7 @@ def moe_dirs(tmp_path_factory):
     # the non-distributed optimizer's chained [dense, expert] entries (Adam moments, two weight-decay groups:
     # test_optimizer_etp's Mixtral, its expert-TP layouts checked against megatron-core there)
     from ckptool.config import Layout
-    from ckptool.formats.megatron import write_megatron
+    from ckptool.formats.megatron.checkpoint import write_megatron
     from test_optimizer_etp import mixtral_with_moments
     ck, _ = mixtral_with_moments(root)
     for name, layout, dialect in (("optim_sequential_tp2ep2", Layout(tp=2, ep=2), "mcore"),

@@ -168,7 +168,7 @@ def test_safetensors_sources_are_asked_for_ahead(tmp_path, monkeypatch):
     """from-hf hints every safetensors entry's bytes (io/prefetch.py), and a row slice's range is
     exactly the bytes it loads."""
     from ckptool import api
-    from ckptool.formats.hf import read_entries
+    from ckptool.formats.hf.reader import read_entries
     from ckptool.io import prefetch
     from ckptool.io.safetensors_header import read_safetensors_header
     api.to_hf(_tiny(tmp_path, "llama"), tmp_path / "hf", max_shard_size="40KB", warn=lambda m: None)

@@ -1,5 +1,5 @@
 """The model-family spec (ckptool/spec/) and the name tables built from it (state.expected_names, roles.py,
-megatron_names dialects, dist.py and mds_pipeline.py key maps): names in streaming order, each canonical
+megatron_names dialects, dist.py and deepspeed/pipeline.py key maps): names in streaming order, each canonical
 tensor in one role, every key read back as the role it was written for, the fixtures' names. (While the
 tables moved onto the spec they were checked equal, order included, to the literal tables they replaced.)"""
 from __future__ import annotations
@@ -11,7 +11,9 @@ import pytest
 
 from ckptool import roles, state
 from ckptool.config import MLA, GPTConfig, MoE
-from ckptool.formats import dist, mds_pipeline, megatron_names
+from ckptool.formats.dcp import torch_dist as dist
+from ckptool.formats.deepspeed import pipeline as mds_pipeline
+from ckptool.formats.megatron import names as megatron_names
 from ckptool.spec import GPT
 from ckptool.spec.schema import Role, Spec, Tensor
 
@@ -83,7 +85,7 @@ def test_the_spec_and_its_views_need_no_torch():
     """The quick inspect path reads the spec and the Megatron dialect tables in a process without torch."""
     import subprocess
     import sys
-    code = ("import sys, ckptool.spec, ckptool.state, ckptool.formats.megatron_names\n"
+    code = ("import sys, ckptool.spec, ckptool.state, ckptool.formats.megatron.names\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -12,7 +12,7 @@ import torch
 
 from ckptool import roles, spec, state
 from ckptool.config import GPTConfig
-from ckptool.formats import megatron_names
+from ckptool.formats.megatron import names as megatron_names
 from ckptool.lazy import Const
 from ckptool.sharding import Rule
 from ckptool.spec import GPT

@@ -27,7 +27,7 @@ import torch
 
 from conftest import REAL_TRUE_VOCAB, run_torchrun
 from ckptool.config import GPTConfig, Layout
-from ckptool.formats.megatron import write_megatron
+from ckptool.formats.megatron.checkpoint import write_megatron
 from ckptool.lazy import Const
 from ckptool.state import Checkpoint, SourceInfo
 from ckptool.write_options import WriteOptions
@@ -439,7 +439,7 @@ def test_torch_dist_target_with_virtual_pipeline(batch2):
 def test_torch_dist_vpp_needs_a_pipeline_and_even_chunks(models):
     from ckptool.verify.targets import dist_layout
     from ckptool.errors import CkptError
-    from ckptool.formats import dist as dist_format
+    from ckptool.formats.dcp import torch_dist as dist_format
     ckpt = dist_format.read(torch_dist(models, "gpt2", 1, 1))  # 4 layers
     assert dist_layout(ckpt, None, 2, 2, vpp=2).vpp == 2
     with pytest.raises(CkptError, match="needs a pipeline of more than one stage"):
@@ -451,8 +451,8 @@ def test_torch_dist_vpp_needs_a_pipeline_and_even_chunks(models):
 def test_torch_dist_rank_reads_only_its_slices(models):
     # TP rank 1 of stage 1 (of TP2 PP2) must not read stage 0's layers or the embedding, and its
     # QKV and fc1 slices must be exactly its rows of the merged tensors.
-    from ckptool.formats import dist as dist_format
-    from ckptool.formats.megatron_ranks import read_rank_shards, slice_rank_shards
+    from ckptool.formats.dcp import torch_dist as dist_format
+    from ckptool.formats.megatron.ranks import read_rank_shards, slice_rank_shards
     ckpt = dist_format.read(torch_dist(models, "llama", 2, 1))
     shards = slice_rank_shards(ckpt, Layout(tp=2, pp=2), 1, 1)
     assert shards.chunks == [(2, 2)]

@@ -319,8 +319,8 @@ def test_wrong_world_size_is_one_line(mds):
     ("master", (1, 1), {"bf16_zero_pp_rank_0_mp_rank_03_optim"}),
     ("master", (0, 0), {"bf16_zero_pp_rank_0_mp_rank_00_optim"})])
 def test_a_rank_reads_only_its_own_files(mds, monkeypatch, weights, rank, files):
-    from ckptool.formats import deepspeed as ds
-    from ckptool.formats.deepspeed_ranks import DeepSpeedRanks
+    from ckptool.formats.deepspeed import checkpoint as ds
+    from ckptool.formats.deepspeed.ranks import DeepSpeedRanks
     from ckptool.io import torchfile
     from ckptool.options import ReadOptions
     opts = ReadOptions(weights=weights)
@@ -349,9 +349,9 @@ def test_a_rank_reads_only_its_own_files(mds, monkeypatch, weights, rank, files)
 
 def _rank_views_equal_merged_slices(path, opts):
     """Where the replicas agree, each rank's own tensors are exactly its slices of the merged view."""
-    from ckptool.formats import deepspeed as ds
-    from ckptool.formats.deepspeed_ranks import DeepSpeedRanks
-    from ckptool.formats.megatron_ranks import slice_rank_shards
+    from ckptool.formats.deepspeed import checkpoint as ds
+    from ckptool.formats.deepspeed.ranks import DeepSpeedRanks
+    from ckptool.formats.megatron.ranks import slice_rank_shards
     ckpt = ds.read(path, opts)
     layout = ckpt.source.layout
     ranks = DeepSpeedRanks(path, opts, ckpt)

@@ -26,7 +26,7 @@ from test_verify import _fake_torchrun, load_recording_chunk_reads, metric, veri
 
 from ckptool import api
 from ckptool.config import Layout
-from ckptool.formats.megatron import read_megatron
+from ckptool.formats.megatron.checkpoint import read_megatron
 
 REPO = Path(__file__).resolve().parents[1]
 HELPER = REPO / "tests" / "mcore_moe_helper.py"
@@ -221,7 +221,7 @@ def test_a_divergence_outside_the_moe_pieces_says_so(runs):
 
 
 def test_a_rank_reads_only_its_own_file_and_holds_only_its_experts(moe, monkeypatch):
-    from ckptool.formats.megatron_ranks import read_layout, read_rank_shards
+    from ckptool.formats.megatron.ranks import read_layout, read_rank_shards
     from ckptool.io import torchfile
     meta = read_layout(moe / "tp2ep2")
     read_from = set()
@@ -247,7 +247,7 @@ def test_a_rank_reads_only_its_own_file_and_holds_only_its_experts(moe, monkeypa
 def test_torch_dist_style_slices_hold_the_ranks_experts(moe):
     """slice_rank_shards (the torch_dist path: global tensors cut per rank) gives an EP rank its experts
     only, the same tensors as the torch-format file of that rank."""
-    from ckptool.formats.megatron_ranks import read_rank_shards, slice_rank_shards
+    from ckptool.formats.megatron.ranks import read_rank_shards, slice_rank_shards
     ck = read_megatron(moe / "tp2ep2")
     cut = slice_rank_shards(ck, Layout(tp=2, pp=1, ep=2), 1, 0, 1)
     own = read_rank_shards(moe / "tp2ep2", 1, 0, ep_rank=1)
@@ -313,7 +313,7 @@ def test_a_changed_expert_replica_is_caught_and_named(runs2):
 def test_a_grouped_mlp_rank_reads_its_experts_from_its_own_tensors(moe):
     """The legacy GroupedMLP's weight1 / weight2 are cut per local expert (the reader's cut) within the
     rank's own file: the same tensors as the merged read gives, at that rank's TP share."""
-    from ckptool.formats.megatron_ranks import read_rank_shards
+    from ckptool.formats.megatron.ranks import read_rank_shards
     shards = read_rank_shards(moe / "grouped", 1, 0, ep_rank=1)
     assert shards.experts == range(2, 4)
     merged = read_megatron(moe / "grouped").tensors
@@ -336,8 +336,8 @@ def test_a_torch_dist_rank_reads_only_its_slices_of_the_stacked_experts(moe):
     EP 1) of TP2 EP2 reads only the chunks of global experts 2 and 3 at TP rank 1 (fc1 rows from 12 of
     each of gate and up, fc2 columns from 12), and gets the tensors of the torch-format file of that rank
     (the same model, saved both ways from one seed)."""
-    from ckptool.formats import dist as dist_format
-    from ckptool.formats.megatron_ranks import read_rank_shards, slice_rank_shards
+    from ckptool.formats.dcp import torch_dist as dist_format
+    from ckptool.formats.megatron.ranks import read_rank_shards, slice_rank_shards
     shards = slice_rank_shards(dist_format.read(moe / "dist"), Layout(tp=2, pp=1, ep=2), 1, 0, 1)
     loaded, reads = load_recording_chunk_reads(shards)
     experts = {(fqn.rsplit(".", 2)[1], off) for fqn, off in reads if ".experts." in fqn}
@@ -354,7 +354,7 @@ def test_a_stages_ranks_are_the_files_megatron_lm_writes(tp, ep, etp):
     """One rank per file: the (TP rank, EP rank) pairs of a stage's ranks are exactly the files of
     Megatron-LM's expert grid, each once; every expert shard (EP rank, expert-TP rank) is held by the
     stage's expert-data-parallel replicas, each once; every TP rank of each data-parallel rank is there."""
-    from ckptool.formats.megatron import expert_grid
+    from ckptool.formats.megatron.checkpoint import expert_grid
     from ckptool.verify.parallel import ranks_per_stage, stage_coordinates
     n = ranks_per_stage(tp, ep, etp)
     ranks = [stage_coordinates(x, tp, ep, etp) for x in range(n)]

@@ -341,7 +341,7 @@ def _export_to_hf(source: NoCanonicalForm, src, dst, dtype, max_shard_size, toke
                   progress) -> ConversionResult:
     """to-hf of a source without a canonical form (a DeepLearningExamples BERT file, a DeepSpeed run of
     another Hugging Face model): its reader's export writes it under the model's own names."""
-    from .formats.hf_writer import copy_tokenizer
+    from .formats.hf.writer import copy_tokenizer
     from .io.outdir import partial_output
     bar = (lambda n: progress(n, None)) if progress is not None else None  # total unknown before reading
     export = registry.BY_NAME["hf"].exporter(source)

@@ -9,7 +9,7 @@ from typing import Callable, Optional
 from .config import Layout
 from .errors import CkptError, TeamError, exit_status_of, require
 from .distributed import Team, current_team
-from .formats.megatron_args import mla_rope_args
+from .formats.megatron.args import mla_rope_args
 from .formats.registry import default_output, output_format
 from .io.outdir import PartialDir, adopt_digests, known_digests, partial_output
 from .rope_order import as_interleaved_pairs

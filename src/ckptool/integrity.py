@@ -31,9 +31,9 @@ from typing import Callable, Dict, List, Optional
 
 
 from .errors import CkptError, require
-from .formats.deepspeed_files import has_states, scan_tag_dir
-from .formats.dist_files import DCP_METADATA
-from .formats.megatron_files import MODEL_FILES, RANK_DIR, is_optimizer_only
+from .formats.deepspeed.files import has_states, scan_tag_dir
+from .formats.dcp.files import DCP_METADATA
+from .formats.megatron.files import MODEL_FILES, RANK_DIR, is_optimizer_only
 from .io import chunked
 from .io.outdir import MANIFEST, check_manifest
 from .io.safetensors_header import read_safetensors_header

@@ -2,17 +2,17 @@
 
 The format table (formats/registry.py) names the format without torch (its looks_like functions of
 directory formats are torch-free) and gives that format's quick reader, if it has one:
-  hf         config.json + safetensors headers (quick/hf.py)
+  hf         config.json + safetensors headers (formats/hf/quick.py)
   megatron   the rank files' pickles read for structure, args -> config, MoE experts at any EP /
              expert TP, MLA models, the optimizer's state in the rank files and distrib_optim.pt (an
-             MoE model's [dense, expert] chain too) (quick/megatron.py, quick/megatron_experts.py,
-             quick/optim.py, quick/megatron_distopt.py)
+             MoE model's [dense, expert] chain too) (formats/megatron/quick.py, formats/megatron/quick_experts.py,
+             formats/megatron/quick_optim.py, formats/megatron/quick_distopt.py)
   torch_dist the DCP .metadata pickle, the common state's args, model-space optimizer state and the
-             flat dp_reshardable buckets (MoE chains and MLA too) (quick/dist.py, quick/dist_optim.py,
-             quick/dist_buckets.py)
+             flat dp_reshardable buckets (MoE chains and MLA too) (formats/dcp/quick.py, formats/dcp/quick_optim.py,
+             formats/dcp/quick_buckets.py)
   deepspeed  Megatron models under DeepSpeed (pipeline layer files or `module`), ZeRO-1/2 and BF16
-             shards (quick/deepspeed.py); Hugging Face models under DeepSpeed, ZeRO-1/2/3 and BF16
-             (quick/deepspeed_hf.py)
+             shards (formats/deepspeed/quick.py); Hugging Face models under DeepSpeed, ZeRO-1/2/3 and BF16
+             (formats/deepspeed/quick_hf.py)
 Each returns a real Checkpoint whose tensors (and optimizer slots) are TensorMeta records (shape,
 dtype name, bytes), so inspect's describe() and text output are the same code on both paths, or None
 where only the full reader can say. Then, and for reading options (overrides, --true-vocab-size,

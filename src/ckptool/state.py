@@ -99,7 +99,7 @@ class ParamGroup:
     lr_mult, max_lr, ... : whatever keys the framework matches groups by) and the canonical names it holds.
     Layout-made splits are not separate groups: megatron-core's expert-parallel copy of a group (its
     second, chained optimizer at EP > 1) is the same ParamGroup; writers re-form such splits for the
-    target layout (formats/megatron_optim.py target_groups)."""
+    target layout (formats/megatron/optim.py target_groups)."""
     names: List[str]
     hyper: Dict[str, Any] = field(default_factory=dict)
 

@@ -6,9 +6,9 @@ import click
 
 from .. import api
 from ..summary import WriteSummary
-from ..formats.megatron_buffers import ERA_BY_SINCE
+from ..formats.megatron.buffers import ERA_BY_SINCE
 from ..formats.registry import BY_OUTPUT
-from ..formats.megatron_names import DIALECTS
+from ..formats.megatron.names import DIALECTS
 from .common import (LiveWarnings, Progress, conversion_line, human_bytes, output_options, report_conversion,
                      reports_errors, source_options)
 

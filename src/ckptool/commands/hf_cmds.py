@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 from .. import api
-from ..formats.megatron_names import DIALECTS
+from ..formats.megatron.names import DIALECTS
 from ..api import DTYPES
 from .common import (LiveWarnings, Progress, conversion_line, human_bytes, report_conversion,
                      reports_errors, source_options)

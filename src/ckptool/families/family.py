@@ -11,7 +11,7 @@ Name tables say how each HF tensor is made from canonical tensors (state.py):
   ("T", name)               transposed: GPT-2's Conv1D stores Linear weights as [in, out]
   ("cat", names)            rows concatenated (GPT-2's c_attn bias is [q | k | v])
   ("cat_T", names)          rows concatenated then transposed (GPT-2's c_attn weight)
-The reader applies a table backwards (formats/hf.py), so one table serves both directions. Entries
+The reader applies a table backwards (formats/hf/reader.py), so one table serves both directions. Entries
 whose canonical tensors a model lacks (biases of a bias-free model, embed.pos of a RoPE model, the
 dense MLP of an MoE layer, the experts of a dense one) are skipped by the writer; the reader skips HF
 names absent from the files. MoE tables carry an `{e}` axis (the global expert index) beside the layer's.

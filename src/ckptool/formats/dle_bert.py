@@ -27,7 +27,7 @@ from ..io.safetensors_writer import Item, parse_size, write_sharded
 from ..io.torchfile import load_torch_file
 from ..lazy import LazyTensor
 from ..summary import WriteSummary, from_sharded
-from .hf_writer import config_dtype
+from .hf.writer import config_dtype
 
 WORD = "bert.embeddings.word_embeddings.weight"
 # DLE name fragment -> transformers name fragment

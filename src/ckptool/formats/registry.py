@@ -3,7 +3,7 @@ this table, and only this table, which format a source is and which writer a tar
 
 A format's functions are named as "module:function" and imported on first use, so consulting the
 table costs no import of the formats it does not pick; the looks_like functions of directory formats
-live in torch-free modules (*_files.py, hf_config.py), so naming a directory's format imports no
+live in torch-free modules (*_files.py, hf/config.py), so naming a directory's format imports no
 torch (the quick inspect relies on it). Each entry may have:
 
   looks_like(path) -> bool                 claims a path (asked in table order; see ORDER below)
@@ -139,21 +139,21 @@ HF_HONOURS = frozenset({"dtype", "max_shard_size", "tokenizer"})
 # save directory may have one too, so the more specific formats are asked first. The BERT file
 # check opens the file, so it comes last (every other format is a directory).
 FORMATS: Tuple[Format, ...] = (
-    Format("torch_dist", "ckptool.formats.dist_files:looks_like", "ckptool.formats.dist:read",
-           "ckptool.formats.dist:write_torch_dist", output="torch_dist", honours=TORCH_DIST_HONOURS,
-           holds=frozenset({"moe", "mla", "optimizer"}), megatron_run=True, quick_ref="ckptool.quick.dist:read",
+    Format("torch_dist", "ckptool.formats.dcp.files:looks_like", "ckptool.formats.dcp.torch_dist:read",
+           "ckptool.formats.dcp.torch_dist:write_torch_dist", output="torch_dist", honours=TORCH_DIST_HONOURS,
+           holds=frozenset({"moe", "mla", "optimizer"}), megatron_run=True, quick_ref="ckptool.formats.dcp.quick:read",
            command="ckptool merge SRC DST --format torch_dist", parallel_ref="ckptool.verify.targets:dist_target"),
-    Format("deepspeed", "ckptool.formats.deepspeed_files:looks_like_deepspeed", "ckptool.formats.deepspeed:read",
-           quick_ref="ckptool.quick.deepspeed:read", parallel_ref="ckptool.verify.targets:deepspeed_target"),
-    Format("hf", "ckptool.formats.hf_config:looks_like", "ckptool.formats.hf:read",
-           "ckptool.formats.hf_writer:write_hf", honours=HF_HONOURS, holds=frozenset({"moe", "mla"}),
-           quick_ref="ckptool.quick.hf:read", command="ckptool to-hf SRC DST"),
-    Format("megatron", "ckptool.formats.megatron_files:looks_like_megatron", "ckptool.formats.megatron:read_megatron",
-           "ckptool.formats.megatron:write_megatron", output="torch", shares_ranks=True,
+    Format("deepspeed", "ckptool.formats.deepspeed.files:looks_like_deepspeed", "ckptool.formats.deepspeed.checkpoint:read",
+           quick_ref="ckptool.formats.deepspeed.quick:read", parallel_ref="ckptool.verify.targets:deepspeed_target"),
+    Format("hf", "ckptool.formats.hf.config:looks_like", "ckptool.formats.hf.reader:read",
+           "ckptool.formats.hf.writer:write_hf", honours=HF_HONOURS, holds=frozenset({"moe", "mla"}),
+           quick_ref="ckptool.formats.hf.quick:read", command="ckptool to-hf SRC DST"),
+    Format("megatron", "ckptool.formats.megatron.files:looks_like_megatron", "ckptool.formats.megatron.checkpoint:read_megatron",
+           "ckptool.formats.megatron.checkpoint:write_megatron", output="torch", shares_ranks=True,
            honours=MEGATRON_HONOURS, holds=frozenset({"moe", "mla", "optimizer"}), megatron_run=True,
-           quick_ref="ckptool.quick.megatron:read", command="ckptool merge SRC DST --format torch",
+           quick_ref="ckptool.formats.megatron.quick:read", command="ckptool merge SRC DST --format torch",
            parallel_ref="ckptool.verify.targets:megatron_target"),
-    Format("ds-universal", write_ref="ckptool.formats.ds_universal:write_ds_universal", output="ds-universal",
+    Format("ds-universal", write_ref="ckptool.formats.deepspeed.universal:write_ds_universal", output="ds-universal",
            honours=DS_UNIVERSAL_HONOURS, holds=frozenset({"optimizer"}),
            command="ckptool merge SRC DST --format ds-universal"),
     Format("dle-bert", "ckptool.formats.dle_bert:looks_like", "ckptool.formats.dle_bert:read"),

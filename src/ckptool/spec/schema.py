@@ -17,8 +17,8 @@ layer's keys per name column (LAYER_PREFIX). spec/__init__.py FAMILIES chooses a
 config (config.family).
 
 Formats name Megatron's fused roles, never the canonical parts, so format names live on the Role and a
-Tensor reaches them through its role. The format modules' tables (megatron_names dialects, dist.py,
-mds_pipeline.py, roles.py) are views built from these two tables.
+Tensor reaches them through its role. The format modules' tables (megatron/names.py dialects, dcp/torch_dist.py,
+deepspeed/pipeline.py, roles.py) are views built from these two tables.
 """
 from __future__ import annotations
 

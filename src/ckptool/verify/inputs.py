@@ -76,7 +76,7 @@ def checkpoint_forward(ckpt: Checkpoint, tokens: torch.Tensor, dtype, device="cp
 
 def is_hf_dir(path) -> bool:
     """config.json alone is not enough: DeepSpeed runs of HF models keep one beside their shards."""
-    from ..formats.hf import has_weights
+    from ..formats.hf.reader import has_weights
     p = Path(path)
     return p.is_dir() and (p / "config.json").is_file() and has_weights(p)
 

@@ -6,7 +6,7 @@ expert TP is TP; formats/megatron.expert_grid). Stage-local rank x is what megat
 makes of it twice over: for the dense part TP rank x % TP and data-parallel rank x // TP; for the experts
 expert-TP rank x % ETP, EP rank (x // ETP) % EP and expert-data-parallel rank x // (ETP x EP). Global rank
 = pp x (ranks of a stage) + x, so with ETP = TP: (pp * EP + ep) * TP + tp. Every rank computes with the
-tensors of its own checkpoint file, mp_rank_{x % TP}[_PPP][_{EP rank}] (formats/megatron_ranks.py), so
+tensors of its own checkpoint file, mp_rank_{x % TP}[_PPP][_{EP rank}] (formats/megatron/ranks.py), so
 replicated tensors that drifted apart in training give the same numbers here as they did there.
 
   embedding      vocab-parallel: each rank looks up the tokens in its row block, zeros the rest,
@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..config import GPTConfig
-from ..formats.megatron_ranks import RankShards
+from ..formats.megatron.ranks import RankShards
 from .maths import block, embed, head, mlp_partial, rope_frequencies
 
 

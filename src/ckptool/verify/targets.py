@@ -9,10 +9,10 @@ import dataclasses
 
 from ..config import Layout
 from ..errors import CkptError, require
-from ..formats import deepspeed as ds_format
-from ..formats import dist as dist_format
-from ..formats.deepspeed_ranks import DeepSpeedRanks
-from ..formats.megatron_ranks import rank_dir_name, read_layout, read_rank_shards, slice_rank_shards
+from ..formats.deepspeed import checkpoint as ds_format
+from ..formats.dcp import torch_dist as dist_format
+from ..formats.deepspeed.ranks import DeepSpeedRanks
+from ..formats.megatron.ranks import rank_dir_name, read_layout, read_rank_shards, slice_rank_shards
 from ..formats.registry import resolve, source_format
 from .parallel import ranks_per_stage
 
@@ -62,7 +62,7 @@ def dist_target(target, opts, tp, pp, world, vpp) -> ParallelTarget:
 
 def deepspeed_target(target, opts, tp, pp, world, vpp) -> ParallelTarget:
     """A DeepSpeed save runs at the layout of its files, each rank on its own files
-    (formats/deepspeed_ranks.py); the merged read supplies the architecture and the reference."""
+    (formats/deepspeed/ranks.py); the merged read supplies the architecture and the reference."""
     ckpt = ds_format.read(target, opts)  # metadata and lazy tensors: no tensor bytes read here
     layout = ckpt.source.layout
     require(tp in (None, layout.tp) and pp in (None, layout.pp) and vpp is None,

@@ -1,0 +1,1 @@
+"""DeepSpeed saves (ZeRO 1/2/3, BF16_Optimizer, Megatron-DeepSpeed pipeline layer files, HF models trained under DeepSpeed) and the universal-checkpoint writer, with the torch-free quick part for inspect."""

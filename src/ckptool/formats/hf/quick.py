@@ -1,0 +1,88 @@
+"""Hugging Face model directories for inspect, without torch: config.json gives the GPTConfig
+(its family's record, families/, as the reader reads it) and the safetensors headers every tensor's
+name, shape and dtype (io/safetensors_header.py, the reader's own parser); the family's name table
+maps them to canonical names as the reader does, on shapes alone.
+
+None (the full reader answers) for pytorch_model.bin weights, FP8 or fused-expert tensors (their
+canonical form needs the reader's arithmetic), or files that do not match config.json.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, Optional
+
+from ...config import Layout
+from ...errors import CkptError
+from ...families.family import Family, canonical_names
+from . import config as hf_config
+from ...io.safetensors_header import read_safetensors_header
+from ...state import Checkpoint, SourceInfo, expected_names
+from ...quick.meta import TensorMeta
+
+# Dtypes whose canonical form is computed (DeepSeek's block FP8 is dequantized to bf16 by the reader).
+COMPUTED_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+
+
+def read(path: Path, format_name: str) -> Optional[Checkpoint]:
+    try:
+        return _checkpoint(path, format_name)
+    except (CkptError, OSError, LookupError, ValueError, TypeError):
+        return None  # the full reader reports what is wrong, as it always has
+
+
+def _checkpoint(path: Path, format_name: str) -> Optional[Checkpoint]:
+    conf, family = hf_config.read_supported_config(path)
+    files = hf_config.weight_files(path)
+    if any(f.suffix != ".safetensors" for f in files):
+        return None  # .bin files are torch pickles
+    entries: Dict[str, TensorMeta] = {}
+    for f in files:
+        for name, e in read_safetensors_header(f).tensors.items():
+            entries[name] = TensorMeta(e.shape, e.dtype_name)
+    if any(t.dtype in COMPUTED_DTYPES for t in entries.values()):
+        return None
+    entries = family.names.with_full_names(entries)
+    cfg = family.read_config(conf, entries[family.names.word_embedding].shape[0])
+    tensors = canonical_shapes(entries, family, cfg)
+    if tensors is None:
+        return None
+    ckpt = Checkpoint(cfg, tensors, SourceInfo(path=str(path), format=format_name, dialect=family.model_type,
+                                               layout=Layout(1, 1), extra={"hf_config": conf}))
+    for w in hf_config.source_warnings(conf, family):
+        ckpt.warn(w)
+    return ckpt
+
+
+def canonical_shapes(entries: Dict[str, TensorMeta], family: Family, cfg,
+                     sources: Optional[Dict[str, str]] = None) -> Optional[Dict[str, TensorMeta]]:
+    """The family's name table applied to shapes, as the reader applies it to tensors; None unless every
+    stored tensor maps and every canonical tensor of cfg is found (the reader's own checks).
+    sources, if given, gets each canonical name's HF name (several share a fused one)."""
+    tensors: Dict[str, TensorMeta] = {}
+    used = set()
+    for hf_name, (op, arg), _group in family.names.expand(cfg.num_layers, cfg.moe.num_experts if cfg.moe else 0):
+        t = entries.get(hf_name)
+        if t is None:
+            continue
+        used.add(hf_name)
+        if sources is not None:
+            sources.update((n, hf_name) for n in canonical_names((op, arg)))
+        shape = t.shape[::-1] if op in ("T", "cat_T") else t.shape
+        if op in ("copy", "T"):
+            tensors[arg] = TensorMeta(shape, t.dtype)
+            continue
+        start = 0
+        for name in arg:
+            n = hf_config.part_rows(name, cfg)
+            tensors[name] = TensorMeta((n,) + shape[1:], t.dtype)
+            start += n
+        if start != shape[0]:
+            return None
+    if cfg.tied_embeddings:
+        tensors.pop("output.weight", None)
+    leftover = [k for k in entries if k not in used and not k.endswith(hf_config.IGNORED_SUFFIXES)
+                and not (cfg.tied_embeddings and k == "lm_head.weight")]
+    want = expected_names(cfg)
+    if leftover or set(tensors) != set(want):
+        return None  # fused experts, MTP layers, or files that disagree with config.json
+    return {n: tensors[n] for n in want}
