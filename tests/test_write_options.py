@@ -125,7 +125,7 @@ def test_options_the_target_ignored_are_refused_on_the_command_line(tmp_path):
 def test_the_torch_dist_writer_plans_as_the_torch_writer():
     """dist.py takes the iteration, vocabulary, dtype, training state and args from megatron.plan_megatron
     instead of repeating its steps."""
-    tree = ast.parse((ROOT / "src" / "ckptool" / "formats" / "dist.py").read_text())
+    tree = ast.parse((ROOT / "src" / "ckptool" / "formats" / "dcp" / "torch_dist.py").read_text())
     called = {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", None)
               for n in ast.walk(tree) if isinstance(n, ast.Call)}
     assert "plan_megatron" in called

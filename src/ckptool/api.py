@@ -29,7 +29,7 @@ from .state import Checkpoint
 from .summary import WriteSummary
 from .verify.request import Request, check_request
 from .write_options import (DTYPE_NAMES, PAD_FILLS, WriteOptions, build_write_options,  # noqa: F401 (PAD_FILLS: the CLI's)
-                            refuse_unhonoured, refuse_unwritable, with_torch_dtype)
+                            refuse_unhonoured, refuse_unwritable, with_torch_dtype, write_options_from)
 
 # dtype names -> torch's names for them. Names, not torch dtypes: this module imports no torch at its
 # top, so a command that fails on its input (a source path that does not exist) answers at once.
@@ -155,11 +155,7 @@ def merge(src, dst, *, format: Optional[str] = None, dialect: Optional[str] = No
     other module) is written where its reader can write the format asked for: format="ds-universal"
     under the engine's own parameter names (ConversionResult.checkpoint is None, kind the source's).
     read_options as for open(). Returns the ConversionResult; raises CkptError."""
-    opts = build_write_options(
-        format=format, dialect=dialect, release=release, dtype=dtype, pad_fill=pad_fill, optimizer=optimizer,
-        make_vocab_size_divisible_by=make_vocab_size_divisible_by, distributed_optimizer=distributed_optimizer,
-        dp=dp, overlap_grad_reduce=overlap_grad_reduce, ddp_bucket_size=ddp_bucket_size,
-        distrib_optim_era=distrib_optim_era, moe_grouped_gemm=moe_grouped_gemm)
+    opts = write_options_from(locals())
     return _layout_conversion("merge", src, dst, lambda ckpt: (Layout(1, 1), None), opts, force, progress, warn,
                               read_options)
 
@@ -226,11 +222,7 @@ def reshard(src, dst, *, tp: Optional[int] = None, pp: Optional[int] = None, vpp
     (CkptError naming the option, before anything is read or written). result.layout_note says what was
     kept. Other options as for merge()."""
     request = LayoutRequest.of(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, pp_layers=pp_layers)
-    opts = build_write_options(
-        format=format, dialect=dialect, release=release, dtype=dtype, pad_fill=pad_fill, optimizer=optimizer,
-        make_vocab_size_divisible_by=make_vocab_size_divisible_by, distributed_optimizer=distributed_optimizer,
-        dp=dp, overlap_grad_reduce=overlap_grad_reduce, ddp_bucket_size=ddp_bucket_size,
-        distrib_optim_era=distrib_optim_era, moe_grouped_gemm=moe_grouped_gemm)
+    opts = write_options_from(locals())
 
     def target(ckpt: Optional[Checkpoint]):  # a source without a canonical form has one data-parallel rank
         if ckpt is None:
@@ -253,6 +245,7 @@ def fix_vocab(src, dst, *, size: Optional[int] = None, multiple: Optional[int] =
     Real rows are never cut (CkptError). The true vocabulary size read from the source is kept (the
     output's args.make_vocab_size_divisible_by is chosen so Megatron's own padding rule gives the
     written rows). Other options as for merge()."""
+    opts = write_options_from(locals())
     ckpt = _open_source(src, optimizer, read_options)
     from .convert import fix_vocab as resize
     fixed = resize(ckpt, size=size, multiple=multiple, pad_fill=pad_fill)
@@ -265,10 +258,6 @@ def fix_vocab(src, dst, *, size: Optional[int] = None, multiple: Optional[int] =
     # checkpoint's own padding rule says so (not an option the user gave, which a target might not honour).
     fixed = Checkpoint(fixed.config.replace(make_vocab_size_divisible_by=rows // lay.tp), fixed.tensors,
                        fixed.source, fixed.warnings, fixed.optimizer)
-    opts = build_write_options(
-        format=format, dialect=dialect, release=release, dtype=dtype, pad_fill=pad_fill, optimizer=optimizer,
-        distributed_optimizer=distributed_optimizer, dp=dp, overlap_grad_reduce=overlap_grad_reduce,
-        ddp_bucket_size=ddp_bucket_size, distrib_optim_era=distrib_optim_era)
     return _write_megatron_family("fix-vocab", src, dst, fixed, layout, opts, force, progress, warn)
 
 

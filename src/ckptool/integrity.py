@@ -22,7 +22,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import struct
 import zipfile
 import zlib
 from dataclasses import dataclass, field
@@ -38,14 +37,12 @@ from .io import chunked
 from .io.outdir import MANIFEST, check_manifest
 from .io.safetensors_header import read_safetensors_header
 from .io.standin import StandIn, state_of
+from .io.zip_records import ZIP_MAGIC, ZipRecord, zip_records
 from .quick import torch_pickle
 from .quick.meta import TensorMeta
 
-ZIP_MAGIC = b"PK\x03\x04"
 # a legacy torch.save file begins with the pickled magic number 0x1950a86a20f9469cfc6c (protocol 2)
 LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
-LOCAL_HEADER = 30  # bytes of a zip local file header before its name and extra field
-DATA_DESCRIPTOR = 0x08  # general-purpose flag: the CRC follows the data, the local header has none
 INLINE_CRC = 1 << 20  # records below this are summed on the calling thread
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")  # names torch files go by
 
@@ -155,74 +152,6 @@ def _head(f: Path, n: int) -> bytes:
 
 
 # --- torch zip archives: every record's CRC-32 -------------------------------------------------------
-
-@dataclass
-class ZipRecord:
-    name: str  # the member's name, "archive/data/3"
-    start: int  # file offset of its first data byte
-    size: int
-    crc: int  # the central directory's CRC-32
-
-
-class _Window:
-    """Bytes [base, base + length) of an open file as a read-only seekable file, so that zipfile can
-    read the directory of a torch.save blob inside a DCP .distcp file."""
-
-    def __init__(self, fh, base: int, length: int):
-        self.fh, self.base, self.length, self.pos = fh, base, length, 0
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self.pos = {0: 0, 1: self.pos, 2: self.length}[whence] + offset
-        if self.pos < 0:
-            raise OSError("seek before the start")
-        return self.pos
-
-    def read(self, n: int = -1) -> bytes:
-        n = self.length - self.pos if n is None or n < 0 else min(n, max(0, self.length - self.pos))
-        self.fh.seek(self.base + self.pos)
-        data = self.fh.read(n)
-        self.pos += len(data)
-        return data
-
-
-def zip_records(fh, base: int = 0, length: Optional[int] = None) -> List[ZipRecord]:
-    """The stored records of the zip archive at [base, base + length) of fh, their data located through
-    their local headers; CkptError for anything torch would not have written."""
-    if length is None:
-        length = os.fstat(fh.fileno()).st_size - base
-    window = _Window(fh, base, length)
-    try:
-        infos = zipfile.ZipFile(window).infolist()
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, ValueError, EOFError, struct.error,
-            OverflowError, OSError) as e:  # a damaged directory fails in many ways inside zipfile
-        raise CkptError(f"not a readable zip archive ({e})") from None
-    out = []
-    for info in infos:
-        if info.compress_type != zipfile.ZIP_STORED:
-            raise CkptError(f"record {info.filename} is compressed (torch never compresses)")
-        if not 0 <= info.header_offset <= length - LOCAL_HEADER:
-            raise CkptError(f"record {info.filename}: its local header would lie outside the file")
-        window.seek(info.header_offset)
-        header = window.read(LOCAL_HEADER)
-        if len(header) < LOCAL_HEADER or header[:4] != ZIP_MAGIC:
-            raise CkptError(f"record {info.filename}: no local header at byte {info.header_offset}")
-        flags, local_crc = struct.unpack("<H", header[6:8])[0], struct.unpack("<I", header[14:18])[0]
-        name_len, extra_len = struct.unpack("<HH", header[26:30])
-        start = info.header_offset + LOCAL_HEADER + name_len + extra_len
-        if start + info.file_size > length:
-            raise CkptError(f"record {info.filename} runs past the end of the file (truncated)")
-        if not flags & DATA_DESCRIPTOR and local_crc != info.CRC:
-            raise CkptError(f"record {info.filename}: its local header's CRC-32 {local_crc:08x} differs from "
-                            f"the central directory's {info.CRC:08x}")
-        out.append(ZipRecord(info.filename, base + start, info.file_size, info.CRC))
-    return out
-
 
 def crc32_of_range(fd: int, offset: int, length: int) -> int:
     """zlib.crc32 of bytes [offset, offset + length) of fd: pieces read and summed on the checksum

@@ -89,11 +89,23 @@ API_NAMES = {"make_vocab_size_divisible_by": "divisible_by"}
 DISTRIBUTED_OPTIMIZER_OPTIONS = ("dp", "overlap_grad_reduce", "ddp_bucket_size", "distrib_optim_era")
 
 
+def _api_names() -> set:
+    """The API's keyword names of the write options (API_NAMES spells some as the CLI does)."""
+    return {f.name for f in dataclasses.fields(WriteOptions)} - set(API_NAMES.values()) | set(API_NAMES)
+
+
+def write_options_from(arguments: dict) -> WriteOptions:
+    """build_write_options from the write options among a command's arguments: merge / reshard / fix_vocab
+    hand over their locals(), so the keyword list of each is written once, in its signature."""
+    names = _api_names()
+    return build_write_options(**{k: v for k, v in arguments.items() if k in names})
+
+
 def build_write_options(**kw) -> WriteOptions:
     """WriteOptions from the API's keyword arguments (CLI names in snake_case: make_vocab_size_divisible_by,
     dtype as "bf16" / "fp32" / ... or a torch.dtype); None means not given. An unknown name raises TypeError,
     as a wrong keyword does; a value outside its choices, or an option without the one it needs, CkptError."""
-    names = {f.name for f in dataclasses.fields(WriteOptions)} - set(API_NAMES.values()) | set(API_NAMES)
+    names = _api_names()
     unknown = sorted(k for k in kw if k not in names)
     if unknown:
         raise TypeError(f"unknown write options: {', '.join(unknown)}")

@@ -15,9 +15,7 @@ from __future__ import annotations
 import collections
 import io
 import os
-import struct
 import threading
-import zipfile
 import zlib
 from pathlib import Path
 from typing import Any, Optional
@@ -30,6 +28,7 @@ from ..lazy import load_scopes as lazy_scopes
 from . import buffers, chunked, prefetch, profile, torchzip, writeback
 from .buffers import empty
 from .outdir import remember_digest
+from .zip_records import zip_records
 from .safe_pickle import (UNSUPPORTED_TORCH_REBUILDS, SafeUnpickler, StandInPickler, check_rebuild_from_type,
                           rebuild_unsupported, torch_pickle_module)
 
@@ -202,8 +201,9 @@ def _rebuild_from_type(func, new_type, args, state):
     return func(*args)
 
 
-_ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, UnicodeDecodeError, ValueError,
-               EOFError, struct.error, OverflowError)
+def _inner(name: str) -> str:
+    """A record's name inside the archive's top folder ("archive/data/3" -> "data/3")."""
+    return name.split("/", 1)[1] if "/" in name else name
 
 
 class TorchArchive:
@@ -213,37 +213,15 @@ class TorchArchive:
         self.path = Path(path)
         self._fd: Optional[int] = None
         try:
-            with zipfile.ZipFile(self.path) as zf:
-                infos = zf.infolist()
-        except _ZIP_ERRORS as e:  # a damaged central directory fails in many ways inside zipfile
-            raise CkptError(f"{self.path}: not a readable torch zip archive ({e})",
-                            "the file is truncated or corrupt") from e
-        if not infos:
-            raise CkptError(f"{self.path}: empty archive")
-        self.prefix = infos[0].filename.split("/", 1)[0]
-        self.records = {}
-        self.crcs = {}  # record -> the CRC-32 the zip's central directory holds for it
-        with open(self.path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            for info in infos:
-                if info.compress_type != zipfile.ZIP_STORED:
-                    raise CkptError(f"{self.path}: compressed zip member {info.filename}",
-                                    "torch never compresses checkpoints; re-save the file with torch.save")
-                if not 0 <= info.header_offset <= size - 30:
-                    raise CkptError(f"{self.path}: zip entry {info.filename} points outside the file",
-                                    "the file is truncated or corrupt")
-                f.seek(info.header_offset)
-                header = f.read(30)
-                if len(header) < 30 or header[:4] != b"PK\x03\x04":
-                    raise CkptError(f"{self.path}: corrupt zip header for {info.filename}")
-                name_len, extra_len = struct.unpack("<HH", header[26:30])
-                start = info.header_offset + 30 + name_len + extra_len
-                if start + info.file_size > size:
-                    raise CkptError(f"{self.path}: record {info.filename} runs past the end of the file",
-                                    "the file is truncated")
-                rel = info.filename.split("/", 1)[1] if "/" in info.filename else info.filename
-                self.records[rel] = (start, info.file_size)
-                self.crcs[rel] = info.CRC
+            with open(self.path, "rb") as f:
+                found = zip_records(f)
+        except CkptError as e:
+            raise CkptError(f"{self.path}: {e.message}", "the file is truncated or corrupt (torch.save never "
+                            "compresses or truncates records): re-save or re-copy it") from None
+        self.prefix = found[0].name.split("/", 1)[0]
+        # record (name inside the archive's folder) -> (file offset, size); and the central directory's CRC-32
+        self.records = {_inner(r.name): (r.start, r.size) for r in found}
+        self.crcs = {_inner(r.name): r.crc for r in found}
         if "data.pkl" not in self.records:
             raise CkptError(f"{self.path}: no data.pkl in the archive", "not a torch checkpoint")
         byteorder = self.records.get("byteorder")

@@ -22,7 +22,9 @@ import zipfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from ..errors import CkptError
 from ..io.standin import FRAMEWORK_PACKAGES, StandIn, enum_member, signal_member, standin_class
+from ..io.zip_records import zip_records
 from .meta import ITEMSIZE, STORAGE_DTYPES, TensorMeta
 
 
@@ -174,7 +176,7 @@ def load_torch_zip(source) -> Any:
     whose storage record is absent): that reader then says what is wrong."""
     try:
         with (io.BytesIO(source) if isinstance(source, bytes) else open(source, "rb")) as f, zipfile.ZipFile(f) as z:
-            records = _sound_records(z, f)
+            records = _sound_records(f)
             pkl = [n for n in records if n.endswith("/data.pkl") and n.count("/") == 1]
             if len(pkl) != 1:
                 raise NotQuick("no single data.pkl")
@@ -198,22 +200,10 @@ def load_torch_zip(source) -> Any:
     return obj
 
 
-def _sound_records(z: zipfile.ZipFile, f) -> set:
-    """The archive's member names, if every member is stored uncompressed inside the file."""
-    f.seek(0, io.SEEK_END)
-    size = f.tell()
-    names = set()
-    for info in z.infolist():
-        if info.compress_type != zipfile.ZIP_STORED or not 0 <= info.header_offset <= size - 30:
-            raise NotQuick(f"zip member {info.filename}")
-        f.seek(info.header_offset)
-        header = f.read(30)
-        if header[:4] != b"PK\x03\x04":
-            raise NotQuick(f"zip header of {info.filename}")
-        name_len, extra_len = struct.unpack("<HH", header[26:30])
-        if info.header_offset + 30 + name_len + extra_len + info.file_size > size:
-            raise NotQuick(f"{info.filename} runs past the end")
-        names.add(info.filename)
-    if not names:
-        raise NotQuick("empty archive")
-    return names
+def _sound_records(f) -> set:
+    """The archive's member names, if every member is stored uncompressed inside the file (the rules the
+    full reader opens it by: io/zip_records.py)."""
+    try:
+        return {r.name for r in zip_records(f, 0, f.seek(0, io.SEEK_END))}
+    except CkptError as e:
+        raise NotQuick(e.message) from None

@@ -272,8 +272,7 @@ def _read_optimizer(src: _RankFiles, params, cfg: GPTConfig, canonical, warnings
         # a legacy GroupedMLP's optimizer holds one entry per stacked fc: tied to the stored tensors, then
         # cut per expert by the weights' own cut
         return megatron_training.read_training_state(
-            src.trees, src.ranks, {rk: model_file(d) for rk, d in src.ranks.items()}, params, src.tp, src.args, cfg,
-            canonical, warnings, src.grid, src.etp, stacked)
+            src, {rk: model_file(d) for rk, d in src.ranks.items()}, params, cfg, canonical, warnings, stacked)
     return None
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 
@@ -26,15 +26,16 @@ from .groups import merge_groups
 from .optim import RankParam, role_shards
 
 
-def read_training_state(trees, ranks, model_files, params, tp, args, cfg, canonical, warnings,
-                        grid: Optional[Dict[Tuple[int, int], int]] = None, etp: Optional[int] = None,
-                        stacked=None) -> Optional[OptimizerState]:
+def read_training_state(src, model_files, params, cfg, canonical, warnings, stacked=None) -> Optional[OptimizerState]:
     """The optimizer state of every rank, tied to the parameters and merged like the weights;
     None (with a warning naming what is dropped) when there is none or its form is not read yet.
-    grid, etp: with expert TP != TP, megatron.expert_grid (which expert-TP shard each (TP, EP) file holds).
-    stacked: (stored params per rank, unstack(rk, param, value)) when a file's tensors are not one per
-    parameter of params (the legacy GroupedMLP: one tensor for all local experts of an fc); the optimizer,
-    which has one entry per stored tensor, is tied to those, then each slot is cut as unstack cuts the weight."""
+    src: the source's rank files (checkpoint._RankFiles: trees, ranks, tp, args, and with expert TP != TP
+    grid and etp, megatron.expert_grid: which expert-TP shard each (TP, EP) file holds); model_files: each
+    rank's model file. stacked: (stored params per rank, unstack(rk, param, value)) when a file's tensors
+    are not one per parameter of params (the legacy GroupedMLP: one tensor for all local experts of an fc);
+    the optimizer, which has one entry per stored tensor, is tied to those, then each slot is cut as
+    unstack cuts the weight."""
+    trees, ranks, tp, args, grid, etp = src.trees, src.ranks, src.tp, src.args, src.grid, src.etp
     if not any("optimizer" in tree for tree in trees.values()):
         return None
     ep = max(e for _, _, e in ranks) + 1
@@ -68,13 +69,7 @@ def read_training_state(trees, ranks, model_files, params, tp, args, cfg, canoni
         shards, _ = slot_shards({rk: [sl[slot] for sl in r.slots] for rk, r in per_rank.items()}, params, tp, grid, etp)
         slots[slot] = canonical(shards)
     where = str(next(iter(ranks.values())).parent)
-    hypers, local = merge_groups({rk: r.hypers for rk, r in per_rank.items()}, where)
-    names: List[List[str]] = [[] for _ in hypers]
-    for rk, r in per_rank.items():
-        for param, g in zip(params[rk], r.group_of):
-            if param.role != HEAD_COPY and not (param.role == "output" and cfg.tied_embeddings):
-                group = names[local[rk][g]]
-                group += [n for n in canonical_names(param.role, param.layer, cfg) if n not in group]
+    groups = _param_groups(per_rank, params, cfg, where)
     steps = {r.step for r in per_rank.values()}
     require(len(steps) == 1, f"{where}: ranks were stepped {sorted(map(str, steps))} times", megatron_optim.HINT)
     first = trees[(0, 0, 0)]
@@ -82,10 +77,22 @@ def read_training_state(trees, ranks, model_files, params, tp, args, cfg, canoni
     return OptimizerState(
         kind="megatron-distributed" if distributed else "megatron" if "master" in slots else "megatron-fp32",
         slots=slots, step=steps.pop(),
-        param_groups=[ParamGroup(n, h) for n, h in zip(names, hypers)],
+        param_groups=groups,
         grad_scaler=per_rank[(0, 0, 0)].grad_scaler,
         scheduler=first.get("opt_param_scheduler", first.get("lr_scheduler")),
         consumed_samples=getattr(args, "consumed_train_samples", None))
+
+
+def _param_groups(per_rank, params, cfg, where: str) -> List[ParamGroup]:
+    """The ranks' param groups merged (merge_groups), each holding the canonical names of its parameters."""
+    hypers, local = merge_groups({rk: r.hypers for rk, r in per_rank.items()}, where)
+    names: List[List[str]] = [[] for _ in hypers]
+    for rk, r in per_rank.items():
+        for param, g in zip(params[rk], r.group_of):
+            if param.role != HEAD_COPY and not (param.role == "output" and cfg.tied_embeddings):
+                group = names[local[rk][g]]
+                group += [n for n in canonical_names(param.role, param.layer, cfg) if n not in group]
+    return [ParamGroup(n, h) for n, h in zip(names, hypers)]
 
 
 def _unstacked(r: megatron_optim.RankOptimizer, rk, stored: List[RankParam], unstack) -> megatron_optim.RankOptimizer:
