@@ -30,6 +30,8 @@ from ...summary import WriteSummary, from_sharded
 from ...vocab import resize_vocab
 from ...write_options import WriteOptions
 from ..megatron import args as megatron_args
+from . import fp8
+from .quant import RELEASE
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json", "vocab.txt")
@@ -112,8 +114,9 @@ def hf_config(cfg: GPTConfig, family: Family, vocab: int, dtype: torch.dtype, id
 def write_hf(ckpt: Checkpoint, out_dir: Path, opts: WriteOptions = WriteOptions(),
              progress: Optional[Callable[[int], None]] = None, warn: Callable[[str], None] = print,
              owns: Optional[Callable[[int], bool]] = None) -> WriteSummary:
-    """Export ckpt as a Hugging Face model directory, as opts say (dtype, max_shard_size, tokenizer: the
-    options the format table says it honours). owns(i) (torchrun): write only the safetensors shards i it
+    """Export ckpt as a Hugging Face model directory, as opts say (dtype, max_shard_size, tokenizer, fp8: the
+    options the format table says it honours; fp8 stores the Linear weights the family releases in block
+    FP8 so, with their scales and config.json's quantization_config: fp8.py). owns(i) (torchrun): write only the safetensors shards i it
     owns; configs, index and tokenizer go with shard 0's owner."""
     cfg, dtype, tokenizer = ckpt.config, opts.dtype, opts.tokenizer
     not_computed = megatron_args.maths_not_computed(ckpt.source.args)
@@ -124,6 +127,8 @@ def write_hf(ckpt: Checkpoint, out_dir: Path, opts: WriteOptions = WriteOptions(
         warn = lambda m: None  # noqa: E731 - the rank that owns shard 0 speaks for everyone
     family = families.for_config(cfg)
     arch = family.architecture
+    require(not opts.fp8 or family.fp8_release, f"--fp8 stores the Linear weights in block FP8; {arch} is not "
+            "released in block FP8", "leave --fp8 out (ckptool writes block FP8 for DeepseekV3ForCausalLM)")
     max_bytes = parse_size(opts.max_shard_size)
     vocab = cfg.vocab_size
     if vocab is None:
@@ -151,12 +156,16 @@ def write_hf(ckpt: Checkpoint, out_dir: Path, opts: WriteOptions = WriteOptions(
     require(not unplaced, f"cannot export to Hugging Face: {', '.join(unplaced[:3])} have no place in {arch}",
             "ckptool never leaves tensors out of an export")
     out_dtype = dtype or items[0][1].dtype
+    if opts.fp8:  # after out_dtype: config.json's dtype is the unquantized tensors' (embeddings, norms)
+        items = fp8.quantized_items(items, family)
     out_dir = Path(out_dir)
     written = write_sharded(out_dir, items, max_bytes, progress, owns=owns)
     copied = []
     if first:
         ids = _token_ids(ckpt)
         conf = hf_config(cfg, family, vocab, out_dtype, ids)
+        if opts.fp8:
+            conf["quantization_config"] = RELEASE.config_json()
         (out_dir / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
         gen = {"_from_model_config": True, **ids}
         (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
