@@ -47,19 +47,19 @@ def _quantizer():
     return quantizer_finegrained_fp8.FineGrainedFP8HfQuantizer(FineGrainedFP8Config(weight_block_size=[BLOCK, BLOCK]))
 
 
-def _released_fp8(name: str, w: torch.Tensor):
+def _released_fp8(name: str, w: torch.Tensor, quantizer=None):
     """(fp8 weight, scale_inv) of w by transformers' Fp8Quantize, through whole blocks (see module doc)."""
     rows, cols = w.shape
     padded = torch.nn.functional.pad(w, (0, -cols % BLOCK, 0, -rows % BLOCK))
-    out = Fp8Quantize(_quantizer()).convert({name: padded})
+    out = Fp8Quantize(quantizer or _quantizer()).convert({name: padded})
     return out[name][:rows, :cols].contiguous(), out[name + "_scale_inv"]
 
 
-def _transformers_dequantized(q: torch.Tensor, scale_inv: torch.Tensor, dtype) -> torch.Tensor:
+def _transformers_dequantized(q: torch.Tensor, scale_inv: torch.Tensor, dtype, quantizer=None) -> torch.Tensor:
     """transformers' own Fp8Dequantize arithmetic on q (zero-padded to whole blocks, then cropped)."""
     rows, cols = q.shape
     padded = torch.nn.functional.pad(q.float(), (0, -cols % BLOCK, 0, -rows % BLOCK)).to(q.dtype)
-    return Fp8Dequantize(_quantizer())._dequantize_one(padded, scale_inv, dtype)[:rows, :cols]
+    return Fp8Dequantize(quantizer or _quantizer())._dequantize_one(padded, scale_inv, dtype)[:rows, :cols]
 
 
 def _is_released_fp8(name: str, t: torch.Tensor) -> bool:
@@ -193,6 +193,39 @@ def test_partial_edge_blocks_dequantize_with_transformers_arithmetic(released):
     ragged = [k for k, t in files.items() if t.dtype == torch.float8_e4m3fn and any(
         n > BLOCK and n % BLOCK for n in t.shape)]
     assert {"model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.kv_b_proj.weight"} <= set(ragged)
+
+
+@pytest.mark.parametrize("stored", ["float8_e8m0fnu", "uint8"])
+def test_ue8m0_scales_dequantize_as_transformers_reads_them(released, tmp_path, stored):
+    """scale_fmt ue8m0 (power-of-two scales, as transformers' quantizer writes them with that format):
+    stored as float8_e8m0fnu or as exponent bytes, each weight reads as transformers dequantizes it."""
+    _, fp8, files = released("blocks")
+    conf = dict(QUANT, scale_fmt="ue8m0")
+    quantizer = quantizer_finegrained_fp8.FineGrainedFP8HfQuantizer(FineGrainedFP8Config(
+        weight_block_size=[BLOCK, BLOCK], scale_fmt="ue8m0"))
+    out, want = {}, {}
+    for k, t in files.items():
+        if k.endswith("_scale_inv"):
+            continue
+        if t.dtype != torch.float8_e4m3fn:
+            out[k] = t
+            continue
+        q, scale = _released_fp8(k, _transformers_dequantized(t, files[k + "_scale_inv"], torch.bfloat16), quantizer)
+        assert scale.dtype == torch.float8_e8m0fnu
+        out[k], out[k + "_scale_inv"] = q, scale if stored == "float8_e8m0fnu" else scale.view(torch.uint8)
+        want[k] = _transformers_dequantized(q, out[k + "_scale_inv"], torch.bfloat16, quantizer)
+    d = tmp_path / "ue8m0"
+    d.mkdir()
+    save_file(out, str(d / "model.safetensors"), metadata={"format": "pt"})
+    (d / "config.json").write_text(json.dumps(dict(json.loads((fp8 / "config.json").read_text()),
+                                                   quantization_config=conf)))
+    ckpt = open_checkpoint(d)
+    assert ckpt.source.extra["quantization"]["scale_dtype"] == stored
+    from ckptool.formats.hf.reader import read_entries
+    from ckptool.formats.hf import fp8 as hf_fp8
+    read = hf_fp8.dequantize_entries(read_entries(d), json.loads((d / "config.json").read_text()), d)
+    for k, w in want.items():
+        assert torch.equal(read[k].load(), w), k
 
 
 @pytest.mark.parametrize("kind", ["ragged", "blocks"])

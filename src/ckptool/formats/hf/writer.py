@@ -102,14 +102,25 @@ def _token_ids(ckpt: Checkpoint) -> dict:
     return ids
 
 
-def hf_config(cfg: GPTConfig, family: Family, vocab: int, dtype: torch.dtype, ids: dict) -> dict:
+def hf_config(cfg: GPTConfig, family: Family, vocab: int, dtype: torch.dtype, ids: dict, fp8: bool = False) -> dict:
     conf = family.write_config(cfg, vocab)
     conf.update(ids)
-    conf["dtype"] = conf["torch_dtype"] = config_dtype(dtype)
+    conf["dtype"] = conf["torch_dtype"] = config_dtype(dtype)  # with fp8: the unquantized tensors' dtype
+    if fp8:
+        conf["quantization_config"] = RELEASE.config_json()
     return conf
 
 
 # --- the writer ----------------------------------------------------------------------------
+
+def _target_family(cfg: GPTConfig, opts: WriteOptions) -> Family:
+    """The HF class written for cfg (families.for_config); --fp8 only for a family released in block FP8."""
+    family = families.for_config(cfg)
+    require(not opts.fp8 or family.fp8_release, f"--fp8 stores the Linear weights in block FP8; "
+            f"{family.architecture} is not released in block FP8",
+            "leave --fp8 out (ckptool writes block FP8 for DeepseekV3ForCausalLM)")
+    return family
+
 
 def write_hf(ckpt: Checkpoint, out_dir: Path, opts: WriteOptions = WriteOptions(),
              progress: Optional[Callable[[int], None]] = None, warn: Callable[[str], None] = print,
@@ -125,10 +136,8 @@ def write_hf(ckpt: Checkpoint, out_dir: Path, opts: WriteOptions = WriteOptions(
     first = owns is None or owns(0)
     if not first:
         warn = lambda m: None  # noqa: E731 - the rank that owns shard 0 speaks for everyone
-    family = families.for_config(cfg)
+    family = _target_family(cfg, opts)
     arch = family.architecture
-    require(not opts.fp8 or family.fp8_release, f"--fp8 stores the Linear weights in block FP8; {arch} is not "
-            "released in block FP8", "leave --fp8 out (ckptool writes block FP8 for DeepseekV3ForCausalLM)")
     max_bytes = parse_size(opts.max_shard_size)
     vocab = cfg.vocab_size
     if vocab is None:
@@ -163,9 +172,7 @@ def write_hf(ckpt: Checkpoint, out_dir: Path, opts: WriteOptions = WriteOptions(
     copied = []
     if first:
         ids = _token_ids(ckpt)
-        conf = hf_config(cfg, family, vocab, out_dtype, ids)
-        if opts.fp8:
-            conf["quantization_config"] = RELEASE.config_json()
+        conf = hf_config(cfg, family, vocab, out_dtype, ids, fp8=opts.fp8)
         (out_dir / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
         gen = {"_from_model_config": True, **ids}
         (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
