@@ -231,11 +231,11 @@ def test_ue8m0_scales_dequantize_as_transformers_reads_them(released, tmp_path, 
 @pytest.mark.parametrize("kind", ["ragged", "blocks"])
 def test_to_hf_fp8_writes_the_release_back(released, tmp_path, monkeypatch, kind):
     """to-hf --fp8 writes the release's bytes and scales: from the FP8 directory (its stored bytes), from
-    the bf16 model (quantized as transformers quantizes), and after a trip through Megatron at EP 2 (bf16
+    the bf16 model (quantized as transformers quantizes), and after a trip through Megatron at TP 2 x EP 2 (bf16
     there, quantized again: a block's amax comes back exactly, so every byte and scale does);
     transformers loads the --fp8 output and computes the release's logits."""
     src, fp8, files = released(kind)
-    cli("from-hf", fp8, tmp_path / "meg", "--ep", 2)
+    cli("from-hf", fp8, tmp_path / "meg", "--tp", 2, "--ep", 2)
     for source, out in ((fp8, "direct"), (src, "from_bf16"), (tmp_path / "meg", "through_megatron")):
         cli("to-hf", source, tmp_path / out, "--fp8")
         got = saved(tmp_path / out)

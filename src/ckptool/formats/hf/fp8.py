@@ -80,7 +80,8 @@ class Dequantized(Derived):
     def __init__(self, weight: LazyTensor, scale_inv: LazyTensor, scheme: BlockFP8,
                  dtype: torch.dtype = torch.bfloat16):
         block = scheme.block
-        super().__init__(lambda w, s: dequantize(w, s, block, dtype), [weight, scale_inv],
+        # memoised: tensor-parallel pieces of one weight share one dequantization inside a writer's load_scope
+        super().__init__(lambda w, s: dequantize(w, s, block, dtype), [weight, scale_inv], memo=True,
                          shape=weight.shape, dtype=dtype)
         self.weight, self.scale_inv, self.scheme = weight, scale_inv, scheme
 
