@@ -237,7 +237,7 @@ def test_to_hf_fp8_writes_the_release_back(released, tmp_path, monkeypatch, kind
     src, fp8, files = released(kind)
     cli("from-hf", fp8, tmp_path / "meg", "--tp", 2, "--ep", 2)
     for source, out in ((fp8, "direct"), (src, "from_bf16"), (tmp_path / "meg", "through_megatron")):
-        cli("to-hf", source, tmp_path / out, "--fp8")
+        assert "(DeepseekV3ForCausalLM, bfloat16, block FP8 e4m3 128x128)" in cli("to-hf", source, tmp_path / out, "--fp8")
         got = saved(tmp_path / out)
         assert sorted(got) == sorted(files), out
         for k, want in files.items():

@@ -54,7 +54,8 @@ def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, fp8, force, **kw):
                  f"-> {dst} ({s['architecture']}, {s['dtype']})",
                  f"  {s.files} safetensors file(s), {s.tensors} tensors, {human_bytes(s.bytes)}"]
     else:
-        lines = [conversion_line(result, f"{s['architecture']}, {s['dtype']}"),
+        lines = [conversion_line(result, f"{s['architecture']}, {s['dtype']}"
+                                 + (f", {s['quantization']}" if s.get("quantization") else "")),
                  f"  {s.files} safetensors file(s), {human_bytes(s.bytes)}, vocab {s['vocab_size']}"
                  + (f", tokenizer: {', '.join(s['tokenizer_files'])}" if s["tokenizer_files"] else "")]
     report_conversion(result, lines, live)

@@ -45,6 +45,10 @@ class BlockFP8:
             conf["scale_fmt"] = self.scale_fmt
         return conf
 
+    def label(self) -> str:
+        """The scheme in words, for a conversion's report line."""
+        return f"block FP8 e4m3 {self.block[0]}x{self.block[1]}"
+
     def describe(self, tensors: int, scale_dtype: str, read_as: str) -> dict:
         """inspect's `quantization` object (docs/inspect-json.md)."""
         return {"method": "fp8", "fmt": "e4m3", "weight_block_size": list(self.block),

@@ -178,7 +178,8 @@ def write_hf(ckpt: Checkpoint, out_dir: Path, opts: WriteOptions = WriteOptions(
         (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         copied = copy_tokenizer(tokenizer, out_dir) if tokenizer else []
     return from_sharded("hf", written, tensors=len(items) if first else 0,  # a team's ranks: counted once
-                        architecture=arch, vocab_size=vocab, dtype=config_dtype(out_dtype), tokenizer_files=copied)
+                        architecture=arch, vocab_size=vocab, dtype=config_dtype(out_dtype), tokenizer_files=copied,
+                        quantization=RELEASE.label() if opts.fp8 else None)
 
 
 def copy_tokenizer(src: str, out_dir: Path) -> List[str]:
