@@ -290,20 +290,26 @@ def _write_megatron_family(command, src, dst, ckpt: Checkpoint, layout: Layout, 
 # --- Hugging Face ---------------------------------------------------------------------------------
 def to_hf(src, dst, *, dtype=None, max_shard_size: str = "5GB", tokenizer: Optional[str] = None,
           force: bool = False, progress: Optional[Progress] = None, warn: Optional[Warn] = None,
-          **read_options) -> ConversionResult:
+          fp8: bool = False, **read_options) -> ConversionResult:
     """Export any checkpoint ckptool reads as a Hugging Face model directory, as `ckptool to-hf`.
 
     GPT-2 style models become GPT2LMHeadModel, Llama style ones LlamaForCausalLM (Qwen2ForCausalLM when
     only QKV has a bias); a DeepLearningExamples BERT ckpt_N.pt (with hf_config=bert_config.json)
     BertForPreTraining (kind "bert"); a DeepSpeed run of another Hugging Face model keeps the model's
     own names (kind "deepspeed-hf"). max_shard_size: largest safetensors file ("5GB", "500MiB");
-    tokenizer: a directory whose tokenizer files are copied into dst. read_options as for open()."""
+    tokenizer: a directory whose tokenizer files are copied into dst; fp8: store the Linear weights in
+    block FP8 as DeepSeek-V3 / R1 are released (float8_e4m3fn, a float32 weight_scale_inv per 128x128
+    block, config.json's quantization_config; refused for families not released so). read_options as
+    for open()."""
     from .distributed import current_team
     from .formats.registry import BY_NAME, open_checkpoint
-    opts = build_write_options(dtype=dtype, max_shard_size=max_shard_size, tokenizer=tokenizer)
+    opts = build_write_options(dtype=dtype, max_shard_size=max_shard_size, tokenizer=tokenizer, fp8=fp8)
     try:
         ckpt = open_checkpoint(src, _parse_read_options(**read_options))
     except NoCanonicalForm as source:  # no GPT state, but the reader can export what it opened
+        if fp8:  # the export keeps the model's own tensors: none is a family's released-FP8 weight
+            raise CkptError(f"--fp8 stores a GPT family's Linear weights in block FP8; {src} has no GPT form",
+                            "leave --fp8 out") from None
         return _export_to_hf(source, src, dst, with_torch_dtype(opts).dtype, max_shard_size, tokenizer, force,
                              progress)
     refuse_unwritable(ckpt, BY_NAME["hf"], opts)

@@ -60,6 +60,8 @@ def describe(ckpt: Checkpoint) -> dict:
         "tensors": [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
                     for n, t in ckpt.tensors.items()],
         "optimizer": describe_optimizer(ckpt),
+        # block-FP8 weights as stored (formats/hf/quant.py BlockFP8.describe); None for unquantized ones
+        "quantization": src.extra.get("quantization"),
         "warnings": list(ckpt.warnings),
     }
 

@@ -43,6 +43,7 @@ class WriteOptions:
     moe_grouped_gemm: Optional[bool] = None  # experts as the dialect's grouped module (None: as the source)
     max_shard_size: str = "5GB"  # Hugging Face: the largest safetensors file
     tokenizer: Optional[str] = None  # Hugging Face: a directory whose tokenizer files are copied
+    fp8: bool = False  # Hugging Face: the Linear weights the family releases in block FP8 stored so (--fp8)
 
     def given(self) -> FrozenSet[str]:
         """The options not at their default: what the user asked for (the table check refuses those the
@@ -73,6 +74,7 @@ OPTION_WORDS = {
     "moe_grouped_gemm": ("--moe-grouped-gemm", "chooses the experts' module in Megatron's torch format"),
     "max_shard_size": ("--max-shard-size", "sizes the safetensors files"),
     "tokenizer": ("--tokenizer", "copies tokenizer files"),
+    "fp8": ("--fp8", "stores the Linear weights in block FP8"),
 }
 NEGATABLE = ("release", "optimizer", "overlap_grad_reduce", "moe_grouped_gemm")
 

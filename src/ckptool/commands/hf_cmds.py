@@ -19,10 +19,13 @@ from .common import (LiveWarnings, Progress, conversion_line, human_bytes, repor
               help="Largest safetensors file (KB/MB/GB decimal, KiB/MiB/GiB binary, as huggingface_hub).")
 @click.option("--tokenizer", type=click.Path(), default=None,
               help="Copy the tokenizer files of this directory into DST.")
+@click.option("--fp8", is_flag=True,
+              help="Store the Linear weights in block FP8 as DeepSeek-V3/R1 are released (float8_e4m3fn, a float32 "
+                   "weight_scale_inv per 128x128 block, quantization_config in config.json); DeepseekV3ForCausalLM only.")
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
 @source_options
 @reports_errors
-def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, force, **kw):
+def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, fp8, force, **kw):
     """Export any checkpoint ckptool reads as a Hugging Face model directory.
 
     \b
@@ -38,7 +41,7 @@ def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, force, **kw):
     live, bar = LiveWarnings(), Progress("to-hf")
     try:
         result = api.to_hf(src, dst, dtype=dtype, max_shard_size=max_shard_size, tokenizer=tokenizer, force=force,
-                           progress=bar, warn=live, **kw)
+                           progress=bar, warn=live, fp8=fp8, **kw)
     finally:
         bar.close()
     s = result.summary
@@ -51,7 +54,8 @@ def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, force, **kw):
                  f"-> {dst} ({s['architecture']}, {s['dtype']})",
                  f"  {s.files} safetensors file(s), {s.tensors} tensors, {human_bytes(s.bytes)}"]
     else:
-        lines = [conversion_line(result, f"{s['architecture']}, {s['dtype']}"),
+        lines = [conversion_line(result, f"{s['architecture']}, {s['dtype']}"
+                                 + (f", {s['quantization']}" if s.get("quantization") else "")),
                  f"  {s.files} safetensors file(s), {human_bytes(s.bytes)}, vocab {s['vocab_size']}"
                  + (f", tokenizer: {', '.join(s['tokenizer_files'])}" if s["tokenizer_files"] else "")]
     report_conversion(result, lines, live)

@@ -23,6 +23,12 @@ for _m in ("gate", "up", "down"):
     MOE[f"mlp.experts.{{e}}.{_m}_proj.weight"] = ("copy", f"mlp.experts.{{e}}.{_m}.weight")
     MOE[f"mlp.shared_experts.{_m}_proj.weight"] = ("copy", f"mlp.shared.{_m}.weight")
 
+# --- block FP8 (issue 30, fp8) ---
+# DeepSeek-V3 / R1 as released store every Linear of the attention and the MLPs (dense, routed and shared
+# experts: the "_proj" keys) as float8_e4m3fn + weight_scale_inv; the router (mlp.gate), its expert bias,
+# the norms, embed_tokens and lm_head stay unquantized (the release's model.safetensors.index.json).
+FP8_RELEASE = tuple(k for k in {**LAYER, **MOE} if "_proj" in k)
+
 
 def mla_from_hf(conf: dict, model_type: str) -> Optional[MLA]:
     """DeepSeek's MLA sizes; transformers normalises the latents with its RMSNorm's default eps 1e-6."""
@@ -80,7 +86,7 @@ def _fields(cfg: GPTConfig) -> dict:
 DEEPSEEK_V3 = Family(
     "deepseek_v3", ARCH, Names(llama.GLOBAL, LAYER, llama.LAYER_PREFIX, MOE), llama.config_from_hf,
     llama.config_json(_fields), export_kind="mla", selects=lambda cfg: True, export_checks=export_checks,
-    fused_experts=qwen_moe.FUSED_EXPERTS, mla=mla_from_hf,
+    fused_experts=qwen_moe.FUSED_EXPERTS, mla=mla_from_hf, fp8_release=FP8_RELEASE,
     moe=moe.MoeKeys(ffn="moe_intermediate_size", topk_norm="norm_topk_prob", layers=moe.first_k_dense_layers,
                     score="sigmoid", scaling="routed_scaling_factor", expert_bias=True, groups=("n_group", "topk_group"),
                     shared=lambda c: c["moe_intermediate_size"] * (c.get("n_shared_experts") or 0),

@@ -132,6 +132,10 @@ class Family:
     zero_biases: bool = False  # the class always has linear biases: a bias-free model exports zero ones
     sliding_window_default: bool = False  # config.json's use_sliding_window when it does not say
     spec: str = "gpt"  # the canonical tensors' spec (spec/__init__.py FAMILIES)
+    # --- block FP8 (issue 30, fp8) ---
+    # the layer-table keys (Names.layer / Names.moe, `{e}` an expert) the family's releases store as
+    # block FP8 (formats/hf/quant.py); to-hf --fp8 quantizes these and is refused for a family without any
+    fp8_release: Tuple[str, ...] = ()
 
     def read_config(self, conf: dict, rows: int) -> GPTConfig:
         return self.config_from_hf(self, conf, rows)

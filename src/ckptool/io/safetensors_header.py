@@ -27,6 +27,7 @@ DTYPES: Dict[str, Tuple[str, int]] = {
     "F32": ("float32", 4), "I64": ("int64", 8), "U64": ("uint64", 8),
     "F64": ("float64", 8),
     "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
+    "F8_E8M0": ("float8_e8m0fnu", 1),  # UE8M0 block-FP8 scales (formats/hf/quant.py)
 }
 # The reference implementation refuses headers above 100 MB; so do we (a bigger length is a
 # corrupt or hostile file, and reading it would allocate that much).

@@ -31,6 +31,7 @@ DTYPE_NAMES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
     torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",  # block-FP8 weights (to-hf --fp8)
 }
 
 # safetensors files written at once (CKPTOOL_SHARD_THREADS to change; 1 writes them one by one)

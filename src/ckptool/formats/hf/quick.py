@@ -3,8 +3,10 @@
 name, shape and dtype (io/safetensors_header.py, the reader's own parser); the family's name table
 maps them to canonical names as the reader does, on shapes alone.
 
-None (the full reader answers) for pytorch_model.bin weights, FP8 or fused-expert tensors (their
-canonical form needs the reader's arithmetic), or files that do not match config.json.
+Block-FP8 weights (DeepSeek-V3 / R1 as released) read as the bf16 tensors the reader makes of them,
+their scales consumed (quant.py's checks, shared with the reader). None (the full reader answers) for
+pytorch_model.bin weights, other FP8 or fused-expert tensors (their canonical form needs the reader's
+arithmetic), or files that do not match config.json.
 """
 from __future__ import annotations
 
@@ -15,11 +17,13 @@ from ...config import Layout
 from ...errors import CkptError
 from ...families.family import Family, canonical_names
 from . import config as hf_config
+from . import quant
 from ...io.safetensors_header import read_safetensors_header
 from ...state import Checkpoint, SourceInfo, expected_names
 from ...quick.meta import TensorMeta
 
-# Dtypes whose canonical form is computed (DeepSeek's block FP8 is dequantized to bf16 by the reader).
+# Dtypes whose canonical form the quick path cannot state: FP8 left after the block-FP8 weights
+# (read as bf16, as the reader reads them) means a checkpoint the full reader refuses.
 COMPUTED_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 
 
@@ -39,6 +43,8 @@ def _checkpoint(path: Path, format_name: str) -> Optional[Checkpoint]:
     for f in files:
         for name, e in read_safetensors_header(f).tensors.items():
             entries[name] = TensorMeta(e.shape, e.dtype_name)
+    quantization = quant.quantization_doc({k: (t.shape, t.dtype) for k, t in entries.items()}, conf, path)
+    entries = _dequantized(entries)
     if any(t.dtype in COMPUTED_DTYPES for t in entries.values()):
         return None
     entries = family.names.with_full_names(entries)
@@ -46,11 +52,24 @@ def _checkpoint(path: Path, format_name: str) -> Optional[Checkpoint]:
     tensors = canonical_shapes(entries, family, cfg)
     if tensors is None:
         return None
-    ckpt = Checkpoint(cfg, tensors, SourceInfo(path=str(path), format=format_name, dialect=family.model_type,
-                                               layout=Layout(1, 1), extra={"hf_config": conf}))
+    ckpt = Checkpoint(cfg, tensors, SourceInfo(
+        path=str(path), format=format_name, dialect=family.model_type, layout=Layout(1, 1),
+        storage=quant.storage_label(quantization) if quantization else "",
+        extra={"hf_config": conf, "quantization": quantization}))
     for w in hf_config.source_warnings(conf, family):
         ckpt.warn(w)
     return ckpt
+
+
+def _dequantized(entries: Dict[str, TensorMeta]) -> Dict[str, TensorMeta]:
+    """Block-FP8 weights as the reader reads them (bf16, fp8.py) and their scales consumed; called once
+    quant.quantization_doc accepted the pairs (a bad pair raised, and the full reader reports it)."""
+    scales = [k for k in entries if k.endswith(quant.SCALE_SUFFIX)]
+    out = {k: t for k, t in entries.items() if k not in scales}
+    for key in scales:
+        name = key[:-len(quant.SCALE_SUFFIX)]
+        out[name] = TensorMeta(out[name].shape, "bfloat16")
+    return out
 
 
 def canonical_shapes(entries: Dict[str, TensorMeta], family: Family, cfg,

@@ -3,7 +3,7 @@
 A directory with config.json whose model_type is gpt2, llama, mistral, qwen2, qwen3, mixtral,
 qwen2_moe, qwen3_moe or deepseek_v3, and weights in safetensors or torch .bin files, sharded (an
 *.index.json) or not. Experts are read per expert (the Hub names) or fused 3-D (transformers >= 5's state_dict);
-DeepSeek's block-FP8 weights are dequantized to bf16. Tensors stay lazy: safetensors
+block-FP8 weights (DeepSeek-V3 / R1 as released) are dequantized lazily to bf16 (fp8.py). Tensors stay lazy: safetensors
 entries are read with safe_open when loaded; .bin files go through the safe lazy torch loader, never
 plain torch.load. Names, config.json and fused experts come from the model's family record
 (families/); the writer is hf/writer.py.
@@ -26,9 +26,11 @@ from ...lazy import Derived, LazyTensor
 from ...options import ReadOptions
 from ...state import Checkpoint, SourceInfo, expected_names
 from ...vocab import with_true_vocab_size
+from . import fp8
 from .config import (  # noqa: F401 (looks_like, gpt_model_type, has_weights: this reader's interface)
     FORMAT, IGNORED_SUFFIXES, gpt_model_type, has_weights, looks_like, part_rows, read_supported_config,
     source_warnings, weight_files)
+from .quant import quantization_doc, storage_label
 
 
 # --- lazy tensors --------------------------------------------------------------------------
@@ -101,7 +103,7 @@ def to_canonical(entries: Dict[str, LazyTensor], conf: dict, model_type: str, op
     if opts.overrides.get("activation"):
         cfg = cfg.replace(activation=opts.overrides["activation"])
 
-    entries = dequantize_fp8(entries, conf, path)
+    entries = fp8.dequantize_entries(entries, conf, path)  # block FP8 (DeepSeek-V3 as released) -> bf16
     if family.fused_experts:
         entries = unfuse_experts(entries, family, cfg)
     tensors: Dict[str, LazyTensor] = {}
@@ -154,45 +156,6 @@ def _layer_index(hf_name: str) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
-FP8_SCALE_SUFFIX = "_scale_inv"
-FP8_DTYPES = (torch.float8_e4m3fn,)
-
-
-def _dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block, dtype) -> torch.Tensor:
-    rows, cols = w.shape
-    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-    return (w.float() * scale).to(dtype)
-
-
-def dequantize_fp8(entries: Dict[str, LazyTensor], conf: dict, path) -> Dict[str, LazyTensor]:
-    """DeepSeek's FP8 weights (float8_e4m3fn, one float32 weight_scale_inv per block of
-    weight_block_size, 128x128 by default) -> bf16, as DeepSeek's own fp8-to-bf16 cast computes
-    them. The scales are consumed; a scale without its weight, or another FP8 layout, is refused."""
-    scales = [k for k in entries if k.endswith(FP8_SCALE_SUFFIX)]
-    if not scales:
-        return entries
-    quant = conf.get("quantization_config") or {}
-    require(quant.get("quant_method", "fp8") == "fp8" and quant.get("fmt", "e4m3") == "e4m3",
-            f"{path}: quantization {quant.get('quant_method')}/{quant.get('fmt')} is not supported",
-            "ckptool dequantizes DeepSeek's block FP8 (e4m3, weight_scale_inv) only")
-    block = tuple(quant.get("weight_block_size") or (128, 128))
-    out = dict(entries)
-    for key in scales:
-        name = key[:-len(FP8_SCALE_SUFFIX)]
-        w, s = out.get(name), out.pop(key)
-        require(w is not None and w.dtype in FP8_DTYPES and len(w.shape) == 2,
-                f"{path}: {key} scales no float8_e4m3fn matrix {name}", "the FP8 checkpoint is incomplete or not block FP8")
-        want = tuple(-(-n // b) for n, b in zip(w.shape, block))
-        require(tuple(s.shape) == want, f"{path}: {key} has shape {tuple(s.shape)}, expected {want} for "
-                f"{tuple(w.shape)} in {block[0]}x{block[1]} blocks")
-        out[name] = Derived(lambda x, y: _dequantize(x, y, block, torch.bfloat16), [w, s],
-                            shape=w.shape, dtype=torch.bfloat16)
-    fp8 = [k for k, t in out.items() if t.dtype in FP8_DTYPES]
-    require(not fp8, f"{path}: FP8 tensors without a weight_scale_inv: {', '.join(fp8[:3])}",
-            "ckptool dequantizes block FP8 weights that carry their scales")
-    return out
-
-
 def unfuse_experts(entries: Dict[str, LazyTensor], family: Family, cfg: GPTConfig) -> Dict[str, LazyTensor]:
     """transformers' fused 3-D expert tensors -> the per-expert Hub names (lazy; expert e reads only
     its own rows of a safetensors entry)."""
@@ -224,10 +187,13 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     opts = opts or ReadOptions()
     path = Path(path)
     conf, family = read_supported_config(path)
-    cfg, tensors = to_canonical(read_entries(path), conf, family.model_type, opts, path)
+    entries = read_entries(path)
+    cfg, tensors = to_canonical(entries, conf, family.model_type, opts, path)
+    quantization = quantization_doc(fp8.stored(entries), conf, path)
     ckpt = Checkpoint(cfg, tensors, SourceInfo(
         path=str(path), format=FORMAT, dialect=family.model_type, layout=Layout(1, 1),
-        extra={"hf_config": conf}))
+        storage=storage_label(quantization) if quantization else "",
+        extra={"hf_config": conf, "quantization": quantization}))
     for w in source_warnings(conf, family):
         ckpt.warn(w)
     return ckpt

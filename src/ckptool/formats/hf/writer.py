@@ -30,6 +30,8 @@ from ...summary import WriteSummary, from_sharded
 from ...vocab import resize_vocab
 from ...write_options import WriteOptions
 from ..megatron import args as megatron_args
+from . import fp8
+from .quant import RELEASE
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json", "vocab.txt")
@@ -100,20 +102,32 @@ def _token_ids(ckpt: Checkpoint) -> dict:
     return ids
 
 
-def hf_config(cfg: GPTConfig, family: Family, vocab: int, dtype: torch.dtype, ids: dict) -> dict:
+def hf_config(cfg: GPTConfig, family: Family, vocab: int, dtype: torch.dtype, ids: dict, fp8: bool = False) -> dict:
     conf = family.write_config(cfg, vocab)
     conf.update(ids)
-    conf["dtype"] = conf["torch_dtype"] = config_dtype(dtype)
+    conf["dtype"] = conf["torch_dtype"] = config_dtype(dtype)  # with fp8: the unquantized tensors' dtype
+    if fp8:
+        conf["quantization_config"] = RELEASE.config_json()
     return conf
 
 
 # --- the writer ----------------------------------------------------------------------------
 
+def _target_family(cfg: GPTConfig, opts: WriteOptions) -> Family:
+    """The HF class written for cfg (families.for_config); --fp8 only for a family released in block FP8."""
+    family = families.for_config(cfg)
+    require(not opts.fp8 or family.fp8_release, f"--fp8 stores the Linear weights in block FP8; "
+            f"{family.architecture} is not released in block FP8",
+            "leave --fp8 out (ckptool writes block FP8 for DeepseekV3ForCausalLM)")
+    return family
+
+
 def write_hf(ckpt: Checkpoint, out_dir: Path, opts: WriteOptions = WriteOptions(),
              progress: Optional[Callable[[int], None]] = None, warn: Callable[[str], None] = print,
              owns: Optional[Callable[[int], bool]] = None) -> WriteSummary:
-    """Export ckpt as a Hugging Face model directory, as opts say (dtype, max_shard_size, tokenizer: the
-    options the format table says it honours). owns(i) (torchrun): write only the safetensors shards i it
+    """Export ckpt as a Hugging Face model directory, as opts say (dtype, max_shard_size, tokenizer, fp8: the
+    options the format table says it honours; fp8 stores the Linear weights the family releases in block
+    FP8 so, with their scales and config.json's quantization_config: fp8.py). owns(i) (torchrun): write only the safetensors shards i it
     owns; configs, index and tokenizer go with shard 0's owner."""
     cfg, dtype, tokenizer = ckpt.config, opts.dtype, opts.tokenizer
     not_computed = megatron_args.maths_not_computed(ckpt.source.args)
@@ -122,7 +136,7 @@ def write_hf(ckpt: Checkpoint, out_dir: Path, opts: WriteOptions = WriteOptions(
     first = owns is None or owns(0)
     if not first:
         warn = lambda m: None  # noqa: E731 - the rank that owns shard 0 speaks for everyone
-    family = families.for_config(cfg)
+    family = _target_family(cfg, opts)
     arch = family.architecture
     max_bytes = parse_size(opts.max_shard_size)
     vocab = cfg.vocab_size
@@ -151,18 +165,21 @@ def write_hf(ckpt: Checkpoint, out_dir: Path, opts: WriteOptions = WriteOptions(
     require(not unplaced, f"cannot export to Hugging Face: {', '.join(unplaced[:3])} have no place in {arch}",
             "ckptool never leaves tensors out of an export")
     out_dtype = dtype or items[0][1].dtype
+    if opts.fp8:  # after out_dtype: config.json's dtype is the unquantized tensors' (embeddings, norms)
+        items = fp8.quantized_items(items, family)
     out_dir = Path(out_dir)
     written = write_sharded(out_dir, items, max_bytes, progress, owns=owns)
     copied = []
     if first:
         ids = _token_ids(ckpt)
-        conf = hf_config(cfg, family, vocab, out_dtype, ids)
+        conf = hf_config(cfg, family, vocab, out_dtype, ids, fp8=opts.fp8)
         (out_dir / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
         gen = {"_from_model_config": True, **ids}
         (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         copied = copy_tokenizer(tokenizer, out_dir) if tokenizer else []
     return from_sharded("hf", written, tensors=len(items) if first else 0,  # a team's ranks: counted once
-                        architecture=arch, vocab_size=vocab, dtype=config_dtype(out_dtype), tokenizer_files=copied)
+                        architecture=arch, vocab_size=vocab, dtype=config_dtype(out_dtype), tokenizer_files=copied,
+                        quantization=RELEASE.label() if opts.fp8 else None)
 
 
 def copy_tokenizer(src: str, out_dir: Path) -> List[str]:
