@@ -27,7 +27,6 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from ...errors import require
 from ...families.family import Family
 from ...lazy import Derived, LazyTensor
 from .quant import FP8_DTYPE, FP8_MAX, RELEASE, SCALE_SUFFIX, BlockFP8, Stored, checked_scheme, scaled_weights
