@@ -27,8 +27,8 @@ from ...options import ReadOptions
 from ...state import Checkpoint, SourceInfo, expected_names
 from ...vocab import with_true_vocab_size
 from .config import (  # noqa: F401 (looks_like, gpt_model_type, has_weights: this reader's interface)
-    FORMAT, IGNORED_SUFFIXES, gpt_model_type, has_weights, looks_like, part_rows, read_supported_config,
-    source_warnings, weight_files)
+    FORMAT, IGNORED_SUFFIXES, experts_form, fused_shape, gpt_model_type, has_weights, looks_like, part_rows,
+    read_supported_config, source_warnings, weight_files)
 
 
 # --- lazy tensors --------------------------------------------------------------------------
@@ -207,8 +207,10 @@ def unfuse_experts(entries: Dict[str, LazyTensor], family: Family, cfg: GPTConfi
                 out[p + arg] = t
                 continue
             n = cfg.moe.num_experts
-            require(len(t.shape) == 3 and t.shape[0] == n,
-                    f"{p + suffix} has shape {tuple(t.shape)}, expected [{n} experts, out, in]")
+            want = fused_shape(op, cfg)
+            require(tuple(t.shape) == want, f"{p + suffix} has shape {tuple(t.shape)}, expected {list(want)} "
+                    "([experts, out, in], gate rows before up rows)",
+                    "ckptool reads transformers' fused experts as its Glm4Moe / Qwen2-MoE / Mixtral modules hold them")
             for e in range(n):
                 one = Derived(lambda x: x[0], [t.narrow(0, e, 1)])
                 if op == "each":
@@ -224,10 +226,11 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     opts = opts or ReadOptions()
     path = Path(path)
     conf, family = read_supported_config(path)
-    cfg, tensors = to_canonical(read_entries(path), conf, family.model_type, opts, path)
+    entries = read_entries(path)
+    cfg, tensors = to_canonical(entries, conf, family.model_type, opts, path)
     ckpt = Checkpoint(cfg, tensors, SourceInfo(
         path=str(path), format=FORMAT, dialect=family.model_type, layout=Layout(1, 1),
-        extra={"hf_config": conf}))
+        extra={"hf_config": conf}, hf_experts=experts_form(entries, family, cfg)))
     for w in source_warnings(conf, family):
         ckpt.warn(w)
     return ckpt
