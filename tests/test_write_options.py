@@ -28,7 +28,7 @@ SRC = ROOT / "fixtures" / "real" / "mlm_mcore_gpt2_torch_tp2pp2" / "checkpoint" 
 GIVEN = {"format": "torch_dist", "dialect": "mcore", "release": True, "dtype": torch.bfloat16, "divisible_by": 64,
          "pad_fill": "mean", "iteration": 7, "checkpoint_version": 2.0, "optimizer": False,
          "distributed_optimizer": True, "dp": 2, "overlap_grad_reduce": True, "ddp_bucket_size": 1000,
-         "distrib_optim_era": "2024-02", "moe_grouped_gemm": True, "max_shard_size": "1GB", "tokenizer": "tok"}
+         "distrib_optim_era": "2024-02", "moe_grouped_gemm": True, "max_shard_size": "1GB", "tokenizer": "tok", "experts": "fused"}
 WRITERS = [f for f in registry.FORMATS if f.writes]
 
 
