@@ -77,21 +77,23 @@ def run_job(a) -> None:
             loaded.pop(common, None)
         sd = {"model": loaded}
     model.load_state_dict(sd["model"], strict=True)
-    out = logits(model.eval())
+    result = {"logits": logits(model.eval()), "tokens": TOKENS,  # every rank takes part in the forward
+              "moe_layers": sum(isinstance(m, MoELayer) for m in model.modules())}
     if dist.get_rank() == 0:
-        torch.save({"logits": out, "tokens": TOKENS,
-                    "moe_layers": sum(isinstance(m, MoELayer) for m in model.modules())}, a.out)
-    dist.barrier()
+        torch.save(result, a.out)
+    dist.barrier()  # the files of this job are complete before the next job's model-parallel groups start
     parallel_state.destroy_model_parallel()
+
+
+OPTIONS = {"--tp": dict(type=int, default=1), "--ep": dict(type=int, default=1), "--dist": dict(action="store_true"),
+           "--out": dict(required=True)}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("dir")
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--ep", type=int, default=1)
-    ap.add_argument("--dist", action="store_true")
-    ap.add_argument("--out", required=True)
+    for flag, how in OPTIONS.items():
+        ap.add_argument(flag, **how)
     run_jobs(ap, run_job)
 
 

@@ -305,7 +305,7 @@ def to_hf(src, dst, *, dtype=None, max_shard_size: str = "5GB", tokenizer: Optio
     """Export any checkpoint ckptool reads as a Hugging Face model directory, as `ckptool to-hf`.
 
     GPT-2 style models become GPT2LMHeadModel, Llama style ones LlamaForCausalLM (Qwen2ForCausalLM when
-    only QKV has a bias); a DeepLearningExamples BERT ckpt_N.pt (with hf_config=bert_config.json)
+    only QKV has a bias), MoE ones their family's class (Mixtral, Qwen-MoE, DeepSeek-V3, GLM-4.5); a DeepLearningExamples BERT ckpt_N.pt (with hf_config=bert_config.json)
     BertForPreTraining (kind "bert"); a DeepSpeed run of another Hugging Face model keeps the model's
     own names (kind "deepspeed-hf"). max_shard_size: largest safetensors file ("5GB", "500MiB");
     tokenizer: a directory whose tokenizer files are copied into dst. experts: "fused" (transformers 5's 3-D

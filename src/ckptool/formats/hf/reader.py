@@ -1,8 +1,9 @@
-"""Hugging Face model directories (GPT-2, the Llama family, Mixtral, Qwen MoE, DeepSeek-V3): reader.
+"""Hugging Face model directories (GPT-2, the Llama family, Mixtral, Qwen MoE, DeepSeek-V3, GLM-4.5): reader.
 
 A directory with config.json whose model_type is gpt2, llama, mistral, qwen2, qwen3, mixtral,
-qwen2_moe, qwen3_moe or deepseek_v3, and weights in safetensors or torch .bin files, sharded (an
-*.index.json) or not. Experts are read per expert (the Hub names) or fused 3-D (transformers >= 5's state_dict);
+qwen2_moe, qwen3_moe, deepseek_v3 or glm4_moe, and weights in safetensors or torch .bin files, sharded (an
+*.index.json) or not. Experts are read per expert (the Hub names) or fused 3-D (transformers >= 5's state_dict),
+the form recorded in SourceInfo.hf_experts for the writer;
 DeepSeek's block-FP8 weights are dequantized to bf16. Tensors stay lazy: safetensors
 entries are read with safe_open when loaded; .bin files go through the safe lazy torch loader, never
 plain torch.load. Names, config.json and fused experts come from the model's family record

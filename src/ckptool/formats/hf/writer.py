@@ -4,8 +4,9 @@ The class written is the model's family (families/for_config): GPT-2 style model
 LayerNorm, plain MLP) become GPT2LMHeadModel; Llama style models (RoPE, RMSNorm, SwiGLU)
 LlamaForCausalLM, Qwen2ForCausalLM when only the QKV projections carry a bias, Qwen3ForCausalLM with
 q/k norms; MoE models MixtralForCausalLM, Qwen2MoeForCausalLM or Qwen3MoeForCausalLM by their routing,
-Multi-Latent Attention models DeepseekV3ForCausalLM; experts under the per-expert Hub names
-transformers 4 and 5 both load. The family's record gives the names and config.json; this module
+Glm4MoeForCausalLM when an expert bias steers it (DeepSeek-V3's routing on grouped-query attention, partial RoPE),
+Multi-Latent Attention models DeepseekV3ForCausalLM; experts as the Hugging Face source stored them (per expert
+under the Hub names transformers 4 and 5 both load, or transformers 5's fused 3-D tensors), or as --experts says. The family's record gives the names and config.json; this module
 the tensor transforms every family shares. Megatron options no such class computes are refused with
 the flag's name rather than exported into a model that would compute something else.
 """
