@@ -120,7 +120,11 @@ def test_glm_through_megatron_expert_parallel_layouts_and_back(glm, megatron, tm
         cli("to-hf", megatron / meg, tmp_path / meg)
         _same_files(tmp_path / meg, glm[src][0])
         assert torch.equal(hf_logits(tmp_path / meg), hf_logits(glm[src][0]))
-    args = open_checkpoint(megatron / "tp2ep2").source.args
+    meg = open_checkpoint(megatron / "tp2ep2")
+    hf = open_checkpoint(glm["fused"][0]).config  # config.json -> GPTConfig -> Megatron args -> the same GPTConfig
+    assert meg.config.replace(padded_vocab_size=hf.padded_vocab_size, vocab_size_source=hf.vocab_size_source,
+                              make_vocab_size_divisible_by=hf.make_vocab_size_divisible_by) == hf
+    args = meg.source.args
     assert (args.rotary_percent, args.qk_layernorm, args.add_qkv_bias, args.add_bias_linear) == (0.5, True, True, False)
     assert (args.moe_router_score_function, args.moe_router_enable_expert_bias, args.moe_router_num_groups,
             args.moe_router_group_topk, args.moe_router_topk_scaling_factor, args.moe_layer_freq,
