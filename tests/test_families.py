@@ -43,6 +43,10 @@ CONFIGS = {  # model_type -> a GPTConfig only that family's class computes
     "deepseek_v3": _rope(num_query_groups=4, head_dim=10, mla=MLA_SIZES, rotary_interleaved=True,
                          moe=_routed(num_experts=8, score_function="sigmoid", expert_bias=True, topk_norm=True,
                                      shared_ffn_hidden_size=32, num_groups=4, group_topk=2, scaling_factor=2.5)),
+    # GLM-4.5: DeepSeek-V3's routing on grouped-query attention with partial RoPE, q/k/v biases and q/k norms
+    "glm4_moe": _rope(head_dim=16, rotary_percent=0.5, add_qkv_bias=True, qk_layernorm=True,
+                      moe=_routed(num_experts=8, top_k=4, score_function="sigmoid", expert_bias=True, topk_norm=True,
+                                  shared_ffn_hidden_size=32, num_groups=4, group_topk=2, scaling_factor=2.5)),
 }
 
 
@@ -66,6 +70,32 @@ def test_every_family_that_writes_has_a_config_of_its_own_here():
 def test_no_class_computes_it():
     with pytest.raises(CkptError, match="a combination Mixtral, Qwen2-MoE and Qwen3-MoE do not compute"):
         families.for_config(_rope(moe=_routed(topk_norm=False)))
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(rotary_percent=0.5, moe=None), "--rotary-percent 0.5, and Qwen3ForCausalLM rotates the whole head"),
+    (dict(add_bias_linear=True), "--add-bias-linear (biases beyond q, k and v), which Glm4MoeForCausalLM"),
+    (dict(moe=_routed(score_function="sigmoid", expert_bias=True)), "no shared expert, which Glm4MoeForCausalLM"),
+])
+def test_partial_rope_and_glm_routing_are_refused_where_no_class_computes_them(change, says):
+    with pytest.raises(CkptError, match="cannot export to Hugging Face") as e:
+        families.for_config(CONFIGS["glm4_moe"].replace(**change))
+    assert says in str(e.value)
+
+
+def test_glm_config_json_defaults_are_transformers():
+    """A GLM-4.5 config.json that leaves out what Glm4MoeConfig defaults (partial_rotary_factor 0.5 at the top, as
+    the released config.json has it, or not at all; first_k_dense_replace 1; norm_topk_prob on) reads as the class."""
+    family = families.for_model_type("glm4_moe")
+    conf = family.write_config(CONFIGS["glm4_moe"], 64)
+    for key in ("first_k_dense_replace", "norm_topk_prob", "partial_rotary_factor"):
+        conf.pop(key)
+    conf["rope_parameters"].pop("partial_rotary_factor")
+    cfg = family.read_config(conf, 64)
+    assert (cfg.rotary_percent, cfg.moe.layers, cfg.moe.topk_norm) == (0.5, (1,), True)
+    released = dict(conf, partial_rotary_factor=0.25, use_qk_norm=False, attention_bias=False)
+    cfg = family.read_config(released, 64)
+    assert (cfg.rotary_percent, cfg.qk_layernorm, cfg.add_qkv_bias) == (0.25, False, False)
 
 
 @pytest.mark.parametrize("family", families.FAMILIES, ids=lambda f: f.model_type)

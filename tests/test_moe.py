@@ -246,7 +246,8 @@ def test_qwen3_dense_through_megatron_layouts(family, tmp_path):
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "deepseek_v3"])
 def test_fused_expert_tensors_are_read(family, tmp_path, kind):
     """transformers 5 holds experts fused ([E, 2I, h] gate_up, [E, h, I] down; Mixtral's router under
-    mlp.gate): a raw state_dict saved that way reads to the same model, exported per expert."""
+    mlp.gate): a raw state_dict saved that way reads to the same model; to-hf writes it fused again, exactly the
+    state_dict, and with --experts per-expert exactly the Hub save (tests/test_glm.py: transformers loads both)."""
     src, model = family(kind)
     fused = tmp_path / "fused"
     fused.mkdir()
@@ -254,9 +255,10 @@ def test_fused_expert_tensors_are_read(family, tmp_path, kind):
     assert any(k.endswith("mlp.experts.gate_up_proj") and v.dim() == 3 for k, v in sd.items())
     save_file(sd, str(fused / "model.safetensors"), metadata={"format": "pt"})
     (fused / "config.json").write_text((src / "config.json").read_text())
-    cli("to-hf", fused, tmp_path / "out")
-    a, b = saved_tensors(src), saved_tensors(tmp_path / "out")
-    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    for out, want in ((tmp_path / "out", fused), (tmp_path / "hub", src)):
+        cli("to-hf", fused, out, *(["--experts", "per-expert"] if want == src else []))
+        a, b = saved_tensors(want), saved_tensors(out)
+        assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])

@@ -29,7 +29,7 @@ GIVEN = {"format": "torch_dist", "dialect": "mcore", "release": True, "dtype": t
          "pad_fill": "mean", "iteration": 7, "checkpoint_version": 2.0, "optimizer": False,
          "distributed_optimizer": True, "dp": 2, "overlap_grad_reduce": True, "ddp_bucket_size": 1000,
          "distrib_optim_era": "2024-02", "moe_grouped_gemm": True, "max_shard_size": "1GB", "tokenizer": "tok",
-         "fp8": True}
+         "experts": "fused", "fp8": True}
 WRITERS = [f for f in registry.FORMATS if f.writes]
 
 

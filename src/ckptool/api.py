@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from .config import Layout
-from .errors import CkptError, NoCanonicalForm
+from .errors import CkptError, NoCanonicalForm, require
 from .formats import registry
 from .integrity import verify_files
 from .layout_request import LayoutRequest, check_sizes
@@ -289,27 +289,32 @@ def _write_megatron_family(command, src, dst, ckpt: Checkpoint, layout: Layout, 
 
 # --- Hugging Face ---------------------------------------------------------------------------------
 def to_hf(src, dst, *, dtype=None, max_shard_size: str = "5GB", tokenizer: Optional[str] = None,
-          force: bool = False, progress: Optional[Progress] = None, warn: Optional[Warn] = None,
-          fp8: bool = False, **read_options) -> ConversionResult:
+          experts: Optional[str] = None, fp8: bool = False, force: bool = False,
+          progress: Optional[Progress] = None, warn: Optional[Warn] = None, **read_options) -> ConversionResult:
     """Export any checkpoint ckptool reads as a Hugging Face model directory, as `ckptool to-hf`.
 
     GPT-2 style models become GPT2LMHeadModel, Llama style ones LlamaForCausalLM (Qwen2ForCausalLM when
-    only QKV has a bias); a DeepLearningExamples BERT ckpt_N.pt (with hf_config=bert_config.json)
+    only QKV has a bias), MoE ones their family's class (Mixtral, Qwen-MoE, DeepSeek-V3, GLM-4.5); a DeepLearningExamples BERT ckpt_N.pt (with hf_config=bert_config.json)
     BertForPreTraining (kind "bert"); a DeepSpeed run of another Hugging Face model keeps the model's
     own names (kind "deepspeed-hf"). max_shard_size: largest safetensors file ("5GB", "500MiB");
-    tokenizer: a directory whose tokenizer files are copied into dst; fp8: store the Linear weights in
-    block FP8 as DeepSeek-V3 / R1 are released (float8_e4m3fn, a float32 weight_scale_inv per 128x128
-    block, config.json's quantization_config; refused for families not released so). read_options as
-    for open()."""
+    tokenizer: a directory whose tokenizer files are copied into dst. experts: "fused" (transformers 5's 3-D
+    gate_up_proj / down_proj) or "per-expert" (the Hub names) for MoE models; None: as the Hugging Face source
+    stored them (kept through Megatron checkpoints ckptool wrote), else per expert. fp8: store the Linear
+    weights in block FP8 as DeepSeek-V3 / R1 are released (float8_e4m3fn, a float32 weight_scale_inv per
+    128x128 block, config.json's quantization_config; refused for families not released so). read_options
+    as for open()."""
     from .distributed import current_team
     from .formats.registry import BY_NAME, open_checkpoint
-    opts = build_write_options(dtype=dtype, max_shard_size=max_shard_size, tokenizer=tokenizer, fp8=fp8)
+    opts = build_write_options(dtype=dtype, max_shard_size=max_shard_size, tokenizer=tokenizer, experts=experts,
+                               fp8=fp8)
     try:
         ckpt = open_checkpoint(src, _parse_read_options(**read_options))
     except NoCanonicalForm as source:  # no GPT state, but the reader can export what it opened
-        if fp8:  # the export keeps the model's own tensors: none is a family's released-FP8 weight
-            raise CkptError(f"--fp8 stores a GPT family's Linear weights in block FP8; {src} has no GPT form",
-                            "leave --fp8 out") from None
+        require(experts is None, f"--experts {experts}: {src} is exported under its model's own names, experts "
+                "as they are stored", "leave --experts out")
+        # the export keeps the model's own tensors: none is a family's released-FP8 weight
+        require(not fp8, f"--fp8 stores a GPT family's Linear weights in block FP8; {src} has no GPT form",
+                "leave --fp8 out")
         return _export_to_hf(source, src, dst, with_torch_dtype(opts).dtype, max_shard_size, tokenizer, force,
                              progress)
     refuse_unwritable(ckpt, BY_NAME["hf"], opts)

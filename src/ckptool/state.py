@@ -66,7 +66,11 @@ class SourceInfo:
     (or BF16_Optimizer), which weights were read and their dtype; "" for the others. A label for people.
     release: a Megatron release checkpoint (release/ instead of iter_*), which Megatron writers keep.
     args: the Megatron training run's argparse.Namespace where the source stores one (Megatron torch,
-    torch_dist, Megatron-DeepSpeed), else None; Megatron writers start from it."""
+    torch_dist, Megatron-DeepSpeed), else None; Megatron writers start from it.
+    hf_experts: how the Hugging Face model this state came from stored its experts (HF_EXPERT_FORMS: "per-expert"
+    Hub names or transformers 5's "fused" 3-D tensors), None if it did not come from one or has no experts. The HF
+    writer writes that form again; Megatron writers keep it in args (HF_EXPERTS_ARG), where their readers find it,
+    so from-hf -> reshard -> to-hf writes the experts as the source repository had them."""
     path: str
     format: str
     dialect: str = ""
@@ -77,12 +81,22 @@ class SourceInfo:
     checkpoint_version: Optional[float] = None
     args: Any = None
     extra: Dict[str, Any] = field(default_factory=dict)
+    hf_experts: Optional[str] = None
+
+    def __post_init__(self):
+        if self.hf_experts is None:  # a Megatron run ckptool wrote from a Hugging Face model
+            self.hf_experts = getattr(self.args, HF_EXPERTS_ARG, None)
 
     @property
     def variant(self) -> str:
         """dialect and storage as one label for people ("megatron module (mcore), zero-2, master weights (float32)")."""
         return ", ".join(x for x in (self.dialect, self.storage) if x)
 
+
+# How a Hugging Face directory stores MoE experts (SourceInfo.hf_experts; to-hf --experts): per expert under the Hub
+# names (mlp.experts.{e}.gate_proj.weight ...) or fused 3-D ([E, 2I, h] gate_up_proj, [E, h, I] down_proj)
+HF_EXPERT_FORMS = ("per-expert", "fused")
+HF_EXPERTS_ARG = "ckptool_hf_experts"  # the Megatron args attribute that keeps SourceInfo.hf_experts
 
 WEIGHT = "weight"
 OPTIMIZER_SLOTS = ("master", "exp_avg", "exp_avg_sq")

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple
 from .errors import CkptError, require
 from .formats.registry import BY_OUTPUT, OUTPUT_FORMATS, Format
 from .layout_request import check_sizes
-from .state import Checkpoint
+from .state import HF_EXPERT_FORMS, Checkpoint
 
 # --dtype names -> torch dtype names (torch.<name>)
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
@@ -43,6 +43,7 @@ class WriteOptions:
     moe_grouped_gemm: Optional[bool] = None  # experts as the dialect's grouped module (None: as the source)
     max_shard_size: str = "5GB"  # Hugging Face: the largest safetensors file
     tokenizer: Optional[str] = None  # Hugging Face: a directory whose tokenizer files are copied
+    experts: Optional[str] = None  # Hugging Face: "fused" or "per-expert" MoE experts (None: as the source stored them)
     fp8: bool = False  # Hugging Face: the Linear weights the family releases in block FP8 stored so (--fp8)
 
     def given(self) -> FrozenSet[str]:
@@ -74,6 +75,7 @@ OPTION_WORDS = {
     "moe_grouped_gemm": ("--moe-grouped-gemm", "chooses the experts' module in Megatron's torch format"),
     "max_shard_size": ("--max-shard-size", "sizes the safetensors files"),
     "tokenizer": ("--tokenizer", "copies tokenizer files"),
+    "experts": ("--experts", "chooses how Hugging Face MoE experts are stored"),
     "fp8": ("--fp8", "stores the Linear weights in block FP8"),
 }
 NEGATABLE = ("release", "optimizer", "overlap_grad_reduce", "moe_grouped_gemm")
@@ -132,6 +134,8 @@ def _check(opts: WriteOptions) -> None:
             "--overlap-grad-reduce", "add --overlap-grad-reduce")
     require(opts.format is None or opts.format in OUTPUT_FORMATS, f"unknown output format {opts.format!r}",
             f"choose one of {', '.join(OUTPUT_FORMATS)}")
+    require(opts.experts is None or opts.experts in HF_EXPERT_FORMS, f"unknown experts form {opts.experts!r}",
+            f"choose one of {', '.join(HF_EXPERT_FORMS)}")
     require(opts.pad_fill in PAD_FILLS, f"unknown pad_fill {opts.pad_fill!r}", f"choose one of {', '.join(PAD_FILLS)}")
     require(opts.dtype is None or not isinstance(opts.dtype, str) or opts.dtype in DTYPE_NAMES,
             f"unknown dtype {opts.dtype!r}", f"choose one of {', '.join(sorted(DTYPE_NAMES))}")

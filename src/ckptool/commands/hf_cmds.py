@@ -19,19 +19,24 @@ from .common import (LiveWarnings, Progress, conversion_line, human_bytes, repor
               help="Largest safetensors file (KB/MB/GB decimal, KiB/MiB/GiB binary, as huggingface_hub).")
 @click.option("--tokenizer", type=click.Path(), default=None,
               help="Copy the tokenizer files of this directory into DST.")
+@click.option("--experts", type=click.Choice(["fused", "per-expert"]), default=None,
+              help="MoE experts as transformers 5's fused 3-D gate_up_proj / down_proj, or per expert under the "
+                   "Hub names (default: as the Hugging Face source stored them, else per expert).")
 @click.option("--fp8", is_flag=True,
               help="Store the Linear weights in block FP8 as DeepSeek-V3/R1 are released (float8_e4m3fn, a float32 "
                    "weight_scale_inv per 128x128 block, quantization_config in config.json); DeepseekV3ForCausalLM only.")
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
 @source_options
 @reports_errors
-def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, fp8, force, **kw):
+def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, experts, fp8, force, **kw):
     """Export any checkpoint ckptool reads as a Hugging Face model directory.
 
     \b
     GPT-2 style models become GPT2LMHeadModel, Llama style ones LlamaForCausalLM (Qwen2ForCausalLM
     when only QKV has a bias, Qwen3ForCausalLM with q/k norms), MoE models MixtralForCausalLM,
-    Qwen2MoeForCausalLM, Qwen3MoeForCausalLM or DeepseekV3ForCausalLM; DST loads with AutoModelForCausalLM.from_pretrained(DST). The
+    Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM or (GQA with DeepSeek-style
+    biased routing, partial RoPE) Glm4MoeForCausalLM, experts as the source stored them (--experts);
+    DST loads with AutoModelForCausalLM.from_pretrained(DST). The
     vocabulary is trimmed to its true size; weights go to safetensors shards of at most
     --max-shard-size, written one tensor at a time. A DeepLearningExamples BERT ckpt_N.pt with
     --hf-config bert_config.json becomes BertForPreTraining (vocabulary padding trimmed). A DeepSpeed
@@ -40,8 +45,8 @@ def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, fp8, force, **kw):
     """
     live, bar = LiveWarnings(), Progress("to-hf")
     try:
-        result = api.to_hf(src, dst, dtype=dtype, max_shard_size=max_shard_size, tokenizer=tokenizer, force=force,
-                           progress=bar, warn=live, fp8=fp8, **kw)
+        result = api.to_hf(src, dst, dtype=dtype, max_shard_size=max_shard_size, tokenizer=tokenizer, experts=experts,
+                           fp8=fp8, force=force, progress=bar, warn=live, **kw)
     finally:
         bar.close()
     s = result.summary

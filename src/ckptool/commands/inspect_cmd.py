@@ -55,9 +55,9 @@ def _summary_lines(doc: dict, lay) -> list:
         f"model       {c['num_layers']} layers, hidden {c['hidden_size']}, {c['num_attention_heads']} heads "
         f"({c['num_query_groups']} query groups, head dim {c['head_dim']}), ffn {c['ffn_hidden_size']}",
         f"            {c['normalization']} eps {c['norm_eps']}, {c['activation']}, "
-        f"{c['position_embedding']} positions (max {c['max_position_embeddings']}), "
-        f"{'tied' if c['tied_embeddings'] else 'untied'} embeddings, "
-        f"{'biases' if c['add_bias_linear'] else 'no biases'}",
+        f"{c['position_embedding']} positions (max {c['max_position_embeddings']}){_partial_rope(c)}, "
+        f"{'tied' if c['tied_embeddings'] else 'untied'} embeddings, {_biases(c)}"
+        + (", q/k norms" if c["qk_layernorm"] else ""),
     ]
     lines += [_experts_line(c["moe"])] if c["moe"] else []
     lines += [_mla_line(c["mla"], c["rope_yarn"])] if c["mla"] else []
@@ -66,6 +66,16 @@ def _summary_lines(doc: dict, lay) -> list:
               f"size        {len(doc['tensors'])} tensors, {human_bytes(doc['total_bytes'])}",
               _optimizer_line(doc["optimizer"])]
     return lines
+
+
+def _partial_rope(c: dict) -> str:
+    """RoPE on part of each head (--rotary-percent; GLM-4.5's partial_rotary_factor), said where it is."""
+    return f" on {c['rotary_percent']:g} of each head" if c["position_embedding"] == "rope" and \
+        c["rotary_percent"] != 1.0 else ""
+
+
+def _biases(c: dict) -> str:
+    return "biases" if c["add_bias_linear"] else ("q/k/v biases only" if c["add_qkv_bias"] else "no biases")
 
 
 def _experts_line(m: dict) -> str:

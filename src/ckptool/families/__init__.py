@@ -3,19 +3,19 @@
 
 Each module here holds everything one family of HF classes differs by (family.py: the Family record they
 fill): gpt2.py, llama.py (Llama, Mistral, Qwen2, Qwen3), mixtral.py, qwen_moe.py (Qwen2-MoE, Qwen3-MoE),
-deepseek_v3.py; moe.py is what the MoE ones share. A new family with no new maths is one module and its
+deepseek_v3.py, glm4_moe.py (GLM-4.5 / 4.6); moe.py is what the MoE ones share. A new family with no new maths is one module and its
 line in FAMILIES."""
 from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
 
 from ..config import GPTConfig
-from . import deepseek_v3, gpt2, llama, mixtral, moe, qwen_moe
+from . import deepseek_v3, glm4_moe, gpt2, llama, mixtral, moe, qwen_moe
 from .family import Family, refuse_export
 
 FAMILIES: Tuple[Family, ...] = (
     gpt2.GPT2, llama.LLAMA, llama.MISTRAL, llama.QWEN2, llama.QWEN3, mixtral.MIXTRAL,
-    qwen_moe.QWEN2_MOE, qwen_moe.QWEN3_MOE, deepseek_v3.DEEPSEEK_V3,
+    qwen_moe.QWEN2_MOE, qwen_moe.QWEN3_MOE, deepseek_v3.DEEPSEEK_V3, glm4_moe.GLM4_MOE,
 )
 BY_MODEL_TYPE: Dict[str, Family] = {f.model_type: f for f in FAMILIES}
 
@@ -27,6 +27,7 @@ REFUSED_MODEL_TYPES = {
 KIND_CHECKS = {"moe": moe.check_routing}
 # export kind -> the error when no family of that kind selects the config
 NO_FAMILY = {"moe": moe.no_class}
+# "moe_biased": MoE routing steered by an expert bias (DeepSeek-V3's, on grouped-query attention): GLM-4.5's class
 
 
 def for_model_type(model_type: str) -> Family:
@@ -49,7 +50,8 @@ def moe_model_types() -> Tuple[str, ...]:
 
 
 def _export_kind(cfg: GPTConfig) -> str:
-    """"learned" (GPT-2), "mla", "moe" or "dense" (RoPE); CkptError for what no HF class computes."""
+    """"learned" (GPT-2), "mla", "moe_biased" (an expert bias steers the routing), "moe" or "dense" (RoPE);
+    CkptError for what no HF class computes."""
     if cfg.qk_layernorm and cfg.normalization != "rmsnorm":
         raise refuse_export("--qk-layernorm with LayerNorm", "and only Qwen3's RMSNorm q/k norms exist in transformers")
     if cfg.post_layernorm_residual:
@@ -64,7 +66,9 @@ def _export_kind(cfg: GPTConfig) -> str:
         return "mla"
     if cfg.rope_yarn is not None:
         raise refuse_export("YaRN RoPE scaling without Multi-Latent Attention", "which ckptool exports for DeepSeek-V3 only")
-    return "moe" if cfg.moe is not None else "dense"
+    if cfg.moe is None:
+        return "dense"
+    return "moe_biased" if cfg.moe.expert_bias else "moe"
 
 
 def for_config(cfg: GPTConfig) -> Family:
@@ -77,5 +81,6 @@ def for_config(cfg: GPTConfig) -> Family:
         raise NO_FAMILY[kind](cfg)
     if len(chosen) > 1:  # a table error, not bad input: selects must not overlap within a kind
         raise RuntimeError(f"families {[f.model_type for f in chosen]} all select this model")
+    llama.check_rotary_percent(cfg, chosen[0])
     chosen[0].export_checks(cfg)
     return chosen[0]

@@ -43,16 +43,7 @@ def export_checks(cfg: GPTConfig) -> None:
     """DeepseekV3ForCausalLM: MLA, sigmoid group-limited routing with expert bias, ungated shared
     experts (a whole number of expert-sized ones), the first layers dense (all of them in a dense model:
     first_k_dense_replace = num_hidden_layers)."""
-    m = cfg.moe
-    routing = () if m is None else (
-        ("--moe-router-score-function softmax", m.score_function != "sigmoid"),
-        ("no expert bias (--moe-router-enable-expert-bias)", not m.expert_bias),
-        ("a router bias", m.router_bias), ("a shared-expert gate", m.shared_gate),
-        (f"a shared expert of {m.shared_ffn_hidden_size} (not a multiple of the expert size "
-         f"{m.ffn_hidden_size})", m.shared_ffn_hidden_size % m.ffn_hidden_size != 0),
-        (f"MoE layers {list(m.layers)} (not all layers after the first dense ones)",
-         m.layers != tuple(range(cfg.num_layers - len(m.layers), cfg.num_layers))))
-    for flag, present in routing + (("--qk-layernorm", cfg.qk_layernorm),
+    for flag, present in moe.biased_routing_refusals(cfg) + (("--qk-layernorm", cfg.qk_layernorm),
                                     ("linear biases", cfg.add_bias_linear or cfg.add_qkv_bias)):
         if present:
             raise refuse_export(flag, f"which {ARCH} does not compute")

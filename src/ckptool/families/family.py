@@ -127,6 +127,15 @@ class Family:
     # maths flags config.json does not spell out (read by the shared Llama-style reader, llama.py)
     qkv_bias_only: bool = False  # biases on q, k and v only (Qwen2; Qwen2-MoE's config qkv_bias, default on)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    # --- GLM-4.5 (Glm4Moe) --------------------------------------------------------------------------
+    # qkv_bias_key: (config.json key, its default) saying whether q, k, v have biases, for qkv_bias_only classes
+    # (Qwen2-MoE: qkv_bias, on; GLM-4.5: attention_bias, off); qk_norm_key: the key that turns q/k norms on (GLM's
+    # use_qk_norm), where the class has them optionally; partial_rotary: the class's partial_rotary_factor default
+    # (GLM: 0.5, transformers' Glm4MoeConfig.__post_init__), None where the class rotates whole heads and config.json's
+    # factor is not read; export refuses --rotary-percent below 1 for such a class
+    qkv_bias_key: Tuple[str, bool] = ("qkv_bias", True)
+    qk_norm_key: Optional[str] = None
+    partial_rotary: Optional[float] = None
     mla: Optional[Callable[[dict, str], object]] = None  # Multi-Latent Attention's sizes from config.json (DeepSeek-V3); YaRN read with it
     moe: Optional["MoeKeys"] = None  # where config.json keeps the routing facts
     zero_biases: bool = False  # the class always has linear biases: a bias-free model exports zero ones

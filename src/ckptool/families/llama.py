@@ -65,12 +65,24 @@ def rope_from_hf(conf: dict, family: Family) -> Tuple[float, Optional[float], Op
 def _biases(conf: dict, family: Family) -> Tuple[bool, bool]:
     """(QKV bias, other linear biases) from config.json."""
     if family.qkv_bias_only:
-        return bool(conf.get("qkv_bias", True)), False
+        key, default = family.qkv_bias_key
+        return bool(conf.get(key, default)), False
     attn_bias, mlp_bias = bool(conf.get("attention_bias", False)), bool(conf.get("mlp_bias", False))
     require(attn_bias == mlp_bias,
             f"attention_bias={attn_bias} with mlp_bias={mlp_bias}: Megatron biases all linear layers or none "
             "(add_bias_linear), so this bias pattern has no Megatron equivalent")
     return attn_bias, attn_bias
+
+
+def _rotary_percent(conf: dict, family: Family) -> float:
+    """The share of each head RoPE rotates: partial_rotary_factor under rope_parameters (transformers 5) or at the top
+    (4.x, GLM-4.5's released config.json), else the class's default; 1 for classes that rotate whole heads."""
+    if family.partial_rotary is None:
+        return 1.0
+    params = conf.get("rope_parameters") or {}
+    factor = params.get("partial_rotary_factor", conf.get("partial_rotary_factor", family.partial_rotary))
+    require(0 < float(factor) <= 1, f"{family.model_type} partial_rotary_factor={factor} is not in (0, 1]")
+    return float(factor)
 
 
 def config_from_hf(family: Family, conf: dict, rows: int) -> GPTConfig:
@@ -81,6 +93,7 @@ def config_from_hf(family: Family, conf: dict, rows: int) -> GPTConfig:
     qkv_bias, linear_bias = _biases(conf, family)
     theta, factor, yarn = rope_from_hf(conf, family)
     nh = conf["num_attention_heads"]
+    qk_norm = bool(conf.get(family.qk_norm_key, False)) if family.qk_norm_key else family.qk_norm
     mla = family.mla(conf, family.model_type) if family.mla is not None else None
     return GPTConfig(num_layers=conf["num_hidden_layers"], hidden_size=conf["hidden_size"], num_attention_heads=nh,
                      num_query_groups=conf.get("num_key_value_heads") or nh,
@@ -89,8 +102,9 @@ def config_from_hf(family: Family, conf: dict, rows: int) -> GPTConfig:
                      ffn_hidden_size=conf["intermediate_size"],
                      max_position_embeddings=conf.get("max_position_embeddings", 2048),
                      position_embedding="rope", rotary_base=theta, rope_scaling_factor=factor,
+                     rotary_percent=_rotary_percent(conf, family),
                      normalization="rmsnorm", norm_eps=conf.get("rms_norm_eps", 1e-6), activation="swiglu",
-                     add_bias_linear=linear_bias, add_qkv_bias=qkv_bias, qk_layernorm=family.qk_norm,
+                     add_bias_linear=linear_bias, add_qkv_bias=qkv_bias, qk_layernorm=qk_norm,
                      tied_embeddings=bool(conf.get("tie_word_embeddings", False)),
                      moe=moe_keys.moe_from_hf(conf, family), **vocab_fields(conf, rows))
 
@@ -98,15 +112,20 @@ def config_from_hf(family: Family, conf: dict, rows: int) -> GPTConfig:
 # --- GPTConfig -> config.json ------------------------------------------------------------------
 
 def check_rope(cfg: GPTConfig) -> None:
-    """What every RoPE class ckptool writes (Llama's maths) needs of a RoPE model."""
-    if cfg.rotary_percent != 1.0:
-        raise refuse_export(f"--rotary-percent {cfg.rotary_percent}", "and LlamaForCausalLM rotates the whole head")
+    """What every RoPE class ckptool writes (Llama's maths) needs of a RoPE model (the share of each head rotated:
+    check_rotary_percent, once the class is chosen)."""
     if cfg.activation == "squared_relu":
         raise refuse_export("--squared-relu", "and LlamaForCausalLM's MLP is gated SiLU")
     require(cfg.gated, f"cannot export to Hugging Face: RoPE with a {cfg.activation} MLP is not Llama's SwiGLU",
             "LlamaForCausalLM needs --swiglu")
     require(cfg.normalization == "rmsnorm", "cannot export to Hugging Face: RoPE with LayerNorm is not Llama's "
             "RMSNorm", "LlamaForCausalLM needs --normalization RMSNorm")
+
+
+def check_rotary_percent(cfg: GPTConfig, family: Family) -> None:
+    """--rotary-percent below 1 only for a class with partial RoPE (GLM-4.5), else refused by name."""
+    if cfg.position_embedding == "rope" and cfg.rotary_percent != 1.0 and family.partial_rotary is None:
+        raise refuse_export(f"--rotary-percent {cfg.rotary_percent}", f"and {family.architecture} rotates the whole head")
 
 
 def config_json(fields: Callable[[GPTConfig], dict]):

@@ -1,4 +1,4 @@
-"""What the Mixture-of-Experts families share (mixtral.py, qwen_moe.py, deepseek_v3.py): where a
+"""What the Mixture-of-Experts families share (mixtral.py, qwen_moe.py, deepseek_v3.py, glm4_moe.py): where a
 config.json keeps the routing facts (MoeKeys, one per family, read by moe_from_hf) and, for export,
 the routing the Mixtral / Qwen-MoE classes compute (check_routing, routing_key). Not a family itself."""
 from __future__ import annotations
@@ -33,6 +33,7 @@ class MoeKeys:
     shared: Optional[Callable[[dict], int]] = None
     shared_gate: bool = False
     refused: Dict[str, tuple] = field(default_factory=dict)
+    topk_norm_default: bool = False  # when config.json leaves topk_norm's key out (GLM-4.5's class: on)
 
 
 def every_layer(conf: dict, n: int) -> Tuple[int, ...]:
@@ -67,7 +68,7 @@ def moe_from_hf(conf: dict, family) -> Optional[MoE]:
     groups = [conf.get(k) or 1 for k in keys.groups] if keys.groups is not None else [1, 1]
     return MoE(num_experts=experts, top_k=conf.get("num_experts_per_tok", 2), ffn_hidden_size=conf[keys.ffn],
                layers=layers, score_function=keys.score,
-               topk_norm=bool(conf.get(norm, False)) if isinstance(norm, str) else norm,
+               topk_norm=bool(conf.get(norm, keys.topk_norm_default)) if isinstance(norm, str) else norm,
                scaling_factor=float(conf.get(keys.scaling, 1.0)) if keys.scaling is not None else 1.0,
                expert_bias=keys.expert_bias, shared_ffn_hidden_size=shared,
                shared_gate=bool(shared) and keys.shared_gate,
@@ -102,6 +103,21 @@ def no_class(cfg: GPTConfig):
     key = routing_key(cfg)
     return refuse_export(f"MoE routing with q/k norms={key[0]}, shared expert={key[1] or 'none'}, top-k "
                          f"renormalised={key[2]}", "a combination Mixtral, Qwen2-MoE and Qwen3-MoE do not compute")
+
+
+def biased_routing_refusals(cfg: GPTConfig) -> tuple:
+    """((flag, present), ...): what DeepSeek-V3's routing (its classes and GLM-4.5's: sigmoid scores, top-k steered by
+    e_score_correction_bias, group-limited, ungated shared experts a whole number of experts wide, the first layers
+    dense) cannot express in cfg's MoE; () for a dense model."""
+    m = cfg.moe
+    return () if m is None else (
+        ("--moe-router-score-function softmax", m.score_function != "sigmoid"),
+        ("no expert bias (--moe-router-enable-expert-bias)", not m.expert_bias),
+        ("a router bias", m.router_bias), ("a shared-expert gate", m.shared_gate),
+        (f"a shared expert of {m.shared_ffn_hidden_size} (not a multiple of the expert size "
+         f"{m.ffn_hidden_size})", m.shared_ffn_hidden_size % m.ffn_hidden_size != 0),
+        (f"MoE layers {list(m.layers)} (not all layers after the first dense ones)",
+         m.layers != tuple(range(cfg.num_layers - len(m.layers), cfg.num_layers))))
 
 
 def check_qkv_bias(cfg: GPTConfig, arch: str, needs: bool) -> None:

@@ -133,7 +133,7 @@ MEGATRON_HONOURS = (TORCH_DIST_HONOURS | _DISTRIBUTED_OPTIMIZER
 # a universal checkpoint is fp32 training state at the source's names, vocabulary and layout: its writer
 # checks the values of these two itself (fp32 only, the optimizer state required)
 DS_UNIVERSAL_HONOURS = frozenset({"format", "dtype", "optimizer"})
-HF_HONOURS = frozenset({"dtype", "max_shard_size", "tokenizer", "fp8"})  # fp8: for families released so (hf/writer.py)
+HF_HONOURS = frozenset({"dtype", "max_shard_size", "tokenizer", "experts", "fp8"})  # fp8: for families released so (hf/writer.py)
 
 # Order matters: a torch_dist iteration directory also has Megatron's tracker file, and a DeepSpeed
 # save directory may have one too, so the more specific formats are asked first. The BERT file

@@ -106,3 +106,26 @@ def source_warnings(conf: dict, family: Family) -> List[str]:
 def part_rows(name: str, cfg: GPTConfig) -> int:
     """Rows of one canonical part (q, k or v) of a fused HF tensor ("cat" / "cat_T" in a family's names)."""
     return cfg.q_size if ".attn.q." in name else cfg.kv_size
+
+
+# --- MoE experts: per expert or fused (transformers 5) ------------------------------------------------
+# transformers 5.24 holds a layer's experts fused in the model (Glm4MoeExperts, Qwen2MoeExperts, MixtralExperts:
+# gate_up_proj [E, 2I, h] with gate rows [:I] before up rows [I:], down_proj [E, h, I]); its conversion_mapping.py
+# ("mixtral", and "qwen2_moe", which glm4_moe, qwen3_moe and deepseek_v3 reuse) stacks the Hub's per-expert tensors
+# into that on load, and save_pretrained (save_original_format=True, the default) splits them back: Hub repositories
+# and default saves are per expert; save_original_format=False and raw state_dicts are fused.
+
+def fused_shape(op: str, cfg: GPTConfig) -> tuple:
+    """The shape of a family's fused expert tensor (families/family.py fused_experts: "halves" gate_up, "each" down)."""
+    m = cfg.moe
+    return (m.num_experts, 2 * m.ffn_hidden_size, cfg.hidden_size) if op == "halves" else \
+        (m.num_experts, cfg.hidden_size, m.ffn_hidden_size)
+
+
+def experts_form(names, family: Family, cfg: GPTConfig) -> Optional[str]:
+    """How the stored tensor names keep the experts (state.HF_EXPERT_FORMS), None for a model without them."""
+    if cfg.moe is None or not family.fused_experts:
+        return None
+    fused = [s for s, (op, _) in family.fused_experts.items() if op != "rename"]
+    prefix = family.names.layer_prefix.format(i=cfg.moe.layers[0])
+    return "fused" if any(prefix + s in names for s in fused) else "per-expert"

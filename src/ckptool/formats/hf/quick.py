@@ -4,9 +4,10 @@ name, shape and dtype (io/safetensors_header.py, the reader's own parser); the f
 maps them to canonical names as the reader does, on shapes alone.
 
 Block-FP8 weights (DeepSeek-V3 / R1 as released) read as the bf16 tensors the reader makes of them,
-their scales consumed (quant.py's checks, shared with the reader). None (the full reader answers) for
-pytorch_model.bin weights, other FP8 or fused-expert tensors (their canonical form needs the reader's
-arithmetic), or files that do not match config.json.
+their scales consumed (quant.py's checks, shared with the reader). Fused 3-D experts (transformers 5) are
+split into each expert's shapes here as the reader splits the tensors. None (the full reader answers) for
+pytorch_model.bin weights, other FP8 tensors (their canonical form needs the reader's arithmetic), or files
+that do not match config.json.
 """
 from __future__ import annotations
 
@@ -49,13 +50,14 @@ def _checkpoint(path: Path, format_name: str) -> Optional[Checkpoint]:
         return None
     entries = family.names.with_full_names(entries)
     cfg = family.read_config(conf, entries[family.names.word_embedding].shape[0])
-    tensors = canonical_shapes(entries, family, cfg)
+    experts = hf_config.experts_form(entries, family, cfg)
+    tensors = canonical_shapes(unfused_shapes(entries, family, cfg), family, cfg)
     if tensors is None:
         return None
     ckpt = Checkpoint(cfg, tensors, SourceInfo(
         path=str(path), format=format_name, dialect=family.model_type, layout=Layout(1, 1),
         storage=quant.storage_label(quantization) if quantization else "",
-        extra={"hf_config": conf, "quantization": quantization}))
+        extra={"hf_config": conf, "quantization": quantization}, hf_experts=experts))
     for w in hf_config.source_warnings(conf, family):
         ckpt.warn(w)
     return ckpt
@@ -69,6 +71,25 @@ def _dequantized(entries: Dict[str, TensorMeta]) -> Dict[str, TensorMeta]:
     for key in scales:
         name = key[:-len(quant.SCALE_SUFFIX)]
         out[name] = TensorMeta(out[name].shape, "bfloat16")
+    return out
+
+
+def unfused_shapes(entries: Dict[str, TensorMeta], family: Family, cfg) -> Dict[str, TensorMeta]:
+    """entries with fused 3-D experts ([E, 2I, h] gate_up, [E, h, I] down) as each expert's Hub-named shapes, as
+    reader.unfuse_experts splits the tensors; a fused tensor of another shape stays (canonical_shapes then
+    answers None and the reader names it)."""
+    out = dict(entries)
+    for i in cfg.moe.layers if cfg.moe else ():
+        p = family.names.layer_prefix.format(i=i)
+        for suffix, (op, arg) in family.fused_experts.items():
+            t = out.get(p + suffix)
+            if t is None or (op != "rename" and tuple(t.shape) != hf_config.fused_shape(op, cfg)):
+                continue
+            del out[p + suffix]
+            names = [arg] if op == "rename" else [a.format(e=e) for e in range(cfg.moe.num_experts)
+                                                  for a in (arg if op == "halves" else (arg,))]
+            shape = {"rename": t.shape, "each": t.shape[1:], "halves": (t.shape[1] // 2,) + tuple(t.shape[2:])}[op]
+            out.update((p + n, TensorMeta(tuple(shape), t.dtype)) for n in names)
     return out
 
 

@@ -1,9 +1,10 @@
-"""Hugging Face model directories (GPT-2, the Llama family, Mixtral, Qwen MoE, DeepSeek-V3): reader.
+"""Hugging Face model directories (GPT-2, the Llama family, Mixtral, Qwen MoE, DeepSeek-V3, GLM-4.5): reader.
 
 A directory with config.json whose model_type is gpt2, llama, mistral, qwen2, qwen3, mixtral,
-qwen2_moe, qwen3_moe or deepseek_v3, and weights in safetensors or torch .bin files, sharded (an
-*.index.json) or not. Experts are read per expert (the Hub names) or fused 3-D (transformers >= 5's state_dict);
-block-FP8 weights (DeepSeek-V3 / R1 as released) are dequantized lazily to bf16 (fp8.py). Tensors stay lazy: safetensors
+qwen2_moe, qwen3_moe, deepseek_v3 or glm4_moe, and weights in safetensors or torch .bin files, sharded (an
+*.index.json) or not. Experts are read per expert (the Hub names) or fused 3-D (transformers >= 5's state_dict),
+the form recorded in SourceInfo.hf_experts for the writer; block-FP8 weights (DeepSeek-V3 / R1 as released)
+are dequantized lazily to bf16 (fp8.py). Tensors stay lazy: safetensors
 entries are read with safe_open when loaded; .bin files go through the safe lazy torch loader, never
 plain torch.load. Names, config.json and fused experts come from the model's family record
 (families/); the writer is hf/writer.py.
@@ -28,8 +29,8 @@ from ...state import Checkpoint, SourceInfo, expected_names
 from ...vocab import with_true_vocab_size
 from . import fp8
 from .config import (  # noqa: F401 (looks_like, gpt_model_type, has_weights: this reader's interface)
-    FORMAT, IGNORED_SUFFIXES, gpt_model_type, has_weights, looks_like, part_rows, read_supported_config,
-    source_warnings, weight_files)
+    FORMAT, IGNORED_SUFFIXES, experts_form, fused_shape, gpt_model_type, has_weights, looks_like, part_rows,
+    read_supported_config, source_warnings, weight_files)
 from .quant import quantization_doc, storage_label
 
 
@@ -170,8 +171,10 @@ def unfuse_experts(entries: Dict[str, LazyTensor], family: Family, cfg: GPTConfi
                 out[p + arg] = t
                 continue
             n = cfg.moe.num_experts
-            require(len(t.shape) == 3 and t.shape[0] == n,
-                    f"{p + suffix} has shape {tuple(t.shape)}, expected [{n} experts, out, in]")
+            want = fused_shape(op, cfg)
+            require(tuple(t.shape) == want, f"{p + suffix} has shape {tuple(t.shape)}, expected {list(want)} "
+                    "([experts, out, in], gate rows before up rows)",
+                    "ckptool reads transformers' fused experts as its Glm4Moe / Qwen2-MoE / Mixtral modules hold them")
             for e in range(n):
                 one = Derived(lambda x: x[0], [t.narrow(0, e, 1)])
                 if op == "each":
@@ -193,7 +196,7 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     ckpt = Checkpoint(cfg, tensors, SourceInfo(
         path=str(path), format=FORMAT, dialect=family.model_type, layout=Layout(1, 1),
         storage=storage_label(quantization) if quantization else "",
-        extra={"hf_config": conf, "quantization": quantization}))
+        extra={"hf_config": conf, "quantization": quantization}, hf_experts=experts_form(entries, family, cfg)))
     for w in source_warnings(conf, family):
         ckpt.warn(w)
     return ckpt

@@ -4,8 +4,9 @@ The class written is the model's family (families/for_config): GPT-2 style model
 LayerNorm, plain MLP) become GPT2LMHeadModel; Llama style models (RoPE, RMSNorm, SwiGLU)
 LlamaForCausalLM, Qwen2ForCausalLM when only the QKV projections carry a bias, Qwen3ForCausalLM with
 q/k norms; MoE models MixtralForCausalLM, Qwen2MoeForCausalLM or Qwen3MoeForCausalLM by their routing,
-Multi-Latent Attention models DeepseekV3ForCausalLM; experts under the per-expert Hub names
-transformers 4 and 5 both load. The family's record gives the names and config.json; this module
+Glm4MoeForCausalLM when an expert bias steers it (DeepSeek-V3's routing on grouped-query attention, partial RoPE),
+Multi-Latent Attention models DeepseekV3ForCausalLM; experts as the Hugging Face source stored them (per expert
+under the Hub names transformers 4 and 5 both load, or transformers 5's fused 3-D tensors), or as --experts says. The family's record gives the names and config.json; this module
 the tensor transforms every family shares. Megatron options no such class computes are refused with
 the flag's name rather than exported into a model that would compute something else.
 """
@@ -31,6 +32,7 @@ from ...vocab import resize_vocab
 from ...write_options import WriteOptions
 from ..megatron import args as megatron_args
 from . import fp8
+from .config import fused_shape
 from .quant import RELEASE
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -164,6 +166,8 @@ def write_hf(ckpt: Checkpoint, out_dir: Path, opts: WriteOptions = WriteOptions(
     unplaced = [n for n in tensors if n not in used and not (n == "output.weight" and cfg.tied_embeddings)]
     require(not unplaced, f"cannot export to Hugging Face: {', '.join(unplaced[:3])} have no place in {arch}",
             "ckptool never leaves tensors out of an export")
+    if experts_written(ckpt, opts) == "fused":
+        items = fuse_experts(items, family, cfg)
     out_dtype = dtype or items[0][1].dtype
     if opts.fp8:  # after out_dtype: config.json's dtype is the unquantized tensors' (embeddings, norms)
         items = fp8.quantized_items(items, family)
@@ -180,6 +184,46 @@ def write_hf(ckpt: Checkpoint, out_dir: Path, opts: WriteOptions = WriteOptions(
     return from_sharded("hf", written, tensors=len(items) if first else 0,  # a team's ranks: counted once
                         architecture=arch, vocab_size=vocab, dtype=config_dtype(out_dtype), tokenizer_files=copied,
                         quantization=RELEASE.label() if opts.fp8 else None)
+
+
+# --- MoE experts: per expert (the Hub names) or fused 3-D (config.py says which families hold which) ------
+
+def experts_written(ckpt: Checkpoint, opts: WriteOptions) -> Optional[str]:
+    """The experts' form written: --experts, else the Hugging Face source's (SourceInfo.hf_experts), else per expert
+    (what the Hub holds and transformers 4 and 5 both load); None for a model without experts."""
+    if ckpt.config.moe is None:
+        require(opts.experts is None, f"--experts {opts.experts}: the model has no MoE layers",
+                "leave --experts out for a dense model")
+        return None
+    return opts.experts or ckpt.source.hf_experts or "per-expert"
+
+
+def fuse_experts(items: List[Item], family: Family, cfg: GPTConfig) -> List[Item]:
+    """items with each MoE layer's per-expert tensors replaced by the family's fused ones (fused_experts: gate_up
+    [E, 2I, h] as each expert's gate rows then its up rows, down [E, h, I]; Mixtral's router renamed), in place of the
+    layer's first expert tensor."""
+    by_name = {name: t for name, t, _ in items}
+    made: Dict[str, Item] = {}  # the per-expert name whose place a fused tensor takes -> the fused item
+    consumed = set()
+    for i in cfg.moe.layers:
+        p = family.names.layer_prefix.format(i=i)
+        for suffix, (op, arg) in family.fused_experts.items():
+            parts = [p + arg] if op == "rename" else [p + a.format(e=e) for e in range(cfg.moe.num_experts)
+                                                       for a in (arg if op == "halves" else (arg,))]
+            consumed.update(parts)
+            tensors = [by_name[n] for n in parts]
+            made[parts[0]] = (p + suffix, tensors[0] if op == "rename" else _stacked(tensors, op, cfg), f"layer {i}")
+    return [made[name] if name in made else (name, t, g) for name, t, g in items
+            if name in made or name not in consumed]
+
+
+def _stacked(tensors: List[LazyTensor], op: str, cfg: GPTConfig) -> LazyTensor:
+    """The experts' tensors (for "halves" each expert's gate then up) as one [E, out, in] tensor."""
+    def stack(*xs):
+        if op == "halves":
+            xs = [torch.cat(xs[k:k + 2], 0) for k in range(0, len(xs), 2)]
+        return torch.stack(xs, 0)
+    return Derived(stack, tensors, shape=fused_shape(op, cfg), dtype=tensors[0].dtype)
 
 
 def copy_tokenizer(src: str, out_dir: Path) -> List[str]:

@@ -27,7 +27,7 @@ from ...options import ReadOptions
 from ...roles import (BUFFER_ROLES, FIRST_STAGE_ROLES, assemble, canonical_names, fc_major, global_role_tensor,
                      layer_role_tensor, moe_layer_roles, scope_of, shard_role, tables_for)
 from ...sharding import ReplicaPolicy
-from ...state import Checkpoint, SourceInfo, in_model_order
+from ...state import HF_EXPERTS_ARG, Checkpoint, SourceInfo, in_model_order
 from ...summary import WriteSummary
 from ...vocab import resize_vocab, target_rows, with_true_vocab_size
 from ...write_options import WriteOptions
@@ -714,6 +714,8 @@ def plan_megatron(ckpt: Checkpoint, layout: Layout, opts: WriteOptions, warn, ho
     if how.stored:
         args = megatron_args.args_for_target(ckpt.source.args, cfg_out, layout, rows, out_dtype, how.legacy_models,
                                              how.transformer_impl, how.version, iteration, grouped_gemm=how.grouped_gemm)
+        if ckpt.source.hf_experts is not None:  # the Hugging Face source's expert form, for a later to-hf (state.py)
+            setattr(args, HF_EXPERTS_ARG, ckpt.source.hf_experts)
     return MegatronPlan(cfg_out, rows, tensors, out_dtype, iteration, train, args)
 
 
