@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -116,15 +116,35 @@ def write_hf(ckpt: Checkpoint, out_dir: Path, opts: WriteOptions = WriteOptions(
     options the format table says it honours). owns(i) (torchrun): write only the safetensors shards i it
     owns; configs, index and tokenizer go with shard 0's owner."""
     cfg, dtype, tokenizer = ckpt.config, opts.dtype, opts.tokenizer
-    not_computed = megatron_args.maths_not_computed(ckpt.source.args)
-    if not_computed:
-        raise refuse_export(", ".join(not_computed), "which ckptool's export does not compute")
     first = owns is None or owns(0)
     if not first:
         warn = lambda m: None  # noqa: E731 - the rank that owns shard 0 speaks for everyone
-    family = families.for_config(cfg)
+    family, vocab, items = hf_items(ckpt, dtype, warn)
     arch = family.architecture
     max_bytes = parse_size(opts.max_shard_size)
+    out_dtype = dtype or items[0][1].dtype
+    out_dir = Path(out_dir)
+    written = write_sharded(out_dir, items, max_bytes, progress, owns=owns)
+    copied = []
+    if first:
+        ids = _token_ids(ckpt)
+        conf = hf_config(cfg, family, vocab, out_dtype, ids)
+        (out_dir / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
+        gen = {"_from_model_config": True, **ids}
+        (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        copied = copy_tokenizer(tokenizer, out_dir) if tokenizer else []
+    return from_sharded("hf", written, tensors=len(items) if first else 0,  # a team's ranks: counted once
+                        architecture=arch, vocab_size=vocab, dtype=config_dtype(out_dtype), tokenizer_files=copied)
+
+
+def hf_items(ckpt: Checkpoint, dtype: Optional[torch.dtype], warn: Callable[[str], None]) -> Tuple[Family, int, List[Item]]:
+    """(the family written, the vocabulary exported, [(HF name, lazy tensor, group)] in streaming order): every
+    tensor of ckpt under the Hugging Face names of its family (the HF writer's, and the DCP writer's)."""
+    cfg = ckpt.config
+    not_computed = megatron_args.maths_not_computed(ckpt.source.args)
+    if not_computed:
+        raise refuse_export(", ".join(not_computed), "which ckptool's export does not compute")
+    family = families.for_config(cfg)
     vocab = cfg.vocab_size
     if vocab is None:
         vocab = cfg.padded_vocab_size
@@ -148,21 +168,9 @@ def write_hf(ckpt: Checkpoint, out_dir: Path, opts: WriteOptions = WriteOptions(
             t = t.to(dtype)
         items.append((hf_name, t, group))
     unplaced = [n for n in tensors if n not in used and not (n == "output.weight" and cfg.tied_embeddings)]
-    require(not unplaced, f"cannot export to Hugging Face: {', '.join(unplaced[:3])} have no place in {arch}",
-            "ckptool never leaves tensors out of an export")
-    out_dtype = dtype or items[0][1].dtype
-    out_dir = Path(out_dir)
-    written = write_sharded(out_dir, items, max_bytes, progress, owns=owns)
-    copied = []
-    if first:
-        ids = _token_ids(ckpt)
-        conf = hf_config(cfg, family, vocab, out_dtype, ids)
-        (out_dir / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
-        gen = {"_from_model_config": True, **ids}
-        (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-        copied = copy_tokenizer(tokenizer, out_dir) if tokenizer else []
-    return from_sharded("hf", written, tensors=len(items) if first else 0,  # a team's ranks: counted once
-                        architecture=arch, vocab_size=vocab, dtype=config_dtype(out_dtype), tokenizer_files=copied)
+    require(not unplaced, f"cannot export to Hugging Face: {', '.join(unplaced[:3])} have no place in "
+            f"{family.architecture}", "ckptool never leaves tensors out of an export")
+    return family, vocab, items
 
 
 def copy_tokenizer(src: str, out_dir: Path) -> List[str]:
