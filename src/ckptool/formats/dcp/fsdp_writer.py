@@ -61,7 +61,7 @@ def write_dcp(ckpt: Checkpoint, out_dir: Path, layout=None, opts: WriteOptions =
     writer.finish()
     (out_dir / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
     return WriteSummary(FORMAT, 1, written, tensors=len(placed), dialect=dialect,
-                        architecture=family.architecture, dtype=config_dtype(items[0][1].dtype))
+                        details={"architecture": family.architecture, "dtype": config_dtype(items[0][1].dtype)})
 
 
 def _hf_places(items: List[Tuple[str, LazyTensor]], family, cfg) -> list:
