@@ -15,7 +15,8 @@
         OUT/qwen3moe/step-2/            Qwen3-MoE as NeMo-RL-style {"model": ..., "optimizer": ...}: "model." prefix,
                                         no config.json anywhere (the tests pass --hf-config)
         OUT/qwen3moe_config/config.json
-        OUT/<model>.pt                  {"state": full HF state dict after the steps, "tokens", "logits"} (rank 0)
+        OUT/<model>.pt                  {"state": full HF state dict after the steps, "tokens", "logits",
+                                        "exp_avg": AdamW's first moment by HF name} (rank 0)
   "load DIR OUT.pt --model llama|qwen3moe [--titan]"   a fresh FSDP2-sharded model at this world size loads DIR
         with dcp.load (its model keys, HF names or torchtitan's with --titan), then writes the logits for TOKENS
         and the full state dict (rank 0).
@@ -111,6 +112,9 @@ def save(out: Path) -> None:
         msd = get_model_state_dict(model)
         osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
         full, lg = full_state(model), logits(model)
+        # the first moments gathered from the flattened state (a second get_optimizer_state_dict call fails)
+        exp_avg = {k[len("state."):-len(".exp_avg")]: v.full_tensor() for k, v in osd.items()
+                   if k.startswith("state.") and k.endswith(".exp_avg")}
         if name == "llama":
             dcp.save({**msd, "optimizer": osd}, checkpoint_id=str(out / "llama" / "step-2"))
             dcp.save({"model": msd}, checkpoint_id=str(out / "accelerate" / "pytorch_model_fsdp_0"))
@@ -123,7 +127,7 @@ def save(out: Path) -> None:
             for d in cfg_dirs:
                 d.mkdir(parents=True, exist_ok=True)
                 conf.save_pretrained(d)
-            torch.save({"state": full, "tokens": TOKENS, "logits": lg}, out / f"{name}.pt")
+            torch.save({"state": full, "tokens": TOKENS, "logits": lg, "exp_avg": exp_avg}, out / f"{name}.pt")
         dist.barrier()
 
 

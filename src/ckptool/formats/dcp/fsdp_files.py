@@ -26,6 +26,7 @@ from ...quick.torch_pickle import NotQuick, loads
 from .files import COMMON_FILE, CONFIG_FILE, DCP_METADATA
 
 FORMAT = "dcp"
+DIALECTS = ("hf", "torchtitan")  # the names the dcp writer writes (--dialect; hf by default)
 # prefixes a trainer's state dict puts before the model's own FQNs (accelerate / NeMo-RL: "model.")
 MODEL_PREFIXES = ("", "model.", "module.", "model.module.")
 TITAN_WORD = "tok_embeddings.weight"  # torchtitan's word embedding (its models' own names)
@@ -111,4 +112,4 @@ def find_config(d: Path, given: Optional[str]) -> Tuple[dict, Path]:
                 raise CkptError(f"{c}: not valid JSON ({e})", "pass a Hugging Face config.json")
     looked = ", ".join(str(c) for c in candidates)
     raise CkptError(f"{d}: a DCP save of a Hugging Face-named model without its config.json (looked at {looked})",
-                    "give --hf-config DIR (the folder holding the model's config.json)")
+                    "give --hf-config DIR, the folder holding the model's config.json")

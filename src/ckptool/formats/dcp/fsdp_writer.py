@@ -23,9 +23,8 @@ from ...summary import WriteSummary
 from ...write_options import WriteOptions
 from ..hf.writer import _token_ids, config_dtype, hf_config, hf_items
 from . import titan
-from .fsdp_files import FORMAT
+from .fsdp_files import DIALECTS, FORMAT
 
-DIALECTS = ("hf", "torchtitan")
 # an expert's tensor written as a part of a fused one: (fused name, expert, row offset in the expert's block)
 Part = Tuple[str, int, int]
 
