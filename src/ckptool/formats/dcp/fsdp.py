@@ -20,6 +20,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ... import families
 from ...config import Layout
 from ...errors import CkptError, require
 from ...io.dcp_io import DcpDir
@@ -27,7 +28,7 @@ from ...io.torchfile import load_torch_bytes
 from ...lazy import LazyTensor
 from ...options import ReadOptions
 from ...state import Checkpoint, OptimizerState, ParamGroup, SourceInfo
-from ..deepspeed.optim import _reaches, _Tag
+from ..deepspeed.optim import Tag, reaches
 from ..hf.config import gpt_model_type, refused_model, source_warnings
 from ..hf.reader import to_canonical
 from . import titan
@@ -38,6 +39,7 @@ OPTIMIZER_PREFIXES = ("optimizer.", "optim.")  # where trainers keep the optimiz
 TRAINER_STATES = OPTIMIZER_PREFIXES + ("lr_scheduler", "dataloader", "train_state")
 MOMENTS = ("exp_avg", "exp_avg_sq")
 ADAM_STATE = MOMENTS + ("step",)
+ACCELERATE_OPTIMIZER = "optimizer_[0-9]*"  # save_fsdp_optimizer's folder beside pytorch_model_fsdp_0/
 
 
 class _Read:
@@ -85,7 +87,6 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                       extra={"hf_config": r.conf, "dcp_dir": str(r.dir), "config_from": str(r.conf_path)})
     optimizer = _optimizer(r, tensors) if r.opts.optimizer else None
     ckpt = Checkpoint(cfg, tensors, info, r.warnings, optimizer)
-    from ... import families  # the family's own notes on what its config.json leaves unsaid
     for w in source_warnings(r.conf, families.for_model_type(r.model_type)):
         ckpt.warn(w)
     return ckpt
@@ -112,6 +113,10 @@ def _drop(r: _Read, why: str) -> None:
 
 def _optimizer(r: _Read, tensors: Dict[str, LazyTensor]) -> Optional[OptimizerState]:
     found = _state_entries(r)
+    beside = sorted(p.name for p in r.dir.parent.glob(ACCELERATE_OPTIMIZER))
+    if found is None and beside:  # accelerate's save_fsdp_optimizer: a DCP folder of its own, not read
+        _drop(r, f"accelerate keeps it in {beside[0]}/ beside the model, which ckptool does not read yet")
+        return None
     if found is None:
         if any(k.startswith(OPTIMIZER_PREFIXES) for k in r.dcp.entries):
             _drop(r, "the optimizer entries are not get_optimizer_state_dict's flattened AdamW state")
@@ -160,12 +165,12 @@ def _param_groups(r: _Read, prefix: str, moments: Dict[str, LazyTensor], order: 
             fqn, name = key[len(head):].rsplit(".", 1)
             hyper[fqn][name] = load_torch_bytes(r.dcp.read_bytes(key), source=f"{r.dir.name}:{key}")
     hyper = _own_names(r, hyper)
-    tags = {fqn: _Tag(t) for fqn, t in moments.items()}
+    tags = {fqn: Tag(t) for fqn, t in moments.items()}
     owners = {id(tag): fqn for fqn, tag in tags.items()}
     _, traced = r.canonical(tags)
     groups: Dict[str, ParamGroup] = {}
     for name in order:
-        for fqn in sorted(_reaches(traced[name], owners)):
+        for fqn in sorted(reaches(traced[name], owners)):
             h = hyper.get(fqn, {})
             group = groups.setdefault(repr(sorted(h.items())), ParamGroup([], h))
             if name not in group.names:

@@ -6,8 +6,8 @@ state) of a model's state dict under Hugging Face parameter names or torchtitan'
   - torchtitan (torchtitan/components/checkpoint.py, CheckpointManager._flattened_model_states_sd): the model
     state at the top level (keys are the model's FQNs), the optimizer under "optimizer", in folders
     `checkpoint/step-N/`;
-  - accelerate's save_fsdp_model with SHARDED_STATE_DICT (src/accelerate/utils/fsdp_utils.py, v1.10
-    bc8dc8c): `{"model": state_dict}` into `<output_dir>/pytorch_model_fsdp_0/` -> keys "model.<fqn>";
+  - accelerate's save_fsdp_model with SHARDED_STATE_DICT (src/accelerate/utils/fsdp_utils.py at
+    00b1b18): `{"model": state_dict}` into `<output_dir>/pytorch_model_fsdp_0/` -> keys "model.<fqn>";
   - NeMo-RL / others: `{"model": ..., "optimizer": ...}` (the same "model." prefix).
 The word embedding tells the prefix and the names (HF families' or torchtitan's). Its config is a Hugging
 Face config.json: --hf-config, else beside the folder, in its huggingface/ subfolder, or in the parent's

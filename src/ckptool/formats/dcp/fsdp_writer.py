@@ -21,7 +21,7 @@ from ...lazy import LazyTensor, load_scope
 from ...state import Checkpoint
 from ...summary import WriteSummary
 from ...write_options import WriteOptions
-from ..hf.writer import _token_ids, config_dtype, hf_config, hf_items
+from ..hf.writer import token_ids, config_dtype, hf_config, hf_items
 from . import titan
 from .fsdp_files import DIALECTS, FORMAT
 
@@ -39,7 +39,7 @@ def write_dcp(ckpt: Checkpoint, out_dir: Path, layout=None, opts: WriteOptions =
                         "leave --dialect out for Hugging Face names, or give --dialect torchtitan")
     family, vocab, items = hf_items(ckpt, opts.dtype, warn)
     out_dir = Path(out_dir)
-    conf = hf_config(ckpt.config, family, vocab, opts.dtype or items[0][1].dtype, _token_ids(ckpt))
+    conf = hf_config(ckpt.config, family, vocab, opts.dtype or items[0][1].dtype, token_ids(ckpt))
     if dialect == "torchtitan":
         placed = _titan_places(titan.from_hf(((n, t) for n, t, _ in items), conf, family.model_type))
     else:

@@ -92,7 +92,7 @@ def materialise(entry, tensors: Dict[str, LazyTensor]) -> Optional[LazyTensor]:
 
 # --- config.json ---------------------------------------------------------------------------
 
-def _token_ids(ckpt: Checkpoint) -> dict:
+def token_ids(ckpt: Checkpoint) -> dict:
     src = ckpt.source.extra.get("hf_config") or {}
     ids = {k: src[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if src.get(k) is not None}
     if not ids and ckpt.config.vocab_size == 50257:  # the GPT-2 BPE vocabulary: <|endoftext|> is 50256
@@ -127,7 +127,7 @@ def write_hf(ckpt: Checkpoint, out_dir: Path, opts: WriteOptions = WriteOptions(
     written = write_sharded(out_dir, items, max_bytes, progress, owns=owns)
     copied = []
     if first:
-        ids = _token_ids(ckpt)
+        ids = token_ids(ckpt)
         conf = hf_config(cfg, family, vocab, out_dtype, ids)
         (out_dir / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
         gen = {"_from_model_config": True, **ids}
