@@ -179,3 +179,24 @@ def test_optimizer_state_other_than_adamw_is_dropped_with_a_warning(converted, t
     ckpt = api.open(tmp_path / "sgd")
     assert ckpt.optimizer is None
     assert any("optimizer state dropped" in w and "momentum_buffer" in w for w in ckpt.warnings)
+
+
+def test_torchtitan_names_written_are_the_ones_torchtitan_saved(converted, tmp_path):
+    """--dialect torchtitan writes the names and RoPE row order of the helper's own torchtitan save (renamed and
+    permuted by an implementation of torchtitan's adapter independent of ckptool's table); an MoE model's
+    fused experts come back to the same model."""
+    from ckptool.io.dcp_io import DcpDir
+    inputs, root = converted
+    saved, written = DcpDir(inputs / "llama_titan" / "step-2"), DcpDir(root / "llama_titan")
+    model_keys = sorted(k for k in saved.tensor_keys() if not k.startswith("optimizer."))
+    assert sorted(written.tensor_keys()) == model_keys
+    for k in model_keys:
+        assert torch.equal(written.lazy(k).load(), saved.lazy(k).load()), k
+    qwen = api.open(source(inputs, "qwen3moe"), **read_options(inputs, "qwen3moe"))
+    api.merge(source(inputs, "qwen3moe"), tmp_path / "t", format="dcp", dialect="torchtitan", warn=lambda m: None,
+              **read_options(inputs, "qwen3moe"))
+    assert "layers.1.moe.experts.w1" in DcpDir(tmp_path / "t").tensor_keys()
+    back = api.open(tmp_path / "t")
+    assert back.source.dialect == "torchtitan qwen3_moe" and list(back.tensors) == list(qwen.tensors)
+    for n, t in qwen.tensors.items():
+        assert torch.equal(back.tensors[n].load(), t.load()), n
