@@ -200,3 +200,14 @@ def test_torchtitan_names_written_are_the_ones_torchtitan_saved(converted, tmp_p
     assert back.source.dialect == "torchtitan qwen3_moe" and list(back.tensors) == list(qwen.tensors)
     for n, t in qwen.tensors.items():
         assert torch.equal(back.tensors[n].load(), t.load()), n
+
+
+def test_data_files_without_their_index_are_named(converted, tmp_path):
+    """accelerate's merge-weights fails on a missing .metadata with a traceback; ckptool says what is missing."""
+    inputs, _ = converted
+    copy = tmp_path / "out"
+    shutil.copytree(inputs / "accelerate", copy)
+    (copy / "pytorch_model_fsdp_0" / ".metadata").unlink()
+    assert registry.detect_format(copy) == "dcp"
+    with pytest.raises(CkptError, match=r"pytorch_model_fsdp_0: DCP data files \(__0_0.distcp.*but no .metadata"):
+        api.open(copy)

@@ -32,6 +32,7 @@ MODEL_PREFIXES = ("", "model.", "module.", "model.module.")
 TITAN_WORD = "tok_embeddings.weight"  # torchtitan's word embedding (its models' own names)
 ACCELERATE_DIR = re.compile(r"^pytorch_model_fsdp_(\d+)$")
 STEP_DIR = re.compile(r"^step-(\d+)$")  # torchtitan's checkpoint folders
+DATA_FILES = "__*_*.distcp"  # DCP's data files (FileSystemWriter)
 CONFIG_PLACES = ("config.json", "huggingface/config.json", "../config.json", "../huggingface/config.json")
 
 
@@ -76,14 +77,30 @@ def locate(path: Path, step: Optional[int] = None) -> Path:
         if step is not None and step not in steps:
             raise CkptError(f"{path}: no step-{step}/ (found steps {sorted(steps)})", "pass one of those steps")
         return steps[step if step is not None else max(steps)]
+    orphan = _data_without_index(path)
+    if orphan is not None:
+        raise CkptError(f"{orphan}: DCP data files ({', '.join(sorted(p.name for p in orphan.glob(DATA_FILES))[:3])}) "
+                        f"but no {DCP_METADATA} index", "the save was interrupted, or .metadata was not copied: copy "
+                        "the whole folder again (no reader can place the chunks without it)")
     raise CkptError(f"{path}: no torch.distributed.checkpoint folder (.metadata) here",
                     "pass the folder the trainer saved (step-N/, pytorch_model_fsdp_0/)")
 
 
+def _data_without_index(path: Path) -> Optional[Path]:
+    """The folder (path, or accelerate's model folder in it) holding DCP data files but no .metadata, else None."""
+    for d in [path] + sorted(p for p in path.iterdir() if ACCELERATE_DIR.match(p.name) and p.is_dir()):
+        if not (d / DCP_METADATA).exists() and not (d / CONFIG_FILE).exists() and any(d.glob(DATA_FILES)):
+            return d
+    return None
+
+
 def looks_like(path: Path) -> bool:
     """A plain DCP save whose model keys are a Hugging Face family's or torchtitan's (megatron-core's
-    torch_dist has metadata.json / a common state and its own names: formats/dcp/files.py)."""
+    torch_dist has metadata.json / a common state and its own names: formats/dcp/files.py); also DCP data
+    files left without their index, for the reader to say so."""
     path = Path(path)
+    if path.is_dir() and _data_without_index(path) is not None:
+        return True
     try:
         d = locate(path)
     except CkptError:
