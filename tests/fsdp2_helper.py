@@ -180,22 +180,25 @@ def load(src: Path, out: Path, name: str, titan: bool) -> None:
         torch.save({"state": full, "logits": lg, "world": dist.get_world_size()}, out)
 
 
+def run_job(job: str) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["save", "load"])
+    p.add_argument("paths", nargs="+")
+    p.add_argument("--model", default="llama")
+    p.add_argument("--titan", action="store_true")
+    a = p.parse_args(shlex.split(job))
+    if a.mode == "save":
+        save(Path(a.paths[0]))
+    else:
+        load(Path(a.paths[0]), Path(a.paths[1]), a.model, a.titan)
+    dist.barrier()
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     for job in sys.argv[1:]:
-        argv = shlex.split(job)
-        p = argparse.ArgumentParser()
-        p.add_argument("mode")
-        p.add_argument("paths", nargs="+")
-        p.add_argument("--model", default="llama")
-        p.add_argument("--titan", action="store_true")
-        a = p.parse_args(argv)
-        if a.mode == "save":
-            save(Path(a.paths[0]))
-        else:
-            load(Path(a.paths[0]), Path(a.paths[1]), a.model, a.titan)
-        dist.barrier()
+        run_job(job)
     dist.destroy_process_group()
 
 

@@ -5,6 +5,8 @@ checkpoint stores, as Megatron-LM builds one (local layer spec; the MoE block sp
   "load-dist DIR --tp T [--ep E] --out FILE"   dist_checkpointing.load of DIR's iteration into the fresh model at
         TP x EP, then load_state_dict(strict=True) (every parameter found, nothing left over; only the empty extra
         states megatron-core's local modules do not hold may be absent); FILE gets the logits for TOKENS.
+  "load DIR OUT.pt --model M [--titan]"   tests/fsdp2_helper.py's load (torch's dcp.load into an FSDP2 model at this
+        world size), run here so the 2-process loads of both helpers share one launch.
 Several quoted jobs may follow one another on the command line.
 """
 import argparse
@@ -23,6 +25,7 @@ from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 from mcore_dist_helper import TOKENS, logits  # noqa: E402  (its CPU shims come with it)
+import fsdp2_helper  # noqa: E402
 from megatron.core.transformer.moe import moe_utils  # noqa: E402
 if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16 without Transformer Engine: a plain matmul
     moe_utils.te_general_gemm = None
@@ -84,6 +87,9 @@ def load_dist(root: Path, tp: int, ep: int, out: Path) -> None:
 def main() -> None:
     dist.init_process_group("gloo")
     for job in sys.argv[1:]:
+        if shlex.split(job)[0] == "load":
+            fsdp2_helper.run_job(job)
+            continue
         p = argparse.ArgumentParser()
         p.add_argument("mode", choices=["load-dist"])
         p.add_argument("dir")
