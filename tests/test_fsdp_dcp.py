@@ -212,3 +212,19 @@ def test_data_files_without_their_index_are_named(converted, tmp_path):
     assert registry.detect_format(copy) == "dcp"
     with pytest.raises(CkptError, match=r"pytorch_model_fsdp_0: DCP data files \(__0_0.distcp.*but no .metadata"):
         api.open(copy)
+
+
+def test_inspect_reads_an_hf_named_save_without_torch(converted):
+    """The quick path (formats/dcp/fsdp_quick.py) gives the full reader's config and shapes, importing no torch;
+    what it cannot say (optimizer state, torchtitan's names) it leaves to the full reader."""
+    inputs, _ = converted
+    fmt = registry.BY_NAME["dcp"]
+    quick, full = fmt.quick_read(inputs / "accelerate"), api.open(inputs / "accelerate")
+    assert quick.config == full.config
+    assert {n: tuple(t.shape) for n, t in quick.tensors.items()} == {n: tuple(t.shape) for n, t in full.tensors.items()}
+    assert fmt.quick_read(inputs / "llama") is None and fmt.quick_read(inputs / "llama_titan") is None
+    code = ("import sys\nfrom ckptool.formats import registry\n"
+            f"ckpt = registry.BY_NAME['dcp'].quick_read({str(inputs / 'accelerate')!r})\n"
+            "assert ckpt is not None and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:3]")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

@@ -147,7 +147,8 @@ FORMATS: Tuple[Format, ...] = (
     # folder with a DCP index (this one claims only those whose keys are a Hugging Face family's or torchtitan's)
     Format("dcp", "ckptool.formats.dcp.fsdp_files:looks_like", "ckptool.formats.dcp.fsdp:read",
            "ckptool.formats.dcp.fsdp_writer:write_dcp", output="dcp", honours=DCP_HONOURS, holds=frozenset({"moe"}),
-           megatron_layout=False, command="ckptool merge SRC DST --format dcp"),
+           megatron_layout=False, quick_ref="ckptool.formats.dcp.fsdp_quick:read",
+           command="ckptool merge SRC DST --format dcp"),
     Format("torch_dist", "ckptool.formats.dcp.files:looks_like", "ckptool.formats.dcp.torch_dist:read",
            "ckptool.formats.dcp.torch_dist:write_torch_dist", output="torch_dist", honours=TORCH_DIST_HONOURS,
            holds=frozenset({"moe", "mla", "optimizer"}), megatron_run=True, quick_ref="ckptool.formats.dcp.quick:read",

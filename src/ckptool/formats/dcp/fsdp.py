@@ -32,11 +32,9 @@ from ..deepspeed.optim import Tag, reaches
 from ..hf.config import gpt_model_type, refused_model, source_warnings
 from ..hf.reader import to_canonical
 from . import titan
-from .fsdp_files import FORMAT, find_config, locate, looks_like, name_scheme  # noqa: F401 (looks_like: the table's)
+from .fsdp_files import (  # noqa: F401 (looks_like: the table's)
+    FORMAT, OPTIMIZER_PREFIXES, find_config, locate, looks_like, model_name, name_scheme)
 
-OPTIMIZER_PREFIXES = ("optimizer.", "optim.")  # where trainers keep the optimizer beside the model
-# top-level trainer states beside a torchtitan model (CheckpointManager's states): never model tensors
-TRAINER_STATES = OPTIMIZER_PREFIXES + ("lr_scheduler", "dataloader", "train_state")
 MOMENTS = ("exp_avg", "exp_avg_sq")
 ADAM_STATE = MOMENTS + ("step",)
 ACCELERATE_OPTIMIZER = "optimizer_[0-9]*"  # save_fsdp_optimizer's folder beside pytorch_model_fsdp_0/
@@ -64,12 +62,7 @@ class _Read:
 
     def model_keys(self) -> Dict[str, LazyTensor]:
         """The model's tensors under its own names (prefix off, trainer states left out), lazily."""
-        out = {}
-        for key in self.keys:
-            if not key.startswith(self.prefix) or (not self.prefix and key.startswith(TRAINER_STATES)):
-                continue
-            out[key[len(self.prefix):]] = self.dcp.lazy(key)
-        return out
+        return {name: self.dcp.lazy(key) for key in self.keys if (name := model_name(key, self.prefix)) is not None}
 
     def hf_named(self, named: Dict[str, LazyTensor]) -> Dict[str, LazyTensor]:
         if self.dialect == "torchtitan":

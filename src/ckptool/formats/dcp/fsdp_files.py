@@ -33,6 +33,9 @@ TITAN_WORD = "tok_embeddings.weight"  # torchtitan's word embedding (its models'
 ACCELERATE_DIR = re.compile(r"^pytorch_model_fsdp_(\d+)$")
 STEP_DIR = re.compile(r"^step-(\d+)$")  # torchtitan's checkpoint folders
 DATA_FILES = "__*_*.distcp"  # DCP's data files (FileSystemWriter)
+OPTIMIZER_PREFIXES = ("optimizer.", "optim.")  # where trainers keep the optimizer beside the model
+# top-level trainer states beside a torchtitan model (CheckpointManager's states): never model tensors
+TRAINER_STATES = OPTIMIZER_PREFIXES + ("lr_scheduler", "dataloader", "train_state")
 CONFIG_PLACES = ("config.json", "huggingface/config.json", "../config.json", "../huggingface/config.json")
 
 
@@ -59,6 +62,14 @@ def name_scheme(keys: List[str]) -> Optional[Tuple[str, str]]:
             if prefix + word in present:
                 return dialect, prefix
     return None
+
+
+def model_name(key: str, prefix: str) -> Optional[str]:
+    """The model's own name of a DCP key under a model-key prefix, None for keys outside the model (another
+    prefix; at the top level, a trainer state such as the optimizer)."""
+    if not key.startswith(prefix) or (not prefix and key.startswith(TRAINER_STATES)):
+        return None
+    return key[len(prefix):]
 
 
 def locate(path: Path, step: Optional[int] = None) -> Path:
