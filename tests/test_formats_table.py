@@ -28,7 +28,7 @@ def test_every_entry_resolves_to_functions():
             if ref is not None:
                 assert callable(registry.resolve(ref)), ref
         assert (fmt.looks_like_ref is None) == (fmt.read_ref is None), fmt.name  # what is claimed is read
-    assert set(registry.OUTPUT_FORMATS) == {"torch", "torch_dist", "ds-universal"}
+    assert set(registry.OUTPUT_FORMATS) == {"torch", "torch_dist", "ds-universal", "dcp"}
     assert registry.OUTPUT_FORMATS[0] == "torch"
     with pytest.raises(CkptError, match="unknown output format 'zarr'"):
         registry.output_format("zarr")

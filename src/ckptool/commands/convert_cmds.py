@@ -8,6 +8,7 @@ from .. import api
 from ..summary import WriteSummary
 from ..formats.megatron.buffers import ERA_BY_SINCE
 from ..formats.registry import BY_OUTPUT
+from ..formats.dcp.fsdp_files import DIALECTS as DCP_DIALECTS
 from ..formats.megatron.names import DIALECTS
 from .common import (LiveWarnings, Progress, conversion_line, human_bytes, output_options, report_conversion,
                      reports_errors, source_options)
@@ -64,11 +65,14 @@ def _training_state_lines(summary: WriteSummary, ckpt, optimizer: bool) -> list:
 
 
 def megatron_output_options(fn):
-    fn = click.option("--dialect", type=click.Choice(sorted(DIALECTS)), default=None,
-                      help="Key-name dialect to write (default: the source's; mcore for non-Megatron sources).")(fn)
+    fn = click.option("--dialect", type=click.Choice(sorted(DIALECTS) + list(DCP_DIALECTS)), default=None,
+                      help="Key-name dialect to write (default: the source's; mcore for non-Megatron sources; "
+                           "--format dcp: hf, or torchtitan for torchtitan's names).")(fn)
     fn = click.option("--format", type=click.Choice(api.OUTPUT_FORMATS), default=None,
-                      help="Format to write (default: the source's): Megatron torch or torch_dist, or "
-                           "ds-universal (a DeepSpeed universal checkpoint with the optimizer state; merge only).")(fn)
+                      help="Format to write (default: the source's): Megatron torch or torch_dist, "
+                           "ds-universal (a DeepSpeed universal checkpoint with the optimizer state; merge only), "
+                           "or dcp (a torch.distributed.checkpoint folder of the HF-named state dict that "
+                           "dcp.load loads into an FSDP2 model at any world size; weights only).")(fn)
     fn = click.option("--optimizer/--no-optimizer", default=True, show_default=True,
                       help="Carry the optimizer state (fp32 masters, Adam moments, step, param groups, LR "
                            "scheduler) when the source has it and the target format holds it, so training "

@@ -21,6 +21,8 @@ torch (the quick inspect relies on it). Each entry may have:
                                            Multi-Latent Attention, optimizer state); MoE or MLA it cannot
                                            hold is refused, optimizer state it cannot hold dropped with a warning
   megatron_run                             Megatron-LM resumes training from what its writer writes
+  megatron_layout                          its writer writes Megatron layouts: merge / reshard / fix-vocab of a
+                                           source of it write it by default (else Megatron's torch format)
   quick_read(path) -> Checkpoint | None    metadata only, without torch, for inspect (quick/)
   command                                  the command line that writes the format (for hints)
   parallel_ref                             how verify under torchrun gives each rank its own shard of a
@@ -65,6 +67,7 @@ class Format:
     honours: FrozenSet[str] = frozenset()  # WriteOptions fields its writer acts on
     holds: FrozenSet[str] = frozenset()  # CONTENTS its writer writes (the rest is refused or dropped)
     megatron_run: bool = False  # a Megatron-LM training run resumes from its output
+    megatron_layout: bool = True  # its writer writes Megatron layouts (a source of it is rewritten in it by default)
     quick_ref: Optional[str] = None  # torch-free metadata reader for inspect (quick_inspect.py)
     command: Optional[str] = None  # the command line that writes this format, for hints
     # verify under torchrun: how each rank gets its own shard of a checkpoint of this format
@@ -134,11 +137,18 @@ MEGATRON_HONOURS = (TORCH_DIST_HONOURS | _DISTRIBUTED_OPTIMIZER
 # checks the values of these two itself (fp32 only, the optimizer state required)
 DS_UNIVERSAL_HONOURS = frozenset({"format", "dtype", "optimizer"})
 HF_HONOURS = frozenset({"dtype", "max_shard_size", "tokenizer", "experts", "fp8"})  # fp8: for families released so (hf/writer.py)
+DCP_HONOURS = frozenset({"format", "dialect", "dtype"})  # dialect: torchtitan's names instead of HF's
 
 # Order matters: a torch_dist iteration directory also has Megatron's tracker file, and a DeepSpeed
 # save directory may have one too, so the more specific formats are asked first. The BERT file
 # check opens the file, so it comes last (every other format is a directory).
 FORMATS: Tuple[Format, ...] = (
+    # FSDP / FSDP2 / torchtitan / accelerate DCP saves of HF-named models: asked before torch_dist, which claims every
+    # folder with a DCP index (this one claims only those whose keys are a Hugging Face family's or torchtitan's)
+    Format("dcp", "ckptool.formats.dcp.fsdp_files:looks_like", "ckptool.formats.dcp.fsdp:read",
+           "ckptool.formats.dcp.fsdp_writer:write_dcp", output="dcp", honours=DCP_HONOURS, holds=frozenset({"moe"}),
+           megatron_layout=False, quick_ref="ckptool.formats.dcp.fsdp_quick:read",
+           command="ckptool merge SRC DST --format dcp"),
     Format("torch_dist", "ckptool.formats.dcp.files:looks_like", "ckptool.formats.dcp.torch_dist:read",
            "ckptool.formats.dcp.torch_dist:write_torch_dist", output="torch_dist", honours=TORCH_DIST_HONOURS,
            holds=frozenset({"moe", "mla", "optimizer"}), megatron_run=True, quick_ref="ckptool.formats.dcp.quick:read",
@@ -199,7 +209,8 @@ def default_output(ckpt: Checkpoint) -> Format:
     """What merge / reshard / fix-vocab write when --format is not given: the source's own format
     where the table writes Megatron layouts of it, else Megatron's torch format."""
     own = BY_NAME.get(ckpt.source.format)
-    return own if own is not None and own.output is not None and own.looks_like_ref else BY_OUTPUT["torch"]
+    return own if own is not None and own.output is not None and own.looks_like_ref and own.megatron_layout \
+        else BY_OUTPUT["torch"]
 
 
 def open_checkpoint(path, opts: Optional[ReadOptions] = None) -> Checkpoint:

@@ -53,7 +53,7 @@ def read(path: Path, format_name: str) -> Optional[Checkpoint]:
         common = _common_state(d, meta)
     except (CkptError, NotQuick, OSError, ValueError):
         return None
-    if not _sound_index(meta, d) or not isinstance(common, dict):
+    if not sound_index(meta, d) or not isinstance(common, dict):
         return None
     try:
         return _checkpoint(path, format_name, d, meta, common, iteration, release)
@@ -61,7 +61,7 @@ def read(path: Path, format_name: str) -> Optional[Checkpoint]:
         return None  # structures the quick reader does not know: the full reader says what they are
 
 
-def _is(obj, name: str) -> bool:
+def is_record(obj, name: str) -> bool:
     """obj is a record of torch.distributed.checkpoint's class `name`."""
     module, cls = stands_for(obj)
     return cls == name and module.startswith("torch.distributed.checkpoint")
@@ -72,30 +72,30 @@ def _index(value, dims: Optional[int] = None) -> bool:
         (dims is None or len(value) == dims)
 
 
-def _sound_index(meta, d: Path) -> bool:
+def sound_index(meta, d: Path) -> bool:
     """Whether the DCP index is whole, as the full reader checks it on opening (io/dcp_io.py): every
     entry tensor or bytes metadata, chunks inside their tensor, every storage entry a plain file of
     this directory that exists, holding its bytes, without stream transforms. Anything else is the
     full reader's to report."""
     entries, storage = getattr(meta, "state_dict_metadata", None), getattr(meta, "storage_data", None)
-    if not _is(meta, "Metadata") or not isinstance(entries, dict) or not isinstance(storage, dict):
+    if not is_record(meta, "Metadata") or not isinstance(entries, dict) or not isinstance(storage, dict):
         return False
     for fqn, e in entries.items():
-        if _is(e, "BytesStorageMetadata"):
+        if is_record(e, "BytesStorageMetadata"):
             continue
         size = getattr(e, "size", None)
-        if not (isinstance(fqn, str) and _is(e, "TensorStorageMetadata") and _index(size)
-                and _tensor(e) is not None and isinstance(getattr(e, "chunks", None), list)):
+        if not (isinstance(fqn, str) and is_record(e, "TensorStorageMetadata") and _index(size)
+                and tensor_meta(e) is not None and isinstance(getattr(e, "chunks", None), list)):
             return False
         for c in e.chunks:
             offsets, sizes = getattr(c, "offsets", None), getattr(c, "sizes", None)
-            if not (_is(c, "ChunkStorageMetadata") and _index(offsets, len(size)) and _index(sizes, len(size))
+            if not (is_record(c, "ChunkStorageMetadata") and _index(offsets, len(size)) and _index(sizes, len(size))
                     and all(o + n <= full for o, n, full in zip(offsets, sizes, size))):
                 return False
     lengths = {}
     for idx, info in storage.items():
         rel = getattr(info, "relative_path", None)
-        if not (_is(idx, "MetadataIndex") and isinstance(getattr(idx, "fqn", None), str) and _is(info, "_StorageInfo")
+        if not (is_record(idx, "MetadataIndex") and isinstance(getattr(idx, "fqn", None), str) and is_record(info, "_StorageInfo")
                 and isinstance(rel, str) and rel and Path(rel).name == rel and rel not in (".", "..")
                 and type(getattr(info, "offset", None)) is int and type(getattr(info, "length", None)) is int
                 and info.offset >= 0 and info.length >= 0 and not getattr(info, "transform_descriptors", None)):
@@ -141,7 +141,7 @@ def _entry_bytes(d: Path, meta, fqn: str) -> Optional[bytes]:
         return f.read(info.length)
 
 
-def _tensor(entry) -> Optional[TensorMeta]:
+def tensor_meta(entry) -> Optional[TensorMeta]:
     """A TensorStorageMetadata record as TensorMeta (its properties pickle as a state tuple, dtype first)."""
     props = getattr(entry, "properties", None)
     size = getattr(entry, "size", None)
@@ -161,7 +161,7 @@ def _checkpoint(path, format_name, d, meta, common, iteration, release) -> Optio
     for key, entry in entries.items():
         if NOT_WEIGHTS.search(key) or type(entry).__name__ == "BytesStorageMetadata":
             continue
-        t = _tensor(entry)
+        t = tensor_meta(entry)
         if t is None:
             return None
         weights[key] = t
@@ -201,9 +201,9 @@ def _checkpoint(path, format_name, d, meta, common, iteration, release) -> Optio
                       iteration=iteration if iteration is not None else common.get("iteration"),
                       checkpoint_version=common.get("checkpoint_version"), args=args)
     canonical = canonical_meta(shapes, cfg, dtype, buffer_dtype)
-    stored_tensors = {k: _tensor(e) for k, e in entries.items() if _is(e, "TensorStorageMetadata")}
+    stored_tensors = {k: tensor_meta(e) for k, e in entries.items() if is_record(e, "TensorStorageMetadata")}
     head = prefix + HEAD if cfg.tied_embeddings and prefix + HEAD in weights else None
-    objects = object_reader([k for k, e in entries.items() if _is(e, "BytesStorageMetadata")],
+    objects = object_reader([k for k, e in entries.items() if is_record(e, "BytesStorageMetadata")],
                             lambda key: _entry_bytes(d, meta, key))
     # a module buffer (the router's expert bias) is in no optimizer: no slot, no group, no place in a buffer
     params = {k: t for k, t in weights.items() if not k.endswith(tuple(BUFFER_KEYS))}

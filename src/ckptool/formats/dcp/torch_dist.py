@@ -166,7 +166,8 @@ def _model_prefix(keys: List[str]) -> str:
     sample = ", ".join(sorted(keys)[:4])
     raise CkptError(f"no word embedding (embedding.word_embeddings.weight) among the DCP tensors "
                     f"(e.g. {sample})", "ckptool reads megatron-core GPT models saved with "
-                    "dist_checkpointing or torch.distributed.checkpoint")
+                    "dist_checkpointing or torch.distributed.checkpoint, and FSDP / torchtitan DCP saves of the "
+                    "Hugging Face GPT families it converts")
 
 
 def _collect(dcp: DcpDir, slot_prefix: Optional[str] = None) -> Tuple[Dict[Tuple[str, Optional[int]], List[LazyTensor]], bool]:

@@ -66,7 +66,7 @@ def _slot_named(r: RankStates, slot: str, moments: Dict[str, Dict[str, LazyTenso
     return out
 
 
-class _Tag(LazyTensor):
+class Tag(LazyTensor):
     """A stand-in for one engine parameter while tracing which canonical tensors it feeds. Unlike a
     stored tensor it keeps plain narrow()s, so every derived tensor still points back to it."""
 
@@ -77,7 +77,7 @@ class _Tag(LazyTensor):
         raise RuntimeError("internal: a tracing tag was loaded")
 
 
-def _reaches(t: LazyTensor, owners: Dict[int, int]) -> set:
+def reaches(t: LazyTensor, owners: Dict[int, int]) -> set:
     """The values of owners (keyed by id of a lazy node) met walking t's graph towards its inputs."""
     found, stack, seen = set(), [t], set()
     while stack:
@@ -102,7 +102,7 @@ def _param_groups(tf, ranks: Dict[int, RankStates], opts, canonical: Callable, n
         flat_of = {n: f for f, names in enumerate(param_shapes(r.meta)) for n in names}
         named[mp] = {}
         for k, v in named_weights(r, "master").items():
-            tag = _Tag(v)
+            tag = Tag(v)
             owner = r.shared.get(k, k)
             if owner in flat_of:
                 owners[id(tag)] = flat_of[owner]
@@ -110,7 +110,7 @@ def _param_groups(tf, ranks: Dict[int, RankStates], opts, canonical: Callable, n
     _, traced, *_ = canonical(tf, ranks, named, opts, ReplicaPolicy("first", lambda m: None), [])
     by_flat: Dict[int, List[str]] = defaultdict(list)
     for name, t in traced.items():
-        for f in sorted(_reaches(t, owners)):
+        for f in sorted(reaches(t, owners)):
             by_flat[f].append(name)
     return [ParamGroup([n for f in g.get("params", []) for n in by_flat.get(f, [])], hyperparameters(g))
             for g in stored_groups(ranks[0])]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -96,7 +96,7 @@ def materialise(entry, tensors: Dict[str, LazyTensor]) -> Optional[LazyTensor]:
 
 # --- config.json ---------------------------------------------------------------------------
 
-def _token_ids(ckpt: Checkpoint) -> dict:
+def token_ids(ckpt: Checkpoint) -> dict:
     src = ckpt.source.extra.get("hf_config") or {}
     ids = {k: src[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if src.get(k) is not None}
     if not ids and ckpt.config.vocab_size == 50257:  # the GPT-2 BPE vocabulary: <|endoftext|> is 50256
@@ -127,20 +127,45 @@ def _target_family(cfg: GPTConfig, opts: WriteOptions) -> Family:
 def write_hf(ckpt: Checkpoint, out_dir: Path, opts: WriteOptions = WriteOptions(),
              progress: Optional[Callable[[int], None]] = None, warn: Callable[[str], None] = print,
              owns: Optional[Callable[[int], bool]] = None) -> WriteSummary:
-    """Export ckpt as a Hugging Face model directory, as opts say (dtype, max_shard_size, tokenizer, fp8: the
-    options the format table says it honours; fp8 stores the Linear weights the family releases in block
-    FP8 so, with their scales and config.json's quantization_config: fp8.py). owns(i) (torchrun): write only the safetensors shards i it
-    owns; configs, index and tokenizer go with shard 0's owner."""
+    """Export ckpt as a Hugging Face model directory, as opts say (dtype, max_shard_size, tokenizer, experts,
+    fp8: the options the format table says it honours; fp8 stores the Linear weights the family releases in
+    block FP8 so, with their scales and config.json's quantization_config: fp8.py). owns(i) (torchrun):
+    write only the safetensors shards i it owns; configs, index and tokenizer go with shard 0's owner."""
     cfg, dtype, tokenizer = ckpt.config, opts.dtype, opts.tokenizer
-    not_computed = megatron_args.maths_not_computed(ckpt.source.args)
-    if not_computed:
-        raise refuse_export(", ".join(not_computed), "which ckptool's export does not compute")
     first = owns is None or owns(0)
     if not first:
         warn = lambda m: None  # noqa: E731 - the rank that owns shard 0 speaks for everyone
-    family = _target_family(cfg, opts)
-    arch = family.architecture
-    max_bytes = parse_size(opts.max_shard_size)
+    family, vocab, items = hf_items(ckpt, dtype, warn, _target_family(ckpt.config, opts))
+    if experts_written(ckpt, opts) == "fused":
+        items = fuse_experts(items, family, cfg)
+    out_dtype = dtype or items[0][1].dtype
+    if opts.fp8:  # after out_dtype: config.json's dtype is the unquantized tensors' (embeddings, norms)
+        items = fp8.quantized_items(items, family)
+    out_dir = Path(out_dir)
+    written = write_sharded(out_dir, items, parse_size(opts.max_shard_size), progress, owns=owns)
+    copied = []
+    if first:
+        ids = token_ids(ckpt)
+        conf = hf_config(cfg, family, vocab, out_dtype, ids, fp8=opts.fp8)
+        (out_dir / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
+        gen = {"_from_model_config": True, **ids}
+        (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        copied = copy_tokenizer(tokenizer, out_dir) if tokenizer else []
+    return from_sharded("hf", written, tensors=len(items) if first else 0,  # a team's ranks: counted once
+                        architecture=family.architecture, vocab_size=vocab, dtype=config_dtype(out_dtype),
+                        tokenizer_files=copied, quantization=RELEASE.label() if opts.fp8 else None)
+
+
+def hf_items(ckpt: Checkpoint, dtype: Optional[torch.dtype], warn: Callable[[str], None],
+             family: Optional[Family] = None) -> Tuple[Family, int, List[Item]]:
+    """(the family written, the vocabulary exported, [(HF name, lazy tensor, group)] in streaming order): every
+    tensor of ckpt under the Hugging Face names of its family (the HF writer's, and the DCP writer's); family:
+    the class written (default: families.for_config's)."""
+    cfg = ckpt.config
+    not_computed = megatron_args.maths_not_computed(ckpt.source.args)
+    if not_computed:
+        raise refuse_export(", ".join(not_computed), "which ckptool's export does not compute")
+    family = family or families.for_config(cfg)
     vocab = cfg.vocab_size
     if vocab is None:
         vocab = cfg.padded_vocab_size
@@ -164,26 +189,9 @@ def write_hf(ckpt: Checkpoint, out_dir: Path, opts: WriteOptions = WriteOptions(
             t = t.to(dtype)
         items.append((hf_name, t, group))
     unplaced = [n for n in tensors if n not in used and not (n == "output.weight" and cfg.tied_embeddings)]
-    require(not unplaced, f"cannot export to Hugging Face: {', '.join(unplaced[:3])} have no place in {arch}",
-            "ckptool never leaves tensors out of an export")
-    if experts_written(ckpt, opts) == "fused":
-        items = fuse_experts(items, family, cfg)
-    out_dtype = dtype or items[0][1].dtype
-    if opts.fp8:  # after out_dtype: config.json's dtype is the unquantized tensors' (embeddings, norms)
-        items = fp8.quantized_items(items, family)
-    out_dir = Path(out_dir)
-    written = write_sharded(out_dir, items, max_bytes, progress, owns=owns)
-    copied = []
-    if first:
-        ids = _token_ids(ckpt)
-        conf = hf_config(cfg, family, vocab, out_dtype, ids, fp8=opts.fp8)
-        (out_dir / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
-        gen = {"_from_model_config": True, **ids}
-        (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-        copied = copy_tokenizer(tokenizer, out_dir) if tokenizer else []
-    return from_sharded("hf", written, tensors=len(items) if first else 0,  # a team's ranks: counted once
-                        architecture=arch, vocab_size=vocab, dtype=config_dtype(out_dtype), tokenizer_files=copied,
-                        quantization=RELEASE.label() if opts.fp8 else None)
+    require(not unplaced, f"cannot export to Hugging Face: {', '.join(unplaced[:3])} have no place in "
+            f"{family.architecture}", "ckptool never leaves tensors out of an export")
+    return family, vocab, items
 
 
 # --- MoE experts: per expert (the Hub names) or fused 3-D (config.py says which families hold which) ------
