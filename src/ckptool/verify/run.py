@@ -107,9 +107,10 @@ def _tolerance(given, dtype, ref_logits, cols, recorded, reference_in, device="c
     return max(base, cmp.NOISE_MARGIN * floor), floor, None
 
 
-def _compare(req: Request, ckpt, tokens, recorded, logits, hidden, device, out: Lines):
+def _compare(req: Request, ckpt, tokens, recorded, logits, hidden, device, out: Lines, timed: bool = False):
     """(the comparison's Report, the tolerance it used, the reference's hidden states) of the target's logits
-    and hidden states with the reference's."""
+    and hidden states with the reference's; timed: say reference_seconds= and compare_seconds= (the
+    parallel report, beside its forward_seconds=)."""
     cfg, dtype = ckpt.config, COMPUTE_DTYPES[req.dtype]
     start = time.perf_counter()
     held = {}  # a transformers reference is loaded once for both its forwards (inputs.hf_forward)
@@ -120,11 +121,13 @@ def _compare(req: Request, ckpt, tokens, recorded, logits, hidden, device, out: 
                                       lambda dt: _reference(req, recorded, ckpt, tokens, dt, device, out, held)[0],
                                       device)
     held.clear()
-    out(f"reference_seconds={time.perf_counter() - start:.4f}")
+    if timed:
+        out(f"reference_seconds={time.perf_counter() - start:.4f}")
     start = time.perf_counter()
     report = cmp.compare(logits, ref_logits, cols, tol, hidden, ref_hidden, noise_floor=floor, device=device,
                          relative=relative)
-    out(f"compare_seconds={time.perf_counter() - start:.4f}")
+    if timed:
+        out(f"compare_seconds={time.perf_counter() - start:.4f}")
     report.hints += hints.weights_hint(ckpt, req.reference is None and recorded is None)
     return report, tol, ref_hidden
 
@@ -193,7 +196,7 @@ def _run_ranks(req: Request, out: Lines, tgt: ParallelTarget, tokens, recorded, 
         out(f"parallel forward: {layout.describe()}, {r.world} processes, {dtype}, "
             f"tokens {tuple(tokens.shape)}, {tgt.format} target")
         out(f"forward_seconds={seconds:.4f}")
-        report, tol, ref_hidden = _compare(req, tgt.ckpt, tokens, recorded, *got, r.device, out)
+        report, tol, ref_hidden = _compare(req, tgt.ckpt, tokens, recorded, *got, r.device, out, timed=True)
         where = where_held(layout, cfg, tgt.files)
         if (cfg.moe is not None or mla_at_tp(cfg, layout)) and report.first_divergence:
             layer_probe = (_reference_weights(req, recorded, tgt.ckpt), ref_hidden)
