@@ -1,6 +1,6 @@
 """Write a randomly initialised GPT-2 style model as Megatron mcore checkpoints (for timing verify).
 
-  python scripts/make_random_gpt.py OUT_DIR --size 1b|llama-1b|tiny|llama-tiny --layouts 2x2,2x1 [--dtype bf16]
+  python scripts/make_random_gpt.py OUT_DIR --size 1b|llama-1b|llama-8b|tiny|llama-tiny --layouts 2x2,2x1 [--dtype bf16]
 
 Writes OUT_DIR/tp{T}pp{P} for each layout with ckptool's own writer. Random init (std 0.02, output
 projections scaled by 1/sqrt(2 * layers) as GPT-2 does) so the logits are not degenerate.
@@ -31,6 +31,11 @@ SIZES = {
     "llama-1b": dict(num_layers=20, hidden_size=2048, num_attention_heads=16, num_query_groups=4,
                      ffn_hidden_size=5632, padded_vocab_size=32000, vocab_size=32000, max_position_embeddings=4096,
                      **LLAMA_STYLE),
+    # llama-8b: a Llama-3-8B-shaped model (32 layers, hidden 4096, 32 heads in 8 query groups, SwiGLU FFN
+    # 14336, vocab 128256, RoPE base 500000, untied): 8,030,261,248 parameters, 16 GB in bf16
+    "llama-8b": dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                     ffn_hidden_size=14336, padded_vocab_size=128256, vocab_size=128256,
+                     max_position_embeddings=8192, rotary_base=500000.0, **LLAMA_STYLE),
     "tiny": dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
                  padded_vocab_size=1024, vocab_size=1001, max_position_embeddings=64, activation="gelu_tanh"),
     "llama-tiny": dict(num_layers=4, hidden_size=64, num_attention_heads=8, num_query_groups=2,
@@ -58,9 +63,11 @@ def canonical_shape(cfg: GPTConfig, name: str) -> tuple:
     return (rows[part], cols.get(part, h))
 
 
-def random_gpt(size: str, dtype: torch.dtype, seed: int = 0) -> Checkpoint:
+def random_gpt(size: str, dtype: torch.dtype, seed: int = 0, device: str = "cpu") -> Checkpoint:
+    """device: where the random numbers are drawn (cuda: an 8B model's 8e9 normal draws take a minute
+    on one CPU thread, a fraction of a second on a GPU; the values differ from the CPU's for one seed)."""
     cfg = GPTConfig(**SIZES[size])
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     scaled = ("attn.out.weight", "mlp.down.weight")  # residual-branch outputs, scaled as GPT-2 does
     tensors = {}
     for name in expected_names(cfg):
@@ -71,8 +78,8 @@ def random_gpt(size: str, dtype: torch.dtype, seed: int = 0) -> Checkpoint:
             t = torch.zeros(shape)
         else:
             std = 0.02 / (math.sqrt(2 * cfg.num_layers) if name.endswith(scaled) else 1)
-            t = torch.randn(shape, generator=g) * std
-        tensors[name] = Const(t.to(dtype))
+            t = torch.randn(shape, generator=g, device=device) * std
+        tensors[name] = Const(t.to(dtype).cpu())
     return Checkpoint(cfg, tensors, SourceInfo(path="random", format="random"))
 
 
@@ -82,9 +89,10 @@ def main():
     ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
     ap.add_argument("--layouts", default="2x2,2x1", help="TPxPP, comma separated")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--device", default="cpu", help="where to draw the random weights (cpu, cuda)")
     a = ap.parse_args()
     start = time.perf_counter()
-    ckpt = random_gpt(a.size, DTYPES[a.dtype])
+    ckpt = random_gpt(a.size, DTYPES[a.dtype], device=a.device)
     params = sum(t.numel for t in ckpt.tensors.values())
     print(f"params={params} init_seconds={time.perf_counter() - start:.1f}", flush=True)
     for spec in a.layouts.split(","):

@@ -481,11 +481,39 @@ def test_16bit_compute(batch2, case, dtype, tol):
 def test_16bit_tolerance_follows_the_noise_floor():
     from ckptool.verify.run import _tolerance
     ref16, ref32 = torch.zeros(1, 2, 5), torch.full((1, 2, 5), 0.5)
-    assert _tolerance(None, torch.bfloat16, ref16, 5, None, lambda dt: ref32) == (1.5, 0.5)  # 3x the floor
-    assert _tolerance(None, torch.bfloat16, ref32, 5, None, lambda dt: ref32) == (0.1, 0.0)  # the default
-    assert _tolerance(0.2, torch.bfloat16, ref16, 5, None, None) == (0.2, None)  # --tolerance wins
-    assert _tolerance(None, torch.float32, ref16, 5, None, None) == (1e-4, None)
-    assert _tolerance(None, torch.bfloat16, ref16, 5, ref16, None) == (0.1, None)  # recorded logits
+    assert _tolerance(None, torch.bfloat16, ref16, 5, None, lambda dt: ref32) == (1.5, 0.5, None)  # 3x the floor
+    assert _tolerance(None, torch.bfloat16, ref32, 5, None, lambda dt: ref32) == (0.1, 0.0, None)  # the default
+    assert _tolerance(0.2, torch.bfloat16, ref16, 5, None, None) == (0.2, None, None)  # --tolerance wins
+    assert _tolerance(None, torch.float32, ref16, 5, None, None) == (1e-4, None, 1e-4)
+    assert _tolerance(None, torch.bfloat16, ref16, 5, ref16, None) == (0.1, None, None)  # recorded logits
+
+
+def test_fp32_tolerance_follows_the_logits_scale():
+    """fp32: at least FP32_RELATIVE of the reference logits' largest |value| on the compared columns (an 8B
+    model's exact conversion differs by 5.7e-4 at logits of scale 7.7); the per-layer bound stays 1e-4."""
+    from ckptool.verify.compare import FP32_RELATIVE
+    from ckptool.verify.run import _tolerance
+    ref = torch.zeros(2, 3, 7)
+    ref[1, 2, 3], ref[0, 0, 6] = -20.0, 1000.0  # column 6 lies outside the 5 compared columns
+    tol, floor, relative = _tolerance(None, torch.float32, ref, 5, None, None)
+    assert tol == pytest.approx(FP32_RELATIVE * 20.0) and floor is None and relative == 1e-4
+    assert _tolerance(None, torch.float32, ref / 100, 5, None, None)[0] == 1e-4  # small logits: the fixed floor
+
+
+def test_compare_in_pieces_matches_the_whole_tensor_formulas(monkeypatch):
+    """The logits metrics computed a few rows at a time equal the whole-tensor definitions."""
+    from ckptool.verify import compare as cmp
+    g = torch.Generator().manual_seed(3)
+    t, r = torch.randn(3, 5, 11, generator=g), torch.randn(3, 5, 11, generator=g)
+    monkeypatch.setattr(cmp, "PIECE_VALUES", 20)  # 2 rows of 10 columns a piece: 8 pieces
+    rep = cmp.compare(t, r, 10, 1.0)
+    td, rd = t[..., :10].double(), r[..., :10].double()
+    log_p, log_q = torch.log_softmax(rd, -1), torch.log_softmax(td, -1)
+    assert rep.max_abs_error == (td - rd).abs().max().item()
+    assert rep.mean_kl == pytest.approx((log_p.exp() * (log_p - log_q)).sum(-1).mean().item(), rel=1e-12)
+    assert rep.top1_agreement == (td.argmax(-1) == rd.argmax(-1)).double().mean().item()
+    assert cmp.max_abs_error(t, r, 10) == rep.max_abs_error
+    assert cmp.max_abs(r, 10) == rd.abs().max().item()
 
 
 def test_text_tokens_with_a_local_tokenizer(batch2, models):
@@ -593,3 +621,27 @@ def test_token_parsing():
         make_tokens("1,200", None, 1, 2, 0, vocab=100)
     a, b = make_tokens(None, None, 2, 8, 7, vocab=50), make_tokens(None, None, 2, 8, 7, vocab=50)
     assert a.shape == (2, 8) and torch.equal(a, b) and int(a.max()) < 50
+
+
+def test_hf_reference_loaded_once_for_its_two_dtypes(tmp_path):
+    """A 16-bit verify against a transformers directory stored in bf16 runs its reference in bf16 and then
+    in fp32 (the noise floor): the second forward widens the model already loaded, and gives exactly what
+    a fresh fp32 load gives; a model loaded in another dtype than the stored one is loaded afresh."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from ckptool.verify.inputs import hf_forward
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path)
+    tokens = torch.randint(0, 96, (2, 8))
+    held = {}
+    hf_forward(tmp_path, tokens, torch.bfloat16, held=held)
+    first = held["model"]
+    widened = hf_forward(tmp_path, tokens, torch.float32, held=held)[0]
+    assert held["model"] is first  # not loaded again
+    assert torch.equal(widened, hf_forward(tmp_path, tokens, torch.float32)[0])
+    held = {}
+    hf_forward(tmp_path, tokens, torch.float16, held=held)  # fp16 rounds the stored bf16 values
+    fp16_model = held["model"]
+    hf_forward(tmp_path, tokens, torch.float32, held=held)
+    assert held["model"] is not fp16_model

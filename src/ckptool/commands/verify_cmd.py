@@ -34,9 +34,10 @@ from .common import reports_errors, source_options, warn
 @click.option("--dtype", type=click.Choice(sorted(CHOICES["compute_dtype"])), default="fp32", show_default=True,
               help="Compute dtype for both forwards.")
 @click.option("--tolerance", type=float, default=None,
-              help="Largest max-abs logits error that passes (default 1e-4 fp32; in fp16/bf16 2e-2/1e-1 "
-                   "or 3x the reference's own 16-bit error against its fp32 run, whichever is larger); "
-                   "also the relative bound for per-layer hidden states.")
+              help="Largest max-abs logits error that passes (default in fp32 1e-4 or 2e-4 of the reference logits' "
+                   "largest |value|; in fp16/bf16 2e-2/1e-1 or 3x the reference's own 16-bit error against its "
+                   "fp32 run; whichever is larger); also the relative bound for per-layer hidden states "
+                   "(by default 1e-4 in fp32).")
 @click.option("--tp", type=int, default=None,
               help="torch_dist targets under torchrun: tensor-parallel size to run (any works: the files hold "
                    "global tensors). Default: the stored args' TP/PP/VPP, else TP = WORLD_SIZE, PP 1; with only one "

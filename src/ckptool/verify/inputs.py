@@ -9,6 +9,7 @@ Each yields (logits [b, s, V], {"embedding"|"layer i": hidden} or None, true voc
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -81,16 +82,45 @@ def is_hf_dir(path) -> bool:
     return p.is_dir() and (p / "config.json").is_file() and has_weights(p)
 
 
-def hf_forward(path, tokens: torch.Tensor, dtype, device="cpu"):
-    """transformers' own model; its last hidden state is after the final norm, so it is left out."""
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+def hf_forward(path, tokens: torch.Tensor, dtype, device="cpu", held: Optional[dict] = None):
+    """transformers' own model; its last hidden state is after the final norm, so it is left out.
+    held (a dict the caller keeps): the model loaded by an earlier call, reused for an fp32 forward when it
+    holds the stored values exactly (see _hf_model)."""
+    model = _hf_model(path, dtype, device, held if held is not None else {})
     with torch.no_grad():
         out = model(tokens.to(device), output_hidden_states=True)
     states = out.hidden_states
     hidden = {"embedding": states[0].float().cpu()}
     hidden.update({f"layer {i}": states[i + 1].float().cpu() for i in range(len(states) - 2)})
     return out.logits.float().cpu(), hidden, getattr(model.config, "vocab_size", None)
+
+
+def _hf_model(path, dtype, device, held: dict):
+    """The model in dtype on device. A 16-bit verify runs the reference twice (in its dtype, then in fp32 for
+    the noise floor): a model loaded in the dtype its files store holds their values exactly, so widening
+    it to fp32 in place gives what loading in fp32 would, without reading an 8B model's 16 GB again.
+    Narrowing, or a model already rounded to another dtype, loads afresh."""
+    from transformers import AutoModelForCausalLM
+    model = held.pop("model", None)
+    if model is not None and held.pop("exact", False) and dtype == torch.float32:
+        model = model.to(torch.float32)
+    else:
+        del model
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+    held.update(model=model, exact=dtype in (torch.float32, _stored_dtype(path)))
+    return model
+
+
+def _stored_dtype(path) -> Optional[torch.dtype]:
+    """The dtype config.json says the weights are stored in (transformers writes `dtype`, older ones
+    `torch_dtype`), or None."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    name = config.get("dtype") or config.get("torch_dtype")
+    value = getattr(torch, name, None) if isinstance(name, str) else None
+    return value if isinstance(value, torch.dtype) else None
 
 
 def load_reference_logits(spec: str) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -75,43 +75,59 @@ def _tokens_for(req: Request, vocab: int):
     return inputs.make_tokens(*req.token_args, vocab=vocab), None
 
 
-def _reference(req: Request, recorded, target_ckpt, tokens, dtype, device, out: Lines):
-    """(logits, hidden or None, true vocab or None) of whatever the target is compared with."""
+def _reference(req: Request, recorded, target_ckpt, tokens, dtype, device, out: Lines, held=None):
+    """(logits, hidden or None, true vocab or None) of whatever the target is compared with (held: see
+    inputs.hf_forward)."""
     if recorded is not None:
         return recorded, None, None
     if req.reference is None:
         return inputs.checkpoint_forward(target_ckpt, tokens, dtype, device)
     if inputs.is_hf_dir(req.reference):
-        return inputs.hf_forward(req.reference, tokens, dtype, device)
+        return inputs.hf_forward(req.reference, tokens, dtype, device, held)
     ckpt = open_checkpoint(req.reference, req.opts)
     out.warnings_of(ckpt)
     return inputs.checkpoint_forward(ckpt, tokens, dtype, device)
 
 
-def _tolerance(given, dtype, ref_logits, cols, recorded, reference_in):
-    """(tolerance, noise floor or None). --tolerance wins. Otherwise the dtype's default, and in
-    16-bit compute also NOISE_MARGIN x the reference's own 16-bit error (the reference run again in
-    fp32): rounding error grows with depth and logit scale, so a fixed bound that suits a 4-layer
-    model fails an exact conversion of a 1B one, while a wrong tensor moves logits by far more."""
+def _tolerance(given, dtype, ref_logits, cols, recorded, reference_in, device="cpu"):
+    """(tolerance, noise floor or None, per-layer relative bound or None: relative_tolerance(tolerance)).
+    --tolerance wins. Otherwise the dtype's default, and in 16-bit compute also NOISE_MARGIN x the
+    reference's own 16-bit error (the reference run again in fp32): rounding error grows with depth and
+    logit scale, so a fixed bound that suits a 4-layer model fails an exact conversion of a 1B one, while a
+    wrong tensor moves logits by far more. In fp32 the bound grows with the logits' scale
+    (compare.FP32_RELATIVE), the per-layer bound staying the fixed default."""
     if given is not None:
-        return given, None
+        return given, None, None
     base = cmp.DEFAULT_TOLERANCE[dtype]
-    if dtype == torch.float32 or recorded is not None:
-        return base, None
-    floor = cmp.max_abs_error(ref_logits, reference_in(torch.float32), cols)
-    return max(base, cmp.NOISE_MARGIN * floor), floor
+    if recorded is not None:
+        return base, None, None
+    if dtype == torch.float32:
+        return max(base, cmp.FP32_RELATIVE * cmp.max_abs(ref_logits, cols, device)), None, base
+    floor = cmp.max_abs_error(ref_logits, reference_in(torch.float32), cols, device)
+    return max(base, cmp.NOISE_MARGIN * floor), floor, None
 
 
-def _compare(req: Request, ckpt, tokens, recorded, logits, hidden, device, out: Lines):
+def _compare(req: Request, ckpt, tokens, recorded, logits, hidden, device, out: Lines, timed: bool = False):
     """(the comparison's Report, the tolerance it used, the reference's hidden states) of the target's logits
-    and hidden states with the reference's."""
+    and hidden states with the reference's; timed: say reference_seconds= and compare_seconds= (the
+    parallel report, beside its forward_seconds=)."""
     cfg, dtype = ckpt.config, COMPUTE_DTYPES[req.dtype]
-    ref_logits, ref_hidden, ref_vocab = _reference(req, recorded, ckpt, tokens, dtype, device, out)
+    start = time.perf_counter()
+    held = {}  # a transformers reference is loaded once for both its forwards (inputs.hf_forward)
+    ref_logits, ref_hidden, ref_vocab = _reference(req, recorded, ckpt, tokens, dtype, device, out, held)
     out.warnings_of(ckpt)  # replica checks happen as tensors load, so only now are they all known
     cols = cmp.true_columns(logits.shape[-1], cfg.vocab_size, ref_logits.shape[-1], ref_vocab)
-    tol, floor = _tolerance(req.tolerance, dtype, ref_logits, cols, recorded,
-                            lambda dt: _reference(req, recorded, ckpt, tokens, dt, device, out)[0])
-    report = cmp.compare(logits, ref_logits.cpu(), cols, tol, hidden, ref_hidden, noise_floor=floor)
+    tol, floor, relative = _tolerance(req.tolerance, dtype, ref_logits, cols, recorded,
+                                      lambda dt: _reference(req, recorded, ckpt, tokens, dt, device, out, held)[0],
+                                      device)
+    held.clear()
+    if timed:
+        out(f"reference_seconds={time.perf_counter() - start:.4f}")
+    start = time.perf_counter()
+    report = cmp.compare(logits, ref_logits, cols, tol, hidden, ref_hidden, noise_floor=floor, device=device,
+                         relative=relative)
+    if timed:
+        out(f"compare_seconds={time.perf_counter() - start:.4f}")
     report.hints += hints.weights_hint(ckpt, req.reference is None and recorded is None)
     return report, tol, ref_hidden
 
@@ -180,7 +196,7 @@ def _run_ranks(req: Request, out: Lines, tgt: ParallelTarget, tokens, recorded, 
         out(f"parallel forward: {layout.describe()}, {r.world} processes, {dtype}, "
             f"tokens {tuple(tokens.shape)}, {tgt.format} target")
         out(f"forward_seconds={seconds:.4f}")
-        report, tol, ref_hidden = _compare(req, tgt.ckpt, tokens, recorded, *got, r.device, out)
+        report, tol, ref_hidden = _compare(req, tgt.ckpt, tokens, recorded, *got, r.device, out, timed=True)
         where = where_held(layout, cfg, tgt.files)
         if (cfg.moe is not None or mla_at_tp(cfg, layout)) and report.first_divergence:
             layer_probe = (_reference_weights(req, recorded, tgt.ckpt), ref_hidden)
