@@ -23,6 +23,7 @@ from typing import Dict, Optional
 
 from ...errors import CkptError
 from ..megatron import args as megatron_args
+from . import sidecars
 from .files import COMMON_FILE, COMMON_KEY, CONFIG_FILE, DCP_METADATA, locate
 from ...spec import GPT
 from ...spec.schema import MCORE
@@ -155,8 +156,13 @@ def _tensor(entry) -> Optional[TensorMeta]:
 def _checkpoint(path, format_name, d, meta, common, iteration, release) -> Optional[Checkpoint]:
     entries = meta.state_dict_metadata
     args = common.get("args")
-    if args is None:
+    try:  # no args: the config sidecar its trainer wrote (Megatron-Bridge, NeMo 2, verl), as the full reader finds it
+        sidecar = sidecars.find(d) if args is None else None
+    except CkptError:
+        return None  # a damaged sidecar: the full reader says what is wrong with it
+    if args is None and sidecar is None:
         return None
+    args = sidecar.args if sidecar is not None else args
     weights: Dict[str, TensorMeta] = {}
     for key, entry in entries.items():
         if NOT_WEIGHTS.search(key) or type(entry).__name__ == "BytesStorageMetadata":
@@ -185,7 +191,8 @@ def _checkpoint(path, format_name, d, meta, common, iteration, release) -> Optio
         return None
     rows = keys[WORD].shape[0]
     try:
-        cfg = megatron_args.config_from_args(args, rows)
+        cfg = sidecar.config(rows) if sidecar is not None and sidecar.hf is not None else \
+            megatron_args.config_from_args(args, rows)
     except CkptError:
         return None
     cfg, note = megatron_args.as_megatron_core_computes(cfg)  # torch_dist is always megatron-core
@@ -199,7 +206,8 @@ def _checkpoint(path, format_name, d, meta, common, iteration, release) -> Optio
                       layout=megatron_args.run_layout(args, cfg),
                       release=release,
                       iteration=iteration if iteration is not None else common.get("iteration"),
-                      checkpoint_version=common.get("checkpoint_version"), args=args)
+                      checkpoint_version=common.get("checkpoint_version"), args=args,
+                      extra={"hf_config": sidecar.hf, "config_sidecar": sidecar.what} if sidecar is not None else {})
     canonical = canonical_meta(shapes, cfg, dtype, buffer_dtype)
     stored_tensors = {k: _tensor(e) for k, e in entries.items() if _is(e, "TensorStorageMetadata")}
     head = prefix + HEAD if cfg.tied_embeddings and prefix + HEAD in weights else None

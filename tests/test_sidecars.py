@@ -1,0 +1,154 @@
+"""megatron-core torch_dist checkpoints written by trainers other than Megatron-LM: no `args` in the common
+state, the config in the trainer's sidecar (formats/dcp/sidecars.py): Megatron-Bridge's run_config.yaml,
+NeMo 2's context/model.yaml, verl's huggingface/config.json, or --hf-config.
+
+The checkpoints are saved by the real megatron-core (dist_checkpointing.save under torchrun, gloo, CPU) through
+tests/mcore_sidecar_helper.py, which writes each sidecar from the TransformerConfig the model was built with.
+"""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from conftest import copy_run, declare_runs, run_torchrun
+from test_dist import HELPER as MCORE_HELPER, _env, needs_mcore, run_cli
+from ckptool.formats.registry import detect_format, open_checkpoint
+from ckptool.options import ReadOptions
+from ckptool.verify.reference import forward
+
+from pathlib import Path
+
+HELPER = Path(__file__).resolve().parent / "mcore_sidecar_helper.py"
+# trainer -> (arch, TP it saved at); Bridge and verl a Llama (GQA, SwiGLU, RMSNorm), NeMo a GPT-2 (tied, biases)
+TRAINERS = {"bridge": ("llama", 2), "nemo": ("gpt2", 1), "verl": ("llama", 2)}
+SAVES = declare_runs(HELPER, 2, {t: f"{t} {{out}} --tp {tp} --arch {arch} --out {{out}}.logits.pt"
+                                 for t, (arch, tp) in TRAINERS.items()})
+# What each sidecar says about itself and its vocabulary (the reader names where the config came from).
+SIDECAR_WORDS = {"bridge": "Megatron-Bridge run_config.yaml", "nemo": "NeMo 2 context/model.yaml",
+                 "verl": "Hugging Face config huggingface/config.json"}
+
+
+@pytest.fixture(scope="module")
+def saves(tmp_path_factory, framework_runs):
+    pytest.importorskip("megatron.core")
+    root = tmp_path_factory.mktemp("sidecar_saves")
+    for name, stem in framework_runs(HELPER, 2, SAVES, timeout=240).items():
+        copy_run(stem, root / name)
+    return root
+
+
+@needs_mcore
+@pytest.mark.parametrize("trainer", sorted(TRAINERS))
+def test_reads_each_trainers_checkpoint_like_megatron_core_computes(saves, trainer):
+    path = saves / trainer
+    assert detect_format(path) == "torch_dist"
+    ckpt = open_checkpoint(path)
+    assert ckpt.source.args is None or not hasattr(ckpt.source.args, "iteration")  # nothing from a Megatron-LM run
+    assert ckpt.source.extra["config_sidecar"] == SIDECAR_WORDS[trainer]
+    cfg = ckpt.config
+    assert (cfg.padded_vocab_size, cfg.vocab_size) == (128, 100)
+    if TRAINERS[trainer][0] == "llama":
+        assert (cfg.num_layers, cfg.num_query_groups, cfg.activation, cfg.normalization, cfg.tied_embeddings,
+                cfg.add_bias_linear) == (3, 2, "swiglu", "rmsnorm", False, False)
+    else:
+        assert (cfg.num_layers, cfg.position_embedding, cfg.activation, cfg.add_bias_linear, cfg.tied_embeddings) == \
+            (2, "learned", "gelu", True, True)
+    ref = torch.load(saves / f"{trainer}.logits.pt")
+    torch.testing.assert_close(forward(ckpt, ref["tokens"]), ref["logits"], atol=1e-6, rtol=0)
+
+
+@needs_mcore
+@pytest.mark.parametrize("trainer", sorted(TRAINERS))
+def test_quick_inspect_reads_the_sidecar_as_the_full_reader(saves, trainer, monkeypatch):
+    from test_quick_inspect import quick_equals_full
+    from ckptool import quick_inspect
+    assert quick_inspect.quick_open(saves / trainer, {}) is not None
+    quick_equals_full(monkeypatch, saves / trainer)
+
+
+@needs_mcore
+@pytest.mark.parametrize("trainer", sorted(TRAINERS))
+def test_to_hf_is_bit_exact_and_transformers_computes_megatron_cores_logits(saves, trainer, tmp_path):
+    from transformers import AutoModelForCausalLM
+    r = run_cli("to-hf", saves / trainer, tmp_path / "hf")
+    assert r.returncode == 0, r.stderr
+    src, out = open_checkpoint(saves / trainer), open_checkpoint(tmp_path / "hf")
+    assert list(out.tensors) == list(src.tensors)
+    for name, t in src.tensors.items():
+        want = t.load()[:100] if name in ("embed.word", "output.weight") else t.load()  # padding rows trimmed
+        assert torch.equal(out.tensors[name].load(), want), name
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    ref = torch.load(saves / f"{trainer}.logits.pt")
+    with torch.no_grad():
+        logits = model(ref["tokens"]).logits
+    torch.testing.assert_close(logits, ref["logits"][..., :100], atol=1e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def mcore_loads(saves, tmp_path_factory):
+    """ckptool's torch_dist (at TP1) and torch-format (TP2 PP1 / TP1 PP2) reshards of each trainer's save,
+    loaded by megatron-core strictly (tests/mcore_dist_helper.py load / load-torch) in one torchrun launch."""
+    root = tmp_path_factory.mktemp("sidecar_loads")
+    jobs = []
+    for trainer, (arch, _) in TRAINERS.items():
+        out = root / f"{trainer}_dist"
+        r = run_cli("reshard", saves / trainer, out, "--tp", 1, "--format", "torch_dist")
+        assert r.returncode == 0, r.stderr
+        jobs.append(f"load {out} --tp 2 --arch {arch} --out {root}/{trainer}_dist.pt")
+        for tp, pp in ((2, 1), (1, 2)):
+            out = root / f"{trainer}_tp{tp}pp{pp}"
+            split = ["--pp-layers", "2,1"] if arch == "llama" and pp == 2 else []
+            r = run_cli("reshard", saves / trainer, out, "--tp", tp, "--pp", pp, "--format", "torch", *split)
+            assert r.returncode == 0, r.stderr
+            if trainer != "verl":  # load-torch compares the args with the run's (make_vocab_size_divisible_by 64)
+                jobs.append(f"load-torch {out} --tp {tp} --pp {pp} --arch {arch} --out {root}/{out.name}.pt")
+    r = run_torchrun(2, MCORE_HELPER, *jobs, env=_env(), timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    return root
+
+
+@needs_mcore
+@pytest.mark.parametrize("trainer", sorted(TRAINERS))
+def test_megatron_core_loads_the_reshards_strictly(saves, mcore_loads, trainer):
+    ref = torch.load(saves / f"{trainer}.logits.pt")
+    names = [f"{trainer}_dist"] + ([f"{trainer}_tp2pp1", f"{trainer}_tp1pp2"] if trainer != "verl" else [])
+    for name in names:
+        got = torch.load(mcore_loads / f"{name}.pt", weights_only=False)
+        torch.testing.assert_close(got["logits"], ref["logits"], atol=1e-6, rtol=0, msg=name)
+
+
+@needs_mcore
+def test_without_a_sidecar_the_error_names_hf_config_and_then_it_reads(saves, tmp_path):
+    d = tmp_path / "verl"
+    shutil.copytree(saves / "verl", d)
+    shutil.move(d / "huggingface", tmp_path / "elsewhere")
+    r = run_cli("inspect", d)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "no config sidecar" in r.stderr and "--hf-config" in r.stderr
+    r = run_cli("inspect", d, "--hf-config", tmp_path / "elsewhere", "--json")
+    assert r.returncode == 0, r.stderr
+    ckpt = open_checkpoint(d, ReadOptions(hf_config=str(tmp_path / "elsewhere")))
+    assert ckpt.source.extra["config_sidecar"].startswith("--hf-config")
+    ref = torch.load(saves / "verl.logits.pt")
+    torch.testing.assert_close(forward(ckpt, ref["tokens"]), ref["logits"], atol=1e-6, rtol=0)
+
+
+@needs_mcore
+@pytest.mark.parametrize("damage, words", [
+    (lambda f: f.write_text("model: [unclosed"), "not readable YAML"),
+    (lambda f: f.write_text(f.read_text().replace("torch.nn.functional.silu", "torch.nn.functional.mish")),
+     "activation_func mish with gated_linear_unit"),
+    (lambda f: f.write_text("checkpoint: {}\n"), "holds no model config"),
+])
+def test_a_damaged_run_config_is_a_clear_error(saves, tmp_path, damage, words):
+    d = tmp_path / "bridge"
+    shutil.copytree(saves / "bridge", d)
+    run_config = d / "iter_0000007" / "run_config.yaml"
+    before = (d / "iter_0000007" / ".metadata").read_bytes()
+    damage(run_config)
+    r = run_cli("to-hf", d, tmp_path / "out")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and words in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+    assert (d / "iter_0000007" / ".metadata").read_bytes() == before
