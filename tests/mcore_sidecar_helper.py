@@ -91,7 +91,7 @@ def hf_config(arch, cfg):
                       layer_norm_epsilon=cfg.layernorm_epsilon, tie_word_embeddings=True)
 
 
-def _yaml(path: Path, data: dict) -> None:
+def write_yaml(path: Path, data: dict) -> None:
     import yaml
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(data, default_flow_style=False))
@@ -101,7 +101,7 @@ def write_sidecars(a, cfg, root: Path) -> None:
     """Rank 0: the trainer's files beside its torch_dist folder."""
     if a.mode == "bridge":
         it = root / f"iter_{ITERATION:07d}"
-        _yaml(it / "run_config.yaml", {"_target_": "megatron.bridge.training.config.ConfigContainer",
+        write_yaml(it / "run_config.yaml", {"_target_": "megatron.bridge.training.config.ConfigContainer",
                                        "model": provider_fields(a.arch, cfg, a.tp),
                                        "checkpoint": {"ckpt_format": "torch_dist", "save": str(root)}})
         state = {"step": torch.tensor(ITERATION), "consumed_train_samples": torch.tensor(ITERATION * 4)}
@@ -110,7 +110,7 @@ def write_sidecars(a, cfg, root: Path) -> None:
     elif a.mode == "nemo":
         model = {"_target_": "nemo.collections.llm.gpt.model.base.GPTModel",
                  "config": {**provider_fields(a.arch, cfg, a.tp), "_target_": "nemo.collections.llm.gpt.model.base.GPTConfig"}}
-        _yaml(root / "context" / "model.yaml", model)
+        write_yaml(root / "context" / "model.yaml", model)
         (root / "context" / "io.json").write_text(json.dumps({"root": {"type": "ref", "key": "trainer_context_1"}}))
     else:
         hf_config(a.arch, cfg).save_pretrained(root / "huggingface")

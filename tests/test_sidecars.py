@@ -14,6 +14,9 @@ import torch
 
 from conftest import copy_run, declare_runs, run_torchrun
 from test_dist import HELPER as MCORE_HELPER, _env, needs_mcore, run_cli
+from test_dist_optim import HELPER as OPTIM_HELPER, assert_slots_equal, live
+from ckptool.formats.dcp import torch_dist as dist
+from ckptool.io.dcp_io import DcpDir
 from ckptool.formats.registry import detect_format, open_checkpoint
 from ckptool.options import ReadOptions
 from ckptool.verify.reference import forward
@@ -152,3 +155,37 @@ def test_a_damaged_run_config_is_a_clear_error(saves, tmp_path, damage, words):
     assert r.returncode == 2 and "Traceback" not in r.stderr and words in r.stderr, r.stderr
     assert not (tmp_path / "out").exists()
     assert (d / "iter_0000007" / ".metadata").read_bytes() == before
+
+
+# Megatron-Bridge with its distributed optimizer (tests/mcore_optim_dist_helper.py --bridge: trained 3 steps by the
+# real megatron-core, saved without args, run_config.yaml with the model / ddp / optimizer / checkpoint sections):
+# fully_reshardable at TP1 x DP2 (GPT-2) and Bridge's default dp_reshardable at TP2 (Llama).
+BRIDGE_OPTIM = declare_runs(OPTIM_HELPER, 2, {
+    "fr": "save {out} --tp 1 --form fully_reshardable --bridge --more 0 --live {out}_live --out {out}.pt",
+    "dpr": "save {out} --tp 2 --arch llama --form dp_reshardable --bridge --more 0 --live {out}_live --out {out}.pt"})
+
+
+@pytest.fixture(scope="module")
+def bridge_optim(tmp_path_factory, framework_runs):
+    pytest.importorskip("megatron.core")
+    root = tmp_path_factory.mktemp("bridge_optim")
+    for name, stem in framework_runs(OPTIM_HELPER, 2, BRIDGE_OPTIM, timeout=300).items():
+        copy_run(stem, root / name)
+    return root
+
+
+@needs_mcore
+@pytest.mark.parametrize("form, kind", [("fr", "fully_reshardable"), ("dpr", "dp_reshardable")])
+def test_bridges_distributed_optimizer_equals_the_live_one_and_carries_over(bridge_optim, form, kind, tmp_path):
+    ckpt = open_checkpoint(bridge_optim / form)
+    assert ckpt.source.extra["config_sidecar"] == "Megatron-Bridge run_config.yaml"
+    assert "args" not in dist.read_common_state(next((bridge_optim / form).glob("iter_*")),
+                                                DcpDir(next((bridge_optim / form).glob("iter_*"))))
+    assert ckpt.optimizer.kind == f"megatron-core-dist ({kind})" and ckpt.optimizer.step == 3
+    assert_slots_equal(ckpt, live(bridge_optim / f"{form}_live"))
+    out = tmp_path / "tp2"
+    r = run_cli("reshard", bridge_optim / form, out, "--tp", 2, "--format", "torch_dist")
+    assert r.returncode == 0 and "optimizer state dropped" not in r.stderr, r.stderr
+    again = open_checkpoint(out)
+    assert again.optimizer.step == 3
+    assert_slots_equal(again, live(bridge_optim / f"{form}_live"))

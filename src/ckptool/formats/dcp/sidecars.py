@@ -70,6 +70,18 @@ ACTIVATION_ARGS = {"swiglu": dict(swiglu=True), "gelu": dict(openai_gelu=False, 
                    "gelu_tanh": dict(openai_gelu=True), "squared_relu": dict(squared_relu=True)}
 
 
+# Megatron-Bridge's other run_config.yaml sections (megatron-core DistributedDataParallelConfig, OptimizerConfig,
+# Megatron-LM CheckpointConfig fields) -> the Megatron-LM args the distributed optimizer's state layout reads
+# (formats/megatron/buffers.py: bucket sizes, reduce dtype; groups.py: the decoupled-lr group).
+RUN_SECTION_ARGS = {
+    "ddp": {"use_distributed_optimizer": "use_distributed_optimizer", "overlap_grad_reduce": "overlap_grad_reduce",
+            "bucket_size": "ddp_bucket_size", "grad_reduce_in_fp32": "accumulate_allreduce_grads_in_fp32"},
+    "optimizer": {"use_distributed_optimizer": "use_distributed_optimizer", "decoupled_lr": "decoupled_lr",
+                  "decoupled_min_lr": "decoupled_min_lr"},
+    "checkpoint": {"dist_ckpt_optim_fully_reshardable": "dist_ckpt_optim_fully_reshardable"},
+}
+
+
 @dataclass(frozen=True)
 class Found:
     """A sidecar's config: args (a Megatron-LM-style Namespace) or hf (a config.json dict); what: its words."""
@@ -139,7 +151,14 @@ def _json(path: Path) -> dict:
 
 
 def _bridge(path: Path) -> Found:
-    return Found(f"Megatron-Bridge {path.name}", args=args_from_transformer_config(_yaml(path).get("model"), str(path)))
+    run = _yaml(path)
+    args = args_from_transformer_config(run.get("model"), str(path))
+    for section, fields in RUN_SECTION_ARGS.items():
+        values = run.get(section) if isinstance(run.get(section), dict) else {}
+        for field, arg in fields.items():
+            if values.get(field) is not None:
+                setattr(args, arg, values[field])
+    return Found(f"Megatron-Bridge {path.name}", args=args)
 
 
 def _nemo(path: Path) -> Found:
