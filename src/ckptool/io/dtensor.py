@@ -41,8 +41,10 @@ class DTensorShard:
 
 
 def wrapper_subclass_args(*args):
-    """Stands for torch._utils._rebuild_wrapper_subclass in a pickle: the stored call's arguments, nothing built."""
-    return args
+    """Stands for torch._utils._rebuild_wrapper_subclass in a pickle. Never called for a DTensor (the rebuild hands
+    its arguments to from_pickle); a pickle calling it on its own asks for a tensor subclass ckptool does not read."""
+    raise CkptError("this torch file holds a tensor kind ckptool does not read (a tensor subclass other than "
+                    "a DTensor)", "re-save the checkpoint with plain dense tensors")
 
 
 def _placement(p) -> tuple:
