@@ -10,6 +10,9 @@
         Megatron-LM's load_checkpoint does for --ckpt-format torch: tracker file, iter_XXXXXXX/,
         this rank's mp_rank_XX[_YYY]/model_optim_rng.pt through torch.load, the checkpoint's args
         compared with the run's (as check_checkpoint_args does), then model.load_state_dict(strict=True).
+  "bridge|nemo|verl DIR --tp T [--arch ...] --out FILE"   save as that trainer lays out a torch_dist checkpoint,
+        no args, its config sidecar beside it (tests/mcore_sidecar_helper.py; jobs of this helper so they share
+        the other saves' torchrun launch).
 
 Both modes write the model's logits for TOKENS (gathered over TP) to FILE, for comparison with
 ckptool's reference forward. With --pp each rank builds only its stage's GPTModel (pre_process on the
@@ -173,7 +176,15 @@ def load_torch_format(model, root: Path, run_args):
     return {"iteration": state["iteration"], "checkpoint_version": state["checkpoint_version"]}, args
 
 
+# Trainers whose torch_dist saves mcore_sidecar_helper.py lays out (a mode each).
+TRAINER_MODES = ("bridge", "nemo", "verl")
+
+
 def run_job(a):
+    if a.mode in TRAINER_MODES:
+        sys.modules.setdefault("mcore_dist_helper", sys.modules[__name__])  # run as a script: one module, not two
+        import mcore_sidecar_helper  # imports this module back; here to keep the other modes' start as it was
+        return mcore_sidecar_helper.run_job(a)
     model, cfg = build(a.arch, a.tp, a.pp)
     rank = dist.get_rank()
     root = Path(a.dir)
@@ -236,7 +247,7 @@ def main():
     """Each argument is one job: 'mode dir --tp T [--pp P] --arch A [--with-args] --out FILE' (one torchrun
     start for several jobs: importing megatron-core is the slow part)."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["save", "load", "load-torch"])
+    ap.add_argument("mode", choices=["save", "load", "load-torch", *TRAINER_MODES])
     ap.add_argument("dir")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)

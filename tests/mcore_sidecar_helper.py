@@ -1,5 +1,5 @@
-"""Helper run under `torchrun --nproc-per-node 2` (gloo, CPU) with the real megatron-core package: a tiny
-GPTModel (tests/mcore_dist_helper.py's build) saved with dist_checkpointing.save the way a trainer other than
+"""Jobs of tests/mcore_dist_helper.py (modes bridge, nemo, verl; run under `torchrun --nproc-per-node 2`, gloo,
+CPU, with the real megatron-core package; also runnable on its own): a tiny GPTModel (tests/mcore_dist_helper.py's build) saved with dist_checkpointing.save the way a trainer other than
 Megatron-LM does, with no Megatron-LM `args` in its common state and the config in that trainer's sidecar,
 written from the very TransformerConfig the model was built with:
 

@@ -3,11 +3,12 @@ state, the config in the trainer's sidecar (formats/dcp/sidecars.py): Megatron-B
 NeMo 2's context/model.yaml, verl's huggingface/config.json, or --hf-config.
 
 The checkpoints are saved by the real megatron-core (dist_checkpointing.save under torchrun, gloo, CPU) through
-tests/mcore_sidecar_helper.py, which writes each sidecar from the TransformerConfig the model was built with.
+tests/mcore_dist_helper.py's trainer modes (tests/mcore_sidecar_helper.py), which write each sidecar from the TransformerConfig the model was built with.
 """
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,9 +22,7 @@ from ckptool.formats.registry import detect_format, open_checkpoint
 from ckptool.options import ReadOptions
 from ckptool.verify.reference import forward
 
-from pathlib import Path
-
-HELPER = Path(__file__).resolve().parent / "mcore_sidecar_helper.py"
+HELPER = MCORE_HELPER  # its bridge / nemo / verl modes (tests/mcore_sidecar_helper.py): one launch with test_dist's saves
 # trainer -> (arch, TP it saved at); Bridge and verl a Llama (GQA, SwiGLU, RMSNorm), NeMo a GPT-2 (tied, biases)
 TRAINERS = {"bridge": ("llama", 2), "nemo": ("gpt2", 1), "verl": ("llama", 2)}
 SAVES = declare_runs(HELPER, 2, {t: f"{t} {{out}} --tp {tp} --arch {arch} --out {{out}}.logits.pt"
@@ -33,13 +32,18 @@ SIDECAR_WORDS = {"bridge": "Megatron-Bridge run_config.yaml", "nemo": "NeMo 2 co
                  "verl": "Hugging Face config huggingface/config.json"}
 
 
-@pytest.fixture(scope="module")
-def saves(tmp_path_factory, framework_runs):
+def _copied_runs(tmp_path_factory, framework_runs, helper: Path, runs: dict, folder: str) -> Path:
+    """The session's runs of helper (2 ranks), copied into a folder of this file's own."""
     pytest.importorskip("megatron.core")
-    root = tmp_path_factory.mktemp("sidecar_saves")
-    for name, stem in framework_runs(HELPER, 2, SAVES, timeout=240).items():
+    root = tmp_path_factory.mktemp(folder)
+    for name, stem in framework_runs(helper, 2, runs, timeout=300).items():
         copy_run(stem, root / name)
     return root
+
+
+@pytest.fixture(scope="module")
+def saves(tmp_path_factory, framework_runs):
+    return _copied_runs(tmp_path_factory, framework_runs, HELPER, SAVES, "sidecar_saves")
 
 
 @needs_mcore
@@ -89,10 +93,16 @@ def test_to_hf_is_bit_exact_and_transformers_computes_megatron_cores_logits(save
     torch.testing.assert_close(logits, ref["logits"][..., :100], atol=1e-5, rtol=0)
 
 
+# ckptool's reshards megatron-core loads: torch_dist at TP1 of every trainer's save (loaded at TP2), and the torch
+# format of Bridge's (TP2) and NeMo's (TP1 PP2); verl's args (from config.json) name another vocab divisor than
+# the run the load-torch mode compares them with.
+TORCH_FORMAT_LOADS = {"bridge": (2, 1), "nemo": (1, 2)}
+
+
 @pytest.fixture(scope="module")
 def mcore_loads(saves, tmp_path_factory):
-    """ckptool's torch_dist (at TP1) and torch-format (TP2 PP1 / TP1 PP2) reshards of each trainer's save,
-    loaded by megatron-core strictly (tests/mcore_dist_helper.py load / load-torch) in one torchrun launch."""
+    """The reshards above, loaded by megatron-core strictly (tests/mcore_dist_helper.py load / load-torch) in one
+    torchrun launch."""
     root = tmp_path_factory.mktemp("sidecar_loads")
     jobs = []
     for trainer, (arch, _) in TRAINERS.items():
@@ -100,13 +110,12 @@ def mcore_loads(saves, tmp_path_factory):
         r = run_cli("reshard", saves / trainer, out, "--tp", 1, "--format", "torch_dist")
         assert r.returncode == 0, r.stderr
         jobs.append(f"load {out} --tp 2 --arch {arch} --out {root}/{trainer}_dist.pt")
-        for tp, pp in ((2, 1), (1, 2)):
-            out = root / f"{trainer}_tp{tp}pp{pp}"
-            split = ["--pp-layers", "2,1"] if arch == "llama" and pp == 2 else []
-            r = run_cli("reshard", saves / trainer, out, "--tp", tp, "--pp", pp, "--format", "torch", *split)
+        if trainer in TORCH_FORMAT_LOADS:
+            tp, pp = TORCH_FORMAT_LOADS[trainer]
+            out = root / f"{trainer}_torch"
+            r = run_cli("reshard", saves / trainer, out, "--tp", tp, "--pp", pp, "--format", "torch")
             assert r.returncode == 0, r.stderr
-            if trainer != "verl":  # load-torch compares the args with the run's (make_vocab_size_divisible_by 64)
-                jobs.append(f"load-torch {out} --tp {tp} --pp {pp} --arch {arch} --out {root}/{out.name}.pt")
+            jobs.append(f"load-torch {out} --tp {tp} --pp {pp} --arch {arch} --out {root}/{trainer}_torch.pt")
     r = run_torchrun(2, MCORE_HELPER, *jobs, env=_env(), timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     return root
@@ -116,8 +125,7 @@ def mcore_loads(saves, tmp_path_factory):
 @pytest.mark.parametrize("trainer", sorted(TRAINERS))
 def test_megatron_core_loads_the_reshards_strictly(saves, mcore_loads, trainer):
     ref = torch.load(saves / f"{trainer}.logits.pt")
-    names = [f"{trainer}_dist"] + ([f"{trainer}_tp2pp1", f"{trainer}_tp1pp2"] if trainer != "verl" else [])
-    for name in names:
+    for name in [f"{trainer}_dist"] + ([f"{trainer}_torch"] if trainer in TORCH_FORMAT_LOADS else []):
         got = torch.load(mcore_loads / f"{name}.pt", weights_only=False)
         torch.testing.assert_close(got["logits"], ref["logits"], atol=1e-6, rtol=0, msg=name)
 
@@ -167,11 +175,7 @@ BRIDGE_OPTIM = declare_runs(OPTIM_HELPER, 2, {
 
 @pytest.fixture(scope="module")
 def bridge_optim(tmp_path_factory, framework_runs):
-    pytest.importorskip("megatron.core")
-    root = tmp_path_factory.mktemp("bridge_optim")
-    for name, stem in framework_runs(OPTIM_HELPER, 2, BRIDGE_OPTIM, timeout=300).items():
-        copy_run(stem, root / name)
-    return root
+    return _copied_runs(tmp_path_factory, framework_runs, OPTIM_HELPER, BRIDGE_OPTIM, "bridge_optim")
 
 
 @needs_mcore

@@ -153,16 +153,25 @@ def _tensor(entry) -> Optional[TensorMeta]:
     return TensorMeta(size, str(dtype))
 
 
+def _config_source(d: Path, common: dict):
+    """(args, sidecar or None) as the full reader takes them: the common state's args, else the config sidecar its
+    trainer wrote (dcp/sidecars.py: Megatron-Bridge, NeMo 2, verl); None for neither, or a damaged sidecar (the full
+    reader says what is wrong with it)."""
+    if common.get("args") is not None:
+        return common["args"], None
+    try:
+        sidecar = sidecars.find(d)
+    except CkptError:
+        return None
+    return (sidecar.args, sidecar) if sidecar is not None else None
+
+
 def _checkpoint(path, format_name, d, meta, common, iteration, release) -> Optional[Checkpoint]:
     entries = meta.state_dict_metadata
-    args = common.get("args")
-    try:  # no args: the config sidecar its trainer wrote (Megatron-Bridge, NeMo 2, verl), as the full reader finds it
-        sidecar = sidecars.find(d) if args is None else None
-    except CkptError:
-        return None  # a damaged sidecar: the full reader says what is wrong with it
-    if args is None and sidecar is None:
+    source = _config_source(d, common)
+    if source is None:
         return None
-    args = sidecar.args if sidecar is not None else args
+    args, sidecar = source
     weights: Dict[str, TensorMeta] = {}
     for key, entry in entries.items():
         if NOT_WEIGHTS.search(key) or type(entry).__name__ == "BytesStorageMetadata":
@@ -191,8 +200,7 @@ def _checkpoint(path, format_name, d, meta, common, iteration, release) -> Optio
         return None
     rows = keys[WORD].shape[0]
     try:
-        cfg = sidecar.config(rows) if sidecar is not None and sidecar.hf is not None else \
-            megatron_args.config_from_args(args, rows)
+        cfg = sidecar.config(rows) if sidecar is not None else megatron_args.config_from_args(args, rows)
     except CkptError:
         return None
     cfg, note = megatron_args.as_megatron_core_computes(cfg)  # torch_dist is always megatron-core

@@ -36,6 +36,7 @@ import yaml
 from ... import families
 from ...config import GPTConfig
 from ...errors import CkptError, require
+from ..megatron import args as megatron_args
 
 # TransformerConfig / model-provider fields whose Megatron-LM arg has the same name and meaning.
 SAME_NAME_FIELDS = (
@@ -91,7 +92,6 @@ class Found:
 
     def config(self, stored_rows: int) -> GPTConfig:
         """The GPTConfig it describes (hf: through the config.json's family) for stored_rows embedding rows."""
-        from ..megatron import args as megatron_args  # the args module is torch-free; here to keep this import light
         if self.args is not None:
             return megatron_args.config_from_args(self.args, stored_rows)
         family = families.of_hf_config(self.hf)
