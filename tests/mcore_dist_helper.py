@@ -11,7 +11,8 @@
         this rank's mp_rank_XX[_YYY]/model_optim_rng.pt through torch.load, the checkpoint's args
         compared with the run's (as check_checkpoint_args does), then model.load_state_dict(strict=True).
   "bridge|nemo|verl DIR --tp T [--arch ...] --out FILE"   save as that trainer lays out a torch_dist checkpoint,
-        no args, its config sidecar beside it (tests/mcore_sidecar_helper.py; jobs of this helper so they share
+        no args, its config sidecar beside it; "fsdp_dtensor DIR --arch ... --out FILE" as Megatron-LM's
+        --ckpt-format fsdp_dtensor lays it out (tests/mcore_sidecar_helper.py; jobs of this helper so they share
         the other saves' torchrun launch).
 
 Both modes write the model's logits for TOKENS (gathered over TP) to FILE, for comparison with
@@ -177,7 +178,7 @@ def load_torch_format(model, root: Path, run_args):
 
 
 # Trainers whose torch_dist saves mcore_sidecar_helper.py lays out (a mode each).
-TRAINER_MODES = ("bridge", "nemo", "verl")
+TRAINER_MODES = ("bridge", "nemo", "verl", "fsdp_dtensor")
 
 
 def run_job(a):

@@ -14,6 +14,15 @@ written from the very TransformerConfig the model was built with:
         (torch_dist of model.sharded_state_dict()), DIR/huggingface/config.json (transformers'
         save_pretrained of the matching config) and DIR/transformer_config.json.
 
+  "fsdp_dtensor DIR --arch A --out FILE"   Megatron-LM's --ckpt-format fsdp_dtensor as its source lays it out
+        (megatron/training/checkpointing.py save_checkpoint + preprocess_fsdp_dtensor_state_dict, generate_state_dict,
+        megatron/core/transformer/fsdp_dtensor_checkpoint.py handle_swiglu_in_state_dict; Megatron-LM d98e8a64):
+        DIR/iter_0000007/ a plain torch.distributed.checkpoint save of {"model": the Megatron-FSDP-wrapped model's
+        state_dict_for_save_checkpoint() (keys under "module."), "args", "checkpoint_version", "iteration"}, a
+        SwiGLU fc1 as its gate and up halves (linear_fc1.weight_w / _v), and the tracker. Megatron-FSDP itself
+        (CUDA) does not run here: the model is megatron-core's GPTModel at TP1, its tensors whole on every rank
+        (DCP keeps one copy) where Megatron-FSDP would store DTensor chunks.
+
 Each job writes the model's logits for TOKENS to FILE, as mcore_dist_helper's save does.
 """
 import argparse
@@ -125,8 +134,38 @@ LAYOUTS = {
 }
 
 
+def fsdp_dtensor_state(a, model, cfg) -> dict:
+    """The state dict Megatron-LM's fsdp_dtensor format hands torch.distributed.checkpoint.save."""
+    sd = {}
+    for k, v in model.state_dict().items():
+        if k.endswith("_extra_state"):
+            continue
+        if cfg.gated_linear_unit and k.endswith("mlp.linear_fc1.weight"):
+            gate, up = v.chunk(2, dim=0)  # TP1: the whole [gate; up]; handle_swiglu_in_state_dict's _w / _v
+            sd[f"module.{k}_w"], sd[f"module.{k}_v"] = gate.clone(), up.clone()
+        else:
+            sd[f"module.{k}"] = v
+    args = base.megatron_args(a.arch, cfg, a.tp)
+    args.ckpt_format = "fsdp_dtensor"
+    return {"model": sd, "args": args, "checkpoint_version": 3.0, "iteration": ITERATION}
+
+
+def save_fsdp_dtensor(a, model, cfg, root: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    it = root / f"iter_{ITERATION:07d}"
+    if dist.get_rank() == 0:
+        it.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dcp.save(fsdp_dtensor_state(a, model, cfg), checkpoint_id=str(it))
+    if dist.get_rank() == 0:
+        (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+
+
 def run_job(a):
     model, cfg = base.build(a.arch, a.tp)
+    if a.mode == "fsdp_dtensor":
+        save_fsdp_dtensor(a, model, cfg, Path(a.dir))
+        return _finish(model, a.out)
     root = Path(a.dir)
     sub, prefix, common = LAYOUTS[a.mode]
     sd = model.sharded_state_dict(prefix=prefix)
@@ -137,9 +176,14 @@ def run_job(a):
     dist_checkpointing.save(sd, str(root / sub))
     if dist.get_rank() == 0:
         write_sidecars(a, cfg, root)
+    _finish(model, a.out)
+
+
+def _finish(model, out_file) -> None:
+    """The model's logits to out_file, then the next job's fresh start."""
     out = base.logits(model)
     if base.is_writer():
-        torch.save({"tokens": base.TOKENS, "logits": out}, a.out)
+        torch.save({"tokens": base.TOKENS, "logits": out}, out_file)
     dist.barrier()
     from megatron.core import parallel_state
     parallel_state.destroy_model_parallel()
@@ -147,7 +191,7 @@ def run_job(a):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=sorted(LAYOUTS))
+    ap.add_argument("mode", choices=sorted(LAYOUTS) + ["fsdp_dtensor"])
     ap.add_argument("dir")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--arch", default="gpt2")

@@ -27,6 +27,9 @@ HELPER = MCORE_HELPER  # its bridge / nemo / verl modes (tests/mcore_sidecar_hel
 TRAINERS = {"bridge": ("llama", 2), "nemo": ("gpt2", 1), "verl": ("llama", 2)}
 SAVES = declare_runs(HELPER, 2, {t: f"{t} {{out}} --tp {tp} --arch {arch} --out {{out}}.logits.pt"
                                  for t, (arch, tp) in TRAINERS.items()})
+# Megatron-LM's --ckpt-format fsdp_dtensor as its source lays it out (no Megatron-FSDP here: see the helper)
+FSDP_DTENSOR = declare_runs(HELPER, 2, {f"fsdp_dtensor_{arch}": f"fsdp_dtensor {{out}} --arch {arch} --out {{out}}.logits.pt"
+                                        for arch in ("llama", "gpt2")})
 # What each sidecar says about itself and its vocabulary (the reader names where the config came from).
 SIDECAR_WORDS = {"bridge": "Megatron-Bridge run_config.yaml", "nemo": "NeMo 2 context/model.yaml",
                  "verl": "Hugging Face config huggingface/config.json"}
@@ -128,6 +131,32 @@ def test_megatron_core_loads_the_reshards_strictly(saves, mcore_loads, trainer):
     for name in [f"{trainer}_dist"] + ([f"{trainer}_torch"] if trainer in TORCH_FORMAT_LOADS else []):
         got = torch.load(mcore_loads / f"{name}.pt", weights_only=False)
         torch.testing.assert_close(got["logits"], ref["logits"], atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.fixture(scope="module")
+def fsdp_dtensor_saves(tmp_path_factory, framework_runs):
+    return _copied_runs(tmp_path_factory, framework_runs, HELPER, FSDP_DTENSOR, "fsdp_dtensor")
+
+
+@needs_mcore
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_megatron_lm_fsdp_dtensor_layout_reads_and_exports(fsdp_dtensor_saves, arch, tmp_path, monkeypatch):
+    """Per-layer keys under model.module., a SwiGLU fc1 as weight_w / weight_v, args and iteration as DCP byte
+    entries: read with megatron-core's logits (quick inspect alike), to-hf with transformers computing them."""
+    from transformers import AutoModelForCausalLM
+    from test_quick_inspect import quick_equals_full
+    path = fsdp_dtensor_saves / f"fsdp_dtensor_{arch}"
+    ckpt = open_checkpoint(path)
+    assert ckpt.source.iteration == 7 and ckpt.source.args.ckpt_format == "fsdp_dtensor"
+    ref = torch.load(fsdp_dtensor_saves / f"fsdp_dtensor_{arch}.logits.pt")
+    torch.testing.assert_close(forward(ckpt, ref["tokens"]), ref["logits"], atol=1e-6, rtol=0)
+    quick_equals_full(monkeypatch, path)
+    r = run_cli("to-hf", path, tmp_path / "hf")
+    assert r.returncode == 0, r.stderr
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(ref["tokens"]).logits
+    torch.testing.assert_close(logits, ref["logits"][..., :100], atol=1e-5, rtol=0)
 
 
 @needs_mcore

@@ -13,6 +13,10 @@ from ..megatron.files import TRACKER, resolve_iteration_dir
 CONFIG_FILE = "metadata.json"  # megatron-core's {"sharded_backend": ...}
 COMMON_FILE = "common.pt"  # the non-sharded state (args, iteration), older saves
 COMMON_KEY = "common_state/shard_0_1"  # the same as a DCP byte entry, newer saves
+# Megatron-LM's --ckpt-format torch_dcp / fsdp_dtensor (training/checkpointing.py save_checkpoint, Megatron-LM
+# d98e8a64) save generate_state_dict()'s plain entries with torch.distributed.checkpoint itself: each a byte entry
+# of its own beside the model's tensors (under "model.", Megatron-FSDP's "model.module." for fsdp_dtensor).
+DCP_COMMON_KEYS = ("args", "checkpoint_version", "iteration")
 DCP_METADATA = ".metadata"  # DCP's index (io/dcp_io.METADATA; that module imports torch)
 # Folders holding a trainer's torch_dist files below the checkpoint directory a user names, its config
 # sidecar beside them (formats/dcp/sidecars.py): NeMo 2's <ckpt>/weights/, verl's <actor>/dist_ckpt/.

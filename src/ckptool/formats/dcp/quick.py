@@ -24,7 +24,7 @@ from typing import Dict, Optional
 from ...errors import CkptError
 from ..megatron import args as megatron_args
 from . import sidecars
-from .files import COMMON_FILE, COMMON_KEY, CONFIG_FILE, DCP_METADATA, locate
+from .files import COMMON_FILE, COMMON_KEY, CONFIG_FILE, DCP_COMMON_KEYS, DCP_METADATA, locate
 from ...spec import GPT
 from ...spec.schema import MCORE
 from ...state import Checkpoint, SourceInfo
@@ -123,8 +123,9 @@ def _common_state(d: Path, meta) -> Optional[dict]:
         state = load_torch_zip(d / COMMON_FILE)
     else:
         raw = _entry_bytes(d, meta, COMMON_KEY)
-        if raw is None:
-            return {}
+        if raw is None:  # torch_dcp / fsdp_dtensor: each common entry a byte entry of its own
+            found = {k: _entry_bytes(d, meta, k) for k in DCP_COMMON_KEYS}
+            return {k: load_torch_zip(v) for k, v in found.items() if v is not None}
         state = load_torch_zip(raw)
         if isinstance(state, (list, tuple)) and len(state) == 1:
             state = state[0]

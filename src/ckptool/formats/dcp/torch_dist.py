@@ -50,7 +50,7 @@ from ...write_options import WriteOptions
 from . import (optim as dist_optim, optim_buckets as dist_optim_buckets, optim_flattened as dist_optim_flattened,
                sidecars)
 from ..megatron import args as megatron_args, buffers as megatron_buffers
-from .files import COMMON_FILE, COMMON_KEY, CONFIG_FILE, locate, looks_like  # noqa: F401 (looks_like: the table's)
+from .files import COMMON_FILE, COMMON_KEY, CONFIG_FILE, DCP_COMMON_KEYS, locate, looks_like  # noqa: F401 (looks_like: the table's)
 from ..megatron.checkpoint import TRACKER, MegatronArgs, MegatronPlan, plan_megatron
 from ..megatron.names import DIALECTS, is_mla
 from ..megatron.optim import GroupRule
@@ -146,15 +146,17 @@ def _backend(d: Path) -> Optional[str]:
 
 
 def read_common_state(d: Path, dcp: DcpDir) -> dict:
-    """The non-sharded state: common.pt (older) or the in-DCP common_state entry (newer)."""
+    """The non-sharded state: common.pt (older), the in-DCP common_state entry (newer), or Megatron-LM's
+    torch_dcp / fsdp_dtensor byte entries (files.DCP_COMMON_KEYS)."""
     if (d / COMMON_FILE).is_file():
         state = load_torch_file(d / COMMON_FILE)
     elif COMMON_KEY in dcp.entries:
         state = load_torch_bytes(dcp.read_bytes(COMMON_KEY), source=f"{d.name}:{COMMON_KEY}")
         if isinstance(state, (list, tuple)) and len(state) == 1:
             state = state[0]
-    else:
-        return {}
+    else:  # torch_dcp / fsdp_dtensor: each common entry a byte entry of its own
+        state = {k: load_torch_bytes(dcp.read_bytes(k), source=f"{d.name}:{k}") for k in DCP_COMMON_KEYS
+                 if k in dcp.entries and not hasattr(dcp.entries[k], "chunks")}
     return state if isinstance(state, dict) else {}
 
 
