@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mcore_eager import import_megatron_core_eager  # noqa: E402
+from torchrun_jobs import run_jobs  # noqa: E402,F401 (the other helpers' main loop too, as mcore_dist_helper.run_jobs)
 import_megatron_core_eager()  # before megatron.core: its fused kernels uncompiled, a faster start
 from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
 from megatron.core.models.gpt import GPTModel
@@ -231,17 +232,6 @@ def run_job(a):
                         "args_tp": getattr(common.get("args"), "tensor_model_parallel_size", None)}, a.out)
     dist.barrier()
     parallel_state.destroy_model_parallel()
-
-
-def run_jobs(ap: argparse.ArgumentParser, run_job) -> None:
-    """Each command-line argument is one job, parsed by ap and run in one gloo process group (one
-    torchrun start for several jobs: importing megatron-core is the slow part). The other helpers' main
-    loop too."""
-    jobs = [ap.parse_args(job.split()) for job in sys.argv[1:]]
-    dist.init_process_group("gloo")
-    for job in jobs:
-        run_job(job)
-    dist.destroy_process_group()
 
 
 def main():

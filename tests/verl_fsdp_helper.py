@@ -10,12 +10,14 @@ writes huggingface/ (the model's config.json, save_pretrained) and fsdp_config.j
 """
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from torchrun_jobs import run_jobs  # noqa: E402
 
 TOKENS = torch.tensor([[1, 5, 9, 33, 2, 70, 99, 4], [11, 12, 13, 14, 15, 16, 17, 18]])
 VOCAB = 128
@@ -78,12 +80,7 @@ def main():
     ap.add_argument("dir")
     ap.add_argument("--arch", default="llama")
     ap.add_argument("--out", required=True)
-    jobs = [ap.parse_args(job.split()) for job in sys.argv[1:]]
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    dist.init_process_group("gloo")
-    for job in jobs:
-        run_job(job)
-    dist.destroy_process_group()
+    run_jobs(ap, run_job)
 
 
 if __name__ == "__main__":
