@@ -10,6 +10,10 @@
         Megatron-LM's load_checkpoint does for --ckpt-format torch: tracker file, iter_XXXXXXX/,
         this rank's mp_rank_XX[_YYY]/model_optim_rng.pt through torch.load, the checkpoint's args
         compared with the run's (as check_checkpoint_args does), then model.load_state_dict(strict=True).
+  "bridge|nemo|verl DIR --tp T [--arch ...] --out FILE"   save as that trainer lays out a torch_dist checkpoint,
+        no args, its config sidecar beside it; "fsdp_dtensor DIR --arch ... --out FILE" as Megatron-LM's
+        --ckpt-format fsdp_dtensor lays it out (tests/mcore_sidecar_helper.py; jobs of this helper so they share
+        the other saves' torchrun launch).
 
 Both modes write the model's logits for TOKENS (gathered over TP) to FILE, for comparison with
 ckptool's reference forward. With --pp each rank builds only its stage's GPTModel (pre_process on the
@@ -28,6 +32,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mcore_eager import import_megatron_core_eager  # noqa: E402
+from torchrun_jobs import run_jobs  # noqa: E402,F401 (the other helpers' main loop too, as mcore_dist_helper.run_jobs)
 import_megatron_core_eager()  # before megatron.core: its fused kernels uncompiled, a faster start
 from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
 from megatron.core.models.gpt import GPTModel
@@ -173,7 +178,15 @@ def load_torch_format(model, root: Path, run_args):
     return {"iteration": state["iteration"], "checkpoint_version": state["checkpoint_version"]}, args
 
 
+# Trainers whose torch_dist saves mcore_sidecar_helper.py lays out (a mode each).
+TRAINER_MODES = ("bridge", "nemo", "verl", "fsdp_dtensor")
+
+
 def run_job(a):
+    if a.mode in TRAINER_MODES:
+        sys.modules.setdefault("mcore_dist_helper", sys.modules[__name__])  # run as a script: one module, not two
+        import mcore_sidecar_helper  # imports this module back; here to keep the other modes' start as it was
+        return mcore_sidecar_helper.run_job(a)
     model, cfg = build(a.arch, a.tp, a.pp)
     rank = dist.get_rank()
     root = Path(a.dir)
@@ -221,22 +234,11 @@ def run_job(a):
     parallel_state.destroy_model_parallel()
 
 
-def run_jobs(ap: argparse.ArgumentParser, run_job) -> None:
-    """Each command-line argument is one job, parsed by ap and run in one gloo process group (one
-    torchrun start for several jobs: importing megatron-core is the slow part). The other helpers' main
-    loop too."""
-    jobs = [ap.parse_args(job.split()) for job in sys.argv[1:]]
-    dist.init_process_group("gloo")
-    for job in jobs:
-        run_job(job)
-    dist.destroy_process_group()
-
-
 def main():
     """Each argument is one job: 'mode dir --tp T [--pp P] --arch A [--with-args] --out FILE' (one torchrun
     start for several jobs: importing megatron-core is the slow part)."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["save", "load", "load-torch"])
+    ap.add_argument("mode", choices=["save", "load", "load-torch", *TRAINER_MODES])
     ap.add_argument("dir")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)

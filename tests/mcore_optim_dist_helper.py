@@ -12,14 +12,15 @@ loading run's own layout (dist_checkpointing reshards), then load_state_dict on 
 scheduler. This helper does exactly that with the training loop of tests/mcore_train_helper.py.
 
   "save DIR --tp T [--pp P] --form F --steps N --more M --out FILE [--live LIVE] [--dtype bf16|fp32]
-        [--bucket-size B] [--grad-fp32] [--decoupled-lr X] [--lr-mult Y]"
+        [--bucket-size B] [--grad-fp32] [--decoupled-lr X] [--lr-mult Y] [--bridge]"
         train N steps at TP T, PP P (DP = world / (T x P)), save DIR (iteration N) in form F, train M more.
         F: plain (non-distributed optimizer) | fully_reshardable | fully_sharded_model_space |
         dp_reshardable | dp_zero_gather_scatter (distributed optimizer). --bucket-size B: --overlap-grad-reduce with buckets of
         B elements (the grad buffer cut into several buckets on the first pipeline stage). --grad-fp32:
         grads reduced in fp32 (the buffers' dtype key becomes (bf16, fp32)). --decoupled-lr / --lr-mult:
         the param groups of mcore_train_helper.py (embedding + output at their own lr, lr_mult on the
-        no-weight-decay group); resume and load need the same flags.
+        no-weight-decay group); resume and load need the same flags. --bridge: saved as Megatron-Bridge
+        saves (no args in the common state; iter_XXXXXXX/run_config.yaml holds the config).
         fully_sharded_model_space is what megatron-core up to 0.14 saved by default (0.15 with
         --dist-ckpt-save-pre-mcore-014); 0.16 builds its sharded state dict still (flattened_range
         ShardedTensors per parameter and DP rank) but no longer stores flattened tensors, so the helper
@@ -230,6 +231,23 @@ def state_dict(model, opt, sched, metadata, loading):
     return sd
 
 
+def write_bridge_run_config(d: Path, cfg, a, args) -> None:
+    """--bridge: Megatron-Bridge's iter_XXXXXXX/run_config.yaml (training/checkpointing.py): the model provider from
+    the model's own TransformerConfig and the ddp / optimizer / checkpoint sections with megatron-core's
+    DistributedDataParallelConfig / OptimizerConfig field names, holding what this run used."""
+    import mcore_sidecar_helper as S
+    model = S.provider_fields(a.arch, cfg, a.tp)
+    model.update(pipeline_model_parallel_size=a.pp, bf16=cfg.bf16)
+    S.write_yaml(d / "run_config.yaml", {
+        "_target_": "megatron.bridge.training.config.ConfigContainer", "model": model,
+        "ddp": {"use_distributed_optimizer": args.use_distributed_optimizer, "overlap_grad_reduce": args.overlap_grad_reduce,
+                "bucket_size": args.ddp_bucket_size, "grad_reduce_in_fp32": args.accumulate_allreduce_grads_in_fp32},
+        "optimizer": {"optimizer": "adam", "use_distributed_optimizer": args.use_distributed_optimizer,
+                      "decoupled_lr": args.decoupled_lr, "decoupled_min_lr": args.decoupled_min_lr, "bf16": cfg.bf16},
+        "checkpoint": {"ckpt_format": "torch_dist",
+                       "dist_ckpt_optim_fully_reshardable": args.dist_ckpt_optim_fully_reshardable}})
+
+
 def save(root: Path, model, opt, sched, cfg, a, iteration):
     metadata = content_metadata(a.form)
     sd = state_dict(model, opt, sched, metadata, loading=False)
@@ -250,11 +268,15 @@ def save(root: Path, model, opt, sched, cfg, a, iteration):
     args.decoupled_lr = T.GROUPS.get("decoupled_lr")
     args.decoupled_min_lr = T.GROUPS.get("decoupled_lr") and T.MIN_LR / 2
     sd.update(args=args, checkpoint_version=3.0, iteration=iteration, content_metadata=metadata)
+    if a.bridge:
+        del sd["args"]  # Megatron-Bridge stores no args: the config goes to run_config.yaml
     d = root / f"iter_{iteration:07d}"
     if dist.get_rank() == 0:
         d.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     dist_checkpointing.save(sd, str(d))
+    if a.bridge and dist.get_rank() == 0:
+        write_bridge_run_config(d, cfg, a, args)
     if shapes:
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, shapes)
@@ -689,6 +711,7 @@ def main():
     ap.add_argument("--decoupled-lr", type=float)
     ap.add_argument("--lr-mult", type=float)
     ap.add_argument("--weights-only", action="store_true")
+    ap.add_argument("--bridge", action="store_true", help="save: as Megatron-Bridge does (no args; run_config.yaml)")
     ap.add_argument("--out", required=True)
     T.H.run_jobs(ap, run_job)
 

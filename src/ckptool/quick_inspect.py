@@ -7,7 +7,8 @@ directory formats are torch-free) and gives that format's quick reader, if it ha
              expert TP, MLA models, the optimizer's state in the rank files and distrib_optim.pt (an
              MoE model's [dense, expert] chain too) (formats/megatron/quick.py, formats/megatron/quick_experts.py,
              formats/megatron/quick_optim.py, formats/megatron/quick_distopt.py)
-  torch_dist the DCP .metadata pickle, the common state's args, model-space optimizer state and the
+  torch_dist the DCP .metadata pickle, the common state's args (else a trainer's config sidecar:
+             formats/dcp/sidecars.py), model-space optimizer state and the
              flat dp_reshardable buckets (MoE chains and MLA too) (formats/dcp/quick.py, formats/dcp/quick_optim.py,
              formats/dcp/quick_buckets.py)
   deepspeed  Megatron models under DeepSpeed (pipeline layer files or `module`), ZeRO-1/2 and BF16

@@ -38,9 +38,11 @@ def source_options(fn: Callable) -> Callable:
                      help="Megatron-DeepSpeed fused QKV packing per TP rank: per group/head [q,k,v] "
                           "(before 2024-12, default) or [all q | all k | all v] (since 2024-12)."),
         click.option("--hf-config", type=click.Path(), default=None,
-                     help="DeepSpeed runs of Hugging Face models and FSDP / torchtitan / accelerate DCP saves: "
-                          "the model's config.json (or its directory); found automatically beside the "
-                          "checkpoint (DCP: also in a huggingface/ folder beside it or above)."),
+                     help="The model's config.json (or its directory) for a source that keeps none of its own: "
+                          "DeepSpeed runs of Hugging Face models, FSDP / torchtitan / accelerate DCP saves, "
+                          "torch_dist saves without args or a trainer's config sidecar, verl FSDP folders "
+                          "without huggingface/ (found automatically beside the checkpoint where it is; DCP: "
+                          "also in a huggingface/ folder beside it or above)."),
         click.option("--activation", type=click.Choice(CHOICES["activation"]),
                      default=None, help="Override the MLP activation read from the checkpoint."),
         # Checkpoints without args (bare dist_checkpointing / DCP saves): sizes shapes cannot tell.

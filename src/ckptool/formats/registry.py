@@ -155,6 +155,7 @@ FORMATS: Tuple[Format, ...] = (
            command="ckptool merge SRC DST --format torch_dist", parallel_ref="ckptool.verify.targets:dist_target"),
     Format("deepspeed", "ckptool.formats.deepspeed.files:looks_like_deepspeed", "ckptool.formats.deepspeed.checkpoint:read",
            quick_ref="ckptool.formats.deepspeed.quick:read", parallel_ref="ckptool.verify.targets:deepspeed_target"),
+    Format("verl-fsdp", "ckptool.formats.verl.files:looks_like", "ckptool.formats.verl.fsdp:read"),
     Format("hf", "ckptool.formats.hf.config:looks_like", "ckptool.formats.hf.reader:read",
            "ckptool.formats.hf.writer:write_hf", honours=HF_HONOURS, holds=frozenset({"moe", "mla"}),
            quick_ref="ckptool.formats.hf.quick:read", command="ckptool to-hf SRC DST"),
@@ -186,7 +187,7 @@ def source_format(path) -> Format:
             return fmt
     raise CkptError(f"{path}: not a checkpoint ckptool recognises",
                     "expected a Megatron save dir (mp_rank_*), a torch_dist/DCP dir, a DeepSpeed "
-                    "global_step dir or a Hugging Face model dir")
+                    "global_step dir, a verl FSDP actor dir or a Hugging Face model dir")
 
 
 def ways_out(exports) -> str:

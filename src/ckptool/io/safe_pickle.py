@@ -8,6 +8,8 @@ through SafeUnpickler. What may load:
     older Pythons name them (signal.SIGTERM; getattr(EnumClass, "member") of Python 3.11's early
     releases, for an enum class only: standin.enum_member);
   * torch.distributed.checkpoint metadata dataclasses (data only);
+  * DTensors (an FSDP2 state_dict() saved with torch.save): their local tensor and placements as a
+    dtensor.DTensorShard record; DTensor, its spec, device mesh and placements load as inert StandIns;
   * any class from a training framework's namespace (megatron.*, deepspeed.*, apex.*, ...), which
     becomes an inert StandIn (io/standin.py) that keeps its constructor arguments and state and runs nothing.
 Everything else (builtins.eval, os.system, subprocess.*, torch.load, ...) raises UnsafePickleError.
@@ -32,6 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..errors import CkptError
+from . import dtensor
 from .standin import FRAMEWORK_PACKAGES, StandIn, is_framework_module, standin_class  # noqa: F401 (torch-free home)
 from .standin import enum_member, signal_member
 
@@ -169,7 +172,7 @@ _TORCH_REBUILDS = {
     "_rebuild_meta_tensor_no_storage",
 }
 UNSUPPORTED_TORCH_REBUILDS = ("_rebuild_qtensor", "_rebuild_sparse_tensor", "_rebuild_nested_tensor",
-                              "_rebuild_wrapper_subclass", "_rebuild_sparse_csr",
+                              "_rebuild_sparse_csr",
                               "_rebuild_xla_tensor", "_rebuild_mlc_tensor", "_rebuild_cuda_tensor")
 
 
@@ -189,6 +192,8 @@ def check_rebuild_from_type(func, new_type, rebuilds) -> None:
 
 
 def _safe_rebuild_from_type_v2(func, new_type, args, state):
+    if dtensor.is_dtensor_rebuild(func):  # a DTensor (FSDP2 state_dict): its local tensor and placement, as data
+        return dtensor.from_pickle(new_type, args, state)
     check_rebuild_from_type(func, new_type, {getattr(torch._utils, n) for n in _TORCH_REBUILDS})
     return torch._tensor._rebuild_from_type_v2(func, new_type, args, state)
 _DCP_MODULES = (
@@ -271,6 +276,10 @@ class SafeUnpickler(pickle.Unpickler):
             return _safe_rebuild_from_type_v2
         if module in ("torch._utils", "torch._tensor") and name in UNSUPPORTED_TORCH_REBUILDS:
             return rebuild_unsupported
+        if (module, name) == ("torch._utils", "_rebuild_wrapper_subclass"):
+            return dtensor.wrapper_subclass_args  # only a DTensor's rebuild accepts it (dtensor.from_pickle)
+        if module in dtensor.DTENSOR_MODULES:
+            return standin_class(module, name)  # DTensor, its spec, mesh and placements: inert records
         if module == "torch":
             obj = getattr(torch, name, None)
             if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)) or obj in (

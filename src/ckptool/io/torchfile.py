@@ -25,7 +25,7 @@ import torch
 from ..errors import CkptError
 from ..lazy import Const, Derived, LazyTensor, itemsize
 from ..lazy import load_scopes as lazy_scopes
-from . import buffers, chunked, prefetch, profile, torchzip, writeback
+from . import buffers, chunked, dtensor, prefetch, profile, torchzip, writeback
 from .buffers import empty
 from .outdir import remember_digest
 from .zip_records import zip_records
@@ -196,6 +196,8 @@ def _rebuild_param(data, *rest):
 
 
 def _rebuild_from_type(func, new_type, args, state):
+    if dtensor.is_dtensor_rebuild(func):  # a DTensor: its (lazy) local tensor and placements (io/dtensor.py)
+        return dtensor.from_pickle(new_type, args, state)
     # the stored call is func(*args): only our own lazy tensor rebuilds may be named here
     check_rebuild_from_type(func, new_type, (_rebuild_lazy, _rebuild_param))
     return func(*args)

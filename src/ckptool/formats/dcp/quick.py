@@ -23,7 +23,8 @@ from typing import Dict, Optional
 
 from ...errors import CkptError
 from ..megatron import args as megatron_args
-from .files import COMMON_FILE, COMMON_KEY, CONFIG_FILE, DCP_METADATA, locate
+from . import sidecars
+from .files import COMMON_FILE, COMMON_KEY, CONFIG_FILE, DCP_COMMON_KEYS, DCP_METADATA, locate
 from ...spec import GPT
 from ...spec.schema import MCORE
 from ...state import Checkpoint, SourceInfo
@@ -122,8 +123,9 @@ def _common_state(d: Path, meta) -> Optional[dict]:
         state = load_torch_zip(d / COMMON_FILE)
     else:
         raw = _entry_bytes(d, meta, COMMON_KEY)
-        if raw is None:
-            return {}
+        if raw is None:  # torch_dcp / fsdp_dtensor: each common entry a byte entry of its own
+            found = {k: _entry_bytes(d, meta, k) for k in DCP_COMMON_KEYS}
+            return {k: load_torch_zip(v) for k, v in found.items() if v is not None}
         state = load_torch_zip(raw)
         if isinstance(state, (list, tuple)) and len(state) == 1:
             state = state[0]
@@ -152,11 +154,25 @@ def tensor_meta(entry) -> Optional[TensorMeta]:
     return TensorMeta(size, str(dtype))
 
 
+def _config_source(d: Path, common: dict):
+    """(args, sidecar or None) as the full reader takes them: the common state's args, else the config sidecar its
+    trainer wrote (dcp/sidecars.py: Megatron-Bridge, NeMo 2, verl); None for neither, or a damaged sidecar (the full
+    reader says what is wrong with it)."""
+    if common.get("args") is not None:
+        return common["args"], None
+    try:
+        sidecar = sidecars.find(d)
+    except CkptError:
+        return None
+    return (sidecar.args, sidecar) if sidecar is not None else None
+
+
 def _checkpoint(path, format_name, d, meta, common, iteration, release) -> Optional[Checkpoint]:
     entries = meta.state_dict_metadata
-    args = common.get("args")
-    if args is None:
+    source = _config_source(d, common)
+    if source is None:
         return None
+    args, sidecar = source
     weights: Dict[str, TensorMeta] = {}
     for key, entry in entries.items():
         if NOT_WEIGHTS.search(key) or type(entry).__name__ == "BytesStorageMetadata":
@@ -185,7 +201,7 @@ def _checkpoint(path, format_name, d, meta, common, iteration, release) -> Optio
         return None
     rows = keys[WORD].shape[0]
     try:
-        cfg = megatron_args.config_from_args(args, rows)
+        cfg = sidecar.config(rows) if sidecar is not None else megatron_args.config_from_args(args, rows)
     except CkptError:
         return None
     cfg, note = megatron_args.as_megatron_core_computes(cfg)  # torch_dist is always megatron-core
@@ -199,7 +215,8 @@ def _checkpoint(path, format_name, d, meta, common, iteration, release) -> Optio
                       layout=megatron_args.run_layout(args, cfg),
                       release=release,
                       iteration=iteration if iteration is not None else common.get("iteration"),
-                      checkpoint_version=common.get("checkpoint_version"), args=args)
+                      checkpoint_version=common.get("checkpoint_version"), args=args,
+                      extra={"hf_config": sidecar.hf, "config_sidecar": sidecar.what} if sidecar is not None else {})
     canonical = canonical_meta(shapes, cfg, dtype, buffer_dtype)
     stored_tensors = {k: tensor_meta(e) for k, e in entries.items() if is_record(e, "TensorStorageMetadata")}
     head = prefix + HEAD if cfg.tied_embeddings and prefix + HEAD in weights else None

@@ -47,9 +47,10 @@ from ...state import WEIGHT, Checkpoint, OptimizerState, SourceInfo, expected_na
 from ...summary import WriteSummary
 from ...vocab import with_true_vocab_size
 from ...write_options import WriteOptions
-from . import (optim as dist_optim, optim_buckets as dist_optim_buckets, optim_flattened as dist_optim_flattened)
+from . import (optim as dist_optim, optim_buckets as dist_optim_buckets, optim_flattened as dist_optim_flattened,
+               sidecars)
 from ..megatron import args as megatron_args, buffers as megatron_buffers
-from .files import COMMON_FILE, COMMON_KEY, CONFIG_FILE, locate, looks_like  # noqa: F401 (looks_like: the table's)
+from .files import COMMON_FILE, COMMON_KEY, CONFIG_FILE, DCP_COMMON_KEYS, locate, looks_like  # noqa: F401 (looks_like: the table's)
 from ..megatron.checkpoint import TRACKER, MegatronArgs, MegatronPlan, plan_megatron
 from ..megatron.names import DIALECTS, is_mla
 from ..megatron.optim import GroupRule
@@ -145,15 +146,17 @@ def _backend(d: Path) -> Optional[str]:
 
 
 def read_common_state(d: Path, dcp: DcpDir) -> dict:
-    """The non-sharded state: common.pt (older) or the in-DCP common_state entry (newer)."""
+    """The non-sharded state: common.pt (older), the in-DCP common_state entry (newer), or Megatron-LM's
+    torch_dcp / fsdp_dtensor byte entries (files.DCP_COMMON_KEYS)."""
     if (d / COMMON_FILE).is_file():
         state = load_torch_file(d / COMMON_FILE)
     elif COMMON_KEY in dcp.entries:
         state = load_torch_bytes(dcp.read_bytes(COMMON_KEY), source=f"{d.name}:{COMMON_KEY}")
         if isinstance(state, (list, tuple)) and len(state) == 1:
             state = state[0]
-    else:
-        return {}
+    else:  # torch_dcp / fsdp_dtensor: each common entry a byte entry of its own
+        state = {k: load_torch_bytes(dcp.read_bytes(k), source=f"{d.name}:{k}") for k in DCP_COMMON_KEYS
+                 if k in dcp.entries and not hasattr(dcp.entries[k], "chunks")}
     return state if isinstance(state, dict) else {}
 
 
@@ -269,10 +272,11 @@ def config_from_shapes(shards, num_layers: int, stored_rows: int, ov: dict, warn
                         "give --args-from A_CHECKPOINT_OF_THE_SAME_RUN")
     heads = ov.get("num_attention_heads")
     if not heads:
-        raise CkptError("this checkpoint stores no args (a bare dist_checkpointing/DCP save), and the number "
-                        "of attention heads cannot be read from tensor shapes",
-                        "give --num-attention-heads N (and --num-query-groups for GQA), or "
-                        "--args-from A_CHECKPOINT_OF_THE_SAME_RUN")
+        raise CkptError("this checkpoint stores no args (a bare dist_checkpointing/DCP save) and has no config "
+                        "sidecar, and the number of attention heads cannot be read from tensor shapes",
+                        "give --hf-config DIR (the model's config.json), --num-attention-heads N (and "
+                        "--num-query-groups for GQA), or --args-from A_CHECKPOINT_OF_THE_SAME_RUN (sidecars looked "
+                        f"for: {sidecars.names()})")
     head_dim = ov.get("head_dim") or hidden // heads
     qkv = shards.get(("qkv.weight", 0))
     groups = ov.get("num_query_groups")
@@ -310,6 +314,42 @@ def _args_from(path: str):
     return other.source.args, other.config
 
 
+def _source_config(d: Path, common: dict, shards, num_layers: int, stored_rows: int, opts: ReadOptions,
+                   warnings: List[str]):
+    """(config, args, where the config came from, the sidecar read or None): the common state's args, else
+    --args-from's, else the config sidecar its trainer wrote (dcp/sidecars.py: Megatron-Bridge, NeMo 2, verl) or
+    --hf-config, else tensor shapes and flags."""
+    ov = {k: v for k, v in opts.overrides.items() if v is not None}
+    args, cfg, sidecar = common.get("args"), None, None
+    cfg_src = "the checkpoint's args"
+    if args is None and opts.args_from:
+        args, other_cfg = _args_from(opts.args_from)
+        cfg_src = f"--args-from {opts.args_from}"
+        if args is None:
+            cfg = other_cfg.replace(padded_vocab_size=stored_rows, num_layers=num_layers)
+    elif args is None:
+        sidecar = sidecars.find(d, opts.hf_config)
+        if sidecar is not None:
+            args, cfg_src = sidecar.args, sidecar.what
+            if sidecar.hf is not None:
+                cfg = sidecar.config(stored_rows).replace(**opts.config_overrides())
+    if args is not None:
+        cfg = megatron_args.config_from_args(args, stored_rows)
+        cfg = cfg.replace(**opts.config_overrides())
+        cfg, note = megatron_args.as_megatron_core_computes(cfg)  # torch_dist is always megatron-core
+        if note:
+            warnings.append(note)
+    elif cfg is None:
+        cfg_src = "tensor shapes and flags"
+        if any(role.startswith(("experts.", "router.")) for role, _ in shards):
+            raise CkptError(f"{d}: an MoE model that stores no args (a bare dist_checkpointing save) and has no "
+                            "config sidecar: the routing (top-k, score function) cannot be read from tensor shapes",
+                            f"give --hf-config DIR (the model's config.json) or --args-from A_CHECKPOINT_OF_THE_SAME_RUN "
+                            f"(sidecars looked for: {sidecars.names()})")
+        cfg = config_from_shapes(shards, num_layers, stored_rows, ov, warnings.append)
+    return cfg, args, cfg_src, sidecar
+
+
 def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     opts = opts or ReadOptions()
     d, iteration, release = locate(Path(path), opts.iteration)
@@ -324,27 +364,8 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
         raise CkptError(f"{d}: layers {missing} have no tensors", "the checkpoint is incomplete")
     stored_rows = shards[("word", None)][0].shape[0]
     warnings: List[str] = []
+    cfg, args, cfg_src, sidecar = _source_config(d, common, shards, num_layers, stored_rows, opts, warnings)
     ov = {k: v for k, v in opts.overrides.items() if v is not None}
-    args = common.get("args")
-    cfg_src = "the checkpoint's args"
-    if args is None and opts.args_from:
-        args, other_cfg = _args_from(opts.args_from)
-        cfg_src = f"--args-from {opts.args_from}"
-        if args is None:
-            cfg = other_cfg.replace(padded_vocab_size=stored_rows, num_layers=num_layers)
-    if args is not None:
-        cfg = megatron_args.config_from_args(args, stored_rows)
-        cfg = cfg.replace(**opts.config_overrides())
-        cfg, note = megatron_args.as_megatron_core_computes(cfg)  # torch_dist is always megatron-core
-        if note:
-            warnings.append(note)
-    elif not opts.args_from:
-        cfg_src = "tensor shapes and flags"
-        if any(role.startswith(("experts.", "router.")) for role, _ in shards):
-            raise CkptError(f"{d}: an MoE model that stores no args (a bare dist_checkpointing save): the "
-                            "routing (top-k, score function) cannot be read from tensor shapes",
-                            "give --args-from A_CHECKPOINT_OF_THE_SAME_RUN")
-        cfg = config_from_shapes(shards, num_layers, stored_rows, ov, warnings.append)
     if ov.get("vocab_size"):
         cfg = cfg.replace(vocab_size=ov["vocab_size"], vocab_size_source="--vocab-size")
     cfg = with_true_vocab_size(cfg, opts.true_vocab_size, stored_rows)
@@ -363,7 +384,8 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
                       layout=megatron_args.run_layout(args, cfg),
                       release=release, iteration=iteration if iteration is not None else common.get("iteration"),
                       checkpoint_version=common.get("checkpoint_version"), args=args,
-                      extra={"replica_policy": policy, "plain_dcp": backend is None})
+                      extra={"replica_policy": policy, "plain_dcp": backend is None,
+                             **({"hf_config": sidecar.hf, "config_sidecar": sidecar.what} if sidecar else {})})
     optimizer = _read_optimizer(dcp, common, cfg, tensors, policy, args, str(d), warnings) if opts.optimizer else None
     return Checkpoint(cfg, tensors, info, warnings, optimizer)
 
