@@ -20,7 +20,7 @@ class _VerifyPackage(types.ModuleType):
     ckptool.api.verify (see its docstring)."""
 
     def __call__(self, *args, **kwargs):
-        from .api import verify
+        from .api import verify  # on first use: `import ckptool` stays light
         return verify(*args, **kwargs)
 
 
@@ -36,10 +36,10 @@ sys.modules[__name__].__class__ = _Package
 
 def __getattr__(name):
     if name in _API:
-        from . import api
+        from . import api  # on first use: `import ckptool` stays light (no torch, no click)
         return getattr(api, name)
     if name in _ERRORS:
-        from . import errors
+        from . import errors  # on first use, as api above
         return getattr(errors, name)
     if name == "verify":
         import importlib  # the subpackage, made callable as the import sets it (see _Package)

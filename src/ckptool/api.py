@@ -20,11 +20,15 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from .config import Layout
+from .describe import describe
+from .distributed import current_team
 from .errors import CkptError, NoCanonicalForm, require
 from .formats import registry
 from .integrity import verify_files
+from .io.outdir import partial_output
 from .layout_request import LayoutRequest, check_sizes
 from .options import ReadOptions, pop_read_options
+from .quick_inspect import quick_open
 from .state import Checkpoint
 from .summary import WriteSummary
 from .verify.request import Request, check_request
@@ -112,8 +116,7 @@ def open(path: Union[str, Path], **read_options) -> Checkpoint:  # noqa: A001 (c
     Raises CkptError for a path that is not a readable checkpoint (errors.NoCanonicalForm for one ckptool
     recognises but cannot read as a GPT: a DeepLearningExamples BERT file, a DeepSpeed run of another
     Hugging Face model; to_hf exports those), TypeError for an unknown option."""
-    from .formats.registry import open_checkpoint
-    return open_checkpoint(path, _parse_read_options(**read_options))
+    return registry.open_checkpoint(path, _parse_read_options(**read_options))
 
 
 def inspect(path: Union[str, Path], **read_options) -> dict:
@@ -122,8 +125,6 @@ def inspect(path: Union[str, Path], **read_options) -> dict:
     and no tensor is read. Where the format's metadata says everything (and no reading option is
     given) it is read without loading any tensor bytes (quick_inspect.py); otherwise through open().
     read_options as for open(); raises CkptError as open() does."""
-    from .describe import describe
-    from .quick_inspect import quick_open
     _parse_read_options(**read_options)  # an unknown option is a TypeError on either path
     ckpt = quick_open(path, read_options)
     return describe(ckpt if ckpt is not None else open(path, **read_options))
@@ -181,8 +182,7 @@ def _export_layout(command, source: NoCanonicalForm, src, dst, layout: Layout, o
                    progress, warn) -> ConversionResult:
     """Write a source that has no canonical form with its reader's export for the --format asked for
     (the format table's entry finds it, Format.exporter); without one, the source's own error stands."""
-    from .convert import write_output
-    from .distributed import current_team
+    from .convert import write_output  # imports torch: only once the request and its source are checked
     if opts.format is None:  # the default output is the source's own Megatron format, which it has not
         raise source
     target = registry.output_format(opts.format)
@@ -247,7 +247,7 @@ def fix_vocab(src, dst, *, size: Optional[int] = None, multiple: Optional[int] =
     written rows). Other options as for merge()."""
     opts = write_options_from(locals())
     ckpt = _open_source(src, optimizer, read_options)
-    from .convert import fix_vocab as resize
+    from .convert import fix_vocab as resize  # imports torch: only once the source is open
     fixed = resize(ckpt, size=size, multiple=multiple, pad_fill=pad_fill)
     rows, lay = fixed.config.padded_vocab_size, ckpt.source.layout
     if rows % lay.tp:
@@ -263,17 +263,15 @@ def fix_vocab(src, dst, *, size: Optional[int] = None, multiple: Optional[int] =
 
 def _open_source(src, optimizer: bool, read_options: dict) -> Checkpoint:
     """open() for a conversion: with optimizer=False the source's optimizer state is left unread."""
-    from .formats.registry import open_checkpoint
     opts = _parse_read_options(**read_options)
     opts.optimizer = optimizer
-    return open_checkpoint(src, opts)
+    return registry.open_checkpoint(src, opts)
 
 
 def _write_megatron_family(command, src, dst, ckpt: Checkpoint, layout: Layout, opts: WriteOptions, force, progress,
                            warn) -> ConversionResult:
     """Write ckpt at layout as opts say (convert.write_layout) and report."""
-    from .convert import write_layout
-    from .distributed import current_team
+    from .convert import write_layout  # imports torch: only once the request and its source are checked
     opts = with_torch_dtype(opts)
     warnings: List[str] = []
     told = _tell_reader_warnings(ckpt, warn, told=set())
@@ -303,12 +301,10 @@ def to_hf(src, dst, *, dtype=None, max_shard_size: str = "5GB", tokenizer: Optio
     weights in block FP8 as DeepSeek-V3 / R1 are released (float8_e4m3fn, a float32 weight_scale_inv per
     128x128 block, config.json's quantization_config; refused for families not released so). read_options
     as for open()."""
-    from .distributed import current_team
-    from .formats.registry import BY_NAME, open_checkpoint
     opts = build_write_options(dtype=dtype, max_shard_size=max_shard_size, tokenizer=tokenizer, experts=experts,
                                fp8=fp8)
     try:
-        ckpt = open_checkpoint(src, _parse_read_options(**read_options))
+        ckpt = registry.open_checkpoint(src, _parse_read_options(**read_options))
     except NoCanonicalForm as source:  # no GPT state, but the reader can export what it opened
         require(experts is None, f"--experts {experts}: {src} is exported under its model's own names, experts "
                 "as they are stored", "leave --experts out")
@@ -317,10 +313,10 @@ def to_hf(src, dst, *, dtype=None, max_shard_size: str = "5GB", tokenizer: Optio
                 "leave --fp8 out")
         return _export_to_hf(source, src, dst, with_torch_dtype(opts).dtype, max_shard_size, tokenizer, force,
                              progress)
-    refuse_unwritable(ckpt, BY_NAME["hf"], opts)
+    refuse_unwritable(ckpt, registry.BY_NAME["hf"], opts)
     opts = with_torch_dtype(opts)
     from .convert import write_output  # imports torch: after the source was found (see DTYPES)
-    write_hf = BY_NAME["hf"].write
+    write_hf = registry.BY_NAME["hf"].write
     warnings: List[str] = []
     bar = _bytes_progress(progress, ckpt)
 
@@ -341,8 +337,7 @@ def _export_to_hf(source: NoCanonicalForm, src, dst, dtype, max_shard_size, toke
                   progress) -> ConversionResult:
     """to-hf of a source without a canonical form (a DeepLearningExamples BERT file, a DeepSpeed run of
     another Hugging Face model): its reader's export writes it under the model's own names."""
-    from .formats.hf.writer import copy_tokenizer
-    from .io.outdir import partial_output
+    from .formats.hf.writer import copy_tokenizer  # imports torch: only once the source is open
     bar = (lambda n: progress(n, None)) if progress is not None else None  # total unknown before reading
     export = registry.BY_NAME["hf"].exporter(source)
     with partial_output(dst, sources=[Path(src)], force=force) as part:
@@ -363,10 +358,9 @@ def from_hf(src, dst, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep
     as Megatron pads it (make_vocab_size_divisible_by, default 128); true_vocab_size overrides
     config.json's vocab_size. Every size is at least 1 and every stage holds a layer (CkptError naming the
     option). Other options as for merge()."""
-    from .formats.registry import source_format
     layout = LayoutRequest.of(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, pp_layers=pp_layers).as_given()
     try:
-        fmt = source_format(src)
+        fmt = registry.source_format(src)
     except CkptError:
         fmt = None
     if fmt is None or fmt.name != "hf":
@@ -452,7 +446,6 @@ def _tell_reader_warnings(ckpt: Checkpoint, warn: Optional[Warn], told: set) -> 
     opened, then those the read added while the write loaded tensors) to warn; returns what it has
     been told. Under torchrun only the rank that reports for the team tells them: every rank read the
     same source, so the others would repeat its lines."""
-    from .distributed import current_team
     leader = current_team().leader
     for message in ckpt.warnings:
         if message not in told:

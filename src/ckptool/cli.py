@@ -13,6 +13,9 @@ import click
 from . import __version__, quick_exit, stopping
 from .errors import exit_status_table
 import importlib
+import sys
+from .io import profile
+from .io import startup
 
 # command name -> (module under ckptool.commands, click command in it, the one line `--help` lists).
 # The line is kept here so listing the commands imports none of them; tests/test_quick_inspect.py
@@ -37,8 +40,6 @@ class LazyGroup(click.Group):
         if args is None:  # this process's own command line: SIGTERM and SIGHUP clean up as Ctrl-C does
             stopping.install()
         stop_with_the_team()  # first: torchrun may stop this rank any moment once a peer has failed
-        from .io import startup
-        import sys
         startup.prepare(sys.argv[1:] if args is None else args)
         try:
             return super().main(args, *a, **kw)
@@ -82,7 +83,6 @@ def main(ctx, debug):
     Sources are read lazily and never modified; outputs appear complete or not at all.
     """
     ctx.obj = {"debug": debug}
-    from .io import profile
     profile.command_started()
 
 

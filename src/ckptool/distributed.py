@@ -12,6 +12,12 @@ import os
 import sys
 from dataclasses import dataclass
 from typing import Callable, List, NoReturn, Optional
+import atexit
+import json
+import signal
+import subprocess
+import time
+from .io import profile
 
 
 @dataclass
@@ -35,7 +41,7 @@ class Team:
         """Rank 0's obj, on every rank."""
         if not self.distributed:
             return obj
-        import torch.distributed as dist
+        import torch.distributed as dist  # torch on use: this module is imported by torch-free commands
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
@@ -44,7 +50,7 @@ class Team:
         """Every rank's obj, in rank order, on every rank."""
         if not self.distributed:
             return [obj]
-        import torch.distributed as dist
+        import torch.distributed as dist  # torch on use: this module is imported by torch-free commands
         out = [None] * self.world
         dist.all_gather_object(out, obj)
         return out
@@ -55,12 +61,10 @@ def current_team() -> Team:
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world <= 1:
         return Team()
-    import torch.distributed as dist
+    import torch.distributed as dist  # torch on use: this module is imported by torch-free commands
     if not dist.is_initialized():
-        from .io import profile
         with profile.stage("team"):
             dist.init_process_group("gloo")
-        import atexit
         atexit.register(_leave)
     return Team(rank=dist.get_rank(), world=dist.get_world_size())
 
@@ -73,7 +77,7 @@ def _leave() -> None:
     sometimes aborts (SIGABRT) a rank that exits while another still finishes the last broadcast."""
     if _ABANDONED:
         return
-    import torch.distributed as dist
+    import torch.distributed as dist  # torch on use: this module is imported by torch-free commands
     if dist.is_initialized():
         try:
             dist.barrier()
@@ -119,8 +123,6 @@ def fail_as_team(line: str, status: int, reporter: int, say: Callable[[str], Non
     _ABANDONED = True
     rank = torchrun_rank() or 0
     if rank != reporter:
-        import signal
-        import time
         signal.signal(signal.SIGTERM, lambda *_: os._exit(status))
         _write_error_file(line, status)
         time.sleep(AGREED_GRACE_S if agreed else REPORTER_GRACE_S)
@@ -150,8 +152,6 @@ def _write_error_file(line: str, status: Optional[int] = None) -> None:
     """torchrun's agent shows the `py_callstack` of each failed rank's error file in its report. The
     file also carries ckptool's exit status, for the ranks torchrun stops before they met the error
     (stop_with_the_team)."""
-    import json
-    import time
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
@@ -195,7 +195,6 @@ def _peer_error_files() -> List[str]:
 
 
 def _peer_status(path: str) -> Optional[int]:
-    import json
     try:
         with open(path) as f:
             status = json.load(f)["message"]["extraInfo"][_STATUS_KEY]
@@ -208,7 +207,6 @@ def _wait_for_local_peers() -> None:
     """The reporter exits first, but not before the other local ranks that meet the error too have
     said so in their error files (or PEER_WAIT_S passed): then torchrun's SIGTERM finds each of them
     with ckptool's handler in place."""
-    import time
     peers = _peer_error_files()
     end = time.monotonic() + PEER_WAIT_S
     while peers and time.monotonic() < end:
@@ -225,7 +223,6 @@ def stop_with_the_team() -> None:
     Installed first thing by the command line."""
     if torchrun_rank() is None or "TORCHELASTIC_RUN_ID" not in os.environ or not _peer_error_files():
         return
-    import signal
     before = signal.getsignal(signal.SIGTERM)
 
     def stop(signum, frame):
@@ -290,7 +287,6 @@ def say_after_torchrun(line: str) -> bool:
             return False
     except (AttributeError, ValueError, OSError):
         return False  # no real stderr (captured): nothing a later process could write to
-    import subprocess
     try:
         subprocess.Popen([sys.executable, "-c", _TAIL_SCRIPT, str(os.getppid()), line, str(TAIL_WAIT_S)],
                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=sys.stderr.fileno(),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Dict
+import textwrap
 
 
 class CkptError(Exception):
@@ -93,6 +94,5 @@ def exit_status_of(error: BaseException) -> int:
 
 def exit_status_table(width: int = 96) -> str:
     """The statuses as aligned text lines (for --help)."""
-    import textwrap
     return "\n".join(textwrap.fill(s.meaning, width, initial_indent=f"  {s.code:<4} ", subsequent_indent=" " * 7)
                      for s in EXIT_STATUSES)

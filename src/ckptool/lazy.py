@@ -18,6 +18,7 @@ from typing import Callable, Optional, Sequence, Tuple
 import torch
 
 from .io import profile
+from .errors import CkptError
 
 _local = threading.local()  # each thread its own stack of scopes (writers may load in parallel)
 
@@ -78,7 +79,6 @@ class LazyTensor:
     def chunk(self, n: int, dim: int = 0) -> list:
         size = self.shape[dim]
         if size % n:
-            from .errors import CkptError
             raise CkptError(f"cannot split a tensor of shape {tuple(self.shape)} into {n} equal "
                             f"parts along dim {dim}")
         step = size // n
@@ -287,7 +287,7 @@ class Concat(Derived):
         self.dim = dim
 
     def _compute(self) -> torch.Tensor:
-        from .io.buffers import empty
+        from .io.buffers import empty  # io.buffers imports this module: the one place it is needed
         with profile.stage("merge"):
             out = empty(self.shape, self.dtype)
             start = 0

@@ -24,11 +24,21 @@ import logging
 import os
 import sys
 from typing import List, Optional
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from .io import startup
+from .distributed import LAUNCHER_ENV
+from .io import prefetch
 
 
 def split_argv(argv: List[str]) -> tuple:
     """(torchrun options, ckptool command line): the command starts at the first ckptool command name."""
-    from .cli import COMMANDS
+    from .cli import COMMANDS  # click only when a command line is split
     names = set(COMMANDS)  # the command names, without importing the commands
     for i, arg in enumerate(argv):
         if arg in names:
@@ -55,16 +65,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     direct = direct_options(torchrun_opts)
     if direct is not None and os.environ.get("CKPTOOL_LAUNCHER", "") != "torchrun":
         return launch_direct(command, *direct)
-    from .io import startup
     # the launcher imports torch too, before any worker starts: bytecode cache, and the disk reads the
     # source meanwhile, for the workers (io/startup.py)
     startup.prepare(command)
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # torch only for torchrun's own agent (the direct launch starts ranks without it)
+    from torch.distributed.run import parse_args, run  # as above
     args = parse_args([*torchrun_opts, "-m", "ckptool", *command])
-    from .distributed import LAUNCHER_ENV
     os.environ[LAUNCHER_ENV] = "1"  # the ranks say their line at once: this launcher ends with it
-    from .io import prefetch
     prefetch.HANDOVER.set()  # the workers read ahead from here, each what it converts next
     _quiet_torchrun_failure_logs()
     try:
@@ -130,7 +137,6 @@ def reserve_port():
     While this socket holds the port the kernel hands it to no one else, yet rank 0's store can
     still bind it: both sockets ask for SO_REUSEADDR (torch's store does, with or without libuv),
     and Linux lets such sockets share a port as long as at most the store listens."""
-    import socket
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -148,14 +154,12 @@ def _rank_env(rank: int, nproc: int, addr: str, port: int, error_file: str) -> d
                 os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")})
     if nproc > 1:
         env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several ranks on one node
-    from .distributed import LAUNCHER_ENV
     env[LAUNCHER_ENV] = "1"  # the ranks say their line at once: this launcher ends with it
     return env
 
 
 def _said(error_file: str) -> bool:
     """Whether a rank wrote ckptool's error file (it then printed its error line itself)."""
-    import json
     try:
         with open(error_file) as f:
             return isinstance(json.load(f).get("message"), dict)
@@ -165,11 +169,6 @@ def _said(error_file: str) -> bool:
 
 def launch_direct(command: List[str], nproc: int, addr: str, port: Optional[int]) -> int:
     """Start nproc ranks of `python -m ckptool COMMAND` and wait for them (see the module docstring)."""
-    import shutil
-    import signal
-    import subprocess
-    import tempfile
-    import time
     held = None if port else reserve_port()  # closed when the launch ends (finally below)
     port = port or held.getsockname()[1]
     python = os.environ.get("PYTHON_EXEC", sys.executable)  # as torchrun picks the interpreter
@@ -225,7 +224,6 @@ def launch_direct(command: List[str], nproc: int, addr: str, port: Optional[int]
 def _team_status(rank: int, status: int, errors: str) -> int:
     """The launch's status when `rank` failed first with `status`: the rank's own (128 + N for a rank killed
     by signal N, as a shell reports it), with one line for a rank that died without saying why."""
-    import signal
     said = _said(os.path.join(errors, f"{rank}.json"))
     if status < 0:
         if not said:

@@ -6,6 +6,7 @@ import functools
 import sys
 import traceback
 from typing import Callable, Optional
+import os
 
 import click
 from tqdm import tqdm
@@ -13,6 +14,9 @@ from tqdm import tqdm
 from ..errors import EXIT, CkptError, TeamError, exit_status_of
 from ..options import CHOICES, ReadOptions, pop_read_options
 from ..stopping import as_stop, stop_words
+from ..io.outdir import translate_os_error
+from ..io.outdir import stop_outcome
+from ..distributed import fail_as_team, stop_as_team, torchrun_rank
 
 
 def source_options(fn: Callable) -> Callable:
@@ -151,16 +155,13 @@ def error_line(e: BaseException) -> str:
     if isinstance(e, CkptError):
         return f"error: {e}"
     if isinstance(e, OSError):
-        from ..io.outdir import translate_os_error
         return f"error: {translate_os_error(e, getattr(e, 'filename', '') or 'the output')}"
     if isinstance(e, KeyboardInterrupt):  # Ctrl-C, SIGTERM, SIGHUP (stopping.py)
-        from ..io.outdir import stop_outcome
         return f"{stop_words(e)}: {stop_outcome()}"
     return f"internal error: {type(e).__name__}: {e} (rerun with `ckptool --debug ...` and report it)"
 
 
 def _fail(line: str, status: int, reporter: int, agreed: bool = False, stopped: bool = False) -> None:
-    from ..distributed import fail_as_team, stop_as_team, torchrun_rank
     if stopped:
         stop_as_team(line, status, _say)
     if torchrun_rank() is None:
@@ -179,7 +180,6 @@ def _say(line: str) -> None:
 def _quiet_broken_pipe() -> None:
     """`ckptool inspect X | head`: the reader went away; stop without a message, like cat does.
     stdout is pointed at /dev/null so the interpreter's final flush cannot complain again."""
-    import os
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
@@ -216,7 +216,7 @@ def report_conversion(result, lines: list, live: LiveWarnings) -> None:
     if replaced:  # --force: say what the old output held, now gone
         click.echo(f"  replaced {result.dst}: {replaced[0]} files, {replaced[1]} bytes ({human_bytes(replaced[1])})")
     if result.replica_divergences:  # the source's replicas that differed (ReplicaPolicy)
-        from ..sharding import divergence_report
+        from ..sharding import divergence_report  # imports torch: only after a conversion, which imported it
         click.echo(f"  {divergence_report(result.replica_divergences)}")
     for w in result.warnings:
         if w not in live.printed:

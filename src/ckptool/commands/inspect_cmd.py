@@ -8,6 +8,7 @@ import click
 from ..describe import describe
 from ..quick_inspect import quick_open
 from .common import human_bytes, reports_errors, source_options, print_warnings
+from .. import api
 
 
 @click.command("inspect")
@@ -25,7 +26,6 @@ def inspect_cmd(path, as_json, tensors, **kw):
     """
     ckpt = quick_open(path, kw)  # metadata-only formats without importing torch (quick_inspect.py)
     if ckpt is None:
-        from .. import api
         ckpt = api.open(path, **kw)
     doc = describe(ckpt)
     if as_json:

@@ -14,6 +14,7 @@ import click
 from ..errors import EXIT
 from ..options import CHOICES
 from .common import reports_errors, source_options, warn
+from ..distributed import fail_as_team, torchrun_rank
 
 
 @click.command("verify")
@@ -77,7 +78,6 @@ def verify_cmd(target, ref, reference_logits, files_dir, tokens, tokenizer, batc
                     tokens=tokens, tokenizer=tokenizer, batch=batch, seq_len=seq_len, seed=seed, dtype=dtype,
                     tolerance=tolerance, tp=tp, pp=pp, vpp=vpp, quiet=True, on_line=click.echo, warn=warn, **kw)
     if not result.ok:
-        from ..distributed import fail_as_team, torchrun_rank
         if torchrun_rank() is not None:  # rank 0 printed the report: it exits first, every rank with status 1
             fail_as_team("result=FAIL (see the report above)", EXIT["mismatch"], 0, lambda line: None, agreed=True)
         sys.exit(EXIT["mismatch"])

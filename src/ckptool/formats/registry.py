@@ -46,6 +46,7 @@ from typing import Callable, FrozenSet, Optional, Tuple
 from ..errors import CkptError, NoCanonicalForm
 from ..options import ReadOptions
 from ..state import Checkpoint
+from ..io import profile
 
 
 def resolve(ref: Optional[str]) -> Optional[Callable]:
@@ -218,6 +219,5 @@ def open_checkpoint(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     """Read any supported checkpoint into the canonical state (lazily)."""
     opts = opts or ReadOptions()
     fmt = source_format(path)
-    from ..io import profile
     with profile.stage("plan"):
         return fmt.read(path, opts)

@@ -14,6 +14,7 @@ import os
 import pickle
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
+import dataclasses
 
 import torch
 
@@ -30,7 +31,7 @@ class _LazyDcp:
     the format registry while only DCP sources and targets need it."""
 
     def __getattr__(self, name):
-        from torch.distributed.checkpoint import filesystem, metadata
+        from torch.distributed.checkpoint import filesystem, metadata  # torch's DCP classes on first use (slow to import)
         for mod in (metadata, filesystem):
             if hasattr(mod, name):
                 value = getattr(mod, name)
@@ -101,7 +102,6 @@ def _plain_metadata(md) -> Tuple[object, dict]:
     here as the plain Metadata it extends."""
     if getattr(type(md), "_ckptool_name", None) != "MCoreMetadata":
         return md, {}
-    import dataclasses
     fields = {f.name: md.__dict__[f.name] for f in dataclasses.fields(_dcp.Metadata) if f.name in md.__dict__}
     mcore = md.__dict__.get("mcore_data")
     try:

@@ -19,11 +19,13 @@ import time
 import uuid
 from pathlib import Path
 from typing import Iterable, Optional
+import errno
 
 from .. import stopping
 from ..errors import CkptError
 from . import writer_lock
 from .chunked import HASH_NAME, file_digest
+from . import profile
 
 MANIFEST = "ckptool-manifest.json"
 PARTIAL_TAG = ".ckptool-partial-"
@@ -218,7 +220,6 @@ class PartialDir:
 
     def seal(self, manifest: bool = True) -> None:
         """Manifest last, fsync, then rename the directory into place (swapping out an old DST)."""
-        from . import profile
         if manifest:
             with profile.stage("manifest"):
                 write_manifest(self.path)
@@ -322,7 +323,6 @@ def _fsync_tree(root: Path) -> None:
 
 
 def translate_os_error(e: OSError, where: str) -> CkptError:
-    import errno
     if e.errno == errno.ENOSPC:
         return CkptError(f"no space left on the device while writing {where}",
                          "free disk space or write to another disk; nothing was left at the output")

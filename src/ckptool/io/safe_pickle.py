@@ -80,7 +80,7 @@ _SAFE_GLOBALS = {
 def _numpy_globals() -> dict:
     out = {}
     try:
-        import numpy as np
+        import numpy as np  # numpy only for pickles that hold numpy values
     except ImportError:  # pragma: no cover
         return out
     out[("numpy", "dtype")] = _np_dtype
@@ -98,7 +98,7 @@ def _numpy_globals() -> dict:
 def _plain_numpy_dtype(dtype):
     """Numeric dtypes only: an object array's elements are Python objects, and nothing in a
     checkpoint needs them (numpy RNG states are uint32)."""
-    import numpy as np
+    import numpy as np  # numpy only for pickles that hold numpy values
     dtype = np.dtype(dtype)
     if dtype.hasobject:
         raise UnsafePickleError("refusing a numpy object array in a pickle (it can hold arbitrary objects)",
@@ -111,14 +111,14 @@ def _np_dtype(obj, *args, **kwargs):
 
 
 def _np_reconstruct(subtype, shape, dtype):
-    import numpy as np
+    import numpy as np  # numpy only for pickles that hold numpy values
     if subtype is not np.ndarray:
         raise UnsafePickleError("refusing a numpy array subclass in a pickle")
     return np.ndarray.__new__(np.ndarray, shape, _plain_numpy_dtype(dtype))
 
 
 def _np_scalar(dtype, data=None):
-    import numpy as np
+    import numpy as np  # numpy only for pickles that hold numpy values
     dtype = _plain_numpy_dtype(dtype)
     if data is None:
         return np.zeros((), dtype=dtype)[()]

@@ -45,7 +45,7 @@ class TensorEntry:
     @property
     def dtype(self):
         """The torch.dtype (imports torch)."""
-        import torch
+        import torch  # torch on use: the header parser serves the torch-free inspect
         return getattr(torch, self.dtype_name)
 
     @property

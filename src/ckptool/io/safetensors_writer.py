@@ -18,6 +18,7 @@ import struct
 import threading
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -26,6 +27,8 @@ from ..lazy import Concat, Derived, LazyTensor, load_scope
 from . import prefetch, profile, writeback
 from .chunked import PieceDigest
 from .prefetch import Prefetcher
+from .memory import bound_heap
+from .outdir import remember_digest
 
 DTYPE_NAMES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -137,9 +140,6 @@ def write_safetensors_file(path: Path, items: Sequence[Item], metadata: Optional
     order, so the file is hashed as written (its 64 MiB pieces on the checksum pool, beside the
     write) and sealing the output need not read it back. ahead: the next groups' source bytes are
     asked for there as each group starts (prefetch.py)."""
-    from concurrent.futures import ThreadPoolExecutor
-    from .memory import bound_heap
-    from .outdir import remember_digest
     bound_heap()
     header, _ = _header(items, metadata or {"format": "pt"})
     digest = PieceDigest()
@@ -279,7 +279,6 @@ def write_sharded(out_dir: Path, items: Sequence[Item], max_bytes: int,
         fname, shard = job
         return write_safetensors_file(Path(out_dir) / fname, shard, {"format": "pt"}, report, budget, ahead)
 
-    from concurrent.futures import ThreadPoolExecutor
     try:
         with ThreadPoolExecutor(max(1, min(SHARD_THREADS, len(mine))), thread_name_prefix="ckptool-shard") as ex:
             total = sum(ex.map(one, mine))

@@ -27,6 +27,7 @@ import sys
 import threading
 from pathlib import Path
 from typing import List, Optional, Sequence
+import importlib.util
 
 from . import prefetch
 
@@ -74,7 +75,6 @@ def use_own_bytecode_cache(probe: str = "torch") -> Optional[str]:
 
 def _has_bytecode(package: str) -> bool:
     """Whether package's __init__ has its compiled bytecode beside it (found without importing it)."""
-    import importlib.util
     try:
         spec = importlib.util.find_spec(package)
         if spec is None or not spec.origin or not spec.origin.endswith(".py"):

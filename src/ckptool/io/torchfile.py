@@ -19,6 +19,7 @@ import threading
 import zlib
 from pathlib import Path
 from typing import Any, Optional
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -31,6 +32,8 @@ from .outdir import remember_digest
 from .zip_records import zip_records
 from .safe_pickle import (UNSUPPORTED_TORCH_REBUILDS, SafeUnpickler, StandInPickler, check_rebuild_from_type,
                           rebuild_unsupported, torch_pickle_module)
+from ..lazy import load_scope
+from .memory import bound_heap, trim
 
 _STORAGE_DTYPES = {
     "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
@@ -176,7 +179,6 @@ def _read_pool(crc: bool = False):
     """The threads of plain reads (READ_THREADS), or of checked reads (one per core)."""
     executor = _executors.get(crc)
     if executor is None:
-        from concurrent.futures import ThreadPoolExecutor
         with _READ_POOL_LOCK:
             executor = _executors.get(crc)
             if executor is None:
@@ -614,9 +616,6 @@ def write_grouped(writers: list, group_of, on_tensor=None) -> int:
     thread loads group g+1, and g+2 waits until g is on disk, so at most two groups are in memory.
     torch and os release the GIL in file I/O and tensor ops, so the two really run together.
     """
-    from concurrent.futures import ThreadPoolExecutor
-    from ..lazy import load_scope
-    from .memory import bound_heap, trim
     bound_heap()
     groups: dict = {}
     for w in writers:

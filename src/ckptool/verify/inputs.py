@@ -20,6 +20,9 @@ from ..errors import CkptError, require
 from ..lazy import load_scope
 from ..state import Checkpoint
 from . import reference
+from safetensors.torch import load_file
+from ..io.torchfile import load_torch_file
+from ..formats.hf.reader import has_weights
 
 
 # --- tokens ---------------------------------------------------------------------------------
@@ -44,7 +47,7 @@ def make_tokens(tokens: Optional[str], tokenizer: Optional[str], batch: int, seq
     path = Path(tokens)
     if tokenizer:
         require(path.is_file(), f"--tokens {tokens}: no such file", "with --tokenizer, --tokens is a text file")
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # transformers on use (slow to import; only for --prompt / an HF reference)
         tok = AutoTokenizer.from_pretrained(tokenizer)
         lines = [l for l in path.read_text().splitlines() if l.strip()]
         ids = [tok(l)["input_ids"] for l in lines]
@@ -77,7 +80,6 @@ def checkpoint_forward(ckpt: Checkpoint, tokens: torch.Tensor, dtype, device="cp
 
 def is_hf_dir(path) -> bool:
     """config.json alone is not enough: DeepSpeed runs of HF models keep one beside their shards."""
-    from ..formats.hf.reader import has_weights
     p = Path(path)
     return p.is_dir() and (p / "config.json").is_file() and has_weights(p)
 
@@ -100,7 +102,7 @@ def _hf_model(path, dtype, device, held: dict):
     the noise floor): a model loaded in the dtype its files store holds their values exactly, so widening
     it to fp32 in place gives what loading in fp32 would, without reading an 8B model's 16 GB again.
     Narrowing, or a model already rounded to another dtype, loads afresh."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # transformers on use (slow to import; only for an HF reference)
     model = held.pop("model", None)
     if model is not None and held.pop("exact", False) and dtype == torch.float32:
         model = model.to(torch.float32)
@@ -131,10 +133,8 @@ def load_reference_logits(spec: str) -> Tuple[torch.Tensor, torch.Tensor]:
     p = Path(path)
     require(p.is_file(), f"--reference-logits {path}: no such file")
     if p.suffix == ".safetensors":
-        from safetensors.torch import load_file
         data = load_file(str(p))
     else:
-        from ..io.torchfile import load_torch_file
         data = load_torch_file(p)
         require(isinstance(data, dict), f"{path}: expected a dict with 'tokens' and '{key}'")
         data = {k: (v.load() if hasattr(v, "load") else v) for k, v in data.items()}

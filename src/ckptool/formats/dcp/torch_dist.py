@@ -54,6 +54,7 @@ from .files import COMMON_FILE, COMMON_KEY, CONFIG_FILE, DCP_COMMON_KEYS, locate
 from ..megatron.checkpoint import TRACKER, MegatronArgs, MegatronPlan, plan_megatron
 from ..megatron.names import DIALECTS, is_mla
 from ..megatron.optim import GroupRule
+from ..registry import open_checkpoint
 
 FORMAT = "torch_dist"
 
@@ -309,7 +310,6 @@ def config_from_shapes(shards, num_layers: int, stored_rows: int, ov: dict, warn
 
 def _args_from(path: str):
     """args (or a config) of another checkpoint of the same run, for --args-from."""
-    from ..registry import open_checkpoint
     other = open_checkpoint(path, ReadOptions())
     return other.source.args, other.config
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from ...errors import CkptError
+from ..megatron.names import KeyMatcher
 
 MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 OPTIM_RE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt$")
@@ -129,7 +130,6 @@ def looks_megatron(names) -> bool:
     """Whether most parameter names are one Megatron dialect's (the module holds a Megatron model),
     else they are a Hugging Face model's (formats/deepspeed/checkpoint.py's third kind)."""
     from ..megatron.files import detect_dialect  # the name tables: only where a save's names are judged
-    from ..megatron.names import KeyMatcher
     keys = [megatron_key(k) for k in names]
     try:
         d = detect_dialect(keys)

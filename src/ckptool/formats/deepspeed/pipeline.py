@@ -18,7 +18,7 @@ from ...spec import GPT
 from ...spec.schema import MDS
 
 if TYPE_CHECKING:  # the name tables are torch-free: the quick inspect reads them (formats/deepspeed/quick.py)
-    import torch
+    import torch  # torch on use: the quick inspect reads this module's tables
     from ...lazy import LazyTensor
 
 # key inside a layer file -> role (roles.py), from the spec's "mds" column: "<file kind>/<key>" for the globals
@@ -98,7 +98,7 @@ def first_layer_index(kinds) -> Optional[int]:
 
 def split_qkv_to_grouped(t: torch.Tensor, cfg: GPTConfig, tp: int) -> torch.Tensor:
     """One rank's [Q | K | V] blocks -> the grouped [ng, nq/ng + 2, hd] order roles.py expects."""
-    import torch
+    import torch  # torch on use: the quick inspect reads this module's tables
     nq, ng, hd = cfg.num_attention_heads // tp, max(1, cfg.num_query_groups // tp), cfg.head_dim
     rest = t.shape[1:]
     q, k, v = torch.split(t, [nq * hd, ng * hd, ng * hd], dim=0)
@@ -112,6 +112,6 @@ def regroup_qkv(parts: List[LazyTensor], cfg: GPTConfig, layout: str) -> List[La
         return parts
     if layout != "split":
         raise CkptError(f"unknown --qkv-layout {layout!r}", f"choose one of {', '.join(QKV_LAYOUTS)}")
-    from ...lazy import Derived
+    from ...lazy import Derived  # imports torch: as above
     tp = len(parts)
     return [Derived(lambda x: split_qkv_to_grouped(x, cfg, tp), [p]) for p in parts]

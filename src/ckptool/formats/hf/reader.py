@@ -32,6 +32,7 @@ from .config import (  # noqa: F401 (looks_like, gpt_model_type, has_weights: th
     FORMAT, IGNORED_SUFFIXES, experts_form, fused_shape, gpt_model_type, has_weights, looks_like, part_rows,
     read_supported_config, source_warnings, weight_files)
 from .quant import quantization_doc, storage_label
+from safetensors import safe_open
 
 
 # --- lazy tensors --------------------------------------------------------------------------
@@ -56,7 +57,6 @@ class SafetensorsTensor(LazyTensor):
         return [(str(self.path), self.start + first * row_bytes, self.nbytes)]
 
     def load(self) -> torch.Tensor:
-        from safetensors import safe_open
         with safe_open(str(self.path), framework="pt") as f:
             if self.rows is None:
                 return f.get_tensor(self.key)

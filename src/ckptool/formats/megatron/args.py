@@ -17,8 +17,7 @@ from . import buffers as megatron_buffers
 from .buffers import FIRST_STAGE_ARGS, LAST_STAGE_ARGS, virtual_pipeline_size  # noqa: F401 (also this module's interface)
 
 if TYPE_CHECKING:  # config_from_args runs without torch (quick inspect); args_for_target imports it
-    import torch
-
+    import torch  # torch on use: the quick inspect computes configs with this module
 # Tokenizers whose vocabulary size is fixed by the tokenizer itself.
 TOKENIZER_VOCAB = {"GPT2BPETokenizer": 50257}
 
@@ -454,7 +453,7 @@ def args_for_target(source_args, cfg: GPTConfig, layout: Layout, padded_rows: in
                     dtype: torch.dtype, legacy_models: bool, transformer_impl: str,
                     checkpoint_version: float, iteration: Optional[int], grouped_gemm: bool = False) -> argparse.Namespace:
     """args for a written checkpoint: the source's run settings, this layout's sizes (grouped_gemm: see moe_args)."""
-    import torch
+    import torch  # torch on use: the quick inspect computes configs with this module
     args = copy.copy(source_args) if source_args is not None else argparse.Namespace()
     vpp = layout.vpp
     per_vstage = cfg.num_layers // (layout.pp * vpp) if vpp else None

@@ -23,6 +23,7 @@ from ...spec import GPT, schema
 from ...quick.meta import rank_shape  # torch-free: a role's shape on its rank, shared with the quick inspect
 from .groups import HINT
 from .names import DIALECTS
+from ...config import Layout
 
 KEYS = ("param", "exp_avg", "exp_avg_sq")  # distrib_optim.pt's names for the master and the two moments
 SLOT_OF_KEY = {"param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
@@ -260,7 +261,6 @@ class FlatRun:
     @classmethod
     def of(cls, args, cfg, where: str) -> "FlatRun":
         """From the run's args (CkptError where its pipeline split does not fit the layers)."""
-        from ...config import Layout
         tp = getattr(args, "tensor_model_parallel_size", None) or 1
         pp = getattr(args, "pipeline_model_parallel_size", None) or 1
         vpp = virtual_pipeline_size(args, cfg.num_layers) or 1
