@@ -131,6 +131,7 @@ class Family:
     moe: Optional["MoeKeys"] = None  # where config.json keeps the routing facts
     zero_biases: bool = False  # the class always has linear biases: a bias-free model exports zero ones
     sliding_window_default: bool = False  # config.json's use_sliding_window when it does not say
+    zero_centred_norms: bool = False  # the class stores norm weights w and computes (1 + w), as --apply-layernorm-1p (Gemma)
     softcap_defaults: Tuple[Optional[float], Optional[float]] = (None, None)  # (attention, final) when config.json omits them (Gemma 2: 50, 30)
     spec: str = "gpt"  # the canonical tensors' spec (spec/__init__.py FAMILIES)
 

@@ -116,6 +116,11 @@ def _cap(value) -> Optional[float]:
     return float(value) if value else None
 
 
+def whole(value: float):
+    """An int where the value is one: transformers 5's Gemma configs type query_pre_attn_scalar as int (strictly)."""
+    return int(value) if float(value).is_integer() else value
+
+
 # --- GPTConfig -> config.json, export --------------------------------------------------------------------
 
 def _rope_json(cfg: GPTConfig, family: Family) -> dict:
@@ -140,7 +145,7 @@ def config_json(family: Family, cfg: GPTConfig, vocab: int) -> dict:
         "head_dim": cfg.head_dim, "hidden_activation": GELU_TANH, "max_position_embeddings": cfg.max_position_embeddings,
         "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tied_embeddings, "attention_bias": False,
         # Megatron's default scale 1/sqrt(head_dim) is Gemma's with query_pre_attn_scalar = head_dim
-        "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_dim,
+        "query_pre_attn_scalar": whole(cfg.query_pre_attn_scalar or cfg.head_dim),
         "attn_logit_softcapping": cfg.attn_softcap, "final_logit_softcapping": cfg.final_softcap,
         # written per layer: Megatron's window_attn_skip_freq may be any pattern, and the class default is not it
         "sliding_window": cfg.sliding_window,
@@ -191,6 +196,6 @@ def _gemma2_selects(cfg: GPTConfig) -> bool:
 
 
 GEMMA2 = Family("gemma2", "Gemma2ForCausalLM", NAMES, config_from_hf, config_json, export_kind="gemma",
-                selects=_gemma2_selects, softcap_defaults=(50.0, 30.0))
+                selects=_gemma2_selects, zero_centred_norms=True, softcap_defaults=(50.0, 30.0))
 GEMMA3 = Family("gemma3_text", "Gemma3ForCausalLM", NAMES, config_from_hf, config_json, export_kind="gemma",
-                selects=lambda cfg: cfg.qk_layernorm, qk_norm=True)
+                selects=lambda cfg: cfg.qk_layernorm, qk_norm=True, zero_centred_norms=True)

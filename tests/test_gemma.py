@@ -1,0 +1,195 @@
+"""Gemma 2 and Gemma 3 text models (issue 32), checked by transformers itself.
+
+Tiny Gemma2ForCausalLM / Gemma3ForCausalLM models are built by transformers (4 layers, GQA, head_dim other
+than hidden / heads, a sliding window of 5 / 6 tokens, Gemma 2's soft-capping, Gemma 3's q/k norms, its own
+local RoPE base and linear scaling of the global layers, tied embeddings), every weight moved off its init (the
+zero-centred norms too). They go from-hf to TP2 PP2, reshard through torch_dist and the Transformer Engine dialect,
+and to-hf back: every tensor bit-exact, the logits transformers computes equal, the config the same model. Each
+Megatron output verifies against the HF model on verify's default rows, which are longer than the window (and
+the window is shown to change the logits there). What ckptool cannot compute is refused by name.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ckptool import api, families
+from ckptool.errors import CkptError
+from ckptool.verify import inputs
+
+transformers = pytest.importorskip("transformers")
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM,  # noqa: E402
+                          Gemma3TextConfig)
+
+QUIET = dict(warn=lambda m: None)
+SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=24, max_position_embeddings=64)
+
+
+def _perturb(model, seed: int) -> None:
+    """Every weight off its init; the norms (zeros at init: applied as 1 + w) the most."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.randn(p.shape, generator=g) * (0.3 if "norm" in name else 0.05))
+
+
+def gemma2() -> Gemma2ForCausalLM:
+    conf = Gemma2Config(**SIZES, sliding_window=5, query_pre_attn_scalar=20, attn_logit_softcapping=5.0,
+                        final_logit_softcapping=3.0)
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(conf)
+    _perturb(model, 1)
+    return model
+
+
+def gemma3() -> Gemma3ForCausalLM:
+    rope = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}}
+    conf = Gemma3TextConfig(**SIZES, sliding_window=6, sliding_window_pattern=3, query_pre_attn_scalar=24,
+                            rope_parameters=rope)
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(conf)
+    _perturb(model, 2)
+    return model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gemma")
+    out = {}
+    for name, build in (("gemma2", gemma2), ("gemma3", gemma3)):
+        build().save_pretrained(root / name)
+        out[name] = root / name
+    return out
+
+
+def hf_logits(path, tokens):
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits.float()
+
+
+def _default_tokens(path):
+    """verify's default rows for this model: 16 tokens past its window."""
+    cfg = api.open(path).config
+    return inputs.make_tokens(None, None, 2, inputs.default_seq_len(cfg), 0, vocab=cfg.true_or_padded_vocab)
+
+
+@pytest.fixture(scope="module")
+def round_trips(models, tmp_path_factory):
+    """HF -> TP2 PP2 (mcore) -> torch_dist TP1 PP2 -> TP2 PP1 (mcore-te) -> HF, every stage kept."""
+    root = tmp_path_factory.mktemp("gemma_trips")
+    out = {}
+    for name, src in models.items():
+        d = root / name
+        api.from_hf(src, d / "tp2pp2", tp=2, pp=2, **QUIET)
+        api.reshard(d / "tp2pp2", d / "dist", tp=1, pp=2, format="torch_dist", **QUIET)
+        api.reshard(d / "dist", d / "te_tp2", tp=2, pp=1, dialect="mcore-te", **QUIET)
+        api.to_hf(d / "te_tp2", d / "hf", **QUIET)
+        out[name] = d
+    return out
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_round_trip_through_megatron_layouts_is_bit_exact_with_equal_logits(models, round_trips, name):
+    want, got = load_file(str(models[name] / "model.safetensors")), load_file(str(round_trips[name] / "hf" / "model.safetensors"))
+    assert sorted(got) == sorted(want)
+    assert "model.layers.0.post_feedforward_layernorm.weight" in got
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    tokens = _default_tokens(models[name])
+    assert torch.equal(hf_logits(round_trips[name] / "hf", tokens), hf_logits(models[name], tokens))
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_the_exported_config_is_the_same_model(models, round_trips, name):
+    src = transformers.AutoConfig.from_pretrained(str(models[name]))
+    back = transformers.AutoConfig.from_pretrained(str(round_trips[name] / "hf"))
+    assert type(back) is type(src)
+    for key in ("layer_types", "sliding_window", "query_pre_attn_scalar", "attn_logit_softcapping",
+                "final_logit_softcapping", "rope_parameters", "head_dim", "tie_word_embeddings", "hidden_activation"):
+        assert getattr(back, key) == getattr(src, key), key
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("stage", ["tp2pp2", "dist", "te_tp2"])
+def test_each_megatron_stage_verifies_against_transformers(models, round_trips, name, stage):
+    r = api.verify(round_trips[name] / stage, reference=models[name], quiet=True)
+    assert r.ok, "\n".join(r.lines)
+    seq = inputs.default_seq_len(api.open(models[name]).config)
+    assert seq > transformers.AutoConfig.from_pretrained(str(models[name])).sliding_window
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_the_default_rows_are_long_enough_for_the_window_to_matter(models, tmp_path, name):
+    """The same weights with a window as long as the rows give other logits: verify's default rows exercise it."""
+    shutil.copytree(models[name], tmp_path / "wide")
+    conf = json.loads((tmp_path / "wide" / "config.json").read_text())
+    tokens = _default_tokens(models[name])
+    conf["sliding_window"] = tokens.shape[1]
+    (tmp_path / "wide" / "config.json").write_text(json.dumps(conf))
+    assert not torch.allclose(hf_logits(tmp_path / "wide", tokens), hf_logits(models[name], tokens), atol=1e-3)
+
+
+def test_megatron_args_say_the_gemma_maths(round_trips):
+    args = api.open(round_trips["gemma3"] / "tp2pp2").source.args
+    # transformers' window of 6 tokens is megatron-core's (5, 0); every third layer is full (sliding_window_pattern 3)
+    assert args.window_size == (5, 0) and args.window_attn_skip_freq == [1, 1, 0, 1]
+    assert args.apply_layernorm_1p and args.gated_linear_unit and args.openai_gelu and not args.swiglu
+    assert args.softmax_scale == 24 ** -0.5 and args.query_pre_attn_scalar == 24
+    assert (args.ckptool_rotary_base_local, args.ckptool_rope_linear_factor) == (500.0, 4.0)
+    assert args.ckptool_post_norms and args.ckptool_embedding_scale
+    g2 = api.open(round_trips["gemma2"] / "tp2pp2").source.args
+    assert (g2.attn_logit_softcapping, g2.final_logit_softcapping) == (5.0, 3.0)
+    assert g2.window_attn_skip_freq == [1, 0, 1, 0]  # transformers' Gemma 2: layer 0 is local
+
+
+def test_post_norms_have_megatron_bridges_keys(round_trips):
+    import torch as t
+    f = next((round_trips["gemma2"] / "tp2pp2").glob("*/mp_rank_01_001/model_optim_rng.pt"))
+    keys = t.load(f, weights_only=False)["model"]
+    assert "decoder.layers.1.self_attention.linear_proj.post_layernorm.weight" in keys
+    assert "decoder.layers.1.mlp.linear_fc2.post_layernorm.weight" in keys
+
+
+# --- refusals ----------------------------------------------------------------------------------------
+
+def test_gemma3_multimodal_is_refused_by_name(models, tmp_path):
+    shutil.copytree(models["gemma3"], tmp_path / "mm")
+    conf = json.loads((tmp_path / "mm" / "config.json").read_text())
+    conf.update(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"])
+    (tmp_path / "mm" / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(CkptError, match="Gemma 3 multimodal .*Gemma3ForCausalLM"):
+        api.from_hf(tmp_path / "mm", tmp_path / "out", **QUIET)
+    assert not (tmp_path / "out").exists()
+
+
+def test_bidirectional_gemma3_is_refused(models, tmp_path):
+    shutil.copytree(models["gemma3"], tmp_path / "bi")
+    conf = json.loads((tmp_path / "bi" / "config.json").read_text())
+    conf["use_bidirectional_attention"] = True
+    (tmp_path / "bi" / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(CkptError, match="use_bidirectional_attention"):
+        api.from_hf(tmp_path / "bi", tmp_path / "out", **QUIET)
+
+
+def test_a_legacy_dialect_has_no_place_for_the_post_norms(models, tmp_path):
+    with pytest.raises(CkptError, match="post-MLP norms: the legacy-norm dialect"):
+        api.from_hf(models["gemma2"], tmp_path / "out", dialect="legacy-norm", **QUIET)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(post_norms=False), "without Gemma's post-attention"),
+    (dict(activation="swiglu"), "an MLP that is not GeGLU"),
+    (dict(qk_layernorm=False, rotary_base_local=500.0), "neither Gemma2ForCausalLM nor Gemma3ForCausalLM"),
+])
+def test_gemma_maths_no_class_computes_is_refused_on_export(round_trips, change, says):
+    cfg = api.open(round_trips["gemma3"] / "tp2pp2").config.replace(**change)
+    with pytest.raises(CkptError, match=says):
+        families.for_config(cfg)
