@@ -185,7 +185,7 @@ def test_a_legacy_dialect_has_no_place_for_the_post_norms(models, tmp_path):
 
 
 @pytest.mark.parametrize("change, says", [
-    (dict(post_norms=False), "without Gemma's post-attention"),
+    (dict(post_norms=False), "uses --window-size .*this model is no Gemma"),
     (dict(activation="swiglu"), "an MLP that is not GeGLU"),
     (dict(qk_layernorm=False, rotary_base_local=500.0), "neither Gemma2ForCausalLM nor Gemma3ForCausalLM"),
 ])
@@ -193,3 +193,52 @@ def test_gemma_maths_no_class_computes_is_refused_on_export(round_trips, change,
     cfg = api.open(round_trips["gemma3"] / "tp2pp2").config.replace(**change)
     with pytest.raises(CkptError, match=says):
         families.for_config(cfg)
+
+
+# --- under torchrun (gloo, CPU) -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def parallel_runs(models, round_trips, tmp_path_factory):
+    """`torchrun --nproc-per-node 4 -m ckptool verify` at TP2 PP2 against the HF models: the torch files of
+    from-hf and the torch_dist checkpoint run at TP2 PP2; one launch for all cases."""
+    from test_verify import verify_batch
+    cases = {f"{name}_{stage}": [round_trips[name] / stage, "--reference", models[name]] + extra
+             for name in models for stage, extra in (("tp2pp2", []), ("dist", ["--tp", "2", "--pp", "2"]))}
+    return verify_batch(4, cases, tmp_path_factory.mktemp("gemma_torchrun"))
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("stage", ["tp2pp2", "dist"])
+def test_torchrun_verify_at_tp2_pp2_equals_transformers(models, parallel_runs, name, stage):
+    from test_verify import metric
+    out, rc = parallel_runs[f"{name}_{stage}"]
+    assert rc == 0 and "result=PASS" in out, out
+    assert "parallel forward: TP2 PP2, 4 processes" in out, out
+    want = hf_logits(models[name], _default_tokens(models[name]))  # the rows verify ran: past the window
+    assert metric(out, "max_abs_error") <= 1e-5 * want.abs().max().item(), out
+    assert "  layer 0 " in out, out
+
+
+def test_a_llama_with_a_sliding_window_keeps_it_computes_it_and_is_not_exported_as_llama(fixture_dir, tmp_path):
+    """megatron-core's window_size / window_attn_skip_freq in a non-Gemma run's args: read into the model (the
+    window of transformers' terms is one more than megatron-core's left size), carried by a layout conversion,
+    computed by verify (the windowed forward is another model's), refused by to-hf by the flag's name."""
+    from ckptool.verify.reference import forward
+    src = fixture_dir("llama_mcore_tp2pp2") / "checkpoint"
+    shutil.copytree(src, tmp_path / "swa")
+    plain = api.open(src)
+    for f in (tmp_path / "swa").rglob("model_optim_rng.pt"):
+        obj = torch.load(f, weights_only=False)
+        obj["args"].window_size, obj["args"].window_attn_skip_freq = (2, 0), 2
+        torch.save(obj, f)
+    swa = api.open(tmp_path / "swa")
+    assert (swa.config.sliding_window, swa.config.local_layers) == (3, tuple(range(0, plain.config.num_layers, 2)))
+    api.reshard(tmp_path / "swa", tmp_path / "tp1", tp=1, pp=1, **QUIET)
+    out = api.open(tmp_path / "tp1").source.args
+    assert out.window_size == (2, 0) and out.window_attn_skip_freq == [1, 0] * (plain.config.num_layers // 2)
+    tokens = torch.randint(0, 100, (1, 12), generator=torch.Generator().manual_seed(0))
+    assert not torch.allclose(forward(swa, tokens), forward(plain, tokens), atol=1e-4)
+    assert api.verify(tmp_path / "tp1", reference=tmp_path / "swa", quiet=True).ok
+    with pytest.raises(CkptError, match="the model uses --window-size .*no Gemma"):
+        api.to_hf(tmp_path / "tp1", tmp_path / "hf", **QUIET)
+    assert not (tmp_path / "hf").exists()

@@ -156,16 +156,26 @@ def config_json(family: Family, cfg: GPTConfig, vocab: int) -> dict:
     return conf
 
 
+# what only a Gemma class computes among those ckptool writes, by the Megatron args that say it (GEMMA_ARGS)
+GEMMA_ONLY = (
+    (lambda c: c.post_norms, "post-attention / post-MLP norms (ckptool_post_norms)"),
+    (lambda c: c.sliding_window, "--window-size (sliding-window attention)"),
+    (lambda c: c.embedding_scale, "sqrt(hidden) embedding scaling (ckptool_embedding_scale)"),
+    (lambda c: c.activation == "geglu", "a GeGLU MLP (gated_linear_unit with openai_gelu)"),
+    (lambda c: c.attn_softcap or c.final_softcap, "soft-capping (attn_logit_softcapping, final_logit_softcapping)"),
+    (lambda c: c.query_pre_attn_scalar, "--softmax-scale (query_pre_attn_scalar)"),
+    (lambda c: c.rotary_base_local or c.rope_linear_factor,
+     "Gemma 3's RoPE (ckptool_rotary_base_local, ckptool_rope_linear_factor)"),
+)
+
+
 def uses_gemma_maths(cfg: GPTConfig) -> bool:
     """Whether cfg computes something only a Gemma class computes (families/__init__.py: the export kind)."""
-    return bool(cfg.post_norms or cfg.embedding_scale or cfg.activation == "geglu" or cfg.attn_softcap
-                or cfg.final_softcap or cfg.query_pre_attn_scalar or cfg.sliding_window or cfg.rotary_base_local
-                or cfg.rope_linear_factor)
+    return any(holds(cfg) for holds, _ in GEMMA_ONLY)
 
 
 # what every Gemma class computes, with the Megatron flag that says it: (holds for cfg, flag, why not)
 _GEMMA_NEEDS = (
-    (lambda c: c.post_norms, "a model without Gemma's post-attention / post-feed-forward norms", "which Gemma has"),
     (lambda c: c.embedding_scale, "a model without Gemma's sqrt(hidden) embedding scaling", "which Gemma has"),
     (lambda c: c.activation == "geglu", "an MLP that is not GeGLU", "and Gemma's is gated tanh GeLU"),
     (lambda c: c.normalization == "rmsnorm" and c.apply_layernorm_1p, "norms other than zero-centred RMSNorm "
@@ -180,7 +190,12 @@ _GEMMA_NEEDS = (
 
 
 def check_export(cfg: GPTConfig) -> None:
-    """Every Gemma class's maths, refused by the flag that departs from it (KIND_CHECKS)."""
+    """Every Gemma class's maths, refused by the flag that departs from it (KIND_CHECKS); a model that is no Gemma
+    (no post norms) by the first Gemma-only thing it computes: a Llama with a sliding window is not a Gemma."""
+    if not cfg.post_norms:
+        flag = next(flag for holds, flag in GEMMA_ONLY if holds(cfg))
+        raise refuse_export(flag, "which of the classes ckptool writes only Gemma2/3ForCausalLM compute, and this "
+                            "model is no Gemma (it has no post-attention / post-MLP norms)")
     for holds, flag, why in _GEMMA_NEEDS:
         if not holds(cfg):
             raise refuse_export(flag, why)

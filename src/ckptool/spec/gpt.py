@@ -177,14 +177,15 @@ LAYER_PREFIX = {LEGACY: _NESTED + "encoder/layers.{i}.", FLAT: "transformer.laye
 _QK_NORMS = ("q_norm.weight", "q_norm.bias", "k_norm.weight", "k_norm.bias")
 # Gemma's post norms sit inside the output projections (Megatron-Bridge's TERowParallelLinearLayerNorm builds its
 # post_layernorm after the linear's own parameters), so each comes right after its projection's weight and bias
-_MLP = ("mlp_norm.weight", "mlp_norm.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "mlp_post_norm.weight")
+_MLP = ("mlp_norm.weight", "mlp_norm.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
+_MLP_POST = _MLP + ("mlp_post_norm.weight",)
 _PROJ = ("proj.weight", "proj.bias", "attn_post_norm.weight")
 _MLA = ("mla.q.weight", "mla.q_down.weight", "mla.q_up.weight", "mla.kv_down.weight", "mla.kv_up.weight",
         "mla.q_down_norm.weight", "mla.kv_down_norm.weight")
 REGISTRATION = {
     LEGACY: ("attn_norm.weight", "attn_norm.bias", "qkv.weight", "qkv.bias", "proj.weight", "proj.bias") + _MLP,
-    MCORE: ("attn_norm.weight", "attn_norm.bias") + _PROJ + ("qkv.weight", "qkv.bias") + _MLA + _QK_NORMS + _MLP,
-    TE: _PROJ + ("attn_norm.weight", "attn_norm.bias", "qkv.weight", "qkv.bias") + _QK_NORMS + _MLP,
+    MCORE: ("attn_norm.weight", "attn_norm.bias") + _PROJ + ("qkv.weight", "qkv.bias") + _MLA + _QK_NORMS + _MLP_POST,
+    TE: _PROJ + ("attn_norm.weight", "attn_norm.bias", "qkv.weight", "qkv.bias") + _QK_NORMS + _MLP_POST,
     TE_MLA: ("attn_norm.weight", "attn_norm.bias", "proj.weight", "proj.bias", "mla.q.weight", "mla.q_down.weight",
              "mla.q_down_norm.weight", "mla.q_up.weight", "mla.kv_down.weight", "mla.kv_down_norm.weight",
              "mla.kv_up.weight") + _MLP,
