@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -242,3 +243,36 @@ def test_a_llama_with_a_sliding_window_keeps_it_computes_it_and_is_not_exported_
     with pytest.raises(CkptError, match="the model uses --window-size .*no Gemma"):
         api.to_hf(tmp_path / "tp1", tmp_path / "hf", **QUIET)
     assert not (tmp_path / "hf").exists()
+
+
+# --- megatron-core ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mcore_loads(models, tmp_path_factory):
+    """tests/mcore_gemma_helper.py at TP2 on from-hf's TP2 torch files and their torch_dist reshard, both models,
+    one torchrun launch of 2 processes: {(name, kind): {params, keys}}."""
+    from conftest import run_torchrun
+    d = tmp_path_factory.mktemp("gemma_mcore")
+    jobs, outs = [], {}
+    for name, src in models.items():
+        api.from_hf(src, d / name / "torch", tp=2, **QUIET)
+        api.reshard(d / name / "torch", d / name / "dist", tp=2, format="torch_dist", **QUIET)
+        for kind, flag in (("torch", ""), ("dist", " --dist")):
+            outs[(name, kind)] = d / name / f"{kind}.pt"
+            jobs.append(f"{d / name / kind}{flag} --out {outs[(name, kind)]}")
+    res = run_torchrun(2, Path(__file__).with_name("mcore_gemma_helper.py"), *jobs, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return {k: torch.load(v) for k, v in outs.items()}
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_megatron_core_loads_the_outputs_strictly_in_its_parameter_order(mcore_loads, name):
+    """megatron-core's GPTModel with Megatron-Bridge's post_layernorm submodules takes every tensor of both formats
+    (load_state_dict strict; dist_checkpointing.load of its sharded state dict), and the torch files list the
+    parameters in the order the model registers them (the order its optimizer state follows)."""
+    for kind in ("torch", "dist"):
+        params = mcore_loads[(name, kind)]["params"]
+        assert "decoder.layers.3.mlp.linear_fc2.post_layernorm.weight" in params
+        assert ("decoder.layers.0.self_attention.q_layernorm.weight" in params) == (name == "gemma3")
+    written = [k for k in mcore_loads[(name, "torch")]["keys"] if not k.endswith("_extra_state")]
+    assert written == mcore_loads[(name, "torch")]["params"]
