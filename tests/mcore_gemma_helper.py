@@ -11,11 +11,21 @@ is that module on megatron-core's local RowParallelLinear; everything else (the 
 the gated MLP, the window and softmax-scale config fields read from the args, the sharded state dict and
 dist_checkpointing) is megatron-core's own. No forward is run: the maths megatron-core lacks would all be stand-ins.
 
+Optimizer state (--train SAVE, --resume): megatron-core's own DDP, fp32 Adam and LR scheduler (the CPU shims and
+the training step of tests/mcore_train_helper.py) on the loaded model. --train takes one step, saves SAVE as
+Megatron-LM writes --ckpt-format torch (args as loaded, model, optimizer.state_dict(), scheduler) and takes two
+more; --resume loads DIR's model (strict), optimizer and scheduler as Megatron-LM's load_checkpoint does and takes
+those two. The forward is megatron-core's plain GPT maths on Gemma's parameters (the Gemma maths it lacks
+are not stood in for): what is tested is that the optimizer state of every parameter, the post norms' too, goes
+to the parameter it belongs to, the third step's loss depending on it.
+
 Usage: torchrun --nproc-per-node N tests/mcore_gemma_helper.py JOB...: each argument one job
-'DIR [--dist] --out FILE' (torch format: this TP rank's mp_rank_XX/model_optim_rng.pt at the world size as TP;
---dist: a torch_dist checkpoint loaded with dist_checkpointing.load at that TP).
+'DIR [--tp T] [--dist | --train SAVE | --resume] --out FILE' (torch format: this TP rank's
+mp_rank_XX/model_optim_rng.pt at TP T, default the world size, the other ranks data-parallel; --dist: a torch_dist
+checkpoint loaded with dist_checkpointing.load at that TP).
 """
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -25,7 +35,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mcore_eager import import_megatron_core_eager  # noqa: E402
 import_megatron_core_eager()  # before megatron.core: its fused kernels uncompiled, a faster start
-from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import RowParallelLinear
@@ -33,7 +43,10 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import openai_gelu
 
-import mcore_dist_helper  # noqa: E402,F401  (its CPU shims for megatron-core's CUDA calls)
+import mcore_train_helper as T  # noqa: E402  (its CPU shims and megatron-core training step; mcore_dist_helper's too)
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 
 
 class RowParallelLinearPostNorm(RowParallelLinear):
@@ -62,8 +75,46 @@ def build(args, tp: int) -> GPTModel:
                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
 
 
+def trainer(model):
+    """megatron-core's DDP, fp32 Adam and scheduler on the model, as tests/mcore_train_helper.py builds them."""
+    model.train()
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=T.LR, min_lr=T.MIN_LR, weight_decay=T.WD,
+                                                 adam_beta1=0.9, adam_beta2=0.95, clip_grad=0.0), [ddp])
+    sched = OptimizerParamScheduler(opt, init_lr=T.LR, max_lr=T.LR, min_lr=T.MIN_LR, lr_warmup_steps=0,
+                                    lr_decay_steps=100, lr_decay_style="cosine", start_wd=T.WD, end_wd=T.WD,
+                                    wd_incr_steps=100, wd_incr_style="constant")
+    # attention dropout is 0: no CUDA RNG state to fork (as mcore_train_helper.build does)
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    return ddp, opt, sched
+
+
+def train(a, model, args, state) -> list:
+    """--train: step 0, save, steps 1 and 2; --resume: the loaded optimizer and scheduler, steps 1 and 2. The losses
+    (each before its step's update: step 2's is the first that the saved optimizer state moves)."""
+    ddp, opt, sched = trainer(model)
+    if a.resume:
+        if "optimizer" in state:
+            opt.load_state_dict(state["optimizer"])
+            sched.load_state_dict(state["opt_param_scheduler"])
+        else:  # weights only (--no-load-optim): fresh Adam moments, the scheduler at the checkpoint's iteration
+            sched.step(increment=state["iteration"])
+        return [T.train_step(ddp, opt, sched, step) for step in (1, 2)]
+    losses = [T.train_step(ddp, opt, sched, 0)]
+    d = Path(a.train) / "iter_0000001" / f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}"
+    if parallel_state.get_data_parallel_rank() == 0:
+        d.mkdir(parents=True, exist_ok=True)
+        args.iteration, args.ckpt_format = 1, "torch"
+        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 1, "model": model.state_dict(),
+                    "optimizer": opt.state_dict(), "opt_param_scheduler": sched.state_dict()}, d / "model_optim_rng.pt")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (Path(a.train) / "latest_checkpointed_iteration.txt").write_text("1")
+    return losses + [T.train_step(ddp, opt, sched, step) for step in (1, 2)]
+
+
 def run_job(a) -> None:
-    tp = dist.get_world_size()
+    tp = a.tp or dist.get_world_size()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     rank = parallel_state.get_tensor_model_parallel_rank()
     it_dir = Path(a.dir) / f"iter_{int((Path(a.dir) / 'latest_checkpointed_iteration.txt').read_text()):07d}"
@@ -81,8 +132,9 @@ def run_job(a) -> None:
         model = build(args, tp)
         state = sd["model"]
     model.load_state_dict(state, strict=True)
+    losses = train(a, model, args, sd) if a.train or a.resume else []
     if dist.get_rank() == 0:
-        torch.save({"params": [n for n, _ in model.named_parameters()], "keys": list(state)}, a.out)
+        torch.save({"params": [n for n, _ in model.named_parameters()], "keys": list(state), "losses": losses}, a.out)
     dist.barrier()
     parallel_state.destroy_model_parallel()
 
@@ -91,6 +143,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("dir")
     ap.add_argument("--dist", action="store_true")
+    ap.add_argument("--tp", type=int)
+    ap.add_argument("--train")
+    ap.add_argument("--resume", action="store_true")
     ap.add_argument("--out", required=True)
     jobs = [ap.parse_args(job.split()) for job in sys.argv[1:]]
     dist.init_process_group("gloo")
