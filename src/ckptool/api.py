@@ -305,7 +305,7 @@ def to_hf(src, dst, *, dtype=None, max_shard_size: str = "5GB", tokenizer: Optio
     """Export any checkpoint ckptool reads as a Hugging Face model directory, as `ckptool to-hf`.
 
     GPT-2 style models become GPT2LMHeadModel, Llama style ones LlamaForCausalLM (Qwen2ForCausalLM when
-    only QKV has a bias); a DeepLearningExamples BERT ckpt_N.pt (with hf_config=bert_config.json)
+    only QKV has a bias), Gemma's maths Gemma2ForCausalLM / Gemma3ForCausalLM (q/k norms); a DeepLearningExamples BERT ckpt_N.pt (with hf_config=bert_config.json)
     BertForPreTraining (kind "bert"); a DeepSpeed run of another Hugging Face model keeps the model's
     own names (kind "deepspeed-hf"). max_shard_size: largest safetensors file ("5GB", "500MiB");
     tokenizer: a directory whose tokenizer files are copied into dst. read_options as for open()."""
@@ -358,7 +358,8 @@ def from_hf(src, dst, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep
             make_vocab_size_divisible_by: Optional[int] = None, pad_fill: str = "zero", force: bool = False,
             true_vocab_size: Optional[int] = None, progress: Optional[Progress] = None,
             warn: Optional[Warn] = None, moe_grouped_gemm: Optional[bool] = None) -> ConversionResult:
-    """Convert a Hugging Face GPT-2 / Llama / Mistral / Qwen2 / Qwen3 directory into a Megatron torch-format
+    """Convert a Hugging Face GPT-2 / Llama / Mistral / Qwen2 / Qwen3 (MoE, DeepSeek-V3, Gemma 2 / 3 text: the
+    families/ registry) directory into a Megatron torch-format
     checkpoint at tp / pp (/ vpp, pp_layers; ep and etp for MoE models), as `ckptool from-hf`. The vocabulary is padded for tp
     as Megatron pads it (make_vocab_size_divisible_by, default 128); true_vocab_size overrides
     config.json's vocab_size. Every size is at least 1 and every stage holds a layer (CkptError naming the
