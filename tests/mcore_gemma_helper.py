@@ -147,11 +147,7 @@ def main():
     ap.add_argument("--train")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--out", required=True)
-    jobs = [ap.parse_args(job.split()) for job in sys.argv[1:]]
-    dist.init_process_group("gloo")
-    for job in jobs:
-        run_job(job)
-    dist.destroy_process_group()
+    T.H.run_jobs(ap, run_job)
 
 
 if __name__ == "__main__":

@@ -185,6 +185,14 @@ def test_a_legacy_dialect_has_no_place_for_the_post_norms(models, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_format_without_gemmas_tensors_refuses_before_writing(round_trips, tmp_path):
+    """DeepSpeed's universal checkpoint names Megatron-DeepSpeed's modules, which have no post norms: refused by the
+    format table (Format.holds), not written without them."""
+    with pytest.raises(CkptError, match="Gemma's maths .*ds-universal output"):
+        api.reshard(round_trips["gemma2"] / "tp2pp2", tmp_path / "dsu", format="ds-universal", **QUIET)
+    assert not (tmp_path / "dsu").exists()
+
+
 @pytest.mark.parametrize("change, says", [
     (dict(post_norms=False), "uses --window-size .*this model is no Gemma"),
     (dict(activation="swiglu"), "an MLP that is not GeGLU"),

@@ -19,13 +19,9 @@ from typing import Optional, Tuple
 
 from ..config import GPTConfig
 from ..errors import CkptError, require
+from . import llama
 from .family import Family, Names, refuse_export, vocab_fields
 
-GLOBAL = {
-    "model.embed_tokens.weight": ("copy", "embed.word"),
-    "model.norm.weight": ("copy", "final_norm.weight"),
-    "lm_head.weight": ("copy", "output.weight"),
-}
 LAYER = {
     "input_layernorm.weight": ("copy", "attn_norm.weight"),
     # unlike Llama's, Gemma's post_attention_layernorm norms the attention's output; pre_feedforward_layernorm is
@@ -33,14 +29,10 @@ LAYER = {
     "post_attention_layernorm.weight": ("copy", "attn_post_norm.weight"),
     "pre_feedforward_layernorm.weight": ("copy", "mlp_norm.weight"),
     "post_feedforward_layernorm.weight": ("copy", "mlp_post_norm.weight"),
-    "self_attn.q_norm.weight": ("copy", "attn.q_norm.weight"),  # Gemma 3
-    "self_attn.k_norm.weight": ("copy", "attn.k_norm.weight"),
 }
-for _hf, _c in (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v"), ("o_proj", "out")):
-    LAYER[f"self_attn.{_hf}.weight"] = ("copy", f"attn.{_c}.weight")
-for _m in ("gate", "up", "down"):
-    LAYER[f"mlp.{_m}_proj.weight"] = ("copy", f"mlp.{_m}.weight")
-NAMES = Names(GLOBAL, LAYER, "model.layers.{i}.")
+# the projections (no biases) and Gemma 3's q/k norms have Llama's (and Qwen3's) names
+LAYER.update({k: v for k, v in llama.LAYER.items() if k.startswith(("self_attn.", "mlp.")) and k.endswith(".weight")})
+NAMES = Names(llama.GLOBAL, LAYER, llama.LAYER_PREFIX)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 GELU_TANH = "gelu_pytorch_tanh"  # the only activation both classes are released with; exactly torch's tanh GeLU
