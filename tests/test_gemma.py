@@ -6,7 +6,10 @@ local RoPE base and linear scaling of the global layers, tied embeddings), every
 zero-centred norms too). They go from-hf to TP2 PP2, reshard through torch_dist and the Transformer Engine dialect,
 and to-hf back: every tensor bit-exact, the logits transformers computes equal, the config the same model. Each
 Megatron output verifies against the HF model on verify's default rows, which are longer than the window (and
-the window is shown to change the logits there). What ckptool cannot compute is refused by name.
+the window is shown to change the logits there), in one process and under torchrun at TP2 PP2. megatron-core's
+GPTModel with Megatron-Bridge's post-norm layout loads the outputs strictly (it has no Gemma maths to compare
+logits with: docs/formats.md), and its optimizer state, resharded, resumes its run. What ckptool cannot compute
+is refused by name.
 """
 from __future__ import annotations
 
@@ -256,10 +259,15 @@ def test_a_llama_with_a_sliding_window_keeps_it_computes_it_and_is_not_exported_
 # --- megatron-core ------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def mcore_loads(models, tmp_path_factory):
-    """tests/mcore_gemma_helper.py at TP2 on from-hf's TP2 torch files and their torch_dist reshard, both models,
-    one torchrun launch of 2 processes: {(name, kind): {params, keys}}."""
+def mcore_runs(models, tmp_path_factory):
+    """tests/mcore_gemma_helper.py, in two torchrun launches of 2 processes. First: megatron-core loads from-hf's TP2
+    torch files and their TP2 torch_dist reshard, both models ({(name, kind): {params, keys}}), and trains the
+    Gemma 3 layout one step at TP2 and saves (model, Adam state, scheduler). ckptool reshards that save to TP1 with
+    and without the optimizer. Second: megatron-core resumes each at TP1 (DP2) and takes the steps the first run took
+    after its save ({"trained" | "tp1" | "tp1_weights": losses}). The vocabulary of the trained model is padded alike
+    at TP2 and TP1 (divisible by 64): the padded rows are in Megatron's loss."""
     from conftest import run_torchrun
+    helper = Path(__file__).with_name("mcore_gemma_helper.py")
     d = tmp_path_factory.mktemp("gemma_mcore")
     jobs, outs = [], {}
     for name, src in models.items():
@@ -268,49 +276,39 @@ def mcore_loads(models, tmp_path_factory):
         for kind, flag in (("torch", ""), ("dist", " --dist")):
             outs[(name, kind)] = d / name / f"{kind}.pt"
             jobs.append(f"{d / name / kind}{flag} --out {outs[(name, kind)]}")
-    res = run_torchrun(2, Path(__file__).with_name("mcore_gemma_helper.py"), *jobs, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return {k: torch.load(v) for k, v in outs.items()}
-
-
-@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
-def test_megatron_core_loads_the_outputs_strictly_in_its_parameter_order(mcore_loads, name):
-    """megatron-core's GPTModel with Megatron-Bridge's post_layernorm submodules takes every tensor of both formats
-    (load_state_dict strict; dist_checkpointing.load of its sharded state dict), and the torch files list the
-    parameters in the order the model registers them (the order its optimizer state follows)."""
-    for kind in ("torch", "dist"):
-        params = mcore_loads[(name, kind)]["params"]
-        assert "decoder.layers.3.mlp.linear_fc2.post_layernorm.weight" in params
-        assert ("decoder.layers.0.self_attention.q_layernorm.weight" in params) == (name == "gemma3")
-    written = [k for k in mcore_loads[(name, "torch")]["keys"] if not k.endswith("_extra_state")]
-    assert written == mcore_loads[(name, "torch")]["params"]
-
-
-@pytest.fixture(scope="module")
-def resumed(models, tmp_path_factory):
-    """megatron-core trains the Gemma 3 layout one step at TP2 and saves (model, Adam state, scheduler); ckptool
-    reshards that to TP1 with and without the optimizer; megatron-core resumes each at TP1 (DP2) and takes the steps
-    the first run took after its save. The vocabulary is padded alike at TP2 and TP1 (divisible by 64): the padded
-    rows are in Megatron's loss."""
-    from conftest import run_torchrun
-    helper = Path(__file__).with_name("mcore_gemma_helper.py")
-    d = tmp_path_factory.mktemp("gemma_resume")
     api.from_hf(models["gemma3"], d / "init", tp=2, make_vocab_size_divisible_by=64, **QUIET)
-    res = run_torchrun(2, helper, f"{d / 'init'} --train {d / 'trained'} --out {d / 'trained.pt'}", timeout=600)
+    jobs.append(f"{d / 'init'} --train {d / 'trained'} --out {d / 'trained.pt'}")
+    res = run_torchrun(2, helper, *jobs, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     api.reshard(d / "trained", d / "tp1", tp=1, **QUIET)
     api.reshard(d / "trained", d / "tp1_weights", tp=1, optimizer=False, **QUIET)
     res = run_torchrun(2, helper, f"{d / 'tp1'} --tp 1 --resume --out {d / 'tp1.pt'}",
                        f"{d / 'tp1_weights'} --tp 1 --resume --out {d / 'tp1_weights.pt'}", timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    return {k: torch.load(d / f"{k}.pt")["losses"] for k in ("trained", "tp1", "tp1_weights")}
+    losses = {k: torch.load(d / f"{k}.pt")["losses"] for k in ("trained", "tp1", "tp1_weights")}
+    return {k: torch.load(v) for k, v in outs.items()}, losses
 
 
-def test_optimizer_state_carried_through_a_reshard_resumes_the_run(resumed):
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_megatron_core_loads_the_outputs_strictly_in_its_parameter_order(mcore_runs, name):
+    """megatron-core's GPTModel with Megatron-Bridge's post_layernorm submodules takes every tensor of both formats
+    (load_state_dict strict; dist_checkpointing.load of its sharded state dict), and the torch files list the
+    parameters in the order the model registers them (the order its optimizer state follows)."""
+    loads = mcore_runs[0]
+    for kind in ("torch", "dist"):
+        params = loads[(name, kind)]["params"]
+        assert "decoder.layers.3.mlp.linear_fc2.post_layernorm.weight" in params
+        assert ("decoder.layers.0.self_attention.q_layernorm.weight" in params) == (name == "gemma3")
+    written = [k for k in loads[(name, "torch")]["keys"] if not k.endswith("_extra_state")]
+    assert written == loads[(name, "torch")]["params"]
+
+
+def test_optimizer_state_carried_through_a_reshard_resumes_the_run(mcore_runs):
     """The third step's loss is the first the saved Adam moments move: resumed at TP1 from ckptool's reshard it is the
     run's own up to TP1's other reduction order (and ckptool's rank-0 copy of the q/k norms, whose TP replicas
     megatron-core lets drift); from weights only (fresh moments) it is visibly off."""
-    run, carried, weights_only = resumed["trained"], resumed["tp1"], resumed["tp1_weights"]
+    losses = mcore_runs[1]
+    run, carried, weights_only = losses["trained"], losses["tp1"], losses["tp1_weights"]
     assert abs(carried[0] - run[1]) < 1e-4 and abs(weights_only[0] - run[1]) < 1e-4  # the same weights
     error = abs(carried[1] - run[2])
     assert error < 1e-4, (run, carried)
