@@ -241,10 +241,11 @@ def window_from_args(args, num_layers: int) -> Dict[str, Any]:
 
 def gemma_from_args(args, num_layers: int) -> Dict[str, Any]:
     """GPTConfig's Gemma fields from a run's args (GEMMA_ARGS); the query scalar from megatron-core's
-    softmax_scale when only that is given (softmax_scale = query_pre_attn_scalar ** -0.5)."""
+    softmax_scale when only that is given (softmax_scale = query_pre_attn_scalar ** -0.5; MLA's scale is its own,
+    mla_from_args / yarn_from_args)."""
     out = {field: _get(args, key) for field, key in GEMMA_ARGS.items() if _get(args, key) is not None}
     scale = _get(args, "softmax_scale")
-    if "query_pre_attn_scalar" not in out and scale is not None:
+    if "query_pre_attn_scalar" not in out and scale is not None and not _get(args, "multi_latent_attention"):
         scalar = 1.0 / float(scale) ** 2
         out["query_pre_attn_scalar"] = float(round(scalar)) if math.isclose(scalar, round(scalar)) else scalar
     out.update(window_from_args(args, num_layers))
