@@ -3,7 +3,7 @@
 
 Each module here holds everything one family of HF classes differs by (family.py: the Family record they
 fill): gpt2.py, llama.py (Llama, Mistral, Qwen2, Qwen3), mixtral.py, qwen_moe.py (Qwen2-MoE, Qwen3-MoE),
-deepseek_v3.py; moe.py is what the MoE ones share. A new family with no new maths is one module and its
+deepseek_v3.py, gemma.py (Gemma 2, Gemma 3 text); moe.py is what the MoE ones share. A new family with no new maths is one module and its
 line in FAMILIES."""
 from __future__ import annotations
 

@@ -108,7 +108,7 @@ class Family:
     config_from_hf(family, config.json, embedding rows) -> GPTConfig, CkptError for values it cannot
     convert; config_json(family, cfg, vocab) -> config.json (the writer adds token ids and dtype).
     Export: the registry (families/__init__.py for_config) sorts a GPTConfig into an export kind
-    ("learned", "mla", "moe", "dense"); the family of that kind whose selects(cfg) holds is the class
+    ("learned", "mla", "moe", "gemma", "dense"); the family of that kind whose selects(cfg) holds is the class
     written, after its export_checks(cfg) (CkptError via refuse_export for what the class cannot compute).
     """
     model_type: str
