@@ -313,3 +313,47 @@ def test_optimizer_state_carried_through_a_reshard_resumes_the_run(mcore_runs):
     error = abs(carried[1] - run[2])
     assert error < 1e-4, (run, carried)
     assert abs(weights_only[1] - run[2]) > 20 * error, (run, weights_only)
+
+
+# --- config.json as the Hub's Gemma releases write it (transformers 4.x fields) ------------------------------
+
+HUB_GEMMA2 = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 2304, "head_dim": 256,
+              "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+              "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-06,
+              "query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+              "final_logit_softcapping": 30.0, "rope_theta": 10000.0, "max_position_embeddings": 8192,
+              "vocab_size": 256000}
+HUB_GEMMA3_1B = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 1152,
+                 "head_dim": 256, "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4,
+                 "num_key_value_heads": 1, "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-06,
+                 "query_pre_attn_scalar": 256, "sliding_window": 512, "sliding_window_pattern": 6,
+                 "rope_local_base_freq": 10000, "rope_theta": 1000000, "rope_scaling": None,
+                 "attn_logit_softcapping": None, "final_logit_softcapping": None, "max_position_embeddings": 32768,
+                 "vocab_size": 262144}
+
+
+def test_hub_configs_without_layer_types_read_as_transformers_builds_them():
+    """No layer_types: Gemma 2 windows the even layers (transformers' default; Megatron-Bridge's provider the odd
+    ones), Gemma 3 all but every sixth; Gemma 2's soft-caps and one RoPE, Gemma 3's local base and no scaling; and
+    what transformers makes of the same config.json agrees."""
+    g2 = families.for_model_type("gemma2").read_config(HUB_GEMMA2, 256000)
+    assert g2.local_layers == tuple(range(0, 26, 2)) and g2.sliding_window == 4096
+    assert (g2.attn_softcap, g2.final_softcap, g2.rotary_base_local, g2.rope_linear_factor) == (50.0, 30.0, None, None)
+    g3 = families.for_model_type("gemma3_text").read_config(HUB_GEMMA3_1B, 262144)
+    assert g3.local_layers == tuple(i for i in range(26) if (i + 1) % 6) and g3.qk_layernorm
+    assert (g3.rotary_base, g3.rotary_base_local, g3.rope_linear_factor, g3.attn_softcap) == (1e6, 10000.0, None, None)
+    for conf, cfg in ((HUB_GEMMA2, g2), (HUB_GEMMA3_1B, g3)):
+        built = transformers.AutoConfig.for_model(**{k: v for k, v in conf.items() if k != "architectures"})
+        assert [t == "sliding_attention" for t in built.layer_types] == [cfg.is_local_layer(i) for i in range(26)]
+
+
+def test_a_refusal_on_the_command_line_is_one_line_and_exit_2(models, tmp_path):
+    from click.testing import CliRunner
+    from ckptool.cli import main
+    shutil.copytree(models["gemma3"], tmp_path / "mm")
+    conf = json.loads((tmp_path / "mm" / "config.json").read_text())
+    conf.update(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"])
+    (tmp_path / "mm" / "config.json").write_text(json.dumps(conf))
+    res = CliRunner().invoke(main, ["from-hf", str(tmp_path / "mm"), str(tmp_path / "out")])
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert "Gemma3ForConditionalGeneration" in res.output and "Traceback" not in res.output
