@@ -40,6 +40,12 @@ CONFIGS = {  # model_type -> a GPTConfig only that family's class computes
     "mixtral": _rope(ffn_hidden_size=16, moe=_routed(layers=(0, 1), topk_norm=True)),
     "qwen2_moe": _rope(add_qkv_bias=True, moe=_routed(shared_ffn_hidden_size=24, shared_gate=True)),
     "qwen3_moe": _rope(qk_layernorm=True, moe=_routed(topk_norm=True)),
+    # Gemma (issue 32): zero-centred RMSNorm, GeGLU, post norms, sqrt(hidden) embeddings, a sliding window
+    "gemma2": _rope(activation="geglu", apply_layernorm_1p=True, embedding_scale=True, post_norms=True,
+                    query_pre_attn_scalar=8.0, attn_softcap=50.0, final_softcap=30.0, sliding_window=4, local_layers=(0,)),
+    "gemma3_text": _rope(activation="geglu", apply_layernorm_1p=True, embedding_scale=True, post_norms=True,
+                         qk_layernorm=True, query_pre_attn_scalar=8.0, sliding_window=4, local_layers=(1,),
+                         rotary_base_local=10000.0, rope_linear_factor=8.0),
     "deepseek_v3": _rope(num_query_groups=4, head_dim=10, mla=MLA_SIZES, rotary_interleaved=True,
                          moe=_routed(num_experts=8, score_function="sigmoid", expert_bias=True, topk_norm=True,
                                      shared_ffn_hidden_size=32, num_groups=4, group_topk=2, scaling_factor=2.5)),

@@ -17,6 +17,7 @@ import ckptool
 from ckptool.cli import main
 from ckptool.config import Layout
 from ckptool.convert import write_layout
+from ckptool.describe import GEMMA_FIELDS
 from ckptool.errors import CkptError
 from ckptool.formats import registry
 from ckptool.write_options import (REFUSED_CONTENTS, WriteOptions, build_write_options, flag, refuse_unwritable,
@@ -96,7 +97,9 @@ def test_each_option_a_format_does_not_honour_is_refused_by_name_before_writing(
 def _holding(content: str):
     moe = SimpleNamespace(num_experts=4, top_k=2, layers=[0, 1]) if content == "moe" else None
     mla = SimpleNamespace() if content == "mla" else None
-    return SimpleNamespace(config=SimpleNamespace(moe=moe, mla=mla, num_layers=2))
+    gemma = {field: None for field in GEMMA_FIELDS}  # Gemma's maths (issue 32): its post norms, or none of it
+    gemma["post_norms"] = content == "gemma"
+    return SimpleNamespace(config=SimpleNamespace(moe=moe, mla=mla, num_layers=2, activation="gelu", **gemma))
 
 
 @pytest.mark.parametrize("fmt", WRITERS, ids=lambda f: f.name)
@@ -105,7 +108,7 @@ def test_each_content_a_format_cannot_hold_is_refused_by_name(fmt):
         if content in fmt.holds:
             refuse_unwritable(_holding(content), fmt, WriteOptions())
             continue
-        with pytest.raises(CkptError, match="MoE layers|Multi-Latent Attention") as e:
+        with pytest.raises(CkptError, match="MoE layers|Multi-Latent Attention|Gemma's maths") as e:
             refuse_unwritable(_holding(content), fmt, WriteOptions())
         assert (fmt.output or fmt.name) in str(e.value) and "not supported" in str(e.value)
 

@@ -292,7 +292,7 @@ def to_hf(src, dst, *, dtype=None, max_shard_size: str = "5GB", tokenizer: Optio
     """Export any checkpoint ckptool reads as a Hugging Face model directory, as `ckptool to-hf`.
 
     GPT-2 style models become GPT2LMHeadModel, Llama style ones LlamaForCausalLM (Qwen2ForCausalLM when
-    only QKV has a bias), MoE ones their family's class (Mixtral, Qwen-MoE, DeepSeek-V3, GLM-4.5); a DeepLearningExamples BERT ckpt_N.pt (with hf_config=bert_config.json)
+    only QKV has a bias), MoE ones their family's class (Mixtral, Qwen-MoE, DeepSeek-V3, GLM-4.5), Gemma's maths Gemma2ForCausalLM / Gemma3ForCausalLM (q/k norms); a DeepLearningExamples BERT ckpt_N.pt (with hf_config=bert_config.json)
     BertForPreTraining (kind "bert"); a DeepSpeed run of another Hugging Face model keeps the model's
     own names (kind "deepspeed-hf"). max_shard_size: largest safetensors file ("5GB", "500MiB");
     tokenizer: a directory whose tokenizer files are copied into dst. experts: "fused" (transformers 5's 3-D
@@ -353,7 +353,8 @@ def from_hf(src, dst, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep
             make_vocab_size_divisible_by: Optional[int] = None, pad_fill: str = "zero", force: bool = False,
             true_vocab_size: Optional[int] = None, progress: Optional[Progress] = None,
             warn: Optional[Warn] = None, moe_grouped_gemm: Optional[bool] = None) -> ConversionResult:
-    """Convert a Hugging Face GPT-2 / Llama / Mistral / Qwen2 / Qwen3 directory into a Megatron torch-format
+    """Convert a Hugging Face GPT-2 / Llama / Mistral / Qwen2 / Qwen3 (MoE, DeepSeek-V3, Gemma 2 / 3 text: the
+    families/ registry) directory into a Megatron torch-format
     checkpoint at tp / pp (/ vpp, pp_layers; ep and etp for MoE models), as `ckptool from-hf`. The vocabulary is padded for tp
     as Megatron pads it (make_vocab_size_divisible_by, default 128); true_vocab_size overrides
     config.json's vocab_size. Every size is at least 1 and every stage holds a layer (CkptError naming the
@@ -376,7 +377,7 @@ def from_hf(src, dst, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep
 
 # --- verify ---------------------------------------------------------------------------------------
 def verify(target=None, *, reference=None, reference_logits: Optional[str] = None, files=None,
-           tokens: Optional[str] = None, tokenizer: Optional[str] = None, batch: int = 2, seq_len: int = 16,
+           tokens: Optional[str] = None, tokenizer: Optional[str] = None, batch: int = 2, seq_len: Optional[int] = None,
            seed: int = 0, dtype: str = "fp32", tolerance: Optional[float] = None, tp: Optional[int] = None,
            pp: Optional[int] = None, vpp: Optional[int] = None, quiet: bool = False,
            on_line: Optional[Callable[[str], None]] = None, warn: Optional[Warn] = None,
@@ -386,7 +387,7 @@ def verify(target=None, *, reference=None, reference_logits: Optional[str] = Non
     reference: another checkpoint or Hugging Face directory (default: the target's own merged state);
     reference_logits: "FILE[:KEY]" of recorded tokens and logits; files: instead, check that a
     checkpoint's files are whole (an output directory against its manifest, any other checkpoint by its
-    format's CRCs and sizes: integrity.py). tokens/tokenizer/batch/seq_len/seed choose the input, dtype
+    format's CRCs and sizes: integrity.py). tokens/tokenizer/batch/seq_len/seed choose the input (seq_len None: 16, or 16 past a sliding window), dtype
     ("fp32", "bf16", "fp16") the compute dtype, tolerance the largest max-abs logits error that
     passes. Under torchrun the forward runs tensor/pipeline-parallel (tp/pp/vpp for torch_dist).
     Returns VerifyResult (ok, report lines); each line is also printed as it comes unless quiet, and

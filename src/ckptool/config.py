@@ -14,7 +14,7 @@ from typing import ClassVar, Iterable, Optional, Sequence, Tuple
 from .errors import CkptError, require
 
 NORMALIZATIONS = ("layernorm", "rmsnorm")
-ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "squared_relu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "squared_relu", "geglu")  # geglu: gelu_tanh(gate) * up (Gemma)
 POSITION_EMBEDDINGS = ("learned", "rope", "none")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
@@ -161,6 +161,17 @@ class GPTConfig:
     moe: Optional[MoE] = None  # None: a dense model
     mla: Optional[MLA] = None  # None: grouped-query attention (attn.q/k/v)
     rope_yarn: Optional[Yarn] = None  # YaRN scaling; ckptool reads it for MLA models only
+    # --- Gemma 2 / 3 maths (issue 32; helper gemma). Defaults: the plain GPT maths above. -------------------
+    embedding_scale: bool = False  # the word embedding's output times sqrt(hidden_size), cast to its dtype first
+    post_norms: bool = False  # attention and MLP outputs normed (attn_post_norm, mlp_post_norm) before the residual
+    query_pre_attn_scalar: Optional[float] = None  # attention scores times its -1/2 power; None: head_dim's
+    attn_softcap: Optional[float] = None  # attention scores -> cap * tanh(scores / cap) before the mask
+    final_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap)
+    sliding_window: Optional[int] = None  # a local layer's query sees itself and the sliding_window - 1 keys before
+    local_layers: Tuple[int, ...] = ()  # global indices of the sliding-window (local) layers
+    rotary_base_local: Optional[float] = None  # the local layers' RoPE base (Gemma 3); None: rotary_base
+    rope_linear_factor: Optional[float] = None  # global layers' linear RoPE scaling: positions / factor (Gemma 3)
+    # --- end Gemma -------------------------------------------------------------------------------------------
     # the model family (spec/__init__.py FAMILIES: which spec names this model's tensors); a class constant, not
     # a field: every GPTConfig is a GPT, and a config of another family would be its own class
     family: ClassVar[str] = "gpt"
@@ -180,6 +191,7 @@ class GPTConfig:
         require(self.num_attention_heads % self.num_query_groups == 0,
                 f"{self.num_attention_heads} attention heads cannot be split into "
                 f"{self.num_query_groups} query groups")
+        self._check_gemma()
         if self.moe is not None and not self.moe.layers:
             # a model without MoE layers is a dense model (a DeepSeek whose first_k_dense_replace covers every
             # layer, Megatron args whose --moe-layer-freq list is all zeros): one form for it, so every writer
@@ -189,11 +201,25 @@ class GPTConfig:
             require(all(0 <= i < self.num_layers for i in self.moe.layers),
                     f"MoE layers {list(self.moe.layers)} fall outside the {self.num_layers} layers")
 
+    def _check_gemma(self) -> None:
+        """The Gemma fields (issue 32) hold together: a window where local layers are named, layers that exist."""
+        self.local_layers = tuple(self.local_layers)
+        require(all(0 <= i < self.num_layers for i in self.local_layers),
+                f"sliding-window layers {list(self.local_layers)} fall outside the {self.num_layers} layers")
+        require(bool(self.local_layers) == (self.sliding_window is not None),
+                "a sliding window needs the layers it applies to, and local layers need a window")
+        require(self.sliding_window is None or self.sliding_window >= 1,
+                f"sliding window {self.sliding_window} must be at least 1")
+
     # --- derived sizes -------------------------------------------------------------------
     @property
     def gated(self) -> bool:
-        """True when fc1 holds two halves (gate and up), as SwiGLU does."""
-        return self.activation == "swiglu"
+        """True when fc1 holds two halves (gate and up), as SwiGLU and GeGLU do."""
+        return self.activation in ("swiglu", "geglu")
+
+    def is_local_layer(self, i: int) -> bool:
+        """Layer i attends within the sliding window (Gemma's local layers)."""
+        return i in self.local_layers
 
     def is_moe_layer(self, i: int) -> bool:
         return self.moe is not None and i in self.moe.layers

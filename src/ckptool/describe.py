@@ -23,6 +23,18 @@ def _moe(moe) -> Optional[dict]:
     return doc
 
 
+GEMMA_FIELDS = ("embedding_scale", "post_norms", "query_pre_attn_scalar", "attn_softcap", "final_softcap",
+                "sliding_window", "local_layers", "rotary_base_local", "rope_linear_factor")
+
+
+def _gemma(cfg) -> Optional[dict]:
+    """Gemma's maths (issue 32; config.py's Gemma block), None when the model computes none of it."""
+    out = {k: getattr(cfg, k) for k in GEMMA_FIELDS}
+    if not any(out.values()):
+        return None
+    return dict(out, local_layers=list(cfg.local_layers))
+
+
 def describe(ckpt: Checkpoint) -> dict:
     """The stable `inspect --json` document (schema in docs/inspect-json.md)."""
     cfg, src = ckpt.config, ckpt.source
@@ -54,6 +66,7 @@ def describe(ckpt: Checkpoint) -> dict:
             "moe": _moe(cfg.moe),
             "mla": dataclasses.asdict(cfg.mla) if cfg.mla is not None else None,
             "rope_yarn": dataclasses.asdict(cfg.rope_yarn) if cfg.rope_yarn is not None else None,
+            "gemma": _gemma(cfg),
         },
         "vocab_size_source": cfg.vocab_size_source,
         "total_bytes": ckpt.total_bytes,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple
 
 from .errors import CkptError, require
+from .families.gemma import uses_gemma_maths
 from .formats.registry import BY_OUTPUT, OUTPUT_FORMATS, Format
 from .layout_request import check_sizes
 from .state import HF_EXPERT_FORMS, Checkpoint
@@ -166,6 +167,11 @@ REFUSED_CONTENTS: Dict[str, Tuple[Callable[[Checkpoint], bool], Callable[[Checkp
             "use to-hf for DeepSeek-style models, or --format torch / torch_dist"),
     "moe": (lambda ckpt: ckpt.config.moe is not None, _moe_words,
             "write --format torch (expert parallelism with --ep), or use to-hf"),
+    # Gemma's post norms, windows, soft-caps ... (families/gemma.py): only Megatron-core-named formats hold them
+    "gemma": (lambda ckpt: uses_gemma_maths(ckpt.config),
+              lambda ckpt, fmt: f"Gemma's maths (post-attention / post-MLP norms, sliding windows, soft-capping, ...): "
+                                f"Megatron {fmt} output of Gemma models is not supported",
+              "write --format torch or torch_dist, or use to-hf"),
 }
 
 

@@ -35,8 +35,9 @@ def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, experts, fp8, force, *
     GPT-2 style models become GPT2LMHeadModel, Llama style ones LlamaForCausalLM (Qwen2ForCausalLM
     when only QKV has a bias, Qwen3ForCausalLM with q/k norms), MoE models MixtralForCausalLM,
     Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM or (GQA with DeepSeek-style
-    biased routing, partial RoPE) Glm4MoeForCausalLM, experts as the source stored them (--experts);
-    DST loads with AutoModelForCausalLM.from_pretrained(DST). The
+    biased routing, partial RoPE) Glm4MoeForCausalLM, experts as the source stored them (--experts),
+    Gemma's maths Gemma2ForCausalLM or Gemma3ForCausalLM; DST loads with
+    AutoModelForCausalLM.from_pretrained(DST). The
     vocabulary is trimmed to its true size; weights go to safetensors shards of at most
     --max-shard-size, written one tensor at a time. A DeepLearningExamples BERT ckpt_N.pt with
     --hf-config bert_config.json becomes BertForPreTraining (vocabulary padding trimmed). A DeepSpeed
@@ -95,6 +96,9 @@ def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, experts, fp8, force, *
 def from_hf_cmd(src, dst, **kw):
     """Convert a Hugging Face GPT-2 / Llama / Mistral / Qwen2 / Qwen3 directory into a Megatron checkpoint.
 
+    Gemma 2 / 3 text models (Gemma3ForCausalLM; not the multimodal Gemma3ForConditionalGeneration) keep their
+    post norms, soft-caps and sliding windows (megatron-core's window_size / window_attn_skip_freq; the rest in the
+    args as docs/formats.md says: --dialect mcore or mcore-te).
     MoE models (Mixtral, Qwen-MoE) are written with megatron-core's SequentialMLP experts at --ep
     expert-parallel ranks; MLA models (DeepSeek-V2/V3, with a q latent or a direct q) as megatron-core's
     MLASelfAttention (--dialect mcore: local spec, mcore-te: Transformer Engine spec; YaRN as megatron-core's

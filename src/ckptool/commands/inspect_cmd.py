@@ -61,6 +61,7 @@ def _summary_lines(doc: dict, lay) -> list:
     ]
     lines += [_experts_line(c["moe"])] if c["moe"] else []
     lines += [_mla_line(c["mla"], c["rope_yarn"])] if c["mla"] else []
+    lines += [_gemma_line(c["gemma"])] if c["gemma"] else []
     lines += [f"vocab       true {c['vocab_size'] if c['vocab_size'] is not None else 'unknown'} "
               f"(from {doc['vocab_size_source']}), stored rows {c['padded_vocab_size']}",
               f"size        {len(doc['tensors'])} tensors, {human_bytes(doc['total_bytes'])}",
@@ -76,6 +77,16 @@ def _partial_rope(c: dict) -> str:
 
 def _biases(c: dict) -> str:
     return "biases" if c["add_bias_linear"] else ("q/k/v biases only" if c["add_qkv_bias"] else "no biases")
+def _gemma_line(g: dict) -> str:
+    """Gemma's maths, the ones the model has."""
+    parts = [text for text, on in (
+        ("embedding x sqrt(hidden)", g["embedding_scale"]), ("post-attention/MLP norms", g["post_norms"]),
+        (f"scores x {g['query_pre_attn_scalar']}^-1/2", g["query_pre_attn_scalar"]),
+        (f"score soft-cap {g['attn_softcap']}", g["attn_softcap"]), (f"logit soft-cap {g['final_softcap']}", g["final_softcap"]),
+        (f"window {g['sliding_window']} on layers {','.join(map(str, g['local_layers']))}", g["sliding_window"]),
+        (f"local rope base {g['rotary_base_local']}", g["rotary_base_local"]),
+        (f"global rope / {g['rope_linear_factor']}", g["rope_linear_factor"])) if on]
+    return "gemma       " + ", ".join(parts)
 
 
 def _experts_line(m: dict) -> str:

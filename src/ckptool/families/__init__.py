@@ -3,31 +3,35 @@
 
 Each module here holds everything one family of HF classes differs by (family.py: the Family record they
 fill): gpt2.py, llama.py (Llama, Mistral, Qwen2, Qwen3), mixtral.py, qwen_moe.py (Qwen2-MoE, Qwen3-MoE),
-deepseek_v3.py, glm4_moe.py (GLM-4.5 / 4.6); moe.py is what the MoE ones share. A new family with no new maths is one module and its
+deepseek_v3.py, glm4_moe.py (GLM-4.5 / 4.6), gemma.py (Gemma 2, Gemma 3 text); moe.py is what the MoE ones share. A new family with no new maths is one module and its
 line in FAMILIES."""
 from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
 
 from ..config import GPTConfig
-from . import deepseek_v3, glm4_moe, gpt2, llama, mixtral, moe, qwen_moe
+from . import deepseek_v3, gemma, glm4_moe, gpt2, llama, mixtral, moe, qwen_moe
 from .family import Family, refuse_export
 
 FAMILIES: Tuple[Family, ...] = (
     gpt2.GPT2, llama.LLAMA, llama.MISTRAL, llama.QWEN2, llama.QWEN3, mixtral.MIXTRAL,
-    qwen_moe.QWEN2_MOE, qwen_moe.QWEN3_MOE, deepseek_v3.DEEPSEEK_V3, glm4_moe.GLM4_MOE,
+    qwen_moe.QWEN2_MOE, qwen_moe.QWEN3_MOE, deepseek_v3.DEEPSEEK_V3, glm4_moe.GLM4_MOE, gemma.GEMMA2, gemma.GEMMA3,
 )
 BY_MODEL_TYPE: Dict[str, Family] = {f.model_type: f for f in FAMILIES}
 
 # Models ckptool recognises but does not convert yet, refused by name rather than misread.
 REFUSED_MODEL_TYPES = {
     "deepseek_v2": "DeepSeek-V2 (Multi-Latent Attention, group-limited routing)",
+    # its text model converts alone (model_type gemma3_text, Gemma3ForCausalLM); the SigLIP vision tower and the
+    # multimodal projector are nothing a GPT holds
+    "gemma3": "Gemma 3 multimodal (Gemma3ForConditionalGeneration: its vision tower is no part of a GPT; save the "
+              "text model alone as Gemma3ForCausalLM, model_type gemma3_text, and convert that)",
 }
 # export kind -> the check every family of that kind shares, before one is chosen
-KIND_CHECKS = {"moe": moe.check_routing}
+KIND_CHECKS = {"moe": moe.check_routing, "gemma": gemma.check_export}
 # export kind -> the error when no family of that kind selects the config
-NO_FAMILY = {"moe": moe.no_class}
-# "moe_biased": MoE routing steered by an expert bias (DeepSeek-V3's, on grouped-query attention): GLM-4.5's class
+# ("moe_biased": MoE routing steered by an expert bias (DeepSeek-V3's, on grouped-query attention): GLM-4.5's class)
+NO_FAMILY = {"moe": moe.no_class, "moe_biased": moe.no_class, "gemma": gemma.no_class}
 
 
 def for_model_type(model_type: str) -> Family:
@@ -50,8 +54,10 @@ def moe_model_types() -> Tuple[str, ...]:
 
 
 def _export_kind(cfg: GPTConfig) -> str:
-    """"learned" (GPT-2), "mla", "moe_biased" (an expert bias steers the routing), "moe" or "dense" (RoPE);
-    CkptError for what no HF class computes."""
+    """"learned" (GPT-2), "mla", "moe_biased" (an expert bias steers the routing), "moe", "gemma" or "dense"
+    (RoPE); CkptError for what no HF class computes."""
+    if gemma.uses_gemma_maths(cfg):  # checked whole by gemma.check_export (KIND_CHECKS)
+        return "gemma"
     if cfg.qk_layernorm and cfg.normalization != "rmsnorm":
         raise refuse_export("--qk-layernorm with LayerNorm", "and only Qwen3's RMSNorm q/k norms exist in transformers")
     if cfg.post_layernorm_residual:

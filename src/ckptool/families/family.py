@@ -108,7 +108,7 @@ class Family:
     config_from_hf(family, config.json, embedding rows) -> GPTConfig, CkptError for values it cannot
     convert; config_json(family, cfg, vocab) -> config.json (the writer adds token ids and dtype).
     Export: the registry (families/__init__.py for_config) sorts a GPTConfig into an export kind
-    ("learned", "mla", "moe", "dense"); the family of that kind whose selects(cfg) holds is the class
+    ("learned", "mla", "moe", "gemma", "dense"); the family of that kind whose selects(cfg) holds is the class
     written, after its export_checks(cfg) (CkptError via refuse_export for what the class cannot compute).
     """
     model_type: str
@@ -140,6 +140,8 @@ class Family:
     moe: Optional["MoeKeys"] = None  # where config.json keeps the routing facts
     zero_biases: bool = False  # the class always has linear biases: a bias-free model exports zero ones
     sliding_window_default: bool = False  # config.json's use_sliding_window when it does not say
+    zero_centred_norms: bool = False  # the class stores norm weights w and computes (1 + w), as --apply-layernorm-1p (Gemma)
+    softcap_defaults: Tuple[Optional[float], Optional[float]] = (None, None)  # (attention, final) when config.json omits them (Gemma 2: 50, 30)
     spec: str = "gpt"  # the canonical tensors' spec (spec/__init__.py FAMILIES)
     # --- block FP8 (issue 30, fp8) ---
     # the layer-table keys (Names.layer / Names.moe, `{e}` an expert) the family's releases store as

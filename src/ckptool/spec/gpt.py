@@ -39,6 +39,7 @@ TENSORS = (
     Tensor(L + "attn.kv_up.weight", ("mla",), role="mla.kv_up.weight"),
     Tensor(L + "attn.out.weight", role="proj.weight"),
     Tensor(L + "attn.out.bias", ("gqa", "linear_bias"), role="proj.bias"),
+    Tensor(L + "attn_post_norm.weight", ("post_norms",), role="attn_post_norm.weight"),  # Gemma
     Tensor(L + "mlp_norm.weight", role="mlp_norm.weight"),
     Tensor(L + "mlp_norm.bias", NORM_BIAS, role="mlp_norm.bias"),
     # dense MLP
@@ -48,6 +49,7 @@ TENSORS = (
     Tensor(L + "mlp.gate.bias", ("dense_mlp", "linear_bias", "gated"), role="fc1.bias", part="gate"),
     Tensor(L + "mlp.up.bias", ("dense_mlp", "linear_bias"), role="fc1.bias", part="up"),
     Tensor(L + "mlp.down.bias", ("dense_mlp", "linear_bias"), role="fc2.bias"),
+    Tensor(L + "mlp_post_norm.weight", ("post_norms",), role="mlp_post_norm.weight"),  # Gemma
     # MoE layer: router, experts (no biases in any family ckptool reads), shared expert and its gate
     Tensor(L + "mlp.router.weight", MOE, role="router.weight"),
     Tensor(L + "mlp.router.bias", MOE + ("router_bias",), role="router.bias"),
@@ -123,6 +125,11 @@ ROLES = (
     Role("proj.weight", "row", {LEGACY: "self_attention.dense.weight", MCORE: "self_attention.linear_proj.weight"},
          traits=(LINEAR,)),
     Role("proj.bias", "replicated", {LEGACY: "self_attention.dense.bias", MCORE: "self_attention.linear_proj.bias"}),
+    # Gemma 2 / 3's norms of the attention and MLP outputs (issue 32). megatron-core 0.16 has no such module;
+    # Megatron-Bridge (src/megatron/bridge/models/gemma/gemma2_provider.py, gemma3_provider.py: linear_proj and
+    # linear_fc2 are TERowParallelLinearLayerNorm, a row-parallel linear whose output goes through its
+    # post_layernorm) keys them under the output projections. No legacy Megatron model has them.
+    Role("attn_post_norm.weight", "replicated", {MCORE: "self_attention.linear_proj.post_layernorm.weight"}),
     Role("mlp_norm.weight", "replicated", {LEGACY: "post_attention_layernorm.weight",
                                            MCORE: "pre_mlp_layernorm.weight",
                                            TE: "mlp.linear_fc1.layer_norm_weight",
@@ -134,6 +141,7 @@ ROLES = (
     Role("fc1.bias", "column", {LEGACY: "mlp.dense_h_to_4h.bias", MCORE: "mlp.linear_fc1.bias"}, fused="halves"),
     Role("fc2.weight", "row", {LEGACY: "mlp.dense_4h_to_h.weight", MCORE: "mlp.linear_fc2.weight"}, traits=(LINEAR,)),
     Role("fc2.bias", "replicated", {LEGACY: "mlp.dense_4h_to_h.bias", MCORE: "mlp.linear_fc2.bias"}),
+    Role("mlp_post_norm.weight", "replicated", {MCORE: "mlp.linear_fc2.post_layernorm.weight"}),  # Gemma, as above
     # MoE layer roles (megatron-core only): TopKRouter, SharedExpertMLP
     Role("router.weight", "replicated", {MCORE: "mlp.router.weight"}),
     Role("router.bias", "replicated", {MCORE: "mlp.router.bias"}),
@@ -167,14 +175,17 @@ LAYER_PREFIX = {LEGACY: _NESTED + "encoder/layers.{i}.", FLAT: "transformer.laye
 # CPU-only machine). The TE spec's MLA layer keeps input_layernorm as a module registered before self_attention
 # (TransformerLayer.__init__), so there the input norm comes first.
 _QK_NORMS = ("q_norm.weight", "q_norm.bias", "k_norm.weight", "k_norm.bias")
+# Gemma's post norms sit inside the output projections (Megatron-Bridge's TERowParallelLinearLayerNorm builds its
+# post_layernorm after the linear's own parameters), so each comes right after its projection's weight and bias
 _MLP = ("mlp_norm.weight", "mlp_norm.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
+_MLP_POST = _MLP + ("mlp_post_norm.weight",)
+_PROJ = ("proj.weight", "proj.bias", "attn_post_norm.weight")
 _MLA = ("mla.q.weight", "mla.q_down.weight", "mla.q_up.weight", "mla.kv_down.weight", "mla.kv_up.weight",
         "mla.q_down_norm.weight", "mla.kv_down_norm.weight")
 REGISTRATION = {
     LEGACY: ("attn_norm.weight", "attn_norm.bias", "qkv.weight", "qkv.bias", "proj.weight", "proj.bias") + _MLP,
-    MCORE: ("attn_norm.weight", "attn_norm.bias", "proj.weight", "proj.bias", "qkv.weight", "qkv.bias") + _MLA
-    + _QK_NORMS + _MLP,
-    TE: ("proj.weight", "proj.bias", "attn_norm.weight", "attn_norm.bias", "qkv.weight", "qkv.bias") + _QK_NORMS + _MLP,
+    MCORE: ("attn_norm.weight", "attn_norm.bias") + _PROJ + ("qkv.weight", "qkv.bias") + _MLA + _QK_NORMS + _MLP_POST,
+    TE: _PROJ + ("attn_norm.weight", "attn_norm.bias", "qkv.weight", "qkv.bias") + _QK_NORMS + _MLP_POST,
     TE_MLA: ("attn_norm.weight", "attn_norm.bias", "proj.weight", "proj.bias", "mla.q.weight", "mla.q_down.weight",
              "mla.q_down_norm.weight", "mla.q_up.weight", "mla.kv_down.weight", "mla.kv_down_norm.weight",
              "mla.kv_up.weight") + _MLP,

@@ -82,6 +82,7 @@ PREDICATES: Dict[str, Predicate] = {
     "expert_bias": lambda c, i: c.moe.expert_bias,
     "shared_expert": lambda c, i: bool(c.moe.shared_ffn_hidden_size),
     "shared_gate": lambda c, i: c.moe.shared_gate,
+    "post_norms": lambda c, i: c.post_norms,                 # Gemma: attention and MLP outputs normed (issue 32)
 }
 # Predicates that never hold together. A canonical tensor may be listed once per side (attn.q is GQA's q, a part of
 # the fused QKV, or MLA's direct q, a role of its own): for any config at most one of the entries holds.

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import CkptError, require
 from ..lazy import load_scope
@@ -23,6 +22,7 @@ from . import reference
 from safetensors.torch import load_file
 from ..io.torchfile import load_torch_file
 from ..formats.hf.reader import has_weights
+from .maths import ONE_PROCESS, embed
 
 
 # --- tokens ---------------------------------------------------------------------------------
@@ -37,6 +37,15 @@ def parse_token_ids(text: str) -> torch.Tensor:
     require(ids and len({len(r) for r in ids}) == 1 and ids[0],
             "--tokens rows must be non-empty and of equal length", 'e.g. --tokens "1,2,3;4,5,6"')
     return torch.tensor(ids, dtype=torch.long)
+
+
+DEFAULT_SEQ_LEN = 16
+
+
+def default_seq_len(cfg) -> int:
+    """The random rows' length when none is given: 16 tokens, or DEFAULT_SEQ_LEN past a sliding window (Gemma's
+    local layers), so that the window actually cuts some query's keys."""
+    return DEFAULT_SEQ_LEN + (cfg.sliding_window or 0)
 
 
 def make_tokens(tokens: Optional[str], tokenizer: Optional[str], batch: int, seq_len: int, seed: int,
@@ -68,11 +77,9 @@ def make_tokens(tokens: Optional[str], tokenizer: Optional[str], batch: int, seq
 def checkpoint_forward(ckpt: Checkpoint, tokens: torch.Tensor, dtype, device="cpu"):
     """The one-process forward with the embedding output and every layer's hidden state."""
     logits, layers = reference.forward(ckpt, tokens, dtype, device=device, return_hidden=True)
-    with load_scope():
-        word = ckpt.tensors["embed.word"].load().to(device=device, dtype=dtype)
-        x = F.embedding(tokens.to(device), word)
-        if ckpt.config.position_embedding == "learned":
-            x = x + ckpt.tensors["embed.pos"].load().to(device=device, dtype=dtype)[: tokens.shape[1]]
+    with load_scope():  # the embedding's output as the model computes it (maths.embed: Gemma's scaling too)
+        w = {k: v.load().to(device=device, dtype=dtype) for k, v in ckpt.tensors.items() if k.startswith("embed.")}
+        x = embed(tokens.to(device), w, ckpt.config, ONE_PROCESS)
     hidden = {"embedding": x.float().cpu()}
     hidden.update({f"layer {i}": h for i, h in enumerate(layers)})
     return logits.cpu(), hidden, ckpt.config.vocab_size

@@ -28,6 +28,8 @@ from ..config import GPTConfig
 # --- elementwise ---------------------------------------------------------------------------------
 
 def norm(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], cfg: GPTConfig) -> torch.Tensor:
+    if cfg.apply_layernorm_1p and cfg.normalization == "rmsnorm":
+        return rms_norm_1p(x, w, cfg.norm_eps)
     w = w + 1 if cfg.apply_layernorm_1p else w
     if cfg.normalization == "layernorm":
         return F.layer_norm(x, (x.shape[-1],), w, b, cfg.norm_eps)
@@ -38,6 +40,19 @@ def norm(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], cfg: GPTCo
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     var = x.float().pow(2).mean(-1, keepdim=True)
     return (x.float() * torch.rsqrt(var + eps)).to(x.dtype) * w
+
+
+def rms_norm_1p(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm of zero-centred weights: x normed times (1 + w), both in fp32, then cast to x's dtype
+    (transformers 5 Gemma2RMSNorm / Gemma3RMSNorm; Transformer Engine's zero_centered_gamma also adds the 1 in
+    fp32)."""
+    var = x.float().pow(2).mean(-1, keepdim=True)
+    return (x.float() * torch.rsqrt(var + eps) * (1.0 + w.float())).to(x.dtype)
+
+
+def softcap(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
+    """Gemma's soft-capping cap * tanh(x / cap) (attention scores, final logits); x itself when cap is None."""
+    return x if not cap else torch.tanh(x / cap) * cap
 
 
 def activation(x: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
@@ -52,10 +67,14 @@ def activation(x: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
 
 # --- rotary positions ----------------------------------------------------------------------------
 
-def rope_frequencies(cfg: GPTConfig, seq: int, device=None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [seq, rot_dim/2] for the rotated part of each head (MLA: its rope part)."""
+def rope_frequencies(cfg: GPTConfig, seq: int, device=None, local: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [seq, rot_dim/2] for the rotated part of each head (MLA: its rope part); local: for a
+    sliding-window layer of a model whose local layers have their own RoPE (Gemma 3: rotary_base_local, unscaled)."""
     rot = cfg.mla.qk_rope_head_dim if cfg.mla is not None else int(cfg.head_dim * cfg.rotary_percent)
-    inv = 1.0 / (cfg.rotary_base ** (torch.arange(0, rot, 2, dtype=torch.float64, device=device) / rot))
+    base = cfg.rotary_base_local if local and cfg.rotary_base_local else cfg.rotary_base
+    inv = 1.0 / (base ** (torch.arange(0, rot, 2, dtype=torch.float64, device=device) / rot))
+    if cfg.rope_linear_factor and not local:  # Gemma 3's global layers (transformers' "linear" rope type)
+        inv = inv / cfg.rope_linear_factor
     if cfg.rope_scaling_factor:
         inv = _llama3_scale(inv, cfg.rope_scaling_factor)
     if cfg.rope_yarn is not None:
@@ -110,28 +129,39 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: GPTCo
 
 # --- attention -----------------------------------------------------------------------------------
 
-def causal_context(scores: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_context(scores: torch.Tensor, v: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
     """Causal softmax (in fp32) of the scores [b, heads, s, s] over v [b, heads, s, d]: the context
-    [b, s, heads * d]."""
+    [b, s, heads * d]. window: each query sees itself and the window - 1 keys before it (transformers'
+    sliding_window; megatron-core's window_size (window - 1, 0))."""
     b, heads, s, _ = scores.shape
     mask = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu(1)
+    if window is not None:
+        mask = mask | torch.ones(s, s, dtype=torch.bool, device=scores.device).tril(-window)
     probs = torch.softmax(scores.float().masked_fill(mask, float("-inf")), dim=-1).to(v.dtype)
     return (probs @ v).transpose(1, 2).reshape(b, s, heads * v.shape[-1])  # sizes given: a rank may have no rows
 
 
-def attention(x: torch.Tensor, w: Dict[str, torch.Tensor], p: str, cfg: GPTConfig, rope, ctx) -> torch.Tensor:
-    """Grouped-query attention on this process's heads (ctx.qkv), then the output projection."""
+def attention(x: torch.Tensor, w: Dict[str, torch.Tensor], p: str, cfg: GPTConfig, rope, ctx,
+              local: bool = False) -> torch.Tensor:
+    """Grouped-query attention on this process's heads (ctx.qkv), then the output projection; local: a
+    sliding-window layer (its own RoPE where the model has one, the window on its mask)."""
     q, k, v = ctx.qkv(x, w, p, cfg)  # [b, heads, s, hd]
     if cfg.qk_layernorm:
         q = norm(q, w[p + ctx.names["q_norm"] + "weight"], w.get(p + ctx.names["q_norm"] + "bias"), cfg)
         k = norm(k, w[p + ctx.names["k_norm"] + "weight"], w.get(p + ctx.names["k_norm"] + "bias"), cfg)
     if rope is not None:
+        if local and (cfg.rotary_base_local or cfg.rope_linear_factor):  # Gemma 3: the local layers' own RoPE
+            rope = rope_frequencies(cfg, x.shape[1], x.device, local=True)
         q, k = apply_rope(q, *rope, cfg), apply_rope(k, *rope, cfg)
     if k.shape[1] != q.shape[1]:  # grouped queries: each group's k and v serve its heads
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    scores = (q @ k.transpose(-1, -2)) / math.sqrt(cfg.head_dim)
-    return ctx.row_out(causal_context(scores, v), w, p + ctx.names["attn_out"])
+    if cfg.query_pre_attn_scalar:  # Gemma: scores times query_pre_attn_scalar ** -0.5, as transformers does
+        scores = (q @ k.transpose(-1, -2)) * cfg.query_pre_attn_scalar ** -0.5
+    else:
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(cfg.head_dim)
+    context = causal_context(softcap(scores, cfg.attn_softcap), v, cfg.sliding_window if local else None)
+    return ctx.row_out(context, w, p + ctx.names["attn_out"])
 
 
 def mla_latents(x: torch.Tensor, w: Dict[str, torch.Tensor], p: str, cfg: GPTConfig, ctx) -> Dict[str, torch.Tensor]:
@@ -179,6 +209,8 @@ def mla_attention(x: torch.Tensor, w: Dict[str, torch.Tensor], p: str, cfg: GPTC
 def mlp_hidden(x: torch.Tensor, w: Dict[str, torch.Tensor], p: str, cfg: GPTConfig, ctx) -> torch.Tensor:
     """The MLP's intermediate features on this process: silu(gate) * up (SwiGLU), else activation(up)."""
     gate, up = ctx.fc1(x, w, p, cfg)
+    if cfg.activation == "geglu":  # Gemma: gelu_pytorch_tanh(gate) * up
+        return F.gelu(gate, approximate="tanh") * up
     return F.silu(gate) * up if cfg.gated else activation(up, cfg)
 
 
@@ -255,17 +287,30 @@ def embed(tokens: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig, ctx)
     outside = (local < 0) | (local >= rows)
     x = F.embedding(local.masked_fill(outside, 0), word)
     x = ctx.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
+    if cfg.embedding_scale:
+        x = scale_embedding(x, cfg)
     if cfg.position_embedding == "learned":
         x = x + w["embed.pos"][: tokens.shape[1]]
     return x
+
+
+def scale_embedding(x: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
+    """Gemma's embedding times sqrt(hidden_size), the factor first made an fp32 tensor and cast to the embedding's
+    dtype (transformers 5 Gemma2TextScaledWordEmbedding: embed_scale buffer .to(weight.dtype))."""
+    return x * torch.tensor(cfg.hidden_size ** 0.5, dtype=torch.float32).to(x.dtype)
 
 
 def attention_part(x: torch.Tensor, w: Dict[str, torch.Tensor], i: int, cfg: GPTConfig, rope, ctx):
     """Layer i up to its MLP: (the residual stream after attention, the MLP's normed input)."""
     p = f"layers.{i}."
     h = norm(x, w[p + "attn_norm.weight"], w.get(p + "attn_norm.bias"), cfg)
-    x = (h if cfg.post_layernorm_residual else x) + (mla_attention if cfg.mla is not None else attention)(
-        h, w, p, cfg, rope, ctx)
+    if cfg.mla is not None:
+        out = mla_attention(h, w, p, cfg, rope, ctx)
+    else:
+        out = attention(h, w, p, cfg, rope, ctx, cfg.is_local_layer(i))
+    if cfg.post_norms:  # Gemma: the attention output normed before the residual add
+        out = norm(out, w[p + ctx.names["attn_post_norm"]], None, cfg)
+    x = (h if cfg.post_layernorm_residual else x) + out
     return x, norm(x, w[p + "mlp_norm.weight"], w.get(p + "mlp_norm.bias"), cfg)
 
 
@@ -275,6 +320,8 @@ def block(x: torch.Tensor, w: Dict[str, torch.Tensor], i: int, cfg: GPTConfig, r
     x, h = attention_part(x, w, i, cfg, rope, ctx)
     p = f"layers.{i}." + ctx.names["mlp"]
     ffn = moe_mlp(h, w, p, cfg, ctx, experts) if cfg.is_moe_layer(i) else mlp(h, w, p, cfg, ctx)
+    if cfg.post_norms:  # Gemma: the MLP output normed before the residual add
+        ffn = norm(ffn, w[f"layers.{i}." + ctx.names["mlp_post_norm"]], None, cfg)
     return (h if cfg.post_layernorm_residual else x) + ffn
 
 
@@ -282,7 +329,7 @@ def head(x: torch.Tensor, w: Dict[str, torch.Tensor], cfg: GPTConfig, ctx) -> to
     """Final norm and the logits (vocab-parallel: gathered over TP), fp32."""
     x = norm(x, w["final_norm.weight"], w.get("final_norm.bias"), cfg)
     out_w = w["output.weight"] if "output.weight" in w else w["embed.word"]  # tied, one stage
-    return ctx.all_gather_last(F.linear(x, out_w)).float()
+    return softcap(ctx.all_gather_last(F.linear(x, out_w)).float(), cfg.final_softcap)
 
 
 # --- one process, the canonical tensors ----------------------------------------------------------
@@ -296,7 +343,8 @@ class OneProcess:
              "attn_out": "attn.out.", "q": "attn.q.weight", "q_down": "attn.q_down.weight",
              "q_down_norm": "attn.q_down_norm.weight", "q_up": "attn.q_up.weight", "kv_down": "attn.kv_down.weight",
              "kv_down_norm": "attn.kv_down_norm.weight", "kv_up": "attn.kv_up.weight", "mla_out": "attn.out.weight",
-             "mlp": "mlp.", "mlp_out": "down."}
+             "mlp": "mlp.", "mlp_out": "down.", "attn_post_norm": "attn_post_norm.weight",
+             "mlp_post_norm": "mlp_post_norm.weight"}
 
     @staticmethod
     def all_reduce(x: torch.Tensor) -> torch.Tensor:

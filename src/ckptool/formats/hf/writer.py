@@ -55,7 +55,7 @@ def _rotate_half_order(t: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 def _export_tensors(cfg: GPTConfig, tensors: Dict[str, LazyTensor], family: Family) -> Dict[str, LazyTensor]:
     out = dict(tensors)
-    if cfg.apply_layernorm_1p:  # zero-centred gamma: the norm computes (1 + w)
+    if cfg.apply_layernorm_1p and not family.zero_centred_norms:  # zero-centred gamma: the norm computes (1 + w)
         for k in list(out):
             if k.endswith("norm.weight"):
                 out[k] = Derived(lambda w: w + 1, [out[k]])

@@ -45,6 +45,10 @@ def _get(args, *names, default=None):
 def activation_from_args(args) -> str:
     if _get(args, "swiglu", default=False):
         return "swiglu"
+    if _get(args, "gated_linear_unit", default=False):  # Gemma: GeGLU (see GEMMA_ARGS)
+        require(_get(args, "openai_gelu", default=False), "a gated MLP with erf GeLU (gated_linear_unit without "
+                "openai_gelu or --swiglu)", "ckptool computes gated SiLU (--swiglu) and Gemma's gated tanh GeLU")
+        return "geglu"
     if _get(args, "squared_relu", default=False):
         return "squared_relu"
     if _get(args, "openai_gelu", default=False):
@@ -192,7 +196,73 @@ def config_from_args(args, stored_rows: int, extra: Optional[dict] = None) -> GP
         mla=mla, rope_yarn=yarn_from_args(args, mla),
         post_layernorm_residual=bool(_get(args, "apply_residual_connection_post_layernorm", default=False)),
         moe=moe_from_args(args, int(num_layers), int(_get(args, "ffn_hidden_size", default=4 * hidden))),
+        **gemma_from_args(args, int(num_layers)),
     )
+
+
+# --- Gemma 2 / 3 (issue 32) -----------------------------------------------------------------------------
+# How a run says Gemma's maths. megatron-core 0.16.1 has: layernorm_zero_centered_gamma (--apply-layernorm-1p: the
+# stored weight w applied as 1 + w), gated_linear_unit (with openai_gelu: tanh GeLU), softmax_scale (the scores'
+# scale), window_size (left, right) and window_attn_skip_freq (transformer/utils.py is_layer_window_attention:
+# an int N makes layer_number % N != 0 local, a list gives 1 for each local layer; its mask lets a query see the
+# `left` keys before it, so transformers' sliding_window W is window_size (W - 1, 0)). It has no embedding scaling,
+# no post norms, no soft-capping, no second RoPE base: Megatron-Bridge's Gemma providers (src/megatron/bridge/
+# models/gemma/gemma2_provider.py, gemma3_provider.py) add them as modules and keep query_pre_attn_scalar,
+# attn_logit_softcapping and final_logit_softcapping as provider fields, which ckptool writes under those names;
+# the rest under its own ckptool_* keys (docs/formats.md). GPTConfig field -> args key:
+GEMMA_ARGS = {"query_pre_attn_scalar": "query_pre_attn_scalar", "attn_softcap": "attn_logit_softcapping",
+              "final_softcap": "final_logit_softcapping", "embedding_scale": "ckptool_embedding_scale",
+              "post_norms": "ckptool_post_norms", "rotary_base_local": "ckptool_rotary_base_local",
+              "rope_linear_factor": "ckptool_rope_linear_factor"}
+
+
+def local_layers_from_args(window, skip_freq, num_layers: int) -> tuple:
+    """The 0-based local layers of megatron-core's window_attn_skip_freq (None: every layer)."""
+    if skip_freq is None:
+        return tuple(range(num_layers))
+    if isinstance(skip_freq, int):
+        return tuple(i for i in range(num_layers) if (i + 1) % skip_freq != 0)
+    flags = list(skip_freq)
+    require(len(flags) == num_layers, f"window_attn_skip_freq lists {len(flags)} layers, the model has {num_layers}")
+    return tuple(i for i, f in enumerate(flags) if f)
+
+
+def window_from_args(args, num_layers: int) -> Dict[str, Any]:
+    """sliding_window and local_layers from megatron-core's window_size / window_attn_skip_freq."""
+    window = _get(args, "window_size")
+    if not window or int(window[0]) < 0:  # none, or megatron-core's -1: an infinite window
+        return {}
+    require(int(window[1]) == 0, f"window_size {tuple(window)} lets a query see {window[1]} later tokens",
+            "ckptool computes causal sliding windows (window_size (left, 0)) only")
+    local = local_layers_from_args(window, _get(args, "window_attn_skip_freq"), num_layers)
+    return dict(sliding_window=int(window[0]) + 1, local_layers=local) if local else {}
+
+
+def gemma_from_args(args, num_layers: int) -> Dict[str, Any]:
+    """GPTConfig's Gemma fields from a run's args (GEMMA_ARGS); the query scalar from megatron-core's
+    softmax_scale when only that is given (softmax_scale = query_pre_attn_scalar ** -0.5; MLA's scale is its own,
+    mla_from_args / yarn_from_args)."""
+    out = {field: _get(args, key) for field, key in GEMMA_ARGS.items() if _get(args, key) is not None}
+    scale = _get(args, "softmax_scale")
+    if "query_pre_attn_scalar" not in out and scale is not None and not _get(args, "multi_latent_attention"):
+        scalar = 1.0 / float(scale) ** 2
+        out["query_pre_attn_scalar"] = float(round(scalar)) if math.isclose(scalar, round(scalar)) else scalar
+    out.update(window_from_args(args, num_layers))
+    return out
+
+
+def gemma_args(cfg: GPTConfig) -> Dict[str, Any]:
+    """The args of a run computing cfg's Gemma maths (the inverse of gemma_from_args), cleared for a model
+    without them (a source's window must not outlive a conversion that dropped it)."""
+    out: Dict[str, Any] = {key: getattr(cfg, field) or None for field, key in GEMMA_ARGS.items()}
+    out["softmax_scale"] = cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar else None
+    out["gated_linear_unit"] = cfg.activation == "geglu" or None
+    if cfg.sliding_window is None:
+        out.update(window_size=None, window_attn_skip_freq=None)
+    else:
+        out.update(window_size=(cfg.sliding_window - 1, 0),
+                   window_attn_skip_freq=[int(cfg.is_local_layer(i)) for i in range(cfg.num_layers)])
+    return out
 
 
 def mla_from_args(args) -> Optional[MLA]:
@@ -389,7 +459,6 @@ def moe_args(moe: Optional[MoE], num_layers: int, layout: Layout, grouped_gemm: 
 NOT_COMPUTED_ARGS = (
     ("rotary_seq_len_interpolation_factor", lambda v: v not in (None, 1), "--rotary-seq-len-interpolation-factor"),
     ("no_rope_freq", bool, "--no-rope-freq"),  # layers without rotary embedding
-    ("window_size", lambda v: v is not None, "--window-size"),  # sliding-window attention
     ("qk_l2_norm", bool, "--qk-l2-norm"),
 )
 
@@ -490,6 +559,7 @@ def args_for_target(source_args, cfg: GPTConfig, layout: Layout, padded_rows: in
     else:  # a dense run: the MoE flags the source's args carry (Megatron-LM stores them all) at their defaults
         updates.update({k: v for k, v in dense_moe_args(layout).items() if getattr(args, k, None) is not None})
     updates.update(mla_args(cfg.mla, cfg.rope_yarn))
+    updates.update({k: v for k, v in gemma_args(cfg).items() if v is not None or getattr(args, k, None) is not None})
     # the pipeline said one way, this layout's: the source's other ways of saying it go (Megatron-LM's
     # validate_args refuses args holding two ways of saying the virtual pipeline, and first / last stage sizes
     # the layout does not have would describe other files); uneven stages are set again below
@@ -508,6 +578,8 @@ def _written_ways(args, cfg: GPTConfig, layout: Layout, checkpoint_version: floa
     """The args that say a fact one of several ways (tanh GeLU, RoPE scaling, uneven stages, the pre-3.0
     model-parallel size) as the target says it, and the iteration."""
     updates: Dict[str, Any] = {}
+    if cfg.activation == "geglu":  # Gemma: gated_linear_unit (gemma_args) with the tanh GeLU
+        updates["openai_gelu"] = True
     if cfg.activation == "gelu_tanh":
         # Keep the source's way of asking for tanh GeLU; default to openai_gelu.
         if not (getattr(args, "bias_gelu_fusion", False) and cfg.add_bias_linear):

@@ -544,6 +544,9 @@ def _check_dialect_fits(d: Dialect, cfg: GPTConfig, layout: Layout) -> None:
                         "choose --dialect legacy-norm or mcore")
     if cfg.qk_layernorm and not d.name.startswith("mcore"):
         raise CkptError("qk_layernorm exists only in megatron-core models", "choose --dialect mcore")
+    if cfg.post_norms and not d.name.startswith("mcore"):
+        raise CkptError(f"Gemma's post-attention / post-MLP norms: the {d.name} dialect has no place for them",
+                        "choose --dialect mcore or mcore-te")
     if cfg.mla is not None and not d.name.startswith("mcore"):
         raise CkptError(f"Multi-Latent Attention: the {d.name} dialect predates MLA models",
                         "choose --dialect mcore or mcore-te")
