@@ -20,6 +20,7 @@ from ... import families
 from ...config import GPTConfig, Layout
 from ...errors import require
 from ...families.family import Family
+from ...families.mtp import layers_held as mtp_layers_held
 from ...io.safetensors_header import read_safetensors_header
 from ...io.torchfile import load_torch_file
 from ...lazy import Derived, LazyTensor
@@ -102,17 +103,21 @@ def to_canonical(entries: Dict[str, LazyTensor], conf: dict, model_type: str, op
         cfg = cfg.replace(activation=opts.overrides["activation"])
 
     entries = dequantize_fp8(entries, conf, path)
+    cfg = cfg.replace(mtp_num_layers=mtp_layers_held(entries, conf, family, cfg.num_layers))
     if family.fused_experts:
         entries = unfuse_experts(entries, family, cfg)
     tensors: Dict[str, LazyTensor] = {}
-    used = set()
-    for hf_name, (op, arg), _group in family.names.expand(cfg.num_layers, cfg.moe.num_experts if cfg.moe else 0):
+    used, copies = set(), []
+    for hf_name, (op, arg), _group in family.names.expand(cfg.num_layers, cfg.moe.num_experts if cfg.moe else 0,
+                                                          cfg.mtp_num_layers):
         if hf_name not in entries:
             continue
         t = entries[hf_name]
         used.add(hf_name)
         if op == "copy":
             tensors[arg] = t
+        elif op == "same":  # an MTP layer's copy of a main-model tensor: checked below, once that one is read
+            copies.append((hf_name, arg))
         elif op == "T":
             tensors[arg] = Derived(lambda x: x.t(), [t])
         else:
@@ -127,12 +132,15 @@ def to_canonical(entries: Dict[str, LazyTensor], conf: dict, model_type: str, op
             require(start == whole.shape[0], f"{hf_name} has {whole.shape[0]} rows, expected {start}")
     if cfg.tied_embeddings:
         tensors.pop("output.weight", None)
+    _check_copies(copies, entries, tensors, path)
     leftover = sorted(k for k in entries if k not in used and not k.endswith(IGNORED_SUFFIXES)
                       and not (cfg.tied_embeddings and k == "lm_head.weight"))
-    beyond = [k for k in leftover if _layer_index(k) is not None and _layer_index(k) >= cfg.num_layers]
+    beyond = [k for k in leftover if _layer_index(k) is not None and _layer_index(k) >= cfg.all_layers]
     require(not beyond, f"{path}: {', '.join(beyond[:3])} belong to layers past num_hidden_layers="
-            f"{cfg.num_layers}: multi-token-prediction (MTP) layers are not supported",
-            "ckptool never drops tensors; remove the MTP layers from the checkpoint first if you do not need them")
+            f"{cfg.num_layers}" + (f" and its {cfg.mtp_num_layers} MTP layers" if cfg.mtp_num_layers else "")
+            + ": multi-token-prediction (MTP) layers config.json does not declare"
+            + (f" ({family.mtp_key})" if family.mtp_key else f"; {family.architecture} has none in ckptool"),
+            "ckptool never drops tensors: set the number of MTP layers in config.json, or remove those layers")
     require(not leftover, f"{path}: tensors ckptool does not know how to map: {', '.join(leftover[:5])}",
             "this model has parts a Megatron GPT cannot hold" if cfg.moe is None else
             f"an expert index past num_experts={cfg.moe.num_experts}, or an expert module ckptool does not know")
@@ -144,6 +152,19 @@ def to_canonical(entries: Dict[str, LazyTensor], conf: dict, model_type: str, op
     require(not missing, f"{path}: missing weights for {', '.join(missing[:5])}",
             "the weight files do not match config.json")
     return cfg, {n: tensors[n] for n in want}
+
+
+def _check_copies(copies, entries: Dict[str, LazyTensor], tensors: Dict[str, LazyTensor], path) -> None:
+    """An MTP layer's copies of the embedding and the head (families/mtp.py) must equal the main model's: the
+    canonical state keeps one tensor, so a copy that differs would be lost. Read and compared here (two
+    vocabulary-sized reads per copy, once per conversion)."""
+    for hf_name, name in copies:
+        main = tensors.get(name) if name in tensors else tensors.get("embed.word")  # a tied head is the embedding
+        copy = entries[hf_name]
+        same = main is not None and tuple(main.shape) == tuple(copy.shape) and torch.equal(main.load(), copy.load())
+        require(same, f"{path}: {hf_name} differs from the main model's {name}: the MTP layer's own copy is not "
+                "the shared one", "ckptool keeps one embedding and one head (as megatron-core shares them); "
+                "a checkpoint whose MTP copies differ cannot be converted without losing one")
 
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -197,7 +218,7 @@ def unfuse_experts(entries: Dict[str, LazyTensor], family: Family, cfg: GPTConfi
     """transformers' fused 3-D expert tensors -> the per-expert Hub names (lazy; expert e reads only
     its own rows of a safetensors entry)."""
     out = dict(entries)
-    for i in cfg.moe.layers if cfg.moe else ():
+    for i in [i for i in range(cfg.all_layers) if cfg.is_moe_layer(i)]:  # the MTP layers' experts too
         p = family.names.layer_prefix.format(i=i)
         for suffix, (op, arg) in family.fused_experts.items():
             t = out.pop(p + suffix, None)
@@ -230,4 +251,8 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
         extra={"hf_config": conf}))
     for w in source_warnings(conf, family):
         ckpt.warn(w)
+    declared = conf.get(family.mtp_key) if family.mtp_key else None
+    if declared and not cfg.mtp_num_layers:
+        ckpt.warn(f"config.json says {family.mtp_key}={declared} but the weight files hold no MTP layer "
+                  "(transformers' save_pretrained leaves them out): read without MTP")
     return ckpt

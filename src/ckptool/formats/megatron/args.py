@@ -193,6 +193,7 @@ def config_from_args(args, stored_rows: int, extra: Optional[dict] = None) -> GP
         mla=mla, rope_yarn=yarn_from_args(args, mla),
         post_layernorm_residual=bool(_get(args, "apply_residual_connection_post_layernorm", default=False)),
         moe=moe_from_args(args, int(num_layers), int(_get(args, "ffn_hidden_size", default=4 * hidden))),
+        mtp_num_layers=int(_get(args, "mtp_num_layers", default=0) or 0),  # --mtp-num-layers (default None)
     )
 
 
@@ -491,6 +492,9 @@ def args_for_target(source_args, cfg: GPTConfig, layout: Layout, padded_rows: in
     else:  # a dense run: the MoE flags the source's args carry (Megatron-LM stores them all) at their defaults
         updates.update({k: v for k, v in dense_moe_args(layout).items() if getattr(args, k, None) is not None})
     updates.update(mla_args(cfg.mla, cfg.rope_yarn))
+    # --mtp-num-layers: None when the model has no MTP layers (Megatron-LM's default)
+    if cfg.mtp_num_layers or getattr(args, "mtp_num_layers", None) is not None:
+        updates["mtp_num_layers"] = cfg.mtp_num_layers or None
     # the pipeline said one way, this layout's: the source's other ways of saying it go (Megatron-LM's
     # validate_args refuses args holding two ways of saying the virtual pipeline, and first / last stage sizes
     # the layout does not have would describe other files); uneven stages are set again below
