@@ -98,3 +98,119 @@ def test_released_mtp_layer_is_read_and_written_back_bit_exact(released, tmp_pat
     assert torch.equal(layer.post_norm.weight, want[f"model.layers.{LAYERS}.shared_head.norm.weight"])
     assert torch.equal(layer.mtp_block.self_attn.kv_b_proj.weight,
                        want[f"model.layers.{LAYERS}.self_attn.kv_b_proj.weight"])
+
+
+MTP_HELPER = Path(__file__).with_name("mcore_mtp_helper.py")
+
+
+@pytest.fixture(scope="module")
+def mcore_runs(released, tmp_path_factory):
+    """ckptool's Megatron outputs of the released model (torch at EP 2 and at TP 2, torch_dist) and megatron-core's
+    runs on them (tests/mcore_mtp_helper.py, one torchrun launch of 2 processes): {name: (dir, what it saved)}."""
+    from conftest import run_torchrun
+    d = tmp_path_factory.mktemp("mtp_mcore")
+    cli("from-hf", released, d / "ep2", "--ep", 2)
+    cli("from-hf", released, d / "tp2", "--tp", 2)
+    cli("reshard", d / "ep2", d / "dist", "--ep", 1, "--format", "torch_dist")
+    jobs = {"ep2": "--ep 2", "tp2": "--tp 2", "dist": "--dist"}
+    res = run_torchrun(2, MTP_HELPER, *[f"{d / n} {more} --out {d / n}.pt" for n, more in jobs.items()], timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return {n: (d / n, torch.load(f"{d / n}.pt")) for n in jobs}
+
+
+@pytest.mark.parametrize("name", ["ep2", "tp2", "dist"])
+def test_megatron_core_loads_our_mtp_block_strictly(released, mcore_runs, name):
+    """megatron-core's GPTModel with --mtp-num-layers 1 (its MTP block over the last decoder layer's spec: MLA and
+    MoE) loads our Megatron torch output (EP 2, TP 2) and torch_dist with load_state_dict(strict=True); the rank
+    file lists the MTP block's parameters in megatron-core's order (after the decoder's final norm, before the
+    output layer: its optimizer's order); its main logits equal transformers' (MTP does not change them)."""
+    from mcore_dist_helper import TOKENS
+    path, saved = mcore_runs[name]
+    assert saved["mtp_layers"] == 1
+    assert any(p.startswith("mtp.layers.0.transformer_layer.mlp.experts.") for p in saved["params"])
+    if name != "dist":
+        rank = "mp_rank_00_000" if name == "ep2" else "mp_rank_00"
+        ours = torch.load(path / "iter_0000000" / rank / "model_optim_rng.pt", weights_only=False)
+        buffers = ("_extra_state", "router.expert_bias")  # module state that is no parameter
+        assert [k for k in ours["model"] if not k.endswith(buffers)] == saved["params"]
+        assert ours["args"].mtp_num_layers == 1
+    want = hf_logits(released, TOKENS)
+    got = saved["logits"][..., :want.shape[-1]]
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+    back = open_checkpoint(path)  # and ckptool reads the MTP layer back
+    assert back.config.mtp_num_layers == 1 and torch.equal(
+        back.tensors[f"layers.{LAYERS}.mtp.eh_proj.weight"].load(),
+        saved_tensors(released)[f"model.layers.{LAYERS}.eh_proj.weight"])
+
+
+def test_verify_runs_the_main_model_beside_the_mtp_layer(released, mcore_runs):
+    """verify computes the main model's logits (MTP does not change them) and does not trip on the MTP tensors:
+    one process, and under torchrun at the EP 2 layout (each rank its own experts, the MTP layer's too)."""
+    from conftest import run_torchrun
+    path = mcore_runs["ep2"][0]
+    assert "result=PASS" in cli("verify", path, "--reference", released)
+    res = run_torchrun(2, "-m", "ckptool", "verify", str(path), "--reference", str(released), timeout=600)
+    assert res.returncode == 0 and "result=PASS" in res.stdout, res.stdout[-2000:] + res.stderr[-2000:]
+
+
+def test_drop_mtp_writes_the_main_model_and_says_so(released, tmp_path):
+    """--drop-mtp: to-hf writes the main model only (num_nextn_predict_layers 0), every main tensor bit-exact,
+    the same logits, and says what it dropped."""
+    out = cli("to-hf", released, tmp_path / "hf", "--drop-mtp")
+    assert "--drop-mtp: dropped the 1 multi-token-prediction (MTP) layer(s) (layers 3..3" in out
+    want = {k: v for k, v in saved_tensors(released).items() if not k.startswith(f"model.layers.{LAYERS}.")}
+    got = saved_tensors(tmp_path / "hf")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    assert torch.equal(hf_logits(tmp_path / "hf"), hf_logits(released))
+
+
+@pytest.fixture(scope="module")
+def llama_mtp(tmp_path_factory):
+    """A Llama with an MTP layer in megatron-core's torch format (the layout test_megatron_core_loads_our_mtp_block_
+    strictly checks): a class Hugging Face has no MTP form for. Built in the canonical state: the tiny Llama's
+    tensors, its last layer's again as the MTP layer's decoder layer, and MTP norms and projection off init."""
+    from ckptool.config import Layout
+    from ckptool.convert import write_layout
+    from ckptool.lazy import Const
+    from ckptool.state import in_model_order
+    from ckptool.write_options import WriteOptions
+    d = tmp_path_factory.mktemp("llama_mtp")
+    torch.manual_seed(5)
+    model = randomise(transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, intermediate_size=64,
+                                                                             num_hidden_layers=2))).eval()
+    model.save_pretrained(d / "hf")
+    ckpt = open_checkpoint(d / "hf")
+    last, h = ckpt.config.num_layers - 1, ckpt.config.hidden_size
+    tensors = dict(ckpt.tensors)
+    tensors.update({n.replace(f"layers.{last}.", f"layers.{last + 1}.", 1): t for n, t in ckpt.tensors.items()
+                    if n.startswith(f"layers.{last}.")})
+    tensors.update({f"layers.{last + 1}.mtp.{n}.weight": Const(w) for n, w in (
+        ("enorm", torch.rand(h) + 0.5), ("hnorm", torch.rand(h) + 0.5), ("final_norm", torch.rand(h) + 0.5),
+        ("eh_proj", torch.randn(h, 2 * h) * 0.15))})
+    cfg = ckpt.config.replace(mtp_num_layers=1)
+    write_layout(ckpt.with_tensors(in_model_order(tensors, cfg), mtp_num_layers=1), d / "meg", Layout(1, 1),
+                 WriteOptions(format="torch", dialect="mcore"), warn=lambda m: None)
+    return d / "meg", model
+
+
+@pytest.mark.parametrize("command, says", [
+    (("to-hf",), ("multi-token-prediction (MTP) layers and LlamaForCausalLM has no place for them", "--drop-mtp")),
+    (("reshard", "--format", "ds-universal"), ("multi-token prediction (MTP): 1 MTP layer(s)", "ds-universal",
+                                               "--drop-mtp")),
+    (("reshard", "--dialect", "legacy-norm"), ("the legacy-norm dialect predates megatron-core's MTP block",)),
+    (("reshard", "--pp", "2"), ("MTP) layers at --pp 2", "write --pp 1")),
+])
+def test_targets_that_cannot_hold_mtp_refuse_it_by_name(llama_mtp, tmp_path, command, says):
+    """A target without a place for MTP layers refuses them in one line naming them (never drops them silently),
+    and writes nothing."""
+    _one_line_refusal(command[0], llama_mtp[0], tmp_path / "out", *command[1:], says=says)
+    assert not (tmp_path / "out").exists()
+
+
+def test_drop_mtp_exports_a_llama_without_its_mtp_layer(llama_mtp, tmp_path):
+    meg, model = llama_mtp
+    out = cli("to-hf", meg, tmp_path / "hf", "--drop-mtp")
+    assert "dropped the 1 multi-token-prediction (MTP) layer(s) (layers 2..2, 4 tensors" not in out  # 13 with its layer
+    assert "--drop-mtp: dropped the 1 multi-token-prediction (MTP) layer(s) (layers 2..2" in out
+    assert torch.equal(hf_logits(tmp_path / "hf"), hf_logits(model))

@@ -25,7 +25,7 @@ from .formats import registry
 from .integrity import verify_files
 from .layout_request import LayoutRequest, check_sizes
 from .options import ReadOptions, pop_read_options
-from .state import Checkpoint
+from .state import Checkpoint, without_mtp
 from .summary import WriteSummary
 from .verify.request import Request, check_request
 from .write_options import (DTYPE_NAMES, PAD_FILLS, WriteOptions, build_write_options,  # noqa: F401 (PAD_FILLS: the CLI's)
@@ -135,7 +135,8 @@ def merge(src, dst, *, format: Optional[str] = None, dialect: Optional[str] = No
           pad_fill: str = "zero", optimizer: bool = True, distributed_optimizer: bool = False,
           dp: Optional[int] = None, overlap_grad_reduce: Optional[bool] = None, ddp_bucket_size: Optional[int] = None,
           distrib_optim_era: Optional[str] = None, force: bool = False, progress: Optional[Progress] = None,
-          warn: Optional[Warn] = None, moe_grouped_gemm: Optional[bool] = None, **read_options) -> ConversionResult:
+          warn: Optional[Warn] = None, moe_grouped_gemm: Optional[bool] = None, drop_mtp: bool = False,
+          **read_options) -> ConversionResult:
     """Merge a model-parallel checkpoint into one rank (TP1 PP1), as `ckptool merge SRC DST`.
 
     format: "torch" or "torch_dist" (default: the source's); dialect: Megatron key names to write
@@ -159,7 +160,7 @@ def merge(src, dst, *, format: Optional[str] = None, dialect: Optional[str] = No
         format=format, dialect=dialect, release=release, dtype=dtype, pad_fill=pad_fill, optimizer=optimizer,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by, distributed_optimizer=distributed_optimizer,
         dp=dp, overlap_grad_reduce=overlap_grad_reduce, ddp_bucket_size=ddp_bucket_size,
-        distrib_optim_era=distrib_optim_era, moe_grouped_gemm=moe_grouped_gemm)
+        distrib_optim_era=distrib_optim_era, moe_grouped_gemm=moe_grouped_gemm, drop_mtp=drop_mtp)
     return _layout_conversion("merge", src, dst, lambda ckpt: (Layout(1, 1), None), opts, force, progress, warn,
                               read_options)
 
@@ -215,7 +216,7 @@ def reshard(src, dst, *, tp: Optional[int] = None, pp: Optional[int] = None, vpp
             distributed_optimizer: bool = False, dp: Optional[int] = None, overlap_grad_reduce: Optional[bool] = None,
             ddp_bucket_size: Optional[int] = None, distrib_optim_era: Optional[str] = None, force: bool = False,
             progress: Optional[Progress] = None, warn: Optional[Warn] = None,
-            moe_grouped_gemm: Optional[bool] = None, **read_options) -> ConversionResult:
+            moe_grouped_gemm: Optional[bool] = None, drop_mtp: bool = False, **read_options) -> ConversionResult:
     """Rewrite any checkpoint ckptool reads at Megatron's layout for tp / pp (/ vpp), as
     `ckptool reshard SRC DST --tp N`. pp_layers: layers per pipeline stage ("3,5" or [3, 5]) for an
     uneven split; vpp 1 means no virtual pipeline; ep: expert-parallel ranks of an MoE model's
@@ -230,7 +231,7 @@ def reshard(src, dst, *, tp: Optional[int] = None, pp: Optional[int] = None, vpp
         format=format, dialect=dialect, release=release, dtype=dtype, pad_fill=pad_fill, optimizer=optimizer,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by, distributed_optimizer=distributed_optimizer,
         dp=dp, overlap_grad_reduce=overlap_grad_reduce, ddp_bucket_size=ddp_bucket_size,
-        distrib_optim_era=distrib_optim_era, moe_grouped_gemm=moe_grouped_gemm)
+        distrib_optim_era=distrib_optim_era, moe_grouped_gemm=moe_grouped_gemm, drop_mtp=drop_mtp)
 
     def target(ckpt: Optional[Checkpoint]):  # a source without a canonical form has one data-parallel rank
         if ckpt is None:
@@ -245,7 +246,7 @@ def fix_vocab(src, dst, *, size: Optional[int] = None, multiple: Optional[int] =
               release: Optional[bool] = None, dtype=None, pad_fill: str = "zero", optimizer: bool = True,
               distributed_optimizer: bool = False, dp: Optional[int] = None, overlap_grad_reduce: Optional[bool] = None,
               ddp_bucket_size: Optional[int] = None, distrib_optim_era: Optional[str] = None, force: bool = False,
-              progress: Optional[Progress] = None, warn: Optional[Warn] = None,
+              progress: Optional[Progress] = None, warn: Optional[Warn] = None, drop_mtp: bool = False,
               **read_options) -> ConversionResult:
     """Pad or trim the word embedding (and an untied output layer) to exactly `size` rows, or to the
     true vocabulary rounded up to a `multiple`, keeping the source's layout, as `ckptool fix-vocab`.
@@ -268,7 +269,7 @@ def fix_vocab(src, dst, *, size: Optional[int] = None, multiple: Optional[int] =
     opts = build_write_options(
         format=format, dialect=dialect, release=release, dtype=dtype, pad_fill=pad_fill, optimizer=optimizer,
         distributed_optimizer=distributed_optimizer, dp=dp, overlap_grad_reduce=overlap_grad_reduce,
-        ddp_bucket_size=ddp_bucket_size, distrib_optim_era=distrib_optim_era)
+        ddp_bucket_size=ddp_bucket_size, distrib_optim_era=distrib_optim_era, drop_mtp=drop_mtp)
     return _write_megatron_family("fix-vocab", src, dst, fixed, layout, opts, force, progress, warn)
 
 
@@ -301,7 +302,7 @@ def _write_megatron_family(command, src, dst, ckpt: Checkpoint, layout: Layout, 
 # --- Hugging Face ---------------------------------------------------------------------------------
 def to_hf(src, dst, *, dtype=None, max_shard_size: str = "5GB", tokenizer: Optional[str] = None,
           force: bool = False, progress: Optional[Progress] = None, warn: Optional[Warn] = None,
-          **read_options) -> ConversionResult:
+          drop_mtp: bool = False, **read_options) -> ConversionResult:
     """Export any checkpoint ckptool reads as a Hugging Face model directory, as `ckptool to-hf`.
 
     GPT-2 style models become GPT2LMHeadModel, Llama style ones LlamaForCausalLM (Qwen2ForCausalLM when
@@ -311,13 +312,14 @@ def to_hf(src, dst, *, dtype=None, max_shard_size: str = "5GB", tokenizer: Optio
     tokenizer: a directory whose tokenizer files are copied into dst. read_options as for open()."""
     from .distributed import current_team
     from .formats.registry import BY_NAME, open_checkpoint
-    opts = build_write_options(dtype=dtype, max_shard_size=max_shard_size, tokenizer=tokenizer)
+    opts = build_write_options(dtype=dtype, max_shard_size=max_shard_size, tokenizer=tokenizer, drop_mtp=drop_mtp)
     try:
         ckpt = open_checkpoint(src, _parse_read_options(**read_options))
     except NoCanonicalForm as source:  # no GPT state, but the reader can export what it opened
         return _export_to_hf(source, src, dst, with_torch_dtype(opts).dtype, max_shard_size, tokenizer, force,
                              progress)
     refuse_unwritable(ckpt, BY_NAME["hf"], opts)
+    ckpt = without_mtp(ckpt, warn or print) if opts.drop_mtp else ckpt
     opts = with_torch_dtype(opts)
     from .convert import write_output  # imports torch: after the source was found (see DTYPES)
     write_hf = BY_NAME["hf"].write
@@ -357,7 +359,8 @@ def from_hf(src, dst, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep
             pp_layers: Union[str, Sequence[int], None] = None, dialect: str = "mcore", dtype=None,
             make_vocab_size_divisible_by: Optional[int] = None, pad_fill: str = "zero", force: bool = False,
             true_vocab_size: Optional[int] = None, progress: Optional[Progress] = None,
-            warn: Optional[Warn] = None, moe_grouped_gemm: Optional[bool] = None) -> ConversionResult:
+            warn: Optional[Warn] = None, moe_grouped_gemm: Optional[bool] = None,
+            drop_mtp: bool = False) -> ConversionResult:
     """Convert a Hugging Face GPT-2 / Llama / Mistral / Qwen2 / Qwen3 directory into a Megatron torch-format
     checkpoint at tp / pp (/ vpp, pp_layers; ep and etp for MoE models), as `ckptool from-hf`. The vocabulary is padded for tp
     as Megatron pads it (make_vocab_size_divisible_by, default 128); true_vocab_size overrides
@@ -376,7 +379,7 @@ def from_hf(src, dst, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep
     ckpt = fmt.read(src, ReadOptions(true_vocab_size=true_vocab_size))
     opts = build_write_options(format="torch", dialect=dialect, dtype=dtype, pad_fill=pad_fill,
                                make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                               moe_grouped_gemm=moe_grouped_gemm)
+                               moe_grouped_gemm=moe_grouped_gemm, drop_mtp=drop_mtp)
     return _write_megatron_family("from-hf", src, dst, ckpt, layout, opts, force, progress, warn)
 
 

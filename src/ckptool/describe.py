@@ -54,6 +54,7 @@ def describe(ckpt: Checkpoint) -> dict:
             "moe": _moe(cfg.moe),
             "mla": dataclasses.asdict(cfg.mla) if cfg.mla is not None else None,
             "rope_yarn": dataclasses.asdict(cfg.rope_yarn) if cfg.rope_yarn is not None else None,
+            "mtp_num_layers": cfg.mtp_num_layers,  # multi-token prediction: layers num_layers .. after the decoder's
         },
         "vocab_size_source": cfg.vocab_size_source,
         "total_bytes": ckpt.total_bytes,

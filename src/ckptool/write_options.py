@@ -43,6 +43,7 @@ class WriteOptions:
     moe_grouped_gemm: Optional[bool] = None  # experts as the dialect's grouped module (None: as the source)
     max_shard_size: str = "5GB"  # Hugging Face: the largest safetensors file
     tokenizer: Optional[str] = None  # Hugging Face: a directory whose tokenizer files are copied
+    drop_mtp: bool = False  # write the main model without its multi-token-prediction layers (state.without_mtp)
 
     def given(self) -> FrozenSet[str]:
         """The options not at their default: what the user asked for (the table check refuses those the
@@ -73,6 +74,7 @@ OPTION_WORDS = {
     "moe_grouped_gemm": ("--moe-grouped-gemm", "chooses the experts' module in Megatron's torch format"),
     "max_shard_size": ("--max-shard-size", "sizes the safetensors files"),
     "tokenizer": ("--tokenizer", "copies tokenizer files"),
+    "drop_mtp": ("--drop-mtp", "drops the multi-token-prediction layers"),
 }
 NEGATABLE = ("release", "optimizer", "overlap_grad_reduce", "moe_grouped_gemm")
 
@@ -142,12 +144,22 @@ def _moe_words(ckpt: Checkpoint, fmt: str) -> str:
             f"{ckpt.config.num_layers} layers): Megatron {fmt} output of MoE models is not supported yet")
 
 
+def _mtp_words(ckpt: Checkpoint, fmt: str) -> str:
+    n = ckpt.config.mtp_num_layers
+    return (f"multi-token prediction (MTP): {n} MTP layer(s) after the {ckpt.config.num_layers} decoder layers, which "
+            f"{fmt} output cannot hold")
+
+
 REFUSED_CONTENTS: Dict[str, Tuple[Callable[[Checkpoint], bool], Callable[[Checkpoint, str], str], str]] = {
     "mla": (lambda ckpt: ckpt.config.mla is not None,
             lambda ckpt, fmt: f"Multi-Latent Attention: Megatron {fmt} output of MLA models is not supported yet",
             "use to-hf for DeepSeek-style models, or --format torch / torch_dist"),
     "moe": (lambda ckpt: ckpt.config.moe is not None, _moe_words,
             "write --format torch (expert parallelism with --ep), or use to-hf"),
+    # given --drop-mtp, the writers are handed the model without them (state.without_mtp), never silently
+    "mtp": (lambda ckpt: ckpt.config.mtp_num_layers > 0, _mtp_words,
+            "give --drop-mtp to write the main model without them (its logits do not depend on them), or write "
+            "--format torch / torch_dist"),
 }
 
 
@@ -156,7 +168,7 @@ def refuse_unwritable(ckpt: Checkpoint, target: Format, opts: WriteOptions) -> N
     (MoE layers, MLA) the target cannot hold, or an option the user gave (not at its default) that its
     writer does not honour, is refused by name (CkptError) with what to do instead."""
     for content, (held, words, hint) in REFUSED_CONTENTS.items():
-        if content not in target.holds and held(ckpt):
+        if content not in target.holds and held(ckpt) and not (content == "mtp" and opts.drop_mtp):
             raise CkptError(words(ckpt, target.output or target.name), hint)
     refuse_unhonoured(target, opts)
 

@@ -6,7 +6,7 @@ import click
 from .. import api
 from ..formats.megatron.names import DIALECTS
 from ..api import DTYPES
-from .common import (LiveWarnings, Progress, conversion_line, human_bytes, report_conversion,
+from .common import (DROP_MTP, LiveWarnings, Progress, conversion_line, human_bytes, report_conversion,
                      reports_errors, source_options)
 
 
@@ -20,6 +20,7 @@ from .common import (LiveWarnings, Progress, conversion_line, human_bytes, repor
 @click.option("--tokenizer", type=click.Path(), default=None,
               help="Copy the tokenizer files of this directory into DST.")
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
+@DROP_MTP
 @source_options
 @reports_errors
 def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, force, **kw):
@@ -80,6 +81,7 @@ def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, force, **kw):
 @click.option("--pad-fill", type=click.Choice(api.PAD_FILLS), default="zero", show_default=True,
               help="How vocabulary padding rows are filled.")
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
+@DROP_MTP
 @click.option("--true-vocab-size", type=int, default=None,
               help="Override config.json's vocab_size (written into the output's args).")
 @reports_errors
