@@ -28,7 +28,8 @@ SRC = ROOT / "fixtures" / "real" / "mlm_mcore_gpt2_torch_tp2pp2" / "checkpoint" 
 GIVEN = {"format": "torch_dist", "dialect": "mcore", "release": True, "dtype": torch.bfloat16, "divisible_by": 64,
          "pad_fill": "mean", "iteration": 7, "checkpoint_version": 2.0, "optimizer": False,
          "distributed_optimizer": True, "dp": 2, "overlap_grad_reduce": True, "ddp_bucket_size": 1000,
-         "distrib_optim_era": "2024-02", "moe_grouped_gemm": True, "max_shard_size": "1GB", "tokenizer": "tok"}
+         "distrib_optim_era": "2024-02", "moe_grouped_gemm": True, "max_shard_size": "1GB", "tokenizer": "tok",
+         "drop_mtp": True}
 WRITERS = [f for f in registry.FORMATS if f.writes]
 
 
@@ -95,7 +96,8 @@ def test_each_option_a_format_does_not_honour_is_refused_by_name_before_writing(
 def _holding(content: str):
     moe = SimpleNamespace(num_experts=4, top_k=2, layers=[0, 1]) if content == "moe" else None
     mla = SimpleNamespace() if content == "mla" else None
-    return SimpleNamespace(config=SimpleNamespace(moe=moe, mla=mla, num_layers=2))
+    return SimpleNamespace(config=SimpleNamespace(moe=moe, mla=mla, num_layers=2,
+                                                  mtp_num_layers=1 if content == "mtp" else 0))
 
 
 @pytest.mark.parametrize("fmt", WRITERS, ids=lambda f: f.name)
@@ -104,9 +106,10 @@ def test_each_content_a_format_cannot_hold_is_refused_by_name(fmt):
         if content in fmt.holds:
             refuse_unwritable(_holding(content), fmt, WriteOptions())
             continue
-        with pytest.raises(CkptError, match="MoE layers|Multi-Latent Attention") as e:
+        with pytest.raises(CkptError, match="MoE layers|Multi-Latent Attention|multi-token prediction") as e:
             refuse_unwritable(_holding(content), fmt, WriteOptions())
-        assert (fmt.output or fmt.name) in str(e.value) and "not supported" in str(e.value)
+        assert (fmt.output or fmt.name) in str(e.value)
+        assert "not supported" in str(e.value) or "cannot hold" in str(e.value)
 
 
 def test_options_the_target_ignored_are_refused_on_the_command_line(tmp_path):

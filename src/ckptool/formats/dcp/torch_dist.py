@@ -125,7 +125,7 @@ PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # --- multi-token prediction (MTP): megatron-core's MTP block, each MTP layer under its own keys (no layer axis:
 # MultiTokenPredictionBlock.sharded_state_dict gives its layers no layer offset), its decoder layer's keys as a
 # per-layer decoder layer's under MTP_PREFIX + GPT.mtp.inner, its experts [E, out, in] (megatron-core 0.16.1)
-MTP_LAYER = re.compile("^" + re.escape(GPT.mtp_prefix(DIST)).replace(r"\{i\}", r"(\d+)") + "(.+)$")
+MTP_LAYER = re.compile("(?:^|[.])" + re.escape(GPT.mtp_prefix(DIST)).replace(r"\{i\}", r"(\d+)") + "(.+)$")
 MTP_WRITE_NAMES = GPT.keys("mtp", DIST)
 MTP_KEYS = {v: k for k, v in MTP_WRITE_NAMES.items()}
 STACKED = re.compile(r"^decoder\.layers\.(.+)$")
@@ -243,6 +243,16 @@ def _add_mtp(shards, dcp: DcpDir, key: str, k: int, rest: str, table: Dict[str, 
         _add_experts(shards, dcp, key, EXPERT_KEYS[rest[len(inner):]], [mtp_local(k)], stacked=False)
         return True
     return False
+
+
+def _check_mtp_declared(shards, cfg: GPTConfig, dcp: DcpDir, cfg_src: str) -> None:
+    """The MTP layers stored are the ones the config declares (--mtp-num-layers), refused by name otherwise."""
+    held = len({layer for _, layer in shards if layer is not None and layer >= cfg.num_layers})
+    if held != cfg.mtp_num_layers:
+        example = next((k for k in dcp.tensor_keys() if MTP_LAYER.search(k)), "no mtp.layers.* key")
+        raise CkptError(f"multi-token-prediction (MTP) layers: {cfg_src} declare {cfg.mtp_num_layers} "
+                        f"(--mtp-num-layers), the checkpoint holds {held} (e.g. {example})",
+                        "the args do not describe the checkpoint; convert the one its run saved")
 
 
 def place_mtp_layers(shards, num_layers: int):
@@ -381,6 +391,7 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
             f"the true vocabulary ({cfg.vocab_size}) exceeds the {stored_rows} embedding rows stored")
     require(cfg.num_layers == num_layers, f"{cfg_src} say {cfg.num_layers} layers but the checkpoint holds "
             f"{num_layers}", "the checkpoint is incomplete or its args are wrong")
+    _check_mtp_declared(shards, cfg, dcp, cfg_src)
     if cfg.tied_embeddings:
         shards.pop(("output", None), None)  # a tied model's synchronised head copy
     policy = ReplicaPolicy(opts.replicas, warnings.append)

@@ -160,11 +160,27 @@ def _name_keys(models, src: _RankFiles) -> Tuple[Dialect, KeyMatcher, set, float
         if refused:
             raise CkptError(f"{src.it_dir}: {refused[0]}: {sum(1 for k in unknown if refused_module(k) == refused)} "
                             f"keys such as {key}", refused[1])
+    _check_mtp_declared(all_keys, matcher, src)
     if unknown:
         raise CkptError(f"{len(unknown)} keys are not part of a {dialect.name} GPT model "
                         f"(e.g. {', '.join(unknown[:3])})",
                         "ckptool converts GPT models; other architectures are not supported")
     return dialect, matcher, all_keys, version
+
+
+def _check_mtp_declared(all_keys, matcher: KeyMatcher, src: "_RankFiles") -> None:
+    """The MTP layers the keys hold are the ones the args declare (--mtp-num-layers): a model is read as its args
+    describe it, so MTP keys the args do not declare (or declared layers without keys) are refused by name."""
+    keys = sorted(k for k in all_keys if (hit := matcher.match(k)) is not None and hit[1] is not None and hit[1] < 0)
+    held = len({matcher.match(k)[1] for k in keys})
+    declared = int(getattr(src.args, "mtp_num_layers", None) or 0)
+    if held and not declared:
+        raise CkptError(f"{src.it_dir}: multi-token prediction (MTP) layers (--mtp-num-layers): {len(keys)} keys such "
+                        f"as {keys[0]}, but the args declare no --mtp-num-layers",
+                        "the args do not describe the files; convert the checkpoint its run saved")
+    require(held == declared, f"{src.it_dir}: the args say --mtp-num-layers {declared} but the files hold {held} "
+            "multi-token prediction (MTP) layers (mtp.layers.*)", "copy the complete checkpoint (MTP layers sit on "
+            "the last pipeline stage)")
 
 
 def _layer_offsets(models, matcher: KeyMatcher, pp: int):
