@@ -31,7 +31,7 @@ from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec  # noqa: E402
 from megatron.core.transformer.transformer_config import MLATransformerConfig  # noqa: E402
 
-from mcore_dist_helper import logits  # noqa: E402  (CPU shims: explicit causal mask, TP gather)
+from mcore_dist_helper import logits, run_jobs  # noqa: E402  (CPU shims: causal mask, TP gather; the job loop)
 from mcore_mla_helper import ROPE_FIELDS, HeadDimsAttention  # noqa: E402  (also: no-TE linear classes for MLA)
 
 # megatron-core 0.16's router linear tests `te_general_gemm is not None`; without Transformer Engine the name is
@@ -103,11 +103,7 @@ def main():
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--dist", action="store_true")
     ap.add_argument("--out", required=True)
-    jobs = [ap.parse_args(job.split()) for job in sys.argv[1:]]
-    dist.init_process_group("gloo")
-    for job in jobs:
-        run_job(job)
-    dist.destroy_process_group()
+    run_jobs(ap, run_job)
 
 
 if __name__ == "__main__":

@@ -41,3 +41,12 @@ def layers_held(entries, conf: dict, family, num_layers: int) -> int:
     declared = (conf.get(family.mtp_key) or 0) if family.mtp_key else 0
     first_own = family.names.layer_prefix.format(i=num_layers) + next(iter(family.names.mtp), "")
     return declared if declared and first_own in entries else 0
+
+
+def unheld_warning(conf: dict, family, held: int):
+    """The reader's warning when config.json declares MTP layers the files do not hold (None otherwise)."""
+    declared = conf.get(family.mtp_key) if family.mtp_key else None
+    if declared and not held:
+        return (f"config.json says {family.mtp_key}={declared} but the weight files hold no MTP layer "
+                "(transformers' save_pretrained leaves them out): read without MTP")
+    return None

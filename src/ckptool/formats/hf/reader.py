@@ -20,7 +20,7 @@ from ... import families
 from ...config import GPTConfig, Layout
 from ...errors import require
 from ...families.family import Family
-from ...families.mtp import layers_held as mtp_layers_held
+from ...families.mtp import layers_held as mtp_layers_held, unheld_warning as mtp_unheld_warning
 from ...io.safetensors_header import read_safetensors_header
 from ...io.torchfile import load_torch_file
 from ...lazy import Derived, LazyTensor
@@ -106,6 +106,34 @@ def to_canonical(entries: Dict[str, LazyTensor], conf: dict, model_type: str, op
     cfg = cfg.replace(mtp_num_layers=mtp_layers_held(entries, conf, family, cfg.num_layers))
     if family.fused_experts:
         entries = unfuse_experts(entries, family, cfg)
+    tensors, used, copies = _apply_names(entries, family, cfg)
+    if cfg.tied_embeddings:
+        tensors.pop("output.weight", None)
+    _check_copies(copies, entries, tensors, path)
+    leftover = sorted(k for k in entries if k not in used and not k.endswith(IGNORED_SUFFIXES)
+                      and not (cfg.tied_embeddings and k == "lm_head.weight"))
+    beyond = [k for k in leftover if _layer_index(k) is not None and _layer_index(k) >= cfg.all_layers]
+    require(not beyond, f"{path}: {', '.join(beyond[:3])} belong to layers past num_hidden_layers="
+            f"{cfg.num_layers}" + (f" and its {cfg.mtp_num_layers} MTP layers" if cfg.mtp_num_layers else "")
+            + ": multi-token-prediction (MTP) layers config.json does not declare"
+            + (f" ({family.mtp_key})" if family.mtp_key else f"; {family.architecture} has none in ckptool"),
+            "ckptool never drops tensors: set the number of MTP layers in config.json, or remove those layers")
+    require(not leftover, f"{path}: tensors ckptool does not know how to map: {', '.join(leftover[:5])}",
+            "this model has parts a Megatron GPT cannot hold" if cfg.moe is None else
+            f"an expert index past num_experts={cfg.moe.num_experts}, or an expert module ckptool does not know")
+    want = expected_names(cfg)
+    unexpected = [n for n in tensors if n not in set(want)]
+    require(not unexpected, f"{path}: the files hold {', '.join(unexpected[:3])}, which the model config.json "
+            "describes does not have", "ckptool never drops tensors; check config.json against the weights")
+    missing = [n for n in want if n not in tensors]
+    require(not missing, f"{path}: missing weights for {', '.join(missing[:5])}",
+            "the weight files do not match config.json")
+    return cfg, {n: tensors[n] for n in want}
+
+
+def _apply_names(entries: Dict[str, LazyTensor], family: Family, cfg: GPTConfig):
+    """(canonical tensors, the HF names used, the MTP layers' copies of main-model tensors to check) by the family's
+    name table applied backwards."""
     tensors: Dict[str, LazyTensor] = {}
     used, copies = set(), []
     for hf_name, (op, arg), _group in family.names.expand(cfg.num_layers, cfg.moe.num_experts if cfg.moe else 0,
@@ -130,28 +158,7 @@ def to_canonical(entries: Dict[str, LazyTensor], conf: dict, model_type: str, op
                 tensors[name] = whole.narrow(0, start, n)
                 start += n
             require(start == whole.shape[0], f"{hf_name} has {whole.shape[0]} rows, expected {start}")
-    if cfg.tied_embeddings:
-        tensors.pop("output.weight", None)
-    _check_copies(copies, entries, tensors, path)
-    leftover = sorted(k for k in entries if k not in used and not k.endswith(IGNORED_SUFFIXES)
-                      and not (cfg.tied_embeddings and k == "lm_head.weight"))
-    beyond = [k for k in leftover if _layer_index(k) is not None and _layer_index(k) >= cfg.all_layers]
-    require(not beyond, f"{path}: {', '.join(beyond[:3])} belong to layers past num_hidden_layers="
-            f"{cfg.num_layers}" + (f" and its {cfg.mtp_num_layers} MTP layers" if cfg.mtp_num_layers else "")
-            + ": multi-token-prediction (MTP) layers config.json does not declare"
-            + (f" ({family.mtp_key})" if family.mtp_key else f"; {family.architecture} has none in ckptool"),
-            "ckptool never drops tensors: set the number of MTP layers in config.json, or remove those layers")
-    require(not leftover, f"{path}: tensors ckptool does not know how to map: {', '.join(leftover[:5])}",
-            "this model has parts a Megatron GPT cannot hold" if cfg.moe is None else
-            f"an expert index past num_experts={cfg.moe.num_experts}, or an expert module ckptool does not know")
-    want = expected_names(cfg)
-    unexpected = [n for n in tensors if n not in set(want)]
-    require(not unexpected, f"{path}: the files hold {', '.join(unexpected[:3])}, which the model config.json "
-            "describes does not have", "ckptool never drops tensors; check config.json against the weights")
-    missing = [n for n in want if n not in tensors]
-    require(not missing, f"{path}: missing weights for {', '.join(missing[:5])}",
-            "the weight files do not match config.json")
-    return cfg, {n: tensors[n] for n in want}
+    return tensors, used, copies
 
 
 def _check_copies(copies, entries: Dict[str, LazyTensor], tensors: Dict[str, LazyTensor], path) -> None:
@@ -251,8 +258,7 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
         extra={"hf_config": conf}))
     for w in source_warnings(conf, family):
         ckpt.warn(w)
-    declared = conf.get(family.mtp_key) if family.mtp_key else None
-    if declared and not cfg.mtp_num_layers:
-        ckpt.warn(f"config.json says {family.mtp_key}={declared} but the weight files hold no MTP layer "
-                  "(transformers' save_pretrained leaves them out): read without MTP")
+    unheld = mtp_unheld_warning(conf, family, cfg.mtp_num_layers)
+    if unheld:
+        ckpt.warn(unheld)
     return ckpt

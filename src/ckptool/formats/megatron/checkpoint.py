@@ -921,7 +921,7 @@ class _RankFile:
     def mtp_entries(self, flat: Dict[str, object], v: int, g: int, prefix: str) -> None:
         """MTP layer g (megatron-core's MultiTokenPredictionLayer) under prefix: its enorm, hnorm and eh_proj, its
         decoder layer (under the dialect's mtp_inner), its final norm, in the order the module registers them."""
-        plan, d, tensors, train, cfg_out = self.plan, self.plan.d, self.plan.tensors, self.plan.train, self.plan.cfg_out
+        d, tensors, train, cfg_out = self.plan.d, self.plan.tensors, self.plan.train, self.plan.cfg_out
         spec = tables_for(cfg_out).spec
         linear = spec.with_trait("linear")
 
