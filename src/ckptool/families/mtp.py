@@ -36,17 +36,10 @@ NEXTN_KEY = "num_nextn_predict_layers"
 
 def layers_held(entries, conf: dict, family, num_layers: int) -> int:
     """The MTP layers a Hugging Face checkpoint holds: config.json's count (the family's mtp_key) when the first
-    one's own tensors are among the entries; 0 when they are not (transformers' save_pretrained leaves MTP layers
-    out). Shared by the reader and the quick inspect (torch-free)."""
+    one's own tensors are among the entries; 0 when they are not: transformers' save_pretrained leaves MTP layers out
+    while its config keeps num_nextn_predict_layers (default 1), so such a model has nothing to carry and is read
+    without MTP, silently (to-hf then writes 0). Shared by the reader and the quick inspect (torch-free)."""
     declared = (conf.get(family.mtp_key) or 0) if family.mtp_key else 0
     first_own = family.names.layer_prefix.format(i=num_layers) + next(iter(family.names.mtp), "")
     return declared if declared and first_own in entries else 0
 
-
-def unheld_warning(conf: dict, family, held: int):
-    """The reader's warning when config.json declares MTP layers the files do not hold (None otherwise)."""
-    declared = conf.get(family.mtp_key) if family.mtp_key else None
-    if declared and not held:
-        return (f"config.json says {family.mtp_key}={declared} but the weight files hold no MTP layer "
-                "(transformers' save_pretrained leaves them out): read without MTP")
-    return None

@@ -14,7 +14,7 @@ from typing import Dict, Optional
 from ...config import Layout
 from ...errors import CkptError
 from ...families.family import Family, canonical_names
-from ...families.mtp import layers_held as mtp_layers_held, unheld_warning as mtp_unheld_warning
+from ...families.mtp import layers_held as mtp_layers_held
 from . import config as hf_config
 from ...io.safetensors_header import read_safetensors_header
 from ...state import Checkpoint, SourceInfo, expected_names
@@ -50,9 +50,8 @@ def _checkpoint(path: Path, format_name: str) -> Optional[Checkpoint]:
         return None
     ckpt = Checkpoint(cfg, tensors, SourceInfo(path=str(path), format=format_name, dialect=family.model_type,
                                                layout=Layout(1, 1), extra={"hf_config": conf}))
-    for w in hf_config.source_warnings(conf, family) + [mtp_unheld_warning(conf, family, cfg.mtp_num_layers)]:
-        if w:
-            ckpt.warn(w)
+    for w in hf_config.source_warnings(conf, family):
+        ckpt.warn(w)
     return ckpt
 
 

@@ -20,7 +20,7 @@ from ... import families
 from ...config import GPTConfig, Layout
 from ...errors import require
 from ...families.family import Family
-from ...families.mtp import layers_held as mtp_layers_held, unheld_warning as mtp_unheld_warning
+from ...families.mtp import layers_held as mtp_layers_held
 from ...io.safetensors_header import read_safetensors_header
 from ...io.torchfile import load_torch_file
 from ...lazy import Derived, LazyTensor
@@ -258,7 +258,4 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
         extra={"hf_config": conf}))
     for w in source_warnings(conf, family):
         ckpt.warn(w)
-    unheld = mtp_unheld_warning(conf, family, cfg.mtp_num_layers)
-    if unheld:
-        ckpt.warn(unheld)
     return ckpt
