@@ -81,9 +81,14 @@ def mtp_model(path: Path):
 def test_released_mtp_layer_is_read_and_written_back_bit_exact(released, tmp_path):
     """from the released form: inspect names the MTP layer; to-hf through Megatron (EP 2) writes every tensor back
     bit-exact, the MTP layer's included, and transformers' MtpModel loads it."""
+    from ckptool import quick_inspect
     ckpt = open_checkpoint(released)
     assert ckpt.config.mtp_num_layers == 1 and ckpt.config.num_layers == LAYERS
     assert f"layers.{LAYERS}.mtp.eh_proj.weight" in ckpt.tensors and ckpt.config.is_moe_layer(LAYERS)
+    assert "mtp         1 multi-token-prediction layer(s): layer(s) 3..3" in cli("inspect", released)
+    assert json.loads(cli("inspect", released, "--json"))["config"]["mtp_num_layers"] == 1
+    quick = quick_inspect.quick_open(released, {})  # inspect's torch-free reader sees it too
+    assert quick is not None and quick.config.mtp_num_layers == 1 and set(quick.tensors) == set(ckpt.tensors)
     cli("from-hf", released, tmp_path / "meg", "--ep", 2)
     cli("to-hf", tmp_path / "meg", tmp_path / "hf")
     want, got = saved_tensors(released), saved_tensors(tmp_path / "hf")
@@ -137,7 +142,11 @@ def test_megatron_core_loads_our_mtp_block_strictly(released, mcore_runs, name):
     want = hf_logits(released, TOKENS)
     got = saved["logits"][..., :want.shape[-1]]
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+    from ckptool import quick_inspect
+    quick = quick_inspect.quick_open(path, {})  # inspect's torch-free readers see the MTP block
+    assert quick is not None and quick.config.mtp_num_layers == 1
     back = open_checkpoint(path)  # and ckptool reads the MTP layer back
+    assert set(quick.tensors) == set(back.tensors)
     assert back.config.mtp_num_layers == 1 and torch.equal(
         back.tensors[f"layers.{LAYERS}.mtp.eh_proj.weight"].load(),
         saved_tensors(released)[f"model.layers.{LAYERS}.eh_proj.weight"])
@@ -214,3 +223,19 @@ def test_drop_mtp_exports_a_llama_without_its_mtp_layer(llama_mtp, tmp_path):
     assert "dropped the 1 multi-token-prediction (MTP) layer(s) (layers 2..2, 4 tensors" not in out  # 13 with its layer
     assert "--drop-mtp: dropped the 1 multi-token-prediction (MTP) layer(s) (layers 2..2" in out
     assert torch.equal(hf_logits(tmp_path / "hf"), hf_logits(model))
+
+
+def test_an_mtp_copy_that_differs_from_the_main_model_is_refused(released, tmp_path):
+    """The MTP layer's own embed_tokens / shared_head.head are checked equal to the main model's (the canonical state
+    keeps one of each); one that differs is refused by name, nothing written."""
+    from safetensors.torch import load_file
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in released.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    mtp = load_file(str(bad / "model-mtp.safetensors"))
+    mtp[f"model.layers.{LAYERS}.shared_head.head.weight"][0, 0] += 1.0
+    save_file(mtp, str(bad / "model-mtp.safetensors"))
+    _one_line_refusal("from-hf", bad, tmp_path / "out", says=[f"model.layers.{LAYERS}.shared_head.head.weight differs "
+                                                              "from the main model's output.weight"])
+    assert not (tmp_path / "out").exists()
