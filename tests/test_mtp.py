@@ -239,3 +239,29 @@ def test_an_mtp_copy_that_differs_from_the_main_model_is_refused(released, tmp_p
     _one_line_refusal("from-hf", bad, tmp_path / "out", says=[f"model.layers.{LAYERS}.shared_head.head.weight differs "
                                                               "from the main model's output.weight"])
     assert not (tmp_path / "out").exists()
+
+
+def test_optimizer_slots_of_the_mtp_layer_flow_like_any_parameters(mcore_runs, tmp_path):
+    """The optimizer paths key slots by canonical tensor: Adam moments of the MTP layer's parameters (its own and
+    its decoder layer's experts) are written into Megatron's rank files in megatron-core's parameter order (EP 2) and
+    read back bit-exact, also resharded to TP 2. (No megatron-core MTP training to compare with here.)"""
+    from ckptool.config import Layout
+    from ckptool.convert import write_layout
+    from ckptool.lazy import Const
+    from ckptool.roles import is_parameter
+    from ckptool.state import OptimizerState, ParamGroup
+    from ckptool.write_options import WriteOptions
+    ckpt = open_checkpoint(mcore_runs["ep2"][0])
+    torch.manual_seed(7)
+    params = [n for n in ckpt.tensors if is_parameter(n)]
+    slots = {s: {n: Const(torch.randn(ckpt.tensors[n].shape)) for n in params} for s in ("exp_avg", "exp_avg_sq")}
+    ckpt.optimizer = OptimizerState("megatron", slots, step=3, param_groups=[ParamGroup(params, {"lr": 1e-4,
+                                                                                                 "weight_decay": 0.1})])
+    mtp = [n for n in params if n.startswith(f"layers.{LAYERS}.")]
+    assert any(".mtp." in n for n in mtp) and any(".experts." in n for n in mtp)
+    for out, layout in (("ep2", Layout(1, 1, ep=2)), ("tp2", Layout(2, 1))):
+        write_layout(ckpt, tmp_path / out, layout, WriteOptions(format="torch"), warn=lambda m: None)
+        back = open_checkpoint(tmp_path / out).optimizer
+        for s in slots:
+            for n in (params if out == "ep2" else mtp):  # at TP 2 the vocabulary is padded again
+                assert torch.equal(back.slots[s][n].load(), slots[s][n].load()), (out, s, n)
