@@ -30,7 +30,7 @@ GIVEN = {"format": "torch_dist", "dialect": "mcore", "release": True, "dtype": t
          "pad_fill": "mean", "iteration": 7, "checkpoint_version": 2.0, "optimizer": False,
          "distributed_optimizer": True, "dp": 2, "overlap_grad_reduce": True, "ddp_bucket_size": 1000,
          "distrib_optim_era": "2024-02", "moe_grouped_gemm": True, "max_shard_size": "1GB", "tokenizer": "tok",
-         "experts": "fused", "fp8": True}
+         "experts": "fused", "fp8": True, "drop_mtp": True}
 WRITERS = [f for f in registry.FORMATS if f.writes]
 
 
@@ -99,7 +99,8 @@ def _holding(content: str):
     mla = SimpleNamespace() if content == "mla" else None
     gemma = {field: None for field in GEMMA_FIELDS}  # Gemma's maths (issue 32): its post norms, or none of it
     gemma["post_norms"] = content == "gemma"
-    return SimpleNamespace(config=SimpleNamespace(moe=moe, mla=mla, num_layers=2, activation="gelu", **gemma))
+    return SimpleNamespace(config=SimpleNamespace(moe=moe, mla=mla, num_layers=2, activation="gelu",
+                                                  mtp_num_layers=1 if content == "mtp" else 0, **gemma))
 
 
 @pytest.mark.parametrize("fmt", WRITERS, ids=lambda f: f.name)
@@ -108,9 +109,10 @@ def test_each_content_a_format_cannot_hold_is_refused_by_name(fmt):
         if content in fmt.holds:
             refuse_unwritable(_holding(content), fmt, WriteOptions())
             continue
-        with pytest.raises(CkptError, match="MoE layers|Multi-Latent Attention|Gemma's maths") as e:
+        with pytest.raises(CkptError, match="MoE layers|Multi-Latent Attention|Gemma's maths|multi-token prediction") as e:
             refuse_unwritable(_holding(content), fmt, WriteOptions())
-        assert (fmt.output or fmt.name) in str(e.value) and "not supported" in str(e.value)
+        assert (fmt.output or fmt.name) in str(e.value)
+        assert "not supported" in str(e.value) or "cannot hold" in str(e.value)
 
 
 def test_options_the_target_ignored_are_refused_on_the_command_line(tmp_path):

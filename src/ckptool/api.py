@@ -29,7 +29,7 @@ from .io.outdir import partial_output
 from .layout_request import LayoutRequest, check_sizes
 from .options import ReadOptions, pop_read_options
 from .quick_inspect import quick_open
-from .state import Checkpoint
+from .state import Checkpoint, without_mtp
 from .summary import WriteSummary
 from .verify.request import Request, check_request
 from .write_options import (DTYPE_NAMES, PAD_FILLS, WriteOptions, build_write_options,  # noqa: F401 (PAD_FILLS: the CLI's)
@@ -136,7 +136,8 @@ def merge(src, dst, *, format: Optional[str] = None, dialect: Optional[str] = No
           pad_fill: str = "zero", optimizer: bool = True, distributed_optimizer: bool = False,
           dp: Optional[int] = None, overlap_grad_reduce: Optional[bool] = None, ddp_bucket_size: Optional[int] = None,
           distrib_optim_era: Optional[str] = None, force: bool = False, progress: Optional[Progress] = None,
-          warn: Optional[Warn] = None, moe_grouped_gemm: Optional[bool] = None, **read_options) -> ConversionResult:
+          warn: Optional[Warn] = None, moe_grouped_gemm: Optional[bool] = None, drop_mtp: bool = False,
+          **read_options) -> ConversionResult:
     """Merge a model-parallel checkpoint into one rank (TP1 PP1), as `ckptool merge SRC DST`.
 
     format: "torch" or "torch_dist" (default: the source's); dialect: Megatron key names to write
@@ -211,7 +212,7 @@ def reshard(src, dst, *, tp: Optional[int] = None, pp: Optional[int] = None, vpp
             distributed_optimizer: bool = False, dp: Optional[int] = None, overlap_grad_reduce: Optional[bool] = None,
             ddp_bucket_size: Optional[int] = None, distrib_optim_era: Optional[str] = None, force: bool = False,
             progress: Optional[Progress] = None, warn: Optional[Warn] = None,
-            moe_grouped_gemm: Optional[bool] = None, **read_options) -> ConversionResult:
+            moe_grouped_gemm: Optional[bool] = None, drop_mtp: bool = False, **read_options) -> ConversionResult:
     """Rewrite any checkpoint ckptool reads at Megatron's layout for tp / pp (/ vpp), as
     `ckptool reshard SRC DST --tp N`. pp_layers: layers per pipeline stage ("3,5" or [3, 5]) for an
     uneven split; vpp 1 means no virtual pipeline; ep: expert-parallel ranks of an MoE model's
@@ -237,7 +238,7 @@ def fix_vocab(src, dst, *, size: Optional[int] = None, multiple: Optional[int] =
               release: Optional[bool] = None, dtype=None, pad_fill: str = "zero", optimizer: bool = True,
               distributed_optimizer: bool = False, dp: Optional[int] = None, overlap_grad_reduce: Optional[bool] = None,
               ddp_bucket_size: Optional[int] = None, distrib_optim_era: Optional[str] = None, force: bool = False,
-              progress: Optional[Progress] = None, warn: Optional[Warn] = None,
+              progress: Optional[Progress] = None, warn: Optional[Warn] = None, drop_mtp: bool = False,
               **read_options) -> ConversionResult:
     """Pad or trim the word embedding (and an untied output layer) to exactly `size` rows, or to the
     true vocabulary rounded up to a `multiple`, keeping the source's layout, as `ckptool fix-vocab`.
@@ -288,7 +289,8 @@ def _write_megatron_family(command, src, dst, ckpt: Checkpoint, layout: Layout, 
 # --- Hugging Face ---------------------------------------------------------------------------------
 def to_hf(src, dst, *, dtype=None, max_shard_size: str = "5GB", tokenizer: Optional[str] = None,
           experts: Optional[str] = None, fp8: bool = False, force: bool = False,
-          progress: Optional[Progress] = None, warn: Optional[Warn] = None, **read_options) -> ConversionResult:
+          progress: Optional[Progress] = None, warn: Optional[Warn] = None, drop_mtp: bool = False,
+          **read_options) -> ConversionResult:
     """Export any checkpoint ckptool reads as a Hugging Face model directory, as `ckptool to-hf`.
 
     GPT-2 style models become GPT2LMHeadModel, Llama style ones LlamaForCausalLM (Qwen2ForCausalLM when
@@ -299,10 +301,11 @@ def to_hf(src, dst, *, dtype=None, max_shard_size: str = "5GB", tokenizer: Optio
     gate_up_proj / down_proj) or "per-expert" (the Hub names) for MoE models; None: as the Hugging Face source
     stored them (kept through Megatron checkpoints ckptool wrote), else per expert. fp8: store the Linear
     weights in block FP8 as DeepSeek-V3 / R1 are released (float8_e4m3fn, a float32 weight_scale_inv per
-    128x128 block, config.json's quantization_config; refused for families not released so). read_options
-    as for open()."""
+    128x128 block, config.json's quantization_config; refused for families not released so). drop_mtp: write
+    the main model without its multi-token-prediction layers (a family without them refuses them otherwise).
+    read_options as for open()."""
     opts = build_write_options(dtype=dtype, max_shard_size=max_shard_size, tokenizer=tokenizer, experts=experts,
-                               fp8=fp8)
+                               fp8=fp8, drop_mtp=drop_mtp)
     try:
         ckpt = registry.open_checkpoint(src, _parse_read_options(**read_options))
     except NoCanonicalForm as source:  # no GPT state, but the reader can export what it opened
@@ -314,6 +317,7 @@ def to_hf(src, dst, *, dtype=None, max_shard_size: str = "5GB", tokenizer: Optio
         return _export_to_hf(source, src, dst, with_torch_dtype(opts).dtype, max_shard_size, tokenizer, force,
                              progress)
     refuse_unwritable(ckpt, registry.BY_NAME["hf"], opts)
+    ckpt = without_mtp(ckpt, warn or print) if opts.drop_mtp else ckpt
     opts = with_torch_dtype(opts)
     from .convert import write_output  # imports torch: after the source was found (see DTYPES)
     write_hf = registry.BY_NAME["hf"].write
@@ -352,9 +356,10 @@ def from_hf(src, dst, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep
             pp_layers: Union[str, Sequence[int], None] = None, dialect: str = "mcore", dtype=None,
             make_vocab_size_divisible_by: Optional[int] = None, pad_fill: str = "zero", force: bool = False,
             true_vocab_size: Optional[int] = None, progress: Optional[Progress] = None,
-            warn: Optional[Warn] = None, moe_grouped_gemm: Optional[bool] = None) -> ConversionResult:
-    """Convert a Hugging Face GPT-2 / Llama / Mistral / Qwen2 / Qwen3 (MoE, DeepSeek-V3, Gemma 2 / 3 text: the
-    families/ registry) directory into a Megatron torch-format
+            warn: Optional[Warn] = None, moe_grouped_gemm: Optional[bool] = None,
+            drop_mtp: bool = False) -> ConversionResult:
+    """Convert a Hugging Face GPT-2 / Llama / Mistral / Qwen2 / Qwen3 (MoE, DeepSeek-V3 with its MTP layers,
+    GLM-4.5, Gemma 2 / 3 text: the families/ registry) directory into a Megatron torch-format
     checkpoint at tp / pp (/ vpp, pp_layers; ep and etp for MoE models), as `ckptool from-hf`. The vocabulary is padded for tp
     as Megatron pads it (make_vocab_size_divisible_by, default 128); true_vocab_size overrides
     config.json's vocab_size. Every size is at least 1 and every stage holds a layer (CkptError naming the
@@ -371,7 +376,7 @@ def from_hf(src, dst, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep
     ckpt = fmt.read(src, ReadOptions(true_vocab_size=true_vocab_size))
     opts = build_write_options(format="torch", dialect=dialect, dtype=dtype, pad_fill=pad_fill,
                                make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                               moe_grouped_gemm=moe_grouped_gemm)
+                               moe_grouped_gemm=moe_grouped_gemm, drop_mtp=drop_mtp)
     return _write_megatron_family("from-hf", src, dst, ckpt, layout, opts, force, progress, warn)
 
 

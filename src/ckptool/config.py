@@ -172,6 +172,11 @@ class GPTConfig:
     rotary_base_local: Optional[float] = None  # the local layers' RoPE base (Gemma 3); None: rotary_base
     rope_linear_factor: Optional[float] = None  # global layers' linear RoPE scaling: positions / factor (Gemma 3)
     # --- end Gemma -------------------------------------------------------------------------------------------
+    # --- multi-token prediction (MTP) ---
+    # DeepSeek-V3's MTP modules (megatron-core --mtp-num-layers, HF num_nextn_predict_layers): MTP layer k is a
+    # decoder layer at global index num_layers + k (as Hugging Face numbers it) with its own enorm, hnorm, eh_proj
+    # and final norm; it shares the main model's embedding and output head. They do not change the main logits.
+    mtp_num_layers: int = 0
     # the model family (spec/__init__.py FAMILIES: which spec names this model's tensors); a class constant, not
     # a field: every GPTConfig is a GPT, and a config of another family would be its own class
     family: ClassVar[str] = "gpt"
@@ -222,7 +227,21 @@ class GPTConfig:
         return i in self.local_layers
 
     def is_moe_layer(self, i: int) -> bool:
-        return self.moe is not None and i in self.moe.layers
+        """Whether layer i has an MoE MLP. An MTP layer (i >= num_layers) has the last decoder layer's MLP:
+        megatron-core builds the MTP block from the decoder's last layer spec (gpt_layer_specs.py
+        get_gpt_mtp_block_spec_for_backend, 0.16.1)."""
+        if self.moe is None:
+            return False
+        return i in self.moe.layers or (self.is_mtp_layer(i) and self.num_layers - 1 in self.moe.layers)
+
+    # --- multi-token prediction (MTP) ---
+    def is_mtp_layer(self, i: Optional[int]) -> bool:
+        return i is not None and self.num_layers <= i < self.num_layers + self.mtp_num_layers
+
+    @property
+    def all_layers(self) -> int:
+        """The decoder layers and the MTP layers after them (the canonical layer axis)."""
+        return self.num_layers + self.mtp_num_layers
 
     @property
     def heads_per_group(self) -> int:

@@ -13,7 +13,7 @@ from .formats.megatron.args import mla_rope_args
 from .formats.registry import default_output, output_format
 from .io.outdir import PartialDir, adopt_digests, known_digests, partial_output
 from .rope_order import as_interleaved_pairs
-from .state import PAD_FILL_BY_SLOT, Checkpoint
+from .state import PAD_FILL_BY_SLOT, Checkpoint, without_mtp
 from .summary import WriteSummary
 from .vocab import resize_slot_vocab, resize_vocab
 from .write_options import WriteOptions, refuse_unwritable
@@ -29,6 +29,8 @@ def write_layout(ckpt: Checkpoint, dst, layout: Layout, opts: WriteOptions = Wri
     target = output_format(opts.format) if opts.format is not None else default_output(ckpt)
     fmt = target.output
     refuse_unwritable(ckpt, target, opts)
+    if opts.drop_mtp:
+        ckpt = without_mtp(ckpt, warn)
     if ckpt.config.mla is not None:
         refuse_mla_megatron_core_cannot_compute(ckpt)
     if ckpt.config.mla is not None and not ckpt.config.rotary_interleaved:

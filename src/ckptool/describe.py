@@ -67,6 +67,7 @@ def describe(ckpt: Checkpoint) -> dict:
             "mla": dataclasses.asdict(cfg.mla) if cfg.mla is not None else None,
             "rope_yarn": dataclasses.asdict(cfg.rope_yarn) if cfg.rope_yarn is not None else None,
             "gemma": _gemma(cfg),
+            "mtp_num_layers": cfg.mtp_num_layers,  # multi-token prediction: layers num_layers .. after the decoder's
         },
         "vocab_size_source": cfg.vocab_size_source,
         "total_bytes": ckpt.total_bytes,

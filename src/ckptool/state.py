@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from .config import GPTConfig, Layout
 from .spec import spec_for
@@ -210,3 +210,22 @@ def expected_names(cfg: GPTConfig) -> List[str]:
     """Every canonical tensor name a model with this config has, in streaming order (its family's spec:
     spec/gpt.py for a GPTConfig)."""
     return spec_for(cfg).names(cfg)
+
+
+# --- multi-token prediction (MTP) ---
+def without_mtp(ckpt: Checkpoint, warn: Callable[[str], None]) -> Checkpoint:
+    """ckpt without its MTP layers (--drop-mtp: what a target that cannot hold them may be given instead), saying
+    what was dropped; the main model, whose logits do not depend on them, stays whole. ckpt itself when it has none."""
+    cfg = ckpt.config
+    if not cfg.mtp_num_layers:
+        return ckpt
+    kept = set(expected_names(cfg.replace(mtp_num_layers=0)))
+    dropped = [n for n in ckpt.tensors if n not in kept]
+    warn(f"--drop-mtp: dropped the {cfg.mtp_num_layers} multi-token-prediction (MTP) layer(s) (layers "
+         f"{cfg.num_layers}..{cfg.all_layers - 1}, {len(dropped)} tensors"
+         + (" and their optimizer state" if ckpt.optimizer is not None else "") + ")")
+    out = ckpt.with_tensors({n: t for n, t in ckpt.tensors.items() if n in kept}, mtp_num_layers=0)
+    if ckpt.optimizer is not None:
+        out.optimizer = ckpt.optimizer.with_slots({slot: {n: t for n, t in ts.items() if n in kept}
+                                                   for slot, ts in ckpt.optimizer.slots.items()})
+    return out

@@ -46,6 +46,7 @@ class WriteOptions:
     tokenizer: Optional[str] = None  # Hugging Face: a directory whose tokenizer files are copied
     experts: Optional[str] = None  # Hugging Face: "fused" or "per-expert" MoE experts (None: as the source stored them)
     fp8: bool = False  # Hugging Face: the Linear weights the family releases in block FP8 stored so (--fp8)
+    drop_mtp: bool = False  # write the main model without its multi-token-prediction layers (state.without_mtp)
 
     def given(self) -> FrozenSet[str]:
         """The options not at their default: what the user asked for (the table check refuses those the
@@ -78,6 +79,7 @@ OPTION_WORDS = {
     "tokenizer": ("--tokenizer", "copies tokenizer files"),
     "experts": ("--experts", "chooses how Hugging Face MoE experts are stored"),
     "fp8": ("--fp8", "stores the Linear weights in block FP8"),
+    "drop_mtp": ("--drop-mtp", "drops the multi-token-prediction layers"),
 }
 NEGATABLE = ("release", "optimizer", "overlap_grad_reduce", "moe_grouped_gemm")
 
@@ -161,6 +163,12 @@ def _moe_words(ckpt: Checkpoint, fmt: str) -> str:
             f"{ckpt.config.num_layers} layers): Megatron {fmt} output of MoE models is not supported yet")
 
 
+def _mtp_words(ckpt: Checkpoint, fmt: str) -> str:
+    n = ckpt.config.mtp_num_layers
+    return (f"multi-token prediction (MTP): {n} MTP layer(s) after the {ckpt.config.num_layers} decoder layers, which "
+            f"{fmt} output cannot hold")
+
+
 REFUSED_CONTENTS: Dict[str, Tuple[Callable[[Checkpoint], bool], Callable[[Checkpoint, str], str], str]] = {
     "mla": (lambda ckpt: ckpt.config.mla is not None,
             lambda ckpt, fmt: f"Multi-Latent Attention: Megatron {fmt} output of MLA models is not supported yet",
@@ -172,6 +180,10 @@ REFUSED_CONTENTS: Dict[str, Tuple[Callable[[Checkpoint], bool], Callable[[Checkp
               lambda ckpt, fmt: f"Gemma's maths (post-attention / post-MLP norms, sliding windows, soft-capping, ...): "
                                 f"Megatron {fmt} output of Gemma models is not supported",
               "write --format torch or torch_dist, or use to-hf"),
+    # given --drop-mtp, the writers are handed the model without them (state.without_mtp), never silently
+    "mtp": (lambda ckpt: ckpt.config.mtp_num_layers > 0, _mtp_words,
+            "give --drop-mtp to write the main model without them (its logits do not depend on them), or write "
+            "--format torch / torch_dist"),
 }
 
 
@@ -180,7 +192,7 @@ def refuse_unwritable(ckpt: Checkpoint, target: Format, opts: WriteOptions) -> N
     (MoE layers, MLA) the target cannot hold, or an option the user gave (not at its default) that its
     writer does not honour, is refused by name (CkptError) with what to do instead."""
     for content, (held, words, hint) in REFUSED_CONTENTS.items():
-        if content not in target.holds and held(ckpt):
+        if content not in target.holds and held(ckpt) and not (content == "mtp" and opts.drop_mtp):
             raise CkptError(words(ckpt, target.output or target.name), hint)
     refuse_unhonoured(target, opts)
 

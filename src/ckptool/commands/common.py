@@ -74,6 +74,13 @@ def read_options(kw: dict) -> ReadOptions:
     return pop_read_options(kw)
 
 
+# A model's multi-token-prediction layers go wherever the target holds them; a target that cannot refuses by name
+# unless this is given (write_options.REFUSED_CONTENTS "mtp")
+DROP_MTP = click.option("--drop-mtp", is_flag=True, default=False,
+                        help="Write the model without its multi-token-prediction (MTP) layers, saying what was "
+                             "dropped (for a target that cannot hold them; the main model's logits do not change).")
+
+
 def output_options(fn: Callable) -> Callable:
     from ..api import DTYPES, PAD_FILLS  # here, not at the top: inspect uses this module without torch
     opts = [
@@ -84,6 +91,7 @@ def output_options(fn: Callable) -> Callable:
                      help="Pad the vocabulary to a multiple of this times TP (default: the source's, else 128)."),
         click.option("--pad-fill", type=click.Choice(PAD_FILLS), default="zero", show_default=True,
                      help="How new vocabulary padding rows are filled."),
+        DROP_MTP,
     ]
     for o in reversed(opts):
         fn = o(fn)

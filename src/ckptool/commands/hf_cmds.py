@@ -6,7 +6,7 @@ import click
 from .. import api
 from ..formats.megatron.names import DIALECTS
 from ..api import DTYPES
-from .common import (LiveWarnings, Progress, conversion_line, human_bytes, report_conversion,
+from .common import (DROP_MTP, LiveWarnings, Progress, conversion_line, human_bytes, report_conversion,
                      reports_errors, source_options)
 
 
@@ -26,6 +26,7 @@ from .common import (LiveWarnings, Progress, conversion_line, human_bytes, repor
               help="Store the Linear weights in block FP8 as DeepSeek-V3/R1 are released (float8_e4m3fn, a float32 "
                    "weight_scale_inv per 128x128 block, quantization_config in config.json); DeepseekV3ForCausalLM only.")
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
+@DROP_MTP
 @source_options
 @reports_errors
 def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, experts, fp8, force, **kw):
@@ -42,7 +43,9 @@ def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, experts, fp8, force, *
     --max-shard-size, written one tensor at a time. A DeepLearningExamples BERT ckpt_N.pt with
     --hf-config bert_config.json becomes BertForPreTraining (vocabulary padding trimmed). A DeepSpeed
     run of any other Hugging Face model (BertForMaskedLM, ...) is consolidated with the model's own
-    names and its config.json (--hf-config, or found beside the checkpoint).
+    names and its config.json (--hf-config, or found beside the checkpoint). Multi-token-prediction (MTP)
+    layers go back as DeepSeek-V3's model.layers.{num_hidden_layers + k}; a class without them refuses them by
+    name (--drop-mtp writes the main model alone).
     """
     live, bar = LiveWarnings(), Progress("to-hf")
     try:
@@ -90,6 +93,7 @@ def to_hf_cmd(src, dst, dtype, max_shard_size, tokenizer, experts, fp8, force, *
 @click.option("--pad-fill", type=click.Choice(api.PAD_FILLS), default="zero", show_default=True,
               help="How vocabulary padding rows are filled.")
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
+@DROP_MTP
 @click.option("--true-vocab-size", type=int, default=None,
               help="Override config.json's vocab_size (written into the output's args).")
 @reports_errors
@@ -102,7 +106,8 @@ def from_hf_cmd(src, dst, **kw):
     MoE models (Mixtral, Qwen-MoE) are written with megatron-core's SequentialMLP experts at --ep
     expert-parallel ranks; MLA models (DeepSeek-V2/V3, with a q latent or a direct q) as megatron-core's
     MLASelfAttention (--dialect mcore: local spec, mcore-te: Transformer Engine spec; YaRN as megatron-core's
-    YaRN args, rope_interleave false as its interleaved pairs). The vocabulary is padded for --tp as Megatron would pad it; args are written so Megatron can
+    YaRN args, rope_interleave false as its interleaved pairs). DeepSeek-V3's MTP layers (num_nextn_predict_layers)
+    become megatron-core's MTP block (--mtp-num-layers; PP 1). The vocabulary is padded for --tp as Megatron would pad it; args are written so Megatron can
     load the result (weights only: use --finetune or --no-load-optim --no-load-rng) and Megatron-LM's validate_args
     accepts them through --use-checkpoint-args: seq_length = max_position_embeddings, a NullTokenizer of the model's
     vocabulary (give yours with --no-use-tokenizer-model-from-checkpoint-args), batch sizes 1.

@@ -62,6 +62,7 @@ def _summary_lines(doc: dict, lay) -> list:
     lines += [_experts_line(c["moe"])] if c["moe"] else []
     lines += [_mla_line(c["mla"], c["rope_yarn"])] if c["mla"] else []
     lines += [_gemma_line(c["gemma"])] if c["gemma"] else []
+    lines += [_mtp_line(c)] if c.get("mtp_num_layers") else []
     lines += [f"vocab       true {c['vocab_size'] if c['vocab_size'] is not None else 'unknown'} "
               f"(from {doc['vocab_size_source']}), stored rows {c['padded_vocab_size']}",
               f"size        {len(doc['tensors'])} tensors, {human_bytes(doc['total_bytes'])}",
@@ -97,6 +98,12 @@ def _experts_line(m: dict) -> str:
     return (f"experts     {m['num_experts']} per MoE layer, top-{m['top_k']} {m['score_function']}"
             f"{' renormalised' if m['topk_norm'] else ''}{extra}, expert ffn {m['ffn_hidden_size']}"
             f"{shared if m['shared_ffn_hidden_size'] else ''}; MoE layers {m['layers']}")
+
+
+def _mtp_line(c: dict) -> str:
+    n, first = c["mtp_num_layers"], c["num_layers"]
+    return (f"mtp         {n} multi-token-prediction layer(s): layer(s) {first}..{first + n - 1} after the decoder, each "
+            "with enorm, hnorm, eh_proj and its final norm; the embedding and output head shared with the main model")
 
 
 def _mla_line(m: dict, yarn) -> str:

@@ -8,7 +8,7 @@ from typing import Optional
 
 from ..config import MLA, GPTConfig
 from ..errors import require
-from . import llama, moe, qwen_moe
+from . import llama, moe, mtp, qwen_moe
 from .family import Family, Names, refuse_export
 
 ARCH = "DeepseekV3ForCausalLM"
@@ -71,13 +71,14 @@ def _fields(cfg: GPTConfig) -> dict:
     return {"head_dim": m.qk_rope_head_dim, "q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank,
             "qk_nope_head_dim": m.qk_nope_head_dim, "qk_rope_head_dim": m.qk_rope_head_dim,
             "qk_head_dim": m.qk_head_dim, "v_head_dim": m.v_head_dim, "rope_interleave": cfg.rotary_interleaved,
-            **routing, "num_nextn_predict_layers": 0, "attention_bias": False, **_yarn_fields(cfg)}
+            **routing, mtp.NEXTN_KEY: cfg.mtp_num_layers, "attention_bias": False, **_yarn_fields(cfg)}
 
 
 DEEPSEEK_V3 = Family(
-    "deepseek_v3", ARCH, Names(llama.GLOBAL, LAYER, llama.LAYER_PREFIX, MOE), llama.config_from_hf,
+    "deepseek_v3", ARCH, Names(llama.GLOBAL, LAYER, llama.LAYER_PREFIX, MOE, mtp=mtp.DEEPSEEK_MTP,
+                               mtp_shared=mtp.DEEPSEEK_MTP_SHARED), llama.config_from_hf,
     llama.config_json(_fields), export_kind="mla", selects=lambda cfg: True, export_checks=export_checks,
-    fused_experts=qwen_moe.FUSED_EXPERTS, mla=mla_from_hf, fp8_release=FP8_RELEASE,
+    fused_experts=qwen_moe.FUSED_EXPERTS, mla=mla_from_hf, fp8_release=FP8_RELEASE, mtp_key=mtp.NEXTN_KEY,
     moe=moe.MoeKeys(ffn="moe_intermediate_size", topk_norm="norm_topk_prob", layers=moe.first_k_dense_layers,
                     score="sigmoid", scaling="routed_scaling_factor", expert_bias=True, groups=("n_group", "topk_group"),
                     shared=lambda c: c["moe_intermediate_size"] * (c.get("n_shared_experts") or 0),

@@ -11,6 +11,8 @@ Name tables say how each HF tensor is made from canonical tensors (state.py):
   ("T", name)               transposed: GPT-2's Conv1D stores Linear weights as [in, out]
   ("cat", names)            rows concatenated (GPT-2's c_attn bias is [q | k | v])
   ("cat_T", names)          rows concatenated then transposed (GPT-2's c_attn weight)
+  ("same", name)            a copy of a main-model tensor an MTP layer stores again (families/mtp.py): the
+                            reader checks it equal to that tensor, the writer writes that tensor again
 The reader applies a table backwards (formats/hf/reader.py), so one table serves both directions. Entries
 whose canonical tensors a model lacks (biases of a bias-free model, embed.pos of a RoPE model, the
 dense MLP of an MoE layer, the experts of a dense one) are skipped by the writer; the reader skips HF
@@ -61,6 +63,10 @@ class Names:
     layer_prefix: str
     moe: Dict[str, Entry] = field(default_factory=dict)
     bare_prefix: str = ""
+    # multi-token prediction (families/mtp.py): an MTP layer's own names (under layer_prefix at its global index)
+    # and its names that copy a main-model tensor (layer-relative name -> that canonical global)
+    mtp: Dict[str, Entry] = field(default_factory=dict)
+    mtp_shared: Dict[str, str] = field(default_factory=dict)
 
     @property
     def word_embedding(self) -> str:
@@ -80,14 +86,19 @@ class Names:
             for e in range(num_experts) if "{e}" in k else (None,):
                 yield k.replace("{e}", str(e)), entry if e is None else (entry[0], entry[1].replace("{e}", str(e)))
 
-    def expand(self, num_layers: int, num_experts: int = 0) -> List[Tuple[str, Entry, str]]:
-        """[(hf_name, entry, group)] for every possible tensor, in streaming order."""
+    def expand(self, num_layers: int, num_experts: int = 0, mtp_layers: int = 0) -> List[Tuple[str, Entry, str]]:
+        """[(hf_name, entry, group)] for every possible tensor, in streaming order; the MTP layers (mtp_layers of
+        them, after the num_layers decoder layers) with their own names too, and their copies of main-model
+        tensors as ("same", canonical global) entries."""
         heads = [k for k in self.globals if canonical_names(self.globals[k])[0].startswith("embed.")]
         out = [(k, self.globals[k], "embed") for k in heads]
-        for i in range(num_layers):
-            for k, (op, arg) in list(self.layer.items()) + list(self._moe_rows(num_experts)):
+        for i in range(num_layers + mtp_layers):
+            own = list(self.mtp.items()) if i >= num_layers else []
+            for k, (op, arg) in own + list(self.layer.items()) + list(self._moe_rows(num_experts)):
                 arg = tuple(f"layers.{i}.{a}" for a in arg) if op in ("cat", "cat_T") else f"layers.{i}.{arg}"
                 out.append((self.layer_prefix.format(i=i) + k, (op, arg), f"layer {i}"))
+            out += [(self.layer_prefix.format(i=i) + k, ("same", g), f"layer {i}")
+                    for k, g in self.mtp_shared.items() if i >= num_layers]
         out += [(k, self.globals[k], "head") for k in self.globals if k not in heads]
         return out
 
@@ -147,6 +158,7 @@ class Family:
     # the layer-table keys (Names.layer / Names.moe, `{e}` an expert) the family's releases store as
     # block FP8 (formats/hf/quant.py); to-hf --fp8 quantizes these and is refused for a family without any
     fp8_release: Tuple[str, ...] = ()
+    mtp_key: Optional[str] = None  # config.json's number of MTP layers (families/mtp.py); None: the class has none
 
     def read_config(self, conf: dict, rows: int) -> GPTConfig:
         return self.config_from_hf(self, conf, rows)

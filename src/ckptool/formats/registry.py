@@ -18,9 +18,9 @@ torch (the quick inspect relies on it). Each entry may have:
                                            acts on; one given for a format that does not is refused by
                                            name before anything is written (write_options.refuse_unwritable)
   holds                                    what of a checkpoint its writer can hold (CONTENTS: MoE layers,
-                                           Multi-Latent Attention, Gemma's maths, optimizer state); MoE, MLA or
-                                           Gemma it cannot hold is refused, optimizer state it cannot hold
-                                           dropped with a warning
+                                           Multi-Latent Attention, Gemma's maths, optimizer state, MTP layers);
+                                           MoE, MLA, Gemma or MTP it cannot hold is refused (MTP unless
+                                           --drop-mtp), optimizer state it cannot hold dropped with a warning
   megatron_run                             Megatron-LM resumes training from what its writer writes
   megatron_layout                          its writer writes Megatron layouts: merge / reshard / fix-vocab of a
                                            source of it write it by default (else Megatron's torch format)
@@ -127,19 +127,20 @@ class Format:
 
 
 # What a checkpoint may hold that not every writer can (Format.holds).
-CONTENTS = ("moe", "mla", "gemma", "optimizer")  # gemma: Gemma 2 / 3 maths (issue 32)
+CONTENTS = ("moe", "mla", "gemma", "optimizer", "mtp")  # gemma: Gemma 2 / 3 maths (issue 32); mtp: multi-token-prediction layers
 # The write options (write_options.WriteOptions fields) each writer acts on (Format.honours).
 _VOCABULARY = frozenset({"divisible_by", "pad_fill"})  # re-padding the vocabulary for the target TP
 _DISTRIBUTED_OPTIMIZER = frozenset({"distributed_optimizer", "dp", "overlap_grad_reduce", "ddp_bucket_size",
                                     "distrib_optim_era"})
-TORCH_DIST_HONOURS = frozenset({"format", "dialect", "dtype", "iteration", "optimizer"}) | _VOCABULARY
+_CONTENT = frozenset({"drop_mtp"})  # what the model written holds: every writer is handed it (state.without_mtp)
+TORCH_DIST_HONOURS = frozenset({"format", "dialect", "dtype", "iteration", "optimizer"}) | _VOCABULARY | _CONTENT
 MEGATRON_HONOURS = (TORCH_DIST_HONOURS | _DISTRIBUTED_OPTIMIZER
                     | frozenset({"release", "checkpoint_version", "moe_grouped_gemm"}))
 # a universal checkpoint is fp32 training state at the source's names, vocabulary and layout: its writer
 # checks the values of these two itself (fp32 only, the optimizer state required)
-DS_UNIVERSAL_HONOURS = frozenset({"format", "dtype", "optimizer"})
-HF_HONOURS = frozenset({"dtype", "max_shard_size", "tokenizer", "experts", "fp8"})  # fp8: for families released so (hf/writer.py)
-DCP_HONOURS = frozenset({"format", "dialect", "dtype"})  # dialect: torchtitan's names instead of HF's
+DS_UNIVERSAL_HONOURS = frozenset({"format", "dtype", "optimizer"}) | _CONTENT
+HF_HONOURS = frozenset({"dtype", "max_shard_size", "tokenizer", "experts", "fp8"}) | _CONTENT  # fp8: for families released so (hf/writer.py)
+DCP_HONOURS = frozenset({"format", "dialect", "dtype"}) | _CONTENT  # dialect: torchtitan's names instead of HF's
 
 # Order matters: a torch_dist iteration directory also has Megatron's tracker file, and a DeepSpeed
 # save directory may have one too, so the more specific formats are asked first. The BERT file
@@ -153,17 +154,18 @@ FORMATS: Tuple[Format, ...] = (
            command="ckptool merge SRC DST --format dcp"),
     Format("torch_dist", "ckptool.formats.dcp.files:looks_like", "ckptool.formats.dcp.torch_dist:read",
            "ckptool.formats.dcp.torch_dist:write_torch_dist", output="torch_dist", honours=TORCH_DIST_HONOURS,
-           holds=frozenset({"moe", "mla", "gemma", "optimizer"}), megatron_run=True, quick_ref="ckptool.formats.dcp.quick:read",
+           holds=frozenset({"moe", "mla", "gemma", "optimizer", "mtp"}), megatron_run=True,
+           quick_ref="ckptool.formats.dcp.quick:read",
            command="ckptool merge SRC DST --format torch_dist", parallel_ref="ckptool.verify.targets:dist_target"),
     Format("deepspeed", "ckptool.formats.deepspeed.files:looks_like_deepspeed", "ckptool.formats.deepspeed.checkpoint:read",
            quick_ref="ckptool.formats.deepspeed.quick:read", parallel_ref="ckptool.verify.targets:deepspeed_target"),
     Format("verl-fsdp", "ckptool.formats.verl.files:looks_like", "ckptool.formats.verl.fsdp:read"),
     Format("hf", "ckptool.formats.hf.config:looks_like", "ckptool.formats.hf.reader:read",
-           "ckptool.formats.hf.writer:write_hf", honours=HF_HONOURS, holds=frozenset({"moe", "mla", "gemma"}),
+           "ckptool.formats.hf.writer:write_hf", honours=HF_HONOURS, holds=frozenset({"moe", "mla", "gemma", "mtp"}),
            quick_ref="ckptool.formats.hf.quick:read", command="ckptool to-hf SRC DST"),
     Format("megatron", "ckptool.formats.megatron.files:looks_like_megatron", "ckptool.formats.megatron.checkpoint:read_megatron",
            "ckptool.formats.megatron.checkpoint:write_megatron", output="torch", shares_ranks=True,
-           honours=MEGATRON_HONOURS, holds=frozenset({"moe", "mla", "gemma", "optimizer"}), megatron_run=True,
+           honours=MEGATRON_HONOURS, holds=frozenset({"moe", "mla", "gemma", "optimizer", "mtp"}), megatron_run=True,
            quick_ref="ckptool.formats.megatron.quick:read", command="ckptool merge SRC DST --format torch",
            parallel_ref="ckptool.verify.targets:megatron_target"),
     Format("ds-universal", write_ref="ckptool.formats.deepspeed.universal:write_ds_universal", output="ds-universal",

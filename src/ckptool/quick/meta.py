@@ -54,7 +54,9 @@ def canonical_shapes(cfg: GPTConfig) -> Dict[str, Tuple[int, ...]]:
     # what a name ends with -> (weight shape, bias shape)
     by_part = {"attn_norm": ((h,), (h,)), "mlp_norm": ((h,), (h,)), "final_norm": ((h,), (h,)),
                "q": ((q, h), (q,)), "k": ((kv, h), (kv,)), "v": ((kv, h), (kv,)),
-               "q_norm": ((hd,), (hd,)), "k_norm": ((hd,), (hd,)), "out": ((h, q), (h,))}
+               "q_norm": ((hd,), (hd,)), "k_norm": ((hd,), (hd,)), "out": ((h, q), (h,)),
+               # an MTP layer's own (its final norm is final_norm's shape): eh_proj maps [embedding | hidden] to h
+               "enorm": ((h,), (h,)), "hnorm": ((h,), (h,)), "eh_proj": ((h, 2 * h), None)}
     if cfg.mla is not None:  # Multi-Latent Attention (no biases): state.py's shapes, r the shared rotary key part
         m, n = cfg.mla, cfg.num_attention_heads
         ql, kvl, r = m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim

@@ -6,7 +6,7 @@ architecture in families/ (one module per HF family): one HF architecture's name
 from __future__ import annotations
 
 from .schema import (DIST, FLAT, HEAD_COPY, LEGACY, LEGACY_GROUPED, MCORE, MDS, SEQUENTIAL, TE, TE_GROUPED, TE_MLA,
-                     TE_MOE, Role, Spec, Tensor)
+                     TE_MOE, MtpKeys, Role, Spec, Tensor)
 
 L = "layers.{layer}."
 E = L + "mlp.experts.{expert}."
@@ -16,6 +16,13 @@ NORM_BIAS, QK_NORM, MOE, EXPERT = ("norm_bias",), ("gqa", "qk_norm"), ("moe",), 
 TENSORS = (
     Tensor("embed.word", role="word"),
     Tensor("embed.pos", ("learned_pos",), role="pos"),
+    # --- multi-token prediction (MTP): an MTP layer's own tensors (layers num_layers ..; see MTP below) ---
+    Tensor(L + "mtp.enorm.weight", ("mtp",), role="mtp.enorm.weight"),
+    Tensor(L + "mtp.enorm.bias", ("mtp",) + NORM_BIAS, role="mtp.enorm.bias"),
+    Tensor(L + "mtp.hnorm.weight", ("mtp",), role="mtp.hnorm.weight"),
+    Tensor(L + "mtp.hnorm.bias", ("mtp",) + NORM_BIAS, role="mtp.hnorm.bias"),
+    Tensor(L + "mtp.eh_proj.weight", ("mtp",), role="mtp.eh_proj.weight"),
+    # --- (end MTP) ---
     Tensor(L + "attn_norm.weight", role="attn_norm.weight"),
     Tensor(L + "attn_norm.bias", NORM_BIAS, role="attn_norm.bias"),
     # attention: grouped-query (gqa) or Multi-Latent (mla); attn.q is both GQA's q (a part of the fused QKV) and
@@ -61,6 +68,8 @@ TENSORS = (
     Tensor(L + "mlp.shared.up.weight", MOE + ("shared_expert",), role="shared.fc1.weight", part="up"),
     Tensor(L + "mlp.shared.down.weight", MOE + ("shared_expert",), role="shared.fc2.weight"),
     Tensor(L + "mlp.shared_gate.weight", MOE + ("shared_gate",), role="shared_gate.weight"),
+    Tensor(L + "mtp.final_norm.weight", ("mtp",), role="mtp.final_norm.weight"),  # MTP: before its shared head
+    Tensor(L + "mtp.final_norm.bias", ("mtp",) + NORM_BIAS, role="mtp.final_norm.bias"),
     Tensor("final_norm.weight", role="final_norm.weight"),
     Tensor("final_norm.bias", NORM_BIAS, role="final_norm.bias"),
     Tensor("output.weight", ("untied",), role="output"),
@@ -160,6 +169,27 @@ ROLES = (
         LEGACY_GROUPED: "mlp.experts.weight2", DIST: "mlp.experts.experts.linear_fc2.weight"}),
 )
 
+# --- multi-token prediction (MTP) ---
+# megatron-core 0.16.1 transformer/multi_token_prediction.py MultiTokenPredictionLayer: enorm, hnorm (the model's
+# norm), eh_proj (a column-parallel linear from [enorm(embedding) | hnorm(hidden)], 2h -> h, no bias; its output
+# gathered over TP), transformer_layer (the decoder's last layer spec), final_layernorm; keys relative to
+# `mtp.layers.{k}.` (GPTModel.mtp, MultiTokenPredictionBlock.layers), in torch_dist too (no layer axis: each MTP
+# layer its own keys). The embedding and the output layer are the main model's (megatron-core shares them; with
+# PP > 1 the last stage keeps a copy of the word embedding, tied to the first stage's by its sharded key).
+MTP_ROLES = (
+    Role("mtp.enorm.weight", "replicated", {MCORE: "enorm.weight"}),
+    Role("mtp.enorm.bias", "replicated", {MCORE: "enorm.bias"}),
+    Role("mtp.hnorm.weight", "replicated", {MCORE: "hnorm.weight"}),
+    Role("mtp.hnorm.bias", "replicated", {MCORE: "hnorm.bias"}),
+    Role("mtp.eh_proj.weight", "column", {MCORE: "eh_proj.weight"}, traits=("linear",)),
+    Role("mtp.final_norm.weight", "replicated", {MCORE: "final_layernorm.weight"}),
+    Role("mtp.final_norm.bias", "replicated", {MCORE: "final_layernorm.bias"}),
+)
+MTP = MtpKeys(prefix={MCORE: "mtp.layers.{i}."}, inner="transformer_layer.",
+              before=("mtp.enorm.weight", "mtp.enorm.bias", "mtp.hnorm.weight", "mtp.hnorm.bias", "mtp.eh_proj.weight"),
+              after=("mtp.final_norm.weight", "mtp.final_norm.bias"))
+# --- (end MTP) ---
+
 # A layer's keys: the layer prefix per name column ({i} the layer's index in its file), then the role's key. The
 # legacy eras rename it with their keys (megatron_names.ERAS); the 2019 flat files have their own.
 LAYER_PREFIX = {LEGACY: _NESTED + "encoder/layers.{i}.", FLAT: "transformer.layers.{i}.", MCORE: "decoder.layers.{i}."}
@@ -195,4 +225,4 @@ REGISTRATION = {
 MOE_REGISTRATION = ("router.weight", "router.bias", "router.expert_bias", "experts.{expert}.fc1.weight",
                     "experts.{expert}.fc2.weight", "shared_gate.weight", "shared.fc1.weight", "shared.fc2.weight")
 
-GPT = Spec(TENSORS, ROLES, REGISTRATION, MOE_REGISTRATION, LAYER_PREFIX)
+GPT = Spec(TENSORS, ROLES + MTP_ROLES, REGISTRATION, MOE_REGISTRATION, LAYER_PREFIX, MTP)

@@ -83,13 +83,15 @@ PREDICATES: Dict[str, Predicate] = {
     "shared_expert": lambda c, i: bool(c.moe.shared_ffn_hidden_size),
     "shared_gate": lambda c, i: c.moe.shared_gate,
     "post_norms": lambda c, i: c.post_norms,                 # Gemma: attention and MLP outputs normed (issue 32)
+    # --- multi-token prediction (MTP): a layer past the decoder's, holding an MTP module's own tensors ---
+    "mtp": lambda c, i: c.is_mtp_layer(i),
 }
 # Predicates that never hold together. A canonical tensor may be listed once per side (attn.q is GQA's q, a part of
 # the fused QKV, or MLA's direct q, a role of its own): for any config at most one of the entries holds.
 EXCLUSIVE = (("gqa", "mla"), ("gqa", "mla_q_direct"))
 # index axes of a name pattern and how many values each takes for a config
 AXES: Dict[str, Callable[[object], int]] = {
-    "layer": lambda c: c.num_layers,
+    "layer": lambda c: c.all_layers,  # the decoder layers, then the MTP layers (GPTConfig.all_layers)
     "expert": lambda c: c.moe.num_experts,
 }
 
@@ -113,6 +115,17 @@ class Tensor:
 
     def format(self, layer: Optional[int] = None, expert: Optional[int] = None) -> str:
         return self.name.format(layer=layer, expert=expert)
+
+
+@dataclass(frozen=True)
+class MtpKeys:
+    """Where a multi-token-prediction (MTP) layer's keys live: prefix per name column ({i}: the MTP layer's index
+    0 .. mtp_num_layers - 1), the prefix of its decoder layer's keys inside it (`inner`), and its own roles in the
+    order the framework registers them: `before` the decoder layer, `after` it. Empty: the family has none."""
+    prefix: Mapping[str, str] = field(default_factory=dict)
+    inner: str = ""
+    before: Tuple[str, ...] = ()
+    after: Tuple[str, ...] = ()
 
 
 # MoE scopes of a role name: one expert's (its {expert} axis) and the shared expert's
@@ -193,7 +206,9 @@ class Spec:
 
     def __init__(self, tensors: Tuple[Tensor, ...], roles: Tuple[Role, ...],
                  registration: Optional[Mapping[str, Tuple[str, ...]]] = None,
-                 moe_registration: Tuple[str, ...] = (), layer_prefix: Optional[Mapping[str, str]] = None):
+                 moe_registration: Tuple[str, ...] = (), layer_prefix: Optional[Mapping[str, str]] = None,
+                 mtp: Optional["MtpKeys"] = None):
+        self.mtp = mtp or MtpKeys()
         self.tensors = tensors
         self.roles = {r.name: r for r in roles}
         self.registration = dict(registration or {})
@@ -205,7 +220,8 @@ class Spec:
         problems = [f"{t.name}: unknown predicate in {t.when}" for t in tensors if not set(t.when) <= set(PREDICATES)]
         problems += [f"{r.name}: unknown name column" for r in roles if not set(r.names) <= set(COLUMNS)]
         problems += [f"{r.name}: unknown trait in {r.traits}" for r in roles if not set(r.traits) <= set(TRAITS)]
-        ordered = [r for order in self.registration.values() for r in order] + list(self.moe_registration)
+        ordered = ([r for order in self.registration.values() for r in order] + list(self.moe_registration)
+                   + list(self.mtp.before) + list(self.mtp.after))
         problems += [f"registration order names role {r!r} the spec lacks" for r in ordered if r not in self.roles]
         problems += [f"{c}: unknown name column" for c in list(self.registration) + list(self.layer_prefixes)
                      if c not in COLUMNS]
@@ -243,14 +259,15 @@ class Spec:
 
     def role_list(self, where: str) -> List[Role]:
         """Roles in ROLES order: "global" (no layer axis), "layer" (every layer of a dense model holds
-        them), "moe" (an MoE layer's own: router, shared expert and its gate), "expert" (per expert)."""
+        them), "moe" (an MoE layer's own: router, shared expert and its gate), "expert" (per expert), "mtp"
+        (an MTP layer's own: enorm, hnorm, eh_proj, its final norm)."""
         out = []
         for r in self.roles.values():
             ts = self.tensors_of(r.name)
             if not ts:
                 continue
             kind = ("global" if "layer" not in ts[0].axes else "expert" if r.is_expert
-                    else "moe" if "moe" in ts[0].when else "layer")
+                    else "moe" if "moe" in ts[0].when else "mtp" if "mtp" in ts[0].when else "layer")
             if kind == where:
                 out.append(r)
         return out
@@ -278,6 +295,10 @@ class Spec:
     def layer_prefix(self, column: str) -> Optional[str]:
         """The prefix of a layer's keys in this name column, {i} the layer index (FALLBACK applies)."""
         return _key_by_column(self.layer_prefixes, column)
+
+    def mtp_prefix(self, column: str) -> Optional[str]:
+        """The prefix of an MTP layer's own keys in this name column, {i} the MTP layer (FALLBACK applies)."""
+        return _key_by_column(self.mtp.prefix, column)
 
     def keys(self, where: str, column: str) -> Dict[str, str]:
         """role -> key in one column, for the roles of `where` that the column names."""

@@ -52,7 +52,7 @@ from . import (optim as dist_optim, optim_buckets as dist_optim_buckets, optim_f
 from ..megatron import args as megatron_args, buffers as megatron_buffers
 from .files import COMMON_FILE, COMMON_KEY, CONFIG_FILE, DCP_COMMON_KEYS, locate, looks_like  # noqa: F401 (looks_like: the table's)
 from ..megatron.checkpoint import TRACKER, MegatronArgs, MegatronPlan, plan_megatron
-from ..megatron.names import DIALECTS, is_mla
+from ..megatron.names import DIALECTS, global_layer, is_mla, mtp_local
 from ..megatron.optim import GroupRule
 from ..registry import open_checkpoint
 
@@ -94,8 +94,9 @@ SINGLETON_EXPERT = re.compile(r"^mlp\.experts\.experts\.(\d+)\.(linear_fc[12]\.w
 GLU_HALVES = {"_w": 0, "_v": 1}
 # Stored MoE forms ckptool does not read, by what they are (refused with these words, never skipped).
 NOT_READ = (
-    (re.compile(r"^mtp\."), "multi-token-prediction (MTP) layers",
-     "ckptool does not convert MTP layers yet, and never converts a model with parts left out"),
+    (re.compile(r"^mtp\."), "multi-token-prediction (MTP) tensors of a form ckptool does not know",
+     "ckptool reads megatron-core's MTP block (mtp.layers.{k}.enorm / hnorm / eh_proj / final_layernorm and its "
+     "transformer_layer.*), and never converts a model with parts left out"),
     (re.compile(r"mlp\.experts\."), "an expert layout other than megatron-core's sharded experts",
      "ckptool reads experts stored as decoder.layers[.N].mlp.experts.experts.linear_fc{1,2}.weight "
      "[(layers,) experts, out, in] or one key per expert (...experts.experts.{e}.linear_fc1.weight_w / _v)"),
@@ -123,6 +124,12 @@ MODEL_PREFIXES = ("model.module.module.", "model.module.", "model.", "module.", 
 # Entries that are not model weights: skipped.
 SKIP = re.compile(r"(_extra_state|^rng_state|^(chained_\d+\.)?optimizer\.|^common_state|rerun_state_machine)")
 PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# --- multi-token prediction (MTP): megatron-core's MTP block, each MTP layer under its own keys (no layer axis:
+# MultiTokenPredictionBlock.sharded_state_dict gives its layers no layer offset), its decoder layer's keys as a
+# per-layer decoder layer's under MTP_PREFIX + GPT.mtp.inner, its experts [E, out, in] (megatron-core 0.16.1)
+MTP_LAYER = re.compile("(?:^|[.])" + re.escape(GPT.mtp_prefix(DIST)).replace(r"\{i\}", r"(\d+)") + "(.+)$")
+MTP_WRITE_NAMES = GPT.keys("mtp", DIST)
+MTP_KEYS = {v: k for k, v in MTP_WRITE_NAMES.items()}
 STACKED = re.compile(r"^decoder\.layers\.(.+)$")
 
 
@@ -192,6 +199,9 @@ def _collect(dcp: DcpDir, slot_prefix: Optional[str] = None) -> Tuple[Dict[Tuple
         if k in GLOBAL_KEYS:
             shards[(GLOBAL_KEYS[k], None)] = [dcp.lazy(key)]
             continue
+        m = MTP_LAYER.match(k)
+        if m and _add_mtp(shards, dcp, key, int(m.group(1)), m.group(2), table):
+            continue
         m = PER_LAYER.match(k)
         role = _layer_role(m.group(2), table) if m else None
         if role:
@@ -224,6 +234,35 @@ def _collect(dcp: DcpDir, slot_prefix: Optional[str] = None) -> Tuple[Dict[Tuple
                 "(weight_w / weight_v) stored", "the checkpoint is incomplete")
         shards[(role, i)] = [cat([parts[0], parts[1]], 0)]
     return shards, stacked
+
+
+def _add_mtp(shards, dcp: DcpDir, key: str, k: int, rest: str, table: Dict[str, str]) -> bool:
+    """MTP layer k's tensor (its own role, or its decoder layer's, experts included) into shards at the local layer
+    mtp_local(k) (place_mtp_layers numbers it after the decoder's); False when the name is none of these."""
+    inner = GPT.mtp.inner
+    role = MTP_KEYS.get(rest) or (_layer_role(rest[len(inner):], table) if rest.startswith(inner) else None)
+    if role:
+        shards[(role, mtp_local(k))] = [dcp.lazy(key)]
+        return True
+    if rest.startswith(inner) and rest[len(inner):] in EXPERT_KEYS:
+        _add_experts(shards, dcp, key, EXPERT_KEYS[rest[len(inner):]], [mtp_local(k)], stacked=False)
+        return True
+    return False
+
+
+def _check_mtp_declared(shards, cfg: GPTConfig, dcp: DcpDir, cfg_src: str) -> None:
+    """The MTP layers stored are the ones the config declares (--mtp-num-layers), refused by name otherwise."""
+    held = len({layer for _, layer in shards if layer is not None and layer >= cfg.num_layers})
+    if held != cfg.mtp_num_layers:
+        example = next((k for k in dcp.tensor_keys() if MTP_LAYER.search(k)), "no mtp.layers.* key")
+        raise CkptError(f"multi-token-prediction (MTP) layers: {cfg_src} declare {cfg.mtp_num_layers} "
+                        f"(--mtp-num-layers), the checkpoint holds {held} (e.g. {example})",
+                        "the args do not describe the checkpoint; convert the one its run saved")
+
+
+def place_mtp_layers(shards, num_layers: int):
+    """shards with MTP layer k (local layer mtp_local(k)) at global layer num_layers + k."""
+    return {(role, global_layer(layer, 0, num_layers)): v for (role, layer), v in shards.items()}
 
 
 def _layer_role(name: str, table: Dict[str, str]) -> Optional[str]:
@@ -357,8 +396,9 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     dcp = DcpDir(d)
     common = read_common_state(d, dcp)
     shards, stacked = _collect(dcp)
-    layers = sorted({layer for _, layer in shards if layer is not None})
+    layers = sorted({layer for _, layer in shards if layer is not None and layer >= 0})  # the decoder's, not MTP
     num_layers = layers[-1] + 1 if layers else 0
+    shards = place_mtp_layers(shards, num_layers)
     missing = sorted(set(range(num_layers)) - set(layers))
     if missing:
         raise CkptError(f"{d}: layers {missing} have no tensors", "the checkpoint is incomplete")
@@ -373,6 +413,7 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
             f"the true vocabulary ({cfg.vocab_size}) exceeds the {stored_rows} embedding rows stored")
     require(cfg.num_layers == num_layers, f"{cfg_src} say {cfg.num_layers} layers but the checkpoint holds "
             f"{num_layers}", "the checkpoint is incomplete or its args are wrong")
+    _check_mtp_declared(shards, cfg, dcp, cfg_src)
     if cfg.tied_embeddings:
         shards.pop(("output", None), None)  # a tied model's synchronised head copy
     policy = ReplicaPolicy(opts.replicas, warnings.append)
@@ -452,12 +493,12 @@ def _read_optimizer(dcp: DcpDir, common: dict, cfg: GPTConfig, tensors, policy, 
                                tensors, consumed, where, rule, ep)
     if form not in dist_optim.STORED_SLOTS:
         raise CkptError(f"{where}: unknown optimizer form {form!r}", dist_optim.HINT)
-    weight_shards, _ = _collect(dcp)
+    weight_shards = place_mtp_layers(_collect(dcp)[0], cfg.num_layers)
 
     def slot_tensors(stored: str):
         prefix = f"{dist_optim.PREFIX}{stored}."
         view = dist_optim_flattened.ModelSpaceView(dcp, prefix, where) if form == dist_optim_flattened.FORM else dcp
-        shards, _ = _collect(view, prefix)
+        shards = place_mtp_layers(_collect(view, prefix)[0], cfg.num_layers)
         if cfg.tied_embeddings:
             shards.pop(("output", None), None)
         for key, parts in shards.items():
@@ -589,14 +630,37 @@ class _DistWrite:
             self.write_layer(i)
         self.put_global("final_norm.weight")
         self.put_global("final_norm.bias")
+        for k in range(self.cfg.mtp_num_layers):
+            self.write_mtp_layer(k)
         if not self.cfg.tied_embeddings:
             self.put_global("output")
 
+    def write_mtp_layer(self, k: int) -> None:
+        """MTP layer k: its own tensors (enorm, hnorm, eh_proj, final norm) and its decoder layer (write_layer)."""
+        g, prefix = self.cfg.num_layers + k, GPT.mtp_prefix(DIST).format(i=k)
+        linear = GPT.with_trait("linear")
+        with load_scope():
+            for role, name in MTP_WRITE_NAMES.items():
+                if layer_role_tensor(self.tensors, self.plan.cfg_out, g, role) is None:
+                    continue
+                self.put_slots(prefix + name, lambda ts, role=role: layer_role_tensor(ts, self.plan.cfg_out, g, role))
+                if role in linear:  # a linear module's (empty) extra state, as for a per-layer decoder layer's
+                    self.writer.add_bytes(f"{prefix}{name.rsplit('.', 1)[0]}._extra_state/shard_0_1", NO_EXTRA_STATE)
+        self.write_layer(g)
+
+    def _layer_place(self, i: int) -> Tuple[str, tuple, tuple, bool]:
+        """(key prefix, index, leading axes, per-layer keys) of layer i: stacked, one [L, ...] tensor per name with
+        this layer at index i; per-layer, decoder.layers.{i}.<name>; an MTP layer, under its MTP layer's prefix."""
+        if self.cfg.is_mtp_layer(i):
+            return GPT.mtp_prefix(DIST).format(i=i - self.cfg.num_layers) + GPT.mtp.inner, (), (), True
+        if not self.per_layer:
+            return "decoder.layers.", (i,), (self.cfg.num_layers,), False
+        return f"decoder.layers.{i}.", (), (), True
+
     def write_layer(self, i: int) -> None:
         """Layer i's weights and slots, and the extra-state objects megatron-core asks for at load."""
-        cfg, moe, L = self.cfg, self.cfg.moe, self.cfg.num_layers
-        # stacked: one [L, ...] tensor per name, this layer at index i; per-layer: decoder.layers.{i}.<name>
-        prefix, at, lead = ("decoder.layers.", (i,), (L,)) if not self.per_layer else (f"decoder.layers.{i}.", (), ())
+        cfg, moe = self.cfg, self.cfg.moe
+        prefix, at, lead, per_layer = self._layer_place(i)
         is_moe = cfg.is_moe_layer(i)
         mla = cfg.mla is not None
         impl = self.args.transformer_impl
@@ -614,18 +678,18 @@ class _DistWrite:
                     for base, name in EXPERT_WRITE_NAMES.items():
                         self.put_slots(prefix + name, lambda ts, base=base, e=e: layer_role_tensor(
                             ts, self.plan.cfg_out, i, expert_role(e, base)), at + (e,), lead + (E,))
-        self.write_extra_state(i, prefix, is_moe, mla)
+        self.write_extra_state(i, prefix, is_moe, mla, per_layer)
 
-    def write_extra_state(self, i: int, prefix: str, is_moe: bool, mla: bool) -> None:
+    def write_extra_state(self, i: int, prefix: str, is_moe: bool, mla: bool, per_layer: bool) -> None:
         cfg, moe, L = self.cfg, self.cfg.moe, self.cfg.num_layers
-        shard = f"{i}_{L}" if not self.per_layer else "0_1"
+        shard = f"{i}_{L}" if not per_layer else "0_1"
         attention = _modules(*(r for r in MLA_LINEARS if GPT.has_role(r, cfg, i))) if mla else ()
         for name in EXTRA_STATE + attention + (SHARED_EXTRA_STATE if is_moe and moe.shared_ffn_hidden_size else ()):
             if not (is_moe and name.startswith("mlp.linear_fc")) and not (mla and ".linear_qkv" in name):
                 self.writer.add_bytes(f"{prefix}{name}._extra_state/shard_{shard}", NO_EXTRA_STATE)
         for name in EXPERT_EXTRA_STATE if is_moe else ():
             for e in range(moe.num_experts):
-                where = f"{i}.{e}_{L}.{moe.num_experts}" if not self.per_layer else f"{e}_{moe.num_experts}"
+                where = f"{i}.{e}_{L}.{moe.num_experts}" if not per_layer else f"{e}_{moe.num_experts}"
                 self.writer.add_bytes(f"{prefix}{name}._extra_state/shard_{where}", NO_EXTRA_STATE)
 
 

@@ -17,6 +17,7 @@ from typing import Dict, Optional
 from ...config import Layout
 from ...errors import CkptError
 from ...families.family import Family, canonical_names
+from ...families.mtp import layers_held as mtp_layers_held
 from . import config as hf_config
 from . import quant
 from ...io.safetensors_header import read_safetensors_header
@@ -50,6 +51,7 @@ def _checkpoint(path: Path, format_name: str) -> Optional[Checkpoint]:
         return None
     entries = family.names.with_full_names(entries)
     cfg = family.read_config(conf, entries[family.names.word_embedding].shape[0])
+    cfg = cfg.replace(mtp_num_layers=mtp_layers_held(entries, conf, family, cfg.num_layers))
     experts = hf_config.experts_form(entries, family, cfg)
     tensors = canonical_shapes(unfused_shapes(entries, family, cfg), family, cfg)
     if tensors is None:
@@ -100,11 +102,14 @@ def canonical_shapes(entries: Dict[str, TensorMeta], family: Family, cfg,
     sources, if given, gets each canonical name's HF name (several share a fused one)."""
     tensors: Dict[str, TensorMeta] = {}
     used = set()
-    for hf_name, (op, arg), _group in family.names.expand(cfg.num_layers, cfg.moe.num_experts if cfg.moe else 0):
+    for hf_name, (op, arg), _group in family.names.expand(cfg.num_layers, cfg.moe.num_experts if cfg.moe else 0,
+                                                          cfg.mtp_num_layers):
         t = entries.get(hf_name)
         if t is None:
             continue
         used.add(hf_name)
+        if op == "same":  # an MTP layer's copy of a main-model tensor (the full reader checks it equal)
+            continue
         if sources is not None:
             sources.update((n, hf_name) for n in canonical_names((op, arg)))
         shape = t.shape[::-1] if op in ("T", "cat_T") else t.shape

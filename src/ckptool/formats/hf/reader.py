@@ -21,6 +21,7 @@ from ... import families
 from ...config import GPTConfig, Layout
 from ...errors import require
 from ...families.family import Family
+from ...families.mtp import layers_held as mtp_layers_held
 from ...io.safetensors_header import read_safetensors_header
 from ...io.torchfile import load_torch_file
 from ...lazy import Derived, LazyTensor
@@ -105,17 +106,49 @@ def to_canonical(entries: Dict[str, LazyTensor], conf: dict, model_type: str, op
         cfg = cfg.replace(activation=opts.overrides["activation"])
 
     entries = fp8.dequantize_entries(entries, conf, path)  # block FP8 (DeepSeek-V3 as released) -> bf16
+    cfg = cfg.replace(mtp_num_layers=mtp_layers_held(entries, conf, family, cfg.num_layers))
     if family.fused_experts:
         entries = unfuse_experts(entries, family, cfg)
+    tensors, used, copies = _apply_names(entries, family, cfg)
+    if cfg.tied_embeddings:
+        tensors.pop("output.weight", None)
+    _check_copies(copies, entries, tensors, path)
+    leftover = sorted(k for k in entries if k not in used and not k.endswith(IGNORED_SUFFIXES)
+                      and not (cfg.tied_embeddings and k == "lm_head.weight"))
+    beyond = [k for k in leftover if _layer_index(k) is not None and _layer_index(k) >= cfg.all_layers]
+    require(not beyond, f"{path}: {', '.join(beyond[:3])} belong to layers past num_hidden_layers="
+            f"{cfg.num_layers}" + (f" and its {cfg.mtp_num_layers} MTP layers" if cfg.mtp_num_layers else "")
+            + ": multi-token-prediction (MTP) layers config.json does not declare"
+            + (f" ({family.mtp_key})" if family.mtp_key else f"; {family.architecture} has none in ckptool"),
+            "ckptool never drops tensors: set the number of MTP layers in config.json, or remove those layers")
+    require(not leftover, f"{path}: tensors ckptool does not know how to map: {', '.join(leftover[:5])}",
+            "this model has parts a Megatron GPT cannot hold" if cfg.moe is None else
+            f"an expert index past num_experts={cfg.moe.num_experts}, or an expert module ckptool does not know")
+    want = expected_names(cfg)
+    unexpected = [n for n in tensors if n not in set(want)]
+    require(not unexpected, f"{path}: the files hold {', '.join(unexpected[:3])}, which the model config.json "
+            "describes does not have", "ckptool never drops tensors; check config.json against the weights")
+    missing = [n for n in want if n not in tensors]
+    require(not missing, f"{path}: missing weights for {', '.join(missing[:5])}",
+            "the weight files do not match config.json")
+    return cfg, {n: tensors[n] for n in want}
+
+
+def _apply_names(entries: Dict[str, LazyTensor], family: Family, cfg: GPTConfig):
+    """(canonical tensors, the HF names used, the MTP layers' copies of main-model tensors to check) by the family's
+    name table applied backwards."""
     tensors: Dict[str, LazyTensor] = {}
-    used = set()
-    for hf_name, (op, arg), _group in family.names.expand(cfg.num_layers, cfg.moe.num_experts if cfg.moe else 0):
+    used, copies = set(), []
+    for hf_name, (op, arg), _group in family.names.expand(cfg.num_layers, cfg.moe.num_experts if cfg.moe else 0,
+                                                          cfg.mtp_num_layers):
         if hf_name not in entries:
             continue
         t = entries[hf_name]
         used.add(hf_name)
         if op == "copy":
             tensors[arg] = t
+        elif op == "same":  # an MTP layer's copy of a main-model tensor: checked below, once that one is read
+            copies.append((hf_name, arg))
         elif op == "T":
             tensors[arg] = Derived(lambda x: x.t(), [t])
         else:
@@ -128,25 +161,20 @@ def to_canonical(entries: Dict[str, LazyTensor], conf: dict, model_type: str, op
                 tensors[name] = whole.narrow(0, start, n)
                 start += n
             require(start == whole.shape[0], f"{hf_name} has {whole.shape[0]} rows, expected {start}")
-    if cfg.tied_embeddings:
-        tensors.pop("output.weight", None)
-    leftover = sorted(k for k in entries if k not in used and not k.endswith(IGNORED_SUFFIXES)
-                      and not (cfg.tied_embeddings and k == "lm_head.weight"))
-    beyond = [k for k in leftover if _layer_index(k) is not None and _layer_index(k) >= cfg.num_layers]
-    require(not beyond, f"{path}: {', '.join(beyond[:3])} belong to layers past num_hidden_layers="
-            f"{cfg.num_layers}: multi-token-prediction (MTP) layers are not supported",
-            "ckptool never drops tensors; remove the MTP layers from the checkpoint first if you do not need them")
-    require(not leftover, f"{path}: tensors ckptool does not know how to map: {', '.join(leftover[:5])}",
-            "this model has parts a Megatron GPT cannot hold" if cfg.moe is None else
-            f"an expert index past num_experts={cfg.moe.num_experts}, or an expert module ckptool does not know")
-    want = expected_names(cfg)
-    unexpected = [n for n in tensors if n not in set(want)]
-    require(not unexpected, f"{path}: the files hold {', '.join(unexpected[:3])}, which the model config.json "
-            "describes does not have", "ckptool never drops tensors; check config.json against the weights")
-    missing = [n for n in want if n not in tensors]
-    require(not missing, f"{path}: missing weights for {', '.join(missing[:5])}",
-            "the weight files do not match config.json")
-    return cfg, {n: tensors[n] for n in want}
+    return tensors, used, copies
+
+
+def _check_copies(copies, entries: Dict[str, LazyTensor], tensors: Dict[str, LazyTensor], path) -> None:
+    """An MTP layer's copies of the embedding and the head (families/mtp.py) must equal the main model's: the
+    canonical state keeps one tensor, so a copy that differs would be lost. Read and compared here (two
+    vocabulary-sized reads per copy, once per conversion)."""
+    for hf_name, name in copies:
+        main = tensors.get(name) if name in tensors else tensors.get("embed.word")  # a tied head is the embedding
+        copy = entries[hf_name]
+        same = main is not None and tuple(main.shape) == tuple(copy.shape) and torch.equal(main.load(), copy.load())
+        require(same, f"{path}: {hf_name} differs from the main model's {name}: the MTP layer's own copy is not "
+                "the shared one", "ckptool keeps one embedding and one head (as megatron-core shares them); "
+                "a checkpoint whose MTP copies differ cannot be converted without losing one")
 
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -161,7 +189,7 @@ def unfuse_experts(entries: Dict[str, LazyTensor], family: Family, cfg: GPTConfi
     """transformers' fused 3-D expert tensors -> the per-expert Hub names (lazy; expert e reads only
     its own rows of a safetensors entry)."""
     out = dict(entries)
-    for i in cfg.moe.layers if cfg.moe else ():
+    for i in [i for i in range(cfg.all_layers) if cfg.is_moe_layer(i)]:  # the MTP layers' experts too
         p = family.names.layer_prefix.format(i=i)
         for suffix, (op, arg) in family.fused_experts.items():
             t = out.pop(p + suffix, None)

@@ -82,7 +82,7 @@ def materialise(entry, tensors: Dict[str, LazyTensor]) -> Optional[LazyTensor]:
     if any(n not in tensors for n in names):
         return None
     parts = [tensors[n] for n in names]
-    if op == "copy":
+    if op in ("copy", "same"):  # "same": an MTP layer's copy of a main-model tensor (families/mtp.py)
         return parts[0]
     # shapes stated, not found by running the function on meta tensors (cat on meta imports
     # torch._dynamo, seconds of start-up); transposes run in parallel blocks (io/transpose.py)
@@ -178,9 +178,15 @@ def hf_items(ckpt: Checkpoint, dtype: Optional[torch.dtype], warn: Callable[[str
             "the checkpoint does not hold every tensor its config describes")
     items: List[Item] = []
     used = set()
-    for hf_name, entry, group in family.names.expand(cfg.num_layers, cfg.moe.num_experts if cfg.moe else 0):
+    require(not cfg.mtp_num_layers or family.names.mtp, f"cannot export to Hugging Face: the model has "
+            f"{cfg.mtp_num_layers} multi-token-prediction (MTP) layers and {family.architecture} has no place for them",
+            "give --drop-mtp to export without them (the main model's logits do not depend on them)")
+    for hf_name, entry, group in family.names.expand(cfg.num_layers, cfg.moe.num_experts if cfg.moe else 0,
+                                                     cfg.mtp_num_layers):
         if hf_name == "lm_head.weight" and cfg.tied_embeddings:
             continue
+        if entry == ("same", "output.weight") and cfg.tied_embeddings:
+            entry = ("same", "embed.word")  # a tied model's head is its embedding
         t = materialise(entry, tensors)
         if t is None:
             continue

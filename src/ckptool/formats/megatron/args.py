@@ -197,6 +197,7 @@ def config_from_args(args, stored_rows: int, extra: Optional[dict] = None) -> GP
         post_layernorm_residual=bool(_get(args, "apply_residual_connection_post_layernorm", default=False)),
         moe=moe_from_args(args, int(num_layers), int(_get(args, "ffn_hidden_size", default=4 * hidden))),
         **gemma_from_args(args, int(num_layers)),
+        mtp_num_layers=int(_get(args, "mtp_num_layers", default=0) or 0),  # --mtp-num-layers (default None)
     )
 
 
@@ -560,6 +561,9 @@ def args_for_target(source_args, cfg: GPTConfig, layout: Layout, padded_rows: in
         updates.update({k: v for k, v in dense_moe_args(layout).items() if getattr(args, k, None) is not None})
     updates.update(mla_args(cfg.mla, cfg.rope_yarn))
     updates.update({k: v for k, v in gemma_args(cfg).items() if v is not None or getattr(args, k, None) is not None})
+    # --mtp-num-layers: None when the model has no MTP layers (Megatron-LM's default)
+    if cfg.mtp_num_layers or getattr(args, "mtp_num_layers", None) is not None:
+        updates["mtp_num_layers"] = cfg.mtp_num_layers or None
     # the pipeline said one way, this layout's: the source's other ways of saying it go (Megatron-LM's
     # validate_args refuses args holding two ways of saying the virtual pipeline, and first / last stage sizes
     # the layout does not have would describe other files); uneven stages are set again below

@@ -33,7 +33,7 @@ from ...vocab import resize_vocab, target_rows, with_true_vocab_size
 from ...write_options import WriteOptions
 from . import (args as megatron_args, distopt as megatron_distopt, optim as megatron_optim, training as megatron_training)
 from .optim import RankParam, role_shards
-from .names import (DIALECTS, REFUSED_KEYS, Dialect, KeyMatcher, dialects_for, is_ignorable, is_mla,
+from .names import (DIALECTS, Dialect, KeyMatcher, dialects_for, global_layer, is_ignorable, is_mla,
                              qkv_from_grouped, qkv_to_grouped, refused_module, stacked_expert_block)
 from .files import (ITER_DIR, MODEL_FILES, RANK_DIR, TRACKER, detect_dialect, flatten,  # noqa: F401
                              etp_refusal, expert_grid, rank_coordinates, is_optimizer_only, looks_like_megatron, model_file, list_rank_dirs, resolve_iteration_dir)
@@ -61,7 +61,8 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     models = _model_chunks(src.trees)
     dialect, matcher, all_keys, version = _name_keys(models, src)
     counts, offsets, num_layers = _layer_offsets(models, matcher, src.pp)
-    stacked_local, per_ep, stored, unstack, params = _rank_params(models, matcher, all_keys, offsets, src, opts)
+    stacked_local, per_ep, stored, unstack, params = _rank_params(models, matcher, all_keys, offsets, num_layers, src,
+                                                                  opts)
     shards, head_copy = _joined_shards(params, src)
     cfg, warnings = _read_config(src, dialect, shards, num_layers, per_ep, version, opts)
     if cfg.tied_embeddings and ("output", None) in shards:
@@ -159,14 +160,27 @@ def _name_keys(models, src: _RankFiles) -> Tuple[Dialect, KeyMatcher, set, float
         if refused:
             raise CkptError(f"{src.it_dir}: {refused[0]}: {sum(1 for k in unknown if refused_module(k) == refused)} "
                             f"keys such as {key}", refused[1])
-    mtp = getattr(src.args, "mtp_num_layers", None)
-    require(not mtp, f"{src.it_dir}: the args say --mtp-num-layers {mtp}: multi-token prediction (MTP) layers",
-            REFUSED_KEYS[0][2])
+    _check_mtp_declared(all_keys, matcher, src)
     if unknown:
         raise CkptError(f"{len(unknown)} keys are not part of a {dialect.name} GPT model "
                         f"(e.g. {', '.join(unknown[:3])})",
                         "ckptool converts GPT models; other architectures are not supported")
     return dialect, matcher, all_keys, version
+
+
+def _check_mtp_declared(all_keys, matcher: KeyMatcher, src: "_RankFiles") -> None:
+    """The MTP layers the keys hold are the ones the args declare (--mtp-num-layers): a model is read as its args
+    describe it, so MTP keys the args do not declare (or declared layers without keys) are refused by name."""
+    keys = sorted(k for k in all_keys if (hit := matcher.match(k)) is not None and hit[1] is not None and hit[1] < 0)
+    held = len({matcher.match(k)[1] for k in keys})
+    declared = int(getattr(src.args, "mtp_num_layers", None) or 0)
+    if held and not declared:
+        raise CkptError(f"{src.it_dir}: multi-token prediction (MTP) layers (--mtp-num-layers): {len(keys)} keys such "
+                        f"as {keys[0]}, but the args declare no --mtp-num-layers",
+                        "the args do not describe the files; convert the checkpoint its run saved")
+    require(held == declared, f"{src.it_dir}: the args say --mtp-num-layers {declared} but the files hold {held} "
+            "multi-token prediction (MTP) layers (mtp.layers.*)", "copy the complete checkpoint (MTP layers sit on "
+            "the last pipeline stage)")
 
 
 def _layer_offsets(models, matcher: KeyMatcher, pp: int):
@@ -176,7 +190,7 @@ def _layer_offsets(models, matcher: KeyMatcher, pp: int):
     counts: Dict[Tuple[int, int], int] = {}
     for (t, p, _), chunks in models.items():
         for v, flat in chunks.items():
-            idx = [m[1] for m in (matcher.match(k) for k in flat) if m and m[1] is not None]
+            idx = [m[1] for m in (matcher.match(k) for k in flat) if m and m[1] is not None and m[1] >= 0]  # not MTP
             n = max(idx) + 1 if idx else 0
             if counts.setdefault((p, v), n) != n:
                 raise CkptError(f"pipeline stage {p} holds {counts[(p, v)]} layers on one TP rank and {n} on another",
@@ -189,7 +203,7 @@ def _layer_offsets(models, matcher: KeyMatcher, pp: int):
     return counts, offsets, first_layer
 
 
-def _rank_params(models, matcher: KeyMatcher, all_keys, offsets, src: _RankFiles, opts: ReadOptions):
+def _rank_params(models, matcher: KeyMatcher, all_keys, offsets, num_layers: int, src: _RankFiles, opts: ReadOptions):
     """(stacked local experts, experts per EP rank, stored, unstack, params): each rank's parameters in file
     order, which is the order Megatron built its optimizer from. stored: one per tensor of the file (a
     legacy GroupedMLP fc stacks all local experts: role experts.*.<fc>), what the optimizer's entries count;
@@ -202,7 +216,7 @@ def _rank_params(models, matcher: KeyMatcher, all_keys, offsets, src: _RankFiles
     once = _read_once if opts.optimizer and any("optimizer" in tree for tree in src.trees.values()) else lambda role, x: x
     stored: Dict[Tuple[int, int, int], List[RankParam]] = {}
     for (t, p, e), chunks in models.items():
-        stored[(t, p, e)] = [RankParam(key, hit[0], None if hit[1] is None else offsets[(p, v)] + hit[1],
+        stored[(t, p, e)] = [RankParam(key, hit[0], global_layer(hit[1], offsets[(p, v)], num_layers),
                                        once(hit[0], value), v)
                              for v in sorted(chunks) for key, value in chunks[v].items()
                              for hit in [matcher.match(key)] if hit is not None and isinstance(value, LazyTensor)]
@@ -447,7 +461,7 @@ def _check_experts(cfg: GPTConfig, shards, per_ep: int, ep: int, it_dir: Path) -
             require(rows == want_rows, f"{it_dir}: layer {layer} {role} has {rows} rows over the TP ranks, "
                     f"expected {want_rows} for the expert FFN size {moe.ffn_hidden_size}",
                     "the args' --moe-ffn-hidden-size or expert tensor parallelism do not match the files")
-    want = {(i, e) for i in moe.layers for e in range(moe.num_experts)}
+    want = {(i, e) for i in range(cfg.all_layers) if cfg.is_moe_layer(i) for e in range(moe.num_experts)}  # MTP too
     missing, extra = sorted(want - held), sorted(held - want)
     require(not missing and not extra,
             f"{it_dir}: expert weights of (layer, expert) {(missing or extra)[:3]} are "
@@ -550,6 +564,12 @@ def _check_dialect_fits(d: Dialect, cfg: GPTConfig, layout: Layout) -> None:
     if cfg.mla is not None and not d.name.startswith("mcore"):
         raise CkptError(f"Multi-Latent Attention: the {d.name} dialect predates MLA models",
                         "choose --dialect mcore or mcore-te")
+    if cfg.mtp_num_layers and d.mtp_prefix is None:
+        raise CkptError(f"multi-token prediction (MTP) layers: the {d.name} dialect predates megatron-core's MTP block",
+                        "choose --dialect mcore or mcore-te, or give --drop-mtp")
+    if cfg.mtp_num_layers and (layout.pp > 1 or layout.vpp):
+        raise CkptError(f"multi-token prediction (MTP) layers at --pp {layout.pp}: the last stage's copy of the "
+                        "embedding megatron-core keeps for them is not written yet", "write --pp 1 (any --tp / --ep)")
     if d.name.startswith("mcore"):
         megatron_args.refuse_what_megatron_core_ignores(cfg, "choose --dialect legacy or legacy-norm")
     if cfg.moe is None:
@@ -902,12 +922,33 @@ class _RankFile:
             for extra in d.shared_extra_state:
                 flat[prefix + extra] = _extra_state_value(d)
 
+    def mtp_entries(self, flat: Dict[str, object], v: int, g: int, prefix: str) -> None:
+        """MTP layer g (megatron-core's MultiTokenPredictionLayer) under prefix: its enorm, hnorm and eh_proj, its
+        decoder layer (under the dialect's mtp_inner), its final norm, in the order the module registers them."""
+        d, tensors, train, cfg_out = self.plan.d, self.plan.tensors, self.plan.train, self.plan.cfg_out
+        spec = tables_for(cfg_out).spec
+        linear = spec.with_trait("linear")
+
+        def own(roles) -> None:
+            for role in roles:
+                if layer_role_tensor(tensors, cfg_out, g, role) is None:
+                    continue
+                key = prefix + d.mtp_layer[role]
+                self.put(flat, key, role, g, megatron_training.layer_slots(tensors, train, cfg_out, g, role), v)
+                if role in linear:
+                    flat[key.rsplit(".", 1)[0] + "._extra_state"] = _extra_state_value(d)
+        own(spec.mtp.before)
+        self.layer_entries(flat, v, g, prefix + d.mtp_inner)
+        own(spec.mtp.after)
+
     def last_stage_entries(self, flat: Dict[str, object], v: int) -> None:
         """The final norm, the output head (or the tied embedding's last-stage copy) and their extra state."""
         plan, d, tensors, train, cfg = self.plan, self.plan.d, self.plan.tensors, self.plan.train, self.plan.cfg
         for role in ("final_norm.weight", "final_norm.bias"):
             if global_role_tensor(tensors, role) is not None:
                 self.put(flat, d.globals[role], role, None, megatron_training.global_slots(tensors, train, role), v)
+        for k in range(plan.cfg_out.mtp_num_layers):  # GPTModel registers its MTP block after the decoder
+            self.mtp_entries(flat, v, plan.cfg_out.num_layers + k, d.mtp_prefix.format(i=k))
         if not cfg.tied_embeddings:
             self.put(flat, d.globals["output"], "output", None,
                      megatron_training.global_slots(tensors, train, "output"), v)

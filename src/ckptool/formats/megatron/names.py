@@ -71,6 +71,11 @@ class Dialect:
     mla_param_order: Tuple[str, ...] = ()
     # the spec column whose TP rules the dialect's modules follow (Role.rules; None: every role's own rule)
     rule_column: Optional[str] = None
+    # multi-token prediction (megatron-core's MTP block): an MTP layer's prefix ({i}: the MTP layer), the prefix of
+    # its decoder layer inside it, and its own roles' keys (relative to the MTP layer); None: no MTP in this dialect
+    mtp_prefix: Optional[str] = None
+    mtp_inner: str = ""
+    mtp_layer: Dict[str, str] = dataclasses.field(default_factory=dict)
 
     def layer_key(self, role: str, moe: bool = False, mla: bool = False) -> Optional[str]:
         """A layer role's layer-relative key in an MoE layer (moe) of an MLA model (mla), or None."""
@@ -122,10 +127,12 @@ class _Columns:
         head_copy = self.spec.roles.get(HEAD_COPY)
         optional = dict(layer_prefix=self.spec.layer_prefix(glob),
                         head_copy=head_copy.key(glob) if head_copy is not None else None)
+        mtp = dict(mtp_prefix=self.spec.mtp_prefix(layer), mtp_inner=self.spec.mtp.inner,
+                   mtp_layer=self.spec.keys("mtp", layer)) if self.spec.mtp_prefix(layer) else {}
         return dict(globals=_rename(self.spec.keys("global", glob), *renames),
                     layer=_rename(self.spec.keys("layer", layer), *renames),
                     **{k: v and _rename({k: v}, *renames)[k] for k, v in optional.items()},
-                    param_order=self.spec.registration_order(layer))
+                    param_order=self.spec.registration_order(layer), **mtp)
 
     def experts(self, column: str) -> Dict[str, str]:
         """An expert module form's keys by base role (fc1.weight, fc2.weight)."""
@@ -246,32 +253,61 @@ class KeyMatcher:
         self.experts = [(re.compile("^" + re.escape(key).replace(r"\{j\}", r"(\d+)") + "$"), base)
                         for table in dialect.experts for base, key in table.items()]
         self.stacked = {key: base for base, key in dialect.stacked_experts.items()}
+        mtp = dialect.mtp_prefix
+        self.mtp_re = re.compile("^" + re.escape(mtp).replace(r"\{i\}", r"(\d+)") + "(.+)$") if mtp else None
+        self.mtp_own = {key: role for role, key in dialect.mtp_layer.items()}
 
     def match(self, key: str):
         """(role, local layer or None), or None. An expert's role is experts.{j}.<base> with j its index
         LOCAL to the file's expert-parallel rank (the reader makes it global); a tensor of all local
-        experts (stacked_experts) has role experts.*.<base>."""
+        experts (stacked_experts) has role experts.*.<base>. A key of MTP layer k (its own roles, or its decoder
+        layer's) has the local layer mtp_local(k), a negative number: global_layer places it after the decoder."""
         if key in self.globals:
             return self.globals[key], None
+        m = self.mtp_re.match(key) if self.mtp_re is not None else None
+        if m:
+            k, rest = int(m.group(1)), m.group(2)
+            inner = self.dialect.mtp_inner
+            role = self.mtp_own.get(rest) or (self._layer_role(rest[len(inner):]) if rest.startswith(inner) else None)
+            return None if role is None else (role, mtp_local(k))
         m = self.layer_re.match(key)
         if not m:
             return None
-        if m.group(2) in self.layer:
-            return self.layer[m.group(2)], int(m.group(1))
-        if m.group(2) in self.stacked:
-            return f"experts.*.{self.stacked[m.group(2)]}", int(m.group(1))
+        role = self._layer_role(m.group(2))
+        return None if role is None else (role, int(m.group(1)))
+
+    def _layer_role(self, suffix: str) -> Optional[str]:
+        """The role of a layer-relative key, or None."""
+        if suffix in self.layer:
+            return self.layer[suffix]
+        if suffix in self.stacked:
+            return f"experts.*.{self.stacked[suffix]}"
         for pattern, base in self.experts:
-            e = pattern.match(m.group(2))
+            e = pattern.match(suffix)
             if e:
-                return f"experts.{int(e.group(1))}.{base}", int(m.group(1))
+                return f"experts.{int(e.group(1))}.{base}"
         return None
+
+
+# --- multi-token prediction: KeyMatcher's local layer of MTP layer k ------------------------------------------
+def mtp_local(k: int) -> int:
+    """The local layer KeyMatcher.match gives a key of MTP layer k: negative, apart from the decoder's layers."""
+    return -1 - k
+
+
+def global_layer(local: Optional[int], first: int, num_layers: int) -> Optional[int]:
+    """A matched key's global layer: a decoder layer's local index plus its chunk's first global layer; MTP layer k
+    (mtp_local) is layer num_layers + k, after the decoder's (as Hugging Face numbers it)."""
+    if local is None:
+        return None
+    return first + local if local >= 0 else num_layers - 1 - local
 
 
 # Keys of modules ckptool knows and does not convert: (pattern, what they are, what to do). The reader names
 # them instead of the generic "not part of a GPT model", and never leaves them out of an output.
 REFUSED_KEYS = (
-    (re.compile(r"(^|[./])mtp[./]"), "multi-token prediction (MTP) layers (--mtp-num-layers)",
-     "ckptool does not convert MTP modules yet; convert a checkpoint of a run without MTP"),
+    (re.compile(r"(^|[./])mtp[./]"), "multi-token prediction (MTP) layers (--mtp-num-layers) in a dialect without "
+     "megatron-core's MTP block", "ckptool reads MTP layers of megatron-core runs (the mcore and mcore-te names)"),
     # megatron-core gives every expert linear a bias with --add-bias-linear (SequentialMLP's
     # local_experts.{j}.linear_fc1.bias, TEGroupedMLP's linear_fc1.bias{j}); no family ckptool converts has them
     (re.compile(r"(^|[./])mlp\.experts\.(local_experts\.\d+\.)?linear_fc[12]\.bias"),

@@ -29,7 +29,7 @@ from ...errors import CkptError
 from . import args as megatron_args
 from .files import (detect_dialect, expert_grid, flatten, list_rank_dirs, model_file, rank_coordinates,
                                       resolve_iteration_dir)
-from .names import KeyMatcher, is_ignorable, is_mla
+from .names import KeyMatcher, global_layer, is_ignorable, is_mla
 from ...spec.schema import HEAD_COPY
 from ...state import Checkpoint, SourceInfo
 from . import quick_experts as experts
@@ -205,7 +205,7 @@ def _shapes_hold(models, matcher, cfg, shapes, counts, tp: int, column) -> bool:
                 hit = matcher.match(key) if isinstance(value, TensorMeta) else None
                 if hit is None or hit[0].startswith("experts."):
                     continue
-                layer = None if hit[1] is None else offsets[(p, v)] + hit[1]
+                layer = global_layer(hit[1], offsets[(p, v)], cfg.num_layers)
                 role = HEAD_COPY if hit[0] == "output" and cfg.tied_embeddings else hit[0]  # megatron-core's key
                 if value.shape != rank_shape(role, layer, cfg, shapes, tp, column):
                     return False
@@ -234,7 +234,7 @@ def _layer_counts(models, matcher) -> Optional[Dict[Tuple[int, int], int]]:
     counts: Dict[Tuple[int, int], int] = {}
     for (_, p, _), chunks in models.items():
         for v, flat in chunks.items():
-            idx = [m[1] for m in (matcher.match(k) for k in flat) if m and m[1] is not None]
+            idx = [m[1] for m in (matcher.match(k) for k in flat) if m and m[1] is not None and m[1] >= 0]  # no MTP
             n = max(idx) + 1 if idx else 0
             if counts.setdefault((p, v), n) != n:
                 return None

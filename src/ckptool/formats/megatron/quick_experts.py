@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Dict, Set, Tuple
 
 from ...quick.meta import TensorMeta
+from .names import global_layer
 
 STACKED = "experts.*."  # KeyMatcher's role prefix of a tensor stacking all local experts (legacy GroupedMLP)
 DENSE_MLP = ("fc1.", "fc2.")  # a dense layer's MLP roles; an MoE layer has none
@@ -34,7 +35,7 @@ def holds(models, matcher, cfg, counts: Dict[Tuple[int, int], int], ep: int, etp
                 hit = matcher.match(key)
                 if hit is None or hit[1] is None or not isinstance(value, TensorMeta):
                     continue
-                role, layer = hit[0], offsets[(p, v)] + hit[1]
+                role, layer = hit[0], global_layer(hit[1], offsets[(p, v)], cfg.num_layers)  # MTP layers after
                 if not role.startswith("experts."):
                     roles.setdefault(layer, set()).add(role)
                     continue
@@ -47,7 +48,7 @@ def holds(models, matcher, cfg, counts: Dict[Tuple[int, int], int], ep: int, etp
                 else:
                     held.setdefault(fc, set()).add((layer, e, int(local)))
     moe = cfg.moe
-    moe_layers = set(moe.layers) if moe is not None else set()
+    moe_layers = {i for i in range(cfg.all_layers) if cfg.is_moe_layer(i)}  # an MTP layer's too
     for layer, rs in roles.items():
         is_moe = any(r.startswith(MOE_ONLY) for r in rs)
         if is_moe != (layer in moe_layers) or is_moe and any(r.startswith(DENSE_MLP) for r in rs):
