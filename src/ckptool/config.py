@@ -14,7 +14,9 @@ from typing import ClassVar, Iterable, Optional, Sequence, Tuple
 from .errors import CkptError, require
 
 NORMALIZATIONS = ("layernorm", "rmsnorm")
-ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "squared_relu")
+# quick_geglu (GPT-OSS): gate * sigmoid(1.702 * gate) * up, megatron-core's --quick-geglu (activations.quick_gelu)
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "squared_relu", "quick_geglu")
+GATED_ACTIVATIONS = ("swiglu", "quick_geglu")
 POSITION_EMBEDDINGS = ("learned", "rope", "none")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
@@ -160,7 +162,20 @@ class GPTConfig:
     post_layernorm_residual: bool = False  # apply_residual_connection_post_layernorm
     moe: Optional[MoE] = None  # None: a dense model
     mla: Optional[MLA] = None  # None: grouped-query attention (attn.q/k/v)
-    rope_yarn: Optional[Yarn] = None  # YaRN scaling; ckptool reads it for MLA models only
+    rope_yarn: Optional[Yarn] = None  # YaRN scaling (MLA models; GPT-OSS's plain attention)
+    # --- GPT-OSS: attention sinks, sliding windows, clamped GLU (issue 32) ---------------------------
+    # attn_sinks: a learned logit per head joins each softmax's denominator (megatron-core --softmax-type learnable,
+    # DotProductAttention.softmax_offset; transformers GptOssAttention.sinks) and takes its share of the weight
+    attn_sinks: bool = False
+    # window: keys a query sees in a sliding-window layer, itself included (transformers' sliding_window: key k is
+    # seen from query q when q - window < k <= q); window_layers: the global indices of those layers (None: every
+    # layer when window is set)
+    window: Optional[int] = None
+    window_layers: Optional[Tuple[int, ...]] = None
+    # a gated MLP's gate clamped to <= glu_clamp and its linear half to [-glu_clamp, glu_clamp] before the
+    # activation (megatron-core --activation-func-clamp-value); the linear half plus glu_linear_offset after it
+    glu_clamp: Optional[float] = None
+    glu_linear_offset: float = 0.0
     # the model family (spec/__init__.py FAMILIES: which spec names this model's tensors); a class constant, not
     # a field: every GPTConfig is a GPT, and a config of another family would be its own class
     family: ClassVar[str] = "gpt"
@@ -188,12 +203,25 @@ class GPTConfig:
         if self.moe is not None:
             require(all(0 <= i < self.num_layers for i in self.moe.layers),
                     f"MoE layers {list(self.moe.layers)} fall outside the {self.num_layers} layers")
+        # GPT-OSS: a window of at least one key, on layers of the model
+        require(self.window is None or self.window >= 1, f"a sliding window of {self.window} keys sees nothing")
+        if self.window_layers is not None:
+            require(self.window is not None, "sliding-window layers without a window size")
+            self.window_layers = tuple(int(i) for i in self.window_layers)
+            require(all(0 <= i < self.num_layers for i in self.window_layers),
+                    f"sliding-window layers {list(self.window_layers)} fall outside the {self.num_layers} layers")
 
     # --- derived sizes -------------------------------------------------------------------
     @property
     def gated(self) -> bool:
         """True when fc1 holds two halves (gate and up), as SwiGLU does."""
-        return self.activation == "swiglu"
+        return self.activation in GATED_ACTIVATIONS
+
+    def window_of(self, i: int) -> Optional[int]:
+        """GPT-OSS: the keys a query of layer i sees (sliding window), None for full causal attention."""
+        if self.window is None or (self.window_layers is not None and i not in self.window_layers):
+            return None
+        return self.window
 
     def is_moe_layer(self, i: int) -> bool:
         return self.moe is not None and i in self.moe.layers

@@ -3,19 +3,19 @@
 
 Each module here holds everything one family of HF classes differs by (family.py: the Family record they
 fill): gpt2.py, llama.py (Llama, Mistral, Qwen2, Qwen3), mixtral.py, qwen_moe.py (Qwen2-MoE, Qwen3-MoE),
-deepseek_v3.py; moe.py is what the MoE ones share. A new family with no new maths is one module and its
+deepseek_v3.py, gpt_oss.py; moe.py is what the MoE ones share. A new family with no new maths is one module and its
 line in FAMILIES."""
 from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
 
 from ..config import GPTConfig
-from . import deepseek_v3, gpt2, llama, mixtral, moe, qwen_moe
+from . import deepseek_v3, gpt2, gpt_oss, llama, mixtral, moe, qwen_moe
 from .family import Family, refuse_export
 
 FAMILIES: Tuple[Family, ...] = (
     gpt2.GPT2, llama.LLAMA, llama.MISTRAL, llama.QWEN2, llama.QWEN3, mixtral.MIXTRAL,
-    qwen_moe.QWEN2_MOE, qwen_moe.QWEN3_MOE, deepseek_v3.DEEPSEEK_V3,
+    qwen_moe.QWEN2_MOE, qwen_moe.QWEN3_MOE, deepseek_v3.DEEPSEEK_V3, gpt_oss.GPT_OSS,
 )
 BY_MODEL_TYPE: Dict[str, Family] = {f.model_type: f for f in FAMILIES}
 
@@ -49,7 +49,7 @@ def moe_model_types() -> Tuple[str, ...]:
 
 
 def _export_kind(cfg: GPTConfig) -> str:
-    """"learned" (GPT-2), "mla", "moe" or "dense" (RoPE); CkptError for what no HF class computes."""
+    """"learned" (GPT-2), "mla", "moe", "dense" (RoPE) or "gpt_oss"; CkptError for what no HF class computes."""
     if cfg.qk_layernorm and cfg.normalization != "rmsnorm":
         raise refuse_export("--qk-layernorm with LayerNorm", "and only Qwen3's RMSNorm q/k norms exist in transformers")
     if cfg.post_layernorm_residual:
@@ -59,6 +59,13 @@ def _export_kind(cfg: GPTConfig) -> str:
         return "learned"
     if cfg.position_embedding != "rope":
         raise refuse_export("--position-embedding-type none", "and both HF architectures have positions")
+    if gpt_oss.is_gpt_oss(cfg):  # GPT-OSS: sinks, sliding windows, quick GeGLU, YaRN; its class checks the rest
+        return "gpt_oss"
+    for flag, present in (("--window-size (sliding-window attention)", cfg.window is not None),
+                          ("--glu-linear-offset / --activation-func-clamp-value",
+                           cfg.glu_clamp is not None or cfg.glu_linear_offset != 0.0)):
+        if present:
+            raise refuse_export(flag, "which only GptOssForCausalLM computes, and this model is not GPT-OSS")
     llama.check_rope(cfg)
     if cfg.mla is not None:
         return "mla"

@@ -82,6 +82,7 @@ PREDICATES: Dict[str, Predicate] = {
     "expert_bias": lambda c, i: c.moe.expert_bias,
     "shared_expert": lambda c, i: bool(c.moe.shared_ffn_hidden_size),
     "shared_gate": lambda c, i: c.moe.shared_gate,
+    "attn_sinks": lambda c, i: c.attn_sinks,                 # GPT-OSS: a learned softmax sink per head
 }
 # Predicates that never hold together. A canonical tensor may be listed once per side (attn.q is GQA's q, a part of
 # the fused QKV, or MLA's direct q, a role of its own): for any config at most one of the entries holds.
@@ -168,7 +169,10 @@ def fc_major(roles: List[str]) -> List[str]:
     place. The torch-format writer and the flat optimizer buffers' layout both order a grouped-GEMM layer by it."""
     experts = [r for r in roles if _EXPERT_ROLE.match(r)]
     first = roles.index(experts[0])
-    ordered = sorted(experts, key=lambda r: _EXPERT_ROLE.match(r).group(1))  # stable: local experts in order per fc
+    # stable: local experts in order per fc, each fc's weights before its biases (TE's GroupedLinear registers
+    # weight0 .. weightN-1, then bias0 .. biasN-1)
+    ordered = sorted(experts, key=lambda r: _EXPERT_ROLE.match(r).group(1).split(".")[0]
+                     + ("0" if r.endswith("weight") else "1"))
     return roles[:first] + ordered + [r for r in roles[first:] if not _EXPERT_ROLE.match(r)]
 
 

@@ -110,17 +110,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: GPTCo
 
 # --- attention -----------------------------------------------------------------------------------
 
-def causal_context(scores: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_context(scores: torch.Tensor, v: torch.Tensor, window: Optional[int] = None,
+                   sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal softmax (in fp32) of the scores [b, heads, s, s] over v [b, heads, s, d]: the context
-    [b, s, heads * d]."""
+    [b, s, heads * d]. GPT-OSS: `window` keeps the keys q - window < k <= q of query q (sliding window); `sinks`
+    [heads] adds one logit per head to each softmax's denominator, a column whose weight is then dropped."""
     b, heads, s, _ = scores.shape
     mask = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu(1)
-    probs = torch.softmax(scores.float().masked_fill(mask, float("-inf")), dim=-1).to(v.dtype)
+    if window is not None:
+        mask |= torch.ones(s, s, dtype=torch.bool, device=scores.device).tril(-window)
+    logits = scores.float().masked_fill(mask, float("-inf"))
+    if sinks is not None:
+        logits = torch.cat([logits, sinks.float().view(1, heads, 1, 1).expand(b, heads, s, 1)], dim=-1)
+    probs = torch.softmax(logits, dim=-1)[..., :s].to(v.dtype)
     return (probs @ v).transpose(1, 2).reshape(b, s, heads * v.shape[-1])  # sizes given: a rank may have no rows
 
 
-def attention(x: torch.Tensor, w: Dict[str, torch.Tensor], p: str, cfg: GPTConfig, rope, ctx) -> torch.Tensor:
-    """Grouped-query attention on this process's heads (ctx.qkv), then the output projection."""
+def attention(x: torch.Tensor, w: Dict[str, torch.Tensor], p: str, cfg: GPTConfig, rope, ctx,
+              window: Optional[int] = None) -> torch.Tensor:
+    """Grouped-query attention on this process's heads (ctx.qkv), then the output projection; GPT-OSS: within
+    `window` keys, with the heads' softmax sinks when the model has them."""
     q, k, v = ctx.qkv(x, w, p, cfg)  # [b, heads, s, hd]
     if cfg.qk_layernorm:
         q = norm(q, w[p + ctx.names["q_norm"] + "weight"], w.get(p + ctx.names["q_norm"] + "bias"), cfg)
@@ -131,7 +140,8 @@ def attention(x: torch.Tensor, w: Dict[str, torch.Tensor], p: str, cfg: GPTConfi
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     scores = (q @ k.transpose(-1, -2)) / math.sqrt(cfg.head_dim)
-    return ctx.row_out(causal_context(scores, v), w, p + ctx.names["attn_out"])
+    sinks = w[p + ctx.names["sinks"]] if cfg.attn_sinks else None
+    return ctx.row_out(causal_context(scores, v, window, sinks), w, p + ctx.names["attn_out"])
 
 
 def mla_latents(x: torch.Tensor, w: Dict[str, torch.Tensor], p: str, cfg: GPTConfig, ctx) -> Dict[str, torch.Tensor]:
@@ -179,7 +189,17 @@ def mla_attention(x: torch.Tensor, w: Dict[str, torch.Tensor], p: str, cfg: GPTC
 def mlp_hidden(x: torch.Tensor, w: Dict[str, torch.Tensor], p: str, cfg: GPTConfig, ctx) -> torch.Tensor:
     """The MLP's intermediate features on this process: silu(gate) * up (SwiGLU), else activation(up)."""
     gate, up = ctx.fc1(x, w, p, cfg)
-    return F.silu(gate) * up if cfg.gated else activation(up, cfg)
+    return glu(gate, up, cfg) if cfg.gated else activation(up, cfg)
+
+
+def glu(gate: torch.Tensor, up: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
+    """A gated MLP's features: act(gate) * up (SwiGLU: silu). GPT-OSS: quick GeGLU (gate * sigmoid(1.702 gate),
+    megatron-core activations.quick_gelu, transformers GptOssExperts' alpha), the gate clamped from above and
+    up on both sides at glu_clamp first, and up + glu_linear_offset (GPT-OSS: 1) after."""
+    if cfg.glu_clamp is not None:
+        gate, up = gate.clamp(max=cfg.glu_clamp), up.clamp(-cfg.glu_clamp, cfg.glu_clamp)
+    act = F.silu(gate) if cfg.activation == "swiglu" else gate * torch.sigmoid(1.702 * gate)
+    return act * (up + cfg.glu_linear_offset if cfg.glu_linear_offset else up)
 
 
 def mlp(x: torch.Tensor, w: Dict[str, torch.Tensor], p: str, cfg: GPTConfig, ctx) -> torch.Tensor:
@@ -264,8 +284,9 @@ def attention_part(x: torch.Tensor, w: Dict[str, torch.Tensor], i: int, cfg: GPT
     """Layer i up to its MLP: (the residual stream after attention, the MLP's normed input)."""
     p = f"layers.{i}."
     h = norm(x, w[p + "attn_norm.weight"], w.get(p + "attn_norm.bias"), cfg)
-    x = (h if cfg.post_layernorm_residual else x) + (mla_attention if cfg.mla is not None else attention)(
-        h, w, p, cfg, rope, ctx)
+    attended = mla_attention(h, w, p, cfg, rope, ctx) if cfg.mla is not None else \
+        attention(h, w, p, cfg, rope, ctx, cfg.window_of(i))
+    x = (h if cfg.post_layernorm_residual else x) + attended
     return x, norm(x, w[p + "mlp_norm.weight"], w.get(p + "mlp_norm.bias"), cfg)
 
 
@@ -296,7 +317,7 @@ class OneProcess:
              "attn_out": "attn.out.", "q": "attn.q.weight", "q_down": "attn.q_down.weight",
              "q_down_norm": "attn.q_down_norm.weight", "q_up": "attn.q_up.weight", "kv_down": "attn.kv_down.weight",
              "kv_down_norm": "attn.kv_down_norm.weight", "kv_up": "attn.kv_up.weight", "mla_out": "attn.out.weight",
-             "mlp": "mlp.", "mlp_out": "down."}
+             "mlp": "mlp.", "mlp_out": "down.", "sinks": "attn.sinks"}
 
     @staticmethod
     def all_reduce(x: torch.Tensor) -> torch.Tensor:

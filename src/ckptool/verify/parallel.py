@@ -80,7 +80,7 @@ class Ranks:
         "attn_norm": "attn_norm.weight", "q_norm": "q_norm.", "k_norm": "k_norm.", "attn_out": "proj.",
         "q": "qkv.weight", "q_down": "mla.q_down.weight", "q_down_norm": "mla.q_down_norm.weight",
         "q_up": "mla.q_up.weight", "kv_down": "mla.kv_down.weight", "kv_down_norm": "mla.kv_down_norm.weight",
-        "kv_up": "mla.kv_up.weight", "mla_out": "proj.weight", "mlp": "", "mlp_out": "fc2."}
+        "kv_up": "mla.kv_up.weight", "mla_out": "proj.weight", "mlp": "", "mlp_out": "fc2.", "sinks": "attn.sinks"}
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp > 1:

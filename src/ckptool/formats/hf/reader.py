@@ -3,7 +3,7 @@
 A directory with config.json whose model_type is gpt2, llama, mistral, qwen2, qwen3, mixtral,
 qwen2_moe, qwen3_moe or deepseek_v3, and weights in safetensors or torch .bin files, sharded (an
 *.index.json) or not. Experts are read per expert (the Hub names) or fused 3-D (transformers >= 5's state_dict);
-DeepSeek's block-FP8 weights are dequantized to bf16. Tensors stay lazy: safetensors
+DeepSeek's block-FP8 weights and GPT-OSS's MXFP4 experts are dequantized to bf16. Tensors stay lazy: safetensors
 entries are read with safe_open when loaded; .bin files go through the safe lazy torch loader, never
 plain torch.load. Names, config.json and fused experts come from the model's family record
 (families/); the writer is hf/writer.py.
@@ -19,13 +19,15 @@ import torch
 from ... import families
 from ...config import GPTConfig, Layout
 from ...errors import require
-from ...families.family import Family
+from ...families.family import STACKED, Family
 from ...io.safetensors_header import read_safetensors_header
 from ...io.torchfile import load_torch_file
 from ...lazy import Derived, LazyTensor
 from ...options import ReadOptions
 from ...state import Checkpoint, SourceInfo, expected_names
 from ...vocab import with_true_vocab_size
+from .mxfp4 import dequantize_mxfp4
+from .stacked import unstack
 from .config import (  # noqa: F401 (looks_like, gpt_model_type, has_weights: this reader's interface)
     FORMAT, IGNORED_SUFFIXES, gpt_model_type, has_weights, looks_like, part_rows, read_supported_config,
     source_warnings, weight_files)
@@ -102,6 +104,7 @@ def to_canonical(entries: Dict[str, LazyTensor], conf: dict, model_type: str, op
         cfg = cfg.replace(activation=opts.overrides["activation"])
 
     entries = dequantize_fp8(entries, conf, path)
+    entries = dequantize_mxfp4(entries, conf, path)
     if family.fused_experts:
         entries = unfuse_experts(entries, family, cfg)
     tensors: Dict[str, LazyTensor] = {}
@@ -113,6 +116,8 @@ def to_canonical(entries: Dict[str, LazyTensor], conf: dict, model_type: str, op
         used.add(hf_name)
         if op == "copy":
             tensors[arg] = t
+        elif op in STACKED:  # GPT-OSS: a layer's experts in one tensor
+            tensors.update(unstack(op, hf_name, t, arg))
         elif op == "T":
             tensors[arg] = Derived(lambda x: x.t(), [t])
         else:

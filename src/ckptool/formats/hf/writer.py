@@ -21,7 +21,7 @@ import torch
 from ... import families
 from ...config import GPTConfig
 from ...errors import require
-from ...families.family import Family, canonical_names, refuse_export
+from ...families.family import STACKED, Family, canonical_names, refuse_export
 from ...io.transpose import transposed, transposed_cat
 from ...io.safetensors_writer import Item, parse_size, write_sharded
 from ...lazy import Const, Derived, LazyTensor, cat_shape
@@ -30,6 +30,7 @@ from ...summary import WriteSummary, from_sharded
 from ...vocab import resize_vocab
 from ...write_options import WriteOptions
 from ..megatron import args as megatron_args
+from .stacked import stack
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json", "vocab.txt")
@@ -75,11 +76,13 @@ def materialise(entry, tensors: Dict[str, LazyTensor]) -> Optional[LazyTensor]:
     """The HF tensor of one name-table entry (op, arg, families/family.py) built from canonical tensors; None if one is absent."""
     op, arg = entry
     names = canonical_names(entry)
-    if any(n not in tensors for n in names):
+    if not names or any(n not in tensors for n in names):
         return None
     parts = [tensors[n] for n in names]
     if op == "copy":
         return parts[0]
+    if op in STACKED:  # GPT-OSS: a layer's experts in one tensor
+        return stack(op, parts)
     # shapes stated, not found by running the function on meta tensors (cat on meta imports
     # torch._dynamo, seconds of start-up); transposes run in parallel blocks (io/transpose.py)
     rows = cat_shape([p.shape for p in parts], 0)

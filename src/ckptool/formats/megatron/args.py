@@ -46,6 +46,8 @@ def _get(args, *names, default=None):
 def activation_from_args(args) -> str:
     if _get(args, "swiglu", default=False):
         return "swiglu"
+    if _get(args, "quick_geglu", default=False):  # GPT-OSS
+        return "quick_geglu"
     if _get(args, "squared_relu", default=False):
         return "squared_relu"
     if _get(args, "openai_gelu", default=False):
@@ -153,7 +155,8 @@ def config_from_args(args, stored_rows: int, extra: Optional[dict] = None) -> GP
     pos = _get(args, "position_embedding_type", default="learned_absolute")
     if _get(args, "use_rotary_position_embeddings", default=False):
         pos = "rope"
-    pos = {"learned_absolute": "learned", "rope": "rope", "none": "none"}.get(str(pos), None)
+    gpt_yarn = gpt_yarn_from_args(args) if pos == "yarn" else None  # GPT-OSS: YaRN on plain attention
+    pos = {"learned_absolute": "learned", "rope": "rope", "yarn": "rope", "none": "none"}.get(str(pos), None)
     if pos is None:
         raise CkptError(f"unsupported position_embedding_type {args.position_embedding_type!r}",
                         "ckptool handles learned_absolute, rope and none")
@@ -190,10 +193,99 @@ def config_from_args(args, stored_rows: int, extra: Optional[dict] = None) -> GP
         apply_layernorm_1p=bool(_get(args, "apply_layernorm_1p", default=False)),
         # under MLA megatron-core's --qk-layernorm builds the latent norms (the spec's mla roles), not q/k norms
         qk_layernorm=bool(_get(args, "qk_layernorm", default=False)) and mla is None,
-        mla=mla, rope_yarn=yarn_from_args(args, mla),
+        mla=mla, rope_yarn=gpt_yarn or yarn_from_args(args, mla),
         post_layernorm_residual=bool(_get(args, "apply_residual_connection_post_layernorm", default=False)),
         moe=moe_from_args(args, int(num_layers), int(_get(args, "ffn_hidden_size", default=4 * hidden))),
+        **gpt_oss_from_args(args, int(num_layers)),
     )
+
+
+# --- GPT-OSS (issue 32): sinks, sliding windows, clamped GLU, YaRN on plain attention -------------------------
+# megatron-core 0.16: TransformerConfig.softmax_type / window_size / window_attn_skip_freq / glu_linear_offset /
+# activation_func_clamp_value (Megatron-LM's --softmax-type, --window-size, --window-attn-skip-freq,
+# --glu-linear-offset, --activation-func-clamp-value, --quick-geglu). window_size (left, right): query q sees keys
+# q - left .. q + right (transformer/utils.py get_sliding_window_causal_mask; TE's rule alike), so transformers'
+# sliding_window W (keys q - W < k <= q) is (W - 1, 0). Megatron-LM's GPT-OSS example passes --window-size 128,0,
+# which sees 129 keys where the released model sees 128. window_attn_skip_freq: an int N makes layer number n
+# (1-based) windowed when n % N != 0; a list flags each layer (utils.is_layer_window_attention).
+
+def window_from_args(args, num_layers: int) -> dict:
+    """GPTConfig's window and window_layers from --window-size and --window-attn-skip-freq."""
+    size = _get(args, "window_size")
+    if size is None:
+        return {}
+    left, right = (int(v) for v in size)
+    require(right == 0, f"--window-size {left},{right}: a window that sees {right} keys ahead is not causal",
+            "ckptool computes causal sliding windows (right 0)")
+    if left < 0:  # -1: an infinite window, full causal attention
+        return {}
+    freq = _get(args, "window_attn_skip_freq")
+    if freq is None:
+        layers = None
+    elif isinstance(freq, int):
+        layers = tuple(i for i in range(num_layers) if (i + 1) % freq != 0)
+    else:
+        flags = list(freq)
+        require(len(flags) == num_layers, f"--window-attn-skip-freq lists {len(flags)} layers, the model has {num_layers}")
+        layers = tuple(i for i, f in enumerate(flags) if f)
+    return dict(window=left + 1, window_layers=layers)
+
+
+def gpt_oss_from_args(args, num_layers: int) -> dict:
+    """The GPT-OSS fields of GPTConfig a run's args set (none for other runs)."""
+    softmax = _get(args, "softmax_type", default="vanilla")
+    require(softmax in ("vanilla", "learnable"), f"--softmax-type {softmax} (a fixed sink of zero) is not supported",
+            "ckptool computes vanilla and learnable (attention sinks) softmax")
+    clamp = _get(args, "activation_func_clamp_value")
+    return dict(attn_sinks=softmax == "learnable", glu_clamp=float(clamp) if clamp is not None else None,
+                glu_linear_offset=float(_get(args, "glu_linear_offset", default=0.0)),
+                **window_from_args(args, num_layers))
+
+
+# megatron-core's GPTModel (position_embedding_type 'yarn') reads these config attributes (getattr: they are not
+# TransformerConfig fields; Megatron-Bridge's providers set them) for YarnRotaryEmbedding
+GPT_YARN_ARGS = ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
+                 "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "yarn_correction_range_round_to_int")
+
+
+def gpt_yarn_from_args(args) -> Yarn:
+    """YaRN of a GPT (non-MLA) model: megatron-core multiplies cos/sin by its concentration factor
+    (_yarn_get_concentration_factor: the plain correction unless both mscales are set, then their ratio)."""
+    factor = float(_get(args, "yarn_rotary_scaling_factor", default=1.0))
+    mscale, mscale_all_dim = _get(args, "yarn_mscale"), _get(args, "yarn_mscale_all_dim")
+    gain = yarn_mscale(factor) if mscale is None or mscale_all_dim is None else \
+        yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
+    return Yarn(factor=factor, original_max_position_embeddings=int(_get(args, "yarn_original_max_position_embeddings",
+                                                                         default=4096)),
+                beta_fast=float(_get(args, "yarn_beta_fast", default=32.0)),
+                beta_slow=float(_get(args, "yarn_beta_slow", default=1.0)),
+                attention_factor=None if math.isclose(gain, yarn_mscale(factor), rel_tol=1e-12) else gain,
+                truncate=bool(_get(args, "yarn_correction_range_round_to_int", default=True)))
+
+
+def gpt_oss_args(cfg: GPTConfig) -> Dict[str, Any]:
+    """The args of a run computing cfg's GPT-OSS maths (the inverse of gpt_oss_from_args and gpt_yarn_from_args);
+    every run gets them, at their defaults when the model has none of it."""
+    all_layers = cfg.window_layers is None or cfg.window_layers == tuple(range(cfg.num_layers))
+    out: Dict[str, Any] = dict(
+        quick_geglu=cfg.activation == "quick_geglu", softmax_type="learnable" if cfg.attn_sinks else "vanilla",
+        window_size=(cfg.window - 1, 0) if cfg.window is not None else None,
+        window_attn_skip_freq=None if cfg.window is None or all_layers else
+        [int(cfg.window_of(i) is not None) for i in range(cfg.num_layers)],
+        glu_linear_offset=cfg.glu_linear_offset, activation_func_clamp_value=cfg.glu_clamp)
+    y = cfg.rope_yarn
+    if y is not None and cfg.mla is None:
+        # attention_gain whatever its source (the plain correction, the mscales' ratio, an explicit factor): the
+        # mscales as megatron-core needs them to multiply cos/sin by exactly that
+        plain = math.isclose(y.attention_gain, yarn_mscale(y.factor), rel_tol=1e-12)
+        require(plain or y.factor > 1, f"YaRN at factor {y.factor} with an attention factor {y.attention_gain}",
+                "megatron-core's YaRN has gain 1 at factor <= 1")
+        mscale = 1.0 if plain else (y.attention_gain - 1) / (0.1 * math.log(y.factor))
+        out.update(position_embedding_type="yarn", yarn_rotary_scaling_factor=y.factor,
+                   yarn_original_max_position_embeddings=y.original_max_position_embeddings, yarn_beta_fast=y.beta_fast,
+                   yarn_beta_slow=y.beta_slow, yarn_mscale=mscale, yarn_mscale_all_dim=0.0,
+                   yarn_correction_range_round_to_int=y.truncate)
+    return out
 
 
 def mla_from_args(args) -> Optional[MLA]:
@@ -390,7 +482,6 @@ def moe_args(moe: Optional[MoE], num_layers: int, layout: Layout, grouped_gemm: 
 NOT_COMPUTED_ARGS = (
     ("rotary_seq_len_interpolation_factor", lambda v: v not in (None, 1), "--rotary-seq-len-interpolation-factor"),
     ("no_rope_freq", bool, "--no-rope-freq"),  # layers without rotary embedding
-    ("window_size", lambda v: v is not None, "--window-size"),  # sliding-window attention
     ("qk_l2_norm", bool, "--qk-l2-norm"),
 )
 
@@ -491,6 +582,7 @@ def args_for_target(source_args, cfg: GPTConfig, layout: Layout, padded_rows: in
     else:  # a dense run: the MoE flags the source's args carry (Megatron-LM stores them all) at their defaults
         updates.update({k: v for k, v in dense_moe_args(layout).items() if getattr(args, k, None) is not None})
     updates.update(mla_args(cfg.mla, cfg.rope_yarn))
+    updates.update(gpt_oss_args(cfg))
     # the pipeline said one way, this layout's: the source's other ways of saying it go (Megatron-LM's
     # validate_args refuses args holding two ways of saying the virtual pipeline, and first / last stage sizes
     # the layout does not have would describe other files); uneven stages are set again below

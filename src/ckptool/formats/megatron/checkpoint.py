@@ -557,8 +557,6 @@ def _check_dialect_fits(d: Dialect, cfg: GPTConfig, layout: Layout) -> None:
         return
     require(bool(d.experts), f"the {d.name} dialect has no place for MoE experts",
             "choose --dialect mcore (megatron-core's local spec, SequentialMLP experts)")
-    require(not cfg.add_bias_linear, "MoE experts with linear biases (--add-bias-linear) are not written yet",
-            "convert to Hugging Face with to-hf, or keep the source layout")
     layout.local_experts(cfg.moe.num_experts, 0)  # EP divides the experts
     require(layout.expert_tp >= 1, f"--etp {layout.etp}: the expert tensor-parallel size is at least 1", "give --etp 1 or more")
     expert_grid(layout.tp, layout.ep, layout.expert_tp)  # expert TP divides TP
