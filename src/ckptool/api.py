@@ -382,7 +382,7 @@ def from_hf(src, dst, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep
 
 # --- verify ---------------------------------------------------------------------------------------
 def verify(target=None, *, reference=None, reference_logits: Optional[str] = None, files=None,
-           tokens: Optional[str] = None, tokenizer: Optional[str] = None, batch: int = 2, seq_len: int = 16,
+           tokens: Optional[str] = None, tokenizer: Optional[str] = None, batch: int = 2, seq_len: Optional[int] = None,
            seed: int = 0, dtype: str = "fp32", tolerance: Optional[float] = None, tp: Optional[int] = None,
            pp: Optional[int] = None, vpp: Optional[int] = None, quiet: bool = False,
            on_line: Optional[Callable[[str], None]] = None, warn: Optional[Warn] = None,
@@ -392,7 +392,8 @@ def verify(target=None, *, reference=None, reference_logits: Optional[str] = Non
     reference: another checkpoint or Hugging Face directory (default: the target's own merged state);
     reference_logits: "FILE[:KEY]" of recorded tokens and logits; files: instead, check that a
     checkpoint's files are whole (an output directory against its manifest, any other checkpoint by its
-    format's CRCs and sizes: integrity.py). tokens/tokenizer/batch/seq_len/seed choose the input, dtype
+    format's CRCs and sizes: integrity.py). tokens/tokenizer/batch/seq_len/seed choose the input (seq_len None: 16,
+    or twice a sliding window plus 8 when longer), dtype
     ("fp32", "bf16", "fp16") the compute dtype, tolerance the largest max-abs logits error that
     passes. Under torchrun the forward runs tensor/pipeline-parallel (tp/pp/vpp for torch_dist).
     Returns VerifyResult (ok, report lines); each line is also printed as it comes unless quiet, and

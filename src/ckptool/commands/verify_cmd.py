@@ -29,7 +29,8 @@ from .common import reports_errors, source_options, warn
 @click.option("--tokens", default=None, help='Token ids "1,2,3;4,5,6", a file of them, or a text file with --tokenizer.')
 @click.option("--tokenizer", default=None, metavar="DIR", help="Tokenizer directory for a text --tokens file.")
 @click.option("--batch", type=int, default=2, show_default=True, help="Rows of random tokens.")
-@click.option("--seq-len", type=int, default=16, show_default=True, help="Length of random token rows.")
+@click.option("--seq-len", type=int, default=None,
+              help="Length of random token rows [default: 16, or twice the model's sliding window plus 8 when longer].")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for the random tokens.")
 @click.option("--dtype", type=click.Choice(sorted(CHOICES["compute_dtype"])), default="fp32", show_default=True,
               help="Compute dtype for both forwards.")

@@ -35,6 +35,17 @@ def parse_token_ids(text: str) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+DEFAULT_SEQ_LEN = 16
+
+
+def default_seq_len(seq_len: Optional[int], cfg) -> int:
+    """The length of random token rows: as asked, else 16, or (GPT-OSS) twice the model's sliding window plus 8
+    when that is longer, so the default inputs reach past the window and windowing is exercised."""
+    if seq_len is not None:
+        return seq_len
+    return max(DEFAULT_SEQ_LEN, 2 * cfg.window + 8) if cfg.window is not None else DEFAULT_SEQ_LEN
+
+
 def make_tokens(tokens: Optional[str], tokenizer: Optional[str], batch: int, seq_len: int, seed: int,
                 vocab: int) -> torch.Tensor:
     if tokens is None:

@@ -69,10 +69,12 @@ def verify(req: Request, say: Optional[Say], warn: Say) -> Outcome:
 
 # --- the pieces both forwards use -----------------------------------------------------------------
 
-def _tokens_for(req: Request, vocab: int):
+def _tokens_for(req: Request, cfg):
     if req.reference_logits:
         return inputs.load_reference_logits(req.reference_logits)
-    return inputs.make_tokens(*req.token_args, vocab=vocab), None
+    tokens, tokenizer, batch, seq_len, seed = req.token_args
+    return inputs.make_tokens(tokens, tokenizer, batch, inputs.default_seq_len(seq_len, cfg), seed,
+                              vocab=cfg.true_or_padded_vocab), None
 
 
 def _reference(req: Request, recorded, target_ckpt, tokens, dtype, device, out: Lines):
@@ -126,7 +128,7 @@ def _write(report: cmp.Report, out: Lines, where=None) -> bool:
 
 def run_single(req: Request, out: Lines) -> Tuple[bool, cmp.Report]:
     ckpt = open_checkpoint(req.target, req.opts)
-    tokens, recorded = _tokens_for(req, ckpt.config.true_or_padded_vocab)
+    tokens, recorded = _tokens_for(req, ckpt.config)
     logits, hidden, _ = inputs.checkpoint_forward(ckpt, tokens, COMPUTE_DTYPES[req.dtype])
     report, _, _ = _compare(req, ckpt, tokens, recorded, logits, hidden, "cpu", out)
     ok = _write(report, out)
@@ -149,7 +151,7 @@ def run_parallel(req: Request, out: Lines) -> Tuple[bool, Optional[cmp.Report]]:
             f"torchrun started {world} processes but {req.target} is {layout.describe()}: it needs {need}",
             f"run torchrun --nproc-per-node {need} -m ckptool verify ..."
             + (" (or give --tp/--pp whose product is the process count)" if tgt.any_layout else ""))
-    tokens, recorded = _tokens_for(req, tgt.config.true_or_padded_vocab)
+    tokens, recorded = _tokens_for(req, tgt.config)
     r = parallel.init_ranks(layout.tp, layout.pp, layout.ep, layout.expert_tp)
     finished = False
     try:

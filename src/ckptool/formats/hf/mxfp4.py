@@ -16,7 +16,7 @@ from typing import Dict
 
 import torch
 
-from ...errors import require
+from ...errors import CkptError, require
 from ...lazy import LazyTensor
 
 BLOCKS, SCALES = "_blocks", "_scales"
@@ -83,5 +83,6 @@ def dequantize_mxfp4(entries: Dict[str, LazyTensor], conf: dict, path) -> Dict[s
                 "expected uint8 [experts, out, groups, 16] codes and [experts, out, groups] exponents")
         out[name] = Mxfp4Tensor(b, s)
     left = [k for k in out if k.endswith(SCALES)]
-    require(not left, f"{path}: {left[0]} has no {BLOCKS} tensor", "the MXFP4 checkpoint is incomplete")
+    if left:
+        raise CkptError(f"{path}: {left[0]} has no {left[0][:-len(SCALES)] + BLOCKS}", "the MXFP4 checkpoint is incomplete")
     return out

@@ -1,0 +1,231 @@
+"""GPT-OSS (issue 32): attention sinks, alternating sliding-window / full attention, clamped quick GeGLU experts with
+biases and an interleaved gate/up, a biased router, YaRN; MXFP4 experts.
+
+A tiny GptOssForCausalLM built by transformers (2 layers: one sliding, one full; window 4; 4 experts top-2; every
+parameter perturbed off its init, the sinks and biases too) goes through Megatron's torch format (TP2 EP2) and
+torch_dist and back bit-exact; ckptool's forward, single-process and under torchrun (TP2 PP2 EP2), computes
+transformers' logits on inputs longer than the window; megatron-core (CPU) loads the outputs strictly and computes
+the same logits. The MXFP4 checkpoint is packed by the layout transformers documents (its quantizer needs Triton
+kernels, absent on a CPU-only machine) and dequantized by ckptool bit-exact with transformers' own loading.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import run_torchrun
+
+from ckptool import api
+from ckptool.errors import CkptError
+from ckptool.formats.hf.mxfp4 import dequantize
+from ckptool.formats.megatron.args import config_from_args
+
+transformers = pytest.importorskip("transformers")
+REPO = Path(__file__).resolve().parents[1]
+HELPER = REPO / "tests" / "mcore_gpt_oss_helper.py"
+WINDOW, SEQ = 4, 20  # the helper's TOKENS and the verify inputs below are longer than the window
+SIZES = dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=100, hidden_size=64,
+             intermediate_size=64, head_dim=16, num_attention_heads=4, num_key_value_heads=2, sliding_window=WINDOW,
+             layer_types=["sliding_attention", "full_attention"], max_position_embeddings=256,
+             rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                              "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0})
+
+
+def build_hf(out: Path, seed: int = 0) -> Path:
+    from transformers import GptOssConfig, GptOssForCausalLM
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(GptOssConfig(**SIZES)).eval()
+    with torch.no_grad():  # off init: sinks, biases and norms too
+        for _, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out)
+    return out
+
+
+def hf_logits(path: Path, tokens: torch.Tensor, **kw) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", **kw).eval()
+    with torch.no_grad():
+        return model(tokens).logits.float()
+
+
+@pytest.fixture(scope="module")
+def oss(tmp_path_factory):
+    """The tiny HF model and ckptool's Megatron torch output at TP2 EP2."""
+    root = tmp_path_factory.mktemp("gpt_oss")
+    hf = build_hf(root / "hf")
+    api.from_hf(hf, root / "tp2ep2", tp=2, ep=2, warn=lambda m: None)
+    return root
+
+
+def same_files(a: Path, b: Path) -> None:
+    x, y = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert sorted(x) == sorted(y)
+    for k in x:
+        assert x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]), k
+
+
+def test_reads_the_gpt_oss_maths_from_config_json(oss):
+    cfg = api.open(oss / "hf").config
+    assert (cfg.activation, cfg.glu_clamp, cfg.glu_linear_offset, cfg.attn_sinks) == ("quick_geglu", 7.0, 1.0, True)
+    assert (cfg.window, cfg.window_layers, cfg.window_of(0), cfg.window_of(1)) == (WINDOW, (0,), WINDOW, None)
+    assert cfg.moe.router_bias and cfg.moe.topk_norm and cfg.add_bias_linear and not cfg.rope_yarn.truncate
+
+
+def test_megatron_round_trips_are_bit_exact(oss, tmp_path):
+    """HF -> torch TP2 EP2 -> HF, and on through torch_dist and torch TP1 PP2 EP4: every tensor bit-exact."""
+    api.to_hf(oss / "tp2ep2", tmp_path / "back", warn=lambda m: None)
+    same_files(oss / "hf", tmp_path / "back")
+    api.reshard(oss / "tp2ep2", tmp_path / "dist", format="torch_dist", tp=2, ep=2, warn=lambda m: None)
+    api.reshard(tmp_path / "dist", tmp_path / "pp2ep4", format="torch", tp=1, pp=2, ep=4, warn=lambda m: None)
+    api.to_hf(tmp_path / "pp2ep4", tmp_path / "back2", warn=lambda m: None)
+    same_files(oss / "hf", tmp_path / "back2")
+    conf = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert conf["layer_types"] == SIZES["layer_types"] and conf["sliding_window"] == WINDOW
+
+
+def test_written_args_say_the_gpt_oss_maths_to_megatron(oss):
+    args = torch.load(oss / "tp2ep2" / "iter_0000000" / "mp_rank_00_000" / "model_optim_rng.pt",
+                      weights_only=False)["args"]
+    assert (args.quick_geglu, args.swiglu, args.softmax_type) == (True, False, "learnable")
+    # transformers' window 4 = the query and 3 keys before it: megatron-core's (3, 0); layer 1 (1-based 2) full
+    assert (tuple(args.window_size), args.window_attn_skip_freq) == ((WINDOW - 1, 0), [1, 0])
+    assert (args.glu_linear_offset, args.activation_func_clamp_value, args.add_bias_linear) == (1.0, 7.0, True)
+    assert (args.position_embedding_type, args.yarn_rotary_scaling_factor, args.yarn_correction_range_round_to_int) \
+        == ("yarn", 4.0, False)
+    # Megatron-LM's own integer form of the pattern reads as the same layers
+    args.window_attn_skip_freq = 2
+    assert config_from_args(args, 256).window_layers == (0,)
+
+
+def test_verify_computes_transformers_logits_and_the_window_and_sinks_matter(oss, tmp_path):
+    """On its default inputs (no seq_len given: longer than the window, so windowing is exercised)."""
+    res = api.verify(oss / "tp2ep2", reference=oss / "hf", quiet=True, warn=lambda m: None)
+    assert res.ok, res.lines
+    # the same weights with a wider window, or without sinks, compute something else: verify says so
+    for name, edit in (("window", lambda c, w: c.update(sliding_window=WINDOW + 4)),
+                       ("sinks", lambda c, w: w.update({k: torch.zeros_like(v) for k, v in w.items()
+                                                         if k.endswith("sinks")}))):
+        other = tmp_path / name
+        shutil.copytree(oss / "hf", other)
+        conf, weights = json.loads((other / "config.json").read_text()), load_file(other / "model.safetensors")
+        edit(conf, weights)
+        (other / "config.json").write_text(json.dumps(conf))
+        save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+        res = api.verify(other, reference=oss / "hf", quiet=True, warn=lambda m: None)
+        assert not res.ok, name
+
+
+def test_verify_default_inputs_are_longer_than_the_window(oss):
+    from ckptool.verify.inputs import default_seq_len
+    cfg = api.open(oss / "hf").config
+    assert default_seq_len(None, cfg) == 16 > WINDOW and default_seq_len(7, cfg) == 7
+    assert default_seq_len(None, cfg.replace(window=128)) == 264  # gpt-oss-20b / 120b's window
+    assert default_seq_len(None, cfg.replace(window=None, window_layers=None)) == 16
+
+
+def test_torchrun_verify_at_tp2_pp2_ep2(oss, tmp_path):
+    api.reshard(oss / "tp2ep2", tmp_path / "t", format="torch", tp=2, pp=2, ep=2, warn=lambda m: None)
+    r = run_torchrun(8, "-m", "ckptool", "verify", tmp_path / "t", "--reference", oss / "hf", "--seq-len", SEQ)
+    assert r.returncode == 0 and "result=PASS" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
+def test_megatron_core_loads_the_outputs_strictly_with_transformers_logits(oss, tmp_path):
+    api.reshard(oss / "tp2ep2", tmp_path / "dist", format="torch_dist", tp=2, ep=2, warn=lambda m: None)
+    r = run_torchrun(4, HELPER, f"load-torch {oss / 'tp2ep2'} --tp 2 --ep 2 --out {tmp_path / 'torch.pt'}",
+                     f"load-dist {tmp_path / 'dist'} --tp 2 --ep 2 --out {tmp_path / 'dist.pt'}")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    for name in ("torch.pt", "dist.pt"):
+        got = torch.load(tmp_path / name)
+        want = hf_logits(oss / "hf", got["tokens"])
+        mcore = got["logits"][..., :want.shape[-1]]
+        assert torch.allclose(mcore, want, atol=1e-4, rtol=0), (name, (mcore - want).abs().max())
+
+
+# --- MXFP4 ---------------------------------------------------------------------------------------------------
+
+def pack_mxfp4(weights: dict, seed: int = 1) -> dict:
+    """The experts' weights as MXFP4 in transformers' documented layout (integrations/mxfp4.py): random fp4 codes
+    two per byte [E, out, G, 16] and e8m0 exponents [E, out, G] near 2 ** 0, for gate_up_proj and down_proj."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, v in weights.items():
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            e, fan_in, fan_out = v.shape
+            out[k + "_blocks"] = torch.randint(0, 256, (e, fan_out, fan_in // 32, 16), generator=g, dtype=torch.uint8)
+            out[k + "_scales"] = torch.randint(118, 130, (e, fan_out, fan_in // 32), generator=g, dtype=torch.uint8)
+        else:
+            out[k] = v.to(torch.bfloat16)
+    return out
+
+
+def test_dequantizes_like_transformers_own_function():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    g = torch.Generator().manual_seed(3)
+    blocks = torch.randint(0, 256, (3, 8, 2, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(0, 256, (3, 8, 2), generator=g, dtype=torch.uint8)  # every exponent, extremes too
+    want = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+    got = dequantize(blocks, scales)
+    assert got.shape == want.shape == (3, 64, 8) and got.dtype == torch.bfloat16
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # bit for bit (infinities, signed zeros)
+
+
+def test_mxfp4_checkpoint_converts_to_the_values_transformers_loads(oss, tmp_path):
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+    q = tmp_path / "mxfp4"
+    q.mkdir()
+    save_file(pack_mxfp4(load_file(oss / "hf" / "model.safetensors")), q / "model.safetensors",
+              metadata={"format": "pt"})
+    conf = json.loads((oss / "hf" / "config.json").read_text())
+    conf.update(quantization_config={"quant_method": "mxfp4"}, dtype="bfloat16")
+    (q / "config.json").write_text(json.dumps(conf))
+    model = AutoModelForCausalLM.from_pretrained(q, dtype=torch.bfloat16,
+                                                 quantization_config=Mxfp4Config(dequantize=True))
+    theirs = {k: v.detach() for k, v in model.state_dict().items()}
+    api.from_hf(q, tmp_path / "meg", tp=2, ep=2, warn=lambda m: None)
+    api.to_hf(tmp_path / "meg", tmp_path / "bf16", warn=lambda m: None)
+    ours = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert sorted(ours) == sorted(theirs)
+    for k in ours:
+        assert ours[k].dtype == theirs[k].dtype == torch.bfloat16 and torch.equal(ours[k], theirs[k]), k
+
+
+def test_incomplete_mxfp4_is_refused(oss, tmp_path):
+    q = tmp_path / "mxfp4"
+    q.mkdir()
+    packed = pack_mxfp4(load_file(oss / "hf" / "model.safetensors"))
+    packed.pop("model.layers.0.mlp.experts.down_proj_scales")
+    save_file(packed, q / "model.safetensors", metadata={"format": "pt"})
+    conf = dict(json.loads((oss / "hf" / "config.json").read_text()), quantization_config={"quant_method": "mxfp4"})
+    (q / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(CkptError, match="down_proj_blocks has no .*down_proj_scales"):
+        api.open(q)
+
+
+# --- refusals -------------------------------------------------------------------------------------------------
+
+def test_what_megatron_or_transformers_cannot_compute_is_refused_by_name(oss, tmp_path):
+    other = tmp_path / "alpha"
+    shutil.copytree(oss / "hf", other)
+    conf = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(dict(conf, swiglu_alpha=1.5)))
+    with pytest.raises(CkptError, match="swiglu_alpha=1.5"):
+        api.open(other)
+    args = torch.load(oss / "tp2ep2" / "iter_0000000" / "mp_rank_00_000" / "model_optim_rng.pt",
+                      weights_only=False)["args"]
+    with pytest.raises(CkptError, match="off-by-one"):
+        config_from_args(argparse.Namespace(**dict(vars(args), softmax_type="off-by-one")), 256)
+    with pytest.raises(CkptError, match="not causal"):
+        config_from_args(argparse.Namespace(**dict(vars(args), window_size=(3, 2))), 256)
+    # a Llama-style model with a sliding window: no HF class ckptool writes computes it
+    from ckptool.families import for_config
+    cfg = api.open(oss / "hf").config.replace(attn_sinks=False, activation="swiglu", glu_clamp=None,
+                                                glu_linear_offset=0.0, moe=None, rope_yarn=None)
+    with pytest.raises(CkptError, match="--window-size"):
+        for_config(cfg)
