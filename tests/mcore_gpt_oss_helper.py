@@ -4,7 +4,7 @@ GPTModel (local spec, SequentialMLP experts) loads ckptool's output strictly and
   "load-torch DIR --tp T --ep E [--pp P] --out FILE"   this rank's Megatron-LM torch-format file into a fresh model with
         load_state_dict(strict=True)
   "load-dist DIR --tp T --ep E [--pp P] --out FILE"    dist_checkpointing.load of the torch_dist DIR at this layout, then
-        load_state_dict(strict=True)
+        load_state_dict: every parameter found, nothing left over
 
 The model is built from the checkpoint's own args (ckptool wrote them) the way Megatron-LM's arguments.py turns
 them into a TransformerConfig for GPT-OSS: --quick-geglu (activation_func quick_gelu, gated_linear_unit),
@@ -65,10 +65,11 @@ def config_of(args, tp, ep, pp) -> TransformerConfig:
         window_size=tuple(args.window_size), window_attn_skip_freq=args.window_attn_skip_freq,
         bias_activation_fusion=False, masked_softmax_fusion=False, num_moe_experts=args.num_experts,
         moe_router_topk=args.moe_router_topk, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_layer_freq=args.moe_layer_freq,  # a list keys torch_dist layers one by one (transformer_block.py)
         moe_router_pre_softmax=args.moe_router_pre_softmax, moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=False, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
         use_cpu_initialization=True, pipeline_dtype=torch.float32, pipeline_model_parallel_size=pp,
-        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
         hidden_dropout=0.0, attention_dropout=0.0)
     for k in ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
               "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "yarn_correction_range_round_to_int"):
@@ -94,8 +95,9 @@ def dist_args(root: Path):
 
 def run_job(a):
     root = Path(a.dir)
+    # biased experts: expert TP 1, whatever the TP (megatron-core's rule; ckptool writes no other)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp,
-                                             expert_model_parallel_size=a.ep)
+                                             expert_model_parallel_size=a.ep, expert_tensor_parallel_size=1)
     if a.mode == "load-torch":
         state = torch.load(rank_file(root, a.pp, a.ep), map_location="cpu", weights_only=False)
         args = state["args"]
@@ -113,7 +115,12 @@ def run_job(a):
         model.load_state_dict(state["model"], strict=True)
     else:
         loaded = dist_checkpointing.load(model.sharded_state_dict(), str(it_dir))
-        model.load_state_dict(loaded, strict=True)
+        for k in ("args", "iteration", "checkpoint_version"):  # the run's common state, not weights
+            loaded.pop(k, None)
+        # strict but for the linears' extra state (None in the local spec: nothing to load), as mcore_moe_helper
+        missing, unexpected = model.load_state_dict(loaded, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        assert not missing and not unexpected, (missing, unexpected)
     model.eval()
     out = logits(model, TOKENS)
     if (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0

@@ -60,7 +60,7 @@ def oss(tmp_path_factory):
     """The tiny HF model and ckptool's Megatron torch output at TP2 EP2."""
     root = tmp_path_factory.mktemp("gpt_oss")
     hf = build_hf(root / "hf")
-    api.from_hf(hf, root / "tp2ep2", tp=2, ep=2, warn=lambda m: None)
+    api.from_hf(hf, root / "tp2ep2", tp=2, ep=2, etp=1, warn=lambda m: None)
     return root
 
 
@@ -82,8 +82,8 @@ def test_megatron_round_trips_are_bit_exact(oss, tmp_path):
     """HF -> torch TP2 EP2 -> HF, and on through torch_dist and torch TP1 PP2 EP4: every tensor bit-exact."""
     api.to_hf(oss / "tp2ep2", tmp_path / "back", warn=lambda m: None)
     same_files(oss / "hf", tmp_path / "back")
-    api.reshard(oss / "tp2ep2", tmp_path / "dist", format="torch_dist", tp=2, ep=2, warn=lambda m: None)
-    api.reshard(tmp_path / "dist", tmp_path / "pp2ep4", format="torch", tp=1, pp=2, ep=4, warn=lambda m: None)
+    api.reshard(oss / "tp2ep2", tmp_path / "dist", format="torch_dist", tp=2, ep=2, etp=1, warn=lambda m: None)
+    api.reshard(tmp_path / "dist", tmp_path / "pp2ep4", format="torch", tp=1, pp=2, ep=4, etp=1, warn=lambda m: None)
     api.to_hf(tmp_path / "pp2ep4", tmp_path / "back2", warn=lambda m: None)
     same_files(oss / "hf", tmp_path / "back2")
     conf = json.loads((tmp_path / "back" / "config.json").read_text())
@@ -131,14 +131,15 @@ def test_verify_default_inputs_are_longer_than_the_window(oss):
 
 
 def test_torchrun_verify_at_tp2_pp2_ep2(oss, tmp_path):
-    api.reshard(oss / "tp2ep2", tmp_path / "t", format="torch", tp=2, pp=2, ep=2, warn=lambda m: None)
-    r = run_torchrun(8, "-m", "ckptool", "verify", tmp_path / "t", "--reference", oss / "hf", "--seq-len", SEQ)
+    api.reshard(oss / "tp2ep2", tmp_path / "t", format="torch", tp=2, pp=2, ep=2, etp=1, warn=lambda m: None)
+    # expert TP 1 (biased experts): a stage's ranks are lcm(TP2, ETP1 x EP2) = 2, so 4 processes
+    r = run_torchrun(4, "-m", "ckptool", "verify", tmp_path / "t", "--reference", oss / "hf", "--seq-len", SEQ)
     assert r.returncode == 0 and "result=PASS" in r.stdout, r.stdout + r.stderr[-3000:]
 
 
 def test_megatron_core_loads_the_outputs_strictly_with_transformers_logits(oss, tmp_path):
-    api.reshard(oss / "tp2ep2", tmp_path / "dist", format="torch_dist", tp=2, ep=2, warn=lambda m: None)
-    r = run_torchrun(4, HELPER, f"load-torch {oss / 'tp2ep2'} --tp 2 --ep 2 --out {tmp_path / 'torch.pt'}",
+    api.reshard(oss / "tp2ep2", tmp_path / "dist", format="torch_dist", tp=2, ep=2, etp=1, warn=lambda m: None)
+    r = run_torchrun(2, HELPER, f"load-torch {oss / 'tp2ep2'} --tp 2 --ep 2 --out {tmp_path / 'torch.pt'}",
                      f"load-dist {tmp_path / 'dist'} --tp 2 --ep 2 --out {tmp_path / 'dist.pt'}")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     for name in ("torch.pt", "dist.pt"):
@@ -188,7 +189,7 @@ def test_mxfp4_checkpoint_converts_to_the_values_transformers_loads(oss, tmp_pat
     model = AutoModelForCausalLM.from_pretrained(q, dtype=torch.bfloat16,
                                                  quantization_config=Mxfp4Config(dequantize=True))
     theirs = {k: v.detach() for k, v in model.state_dict().items()}
-    api.from_hf(q, tmp_path / "meg", tp=2, ep=2, warn=lambda m: None)
+    api.from_hf(q, tmp_path / "meg", tp=2, ep=2, etp=1, warn=lambda m: None)
     api.to_hf(tmp_path / "meg", tmp_path / "bf16", warn=lambda m: None)
     ours = load_file(tmp_path / "bf16" / "model.safetensors")
     assert sorted(ours) == sorted(theirs)
@@ -219,6 +220,9 @@ def test_what_megatron_or_transformers_cannot_compute_is_refused_by_name(oss, tm
         api.open(other)
     args = torch.load(oss / "tp2ep2" / "iter_0000000" / "mp_rank_00_000" / "model_optim_rng.pt",
                       weights_only=False)["args"]
+    with pytest.raises(CkptError, match="give --etp 1"):  # megatron-core's rule for biased experts
+        api.from_hf(oss / "hf", tmp_path / "etp2", tp=2, ep=2, warn=lambda m: None)
+    assert not (tmp_path / "etp2").exists()
     with pytest.raises(CkptError, match="off-by-one"):
         config_from_args(argparse.Namespace(**dict(vars(args), softmax_type="off-by-one")), 256)
     with pytest.raises(CkptError, match="not causal"):

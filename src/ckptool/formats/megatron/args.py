@@ -263,6 +263,15 @@ def gpt_yarn_from_args(args) -> Yarn:
                 truncate=bool(_get(args, "yarn_correction_range_round_to_int", default=True)))
 
 
+def refuse_biased_experts_cut(cfg: GPTConfig, layout: Layout) -> None:
+    """megatron-core 0.16 builds MoE layers with linear biases (GPT-OSS) only at expert tensor-parallel size 1
+    (TransformerConfig.__post_init__: "Bias in Moe is only supported when ETP==1")."""
+    if cfg.moe is not None and cfg.add_bias_linear and layout.expert_tp != 1:
+        raise CkptError(f"expert tensor parallelism {layout.expert_tp} for MoE experts with linear biases "
+                        "(--add-bias-linear): megatron-core builds biased experts only at expert TP 1",
+                        "give --etp 1 (each expert whole on its EP rank; TP still splits the attention)")
+
+
 def gpt_oss_args(cfg: GPTConfig) -> Dict[str, Any]:
     """The args of a run computing cfg's GPT-OSS maths (the inverse of gpt_oss_from_args and gpt_yarn_from_args);
     every run gets them, at their defaults when the model has none of it."""

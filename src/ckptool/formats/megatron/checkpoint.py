@@ -702,6 +702,7 @@ def plan_megatron(ckpt: Checkpoint, layout: Layout, opts: WriteOptions, warn, ho
     state when opts.optimizer (its fp32 masters become the weights of an fp32 run), the args `how` says.
     hint: what to do when the source's optimizer state is incomplete (the format's own advice)."""
     iteration = opts.iteration if opts.iteration is not None else (ckpt.source.iteration or 0)
+    megatron_args.refuse_biased_experts_cut(ckpt.config, layout)
     cfg_out, tensors = _padded_vocabulary(ckpt, layout, opts.divisible_by, opts.pad_fill, warn)
     rows = cfg_out.padded_vocab_size
     out_dtype = opts.dtype if opts.dtype is not None else next(iter(tensors.values())).dtype
