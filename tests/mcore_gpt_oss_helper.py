@@ -3,6 +3,13 @@ GPTModel (local spec, SequentialMLP experts) loads ckptool's output strictly and
 
   "load-torch DIR --tp T --ep E [--pp P] --out FILE"   this rank's Megatron-LM torch-format file into a fresh model with
         load_state_dict(strict=True)
+  "train DIR --tp T --ep E --save OUT --out FILE"   as load-torch, then one Adam step of megatron-core's optimizer
+        (mcore_moe_helper.make_optimizer: DDP + get_megatron_optimizer, at EP > 1 a chain [dense, expert]) and a
+        save of model and optimizer state in Megatron-LM's torch format into OUT (iteration 8); FILE.moments gets
+        every rank's (TP rank, EP rank, {parameter name: live exp_avg}) at the save, FILE.losses the losses of
+        the two steps after it (`next`: what a resumed run must reproduce)
+  "resume DIR --tp T --ep E --out FILE"   load-torch with the optimizer state loaded too, then those two steps
+        (FILE.losses `next`)
   "load-dist DIR --tp T --ep E [--pp P] --out FILE"    dist_checkpointing.load of the torch_dist DIR at this layout, then
         load_state_dict: every parameter found, nothing left over
 
@@ -77,14 +84,18 @@ def config_of(args, tp, ep, pp) -> TransformerConfig:
     return cfg
 
 
-def rank_file(root: Path, pp: int, ep: int) -> Path:
+def rank_file_named(root: Path, it_dir: str, pp: int, ep: int) -> Path:
     name = f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}"
     if pp > 1:
         name += f"_{parallel_state.get_pipeline_model_parallel_rank():03d}"
     if ep > 1:
         name += f"_{parallel_state.get_expert_model_parallel_rank():03d}"
+    return root / it_dir / name / "model_optim_rng.pt"
+
+
+def rank_file(root: Path, pp: int, ep: int) -> Path:
     tracker = (root / "latest_checkpointed_iteration.txt").read_text().strip()
-    return root / ("release" if tracker == "release" else f"iter_{int(tracker):07d}") / name / "model_optim_rng.pt"
+    return rank_file_named(root, "release" if tracker == "release" else f"iter_{int(tracker):07d}", pp, ep)
 
 
 def dist_args(root: Path):
@@ -93,16 +104,58 @@ def dist_args(root: Path):
     return d, dist_checkpointing.load_common_state_dict(str(d))["args"]
 
 
+def save_trained(model, opt, args, out: Path, pp: int, ep: int) -> None:
+    """Megatron-LM's save_checkpoint, torch format: one file per (TP, PP, EP) name, from the ranks that write."""
+    from mcore_moe_helper import writes_file
+    out.mkdir(parents=True, exist_ok=True)
+    f = rank_file_named(out, "iter_0000008", pp, ep)
+    if writes_file():
+        f.parent.mkdir(parents=True, exist_ok=True)
+        args.iteration = 8
+        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 8,
+                    "model": model.state_dict_for_save_checkpoint(), "optimizer": opt.state_dict()}, f)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (out / "latest_checkpointed_iteration.txt").write_text("8")
+
+
+def live_moments(model, opt, out: str) -> None:
+    """Every rank's live Adam first moments by parameter name, with its (TP rank, EP rank), to rank 0's out."""
+    live = {id(p): st["exp_avg"].detach().clone() for sub in opt.chained_optimizers
+            for p, st in sub.optimizer.state.items()}
+    mine = {n: live[id(p)] for n, p in model.named_parameters() if id(p) in live}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (parallel_state.get_tensor_model_parallel_rank(),
+                                   parallel_state.get_expert_model_parallel_rank(), mine))
+    if dist.get_rank() == 0:
+        torch.save(every, out)
+
+
+def train_or_resume(a, model, cfg, state) -> dict:
+    """train: a step, the save, two more steps; resume: the loaded optimizer state, those two steps."""
+    from mcore_moe_helper import adam_step, make_optimizer
+    ddp, opt = make_optimizer(model, cfg)
+    if a.mode == "train":
+        adam_step(ddp, opt, 5)
+        save_trained(model, opt, state["args"], Path(a.save), a.pp, a.ep)
+        live_moments(model, opt, a.out + ".moments")
+    else:
+        opt.load_state_dict(state["optimizer"])
+    losses = {"next": [adam_step(ddp, opt, 6), adam_step(ddp, opt, 7)]}
+    model.eval()
+    return losses
+
+
 def run_job(a):
     root = Path(a.dir)
     # biased experts: expert TP 1, whatever the TP (megatron-core's rule; ckptool writes no other)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp,
                                              expert_model_parallel_size=a.ep, expert_tensor_parallel_size=1)
-    if a.mode == "load-torch":
+    if a.mode == "load-dist":
+        it_dir, args = dist_args(root)
+    else:
         state = torch.load(rank_file(root, a.pp, a.ep), map_location="cpu", weights_only=False)
         args = state["args"]
-    else:
-        it_dir, args = dist_args(root)
     assert args.position_embedding_type == "yarn" and args.quick_geglu and args.softmax_type == "learnable"
     cfg = config_of(args, a.tp, a.ep, a.pp)
     spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False, normalization="RMSNorm")
@@ -111,8 +164,11 @@ def run_job(a):
                      pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage(), position_embedding_type="yarn",
                      rotary_base=int(args.rotary_base), share_embeddings_and_output_weights=False)
-    if a.mode == "load-torch":
+    losses = None
+    if a.mode != "load-dist":
         model.load_state_dict(state["model"], strict=True)
+        if a.mode in ("train", "resume"):
+            losses = train_or_resume(a, model, cfg, state)
     else:
         loaded = dist_checkpointing.load(model.sharded_state_dict(), str(it_dir))
         for k in ("args", "iteration", "checkpoint_version"):  # the run's common state, not weights
@@ -126,18 +182,21 @@ def run_job(a):
     if (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
             and parallel_state.get_data_parallel_rank() == 0):
         torch.save({"tokens": TOKENS, "logits": out}, a.out)
+    if losses is not None and dist.get_rank() == 0:
+        torch.save(losses, a.out + ".losses")
     dist.barrier()
     parallel_state.destroy_model_parallel()
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["load-torch", "load-dist"])
+    ap.add_argument("mode", choices=["load-torch", "load-dist", "train", "resume"])
     ap.add_argument("dir")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--save")
     jobs = [ap.parse_args(job.split()) for job in sys.argv[1:]]
     dist.init_process_group("gloo")
     for job in jobs:
