@@ -41,7 +41,7 @@ from megatron.core.fusions import fused_softmax  # noqa: E402
 from megatron.core.transformer.moe import moe_utils  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
-from mcore_dist_helper import logits  # noqa: E402
+from mcore_dist_helper import logits, run_jobs  # noqa: E402
 
 if not hasattr(moe_utils, "te_general_gemm"):  # see mcore_moe_helper.py
     moe_utils.te_general_gemm = None
@@ -197,11 +197,7 @@ def main():
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--out", required=True)
     ap.add_argument("--save")
-    jobs = [ap.parse_args(job.split()) for job in sys.argv[1:]]
-    dist.init_process_group("gloo")
-    for job in jobs:
-        run_job(job)
-    dist.destroy_process_group()
+    run_jobs(ap, run_job)
 
 
 if __name__ == "__main__":

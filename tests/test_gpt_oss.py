@@ -225,6 +225,8 @@ def test_what_megatron_or_transformers_cannot_compute_is_refused_by_name(oss, tm
     with pytest.raises(CkptError, match="give --etp 1"):  # megatron-core's rule for biased experts
         api.from_hf(oss / "hf", tmp_path / "etp2", tp=2, ep=2, warn=lambda m: None)
     assert not (tmp_path / "etp2").exists()
+    with pytest.raises(CkptError, match="sinks and sliding windows exist only in megatron-core"):
+        api.reshard(oss / "tp2ep2", tmp_path / "legacy", tp=2, ep=2, etp=1, dialect="legacy-norm", warn=lambda m: None)
     with pytest.raises(CkptError, match="off-by-one"):
         config_from_args(argparse.Namespace(**dict(vars(args), softmax_type="off-by-one")), 128)
     with pytest.raises(CkptError, match="not causal"):
@@ -239,8 +241,9 @@ def test_what_megatron_or_transformers_cannot_compute_is_refused_by_name(oss, tm
 
 def test_megatron_cores_optimizer_state_is_carried_through_reshards(oss, tmp_path):
     """megatron-core trains the TP2 EP2 output one Adam step and saves model and optimizer (a chain [dense, expert]).
-    ckptool reads every parameter's moments equal to the live optimizer's, the sinks and the expert biases too;
-    written again at TP2 EP2 (from the source, and after a merge to TP1) the run resumed there takes the next two
+    ckptool reads every parameter's moments equal to the live optimizer's, the sinks and the expert biases too, and
+    carries them to TP1 and torch_dist; written again at TP2 EP2 (from the source, and after a merge to TP1) the run
+    resumed there takes the next two
     steps with the losses the uninterrupted run had. (A resume at TP1 matches the first loss exactly but not the
     second: Adam's first steps move each weight by about lr whatever its gradient's size, so rounding noise in a
     near-zero gradient computed at another TP moves the loss; the same-layout resume is the exact check.)"""
@@ -267,8 +270,11 @@ def test_megatron_cores_optimizer_state_is_carried_through_reshards(oss, tmp_pat
             assert torch.equal(ea[f"layers.{i}.mlp.experts.{e}.down.bias"].load(), live[(e // 2, e // 2, q + "linear_fc2.bias")])
     api.reshard(tmp_path / "trained", tmp_path / "same", tp=2, ep=2, etp=1, optimizer=True, warn=lambda m: None)
     api.reshard(tmp_path / "trained", tmp_path / "tp1", tp=1, ep=2, etp=1, optimizer=True, warn=lambda m: None)
-    merged = api.open(tmp_path / "tp1").optimizer.slots["exp_avg"]
-    assert all(torch.equal(merged[k].load(), ea[k].load()) for k in ea)
+    api.reshard(tmp_path / "tp1", tmp_path / "dist", format="torch_dist", tp=2, ep=2, etp=1, optimizer=True,
+                warn=lambda m: None)
+    for other in ("tp1", "dist"):  # merged over TP; and in torch_dist
+        moved = api.open(tmp_path / other).optimizer.slots["exp_avg"]
+        assert all(torch.equal(moved[k].load(), ea[k].load()) for k in ea), other
     api.reshard(tmp_path / "tp1", tmp_path / "back", tp=2, ep=2, etp=1, optimizer=True, warn=lambda m: None)
     r = run_torchrun(2, HELPER, f"resume {tmp_path / 'same'} --tp 2 --ep 2 --out {tmp_path / 'same.pt'}",
                      f"resume {tmp_path / 'back'} --tp 2 --ep 2 --out {tmp_path / 'back.pt'}")

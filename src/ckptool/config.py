@@ -203,7 +203,10 @@ class GPTConfig:
         if self.moe is not None:
             require(all(0 <= i < self.num_layers for i in self.moe.layers),
                     f"MoE layers {list(self.moe.layers)} fall outside the {self.num_layers} layers")
-        # GPT-OSS: a window of at least one key, on layers of the model
+        # GPT-OSS: a window of at least one key, on layers of the model; not with MLA (no framework computes it)
+        require(self.mla is None or (self.window is None and not self.attn_sinks),
+                "sliding windows or attention sinks with Multi-Latent Attention: ckptool does not compute them",
+                "such a model is not converted")
         require(self.window is None or self.window >= 1, f"a sliding window of {self.window} keys sees nothing")
         if self.window_layers is not None:
             require(self.window is not None, "sliding-window layers without a window size")

@@ -10,7 +10,7 @@ alike), down_proj [E, F, H], down_proj_bias [E, H] (GptOssExperts.__init__ and _
 checkpoints hold the expert weights in MXFP4 (*_blocks, *_scales: formats/hf/mxfp4.py), dequantized on read."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 from ..config import GPTConfig, MoE, Yarn
 from ..errors import CkptError, require
@@ -140,11 +140,6 @@ def config_json(family: Family, cfg: GPTConfig, vocab: int) -> dict:
             "swiglu_alpha": MEGATRON_QUICK_GELU_ALPHA, "swiglu_limit": cfg.glu_clamp,
             "sliding_window": cfg.window, "layer_types": _layer_types(cfg), "output_router_logits": False,
             "initializer_range": 0.02, "use_cache": True}
-
-
-def window_pattern(cfg: GPTConfig) -> Tuple[int, ...]:
-    """The sliding-window layers' indices (every layer when window_layers is None)."""
-    return tuple(i for i in range(cfg.num_layers) if cfg.window_of(i) is not None)
 
 
 GPT_OSS = Family("gpt_oss", ARCH, NAMES, config_from_hf, config_json, export_kind="gpt_oss",

@@ -273,8 +273,8 @@ def refuse_biased_experts_cut(cfg: GPTConfig, layout: Layout) -> None:
 
 
 def gpt_oss_args(cfg: GPTConfig) -> Dict[str, Any]:
-    """The args of a run computing cfg's GPT-OSS maths (the inverse of gpt_oss_from_args and gpt_yarn_from_args);
-    every run gets them, at their defaults when the model has none of it."""
+    """The args of a run computing cfg's GPT-OSS maths (the inverse of gpt_oss_from_args and gpt_yarn_from_args), at
+    Megatron-LM's defaults for what the model does not use."""
     all_layers = cfg.window_layers is None or cfg.window_layers == tuple(range(cfg.num_layers))
     out: Dict[str, Any] = dict(
         quick_geglu=cfg.activation == "quick_geglu", softmax_type="learnable" if cfg.attn_sinks else "vanilla",
@@ -591,7 +591,9 @@ def args_for_target(source_args, cfg: GPTConfig, layout: Layout, padded_rows: in
     else:  # a dense run: the MoE flags the source's args carry (Megatron-LM stores them all) at their defaults
         updates.update({k: v for k, v in dense_moe_args(layout).items() if getattr(args, k, None) is not None})
     updates.update(mla_args(cfg.mla, cfg.rope_yarn))
-    updates.update(gpt_oss_args(cfg))
+    # GPT-OSS's flags where the model uses them or the source's args carry them (args of other runs stay as they were)
+    updates.update({k: v for k, v in gpt_oss_args(cfg).items()
+                    if hasattr(args, k) or v not in (None, False, 0.0, "vanilla")})
     # the pipeline said one way, this layout's: the source's other ways of saying it go (Megatron-LM's
     # validate_args refuses args holding two ways of saying the virtual pipeline, and first / last stage sizes
     # the layout does not have would describe other files); uneven stages are set again below

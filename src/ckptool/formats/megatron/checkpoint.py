@@ -545,6 +545,9 @@ def _check_dialect_fits(d: Dialect, cfg: GPTConfig, layout: Layout) -> None:
                         "choose --dialect legacy-norm or mcore")
     if cfg.qk_layernorm and not d.name.startswith("mcore"):
         raise CkptError("qk_layernorm exists only in megatron-core models", "choose --dialect mcore")
+    if (cfg.attn_sinks or cfg.window is not None) and not d.name.startswith("mcore"):  # GPT-OSS
+        raise CkptError(f"attention sinks and sliding windows exist only in megatron-core models, not the {d.name} "
+                        "dialect", "choose --dialect mcore")
     if cfg.mla is not None and not d.name.startswith("mcore"):
         raise CkptError(f"Multi-Latent Attention: the {d.name} dialect predates MLA models",
                         "choose --dialect mcore or mcore-te")
