@@ -10,7 +10,7 @@ GPTModel (local spec, SequentialMLP experts) loads ckptool's output strictly and
         the two steps after it (`next`: what a resumed run must reproduce)
   "resume DIR --tp T --ep E --out FILE"   load-torch with the optimizer state loaded too, then those two steps
         (FILE.losses `next`)
-  "load-dist DIR --tp T --ep E [--pp P] --out FILE"    dist_checkpointing.load of the torch_dist DIR at this layout, then
+  "load-dist DIR --tp T --ep E [--pp P] --out FILE"   dist_checkpointing.load of the torch_dist DIR at this layout, then
         load_state_dict: every parameter found, nothing left over
 
 The model is built from the checkpoint's own args (ckptool wrote them) the way Megatron-LM's arguments.py turns

@@ -22,9 +22,15 @@ from safetensors.torch import load_file, save_file
 from conftest import run_torchrun
 
 from ckptool import api
+from ckptool.config import Layout
+from ckptool.convert import write_layout
 from ckptool.errors import CkptError
+from ckptool.families import for_config
 from ckptool.formats.hf.mxfp4 import dequantize
 from ckptool.formats.megatron.args import config_from_args
+from ckptool.formats.megatron.checkpoint import read_megatron
+from ckptool.verify import reference
+from ckptool.verify.inputs import default_seq_len
 
 transformers = pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[1]
@@ -125,7 +131,6 @@ def test_verify_computes_transformers_logits_and_the_window_and_sinks_matter(oss
 
 
 def test_verify_default_inputs_are_longer_than_the_window(oss):
-    from ckptool.verify.inputs import default_seq_len
     cfg = api.open(oss / "hf").config
     assert default_seq_len(None, cfg) == 16 > WINDOW and default_seq_len(7, cfg) == 7
     assert default_seq_len(None, cfg.replace(window=128)) == 264  # gpt-oss-20b / 120b's window
@@ -232,7 +237,6 @@ def test_what_megatron_or_transformers_cannot_compute_is_refused_by_name(oss, tm
     with pytest.raises(CkptError, match="not causal"):
         config_from_args(argparse.Namespace(**dict(vars(args), window_size=(3, 2))), 128)
     # a Llama-style model with a sliding window: no HF class ckptool writes computes it
-    from ckptool.families import for_config
     cfg = api.open(oss / "hf").config.replace(attn_sinks=False, activation="swiglu", glu_clamp=None,
                                                 glu_linear_offset=0.0, moe=None, rope_yarn=None)
     with pytest.raises(CkptError, match="--window-size"):
@@ -267,7 +271,8 @@ def test_megatron_cores_optimizer_state_is_carried_through_reshards(oss, tmp_pat
             fc1 = live[(e // 2, e // 2, q + "linear_fc1.bias")]
             assert torch.equal(ea[f"layers.{i}.mlp.experts.{e}.gate.bias"].load(), fc1[:64])
             assert torch.equal(ea[f"layers.{i}.mlp.experts.{e}.up.bias"].load(), fc1[64:])
-            assert torch.equal(ea[f"layers.{i}.mlp.experts.{e}.down.bias"].load(), live[(e // 2, e // 2, q + "linear_fc2.bias")])
+            fc2 = live[(e // 2, e // 2, q + "linear_fc2.bias")]
+            assert torch.equal(ea[f"layers.{i}.mlp.experts.{e}.down.bias"].load(), fc2)
     api.reshard(tmp_path / "trained", tmp_path / "same", tp=2, ep=2, etp=1, optimizer=True, warn=lambda m: None)
     api.reshard(tmp_path / "trained", tmp_path / "tp1", tp=1, ep=2, etp=1, optimizer=True, warn=lambda m: None)
     api.reshard(tmp_path / "tp1", tmp_path / "dist", format="torch_dist", tp=2, ep=2, etp=1, optimizer=True,
@@ -282,3 +287,29 @@ def test_megatron_cores_optimizer_state_is_carried_through_reshards(oss, tmp_pat
     want = torch.load(tmp_path / "train.pt.losses")["next"]
     for name in ("same", "back"):
         assert torch.load(tmp_path / f"{name}.pt.losses")["next"] == want, name
+
+
+def test_a_llama_run_with_sliding_windows_keeps_them_and_is_not_exported(fixture_dir, tmp_path):
+    """A megatron-core Llama run's --window-size 7,0 --window-attn-skip-freq 2 (Megatron-LM's integer form): read as
+    windows of 8 keys on layers 0 and 2, carried through a reshard (as a 0/1 list), computed by verify, and refused
+    by to-hf (no HF class ckptool writes computes Llama with windows) leaving nothing behind."""
+    src = read_megatron(fixture_dir("llama_mcore_tp2pp2") / "checkpoint")
+    write_layout(src, tmp_path / "plain", Layout(2, 1), warn=lambda m: None)
+    for f in (tmp_path / "plain").glob("iter_*/mp_rank_*/model_optim_rng.pt"):  # the run's args say the windows
+        state = torch.load(f, weights_only=False)
+        state["args"].window_size, state["args"].window_attn_skip_freq = (7, 0), 2
+        torch.save(state, f)
+    ck = read_megatron(tmp_path / "plain")
+    assert (ck.config.window, ck.config.window_layers) == (8, (0, 2))
+    api.reshard(tmp_path / "plain", tmp_path / "tp1", tp=1, warn=lambda m: None)
+    args = read_megatron(tmp_path / "tp1").source.args
+    assert (tuple(args.window_size), args.window_attn_skip_freq) == ((7, 0), [1, 0, 1, 0])
+    assert api.verify(tmp_path / "tp1", reference=tmp_path / "plain", quiet=True, warn=lambda m: None).ok
+    # the windows matter on the default inputs (16 tokens > 8): without them the same weights compute otherwise
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    windowed = reference.forward(ck, tokens)
+    unwindowed = reference.forward(ck.with_tensors(ck.tensors, window=None, window_layers=None), tokens)
+    assert (windowed - unwindowed).abs().max() > 1e-4
+    with pytest.raises(CkptError, match="the model uses --window-size"):
+        api.to_hf(tmp_path / "tp1", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()

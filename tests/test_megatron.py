@@ -197,10 +197,11 @@ def test_written_args_say_the_pipeline_split_one_way(fixture_dir, tmp_path, layo
 
 @pytest.mark.parametrize("arg, value, flag", [
     ("rotary_seq_len_interpolation_factor", 4, "--rotary-seq-len-interpolation-factor"),
-    ("no_rope_freq", 2, "--no-rope-freq"), ("window_size", (8, 0), "--window-size"), ("qk_l2_norm", True, "--qk-l2-norm")])
+    ("no_rope_freq", 2, "--no-rope-freq"), ("qk_l2_norm", True, "--qk-l2-norm")])
 def test_maths_ckptool_does_not_compute_goes_along_but_is_not_exported(fixture_dir, tmp_path, arg, value, flag):
     """Megatron-LM 0.16 args that change a layer's maths ckptool does not compute (RoPE position interpolation,
-    layers without RoPE, sliding-window attention, L2-normalised q/k): a Megatron layout carries them in its args,
+    layers without RoPE, L2-normalised q/k; sliding windows are computed since GPT-OSS: tests/test_gpt_oss.py):
+    a Megatron layout carries them in its args,
     to-hf refuses by the flag's name and leaves nothing behind, where it would have written another model."""
     from ckptool import api
     from ckptool.errors import CkptError

@@ -129,7 +129,8 @@ def config_json(family: Family, cfg: GPTConfig, vocab: int) -> dict:
         rope = {"rope_type": "yarn", "rope_theta": cfg.rotary_base, "factor": y.factor,
                 "original_max_position_embeddings": y.original_max_position_embeddings, "beta_fast": y.beta_fast,
                 "beta_slow": y.beta_slow, "truncate": y.truncate,
-                **{k: getattr(y, k) for k in ("mscale", "mscale_all_dim", "attention_factor") if getattr(y, k) is not None}}
+                **{k: getattr(y, k) for k in ("mscale", "mscale_all_dim", "attention_factor")
+                   if getattr(y, k) is not None}}
     return {"architectures": [family.architecture], "model_type": family.model_type, "vocab_size": vocab,
             "hidden_size": cfg.hidden_size, "intermediate_size": cfg.moe.ffn_hidden_size,
             "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,

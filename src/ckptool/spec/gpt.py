@@ -176,7 +176,8 @@ LAYER_PREFIX = {LEGACY: _NESTED + "encoder/layers.{i}.", FLAT: "transformer.laye
 # A layer's roles in the order each framework registers the parameters (named_parameters() and state-dict order,
 # which its optimizer's param groups follow: megatron/optim.py). Legacy: norm, query_key_value, dense, norm, MLP.
 # megatron-core registers linear_proj before linear_qkv (Attention.__init__ runs before SelfAttention adds
-# linear_qkv), and core_attention (GPT-OSS's softmax_offset) before linear_proj. MLASelfAttention (megatron-core 0.16 multi_latent_attention.py) registers linear_proj, then its q
+# linear_qkv), and core_attention (GPT-OSS's softmax_offset) before linear_proj.
+# MLASelfAttention (megatron-core 0.16 multi_latent_attention.py) registers linear_proj, then its q
 # linear(s) (linear_q_proj, or linear_q_down_proj and linear_q_up_proj), the kv linears, and the latent norms last
 # (local spec; the TE spec's norms sit inside the up projections, registered before their weights); an MLA model
 # has no qkv roles, a GQA model none of these. Transformer Engine's LayerNormLinear registers layer_norm_weight/

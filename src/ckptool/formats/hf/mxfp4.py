@@ -84,5 +84,6 @@ def dequantize_mxfp4(entries: Dict[str, LazyTensor], conf: dict, path) -> Dict[s
         out[name] = Mxfp4Tensor(b, s)
     left = [k for k in out if k.endswith(SCALES)]
     if left:
-        raise CkptError(f"{path}: {left[0]} has no {left[0][:-len(SCALES)] + BLOCKS}", "the MXFP4 checkpoint is incomplete")
+        raise CkptError(f"{path}: {left[0]} has no {left[0][:-len(SCALES)] + BLOCKS}",
+                        "the MXFP4 checkpoint is incomplete")
     return out

@@ -226,7 +226,8 @@ def window_from_args(args, num_layers: int) -> dict:
         layers = tuple(i for i in range(num_layers) if (i + 1) % freq != 0)
     else:
         flags = list(freq)
-        require(len(flags) == num_layers, f"--window-attn-skip-freq lists {len(flags)} layers, the model has {num_layers}")
+        require(len(flags) == num_layers,
+                f"--window-attn-skip-freq lists {len(flags)} layers, the model has {num_layers}")
         layers = tuple(i for i, f in enumerate(flags) if f)
     return dict(window=left + 1, window_layers=layers)
 
