@@ -144,16 +144,25 @@ def test_torchrun_verify_at_tp2_pp2_ep2(oss, tmp_path):
     assert r.returncode == 0 and "result=PASS" in r.stdout, r.stdout + r.stderr[-3000:]
 
 
-def test_megatron_core_loads_the_outputs_strictly_with_transformers_logits(oss, tmp_path):
-    api.reshard(oss / "tp2ep2", tmp_path / "dist", format="torch_dist", tp=2, ep=2, etp=1, warn=lambda m: None)
-    r = run_torchrun(2, HELPER, f"load-torch {oss / 'tp2ep2'} --tp 2 --ep 2 --out {tmp_path / 'torch.pt'}",
-                     f"load-dist {tmp_path / 'dist'} --tp 2 --ep 2 --out {tmp_path / 'dist.pt'}")
+@pytest.fixture(scope="module")
+def mcore(oss):
+    """One megatron-core launch (2 processes, TP2 EP2 ETP1): the torch and torch_dist outputs loaded strictly, with
+    their logits; and the torch output trained one Adam step and saved with its optimizer (mcore_gpt_oss_helper.py)."""
+    d = oss / "mcore"
+    api.reshard(oss / "tp2ep2", d / "dist", format="torch_dist", tp=2, ep=2, etp=1, warn=lambda m: None)
+    r = run_torchrun(2, HELPER, f"load-torch {oss / 'tp2ep2'} --tp 2 --ep 2 --out {d / 'torch.pt'}",
+                     f"load-dist {d / 'dist'} --tp 2 --ep 2 --out {d / 'dist.pt'}",
+                     f"train {oss / 'tp2ep2'} --tp 2 --ep 2 --save {d / 'trained'} --out {d / 'train.pt'}")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return d
+
+
+def test_megatron_core_loads_the_outputs_strictly_with_transformers_logits(oss, mcore):
     for name in ("torch.pt", "dist.pt"):
-        got = torch.load(tmp_path / name)
+        got = torch.load(mcore / name)
         want = hf_logits(oss / "hf", got["tokens"])
-        mcore = got["logits"][..., :want.shape[-1]]
-        assert torch.allclose(mcore, want, atol=1e-4, rtol=0), (name, (mcore - want).abs().max())
+        mcore_logits = got["logits"][..., :want.shape[-1]]
+        assert torch.allclose(mcore_logits, want, atol=1e-4, rtol=0), (name, (mcore_logits - want).abs().max())
 
 
 # --- MXFP4 ---------------------------------------------------------------------------------------------------
@@ -243,22 +252,18 @@ def test_what_megatron_or_transformers_cannot_compute_is_refused_by_name(oss, tm
         for_config(cfg)
 
 
-def test_megatron_cores_optimizer_state_is_carried_through_reshards(oss, tmp_path):
+def test_megatron_cores_optimizer_state_is_carried_through_reshards(mcore, tmp_path):
     """megatron-core trains the TP2 EP2 output one Adam step and saves model and optimizer (a chain [dense, expert]).
     ckptool reads every parameter's moments equal to the live optimizer's, the sinks and the expert biases too, and
     carries them to TP1 and torch_dist; written again at TP2 EP2 (from the source, and after a merge to TP1) the run
-    resumed there takes the next two
-    steps with the losses the uninterrupted run had. (A resume at TP1 matches the first loss exactly but not the
+    resumed there takes the next two steps with the losses the uninterrupted run had. (A resume at TP1 matches the first loss exactly but not the
     second: Adam's first steps move each weight by about lr whatever its gradient's size, so rounding noise in a
     near-zero gradient computed at another TP moves the loss; the same-layout resume is the exact check.)"""
-    r = run_torchrun(2, HELPER, f"train {oss / 'tp2ep2'} --tp 2 --ep 2 --save {tmp_path / 'trained'} "
-                                f"--out {tmp_path / 'train.pt'}")
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    ck = api.open(tmp_path / "trained")
+    ck = api.open(mcore / "trained")
     ea = ck.optimizer.slots["exp_avg"]
     assert set(ea) == set(ck.tensors)
     live = {}
-    for tp, ep, moments in torch.load(tmp_path / "train.pt.moments"):
+    for tp, ep, moments in torch.load(mcore / "train.pt.moments"):
         for name, m in moments.items():
             live[(tp, ep, name)] = m
     for i in range(2):
@@ -273,8 +278,8 @@ def test_megatron_cores_optimizer_state_is_carried_through_reshards(oss, tmp_pat
             assert torch.equal(ea[f"layers.{i}.mlp.experts.{e}.up.bias"].load(), fc1[64:])
             fc2 = live[(e // 2, e // 2, q + "linear_fc2.bias")]
             assert torch.equal(ea[f"layers.{i}.mlp.experts.{e}.down.bias"].load(), fc2)
-    api.reshard(tmp_path / "trained", tmp_path / "same", tp=2, ep=2, etp=1, optimizer=True, warn=lambda m: None)
-    api.reshard(tmp_path / "trained", tmp_path / "tp1", tp=1, ep=2, etp=1, optimizer=True, warn=lambda m: None)
+    api.reshard(mcore / "trained", tmp_path / "same", tp=2, ep=2, etp=1, optimizer=True, warn=lambda m: None)
+    api.reshard(mcore / "trained", tmp_path / "tp1", tp=1, ep=2, etp=1, optimizer=True, warn=lambda m: None)
     api.reshard(tmp_path / "tp1", tmp_path / "dist", format="torch_dist", tp=2, ep=2, etp=1, optimizer=True,
                 warn=lambda m: None)
     for other in ("tp1", "dist"):  # merged over TP; and in torch_dist
@@ -284,7 +289,7 @@ def test_megatron_cores_optimizer_state_is_carried_through_reshards(oss, tmp_pat
     r = run_torchrun(2, HELPER, f"resume {tmp_path / 'same'} --tp 2 --ep 2 --out {tmp_path / 'same.pt'}",
                      f"resume {tmp_path / 'back'} --tp 2 --ep 2 --out {tmp_path / 'back.pt'}")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    want = torch.load(tmp_path / "train.pt.losses")["next"]
+    want = torch.load(mcore / "train.pt.losses")["next"]
     for name in ("same", "back"):
         assert torch.load(tmp_path / f"{name}.pt.losses")["next"] == want, name
 

@@ -273,6 +273,11 @@ def refuse_biased_experts_cut(cfg: GPTConfig, layout: Layout) -> None:
                         "give --etp 1 (each expert whole on its EP rank; TP still splits the attention)")
 
 
+# Megatron-LM's defaults of the GPT-OSS flags (a run without them computes none of it)
+GPT_OSS_DEFAULTS = dict(quick_geglu=False, softmax_type="vanilla", window_size=None, window_attn_skip_freq=None,
+                        glu_linear_offset=0.0, activation_func_clamp_value=None)
+
+
 def gpt_oss_args(cfg: GPTConfig) -> Dict[str, Any]:
     """The args of a run computing cfg's GPT-OSS maths (the inverse of gpt_oss_from_args and gpt_yarn_from_args), at
     Megatron-LM's defaults for what the model does not use."""
@@ -594,7 +599,7 @@ def args_for_target(source_args, cfg: GPTConfig, layout: Layout, padded_rows: in
     updates.update(mla_args(cfg.mla, cfg.rope_yarn))
     # GPT-OSS's flags where the model uses them or the source's args carry them (args of other runs stay as they were)
     updates.update({k: v for k, v in gpt_oss_args(cfg).items()
-                    if hasattr(args, k) or v not in (None, False, 0.0, "vanilla")})
+                    if hasattr(args, k) or k not in GPT_OSS_DEFAULTS or GPT_OSS_DEFAULTS[k] != v})
     # the pipeline said one way, this layout's: the source's other ways of saying it go (Megatron-LM's
     # validate_args refuses args holding two ways of saying the virtual pipeline, and first / last stage sizes
     # the layout does not have would describe other files); uneven stages are set again below
