@@ -81,7 +81,9 @@ def config_from_hf(family: Family, conf: dict, rows: int) -> GPTConfig:
         add_qkv_bias=True, tied_embeddings=bool(conf.get("tie_word_embeddings", False)), rope_yarn=yarn_from_hf(conf),
         attn_sinks=True, window=int(window) if sliding else None, window_layers=sliding or None,
         glu_clamp=float(conf.get("swiglu_limit", 7.0)), glu_linear_offset=GLU_LINEAR_OFFSET,
-        moe=MoE(num_experts=conf["num_local_experts"], top_k=conf.get("num_experts_per_tok", 4),
+        # the released config.json says experts_per_token beside (or instead of) transformers' num_experts_per_tok
+        moe=MoE(num_experts=conf["num_local_experts"],
+                top_k=conf.get("num_experts_per_tok") or conf.get("experts_per_token") or 4,
                 ffn_hidden_size=conf["intermediate_size"], layers=tuple(range(n)), topk_norm=True, router_bias=True),
         **vocab_fields(conf, rows))
 

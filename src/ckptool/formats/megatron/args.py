@@ -159,7 +159,7 @@ def config_from_args(args, stored_rows: int, extra: Optional[dict] = None) -> GP
     pos = {"learned_absolute": "learned", "rope": "rope", "yarn": "rope", "none": "none"}.get(str(pos), None)
     if pos is None:
         raise CkptError(f"unsupported position_embedding_type {args.position_embedding_type!r}",
-                        "ckptool handles learned_absolute, rope and none")
+                        "ckptool handles learned_absolute, rope, yarn and none")
     norm = str(_get(args, "normalization", default="LayerNorm")).lower()
     norm = {"layernorm": "layernorm", "rmsnorm": "rmsnorm"}.get(norm)
     if norm is None:
@@ -243,15 +243,11 @@ def gpt_oss_from_args(args, num_layers: int) -> dict:
                 **window_from_args(args, num_layers))
 
 
-# megatron-core's GPTModel (position_embedding_type 'yarn') reads these config attributes (getattr: they are not
-# TransformerConfig fields; Megatron-Bridge's providers set them) for YarnRotaryEmbedding
-GPT_YARN_ARGS = ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
-                 "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "yarn_correction_range_round_to_int")
-
-
 def gpt_yarn_from_args(args) -> Yarn:
-    """YaRN of a GPT (non-MLA) model: megatron-core multiplies cos/sin by its concentration factor
-    (_yarn_get_concentration_factor: the plain correction unless both mscales are set, then their ratio)."""
+    """YaRN of a GPT (non-MLA) model, from the yarn_* config attributes megatron-core's GPTModel reads (getattr: not
+    TransformerConfig fields; Megatron-Bridge's providers set them) for position_embedding_type 'yarn'. It multiplies
+    cos/sin by its concentration factor (_yarn_get_concentration_factor: the plain correction unless both mscales
+    are set, then their ratio)."""
     factor = float(_get(args, "yarn_rotary_scaling_factor", default=1.0))
     mscale, mscale_all_dim = _get(args, "yarn_mscale"), _get(args, "yarn_mscale_all_dim")
     gain = yarn_mscale(factor) if mscale is None or mscale_all_dim is None else \
