@@ -318,3 +318,14 @@ def test_a_llama_run_with_sliding_windows_keeps_them_and_is_not_exported(fixture
     with pytest.raises(CkptError, match="the model uses --window-size"):
         api.to_hf(tmp_path / "tp1", tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_lost_expert_bias_is_refused(oss, tmp_path):
+    """Expert biases are read like every other role: one missing from a rank file is named, never left out."""
+    shutil.copytree(oss / "tp2ep2", tmp_path / "lost")
+    f = tmp_path / "lost" / "iter_0000000" / "mp_rank_00_000" / "model_optim_rng.pt"
+    state = torch.load(f, weights_only=False)
+    del state["model"]["decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.bias"]
+    torch.save(state, f)
+    with pytest.raises(CkptError, match="layer 1 experts.1.fc2.bias missing from the files"):
+        api.open(tmp_path / "lost")

@@ -454,6 +454,12 @@ def _check_experts(cfg: GPTConfig, shards, per_ep: int, ep: int, it_dir: Path) -
             f"{it_dir}: expert weights of (layer, expert) {(missing or extra)[:3]} are "
             f"{'missing' if missing else 'in layers the args say are dense'}",
             "check --moe-layer-freq in the args, or copy the complete checkpoint")
+    # each expert whole: its weights and (GPT-OSS, --add-bias-linear) its biases, wherever its file is
+    held_roles = {(layer, role) for role, layer in shards if role.startswith("experts.")}
+    bases = ("fc1.weight", "fc2.weight") + (("fc1.bias", "fc2.bias") if cfg.add_bias_linear else ())
+    lost = [f"layer {i} experts.{e}.{b}" for i, e in sorted(want) for b in bases
+            if (i, f"experts.{e}.{b}") not in held_roles]
+    require(not lost, f"{it_dir}: {', '.join(lost[:3])} missing from the files", "copy the complete checkpoint")
 
 
 def _any_value(models, key):
