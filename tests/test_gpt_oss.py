@@ -329,3 +329,20 @@ def test_a_lost_expert_bias_is_refused(oss, tmp_path):
     torch.save(state, f)
     with pytest.raises(CkptError, match="layer 1 experts.1.fc2.bias missing from the files"):
         api.open(tmp_path / "lost")
+
+
+def test_a_lost_expert_weight_at_expert_tp_1_is_refused_on_read(tmp_path):
+    """At expert TP 1 one file holds an expert whole; a weight lost from it was noticed only by a writer (3b1487c
+    opened the checkpoint). A tiny Mixtral, written at TP2 EP2 ETP1."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    torch.manual_seed(0)
+    MixtralForCausalLM(MixtralConfig(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=128,
+                                     hidden_size=32, intermediate_size=16, num_attention_heads=4,
+                                     num_key_value_heads=2)).save_pretrained(tmp_path / "hf")
+    api.from_hf(tmp_path / "hf", tmp_path / "meg", tp=2, ep=2, etp=1, warn=lambda m: None)
+    f = tmp_path / "meg" / "iter_0000000" / "mp_rank_01_001" / "model_optim_rng.pt"
+    state = torch.load(f, weights_only=False)
+    del state["model"]["decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"]
+    torch.save(state, f)
+    with pytest.raises(CkptError, match="layer 0 experts.2.fc2.weight missing from the files"):
+        api.open(tmp_path / "meg")
