@@ -320,13 +320,19 @@ def test_a_llama_run_with_sliding_windows_keeps_them_and_is_not_exported(fixture
     assert not (tmp_path / "hf").exists()
 
 
+def lose(checkpoint: Path, rank: str, key: str) -> Path:
+    """checkpoint with key deleted from rank's file."""
+    f = checkpoint / "iter_0000000" / rank / "model_optim_rng.pt"
+    state = torch.load(f, weights_only=False)
+    del state["model"][key]
+    torch.save(state, f)
+    return checkpoint
+
+
 def test_a_lost_expert_bias_is_refused(oss, tmp_path):
     """Expert biases are read like every other role: one missing from a rank file is named, never left out."""
     shutil.copytree(oss / "tp2ep2", tmp_path / "lost")
-    f = tmp_path / "lost" / "iter_0000000" / "mp_rank_00_000" / "model_optim_rng.pt"
-    state = torch.load(f, weights_only=False)
-    del state["model"]["decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.bias"]
-    torch.save(state, f)
+    lose(tmp_path / "lost", "mp_rank_00_000", "decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.bias")
     with pytest.raises(CkptError, match="layer 1 experts.1.fc2.bias missing from the files"):
         api.open(tmp_path / "lost")
 
@@ -340,9 +346,6 @@ def test_a_lost_expert_weight_at_expert_tp_1_is_refused_on_read(tmp_path):
                                      hidden_size=32, intermediate_size=16, num_attention_heads=4,
                                      num_key_value_heads=2)).save_pretrained(tmp_path / "hf")
     api.from_hf(tmp_path / "hf", tmp_path / "meg", tp=2, ep=2, etp=1, warn=lambda m: None)
-    f = tmp_path / "meg" / "iter_0000000" / "mp_rank_01_001" / "model_optim_rng.pt"
-    state = torch.load(f, weights_only=False)
-    del state["model"]["decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"]
-    torch.save(state, f)
+    lose(tmp_path / "meg", "mp_rank_01_001", "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight")
     with pytest.raises(CkptError, match="layer 0 experts.2.fc2.weight missing from the files"):
         api.open(tmp_path / "meg")
