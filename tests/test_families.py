@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from ckptool import families
-from ckptool.config import MLA, GPTConfig, MoE
+from ckptool.config import MLA, GPTConfig, MoE, Yarn
 from ckptool.errors import CkptError
 from ckptool.families.family import canonical_names
 
@@ -53,6 +53,12 @@ CONFIGS = {  # model_type -> a GPTConfig only that family's class computes
     "glm4_moe": _rope(head_dim=16, rotary_percent=0.5, add_qkv_bias=True, qk_layernorm=True,
                       moe=_routed(num_experts=8, top_k=4, score_function="sigmoid", expert_bias=True, topk_norm=True,
                                   shared_ffn_hidden_size=32, num_groups=4, group_topk=2, scaling_factor=2.5)),
+    # GPT-OSS: sinks, a sliding window on layer 0, clamped quick GeGLU with offset 1, biases, YaRN, every layer MoE
+    "gpt_oss": _rope(ffn_hidden_size=16, activation="quick_geglu", add_bias_linear=True, add_qkv_bias=True,
+                     tied_embeddings=False, attn_sinks=True, sliding_window=4, local_layers=(0,), glu_clamp=7.0,
+                     glu_linear_offset=1.0, rope_yarn=Yarn(factor=32.0, original_max_position_embeddings=16,
+                                                           truncate=False),
+                     moe=_routed(layers=(0, 1), topk_norm=True, router_bias=True)),
 }
 
 

@@ -81,7 +81,7 @@ def hf_logits(path, tokens):
 def _default_tokens(path):
     """verify's default rows for this model: 16 tokens past its window."""
     cfg = api.open(path).config
-    return inputs.make_tokens(None, None, 2, inputs.default_seq_len(cfg), 0, vocab=cfg.true_or_padded_vocab)
+    return inputs.make_tokens(None, None, 2, inputs.default_seq_len(None, cfg), 0, vocab=cfg.true_or_padded_vocab)
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def test_the_exported_config_is_the_same_model(models, round_trips, name):
 def test_each_megatron_stage_verifies_against_transformers(models, round_trips, name, stage):
     r = api.verify(round_trips[name] / stage, reference=models[name], quiet=True)
     assert r.ok, "\n".join(r.lines)
-    seq = inputs.default_seq_len(api.open(models[name]).config)
+    seq = inputs.default_seq_len(None, api.open(models[name]).config)
     assert seq > transformers.AutoConfig.from_pretrained(str(models[name])).sliding_window
 
 

@@ -201,7 +201,7 @@ def test_written_args_say_the_pipeline_split_one_way(fixture_dir, tmp_path, layo
 def test_maths_ckptool_does_not_compute_goes_along_but_is_not_exported(fixture_dir, tmp_path, arg, value, flag):
     """Megatron-LM 0.16 args that change a layer's maths ckptool does not compute (RoPE position interpolation,
     layers without RoPE, L2-normalised q/k): a Megatron layout carries them in its args (sliding windows are
-    computed since issue 32: tests/test_gemma.py),
+    computed since issue 32: tests/test_gemma.py, tests/test_gpt_oss.py),
     to-hf refuses by the flag's name and leaves nothing behind, where it would have written another model."""
     from ckptool import api
     from ckptool.errors import CkptError

@@ -478,16 +478,7 @@ def test_mtp_layers_and_unknown_expert_modules_are_refused_by_name(moe, tmp_path
     assert not (tmp_path / "out").exists()
     with pytest.raises(CkptError, match="the args say --mtp-num-layers 1"):
         read_megatron(with_keys("mtp_args", {}, mtp_num_layers=1))
-    # megatron-core's SequentialMLP with --add-bias-linear (seen in a megatron-core 0.16 save): each expert
-    # linear has a bias, and the router one too
-    biased = with_keys("biased", {"decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.bias": torch.zeros(48),
-                                  "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.bias": torch.zeros(32),
-                                  "decoder.layers.0.mlp.router.bias": torch.zeros(4)}, add_bias_linear=True)
-    with pytest.raises(CkptError, match=r"MoE experts with linear biases \(a run with --add-bias-linear\): 2 keys"):
-        read_megatron(biased)
-    with pytest.raises(CkptError, match="linear biases"):
-        api.to_hf(biased, tmp_path / "hf")
-    assert not (tmp_path / "hf").exists()
+    # expert biases (--add-bias-linear) are read since GPT-OSS: tests/test_gpt_oss.py
     odd = with_keys("odd", {"decoder.layers.0.mlp.experts.experts.linear_fc1.weight": torch.zeros(4, 48, 32)})
     with pytest.raises(CkptError, match=r"an MoE expert module ckptool does not know: 1 keys such as decoder\.layers\.0\.mlp\.experts\.experts"):
         read_megatron(odd)

@@ -392,7 +392,8 @@ def verify(target=None, *, reference=None, reference_logits: Optional[str] = Non
     reference: another checkpoint or Hugging Face directory (default: the target's own merged state);
     reference_logits: "FILE[:KEY]" of recorded tokens and logits; files: instead, check that a
     checkpoint's files are whole (an output directory against its manifest, any other checkpoint by its
-    format's CRCs and sizes: integrity.py). tokens/tokenizer/batch/seq_len/seed choose the input (seq_len None: 16, or 16 past a sliding window), dtype
+    format's CRCs and sizes: integrity.py). tokens/tokenizer/batch/seq_len/seed choose the input (seq_len None: 16,
+    or past a sliding window: the longer of 16 past it and twice it plus 8), dtype
     ("fp32", "bf16", "fp16") the compute dtype, tolerance the largest max-abs logits error that
     passes. Under torchrun the forward runs tensor/pipeline-parallel (tp/pp/vpp for torch_dist).
     Returns VerifyResult (ok, report lines); each line is also printed as it comes unless quiet, and

@@ -14,7 +14,10 @@ from typing import ClassVar, Iterable, Optional, Sequence, Tuple
 from .errors import CkptError, require
 
 NORMALIZATIONS = ("layernorm", "rmsnorm")
-ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "squared_relu", "geglu")  # geglu: gelu_tanh(gate) * up (Gemma)
+# geglu: gelu_tanh(gate) * up (Gemma); quick_geglu (GPT-OSS): gate * sigmoid(1.702 * gate) * up, megatron-core's
+# --quick-geglu (activations.quick_gelu)
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "squared_relu", "geglu", "quick_geglu")
+GATED_ACTIVATIONS = ("swiglu", "geglu", "quick_geglu")
 POSITION_EMBEDDINGS = ("learned", "rope", "none")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
@@ -160,14 +163,16 @@ class GPTConfig:
     post_layernorm_residual: bool = False  # apply_residual_connection_post_layernorm
     moe: Optional[MoE] = None  # None: a dense model
     mla: Optional[MLA] = None  # None: grouped-query attention (attn.q/k/v)
-    rope_yarn: Optional[Yarn] = None  # YaRN scaling; ckptool reads it for MLA models only
+    rope_yarn: Optional[Yarn] = None  # YaRN scaling (MLA models; GPT-OSS's plain attention)
     # --- Gemma 2 / 3 maths (issue 32; helper gemma). Defaults: the plain GPT maths above. -------------------
     embedding_scale: bool = False  # the word embedding's output times sqrt(hidden_size), cast to its dtype first
     post_norms: bool = False  # attention and MLP outputs normed (attn_post_norm, mlp_post_norm) before the residual
     query_pre_attn_scalar: Optional[float] = None  # attention scores times its -1/2 power; None: head_dim's
     attn_softcap: Optional[float] = None  # attention scores -> cap * tanh(scores / cap) before the mask
     final_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap)
-    sliding_window: Optional[int] = None  # a local layer's query sees itself and the sliding_window - 1 keys before
+    # sliding windows (Gemma's local layers, GPT-OSS's sliding_attention layers): a local layer's query sees itself
+    # and the sliding_window - 1 keys before it (transformers' sliding_window: key k seen from q when q - W < k <= q)
+    sliding_window: Optional[int] = None
     local_layers: Tuple[int, ...] = ()  # global indices of the sliding-window (local) layers
     rotary_base_local: Optional[float] = None  # the local layers' RoPE base (Gemma 3); None: rotary_base
     rope_linear_factor: Optional[float] = None  # global layers' linear RoPE scaling: positions / factor (Gemma 3)
@@ -177,6 +182,15 @@ class GPTConfig:
     # decoder layer at global index num_layers + k (as Hugging Face numbers it) with its own enorm, hnorm, eh_proj
     # and final norm; it shares the main model's embedding and output head. They do not change the main logits.
     mtp_num_layers: int = 0
+    # --- GPT-OSS: attention sinks, sliding windows, clamped GLU (issue 32) ---------------------------
+    # attn_sinks: a learned logit per head joins each softmax's denominator (megatron-core --softmax-type learnable,
+    # DotProductAttention.softmax_offset; transformers GptOssAttention.sinks) and takes its share of the weight
+    attn_sinks: bool = False
+    # (its sliding windows are sliding_window / local_layers above, shared with Gemma)
+    # a gated MLP's gate clamped to <= glu_clamp and its linear half to [-glu_clamp, glu_clamp] before the
+    # activation (megatron-core --activation-func-clamp-value); the linear half plus glu_linear_offset after it
+    glu_clamp: Optional[float] = None
+    glu_linear_offset: float = 0.0
     # the model family (spec/__init__.py FAMILIES: which spec names this model's tensors); a class constant, not
     # a field: every GPTConfig is a GPT, and a config of another family would be its own class
     family: ClassVar[str] = "gpt"
@@ -205,10 +219,14 @@ class GPTConfig:
         if self.moe is not None:
             require(all(0 <= i < self.num_layers for i in self.moe.layers),
                     f"MoE layers {list(self.moe.layers)} fall outside the {self.num_layers} layers")
+        # GPT-OSS: not with MLA (no framework computes sinks or windows there)
+        require(self.mla is None or (self.sliding_window is None and not self.attn_sinks),
+                "sliding windows or attention sinks with Multi-Latent Attention: ckptool does not compute them",
+                "such a model is not converted")
 
     def _check_gemma(self) -> None:
         """The Gemma fields (issue 32) hold together: a window where local layers are named, layers that exist."""
-        self.local_layers = tuple(self.local_layers)
+        self.local_layers = tuple(int(i) for i in self.local_layers)
         require(all(0 <= i < self.num_layers for i in self.local_layers),
                 f"sliding-window layers {list(self.local_layers)} fall outside the {self.num_layers} layers")
         require(bool(self.local_layers) == (self.sliding_window is not None),
@@ -219,12 +237,16 @@ class GPTConfig:
     # --- derived sizes -------------------------------------------------------------------
     @property
     def gated(self) -> bool:
-        """True when fc1 holds two halves (gate and up), as SwiGLU and GeGLU do."""
-        return self.activation in ("swiglu", "geglu")
+        """True when fc1 holds two halves (gate and up), as SwiGLU, GeGLU and GPT-OSS's clamped GLU do."""
+        return self.activation in GATED_ACTIVATIONS
 
     def is_local_layer(self, i: int) -> bool:
-        """Layer i attends within the sliding window (Gemma's local layers)."""
+        """Layer i attends within the sliding window (Gemma's local layers, GPT-OSS's sliding layers)."""
         return i in self.local_layers
+
+    def window_of(self, i: int) -> Optional[int]:
+        """The keys a query of layer i sees (its sliding window), None for full causal attention."""
+        return self.sliding_window if self.is_local_layer(i) else None
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer i has an MoE MLP. An MTP layer (i >= num_layers) has the last decoder layer's MLP:

@@ -31,7 +31,8 @@ from ..distributed import fail_as_team, torchrun_rank
 @click.option("--tokenizer", default=None, metavar="DIR", help="Tokenizer directory for a text --tokens file.")
 @click.option("--batch", type=int, default=2, show_default=True, help="Rows of random tokens.")
 @click.option("--seq-len", type=int, default=None,
-              help="Length of random token rows (default 16, or 16 past the model's sliding window).")
+              help="Length of random token rows [default: 16, or past the model's sliding window: the longer of 16 "
+                   "past it and twice it plus 8].")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for the random tokens.")
 @click.option("--dtype", type=click.Choice(sorted(CHOICES["compute_dtype"])), default="fp32", show_default=True,
               help="Compute dtype for both forwards.")

@@ -3,19 +3,20 @@
 
 Each module here holds everything one family of HF classes differs by (family.py: the Family record they
 fill): gpt2.py, llama.py (Llama, Mistral, Qwen2, Qwen3), mixtral.py, qwen_moe.py (Qwen2-MoE, Qwen3-MoE),
-deepseek_v3.py, glm4_moe.py (GLM-4.5 / 4.6), gemma.py (Gemma 2, Gemma 3 text); moe.py is what the MoE ones share. A new family with no new maths is one module and its
+deepseek_v3.py, glm4_moe.py (GLM-4.5 / 4.6), gemma.py (Gemma 2, Gemma 3 text), gpt_oss.py; moe.py is what the MoE ones share. A new family with no new maths is one module and its
 line in FAMILIES."""
 from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
 
 from ..config import GPTConfig
-from . import deepseek_v3, gemma, glm4_moe, gpt2, llama, mixtral, moe, qwen_moe
+from . import deepseek_v3, gemma, glm4_moe, gpt2, gpt_oss, llama, mixtral, moe, qwen_moe
 from .family import Family, refuse_export
 
 FAMILIES: Tuple[Family, ...] = (
     gpt2.GPT2, llama.LLAMA, llama.MISTRAL, llama.QWEN2, llama.QWEN3, mixtral.MIXTRAL,
     qwen_moe.QWEN2_MOE, qwen_moe.QWEN3_MOE, deepseek_v3.DEEPSEEK_V3, glm4_moe.GLM4_MOE, gemma.GEMMA2, gemma.GEMMA3,
+    gpt_oss.GPT_OSS,
 )
 BY_MODEL_TYPE: Dict[str, Family] = {f.model_type: f for f in FAMILIES}
 
@@ -54,8 +55,11 @@ def moe_model_types() -> Tuple[str, ...]:
 
 
 def _export_kind(cfg: GPTConfig) -> str:
-    """"learned" (GPT-2), "mla", "moe_biased" (an expert bias steers the routing), "moe", "gemma" or "dense"
-    (RoPE); CkptError for what no HF class computes."""
+    """"learned" (GPT-2), "mla", "moe_biased" (an expert bias steers the routing), "moe", "gemma", "gpt_oss" or
+    "dense" (RoPE); CkptError for what no HF class computes."""
+    # GPT-OSS first: its sliding windows are Gemma's too, its sinks and clamped GLU only its own
+    if gpt_oss.is_gpt_oss(cfg):  # its class checks the rest (export_checks)
+        return "gpt_oss"
     if gemma.uses_gemma_maths(cfg):  # checked whole by gemma.check_export (KIND_CHECKS)
         return "gemma"
     if cfg.qk_layernorm and cfg.normalization != "rmsnorm":
@@ -67,6 +71,9 @@ def _export_kind(cfg: GPTConfig) -> str:
         return "learned"
     if cfg.position_embedding != "rope":
         raise refuse_export("--position-embedding-type none", "and both HF architectures have positions")
+    if cfg.glu_clamp is not None or cfg.glu_linear_offset != 0.0:
+        raise refuse_export("--glu-linear-offset / --activation-func-clamp-value",
+                            "which only GptOssForCausalLM computes, and this model is not GPT-OSS")
     llama.check_rope(cfg)
     if cfg.mla is not None:
         return "mla"

@@ -13,6 +13,10 @@ Name tables say how each HF tensor is made from canonical tensors (state.py):
   ("cat_T", names)          rows concatenated then transposed (GPT-2's c_attn weight)
   ("same", name)            a copy of a main-model tensor an MTP layer stores again (families/mtp.py): the
                             reader checks it equal to that tensor, the writer writes that tensor again
+  ("stack", names)          GPT-OSS: every expert's tensor stacked on a leading expert axis ({e} in the names);
+  ("stack_T", names)        each transposed first; ("stack_glu", (gate, up)) gate and up rows interleaved
+                            (gate f at row 2f, up f at 2f + 1); ("stack_glu_T", (gate, up)) interleaved, transposed
+                            (formats/hf/stacked.py computes them; Names.expand lists every expert's names)
 The reader applies a table backwards (formats/hf/reader.py), so one table serves both directions. Entries
 whose canonical tensors a model lacks (biases of a bias-free model, embed.pos of a RoPE model, the
 dense MLP of an MoE layer, the experts of a dense one) are skipped by the writer; the reader skips HF
@@ -32,9 +36,13 @@ if TYPE_CHECKING:  # moe.py imports this module
 Entry = Tuple[str, object]
 
 
+# GPT-OSS: the stacked-experts ops -> canonical tensors per expert
+STACKED = {"stack": 1, "stack_T": 1, "stack_glu": 2, "stack_glu_T": 2}
+
+
 def canonical_names(entry: Entry) -> tuple:
     op, arg = entry
-    return tuple(arg) if op in ("cat", "cat_T") else (arg,)
+    return tuple(arg) if isinstance(arg, tuple) else (arg,)
 
 
 def vocab_fields(conf: dict, rows: int) -> dict:
@@ -95,7 +103,9 @@ class Names:
         for i in range(num_layers + mtp_layers):
             own = list(self.mtp.items()) if i >= num_layers else []
             for k, (op, arg) in own + list(self.layer.items()) + list(self._moe_rows(num_experts)):
-                arg = tuple(f"layers.{i}.{a}" for a in arg) if op in ("cat", "cat_T") else f"layers.{i}.{arg}"
+                if op in STACKED:  # every expert's parts, expert by expert
+                    arg = tuple(a.format(e=e) for e in range(num_experts) for a in arg)
+                arg = tuple(f"layers.{i}.{a}" for a in arg) if isinstance(arg, tuple) else f"layers.{i}.{arg}"
                 out.append((self.layer_prefix.format(i=i) + k, (op, arg), f"layer {i}"))
             out += [(self.layer_prefix.format(i=i) + k, ("same", g), f"layer {i}")
                     for k, g in self.mtp_shared.items() if i >= num_layers]

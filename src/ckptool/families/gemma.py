@@ -151,7 +151,7 @@ def config_json(family: Family, cfg: GPTConfig, vocab: int) -> dict:
 # what only a Gemma class computes among those ckptool writes, by the Megatron args that say it (GEMMA_ARGS)
 GEMMA_ONLY = (
     (lambda c: c.post_norms, "post-attention / post-MLP norms (ckptool_post_norms)"),
-    (lambda c: c.sliding_window, "--window-size (sliding-window attention)"),
+    (lambda c: c.sliding_window and not c.attn_sinks, "--window-size (sliding-window attention)"),  # with sinks: GPT-OSS
     (lambda c: c.embedding_scale, "sqrt(hidden) embedding scaling (ckptool_embedding_scale)"),
     (lambda c: c.activation == "geglu", "a GeGLU MLP (gated_linear_unit with openai_gelu)"),
     (lambda c: c.attn_softcap or c.final_softcap, "soft-capping (attn_logit_softcapping, final_logit_softcapping)"),

@@ -44,6 +44,8 @@ TENSORS = (
     Tensor(L + "attn.kv_down.weight", ("mla",), role="mla.kv_down.weight"),
     Tensor(L + "attn.kv_down_norm.weight", ("mla",), role="mla.kv_down_norm.weight"),
     Tensor(L + "attn.kv_up.weight", ("mla",), role="mla.kv_up.weight"),
+    # GPT-OSS: a learned softmax sink per attention head (issue 32)
+    Tensor(L + "attn.sinks", ("gqa", "attn_sinks"), role="attn.sinks"),
     Tensor(L + "attn.out.weight", role="proj.weight"),
     Tensor(L + "attn.out.bias", ("gqa", "linear_bias"), role="proj.bias"),
     Tensor(L + "attn_post_norm.weight", ("post_norms",), role="attn_post_norm.weight"),  # Gemma
@@ -57,13 +59,17 @@ TENSORS = (
     Tensor(L + "mlp.up.bias", ("dense_mlp", "linear_bias"), role="fc1.bias", part="up"),
     Tensor(L + "mlp.down.bias", ("dense_mlp", "linear_bias"), role="fc2.bias"),
     Tensor(L + "mlp_post_norm.weight", ("post_norms",), role="mlp_post_norm.weight"),  # Gemma
-    # MoE layer: router, experts (no biases in any family ckptool reads), shared expert and its gate
+    # MoE layer: router, experts (biased with --add-bias-linear: GPT-OSS), shared expert and its gate
     Tensor(L + "mlp.router.weight", MOE, role="router.weight"),
     Tensor(L + "mlp.router.bias", MOE + ("router_bias",), role="router.bias"),
     Tensor(L + "mlp.router.expert_bias", MOE + ("expert_bias",), role="router.expert_bias"),
     Tensor(E + "gate.weight", EXPERT + ("gated",), role="experts.{expert}.fc1.weight", part="gate"),
     Tensor(E + "up.weight", EXPERT, role="experts.{expert}.fc1.weight", part="up"),
     Tensor(E + "down.weight", EXPERT, role="experts.{expert}.fc2.weight"),
+    # GPT-OSS: the experts' biases (megatron-core gives every expert linear a bias with --add-bias-linear)
+    Tensor(E + "gate.bias", EXPERT + ("linear_bias", "gated"), role="experts.{expert}.fc1.bias", part="gate"),
+    Tensor(E + "up.bias", EXPERT + ("linear_bias",), role="experts.{expert}.fc1.bias", part="up"),
+    Tensor(E + "down.bias", EXPERT + ("linear_bias",), role="experts.{expert}.fc2.bias"),
     Tensor(L + "mlp.shared.gate.weight", MOE + ("shared_expert", "gated"), role="shared.fc1.weight", part="gate"),
     Tensor(L + "mlp.shared.up.weight", MOE + ("shared_expert",), role="shared.fc1.weight", part="up"),
     Tensor(L + "mlp.shared.down.weight", MOE + ("shared_expert",), role="shared.fc2.weight"),
@@ -131,6 +137,9 @@ ROLES = (
     Role("mla.kv_down_norm.weight", "replicated", {MCORE: "self_attention.kv_layernorm.weight",
                                                    TE: "self_attention.linear_kv_up_proj.layer_norm_weight"}),
     Role("mla.kv_up.weight", "column", {MCORE: "self_attention.linear_kv_up_proj.weight"}, traits=(LINEAR,)),
+    # GPT-OSS: DotProductAttention's learned softmax offset (megatron-core 0.16 transformer/dot_product_attention.py,
+    # --softmax-type learnable), one per head, so split over TP with the heads (its sharded_state_dict: axis 0)
+    Role("attn.sinks", "column", {MCORE: "self_attention.core_attention.softmax_offset"}),
     Role("proj.weight", "row", {LEGACY: "self_attention.dense.weight", MCORE: "self_attention.linear_proj.weight"},
          traits=(LINEAR,)),
     Role("proj.bias", "replicated", {LEGACY: "self_attention.dense.bias", MCORE: "self_attention.linear_proj.bias"}),
@@ -167,6 +176,14 @@ ROLES = (
     Role("experts.{expert}.fc2.weight", traits=(LINEAR,), names={
         SEQUENTIAL: "mlp.experts.local_experts.{j}.linear_fc2.weight", TE_GROUPED: "mlp.experts.linear_fc2.weight{j}",
         LEGACY_GROUPED: "mlp.experts.weight2", DIST: "mlp.experts.experts.linear_fc2.weight"}),
+    # GPT-OSS: expert biases (megatron-core 0.16 moe/experts.py: SequentialMLP's MLPs, TEGroupedMLP's bias{j}; the
+    # legacy GroupedMLP has none)
+    Role("experts.{expert}.fc1.bias", fused="halves", names={
+        SEQUENTIAL: "mlp.experts.local_experts.{j}.linear_fc1.bias", TE_GROUPED: "mlp.experts.linear_fc1.bias{j}",
+        DIST: "mlp.experts.experts.linear_fc1.bias"}),
+    Role("experts.{expert}.fc2.bias", names={
+        SEQUENTIAL: "mlp.experts.local_experts.{j}.linear_fc2.bias", TE_GROUPED: "mlp.experts.linear_fc2.bias{j}",
+        DIST: "mlp.experts.experts.linear_fc2.bias"}),
 )
 
 # --- multi-token prediction (MTP) ---
@@ -197,7 +214,8 @@ LAYER_PREFIX = {LEGACY: _NESTED + "encoder/layers.{i}.", FLAT: "transformer.laye
 # A layer's roles in the order each framework registers the parameters (named_parameters() and state-dict order,
 # which its optimizer's param groups follow: megatron/optim.py). Legacy: norm, query_key_value, dense, norm, MLP.
 # megatron-core registers linear_proj before linear_qkv (Attention.__init__ runs before SelfAttention adds
-# linear_qkv). MLASelfAttention (megatron-core 0.16 multi_latent_attention.py) registers linear_proj, then its q
+# linear_qkv), and core_attention (GPT-OSS's softmax_offset) before linear_proj.
+# MLASelfAttention (megatron-core 0.16 multi_latent_attention.py) registers linear_proj, then its q
 # linear(s) (linear_q_proj, or linear_q_down_proj and linear_q_up_proj), the kv linears, and the latent norms last
 # (local spec; the TE spec's norms sit inside the up projections, registered before their weights); an MLA model
 # has no qkv roles, a GQA model none of these. Transformer Engine's LayerNormLinear registers layer_norm_weight/
@@ -214,8 +232,10 @@ _MLA = ("mla.q.weight", "mla.q_down.weight", "mla.q_up.weight", "mla.kv_down.wei
         "mla.q_down_norm.weight", "mla.kv_down_norm.weight")
 REGISTRATION = {
     LEGACY: ("attn_norm.weight", "attn_norm.bias", "qkv.weight", "qkv.bias", "proj.weight", "proj.bias") + _MLP,
-    MCORE: ("attn_norm.weight", "attn_norm.bias") + _PROJ + ("qkv.weight", "qkv.bias") + _MLA + _QK_NORMS + _MLP_POST,
-    TE: _PROJ + ("attn_norm.weight", "attn_norm.bias", "qkv.weight", "qkv.bias") + _QK_NORMS + _MLP_POST,
+    MCORE: ("attn_norm.weight", "attn_norm.bias", "attn.sinks") + _PROJ + ("qkv.weight", "qkv.bias") + _MLA + _QK_NORMS
+    + _MLP_POST,
+    TE: ("attn.sinks",) + _PROJ + ("attn_norm.weight", "attn_norm.bias", "qkv.weight", "qkv.bias") + _QK_NORMS
+    + _MLP_POST,
     TE_MLA: ("attn_norm.weight", "attn_norm.bias", "proj.weight", "proj.bias", "mla.q.weight", "mla.q_down.weight",
              "mla.q_down_norm.weight", "mla.q_up.weight", "mla.kv_down.weight", "mla.kv_down_norm.weight",
              "mla.kv_up.weight") + _MLP,
@@ -223,6 +243,7 @@ REGISTRATION = {
 # An MoE layer's own roles in megatron-core's order: TopKRouter, the experts, then SharedExpertMLP, which
 # registers its gate_weight before its linears.
 MOE_REGISTRATION = ("router.weight", "router.bias", "router.expert_bias", "experts.{expert}.fc1.weight",
-                    "experts.{expert}.fc2.weight", "shared_gate.weight", "shared.fc1.weight", "shared.fc2.weight")
+                    "experts.{expert}.fc1.bias", "experts.{expert}.fc2.weight", "experts.{expert}.fc2.bias",
+                    "shared_gate.weight", "shared.fc1.weight", "shared.fc2.weight")
 
 GPT = Spec(TENSORS, ROLES + MTP_ROLES, REGISTRATION, MOE_REGISTRATION, LAYER_PREFIX, MTP)

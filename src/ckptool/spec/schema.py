@@ -85,6 +85,7 @@ PREDICATES: Dict[str, Predicate] = {
     "post_norms": lambda c, i: c.post_norms,                 # Gemma: attention and MLP outputs normed (issue 32)
     # --- multi-token prediction (MTP): a layer past the decoder's, holding an MTP module's own tensors ---
     "mtp": lambda c, i: c.is_mtp_layer(i),
+    "attn_sinks": lambda c, i: c.attn_sinks,                 # GPT-OSS: a learned softmax sink per head
 }
 # Predicates that never hold together. A canonical tensor may be listed once per side (attn.q is GQA's q, a part of
 # the fused QKV, or MLA's direct q, a role of its own): for any config at most one of the entries holds.
@@ -182,7 +183,10 @@ def fc_major(roles: List[str]) -> List[str]:
     place. The torch-format writer and the flat optimizer buffers' layout both order a grouped-GEMM layer by it."""
     experts = [r for r in roles if _EXPERT_ROLE.match(r)]
     first = roles.index(experts[0])
-    ordered = sorted(experts, key=lambda r: _EXPERT_ROLE.match(r).group(1))  # stable: local experts in order per fc
+    # stable: local experts in order per fc, each fc's weights before its biases (TE's GroupedLinear registers
+    # weight0 .. weightN-1, then bias0 .. biasN-1)
+    ordered = sorted(experts, key=lambda r: _EXPERT_ROLE.match(r).group(1).split(".")[0]
+                     + ("0" if r.endswith("weight") else "1"))
     return roles[:first] + ordered + [r for r in roles[first:] if not _EXPERT_ROLE.match(r)]
 
 

@@ -42,10 +42,14 @@ def parse_token_ids(text: str) -> torch.Tensor:
 DEFAULT_SEQ_LEN = 16
 
 
-def default_seq_len(cfg) -> int:
-    """The random rows' length when none is given: 16 tokens, or DEFAULT_SEQ_LEN past a sliding window (Gemma's
-    local layers), so that the window actually cuts some query's keys."""
-    return DEFAULT_SEQ_LEN + (cfg.sliding_window or 0)
+def default_seq_len(seq_len: Optional[int], cfg) -> int:
+    """The length of random token rows: as asked, else 16, or past a sliding window when the model has one (Gemma's
+    local layers, GPT-OSS's sliding layers): the longer of 16 past the window and twice the window plus 8, so the
+    default inputs reach past the window and windowing is exercised."""
+    if seq_len is not None:
+        return seq_len
+    w = cfg.sliding_window
+    return DEFAULT_SEQ_LEN if w is None else max(DEFAULT_SEQ_LEN + w, 2 * w + 8)
 
 
 def make_tokens(tokens: Optional[str], tokenizer: Optional[str], batch: int, seq_len: int, seed: int,

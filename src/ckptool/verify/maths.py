@@ -129,22 +129,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: GPTCo
 
 # --- attention -----------------------------------------------------------------------------------
 
-def causal_context(scores: torch.Tensor, v: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
+def causal_context(scores: torch.Tensor, v: torch.Tensor, window: Optional[int] = None,
+                   sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal softmax (in fp32) of the scores [b, heads, s, s] over v [b, heads, s, d]: the context
     [b, s, heads * d]. window: each query sees itself and the window - 1 keys before it (transformers'
-    sliding_window; megatron-core's window_size (window - 1, 0))."""
+    sliding_window; megatron-core's window_size (window - 1, 0)); sinks (GPT-OSS) [heads] adds one logit per
+    head to each softmax's denominator, a column whose weight is then dropped."""
     b, heads, s, _ = scores.shape
     mask = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu(1)
     if window is not None:
         mask = mask | torch.ones(s, s, dtype=torch.bool, device=scores.device).tril(-window)
-    probs = torch.softmax(scores.float().masked_fill(mask, float("-inf")), dim=-1).to(v.dtype)
+    logits = scores.float().masked_fill(mask, float("-inf"))
+    if sinks is not None:
+        logits = torch.cat([logits, sinks.float().view(1, heads, 1, 1).expand(b, heads, s, 1)], dim=-1)
+    probs = torch.softmax(logits, dim=-1)[..., :s].to(v.dtype)
     return (probs @ v).transpose(1, 2).reshape(b, s, heads * v.shape[-1])  # sizes given: a rank may have no rows
 
 
 def attention(x: torch.Tensor, w: Dict[str, torch.Tensor], p: str, cfg: GPTConfig, rope, ctx,
               local: bool = False) -> torch.Tensor:
     """Grouped-query attention on this process's heads (ctx.qkv), then the output projection; local: a
-    sliding-window layer (its own RoPE where the model has one, the window on its mask)."""
+    sliding-window layer (its own RoPE where the model has one, the window on its mask); GPT-OSS: with the
+    heads' softmax sinks when the model has them."""
     q, k, v = ctx.qkv(x, w, p, cfg)  # [b, heads, s, hd]
     if cfg.qk_layernorm:
         q = norm(q, w[p + ctx.names["q_norm"] + "weight"], w.get(p + ctx.names["q_norm"] + "bias"), cfg)
@@ -160,7 +166,8 @@ def attention(x: torch.Tensor, w: Dict[str, torch.Tensor], p: str, cfg: GPTConfi
         scores = (q @ k.transpose(-1, -2)) * cfg.query_pre_attn_scalar ** -0.5
     else:
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(cfg.head_dim)
-    context = causal_context(softcap(scores, cfg.attn_softcap), v, cfg.sliding_window if local else None)
+    sinks = w[p + ctx.names["sinks"]] if cfg.attn_sinks else None
+    context = causal_context(softcap(scores, cfg.attn_softcap), v, cfg.sliding_window if local else None, sinks)
     return ctx.row_out(context, w, p + ctx.names["attn_out"])
 
 
@@ -209,9 +216,22 @@ def mla_attention(x: torch.Tensor, w: Dict[str, torch.Tensor], p: str, cfg: GPTC
 def mlp_hidden(x: torch.Tensor, w: Dict[str, torch.Tensor], p: str, cfg: GPTConfig, ctx) -> torch.Tensor:
     """The MLP's intermediate features on this process: silu(gate) * up (SwiGLU), else activation(up)."""
     gate, up = ctx.fc1(x, w, p, cfg)
-    if cfg.activation == "geglu":  # Gemma: gelu_pytorch_tanh(gate) * up
-        return F.gelu(gate, approximate="tanh") * up
-    return F.silu(gate) * up if cfg.gated else activation(up, cfg)
+    return glu(gate, up, cfg) if cfg.gated else activation(up, cfg)
+
+
+# a gated MLP's activation of its gate half (cfg.activation): SwiGLU's silu, Gemma's tanh GeLU, GPT-OSS's quick GeLU
+# (gate * sigmoid(1.702 gate): megatron-core activations.quick_gelu, transformers GptOssExperts' alpha)
+GATE_ACTIVATIONS = {"swiglu": F.silu, "geglu": lambda g: F.gelu(g, approximate="tanh"),
+                    "quick_geglu": lambda g: g * torch.sigmoid(1.702 * g)}
+
+
+def glu(gate: torch.Tensor, up: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
+    """A gated MLP's features: act(gate) * up. GPT-OSS: the gate clamped from above and up on both sides at
+    glu_clamp first, and up + glu_linear_offset (GPT-OSS: 1) after."""
+    if cfg.glu_clamp is not None:
+        gate, up = gate.clamp(max=cfg.glu_clamp), up.clamp(-cfg.glu_clamp, cfg.glu_clamp)
+    act = GATE_ACTIVATIONS[cfg.activation](gate)
+    return act * (up + cfg.glu_linear_offset if cfg.glu_linear_offset else up)
 
 
 def mlp(x: torch.Tensor, w: Dict[str, torch.Tensor], p: str, cfg: GPTConfig, ctx) -> torch.Tensor:
@@ -344,7 +364,7 @@ class OneProcess:
              "q_down_norm": "attn.q_down_norm.weight", "q_up": "attn.q_up.weight", "kv_down": "attn.kv_down.weight",
              "kv_down_norm": "attn.kv_down_norm.weight", "kv_up": "attn.kv_up.weight", "mla_out": "attn.out.weight",
              "mlp": "mlp.", "mlp_out": "down.", "attn_post_norm": "attn_post_norm.weight",
-             "mlp_post_norm": "mlp_post_norm.weight"}
+             "mlp_post_norm": "mlp_post_norm.weight", "sinks": "attn.sinks"}
 
     @staticmethod
     def all_reduce(x: torch.Tensor) -> torch.Tensor:

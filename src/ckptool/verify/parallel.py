@@ -81,7 +81,7 @@ class Ranks:
         "q": "qkv.weight", "q_down": "mla.q_down.weight", "q_down_norm": "mla.q_down_norm.weight",
         "q_up": "mla.q_up.weight", "kv_down": "mla.kv_down.weight", "kv_down_norm": "mla.kv_down_norm.weight",
         "kv_up": "mla.kv_up.weight", "mla_out": "proj.weight", "mlp": "", "mlp_out": "fc2.",
-        "attn_post_norm": "attn_post_norm.weight", "mlp_post_norm": "mlp_post_norm.weight"}
+        "attn_post_norm": "attn_post_norm.weight", "mlp_post_norm": "mlp_post_norm.weight", "sinks": "attn.sinks"}
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp > 1:

@@ -19,7 +19,8 @@ class Request:
     opts: ReadOptions = field(default_factory=ReadOptions)
     dtype: str = "fp32"  # one of CHOICES["compute_dtype"] (run.COMPUTE_DTYPES: the torch dtypes)
     tolerance: Optional[float] = None
-    token_args: tuple = (None, None, 2, None, 0)  # tokens, tokenizer, batch, seq_len (None: inputs.default_seq_len), seed
+    # tokens, tokenizer, batch, seq_len (None: inputs.default_seq_len), seed
+    token_args: tuple = (None, None, 2, None, 0)
     tp: Optional[int] = None  # torch_dist targets under torchrun: the layout to run
     pp: Optional[int] = None
     vpp: Optional[int] = None

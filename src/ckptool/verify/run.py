@@ -73,8 +73,8 @@ def _tokens_for(req: Request, cfg):
     if req.reference_logits:
         return inputs.load_reference_logits(req.reference_logits)
     tokens, tokenizer, batch, seq_len, seed = req.token_args
-    seq_len = inputs.default_seq_len(cfg) if seq_len is None else seq_len
-    return inputs.make_tokens(tokens, tokenizer, batch, seq_len, seed, vocab=cfg.true_or_padded_vocab), None
+    return inputs.make_tokens(tokens, tokenizer, batch, inputs.default_seq_len(seq_len, cfg), seed,
+                              vocab=cfg.true_or_padded_vocab), None
 
 
 def _reference(req: Request, recorded, target_ckpt, tokens, dtype, device, out: Lines, held=None):

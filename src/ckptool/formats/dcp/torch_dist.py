@@ -284,7 +284,9 @@ def _add_experts(shards, dcp: DcpDir, key: str, base: str, layers: List[int], st
     layer, or [L, E, out, in] with the layer axis first when stacked)."""
     size = tuple(dcp.entries[key].size)
     lead = 2 if stacked else 1
-    require(len(size) == lead + 2, f"{key}: shape {size} is not [{'layers, ' if stacked else ''}experts, out, in]",
+    own = (", out" if base.endswith("bias") else ", out, in")  # GPT-OSS: expert biases [(layers,) experts, out]
+    require(len(size) == lead + own.count(","),
+            f"{key}: shape {size} is not [{'layers, ' if stacked else ''}experts{own}]",
             "ckptool reads megatron-core's stacked experts")
     for i in layers:
         for e in range(size[lead - 1]):

@@ -1,10 +1,11 @@
 """Hugging Face model directories (GPT-2, the Llama family, Mixtral, Qwen MoE, DeepSeek-V3, GLM-4.5): reader.
 
 A directory with config.json whose model_type is gpt2, llama, mistral, qwen2, qwen3, mixtral,
-qwen2_moe, qwen3_moe, deepseek_v3 or glm4_moe, and weights in safetensors or torch .bin files, sharded (an
-*.index.json) or not. Experts are read per expert (the Hub names) or fused 3-D (transformers >= 5's state_dict),
-the form recorded in SourceInfo.hf_experts for the writer; block-FP8 weights (DeepSeek-V3 / R1 as released)
-are dequantized lazily to bf16 (fp8.py). Tensors stay lazy: safetensors
+qwen2_moe, qwen3_moe, deepseek_v3, glm4_moe, gpt_oss, gemma2 or gemma3_text, and weights in safetensors or torch .bin
+files, sharded (an *.index.json) or not. Experts are read per expert (the Hub names) or fused 3-D (transformers >= 5's
+state_dict), the form recorded in SourceInfo.hf_experts for the writer, or stacked as GPT-OSS stores them
+(stacked.py); block-FP8 weights (DeepSeek-V3 / R1 as released, fp8.py) and GPT-OSS's MXFP4 experts (mxfp4.py) are
+dequantized lazily to bf16. Tensors stay lazy: safetensors
 entries are read with safe_open when loaded; .bin files go through the safe lazy torch loader, never
 plain torch.load. Names, config.json and fused experts come from the model's family record
 (families/); the writer is hf/writer.py.
@@ -20,7 +21,7 @@ import torch
 from ... import families
 from ...config import GPTConfig, Layout
 from ...errors import require
-from ...families.family import Family
+from ...families.family import STACKED, Family
 from ...families.mtp import layers_held as mtp_layers_held
 from ...io.safetensors_header import read_safetensors_header
 from ...io.torchfile import load_torch_file
@@ -29,6 +30,8 @@ from ...options import ReadOptions
 from ...state import Checkpoint, SourceInfo, expected_names
 from ...vocab import with_true_vocab_size
 from . import fp8
+from .mxfp4 import dequantize_mxfp4
+from .stacked import unstack
 from .config import (  # noqa: F401 (looks_like, gpt_model_type, has_weights: this reader's interface)
     FORMAT, IGNORED_SUFFIXES, experts_form, fused_shape, gpt_model_type, has_weights, looks_like, part_rows,
     read_supported_config, source_warnings, weight_files)
@@ -106,6 +109,7 @@ def to_canonical(entries: Dict[str, LazyTensor], conf: dict, model_type: str, op
         cfg = cfg.replace(activation=opts.overrides["activation"])
 
     entries = fp8.dequantize_entries(entries, conf, path)  # block FP8 (DeepSeek-V3 as released) -> bf16
+    entries = dequantize_mxfp4(entries, conf, path)  # GPT-OSS's MXFP4 experts -> bf16
     cfg = cfg.replace(mtp_num_layers=mtp_layers_held(entries, conf, family, cfg.num_layers))
     if family.fused_experts:
         entries = unfuse_experts(entries, family, cfg)
@@ -149,6 +153,8 @@ def _apply_names(entries: Dict[str, LazyTensor], family: Family, cfg: GPTConfig)
             tensors[arg] = t
         elif op == "same":  # an MTP layer's copy of a main-model tensor: checked below, once that one is read
             copies.append((hf_name, arg))
+        elif op in STACKED:  # GPT-OSS: a layer's experts in one tensor
+            tensors.update(unstack(op, hf_name, t, arg))
         elif op == "T":
             tensors[arg] = Derived(lambda x: x.t(), [t])
         else:

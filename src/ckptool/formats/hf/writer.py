@@ -22,7 +22,7 @@ import torch
 from ... import families
 from ...config import GPTConfig
 from ...errors import require
-from ...families.family import Family, canonical_names, refuse_export
+from ...families.family import STACKED, Family, canonical_names, refuse_export
 from ...io.transpose import transposed, transposed_cat
 from ...io.safetensors_writer import Item, parse_size, write_sharded
 from ...lazy import Const, Derived, LazyTensor, cat_shape
@@ -34,6 +34,7 @@ from ..megatron import args as megatron_args
 from . import fp8
 from .config import fused_shape
 from .quant import RELEASE
+from .stacked import stack
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json", "vocab.txt")
@@ -79,11 +80,13 @@ def materialise(entry, tensors: Dict[str, LazyTensor]) -> Optional[LazyTensor]:
     """The HF tensor of one name-table entry (op, arg, families/family.py) built from canonical tensors; None if one is absent."""
     op, arg = entry
     names = canonical_names(entry)
-    if any(n not in tensors for n in names):
+    if not names or any(n not in tensors for n in names):
         return None
     parts = [tensors[n] for n in names]
     if op in ("copy", "same"):  # "same": an MTP layer's copy of a main-model tensor (families/mtp.py)
         return parts[0]
+    if op in STACKED:  # GPT-OSS: a layer's experts in one tensor
+        return stack(op, parts)
     # shapes stated, not found by running the function on meta tensors (cat on meta imports
     # torch._dynamo, seconds of start-up); transposes run in parallel blocks (io/transpose.py)
     rows = cat_shape([p.shape for p in parts], 0)
@@ -233,11 +236,11 @@ def fuse_experts(items: List[Item], family: Family, cfg: GPTConfig) -> List[Item
 
 def _stacked(tensors: List[LazyTensor], op: str, cfg: GPTConfig) -> LazyTensor:
     """The experts' tensors (for "halves" each expert's gate then up) as one [E, out, in] tensor."""
-    def stack(*xs):
+    def stacked(*xs):
         if op == "halves":
             xs = [torch.cat(xs[k:k + 2], 0) for k in range(0, len(xs), 2)]
         return torch.stack(xs, 0)
-    return Derived(stack, tensors, shape=fused_shape(op, cfg), dtype=tensors[0].dtype)
+    return Derived(stacked, tensors, shape=fused_shape(op, cfg), dtype=tensors[0].dtype)
 
 
 def copy_tokenizer(src: str, out_dir: Path) -> List[str]:

@@ -45,6 +45,8 @@ def _get(args, *names, default=None):
 def activation_from_args(args) -> str:
     if _get(args, "swiglu", default=False):
         return "swiglu"
+    if _get(args, "quick_geglu", default=False):  # GPT-OSS
+        return "quick_geglu"
     if _get(args, "gated_linear_unit", default=False):  # Gemma: GeGLU (see GEMMA_ARGS)
         require(_get(args, "openai_gelu", default=False), "a gated MLP with erf GeLU (gated_linear_unit without "
                 "openai_gelu or --swiglu)", "ckptool computes gated SiLU (--swiglu) and Gemma's gated tanh GeLU")
@@ -156,10 +158,11 @@ def config_from_args(args, stored_rows: int, extra: Optional[dict] = None) -> GP
     pos = _get(args, "position_embedding_type", default="learned_absolute")
     if _get(args, "use_rotary_position_embeddings", default=False):
         pos = "rope"
-    pos = {"learned_absolute": "learned", "rope": "rope", "none": "none"}.get(str(pos), None)
+    gpt_yarn = gpt_yarn_from_args(args) if pos == "yarn" else None  # GPT-OSS: YaRN on plain attention
+    pos = {"learned_absolute": "learned", "rope": "rope", "yarn": "rope", "none": "none"}.get(str(pos), None)
     if pos is None:
         raise CkptError(f"unsupported position_embedding_type {args.position_embedding_type!r}",
-                        "ckptool handles learned_absolute, rope and none")
+                        "ckptool handles learned_absolute, rope, yarn and none")
     norm = str(_get(args, "normalization", default="LayerNorm")).lower()
     norm = {"layernorm": "layernorm", "rmsnorm": "rmsnorm"}.get(norm)
     if norm is None:
@@ -193,10 +196,11 @@ def config_from_args(args, stored_rows: int, extra: Optional[dict] = None) -> GP
         apply_layernorm_1p=bool(_get(args, "apply_layernorm_1p", default=False)),
         # under MLA megatron-core's --qk-layernorm builds the latent norms (the spec's mla roles), not q/k norms
         qk_layernorm=bool(_get(args, "qk_layernorm", default=False)) and mla is None,
-        mla=mla, rope_yarn=yarn_from_args(args, mla),
+        mla=mla, rope_yarn=gpt_yarn or yarn_from_args(args, mla),
         post_layernorm_residual=bool(_get(args, "apply_residual_connection_post_layernorm", default=False)),
         moe=moe_from_args(args, int(num_layers), int(_get(args, "ffn_hidden_size", default=4 * hidden))),
         **gemma_from_args(args, int(num_layers)),
+        **gpt_oss_from_args(args),
         mtp_num_layers=int(_get(args, "mtp_num_layers", default=0) or 0),  # --mtp-num-layers (default None)
     )
 
@@ -263,6 +267,76 @@ def gemma_args(cfg: GPTConfig) -> Dict[str, Any]:
     else:
         out.update(window_size=(cfg.sliding_window - 1, 0),
                    window_attn_skip_freq=[int(cfg.is_local_layer(i)) for i in range(cfg.num_layers)])
+
+
+# --- GPT-OSS (issue 32): sinks, sliding windows, clamped GLU, YaRN on plain attention -------------------------
+# megatron-core 0.16: TransformerConfig.softmax_type / window_size / window_attn_skip_freq / glu_linear_offset /
+# activation_func_clamp_value (Megatron-LM's --softmax-type, --window-size, --window-attn-skip-freq,
+# --glu-linear-offset, --activation-func-clamp-value, --quick-geglu). window_size (left, right): query q sees keys
+# q - left .. q + right (transformer/utils.py get_sliding_window_causal_mask; TE's rule alike), so transformers'
+# sliding_window W (keys q - W < k <= q) is (W - 1, 0). Megatron-LM's GPT-OSS example passes --window-size 128,0,
+# which sees 129 keys where the released model sees 128. The windows are read and written with Gemma's
+# (window_from_args, gemma_args above: one rule for every windowed model).
+
+def gpt_oss_from_args(args) -> dict:
+    """The GPT-OSS fields of GPTConfig a run's args set (none for other runs)."""
+    softmax = _get(args, "softmax_type", default="vanilla")
+    require(softmax in ("vanilla", "learnable"), f"--softmax-type {softmax} (a fixed sink of zero) is not supported",
+            "ckptool computes vanilla and learnable (attention sinks) softmax")
+    clamp = _get(args, "activation_func_clamp_value")
+    return dict(attn_sinks=softmax == "learnable", glu_clamp=float(clamp) if clamp is not None else None,
+                glu_linear_offset=float(_get(args, "glu_linear_offset", default=0.0)))
+
+
+def gpt_yarn_from_args(args) -> Yarn:
+    """YaRN of a GPT (non-MLA) model, from the yarn_* config attributes megatron-core's GPTModel reads (getattr: not
+    TransformerConfig fields; Megatron-Bridge's providers set them) for position_embedding_type 'yarn'. It multiplies
+    cos/sin by its concentration factor (_yarn_get_concentration_factor: the plain correction unless both mscales
+    are set, then their ratio)."""
+    factor = float(_get(args, "yarn_rotary_scaling_factor", default=1.0))
+    mscale, mscale_all_dim = _get(args, "yarn_mscale"), _get(args, "yarn_mscale_all_dim")
+    gain = yarn_mscale(factor) if mscale is None or mscale_all_dim is None else \
+        yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
+    return Yarn(factor=factor, original_max_position_embeddings=int(_get(args, "yarn_original_max_position_embeddings",
+                                                                         default=4096)),
+                beta_fast=float(_get(args, "yarn_beta_fast", default=32.0)),
+                beta_slow=float(_get(args, "yarn_beta_slow", default=1.0)),
+                attention_factor=None if math.isclose(gain, yarn_mscale(factor), rel_tol=1e-12) else gain,
+                truncate=bool(_get(args, "yarn_correction_range_round_to_int", default=True)))
+
+
+def refuse_biased_experts_cut(cfg: GPTConfig, layout: Layout) -> None:
+    """megatron-core 0.16 builds MoE layers with linear biases (GPT-OSS) only at expert tensor-parallel size 1
+    (TransformerConfig.__post_init__: "Bias in Moe is only supported when ETP==1")."""
+    if cfg.moe is not None and cfg.add_bias_linear and layout.expert_tp != 1:
+        raise CkptError(f"expert tensor parallelism {layout.expert_tp} for MoE experts with linear biases "
+                        "(--add-bias-linear): megatron-core builds biased experts only at expert TP 1",
+                        "give --etp 1 (each expert whole on its EP rank; TP still splits the attention)")
+
+
+# Megatron-LM's defaults of the GPT-OSS flags (a run without them computes none of it)
+GPT_OSS_DEFAULTS = dict(quick_geglu=False, softmax_type="vanilla", glu_linear_offset=0.0,
+                        activation_func_clamp_value=None)
+
+
+def gpt_oss_args(cfg: GPTConfig) -> Dict[str, Any]:
+    """The args of a run computing cfg's GPT-OSS maths (the inverse of gpt_oss_from_args and gpt_yarn_from_args), at
+    Megatron-LM's defaults for what the model does not use."""
+    out: Dict[str, Any] = dict(  # (its windows: gemma_args)
+        quick_geglu=cfg.activation == "quick_geglu", softmax_type="learnable" if cfg.attn_sinks else "vanilla",
+        glu_linear_offset=cfg.glu_linear_offset, activation_func_clamp_value=cfg.glu_clamp)
+    y = cfg.rope_yarn
+    if y is not None and cfg.mla is None:
+        # attention_gain whatever its source (the plain correction, the mscales' ratio, an explicit factor): the
+        # mscales as megatron-core needs them to multiply cos/sin by exactly that
+        plain = math.isclose(y.attention_gain, yarn_mscale(y.factor), rel_tol=1e-12)
+        require(plain or y.factor > 1, f"YaRN at factor {y.factor} with an attention factor {y.attention_gain}",
+                "megatron-core's YaRN has gain 1 at factor <= 1")
+        mscale = 1.0 if plain else (y.attention_gain - 1) / (0.1 * math.log(y.factor))
+        out.update(position_embedding_type="yarn", yarn_rotary_scaling_factor=y.factor,
+                   yarn_original_max_position_embeddings=y.original_max_position_embeddings, yarn_beta_fast=y.beta_fast,
+                   yarn_beta_slow=y.beta_slow, yarn_mscale=mscale, yarn_mscale_all_dim=0.0,
+                   yarn_correction_range_round_to_int=y.truncate)
     return out
 
 
@@ -564,6 +638,9 @@ def args_for_target(source_args, cfg: GPTConfig, layout: Layout, padded_rows: in
     # --mtp-num-layers: None when the model has no MTP layers (Megatron-LM's default)
     if cfg.mtp_num_layers or getattr(args, "mtp_num_layers", None) is not None:
         updates["mtp_num_layers"] = cfg.mtp_num_layers or None
+    # GPT-OSS's flags where the model uses them or the source's args carry them (args of other runs stay as they were)
+    updates.update({k: v for k, v in gpt_oss_args(cfg).items()
+                    if hasattr(args, k) or k not in GPT_OSS_DEFAULTS or GPT_OSS_DEFAULTS[k] != v})
     # the pipeline said one way, this layout's: the source's other ways of saying it go (Megatron-LM's
     # validate_args refuses args holding two ways of saying the virtual pipeline, and first / last stage sizes
     # the layout does not have would describe other files); uneven stages are set again below

@@ -467,6 +467,12 @@ def _check_experts(cfg: GPTConfig, shards, per_ep: int, ep: int, it_dir: Path) -
             f"{it_dir}: expert weights of (layer, expert) {(missing or extra)[:3]} are "
             f"{'missing' if missing else 'in layers the args say are dense'}",
             "check --moe-layer-freq in the args, or copy the complete checkpoint")
+    # each expert whole: its weights and (GPT-OSS, --add-bias-linear) its biases, wherever its file is
+    held_roles = {(layer, role) for role, layer in shards if role.startswith("experts.")}
+    bases = ("fc1.weight", "fc2.weight") + (("fc1.bias", "fc2.bias") if cfg.add_bias_linear else ())
+    lost = [f"layer {i} experts.{e}.{b}" for i, e in sorted(want) for b in bases
+            if (i, f"experts.{e}.{b}") not in held_roles]
+    require(not lost, f"{it_dir}: {', '.join(lost[:3])} missing from the files", "copy the complete checkpoint")
 
 
 def _any_value(models, key):
@@ -561,6 +567,9 @@ def _check_dialect_fits(d: Dialect, cfg: GPTConfig, layout: Layout) -> None:
     if cfg.post_norms and not d.name.startswith("mcore"):
         raise CkptError(f"Gemma's post-attention / post-MLP norms: the {d.name} dialect has no place for them",
                         "choose --dialect mcore or mcore-te")
+    if (cfg.attn_sinks or cfg.sliding_window is not None) and not d.name.startswith("mcore"):  # GPT-OSS, Gemma
+        raise CkptError(f"attention sinks and sliding windows exist only in megatron-core models, not the {d.name} "
+                        "dialect", "choose --dialect mcore")
     if cfg.mla is not None and not d.name.startswith("mcore"):
         raise CkptError(f"Multi-Latent Attention: the {d.name} dialect predates MLA models",
                         "choose --dialect mcore or mcore-te")
@@ -579,8 +588,6 @@ def _check_dialect_fits(d: Dialect, cfg: GPTConfig, layout: Layout) -> None:
         return
     require(bool(d.experts), f"the {d.name} dialect has no place for MoE experts",
             "choose --dialect mcore (megatron-core's local spec, SequentialMLP experts)")
-    require(not cfg.add_bias_linear, "MoE experts with linear biases (--add-bias-linear) are not written yet",
-            "convert to Hugging Face with to-hf, or keep the source layout")
     layout.local_experts(cfg.moe.num_experts, 0)  # EP divides the experts
     require(layout.expert_tp >= 1, f"--etp {layout.etp}: the expert tensor-parallel size is at least 1", "give --etp 1 or more")
     expert_grid(layout.tp, layout.ep, layout.expert_tp)  # expert TP divides TP
@@ -726,6 +733,7 @@ def plan_megatron(ckpt: Checkpoint, layout: Layout, opts: WriteOptions, warn, ho
     state when opts.optimizer (its fp32 masters become the weights of an fp32 run), the args `how` says.
     hint: what to do when the source's optimizer state is incomplete (the format's own advice)."""
     iteration = opts.iteration if opts.iteration is not None else (ckpt.source.iteration or 0)
+    megatron_args.refuse_biased_experts_cut(ckpt.config, layout)
     cfg_out, tensors = _padded_vocabulary(ckpt, layout, opts.divisible_by, opts.pad_fill, warn)
     rows = cfg_out.padded_vocab_size
     out_dtype = opts.dtype if opts.dtype is not None else next(iter(tensors.values())).dtype

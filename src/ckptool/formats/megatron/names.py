@@ -308,12 +308,6 @@ def global_layer(local: Optional[int], first: int, num_layers: int) -> Optional[
 REFUSED_KEYS = (
     (re.compile(r"(^|[./])mtp[./]"), "multi-token prediction (MTP) layers (--mtp-num-layers) in a dialect without "
      "megatron-core's MTP block", "ckptool reads MTP layers of megatron-core runs (the mcore and mcore-te names)"),
-    # megatron-core gives every expert linear a bias with --add-bias-linear (SequentialMLP's
-    # local_experts.{j}.linear_fc1.bias, TEGroupedMLP's linear_fc1.bias{j}); no family ckptool converts has them
-    (re.compile(r"(^|[./])mlp\.experts\.(local_experts\.\d+\.)?linear_fc[12]\.bias"),
-     "MoE experts with linear biases (a run with --add-bias-linear)",
-     "ckptool converts MoE runs without linear biases (--disable-bias-linear, as Mixtral-, Qwen- and "
-     "DeepSeek-style runs train)"),
     (re.compile(r"(^|[./])mlp\.experts\."), "an MoE expert module ckptool does not know",
      "ckptool reads SequentialMLP (local_experts.{j}), TEGroupedMLP (linear_fc1.weight{j}) and the legacy "
      "GroupedMLP (weight1 / weight2) experts"),
