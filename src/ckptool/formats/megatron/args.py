@@ -237,7 +237,7 @@ def window_from_args(args, num_layers: int) -> Dict[str, Any]:
     window = _get(args, "window_size")
     if not window or int(window[0]) < 0:  # none, or megatron-core's -1: an infinite window
         return {}
-    require(int(window[1]) == 0, f"window_size {tuple(window)} lets a query see {window[1]} later tokens",
+    require(int(window[1]) == 0, f"window_size {tuple(window)} lets a query see {window[1]} later tokens: not causal",
             "ckptool computes causal sliding windows (window_size (left, 0)) only")
     local = local_layers_from_args(window, _get(args, "window_attn_skip_freq"), num_layers)
     return dict(sliding_window=int(window[0]) + 1, local_layers=local) if local else {}
@@ -267,6 +267,7 @@ def gemma_args(cfg: GPTConfig) -> Dict[str, Any]:
     else:
         out.update(window_size=(cfg.sliding_window - 1, 0),
                    window_attn_skip_freq=[int(cfg.is_local_layer(i)) for i in range(cfg.num_layers)])
+    return out
 
 
 # --- GPT-OSS (issue 32): sinks, sliding windows, clamped GLU, YaRN on plain attention -------------------------
