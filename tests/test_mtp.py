@@ -29,14 +29,28 @@ def _deepseek_config(layers: int, mtp: int):
         num_nextn_predict_layers=mtp)
 
 
-def as_released(path: Path, seed: int = 41) -> Path:
+def _deepseek(layers: int, mtp: int):
+    return transformers.DeepseekV3ForCausalLM(_deepseek_config(layers, mtp))
+
+
+def _glm(layers: int, mtp: int):
+    """GLM-4.5 (Glm4Moe): grouped-query attention with partial RoPE, DeepSeek-V3's routing; its MTP layer named as
+    DeepSeek-V3's."""
+    return transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(
+        **COMMON, head_dim=16, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=layers,
+        n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2,
+        routed_scaling_factor=1.5, first_k_dense_replace=1, norm_topk_prob=True, partial_rotary_factor=0.5,
+        num_nextn_predict_layers=mtp))
+
+
+def as_released(path: Path, seed: int = 41, make=_deepseek) -> Path:
     """A DeepSeek-V3 directory as DeepSeek releases one: the main model (LAYERS layers, saved by transformers, which
     leaves MTP layers out) and one MTP layer, model.layers.LAYERS.*: a decoder layer (a fifth layer of a model built
     one layer deeper, so its shapes and names are transformers' own), its own norms and projection (off init), and
     its copies of the embedding and the head. config.json declares num_nextn_predict_layers = 1."""
     torch.manual_seed(seed)
-    deeper = randomise(transformers.DeepseekV3ForCausalLM(_deepseek_config(LAYERS + 1, 0))).eval()
-    model = transformers.DeepseekV3ForCausalLM(_deepseek_config(LAYERS, 1)).eval()
+    deeper = randomise(make(LAYERS + 1, 0)).eval()
+    model = make(LAYERS, 1).eval()
     model.load_state_dict({k: v for k, v in deeper.state_dict().items()
                            if not k.startswith(f"model.layers.{LAYERS}.")}, strict=True)
     model.save_pretrained(path)
@@ -103,6 +117,23 @@ def test_released_mtp_layer_is_read_and_written_back_bit_exact(released, tmp_pat
     assert torch.equal(layer.post_norm.weight, want[f"model.layers.{LAYERS}.shared_head.norm.weight"])
     assert torch.equal(layer.mtp_block.self_attn.kv_b_proj.weight,
                        want[f"model.layers.{LAYERS}.self_attn.kv_b_proj.weight"])
+
+
+def test_glm_mtp_layer_is_read_and_written_back_bit_exact(tmp_path):
+    """GLM-4.5 as released with its MTP layer (DeepSeek-V3's names): through Megatron (EP 2, torch_dist) and back,
+    every tensor bit-exact, the MTP layer's included, and transformers' logits equal."""
+    released = as_released(tmp_path / "glm_mtp", seed=43, make=_glm)
+    ckpt = open_checkpoint(released)
+    assert ckpt.config.mtp_num_layers == 1 and f"layers.{LAYERS}.mtp.eh_proj.weight" in ckpt.tensors
+    cli("from-hf", released, tmp_path / "meg", "--ep", 2)
+    cli("reshard", tmp_path / "meg", tmp_path / "dist", "--format", "torch_dist")
+    cli("to-hf", tmp_path / "dist", tmp_path / "hf")
+    want, got = saved_tensors(released), saved_tensors(tmp_path / "hf")
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    assert torch.equal(hf_logits(tmp_path / "hf"), hf_logits(released))
 
 
 MTP_HELPER = Path(__file__).with_name("mcore_mtp_helper.py")

@@ -8,20 +8,20 @@ Read in transformers 5.24's models/glm4_moe (modeling_glm4_moe.py: Glm4MoeRotary
 Glm4MoeAttention, Glm4MoeTopkRouter, Glm4MoeMoE; configuration_glm4_moe.py for the defaults used below). Its Hub
 checkpoints keep experts per expert (conversion_mapping.py maps glm4_moe to qwen2_moe's fused form).
 
-Multi-token prediction: GLM-4.5 releases carry num_nextn_predict_layers MTP layers (model.layers.{num_hidden_layers}
-...); they are not converted here: the reader refuses their tensors by name and the writer writes
-num_nextn_predict_layers 0 (MTP_LAYERS below is where an MTP table joins).
+Multi-token prediction: GLM-4.5 releases carry num_nextn_predict_layers MTP layers as model.layers.{num_hidden_layers
++ k}, named as DeepSeek-V3's (enorm, hnorm, eh_proj, shared_head.norm and the embed_tokens / shared_head.head
+copies beside a whole decoder layer; transformers' Glm4Moe ignores model.layers.92 / .46 on load, the 355B and
+106B releases' MTP layers): families/mtp.py's table, read and written as for DeepSeek-V3.
 """
 from __future__ import annotations
 
 from ..config import GPTConfig, moe_layers_first_k_dense
-from . import deepseek_v3, llama, moe, qwen_moe
+from . import deepseek_v3, llama, moe, mtp, qwen_moe
 from .family import Family, Names, refuse_export
 
 ARCH = "Glm4MoeForCausalLM"
 # configuration_glm4_moe.py defaults config.json may leave out
 DEFAULTS = {"partial_rotary_factor": 0.5, "first_k_dense_replace": 1, "n_shared_experts": 1, "norm_topk_prob": True}
-MTP_LAYERS = 0  # num_nextn_predict_layers written: MTP layers are not converted by this family (see the docstring)
 
 
 def _layers(conf: dict, n: int):
@@ -51,13 +51,14 @@ def _fields(cfg: GPTConfig) -> dict:
             "norm_topk_prob": r.topk_norm, "n_group": r.num_groups, "topk_group": r.group_topk,
             "first_k_dense_replace": cfg.num_layers - len(r.layers), "use_qk_norm": cfg.qk_layernorm,
             "attention_bias": cfg.add_qkv_bias, "partial_rotary_factor": cfg.rotary_percent, "rope_parameters": rope,
-            "num_nextn_predict_layers": MTP_LAYERS, "output_router_logits": False}
+            mtp.NEXTN_KEY: cfg.mtp_num_layers, "output_router_logits": False}
 
 
 GLM4_MOE = Family(
-    "glm4_moe", ARCH, Names(llama.GLOBAL, llama.LAYER, llama.LAYER_PREFIX, deepseek_v3.MOE), llama.config_from_hf,
+    "glm4_moe", ARCH, Names(llama.GLOBAL, llama.LAYER, llama.LAYER_PREFIX, deepseek_v3.MOE, mtp=mtp.DEEPSEEK_MTP,
+                            mtp_shared=mtp.DEEPSEEK_MTP_SHARED), llama.config_from_hf,
     llama.config_json(_fields), export_kind="moe_biased", selects=lambda cfg: True, export_checks=export_checks,
-    fused_experts=qwen_moe.FUSED_EXPERTS, qkv_bias_only=True, qkv_bias_key=("attention_bias", False),
+    fused_experts=qwen_moe.FUSED_EXPERTS, mtp_key=mtp.NEXTN_KEY, qkv_bias_only=True, qkv_bias_key=("attention_bias", False),
     qk_norm_key="use_qk_norm", partial_rotary=DEFAULTS["partial_rotary_factor"],
     moe=moe.MoeKeys(ffn="moe_intermediate_size", topk_norm="norm_topk_prob", topk_norm_default=DEFAULTS["norm_topk_prob"],
                     layers=_layers, score="sigmoid", scaling="routed_scaling_factor", expert_bias=True,
