@@ -92,6 +92,18 @@ def mtp_model(path: Path):
     return main, MtpModel.from_pretrained(main)
 
 
+def _same_release(released: Path, out: Path) -> dict:
+    """out (a to-hf output) holds every tensor of released bit for bit, the MTP layer's included, declares the MTP
+    layer, and transformers computes the same logits from both; returns released's tensors."""
+    want, got = saved_tensors(released), saved_tensors(out)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    assert torch.equal(hf_logits(out), hf_logits(released))
+    return want
+
+
 def test_released_mtp_layer_is_read_and_written_back_bit_exact(released, tmp_path):
     """from the released form: inspect names the MTP layer; to-hf through Megatron (EP 2) writes every tensor back
     bit-exact, the MTP layer's included, and transformers' MtpModel loads it."""
@@ -105,12 +117,7 @@ def test_released_mtp_layer_is_read_and_written_back_bit_exact(released, tmp_pat
     assert quick is not None and quick.config.mtp_num_layers == 1 and set(quick.tensors) == set(ckpt.tensors)
     cli("from-hf", released, tmp_path / "meg", "--ep", 2)
     cli("to-hf", tmp_path / "meg", tmp_path / "hf")
-    want, got = saved_tensors(released), saved_tensors(tmp_path / "hf")
-    assert sorted(got) == sorted(want)
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 1
-    assert torch.equal(hf_logits(tmp_path / "hf"), hf_logits(released))
+    want = _same_release(released, tmp_path / "hf")
     _, mtp = mtp_model(tmp_path / "hf")
     layer = mtp.layers[0]
     assert torch.equal(layer.eh_proj.weight, want[f"model.layers.{LAYERS}.eh_proj.weight"])
@@ -128,12 +135,7 @@ def test_glm_mtp_layer_is_read_and_written_back_bit_exact(tmp_path):
     cli("from-hf", released, tmp_path / "meg", "--ep", 2)
     cli("reshard", tmp_path / "meg", tmp_path / "dist", "--format", "torch_dist")
     cli("to-hf", tmp_path / "dist", tmp_path / "hf")
-    want, got = saved_tensors(released), saved_tensors(tmp_path / "hf")
-    assert sorted(got) == sorted(want)
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 1
-    assert torch.equal(hf_logits(tmp_path / "hf"), hf_logits(released))
+    _same_release(released, tmp_path / "hf")
 
 
 MTP_HELPER = Path(__file__).with_name("mcore_mtp_helper.py")
