@@ -14,7 +14,6 @@ from . import __version__, quick_exit, stopping
 from .errors import exit_status_table
 import importlib
 import sys
-from .io import profile
 from .io import startup
 
 # command name -> (module under ckptool.commands, click command in it, the one line `--help` lists).
@@ -83,6 +82,7 @@ def main(ctx, debug):
     Sources are read lazily and never modified; outputs appear complete or not at all.
     """
     ctx.obj = {"debug": debug}
+    from .io import profile  # it prints a report at exit once imported: not in torchrun's agent, which imports COMMANDS
     profile.command_started()
 
 

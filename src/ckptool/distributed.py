@@ -17,7 +17,6 @@ import json
 import signal
 import subprocess
 import time
-from .io import profile
 
 
 @dataclass
@@ -63,6 +62,9 @@ def current_team() -> Team:
         return Team()
     import torch.distributed as dist  # torch on use: this module is imported by torch-free commands
     if not dist.is_initialized():
+        # io.profile prints a report at exit once imported: only a rank that joins a team imports it here
+        # (the torchrun agent imports this module and must not print a profile line of its own)
+        from .io import profile
         with profile.stage("team"):
             dist.init_process_group("gloo")
         atexit.register(_leave)
