@@ -63,15 +63,17 @@ def _transformers_dequantized(q: torch.Tensor, scale_inv: torch.Tensor, dtype, q
 
 
 def _is_released_fp8(name: str, t: torch.Tensor) -> bool:
-    """DeepSeek-V3's index: the Linear weights are FP8; embeddings, lm_head, norms and the router are not."""
-    return t.dim() == 2 and not any(s in name for s in ("embed_tokens", "lm_head", "norm", "mlp.gate.weight"))
+    """DeepSeek-V3's index: the Linear weights are FP8; embeddings, lm_head, norms and the router are not, nor the
+    MTP layer's own eh_proj and shared_head (its decoder layer's Linears are)."""
+    return t.dim() == 2 and not any(s in name for s in ("embed_tokens", "lm_head", "norm", "mlp.gate.weight",
+                                                         "eh_proj", "shared_head"))
 
 
-def _build(kind: str, root):
+def _build(kind: str, root, layers: int = 2):
     torch.manual_seed(7)
     cfg = transformers.DeepseekV3Config(
         vocab_size=100, hidden_size=256, num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-        moe_intermediate_size=128, num_hidden_layers=2, n_shared_experts=1, n_routed_experts=4, kv_lora_rank=96,
+        moe_intermediate_size=128, num_hidden_layers=layers, n_shared_experts=1, n_routed_experts=4, kv_lora_rank=96,
         q_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=32, n_group=2, topk_group=1, num_experts_per_tok=2,
         first_k_dense_replace=1, tie_word_embeddings=False, rms_norm_eps=1e-6, **SIZES[kind])
     model = transformers.DeepseekV3ForCausalLM(cfg)
@@ -247,6 +249,40 @@ def test_to_hf_fp8_writes_the_release_back(released, tmp_path, monkeypatch, kind
     if kind == "blocks":  # transformers' CPU dequantize tiles these dimensions right (see SIZES)
         want = logits(transformers_model(fp8, torch.bfloat16, monkeypatch))
         assert torch.equal(logits(transformers_model(tmp_path / "through_megatron", torch.bfloat16, monkeypatch)), want)
+
+
+def _with_mtp_layer(deeper, dst):
+    """deeper's last layer as the MTP layer of the model one layer shallower, as DeepSeek-V3 releases it (its own
+    enorm, hnorm, eh_proj, shared_head.norm beside the decoder layer, and copies of embed_tokens and the head)."""
+    dst.mkdir()
+    sd = load_file(str(deeper / "model.safetensors"))
+    conf = json.loads((deeper / "config.json").read_text())
+    last, h = conf["num_hidden_layers"] - 1, conf["hidden_size"]
+    pre = f"model.layers.{last}."
+    sd.update({pre + "enorm.weight": torch.rand(h) + 0.5, pre + "hnorm.weight": torch.rand(h) + 0.5,
+               pre + "shared_head.norm.weight": torch.rand(h) + 0.5, pre + "eh_proj.weight": torch.randn(h, 2 * h) * 0.05,
+               pre + "embed_tokens.weight": sd["model.embed_tokens.weight"].clone(),
+               pre + "shared_head.head.weight": sd["lm_head.weight"].clone()})
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in sd.items()}, str(dst / "model.safetensors"))
+    (dst / "config.json").write_text(json.dumps(dict(conf, num_hidden_layers=last, num_nextn_predict_layers=1)))
+    return dst
+
+
+def test_deepseek_as_downloaded_with_its_mtp_layer(tmp_path):
+    """DeepSeek-V3 exactly as downloaded: block FP8 (the MTP layer's decoder Linears too), the index, the
+    quantization_config and the MTP layer, read with no hand editing; through Megatron at EP 2 and `to-hf --fp8`
+    back, every byte and scale of the release, the MTP layer's included."""
+    src = _with_mtp_layer(_build("blocks", tmp_path, layers=3), tmp_path / "with_mtp")
+    files = _make_released(src, tmp_path / "release")
+    assert "model.layers.2.mlp.experts.0.up_proj.weight_scale_inv" in files  # the MTP decoder layer is FP8
+    ckpt = open_checkpoint(tmp_path / "release")
+    assert ckpt.config.mtp_num_layers == 1 and ckpt.config.num_layers == 2
+    cli("from-hf", tmp_path / "release", tmp_path / "meg", "--ep", 2)
+    cli("to-hf", tmp_path / "meg", tmp_path / "back", "--fp8")
+    got = saved(tmp_path / "back")
+    assert sorted(got) == sorted(files)
+    for k, want in files.items():
+        assert bytes_equal(got[k], want), k
 
 
 def test_fp8_is_refused_where_no_release_is_fp8(tmp_path):
