@@ -15,7 +15,6 @@ from typing import Callable, List, NoReturn, Optional
 import atexit
 import json
 import signal
-import subprocess
 import time
 
 
@@ -290,6 +289,7 @@ def say_after_torchrun(line: str) -> bool:
     except (AttributeError, ValueError, OSError):
         return False  # no real stderr (captured): nothing a later process could write to
     try:
+        import subprocess  # on use: slow to import, and every command imports this module
         subprocess.Popen([sys.executable, "-c", _TAIL_SCRIPT, str(os.getppid()), line, str(TAIL_WAIT_S)],
                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=sys.stderr.fileno(),
                          start_new_session=True, close_fds=True)

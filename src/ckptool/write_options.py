@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple
 
 from .errors import CkptError, require
-from .families.gemma import uses_gemma_maths
 from .formats.registry import BY_OUTPUT, OUTPUT_FORMATS, Format
 from .layout_request import check_sizes
 from .state import HF_EXPERT_FORMS, Checkpoint
@@ -82,6 +81,11 @@ OPTION_WORDS = {
     "drop_mtp": ("--drop-mtp", "drops the multi-token-prediction layers"),
 }
 NEGATABLE = ("release", "optimizer", "overlap_grad_reduce", "moe_grouped_gemm")
+
+
+def _uses_gemma_maths(cfg) -> bool:
+    from .families.gemma import uses_gemma_maths  # every family on use: the CLI's error paths import none of them
+    return uses_gemma_maths(cfg)
 
 
 def flag(name: str, value: Any = True) -> str:
@@ -176,7 +180,7 @@ REFUSED_CONTENTS: Dict[str, Tuple[Callable[[Checkpoint], bool], Callable[[Checkp
     "moe": (lambda ckpt: ckpt.config.moe is not None, _moe_words,
             "write --format torch (expert parallelism with --ep), or use to-hf"),
     # Gemma's post norms, windows, soft-caps ... (families/gemma.py): only Megatron-core-named formats hold them
-    "gemma": (lambda ckpt: uses_gemma_maths(ckpt.config),
+    "gemma": (lambda ckpt: _uses_gemma_maths(ckpt.config),
               lambda ckpt, fmt: f"Gemma's maths (post-attention / post-MLP norms, sliding windows, soft-capping, ...): "
                                 f"Megatron {fmt} output of Gemma models is not supported",
               "write --format torch or torch_dist, or use to-hf"),
