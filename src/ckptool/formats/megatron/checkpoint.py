@@ -34,7 +34,7 @@ from ...write_options import WriteOptions
 from . import (args as megatron_args, distopt as megatron_distopt, optim as megatron_optim, training as megatron_training)
 from .optim import RankParam, role_shards
 from .names import (DIALECTS, Dialect, KeyMatcher, dialects_for, global_layer, is_ignorable, is_mla,
-                             qkv_from_grouped, qkv_to_grouped, refused_module, stacked_expert_block)
+                             qkv_from_grouped, qkv_to_grouped, refused_module, stacked_expert_block, stage_layer_counts)
 from .files import (ITER_DIR, MODEL_FILES, RANK_DIR, TRACKER, detect_dialect, flatten,  # noqa: F401
                              etp_refusal, expert_grid, rank_coordinates, is_optimizer_only, looks_like_megatron, model_file, list_rank_dirs, resolve_iteration_dir)
 
@@ -187,14 +187,7 @@ def _layer_offsets(models, matcher: KeyMatcher, pp: int):
     """(layers per (pp, chunk), first global layer per (pp, chunk), number of layers): each file numbers its
     layers from 0; counted from the keys, then offset in Megatron's order (chunk-major)."""
     vpp = len(models[(0, 0, 0)])
-    counts: Dict[Tuple[int, int], int] = {}
-    for (t, p, _), chunks in models.items():
-        for v, flat in chunks.items():
-            idx = [m[1] for m in (matcher.match(k) for k in flat) if m and m[1] is not None and m[1] >= 0]  # not MTP
-            n = max(idx) + 1 if idx else 0
-            if counts.setdefault((p, v), n) != n:
-                raise CkptError(f"pipeline stage {p} holds {counts[(p, v)]} layers on one TP rank and {n} on another",
-                                "the rank files do not belong to one checkpoint")
+    counts = stage_layer_counts(models, matcher)
     offsets, first_layer = {}, 0
     for v in range(vpp):
         for p in range(pp):

@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
+from ...errors import CkptError
 from ...spec import GPT, spec_for
 from ...spec.schema import (FLAT, HEAD_COPY, LEGACY, LEGACY_GROUPED, MCORE, SEQUENTIAL, TE, TE_GROUPED, TE_MLA, TE_MOE,
                            Spec)
@@ -366,3 +367,18 @@ def qkv_from_grouped(t: torch.Tensor, version: float, heads_local: int, head_dim
     if version == 1:
         return t.reshape(heads_local, 3, head_dim, *rest).transpose(1, 2).reshape(t.shape).contiguous()
     return t
+
+
+def stage_layer_counts(models, matcher: "KeyMatcher") -> Dict[Tuple[int, int], int]:
+    """Layers per (pipeline stage, virtual chunk) of a rank's flattened model chunks ({(tp, pp, ep): {chunk: keys}}),
+    counted from the keys (each file numbers its layers from 0; MTP layers, numbered below 0, not counted); the same
+    on every TP rank, else CkptError. Torch-free: the full reader and the quick inspect count alike."""
+    counts: Dict[Tuple[int, int], int] = {}
+    for (_, p, _), chunks in models.items():
+        for v, flat in chunks.items():
+            idx = [m[1] for m in (matcher.match(k) for k in flat) if m and m[1] is not None and m[1] >= 0]
+            n = max(idx) + 1 if idx else 0
+            if counts.setdefault((p, v), n) != n:
+                raise CkptError(f"pipeline stage {p} holds {counts[(p, v)]} layers on one TP rank and {n} on another",
+                                "the rank files do not belong to one checkpoint")
+    return counts

@@ -29,7 +29,7 @@ from ...errors import CkptError
 from . import args as megatron_args
 from .files import (detect_dialect, expert_grid, flatten, list_rank_dirs, model_file, rank_coordinates,
                                       resolve_iteration_dir)
-from .names import KeyMatcher, global_layer, is_ignorable, is_mla
+from .names import KeyMatcher, global_layer, is_ignorable, is_mla, stage_layer_counts
 from ...spec.schema import HEAD_COPY
 from ...state import Checkpoint, SourceInfo
 from . import quick_experts as experts
@@ -230,15 +230,12 @@ def _same_across_tp(models, tp: int, pp: int) -> bool:
 
 
 def _layer_counts(models, matcher) -> Optional[Dict[Tuple[int, int], int]]:
-    """Layers per (pipeline stage, virtual chunk), the same on every TP rank, as the full reader counts."""
-    counts: Dict[Tuple[int, int], int] = {}
-    for (_, p, _), chunks in models.items():
-        for v, flat in chunks.items():
-            idx = [m[1] for m in (matcher.match(k) for k in flat) if m and m[1] is not None and m[1] >= 0]  # no MTP
-            n = max(idx) + 1 if idx else 0
-            if counts.setdefault((p, v), n) != n:
-                return None
-    return counts
+    """Layers per (pipeline stage, virtual chunk), as the full reader counts them (names.stage_layer_counts); None
+    where the TP ranks disagree (the full reader then says so)."""
+    try:
+        return stage_layer_counts(models, matcher)
+    except CkptError:
+        return None
 
 
 def _word_rows(models, matcher, tp: int) -> Optional[int]:
