@@ -137,6 +137,26 @@ def run_torchrun(nproc: int, *argv, env: dict | None = None, timeout: float = 60
 # torchrun launch; a job several files declare (the same text) runs once. Each file copies the results it
 # changes or writes beside into its own folder (copy_run): the shared results stay as written.
 
+# The megatron-core helpers whose runs at one process count share one launch, through tests/mcore_jobs.py (each
+# helper has parser() and run_job()): every rank then imports torch and megatron-core once for all of them.
+SHARED_LAUNCH = {f"mcore_{name}_helper.py" for name in
+                 ("dist", "optim_dist", "train", "moe", "sidecar", "gemma", "glm", "gpt_oss", "mla", "mtp")}
+MCORE_JOBS = ROOT / "tests" / "mcore_jobs.py"
+
+
+def launch_group(helper_name: str) -> str:
+    """The launch a helper's jobs go into: mcore_jobs.py for the helpers sharing one, else the helper's own."""
+    return MCORE_JOBS.name if helper_name in SHARED_LAUNCH else helper_name
+
+
+def launch(nproc: int, helper, jobs: list, timeout: float):
+    """One torchrun launch of [(helper file name or path, job)], every helper of one launch group (launch_group):
+    the shared ones through mcore_jobs.py ('HELPER JOB' arguments), another helper with its jobs."""
+    if Path(helper).name in SHARED_LAUNCH:
+        return run_torchrun(nproc, MCORE_JOBS, *(f"{Path(h).name} {job}" for h, job in jobs), timeout=timeout)
+    return run_torchrun(nproc, helper, *(job for _, job in jobs), timeout=timeout)
+
+
 _DECLARED: list = []  # (declaring test file, helper file name, nproc, job) in import order
 _SELECTED: set = set()  # the test files of the session's selected tests (pytest_collection_finish)
 
@@ -177,17 +197,18 @@ class FrameworkRuns:
     def __call__(self, helper: Path, nproc: int, jobs: dict, timeout: int = 900) -> dict:
         keys = {name: (Path(helper).name, nproc, job) for name, job in jobs.items()}
         declared = [(h, n, job) for file, h, n, job in _DECLARED if file in _SELECTED]
+        group = launch_group(Path(helper).name)
         todo = {}
-        for key in [k for k in declared if k[:2] == (Path(helper).name, nproc)] + list(keys.values()):
+        for key in [k for k in declared if (launch_group(k[0]), k[1]) == (group, nproc)] + list(keys.values()):
             if key not in self.done and key not in todo:
                 todo[key] = self.root / f"run{len(self.done) + len(todo)}" / "out"
         if todo:
             for stem in todo.values():
                 stem.parent.mkdir(parents=True)
             # the timeout asked for is one file's; a launch may hold the jobs of several
-            r = run_torchrun(nproc, helper, *(k[2].format(out=s) for k, s in todo.items()),
-                             timeout=timeout * max(1, len(todo) / max(1, len(keys))))
-            assert r.returncode == 0, f"{Path(helper).name} {[k[2] for k in todo]}: " + r.stdout[-3000:] + r.stderr[-6000:]
+            r = launch(nproc, helper, [(k[0], k[2].format(out=s)) for k, s in todo.items()],
+                       timeout=timeout * max(1, len(todo) / max(1, len(keys))))
+            assert r.returncode == 0, f"{group} {[k[2] for k in todo]}: " + r.stdout[-3000:] + r.stderr[-6000:]
             self.done.update(todo)
         return {name: self.done[key] for name, key in keys.items()}
 
@@ -212,7 +233,7 @@ class FrameworkRuns:
         """Run the generators in rounds: each goes on to its next yield (or its end); the launches they asked
         for run, every job of one helper at one process count in one torchrun launch; again until all ended."""
         while gens:
-            asked: dict = {}  # (helper, nproc) -> [(steps, job)]
+            asked: dict = {}  # (launch group, nproc) -> [(steps, helper, job)]
             for s, g in list(gens.items()):
                 try:
                     launches = next(g)
@@ -225,17 +246,18 @@ class FrameworkRuns:
                     del gens[s]
                     continue
                 for helper, nproc, jobs in launches:
-                    asked.setdefault((Path(helper).resolve(), nproc), []).extend((s, job) for job in jobs)
-            for (helper, nproc), jobs in asked.items():
-                owners = list(dict.fromkeys(s for s, _ in jobs))
-                r = run_torchrun(nproc, helper, *(job for _, job in jobs), timeout=600 * len(owners))
+                    group = launch_group(Path(helper).name) if Path(helper).name in SHARED_LAUNCH else Path(helper).resolve()
+                    asked.setdefault((group, nproc), []).extend((s, helper, job) for job in jobs)
+            for (group, nproc), jobs in asked.items():
+                owners = list(dict.fromkeys(s for s, _, _ in jobs))
+                r = launch(nproc, jobs[0][1], [(helper, job) for _, helper, job in jobs], timeout=600 * len(owners))
                 if r.returncode != 0:
-                    why = AssertionError(f"{helper.name} {[job for _, job in jobs]}: " + r.stdout[-3000:] + r.stderr[-6000:])
+                    why = AssertionError(f"{Path(str(group)).name} {[job for _, _, job in jobs]}: "
+                                         + r.stdout[-3000:] + r.stderr[-6000:])
                     for s in owners:
                         if s in gens:
                             gens.pop(s).close()
                             self.followed[s] = (False, why)
-
 
 # --- follow-up runs shared by the session ---------------------------------------------------------------
 # A test file's module fixture that starts from framework runs, converts them with ckptool and has the same

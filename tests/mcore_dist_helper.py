@@ -234,7 +234,7 @@ def run_job(a):
     parallel_state.destroy_model_parallel()
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     """Each argument is one job: 'mode dir --tp T [--pp P] --arch A [--with-args] --out FILE' (one torchrun
     start for several jobs: importing megatron-core is the slow part)."""
     ap = argparse.ArgumentParser()
@@ -245,7 +245,11 @@ def main():
     ap.add_argument("--arch", default="gpt2")
     ap.add_argument("--with-args", action="store_true")
     ap.add_argument("--out", required=True)
-    run_jobs(ap, run_job)
+    return ap
+
+
+def main():
+    run_jobs(parser(), run_job)
 
 
 if __name__ == "__main__":

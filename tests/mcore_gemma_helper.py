@@ -139,7 +139,7 @@ def run_job(a) -> None:
     parallel_state.destroy_model_parallel()
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("dir")
     ap.add_argument("--dist", action="store_true")
@@ -147,7 +147,11 @@ def main():
     ap.add_argument("--train")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--out", required=True)
-    T.H.run_jobs(ap, run_job)
+    return ap
+
+
+def main():
+    T.H.run_jobs(parser(), run_job)
 
 
 if __name__ == "__main__":

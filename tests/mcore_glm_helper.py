@@ -89,12 +89,16 @@ OPTIONS = {"--tp": dict(type=int, default=1), "--ep": dict(type=int, default=1),
            "--out": dict(required=True)}
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("dir")
     for flag, how in OPTIONS.items():
         ap.add_argument(flag, **how)
-    run_jobs(ap, run_job)
+    return ap
+
+
+def main():
+    run_jobs(parser(), run_job)
 
 
 if __name__ == "__main__":

@@ -188,7 +188,7 @@ def run_job(a):
     parallel_state.destroy_model_parallel()
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["load-torch", "load-dist", "train", "resume"])
     ap.add_argument("dir")
@@ -197,7 +197,11 @@ def main():
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--out", required=True)
     ap.add_argument("--save")
-    run_jobs(ap, run_job)
+    return ap
+
+
+def main():
+    run_jobs(parser(), run_job)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mcore_dist_helper import logits  # noqa: E402  (CPU shims: explicit causal mask, TP gather)
+from mcore_dist_helper import logits, run_jobs  # noqa: E402  (CPU shims: explicit causal mask, TP gather; the job loop)
 
 # megatron-core 0.16's MLA tests isinstance(linear, TELinear); without Transformer Engine the name is None or a
 # placeholder object, which isinstance refuses. A class nothing is an instance of says what it means: no TE linear.
@@ -140,18 +140,18 @@ def run_job(a) -> None:
     parallel_state.destroy_model_parallel()
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("dir")
     ap.add_argument("--tp", type=int, help="tensor-parallel size (default: the world size)")
     ap.add_argument("--dist", action="store_true")
     ap.add_argument("--save-dist")
     ap.add_argument("--out", required=True)
-    jobs = [ap.parse_args(job.split()) for job in sys.argv[1:]]
-    dist.init_process_group("gloo")
-    for job in jobs:
-        run_job(job)
-    dist.destroy_process_group()
+    return ap
+
+
+def main():
+    run_jobs(parser(), run_job)
 
 
 if __name__ == "__main__":

@@ -455,7 +455,7 @@ def dist_job(a, model, cfg, root):
     parallel_state.destroy_model_parallel()
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["save", "train", "resume", "load-torch", "save-dist", "load-dist"])
     ap.add_argument("--weights-only", action="store_true")
@@ -469,7 +469,11 @@ def main():
     ap.add_argument("--arch", choices=sorted(ARCHS), default="mixtral")
     ap.add_argument("--singleton", action="store_true")
     ap.add_argument("--out", required=True)
-    run_jobs(ap, run_job)
+    return ap
+
+
+def main():
+    run_jobs(parser(), run_job)
 
 
 if __name__ == "__main__":

@@ -96,14 +96,18 @@ def run_job(a) -> None:
     parallel_state.destroy_model_parallel()
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("dir")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--dist", action="store_true")
     ap.add_argument("--out", required=True)
-    run_jobs(ap, run_job)
+    return ap
+
+
+def main():
+    run_jobs(parser(), run_job)
 
 
 if __name__ == "__main__":

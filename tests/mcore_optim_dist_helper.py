@@ -689,7 +689,7 @@ def run_job(a):
     parallel_state.destroy_model_parallel()
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["save", "save-vpp", "resume", "load", "moe-save", "moe-resume"])
     ap.add_argument("dir")
@@ -713,7 +713,11 @@ def main():
     ap.add_argument("--weights-only", action="store_true")
     ap.add_argument("--bridge", action="store_true", help="save: as Megatron-Bridge does (no args; run_config.yaml)")
     ap.add_argument("--out", required=True)
-    T.H.run_jobs(ap, run_job)
+    return ap
+
+
+def main():
+    T.H.run_jobs(parser(), run_job)
 
 
 if __name__ == "__main__":

@@ -189,14 +189,18 @@ def _finish(model, out_file) -> None:
     parallel_state.destroy_model_parallel()
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=sorted(LAYOUTS) + ["fsdp_dtensor"])
     ap.add_argument("dir")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--arch", default="gpt2")
     ap.add_argument("--out", required=True)
-    base.run_jobs(ap, run_job)
+    return ap
+
+
+def main():
+    base.run_jobs(parser(), run_job)
 
 
 if __name__ == "__main__":

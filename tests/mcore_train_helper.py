@@ -328,6 +328,7 @@ def live_state(model, opt) -> dict:
 
 
 def run_job(a):
+    assert a.tp * a.pp * a.dp == dist.get_world_size(), "run each job under torchrun with --nproc-per-node TP x PP x DP"
     if a.distributed_optimizer and not torch.cuda.is_available():
         _gloo_reduce_scatter()
         _torch_adam_step_kept()
@@ -361,7 +362,7 @@ def run_job(a):
     parallel_state.destroy_model_parallel()
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["train", "resume"])
     ap.add_argument("dir")
@@ -379,13 +380,11 @@ def main():
     ap.add_argument("--ddp-bucket-size", type=int, default=None,
                     help="run with --overlap-grad-reduce and buckets of this many elements")
     ap.add_argument("--out", required=True)
-    jobs = [ap.parse_args(job.split()) for job in sys.argv[1:]]
-    dist.init_process_group("gloo")
-    for job in jobs:
-        assert job.tp * job.pp * job.dp == dist.get_world_size(), \
-            "run each job under torchrun with --nproc-per-node TP x PP x DP"
-        run_job(job)
-    dist.destroy_process_group()
+    return ap
+
+
+def main():
+    H.run_jobs(parser(), run_job)
 
 
 if __name__ == "__main__":

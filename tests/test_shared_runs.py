@@ -3,7 +3,10 @@ run_torchrun stood in by a recorder. The launches the suite's files share must b
 per helper and process count, round by round; one file's failure stays that file's."""
 from __future__ import annotations
 
+import argparse
 import subprocess
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -91,3 +94,40 @@ def test_a_failure_stays_with_the_steps_it_belongs_to(launches, tmp_path):
     with pytest.raises(pytest.skip.Exception):
         runs.followup(skipped)
     assert sorted(launches) == [(2, "h.py", ("fail here", "s1")), (4, "h.py", ("f1",))]
+
+
+def test_megatron_core_helpers_share_one_launch_per_process_count(launches, tmp_path):
+    """Jobs of two helpers in SHARED_LAUNCH at one process count go to mcore_jobs.py as 'HELPER JOB', in one launch,
+    in the order asked; another process count or a helper outside the set launches apart."""
+    dist, moe = "mcore_dist_helper.py", "mcore_moe_helper.py"
+    assert {dist, moe} <= conftest.SHARED_LAUNCH
+
+    def a(runs, d):
+        yield [(conftest.ROOT / "tests" / dist, 2, ["load x"]), ("h.py", 2, ["a2"]), (moe, 4, ["save y"])]
+        return "A"
+
+    def b(runs, d):
+        yield [(moe, 2, ["load-dist z"])]
+        return "B"
+    select(a, b)
+    assert conftest.FrameworkRuns(tmp_path).followup(a) == "A"
+    assert sorted(launches) == sorted([(2, "mcore_jobs.py", (f"{dist} load x", f"{moe} load-dist z")),
+                                       (2, "h.py", ("a2",)), (4, "mcore_jobs.py", (f"{moe} save y",))])
+
+
+def test_mcore_jobs_runs_each_helpers_parser(monkeypatch):
+    """mcore_jobs.py hands each 'HELPER JOB' to that helper's own parser and run_job (no launch: the parse only)."""
+    import mcore_jobs
+    fake = types.ModuleType("mcore_fake_helper")
+    fake.run_job = lambda a: None
+    fake.parser = _parser
+    monkeypatch.setitem(sys.modules, "mcore_fake_helper", fake)
+    run_job, args = mcore_jobs.parsed("mcore_fake_helper.py somewhere --tp 2")
+    assert run_job is fake.run_job and (args.dir, args.tp) == ("somewhere", 2)
+
+
+def _parser():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("dir")
+    ap.add_argument("--tp", type=int)
+    return ap
