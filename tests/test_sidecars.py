@@ -30,6 +30,10 @@ SAVES = declare_runs(HELPER, 2, {t: f"{t} {{out}} --tp {tp} --arch {arch} --out 
 # Megatron-LM's --ckpt-format fsdp_dtensor as its source lays it out (no Megatron-FSDP here: see the helper)
 FSDP_DTENSOR = declare_runs(HELPER, 2, {f"fsdp_dtensor_{arch}": f"fsdp_dtensor {{out}} --arch {arch} --out {{out}}.logits.pt"
                                         for arch in ("llama", "gpt2")})
+# ... and an MoE model (Mixtral-like) after one step of megatron-core's optimizer, its Adam state saved per parameter as
+# Megatron-FSDP's optimizer gives it, experts named as SequentialMLP's or Transformer Engine's grouped experts
+FSDP_DTENSOR_MOE = declare_runs(HELPER, 2, {f"fsdp_dtensor_moe_{e}": f"fsdp_dtensor {{out}} --arch mixtral --experts {e} "
+                                            "--optim --out {out}.logits.pt" for e in ("sequential", "grouped")})
 # What each sidecar says about itself and its vocabulary (the reader names where the config came from).
 SIDECAR_WORDS = {"bridge": "Megatron-Bridge run_config.yaml", "nemo": "NeMo 2 context/model.yaml",
                  "verl": "Hugging Face config huggingface/config.json"}
@@ -222,3 +226,38 @@ def test_bridges_distributed_optimizer_equals_the_live_one_and_carries_over(brid
     again = open_checkpoint(out)
     assert again.optimizer.step == 3
     assert_slots_equal(again, live(bridge_optim / f"{form}_live"))
+
+
+@pytest.fixture(scope="module")
+def fsdp_dtensor_moe(tmp_path_factory, framework_runs):
+    return _copied_runs(tmp_path_factory, framework_runs, HELPER, FSDP_DTENSOR_MOE, "fsdp_dtensor_moe")
+
+
+@needs_mcore
+@pytest.mark.parametrize("experts", ["sequential", "grouped"])
+def test_megatron_fsdp_moe_and_its_optimizer_read_and_carry_to_megatron(fsdp_dtensor_moe, experts, tmp_path):
+    """Experts by global index (mlp.experts.local_experts.{e}. / linear_fc1.weight{e}, GLU halves _w / _v) read with
+    megatron-core's logits and to-hf with transformers'; the Adam state under optimizer.state.<param name>.<slot>
+    equals the live optimizer's bit for bit (moments split like the weights, master = the weight), its groups are
+    megatron-core's two (weight decay on / off), and it is carried into torch_dist at EP 2."""
+    from transformers import AutoModelForCausalLM
+    path = fsdp_dtensor_moe / f"fsdp_dtensor_moe_{experts}"
+    ckpt = open_checkpoint(path)
+    assert ckpt.config.moe.num_experts == 4 and ckpt.source.args.ckpt_format == "fsdp_dtensor"
+    ref = torch.load(fsdp_dtensor_moe / f"fsdp_dtensor_moe_{experts}.logits.pt")
+    torch.testing.assert_close(forward(ckpt, ref["tokens"]), ref["logits"], atol=1e-6, rtol=0)
+    opt = ckpt.optimizer
+    assert opt is not None and opt.kind == "megatron-fsdp-dtensor" and opt.step == 1, ckpt.warnings
+    assert_slots_equal(ckpt, live(fsdp_dtensor_moe / f"fsdp_dtensor_moe_{experts}_live"))
+    assert sorted(g.hyper["wd_mult"] for g in opt.param_groups) == [0.0, 1.0]
+    assert sorted(n for g in opt.param_groups for n in g.names) == sorted(ckpt.tensors)
+    r = run_cli("to-hf", path, tmp_path / "hf")
+    assert r.returncode == 0, r.stderr
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ref["tokens"]).logits, ref["logits"][..., :100], atol=1e-5, rtol=0)
+    r = run_cli("reshard", path, tmp_path / "ep2", "--ep", 2, "--format", "torch_dist")
+    assert r.returncode == 0 and "optimizer state dropped" not in r.stderr, r.stderr
+    again = open_checkpoint(tmp_path / "ep2")
+    assert again.optimizer.step == 1
+    assert_slots_equal(again, live(fsdp_dtensor_moe / f"fsdp_dtensor_moe_{experts}_live"))
