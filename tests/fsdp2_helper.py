@@ -11,7 +11,8 @@
                                         AdamW moments renamed and permuted the same way; config.json beside it
         OUT/accelerate/pytorch_model_fsdp_0/   accelerate's save_fsdp_model (utils/fsdp_utils.py) for a
                                         SHARDED_STATE_DICT: {"model": model state} -> keys "model.<fqn>"; config.json
-                                        in OUT/accelerate/
+                                        in OUT/accelerate/; OUT/accelerate/optimizer_0/ its save_fsdp_optimizer (FSDP2:
+                                        {"optimizer": get_optimizer_state_dict's nested form})
         OUT/qwen3moe/step-2/            Qwen3-MoE as NeMo-RL-style {"model": ..., "optimizer": ...}: "model." prefix,
                                         no config.json anywhere (the tests pass --hf-config)
         OUT/qwen3moe_config/config.json
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, _flatten_optim_state_dict, get_model_state_dict,
                                                      get_optimizer_state_dict)
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -111,7 +112,10 @@ def save(out: Path) -> None:
         model = shard(model)
         opt = train(model)
         msd = get_model_state_dict(model)
-        osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+        # the default (nested) form accelerate saves, and torchtitan's flattened form made from it by the function
+        # flatten_optimizer_state_dict=True runs (a second get_optimizer_state_dict call fails)
+        nested = get_optimizer_state_dict(model, opt)
+        osd = _flatten_optim_state_dict({"state": dict(nested["state"]), "param_groups": [dict(g) for g in nested["param_groups"]]})
         full, lg = full_state(model), logits(model)
         # the first moments gathered from the flattened state (a second get_optimizer_state_dict call fails)
         exp_avg = {k[len("state."):-len(".exp_avg")]: v.full_tensor() for k, v in osd.items()
@@ -119,6 +123,7 @@ def save(out: Path) -> None:
         if name == "llama":
             dcp.save({**msd, "optimizer": osd}, checkpoint_id=str(out / "llama" / "step-2"))
             dcp.save({"model": msd}, checkpoint_id=str(out / "accelerate" / "pytorch_model_fsdp_0"))
+            dcp.save({"optimizer": nested}, checkpoint_id=str(out / "accelerate" / "optimizer_0"))
             save_titan(out / "llama_titan" / "step-2", conf, msd, osd)
             cfg_dirs = [out / "llama" / "huggingface", out / "llama_titan" / "step-2", out / "accelerate"]
         else:

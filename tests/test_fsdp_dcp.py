@@ -97,7 +97,9 @@ def test_to_hf_is_bit_exact_with_transformers_logits(converted, tmp_path, name):
 def test_adamw_state_is_read_in_model_order_and_carried_to_torch_dist(converted):
     inputs, root = converted
     llama, qwen = reference(inputs, "llama")["exp_avg"], reference(inputs, "qwen3moe")["exp_avg"]
-    for name in ("llama", "titan"):  # torchtitan's moments come back in HF's row order, as its weights do
+    # torchtitan's moments come back in HF's row order, as its weights do; accelerate's optimizer_0/ beside its model
+    # folder holds get_optimizer_state_dict's nested form (param groups by index, listing their FQNs)
+    for name in ("llama", "titan", "accelerate"):
         opt = api.open(source(inputs, name)).optimizer
         assert opt.kind == "fsdp-adamw" and opt.step == 2 and len(opt.param_groups) == 1
         assert opt.param_groups[0].hyper["weight_decay"] == 0.1 and opt.param_groups[0].hyper["lr"] == 1e-2
