@@ -48,12 +48,13 @@ CONFIGS = {
                                                     num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True,
                                                     mlp_only_layers=[], **COMMON),
 }
-# torchtitan's Llama3 names (torchtitan/models/llama3/state_dict_adapter.py, from_hf) for this helper's renaming,
-# written independently of ckptool's table
+# torchtitan's Llama3 names (pytorch/torchtitan b5bcd76 torchtitan/models/llama3/state_dict_adapter.py, from_hf_map)
+# for this helper's renaming, written independently of ckptool's table
 TITAN = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
-         "lm_head.weight": "output.weight"}
-TITAN_LAYER = {"self_attn.q_proj.weight": "attention.wq.weight", "self_attn.k_proj.weight": "attention.wk.weight",
-               "self_attn.v_proj.weight": "attention.wv.weight", "self_attn.o_proj.weight": "attention.wo.weight",
+         "lm_head.weight": "lm_head.weight"}
+TITAN_LAYER = {"self_attn.q_proj.weight": "attention.qkv_linear.wq.weight",
+               "self_attn.k_proj.weight": "attention.qkv_linear.wk.weight",
+               "self_attn.v_proj.weight": "attention.qkv_linear.wv.weight", "self_attn.o_proj.weight": "attention.wo.weight",
                "mlp.gate_proj.weight": "feed_forward.w1.weight", "mlp.up_proj.weight": "feed_forward.w3.weight",
                "mlp.down_proj.weight": "feed_forward.w2.weight", "input_layernorm.weight": "attention_norm.weight",
                "post_attention_layernorm.weight": "ffn_norm.weight"}
@@ -139,7 +140,7 @@ def save(out: Path) -> None:
 
 def save_titan(where: Path, conf, msd: dict, osd: dict) -> None:
     """msd / osd under torchtitan's names, q / k rows (weights and moments) in its RoPE order."""
-    heads = {"attention.wq.weight": conf.num_attention_heads, "attention.wk.weight": conf.num_key_value_heads}
+    heads = {"qkv_linear.wq.weight": conf.num_attention_heads, "qkv_linear.wk.weight": conf.num_key_value_heads}
 
     def titan(hf: str, t):
         name = titan_name(hf)
@@ -166,7 +167,7 @@ def load(src: Path, out: Path, name: str, titan: bool) -> None:
         names = {titan_name(k): k for k in msd}
         state = {t: msd[k] for t, k in names.items()}
         dcp.load(state, checkpoint_id=str(src))
-        heads = {"attention.wq.weight": conf.num_attention_heads, "attention.wk.weight": conf.num_key_value_heads}
+        heads = {"qkv_linear.wq.weight": conf.num_attention_heads, "qkv_linear.wk.weight": conf.num_key_value_heads}
         for t, k in names.items():  # back to HF's row order for the HF model
             h = next((n for s, n in heads.items() if t.endswith(s)), None)
             v = state[t]
