@@ -15,7 +15,7 @@ import torch
 
 from conftest import copy_run, declare_runs, run_torchrun
 from test_dist import HELPER as MCORE_HELPER, _env, needs_mcore, run_cli
-from test_dist_optim import HELPER as OPTIM_HELPER, assert_slots_equal, live
+from test_dist_optim import HELPER as OPTIM_HELPER, SLOTS, assert_slots_equal, live
 from ckptool.formats.dcp import torch_dist as dist
 from ckptool.io.dcp_io import DcpDir
 from ckptool.formats.registry import detect_format, open_checkpoint
@@ -198,34 +198,49 @@ def test_a_damaged_run_config_is_a_clear_error(saves, tmp_path, damage, words):
     assert (d / "iter_0000007" / ".metadata").read_bytes() == before
 
 
-# Megatron-Bridge with its distributed optimizer (tests/mcore_optim_dist_helper.py --bridge: trained 3 steps by the
-# real megatron-core, saved without args, run_config.yaml with the model / ddp / optimizer / checkpoint sections):
-# fully_reshardable at TP1 x DP2 (GPT-2) and Bridge's default dp_reshardable at TP2 (Llama).
-BRIDGE_OPTIM = declare_runs(OPTIM_HELPER, 2, {
+# The distributed optimizer (tests/mcore_optim_dist_helper.py: trained 3 steps by the real megatron-core, saved without
+# args) as each trainer lays it out: Megatron-Bridge (--bridge: run_config.yaml with the model / ddp / optimizer /
+# checkpoint sections) fully_reshardable at TP1 x DP2 (GPT-2) and its default dp_reshardable at TP2 (Llama); NeMo 2
+# (--trainer nemo: weights/ with the model keys under module., the optimizer's common entry a one-element list,
+# context/model.yaml) and verl's Megatron backend (--trainer verl: dist_ckpt/, huggingface/config.json), fully_reshardable.
+TRAINER_OPTIM = declare_runs(OPTIM_HELPER, 2, {
     "fr": "save {out} --tp 1 --form fully_reshardable --bridge --more 0 --live {out}_live --out {out}.pt",
-    "dpr": "save {out} --tp 2 --arch llama --form dp_reshardable --bridge --more 0 --live {out}_live --out {out}.pt"})
+    "dpr": "save {out} --tp 2 --arch llama --form dp_reshardable --bridge --more 0 --live {out}_live --out {out}.pt",
+    "nemo": "save {out} --tp 1 --form fully_reshardable --trainer nemo --more 0 --live {out}_live --out {out}.pt",
+    "verl": "save {out} --tp 2 --arch llama --form fully_reshardable --trainer verl --more 0 --live {out}_live "
+            "--out {out}.pt"})
 
 
 @pytest.fixture(scope="module")
-def bridge_optim(tmp_path_factory, framework_runs):
-    return _copied_runs(tmp_path_factory, framework_runs, OPTIM_HELPER, BRIDGE_OPTIM, "bridge_optim")
+def trainer_optim(tmp_path_factory, framework_runs):
+    return _copied_runs(tmp_path_factory, framework_runs, OPTIM_HELPER, TRAINER_OPTIM, "trainer_optim")
 
 
 @needs_mcore
-@pytest.mark.parametrize("form, kind", [("fr", "fully_reshardable"), ("dpr", "dp_reshardable")])
-def test_bridges_distributed_optimizer_equals_the_live_one_and_carries_over(bridge_optim, form, kind, tmp_path):
-    ckpt = open_checkpoint(bridge_optim / form)
-    assert ckpt.source.extra["config_sidecar"] == "Megatron-Bridge run_config.yaml"
-    assert "args" not in dist.read_common_state(next((bridge_optim / form).glob("iter_*")),
-                                                DcpDir(next((bridge_optim / form).glob("iter_*"))))
+@pytest.mark.parametrize("save, trainer, kind", [("fr", "bridge", "fully_reshardable"), ("dpr", "bridge", "dp_reshardable"),
+                                                 ("nemo", "nemo", "fully_reshardable"), ("verl", "verl", "fully_reshardable")])
+def test_each_trainers_distributed_optimizer_equals_the_live_one_and_carries_over(trainer_optim, save, trainer, kind,
+                                                                                    tmp_path):
+    from ckptool.formats.dcp.files import locate
+    ckpt = open_checkpoint(trainer_optim / save)
+    assert ckpt.source.extra["config_sidecar"] == SIDECAR_WORDS[trainer]
+    d = locate(trainer_optim / save)[0]
+    assert "args" not in dist.read_common_state(d, DcpDir(d))
+    assert ckpt.optimizer is not None, ckpt.warnings
     assert ckpt.optimizer.kind == f"megatron-core-dist ({kind})" and ckpt.optimizer.step == 3
-    assert_slots_equal(ckpt, live(bridge_optim / f"{form}_live"))
+    assert_slots_equal(ckpt, live(trainer_optim / f"{save}_live"))
     out = tmp_path / "tp2"
-    r = run_cli("reshard", bridge_optim / form, out, "--tp", 2, "--format", "torch_dist")
+    r = run_cli("reshard", trainer_optim / save, out, "--tp", 2, "--format", "torch_dist")
     assert r.returncode == 0 and "optimizer state dropped" not in r.stderr, r.stderr
     again = open_checkpoint(out)
     assert again.optimizer.step == 3
-    assert_slots_equal(again, live(bridge_optim / f"{form}_live"))
+    vocab = ("embed.word", "output.weight")  # verl's config.json gives the true vocabulary: padding rows written anew
+    assert_slots_equal(again, live(trainer_optim / f"{save}_live"), [n for n in again.tensors if n not in vocab])
+    want = live(trainer_optim / f"{save}_live")
+    for slot in SLOTS:
+        for name in vocab:
+            if name in again.tensors:
+                assert torch.equal(again.optimizer.slots[slot][name].load()[:100], want(slot)[name].load()[:100])
 
 
 @pytest.fixture(scope="module")

@@ -480,6 +480,7 @@ def _read_optimizer(dcp: DcpDir, common: dict, cfg: GPTConfig, tensors, policy, 
         params = {n: w for n, w in tensors.items() if is_parameter(n)}
         return optim_fsdp_dtensor.read(dcp, params, lambda view: _slot_canonical(view, cfg, policy), where,
                                        warnings.append)
+    common = _lightning_unwrapped(common)
     ep = (getattr(args, "expert_model_parallel_size", None) or 1) if cfg.moe is not None else 1
     chain = dist_optim.unsupported_chain(common, ep)
     if chain:
@@ -516,8 +517,10 @@ def _read_optimizer(dcp: DcpDir, common: dict, cfg: GPTConfig, tensors, policy, 
         raise CkptError(f"{where}: unknown optimizer form {form!r}", dist_optim.HINT)
     weight_shards = place_mtp_layers(_collect(dcp)[0], cfg.num_layers)
 
+    model_prefix = _model_prefix(dcp.tensor_keys())  # NeMo 2: `module.`, inside each optimizer key too
+
     def slot_tensors(stored: str):
-        prefix = f"{dist_optim.PREFIX}{stored}."
+        prefix = f"{dist_optim.PREFIX}{stored}.{model_prefix}"
         view = dist_optim_flattened.ModelSpaceView(dcp, prefix, where) if form == dist_optim_flattened.FORM else dcp
         shards = place_mtp_layers(_collect(view, prefix)[0], cfg.num_layers)
         if cfg.tied_embeddings:
@@ -530,6 +533,16 @@ def _read_optimizer(dcp: DcpDir, common: dict, cfg: GPTConfig, tensors, policy, 
         return in_model_order(assemble(cfg, shards, policy), cfg) if shards else {}
 
     return dist_optim.read(common, form, slot_tensors, tensors, consumed, where, rule, ep)
+
+
+def _lightning_unwrapped(common: dict) -> dict:
+    """NeMo 2 keeps the optimizer's common entry as a one-element list (MegatronStrategy.save_checkpoint:
+    checkpoint["optimizer"] = [optimizer_sharded_state_dict()], NVIDIA/NeMo 8cfedd7): the entry itself, as
+    Megatron-LM stores it."""
+    opt = common.get("optimizer")
+    if isinstance(opt, list) and len(opt) == 1 and isinstance(opt[0], dict):
+        return {**common, "optimizer": opt[0]}
+    return common
 
 
 def _slot_canonical(view, cfg: GPTConfig, policy) -> Dict[str, LazyTensor]:
