@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from conftest import declare_runs, shared_followups
+from fsdp2_helper import TITAN, TITAN_LAYER
 
 from ckptool import api
 from ckptool.errors import CkptError
@@ -234,13 +235,10 @@ def test_inspect_reads_an_hf_named_save_without_torch(converted):
 
 
 # torchtitan's Qwen3-MoE names (pytorch/torchtitan b5bcd76 torchtitan/models/qwen3/state_dict_adapter.py from_hf_map,
-# models/common/moe.py GroupedExperts and MoE's persistent expert_bias_E buffer), written here independently of
-# ckptool's table: HF name -> torchtitan name per layer
-TITAN_QWEN3 = {"self_attn.q_proj.weight": "attention.qkv_linear.wq.weight",
-               "self_attn.k_proj.weight": "attention.qkv_linear.wk.weight",
-               "self_attn.v_proj.weight": "attention.qkv_linear.wv.weight", "self_attn.o_proj.weight": "attention.wo.weight",
+# models/common/moe.py GroupedExperts and MoE's persistent expert_bias_E buffer), written independently of ckptool's
+# table: the helper's Llama3 names for attention and norms (the same in both adapters), Qwen3's q/k norms, the router
+TITAN_QWEN3 = {**{hf: t for hf, t in TITAN_LAYER.items() if not hf.startswith("mlp.")},
                "self_attn.q_norm.weight": "attention.q_norm.weight", "self_attn.k_norm.weight": "attention.k_norm.weight",
-               "input_layernorm.weight": "attention_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
                "mlp.gate.weight": "moe.router.gate.weight"}
 
 
@@ -248,8 +246,7 @@ def titan_qwen3_moe(state: dict) -> dict:
     """A transformers 5 Qwen3-MoE state dict (experts fused: gate_up_proj [E, 2F, D], down_proj [E, D, F]) under
     torchtitan's current names: w1_EFD / w3_EFD the gate / up halves, w2_EDF the down projection, and the
     expert_bias_E buffer torchtitan saves (all zeros: load balancing never moved it)."""
-    out = {"tok_embeddings.weight": state["model.embed_tokens.weight"], "norm.weight": state["model.norm.weight"],
-           "lm_head.weight": state["lm_head.weight"]}
+    out = {t: state[hf] for hf, t in TITAN.items()}
     layers = sorted({int(k.split(".")[2]) for k in state if k.startswith("model.layers.")})
     for i in layers:
         p = f"model.layers.{i}."

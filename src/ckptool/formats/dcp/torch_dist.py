@@ -478,8 +478,7 @@ def _read_optimizer(dcp: DcpDir, common: dict, cfg: GPTConfig, tensors, policy, 
     with a warning naming them (the weights are still converted)."""
     if optim_fsdp_dtensor.holds(dcp):  # Megatron-FSDP's: per parameter, no optimizer entry in the common state
         params = {n: w for n, w in tensors.items() if is_parameter(n)}
-        return optim_fsdp_dtensor.read(dcp, params, lambda view: _slot_canonical(view, cfg, policy), where,
-                                       warnings.append)
+        return optim_fsdp_dtensor.read(dcp, params, lambda v: _slot_canonical(v, cfg, policy), where, warnings.append)
     common = _lightning_unwrapped(common)
     ep = (getattr(args, "expert_model_parallel_size", None) or 1) if cfg.moe is not None else 1
     chain = dist_optim.unsupported_chain(common, ep)
@@ -516,7 +515,6 @@ def _read_optimizer(dcp: DcpDir, common: dict, cfg: GPTConfig, tensors, policy, 
     if form not in dist_optim.STORED_SLOTS:
         raise CkptError(f"{where}: unknown optimizer form {form!r}", dist_optim.HINT)
     weight_shards = place_mtp_layers(_collect(dcp)[0], cfg.num_layers)
-
     model_prefix = _model_prefix(dcp.tensor_keys())  # NeMo 2: `module.`, inside each optimizer key too
 
     def slot_tensors(stored: str):

@@ -111,7 +111,10 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     cfg, tensors = hf_format.to_canonical(named, conf, family.model_type, opts, d)
     warnings: List[str] = []
     world = len(states)
-    canonical = lambda by_name: hf_format.to_canonical(by_name, conf, family.model_type, opts, d)[1]  # noqa: E731
+
+    def canonical(by_name: Dict[str, LazyTensor]) -> Dict[str, LazyTensor]:
+        return hf_format.to_canonical(by_name, conf, family.model_type, opts, d)[1]
+
     optimizer = None
     if opts.optimizer and (d / OPTIM_FILE.format(world=world, rank=0)).is_file():
         optimizer = verl_optim.read(d, world, _parameter_names(states[0], conf), named, canonical, tensors, _whole,
