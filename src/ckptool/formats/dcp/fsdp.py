@@ -9,8 +9,10 @@ Optimizer state (torch's get_optimizer_state_dict, flattened as torchtitan saves
 exp_avg | exp_avg_sq | step` tensors and `optimizer.param_groups.<fqn>.<hyperparameter>` byte entries, fqn the
 model's own parameter name): AdamW's moments go through the weights' mapping slot by slot; the master is the
 weight itself in fp32 (FSDP2 steps its sharded fp32 parameters; a bf16 parameter is made fp32, as for
-DeepSpeed's 16-bit weights); parameters with equal hyperparameters form one param group. Any other optimizer
-layout is dropped with a warning naming it; the weights are still converted.
+DeepSpeed's 16-bit weights); parameters with equal hyperparameters form one param group. accelerate keeps the
+state in a DCP folder of its own (optimizer_0/ beside pytorch_model_fsdp_0/) in get_optimizer_state_dict's nested
+form (groups by index, each listing its FQNs): read the same way. Any other optimizer is dropped with a warning
+naming it; the weights are still converted.
 """
 from __future__ import annotations
 

@@ -108,7 +108,8 @@ NOT_READ = (
      "transformer_layer.*), and never converts a model with parts left out"),
     (re.compile(r"mlp\.experts\."), "an expert layout other than megatron-core's sharded experts",
      "ckptool reads experts stored as decoder.layers[.N].mlp.experts.experts.linear_fc{1,2}.weight "
-     "[(layers,) experts, out, in] or one key per expert (...experts.experts.{e}.linear_fc1.weight_w / _v)"),
+     "[(layers,) experts, out, in] or one key per expert (...experts.experts.{e}.linear_fc1.weight_w / _v; "
+     "Megatron-FSDP's ...experts.linear_fc1.weight{e} / ...experts.local_experts.{e}.linear_fc1.weight)"),
 )
 
 
