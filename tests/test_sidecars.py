@@ -276,3 +276,35 @@ def test_megatron_fsdp_moe_and_its_optimizer_read_and_carry_to_megatron(fsdp_dte
     again = open_checkpoint(tmp_path / "ep2")
     assert again.optimizer.step == 1
     assert_slots_equal(again, live(fsdp_dtensor_moe / f"fsdp_dtensor_moe_{experts}_live"))
+
+
+def _resaved(src: Path, dst: Path, edit) -> Path:
+    """src's fsdp_dtensor save loaded whole by torch's own DCP reader, edited, saved again with dcp.save (one
+    process) with its tracker."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    it = next(src.glob("iter_*"))
+    state: dict = {}
+    _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(it)), planner=_EmptyStateDictLoadPlanner(),
+                     no_dist=True)
+    flat, _ = flatten_state_dict(state)  # the DCP keys again (the loader nests them)
+    dcp.save(edit(flat), checkpoint_id=str(dst / it.name), no_dist=True)
+    shutil.copy(src / "latest_checkpointed_iteration.txt", dst)
+    return dst
+
+
+@needs_mcore
+def test_megatron_fsdp_optimizer_of_another_kind_is_dropped_and_a_missing_moment_is_an_error(fsdp_dtensor_moe, tmp_path):
+    src = fsdp_dtensor_moe / "fsdp_dtensor_moe_sequential"
+    sgd = _resaved(src, tmp_path / "sgd", lambda s: {k.replace(".exp_avg_sq", ".momentum_buffer"): v for k, v in s.items()})
+    ckpt = open_checkpoint(sgd)
+    assert ckpt.optimizer is None
+    assert any("optimizer state dropped" in w and "momentum_buffer" in w for w in ckpt.warnings)
+    router = "optimizer.state.module.module.module.decoder.layers.1.mlp.router.weight.exp_avg"
+    lost = _resaved(src, tmp_path / "lost", lambda s: {k: v for k, v in s.items() if k != router})
+    r = run_cli("reshard", lost, tmp_path / "out", "--format", "torch_dist")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "no exp_avg optimizer state for layers.1.mlp.router.weight" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
