@@ -11,7 +11,8 @@
                                         AdamW moments renamed and permuted the same way; config.json beside it
         OUT/accelerate/pytorch_model_fsdp_0/   accelerate's save_fsdp_model (utils/fsdp_utils.py) for a
                                         SHARDED_STATE_DICT: {"model": model state} -> keys "model.<fqn>"; config.json
-                                        in OUT/accelerate/
+                                        in OUT/accelerate/; OUT/accelerate/optimizer_0/ its save_fsdp_optimizer (FSDP2:
+                                        {"optimizer": get_optimizer_state_dict's nested form})
         OUT/qwen3moe/step-2/            Qwen3-MoE as NeMo-RL-style {"model": ..., "optimizer": ...}: "model." prefix,
                                         no config.json anywhere (the tests pass --hf-config)
         OUT/qwen3moe_config/config.json
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, _flatten_optim_state_dict, get_model_state_dict,
                                                      get_optimizer_state_dict)
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -47,12 +48,13 @@ CONFIGS = {
                                                     num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True,
                                                     mlp_only_layers=[], **COMMON),
 }
-# torchtitan's Llama3 names (torchtitan/models/llama3/state_dict_adapter.py, from_hf) for this helper's renaming,
-# written independently of ckptool's table
+# torchtitan's Llama3 names (pytorch/torchtitan b5bcd76 torchtitan/models/llama3/state_dict_adapter.py, from_hf_map)
+# for this helper's renaming, written independently of ckptool's table
 TITAN = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
-         "lm_head.weight": "output.weight"}
-TITAN_LAYER = {"self_attn.q_proj.weight": "attention.wq.weight", "self_attn.k_proj.weight": "attention.wk.weight",
-               "self_attn.v_proj.weight": "attention.wv.weight", "self_attn.o_proj.weight": "attention.wo.weight",
+         "lm_head.weight": "lm_head.weight"}
+TITAN_LAYER = {"self_attn.q_proj.weight": "attention.qkv_linear.wq.weight",
+               "self_attn.k_proj.weight": "attention.qkv_linear.wk.weight",
+               "self_attn.v_proj.weight": "attention.qkv_linear.wv.weight", "self_attn.o_proj.weight": "attention.wo.weight",
                "mlp.gate_proj.weight": "feed_forward.w1.weight", "mlp.up_proj.weight": "feed_forward.w3.weight",
                "mlp.down_proj.weight": "feed_forward.w2.weight", "input_layernorm.weight": "attention_norm.weight",
                "post_attention_layernorm.weight": "ffn_norm.weight"}
@@ -111,7 +113,10 @@ def save(out: Path) -> None:
         model = shard(model)
         opt = train(model)
         msd = get_model_state_dict(model)
-        osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+        # the default (nested) form accelerate saves, and torchtitan's flattened form made from it by the function
+        # flatten_optimizer_state_dict=True runs (a second get_optimizer_state_dict call fails)
+        nested = get_optimizer_state_dict(model, opt)
+        osd = _flatten_optim_state_dict({"state": dict(nested["state"]), "param_groups": [dict(g) for g in nested["param_groups"]]})
         full, lg = full_state(model), logits(model)
         # the first moments gathered from the flattened state (a second get_optimizer_state_dict call fails)
         exp_avg = {k[len("state."):-len(".exp_avg")]: v.full_tensor() for k, v in osd.items()
@@ -119,6 +124,7 @@ def save(out: Path) -> None:
         if name == "llama":
             dcp.save({**msd, "optimizer": osd}, checkpoint_id=str(out / "llama" / "step-2"))
             dcp.save({"model": msd}, checkpoint_id=str(out / "accelerate" / "pytorch_model_fsdp_0"))
+            dcp.save({"optimizer": nested}, checkpoint_id=str(out / "accelerate" / "optimizer_0"))
             save_titan(out / "llama_titan" / "step-2", conf, msd, osd)
             cfg_dirs = [out / "llama" / "huggingface", out / "llama_titan" / "step-2", out / "accelerate"]
         else:
@@ -134,7 +140,7 @@ def save(out: Path) -> None:
 
 def save_titan(where: Path, conf, msd: dict, osd: dict) -> None:
     """msd / osd under torchtitan's names, q / k rows (weights and moments) in its RoPE order."""
-    heads = {"attention.wq.weight": conf.num_attention_heads, "attention.wk.weight": conf.num_key_value_heads}
+    heads = {"qkv_linear.wq.weight": conf.num_attention_heads, "qkv_linear.wk.weight": conf.num_key_value_heads}
 
     def titan(hf: str, t):
         name = titan_name(hf)
@@ -161,7 +167,7 @@ def load(src: Path, out: Path, name: str, titan: bool) -> None:
         names = {titan_name(k): k for k in msd}
         state = {t: msd[k] for t, k in names.items()}
         dcp.load(state, checkpoint_id=str(src))
-        heads = {"attention.wq.weight": conf.num_attention_heads, "attention.wk.weight": conf.num_key_value_heads}
+        heads = {"qkv_linear.wq.weight": conf.num_attention_heads, "qkv_linear.wk.weight": conf.num_key_value_heads}
         for t, k in names.items():  # back to HF's row order for the HF model
             h = next((n for s, n in heads.items() if t.endswith(s)), None)
             v = state[t]

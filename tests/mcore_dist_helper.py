@@ -245,6 +245,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--arch", default="gpt2")
     ap.add_argument("--with-args", action="store_true")
     ap.add_argument("--out", required=True)
+    # fsdp_dtensor mode (tests/mcore_sidecar_helper.py): the experts' names, and one optimizer step saved with it
+    ap.add_argument("--experts", choices=["sequential", "grouped"], default="sequential")
+    ap.add_argument("--optim", action="store_true")
     return ap
 
 

@@ -20,7 +20,9 @@ scheduler. This helper does exactly that with the training loop of tests/mcore_t
         grads reduced in fp32 (the buffers' dtype key becomes (bf16, fp32)). --decoupled-lr / --lr-mult:
         the param groups of mcore_train_helper.py (embedding + output at their own lr, lr_mult on the
         no-weight-decay group); resume and load need the same flags. --bridge: saved as Megatron-Bridge
-        saves (no args in the common state; iter_XXXXXXX/run_config.yaml holds the config).
+        saves (no args in the common state; iter_XXXXXXX/run_config.yaml holds the config). --trainer nemo | verl:
+        saved as NeMo 2 (DIR/weights/, model keys under module., the optimizer's entry a one-element list,
+        DIR/context/model.yaml) or verl's Megatron backend (DIR/dist_ckpt/, DIR/huggingface/config.json) save.
         fully_sharded_model_space is what megatron-core up to 0.14 saved by default (0.15 with
         --dist-ckpt-save-pre-mcore-014); 0.16 builds its sharded state dict still (flattened_range
         ShardedTensors per parameter and DP rank) but no longer stores flattened tensors, so the helper
@@ -270,6 +272,8 @@ def save(root: Path, model, opt, sched, cfg, a, iteration):
     sd.update(args=args, checkpoint_version=3.0, iteration=iteration, content_metadata=metadata)
     if a.bridge:
         del sd["args"]  # Megatron-Bridge stores no args: the config goes to run_config.yaml
+    if a.trainer in TRAINER_SAVES:
+        return save_as_trainer(root, model, opt, sched, cfg, a, iteration, metadata)
     d = root / f"iter_{iteration:07d}"
     if dist.get_rank() == 0:
         d.mkdir(parents=True, exist_ok=True)
@@ -284,6 +288,45 @@ def save(root: Path, model, opt, sched, cfg, a, iteration):
             as_pre_016_metadata(d, {k: v for part in every for k, v in part.items()})
     if dist.get_rank() == 0:
         (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    dist.barrier()
+
+
+# --trainer nemo | verl: the state dict each trainer hands dist_checkpointing.save, no Megatron-LM args, its sidecar
+# written by tests/mcore_sidecar_helper.py (the same files as its weights-only modes).
+def _nemo_state(model, opt, sched, metadata, iteration) -> dict:
+    """NeMo 2's MegatronStrategy.save_checkpoint (NVIDIA/NeMo 8cfedd7 nemo/lightning/pytorch/strategies/
+    megatron_strategy.py; _strategy_lib.optimizer_sharded_state_dict): the model's sharded state dict under
+    `module.` (MegatronParallel), the optimizer's as a ONE-ELEMENT LIST, Lightning's own entries beside them."""
+    model_sd = model.sharded_state_dict(prefix="module.", metadata=metadata)
+    return {"sharded_state_dict": model_sd,
+            "optimizer": [opt.sharded_state_dict(model_sd, is_loading=False, metadata=metadata)],
+            "state_dict": {}, "optimizer_states": {}, "lr_schedulers": [sched.state_dict()], "global_step": iteration,
+            "epoch": 0, "pytorch-lightning_version": "2.5.0", "content_metadata": metadata}
+
+
+def _verl_state(model, opt, sched, metadata, iteration) -> dict:
+    """verl's MegatronCheckpointManager.generate_state_dict (volcengine/verl b178a3c verl/utils/checkpoint/
+    megatron_checkpoint_manager.py): {"model", "optimizer", "lr_scheduler"}; verl passes the optimizer no metadata,
+    so megatron-core's default form of its version applies: here the test's form is passed (the reader takes the
+    form from the common state either way)."""
+    model_sd = model.sharded_state_dict()
+    return {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=False, metadata=metadata),
+            "lr_scheduler": sched.state_dict()}
+
+
+TRAINER_SAVES = {"nemo": ("weights", _nemo_state), "verl": ("dist_ckpt", _verl_state)}
+
+
+def save_as_trainer(root: Path, model, opt, sched, cfg, a, iteration, metadata) -> None:
+    import types
+    import mcore_sidecar_helper as S
+    sub, make = TRAINER_SAVES[a.trainer]
+    if dist.get_rank() == 0:
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(make(model, opt, sched, metadata, iteration), str(root / sub))
+    if dist.get_rank() == 0:
+        S.write_sidecars(types.SimpleNamespace(mode=a.trainer, arch=a.arch, tp=a.tp), cfg, root)
     dist.barrier()
 
 
@@ -712,6 +755,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr-mult", type=float)
     ap.add_argument("--weights-only", action="store_true")
     ap.add_argument("--bridge", action="store_true", help="save: as Megatron-Bridge does (no args; run_config.yaml)")
+    ap.add_argument("--trainer", choices=sorted(TRAINER_SAVES), help="save: as NeMo 2 / verl's Megatron backend do")
     ap.add_argument("--out", required=True)
     return ap
 

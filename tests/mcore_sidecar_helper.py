@@ -14,7 +14,7 @@ written from the very TransformerConfig the model was built with:
         (torch_dist of model.sharded_state_dict()), DIR/huggingface/config.json (transformers'
         save_pretrained of the matching config) and DIR/transformer_config.json.
 
-  "fsdp_dtensor DIR --arch A --out FILE"   Megatron-LM's --ckpt-format fsdp_dtensor as its source lays it out
+  "fsdp_dtensor DIR --arch A [--experts sequential|grouped] [--optim] --out FILE"   Megatron-LM's --ckpt-format fsdp_dtensor as its source lays it out
         (megatron/training/checkpointing.py save_checkpoint + preprocess_fsdp_dtensor_state_dict, generate_state_dict,
         megatron/core/transformer/fsdp_dtensor_checkpoint.py handle_swiglu_in_state_dict; Megatron-LM d98e8a64):
         DIR/iter_0000007/ a plain torch.distributed.checkpoint save of {"model": the Megatron-FSDP-wrapped model's
@@ -22,6 +22,11 @@ written from the very TransformerConfig the model was built with:
         SwiGLU fc1 as its gate and up halves (linear_fc1.weight_w / _v), and the tracker. Megatron-FSDP itself
         (CUDA) does not run here: the model is megatron-core's GPTModel at TP1, its tensors whole on every rank
         (DCP keeps one copy) where Megatron-FSDP would store DTensor chunks.
+        --arch mixtral: tests/mcore_moe_helper.py's MoE model (SequentialMLP experts, stored by global index;
+        --experts grouped names them as Transformer Engine's grouped experts, linear_fc1.weight{e}).
+        --optim: one step of megatron-core's own optimizer first, its torch Adam state saved per parameter as
+        Megatron-FSDP's DistributedOptimizer.sharded_param_state_fsdp_dtensor gives it (megatron-core 0.16.1), the
+        GLU halves split like the weights; DIR_live/<slot>/ gets the live master and moments (torch format).
 
 Each job writes the model's logits for TOKENS to FILE, as mcore_dist_helper's save does.
 """
@@ -29,6 +34,7 @@ import argparse
 import dataclasses
 import enum
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -134,37 +140,139 @@ LAYOUTS = {
 }
 
 
-def fsdp_dtensor_state(a, model, cfg) -> dict:
+# --- fsdp_dtensor MoE and optimizer state (issue 31) ---
+# handle_swiglu_in_state_dict's GLU fc1 names (megatron-core 0.16.1 transformer/fsdp_dtensor_checkpoint.py is_swiglu_key)
+SWIGLU_FC1 = re.compile(r"(\.mlp\.linear_fc1\.weight|\.mlp\.experts\.linear_fc1\.weight\d+|"
+                        r"\.mlp\.experts\.local_experts\.\d+\.linear_fc1\.weight|\.mlp\.shared_experts\.linear_fc1\.weight)$")
+# Megatron-FSDP's DistributedOptimizer names a parameter by the wrapped model's named_parameters(): the prefix Megatron-LM
+# d98e8a64 tools/checkpoint/checkpoint_inspector.py convert_checkpoint gives the optimizer state (optimizer_state_prefix)
+OPTIM_NAME_PREFIX = "module.module.module."
+
+
+def grouped_name(name: str) -> str:
+    """A SequentialMLP expert's name as Transformer Engine's grouped experts have it (linear_fc1.weight{e}), the
+    name checkpoint_inspector.py split_expert_weights gives each expert of a torch_dist experts tensor."""
+    m = re.match(r"^(.*\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$", name)
+    return f"{m.group(1)}.{m.group(3)}.{m.group(4)}{m.group(2)}" if m else name
+
+
+def split_glu(name: str, value, out: dict) -> None:
+    """out[name] = value, or its gate / up halves under name_w / name_v for a GLU fc1 (handle_swiglu_in_state_dict)."""
+    if SWIGLU_FC1.search(name):
+        gate, up = value.chunk(2, dim=0)  # TP1: the whole [gate; up]
+        out[f"{name}_w"], out[f"{name}_v"] = gate.clone(), up.clone()
+    else:
+        out[name] = value
+
+
+def fsdp_dtensor_optimizer(a, model, opt) -> dict:
+    """The optimizer entry sharded_param_state_fsdp_dtensor gives after handle_swiglu_in_state_dict: per-parameter torch
+    Adam state (moments split like the weights, `step` copied to both halves) and each parameter's group without
+    "params" (param_to_group_meta, under the unsplit name)."""
+    rename = grouped_name if a.experts == "grouped" else (lambda n: n)
+    names = {id(p): OPTIM_NAME_PREFIX + rename(n) for n, p in model.named_parameters()}
+    state, metas = {}, {}
+    for group in opt.param_groups:
+        meta = {k: v for k, v in group.items() if k != "params"}
+        for p in group["params"]:
+            metas[names[id(p)]] = meta
+            st = opt.state[p]
+            if SWIGLU_FC1.search(names[id(p)]):
+                for half in ("_w", "_v"):
+                    state[names[id(p)] + half] = _glu_state(st, half)
+            else:
+                state[names[id(p)]] = {k: v.clone() for k, v in st.items()}
+    return {"state": state, "param_to_group_meta": metas}
+
+
+def _glu_state(st: dict, half: str) -> dict:
+    out = {"step": st["step"].clone()}
+    for slot in ("exp_avg", "exp_avg_sq"):
+        gate, up = st[slot].chunk(2, dim=0)
+        out[slot] = (gate if half == "_w" else up).clone()
+    return out
+
+
+def fsdp_dtensor_state(a, model, cfg, opt=None) -> dict:
     """The state dict Megatron-LM's fsdp_dtensor format hands torch.distributed.checkpoint.save."""
     sd = {}
+    rename = grouped_name if a.experts == "grouped" else (lambda n: n)
     for k, v in model.state_dict().items():
         if k.endswith("_extra_state"):
             continue
-        if cfg.gated_linear_unit and k.endswith("mlp.linear_fc1.weight"):
-            gate, up = v.chunk(2, dim=0)  # TP1: the whole [gate; up]; handle_swiglu_in_state_dict's _w / _v
-            sd[f"module.{k}_w"], sd[f"module.{k}_v"] = gate.clone(), up.clone()
+        if cfg.gated_linear_unit:
+            split_glu(f"module.{rename(k)}", v, sd)
         else:
-            sd[f"module.{k}"] = v
-    args = base.megatron_args(a.arch, cfg, a.tp)
+            sd[f"module.{rename(k)}"] = v
+    if a.arch == "mixtral":
+        import mcore_moe_helper
+        args = mcore_moe_helper.run_args(cfg, a.tp, 1, 1)
+        args.moe_grouped_gemm = a.experts == "grouped"
+    else:
+        args = base.megatron_args(a.arch, cfg, a.tp)
     args.ckpt_format = "fsdp_dtensor"
-    return {"model": sd, "args": args, "checkpoint_version": 3.0, "iteration": ITERATION}
+    out = {"model": sd, "args": args, "checkpoint_version": 3.0, "iteration": ITERATION}
+    if opt is not None:
+        args.use_distributed_optimizer, args.use_megatron_fsdp = True, True
+        out["optimizer"] = fsdp_dtensor_optimizer(a, model, opt)
+    return out
 
 
-def save_fsdp_dtensor(a, model, cfg, root: Path) -> None:
+def trained_optimizer(model, cfg):
+    """megatron-core's own optimizer (get_megatron_optimizer, fp32, as tests/mcore_moe_helper.py builds it) after
+    one step: the torch Adam inside it, whose state and groups Megatron-FSDP's checkpoint holds per parameter."""
+    import mcore_moe_helper
+    ddp, opt = mcore_moe_helper.make_optimizer(model, cfg)
+    mcore_moe_helper.adam_step(ddp, opt, 5)
+    model.eval()
+    return opt.chained_optimizers[0].optimizer
+
+
+def save_fsdp_dtensor(a, model, cfg, root: Path) -> dict:
+    """The save; returns {slot: {model key: live tensor}} of the optimizer (empty without --optim)."""
     import torch.distributed.checkpoint as dcp
+    opt = trained_optimizer(model, cfg) if a.optim else None
     it = root / f"iter_{ITERATION:07d}"
     if dist.get_rank() == 0:
         it.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dcp.save(fsdp_dtensor_state(a, model, cfg), checkpoint_id=str(it))
+    dcp.save(fsdp_dtensor_state(a, model, cfg, opt), checkpoint_id=str(it))
     if dist.get_rank() == 0:
         (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+    if opt is None:
+        return {}
+    live = {slot: {n: opt.state[p][slot].clone() for n, p in model.named_parameters()} for slot in ("exp_avg", "exp_avg_sq")}
+    live["master"] = {n: p.detach().clone() for n, p in model.named_parameters()}  # fp32: Adam steps the weights
+    return live
+
+
+def save_live(live: dict, cfg, a, root: Path) -> None:
+    """Rank 0: each live slot as a Megatron-LM torch-format checkpoint (weights only), read back by ckptool's torch
+    reader as the slot's canonical tensors (tests/test_dist_optim.py live)."""
+    import mcore_moe_helper
+    args = mcore_moe_helper.run_args(cfg, a.tp, 1, 1)
+    for slot, tensors in live.items():
+        d = root / slot / f"iter_{ITERATION:07d}" / "mp_rank_00"
+        d.mkdir(parents=True, exist_ok=True)
+        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "model": tensors},
+                   d / "model_optim_rng.pt")
+        (root / slot / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+
+
+def build_for(a):
+    if a.arch == "mixtral":  # MoE: SequentialMLP experts (local spec), megatron-core's MoE helper's model at EP 1
+        import mcore_moe_helper
+        mcore_moe_helper.ARCH["name"] = "mixtral"
+        return mcore_moe_helper.build(a.tp, 1)
+    return base.build(a.arch, a.tp)
 
 
 def run_job(a):
-    model, cfg = base.build(a.arch, a.tp)
+    model, cfg = build_for(a)
     if a.mode == "fsdp_dtensor":
-        save_fsdp_dtensor(a, model, cfg, Path(a.dir))
+        live = save_fsdp_dtensor(a, model, cfg, Path(a.dir))
+        if live and dist.get_rank() == 0:
+            save_live(live, cfg, a, Path(f"{a.dir}_live"))
         return _finish(model, a.out)
     root = Path(a.dir)
     sub, prefix, common = LAYOUTS[a.mode]
@@ -196,6 +304,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--arch", default="gpt2")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--experts", choices=["sequential", "grouped"], default="sequential")
+    ap.add_argument("--optim", action="store_true")
     return ap
 
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from conftest import declare_runs, shared_followups
+from fsdp2_helper import TITAN, TITAN_LAYER
 
 from ckptool import api
 from ckptool.errors import CkptError
@@ -97,7 +98,9 @@ def test_to_hf_is_bit_exact_with_transformers_logits(converted, tmp_path, name):
 def test_adamw_state_is_read_in_model_order_and_carried_to_torch_dist(converted):
     inputs, root = converted
     llama, qwen = reference(inputs, "llama")["exp_avg"], reference(inputs, "qwen3moe")["exp_avg"]
-    for name in ("llama", "titan"):  # torchtitan's moments come back in HF's row order, as its weights do
+    # torchtitan's moments come back in HF's row order, as its weights do; accelerate's optimizer_0/ beside its model
+    # folder holds get_optimizer_state_dict's nested form (param groups by index, listing their FQNs)
+    for name in ("llama", "titan", "accelerate"):
         opt = api.open(source(inputs, name)).optimizer
         assert opt.kind == "fsdp-adamw" and opt.step == 2 and len(opt.param_groups) == 1
         assert opt.param_groups[0].hyper["weight_decay"] == 0.1 and opt.param_groups[0].hyper["lr"] == 1e-2
@@ -160,12 +163,13 @@ def test_torchtitan_names_of_a_model_it_has_no_adapter_for_are_refused(converted
         api.open(copy)
 
 
-def test_torchtitan_expert_bias_is_dropped_only_when_it_never_moved():
+@pytest.mark.parametrize("bias", ["moe.expert_bias_E", "moe.expert_bias", "moe.router.expert_bias"])  # newest first
+def test_torchtitan_expert_bias_is_dropped_only_when_it_never_moved(bias):
     said = []
-    named = {"layers.0.moe.router.expert_bias": Const(torch.zeros(4))}
+    named = {f"layers.0.{bias}": Const(torch.zeros(4))}
     assert titan.to_hf(named, {"num_attention_heads": 4}, "qwen3_moe", said.append, "x") == {}
     assert "all zeros" in said[0]
-    named = {"layers.0.moe.router.expert_bias": Const(torch.tensor([0.0, 0.1, 0.0, 0.0]))}
+    named = {f"layers.0.{bias}": Const(torch.tensor([0.0, 0.1, 0.0, 0.0]))}
     with pytest.raises(CkptError, match="expert bias"):
         titan.to_hf(named, {"num_attention_heads": 4}, "qwen3_moe", said.append, "x")
 
@@ -196,7 +200,7 @@ def test_torchtitan_names_written_are_the_ones_torchtitan_saved(converted, tmp_p
     qwen = api.open(source(inputs, "qwen3moe"), **read_options(inputs, "qwen3moe"))
     api.merge(source(inputs, "qwen3moe"), tmp_path / "t", format="dcp", dialect="torchtitan", warn=lambda m: None,
               **read_options(inputs, "qwen3moe"))
-    assert "layers.1.moe.experts.w1" in DcpDir(tmp_path / "t").tensor_keys()
+    assert "layers.1.moe.routed_experts.inner_experts.w1_EFD" in DcpDir(tmp_path / "t").tensor_keys()
     back = api.open(tmp_path / "t")
     assert back.source.dialect == "torchtitan qwen3_moe" and list(back.tensors) == list(qwen.tensors)
     for n, t in qwen.tensors.items():
@@ -228,3 +232,57 @@ def test_inspect_reads_an_hf_named_save_without_torch(converted):
             "assert ckpt is not None and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:3]")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+# torchtitan's Qwen3-MoE names (pytorch/torchtitan b5bcd76 torchtitan/models/qwen3/state_dict_adapter.py from_hf_map,
+# models/common/moe.py GroupedExperts and MoE's persistent expert_bias_E buffer), written independently of ckptool's
+# table: the helper's Llama3 names for attention and norms (the same in both adapters), Qwen3's q/k norms, the router
+TITAN_QWEN3 = {**{hf: t for hf, t in TITAN_LAYER.items() if not hf.startswith("mlp.")},
+               "self_attn.q_norm.weight": "attention.q_norm.weight", "self_attn.k_norm.weight": "attention.k_norm.weight",
+               "mlp.gate.weight": "moe.router.gate.weight"}
+
+
+def titan_qwen3_moe(state: dict) -> dict:
+    """A transformers 5 Qwen3-MoE state dict (experts fused: gate_up_proj [E, 2F, D], down_proj [E, D, F]) under
+    torchtitan's current names: w1_EFD / w3_EFD the gate / up halves, w2_EDF the down projection, and the
+    expert_bias_E buffer torchtitan saves (all zeros: load balancing never moved it)."""
+    out = {t: state[hf] for hf, t in TITAN.items()}
+    layers = sorted({int(k.split(".")[2]) for k in state if k.startswith("model.layers.")})
+    for i in layers:
+        p = f"model.layers.{i}."
+        for hf, name in TITAN_QWEN3.items():
+            out[f"layers.{i}.{name}"] = state[p + hf]
+        gate_up = state[p + "mlp.experts.gate_up_proj"]
+        ffn = gate_up.shape[1] // 2
+        experts = f"layers.{i}.moe.routed_experts.inner_experts."
+        out[experts + "w1_EFD"], out[experts + "w3_EFD"] = gate_up[:, :ffn].clone(), gate_up[:, ffn:].clone()
+        out[experts + "w2_EDF"] = state[p + "mlp.experts.down_proj"]
+        out[f"layers.{i}.moe.expert_bias_E"] = torch.zeros(gate_up.shape[0])
+    return out
+
+
+def test_torchtitan_current_moe_names_read_as_the_hf_model_and_are_written_back(converted, tmp_path):
+    """A DCP (torch's dcp.save) of the Qwen3-MoE run under torchtitan's current names reads as the same model, to-hf
+    gives transformers' logits, and --dialect torchtitan writes exactly those names (the zero expert bias included)."""
+    import torch.distributed.checkpoint as dcp
+    import transformers
+    from ckptool.io.dcp_io import DcpDir
+    inputs, _ = converted
+    ref = reference(inputs, "qwen3moe")
+    named = titan_qwen3_moe(ref["state"])
+    dcp.save(named, checkpoint_id=str(tmp_path / "titan"))  # one process, no group
+    shutil.copy(inputs / "qwen3moe_config" / "config.json", tmp_path / "titan" / "config.json")
+    got = api.open(tmp_path / "titan")
+    want = api.open(source(inputs, "qwen3moe"), **read_options(inputs, "qwen3moe"))
+    assert got.source.dialect == "torchtitan qwen3_moe" and list(got.tensors) == list(want.tensors)
+    assert all(torch.equal(got.tensors[n].load(), t.load()) for n, t in want.tensors.items())
+    assert any("expert_bias_E" in w and "all zeros" in w for w in got.warnings)
+    api.to_hf(tmp_path / "titan", tmp_path / "hf", warn=lambda m: None)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.equal(model(ref["tokens"]).logits, ref["logits"])
+    api.merge(tmp_path / "titan", tmp_path / "back", format="dcp", dialect="torchtitan", warn=lambda m: None)
+    written = DcpDir(tmp_path / "back")
+    assert sorted(written.tensor_keys()) == sorted(named)  # expert_bias_E too: torchtitan's dcp.load asks for it
+    for k in written.tensor_keys():
+        assert torch.equal(written.lazy(k).load(), named[k]), k

@@ -15,7 +15,7 @@ import torch
 
 from conftest import copy_run, declare_runs, run_torchrun
 from test_dist import HELPER as MCORE_HELPER, _env, needs_mcore, run_cli
-from test_dist_optim import HELPER as OPTIM_HELPER, assert_slots_equal, live
+from test_dist_optim import HELPER as OPTIM_HELPER, SLOTS, assert_slots_equal, live
 from ckptool.formats.dcp import torch_dist as dist
 from ckptool.io.dcp_io import DcpDir
 from ckptool.formats.registry import detect_format, open_checkpoint
@@ -30,6 +30,10 @@ SAVES = declare_runs(HELPER, 2, {t: f"{t} {{out}} --tp {tp} --arch {arch} --out 
 # Megatron-LM's --ckpt-format fsdp_dtensor as its source lays it out (no Megatron-FSDP here: see the helper)
 FSDP_DTENSOR = declare_runs(HELPER, 2, {f"fsdp_dtensor_{arch}": f"fsdp_dtensor {{out}} --arch {arch} --out {{out}}.logits.pt"
                                         for arch in ("llama", "gpt2")})
+# ... and an MoE model (Mixtral-like) after one step of megatron-core's optimizer, its Adam state saved per parameter as
+# Megatron-FSDP's optimizer gives it, experts named as SequentialMLP's or Transformer Engine's grouped experts
+FSDP_DTENSOR_MOE = declare_runs(HELPER, 2, {f"fsdp_dtensor_moe_{e}": f"fsdp_dtensor {{out}} --arch mixtral --experts {e} "
+                                            "--optim --out {out}.logits.pt" for e in ("sequential", "grouped")})
 # What each sidecar says about itself and its vocabulary (the reader names where the config came from).
 SIDECAR_WORDS = {"bridge": "Megatron-Bridge run_config.yaml", "nemo": "NeMo 2 context/model.yaml",
                  "verl": "Hugging Face config huggingface/config.json"}
@@ -194,31 +198,113 @@ def test_a_damaged_run_config_is_a_clear_error(saves, tmp_path, damage, words):
     assert (d / "iter_0000007" / ".metadata").read_bytes() == before
 
 
-# Megatron-Bridge with its distributed optimizer (tests/mcore_optim_dist_helper.py --bridge: trained 3 steps by the
-# real megatron-core, saved without args, run_config.yaml with the model / ddp / optimizer / checkpoint sections):
-# fully_reshardable at TP1 x DP2 (GPT-2) and Bridge's default dp_reshardable at TP2 (Llama).
-BRIDGE_OPTIM = declare_runs(OPTIM_HELPER, 2, {
+# The distributed optimizer (tests/mcore_optim_dist_helper.py: trained 3 steps by the real megatron-core, saved without
+# args) as each trainer lays it out: Megatron-Bridge (--bridge: run_config.yaml with the model / ddp / optimizer /
+# checkpoint sections) fully_reshardable at TP1 x DP2 (GPT-2) and its default dp_reshardable at TP2 (Llama); NeMo 2
+# (--trainer nemo: weights/ with the model keys under module., the optimizer's common entry a one-element list,
+# context/model.yaml) and verl's Megatron backend (--trainer verl: dist_ckpt/, huggingface/config.json), fully_reshardable.
+TRAINER_OPTIM = declare_runs(OPTIM_HELPER, 2, {
     "fr": "save {out} --tp 1 --form fully_reshardable --bridge --more 0 --live {out}_live --out {out}.pt",
-    "dpr": "save {out} --tp 2 --arch llama --form dp_reshardable --bridge --more 0 --live {out}_live --out {out}.pt"})
+    "dpr": "save {out} --tp 2 --arch llama --form dp_reshardable --bridge --more 0 --live {out}_live --out {out}.pt",
+    "nemo": "save {out} --tp 1 --form fully_reshardable --trainer nemo --more 0 --live {out}_live --out {out}.pt",
+    "verl": "save {out} --tp 2 --arch llama --form fully_reshardable --trainer verl --more 0 --live {out}_live "
+            "--out {out}.pt"})
 
 
 @pytest.fixture(scope="module")
-def bridge_optim(tmp_path_factory, framework_runs):
-    return _copied_runs(tmp_path_factory, framework_runs, OPTIM_HELPER, BRIDGE_OPTIM, "bridge_optim")
+def trainer_optim(tmp_path_factory, framework_runs):
+    return _copied_runs(tmp_path_factory, framework_runs, OPTIM_HELPER, TRAINER_OPTIM, "trainer_optim")
 
 
 @needs_mcore
-@pytest.mark.parametrize("form, kind", [("fr", "fully_reshardable"), ("dpr", "dp_reshardable")])
-def test_bridges_distributed_optimizer_equals_the_live_one_and_carries_over(bridge_optim, form, kind, tmp_path):
-    ckpt = open_checkpoint(bridge_optim / form)
-    assert ckpt.source.extra["config_sidecar"] == "Megatron-Bridge run_config.yaml"
-    assert "args" not in dist.read_common_state(next((bridge_optim / form).glob("iter_*")),
-                                                DcpDir(next((bridge_optim / form).glob("iter_*"))))
+@pytest.mark.parametrize("save, trainer, kind", [("fr", "bridge", "fully_reshardable"), ("dpr", "bridge", "dp_reshardable"),
+                                                 ("nemo", "nemo", "fully_reshardable"), ("verl", "verl", "fully_reshardable")])
+def test_each_trainers_distributed_optimizer_equals_the_live_one_and_carries_over(trainer_optim, save, trainer, kind,
+                                                                                    tmp_path):
+    from ckptool.formats.dcp.files import locate
+    ckpt = open_checkpoint(trainer_optim / save)
+    assert ckpt.source.extra["config_sidecar"] == SIDECAR_WORDS[trainer]
+    d = locate(trainer_optim / save)[0]
+    assert "args" not in dist.read_common_state(d, DcpDir(d))
+    assert ckpt.optimizer is not None, ckpt.warnings
     assert ckpt.optimizer.kind == f"megatron-core-dist ({kind})" and ckpt.optimizer.step == 3
-    assert_slots_equal(ckpt, live(bridge_optim / f"{form}_live"))
+    assert_slots_equal(ckpt, live(trainer_optim / f"{save}_live"))
     out = tmp_path / "tp2"
-    r = run_cli("reshard", bridge_optim / form, out, "--tp", 2, "--format", "torch_dist")
+    r = run_cli("reshard", trainer_optim / save, out, "--tp", 2, "--format", "torch_dist")
     assert r.returncode == 0 and "optimizer state dropped" not in r.stderr, r.stderr
     again = open_checkpoint(out)
     assert again.optimizer.step == 3
-    assert_slots_equal(again, live(bridge_optim / f"{form}_live"))
+    vocab = ("embed.word", "output.weight")  # verl's config.json gives the true vocabulary: padding rows written anew
+    assert_slots_equal(again, live(trainer_optim / f"{save}_live"), [n for n in again.tensors if n not in vocab])
+    want = live(trainer_optim / f"{save}_live")
+    for slot in SLOTS:
+        for name in vocab:
+            if name in again.tensors:
+                assert torch.equal(again.optimizer.slots[slot][name].load()[:100], want(slot)[name].load()[:100])
+
+
+@pytest.fixture(scope="module")
+def fsdp_dtensor_moe(tmp_path_factory, framework_runs):
+    return _copied_runs(tmp_path_factory, framework_runs, HELPER, FSDP_DTENSOR_MOE, "fsdp_dtensor_moe")
+
+
+@needs_mcore
+@pytest.mark.parametrize("experts", ["sequential", "grouped"])
+def test_megatron_fsdp_moe_and_its_optimizer_read_and_carry_to_megatron(fsdp_dtensor_moe, experts, tmp_path):
+    """Experts by global index (mlp.experts.local_experts.{e}. / linear_fc1.weight{e}, GLU halves _w / _v) read with
+    megatron-core's logits and to-hf with transformers'; the Adam state under optimizer.state.<param name>.<slot>
+    equals the live optimizer's bit for bit (moments split like the weights, master = the weight), its groups are
+    megatron-core's two (weight decay on / off), and it is carried into torch_dist at EP 2."""
+    from transformers import AutoModelForCausalLM
+    path = fsdp_dtensor_moe / f"fsdp_dtensor_moe_{experts}"
+    ckpt = open_checkpoint(path)
+    assert ckpt.config.moe.num_experts == 4 and ckpt.source.args.ckpt_format == "fsdp_dtensor"
+    ref = torch.load(fsdp_dtensor_moe / f"fsdp_dtensor_moe_{experts}.logits.pt")
+    torch.testing.assert_close(forward(ckpt, ref["tokens"]), ref["logits"], atol=1e-6, rtol=0)
+    opt = ckpt.optimizer
+    assert opt is not None and opt.kind == "megatron-fsdp-dtensor" and opt.step == 1, ckpt.warnings
+    assert_slots_equal(ckpt, live(fsdp_dtensor_moe / f"fsdp_dtensor_moe_{experts}_live"))
+    assert sorted(g.hyper["wd_mult"] for g in opt.param_groups) == [0.0, 1.0]
+    assert sorted(n for g in opt.param_groups for n in g.names) == sorted(ckpt.tensors)
+    r = run_cli("to-hf", path, tmp_path / "hf")
+    assert r.returncode == 0, r.stderr
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ref["tokens"]).logits, ref["logits"][..., :100], atol=1e-5, rtol=0)
+    r = run_cli("reshard", path, tmp_path / "ep2", "--ep", 2, "--format", "torch_dist")
+    assert r.returncode == 0 and "optimizer state dropped" not in r.stderr, r.stderr
+    again = open_checkpoint(tmp_path / "ep2")
+    assert again.optimizer.step == 1
+    assert_slots_equal(again, live(fsdp_dtensor_moe / f"fsdp_dtensor_moe_{experts}_live"))
+
+
+def _resaved(src: Path, dst: Path, edit) -> Path:
+    """src's fsdp_dtensor save loaded whole by torch's own DCP reader, edited, saved again with dcp.save (one
+    process) with its tracker."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    it = next(src.glob("iter_*"))
+    state: dict = {}
+    _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(it)), planner=_EmptyStateDictLoadPlanner(),
+                     no_dist=True)
+    flat, _ = flatten_state_dict(state)  # the DCP keys again (the loader nests them)
+    dcp.save(edit(flat), checkpoint_id=str(dst / it.name), no_dist=True)
+    shutil.copy(src / "latest_checkpointed_iteration.txt", dst)
+    return dst
+
+
+@needs_mcore
+def test_megatron_fsdp_optimizer_of_another_kind_is_dropped_and_a_missing_moment_is_an_error(fsdp_dtensor_moe, tmp_path):
+    src = fsdp_dtensor_moe / "fsdp_dtensor_moe_sequential"
+    sgd = _resaved(src, tmp_path / "sgd", lambda s: {k.replace(".exp_avg_sq", ".momentum_buffer"): v for k, v in s.items()})
+    ckpt = open_checkpoint(sgd)
+    assert ckpt.optimizer is None
+    assert any("optimizer state dropped" in w and "momentum_buffer" in w for w in ckpt.warnings)
+    router = "optimizer.state.module.module.module.decoder.layers.1.mlp.router.weight.exp_avg"
+    lost = _resaved(src, tmp_path / "lost", lambda s: {k: v for k, v in s.items() if k != router})
+    r = run_cli("reshard", lost, tmp_path / "out", "--format", "torch_dist")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "no exp_avg optimizer state for layers.1.mlp.router.weight" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()

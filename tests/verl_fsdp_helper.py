@@ -5,8 +5,8 @@ torch.save()s model.state_dict() (DTensors, Shard(0) over the ranks) to model_wo
 optimizer.state_dict() to optim_world_size_{N}_rank_{R}.pt and {lr_scheduler, rng} to extra_state_...pt; rank 0
 writes huggingface/ (the model's config.json, save_pretrained) and fsdp_config.json ({FSDP_version, world_size}).
 
-  "save DIR --arch llama|qwen2|gpt2 --out FILE"   FILE: the full weights (DTensor.full_tensor(), by name) and the
-        logits of the full model for TOKENS, computed on rank 0 after the step.
+  "save DIR --arch llama|qwen2|gpt2 --out FILE"   FILE: the full weights (DTensor.full_tensor(), by name), AdamW's
+        first moments (by parameter name) and the logits of the full model for TOKENS, computed on rank 0 after the step.
 """
 import argparse
 import json
@@ -63,6 +63,7 @@ def run_job(a):
     torch.save({"lr_scheduler": None, "rng": {"cpu": torch.get_rng_state()}},
                root / f"extra_state_world_size_{world}_rank_{rank}.pt")
     full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    exp_avg = {n: opt.state[p]["exp_avg"].full_tensor() for n, p in model.named_parameters()}
     if rank == 0:
         model.config.save_pretrained(root / "huggingface")
         (root / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": world}, indent=4))
@@ -70,7 +71,7 @@ def run_job(a):
         plain.load_state_dict(full)
         with torch.no_grad():
             logits = plain.eval()(TOKENS).logits
-        torch.save({"tokens": TOKENS, "logits": logits, "weights": full}, a.out)
+        torch.save({"tokens": TOKENS, "logits": logits, "weights": full, "exp_avg": exp_avg}, a.out)
     dist.barrier()
 
 

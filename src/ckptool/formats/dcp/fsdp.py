@@ -9,14 +9,17 @@ Optimizer state (torch's get_optimizer_state_dict, flattened as torchtitan saves
 exp_avg | exp_avg_sq | step` tensors and `optimizer.param_groups.<fqn>.<hyperparameter>` byte entries, fqn the
 model's own parameter name): AdamW's moments go through the weights' mapping slot by slot; the master is the
 weight itself in fp32 (FSDP2 steps its sharded fp32 parameters; a bf16 parameter is made fp32, as for
-DeepSpeed's 16-bit weights); parameters with equal hyperparameters form one param group. Any other optimizer
-layout is dropped with a warning naming it; the weights are still converted.
+DeepSpeed's 16-bit weights); parameters with equal hyperparameters form one param group. accelerate keeps the
+state in a DCP folder of its own (optimizer_0/ beside pytorch_model_fsdp_0/) in get_optimizer_state_dict's nested
+form (groups by index, each listing its FQNs): read the same way. Any other optimizer is dropped with a warning
+naming it; the weights are still converted.
 """
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -86,15 +89,22 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
 
 
 # --- optimizer state ------------------------------------------------------------------------------
+# accelerate's save_fsdp_optimizer (SHARDED_STATE_DICT) keeps the optimizer in a DCP folder of its own beside the
+# model's: dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}) into optimizer_{i}/ (huggingface/
+# accelerate src/accelerate/utils/fsdp_utils.py save_fsdp_optimizer, FSDP2 branch). get_optimizer_state_dict's
+# default (nested) form is `state.<fqn>.<slot>` and `param_groups.<i>.<hyperparameter>` with `param_groups.<i>.params`
+# listing the group's FQNs, once DCP has flattened it; torchtitan's flattened form keys the groups by FQN instead.
+NESTED_GROUP = re.compile(r"^(\d+)\.(.+)$")
 
-def _state_entries(r: _Read) -> Optional[tuple]:
-    """(prefix, {state name: {fqn: lazy}}) of the flattened optimizer state, None where there is none."""
+
+def _state_entries(dcp: DcpDir) -> Optional[tuple]:
+    """(prefix, {state name: {fqn: lazy}}) of the optimizer state in dcp, None where there is none."""
     for p in OPTIMIZER_PREFIXES:
         state = defaultdict(dict)
-        for key in r.keys:
+        for key in dcp.tensor_keys():
             if key.startswith(p + "state."):
                 fqn, name = key[len(p + "state."):].rsplit(".", 1)
-                state[name][fqn] = r.dcp.lazy(key)
+                state[name][fqn] = dcp.lazy(key)
         if state:
             return p, dict(state)
     return None
@@ -104,15 +114,20 @@ def _drop(r: _Read, why: str) -> None:
     r.warnings.append(f"optimizer state dropped: {why}; the output holds the weights only")
 
 
+def _optimizer_dir(r: _Read) -> Optional[DcpDir]:
+    """The DCP holding the optimizer: the model's own, else accelerate's optimizer_0/ beside it."""
+    if _state_entries(r.dcp) is not None:
+        return r.dcp
+    beside = sorted(p for p in r.dir.parent.glob(ACCELERATE_OPTIMIZER) if (p / ".metadata").is_file())
+    return DcpDir(beside[0]) if beside and r.dir.name.startswith("pytorch_model_fsdp") else None
+
+
 def _optimizer(r: _Read, tensors: Dict[str, LazyTensor]) -> Optional[OptimizerState]:
-    found = _state_entries(r)
-    beside = sorted(p.name for p in r.dir.parent.glob(ACCELERATE_OPTIMIZER))
-    if found is None and beside:  # accelerate's save_fsdp_optimizer: a DCP folder of its own, not read
-        _drop(r, f"accelerate keeps it in {beside[0]}/ beside the model, which ckptool does not read yet")
-        return None
+    dcp = _optimizer_dir(r)
+    found = _state_entries(dcp) if dcp is not None else None
     if found is None:
         if any(k.startswith(OPTIMIZER_PREFIXES) for k in r.dcp.entries):
-            _drop(r, "the optimizer entries are not get_optimizer_state_dict's flattened AdamW state")
+            _drop(r, "the optimizer entries are not get_optimizer_state_dict's AdamW state")
         return None
     prefix, state = found
     other = sorted(set(state) - set(ADAM_STATE))
@@ -129,7 +144,9 @@ def _optimizer(r: _Read, tensors: Dict[str, LazyTensor]) -> Optional[OptimizerSt
         for n, t in slots[moment].items():
             require(tuple(t.shape) == tuple(tensors[n].shape), f"{r.dir}: {moment} of {n} has shape "
                     f"{tuple(t.shape)}, the weight {tuple(tensors[n].shape)}", "the optimizer state is not this model's")
-    groups = _param_groups(r, prefix, _own_names(r, state[MOMENTS[0]]), list(tensors))
+    hyper = _own_names(r, _hyperparameters(dcp, prefix))
+    groups = groups_by_hyper(hyper, _own_names(r, state[MOMENTS[0]]), lambda named: r.canonical(named)[1],
+                             list(tensors))
     return OptimizerState(kind="fsdp-adamw", slots=slots, step=_step(r, state.get("step", {})), param_groups=groups)
 
 
@@ -148,19 +165,34 @@ def _step(r: _Read, steps: Dict[str, LazyTensor]) -> Optional[int]:
     return values.pop() if values else None
 
 
-def _param_groups(r: _Read, prefix: str, moments: Dict[str, LazyTensor], order: List[str]) -> List[ParamGroup]:
-    """Parameters with equal stored hyperparameters as one group, each holding the canonical names made from
-    its parameters (traced through the weights' own mapping)."""
-    hyper: Dict[str, dict] = defaultdict(dict)
+def _hyperparameters(dcp: DcpDir, prefix: str) -> Dict[str, dict]:
+    """{fqn: its group's hyperparameters} from either form's param_groups byte entries."""
     head = prefix + "param_groups."
-    for key in r.dcp.entries:
-        if key.startswith(head):
-            fqn, name = key[len(head):].rsplit(".", 1)
-            hyper[fqn][name] = load_torch_bytes(r.dcp.read_bytes(key), source=f"{r.dir.name}:{key}")
-    hyper = _own_names(r, hyper)
+    stored = {key[len(head):]: load_torch_bytes(dcp.read_bytes(key), source=f"{dcp.path.name}:{key}")
+              for key in dcp.entries if key.startswith(head) and not hasattr(dcp.entries[key], "chunks")}
+    nested: Dict[str, dict] = defaultdict(dict)
+    for key, value in stored.items():
+        m = NESTED_GROUP.match(key)
+        if m and m.group(2) != "params":
+            nested[m.group(1)][m.group(2)] = value
+    owners = {m.group(1): value for key, value in stored.items() for m in [NESTED_GROUP.match(key)]
+              if m and m.group(2) == "params" and isinstance(value, (list, tuple))}
+    if owners:  # nested: each group lists its FQNs
+        return {fqn: nested[i] for i, fqns in owners.items() for fqn in fqns}
+    hyper: Dict[str, dict] = defaultdict(dict)
+    for key, value in stored.items():
+        fqn, name = key.rsplit(".", 1)
+        hyper[fqn][name] = value
+    return dict(hyper)
+
+
+def groups_by_hyper(hyper: Dict[str, dict], moments: Dict[str, LazyTensor], canonical: Callable,
+                    order: List[str]) -> List[ParamGroup]:
+    """Parameters with equal stored hyperparameters as one group, each holding the canonical names made from its
+    parameters, traced through the weights' own mapping: canonical({name: tensor}) -> {canonical name: tensor}."""
     tags = {fqn: Tag(t) for fqn, t in moments.items()}
     owners = {id(tag): fqn for fqn, tag in tags.items()}
-    _, traced = r.canonical(tags)
+    traced = canonical(tags)
     groups: Dict[str, ParamGroup] = {}
     for name in order:
         for fqn in sorted(reaches(traced[name], owners)):

@@ -1,11 +1,17 @@
 """torchtitan's own parameter names <-> Hugging Face's, as one table, and its RoPE row order.
 
-Facts from torchtitan's state-dict adapters (torchtitan/models/llama3/state_dict_adapter.py at 06a7a23,
-torchtitan/models/qwen3/state_dict_adapter.py at 0310b49, torchtitan/models/common/moe/moe.py at 0646ba4):
-  - names: tok_embeddings, layers.N.attention.wq/wk/wv/wo (newer Qwen3: attention.qkv_linear.wq/wk/wv),
-    attention.q_norm/k_norm, attention_norm, ffn_norm, feed_forward.w1 (gate) / w3 (up) / w2 (down), norm,
-    output (torchtitan's Qwen3 may keep lm_head); MoE: moe.router.gate, and a layer's experts FUSED as
-    moe.experts.w1 / w3 [E, ffn, hidden] and w2 [E, hidden, ffn] (no ".weight"), expert e = index e;
+Facts from torchtitan's state-dict adapters and modules, in two eras, both read; the current one is written:
+  - pytorch/torchtitan b5bcd76 (2026; torchtitan/models/llama3/state_dict_adapter.py, models/qwen3/
+    state_dict_adapter.py, models/common/moe.py GroupedExperts / MoE): tok_embeddings, layers.N.attention.
+    qkv_linear.wq/wk/wv, attention.wo, attention.q_norm/k_norm, attention_norm, ffn_norm, feed_forward.w1 (gate) /
+    w3 (up) / w2 (down), norm, lm_head (Llama3 and Qwen3 alike); MoE: moe.router.gate, a layer's experts FUSED as
+    moe.routed_experts.inner_experts.w1_EFD / w3_EFD [E, ffn, hidden] and w2_EDF [E, hidden, ffn] (no ".weight"),
+    the load-balancing buffers moe.expert_bias_E (persistent, saved) and moe.tokens_per_expert_E (not persistent);
+    shared experts (moe.shared_experts.w1/w2/w3.weight) only in models ckptool has no torchtitan table for
+    (DeepSeek-V3 and others: refused below by model type);
+  - earlier (llama3/state_dict_adapter.py at 06a7a23, qwen3/state_dict_adapter.py at 0310b49, common/moe/moe.py
+    at 0646ba4): attention.wq/wk/wv, output, experts as moe.experts.w1 / w3 / w2, buffers moe.expert_bias /
+    moe.tokens_per_expert (moe.router.expert_bias before that);
   - torchtitan's Llama3 rotates interleaved pairs (complex RoPE), so its adapter permutes the rows of wq and
     wk per head (to_hf: view(heads, d/2, 2, in).transpose(1, 2)); its Qwen3 rotates halves as HF does and
     permutes nothing. The rows of an optimizer moment follow its weight's, so slots are permuted the same;
@@ -20,28 +26,34 @@ from typing import Callable, Dict, Iterable, List, Tuple
 import torch
 
 from ...errors import CkptError, require
-from ...lazy import Derived, LazyTensor
+from ...lazy import Const, Derived, LazyTensor
 
+# Each table lists the current name (b5bcd76) first: the writer names what the first entry says.
 GLOBAL = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-          "output.weight": "lm_head.weight", "lm_head.weight": "lm_head.weight"}
+          "lm_head.weight": "lm_head.weight", "output.weight": "lm_head.weight"}
 LAYER = {
-    "attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
     "attention.qkv_linear.wq.weight": "self_attn.q_proj.weight",
     "attention.qkv_linear.wk.weight": "self_attn.k_proj.weight",
     "attention.qkv_linear.wv.weight": "self_attn.v_proj.weight",
+    "attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
     "attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight",
     "attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
     "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight", "moe.router.gate.weight": "mlp.gate.weight",
 }
-EXPERTS = {"moe.experts.w1": "mlp.experts.{e}.gate_proj.weight", "moe.experts.w3": "mlp.experts.{e}.up_proj.weight",
+EXPERTS = {"moe.routed_experts.inner_experts.w1_EFD": "mlp.experts.{e}.gate_proj.weight",
+           "moe.routed_experts.inner_experts.w3_EFD": "mlp.experts.{e}.up_proj.weight",
+           "moe.routed_experts.inner_experts.w2_EDF": "mlp.experts.{e}.down_proj.weight",
+           "moe.experts.w1": "mlp.experts.{e}.gate_proj.weight", "moe.experts.w3": "mlp.experts.{e}.up_proj.weight",
            "moe.experts.w2": "mlp.experts.{e}.down_proj.weight"}
-EXPERT_BIAS = ("moe.router.expert_bias", "moe.expert_bias")
-COUNTERS = ("moe.router.tokens_per_expert", "moe.tokens_per_expert")
-# what the writer names (the first torchtitan name of each HF name above: the Llama3 adapter's)
+EXPERT_BIAS = ("moe.expert_bias_E", "moe.expert_bias", "moe.router.expert_bias")
+ROUTER = "mlp.gate.weight"  # the HF router, [E, hidden]
+COUNTERS = ("moe.tokens_per_expert_E", "moe.tokens_per_expert", "moe.router.tokens_per_expert")
+# what the writer names (the first torchtitan name of each HF name above: the current one)
 WRITE_GLOBAL = {hf: titan for titan, hf in reversed(list(GLOBAL.items()))}
 WRITE_LAYER = {hf: titan for titan, hf in reversed(list(LAYER.items()))}
+WRITE_EXPERTS = {hf: titan for titan, hf in reversed(list(EXPERTS.items()))}
 # model_type -> whether torchtitan's model of it permutes wq / wk rows (its adapter's _permute)
 PERMUTES = {"llama": True, "qwen3": False, "qwen3_moe": False}
 PERMUTED = ("self_attn.q_proj.weight", "self_attn.k_proj.weight")
@@ -125,9 +137,12 @@ def from_hf(items: Iterable[Tuple[str, LazyTensor]], conf: dict, model_type: str
         i, rest = m.group(1), m.group(2)
         expert = re.match(r"^mlp\.experts\.(\d+)\.(.+)$", rest)
         if expert:
-            fused = next(k for k, v in EXPERTS.items() if v.format(e=expert.group(1)) == rest)
+            fused = next(v for k, v in WRITE_EXPERTS.items() if k.format(e=expert.group(1)) == rest)
             out.append((f"layers.{i}.{fused}@{expert.group(1)}", t))
             continue
         require(rest in WRITE_LAYER, f"{name} has no torchtitan name", "write the default (HF) names")
         out.append((f"layers.{i}.{WRITE_LAYER[rest]}", _row_order(conf, rest, model_type, to_titan_rows)(t)))
+        if rest == ROUTER:  # the MoE's persistent load-balancing buffer, which its state dict (and dcp.load) asks for:
+            # zeros route as a Hugging Face model without one does (fp32, as torchtitan registers it)
+            out.append((f"layers.{i}.{EXPERT_BIAS[0]}", Const(torch.zeros(t.shape[0], dtype=torch.float32))))
     return out

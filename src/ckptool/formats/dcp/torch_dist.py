@@ -39,7 +39,7 @@ from ...io.dcp_io import DcpDir, DcpWriter
 from ...io.torchfile import load_torch_bytes, load_torch_file, save_streaming
 from ...lazy import LazyTensor, cat, load_scope
 from ...options import CONFIG_OVERRIDES, ReadOptions
-from ...roles import LAYER_ROLES, assemble, expert_role, global_role_tensor, layer_role_tensor
+from ...roles import LAYER_ROLES, assemble, is_parameter, expert_role, global_role_tensor, layer_role_tensor
 from ...sharding import ReplicaPolicy
 from ...spec import GPT
 from ...spec.schema import DIST, MCORE, TE_MLA, TE_MOE
@@ -48,7 +48,7 @@ from ...summary import WriteSummary
 from ...vocab import with_true_vocab_size
 from ...write_options import WriteOptions
 from . import (optim as dist_optim, optim_buckets as dist_optim_buckets, optim_flattened as dist_optim_flattened,
-               sidecars)
+               optim_fsdp_dtensor, sidecars)
 from ..megatron import args as megatron_args, buffers as megatron_buffers
 from .files import COMMON_FILE, COMMON_KEY, CONFIG_FILE, DCP_COMMON_KEYS, locate, looks_like  # noqa: F401 (looks_like: the table's)
 from ..megatron.checkpoint import TRACKER, MegatronArgs, MegatronPlan, plan_megatron
@@ -92,6 +92,15 @@ KEEP_STORED_DTYPE = ("router.expert_bias",)
 SINGLETON_EXPERT = re.compile(r"^mlp\.experts\.experts\.(\d+)\.(linear_fc[12]\.weight)$")
 # ...and a GLU fc1 (dense, shared or expert) is stored as its gate and up halves under these suffixes.
 GLU_HALVES = {"_w": 0, "_v": 1}
+# --- Megatron-FSDP fsdp_dtensor experts (issue 31) ---
+# Megatron-LM's --ckpt-format fsdp_dtensor saves model.state_dict() names per layer, experts by their GLOBAL index
+# (megatron-core 0.16.1 transformer/fsdp_dtensor_checkpoint.py handle_experts_in_state_dict): Transformer Engine's
+# grouped experts as `mlp.experts.linear_fc1.weight{e}` (what Megatron-LM d98e8a64 tools/checkpoint/
+# checkpoint_inspector.py split_expert_weights writes), SequentialMLP's as `mlp.experts.local_experts.{e}.linear_fc1.
+# weight`; a GLU fc1 of either split into `_w` / `_v` halves after the index (handle_swiglu_in_state_dict).
+# Group 1/2: fc and weight|bias of the grouped name with group 3 its expert; groups 4-6 the same of SequentialMLP's.
+FSDP_EXPERT = re.compile(r"^mlp\.experts\.(?:linear_(fc[12])\.(weight|bias)(\d+)|local_experts\.(\d+)\.linear_(fc[12])\."
+                         r"(weight|bias))$")
 # Stored MoE forms ckptool does not read, by what they are (refused with these words, never skipped).
 NOT_READ = (
     (re.compile(r"^mtp\."), "multi-token-prediction (MTP) tensors of a form ckptool does not know",
@@ -99,7 +108,8 @@ NOT_READ = (
      "transformer_layer.*), and never converts a model with parts left out"),
     (re.compile(r"mlp\.experts\."), "an expert layout other than megatron-core's sharded experts",
      "ckptool reads experts stored as decoder.layers[.N].mlp.experts.experts.linear_fc{1,2}.weight "
-     "[(layers,) experts, out, in] or one key per expert (...experts.experts.{e}.linear_fc1.weight_w / _v)"),
+     "[(layers,) experts, out, in] or one key per expert (...experts.experts.{e}.linear_fc1.weight_w / _v; "
+     "Megatron-FSDP's ...experts.linear_fc1.weight{e} / ...experts.local_experts.{e}.linear_fc1.weight)"),
 )
 
 
@@ -271,7 +281,13 @@ def _layer_role(name: str, table: Dict[str, str]) -> Optional[str]:
     if name in table:
         return table[name]
     m = SINGLETON_EXPERT.match(name)
-    return expert_role(int(m.group(1)), EXPERT_KEYS[f"mlp.experts.experts.{m.group(2)}"]) if m else None
+    if m:
+        return expert_role(int(m.group(1)), EXPERT_KEYS[f"mlp.experts.experts.{m.group(2)}"])
+    m = FSDP_EXPERT.match(name)
+    if m is None:
+        return None
+    fc, kind, e = (m.group(1), m.group(2), m.group(3)) if m.group(1) else (m.group(5), m.group(6), m.group(4))
+    return expert_role(int(e), EXPERT_KEYS[f"mlp.experts.experts.linear_{fc}.{kind}"])
 
 
 def _stored_layers(dcp: DcpDir, key: str) -> List[int]:
@@ -461,6 +477,10 @@ def _read_optimizer(dcp: DcpDir, common: dict, cfg: GPTConfig, tensors, policy, 
                     warnings: List[str]) -> Optional[OptimizerState]:
     """The optimizer state of a model-space form as slots (dcp/optim.py); other forms are dropped
     with a warning naming them (the weights are still converted)."""
+    if optim_fsdp_dtensor.holds(dcp):  # Megatron-FSDP's: per parameter, no optimizer entry in the common state
+        params = {n: w for n, w in tensors.items() if is_parameter(n)}
+        return optim_fsdp_dtensor.read(dcp, params, lambda v: _slot_canonical(v, cfg, policy), where, warnings.append)
+    common = _lightning_unwrapped(common)
     ep = (getattr(args, "expert_model_parallel_size", None) or 1) if cfg.moe is not None else 1
     chain = dist_optim.unsupported_chain(common, ep)
     if chain:
@@ -496,9 +516,10 @@ def _read_optimizer(dcp: DcpDir, common: dict, cfg: GPTConfig, tensors, policy, 
     if form not in dist_optim.STORED_SLOTS:
         raise CkptError(f"{where}: unknown optimizer form {form!r}", dist_optim.HINT)
     weight_shards = place_mtp_layers(_collect(dcp)[0], cfg.num_layers)
+    model_prefix = _model_prefix(dcp.tensor_keys())  # NeMo 2: `module.`, inside each optimizer key too
 
     def slot_tensors(stored: str):
-        prefix = f"{dist_optim.PREFIX}{stored}."
+        prefix = f"{dist_optim.PREFIX}{stored}.{model_prefix}"
         view = dist_optim_flattened.ModelSpaceView(dcp, prefix, where) if form == dist_optim_flattened.FORM else dcp
         shards = place_mtp_layers(_collect(view, prefix)[0], cfg.num_layers)
         if cfg.tied_embeddings:
@@ -511,6 +532,25 @@ def _read_optimizer(dcp: DcpDir, common: dict, cfg: GPTConfig, tensors, policy, 
         return in_model_order(assemble(cfg, shards, policy), cfg) if shards else {}
 
     return dist_optim.read(common, form, slot_tensors, tensors, consumed, where, rule, ep)
+
+
+def _lightning_unwrapped(common: dict) -> dict:
+    """NeMo 2 keeps the optimizer's common entry as a one-element list (MegatronStrategy.save_checkpoint:
+    checkpoint["optimizer"] = [optimizer_sharded_state_dict()], NVIDIA/NeMo 8cfedd7): the entry itself, as
+    Megatron-LM stores it."""
+    opt = common.get("optimizer")
+    if isinstance(opt, list) and len(opt) == 1 and isinstance(opt[0], dict):
+        return {**common, "optimizer": opt[0]}
+    return common
+
+
+def _slot_canonical(view, cfg: GPTConfig, policy) -> Dict[str, LazyTensor]:
+    """One optimizer slot presented under `optimizer.state.<slot>.<model key>` (view.prefix), through the
+    weights' key table: canonical name -> tensor."""
+    shards = place_mtp_layers(_collect(view, view.prefix)[0], cfg.num_layers)
+    if cfg.tied_embeddings:
+        shards.pop(("output", None), None)
+    return in_model_order(assemble(cfg, shards, policy), cfg) if shards else {}
 
 
 # --- writing --------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ ranks, placed Shard(0) (torch.distributed.fsdp fully_shard, torch 2.13: _fsdp_pa
 and state_dict() hands out each rank's unpadded piece). The rank files are read lazily through the safe unpickler
 (io/dtensor.py keeps each DTensor's local tensor and placement), each parameter put together from its ranks'
 pieces in mesh order, then mapped as a Hugging Face model of its config.json's family (formats/hf/reader.py).
-FSDP1's ShardedTensor files (fsdp_config.json FSDP_version 1) and the per-rank optimizer files are not read.
+FSDP1's ShardedTensor files (fsdp_config.json FSDP_version 1) are not read; the per-rank optimizer files are (optim.py).
 """
 from __future__ import annotations
 
@@ -21,9 +21,11 @@ from ...lazy import LazyTensor, cat
 from ...options import ReadOptions
 from ...state import Checkpoint, SourceInfo
 from ..hf import reader as hf_format
+from . import optim as verl_optim
 from .files import OPTIM_FILE, hf_config_path, locate, rank_files
 
 FORMAT = "verl-fsdp"
+TIED_HEAD = "lm_head.weight"  # a tied model's state dict names its one embedding parameter twice
 # Module wrappers whose names FSDP1 / activation checkpointing / torch.compile put into parameter names.
 WRAPPER_INFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
@@ -80,15 +82,15 @@ def _hf_name(name: str) -> str:
     return name
 
 
-def read_named(d: Path) -> Dict[str, LazyTensor]:
-    """{Hugging Face name: lazy full tensor} of the rank files in d."""
+def rank_states(d: Path) -> List[dict]:
+    """Every rank file's state dict, lazily, in rank order."""
     files = rank_files(d)
     states = [load_torch_file(files[r]) for r in sorted(files)]
     for r, s in enumerate(states):
         require(isinstance(s, dict), f"{files[r]}: not a state dict", "the file is not a verl model shard")
         require(set(s) == set(states[0]), f"{files[r]} holds other parameters than {files[0].name}",
                 "the rank files do not belong together")
-    return {_hf_name(k): _whole(k, [s[k] for s in states], str(d)) for k in states[0]}
+    return states
 
 
 def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
@@ -104,12 +106,26 @@ def read(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     family = families.of_hf_config(conf) if isinstance(conf, dict) else None
     require(family is not None, f"{config_file}: model_type {conf.get('model_type') if isinstance(conf, dict) else None!r} "
             "is not one ckptool converts", f"supported: {', '.join(families.BY_MODEL_TYPE)}")
-    cfg, tensors = hf_format.to_canonical(read_named(d), conf, family.model_type, opts, d)
-    warnings = []
-    world = len(rank_files(d))
-    if (d / OPTIM_FILE.format(world=world, rank=0)).is_file():
-        warnings.append(f"optimizer state dropped: verl's {OPTIM_FILE.format(world=world, rank='R')} (torch optimizer "
-                        "state per FSDP rank) is not carried; the output holds the weights only")
+    states = rank_states(d)
+    named = {_hf_name(k): _whole(k, [s[k] for s in states], str(d)) for k in states[0]}
+    cfg, tensors = hf_format.to_canonical(named, conf, family.model_type, opts, d)
+    warnings: List[str] = []
+    world = len(states)
+
+    def canonical(by_name: Dict[str, LazyTensor]) -> Dict[str, LazyTensor]:
+        return hf_format.to_canonical(by_name, conf, family.model_type, opts, d)[1]
+
+    optimizer = None
+    if opts.optimizer and (d / OPTIM_FILE.format(world=world, rank=0)).is_file():
+        optimizer = verl_optim.read(d, world, _parameter_names(states[0], conf), named, canonical, tensors, _whole,
+                                    warnings.append)
     info = SourceInfo(path=str(path), format=FORMAT, dialect=family.model_type, layout=Layout(1, 1),
                       extra={"hf_config": conf, "fsdp_world_size": world})
-    return Checkpoint(cfg, tensors, info, warnings)
+    return Checkpoint(cfg, tensors, info, warnings, optimizer)
+
+
+def _parameter_names(state: dict, conf: dict) -> List[str]:
+    """The model's parameters in named_parameters() order, the order verl gives them to its optimizer
+    (build_optimizer(actor_module_fsdp.parameters())): the state dict's keys without a tied head's second name."""
+    tied = conf.get("tie_word_embeddings", True)  # transformers' PretrainedConfig default
+    return [_hf_name(k) for k in state if not (tied and _hf_name(k) == TIED_HEAD)]
