@@ -140,6 +140,33 @@ def test_the_default_rows_are_long_enough_for_the_window_to_matter(models, tmp_p
     assert not torch.allclose(hf_logits(tmp_path / "wide", tokens), hf_logits(models[name], tokens), atol=1e-3)
 
 
+# the window, its layers (Gemma 2: every other from 0; Gemma 3: all but each third) and the soft-caps, as built above
+MATHS = {"gemma2": (5, [0, 2], 5.0, 3.0, "window 5 on layers 0,2 of 4, score soft-cap 5.0, logit soft-cap 3.0"),
+         "gemma3": (6, [0, 1, 3], None, None, "window 6 on layers 0,1,3 of 4")}
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_inspect_shows_the_gemma_maths_full_and_quick(models, round_trips, name):
+    """inspect says the (1 + w) norms, the window and its layers, the soft-caps, for the HF model and each Megatron
+    stage (torch, torch_dist, mcore-te): the torch-free quick reader's document equal to the full reader's."""
+    from click.testing import CliRunner
+    from ckptool.cli import main
+    from ckptool.describe import describe
+    from ckptool.quick_inspect import quick_open
+    window, layers, attn_cap, final_cap, said = MATHS[name]
+    for d in (models[name], round_trips[name] / "tp2pp2", round_trips[name] / "dist", round_trips[name] / "te_tp2"):
+        quick = quick_open(d, {})
+        assert quick is not None, d
+        doc = describe(quick)
+        assert doc == describe(api.open(d)), d
+        c = doc["config"]
+        assert (c["apply_layernorm_1p"], c["sliding_window"], c["local_layers"], c["attn_softcap"],
+                c["final_softcap"]) == (True, window, layers, attn_cap, final_cap), d
+        assert (c["attn_sinks"], c["glu_clamp"]) == (False, None), d
+        text = CliRunner().invoke(main, ["inspect", str(d)]).output
+        assert f"maths       (1 + w) norms, {said}\n" in text and "gemma       embedding x sqrt(hidden)" in text, text
+
+
 def test_megatron_args_say_the_gemma_maths(round_trips):
     args = api.open(round_trips["gemma3"] / "tp2pp2").source.args
     # transformers' window of 6 tokens is megatron-core's (5, 0); every third layer is full (sliding_window_pattern 3)

@@ -19,16 +19,20 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from click.testing import CliRunner
 from conftest import run_torchrun
 
 from ckptool import api
+from ckptool.cli import main
 from ckptool.config import Layout
 from ckptool.convert import write_layout
+from ckptool.describe import describe
 from ckptool.errors import CkptError
 from ckptool.families import for_config
 from ckptool.formats.hf.mxfp4 import dequantize
 from ckptool.formats.megatron.args import config_from_args
 from ckptool.formats.megatron.checkpoint import read_megatron
+from ckptool.quick_inspect import quick_open
 from ckptool.verify import reference
 from ckptool.verify.inputs import default_seq_len
 
@@ -110,6 +114,36 @@ def test_written_args_say_the_gpt_oss_maths_to_megatron(oss):
     # Megatron-LM's own integer form of the pattern reads as the same layers
     args.window_attn_skip_freq = 2
     assert config_from_args(args, 128).local_layers == (0,)
+
+
+def inspect_text(path) -> str:
+    r = CliRunner().invoke(main, ["inspect", str(path)])
+    assert r.exit_code == 0, r.output
+    return r.output
+
+
+def test_inspect_shows_the_gpt_oss_maths_full_and_quick(oss, tmp_path):
+    """inspect says sinks, the window and its layers, the clamped GLU, for the HF model, the MXFP4 release form, the
+    Megatron torch output and torch_dist: the torch-free quick reader's document equal to the full reader's."""
+    api.reshard(oss / "tp2ep2", tmp_path / "dist", format="torch_dist", tp=2, ep=2, etp=1, warn=lambda m: None)
+    for d in (oss / "hf", MXFP4, oss / "tp2ep2", tmp_path / "dist"):
+        quick = quick_open(d, {})
+        assert quick is not None, d
+        doc = describe(quick)
+        assert doc == describe(api.open(d)), d
+        c = doc["config"]
+        assert (c["attn_sinks"], c["sliding_window"], c["local_layers"], c["glu_clamp"], c["glu_linear_offset"]) \
+            == (True, WINDOW, [0], 7.0, 1.0), d
+        assert (c["attn_softcap"], c["final_softcap"], c["apply_layernorm_1p"]) == (None, None, False), d
+        text = inspect_text(d)
+        assert f"maths       attention sinks, window {WINDOW} on layers 0 of 2, GLU clamp 7.0, linear half + 1.0\n" \
+            in text and "gemma" not in text, text
+    q = describe(quick_open(MXFP4, {}))
+    assert q["quantization"] == {"method": "mxfp4", "fmt": "e2m1", "block_size": 32, "scale_fmt": "e8m0",
+                                 "tensors": 4, "read_as": "bfloat16"}
+    assert q["storage"].startswith("MXFP4 (4 stacked expert weights")
+    assert {t["name"]: (t["shape"], t["dtype"]) for t in q["tensors"]}["layers.1.mlp.experts.3.gate.weight"] \
+        == ([64, 32], "bfloat16")
 
 
 def test_verify_computes_transformers_logits_and_the_window_and_sinks_matter(oss, tmp_path):
@@ -301,6 +335,8 @@ def test_a_llama_run_with_sliding_windows_keeps_them_and_is_not_exported(fixture
     windowed = reference.forward(ck, tokens)
     unwindowed = reference.forward(ck.with_tensors(ck.tensors, sliding_window=None, local_layers=()), tokens)
     assert (windowed - unwindowed).abs().max() > 1e-4
+    text = inspect_text(tmp_path / "tp1")  # a Llama's windows are no Gemma's
+    assert "maths       window 8 on layers 0,2 of 4\n" in text and "gemma" not in text, text
     with pytest.raises(CkptError, match="the model uses --window-size"):
         api.to_hf(tmp_path / "tp1", tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
