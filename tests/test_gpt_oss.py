@@ -6,7 +6,8 @@ parameter perturbed off its init, the sinks and biases too) goes through Megatro
 torch_dist and back bit-exact; ckptool's forward, single-process and under torchrun (TP2 PP2 EP2), computes
 transformers' logits on inputs longer than the window; megatron-core (CPU) loads the outputs strictly and computes
 the same logits. An MXFP4 checkpoint made by transformers' own quantizer (fixtures/gpt_oss_mxfp4) is dequantized by
-ckptool bit-exact with transformers' own loading.
+ckptool bit-exact with transformers' own loading. inspect shows the sinks, windows and clamp, the quick (torch-free)
+reader as the full one.
 """
 from __future__ import annotations
 
