@@ -137,8 +137,8 @@ def test_inspect_shows_the_gpt_oss_maths_full_and_quick(oss, tmp_path):
             == (True, WINDOW, [0], 7.0, 1.0), d
         assert (c["attn_softcap"], c["final_softcap"], c["apply_layernorm_1p"]) == (None, None, False), d
         text = inspect_text(d)
-        assert f"maths       attention sinks, window {WINDOW} on layers 0 of 2, GLU clamp 7.0, linear half + 1.0\n" \
-            in text and "gemma" not in text, text
+        assert f"maths       attention sinks, window {WINDOW} on layers 0 of 2, GLU clamp 7.0, linear half + 1.0, " \
+            "YaRN factor 4.0\n" in text and "gemma" not in text, text
     q = describe(quick_open(MXFP4, {}))
     assert q["quantization"] == {"method": "mxfp4", "fmt": "e2m1", "block_size": 32, "scale_fmt": "e8m0",
                                  "tensors": 4, "read_as": "bfloat16"}
