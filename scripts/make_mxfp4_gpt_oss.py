@@ -38,7 +38,8 @@ SIZES = dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, vo
                               "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0})
 # hidden 32 and intermediate 64 make every expert weight non-square ([E, 32, 128] and [E, 64, 32]): a transposed
 # read cannot pass for a right one. Both are multiples of 32, MXFP4's block.
-NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]  # as released
+# as the released checkpoints' quantization_config says
+NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
 PROJECTIONS = ("gate_up_proj", "down_proj")
 
 

@@ -78,18 +78,22 @@ def _partial_rope(c: dict) -> str:
 
 def _biases(c: dict) -> str:
     return "biases" if c["add_bias_linear"] else ("q/k/v biases only" if c["add_qkv_bias"] else "no biases")
+
+
 def _maths_line(c: dict) -> str:
     """The maths beside plain GPT a model has (GPT-OSS, Gemma 2/3, a windowed megatron-core run: describe.MATHS_FIELDS,
     the (1 + w) norm, YaRN), "" when it has none."""
+    offset = c["glu_linear_offset"]
+    clamp = f"GLU clamp {c['glu_clamp']}" + (f", linear half + {offset}" if offset else "")
     parts = [text for text, on in (
         ("(1 + w) norms", c["apply_layernorm_1p"]), ("attention sinks", c["attn_sinks"]),
         (f"window {c['sliding_window']} on layers {','.join(map(str, c['local_layers']))} of {c['num_layers']}",
          c["sliding_window"]),
         (f"score soft-cap {c['attn_softcap']}", c["attn_softcap"]),
         (f"logit soft-cap {c['final_softcap']}", c["final_softcap"]),
-        (f"GLU clamp {c['glu_clamp']}" + (f", linear half + {c['glu_linear_offset']}" if c["glu_linear_offset"] else ""),
-         c["glu_clamp"] is not None),
-        (f"YaRN factor {(c['rope_yarn'] or {}).get('factor')}", c["rope_yarn"] and not c["mla"])) if on]  # MLA's line has it
+        (clamp, c["glu_clamp"] is not None),
+        # YaRN: the MLA line says it for MLA models
+        (f"YaRN factor {(c['rope_yarn'] or {}).get('factor')}", c["rope_yarn"] and not c["mla"])) if on]
     return "maths       " + ", ".join(parts) if parts else ""
 
 

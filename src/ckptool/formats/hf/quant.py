@@ -163,7 +163,8 @@ def mxfp4_pairs(stored: Stored, conf: dict, where) -> List[Tuple[str, str, str]]
         name = key[:-len(BLOCKS)]
         require(name + SCALES in stored, f"{where}: {key} has no {name + SCALES}", "the MXFP4 checkpoint is incomplete")
         (b, b_dtype), (s, s_dtype) = stored[key], stored[name + SCALES]
-        require(len(b) == 4 and b[-1] == MXFP4_BLOCK // 2 and b_dtype == s_dtype == "uint8" and tuple(s) == tuple(b[:-1]),
+        require(len(b) == 4 and b[-1] == MXFP4_BLOCK // 2 and b_dtype == s_dtype == "uint8"
+                and tuple(s) == tuple(b[:-1]),
                 f"{where}: {key} {tuple(b)} / {name + SCALES} {tuple(s)} are not MXFP4 blocks and scales",
                 "expected uint8 [experts, out, groups, 16] codes and [experts, out, groups] exponents")
         pairs.append((name, key, name + SCALES))

@@ -4,8 +4,9 @@ name, shape and dtype (io/safetensors_header.py, the reader's own parser); the f
 maps them to canonical names as the reader does, on shapes alone.
 
 Block-FP8 weights (DeepSeek-V3 / R1 as released) and MXFP4 experts (GPT-OSS as released) read as the bf16
-tensors the reader makes of them, their scales consumed (quant.py's checks, shared with the reader). Fused 3-D experts (transformers 5) are
-split into each expert's shapes here as the reader splits the tensors. None (the full reader answers) for
+tensors the reader makes of them, their scales consumed (quant.py's checks, shared with the reader). Fused 3-D
+experts (transformers 5) and GPT-OSS's stacked ones are split into each expert's shapes here as the reader splits
+the tensors. None (the full reader answers) for
 pytorch_model.bin weights, other FP8 tensors (their canonical form needs the reader's arithmetic), or files
 that do not match config.json.
 """
