@@ -25,6 +25,7 @@ output axis and writes [E, in, out / 32, 16], which transformers' own dequantizi
 shape mismatch unless in == out). This script checks the written shapes are the released layout.
 """
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -46,10 +47,13 @@ PROJECTIONS = ("gate_up_proj", "down_proj")
 def triton_kernels_package(folder: Path):
     """triton's triton_kernels package from a checkout, with the submodules transformers reaches for imported."""
     sys.path.insert(0, str(folder))
-    import importlib
-    package = importlib.import_module("triton_kernels")
-    for sub in ("numerics_details.mxfp", "matmul_ogs", "tensor", "tensor_details.layout"):
-        importlib.import_module(f"triton_kernels.{sub}")
+    try:
+        package = importlib.import_module("triton_kernels")
+        for sub in ("numerics_details.mxfp", "matmul_ogs", "tensor", "tensor_details.layout"):
+            importlib.import_module(f"triton_kernels.{sub}")
+    except ImportError as e:
+        raise SystemExit(f"error: {e}: give a triton checkout's python/triton_kernels folder and install the `triton` "
+                         "package (3.5 or later) beside it") from None
     return package
 
 
