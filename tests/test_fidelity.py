@@ -293,7 +293,10 @@ SCHEMA_CONFIG = {"num_layers", "hidden_size", "num_attention_heads", "num_query_
                  "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by", "max_position_embeddings",
                  "normalization", "norm_eps", "activation", "position_embedding", "rotary_base", "rotary_percent",
                  "rotary_interleaved", "tied_embeddings", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
-                 "apply_layernorm_1p", "moe"}
+                 "apply_layernorm_1p", "moe",
+                 # issue 32's maths under their own keys (describe.MATHS_FIELDS), in every document
+                 "attn_sinks", "sliding_window", "local_layers", "attn_softcap", "final_softcap", "glu_clamp",
+                 "glu_linear_offset"}
 
 
 def test_inspect_json_schema_is_the_documented_one(fixture_dir, built):

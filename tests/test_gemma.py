@@ -8,8 +8,8 @@ and to-hf back: every tensor bit-exact, the logits transformers computes equal, 
 Megatron output verifies against the HF model on verify's default rows, which are longer than the window (and
 the window is shown to change the logits there), in one process and under torchrun at TP2 PP2. megatron-core's
 GPTModel with Megatron-Bridge's post-norm layout loads the outputs strictly (it has no Gemma maths to compare
-logits with: docs/formats.md), and its optimizer state, resharded, resumes its run. What ckptool cannot compute
-is refused by name.
+logits with: docs/formats.md), and its optimizer state, resharded, resumes its run. inspect shows the Gemma maths,
+the quick (torch-free) reader as the full one. What ckptool cannot compute is refused by name.
 """
 from __future__ import annotations
 
@@ -19,10 +19,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from ckptool import api, families
+from ckptool.cli import main
+from ckptool.describe import describe
 from ckptool.errors import CkptError
+from ckptool.quick_inspect import quick_open
 from ckptool.verify import inputs
 
 transformers = pytest.importorskip("transformers")
@@ -138,6 +142,29 @@ def test_the_default_rows_are_long_enough_for_the_window_to_matter(models, tmp_p
     conf["sliding_window"] = tokens.shape[1]
     (tmp_path / "wide" / "config.json").write_text(json.dumps(conf))
     assert not torch.allclose(hf_logits(tmp_path / "wide", tokens), hf_logits(models[name], tokens), atol=1e-3)
+
+
+# the window, its layers (Gemma 2: every other from 0; Gemma 3: all but each third) and the soft-caps, as built above
+MATHS = {"gemma2": (5, [0, 2], 5.0, 3.0, "window 5 on layers 0,2 of 4, score soft-cap 5.0, logit soft-cap 3.0"),
+         "gemma3": (6, [0, 1, 3], None, None, "window 6 on layers 0,1,3 of 4")}
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_inspect_shows_the_gemma_maths_full_and_quick(models, round_trips, name):
+    """inspect says the (1 + w) norms, the window and its layers, the soft-caps, for the HF model and each Megatron
+    stage (torch, torch_dist, mcore-te): the torch-free quick reader's document equal to the full reader's."""
+    window, layers, attn_cap, final_cap, said = MATHS[name]
+    for d in (models[name], round_trips[name] / "tp2pp2", round_trips[name] / "dist", round_trips[name] / "te_tp2"):
+        quick = quick_open(d, {})
+        assert quick is not None, d
+        doc = describe(quick)
+        assert doc == describe(api.open(d)), d
+        c = doc["config"]
+        assert (c["apply_layernorm_1p"], c["sliding_window"], c["local_layers"], c["attn_softcap"],
+                c["final_softcap"]) == (True, window, layers, attn_cap, final_cap), d
+        assert (c["attn_sinks"], c["glu_clamp"]) == (False, None), d
+        text = CliRunner().invoke(main, ["inspect", str(d)]).output
+        assert f"maths       (1 + w) norms, {said}\n" in text and "gemma       embedding x sqrt(hidden)" in text, text
 
 
 def test_megatron_args_say_the_gemma_maths(round_trips):

@@ -5,8 +5,9 @@ A tiny GptOssForCausalLM built by transformers (2 layers: one sliding, one full;
 parameter perturbed off its init, the sinks and biases too) goes through Megatron's torch format (TP2 EP2) and
 torch_dist and back bit-exact; ckptool's forward, single-process and under torchrun (TP2 PP2 EP2), computes
 transformers' logits on inputs longer than the window; megatron-core (CPU) loads the outputs strictly and computes
-the same logits. The MXFP4 checkpoint is packed by the layout transformers documents (its quantizer needs Triton
-kernels, absent on a CPU-only machine) and dequantized by ckptool bit-exact with transformers' own loading.
+the same logits. An MXFP4 checkpoint made by transformers' own quantizer (fixtures/gpt_oss_mxfp4) is dequantized by
+ckptool bit-exact with transformers' own loading. inspect shows the sinks, windows and clamp, the quick (torch-free)
+reader as the full one.
 """
 from __future__ import annotations
 
@@ -19,16 +20,20 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from click.testing import CliRunner
 from conftest import run_torchrun
 
 from ckptool import api
+from ckptool.cli import main
 from ckptool.config import Layout
 from ckptool.convert import write_layout
+from ckptool.describe import describe
 from ckptool.errors import CkptError
 from ckptool.families import for_config
 from ckptool.formats.hf.mxfp4 import dequantize
 from ckptool.formats.megatron.args import config_from_args
 from ckptool.formats.megatron.checkpoint import read_megatron
+from ckptool.quick_inspect import quick_open
 from ckptool.verify import reference
 from ckptool.verify.inputs import default_seq_len
 
@@ -112,6 +117,36 @@ def test_written_args_say_the_gpt_oss_maths_to_megatron(oss):
     assert config_from_args(args, 128).local_layers == (0,)
 
 
+def inspect_text(path) -> str:
+    r = CliRunner().invoke(main, ["inspect", str(path)])
+    assert r.exit_code == 0, r.output
+    return r.output
+
+
+def test_inspect_shows_the_gpt_oss_maths_full_and_quick(oss, tmp_path):
+    """inspect says sinks, the window and its layers, the clamped GLU, for the HF model, the MXFP4 release form, the
+    Megatron torch output and torch_dist: the torch-free quick reader's document equal to the full reader's."""
+    api.reshard(oss / "tp2ep2", tmp_path / "dist", format="torch_dist", tp=2, ep=2, etp=1, warn=lambda m: None)
+    for d in (oss / "hf", MXFP4, oss / "tp2ep2", tmp_path / "dist"):
+        quick = quick_open(d, {})
+        assert quick is not None, d
+        doc = describe(quick)
+        assert doc == describe(api.open(d)), d
+        c = doc["config"]
+        assert (c["attn_sinks"], c["sliding_window"], c["local_layers"], c["glu_clamp"], c["glu_linear_offset"]) \
+            == (True, WINDOW, [0], 7.0, 1.0), d
+        assert (c["attn_softcap"], c["final_softcap"], c["apply_layernorm_1p"]) == (None, None, False), d
+        text = inspect_text(d)
+        assert f"maths       attention sinks, window {WINDOW} on layers 0 of 2, GLU clamp 7.0, linear half + 1.0, " \
+            "YaRN factor 4.0\n" in text and "gemma" not in text, text
+    q = describe(quick_open(MXFP4, {}))
+    assert q["quantization"] == {"method": "mxfp4", "fmt": "e2m1", "block_size": 32, "scale_fmt": "e8m0",
+                                 "tensors": 4, "read_as": "bfloat16"}
+    assert q["storage"].startswith("MXFP4 (4 stacked expert weights")
+    assert {t["name"]: (t["shape"], t["dtype"]) for t in q["tensors"]}["layers.1.mlp.experts.3.gate.weight"] \
+        == ([64, 32], "bfloat16")
+
+
 def test_verify_computes_transformers_logits_and_the_window_and_sinks_matter(oss, tmp_path):
     """On its default inputs (no seq_len given: longer than the window, so windowing is exercised)."""
     res = api.verify(oss / "tp2ep2", reference=oss / "hf", quiet=True, warn=lambda m: None)
@@ -167,21 +202,6 @@ def test_megatron_core_loads_the_outputs_strictly_with_transformers_logits(oss, 
 
 # --- MXFP4 ---------------------------------------------------------------------------------------------------
 
-def pack_mxfp4(weights: dict, seed: int = 1) -> dict:
-    """The experts' weights as MXFP4 in transformers' documented layout (integrations/mxfp4.py): random fp4 codes
-    two per byte [E, out, G, 16] and e8m0 exponents [E, out, G] near 2 ** 0, for gate_up_proj and down_proj."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for k, v in weights.items():
-        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            e, fan_in, fan_out = v.shape
-            out[k + "_blocks"] = torch.randint(0, 256, (e, fan_out, fan_in // 32, 16), generator=g, dtype=torch.uint8)
-            out[k + "_scales"] = torch.randint(118, 130, (e, fan_out, fan_in // 32), generator=g, dtype=torch.uint8)
-        else:
-            out[k] = v.to(torch.bfloat16)
-    return out
-
-
 def test_dequantizes_like_transformers_own_function():
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
     g = torch.Generator().manual_seed(3)
@@ -193,34 +213,35 @@ def test_dequantizes_like_transformers_own_function():
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # bit for bit (infinities, signed zeros)
 
 
-def test_mxfp4_checkpoint_converts_to_the_values_transformers_loads(oss, tmp_path):
+MXFP4 = REPO / "fixtures" / "gpt_oss_mxfp4"  # made by transformers' own quantizer: fixtures/README.md
+
+
+def test_transformers_quantized_mxfp4_converts_to_what_transformers_dequantizes(tmp_path):
+    """fixtures/gpt_oss_mxfp4 (scripts/make_mxfp4_gpt_oss.py: transformers' Mxfp4Quantize with triton's
+    triton_kernels, saved by save_pretrained) through Megatron TP2 EP2 and back: every tensor bit for bit what
+    transformers' dequantizing load holds, and ckptool's forward of the Megatron output computes its logits."""
     from transformers import AutoModelForCausalLM, Mxfp4Config
-    q = tmp_path / "mxfp4"
-    q.mkdir()
-    save_file(pack_mxfp4(load_file(oss / "hf" / "model.safetensors")), q / "model.safetensors",
-              metadata={"format": "pt"})
-    conf = json.loads((oss / "hf" / "config.json").read_text())
-    conf.update(quantization_config={"quant_method": "mxfp4"}, dtype="bfloat16")
-    (q / "config.json").write_text(json.dumps(conf))
-    model = AutoModelForCausalLM.from_pretrained(q, dtype=torch.bfloat16,
+    model = AutoModelForCausalLM.from_pretrained(MXFP4, dtype=torch.bfloat16,
                                                  quantization_config=Mxfp4Config(dequantize=True))
     theirs = {k: v.detach() for k, v in model.state_dict().items()}
-    api.from_hf(q, tmp_path / "meg", tp=2, ep=2, etp=1, warn=lambda m: None)
+    api.from_hf(MXFP4, tmp_path / "meg", tp=2, ep=2, etp=1, make_vocab_size_divisible_by=64, warn=lambda m: None)
     api.to_hf(tmp_path / "meg", tmp_path / "bf16", warn=lambda m: None)
     ours = load_file(tmp_path / "bf16" / "model.safetensors")
     assert sorted(ours) == sorted(theirs)
     for k in ours:
         assert ours[k].dtype == theirs[k].dtype == torch.bfloat16 and torch.equal(ours[k], theirs[k]), k
+    tokens = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(0))  # longer than the window
+    want = hf_logits(MXFP4, tokens, dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True))
+    got = reference.forward(api.open(tmp_path / "meg"), tokens)[..., :want.shape[-1]]
+    assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()
 
 
-def test_incomplete_mxfp4_is_refused(oss, tmp_path):
+def test_incomplete_mxfp4_is_refused(tmp_path):
     q = tmp_path / "mxfp4"
-    q.mkdir()
-    packed = pack_mxfp4(load_file(oss / "hf" / "model.safetensors"))
+    shutil.copytree(MXFP4, q)
+    packed = load_file(q / "model.safetensors")
     packed.pop("model.layers.0.mlp.experts.down_proj_scales")
     save_file(packed, q / "model.safetensors", metadata={"format": "pt"})
-    conf = dict(json.loads((oss / "hf" / "config.json").read_text()), quantization_config={"quant_method": "mxfp4"})
-    (q / "config.json").write_text(json.dumps(conf))
     with pytest.raises(CkptError, match="down_proj_blocks has no .*down_proj_scales"):
         api.open(q)
 
@@ -315,6 +336,8 @@ def test_a_llama_run_with_sliding_windows_keeps_them_and_is_not_exported(fixture
     windowed = reference.forward(ck, tokens)
     unwindowed = reference.forward(ck.with_tensors(ck.tensors, sliding_window=None, local_layers=()), tokens)
     assert (windowed - unwindowed).abs().max() > 1e-4
+    text = inspect_text(tmp_path / "tp1")  # a Llama's windows are no Gemma's
+    assert "maths       window 8 on layers 0,2 of 4\n" in text and "gemma" not in text, text
     with pytest.raises(CkptError, match="the model uses --window-size"):
         api.to_hf(tmp_path / "tp1", tmp_path / "hf")
     assert not (tmp_path / "hf").exists()

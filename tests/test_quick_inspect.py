@@ -46,6 +46,12 @@ def quick_equals_full(monkeypatch, d, note=None) -> str:
     return quick_json
 
 
+def test_quick_inspect_of_gpt_oss_as_released_without_torch(monkeypatch):
+    """fixtures/gpt_oss_mxfp4 (transformers' own MXFP4 quantizer): stacked experts, MXFP4 blocks, sinks, windows."""
+    doc = json.loads(quick_equals_full(monkeypatch, ROOT / "fixtures/gpt_oss_mxfp4"))
+    assert doc["quantization"]["method"] == "mxfp4" and doc["config"]["attn_sinks"]
+
+
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     """The committed HF fixtures (GPT-2 tied, Llama GQA) and tiny transformers MoE/MLA models."""

@@ -35,6 +35,18 @@ def _gemma(cfg) -> Optional[dict]:
     return dict(out, local_layers=list(cfg.local_layers))
 
 
+# Issue 32's maths beside plain GPT that GPT-OSS and Gemma 2/3 compute (and a megatron-core run may ask for, e.g. a
+# Llama with --window-size), each a GPTConfig field shown under its own name in every document: attention sinks, the
+# sliding window and its layers, soft-capping of scores and logits, the clamped GLU. (apply_layernorm_1p, the (1 + w)
+# norm, is a config key of its own already.) `gemma` keeps the window and soft-caps too: schema 1 only adds fields.
+MATHS_FIELDS = ("attn_sinks", "sliding_window", "local_layers", "attn_softcap", "final_softcap", "glu_clamp",
+                "glu_linear_offset")
+
+
+def _maths(cfg) -> dict:
+    return dict({k: getattr(cfg, k) for k in MATHS_FIELDS}, local_layers=list(cfg.local_layers))
+
+
 def describe(ckpt: Checkpoint) -> dict:
     """The stable `inspect --json` document (schema in docs/inspect-json.md)."""
     cfg, src = ckpt.config, ckpt.source
@@ -67,6 +79,7 @@ def describe(ckpt: Checkpoint) -> dict:
             "mla": dataclasses.asdict(cfg.mla) if cfg.mla is not None else None,
             "rope_yarn": dataclasses.asdict(cfg.rope_yarn) if cfg.rope_yarn is not None else None,
             "gemma": _gemma(cfg),
+            **_maths(cfg),
             "mtp_num_layers": cfg.mtp_num_layers,  # multi-token prediction: layers num_layers .. after the decoder's
         },
         "vocab_size_source": cfg.vocab_size_source,

@@ -61,7 +61,7 @@ def _summary_lines(doc: dict, lay) -> list:
     ]
     lines += [_experts_line(c["moe"])] if c["moe"] else []
     lines += [_mla_line(c["mla"], c["rope_yarn"])] if c["mla"] else []
-    lines += [_gemma_line(c["gemma"])] if c["gemma"] else []
+    lines += [line for line in (_maths_line(c), _gemma_line(c["gemma"]) if c["gemma"] else "") if line]
     lines += [_mtp_line(c)] if c.get("mtp_num_layers") else []
     lines += [f"vocab       true {c['vocab_size'] if c['vocab_size'] is not None else 'unknown'} "
               f"(from {doc['vocab_size_source']}), stored rows {c['padded_vocab_size']}",
@@ -78,16 +78,33 @@ def _partial_rope(c: dict) -> str:
 
 def _biases(c: dict) -> str:
     return "biases" if c["add_bias_linear"] else ("q/k/v biases only" if c["add_qkv_bias"] else "no biases")
+
+
+def _maths_line(c: dict) -> str:
+    """The maths beside plain GPT a model has (GPT-OSS, Gemma 2/3, a windowed megatron-core run: describe.MATHS_FIELDS,
+    the (1 + w) norm, YaRN), "" when it has none."""
+    offset = c["glu_linear_offset"]
+    clamp = f"GLU clamp {c['glu_clamp']}" + (f", linear half + {offset}" if offset else "")
+    parts = [text for text, on in (
+        ("(1 + w) norms", c["apply_layernorm_1p"]), ("attention sinks", c["attn_sinks"]),
+        (f"window {c['sliding_window']} on layers {','.join(map(str, c['local_layers']))} of {c['num_layers']}",
+         c["sliding_window"]),
+        (f"score soft-cap {c['attn_softcap']}", c["attn_softcap"]),
+        (f"logit soft-cap {c['final_softcap']}", c["final_softcap"]),
+        (clamp, c["glu_clamp"] is not None),
+        # YaRN: the MLA line says it for MLA models
+        (f"YaRN factor {(c['rope_yarn'] or {}).get('factor')}", c["rope_yarn"] and not c["mla"])) if on]
+    return "maths       " + ", ".join(parts) if parts else ""
+
+
 def _gemma_line(g: dict) -> str:
-    """Gemma's maths, the ones the model has."""
+    """Gemma's own maths, the ones the model has ("" for none: its window and soft-caps are on the maths line)."""
     parts = [text for text, on in (
         ("embedding x sqrt(hidden)", g["embedding_scale"]), ("post-attention/MLP norms", g["post_norms"]),
         (f"scores x {g['query_pre_attn_scalar']}^-1/2", g["query_pre_attn_scalar"]),
-        (f"score soft-cap {g['attn_softcap']}", g["attn_softcap"]), (f"logit soft-cap {g['final_softcap']}", g["final_softcap"]),
-        (f"window {g['sliding_window']} on layers {','.join(map(str, g['local_layers']))}", g["sliding_window"]),
         (f"local rope base {g['rotary_base_local']}", g["rotary_base_local"]),
         (f"global rope / {g['rope_linear_factor']}", g["rope_linear_factor"])) if on]
-    return "gemma       " + ", ".join(parts)
+    return "gemma       " + ", ".join(parts) if parts else ""
 
 
 def _experts_line(m: dict) -> str:

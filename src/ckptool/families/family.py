@@ -40,6 +40,13 @@ Entry = Tuple[str, object]
 STACKED = {"stack": 1, "stack_T": 1, "stack_glu": 2, "stack_glu_T": 2}
 
 
+def stacked_part_shape(op: str, shape: tuple) -> tuple:
+    """One expert's canonical part (Linear layout [out, in], or a bias [out]) of a stacked tensor of `shape`
+    ([E, in, out] for the _T ops, [E, out] else): the reader's split (formats/hf/stacked.py) and the quick reader's."""
+    out_rows = shape[2] if op.endswith("_T") else shape[1]
+    return (out_rows // STACKED[op],) + ((shape[1],) if op.endswith("_T") else tuple(shape[2:]))
+
+
 def canonical_names(entry: Entry) -> tuple:
     op, arg = entry
     return tuple(arg) if isinstance(arg, tuple) else (arg,)

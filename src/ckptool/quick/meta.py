@@ -56,7 +56,9 @@ def canonical_shapes(cfg: GPTConfig) -> Dict[str, Tuple[int, ...]]:
                "q": ((q, h), (q,)), "k": ((kv, h), (kv,)), "v": ((kv, h), (kv,)),
                "q_norm": ((hd,), (hd,)), "k_norm": ((hd,), (hd,)), "out": ((h, q), (h,)),
                # an MTP layer's own (its final norm is final_norm's shape): eh_proj maps [embedding | hidden] to h
-               "enorm": ((h,), (h,)), "hnorm": ((h,), (h,)), "eh_proj": ((h, 2 * h), None)}
+               "enorm": ((h,), (h,)), "hnorm": ((h,), (h,)), "eh_proj": ((h, 2 * h), None),
+               # issue 32: Gemma's norms of the attention and MLP outputs
+               "attn_post_norm": ((h,), (h,)), "mlp_post_norm": ((h,), (h,))}
     if cfg.mla is not None:  # Multi-Latent Attention (no biases): state.py's shapes, r the shared rotary key part
         m, n = cfg.mla, cfg.num_attention_heads
         ql, kvl, r = m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim
@@ -66,11 +68,14 @@ def canonical_shapes(cfg: GPTConfig) -> Dict[str, Tuple[int, ...]]:
                        out=((h, n * m.v_head_dim), None))
     whole = {"embed.word": (cfg.padded_vocab_size, h), "embed.pos": (cfg.max_position_embeddings, h),
              "output.weight": (cfg.padded_vocab_size, h)}
+    own = {"attn.sinks": (cfg.num_attention_heads,)}  # issue 32: GPT-OSS's softmax sink logit per head
     shapes = {}
     for name in expected_names(cfg):
         parts = name.split(".")
         if name in whole:
             shapes[name] = whole[name]
+        elif ".".join(parts[-2:]) in own:
+            shapes[name] = own[".".join(parts[-2:])]
         elif cfg.moe is not None and ".".join(parts[-2:]) in moe and parts[-3] == "mlp":
             shapes[name] = moe[".".join(parts[-2:])]
         elif parts[-2] in ("gate", "up", "down"):

@@ -16,10 +16,10 @@ from typing import Dict
 
 import torch
 
-from ...errors import CkptError, require
 from ...lazy import LazyTensor
+from .fp8 import stored
+from .quant import mxfp4_pairs
 
-BLOCKS, SCALES = "_blocks", "_scales"
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # bits 0-2 of a code; bit 3 negates
 SCALE_BIAS = 127  # e8m0: the exponent is the byte minus 127
 DTYPE = torch.bfloat16
@@ -65,25 +65,9 @@ class Mxfp4Tensor(LazyTensor):
 
 
 def dequantize_mxfp4(entries: Dict[str, LazyTensor], conf: dict, path) -> Dict[str, LazyTensor]:
-    """Each <name>_blocks with its <name>_scales -> <name> in bfloat16; anything else MXFP4-looking refused."""
-    blocks = [k for k in entries if k.endswith(BLOCKS)]
-    if not blocks:
-        return entries
-    quant = conf.get("quantization_config") or {}
-    require(quant.get("quant_method") == "mxfp4", f"{path}: {blocks[0]} with quantization "
-            f"{quant.get('quant_method')!r}", "ckptool dequantizes MXFP4 blocks (quant_method mxfp4) only")
+    """Each <name>_blocks with its <name>_scales -> <name> in bfloat16; anything else MXFP4-looking refused
+    (quant.mxfp4_pairs, the quick reader's check too)."""
     out = dict(entries)
-    for key in blocks:
-        name = key[:-len(BLOCKS)]
-        b, s = out.pop(key), out.pop(name + SCALES, None)
-        require(s is not None, f"{path}: {key} has no {name + SCALES}", "the MXFP4 checkpoint is incomplete")
-        require(len(b.shape) == 4 and b.shape[-1] == 16 and b.dtype == torch.uint8 and s.dtype == torch.uint8
-                and tuple(s.shape) == tuple(b.shape[:-1]),
-                f"{path}: {key} {tuple(b.shape)} / {name + SCALES} {tuple(s.shape)} are not MXFP4 blocks and scales",
-                "expected uint8 [experts, out, groups, 16] codes and [experts, out, groups] exponents")
-        out[name] = Mxfp4Tensor(b, s)
-    left = [k for k in out if k.endswith(SCALES)]
-    if left:
-        raise CkptError(f"{path}: {left[0]} has no {left[0][:-len(SCALES)] + BLOCKS}",
-                        "the MXFP4 checkpoint is incomplete")
+    for name, blocks, scales in mxfp4_pairs(stored(entries), conf, path):
+        out[name] = Mxfp4Tensor(out.pop(blocks), out.pop(scales))
     return out

@@ -1,5 +1,5 @@
-"""Block-FP8 weights in Hugging Face directories, the torch-free part: what config.json's
-`quantization_config` says and what inspect reports of it (the arithmetic is fp8.py's).
+"""Block-FP8 weights in Hugging Face directories (and GPT-OSS's MXFP4 experts, at the end), the torch-free part:
+what config.json's `quantization_config` says and what inspect reports of it (the arithmetic is fp8.py's, mxfp4.py's).
 
 DeepSeek-V3 / R1 are released this way (and Qwen3's -FP8 repositories): every Linear weight of the
 attention and the MLPs stored float8_e4m3fn beside a float32 `<name>_scale_inv` of shape
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from ...errors import require
+from ...errors import CkptError, require
 
 SCALE_SUFFIX = "_scale_inv"  # weight W's scale is W + SCALE_SUFFIX ("...weight_scale_inv")
 FP8_DTYPE = "float8_e4m3fn"
@@ -84,7 +84,10 @@ def block_fp8(conf: dict, where) -> Optional[BlockFP8]:
 
 
 def storage_label(q: dict) -> str:
-    """SourceInfo.storage of a block-FP8 directory (inspect's `storage`), from its `quantization` object."""
+    """SourceInfo.storage of a quantized directory (inspect's `storage`), from its `quantization` object."""
+    if q["method"] == MXFP4:
+        return (f"MXFP4 ({q['tensors']} stacked expert weights: e2m1 codes in blocks of {q['block_size']} with e8m0 "
+                f"_scales), read as {q['read_as']}")
     rows, cols = q["weight_block_size"]
     return (f"block FP8 ({q['tensors']} weights {FP8_DTYPE} in {rows}x{cols} blocks, {q['scale_dtype']} "
             f"weight_scale_inv), read as {q['read_as']}")
@@ -127,9 +130,52 @@ def checked_scheme(stored: Stored, pairs: List[Tuple[str, str]], conf: dict, whe
 
 
 def quantization_doc(stored: Stored, conf: dict, where) -> Optional[dict]:
-    """inspect's `quantization` object of the stored tensors; None without FP8 weights."""
+    """inspect's `quantization` object of the stored tensors; None without FP8 or MXFP4 weights."""
     pairs = scaled_weights(stored, where)
     if not pairs:
-        return None
+        blocks = mxfp4_pairs(stored, conf, where)
+        return {"method": MXFP4, "fmt": "e2m1", "block_size": MXFP4_BLOCK, "scale_fmt": "e8m0",
+                "tensors": len(blocks), "read_as": "bfloat16"} if blocks else None
     scheme = checked_scheme(stored, pairs, conf, where)
     return scheme.describe(len(pairs), "/".join(sorted({stored[key][1] for _, key in pairs})), "bfloat16")
+
+
+# --- MXFP4: GPT-OSS's experts as released (issue 32; the arithmetic is mxfp4.py's) ----------------------------
+# transformers 5.24 integrations/mxfp4.py: <name>_blocks uint8 [E, out, G, 16], 32 e2m1 codes of the input axis per
+# block, two per byte; <name>_scales uint8 [E, out, G], one e8m0 exponent per block; config.json says
+# {"quant_method": "mxfp4"}. Read as <name> [E, in = G * 32, out] in bfloat16.
+MXFP4 = "mxfp4"
+BLOCKS, SCALES = "_blocks", "_scales"
+MXFP4_BLOCK = 32  # values per scale
+
+
+def mxfp4_pairs(stored: Stored, conf: dict, where) -> List[Tuple[str, str, str]]:
+    """[(name, blocks key, scales key)] of the MXFP4 tensors (the reader's and the quick reader's one check);
+    CkptError for blocks without quant_method mxfp4, a half without the other, or shapes that are not MXFP4."""
+    blocks = sorted(k for k in stored if k.endswith(BLOCKS))
+    if not blocks:
+        return []
+    quant = conf.get("quantization_config") or {}
+    require(quant.get("quant_method") == MXFP4, f"{where}: {blocks[0]} with quantization "
+            f"{quant.get('quant_method')!r}", "ckptool dequantizes MXFP4 blocks (quant_method mxfp4) only")
+    pairs = []
+    for key in blocks:
+        name = key[:-len(BLOCKS)]
+        require(name + SCALES in stored, f"{where}: {key} has no {name + SCALES}", "the MXFP4 checkpoint is incomplete")
+        (b, b_dtype), (s, s_dtype) = stored[key], stored[name + SCALES]
+        require(len(b) == 4 and b[-1] == MXFP4_BLOCK // 2 and b_dtype == s_dtype == "uint8"
+                and tuple(s) == tuple(b[:-1]),
+                f"{where}: {key} {tuple(b)} / {name + SCALES} {tuple(s)} are not MXFP4 blocks and scales",
+                "expected uint8 [experts, out, groups, 16] codes and [experts, out, groups] exponents")
+        pairs.append((name, key, name + SCALES))
+    paired = {s for _, _, s in pairs}
+    left = sorted(k for k in stored if k.endswith(SCALES) and k not in paired)
+    if left:
+        raise CkptError(f"{where}: {left[0]} has no {left[0][:-len(SCALES)] + BLOCKS}",
+                        "the MXFP4 checkpoint is incomplete")
+    return pairs
+
+
+def mxfp4_shape(blocks: tuple) -> tuple:
+    """The dequantized [E, in, out] of blocks [E, out, G, 16]."""
+    return (blocks[0], blocks[2] * blocks[3] * 2, blocks[1])

@@ -3,9 +3,10 @@
 name, shape and dtype (io/safetensors_header.py, the reader's own parser); the family's name table
 maps them to canonical names as the reader does, on shapes alone.
 
-Block-FP8 weights (DeepSeek-V3 / R1 as released) read as the bf16 tensors the reader makes of them,
-their scales consumed (quant.py's checks, shared with the reader). Fused 3-D experts (transformers 5) are
-split into each expert's shapes here as the reader splits the tensors. None (the full reader answers) for
+Block-FP8 weights (DeepSeek-V3 / R1 as released) and MXFP4 experts (GPT-OSS as released) read as the bf16
+tensors the reader makes of them, their scales consumed (quant.py's checks, shared with the reader). Fused 3-D
+experts (transformers 5) and GPT-OSS's stacked ones are split into each expert's shapes here as the reader splits
+the tensors. None (the full reader answers) for
 pytorch_model.bin weights, other FP8 tensors (their canonical form needs the reader's arithmetic), or files
 that do not match config.json.
 """
@@ -16,7 +17,7 @@ from typing import Dict, Optional
 
 from ...config import Layout
 from ...errors import CkptError
-from ...families.family import Family, canonical_names
+from ...families.family import STACKED, Family, canonical_names, stacked_part_shape
 from ...families.mtp import layers_held as mtp_layers_held
 from . import config as hf_config
 from . import quant
@@ -46,7 +47,7 @@ def _checkpoint(path: Path, format_name: str) -> Optional[Checkpoint]:
         for name, e in read_safetensors_header(f).tensors.items():
             entries[name] = TensorMeta(e.shape, e.dtype_name)
     quantization = quant.quantization_doc({k: (t.shape, t.dtype) for k, t in entries.items()}, conf, path)
-    entries = _dequantized(entries)
+    entries = _dequantized(entries, conf, path)
     if any(t.dtype in COMPUTED_DTYPES for t in entries.values()):
         return None
     entries = family.names.with_full_names(entries)
@@ -65,14 +66,17 @@ def _checkpoint(path: Path, format_name: str) -> Optional[Checkpoint]:
     return ckpt
 
 
-def _dequantized(entries: Dict[str, TensorMeta]) -> Dict[str, TensorMeta]:
-    """Block-FP8 weights as the reader reads them (bf16, fp8.py) and their scales consumed; called once
-    quant.quantization_doc accepted the pairs (a bad pair raised, and the full reader reports it)."""
+def _dequantized(entries: Dict[str, TensorMeta], conf: dict, path: Path) -> Dict[str, TensorMeta]:
+    """Block-FP8 weights and MXFP4 experts as the reader reads them (bf16: fp8.py, mxfp4.py), their scales consumed;
+    called once quant.quantization_doc accepted the pairs (a bad pair raised, and the full reader reports it)."""
     scales = [k for k in entries if k.endswith(quant.SCALE_SUFFIX)]
     out = {k: t for k, t in entries.items() if k not in scales}
     for key in scales:
         name = key[:-len(quant.SCALE_SUFFIX)]
         out[name] = TensorMeta(out[name].shape, "bfloat16")
+    for name, blocks, scales_key in quant.mxfp4_pairs({k: (t.shape, t.dtype) for k, t in out.items()}, conf, path):
+        del out[scales_key]
+        out[name] = TensorMeta(quant.mxfp4_shape(tuple(out.pop(blocks).shape)), "bfloat16")
     return out
 
 
@@ -115,6 +119,12 @@ def canonical_shapes(entries: Dict[str, TensorMeta], family: Family, cfg,
         shape = t.shape[::-1] if op in ("T", "cat_T") else t.shape
         if op in ("copy", "T"):
             tensors[arg] = TensorMeta(shape, t.dtype)
+            continue
+        if op in STACKED:  # GPT-OSS: a layer's experts stacked in one tensor, each expert's parts split from it
+            dims, per = (3 if op.endswith("_T") else 2), STACKED[op]
+            if len(shape) != dims or shape[0] * per != len(arg) or shape[dims - 1] % per:
+                return None  # stacked.unstack's refusals, which the full reader reports
+            tensors.update((name, TensorMeta(stacked_part_shape(op, tuple(shape)), t.dtype)) for name in arg)
             continue
         start = 0
         for name in arg:

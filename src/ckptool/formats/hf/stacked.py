@@ -11,7 +11,7 @@ from typing import Dict, Sequence
 import torch
 
 from ...errors import require
-from ...families.family import STACKED
+from ...families.family import STACKED, stacked_part_shape
 from ...lazy import Derived, LazyTensor
 
 
@@ -55,7 +55,7 @@ def unstack(op: str, hf_name: str, t: LazyTensor, names: Sequence[str]) -> Dict[
             f"{hf_name} has shape {tuple(t.shape)}, expected {want_dims} dimensions with {experts} experts first")
     out_rows = t.shape[2] if op.endswith("_T") else t.shape[1]
     require(out_rows % per == 0, f"{hf_name} has {out_rows} gate/up features, an odd number: not interleaved halves")
-    one = (out_rows // per,) + ((t.shape[1],) if op.endswith("_T") else ())
+    one = stacked_part_shape(op, tuple(t.shape))
     out = {}
     for e in range(experts):
         piece = t.narrow(0, e, 1)

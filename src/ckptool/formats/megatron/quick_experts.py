@@ -26,9 +26,9 @@ def holds(models, matcher, cfg, counts: Dict[Tuple[int, int], int], ep: int, etp
     (and no dense MLP in an MoE layer, no MoE part in a dense one), cut at expert TP etp."""
     offsets = layer_offsets(counts)
     roles: Dict[int, Set[str]] = {}  # global layer -> the roles held, expert index dropped
-    held: Dict[str, Set[Tuple[int, int]]] = {}  # fc1 / fc2 -> {(global layer, global expert)}
+    held: Dict[str, Set[Tuple[int, int]]] = {}  # fc1.weight, fc2.bias, ... -> {(global layer, global expert)}
     stacked: Dict[str, Set[int]] = {}  # fc1 / fc2 -> global layers of legacy GroupedMLP tensors
-    shapes: Dict[Tuple[str, bool], Set[tuple]] = {}  # (fc1 / fc2, stacked) -> the shapes stored
+    shapes: Dict[Tuple[str, bool], Set[tuple]] = {}  # (fc1.weight, fc2.bias, ..., stacked) -> the shapes stored
     for (_, p, e), chunks in models.items():
         for v, flat in chunks.items():
             for key, value in flat.items():
@@ -41,12 +41,11 @@ def holds(models, matcher, cfg, counts: Dict[Tuple[int, int], int], ep: int, etp
                     continue
                 local, base = role[len("experts."):].split(".", 1)
                 roles.setdefault(layer, set()).add("experts." + base)
-                fc = base.split(".")[0]
-                shapes.setdefault((fc, local == "*"), set()).add(value.shape)
+                shapes.setdefault((base, local == "*"), set()).add(value.shape)
                 if local == "*":
-                    stacked.setdefault(fc, set()).add(layer)
+                    stacked.setdefault(base.split(".")[0], set()).add(layer)
                 else:
-                    held.setdefault(fc, set()).add((layer, e, int(local)))
+                    held.setdefault(base, set()).add((layer, e, int(local)))
     moe = cfg.moe
     moe_layers = {i for i in range(cfg.all_layers) if cfg.is_moe_layer(i)}  # an MTP layer's too
     for layer, rs in roles.items():
@@ -63,11 +62,14 @@ def holds(models, matcher, cfg, counts: Dict[Tuple[int, int], int], ep: int, etp
         return False
     h = cfg.hidden_size
     if stacked:  # weight1 [h, local experts x fc1 rows], weight2 [local experts x ffn, h] (stacked_expert_block)
-        want = {("fc1", True): {(h, per_ep * fc1_rows // etp)}, ("fc2", True): {(per_ep * moe.ffn_hidden_size // etp, h)}}
+        want = {("fc1.weight", True): {(h, per_ep * fc1_rows // etp)},
+                ("fc2.weight", True): {(per_ep * moe.ffn_hidden_size // etp, h)}}
         return shapes == want and all(stacked.get(fc) == moe_layers for fc in ("fc1", "fc2"))
-    want = {("fc1", False): {(fc1_rows // etp, h)}, ("fc2", False): {(h, moe.ffn_hidden_size // etp)}}
+    want = {("fc1.weight", False): {(fc1_rows // etp, h)}, ("fc2.weight", False): {(h, moe.ffn_hidden_size // etp)}}
+    if cfg.add_bias_linear:  # issue 32: GPT-OSS's biased experts; fc1's bias cut as its rows, fc2's whole on each
+        want.update({("fc1.bias", False): {(fc1_rows // etp,)}, ("fc2.bias", False): {(h,)}})
     every = {(layer, x) for layer in moe_layers for x in range(moe.num_experts)}
-    for fc in ("fc1", "fc2"):
+    for fc, _ in want:  # every expert's every tensor
         locals_ = held.get(fc, set())
         if any(j >= per_ep for _, _, j in locals_) or {(layer, e * per_ep + j) for layer, e, j in locals_} != every:
             return False
