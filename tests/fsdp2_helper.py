@@ -23,7 +23,6 @@
         and the full state dict (rank 0).
 """
 import argparse
-import json
 import os
 import shlex
 import sys
