@@ -317,10 +317,14 @@ def live_distributed(model, opt, ep) -> dict:
     return {key: {k: v.reshape(shapes[key]) for k, v in full.items()} for key, full in out.items()}
 
 
+def configure(arch: str, bf16: bool = False, distributed: bool = False) -> None:
+    """Set the model and optimizer every later build() / make_optimizer() of this process makes: each job (of this
+    helper or another calling it, tests/mcore_jobs.py runs many in one process) sets all three first."""
+    ARCH["name"], DTYPE["bf16"], DISTRIBUTED["on"] = arch, bf16, distributed
+
+
 def run_job(a):
-    ARCH["name"] = a.arch
-    DTYPE["bf16"] = a.dtype == "bf16"
-    DISTRIBUTED["on"] = a.distributed_optimizer
+    configure(a.arch, a.dtype == "bf16", a.distributed_optimizer)
     model, cfg = build(a.tp, a.ep, a.pp, a.etp)
     root = Path(a.dir)
     d = rank_dir(root, a.pp, a.ep)

@@ -616,10 +616,8 @@ def run_moe(a):
     optimizer at this TP x EP load DIR as Megatron-LM's load_checkpoint does for torch_dist (optimizer
     too unless --weights-only, then reload_model_params as with --no-load-optim) and take those two steps."""
     import mcore_moe_helper as M
-    M.ARCH["name"] = a.moe_arch
-    M.DTYPE["bf16"] = a.dtype == "bf16"
     distributed = a.form in DISTRIBUTED_FORMS
-    M.DISTRIBUTED["on"] = distributed
+    M.configure(a.moe_arch, a.dtype == "bf16", distributed)
     model, cfg = M.build(a.tp, a.ep, a.pp, a.etp)
     ddp, opt = M.make_optimizer(model, cfg)  # before loading, as Megatron-LM's setup_model_and_optimizer
     root = Path(a.dir)

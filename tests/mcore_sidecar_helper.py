@@ -262,7 +262,7 @@ def save_live(live: dict, cfg, a, root: Path) -> None:
 def build_for(a):
     if a.arch == "mixtral":  # MoE: SequentialMLP experts (local spec), megatron-core's MoE helper's model at EP 1
         import mcore_moe_helper
-        mcore_moe_helper.ARCH["name"] = "mixtral"
+        mcore_moe_helper.configure("mixtral")  # fp32, megatron-core's plain optimizer
         return mcore_moe_helper.build(a.tp, 1)
     return base.build(a.arch, a.tp)
 

@@ -247,10 +247,13 @@ STACKED_FC1 = "decoder.layers.1.mlp.experts.experts.linear_fc1.weight"
 
 @pytest.mark.parametrize("save, old, new, says", [
     ("src", STACKED_FC1, "mtp.layers.0.transformer_layer.mlp.linear_fc1.weight", "multi-token-prediction"),
-    ("src", STACKED_FC1, "decoder.layers.1.mlp.experts.linear_fc1.weight0", "expert layout other than"),
-    ("src", STACKED_FC1, "decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight", "expert layout other than"),
-    # a name of the other form with this form's shape: every expert's fc1 but that one is missing
+    ("src", STACKED_FC1, "decoder.layers.1.mlp.experts.grouped.linear_fc1.weight", "expert layout other than"),
+    ("src", STACKED_FC1, "decoder.layers.1.mlp.experts.local_experts.0.fc1.weight", "expert layout other than"),
+    # a name of another known form with this form's shape: every expert's fc1 but that one is missing (one key per
+    # expert; Megatron-FSDP's grouped and SequentialMLP names, read since issue 31)
     ("src", STACKED_FC1, "decoder.layers.1.mlp.experts.experts.2.linear_fc1.weight", "6 tensors missing"),
+    ("src", STACKED_FC1, "decoder.layers.1.mlp.experts.linear_fc1.weight0", "6 tensors missing"),
+    ("src", STACKED_FC1, "decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight", "6 tensors missing"),
     ("single", "decoder.layers.1.mlp.experts.experts.1.linear_fc1.weight_v",
      "decoder.layers.1.mlp.experts.experts.1.linear_fc1.weight_u", "expert layout other than"),
 ])
