@@ -76,6 +76,9 @@ def weight_gap(a: Path, b: Path, only=lambda name: True) -> float:
 TRAIN_TP2 = declare_runs(HELPER, 2, {"a2": f"train {{out}} --tp 2 --steps {STEPS} --more {MORE} --out {{out}}.pt",
                                      # MTP (issue 30): megatron-core's MTP block, its loss in the backward
                                      "m2": f"train {{out}} --tp 2 --arch llama_mtp --steps {STEPS} --more {MORE} "
+                                           "--out {out}.pt",
+                                     # and at PP 2: the MTP block and megatron-core's copy of the embedding last
+                                     "q2": f"train {{out}} --pp 2 --arch llama_mtp --steps {STEPS} --more {MORE} "
                                            "--out {out}.pt"})
 # and the TP1 one (with the other files' one-process trainings of the helper, if any)
 TRAIN_TP1 = declare_runs(HELPER, 1, {"a1": f"train {{out}} --tp 1 --steps {STEPS} --more {MORE} --out {{out}}.pt"})
@@ -88,6 +91,7 @@ def runs(framework_runs, d):
     copy_run(framework_runs(HELPER, 2, TRAIN_TP2, timeout=300)["a2"], d / "a2")
     copy_run(framework_runs(HELPER, 1, TRAIN_TP1, timeout=300)["a1"], d / "a1")
     copy_run(framework_runs(HELPER, 2, TRAIN_TP2, timeout=300)["m2"], d / "m2")
+    copy_run(framework_runs(HELPER, 2, TRAIN_TP2, timeout=300)["q2"], d / "q2")
     out = ckptool("reshard", d / "a2", d / "b1", "--tp", "1").stdout
     assert "optimizer state carried" in out
     ckptool("reshard", d / "a2", d / "w1", "--tp", "1", "--no-optimizer")
@@ -95,15 +99,19 @@ def runs(framework_runs, d):
     ckptool("reshard", d / "a1", d / "w2", "--tp", "2", "--no-optimizer")
     assert "optimizer state carried" in ckptool("reshard", d / "m2", d / "n1", "--tp", "1").stdout
     ckptool("reshard", d / "m2", d / "v1", "--tp", "1", "--no-optimizer")
+    ckptool("reshard", d / "m2", d / "p2", "--tp", "1", "--pp", "2", "--pp-layers", "2,1")  # MTP at PP 2, written
+    ckptool("reshard", d / "q2", d / "r1", "--pp", "1")  # and read (its embedding copy checked)
     mtp = "--arch llama_mtp"
     yield [(HELPER, 1, [f"resume {d}/b1 --tp 1 --more {MORE} --out {d}/b1.pt",
                         f"resume {d}/w1 --tp 1 --more {MORE} --out {d}/w1.pt --weights-only",
                         f"resume {d}/n1 --tp 1 {mtp} --more {MORE} --out {d}/n1.pt",
-                        f"resume {d}/v1 --tp 1 {mtp} --more {MORE} --out {d}/v1.pt --weights-only"]),
+                        f"resume {d}/v1 --tp 1 {mtp} --more {MORE} --out {d}/v1.pt --weights-only",
+                        f"resume {d}/r1 --tp 1 {mtp} --more {MORE} --out {d}/r1.pt"]),
            (HELPER, 2, [f"resume {d}/b2 --tp 2 --more {MORE} --out {d}/b2.pt",
                         f"resume {d}/w2 --tp 2 --more {MORE} --out {d}/w2.pt --weights-only",
                         f"resume {d}/a2 --tp 2 --more {MORE} --out {d}/a2_control.pt",
-                        f"resume {d}/m2 --tp 2 {mtp} --more {MORE} --out {d}/m2_control.pt"])]
+                        f"resume {d}/m2 --tp 2 {mtp} --more {MORE} --out {d}/m2_control.pt",
+                        f"resume {d}/p2 --pp 2 {mtp} --more {MORE} --out {d}/p2.pt"])]
     return d
 
 
@@ -156,3 +164,16 @@ def test_mtp_resharded_optimizer_resumes_like_the_run_that_went_on(runs):
     w_gap_weights_only = weight_gap(runs / "m2_continued", runs / "v1_weights_only_tp1", mtp_layer)
     print(f"MTP layer's weights: gap carried {w_gap:.2e}, weights-only {w_gap_weights_only:.2e}")
     assert w_gap < 0.25 * w_gap_weights_only
+
+
+@pytest.mark.parametrize("src,resumed", [("m2", "p2"), ("q2", "r1")])
+def test_mtp_resumes_across_pipeline_stages(runs, src, resumed):
+    """MTP at PP 2 both ways: the TP 2 run resharded to PP 2 (ckptool writes the last stage's copy of the word
+    embedding megatron-core keeps for MTP, and its optimizer state) and megatron-core's own PP 2 run resharded to
+    PP 1 (ckptool reads that copy, checked equal to the first stage's): megatron-core resumes each with its
+    optimizer and the main and MTP losses go on as the run's that went on."""
+    for which in ("losses", "mtp_losses"):
+        went_on = losses(runs / f"{src}.pt", which)[STEPS:]
+        gap = (losses(runs / f"{resumed}.pt", which) - went_on).abs().max().item()
+        print(f"MTP model {src} -> {resumed} {which}: gap {gap:.2e}")
+        assert gap < LOSS_TOL
