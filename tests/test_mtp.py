@@ -322,16 +322,27 @@ def test_optimizer_slots_of_the_mtp_layer_flow_like_any_parameters(mcore_runs, t
                 assert torch.equal(back.slots[s][n].load(), slots[s][n].load()), (out, s, n)
 
 
-def test_mtp_at_pp2_with_learned_positions_is_refused_by_name(tmp_path):
-    """megatron-core 0.16.1 keeps a second position table on the MTP stage that it never synchronises with the first
-    stage's: a model with learned positions and MTP layers is refused at PP > 1 (written at PP 1)."""
+def _gpt2():
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=COMMON["vocab_size"], n_embd=32, n_head=4,
+                                                                n_layer=2, n_positions=64))
+
+
+def _tied_llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**dict(COMMON, tie_word_embeddings=True),
+                                                                  intermediate_size=64, num_hidden_layers=2))
+
+
+@pytest.mark.parametrize("make, says", [(_gpt2, "with learned absolute position embeddings"),
+                                        (_tied_llama, "with tied embeddings")])
+def test_mtp_at_pp2_that_megatron_core_keeps_apart_is_refused_by_name(tmp_path, make, says):
+    """At PP > 1 megatron-core 0.16.1 keeps on the MTP stage a second position table it never synchronises with
+    the first stage's, and with tied embeddings an output layer weight its forward never uses: models with learned
+    positions or tied embeddings and MTP layers are refused at PP > 1 (written at PP 1)."""
     torch.manual_seed(6)
-    gpt2 = randomise(transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=COMMON["vocab_size"], n_embd=32, n_head=4, n_layer=2, n_positions=64))).eval()
-    meg = _with_mtp_layer(gpt2, tmp_path)
+    meg = _with_mtp_layer(randomise(make()).eval(), tmp_path)
     assert open_checkpoint(meg).config.mtp_num_layers == 1
     _one_line_refusal("reshard", meg, tmp_path / "out", "--pp", "2", says=[
-        "multi-token prediction (MTP) layers at --pp 2 with learned absolute position embeddings", "--drop-mtp"])
+        f"multi-token prediction (MTP) layers at --pp 2 {says}", "--drop-mtp"])
     assert not (tmp_path / "out").exists()
 
 

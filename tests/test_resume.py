@@ -79,7 +79,7 @@ TRAIN_TP2 = declare_runs(HELPER, 2, {"a2": f"train {{out}} --tp 2 --steps {STEPS
                                            "--out {out}.pt",
                                      # and at PP 2: the MTP block and megatron-core's copy of the embedding last
                                      "q2": f"train {{out}} --pp 2 --arch llama_mtp --steps {STEPS} --more {MORE} "
-                                           "--out {out}.pt"})
+                                           "--distributed-optimizer --out {out}.pt"})
 # and the TP1 one (with the other files' one-process trainings of the helper, if any)
 TRAIN_TP1 = declare_runs(HELPER, 1, {"a1": f"train {{out}} --tp 1 --steps {STEPS} --more {MORE} --out {{out}}.pt"})
 
@@ -100,7 +100,8 @@ def runs(framework_runs, d):
     assert "optimizer state carried" in ckptool("reshard", d / "m2", d / "n1", "--tp", "1").stdout
     ckptool("reshard", d / "m2", d / "v1", "--tp", "1", "--no-optimizer")
     ckptool("reshard", d / "m2", d / "p2", "--tp", "1", "--pp", "2", "--pp-layers", "2,1")  # MTP at PP 2, written
-    ckptool("reshard", d / "q2", d / "r1", "--pp", "1")  # and read (its embedding copy checked)
+    ckptool("reshard", d / "m2", d / "p2d", "--tp", "1", "--pp", "2", "--pp-layers", "2,1", "--distributed-optimizer")
+    ckptool("reshard", d / "q2", d / "r1", "--pp", "1")  # and read (its embedding copy checked; distrib_optim.pt)
     mtp = "--arch llama_mtp"
     yield [(HELPER, 1, [f"resume {d}/b1 --tp 1 --more {MORE} --out {d}/b1.pt",
                         f"resume {d}/w1 --tp 1 --more {MORE} --out {d}/w1.pt --weights-only",
@@ -111,7 +112,8 @@ def runs(framework_runs, d):
                         f"resume {d}/w2 --tp 2 --more {MORE} --out {d}/w2.pt --weights-only",
                         f"resume {d}/a2 --tp 2 --more {MORE} --out {d}/a2_control.pt",
                         f"resume {d}/m2 --tp 2 {mtp} --more {MORE} --out {d}/m2_control.pt",
-                        f"resume {d}/p2 --pp 2 {mtp} --more {MORE} --out {d}/p2.pt"])]
+                        f"resume {d}/p2 --pp 2 {mtp} --more {MORE} --out {d}/p2.pt",
+                        f"resume {d}/p2d --pp 2 {mtp} --more {MORE} --out {d}/p2d.pt --distributed-optimizer"])]
     return d
 
 
@@ -166,12 +168,13 @@ def test_mtp_resharded_optimizer_resumes_like_the_run_that_went_on(runs):
     assert w_gap < 0.25 * w_gap_weights_only
 
 
-@pytest.mark.parametrize("src,resumed", [("m2", "p2"), ("q2", "r1")])
+@pytest.mark.parametrize("src,resumed", [("m2", "p2"), ("m2", "p2d"), ("q2", "r1")])
 def test_mtp_resumes_across_pipeline_stages(runs, src, resumed):
     """MTP at PP 2 both ways: the TP 2 run resharded to PP 2 (ckptool writes the last stage's copy of the word
-    embedding megatron-core keeps for MTP, and its optimizer state) and megatron-core's own PP 2 run resharded to
-    PP 1 (ckptool reads that copy, checked equal to the first stage's): megatron-core resumes each with its
-    optimizer and the main and MTP losses go on as the run's that went on."""
+    embedding megatron-core keeps for MTP, and its optimizer state: in the rank files, p2, and in distrib_optim.pt,
+    p2d) and megatron-core's own PP 2 run with its distributed optimizer resharded to PP 1 (ckptool reads that copy,
+    checked equal to the first stage's): megatron-core resumes each with its optimizer and the main and MTP losses go
+    on as the run's that went on."""
     for which in ("losses", "mtp_losses"):
         went_on = losses(runs / f"{src}.pt", which)[STEPS:]
         gap = (losses(runs / f"{resumed}.pt", which) - went_on).abs().max().item()

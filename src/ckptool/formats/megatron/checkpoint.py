@@ -614,17 +614,24 @@ def _check_dialect_fits(d: Dialect, cfg: GPTConfig, layout: Layout) -> None:
 # its optimizer state is the first stage's too. Megatron-LM main (9d71cb1cd2, 2026-02, MTP for hybrid models) lets
 # GPTModel decide mtp_process itself (mtp_on_this_rank, MTP on any stage of a custom layout); the key is the same.
 # The position table is not kept equal (its group holds the first stage only: parallel_state.
-# default_position_embedding_ranks), so learned positions with MTP at PP > 1 have no canonical form.
+# default_position_embedding_ranks), so learned positions with MTP at PP > 1 have no canonical form. With the
+# distributed optimizer both the embedding and its copy are `shared_embedding`, each in a bucket of its own
+# (megatron_buffers.is_shared_embedding).
 
 
 def _check_mtp_stages_fit(cfg: GPTConfig, layout: Layout) -> None:
-    """An MTP model at PP > 1 fits megatron-core's layout: no virtual stages, no learned position table (see above)."""
+    """An MTP model at PP > 1 fits megatron-core's layout: no virtual stages, no learned position table (see above),
+    untied embeddings (tied, the MTP stage also holds an output_layer.weight its forward never uses)."""
     require(not layout.vpp, f"multi-token prediction (MTP) layers with virtual pipeline stages (--vpp {layout.vpp}): "
             "not written (megatron-core places them on the last virtual stage of the last rank)", "drop --vpp")
     require(cfg.position_embedding != "learned", f"multi-token prediction (MTP) layers at --pp {layout.pp} with "
             "learned absolute position embeddings: megatron-core 0.16.1 keeps a second position table on the last "
             "stage for them that it never synchronises with the first stage's, which the model does not have",
             "write --pp 1 (any --tp), or give --drop-mtp")
+    require(not cfg.tied_embeddings, f"multi-token prediction (MTP) layers at --pp {layout.pp} with tied embeddings: "
+            "megatron-core 0.16.1 keeps there, beside its copy of the embedding, an output layer weight that its "
+            "forward never uses nor synchronises, which the model does not have", "write --pp 1 (any --tp), or give "
+            "--drop-mtp")
 
 
 def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, opts: WriteOptions = WriteOptions(),
