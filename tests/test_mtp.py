@@ -359,3 +359,46 @@ def test_an_mtp_embedding_copy_that_differs_on_the_last_stage_is_refused(mcore_r
     _one_line_refusal("reshard", src, tmp_path / "out", "--pp", "1", says=[
         "embedding.word_embeddings.weight on pipeline stage 1 (TP rank 0) differs from the first stage's"])
     assert not (tmp_path / "out").exists()
+
+
+# --- Qwen3-Next / Qwen3.5: MTP layers ckptool has no family for (issue 30) -----------------------------------------
+# Their releases name the MTP block mtp.fc ([h, 2h]), mtp.pre_fc_norm_embedding / mtp.pre_fc_norm_hidden, mtp.norm and
+# mtp.layers.{k}.* (a full-attention decoder layer); transformers leaves them out on load (_keys_to_ignore_on_load_
+# unexpected ^mtp.*). Their decoders interleave Gated DeltaNet linear-attention layers with gated full attention.
+LINEAR_ATTENTION = dict(vocab_size=COMMON["vocab_size"], hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=64,
+                        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                        layer_types=["linear_attention", "full_attention"])
+
+
+def _qwen3_next():
+    return transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
+        **LINEAR_ATTENTION, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4,
+        num_experts_per_tok=2))
+
+
+def _qwen3_5():
+    return transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**LINEAR_ATTENTION))
+
+
+@pytest.mark.parametrize("make, name", [(_qwen3_next, "Qwen3-Next (model_type qwen3_next"),
+                                        (_qwen3_5, "Qwen3.5 (model_type qwen3_5_text")])
+def test_qwen3_next_and_qwen3_5_with_mtp_are_refused_by_name(tmp_path, make, name):
+    """A tiny Qwen3-Next / Qwen3.5 saved by transformers with the release's MTP tensors beside it (index file as
+    released): inspect and from-hf refuse it in one line naming the family, its linear attention and its MTP layers;
+    nothing is written."""
+    torch.manual_seed(8)
+    src = tmp_path / "src"
+    make().save_pretrained(src)
+    h = LINEAR_ATTENTION["hidden_size"]
+    mtp = {"mtp.fc.weight": torch.randn(h, 2 * h), "mtp.pre_fc_norm_embedding.weight": torch.rand(h),
+           "mtp.pre_fc_norm_hidden.weight": torch.rand(h), "mtp.norm.weight": torch.rand(h),
+           "mtp.layers.0.input_layernorm.weight": torch.rand(h), "mtp.layers.0.self_attn.o_proj.weight": torch.randn(h, h)}
+    save_file(mtp, str(src / "model-mtp.safetensors"))
+    weight_map = {**{k: "model.safetensors" for k in saved_tensors_of(src / "model.safetensors")},
+                  **{k: "model-mtp.safetensors" for k in mtp}}
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    says = [name, "Gated DeltaNet linear-attention", "multi-token-prediction layers mtp.*", "not supported"]
+    _one_line_refusal("inspect", src, says=says)
+    _one_line_refusal("from-hf", src, tmp_path / "out", says=says)
+    assert not (tmp_path / "out").exists()
