@@ -136,6 +136,16 @@ def global_params(model):
     return {k: v for d in every for k, v in d.items()}
 
 
+def rank_name(pp: int = 1, ep: int = 1) -> str:
+    """This rank's directory as Megatron-LM names it in the torch format: mp_rank_TT[_PPP][_EEE]."""
+    name = f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}"
+    if pp > 1:
+        name += f"_{parallel_state.get_pipeline_model_parallel_rank():03d}"
+    if ep > 1:
+        name += f"_{parallel_state.get_expert_model_parallel_rank():03d}"
+    return name
+
+
 def is_writer():
     """The rank that holds the gathered logits: last pipeline stage, first TP rank."""
     return parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0

@@ -33,7 +33,7 @@ from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec  # noqa: E402
 from megatron.core.transformer.transformer_config import MLATransformerConfig  # noqa: E402
 
-from mcore_dist_helper import is_writer, logits, run_jobs  # noqa: E402  (CPU shims: causal mask, TP / PP; the job loop)
+from mcore_dist_helper import is_writer, logits, rank_name, run_jobs  # noqa: E402  (CPU shims: causal mask, TP / PP; the job loop)
 from mcore_mla_helper import ROPE_FIELDS, HeadDimsAttention  # noqa: E402  (also: no-TE linear classes for MLA)
 
 # megatron-core 0.16's router linear tests `te_general_gemm is not None`; without Transformer Engine the name is
@@ -66,16 +66,6 @@ def config(args, tp: int, ep: int, pp: int = 1) -> MLATransformerConfig:
         num_moe_experts=args.num_experts, moe_token_dispatcher_type="allgather", **from_args)
 
 
-def rank_file_name(tp: int, pp: int, ep: int) -> str:
-    """This rank's directory as Megatron-LM names it: mp_rank_TT[_PPP][_EEE]."""
-    name = f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}"
-    if pp > 1:
-        name += f"_{parallel_state.get_pipeline_model_parallel_rank():03d}"
-    if ep > 1:
-        name += f"_{parallel_state.get_expert_model_parallel_rank():03d}"
-    return name
-
-
 def build(args, tp: int, ep: int, pp: int) -> GPTModel:
     """This stage's GPTModel for args, as Megatron-LM's gpt_builders.py builds it: the MTP block spec over this
     stage's decoder block spec (None on the stages before the last: megatron-core 0.16.1 puts MTP on the last)."""
@@ -100,7 +90,7 @@ def run_job(a) -> None:
         it_dir = Path(a.dir) / f"iter_{int((Path(a.dir) / 'latest_checkpointed_iteration.txt').read_text()):07d}"
         args = torch.load(it_dir / "common.pt", weights_only=False)["args"]
     else:
-        sd = torch.load(Path(a.dir) / "iter_0000000" / rank_file_name(tp, pp, ep) / "model_optim_rng.pt",
+        sd = torch.load(Path(a.dir) / "iter_0000000" / rank_name(pp, ep) / "model_optim_rng.pt",
                         weights_only=False)
         args = sd["args"]
         assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
