@@ -36,7 +36,7 @@ from torchrun_jobs import run_jobs  # noqa: E402,F401 (the other helpers' main l
 import_megatron_core_eager()  # before megatron.core: its fused kernels uncompiled, a faster start
 from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 # megatron-core's async filesystem writer calls torch.cuda.synchronize() even for CPU tensors,
@@ -65,6 +65,9 @@ ARCHS = {
                            bias_activation_fusion=False),
                   model=dict(position_embedding_type="rope", share_embeddings_and_output_weights=False)),
 }
+# MTP (issue 30): the llama model with megatron-core's multi-token-prediction block (--mtp-num-layers 1; its
+# loss scaled by TransformerConfig's default mtp_loss_scaling_factor 0.1); build() gives GPTModel its MTP block spec
+ARCHS["llama_mtp"] = dict(cfg=dict(ARCHS["llama"]["cfg"], mtp_num_layers=1), model=ARCHS["llama"]["model"])
 
 
 def build(arch, tp, pp=1):
@@ -76,10 +79,15 @@ def build(arch, tp, pp=1):
     cfg = TransformerConfig(use_cpu_initialization=True, pipeline_dtype=torch.float32,
                             pipeline_model_parallel_size=pp, hidden_dropout=0.0, attention_dropout=0.0,
                             **uneven, **a["cfg"])
-    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization=a["cfg"].get("normalization", "LayerNorm")),
+    layer_spec = get_gpt_layer_local_spec(normalization=a["cfg"].get("normalization", "LayerNorm"))
+    # with --mtp-num-layers, the MTP block takes the decoder layer's spec, as Megatron-LM's gpt_builders.py does
+    # (None on the stages without MTP layers: megatron-core 0.16.1 places them all on the last stage)
+    mtp = dict(mtp_block_spec=get_gpt_mtp_block_spec(cfg, layer_spec, use_transformer_engine=False)) \
+        if cfg.mtp_num_layers else {}
+    model = GPTModel(config=cfg, transformer_layer_spec=layer_spec,
                      vocab_size=PADDED, max_sequence_length=SEQ,
                      pre_process=parallel_state.is_pipeline_first_stage(),
-                     post_process=parallel_state.is_pipeline_last_stage(), **a["model"])
+                     post_process=parallel_state.is_pipeline_last_stage(), **a["model"], **mtp)
     with torch.no_grad():  # non-trivial norms and biases so a mix-up shows in the logits
         for name, p in model.named_parameters():
             if "layernorm" in name or name.endswith(".bias") or "layer_norm" in name:
@@ -128,6 +136,16 @@ def global_params(model):
     return {k: v for d in every for k, v in d.items()}
 
 
+def rank_name(pp: int = 1, ep: int = 1) -> str:
+    """This rank's directory as Megatron-LM names it in the torch format: mp_rank_TT[_PPP][_EEE]."""
+    name = f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}"
+    if pp > 1:
+        name += f"_{parallel_state.get_pipeline_model_parallel_rank():03d}"
+    if ep > 1:
+        name += f"_{parallel_state.get_expert_model_parallel_rank():03d}"
+    return name
+
+
 def is_writer():
     """The rank that holds the gathered logits: last pipeline stage, first TP rank."""
     return parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
@@ -150,7 +168,8 @@ def megatron_args(arch, cfg, tp, pp=1):
         use_legacy_models=False, transformer_impl="local", tokenizer_type="NullTokenizer",
         # the NullTokenizer of Megatron-LM c9dfe34 (2026-04) on: vocab_size tokens, no EOD beyond them
         null_tokenizer_eod_id=None, null_tokenizer_pad_id=-1,
-        bias_gelu_fusion=False, openai_gelu=False, rotary_base=10000, rotary_percent=1.0)
+        bias_gelu_fusion=False, openai_gelu=False, rotary_base=10000, rotary_percent=1.0,
+        mtp_num_layers=cfg.mtp_num_layers)  # --mtp-num-layers: None without MTP (Megatron-LM's default)
 
 
 # What Megatron-LM's check_checkpoint_args compares between a torch-format checkpoint's args and

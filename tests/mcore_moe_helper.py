@@ -62,7 +62,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # the dense helper's CPU shims, tokens and pipeline/TP-gathering forward serve MoE models unchanged
-from mcore_dist_helper import PADDED, SEQ, TOKENS, VOCAB, logits, run_jobs  # noqa: E402
+from mcore_dist_helper import PADDED, SEQ, TOKENS, VOCAB, logits, rank_name, run_jobs  # noqa: E402
 
 # megatron-core 0.16's router linear tests `te_general_gemm is not None`, but without Transformer Engine the
 # name is never bound (its import fails before the fallback); None is what it means: a plain matmul.
@@ -178,12 +178,7 @@ def run_args(cfg, tp, ep, pp, etp=None):
 
 
 def rank_dir(root: Path, pp: int, ep: int) -> Path:
-    name = f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}"
-    if pp > 1:
-        name += f"_{parallel_state.get_pipeline_model_parallel_rank():03d}"
-    if ep > 1:
-        name += f"_{parallel_state.get_expert_model_parallel_rank():03d}"
-    return root / "iter_0000007" / name
+    return root / "iter_0000007" / rank_name(pp, ep)
 
 
 def writes_file() -> bool:

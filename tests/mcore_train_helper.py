@@ -19,6 +19,10 @@ optimizer.load_state_dict, scheduler.load_state_dict) and trains the same furthe
         --no-load-optim does), train M steps on the batches that followed; FILE gets the losses and
         DIR_resumed_tpT/ the final state.
 
+Multi-token prediction (--arch llama_mtp, issue 30): the model carries megatron-core's MTP block
+(--mtp-num-layers 1); its loss enters the backward through GPTModel's MTPLossAutoScaler, and FILE also gets
+`mtp_losses`, the MTP loss of every step as megatron-core's MTPLossLoggingHelper recorded it.
+
 Param groups beyond the default pair (tests/test_optimizer_groups.py): --decoupled-lr X gives the
 embedding and output layer their own learning rate (OptimizerConfig.decoupled_lr / decoupled_min_lr,
 megatron-core's own group override; the args saved say so, as Megatron-LM's do), --lr-mult Y adds
@@ -140,10 +144,12 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed import finalize_model_grads  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper  # noqa: E402
 
 LR, MIN_LR, WD = 1e-2, 1e-3, 0.01
 GROUPS: dict = {}  # this job's --decoupled-lr / --lr-mult
 BATCH = 2
+MTP_LOSSES: list = []  # this job's MTP loss per step (models with --mtp-num-layers; train_step appends)
 
 
 def batch(step: int):
@@ -217,10 +223,31 @@ def train_step(ddp, opt, sched, step: int) -> float:
     ok, _, _ = opt.step()
     assert ok, "optimizer step skipped"
     sched.step(increment=1)
-    loss = loss.detach().float().clone()
+    if model.config.mtp_num_layers:
+        MTP_LOSSES.append(_reduced(_mtp_loss(last)))
+    return _reduced(loss.detach().float().clone())
+
+
+def _reduced(loss: torch.Tensor) -> float:
+    """loss averaged over the DP ranks, from the last pipeline stage (the others hold zero)."""
     dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
     dist.all_reduce(loss, group=parallel_state.get_pipeline_model_parallel_group())  # only the last stage's is non-zero
     return loss.item() / parallel_state.get_data_parallel_world_size()
+
+
+def _mtp_loss(last: bool) -> torch.Tensor:
+    """The step's MTP loss (the sum over MTP layers of each one's mean token loss, unscaled), as megatron-core's
+    GPTModel recorded it for logging in MTPLossLoggingHelper's tracker during the forward (last stage); the
+    tracker is then cleared, as Megatron-LM's training loop does after logging. Its gradient already went
+    into the backward through MTPLossAutoScaler, scaled by mtp_loss_scaling_factor / mtp_num_layers and by
+    MTPLossAutoScaler's main-loss scale, 1 here (one micro-batch and no loss scaling: what Megatron-LM's
+    forward_step sets then)."""
+    tracker = MTPLossLoggingHelper.tracker
+    if not last:
+        return torch.zeros(())
+    value = tracker["values"].detach().float().sum().clone()
+    MTPLossLoggingHelper.clean_loss_in_tracker()
+    return value
 
 
 def _rank_dir() -> str:
@@ -333,6 +360,7 @@ def run_job(a):
         _gloo_reduce_scatter()
         _torch_adam_step_kept()
     GROUPS.clear()
+    MTP_LOSSES.clear()
     GROUPS.update({k: v for k, v in (("decoupled_lr", a.decoupled_lr), ("lr_mult", a.lr_mult)) if v})
     if a.decoupled_lr:
         _groups_told_apart_by_lr_bounds()
@@ -357,7 +385,7 @@ def run_job(a):
         save(Path(f"{root}_{tag}_tp{a.tp}"), model, opt, sched, cfg, a.arch, a.tp, start + a.more,
              a.distributed_optimizer, a.ddp_bucket_size)
     if dist.get_rank() == 0:
-        torch.save({"losses": losses, **result}, a.out)
+        torch.save({"losses": losses, "mtp_losses": list(MTP_LOSSES), **result}, a.out)
     dist.barrier()
     parallel_state.destroy_model_parallel()
 

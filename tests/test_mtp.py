@@ -143,32 +143,45 @@ MTP_HELPER = Path(__file__).with_name("mcore_mtp_helper.py")
 
 @pytest.fixture(scope="module")
 def mcore_runs(released, tmp_path_factory):
-    """ckptool's Megatron outputs of the released model (torch at EP 2 and at TP 2, torch_dist) and megatron-core's
-    runs on them (tests/mcore_mtp_helper.py, one torchrun launch of 2 processes): {name: (dir, what it saved)}."""
+    """ckptool's Megatron outputs of the released model (torch at EP 2, at TP 2 and at PP 2, torch_dist) and
+    megatron-core's runs on them (tests/mcore_mtp_helper.py, one torchrun launch of 2 processes; the torch_dist
+    output loaded at PP 1 and PP 2): {name: (dir, what it saved)}."""
     from conftest import run_torchrun
     d = tmp_path_factory.mktemp("mtp_mcore")
     cli("from-hf", released, d / "ep2", "--ep", 2)
     cli("from-hf", released, d / "tp2", "--tp", 2)
+    cli("from-hf", released, d / "pp2", "--pp", 2, "--pp-layers", "2,1")  # the MTP layer and its embedding copy last
     cli("reshard", d / "ep2", d / "dist", "--ep", 1, "--format", "torch_dist")
-    jobs = {"ep2": "--ep 2", "tp2": "--tp 2", "dist": "--dist"}
-    res = run_torchrun(2, MTP_HELPER, *[f"{d / n} {more} --out {d / n}.pt" for n, more in jobs.items()], timeout=600)
+    jobs = {"ep2": ("ep2", "--ep 2"), "tp2": ("tp2", "--tp 2"), "pp2": ("pp2", "--pp 2"), "dist": ("dist", "--dist"),
+            "dist_pp2": ("dist", "--dist --pp 2")}
+    res = run_torchrun(2, MTP_HELPER, *[f"{d / src} {more} --out {d / n}.pt" for n, (src, more) in jobs.items()],
+                       timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    return {n: (d / n, torch.load(f"{d / n}.pt")) for n in jobs}
+    return {n: (d / src, torch.load(f"{d / n}.pt")) for n, (src, _) in jobs.items()}
 
 
-@pytest.mark.parametrize("name", ["ep2", "tp2", "dist"])
+# the rank file whose parameters the helper lists (the last stage's, which holds the MTP block)
+RANK_FILE = {"ep2": "mp_rank_00_000", "tp2": "mp_rank_00", "pp2": "mp_rank_00_001"}
+
+
+@pytest.mark.parametrize("name", ["ep2", "tp2", "pp2", "dist", "dist_pp2"])
 def test_megatron_core_loads_our_mtp_block_strictly(released, mcore_runs, name):
     """megatron-core's GPTModel with --mtp-num-layers 1 (its MTP block over the last decoder layer's spec: MLA and
-    MoE) loads our Megatron torch output (EP 2, TP 2) and torch_dist with load_state_dict(strict=True); the rank
-    file lists the MTP block's parameters in megatron-core's order (after the decoder's final norm, before the
-    output layer: its optimizer's order); its main logits equal transformers' (MTP does not change them)."""
+    MoE) loads our Megatron torch output (EP 2, TP 2, PP 2) and torch_dist (at PP 1 and PP 2) with
+    load_state_dict(strict=True); the rank file lists the MTP block's parameters in megatron-core's order (after the
+    decoder's final norm, before the output layer: its optimizer's order; at PP 2 the last stage's copy of the word
+    embedding first); its main logits equal transformers' (MTP does not change them), and at PP 2 the last stage's
+    embedding copy megatron-core loaded is the model's embedding."""
     from mcore_dist_helper import TOKENS
     path, saved = mcore_runs[name]
     assert saved["mtp_layers"] == 1
     assert any(p.startswith("mtp.layers.0.transformer_layer.mlp.experts.") for p in saved["params"])
-    if name != "dist":
-        rank = "mp_rank_00_000" if name == "ep2" else "mp_rank_00"
-        ours = torch.load(path / "iter_0000000" / rank / "model_optim_rng.pt", weights_only=False)
+    if name.endswith("pp2"):
+        embed = saved_tensors(released)["model.embed_tokens.weight"]
+        assert saved["params"][0] == "embedding.word_embeddings.weight"
+        assert torch.equal(saved["embedding_copy"][:embed.shape[0]], embed)
+    if name in RANK_FILE:
+        ours = torch.load(path / "iter_0000000" / RANK_FILE[name] / "model_optim_rng.pt", weights_only=False)
         buffers = ("_extra_state", "router.expert_bias")  # module state that is no parameter
         assert [k for k in ours["model"] if not k.endswith(buffers)] == saved["params"]
         assert ours["args"].mtp_num_layers == 1
@@ -191,6 +204,7 @@ def test_verify_runs_the_main_model_beside_the_mtp_layer(released, mcore_runs):
     from conftest import run_torchrun
     path = mcore_runs["ep2"][0]
     assert "result=PASS" in cli("verify", path, "--reference", released)
+    assert "result=PASS" in cli("verify", mcore_runs["pp2"][0], "--reference", released)  # the embedding copy beside
     res = run_torchrun(2, "-m", "ckptool", "verify", str(path), "--reference", str(released), timeout=600)
     assert res.returncode == 0 and "result=PASS" in res.stdout, res.stdout[-2000:] + res.stderr[-2000:]
 
@@ -212,28 +226,37 @@ def llama_mtp(tmp_path_factory):
     """A Llama with an MTP layer in megatron-core's torch format (the layout test_megatron_core_loads_our_mtp_block_
     strictly checks): a class Hugging Face has no MTP form for. Built in the canonical state: the tiny Llama's
     tensors, its last layer's again as the MTP layer's decoder layer, and MTP norms and projection off init."""
+    d = tmp_path_factory.mktemp("llama_mtp")
+    torch.manual_seed(5)
+    model = randomise(transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, intermediate_size=64,
+                                                                             num_hidden_layers=2))).eval()
+    return _with_mtp_layer(model, d), model
+
+
+def _with_mtp_layer(model, d: Path) -> Path:
+    """model (a Hugging Face class without an MTP form) saved, then written in megatron-core's torch format (d/meg)
+    with an MTP layer: its last layer's tensors again as the MTP layer's decoder layer, MTP norms (with biases for
+    LayerNorm) and projection off init."""
     from ckptool.config import Layout
     from ckptool.convert import write_layout
     from ckptool.lazy import Const
     from ckptool.state import in_model_order
     from ckptool.write_options import WriteOptions
-    d = tmp_path_factory.mktemp("llama_mtp")
-    torch.manual_seed(5)
-    model = randomise(transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, intermediate_size=64,
-                                                                             num_hidden_layers=2))).eval()
     model.save_pretrained(d / "hf")
     ckpt = open_checkpoint(d / "hf")
     last, h = ckpt.config.num_layers - 1, ckpt.config.hidden_size
     tensors = dict(ckpt.tensors)
     tensors.update({n.replace(f"layers.{last}.", f"layers.{last + 1}.", 1): t for n, t in ckpt.tensors.items()
                     if n.startswith(f"layers.{last}.")})
-    tensors.update({f"layers.{last + 1}.mtp.{n}.weight": Const(w) for n, w in (
-        ("enorm", torch.rand(h) + 0.5), ("hnorm", torch.rand(h) + 0.5), ("final_norm", torch.rand(h) + 0.5),
-        ("eh_proj", torch.randn(h, 2 * h) * 0.15))})
+    own = [("enorm.weight", torch.rand(h) + 0.5), ("hnorm.weight", torch.rand(h) + 0.5),
+           ("final_norm.weight", torch.rand(h) + 0.5), ("eh_proj.weight", torch.randn(h, 2 * h) * 0.15)]
+    if ckpt.config.normalization == "layernorm":
+        own += [(n.replace("weight", "bias"), torch.randn(h) * 0.1) for n, _ in own if "norm" in n]
+    tensors.update({f"layers.{last + 1}.mtp.{n}": Const(w) for n, w in own})
     cfg = ckpt.config.replace(mtp_num_layers=1)
     write_layout(ckpt.with_tensors(in_model_order(tensors, cfg), mtp_num_layers=1), d / "meg", Layout(1, 1),
                  WriteOptions(format="torch", dialect="mcore"), warn=lambda m: None)
-    return d / "meg", model
+    return d / "meg"
 
 
 @pytest.mark.parametrize("command, says", [
@@ -241,7 +264,6 @@ def llama_mtp(tmp_path_factory):
     (("reshard", "--format", "ds-universal"), ("multi-token prediction (MTP): 1 MTP layer(s)", "ds-universal",
                                                "--drop-mtp")),
     (("reshard", "--dialect", "legacy-norm"), ("the legacy-norm dialect predates megatron-core's MTP block",)),
-    (("reshard", "--pp", "2"), ("MTP) layers at --pp 2", "write --pp 1")),
 ])
 def test_targets_that_cannot_hold_mtp_refuse_it_by_name(llama_mtp, tmp_path, command, says):
     """A target without a place for MTP layers refuses them in one line naming them (never drops them silently),
@@ -298,3 +320,85 @@ def test_optimizer_slots_of_the_mtp_layer_flow_like_any_parameters(mcore_runs, t
         for s in slots:
             for n in (params if out == "ep2" else mtp):  # at TP 2 the vocabulary is padded again
                 assert torch.equal(back.slots[s][n].load(), slots[s][n].load()), (out, s, n)
+
+
+def _gpt2():
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=COMMON["vocab_size"], n_embd=32, n_head=4,
+                                                                n_layer=2, n_positions=64))
+
+
+def _tied_llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**dict(COMMON, tie_word_embeddings=True),
+                                                                  intermediate_size=64, num_hidden_layers=2))
+
+
+@pytest.mark.parametrize("make, says", [(_gpt2, "with learned absolute position embeddings"),
+                                        (_tied_llama, "with tied embeddings")])
+def test_mtp_at_pp2_that_megatron_core_keeps_apart_is_refused_by_name(tmp_path, make, says):
+    """At PP > 1 megatron-core 0.16.1 keeps on the MTP stage a second position table it never synchronises with
+    the first stage's, and with tied embeddings an output layer weight its forward never uses: models with learned
+    positions or tied embeddings and MTP layers are refused at PP > 1 (written at PP 1)."""
+    torch.manual_seed(6)
+    meg = _with_mtp_layer(randomise(make()).eval(), tmp_path)
+    assert open_checkpoint(meg).config.mtp_num_layers == 1
+    _one_line_refusal("reshard", meg, tmp_path / "out", "--pp", "2", says=[
+        f"multi-token prediction (MTP) layers at --pp 2 {says}", "--drop-mtp"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_mtp_embedding_copy_that_differs_on_the_last_stage_is_refused(mcore_runs, tmp_path):
+    """At PP 2 the last stage's file holds megatron-core's copy of the word embedding for the MTP block: ckptool
+    reads it back only if it equals the first stage's (one is kept), and refuses it by name otherwise."""
+    import shutil
+    src = tmp_path / "pp2"
+    shutil.copytree(mcore_runs["pp2"][0], src)
+    f = src / "iter_0000000" / "mp_rank_00_001" / "model_optim_rng.pt"
+    sd = torch.load(f, weights_only=False)
+    sd["model"]["embedding.word_embeddings.weight"][3, 0] += 1.0
+    torch.save(sd, f)
+    _one_line_refusal("reshard", src, tmp_path / "out", "--pp", "1", says=[
+        "embedding.word_embeddings.weight on pipeline stage 1 (TP rank 0) differs from the first stage's"])
+    assert not (tmp_path / "out").exists()
+
+
+# --- Qwen3-Next / Qwen3.5: MTP layers ckptool has no family for (issue 30) -----------------------------------------
+# Their releases name the MTP block mtp.fc ([h, 2h]), mtp.pre_fc_norm_embedding / mtp.pre_fc_norm_hidden, mtp.norm and
+# mtp.layers.{k}.* (a full-attention decoder layer); transformers leaves them out on load (_keys_to_ignore_on_load_
+# unexpected ^mtp.*). Their decoders interleave Gated DeltaNet linear-attention layers with gated full attention.
+LINEAR_ATTENTION = dict(vocab_size=COMMON["vocab_size"], hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=64,
+                        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                        layer_types=["linear_attention", "full_attention"])
+
+
+def _qwen3_next():
+    return transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
+        **LINEAR_ATTENTION, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4,
+        num_experts_per_tok=2))
+
+
+def _qwen3_5():
+    return transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**LINEAR_ATTENTION))
+
+
+@pytest.mark.parametrize("make, name", [(_qwen3_next, "Qwen3-Next (model_type qwen3_next"),
+                                        (_qwen3_5, "Qwen3.5 (model_type qwen3_5_text")])
+def test_qwen3_next_and_qwen3_5_with_mtp_are_refused_by_name(tmp_path, make, name):
+    """A tiny Qwen3-Next / Qwen3.5 saved by transformers with the release's MTP tensors beside it (index file as
+    released): inspect and from-hf refuse it in one line naming the family, its linear attention and its MTP layers;
+    nothing is written."""
+    torch.manual_seed(8)
+    src = tmp_path / "src"
+    make().save_pretrained(src)
+    h = LINEAR_ATTENTION["hidden_size"]
+    mtp = {"mtp.fc.weight": torch.randn(h, 2 * h), "mtp.pre_fc_norm_embedding.weight": torch.rand(h),
+           "mtp.pre_fc_norm_hidden.weight": torch.rand(h), "mtp.norm.weight": torch.rand(h),
+           "mtp.layers.0.input_layernorm.weight": torch.rand(h), "mtp.layers.0.self_attn.o_proj.weight": torch.randn(h, h)}
+    save_file(mtp, str(src / "model-mtp.safetensors"))
+    weight_map = {**{k: "model.safetensors" for k in saved_tensors_of(src / "model.safetensors")},
+                  **{k: "model-mtp.safetensors" for k in mtp}}
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    says = [name, "Gated DeltaNet linear-attention", "multi-token-prediction layers mtp.*", "not supported"]
+    _one_line_refusal("inspect", src, says=says)
+    _one_line_refusal("from-hf", src, tmp_path / "out", says=says)
+    assert not (tmp_path / "out").exists()

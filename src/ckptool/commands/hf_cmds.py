@@ -107,7 +107,8 @@ def from_hf_cmd(src, dst, **kw):
     expert-parallel ranks; MLA models (DeepSeek-V2/V3, with a q latent or a direct q) as megatron-core's
     MLASelfAttention (--dialect mcore: local spec, mcore-te: Transformer Engine spec; YaRN as megatron-core's
     YaRN args, rope_interleave false as its interleaved pairs). DeepSeek-V3's MTP layers (num_nextn_predict_layers)
-    become megatron-core's MTP block (--mtp-num-layers; PP 1). The vocabulary is padded for --tp as Megatron would pad it; args are written so Megatron can
+    become megatron-core's MTP block (--mtp-num-layers; at PP > 1 on the last stage, with its copy of the
+    embedding). The vocabulary is padded for --tp as Megatron would pad it; args are written so Megatron can
     load the result (weights only: use --finetune or --no-load-optim --no-load-rng) and Megatron-LM's validate_args
     accepts them through --use-checkpoint-args: seq_length = max_position_embeddings, a NullTokenizer of the model's
     vocabulary (give yours with --no-use-tokenizer-model-from-checkpoint-args), batch sizes 1.

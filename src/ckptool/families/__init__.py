@@ -27,6 +27,13 @@ REFUSED_MODEL_TYPES = {
     # multimodal projector are nothing a GPT holds
     "gemma3": "Gemma 3 multimodal (Gemma3ForConditionalGeneration: its vision tower is no part of a GPT; save the "
               "text model alone as Gemma3ForCausalLM, model_type gemma3_text, and convert that)",
+    # MTP (issue 30): Qwen3-Next and Qwen3.5 ship MTP layers under their own names (mtp.fc, mtp.pre_fc_norm_embedding
+    # / _hidden, mtp.layers.{k}.*, mtp.norm), but their decoders mix Gated DeltaNet linear-attention layers with
+    # gated full attention (transformers' qwen3_next / qwen3_5 / qwen3_5_moe), which no GPT family of ckptool has
+    **{mt: f"{name} (model_type {mt}: Gated DeltaNet linear-attention layers beside gated full attention, and its "
+           "multi-token-prediction layers mtp.*)" for mt, name in (
+        ("qwen3_next", "Qwen3-Next"), ("qwen3_5", "Qwen3.5"), ("qwen3_5_text", "Qwen3.5"),
+        ("qwen3_5_moe", "Qwen3.5 MoE"), ("qwen3_5_moe_text", "Qwen3.5 MoE"))},
 }
 # export kind -> the check every family of that kind shares, before one is chosen
 KIND_CHECKS = {"moe": moe.check_routing, "gemma": gemma.check_export}

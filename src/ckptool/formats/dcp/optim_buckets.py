@@ -66,7 +66,7 @@ def read_shards(dcp: DcpDir, weights, cfg: GPTConfig, args, where: str, form: st
     out: Dict[str, Dict[Tuple[str, Optional[int]], List[LazyTensor]]] = {s: {} for s in STORED}
     unpadded: Dict[str, List[List[int]]] = {}  # per model-parallel rank: its buffers' bucket sizes
     gathered: Dict[str, Tuple[str, dict]] = {}  # per model-parallel rank: its gathered buffers (GATHERED)
-    shared = cfg.tied_embeddings and run.pp > 1
+    shared = (cfg.tied_embeddings or cfg.mtp_num_layers > 0) and run.pp > 1  # MTP (issue 30): the word embedding's copy
     shapes = {n: tuple(w.shape) for n, w in weights.items()}
     for part in parts(cfg, run.ep):
         gbuf_of: Dict[str, int] = {}  # per model-parallel rank: its next grad buffer (one per chunk it has params in)

@@ -50,7 +50,7 @@ def read(stored: Dict[str, TensorMeta], objects: Callable[[str], Optional[object
         run = FlatRun.of(args, cfg, "quick")
     except CkptError:
         raise NotQuick("a pipeline split that does not fit the layers") from None  # the full reader's error
-    shared_embedding = cfg.tied_embeddings and run.pp > 1
+    shared_embedding = (cfg.tied_embeddings or cfg.mtp_num_layers > 0) and run.pp > 1  # MTP: the word embedding's copy
     shapes = {n: tuple(w.shape) for n, w in weights.items()}
     dtypes = set()
     unpadded: Dict[str, List[List[int]]] = {}  # per model-parallel rank: its buffers' bucket sizes

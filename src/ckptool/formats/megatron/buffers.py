@@ -134,8 +134,12 @@ def bucket_sizes(args, chunk: int, pp_rank: int, dp: int) -> List[Optional[int]]
     return ([given] if given else [max(DEFAULT_BUCKET, 1_000_000 * dp), DEFAULT_BUCKET]) + [None]
 
 
-def is_shared_embedding(role: str, tied: bool, pp: int) -> bool:
-    """Whether a parameter of this role is bucketed alone (SHARED_EMBEDDING_ROLES, tied, PP > 1)."""
+def is_shared_embedding(role: str, tied: bool, pp: int, mtp: bool = False) -> bool:
+    """Whether a parameter of this role is bucketed alone (SHARED_EMBEDDING_ROLES, tied, PP > 1). MTP (issue 30):
+    with MTP layers megatron-core 0.16.1 marks the word embedding shared on the first stage and its copy on the
+    MTP stage, tied or not, and not the output layer there (LanguageModule.setup_embeddings_and_output_layer)."""
+    if mtp:
+        return pp > 1 and role == "word"
     return tied and pp > 1 and role in SHARED_EMBEDDING_ROLES
 
 
@@ -336,6 +340,8 @@ def registered_roles(cfg, impl: str, layers: range, first: bool, last: bool, pp:
     out: List[Tuple[str, Optional[int]]] = []
     if first:
         out += [(role, None) for role in HEAD if holds(role, None)]
+    elif last and cfg.mtp_num_layers and holds("word", None):  # MTP's copy of the word embedding, registered first
+        out.append(("word", None))
     for i in layers:
         out += [(role, i) for role in DIALECTS[DIALECT_OF_IMPL[impl]].layer_param_order(cfg.mla is not None)
                 if role in LAYER_ROLES and holds(role, i)]

@@ -64,6 +64,7 @@ def read_megatron(path, opts: Optional[ReadOptions] = None) -> Checkpoint:
     stacked_local, per_ep, stored, unstack, params = _rank_params(models, matcher, all_keys, offsets, num_layers, src,
                                                                   opts)
     shards, head_copy = _joined_shards(params, src)
+    _check_stage_copies(params, shards, src)
     cfg, warnings = _read_config(src, dialect, shards, num_layers, per_ep, version, opts)
     if cfg.tied_embeddings and ("output", None) in shards:
         # megatron-core keeps a synchronised copy of the tied embedding on the last stage
@@ -234,6 +235,21 @@ def _joined_shards(params, src: _RankFiles):
     if shards.get(("word", None)) is None:
         raise CkptError(f"{src.it_dir}: no word embeddings found", "the first pipeline stage is missing or not a GPT model")
     return shards, head_copy
+
+
+def _check_stage_copies(params, shards, src: _RankFiles) -> None:
+    """A first-stage tensor (the embeddings) that a later stage's file holds too, as megatron-core's MTP block keeps
+    the word embedding on the last stage (see _check_mtp_stages_fit), must equal the first stage's piece on the same
+    TP rank: the model has one, so a copy that differs is refused by name rather than dropped. The dense part of
+    each stage is read from EP rank 0 (role_shards), so the copies there are the ones compared."""
+    for (t, p, e), ps in params.items():
+        for param in ps if p > 0 and e == 0 else ():
+            if param.role in FIRST_STAGE_ROLES and not torch.equal(param.weight.load(), shards[(param.role, None)][t].load()):
+                raise CkptError(f"{src.it_dir}: {param.key} on pipeline stage {p} (TP rank {t}) differs from the "
+                                "first stage's: megatron-core keeps this copy for its multi-token-prediction (MTP) "
+                                "layers, and the model has one such tensor",
+                                "convert a checkpoint whose copies agree (a learned position table is never "
+                                "synchronised between the stages: write such a model at --pp 1)")
 
 
 def _read_config(src: _RankFiles, dialect: Dialect, shards, num_layers: int, per_ep: int, version: float,
@@ -569,9 +585,8 @@ def _check_dialect_fits(d: Dialect, cfg: GPTConfig, layout: Layout) -> None:
     if cfg.mtp_num_layers and d.mtp_prefix is None:
         raise CkptError(f"multi-token prediction (MTP) layers: the {d.name} dialect predates megatron-core's MTP block",
                         "choose --dialect mcore or mcore-te, or give --drop-mtp")
-    if cfg.mtp_num_layers and (layout.pp > 1 or layout.vpp):
-        raise CkptError(f"multi-token prediction (MTP) layers at --pp {layout.pp}: the last stage's copy of the "
-                        "embedding megatron-core keeps for them is not written yet", "write --pp 1 (any --tp / --ep)")
+    if cfg.mtp_num_layers and layout.pp > 1:
+        _check_mtp_stages_fit(cfg, layout)
     if d.name.startswith("mcore"):
         megatron_args.refuse_what_megatron_core_ignores(cfg, "choose --dialect legacy or legacy-norm")
     if cfg.moe is None:
@@ -588,6 +603,35 @@ def _check_dialect_fits(d: Dialect, cfg: GPTConfig, layout: Layout) -> None:
                                 (cfg.moe.shared_ffn_hidden_size, "shared-expert FFN size", layout.tp, "--tp")):
         require(size % n == 0, f"{flag} {n} does not divide the {what} {size}",
                 f"choose a {flag} size that divides it (expert TP defaults to TP)")
+
+
+# --- MTP at PP > 1 (issue 30) ---------------------------------------------------------------------------------
+# megatron-core 0.16.1 builds the MTP block on the last pipeline stage (multi_token_prediction.mtp_on_this_rank
+# without a custom --pipeline-model-parallel-layout) and, as the MTP layers embed the tokens again, a
+# LanguageModelEmbedding there too (GPTModel.__init__: `if self.pre_process or self.mtp_process`), registered
+# before the decoder: `embedding.word_embeddings.weight` on the last stage's file, initialised from stage 0's by an
+# all-reduce over the embedding group and kept equal by finalize_model_grads (_allreduce_word_embedding_grads), so
+# its optimizer state is the first stage's too. Megatron-LM main (9d71cb1cd2, 2026-02, MTP for hybrid models) lets
+# GPTModel decide mtp_process itself (mtp_on_this_rank, MTP on any stage of a custom layout); the key is the same.
+# The position table is not kept equal (its group holds the first stage only: parallel_state.
+# default_position_embedding_ranks), so learned positions with MTP at PP > 1 have no canonical form. With the
+# distributed optimizer both the embedding and its copy are `shared_embedding`, each in a bucket of its own
+# (megatron_buffers.is_shared_embedding).
+
+
+def _check_mtp_stages_fit(cfg: GPTConfig, layout: Layout) -> None:
+    """An MTP model at PP > 1 fits megatron-core's layout: no virtual stages, no learned position table (see above),
+    untied embeddings (tied, the MTP stage also holds an output_layer.weight its forward never uses)."""
+    require(not layout.vpp, f"multi-token prediction (MTP) layers with virtual pipeline stages (--vpp {layout.vpp}): "
+            "not written (megatron-core places them on the last virtual stage of the last rank)", "drop --vpp")
+    require(cfg.position_embedding != "learned", f"multi-token prediction (MTP) layers at --pp {layout.pp} with "
+            "learned absolute position embeddings: megatron-core 0.16.1 keeps a second position table on the last "
+            "stage for them that it never synchronises with the first stage's, which the model does not have",
+            "write --pp 1 (any --tp), or give --drop-mtp")
+    require(not cfg.tied_embeddings, f"multi-token prediction (MTP) layers at --pp {layout.pp} with tied embeddings: "
+            "megatron-core 0.16.1 keeps there, beside its copy of the embedding, an output layer weight that its "
+            "forward never uses nor synchronises, which the model does not have", "write --pp 1 (any --tp), or give "
+            "--drop-mtp")
 
 
 def write_megatron(ckpt: Checkpoint, out_dir: Path, layout: Layout, opts: WriteOptions = WriteOptions(),
@@ -875,6 +919,11 @@ class _RankFile:
             for role in FIRST_STAGE_ROLES:  # the embeddings (a spec trait)
                 if global_role_tensor(tensors, role) is not None:
                     self.put(flat, d.globals[role], role, None, megatron_training.global_slots(tensors, train, role), v)
+        if self.p == plan.layout.pp - 1 and self.p > 0 and plan.cfg_out.mtp_num_layers:
+            # the word embedding's copy MTP keeps on the last stage (see _check_mtp_stages_fit), registered before
+            # the decoder; declared as the last stage's output matrix (HEAD_COPY_NAMES) it streams with that stage
+            self.put(flat, d.globals["word"], "word", None, megatron_training.global_slots(tensors, train, "word"), v,
+                     HEAD_COPY_NAMES)
         for local in range(count):
             self.layer_entries(flat, v, first + local, d.layer_prefix.format(i=local))
         if self.p == plan.layout.pp - 1 and v == (plan.layout.vpp or 1) - 1:

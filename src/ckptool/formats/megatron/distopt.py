@@ -90,11 +90,12 @@ def set_bucket_args(args, overlap_grad_reduce: Optional[bool], ddp_bucket_size: 
                         "--overlap-grad-reduce), or --no-overlap-grad-reduce")
 
 
-def is_shared_embedding(param: RankParam, tied: bool, pp: int) -> bool:
+def is_shared_embedding(param: RankParam, tied: bool, pp: int, mtp: bool = False) -> bool:
     """megatron-core marks the tied word embedding (first stage) and its head copy (last stage)
     shared_embedding when PP > 1; the distributed optimizer buckets each alone. The head copy reads as
-    role head_copy in the legacy dialects, as output (output_layer.weight) in megatron-core's."""
-    return megatron_buffers.is_shared_embedding(param.role, tied, pp)
+    role head_copy in the legacy dialects, as output (output_layer.weight) in megatron-core's. With MTP layers
+    (mtp) the word embedding and its copy on the MTP stage (megatron_buffers.is_shared_embedding)."""
+    return megatron_buffers.is_shared_embedding(param.role, tied, pp, mtp)
 
 
 # --- reading --------------------------------------------------------------------------------
@@ -111,6 +112,7 @@ class RankRun:
     tied: bool
     pp: int
     pp_rank: int
+    mtp: bool = False  # the model has MTP layers (issue 30): the word embedding has a copy on the last stage
 
 
 def read_rank(tree: dict, rank_dir: Path, params: List[RankParam], run: RankRun, where: str, ep: int = 1,
@@ -234,7 +236,7 @@ def _matching_layout(params: List[RankParam], entry: dict, form: str, run: RankR
                      bucket_dp: Optional[int] = None) -> Tuple[BufferLayout, Era]:
     """The first era (and bucket size) whose layout reproduces the stored sizes."""
     numels = [p.weight.numel for p in params]
-    shared = [is_shared_embedding(p, run.tied, run.pp) for p in params]
+    shared = [is_shared_embedding(p, run.tied, run.pp, run.mtp) for p in params]
     if form == "coalesced":
         stored = entry.get("numel_unpadded")
         for key in KEYS:

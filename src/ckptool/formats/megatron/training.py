@@ -134,7 +134,7 @@ def _read_rank(tree, model_file: Path, params: List[RankParam], args, cfg: GPTCo
     or the rank file's own 'optimizer' entry (a chained [dense, expert] list at EP > 1)."""
     where, rank_dir = str(model_file), model_file.parent
     if megatron_distopt.uses_distributed_optimizer(rank_dir, args):
-        run = megatron_distopt.RankRun(args, cfg.tied_embeddings, pp, pp_rank)
+        run = megatron_distopt.RankRun(args, cfg.tied_embeddings, pp, pp_rank, mtp=cfg.mtp_num_layers > 0)
         return megatron_distopt.read_rank(tree, rank_dir, params, run, where, ep,
                                           *(f.parent if f is not None else None for f in (dense_file, expert_file)))
     return megatron_optim.read_rank(tree, params, where, megatron_optim.GroupRule.from_args(args), ep)
@@ -277,7 +277,9 @@ class DistributedTarget:
         parameters, sharded over the expert-data-parallel size (DP x TP / (EP x expert TP)); each part is in
         the file of that optimizer's DP rank 0 only (megatron_distopt.chain_sources; None in the others'):
         with expert TP = TP the dense one in EP rank 0's files, the expert one in every file."""
-        entries = [(chunk, g, slots, self.tied and self.pp > 1 and param[0] == "word",
+        # the word embedding and its last-stage copy (written as role word: the tied head's, MTP's) bucketed alone
+        entries = [(chunk, g, slots, megatron_buffers.is_shared_embedding(param[0], self.tied, self.pp,
+                                                                          cfg.mtp_num_layers > 0) and param[0] == "word",
                     megatron_optim.expert_parallel(param[0], ep))
                    for param, chunk, (g, slots) in zip(params, chunks,
                                                        train.param_slots(params, t, shard, cfg, OPTIMIZER_SLOTS))]
