@@ -24,6 +24,7 @@ from . import reference
 from safetensors.torch import load_file
 from ..io.torchfile import load_torch_file
 from ..formats.hf.reader import has_weights
+from ..io import profile
 from .maths import ONE_PROCESS, embed
 
 
@@ -173,19 +174,22 @@ class Preload:
         """The loaded model (raising what loading raised), or None when it was loaded in another dtype or
         never asked to load."""
         self._go.set()
-        self._thread.join()
+        with profile.stage("wait"):
+            self._thread.join()
         if "error" in self._result:
             raise self._result.pop("error")
         model = self._result.pop("model", None)
         return model if dtype == self.dtype else None
 
     def _run(self) -> None:
-        _import_ahead(self.path)
+        with profile.stage("reference-import"):
+            _import_ahead(self.path)
         self._go.wait()
         if self._device is None:
             return
         try:
-            self._result["model"] = _load_hf(self.path, self.dtype, self._device)
+            with profile.stage("reference-load"):
+                self._result["model"] = _load_hf(self.path, self.dtype, self._device)
         except BaseException as e:  # noqa: B902 -- handed to the main thread, which raises it in model()
             self._result["error"] = e
 
