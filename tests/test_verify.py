@@ -647,7 +647,7 @@ def test_hf_reference_loaded_once_for_its_two_dtypes(tmp_path):
     assert held["model"] is not fp16_model
 
 
-def test_hf_reference_preloaded_beside_the_target(tmp_path):
+def test_hf_reference_preloaded_beside_the_target(tmp_path, monkeypatch):
     """verify makes a transformers reference ready on a thread while the target runs (inputs.Preload): the
     model it loads gives exactly the logits of a model loaded afterwards; taken in another dtype than it
     loaded, or never asked to load, it hands over nothing (the caller loads); a load that fails raises in
@@ -660,11 +660,19 @@ def test_hf_reference_preloaded_beside_the_target(tmp_path):
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "hf")
     tokens = torch.randint(0, 96, (2, 8))
     fresh, fresh_hidden, _ = hf_forward(tmp_path / "hf", tokens, torch.bfloat16)
+    from ckptool.io import startup
+    read_ahead = []  # the weight files are read ahead (where read-ahead runs: forced here), until loaded
+    monkeypatch.setenv("CKPTOOL_READAHEAD", "1")
+    monkeypatch.setattr(startup, "readahead", lambda files, cap, stop: read_ahead.append((files, cap, stop)))
     ahead = preload(tmp_path / "hf", torch.bfloat16)
     ahead.load_on("cpu")
     held = {"preload": ahead}
     logits, hidden, _ = hf_forward(tmp_path / "hf", tokens, torch.bfloat16, held=held)
     assert torch.equal(logits, fresh) and hidden.keys() == fresh_hidden.keys()
+    files, cap, stop = read_ahead[0]
+    assert [p.name for p in files] == ["model.safetensors"] and 0 < cap <= files[0].stat().st_size
+    assert stop.is_set()  # the model is loaded: nothing more to read ahead
+    monkeypatch.setenv("CKPTOOL_READAHEAD", "0")
     assert held["model"] is not None and "preload" not in held
     floor, none, _ = hf_forward(tmp_path / "hf", tokens, torch.float32, held=held, hidden=False)
     assert none is None and torch.equal(floor, hf_forward(tmp_path / "hf", tokens, torch.float32)[0])
