@@ -645,3 +645,48 @@ def test_hf_reference_loaded_once_for_its_two_dtypes(tmp_path):
     fp16_model = held["model"]
     hf_forward(tmp_path, tokens, torch.float32, held=held)
     assert held["model"] is not fp16_model
+
+
+def test_hf_reference_preloaded_beside_the_target(tmp_path, monkeypatch):
+    """verify makes a transformers reference ready on a thread while the target runs (inputs.Preload): the
+    model it loads gives exactly the logits of a model loaded afterwards; taken in another dtype than it
+    loaded, or never asked to load, it hands over nothing (the caller loads); a load that fails raises in
+    the caller; the noise floor's run (hidden=False) returns the same logits without hidden states."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from ckptool.verify.inputs import Preload, hf_forward, preload
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    tokens = torch.randint(0, 96, (2, 8))
+    fresh, fresh_hidden, _ = hf_forward(tmp_path / "hf", tokens, torch.bfloat16)
+    from ckptool.io import startup
+    read_ahead = []  # the weight files are read ahead (where read-ahead runs: forced here), until loaded
+    monkeypatch.setenv("CKPTOOL_READAHEAD", "1")
+    monkeypatch.setattr(startup, "readahead", lambda files, cap, stop: read_ahead.append((files, cap, stop)))
+    ahead = preload(tmp_path / "hf", torch.bfloat16)
+    ahead.load_on("cpu")
+    held = {"preload": ahead}
+    logits, hidden, _ = hf_forward(tmp_path / "hf", tokens, torch.bfloat16, held=held)
+    assert torch.equal(logits, fresh) and hidden.keys() == fresh_hidden.keys()
+    files, cap, stop = read_ahead[0]
+    assert [p.name for p in files] == ["model.safetensors"] and 0 < cap <= files[0].stat().st_size
+    assert stop.is_set()  # the model is loaded: nothing more to read ahead
+    monkeypatch.setenv("CKPTOOL_READAHEAD", "0")
+    assert held["model"] is not None and "preload" not in held
+    floor, none, _ = hf_forward(tmp_path / "hf", tokens, torch.float32, held=held, hidden=False)
+    assert none is None and torch.equal(floor, hf_forward(tmp_path / "hf", tokens, torch.float32)[0])
+    other = Preload(tmp_path / "hf", torch.float32)
+    other.load_on("cpu")
+    assert other.model(torch.bfloat16) is None  # loaded in fp32, asked for bf16: the caller loads
+    idle = Preload(tmp_path / "hf", torch.bfloat16)
+    idle.cancel()
+    assert idle.model(torch.bfloat16) is None
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "bad" / "model.safetensors").write_bytes(b"not safetensors")
+    broken = Preload(tmp_path / "bad", torch.bfloat16)
+    broken.load_on("cpu")
+    with pytest.raises(Exception):
+        broken.model(torch.bfloat16)
+    assert preload(tmp_path / "nowhere", torch.bfloat16) is None  # not an HF directory: nothing to preload

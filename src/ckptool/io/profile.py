@@ -40,6 +40,9 @@ STAGES = {
     "fsync": "fsync of the output directory's files",
     "manifest": "manifest: hashing files not hashed while written, writing the json",
     "team": "torchrun: joining the gloo process group",
+    "reference-import": "verify: importing transformers' model code (on the reference's own thread)",
+    "reference-load": "verify: loading the transformers reference (on its own thread, beside the target)",
+    "reference-readahead": "verify: the reference's weight files read into the page cache (own thread)",
     "main-other": "main thread outside every stage above (Python work, progress, process group, exit)",
 }
 

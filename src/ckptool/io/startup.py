@@ -129,7 +129,7 @@ def files_to_read(src: Path) -> List[Path]:
     return files
 
 
-def _available_memory() -> int:
+def available_memory() -> int:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -206,18 +206,23 @@ def readahead_cap() -> int:
         return READAHEAD_CAP
 
 
+def readahead_wanted() -> bool:
+    """Read-ahead beside the work: CKPTOOL_READAHEAD=1 or 0 decides, else only with MIN_CORES cores (below)."""
+    choice = os.environ.get("CKPTOOL_READAHEAD", "")
+    return choice == "1" or (choice != "0" and (os.cpu_count() or 1) >= MIN_CORES)
+
+
 def start_readahead(argv: Sequence[str]) -> Optional[threading.Thread]:
     """Read-ahead of the command's source on a daemon thread (returns it, or None). Only on hosts
     with cores to spare (MIN_CORES): torch's import keeps a core busy, and on the 2-core box the
     read-ahead's system time (page allocation, I/O completion) slowed the import by about as much
     as the bytes it read saved later (session 10). CKPTOOL_READAHEAD=1 turns it on anywhere."""
-    choice = os.environ.get("CKPTOOL_READAHEAD", "")
-    if choice == "0" or (choice != "1" and (os.cpu_count() or 1) < MIN_CORES):
+    if not readahead_wanted():
         return None
     src = source_argument(argv)
     if src is None:
         return None
-    cap = min(readahead_cap(), _available_memory() // 4)
+    cap = min(readahead_cap(), available_memory() // 4)
 
     def run() -> None:
         try:

@@ -9,7 +9,9 @@ Each yields (logits [b, s, V], {"embedding"|"layer i": hidden} or None, true voc
 """
 from __future__ import annotations
 
+import importlib.util
 import json
+import threading
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -22,6 +24,7 @@ from . import reference
 from safetensors.torch import load_file
 from ..io.torchfile import load_torch_file
 from ..formats.hf.reader import has_weights
+from ..io import profile, startup
 from .maths import ONE_PROCESS, embed
 
 
@@ -95,17 +98,22 @@ def is_hf_dir(path) -> bool:
     return p.is_dir() and (p / "config.json").is_file() and has_weights(p)
 
 
-def hf_forward(path, tokens: torch.Tensor, dtype, device="cpu", held: Optional[dict] = None):
+def hf_forward(path, tokens: torch.Tensor, dtype, device="cpu", held: Optional[dict] = None, hidden: bool = True):
     """transformers' own model; its last hidden state is after the final norm, so it is left out.
     held (a dict the caller keeps): the model loaded by an earlier call, reused for an fp32 forward when it
-    holds the stored values exactly (see _hf_model)."""
+    holds the stored values exactly (see _hf_model), or a Preload made ready while the target ran.
+    The logits stay on `device` (the comparison runs there: an 8B model's are 2 GB in fp32, each trip
+    to the host and back costs about a second); hidden=False leaves the hidden states out (the noise
+    floor's fp32 run needs only the logits)."""
     model = _hf_model(path, dtype, device, held if held is not None else {})
     with torch.no_grad():
-        out = model(tokens.to(device), output_hidden_states=True)
-    states = out.hidden_states
-    hidden = {"embedding": states[0].float().cpu()}
-    hidden.update({f"layer {i}": states[i + 1].float().cpu() for i in range(len(states) - 2)})
-    return out.logits.float().cpu(), hidden, getattr(model.config, "vocab_size", None)
+        out = model(tokens.to(device), output_hidden_states=hidden)
+    states = {}
+    if hidden:
+        layers = out.hidden_states
+        states = {"embedding": layers[0].float().cpu()}
+        states.update({f"layer {i}": layers[i + 1].float().cpu() for i in range(len(layers) - 2)})
+    return out.logits.float(), states or None, getattr(model.config, "vocab_size", None)
 
 
 def _hf_model(path, dtype, device, held: dict):
@@ -113,15 +121,118 @@ def _hf_model(path, dtype, device, held: dict):
     the noise floor): a model loaded in the dtype its files store holds their values exactly, so widening
     it to fp32 in place gives what loading in fp32 would, without reading an 8B model's 16 GB again.
     Narrowing, or a model already rounded to another dtype, loads afresh."""
-    from transformers import AutoModelForCausalLM  # transformers on use (slow to import; only for an HF reference)
-    model = held.pop("model", None)
-    if model is not None and held.pop("exact", False) and dtype == torch.float32:
-        model = model.to(torch.float32)
-    else:
-        del model
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+    preload = held.pop("preload", None)
+    model = preload.model(dtype) if preload is not None else None
+    if model is None:
+        model = held.pop("model", None)
+        if model is not None and held.pop("exact", False) and dtype == torch.float32:
+            model = model.to(torch.float32)
+        else:
+            del model
+            model = _load_hf(path, dtype, device)
     held.update(model=model, exact=dtype in (torch.float32, _stored_dtype(path)))
     return model
+
+
+def _load_hf(path, dtype, device):
+    from transformers import AutoModelForCausalLM  # transformers on use (slow to import; only for an HF reference)
+    # straight onto the GPU where transformers can (its device_map needs accelerate): no host copy of the
+    # weights on the way
+    onto = {"device_map": device} if torch.device(device).type != "cpu" and _HAS_ACCELERATE else {}
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **onto).to(device).eval()
+
+
+_HAS_ACCELERATE = importlib.util.find_spec("accelerate") is not None
+
+
+class Preload:
+    """A transformers reference made ready on a thread while the target is read and run (verify/run.py).
+
+    Importing transformers' model code takes 5-27 s (it imports torch._dynamo; 13-27 s of a first 8B verify
+    on a fresh GPU machine, docs/verify.md) and loading an 8B model another several: none of it needs the
+    target, so it runs beside the target's read and forward instead of after them. The import starts at
+    once; the weights load once load_on(device) names where (after the process group is up), in the dtype
+    the first forward asks for. A verify that stops early calls cancel(): the thread then loads nothing
+    (it is a daemon: an import under way ends with the process)."""
+
+    def __init__(self, path, dtype):
+        self.path, self.dtype = path, dtype
+        self._device: Optional[str] = None
+        self._go = threading.Event()
+        self._result: dict = {}
+        self._done = threading.Event()  # ends the read-ahead of the weight files
+        self._thread = threading.Thread(target=self._run, name="ckptool-reference", daemon=True)
+        self._thread.start()
+        _read_weights_ahead(path, self._done)
+
+    def load_on(self, device) -> None:
+        self._device = device
+        self._go.set()
+
+    def cancel(self) -> None:
+        self._done.set()
+        self._go.set()
+
+    def model(self, dtype):
+        """The loaded model (raising what loading raised), or None when it was loaded in another dtype or
+        never asked to load."""
+        self._go.set()
+        with profile.stage("wait"):
+            self._thread.join()
+        if "error" in self._result:
+            raise self._result.pop("error")
+        model = self._result.pop("model", None)
+        return model if dtype == self.dtype else None
+
+    def _run(self) -> None:
+        with profile.stage("reference-import"):
+            _import_ahead(self.path)
+        self._go.wait()
+        try:
+            if self._device is not None:
+                with profile.stage("reference-load"):
+                    self._result["model"] = _load_hf(self.path, self.dtype, self._device)
+        except BaseException as e:  # noqa: B902 -- handed to the main thread, which raises it in model()
+            self._result["error"] = e
+        finally:
+            self._done.set()
+
+
+def _import_ahead(path) -> None:
+    """Import transformers and the modelling module of the reference's family. Best effort: whatever fails
+    here fails again, in transformers' own words, when the model loads."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM  # see Preload: why on a thread
+        AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(str(path)))]
+    except Exception:  # noqa: BLE001 -- see the docstring
+        pass
+
+
+def _read_weights_ahead(path, done: threading.Event) -> None:
+    """The reference's weight files read into the page cache on a thread of their own (io/startup.readahead:
+    small reads that let imports beside them through) from the start, while the target is read too: with
+    both cold the disk, not the import, sets the pace, and an 8B model's 16 GB loaded only after the import
+    left the disk idle for the first part of the run. Up to half the memory available, and only where
+    start-up read-ahead would run (startup.readahead_wanted: cores to spare, CKPTOOL_READAHEAD)."""
+    files = sorted(Path(path).glob("*.safetensors")) or sorted(Path(path).glob("*.bin"))
+    if not files or not startup.readahead_wanted():
+        return
+    cap = min(sum(p.stat().st_size for p in files), startup.available_memory() // 2)
+
+    def run() -> None:
+        try:
+            with profile.stage("reference-readahead"):
+                startup.readahead(files, cap, done)
+        except OSError:
+            pass  # only a hint: transformers reads what it needs anyway
+
+    threading.Thread(target=run, name="ckptool-reference-readahead", daemon=True).start()
+
+
+def preload(reference, dtype) -> Optional[Preload]:
+    """A Preload of an HF-directory reference, else None (a checkpoint reference is read by ckptool itself,
+    layer by layer, as the comparison needs it)."""
+    return Preload(reference, dtype) if reference is not None and is_hf_dir(reference) else None
 
 
 def _stored_dtype(path) -> Optional[torch.dtype]:

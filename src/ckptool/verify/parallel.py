@@ -310,4 +310,4 @@ def gather_to_rank0(logits: Optional[torch.Tensor], hidden, shards: RankShards, 
             dist.recv(buf, src=r.global_rank(0, last, d))
             parts.append(buf)
     logits = torch.cat([x for x in parts if x is not None and x.shape[0]])
-    return logits.cpu(), names
+    return logits, names  # on rank 0's device, where the comparison runs (compare.py): no 2 GB round trip to the host

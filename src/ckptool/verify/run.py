@@ -77,15 +77,15 @@ def _tokens_for(req: Request, cfg):
                               vocab=cfg.true_or_padded_vocab), None
 
 
-def _reference(req: Request, recorded, target_ckpt, tokens, dtype, device, out: Lines, held=None):
+def _reference(req: Request, recorded, target_ckpt, tokens, dtype, device, out: Lines, held=None, hidden=True):
     """(logits, hidden or None, true vocab or None) of whatever the target is compared with (held: see
-    inputs.hf_forward)."""
+    inputs.hf_forward; hidden=False: an HF reference leaves its hidden states out)."""
     if recorded is not None:
         return recorded, None, None
     if req.reference is None:
         return inputs.checkpoint_forward(target_ckpt, tokens, dtype, device)
     if inputs.is_hf_dir(req.reference):
-        return inputs.hf_forward(req.reference, tokens, dtype, device, held)
+        return inputs.hf_forward(req.reference, tokens, dtype, device, held, hidden)
     ckpt = open_checkpoint(req.reference, req.opts)
     out.warnings_of(ckpt)
     return inputs.checkpoint_forward(ckpt, tokens, dtype, device)
@@ -109,18 +109,21 @@ def _tolerance(given, dtype, ref_logits, cols, recorded, reference_in, device="c
     return max(base, cmp.NOISE_MARGIN * floor), floor, None
 
 
-def _compare(req: Request, ckpt, tokens, recorded, logits, hidden, device, out: Lines, timed: bool = False):
+def _compare(req: Request, ckpt, tokens, recorded, logits, hidden, device, out: Lines, timed: bool = False,
+             held: Optional[dict] = None):
     """(the comparison's Report, the tolerance it used, the reference's hidden states) of the target's logits
     and hidden states with the reference's; timed: say reference_seconds= and compare_seconds= (the
-    parallel report, beside its forward_seconds=)."""
+    parallel report, beside its forward_seconds=); held: {"preload": inputs.Preload} when the reference was
+    made ready while the target ran."""
     cfg, dtype = ckpt.config, COMPUTE_DTYPES[req.dtype]
     start = time.perf_counter()
-    held = {}  # a transformers reference is loaded once for both its forwards (inputs.hf_forward)
+    held = {} if held is None else held  # a transformers reference is loaded once for both its forwards
     ref_logits, ref_hidden, ref_vocab = _reference(req, recorded, ckpt, tokens, dtype, device, out, held)
     out.warnings_of(ckpt)  # replica checks happen as tensors load, so only now are they all known
     cols = cmp.true_columns(logits.shape[-1], cfg.vocab_size, ref_logits.shape[-1], ref_vocab)
     tol, floor, relative = _tolerance(req.tolerance, dtype, ref_logits, cols, recorded,
-                                      lambda dt: _reference(req, recorded, ckpt, tokens, dt, device, out, held)[0],
+                                      lambda dt: _reference(req, recorded, ckpt, tokens, dt, device, out, held,
+                                                            hidden=False)[0],
                                       device)
     held.clear()
     if timed:
@@ -143,10 +146,17 @@ def _write(report: cmp.Report, out: Lines, where=None) -> bool:
 # --- one process ------------------------------------------------------------------------------------
 
 def run_single(req: Request, out: Lines) -> Tuple[bool, cmp.Report]:
-    ckpt = open_checkpoint(req.target, req.opts)
-    tokens, recorded = _tokens_for(req, ckpt.config)
-    logits, hidden, _ = inputs.checkpoint_forward(ckpt, tokens, COMPUTE_DTYPES[req.dtype])
-    report, _, _ = _compare(req, ckpt, tokens, recorded, logits, hidden, "cpu", out)
+    # transformers imported beside the target's forward; the weights load after it (both forwards run on
+    # these same cores, and the target's forward holds one layer at a time)
+    preload = _preload(req)
+    try:
+        ckpt = open_checkpoint(req.target, req.opts)
+        tokens, recorded = _tokens_for(req, ckpt.config)
+        logits, hidden, _ = inputs.checkpoint_forward(ckpt, tokens, COMPUTE_DTYPES[req.dtype])
+        report, _, _ = _compare(req, ckpt, tokens, recorded, logits, hidden, "cpu", out, held=_held(preload))
+    finally:
+        if preload is not None:
+            preload.cancel()
     ok = _write(report, out)
     layout = ckpt.source.layout
     n = layout.pp * stage_ranks(layout)
@@ -158,7 +168,28 @@ def run_single(req: Request, out: Lines) -> Tuple[bool, cmp.Report]:
 
 # --- under torchrun ---------------------------------------------------------------------------------
 
+def _preload(req: Request) -> Optional[inputs.Preload]:
+    """An HF-directory reference made ready on a thread from the start (inputs.Preload), on the process that
+    computes the reference (rank 0 under torchrun); None otherwise."""
+    if req.reference_logits or os.environ.get("RANK", "0") != "0":
+        return None
+    return inputs.preload(req.reference, COMPUTE_DTYPES[req.dtype])
+
+
+def _held(preload: Optional[inputs.Preload]) -> dict:
+    return {} if preload is None else {"preload": preload}
+
+
 def run_parallel(req: Request, out: Lines) -> Tuple[bool, Optional[cmp.Report]]:
+    preload = _preload(req)
+    try:
+        return _run_parallel(req, out, preload)
+    finally:
+        if preload is not None:
+            preload.cancel()  # a verify stopped early: nothing more is loaded
+
+
+def _run_parallel(req: Request, out: Lines, preload) -> Tuple[bool, Optional[cmp.Report]]:
     world = int(os.environ["WORLD_SIZE"])
     tgt = parallel_target(req.target, req.opts, req.tp, req.pp, world, req.vpp)
     layout = tgt.layout
@@ -169,9 +200,11 @@ def run_parallel(req: Request, out: Lines) -> Tuple[bool, Optional[cmp.Report]]:
             + (" (or give --tp/--pp whose product is the process count)" if tgt.any_layout else ""))
     tokens, recorded = _tokens_for(req, tgt.config)
     r = parallel.init_ranks(layout.tp, layout.pp, layout.ep, layout.expert_tp)
+    if preload is not None:
+        preload.load_on(r.device)  # onto rank 0's GPU while the target is read and run
     finished = False
     try:
-        result = _run_ranks(req, out, tgt, tokens, recorded, r)
+        result = _run_ranks(req, out, tgt, tokens, recorded, r, _held(preload))
         finished = True
         return result
     finally:
@@ -181,7 +214,8 @@ def run_parallel(req: Request, out: Lines) -> Tuple[bool, Optional[cmp.Report]]:
             dist.destroy_process_group()
 
 
-def _run_ranks(req: Request, out: Lines, tgt: ParallelTarget, tokens, recorded, r) -> Tuple[bool, Optional[cmp.Report]]:
+def _run_ranks(req: Request, out: Lines, tgt: ParallelTarget, tokens, recorded, r,
+               held: dict) -> Tuple[bool, Optional[cmp.Report]]:
     """Every rank: its stage's forward, the gather to rank 0, the probes of a diverging layer; rank 0 compares
     and reports; every rank returns rank 0's verdict."""
     cfg, layout, dtype = tgt.config, tgt.layout, COMPUTE_DTYPES[req.dtype]
@@ -198,7 +232,8 @@ def _run_ranks(req: Request, out: Lines, tgt: ParallelTarget, tokens, recorded, 
         out(f"parallel forward: {layout.describe()}, {r.world} processes, {dtype}, "
             f"tokens {tuple(tokens.shape)}, {tgt.format} target")
         out(f"forward_seconds={seconds:.4f}")
-        report, tol, ref_hidden = _compare(req, tgt.ckpt, tokens, recorded, *got, r.device, out, timed=True)
+        report, tol, ref_hidden = _compare(req, tgt.ckpt, tokens, recorded, *got, r.device, out, timed=True,
+                                           held=held)
         where = where_held(layout, cfg, tgt.files)
         if (cfg.moe is not None or mla_at_tp(cfg, layout)) and report.first_divergence:
             layer_probe = (_reference_weights(req, recorded, tgt.ckpt), ref_hidden)
