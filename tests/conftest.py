@@ -284,6 +284,20 @@ def shared_followups(steps):
     return fixture
 
 
+_ONCE: dict = {}  # build function -> its value, for the session
+
+
+def once(build, folder, *args):
+    """build(folder(), *args) the first time the session asks for it, that same value after. A steps function (run
+    before its file's fixtures, with other files' steps) and the module fixtures of its file start from the same
+    inputs this way (the same files, built once): folder() makes the folder they go into, the first caller's."""
+    if build not in _ONCE:
+        where = folder()
+        where.mkdir(parents=True, exist_ok=True)
+        _ONCE[build] = build(where, *args)
+    return _ONCE[build]
+
+
 def copy_run(stem: Path, dest: Path) -> None:
     """Copy everything a shared run wrote (`stem`, `stem.pt`, `stem_live`...) beside dest, named dest...:
     the test file's own copy, which it may change or write beside."""
