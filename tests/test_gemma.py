@@ -96,7 +96,10 @@ def _default_tokens(path):
 @pytest.fixture(scope="module")
 def round_trips(models, tmp_path_factory):
     """HF -> TP2 PP2 (mcore) -> torch_dist TP1 PP2 -> TP2 PP1 (mcore-te) -> HF, every stage kept."""
-    root = tmp_path_factory.mktemp("gemma_trips")
+    return once(_round_trips, lambda: tmp_path_factory.mktemp("gemma_trips"), models)
+
+
+def _round_trips(root: Path, models: dict) -> dict:
     out = {}
     for name, src in models.items():
         d = root / name
@@ -241,14 +244,17 @@ def test_gemma_maths_no_class_computes_is_refused_on_export(round_trips, change,
 
 # --- under torchrun (gloo, CPU) -------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def parallel_runs(models, round_trips, tmp_path_factory):
+@shared_followups
+def parallel_runs(framework_runs, d):
     """`torchrun --nproc-per-node 4 -m ckptool verify` at TP2 PP2 against the HF models: the torch files of
-    from-hf and the torch_dist checkpoint run at TP2 PP2; one launch for all cases."""
-    from test_verify import verify_batch
+    from-hf and the torch_dist checkpoint run at TP2 PP2; in the session's shared launch of 4-process checks."""
+    from test_verify import VERIFY_BATCH, verify_jobs, verify_results
+    models = once(_save_models, lambda: d / "models")
+    round_trips = once(_round_trips, lambda: d / "trips", models)
     cases = {f"{name}_{stage}": [round_trips[name] / stage, "--reference", models[name]] + extra
              for name in models for stage, extra in (("tp2pp2", []), ("dist", ["--tp", "2", "--pp", "2"]))}
-    return verify_batch(4, cases, tmp_path_factory.mktemp("gemma_torchrun"))
+    yield [(VERIFY_BATCH, 4, verify_jobs(cases, d / "runs"))]
+    return verify_results(cases, d / "runs")
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3"])

@@ -22,7 +22,7 @@ import torch
 
 from conftest import ROOT, once, shared_followups
 from test_moe import COMMON, TOKENS, VOCAB, _one_line_refusal, cli, hf_logits, randomise, saved_tensors, transformers  # noqa: F401
-from test_verify import verify_batch
+from test_verify import VERIFY_BATCH, verify_jobs, verify_results
 
 from ckptool.formats.hf import quick as hf_quick
 from ckptool.formats.registry import open_checkpoint
@@ -162,11 +162,22 @@ def test_megatron_core_loads_the_glm_outputs_strictly_with_transformers_logits(g
         assert (ran["logits"][..., :VOCAB] - want).abs().max().item() <= 1e-5 * want.abs().max(), name
 
 
-def test_parallel_verify_of_glm_passes(glm, megatron, tmp_path):
-    """`torchrun -m ckptool verify` at the files' TP2 EP2 against the Hugging Face sources."""
+@shared_followups
+def parallel_verify(framework_runs, d):
+    """`torchrun -m ckptool verify` at the files' TP2 EP2 against the Hugging Face sources, in the session's shared
+    launch of 4-process checks."""
+    glm = once(_build_glms, lambda: d / "glm")
+    megatron = once(_convert_glms, lambda: d / "megatron", glm)
     cases = {"tp2ep2": [megatron / "tp2ep2", "--reference", glm["fused"][0]],
              "plain": [megatron / "plain", "--reference", glm["plain"][0]]}
-    for name, (out, rc) in verify_batch(4, cases, tmp_path / "runs").items():
+    yield [(VERIFY_BATCH, 4, verify_jobs(cases, d / "runs"))]
+    return verify_results(cases, d / "runs")
+
+
+def test_parallel_verify_of_glm_passes(parallel_verify):
+    """`torchrun -m ckptool verify` at the files' TP2 EP2 against the Hugging Face sources."""
+    assert set(parallel_verify) == {"tp2ep2", "plain"}
+    for name, (out, rc) in parallel_verify.items():
         assert rc == 0 and "result=PASS" in out, (name, out)
 
 

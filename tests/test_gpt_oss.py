@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from click.testing import CliRunner
-from conftest import once, run_torchrun, shared_followups
+from conftest import once, shared_followups
 
 from ckptool import api
 from ckptool.cli import main
@@ -176,11 +176,22 @@ def test_verify_default_inputs_are_longer_than_the_window(oss):
     assert default_seq_len(None, cfg.replace(sliding_window=None, local_layers=())) == 16
 
 
-def test_torchrun_verify_at_tp2_pp2_ep2(oss, tmp_path):
-    api.reshard(oss / "tp2ep2", tmp_path / "t", format="torch", tp=2, pp=2, ep=2, etp=1, warn=lambda m: None)
+@shared_followups
+def parallel_verify(framework_runs, d):
+    """`ckptool verify` under torchrun of the TP2 PP2 EP2 reshard, in the session's shared launch of 4-process
+    checks (tests/verify_batch.py: the real command): (output, exit status)."""
+    from test_verify import VERIFY_BATCH, verify_jobs, verify_results
+    oss = once(_build_oss, lambda: d / "oss")
+    api.reshard(oss / "tp2ep2", d / "t", format="torch", tp=2, pp=2, ep=2, etp=1, warn=lambda m: None)
     # expert TP 1 (biased experts): a stage's ranks are lcm(TP2, ETP1 x EP2) = 2, so 4 processes
-    r = run_torchrun(4, "-m", "ckptool", "verify", tmp_path / "t", "--reference", oss / "hf", "--seq-len", SEQ)
-    assert r.returncode == 0 and "result=PASS" in r.stdout, r.stdout + r.stderr[-3000:]
+    cases = {"t": [d / "t", "--reference", oss / "hf", "--seq-len", SEQ]}
+    yield [(VERIFY_BATCH, 4, verify_jobs(cases, d / "runs"))]
+    return verify_results(cases, d / "runs")["t"]
+
+
+def test_torchrun_verify_at_tp2_pp2_ep2(parallel_verify):
+    out, rc = parallel_verify
+    assert rc == 0 and "result=PASS" in out, out
 
 
 @shared_followups

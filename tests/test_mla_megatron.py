@@ -23,6 +23,10 @@ MLA_KEYS = ("linear_q_down_proj.weight", "q_layernorm.weight", "linear_q_up_proj
 
 
 def _moe_deepseek(tmp_path_factory, seed: int, q_lora_rank, layers: int, name: str):
+    return _save_moe_deepseek(tmp_path_factory.mktemp("mla") / name, seed, q_lora_rank, layers)
+
+
+def _save_moe_deepseek(path: Path, seed: int, q_lora_rank, layers: int):
     torch.manual_seed(seed)
     t = transformers
     model = randomise(t.DeepseekV3ForCausalLM(t.DeepseekV3Config(
@@ -30,16 +34,20 @@ def _moe_deepseek(tmp_path_factory, seed: int, q_lora_rank, layers: int, name: s
         num_hidden_layers=layers, n_shared_experts=2, n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=12,
         q_lora_rank=q_lora_rank, qk_rope_head_dim=8, v_head_dim=10, qk_nope_head_dim=6, n_group=4, topk_group=2,
         num_experts_per_tok=4, first_k_dense_replace=1, norm_topk_prob=True))).eval()
-    path = tmp_path_factory.mktemp("mla") / name
     model.save_pretrained(path)
     return path, model
+
+
+def _deepseek(root: Path):
+    return _save_moe_deepseek(root / "deepseek_v3", 23, 20, 4)
 
 
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
     """test_moe's tiny DeepSeek-V3 with routing Megatron computes too: top-4 over the best 2 of 4 groups (a group
-    scored by its top 4/2 = 2 experts, as Hugging Face does); MLA with a q latent, layer 0 dense."""
-    return _moe_deepseek(tmp_path_factory, 23, 20, 4, "deepseek_v3")
+    scored by its top 4/2 = 2 experts, as Hugging Face does); MLA with a q latent, layer 0 dense. Built once (for
+    test_verify_mla's steps too)."""
+    return once(_deepseek, lambda: tmp_path_factory.mktemp("mla"))
 
 
 @pytest.fixture(scope="module")
