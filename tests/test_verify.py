@@ -10,8 +10,8 @@ torch-format original.
 
 Start-up of N interpreters under torchrun dominates the cost of a check, so the checks of one
 process count share one launch (tests/verify_batch.py runs each as the real `ckptool verify`
-command); a few checks still launch `torchrun -m ckptool verify` on their own to cover the entry
-point itself.
+command; through conftest.shared_followups and verify_jobs with the other files' checks); a few checks
+still launch `torchrun -m ckptool verify` on their own to cover the entry point itself.
 """
 from __future__ import annotations
 
@@ -367,9 +367,12 @@ def batch2(framework_runs, d):
     return verify_results(cases, models["tmp"] / "batch2")
 
 
-@pytest.fixture(scope="module")
-def batch4(models, fixture_dir):
-    from conftest import REAL_CANDIDATES
+@shared_followups
+def batch4(framework_runs, d):
+    """The 4-process checks, in the session's shared launch of 4-process checks."""
+    from conftest import REAL_CANDIDATES, fixture_dirs
+    models = once(_models, lambda: d / "verify")
+    fixture_dir = fixture_dirs(lambda: d / "fixtures")
     cases = _layout_cases(models, 4)
     for case in REAL_CASES:
         found = [b / case for b in REAL_CANDIDATES if (b / case / "checkpoint").is_dir()]
@@ -382,7 +385,8 @@ def batch4(models, fixture_dir):
         cases[f"plant_{name}"] = [build(models), "--reference", refs[ref]]
     for name in VPP_FIXTURES:
         cases[name] = [fixture_dir(name) / "checkpoint", "--reference", fixture_dir(name) / "hf"]
-    return verify_batch(4, cases, models["tmp"] / "batch4")
+    yield [(VERIFY_BATCH, 4, verify_jobs(cases, models["tmp"] / "batch4"))]
+    return verify_results(cases, models["tmp"] / "batch4")
 
 
 # --- correct checkpoints pass at every layout ----------------------------------------------------
