@@ -24,13 +24,23 @@ def _load_make_fixtures():
 
 @pytest.fixture(scope="session")
 def make_fixtures():
-    return _load_make_fixtures()
+    return sys.modules.get("make_fixtures") or _load_make_fixtures()
 
 
 @pytest.fixture(scope="session")
 def fixture_dir(tmp_path_factory, make_fixtures):
-    """A callable: name -> directory of that fixture (built on first use, once per session)."""
-    out = tmp_path_factory.mktemp("megatron_fixtures")
+    """A callable: name -> directory of that fixture (built on first use, once per session; the same for a
+    shared_followups steps function asking through fixture_dirs)."""
+    return once(_fixture_dirs, lambda: tmp_path_factory.mktemp("megatron_fixtures"), make_fixtures)
+
+
+def fixture_dirs(folder) -> callable:
+    """fixture_dir's callable for a steps function (which gets no fixtures): folder() where it goes if it is the
+    first to ask."""
+    return once(_fixture_dirs, folder, sys.modules.get("make_fixtures") or _load_make_fixtures())
+
+
+def _fixture_dirs(out: Path, make_fixtures):
     built = {}
 
     def get(name: str) -> Path:
@@ -140,7 +150,8 @@ def run_torchrun(nproc: int, *argv, env: dict | None = None, timeout: float = 60
 # The megatron-core helpers whose runs at one process count share one launch, through tests/mcore_jobs.py (each
 # helper has parser() and run_job()): every rank then imports torch and megatron-core once for all of them.
 SHARED_LAUNCH = {f"mcore_{name}_helper.py" for name in
-                 ("dist", "optim_dist", "train", "moe", "sidecar", "gemma", "glm", "gpt_oss", "mla", "mtp")}
+                 ("dist", "optim_dist", "train", "moe", "sidecar", "gemma", "glm", "gpt_oss", "mla", "mtp")} | \
+    {"mds_mcore_forward.py"}  # megatron-core's forward of a Megatron-DeepSpeed checkpoint (test_verify_deepspeed)
 MCORE_JOBS = ROOT / "tests" / "mcore_jobs.py"
 
 
@@ -282,6 +293,20 @@ def shared_followups(steps):
         return framework_runs.followup(steps)
     fixture.__doc__ = steps.__doc__
     return fixture
+
+
+_ONCE: dict = {}  # build function -> its value, for the session
+
+
+def once(build, folder, *args):
+    """build(folder(), *args) the first time the session asks for it, that same value after. A steps function (run
+    before its file's fixtures, with other files' steps) and the module fixtures of its file start from the same
+    inputs this way (the same files, built once): folder() makes the folder they go into, the first caller's."""
+    if build not in _ONCE:
+        where = folder()
+        where.mkdir(parents=True, exist_ok=True)
+        _ONCE[build] = build(where, *args)
+    return _ONCE[build]
 
 
 def copy_run(stem: Path, dest: Path) -> None:

@@ -1,5 +1,6 @@
 """One torchrun launch for the jobs of several megatron-core test helpers: each argument is 'HELPER JOB', the
-helper's file name (tests/mcore_*_helper.py, each with parser() and run_job()) and one of its jobs.
+helper's file name (tests/mcore_*_helper.py, tests/mds_mcore_forward.py: each with parser() and run_job()) and one
+of its jobs.
 
 tests/conftest.py sends the framework runs of every helper in SHARED_LAUNCH at one process count here: every
 rank imports torch and megatron-core once for all of them (5-7 s a launch on a 2-core box) instead of once per

@@ -1,6 +1,9 @@
 """megatron-core's own TP2 PP2 forward of a Megatron-DeepSpeed pipeline checkpoint, each rank on its own copies.
 
-Usage: torchrun --nproc-per-node 4 tests/mds_mcore_forward.py TOKENS.pt GLOBAL_STEP_DIR OUT.pt [GLOBAL_STEP_DIR OUT.pt ...]
+Usage: torchrun --nproc-per-node 4 tests/mds_mcore_forward.py "TOKENS.pt GLOBAL_STEP_DIR OUT.pt" ...
+
+(one job per argument, tests/torchrun_jobs.py; tests/conftest.py runs its jobs in the shared megatron-core launch of
+4 processes, tests/mcore_jobs.py)
 
 Megatron-DeepSpeed's GPT-2 (legacy ParallelTransformerLayer) and megatron-core's GPTModel with the local spec
 compute the same maths with the same tensor-parallel split: vocab-parallel embedding plus the rank's own
@@ -16,6 +19,7 @@ Megatron-DeepSpeed's recorded logits_fp32 (tests/test_verify_deepspeed.py).
 
 Each OUT.pt holds `tokens` (TOKENS.pt's) and `logits` [B, S, padded vocab] (fp32 compute from the 16-bit weights).
 """
+import argparse
 import sys
 from pathlib import Path
 
@@ -28,6 +32,7 @@ from megatron.core import parallel_state  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from torchrun_jobs import run_jobs  # noqa: E402
 
 TP, PP = 2, 2
 # the real case's architecture (fixtures/real/mds_gpt2_pipe_tp2pp2_bf16_zero1/CASE.md)
@@ -86,15 +91,21 @@ def run(step: Path, tokens: torch.Tensor, out_file: str) -> None:
     dist.barrier()
 
 
-def main(tokens_file: str, *jobs: str) -> None:
-    dist.init_process_group("gloo")
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description="megatron-core's TP2 PP2 forward of a Megatron-DeepSpeed pipeline step")
+    ap.add_argument("tokens", help="TOKENS.pt: its `tokens` are the rows computed")
+    ap.add_argument("step", help="the checkpoint's global_step folder")
+    ap.add_argument("out", help="OUT.pt: tokens and logits")
+    return ap
+
+
+def run_job(a) -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP)
-    tokens = torch.load(tokens_file)["tokens"]
-    for step, out_file in zip(jobs[::2], jobs[1::2]):
-        run(Path(step), tokens, out_file)
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    try:
+        run(Path(a.step), torch.load(a.tokens)["tokens"], a.out)
+    finally:
+        parallel_state.destroy_model_parallel()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    run_jobs(parser(), run_job)

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import DS_TRAIN_CASES, count_tensor_reads, run_torchrun
+from conftest import DS_TRAIN_CASES, count_tensor_reads, shared_followups
 from ckptool.errors import CkptError
 from ckptool.formats.deepspeed import checkpoint as ds
 from ckptool.formats.registry import detect_format, open_checkpoint
@@ -769,18 +768,27 @@ def test_cli_on_the_real_mds_checkpoint(tmp_path):
     assert _rel(_logits(model, ref["tokens"]), ref["logits_fp32"][..., :1001]) < 1e-4
 
 
-@needs_mds
-def test_parallel_verify_under_torchrun_against_the_mds_checkpoint(tmp_path):
-    """Resharded to TP2 PP1, run tensor-parallel under real torchrun (gloo) against the MDS source."""
+@shared_followups
+def mds_tp2_verify(framework_runs, d):
+    """The MDS checkpoint resharded to TP2 PP1 and verified tensor-parallel under real torchrun (gloo) against its
+    source, in the session's shared launch of 2-process checks: (output, exit status)."""
+    from test_verify import VERIFY_BATCH, verify_jobs, verify_results
+    if not MDS.is_dir():
+        pytest.skip(f"real checkpoint not found at {MDS}")
     src = MDS / "checkpoint"
-    res = _cli("reshard", str(src), str(tmp_path / "tp2"), "--tp", "2", "--pp", "1", "--weights", "model")
+    res = _cli("reshard", str(src), str(d / "tp2"), "--tp", "2", "--pp", "1", "--weights", "model")
     assert res.exit_code == 0, res.output
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1")
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    r = run_torchrun(2, "-m", "ckptool", "verify", tmp_path / "tp2", "--reference", src, "--weights", "model",
-                     "--seq-len", "8", env=env, cwd=REPO, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "TP2 PP1, 2 processes" in r.stdout and "result=PASS" in r.stdout
+    cases = {"tp2": [d / "tp2", "--reference", src, "--weights", "model", "--seq-len", "8"]}
+    yield [(VERIFY_BATCH, 2, verify_jobs(cases, d / "runs"))]
+    return verify_results(cases, d / "runs")["tp2"]
+
+
+@needs_mds
+def test_parallel_verify_under_torchrun_against_the_mds_checkpoint(mds_tp2_verify):
+    """Resharded to TP2 PP1, run tensor-parallel under real torchrun (gloo) against the MDS source."""
+    out, rc = mds_tp2_verify
+    assert rc == 0, out
+    assert "TP2 PP1, 2 processes" in out and "result=PASS" in out
 
 
 @needs_ds

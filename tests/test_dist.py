@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import copy_run, declare_runs, run_torchrun
+from conftest import copy_run, declare_runs, once, shared_followups
 from ckptool.config import GPTConfig, Layout
 from ckptool.convert import write_layout
 from ckptool.errors import CkptError
@@ -38,11 +38,6 @@ needs_mcore = pytest.mark.skipif(not HAVE_MCORE, reason="megatron-core is not in
                                  "(pip install megatron-core: test-only extra)")
 
 
-def _env():
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1")
-    return env
-
-
 def run_cli(*args):
     """The CLI in-process (click's runner): returncode, stdout, stderr like a subprocess."""
     from click.testing import CliRunner
@@ -53,11 +48,6 @@ def run_cli(*args):
         runner = CliRunner()  # click >= 8.2 keeps stderr apart already
     r = runner.invoke(main, [str(a) for a in args])
     return subprocess.CompletedProcess(args, r.exit_code, r.stdout, r.stderr)
-
-
-def torchrun_helper(jobs, timeout=240, nproc=2):
-    r = run_torchrun(nproc, HELPER, *jobs, env=_env(), timeout=timeout)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
 
 
 def assert_same_tensors(a: Checkpoint, b: Checkpoint):
@@ -80,20 +70,27 @@ MCORE_SAVES = declare_runs(HELPER, 2, {
 })
 
 
-@pytest.fixture(scope="module")
-def mcore(tmp_path_factory, framework_runs):
+def _copied_saves(root: Path, framework_runs) -> Path:
     if not HAVE_MCORE:
         pytest.skip("megatron-core is not installed (pip install megatron-core: test-only extra)")
-    root = tmp_path_factory.mktemp("mcore")
     for name, stem in framework_runs(HELPER, 2, MCORE_SAVES, timeout=240).items():
         copy_run(stem, root / name)
     return root
 
 
 @pytest.fixture(scope="module")
+def mcore(tmp_path_factory, framework_runs):
+    """This file's copy of MCORE_SAVES (the load steps below start from the same)."""
+    return once(_copied_saves, lambda: tmp_path_factory.mktemp("mcore"), framework_runs)
+
+
+@pytest.fixture(scope="module")
 def ours(mcore, tmp_path_factory):
     """mcore torch_dist -> torch (TP2 x PP2) -> torch_dist, written by ckptool."""
-    root = tmp_path_factory.mktemp("ours")
+    return once(_write_ours, lambda: tmp_path_factory.mktemp("ours"), mcore)
+
+
+def _write_ours(root: Path, mcore: Path) -> Path:
     for arch, stages in (("gpt2", None), ("llama", [2, 1])):
         src = open_checkpoint(mcore / arch)
         write_layout(src, root / f"{arch}_torch", Layout(tp=2, pp=2, stage_layers=stages),
@@ -170,18 +167,26 @@ def test_round_trip_through_torch_tp2_pp2_is_bit_exact(mcore, ours, arch):
     assert files == [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
 
 
-@pytest.fixture(scope="module")
-def mcore_two_process_loads(mcore, ours, tmp_path_factory):
-    """Every 2-process load of ckptool's outputs by megatron-core in one torchrun start (importing
-    megatron-core is the slow part): {"dist": mcore_loads' folder, "torch": mcore_torch_loads'}."""
-    out = tmp_path_factory.mktemp("mcore_loads")
+def _saves_and_ours(framework_runs, d: Path) -> tuple:
+    """The inputs of the load steps: (mcore, ours) as those fixtures give them (built once, by the first asking)."""
+    mcore = once(_copied_saves, lambda: d / "mcore", framework_runs)
+    return mcore, once(_write_ours, lambda: d / "ours", mcore)
+
+
+@shared_followups
+def mcore_two_process_loads(framework_runs, d):
+    """Every 2-process load of ckptool's outputs by megatron-core, in the session's shared 2-process launch
+    (importing megatron-core is the slow part): {"dist": mcore_loads' folder, "torch": mcore_torch_loads'}."""
+    mcore, ours = _saves_and_ours(framework_runs, d)
+    out = d / "mcore_loads"
+    out.mkdir()
     jobs = [f"load {ours}/llama_dist --tp 1 --arch llama --out {out}/llama.pt",
             f"load {ours}/gpt2_dist --tp 2 --arch gpt2 --out {out}/gpt2.pt",
             f"load {ours}/llama_dist --tp 1 --pp 2 --arch llama --out {out}/llama_pp2.pt",
             f"load {ours}/gpt2_dist --tp 1 --pp 2 --arch gpt2 --out {out}/gpt2_pp2.pt"]
-    root = tmp_path_factory.mktemp("mcore_torch")
+    root = d / "mcore_torch"
     jobs += _torch_format_load_jobs(mcore, root)
-    torchrun_helper(jobs)
+    yield [(HELPER, 2, jobs)]
     return {"dist": out, "torch": root}
 
 
@@ -283,16 +288,16 @@ def test_megatron_core_loads_our_torch_format(mcore, mcore_torch_loads, arch, tp
     torch.testing.assert_close(got["logits"], ref["logits"], atol=1e-6, rtol=0)
 
 
-@pytest.fixture(scope="module")
-def mcore_tp2pp2_loads(ours, tmp_path_factory):
+@shared_followups
+def mcore_tp2pp2_loads(framework_runs, out):
     """4 processes: megatron-core at TP2 PP2 loads ckptool's TP2 PP2 torch-format files (llama
-    split 2+1) and its torch_dist output, one torchrun start for both formats and both models."""
-    out = tmp_path_factory.mktemp("mcore_tp2pp2")
+    split 2+1) and its torch_dist output, in the session's shared 4-process launch."""
+    ours = _saves_and_ours(framework_runs, out)[1]
     jobs = []
     for arch in ("gpt2", "llama"):
         jobs.append(f"load-torch {ours}/{arch}_torch --tp 2 --pp 2 --arch {arch} --out {out}/{arch}_torch.pt")
         jobs.append(f"load {ours}/{arch}_dist --tp 2 --pp 2 --arch {arch} --out {out}/{arch}_dist.pt")
-    torchrun_helper(jobs, timeout=400, nproc=4)
+    yield [(HELPER, 4, jobs)]
     return out
 
 

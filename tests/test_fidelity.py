@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_torchrun
+from conftest import once, shared_followups
 from click.testing import CliRunner
 
 from ckptool.cli import main
@@ -60,9 +60,13 @@ COMBOS = {"combo_llama": ("qk_layernorm", "add_qkv_bias", "rotary_interleaved", 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
+    """megatron-core's models with each flag (tests/mcore_flags_helper.py), built once (tp2_verifies' steps too)."""
+    return once(_build_flags, lambda: tmp_path_factory.mktemp("mcore_flags"))
+
+
+def _build_flags(root: Path) -> Path:
     if not HAVE_MCORE:
         pytest.skip("megatron-core is not installed (pip install megatron-core: test-only extra)")
-    root = tmp_path_factory.mktemp("mcore_flags")
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1")
     # port 0: the one process binds its store on a port the kernel picks (no port chosen beforehand to lose)
     r = subprocess.run([sys.executable, str(REPO / "tests" / "mcore_flags_helper.py"), f"{root}:0", *FLAGS,
@@ -333,20 +337,30 @@ def test_post_layernorm_residual_written_only_where_megatron_honours_it(built, t
     assert torch.allclose(forward(back, tokens)[..., :VOCAB], forward(post, tokens)[..., :VOCAB], atol=1e-5)
 
 
-@pytest.mark.parametrize("variant", list(COMBOS))
-def test_flags_through_tensor_parallel_verify(built, variant, tmp_path):
-    """verify under torchrun runs each TP rank on its own shards (verify/parallel.py): the flags must
-    hold there too. The megatron-core model is resharded to TP 2 by ckptool, then verified against
-    the logits megatron-core computed at TP 1."""
+@shared_followups
+def tp2_verifies(framework_runs, d):
+    """Each COMBOS model resharded to TP 2 by ckptool (d/VARIANT) and verified under torchrun against the logits
+    megatron-core computed at TP 1, in the session's shared launch of 2-process checks: {variant: (output, rc)}."""
     from ckptool.config import Layout
     from ckptool.convert import write_layout
+    from test_verify import VERIFY_BATCH, verify_jobs, verify_results
+    built = once(_build_flags, lambda: d / "built")
+    cases = {}
+    for variant in COMBOS:
+        write_layout(open_checkpoint(built / variant / "checkpoint"), d / variant, Layout(tp=2), warn=lambda m: None)
+        cases[variant] = [d / variant, "--reference-logits", f"{built / variant / 'logits.pt'}:logits"]
+    yield [(VERIFY_BATCH, 2, verify_jobs(cases, d / "runs"))]
+    return verify_results(cases, d / "runs")
+
+
+@pytest.mark.parametrize("variant", list(COMBOS))
+def test_flags_through_tensor_parallel_verify(built, tp2_verifies, variant):
+    """verify under torchrun runs each TP rank on its own shards (verify/parallel.py): the flags must
+    hold there too. The megatron-core model is resharded to TP 2 by ckptool, then verified against
+    the logits megatron-core computed at TP 1 (tp2_verifies)."""
     src = open_checkpoint(built / variant / "checkpoint")
     for flag in COMBOS[variant]:
         field, value, _, _ = FLAGS[flag]
         assert getattr(src.config, field) == value, flag
-    tp2 = tmp_path / "tp2"
-    write_layout(src, tp2, Layout(tp=2), warn=lambda m: None)
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1")
-    r = run_torchrun(2, "-m", "ckptool", "verify", tp2, "--reference-logits", f"{built / variant / 'logits.pt'}:logits",
-                     env=env, cwd=REPO, timeout=240)
-    assert r.returncode == 0 and "result=PASS" in r.stdout and "2 processes" in r.stdout, r.stdout + r.stderr[-3000:]
+    out, rc = tp2_verifies[variant]
+    assert rc == 0 and "result=PASS" in out and "2 processes" in out, out

@@ -22,6 +22,8 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
+from conftest import once, shared_followups
+
 from ckptool import api, families
 from ckptool.cli import main
 from ckptool.describe import describe
@@ -66,14 +68,17 @@ def gemma3() -> Gemma3ForCausalLM:
     return model
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gemma")
+def _save_models(root: Path) -> dict:
     out = {}
     for name, build in (("gemma2", gemma2), ("gemma3", gemma3)):
         build().save_pretrained(root / name)
         out[name] = root / name
     return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return once(_save_models, lambda: tmp_path_factory.mktemp("gemma"))
 
 
 def hf_logits(path, tokens):
@@ -91,7 +96,10 @@ def _default_tokens(path):
 @pytest.fixture(scope="module")
 def round_trips(models, tmp_path_factory):
     """HF -> TP2 PP2 (mcore) -> torch_dist TP1 PP2 -> TP2 PP1 (mcore-te) -> HF, every stage kept."""
-    root = tmp_path_factory.mktemp("gemma_trips")
+    return once(_round_trips, lambda: tmp_path_factory.mktemp("gemma_trips"), models)
+
+
+def _round_trips(root: Path, models: dict) -> dict:
     out = {}
     for name, src in models.items():
         d = root / name
@@ -236,14 +244,17 @@ def test_gemma_maths_no_class_computes_is_refused_on_export(round_trips, change,
 
 # --- under torchrun (gloo, CPU) -------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def parallel_runs(models, round_trips, tmp_path_factory):
+@shared_followups
+def parallel_runs(framework_runs, d):
     """`torchrun --nproc-per-node 4 -m ckptool verify` at TP2 PP2 against the HF models: the torch files of
-    from-hf and the torch_dist checkpoint run at TP2 PP2; one launch for all cases."""
-    from test_verify import verify_batch
+    from-hf and the torch_dist checkpoint run at TP2 PP2; in the session's shared launch of 4-process checks."""
+    from test_verify import VERIFY_BATCH, verify_jobs, verify_results
+    models = once(_save_models, lambda: d / "models")
+    round_trips = once(_round_trips, lambda: d / "trips", models)
     cases = {f"{name}_{stage}": [round_trips[name] / stage, "--reference", models[name]] + extra
              for name in models for stage, extra in (("tp2pp2", []), ("dist", ["--tp", "2", "--pp", "2"]))}
-    return verify_batch(4, cases, tmp_path_factory.mktemp("gemma_torchrun"))
+    yield [(VERIFY_BATCH, 4, verify_jobs(cases, d / "runs"))]
+    return verify_results(cases, d / "runs")
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3"])
@@ -285,17 +296,18 @@ def test_a_llama_with_a_sliding_window_keeps_it_computes_it_and_is_not_exported_
 
 # --- megatron-core ------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def mcore_runs(models, tmp_path_factory):
-    """tests/mcore_gemma_helper.py, in two torchrun launches of 2 processes. First: megatron-core loads from-hf's TP2
-    torch files and their TP2 torch_dist reshard, both models ({(name, kind): {params, keys}}), and trains the
-    Gemma 3 layout one step at TP2 and saves (model, Adam state, scheduler). ckptool reshards that save to TP1 with
-    and without the optimizer. Second: megatron-core resumes each at TP1 (DP2) and takes the steps the first run took
-    after its save ({"trained" | "tp1" | "tp1_weights": losses}). The vocabulary of the trained model is padded alike
-    at TP2 and TP1 (divisible by 64): the padded rows are in Megatron's loss."""
-    from conftest import run_torchrun
-    helper = Path(__file__).with_name("mcore_gemma_helper.py")
-    d = tmp_path_factory.mktemp("gemma_mcore")
+MCORE_HELPER = Path(__file__).with_name("mcore_gemma_helper.py")
+
+
+@shared_followups
+def mcore_runs(framework_runs, d):
+    """tests/mcore_gemma_helper.py, in two rounds of 2 processes (shared_followups). First: megatron-core loads
+    from-hf's TP2 torch files and their TP2 torch_dist reshard, both models ({(name, kind): {params, keys}}), and
+    trains the Gemma 3 layout one step at TP2 and saves (model, Adam state, scheduler). ckptool reshards that save to
+    TP1 with and without the optimizer. Second: megatron-core resumes each at TP1 (DP2) and takes the steps the first
+    run took after its save ({"trained" | "tp1" | "tp1_weights": losses}). The vocabulary of the trained model is
+    padded alike at TP2 and TP1 (divisible by 64): the padded rows are in Megatron's loss."""
+    models = once(_save_models, lambda: d / "models")
     jobs, outs = [], {}
     for name, src in models.items():
         api.from_hf(src, d / name / "torch", tp=2, **QUIET)
@@ -305,13 +317,11 @@ def mcore_runs(models, tmp_path_factory):
             jobs.append(f"{d / name / kind}{flag} --out {outs[(name, kind)]}")
     api.from_hf(models["gemma3"], d / "init", tp=2, make_vocab_size_divisible_by=64, **QUIET)
     jobs.append(f"{d / 'init'} --train {d / 'trained'} --out {d / 'trained.pt'}")
-    res = run_torchrun(2, helper, *jobs, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+    yield [(MCORE_HELPER, 2, jobs)]
     api.reshard(d / "trained", d / "tp1", tp=1, **QUIET)
     api.reshard(d / "trained", d / "tp1_weights", tp=1, optimizer=False, **QUIET)
-    res = run_torchrun(2, helper, f"{d / 'tp1'} --tp 1 --resume --out {d / 'tp1.pt'}",
-                       f"{d / 'tp1_weights'} --tp 1 --resume --out {d / 'tp1_weights.pt'}", timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+    yield [(MCORE_HELPER, 2, [f"{d / 'tp1'} --tp 1 --resume --out {d / 'tp1.pt'}",
+                              f"{d / 'tp1_weights'} --tp 1 --resume --out {d / 'tp1_weights.pt'}"])]
     losses = {k: torch.load(d / f"{k}.pt")["losses"] for k in ("trained", "tp1", "tp1_weights")}
     return {k: torch.load(v) for k, v in outs.items()}, losses
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, run_torchrun
+from conftest import ROOT, once, shared_followups
 from test_moe import COMMON, TOKENS, VOCAB, _one_line_refusal, cli, hf_logits, randomise, saved_tensors, transformers  # noqa: F401
-from test_verify import verify_batch
+from test_verify import VERIFY_BATCH, verify_jobs, verify_results
 
 from ckptool.formats.hf import quick as hf_quick
 from ckptool.formats.registry import open_checkpoint
@@ -39,11 +39,7 @@ def _build(qk_norm: bool):
         partial_rotary_factor=0.5, num_nextn_predict_layers=0))
 
 
-@pytest.fixture(scope="module")
-def glm(tmp_path_factory):
-    """name -> (directory, model): "qk" (q/k norms, q/k/v biases; per expert), "fused" (the same model fused),
-    "plain" (neither; per expert)."""
-    root = tmp_path_factory.mktemp("glm")
+def _build_glms(root: Path) -> dict:
     out = {}
     for seed, (name, qk) in enumerate((("qk", True), ("plain", False))):
         torch.manual_seed(40 + seed)
@@ -55,16 +51,26 @@ def glm(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def megatron(glm, tmp_path_factory):
-    """Megatron checkpoints of the GLMs: name -> directory."""
-    root = tmp_path_factory.mktemp("glm_megatron")
+def _convert_glms(root: Path, glm: dict) -> Path:
     cli("from-hf", glm["fused"][0], root / "tp2ep2", "--tp", 2, "--ep", 2)
     cli("reshard", root / "tp2ep2", root / "dist", "--format", "torch_dist", "--tp", 1, "--ep", 2)
     cli("from-hf", glm["qk"][0], root / "ep2", "--ep", 2)
     cli("from-hf", glm["plain"][0], root / "plain", "--tp", 2, "--ep", 2)
     cli("reshard", root / "plain", root / "plain_etp1", "--tp", 2, "--ep", 2, "--etp", 1)
     return root
+
+
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory):
+    """name -> (directory, model): "qk" (q/k norms, q/k/v biases; per expert), "fused" (the same model fused),
+    "plain" (neither; per expert). Built once: the megatron-core steps below start from the same."""
+    return once(_build_glms, lambda: tmp_path_factory.mktemp("glm"))
+
+
+@pytest.fixture(scope="module")
+def megatron(glm, tmp_path_factory):
+    """Megatron checkpoints of the GLMs: name -> directory."""
+    return once(_convert_glms, lambda: tmp_path_factory.mktemp("glm_megatron"), glm)
 
 
 def _same_files(a: Path, b: Path) -> None:
@@ -131,26 +137,47 @@ def test_glm_through_megatron_expert_parallel_layouts_and_back(glm, megatron, tm
             args.moe_shared_expert_intermediate_size) == ("sigmoid", True, 4, 2, 1.5, [0, 1, 1], 16)
 
 
-def test_megatron_core_loads_the_glm_outputs_strictly_with_transformers_logits(glm, megatron, tmp_path):
+MCORE_LOADS = {"ep2": "{megatron}/ep2 --ep 2", "dist_ep2": "{megatron}/dist --ep 2 --dist",
+               "dist_tp2": "{megatron}/dist --tp 2 --dist"}
+
+
+@shared_followups
+def mcore_glm_loads(framework_runs, d):
+    """megatron-core builds the model from each checkpoint's args (tests/mcore_glm_helper.py, 2 processes: TP1 EP2,
+    and TP2 EP1 for the torch_dist one) and loads it strictly: d/NAME.pt of MCORE_LOADS."""
+    glm = once(_build_glms, lambda: d / "glm")
+    megatron = once(_convert_glms, lambda: d / "megatron", glm)
+    yield [(ROOT / "tests" / "mcore_glm_helper.py", 2,
+            [f"{job.format(megatron=megatron)} --out {d / name}.pt" for name, job in MCORE_LOADS.items()])]
+    return d
+
+
+def test_megatron_core_loads_the_glm_outputs_strictly_with_transformers_logits(glm, mcore_glm_loads):
     """megatron-core builds the model from each checkpoint's args (2 processes: TP1 EP2, and TP2 EP1 for the
     torch_dist one), loads it strictly and computes transformers' logits at fp32 rounding."""
-    jobs = {"ep2": f"{megatron / 'ep2'} --ep 2", "dist_ep2": f"{megatron / 'dist'} --ep 2 --dist",
-            "dist_tp2": f"{megatron / 'dist'} --tp 2 --dist"}
-    r = run_torchrun(2, ROOT / "tests" / "mcore_glm_helper.py",
-                     *(f"{job} --out {tmp_path / name}.pt" for name, job in jobs.items()), cwd=ROOT)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    for name in jobs:
-        ran = torch.load(tmp_path / f"{name}.pt", weights_only=False)
+    for name in MCORE_LOADS:
+        ran = torch.load(mcore_glm_loads / f"{name}.pt", weights_only=False)
         want = hf_logits(glm["qk"][1], ran["tokens"])
         assert ran["moe_layers"] == 2
         assert (ran["logits"][..., :VOCAB] - want).abs().max().item() <= 1e-5 * want.abs().max(), name
 
 
-def test_parallel_verify_of_glm_passes(glm, megatron, tmp_path):
-    """`torchrun -m ckptool verify` at the files' TP2 EP2 against the Hugging Face sources."""
+@shared_followups
+def parallel_verify(framework_runs, d):
+    """`torchrun -m ckptool verify` at the files' TP2 EP2 against the Hugging Face sources, in the session's shared
+    launch of 4-process checks."""
+    glm = once(_build_glms, lambda: d / "glm")
+    megatron = once(_convert_glms, lambda: d / "megatron", glm)
     cases = {"tp2ep2": [megatron / "tp2ep2", "--reference", glm["fused"][0]],
              "plain": [megatron / "plain", "--reference", glm["plain"][0]]}
-    for name, (out, rc) in verify_batch(4, cases, tmp_path / "runs").items():
+    yield [(VERIFY_BATCH, 4, verify_jobs(cases, d / "runs"))]
+    return verify_results(cases, d / "runs")
+
+
+def test_parallel_verify_of_glm_passes(parallel_verify):
+    """`torchrun -m ckptool verify` at the files' TP2 EP2 against the Hugging Face sources."""
+    assert set(parallel_verify) == {"tp2ep2", "plain"}
+    for name, (out, rc) in parallel_verify.items():
         assert rc == 0 and "result=PASS" in out, (name, out)
 
 

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from click.testing import CliRunner
-from conftest import run_torchrun
+from conftest import once, shared_followups
 
 from ckptool import api
 from ckptool.cli import main
@@ -66,15 +66,19 @@ def hf_logits(path: Path, tokens: torch.Tensor, **kw) -> torch.Tensor:
         return model(tokens).logits.float()
 
 
-@pytest.fixture(scope="module")
-def oss(tmp_path_factory):
+def _build_oss(root: Path) -> Path:
     """The tiny HF model and ckptool's Megatron torch output at TP2 EP2."""
-    root = tmp_path_factory.mktemp("gpt_oss")
     hf = build_hf(root / "hf")
     # 128 rows at TP1 and TP2 alike (64 x 2, 128 x 1): no padding rows, whose trained values a training loss over
     # the padded vocabulary would see and a re-padding would change
     api.from_hf(hf, root / "tp2ep2", tp=2, ep=2, etp=1, make_vocab_size_divisible_by=64, warn=lambda m: None)
     return root
+
+
+@pytest.fixture(scope="module")
+def oss(tmp_path_factory):
+    """The tiny HF model and ckptool's Megatron torch output at TP2 EP2 (the mcore steps' own too)."""
+    return once(_build_oss, lambda: tmp_path_factory.mktemp("gpt_oss"))
 
 
 def same_files(a: Path, b: Path) -> None:
@@ -172,23 +176,42 @@ def test_verify_default_inputs_are_longer_than_the_window(oss):
     assert default_seq_len(None, cfg.replace(sliding_window=None, local_layers=())) == 16
 
 
-def test_torchrun_verify_at_tp2_pp2_ep2(oss, tmp_path):
-    api.reshard(oss / "tp2ep2", tmp_path / "t", format="torch", tp=2, pp=2, ep=2, etp=1, warn=lambda m: None)
+@shared_followups
+def parallel_verify(framework_runs, d):
+    """`ckptool verify` under torchrun of the TP2 PP2 EP2 reshard, in the session's shared launch of 4-process
+    checks (tests/verify_batch.py: the real command): (output, exit status)."""
+    from test_verify import VERIFY_BATCH, verify_jobs, verify_results
+    oss = once(_build_oss, lambda: d / "oss")
+    api.reshard(oss / "tp2ep2", d / "t", format="torch", tp=2, pp=2, ep=2, etp=1, warn=lambda m: None)
     # expert TP 1 (biased experts): a stage's ranks are lcm(TP2, ETP1 x EP2) = 2, so 4 processes
-    r = run_torchrun(4, "-m", "ckptool", "verify", tmp_path / "t", "--reference", oss / "hf", "--seq-len", SEQ)
-    assert r.returncode == 0 and "result=PASS" in r.stdout, r.stdout + r.stderr[-3000:]
+    cases = {"t": [d / "t", "--reference", oss / "hf", "--seq-len", SEQ]}
+    yield [(VERIFY_BATCH, 4, verify_jobs(cases, d / "runs"))]
+    return verify_results(cases, d / "runs")["t"]
 
 
-@pytest.fixture(scope="module")
-def mcore(oss):
-    """One megatron-core launch (2 processes, TP2 EP2 ETP1): the torch and torch_dist outputs loaded strictly, with
-    their logits; and the torch output trained one Adam step and saved with its optimizer (mcore_gpt_oss_helper.py)."""
-    d = oss / "mcore"
-    api.reshard(oss / "tp2ep2", d / "dist", format="torch_dist", tp=2, ep=2, etp=1, warn=lambda m: None)
-    r = run_torchrun(2, HELPER, f"load-torch {oss / 'tp2ep2'} --tp 2 --ep 2 --out {d / 'torch.pt'}",
-                     f"load-dist {d / 'dist'} --tp 2 --ep 2 --out {d / 'dist.pt'}",
-                     f"train {oss / 'tp2ep2'} --tp 2 --ep 2 --save {d / 'trained'} --out {d / 'train.pt'}")
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+def test_torchrun_verify_at_tp2_pp2_ep2(parallel_verify):
+    out, rc = parallel_verify
+    assert rc == 0 and "result=PASS" in out, out
+
+
+@shared_followups
+def mcore(framework_runs, d):
+    """megatron-core (mcore_gpt_oss_helper.py, 2 processes, TP2 EP2 ETP1), two rounds (shared_followups). First: the
+    torch and torch_dist outputs loaded strictly, with their logits; and the torch output trained one Adam step and
+    saved with its optimizer (d/trained). ckptool then carries that optimizer state: d/same (TP2 EP2 again), d/tp1
+    (merged over TP), d/dist (torch_dist, from d/tp1) and d/back (TP2 EP2 from d/tp1). Second: the run resumed from
+    d/same and d/back takes its next two steps (d/NAME.pt.losses)."""
+    oss = once(_build_oss, lambda: d / "oss")
+    api.reshard(oss / "tp2ep2", d / "dist_load", format="torch_dist", tp=2, ep=2, etp=1, warn=lambda m: None)
+    yield [(HELPER, 2, [f"load-torch {oss / 'tp2ep2'} --tp 2 --ep 2 --out {d / 'torch.pt'}",
+                        f"load-dist {d / 'dist_load'} --tp 2 --ep 2 --out {d / 'dist.pt'}",
+                        f"train {oss / 'tp2ep2'} --tp 2 --ep 2 --save {d / 'trained'} --out {d / 'train.pt'}"])]
+    api.reshard(d / "trained", d / "same", tp=2, ep=2, etp=1, optimizer=True, warn=lambda m: None)
+    api.reshard(d / "trained", d / "tp1", tp=1, ep=2, etp=1, optimizer=True, warn=lambda m: None)
+    api.reshard(d / "tp1", d / "dist", format="torch_dist", tp=2, ep=2, etp=1, optimizer=True, warn=lambda m: None)
+    api.reshard(d / "tp1", d / "back", tp=2, ep=2, etp=1, optimizer=True, warn=lambda m: None)
+    yield [(HELPER, 2, [f"resume {d / 'same'} --tp 2 --ep 2 --out {d / 'same.pt'}",
+                        f"resume {d / 'back'} --tp 2 --ep 2 --out {d / 'back.pt'}"])]
     return d
 
 
@@ -273,7 +296,7 @@ def test_what_megatron_or_transformers_cannot_compute_is_refused_by_name(oss, tm
         for_config(cfg)
 
 
-def test_megatron_cores_optimizer_state_is_carried_through_reshards(mcore, tmp_path):
+def test_megatron_cores_optimizer_state_is_carried_through_reshards(mcore):
     """megatron-core trains the TP2 EP2 output one Adam step and saves model and optimizer (a chain [dense, expert]).
     ckptool reads every parameter's moments equal to the live optimizer's, the sinks and the expert biases too, and
     carries them to TP1 and torch_dist; written again at TP2 EP2 (from the source, and after a merge to TP1) the run
@@ -299,20 +322,12 @@ def test_megatron_cores_optimizer_state_is_carried_through_reshards(mcore, tmp_p
             assert torch.equal(ea[f"layers.{i}.mlp.experts.{e}.up.bias"].load(), fc1[64:])
             fc2 = live[(e // 2, e // 2, q + "linear_fc2.bias")]
             assert torch.equal(ea[f"layers.{i}.mlp.experts.{e}.down.bias"].load(), fc2)
-    api.reshard(mcore / "trained", tmp_path / "same", tp=2, ep=2, etp=1, optimizer=True, warn=lambda m: None)
-    api.reshard(mcore / "trained", tmp_path / "tp1", tp=1, ep=2, etp=1, optimizer=True, warn=lambda m: None)
-    api.reshard(tmp_path / "tp1", tmp_path / "dist", format="torch_dist", tp=2, ep=2, etp=1, optimizer=True,
-                warn=lambda m: None)
-    for other in ("tp1", "dist"):  # merged over TP; and in torch_dist
-        moved = api.open(tmp_path / other).optimizer.slots["exp_avg"]
+    for other in ("tp1", "dist"):  # merged over TP; and in torch_dist (the mcore steps' reshards)
+        moved = api.open(mcore / other).optimizer.slots["exp_avg"]
         assert all(torch.equal(moved[k].load(), ea[k].load()) for k in ea), other
-    api.reshard(tmp_path / "tp1", tmp_path / "back", tp=2, ep=2, etp=1, optimizer=True, warn=lambda m: None)
-    r = run_torchrun(2, HELPER, f"resume {tmp_path / 'same'} --tp 2 --ep 2 --out {tmp_path / 'same.pt'}",
-                     f"resume {tmp_path / 'back'} --tp 2 --ep 2 --out {tmp_path / 'back.pt'}")
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     want = torch.load(mcore / "train.pt.losses")["next"]
-    for name in ("same", "back"):
-        assert torch.load(tmp_path / f"{name}.pt.losses")["next"] == want, name
+    for name in ("same", "back"):  # resumed by megatron-core in the steps' second round
+        assert torch.load(mcore / f"{name}.pt.losses")["next"] == want, name
 
 
 def test_a_llama_run_with_sliding_windows_keeps_them_and_is_not_exported(fixture_dir, tmp_path):

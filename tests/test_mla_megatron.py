@@ -16,13 +16,17 @@ import torch
 from test_moe import COMMON, _one_line_refusal, cli, family, hf_logits, randomise, saved_tensors, transformers  # noqa: F401
 
 from ckptool.formats.registry import open_checkpoint
-from conftest import run_torchrun
+from conftest import once, shared_followups
 
 MLA_KEYS = ("linear_q_down_proj.weight", "q_layernorm.weight", "linear_q_up_proj.weight",
             "linear_kv_down_proj.weight", "kv_layernorm.weight", "linear_kv_up_proj.weight")
 
 
 def _moe_deepseek(tmp_path_factory, seed: int, q_lora_rank, layers: int, name: str):
+    return _save_moe_deepseek(tmp_path_factory.mktemp("mla") / name, seed, q_lora_rank, layers)
+
+
+def _save_moe_deepseek(path: Path, seed: int, q_lora_rank, layers: int):
     torch.manual_seed(seed)
     t = transformers
     model = randomise(t.DeepseekV3ForCausalLM(t.DeepseekV3Config(
@@ -30,16 +34,20 @@ def _moe_deepseek(tmp_path_factory, seed: int, q_lora_rank, layers: int, name: s
         num_hidden_layers=layers, n_shared_experts=2, n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=12,
         q_lora_rank=q_lora_rank, qk_rope_head_dim=8, v_head_dim=10, qk_nope_head_dim=6, n_group=4, topk_group=2,
         num_experts_per_tok=4, first_k_dense_replace=1, norm_topk_prob=True))).eval()
-    path = tmp_path_factory.mktemp("mla") / name
     model.save_pretrained(path)
     return path, model
+
+
+def _deepseek(root: Path):
+    return _save_moe_deepseek(root / "deepseek_v3", 23, 20, 4)
 
 
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
     """test_moe's tiny DeepSeek-V3 with routing Megatron computes too: top-4 over the best 2 of 4 groups (a group
-    scored by its top 4/2 = 2 experts, as Hugging Face does); MLA with a q latent, layer 0 dense."""
-    return _moe_deepseek(tmp_path_factory, 23, 20, 4, "deepseek_v3")
+    scored by its top 4/2 = 2 experts, as Hugging Face does); MLA with a q latent, layer 0 dense. Built once (for
+    test_verify_mla's steps too)."""
+    return once(_deepseek, lambda: tmp_path_factory.mktemp("mla"))
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +65,8 @@ DENSE_KINDS = {"rope": {}, "yarn": {"rope_parameters": YARN}, "halves": {"rope_i
                "direct_q": {"q_lora_rank": None}}  # no q latent (as DeepSeek-V2-Lite): megatron-core's linear_q_proj
 
 
-@pytest.fixture(scope="module")
-def deepseek_dense(tmp_path_factory):
-    """kind -> (dir, model): the same attention, every layer's MLP dense (megatron-core's MLA model then needs no MoE
-    routing); plain RoPE, YaRN, RoPE on halves (rope_interleave false) or both, or a direct q."""
+def _dense_models(root: Path):
+    """kind -> (dir, model) of DENSE_KINDS, each built into root when first asked for."""
     built = {}
 
     def get(kind):
@@ -71,11 +77,19 @@ def deepseek_dense(tmp_path_factory):
                 **dict(COMMON, num_key_value_heads=4), intermediate_size=64, num_hidden_layers=2,
                 first_k_dense_replace=2, kv_lora_rank=12, qk_rope_head_dim=8, v_head_dim=10, qk_nope_head_dim=6,
                 **{"q_lora_rank": 20, **DENSE_KINDS[kind]}))).eval()
-            path = tmp_path_factory.mktemp("mla") / f"deepseek_v3_dense_{kind}"
+            path = root / f"deepseek_v3_dense_{kind}"
             model.save_pretrained(path)
             built[kind] = path, model
         return built[kind]
     return get
+
+
+@pytest.fixture(scope="module")
+def deepseek_dense(tmp_path_factory):
+    """kind -> (dir, model): the same attention, every layer's MLP dense (megatron-core's MLA model then needs no MoE
+    routing); plain RoPE, YaRN, RoPE on halves (rope_interleave false) or both, or a direct q. The same models (and
+    files) as mla_runs' below."""
+    return once(_dense_models, lambda: tmp_path_factory.mktemp("mla"))
 
 
 MLA_HELPER = Path(__file__).with_name("mcore_mla_helper.py")
@@ -83,22 +97,17 @@ MLA_HELPER = Path(__file__).with_name("mcore_mla_helper.py")
 LOADS = [("rope", 1), ("rope", 2), ("yarn", 2), ("halves", 1), ("direct_q", 2)]
 
 
-def mcore_mla(*jobs: str) -> None:
-    """tests/mcore_mla_helper.py's jobs ('DIR [--tp T] [--dist] [--save-dist DIR2] --out FILE': megatron-core's own
-    MLA GPTModel built from the checkpoint's args and loaded strictly; {logits, params, moe_layers} into FILE) in one
-    torchrun launch of 2 processes (a TP 1 job runs at DP 2: each rank loads the whole model)."""
-    res = run_torchrun(2, MLA_HELPER, *jobs, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-
-
-@pytest.fixture(scope="module")
-def mla_runs(deepseek_dense, tmp_path_factory):
-    """ckptool's outputs the three megatron-core tests below load, and megatron-core's runs on them, in two launches
-    (each job's file NAME.pt beside its checkpoint): LOADS (NAME KIND_tpTP/meg), the all-dense model's torch format
-    and torch_dist (dense/meg, dense/dist, at TP 1), megatron-core's own TP 2 torch_dist save of the rope model
-    (mcore/mcore_dist, from mcore/meg), then ckptool's TP 1 torch_dist of that save (mcore/ours) loaded at TP 1
-    (the second launch: it starts from the first's save). Each test checks its own conversions' output here."""
-    d = tmp_path_factory.mktemp("mla_runs")
+@shared_followups
+def mla_runs(framework_runs, d):
+    """ckptool's outputs the three megatron-core tests below load, and megatron-core's runs on them
+    (tests/mcore_mla_helper.py's jobs 'DIR [--tp T] [--dist] [--save-dist DIR2] --out FILE': megatron-core's own MLA
+    GPTModel built from the checkpoint's args and loaded strictly; {logits, params, moe_layers} into FILE), in two
+    rounds of 2 processes (a TP 1 job runs at DP 2: each rank loads the whole model; each job's file NAME.pt beside
+    its checkpoint): LOADS (NAME KIND_tpTP/meg), the all-dense model's torch format and torch_dist (dense/meg,
+    dense/dist, at TP 1), megatron-core's own TP 2 torch_dist save of the rope model (mcore/mcore_dist, from
+    mcore/meg), then ckptool's TP 1 torch_dist of that save (mcore/ours) loaded at TP 1 (the second round: it starts
+    from the first's save). Each test checks its own conversions' output here."""
+    deepseek_dense = once(_dense_models, lambda: d / "models")
     jobs = []
     for kind, tp in LOADS:
         out = d / f"{kind}_tp{tp}" / "meg"
@@ -111,9 +120,9 @@ def mla_runs(deepseek_dense, tmp_path_factory):
              f"{d / 'dense' / 'dist'} --tp 1 --dist --out {d / 'dense' / 'dist'}.pt"]
     cli("from-hf", src, d / "mcore" / "meg", "--tp", 2)
     jobs.append(f"{d / 'mcore' / 'meg'} --tp 2 --save-dist {d / 'mcore' / 'mcore_dist'} --out {d / 'mcore' / 'meg'}.pt")
-    mcore_mla(*jobs)
+    yield [(MLA_HELPER, 2, jobs)]
     cli("reshard", d / "mcore" / "mcore_dist", d / "mcore" / "ours", "--tp", 1, "--format", "torch_dist")
-    mcore_mla(f"{d / 'mcore' / 'ours'} --tp 1 --dist --out {d / 'mcore' / 'ours'}.pt")
+    yield [(MLA_HELPER, 2, [f"{d / 'mcore' / 'ours'} --tp 1 --dist --out {d / 'mcore' / 'ours'}.pt"])]
     return d
 
 

@@ -131,3 +131,35 @@ def _parser():
     ap.add_argument("dir")
     ap.add_argument("--tp", type=int)
     return ap
+
+
+def test_verify_jobs_are_one_argument_each_for_verify_batch(tmp_path):
+    """A check becomes one job of tests/verify_batch.py (its parser: the file rank 0 writes, then verify's own
+    arguments, options included); a word with a space, which the job's split would cut, is refused."""
+    import verify_batch
+    from test_verify import verify_jobs, verify_results
+    [job] = verify_jobs({"a": [tmp_path / "ckpt", "--reference", tmp_path / "hf", "--seq-len", 8]}, tmp_path / "runs")
+    args = verify_batch.parser().parse_args(job.split())
+    assert args.out == str(tmp_path / "runs" / "a.txt")
+    assert args.args == [str(tmp_path / "ckpt"), "--reference", str(tmp_path / "hf"), "--seq-len", "8"]
+    (tmp_path / "runs" / "a.txt").write_text("result=PASS\n\nrc=0\n")
+    assert verify_results({"a": []}, tmp_path / "runs") == {"a": ("result=PASS\n\n", 0)}
+    with pytest.raises(AssertionError):
+        verify_jobs({"b": [tmp_path / "with space"]}, tmp_path / "runs")
+
+
+def test_once_builds_once_in_the_first_callers_folder(tmp_path, monkeypatch):
+    """conftest.once: the first caller's folder (made), the same value after; a build that raised is tried again."""
+    monkeypatch.setattr(conftest, "_ONCE", {})
+    calls = []
+
+    def build(where, x):
+        calls.append(where)
+        if len(calls) == 1:
+            raise ValueError("first try fails")
+        return where, x
+    with pytest.raises(ValueError):
+        conftest.once(build, lambda: tmp_path / "a", 1)
+    assert conftest.once(build, lambda: tmp_path / "b", 2) == (tmp_path / "b", 2)
+    assert conftest.once(build, lambda: tmp_path / "c", 3) == (tmp_path / "b", 2)
+    assert calls == [tmp_path / "a", tmp_path / "b"] and (tmp_path / "b").is_dir()

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import copy_run, declare_runs, run_torchrun
-from test_dist import HELPER as MCORE_HELPER, _env, needs_mcore, run_cli
+from conftest import copy_run, declare_runs, shared_followups
+from test_dist import HELPER as MCORE_HELPER, needs_mcore, run_cli
 from test_dist_optim import HELPER as OPTIM_HELPER, SLOTS, assert_slots_equal, live
 from ckptool.formats.dcp import torch_dist as dist
 from ckptool.io.dcp_io import DcpDir
@@ -106,25 +106,25 @@ def test_to_hf_is_bit_exact_and_transformers_computes_megatron_cores_logits(save
 TORCH_FORMAT_LOADS = {"bridge": (2, 1), "nemo": (1, 2)}
 
 
-@pytest.fixture(scope="module")
-def mcore_loads(saves, tmp_path_factory):
-    """The reshards above, loaded by megatron-core strictly (tests/mcore_dist_helper.py load / load-torch) in one
-    torchrun launch."""
-    root = tmp_path_factory.mktemp("sidecar_loads")
+@shared_followups
+def mcore_loads(framework_runs, root):
+    """The reshards above (of the session's saves, read only), loaded by megatron-core strictly
+    (tests/mcore_dist_helper.py load / load-torch) in the shared 2-process launch."""
+    pytest.importorskip("megatron.core")
+    saves = framework_runs(HELPER, 2, SAVES, timeout=300)
     jobs = []
     for trainer, (arch, _) in TRAINERS.items():
         out = root / f"{trainer}_dist"
-        r = run_cli("reshard", saves / trainer, out, "--tp", 1, "--format", "torch_dist")
+        r = run_cli("reshard", saves[trainer], out, "--tp", 1, "--format", "torch_dist")
         assert r.returncode == 0, r.stderr
         jobs.append(f"load {out} --tp 2 --arch {arch} --out {root}/{trainer}_dist.pt")
         if trainer in TORCH_FORMAT_LOADS:
             tp, pp = TORCH_FORMAT_LOADS[trainer]
             out = root / f"{trainer}_torch"
-            r = run_cli("reshard", saves / trainer, out, "--tp", tp, "--pp", pp, "--format", "torch")
+            r = run_cli("reshard", saves[trainer], out, "--tp", tp, "--pp", pp, "--format", "torch")
             assert r.returncode == 0, r.stderr
             jobs.append(f"load-torch {out} --tp {tp} --pp {pp} --arch {arch} --out {root}/{trainer}_torch.pt")
-    r = run_torchrun(2, MCORE_HELPER, *jobs, env=_env(), timeout=400)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    yield [(MCORE_HELPER, 2, jobs)]
     return root
 
 

@@ -10,12 +10,11 @@ torch-format original.
 
 Start-up of N interpreters under torchrun dominates the cost of a check, so the checks of one
 process count share one launch (tests/verify_batch.py runs each as the real `ckptool verify`
-command); a few checks still launch `torchrun -m ckptool verify` on their own to cover the entry
-point itself.
+command; through conftest.shared_followups and verify_jobs with the other files' checks); a few checks
+still launch `torchrun -m ckptool verify` on their own to cover the entry point itself.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -25,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REAL_TRUE_VOCAB, run_torchrun
+from conftest import REAL_TRUE_VOCAB, once, run_torchrun, shared_followups
 from ckptool.config import GPTConfig, Layout
 from ckptool.formats.megatron.checkpoint import write_megatron
 from ckptool.lazy import Const
@@ -100,10 +99,14 @@ def _ckpt(cfg, tensors):
                       SourceInfo(path="test", format="test"))
 
 
+def _models(tmp: Path) -> dict:
+    return {"gpt2": gpt2_model(tmp), "llama": llama_model(tmp), "tmp": tmp}
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("verify")
-    return {"gpt2": gpt2_model(tmp), "llama": llama_model(tmp), "tmp": tmp}
+    """The tiny models, and the folder the checkpoints written from them go into (built once: batch2's steps too)."""
+    return once(_models, lambda: tmp_path_factory.mktemp("verify"))
 
 
 def megatron(models, kind: str, tp: int, pp: int) -> Path:
@@ -137,21 +140,39 @@ def verify(nproc, *args):
     return run_torchrun(nproc, "-m", "ckptool", "verify", *args, env=env, cwd=ROOT, timeout=120)
 
 
-def verify_batch(nproc: int, cases: dict, tmp: Path) -> dict:
-    """{name: (output, exit status)} of several verify commands run in one torchrun launch."""
+VERIFY_BATCH = ROOT / "tests" / "verify_batch.py"
+
+
+def verify_jobs(cases: dict, tmp: Path) -> list:
+    """tests/verify_batch.py's jobs for {name: verify arguments}: each writes tmp/NAME.txt (verify_results reads
+    them). A steps function (conftest.shared_followups) yields [(VERIFY_BATCH, nproc, verify_jobs(...))]: the
+    checks of every test file at one process count then share one launch."""
     tmp.mkdir(parents=True, exist_ok=True)
-    spec = tmp / "cases.json"
-    spec.write_text(json.dumps({k: [str(a) for a in v] for k, v in cases.items()}))
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    r = run_torchrun(nproc, ROOT / "tests" / "verify_batch.py", spec, tmp, env=env, cwd=ROOT, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    jobs = []
+    for name, args in cases.items():
+        words = [str(tmp / f"{name}.txt"), *(str(a) for a in args)]
+        assert all(w.split() == [w] for w in words), words  # a job's words are split on spaces
+        jobs.append(" ".join(words))
+    return jobs
+
+
+def verify_results(cases: dict, tmp: Path) -> dict:
+    """{name: (output, exit status)} of the checks verify_jobs(cases, tmp) ran."""
     out = {}
     for name in cases:
         text = (tmp / f"{name}.txt").read_text()
         body, rc = text.rsplit("rc=", 1)
         out[name] = (body, int(rc))
     return out
+
+
+def verify_batch(nproc: int, cases: dict, tmp: Path) -> dict:
+    """{name: (output, exit status)} of several verify commands run in one torchrun launch of their own."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    r = run_torchrun(nproc, VERIFY_BATCH, *verify_jobs(cases, tmp), env=env, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return verify_results(cases, tmp)
 
 
 def verify_here(*args, env=None):
@@ -320,8 +341,10 @@ def batch1(models):
     return verify_batch(1, _layout_cases(models, 1), models["tmp"] / "batch1")
 
 
-@pytest.fixture(scope="module")
-def batch2(models):
+@shared_followups
+def batch2(framework_runs, d):
+    """The 2-process checks, in the session's shared launch of 2-process checks."""
+    models = once(_models, lambda: d / "verify")
     cases = _layout_cases(models, 2)
     # torch_dist: args say TP2 PP1 (the default layout), or --pp 2 runs it at TP1 PP2; tied GPT-2 too
     cases["dist_llama_2_1"] = [torch_dist(models, "llama", 2, 1), "--reference", megatron(models, "llama", 1, 1)]
@@ -340,12 +363,16 @@ def batch2(models):
     text.write_text(TOKEN_TEXT)
     cases["tokenizer"] = [megatron(models, "gpt2", 2, 1), "--reference", models["gpt2"][1],
                           "--tokens", text, "--tokenizer", tiny_tokenizer(models["tmp"])]
-    return verify_batch(2, cases, models["tmp"] / "batch2")
+    yield [(VERIFY_BATCH, 2, verify_jobs(cases, models["tmp"] / "batch2"))]
+    return verify_results(cases, models["tmp"] / "batch2")
 
 
-@pytest.fixture(scope="module")
-def batch4(models, fixture_dir):
-    from conftest import REAL_CANDIDATES
+@shared_followups
+def batch4(framework_runs, d):
+    """The 4-process checks, in the session's shared launch of 4-process checks."""
+    from conftest import REAL_CANDIDATES, fixture_dirs
+    models = once(_models, lambda: d / "verify")
+    fixture_dir = fixture_dirs(lambda: d / "fixtures")
     cases = _layout_cases(models, 4)
     for case in REAL_CASES:
         found = [b / case for b in REAL_CANDIDATES if (b / case / "checkpoint").is_dir()]
@@ -358,7 +385,8 @@ def batch4(models, fixture_dir):
         cases[f"plant_{name}"] = [build(models), "--reference", refs[ref]]
     for name in VPP_FIXTURES:
         cases[name] = [fixture_dir(name) / "checkpoint", "--reference", fixture_dir(name) / "hf"]
-    return verify_batch(4, cases, models["tmp"] / "batch4")
+    yield [(VERIFY_BATCH, 4, verify_jobs(cases, models["tmp"] / "batch4"))]
+    return verify_results(cases, models["tmp"] / "batch4")
 
 
 # --- correct checkpoints pass at every layout ----------------------------------------------------

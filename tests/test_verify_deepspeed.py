@@ -9,7 +9,8 @@ the logits the framework's own model computes with each rank's copies; the paral
 reproduce them, and the merged one-process view (rank 0's copies) must not.
 Synthetic (named as such, deepspeed.md 1.3 via tests/test_deepspeed.py's writers): a ZeRO-1 run of
 a Megatron model with TP 4 and DP 2 under Megatron names, one rank's replicas drifted.
-The checks of one process count share a launch (tests/verify_batch.py runs each as the real command).
+The checks of one process count share a launch (tests/verify_batch.py runs each as the real command), the 4-process
+ones with the other files' (conftest.shared_followups).
 """
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import real_checkpoint, run_torchrun
+from conftest import real_checkpoint, run_torchrun, shared_followups
 from test_deepspeed import HAVE_DS, _args, _legacy_module_tp, _rand_gpt, _write_zero12
-from test_verify import metric, verify_batch, verify_here
+from test_verify import VERIFY_BATCH, metric, verify_batch, verify_here, verify_jobs, verify_results
 
 REPO = Path(__file__).resolve().parents[1]
 MDS_CASE = "mds_gpt2_pipe_tp2pp2_bf16_zero1"
@@ -99,42 +100,53 @@ def mds():
     return real_checkpoint(MDS_CASE)
 
 
-@pytest.fixture(scope="module")
-def mcore_forward(mds, tmp_path_factory):
-    """megatron-core's TP2 PP2 forward (tests/mds_mcore_forward.py, one launch) of the real checkpoint and of
-    its copy drifted everywhere, each rank on its own copies: (folder with real.pt and drift.pt, the copy)."""
-    if not HAVE_MCORE:
-        pytest.skip("needs the megatron-core package")
-    tmp = tmp_path_factory.mktemp("mds_mcore")
-    drifted = mds_drift_everywhere(mds, tmp / "drift_all")
-    res = run_torchrun(4, REPO / "tests" / "mds_mcore_forward.py", mds / "reference_logits.pt",
-                       mds / "checkpoint" / "global_step3", tmp / "real.pt", drifted / "global_step3", tmp / "drift.pt")
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return tmp, drifted
+MDS_FORWARD = REPO / "tests" / "mds_mcore_forward.py"
 
 
-@pytest.fixture(scope="module")
-def batch(mds, tmp_path_factory, request):
-    tmp = tmp_path_factory.mktemp("verify_ds")
+@shared_followups
+def mds_runs(framework_runs, d):
+    """First megatron-core's TP2 PP2 forward (tests/mds_mcore_forward.py, in the shared megatron-core launch of 4
+    processes) of the real checkpoint and of its copy drifted everywhere, each rank on its own copies (d/real.pt,
+    d/drift.pt); then every 4-process verify below (one launch). {"forward": (d, the drifted copy) or None without
+    megatron-core, "batch": {name: (output, exit status)}}."""
+    mds = real_checkpoint(MDS_CASE)
     recorded = f"{mds / 'reference_logits.pt'}"
-    drift_all = {}
+    drift_all, forward = {}, None
     if HAVE_MCORE:  # the framework's forward of the copy drifted everywhere, from megatron-core
-        forward_dir, drifted = request.getfixturevalue("mcore_forward")
-        drift_all["mds_drift_all"] = [drifted, "--weights", "model", "--reference-logits", f"{forward_dir / 'drift.pt'}:logits"]
+        drifted = mds_drift_everywhere(mds, d / "drift_all")
+        yield [(MDS_FORWARD, 4, [f"{recorded} {mds / 'checkpoint' / 'global_step3'} {d / 'real.pt'}",
+                                 f"{recorded} {drifted / 'global_step3'} {d / 'drift.pt'}"])]
+        forward = d, drifted
+        drift_all["mds_drift_all"] = [drifted, "--weights", "model", "--reference-logits", f"{d / 'drift.pt'}:logits"]
     cases = {
         "mds_model": [mds / "checkpoint", "--weights", "model", "--reference-logits", recorded + ":logits_fp32"],
         "mds_model_bf16": [mds / "checkpoint", "--weights", "model", "--dtype", "bf16",
                            "--reference-logits", recorded + ":logits_bf16"],
         "mds_master": [mds / "checkpoint" / "global_step3", "--weights", "master"],
         "mds_master_recorded": [mds / "checkpoint", "--reference-logits", recorded + ":logits_fp32"],
-        "mds_drift_model": [mds_drift_model(mds, tmp / "drift_model"), "--weights", "model"],
-        "mds_drift_master": [mds_drift_master(mds, tmp / "drift_master")],
-        "zero_tp4_master": [synthetic_zero_tp4(tmp / "zero_tp4"), "--seq-len", 8],
-        "zero_tp4_model": [tmp / "zero_tp4", "--weights", "model", "--seq-len", 8],
-        "zero_tp4_drift": [synthetic_zero_tp4(tmp / "zero_tp4_drift", drift=True), "--seq-len", 8],
+        "mds_drift_model": [mds_drift_model(mds, d / "drift_model"), "--weights", "model"],
+        "mds_drift_master": [mds_drift_master(mds, d / "drift_master")],
+        "zero_tp4_master": [synthetic_zero_tp4(d / "zero_tp4"), "--seq-len", 8],
+        "zero_tp4_model": [d / "zero_tp4", "--weights", "model", "--seq-len", 8],
+        "zero_tp4_drift": [synthetic_zero_tp4(d / "zero_tp4_drift", drift=True), "--seq-len", 8],
         **drift_all,
     }
-    return verify_batch(4, cases, tmp / "out")
+    yield [(VERIFY_BATCH, 4, verify_jobs(cases, d / "out"))]
+    return {"forward": forward, "batch": verify_results(cases, d / "out")}
+
+
+@pytest.fixture(scope="module")
+def mcore_forward(mds_runs):
+    """megatron-core's TP2 PP2 forward of the real checkpoint and of its copy drifted everywhere (mds_runs):
+    (folder with real.pt and drift.pt, the copy)."""
+    if mds_runs["forward"] is None:
+        pytest.skip("needs the megatron-core package")
+    return mds_runs["forward"]
+
+
+@pytest.fixture(scope="module")
+def batch(mds_runs):
+    return mds_runs["batch"]
 
 
 def _passes(r, max_err=1e-5):

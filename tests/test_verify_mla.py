@@ -16,14 +16,12 @@ import pytest
 import torch
 
 import test_mla_megatron
+from conftest import once, shared_followups
 from test_moe import hf_logits
-from test_verify import metric, verify_batch
+from test_verify import VERIFY_BATCH, metric, verify_jobs, verify_results
 
 from ckptool import api
 from ckptool.verify import inputs
-
-deepseek, deepseek_dense = test_mla_megatron.deepseek, test_mla_megatron.deepseek_dense  # its module fixtures
-
 
 
 def _scale(path, key: str, by: float = 1.5) -> None:
@@ -32,10 +30,12 @@ def _scale(path, key: str, by: float = 1.5) -> None:
     torch.save(obj, path)
 
 
-@pytest.fixture(scope="module")
-def runs(deepseek, deepseek_dense, tmp_path_factory):
-    root = tmp_path_factory.mktemp("verify_mla")
-    moe_src, _ = deepseek
+@shared_followups
+def runs(framework_runs, root):
+    """The checks below under torchrun (2 processes), in the session's shared launch of 2-process checks:
+    ({name: (output, exit status)}, {name: the reference's folder})."""
+    deepseek_dense = once(test_mla_megatron._dense_models, lambda: root / "dense")
+    moe_src, _ = once(test_mla_megatron._deepseek, lambda: root / "moe")
     quiet = dict(warn=lambda m: None)
     refs = {"tp2_yarn": deepseek_dense("yarn")[0], "tp2_yarn_halves": deepseek_dense("yarn_halves")[0],
             "pp2_moe": moe_src, "ep2_moe": moe_src, "tp2_te_moe": moe_src}
@@ -55,7 +55,8 @@ def runs(deepseek, deepseek_dense, tmp_path_factory):
            "decoder.layers.0.self_attention.linear_q_up_proj.weight")  # stage 1's first layer: global layer 2
     refs.update(tp2_corrupt=refs["tp2_yarn"], pp2_corrupt=moe_src)
     cases = {name: [root / name, "--reference", ref] for name, ref in refs.items()}
-    return verify_batch(2, cases, root / "runs"), refs
+    yield [(VERIFY_BATCH, 2, verify_jobs(cases, root / "runs"))]
+    return verify_results(cases, root / "runs"), refs
 
 
 @pytest.mark.parametrize("case, layout", [("tp2_yarn", "TP2 PP1"), ("tp2_yarn_halves", "TP2 PP1"),

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import copy_run, declare_runs
-from test_verify import _fake_torchrun, load_recording_chunk_reads, metric, verify_batch
+from conftest import copy_run, declare_runs, once, shared_followups
+from test_verify import VERIFY_BATCH, _fake_torchrun, load_recording_chunk_reads, metric, verify_jobs, verify_results
 
 from ckptool import api
 from ckptool.config import Layout
@@ -51,8 +51,11 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def moe(tmp_path_factory, framework_runs):
     """The megatron-core saves (run once per session: test_moe_megatron / test_moe_dist save the same),
     ckptool's TP1 EP4 and Qwen PP2 EP2 reshards, and the to-hf of the TP2 EP2 source (the reference with
-    weights, for locating a corrupted expert)."""
-    root = tmp_path_factory.mktemp("verify_moe")
+    weights, for locating a corrupted expert). Built once: the checks' steps below start from the same."""
+    return once(_build_moe, lambda: tmp_path_factory.mktemp("verify_moe"), framework_runs)
+
+
+def _build_moe(root: Path, framework_runs) -> Path:
     for name, stem in framework_runs(HELPER, 4, JOBS, timeout=400).items():
         copy_run(stem, root / name)
     api.reshard(root / "tp2ep2", root / "tp1ep4", tp=1, ep=4, warn=lambda m: None)
@@ -115,9 +118,10 @@ def moe(tmp_path_factory, framework_runs):
     return root
 
 
-@pytest.fixture(scope="module")
-def runs(moe):
-    """Every parallel verify of this module in one torchrun launch of 4 processes."""
+@shared_followups
+def runs(framework_runs, d):
+    """Every 4-process parallel verify of this module, in the session's shared launch of 4-process checks."""
+    moe = once(_build_moe, lambda: d / "moe", framework_runs)
     m = lambda name, key="logits": f"{moe / name}.pt:{key}"  # noqa: E731
     cases = {
         "tp2ep2_mcore": [moe / "tp2ep2", "--reference-logits", m("tp2ep2")],
@@ -138,12 +142,15 @@ def runs(moe):
         "te_grouped_mcore": [moe / "te_grouped", "--reference-logits", m("tp2ep2")],
         "dist_mcore": [moe / "dist", "--reference-logits", m("dist")],  # at its args' TP2 EP2
     }
-    return verify_batch(4, cases, moe / "runs")
+    yield [(VERIFY_BATCH, 4, verify_jobs(cases, d / "runs"))]
+    return verify_results(cases, d / "runs")
 
 
-@pytest.fixture(scope="module")
-def runs2(moe):
-    """The layouts of two ranks (expert TP 1 at TP2 EP2 and EP1) in one torchrun launch of 2 processes."""
+@shared_followups
+def runs2(framework_runs, d):
+    """The layouts of two ranks (expert TP 1 at TP2 EP2 and EP1), in the session's shared launch of 2-process
+    checks."""
+    moe = once(_build_moe, lambda: d / "moe", framework_runs)
     m = lambda name, key="logits": f"{moe / name}.pt:{key}"  # noqa: E731
     cases = {
         "etp1_mcore": [moe / "etp1", "--reference-logits", m("etp1")],
@@ -153,7 +160,8 @@ def runs2(moe):
         "dist_tp2_mcore": [moe / "dist", "--tp", 2, "--reference-logits", m("dist")],  # EP1: every expert, TP share
         "etp1ep1_replica": [moe / "etp1ep1_replica", "--reference", moe / "hf"],
     }
-    return verify_batch(2, cases, moe / "runs2")
+    yield [(VERIFY_BATCH, 2, verify_jobs(cases, d / "runs2"))]
+    return verify_results(cases, d / "runs2")
 
 
 def _failed_divergence(out: str, rc: int) -> str:
