@@ -16,6 +16,7 @@ import torch
 from conftest import copy_run, declare_runs, shared_followups
 from test_dist import HELPER as MCORE_HELPER, needs_mcore, run_cli
 from test_dist_optim import HELPER as OPTIM_HELPER, SLOTS, assert_slots_equal, live
+from ckptool import api
 from ckptool.formats.dcp import torch_dist as dist
 from ckptool.io.dcp_io import DcpDir
 from ckptool.formats.registry import detect_format, open_checkpoint
@@ -276,6 +277,34 @@ def test_megatron_fsdp_moe_and_its_optimizer_read_and_carry_to_megatron(fsdp_dte
     again = open_checkpoint(tmp_path / "ep2")
     assert again.optimizer.step == 1
     assert_slots_equal(again, live(fsdp_dtensor_moe / f"fsdp_dtensor_moe_{experts}_live"))
+
+
+MOE_HELPER = Path(__file__).resolve().parent / "mcore_moe_helper.py"
+
+
+@shared_followups
+def fsdp_dtensor_moe_loaded(framework_runs, root):
+    """Each fsdp_dtensor MoE save resharded by ckptool to torch_dist at EP 2 (the weights: the carried optimizer
+    state is checked in test_megatron_fsdp_moe_and_its_optimizer_read_and_carry_to_megatron), then loaded by
+    megatron-core's own GPTModel of that model at EP 2 (mcore_moe_helper load-dist: dist_checkpointing.load, every
+    parameter found, nothing left over) with its logits, in the other files' shared 2-process launch."""
+    jobs = []
+    for name, stem in framework_runs(HELPER, 2, FSDP_DTENSOR_MOE, timeout=300).items():
+        out = root / f"{name}_ep2"
+        api.reshard(stem, out, ep=2, format="torch_dist", optimizer=False, warn=lambda m: None)
+        jobs.append(f"load-dist {out} --tp 1 --ep 2 --arch mixtral --out {out}.pt")
+    yield [(MOE_HELPER, 2, jobs)]
+    return root
+
+
+@needs_mcore
+@pytest.mark.parametrize("experts", ["sequential", "grouped"])
+def test_megatron_core_loads_the_fsdp_dtensor_moe_at_ep2_with_its_logits(fsdp_dtensor_moe, fsdp_dtensor_moe_loaded,
+                                                                         experts):
+    ref = torch.load(fsdp_dtensor_moe / f"fsdp_dtensor_moe_{experts}.logits.pt")
+    got = torch.load(fsdp_dtensor_moe_loaded / f"fsdp_dtensor_moe_{experts}_ep2.pt")
+    assert torch.equal(got["tokens"], ref["tokens"])
+    torch.testing.assert_close(got["logits"], ref["logits"], atol=1e-5, rtol=0)
 
 
 def _resaved(src: Path, dst: Path, edit) -> Path:

@@ -9,12 +9,18 @@ helper applies on use, process groups with their gloo threads), and it ends with
 process group meets in torchrun's own store under a prefix of its own."""
 import argparse
 import ctypes
+import datetime
 import os
 import signal
 import sys
 import traceback
 
 import torch.distributed as dist
+
+
+# A rank whose job ended early (an error it alone met) leaves the others waiting in a collective: they fail after
+# this long instead of holding the launch until its own timeout (torch's default is 30 minutes).
+JOB_COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
 
 
 def run_jobs(ap: argparse.ArgumentParser, run_job) -> None:
@@ -41,7 +47,7 @@ def _run_forked(index: int, run_job, args) -> None:
     try:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: a killed rank takes its job with it
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"job{index}/", store),
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"job{index}/", store), timeout=JOB_COLLECTIVE_TIMEOUT,
                                 rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
         run_job(args)
         dist.destroy_process_group()

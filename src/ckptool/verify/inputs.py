@@ -63,8 +63,9 @@ def make_tokens(tokens: Optional[str], tokenizer: Optional[str], batch: int, seq
     path = Path(tokens)
     if tokenizer:
         require(path.is_file(), f"--tokens {tokens}: no such file", "with --tokenizer, --tokens is a text file")
-        from transformers import AutoTokenizer  # transformers on use (slow to import; only for --prompt / an HF reference)
-        tok = AutoTokenizer.from_pretrained(tokenizer)
+        with TRANSFORMERS_LOCK:  # see there: the Preload thread may be importing transformers now
+            from transformers import AutoTokenizer  # transformers on use (slow to import; only for --prompt / an HF reference)
+            tok = AutoTokenizer.from_pretrained(tokenizer)
         lines = [l for l in path.read_text().splitlines() if l.strip()]
         ids = [tok(l)["input_ids"] for l in lines]
         require(lines and min(len(x) for x in ids) > 0, f"{tokens}: no text to tokenize")
@@ -135,11 +136,19 @@ def _hf_model(path, dtype, device, held: dict):
 
 
 def _load_hf(path, dtype, device):
-    from transformers import AutoModelForCausalLM  # transformers on use (slow to import; only for an HF reference)
     # straight onto the GPU where transformers can (its device_map needs accelerate): no host copy of the
     # weights on the way
     onto = {"device_map": device} if torch.device(device).type != "cpu" and _HAS_ACCELERATE else {}
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **onto).to(device).eval()
+    with TRANSFORMERS_LOCK:  # from_pretrained imports more of transformers as it goes (see there)
+        from transformers import AutoModelForCausalLM  # transformers on use (slow to import; only for an HF reference)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **onto)
+    return model.to(device).eval()
+
+
+# transformers imports its parts lazily on first attribute access, and two threads doing so at once can fail
+# ("cannot import name 'AutoTokenizer' from 'transformers'", seen with --tokenizer while a Preload thread loaded
+# the reference): every use of transformers in this module that may run beside a Preload holds this lock.
+TRANSFORMERS_LOCK = threading.Lock()
 
 
 _HAS_ACCELERATE = importlib.util.find_spec("accelerate") is not None
@@ -202,8 +211,9 @@ def _import_ahead(path) -> None:
     """Import transformers and the modelling module of the reference's family. Best effort: whatever fails
     here fails again, in transformers' own words, when the model loads."""
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM  # see Preload: why on a thread
-        AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(str(path)))]
+        with TRANSFORMERS_LOCK:
+            from transformers import AutoConfig, AutoModelForCausalLM  # see Preload: why on a thread
+            AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(str(path)))]
     except Exception:  # noqa: BLE001 -- see the docstring
         pass
 
